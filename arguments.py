@@ -188,14 +188,31 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def parse_config(argv: Optional[list[str]] = None) -> Config:
-    """Parse argv (default: sys.argv) and exit with status 2 and one line per problem when values are invalid."""
+def read_config(argv: Optional[list[str]] = None) -> Config:
+    """Parse argv (default: sys.argv) without checking values; type errors exit with jsonargparse's one line."""
     namespace = build_parser().parse_args(argv)
-    cfg = Config(**{f.name: namespace[f.name] for f in fields(Config)})
+    return Config(**{f.name: namespace[f.name] for f in fields(Config)})
+
+
+def parse_config(argv: Optional[list[str]] = None) -> Config:
+    """Parse and validate; exit with status 2 and one line per problem when values are invalid."""
+    cfg = read_config(argv)
     problems = validate_config(cfg)
     if problems:
-        sys.exit("\n".join(f"error: {p}" for p in problems))
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        sys.exit(2)
     return cfg
+
+
+def options_markdown() -> str:
+    """The README's option reference, generated from the parser so that it cannot drift from it."""
+    help_of = {action.dest: action.help for action in build_parser()._actions}
+    lines = []
+    for group in GROUPS:
+        lines += [f"**{group.__doc__}**", "", "| option | default | meaning |", "| --- | --- | --- |"]
+        lines += [f"| `--{f.name}` | `{f.default}` | {help_of[f.name]} |" for f in fields(group)]
+        lines.append("")
+    return "\n".join(lines).strip()
 
 
 def config_to_yaml(cfg: Config) -> str:
@@ -241,3 +258,7 @@ def validate_config(cfg: Config) -> list[str]:
         require(not changed, f"{', '.join('--' + n for n in changed)} only apply to --strategy fsdp, "
                              f"not {cfg.strategy}: drop them or use --strategy fsdp")
     return problems
+
+
+if __name__ == "__main__":
+    print(options_markdown())

@@ -12,7 +12,7 @@ def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, max
 
     Past max_step the LR stays at min_lr; with decay off it stays at lr after warmup.
     """
-    if step <= warmup_steps:
+    if warmup_steps and step <= warmup_steps:
         return lr * step / warmup_steps
     if not decay:
         return lr

@@ -1,0 +1,32 @@
+"""FSDP wrap-policy resolution and model construction dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from app.model import resolve_wrap_classes, weights_dtype
+
+
+def test_default_wrap_policy_is_the_models_decoder_layer(tiny) -> None:
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    assert {c.__name__ for c in resolve_wrap_classes(config, None)} == {"LlamaDecoderLayer"}
+
+
+def test_named_wrap_classes_resolve(tiny) -> None:
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    names = {c.__name__ for c in resolve_wrap_classes(config, ["LlamaDecoderLayer", "LlamaMLP"])}
+    assert names == {"LlamaDecoderLayer", "LlamaMLP"}
+
+
+def test_unknown_wrap_class_lists_the_models_layers(tiny) -> None:
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    with pytest.raises(ValueError, match="MistralDecoderLayer is not a layer class of llama; choose from: .*LlamaDecoderLayer"):
+        resolve_wrap_classes(config, ["MistralDecoderLayer"])
+
+
+def test_true_precisions_store_half_weights_and_mixed_keep_fp32() -> None:
+    assert weights_dtype("bf16-true") == torch.bfloat16
+    assert weights_dtype("16-true") == torch.float16
+    assert weights_dtype("bf16-mixed") == weights_dtype("32-true") == torch.float32

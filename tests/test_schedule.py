@@ -1,0 +1,75 @@
+"""LR schedule, accumulation arithmetic and steps per epoch: pure functions, tested at their edges."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from app.schedule import accumulation_steps, learning_rate, make_plan
+
+
+def lr_at(step: int, **overrides: object) -> float:
+    options = dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_step=110, decay=True) | overrides
+    return learning_rate(step, **options)
+
+
+def test_warmup_is_linear_from_zero_to_lr() -> None:
+    assert lr_at(0) == 0.0
+    assert lr_at(5) == pytest.approx(0.5)
+    assert lr_at(10) == 1.0
+
+
+def test_cosine_decay_reaches_min_lr_at_max_step_and_stays_there() -> None:
+    assert lr_at(60) == pytest.approx(0.1 + 0.5 * 0.9)  # half way through the decay
+    assert lr_at(110) == pytest.approx(0.1)
+    assert lr_at(500) == pytest.approx(0.1)
+    values = [lr_at(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_no_warmup_starts_at_lr() -> None:
+    assert lr_at(1, warmup_steps=0) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 110)))
+    assert lr_at(0, warmup_steps=0) == 1.0
+
+
+def test_warmup_equal_to_max_step_ends_at_lr_then_min_lr() -> None:
+    assert lr_at(110, warmup_steps=110) == 1.0
+    assert lr_at(111, warmup_steps=110) == pytest.approx(0.1)
+
+
+def test_constant_after_warmup_without_decay() -> None:
+    assert [lr_at(s, decay=False) for s in (10, 50, 110, 1000)] == [1.0] * 4
+
+
+def test_accumulation_from_global_batch_size() -> None:
+    assert accumulation_steps(world_size=4, micro_batch_size=2, gradient_accumulation_steps=None,
+                              global_batch_size=64) == 8
+    assert accumulation_steps(world_size=4, micro_batch_size=2, gradient_accumulation_steps=None,
+                              global_batch_size=None) == 1
+    assert accumulation_steps(world_size=4, micro_batch_size=2, gradient_accumulation_steps=3,
+                              global_batch_size=None) == 3
+
+
+def test_accumulation_that_does_not_divide_names_the_flags() -> None:
+    with pytest.raises(ValueError, match="--global_batch_size 60 is not a multiple"):
+        accumulation_steps(world_size=4, micro_batch_size=2, gradient_accumulation_steps=None, global_batch_size=60)
+    with pytest.raises(ValueError, match="contradicts --global_batch_size"):
+        accumulation_steps(world_size=4, micro_batch_size=2, gradient_accumulation_steps=4, global_batch_size=64)
+
+
+def test_plan_derives_max_step_from_epochs_and_drops_the_partial_step() -> None:
+    plan = make_plan(train_rows=1000, block_size=128, world_size=2, micro_batch_size=4, accumulation=3,
+                     number_epochs=2, max_step=None)
+    assert plan.steps_per_epoch == 1000 // 2 // 4 // 3 == 41
+    assert plan.micro_batches_per_epoch == 123
+    assert plan.max_step == 82
+    assert plan.global_batch_size == 24 and plan.tokens_per_step == 24 * 128
+    assert make_plan(train_rows=1000, block_size=128, world_size=2, micro_batch_size=4, accumulation=3,
+                     number_epochs=2, max_step=7).max_step == 7
+
+
+def test_plan_refuses_data_smaller_than_one_step() -> None:
+    with pytest.raises(ValueError, match="fewer than one optimizer step"):
+        make_plan(train_rows=10, block_size=8, world_size=2, micro_batch_size=4, accumulation=2,
+                  number_epochs=1, max_step=None)

@@ -1,0 +1,93 @@
+"""End-to-end runs of train.py in real processes: 2-process FSDP over gloo, resume, DDP, one process."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.conftest import run_train, train_args
+
+
+def read_metrics(out_dir: Path) -> dict[int, dict[str, float]]:
+    """metrics.csv as {step: {column: value}} with the empty cells left out."""
+    with open(out_dir / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    merged: dict[int, dict[str, float]] = {}
+    for row in rows:
+        merged.setdefault(int(row["step"]), {}).update({k: float(v) for k, v in row.items() if v and k != "step"})
+    return merged
+
+
+def assert_succeeded(result) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tiny, tmp_path_factory) -> Path:
+    """The issue's reference run: FSDP over 2 CPU processes, 24 steps, evaluation and checkpoints every 8."""
+    out_dir = tmp_path_factory.mktemp("fsdp")
+    assert_succeeded(run_train(train_args(tiny, out_dir)))
+    shutil.copy(out_dir / "metrics.csv", out_dir / "straight_metrics.csv")
+    return out_dir
+
+
+def test_fsdp_run_trains_evaluates_and_logs_every_step(fsdp_run) -> None:
+    metrics = read_metrics(fsdp_run)
+    assert sorted(metrics) == list(range(1, 25))
+    assert all("train_loss" in metrics[s] and "lr" in metrics[s] for s in metrics)
+    assert [s for s in metrics if "val_loss" in metrics[s]] == [8, 16, 24]
+    first, last = metrics[1]["train_loss"], sum(metrics[s]["train_loss"] for s in range(21, 25)) / 4
+    assert last < first - 0.5, (first, last)
+    assert metrics[24]["val_loss"] < metrics[8]["val_loss"]
+    assert metrics[4]["lr"] == pytest.approx(3e-3) and metrics[24]["lr"] == pytest.approx(3e-4)
+    assert (fsdp_run / "config.yaml").read_text().count("micro_batch_size: 4") == 1
+
+
+def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:
+    names = sorted(p.name for p in (fsdp_run / "checkpoints").iterdir())
+    assert names == ["step-00000008.ckpt", "step-00000016.ckpt", "step-00000024.ckpt"]
+    checkpoint = torch.load(fsdp_run / "checkpoints" / "step-00000016.ckpt", weights_only=True)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).state_dict()
+    assert {k: v.shape for k, v in checkpoint["model"].items()} == {k: v.shape for k, v in reference.items()}
+    assert checkpoint["step"] == 16 and isinstance(checkpoint["step"], int)
+    assert checkpoint["config"]["lr"] == 3e-3 and checkpoint["tokenizer"] == str(tiny.tokenizer)
+    assert checkpoint["model_config"]["hidden_size"] == 64
+
+
+def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run, tiny) -> None:
+    straight = read_metrics(fsdp_run)
+    checkpoint = fsdp_run / "checkpoints" / "step-00000016.ckpt"
+    result = run_train(train_args(tiny, fsdp_run, resume=True, checkpoint=checkpoint))
+    assert_succeeded(result)
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert progress[0].startswith("step 17/24"), progress[:2]
+    resumed = read_metrics(fsdp_run)
+    assert sorted(resumed) == list(range(1, 25))
+    for step in range(17, 25):
+        assert resumed[step]["lr"] == straight[step]["lr"]
+        assert resumed[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-5)
+
+
+def test_activation_checkpointing_through_fsdp_leaves_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:
+    result = run_train(train_args(tiny, tmp_path, max_step=4, gradient_checkpointing=True, save_step_interval=100))
+    assert_succeeded(result)
+    straight = read_metrics(fsdp_run)
+    with_checkpointing = read_metrics(tmp_path)
+    for step in (1, 2, 3, 4):
+        assert with_checkpointing[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy, devices", [("ddp", 2), ("single_device", 1)])
+def test_ddp_and_single_process_runs_train_and_checkpoint(tiny, tmp_path, strategy, devices) -> None:
+    result = run_train(train_args(tiny, tmp_path, strategy=strategy, devices=devices, max_step=6,
+                                  eval_step_interval=6, save_step_interval=6, warmup_steps=1))
+    assert_succeeded(result)
+    metrics = read_metrics(tmp_path)
+    assert metrics[6]["train_loss"] < metrics[1]["train_loss"] and "val_loss" in metrics[6]
+    checkpoint = torch.load(tmp_path / "checkpoints" / "step-00000006.ckpt", weights_only=True)
+    assert "model.embed_tokens.weight" in checkpoint["model"] and checkpoint["step"] == 6
