@@ -13,7 +13,7 @@ from lightning import Fabric
 from app.checkpoint import checkpoint_path, rng_of_every_rank, save_checkpoint
 from app.data import train_batches
 from app.evaluate import perplexity, validation_loss
-from app.metrics import StepClock, progress_line
+from app.metrics import StepClock, progress_line, should_upload_checkpoint, upload_checkpoint
 from app.optim import set_learning_rate
 from app.schedule import TrainingPlan, learning_rate
 
@@ -89,7 +89,7 @@ class Loop:
             if metrics:
                 self.fabric.log_dict(metrics, step=step)
             if step % cfg.save_step_interval == 0 or last:
-                self.save()
+                self.save(upload=should_upload_checkpoint(cfg.log_model, last))
 
     def training_metrics(self, losses: list[torch.Tensor], grad_norm: Optional[torch.Tensor], lr: float,
                          throughput: dict[str, float], clock: StepClock) -> dict[str, float]:
@@ -111,8 +111,10 @@ class Loop:
         self.fabric.print(f"step {self.state['step']}: val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
         return {"val_loss": loss, "val_ppl": perplexity(loss)}
 
-    def save(self) -> None:
+    def save(self, upload: bool) -> None:
         path = checkpoint_path(self.cfg.out_dir, self.state["step"])
         self.state["rng"] = rng_of_every_rank(self.fabric)
         save_checkpoint(self.fabric, path, self.state)
         self.fabric.print(f"step {self.state['step']}: saved {path}")
+        if upload:
+            upload_checkpoint(self.fabric.loggers, path, self.state["step"])

@@ -73,6 +73,31 @@ def make_loggers(cfg: Config, resume_step: Optional[int]) -> list[Logger]:
     return loggers
 
 
+def should_upload_checkpoint(log_model: bool | str, last: bool) -> bool:
+    """--log_model true uploads the final checkpoint, all uploads every one."""
+    return log_model == "all" or (log_model is True and last)
+
+
+@rank_zero_only
+def upload_checkpoint(loggers: list[Logger], path: Path, step: int) -> None:
+    """Log a published checkpoint as a W&B model artifact.
+
+    The file is referenced, not copied (policy immutable): a published checkpoint never changes. In offline mode the
+    upload happens at `wandb sync`, so keep the file until then.
+    """
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            artifact = wandb.Artifact(f"model-{logger.experiment.id}", type="model", metadata={"step": step})
+            if path.is_dir():
+                artifact.add_dir(str(path), policy="immutable")
+            else:
+                artifact.add_file(str(path), policy="immutable")
+            logger.experiment.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
+
+
 def format_duration(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)

@@ -82,12 +82,25 @@ def test_activation_checkpointing_through_fsdp_leaves_the_losses_unchanged(fsdp_
         assert with_checkpointing[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("strategy, devices", [("ddp", 2), ("single_device", 1)])
-def test_ddp_and_single_process_runs_train_and_checkpoint(tiny, tmp_path, strategy, devices) -> None:
-    result = run_train(train_args(tiny, tmp_path, strategy=strategy, devices=devices, max_step=6,
-                                  eval_step_interval=6, save_step_interval=6, warmup_steps=1))
-    assert_succeeded(result)
-    metrics = read_metrics(tmp_path)
-    assert metrics[6]["train_loss"] < metrics[1]["train_loss"] and "val_loss" in metrics[6]
-    checkpoint = torch.load(tmp_path / "checkpoints" / "step-00000006.ckpt", weights_only=True)
+def short_run(tiny, out_dir: Path, **overrides: object) -> dict[int, dict[str, float]]:
+    """Six steps, evaluated and saved at the end; returns the metrics after checking the checkpoint."""
+    options = dict(max_step=6, eval_step_interval=6, save_step_interval=6, warmup_steps=1) | overrides
+    assert_succeeded(run_train(train_args(tiny, out_dir, **options)))
+    checkpoint = torch.load(out_dir / "checkpoints" / "step-00000006.ckpt", weights_only=True)
     assert "model.embed_tokens.weight" in checkpoint["model"] and checkpoint["step"] == 6
+    metrics = read_metrics(out_dir)
+    assert metrics[6]["train_loss"] < metrics[1]["train_loss"] and "val_loss" in metrics[6]
+    return metrics
+
+
+def test_ddp_run_trains_and_checkpoints(tiny, tmp_path) -> None:
+    short_run(tiny, tmp_path, strategy="ddp")
+
+
+def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny, tmp_path) -> None:
+    short_run(tiny, tmp_path, strategy="single_device", devices=1, save_step_interval=3, wandb_mode="offline",
+              log_model="all")
+    [run_log] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    recorded = run_log.read_bytes()
+    assert b"val_loss" in recorded and b"train_loss" in recorded
+    assert b"step-00000003.ckpt" in recorded and b"step-00000006.ckpt" in recorded
