@@ -1,19 +1,34 @@
 """The Hugging Face model: its config, the layer classes FSDP wraps, and building it on every rank.
 
-Memory: every rank builds (or loads) the whole model in host RAM, in the training dtype, before FSDP shards it
-and moves each rank's shard to its GPU. An 8B model in bf16 therefore needs about 16 GB of host RAM per process
-during set-up (128 GB on an 8-GPU node), and only its shard on the GPU afterwards. The alternatives do not hold
-today: `from_pretrained` refuses a meta-device context in transformers 5, and meta-device init followed by
-loading loses non-persistent buffers such as rotary `inv_freq` (shared/notes/fsdp-on-cpu.md).
+With FSDP, the model is created on the meta device (no memory), and FSDP materialises one wrapped layer at a time
+on the rank's device, keeping only the rank's shard (`DeferredInit`):
+- from a config (--model_config), each layer is initialised by the model's own `_init_weights`, which also
+  recomputes non-persistent buffers such as the rotary `inv_freq` (they are in no state dict);
+- from a pretrained model (--model_name), the safetensors files are then read one at a time into the sharded
+  model: a rank holds at most one weight file (at most --max_shard_size of the hub repo, 5 GB for Llama-3-8B) in
+  host RAM, instead of the whole model (16 GB per process for an 8B model in bf16, 128 GB on an 8-GPU node).
+Models with tied input/output embeddings, weights that are not safetensors, or checkpoint keys that differ from
+the model's (architectures that transformers converts while loading) take the plain route: every rank loads the
+whole model with `from_pretrained` in host RAM before FSDP shards it. DDP and single-device runs need the whole
+model on each device anyway and take the plain route too.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from app.strategy import resolve_accelerator
 
 if TYPE_CHECKING:
     from lightning import Fabric
@@ -37,20 +52,19 @@ def load_model_config(cfg: Config) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model_source(cfg), trust_remote_code=cfg.trust_remote_code)
 
 
-def layer_classes(model_config: PretrainedConfig, trust_remote_code: bool = False) -> dict[str, type[Module]]:
-    """Every module class of the architecture by name, found on a weightless (meta) instance."""
+def meta_model(model_config: PretrainedConfig, trust_remote_code: bool = False) -> Module:
+    """A weightless instance: its classes, parameter names and shapes, and its own init function."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
-    return {type(m).__name__: type(m) for m in model.modules()} | {"_no_split_modules": model._no_split_modules or []}
+        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
 
 
 def resolve_wrap_classes(
     model_config: PretrainedConfig, names: list[str] | None, trust_remote_code: bool = False
 ) -> set[type[Module]]:
     """Classes for --auto_wrap_policy (default: the model's own _no_split_modules). ValueError names the choices."""
-    classes = layer_classes(model_config, trust_remote_code)
-    names = names or classes.pop("_no_split_modules")
-    classes.pop("_no_split_modules", None)
+    model = meta_model(model_config, trust_remote_code)
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    names = names or model._no_split_modules or []
     unknown = [n for n in names if n not in classes]
     if unknown or not names:
         layers = sorted(n for n in classes if n.endswith(("Layer", "Block")))
@@ -61,12 +75,57 @@ def resolve_wrap_classes(
     return {classes[n] for n in names}
 
 
-def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig) -> Module:
-    """Create (from config) or load (pretrained) the model on this rank, ready for fabric.setup_module."""
+def pretrained_weight_files(model_name: str) -> list[Path]:
+    """The safetensors files of a local folder or hub repo (downloaded to the HF cache once, honouring offline mode)."""
+    folder = Path(model_name)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model_name, allow_patterns=["*.safetensors", "*.json"]))
+    return sorted(folder.glob("*.safetensors"))
+
+
+def safetensors_keys(files: list[Path]) -> set[str]:
+    keys: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            keys |= set(handle.keys())
+    return keys
+
+
+def materialize_module(module: Module, *, init_weights: Callable[[Module], None], accelerator: str) -> None:
+    """FSDP's param_init_fn: real memory for one module's own tensors on this rank's device, then the model's init."""
+    device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
+    module.to_empty(device=device, recurse=False)
+    init_weights(module)
+
+
+@dataclass
+class DeferredInit:
+    """How FSDP materialises a model created on the meta device, and the weight files to read into it afterwards."""
+
+    param_init_fn: Callable[[Module], None]
+    weight_files: list[Path]
+
+
+def deferred_init(cfg: Config, model_config: PretrainedConfig) -> Optional[DeferredInit]:
+    """The meta-device route when it gives exactly the model transformers would build; None for the plain route."""
+    if cfg.strategy != "fsdp" or cfg.tpu or model_config.tie_word_embeddings:
+        return None
+    twin = meta_model(model_config, cfg.trust_remote_code)
+    files = pretrained_weight_files(cfg.model_name) if cfg.model_name else []
+    if cfg.model_name and (not files or safetensors_keys(files) != set(twin.state_dict())):
+        return None
+    init = partial(materialize_module, init_weights=twin._init_weights, accelerator=resolve_accelerator(cfg))
+    return DeferredInit(param_init_fn=init, weight_files=files)
+
+
+def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, deferred: Optional[DeferredInit]) -> Module:
+    """Create the model on this rank, ready for fabric.setup_module: on the meta device when `deferred`."""
     dtype = weights_dtype(cfg.precision)
     common = dict(attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
-    with fabric.init_module(empty_init=False):
-        if cfg.model_name:
+    with fabric.init_module(empty_init=deferred is not None):
+        if cfg.model_name and deferred is None:
             model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=model_config, **common)
         else:
             model = AutoModelForCausalLM.from_config(model_config, **common)
@@ -74,3 +133,18 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig) -> 
     if cfg.gradient_checkpointing and cfg.strategy != "fsdp":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+@torch.no_grad()
+def load_pretrained_weights(sharded_model: Module, files: list[Path], dtype: torch.dtype) -> None:
+    """Read the pretrained weights into an FSDP model, one safetensors file at a time.
+
+    Under FSDP's full-state-dict context each wrapped layer is gathered, overwritten from the file and re-sharded
+    in turn, so a rank holds one file plus one layer, never the whole model. Every rank reads every file; that the
+    files hold exactly the model's keys was checked by `deferred_init`.
+    """
+    config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+    with FSDP.state_dict_type(sharded_model, StateDictType.FULL_STATE_DICT, config):
+        for file in files:
+            weights = {name: tensor.to(dtype) for name, tensor in load_file(str(file)).items()}
+            sharded_model.load_state_dict(weights, strict=False)

@@ -120,7 +120,11 @@ def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: Dat
 
 
 def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[str]:
-    """--tokenizer, else the data folder's tokenizer/, else the pretrained model's; checked to load and to fit."""
+    """--tokenizer, else the data folder's tokenizer/, else the pretrained model's; checked to load and to fit.
+
+    Training reads token ids and needs no tokenizer: one that is only a default and does not load is left out
+    (the converter then asks for --tokenizer); one given with --tokenizer must load.
+    """
     bundled = Path(cfg.train_data_dir or "") / "tokenizer"
     name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else cfg.model_name)
     if name is None:
@@ -128,6 +132,9 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as error:
+        if cfg.tokenizer is None:
+            note(f"no tokenizer recorded with this run: {name} has none")
+            return None
         problems.append(f"--tokenizer {name}: cannot load it ({str(error).splitlines()[0]}); give a tokenizer folder or hub id")
         return None
     if model_config is not None and len(tokenizer) > model_config.vocab_size:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning import Fabric
 
@@ -11,8 +11,8 @@ from app.checkpoint import load_checkpoint
 from app.data import load_splits
 from app.loop import Loop
 from app.metrics import make_loggers
-from app.model import build_model
-from app.optim import build_optimizer
+from app.model import DeferredInit, build_model, deferred_init, load_pretrained_weights, weights_dtype
+from app.optim import build_optimizer, no_decay_names
 from app.preflight import RunInputs, preflight
 from app.strategy import build_fabric
 
@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 def run(cfg: Config) -> None:
     inputs = preflight(cfg)
     resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
-    fabric = build_fabric(cfg, inputs.wrap_classes, make_loggers(cfg, resume_step))
-    fabric.launch(main, cfg, inputs)
+    deferred = deferred_init(cfg, inputs.model_config)
+    param_init_fn = deferred.param_init_fn if deferred else None
+    fabric = build_fabric(cfg, inputs.wrap_classes, make_loggers(cfg, resume_step), param_init_fn)
+    fabric.launch(main, cfg, inputs, deferred)
 
 
 def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) -> dict[str, Any]:
@@ -53,12 +55,15 @@ def write_run_files(fabric: Fabric, cfg: Config) -> None:
         logger.log_hyperparams(cfg.to_dict())
 
 
-def main(fabric: Fabric, cfg: Config, inputs: RunInputs) -> None:
+def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> None:
     fabric.seed_everything(cfg.seed)
     splits = load_splits(cfg.train_data_dir)
-    model = build_model(fabric, cfg, inputs.model_config)
-    optimizer = build_optimizer(model, cfg)
-    model, optimizer = fabric.setup(model, optimizer)
+    model = build_model(fabric, cfg, inputs.model_config, deferred)
+    no_decay = no_decay_names(model)
+    model = fabric.setup_module(model)
+    if deferred and deferred.weight_files:
+        load_pretrained_weights(model._forward_module, deferred.weight_files, weights_dtype(cfg.precision))
+    optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)
     if inputs.resume_from:
         load_checkpoint(fabric, inputs.resume_from, state)

@@ -14,7 +14,7 @@ run takes exactly the path the CPU tests take. Tied to lightning==2.6.6 (pinned 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from lightning import Fabric
@@ -82,8 +82,8 @@ def resolve_accelerator(cfg: Config) -> str:
     return "cuda" if cfg.accelerator == "gpu" else cfg.accelerator
 
 
-def build_strategy(cfg: Config, wrap_classes: set[type[Module]]) -> Any:
-    """The Lightning strategy object for --strategy and the FSDP flags."""
+def build_strategy(cfg: Config, wrap_classes: set[type[Module]], param_init_fn: Optional[Callable] = None) -> Any:
+    """The Lightning strategy object for --strategy and the FSDP flags; param_init_fn materialises meta modules."""
     accelerator = resolve_accelerator(cfg)
     if accelerator == "tpu":
         return XLAFSDPStrategy(auto_wrap_policy=wrap_classes, state_dict_type=cfg.state_dict_type)
@@ -99,15 +99,18 @@ def build_strategy(cfg: Config, wrap_classes: set[type[Module]]) -> Any:
         state_dict_type=cfg.state_dict_type,
         limit_all_gathers=cfg.limit_all_gathers,
         cpu_offload=cfg.cpu_offload,
+        **({"param_init_fn": param_init_fn} if param_init_fn else {}),
     )
 
 
-def build_fabric(cfg: Config, wrap_classes: set[type[Module]], loggers: list[Any]) -> Fabric:
+def build_fabric(
+    cfg: Config, wrap_classes: set[type[Module]], loggers: list[Any], param_init_fn: Optional[Callable] = None
+) -> Fabric:
     return Fabric(
         accelerator=resolve_accelerator(cfg),
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
-        strategy=build_strategy(cfg, wrap_classes),
+        strategy=build_strategy(cfg, wrap_classes, param_init_fn),
         precision=cfg.precision,
         loggers=loggers,
     )

@@ -1,0 +1,82 @@
+"""How the model is built on each rank: the meta-device route under FSDP must give exactly transformers' model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import load_from_disk
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from arguments import read_config
+from app.model import deferred_init
+from tests.conftest import run_train, train_args
+
+STILL = dict(max_step=1, lr=1e-30, min_lr=0.0, warmup_steps=0, eval_step_interval=1, save_step_interval=1)
+
+
+def transformers_loss(model, data_dir) -> float:
+    """The loss of transformers' own model on the rows one evaluation reads (2 ranks x 4 batches x 4 rows)."""
+    rows = load_from_disk(str(data_dir))["validation"].with_format("torch")[list(range(32))]["input_ids"].long()
+    with torch.no_grad():
+        return model.eval()(input_ids=rows, labels=rows).loss.item()
+
+
+def logged_val_loss(result) -> float:
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("step 1: val_loss")]
+    return float(line.split("val_loss ")[1].split()[0])
+
+
+@pytest.fixture(scope="module")
+def pretrained(tiny, tmp_path_factory):
+    """A 'pretrained' model folder as save_pretrained writes it (safetensors), with a tokenizer beside it."""
+    folder = tmp_path_factory.mktemp("pretrained")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).save_pretrained(folder)
+    return folder
+
+
+def test_pretrained_model_is_loaded_shard_by_shard_with_its_exact_weights(tiny, pretrained, tmp_path) -> None:
+    """With lr ~ 0 the step-1 checkpoint holds the pretrained weights and the evaluation matches transformers."""
+    result = run_train(train_args(tiny, tmp_path, model_config=None, model_name=pretrained, **STILL))
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = AutoModelForCausalLM.from_pretrained(pretrained)
+    saved = torch.load(tmp_path / "checkpoints" / "step-00000001.ckpt", weights_only=True)["model"]
+    assert all(torch.equal(saved[name], tensor) for name, tensor in reference.state_dict().items())
+    assert logged_val_loss(result) == pytest.approx(transformers_loss(reference, tiny.data), rel=1e-5)
+
+
+def test_model_from_config_is_initialised_like_transformers_including_rotary_buffers(tiny, tmp_path) -> None:
+    result = run_train(train_args(tiny, tmp_path, **STILL))
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = torch.load(tmp_path / "checkpoints" / "step-00000001.ckpt", weights_only=True)["model"]
+    assert torch.equal(saved["model.norm.weight"], torch.ones(64))
+    assert saved["model.layers.1.mlp.up_proj.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    reference.load_state_dict(saved)
+    # The rotary inv_freq is in no state dict: equal losses show it was computed, not left as empty memory.
+    assert logged_val_loss(result) == pytest.approx(transformers_loss(reference, tiny.data), rel=1e-5)
+
+
+def route(tiny, *extra: str, config_changes: dict | None = None):
+    cfg = read_config(["--train_data_dir", str(tiny.data), "--model_config", str(tiny.model_config), *extra])
+    model_config = AutoConfig.from_pretrained(tiny.model_config, **(config_changes or {}))
+    return deferred_init(cfg, model_config)
+
+
+def test_meta_device_route_only_where_it_is_exact(tiny) -> None:
+    assert route(tiny) is not None
+    assert route(tiny, "--strategy", "ddp") is None
+    assert route(tiny, config_changes={"tie_word_embeddings": True}) is None
+
+
+def test_pretrained_folder_whose_keys_differ_takes_the_plain_route(tiny, pretrained, tmp_path) -> None:
+    folder = tmp_path / "renamed"
+    folder.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(pretrained / "model.safetensors"))
+    save_file({name.replace("model.", "transformer.", 1): t for name, t in weights.items()}, str(folder / "model.safetensors"))
+    cfg = read_config(["--train_data_dir", str(tiny.data), "--model_name", str(folder)])
+    assert deferred_init(cfg, AutoConfig.from_pretrained(tiny.model_config)) is None
+    cfg = read_config(["--train_data_dir", str(tiny.data), "--model_name", str(pretrained)])
+    assert deferred_init(cfg, AutoConfig.from_pretrained(tiny.model_config)).weight_files == [pretrained / "model.safetensors"]
