@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,13 +60,27 @@ def read_source(source: str, args: PrepareArgs) -> tuple[Dataset, Dataset | None
     path = Path(source)
     if not path.exists():
         return _from_dataset(_load_hub(source, args), source, args)
-    if path.is_dir() and _is_saved_dataset(path):
-        return _from_dataset(datasets.load_from_disk(str(path)), source, args)
-    if args.split is not None:
-        raise UsageError(f"--split {args.split} applies to a Hugging Face or saved dataset, not to --input {source}")
-    files = _supported_files(path)
-    parts = [_read_files(group, builder, source, args) for builder, group in _group_by_builder(files, args).items()]
-    return datasets.concatenate_datasets(parts), None, f"{source} ({len(files)} files)"
+    with quiet_progress():
+        if path.is_dir() and _is_saved_dataset(path):
+            return _from_dataset(datasets.load_from_disk(str(path)), source, args)
+        if args.split is not None:
+            raise UsageError(f"--split {args.split} applies to a Hugging Face or saved dataset, not to --input {source}")
+        files = _supported_files(path)
+        groups = _group_by_builder(files, args)
+        parts = [_read_files(group, builder, source, args) for builder, group in groups.items()]
+        return datasets.concatenate_datasets(parts), None, f"{source} ({len(files)} files)"
+
+
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """No progress bars while reading local inputs: it is quick, and a refusal must stay a single line on stderr."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
 
 
 def _is_saved_dataset(folder: Path) -> bool:

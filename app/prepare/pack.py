@@ -32,7 +32,8 @@ def tokenize(
     """Each document's ids (with the tokenizer's own BOS, then EOS) and their count, in document order."""
 
     def encode(batch: dict) -> dict:
-        encoded = tokenizer(batch["text"], add_special_tokens=True, verbose=False)["input_ids"]
+        # split_special_tokens: a literal "</s>" or "<|end_of_text|>" in the text is text, not a document boundary.
+        encoded = tokenizer(batch["text"], split_special_tokens=True, verbose=False)["input_ids"]
         ids = [document + suffix for document in encoded]
         return {"input_ids": ids, "length": [len(document) for document in ids]}
 

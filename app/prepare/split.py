@@ -6,7 +6,7 @@ import datasets
 from datasets import Dataset, DatasetDict
 
 from app.prepare.args import UsageError, useful_processes
-from app.prepare.corpus import Documents
+from app.prepare.corpus import Documents, quiet_progress
 
 
 def split_by_document(documents: Documents, val_fraction: float, seed: int, num_proc: int) -> tuple[DatasetDict, int]:
@@ -41,12 +41,12 @@ def _hold_out(pool: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, D
 def _drop_empty(documents: Dataset | None, num_proc: int) -> tuple[Dataset | None, int]:
     if documents is None:
         return None, 0
-    kept = documents.filter(
-        lambda batch: [bool(text) for text in batch["text"]],
-        batched=True,
-        num_proc=useful_processes(len(documents), num_proc),
-        desc="Dropping empty documents",
-    )
+    with quiet_progress():
+        kept = documents.filter(
+            lambda batch: [bool(text) for text in batch["text"]],
+            batched=True,
+            num_proc=useful_processes(len(documents), num_proc),
+        )
     return kept, len(documents) - len(kept)
 
 
