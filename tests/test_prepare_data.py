@@ -335,3 +335,19 @@ def test_overwrite_replaces_only_after_the_new_output_is_complete(tmp_path, issu
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "out"], "staging folders left behind"
     with pytest.raises(UsageError, match="overlaps --input"):
         prepare(PrepareArgs(**{**args, "input": [str(tmp_path)]}, output_dir=str(output), overwrite=True))
+
+
+def test_a_list_of_strings_field_becomes_one_document_joined_by_spaces(tmp_path, issue_run):
+    games = [{"Moves": ["e2e4", "e7e5", f"g1f{i % 8 + 1}"], "Result": "1-0"} for i in range(20)]
+    (tmp_path / "games.jsonl").write_text("".join(json.dumps(game) + "\n" for game in games))
+    args = PrepareArgs(
+        input=[str(tmp_path / "games.jsonl")], text_field="Moves", tokenizer=str(issue_run / "tokenizer"),
+        block_size=2, val_fraction=0.2, output_dir=str(tmp_path / "out"),
+    )
+    prepare(args)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer")
+    recovered = []
+    for split in ("train", "validation"):
+        pieces, tail, _ = recover_documents(tmp_path / "out", split)
+        recovered += pieces + ([tokenizer.decode(tail, skip_special_tokens=True)] if tail else [])
+    assert sorted(recovered) == sorted(" ".join(game["Moves"]) for game in games)

@@ -73,6 +73,8 @@ def check_args(args: PrepareArgs) -> None:
         raise UsageError(f"--num_proc {args.num_proc} must be at least 1")
     for path in args.input:
         check_input_path(path)
+    if args.tokenizer and args.tokenizer.startswith(("/", ".", "~")) and not Path(args.tokenizer).is_dir():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such folder")
     check_output_dir(Path(args.output_dir), args.overwrite, [Path(p) for p in args.input if Path(p).exists()])
 
 

@@ -161,10 +161,22 @@ def _text_column(dataset: Dataset, field: str, source: str) -> Dataset:
             f"--text_field {field}: no such field in --input {source}; it has: {', '.join(dataset.column_names)}"
         )
     feature = dataset.features[field]
-    if getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise UsageError(f"--text_field {field} in --input {source} holds {feature}, not text; pick a text field")
     dataset = dataset.select_columns([field])
+    if _is_list_of_text(feature):  # e.g. the chess games' `Moves`: one game = the moves joined by spaces
+        dataset = dataset.map(
+            lambda batch: {field: [" ".join(items or []) for items in batch[field]]},
+            batched=True,
+            features=datasets.Features({field: datasets.Value("string")}),
+            desc=f"Joining {field}",
+        )
+    elif getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise UsageError(f"--text_field {field} in --input {source} holds {feature}, not text; pick a text field")
     return dataset.rename_column(field, "text") if field != "text" else dataset
+
+
+def _is_list_of_text(feature: object) -> bool:
+    inner = getattr(feature, "feature", None)
+    return isinstance(feature, (datasets.List, datasets.Sequence)) and getattr(inner, "dtype", None) == "string"
 
 
 def _first_line(error: BaseException) -> str:

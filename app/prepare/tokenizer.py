@@ -57,8 +57,9 @@ def train_tokenizer(documents: Dataset, vocab_size: int, seed: int) -> PreTraine
             num_threads=os.cpu_count() or 1,
             **SENTENCEPIECE_OPTIONS,
         )
-    except RuntimeError as error:  # e.g. "Vocabulary size too high" for a small corpus
-        raise UsageError(f"--vocab_size {vocab_size}: {str(error).strip().splitlines()[-1]}") from error
+    except RuntimeError as error:  # "INTERNAL: trainer_interface.cc(744) [...] Vocabulary size too high (600). ..."
+        reason = str(error).strip().splitlines()[-1].split("] ", 1)[-1]
+        raise UsageError(f"--vocab_size {vocab_size}: {reason} (the training text is too small for it)") from error
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "tokenizer.model").write_bytes(model.getvalue())
         # LlamaTokenizer(vocab_file=...) silently encodes to nothing in transformers 5; from_pretrained converts.
