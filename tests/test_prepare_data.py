@@ -50,6 +50,7 @@ def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=300,
+        check=False,  # the tests assert the exit status themselves
     )
 
 
@@ -65,8 +66,7 @@ def issue_run(tmp_path_factory, code_documents):
     """The exact command from the issue, run as a real subprocess."""
     work = tmp_path_factory.mktemp("issue")
     with open(work / "docs.jsonl", "w") as out:
-        for text in code_documents:
-            out.write(json.dumps({"content": text, "path": "ignored"}) + "\n")
+        out.writelines(json.dumps({"content": text, "path": "ignored"}) + "\n" for text in code_documents)
     command = "--input docs.jsonl --text_field content --vocab_size 600 --block_size 64 --val_fraction 0.1"
     result = run_cli([*command.split(), "--output_dir", "out"], cwd=work)
     assert result.returncode == 0, result.stderr
@@ -241,7 +241,11 @@ def test_same_seed_same_output_other_seed_other_split(tmp_path, code_documents):
 
     def run(seed: int, name: str) -> tuple[list, str]:
         args = PrepareArgs(
-            input=[str(tmp_path / "docs.jsonl")], vocab_size=400, block_size=32, seed=seed, val_fraction=0.3,
+            input=[str(tmp_path / "docs.jsonl")],
+            vocab_size=400,
+            block_size=32,
+            seed=seed,
+            val_fraction=0.3,
             output_dir=str(tmp_path / name),
         )
         prepare(args)
@@ -326,12 +330,17 @@ def test_overwrite_replaces_only_after_the_new_output_is_complete(tmp_path, issu
     output = tmp_path / "out"
     output.mkdir()
     (output / "old.txt").write_text("old")
-    args = dict(input=[str(tmp_path / "docs.jsonl")], tokenizer=str(issue_run / "tokenizer"), block_size=64)
+    args = {"input": [str(tmp_path / "docs.jsonl")], "tokenizer": str(issue_run / "tokenizer"), "block_size": 64}
     with pytest.raises(UsageError, match="--output_dir .* already holds data"):
         prepare(PrepareArgs(**args, output_dir=str(output)))
     prepare(PrepareArgs(**args, output_dir=str(output), overwrite=True))
-    assert sorted(p.name for p in output.iterdir()) == ["dataset_dict.json", "stats.json", "tokenizer", "train",
-                                                        "validation"]
+    assert sorted(p.name for p in output.iterdir()) == [
+        "dataset_dict.json",
+        "stats.json",
+        "tokenizer",
+        "train",
+        "validation",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "out"], "staging folders left behind"
     with pytest.raises(UsageError, match="overlaps --input"):
         prepare(PrepareArgs(**{**args, "input": [str(tmp_path)]}, output_dir=str(output), overwrite=True))
@@ -341,8 +350,12 @@ def test_a_list_of_strings_field_becomes_one_document_joined_by_spaces(tmp_path,
     games = [{"Moves": ["e2e4", "e7e5", f"g1f{i % 8 + 1}"], "Result": "1-0"} for i in range(20)]
     (tmp_path / "games.jsonl").write_text("".join(json.dumps(game) + "\n" for game in games))
     args = PrepareArgs(
-        input=[str(tmp_path / "games.jsonl")], text_field="Moves", tokenizer=str(issue_run / "tokenizer"),
-        block_size=2, val_fraction=0.2, output_dir=str(tmp_path / "out"),
+        input=[str(tmp_path / "games.jsonl")],
+        text_field="Moves",
+        tokenizer=str(issue_run / "tokenizer"),
+        block_size=2,
+        val_fraction=0.2,
+        output_dir=str(tmp_path / "out"),
     )
     prepare(args)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer")

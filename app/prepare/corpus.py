@@ -64,7 +64,9 @@ def read_source(source: str, args: PrepareArgs) -> tuple[Dataset, Dataset | None
         if path.is_dir() and _is_saved_dataset(path):
             return _from_dataset(datasets.load_from_disk(str(path)), source, args)
         if args.split is not None:
-            raise UsageError(f"--split {args.split} applies to a Hugging Face or saved dataset, not to --input {source}")
+            raise UsageError(
+                f"--split {args.split} applies to a Hugging Face or saved dataset, not to --input {source}"
+            )
         files = _supported_files(path)
         groups = _group_by_builder(files, args)
         parts = [_read_files(group, builder, source, args) for builder, group in groups.items()]

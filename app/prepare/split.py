@@ -52,4 +52,3 @@ def _drop_empty(documents: Dataset | None, num_proc: int) -> tuple[Dataset | Non
 
 def _concatenate(parts: list[Dataset | None]) -> Dataset:
     return datasets.concatenate_datasets([part for part in parts if part is not None])
-

@@ -14,22 +14,22 @@ from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
 from app.prepare.args import UsageError
 
-SENTENCEPIECE_OPTIONS = dict(
-    model_type="bpe",
-    byte_fallback=True,  # characters never seen in training become byte pieces instead of <unk>
-    remove_extra_whitespaces=False,  # keep indentation, repeated spaces and newlines
-    normalization_rule_name="identity",  # no NFKC: decode(encode(x)) == x
-    allow_whitespace_only_pieces=True,  # runs of indentation become single pieces
-    split_digits=True,  # numbers are spelled digit by digit, as in Llama
-    add_dummy_prefix=False,  # no "▁" added in front of every document
-    unk_id=0,
-    bos_id=1,
-    eos_id=2,
-    pad_id=-1,
-    input_sentence_size=2_000_000,  # a sample of lines is enough to learn the merges of a large corpus
-    shuffle_input_sentence=True,
-    minloglevel=2,
-)
+SENTENCEPIECE_OPTIONS = {
+    "model_type": "bpe",
+    "byte_fallback": True,  # characters never seen in training become byte pieces instead of <unk>
+    "remove_extra_whitespaces": False,  # keep indentation, repeated spaces and newlines
+    "normalization_rule_name": "identity",  # no NFKC: decode(encode(x)) == x
+    "allow_whitespace_only_pieces": True,  # runs of indentation become single pieces
+    "split_digits": True,  # numbers are spelled digit by digit, as in Llama
+    "add_dummy_prefix": False,  # no "▁" added in front of every document
+    "unk_id": 0,
+    "bos_id": 1,
+    "eos_id": 2,
+    "pad_id": -1,
+    "input_sentence_size": 2_000_000,  # a sample of lines is enough to learn the merges of a large corpus
+    "shuffle_input_sentence": True,
+    "minloglevel": 2,
+}
 """Llama-style settings; sentencepiece's defaults normalise whitespace and would not round-trip code."""
 
 
