@@ -1,0 +1,186 @@
+"""Read every kind of input into one table of documents (column `text`), keeping any validation split it brings."""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+from datasets import Dataset, DatasetDict
+
+from app.prepare.args import SUPPORTED_SUFFIXES, PrepareArgs, UsageError
+
+STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "concurrent", "wsgiref", "collections")
+"""Standard-library packages whose sources (about 1.5 MB of Python) make a corpus every machine already has."""
+
+VALIDATION_SPLIT_NAMES = ("validation", "valid", "val", "dev")
+BUILDER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""Everything else we accept (.txt .py .md) is plain text, read with the `text` builder."""
+
+
+def stdlib_corpus_paths(packages: tuple[str, ...] = STDLIB_CORPUS) -> list[str]:
+    """Folders of the running interpreter's own standard library, usable as `--input` on any fresh machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [str(root / name) for name in packages if (root / name).is_dir()]
+
+
+@dataclass
+class Documents:
+    """The documents of all inputs: a pool to split by --val_fraction, and inputs that brought their own split."""
+
+    pool: Dataset | None
+    own_train: Dataset | None
+    own_validation: Dataset | None
+    description: list[str]
+
+
+def read_documents(args: PrepareArgs) -> Documents:
+    """Read every --input, keeping apart the validation split an input brings with it."""
+    pool, own_train, own_validation, description = [], [], [], []
+    for source in args.input:
+        train, validation, what = read_source(source, args)
+        description.append(what)
+        if validation is None:
+            pool.append(train)
+        else:
+            own_train.append(train)
+            own_validation.append(validation)
+    return Documents(_concatenate(pool), _concatenate(own_train), _concatenate(own_validation), description)
+
+
+def _concatenate(parts: list[Dataset]) -> Dataset | None:
+    return datasets.concatenate_datasets(parts) if parts else None
+
+
+def read_source(source: str, args: PrepareArgs) -> tuple[Dataset, Dataset | None, str]:
+    """One --input as (documents, its own validation documents or None, a description for stats.json)."""
+    path = Path(source)
+    if not path.exists():
+        return _from_dataset(_load_hub(source, args), source, args)
+    with quiet_progress():
+        if path.is_dir() and _is_saved_dataset(path):
+            return _from_dataset(datasets.load_from_disk(str(path)), source, args)
+        if args.split is not None:
+            raise UsageError(
+                f"--split {args.split} applies to a Hugging Face or saved dataset, not to --input {source}"
+            )
+        files = _supported_files(path)
+        groups = _group_by_builder(files, args)
+        parts = [_read_files(group, builder, source, args) for builder, group in groups.items()]
+        return datasets.concatenate_datasets(parts), None, f"{source} ({len(files)} files)"
+
+
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """No progress bars while reading local inputs: it is quick, and a refusal must stay a single line on stderr."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+
+
+def _supported_files(path: Path) -> list[Path]:
+    """The file itself, or every supported file below a folder (hidden folders and caches skipped), sorted."""
+    if path.is_file():
+        return [path]
+    files = sorted(
+        f
+        for f in path.rglob("*")
+        if f.is_file()
+        and f.suffix.lower() in SUPPORTED_SUFFIXES
+        and not any(part.startswith(".") or part == "__pycache__" for part in f.relative_to(path).parts)
+    )
+    if not files:
+        raise UsageError(f"--input {path}: folder holds no {'/'.join(SUPPORTED_SUFFIXES)} files")
+    return files
+
+
+def _group_by_builder(files: list[Path], args: PrepareArgs) -> dict[tuple[str, str | None], list[str]]:
+    """Group files by the `datasets` builder that reads them; .txt follows --split_lines, .py/.md are whole files."""
+    groups: dict[tuple[str, str | None], list[str]] = {}
+    for file in files:
+        suffix = file.suffix.lower()
+        if suffix in BUILDER_BY_SUFFIX:
+            key = (BUILDER_BY_SUFFIX[suffix], None)
+        else:
+            key = ("text", "line" if args.split_lines and suffix == ".txt" else "document")
+        groups.setdefault(key, []).append(str(file))
+    return groups
+
+
+def _read_files(files: list[str], builder: tuple[str, str | None], source: str, args: PrepareArgs) -> Dataset:
+    name, sample_by = builder
+    options = {"sample_by": sample_by} if name == "text" else {}
+    try:
+        dataset = datasets.load_dataset(name, data_files=files, split="train", **options)
+    except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
+        raise UsageError(f"--input {source}: could not read it as {name}: {_first_line(error)}") from error
+    return _text_column(dataset, "text" if name == "text" else args.text_field, source)
+
+
+def _load_hub(name: str, args: PrepareArgs) -> Dataset | DatasetDict:
+    """`load_dataset` honours the local cache, HF_HUB_OFFLINE and HF_DATASETS_OFFLINE."""
+    try:
+        return datasets.load_dataset(name, args.dataset_config, split=args.split)
+    except Exception as error:  # not found, offline, gated, bad config or split: all are the user's to fix
+        raise UsageError(
+            f"--input {name}: not a local path, and loading it as a Hugging Face dataset failed: {_first_line(error)}"
+        ) from error
+
+
+def _from_dataset(loaded: Dataset | DatasetDict, source: str, args: PrepareArgs) -> tuple[Dataset, Dataset | None, str]:
+    """Take `train` (or --split) and, without --split, the dataset's own validation split when it has one."""
+    if isinstance(loaded, Dataset):
+        return _text_column(loaded, args.text_field, source), None, f"{source} ({len(loaded)} rows)"
+    if args.split is not None:
+        if args.split not in loaded:
+            raise UsageError(f"--split {args.split}: not in --input {source}; it has {', '.join(loaded)}")
+        return _from_dataset(loaded[args.split], source, args)
+    if "train" not in loaded:
+        raise UsageError(f"--input {source} has no train split (it has {', '.join(loaded)}); choose one with --split")
+    validation = next((loaded[name] for name in VALIDATION_SPLIT_NAMES if name in loaded), None)
+    train = _text_column(loaded["train"], args.text_field, source)
+    if validation is None:
+        return train, None, f"{source} (train: {len(train)} rows)"
+    validation = _text_column(validation, args.text_field, source)
+    return train, validation, f"{source} (train: {len(train)} rows, own validation: {len(validation)} rows)"
+
+
+def _text_column(dataset: Dataset, field: str, source: str) -> Dataset:
+    """Keep only the text, renamed `text`, so that inputs of every format concatenate."""
+    if field not in dataset.column_names:
+        raise UsageError(
+            f"--text_field {field}: no such field in --input {source}; it has: {', '.join(dataset.column_names)}"
+        )
+    feature = dataset.features[field]
+    dataset = dataset.select_columns([field])
+    if _is_list_of_text(feature):  # e.g. the chess games' `Moves`: one game = the moves joined by spaces
+        dataset = dataset.map(
+            lambda batch: {field: [" ".join(items or []) for items in batch[field]]},
+            batched=True,
+            features=datasets.Features({field: datasets.Value("string")}),
+            desc=f"Joining {field}",
+        )
+    elif getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise UsageError(f"--text_field {field} in --input {source} holds {feature}, not text; pick a text field")
+    return dataset.rename_column(field, "text") if field != "text" else dataset
+
+
+def _is_list_of_text(feature: object) -> bool:
+    inner = getattr(feature, "feature", None)
+    return isinstance(feature, (datasets.List, datasets.Sequence)) and getattr(inner, "dtype", None) == "string"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,42 @@
+"""Write the prepared folder so that a failure, or a wrong argument, never leaves a half-written or lost dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from datasets import DatasetDict
+from transformers import PreTrainedTokenizerBase
+
+TOKENIZER_FOLDER = "tokenizer"
+STATS_FILE = "stats.json"
+
+
+def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:
+    """Write into a new folder beside `output_dir`, then swap it in; an old output is removed only after the swap."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = output_dir.with_name(f".{output_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if not output_dir.exists():
+        staging.rename(output_dir)
+        return
+    retired = output_dir.with_name(f".{output_dir.name}.replaced-{os.getpid()}")
+    output_dir.rename(retired)
+    staging.rename(output_dir)
+    shutil.rmtree(retired)
+
+
+def save_prepared(folder: Path, blocks: DatasetDict, tokenizer: PreTrainedTokenizerBase, stats: dict) -> None:
+    """The DatasetDict of blocks, the tokenizer training will load by default, and stats.json."""
+    blocks.save_to_disk(str(folder))
+    tokenizer.save_pretrained(str(folder / TOKENIZER_FOLDER))
+    (folder / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")

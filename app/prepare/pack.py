@@ -1,0 +1,92 @@
+"""Tokenize documents and cut their concatenation into blocks of exactly `block_size` tokens.
+
+Packing is exact over the whole split, also with several processes: block `i` is tokens
+`[i * block_size, (i + 1) * block_size)` of the split's token stream (every document followed by EOS), so the
+blocks, concatenated, are the stream without its last `stream % block_size` tokens, which is all that is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from datasets import Dataset, Features, List, Value
+from transformers import PreTrainedTokenizerBase
+
+from app.prepare.args import useful_processes
+
+
+@dataclass(frozen=True)
+class SplitCounts:
+    """What packing did to one split: the numbers stats.json reports."""
+
+    documents: int
+    tokens: int
+    blocks: int
+    dropped_tokens: int
+
+
+def tokenize(
+    documents: Dataset, tokenizer: PreTrainedTokenizerBase, suffix: list[int], num_proc: int, desc: str
+) -> Dataset:
+    """Each document's ids (with the tokenizer's own BOS, then EOS) and their count, in document order."""
+
+    def encode(batch: dict) -> dict:
+        # split_special_tokens: a literal "</s>" or "<|end_of_text|>" in the text is text, not a document boundary.
+        encoded = tokenizer(batch["text"], split_special_tokens=True, verbose=False)["input_ids"]
+        ids = [document + suffix for document in encoded]
+        return {"input_ids": ids, "length": [len(document) for document in ids]}
+
+    return documents.map(
+        encode,
+        batched=True,
+        num_proc=useful_processes(len(documents), num_proc),
+        remove_columns=documents.column_names,
+        features=Features({"input_ids": List(Value("int32")), "length": Value("int64")}),
+        desc=desc,
+    )
+
+
+def _lengths(tokenized: Dataset) -> np.ndarray:
+    if not len(tokenized):
+        return np.zeros(0, dtype=np.int64)
+    return tokenized.select_columns(["length"]).with_format("numpy")[:]["length"]
+
+
+def count(tokenized: Dataset, block_size: int) -> SplitCounts:
+    """Documents, tokens, full blocks and the dropped tail of one tokenized split, before any block is cut."""
+    total = int(_lengths(tokenized).sum())
+    blocks = total // block_size
+    return SplitCounts(len(tokenized), total, blocks, total - blocks * block_size)
+
+
+def pack(tokenized: Dataset, block_size: int, num_proc: int, desc: str) -> Dataset:
+    """Blocks of the split's token stream; each worker cuts its own range of blocks from the documents it spans."""
+    lengths = _lengths(tokenized)
+    ends = np.cumsum(lengths)
+    blocks = int(lengths.sum()) // block_size
+
+    def cut(batch: dict) -> dict:
+        start, stop = batch["block"][0] * block_size, (batch["block"][-1] + 1) * block_size
+        stream, stream_start = _stream_between(tokenized, ends, lengths, start, stop)
+        return {"input_ids": stream[start - stream_start : stop - stream_start].reshape(-1, block_size)}
+
+    return Dataset.from_dict({"block": np.arange(blocks, dtype=np.int64)}).map(
+        cut,
+        batched=True,
+        num_proc=useful_processes(blocks, num_proc),
+        remove_columns=["block"],
+        features=Features({"input_ids": List(Value("int32"), length=block_size)}),
+        desc=desc,
+    )
+
+
+def _stream_between(
+    tokenized: Dataset, ends: np.ndarray, lengths: np.ndarray, start: int, stop: int
+) -> tuple[np.ndarray, int]:
+    """The concatenated ids of the documents covering stream positions [start, stop), and where they begin."""
+    first = int(np.searchsorted(ends, start, side="right"))
+    last = int(np.searchsorted(ends, stop - 1, side="right"))
+    ids = tokenized.with_format("arrow")[first : last + 1]["input_ids"]
+    stream = np.concatenate([chunk.flatten().to_numpy() for chunk in ids.chunks])
+    return stream, int(ends[first] - lengths[first])

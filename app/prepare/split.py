@@ -1,0 +1,54 @@
+"""Hold out validation by whole documents, so that no document is seen in both splits."""
+
+from __future__ import annotations
+
+import datasets
+from datasets import Dataset, DatasetDict
+
+from app.prepare.args import UsageError, useful_processes
+from app.prepare.corpus import Documents, quiet_progress
+
+
+def split_by_document(documents: Documents, val_fraction: float, seed: int, num_proc: int) -> tuple[DatasetDict, int]:
+    """Train/validation documents, and how many empty documents were left out (they would add only BOS/EOS)."""
+    pool, empty = _drop_empty(documents.pool, num_proc)
+    own_train, empty_train = _drop_empty(documents.own_train, num_proc)
+    own_validation, empty_validation = _drop_empty(documents.own_validation, num_proc)
+    if not any(len(part or []) for part in (pool, own_train)):
+        raise UsageError(f"--input {' '.join(documents.description)}: no non-empty documents to train on")
+    train, validation = [own_train], [own_validation]
+    if pool is not None:
+        pool_train, pool_validation = _hold_out(pool, val_fraction, seed)
+        train.append(pool_train)
+        validation.append(pool_validation)
+    splits = DatasetDict(train=_concatenate(train), validation=_concatenate(validation))
+    return splits, empty + empty_train + empty_validation
+
+
+def _hold_out(pool: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """Shuffle documents with `seed` and hold out `ceil(val_fraction * documents)` of them."""
+    if val_fraction == 0:
+        return pool, pool.select([])
+    if len(pool) < 2:
+        raise UsageError(
+            f"--val_fraction {val_fraction}: the input has {len(pool)} document and validation is held out by "
+            "document; give more documents (or --split_lines for .txt), or --val_fraction 0"
+        )
+    parts = pool.train_test_split(test_size=val_fraction, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def _drop_empty(documents: Dataset | None, num_proc: int) -> tuple[Dataset | None, int]:
+    if documents is None:
+        return None, 0
+    with quiet_progress():
+        kept = documents.filter(
+            lambda batch: [bool(text) for text in batch["text"]],
+            batched=True,
+            num_proc=useful_processes(len(documents), num_proc),
+        )
+    return kept, len(documents) - len(kept)
+
+
+def _concatenate(parts: list[Dataset | None]) -> Dataset:
+    return datasets.concatenate_datasets([part for part in parts if part is not None])

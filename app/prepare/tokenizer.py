@@ -1,0 +1,89 @@
+"""The tokenizer: the model's own, or a SentencePiece BPE trained on the training split that round-trips any text."""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import sentencepiece
+from datasets import Dataset
+from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
+
+from app.prepare.args import UsageError
+
+SENTENCEPIECE_OPTIONS = {
+    "model_type": "bpe",
+    "byte_fallback": True,  # characters never seen in training become byte pieces instead of <unk>
+    "remove_extra_whitespaces": False,  # keep indentation, repeated spaces and newlines
+    "normalization_rule_name": "identity",  # no NFKC: decode(encode(x)) == x
+    "allow_whitespace_only_pieces": True,  # runs of indentation become single pieces
+    "split_digits": True,  # numbers are spelled digit by digit, as in Llama
+    "add_dummy_prefix": False,  # no "▁" added in front of every document
+    "unk_id": 0,
+    "bos_id": 1,
+    "eos_id": 2,
+    "pad_id": -1,
+    "input_sentence_size": 2_000_000,  # a sample of lines is enough to learn the merges of a large corpus
+    "shuffle_input_sentence": True,
+    "minloglevel": 2,
+}
+"""Llama-style settings; sentencepiece's defaults normalise whitespace and would not round-trip code."""
+
+
+def load_tokenizer(name_or_dir: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """The tokenizer of the model to be trained, from the Hub (or its cache) or a local folder."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=trust_remote_code)
+    except Exception as error:  # missing, gated, offline, remote code refused: each is the user's to fix
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"--tokenizer {name_or_dir}: could not load it: {message}") from error
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"--tokenizer {name_or_dir} has no EOS token, so documents could not be separated")
+    return tokenizer
+
+
+def train_tokenizer(documents: Dataset, vocab_size: int, seed: int) -> PreTrainedTokenizerBase:
+    """Train SentencePiece BPE on the documents and return it as a Hugging Face (Llama) tokenizer."""
+    model = io.BytesIO()
+    sentencepiece.set_random_generator_seed(seed)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=_lines(documents),
+            model_writer=model,
+            vocab_size=vocab_size,
+            num_threads=os.cpu_count() or 1,
+            **SENTENCEPIECE_OPTIONS,
+        )
+    except RuntimeError as error:  # "INTERNAL: trainer_interface.cc(744) [...] Vocabulary size too high (600). ..."
+        reason = str(error).strip().splitlines()[-1].split("] ", 1)[-1]
+        raise UsageError(f"--vocab_size {vocab_size}: {reason} (the training text is too small for it)") from error
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "tokenizer.model").write_bytes(model.getvalue())
+        # LlamaTokenizer(vocab_file=...) silently encodes to nothing in transformers 5; from_pretrained converts.
+        return LlamaTokenizer.from_pretrained(folder, add_prefix_space=False, add_bos_token=True, add_eos_token=False)
+
+
+def _lines(documents: Dataset) -> Iterator[str]:
+    """SentencePiece learns from lines: newlines themselves are encoded as the byte piece <0x0A>, like Llama."""
+    for batch in documents.iter(batch_size=1000):
+        for text in batch["text"]:
+            yield from (line for line in text.split("\n") if line)
+
+
+def document_suffix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """What to append to each encoded document so that it ends with exactly one EOS token.
+
+    Transformers 5 does not keep `add_bos_token`/`add_eos_token` in the saved config (the post-processor in
+    tokenizer.json decides), so we look at what the tokenizer really does to a probe instead of trusting the flags.
+    """
+    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return [] if probe and probe[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id]
+
+
+def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether encoding a document puts BOS in front of it (Llama 2/3, CodeLlama and our trained tokenizer do)."""
+    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return tokenizer.bos_token_id is not None and bool(probe) and probe[0] == tokenizer.bos_token_id

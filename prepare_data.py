@@ -1,0 +1,6 @@
+"""Tokenize and pack text for training: see `python prepare_data.py --help` and the README."""
+
+from app.prepare.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""prepare_data.py on small real text (the Python standard library's own sources): formats, packing, splits,
+the trained tokenizer, and refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pandas as pd
+import pytest
+from datasets import Dataset, DatasetDict
+from transformers import AutoTokenizer
+
+from app.prepare import PrepareArgs, UsageError, prepare, stdlib_corpus_paths
+from app.prepare.cli import main
+from app.prepare.pack import pack
+
+REPO = Path(__file__).resolve().parents[1]
+ROUND_TRIP_SAMPLES = [
+    "def f(x):\n\tif x  ==  12345:\n        return 'héllo'\n\n",
+    "    indented\n\n\n   three blank lines above, trailing spaces   ",
+    " leading space and CRLF\r\nline 2\r\n",
+    "never seen: 日本語, emoji 🤖🚀, math ∑∫, digits 0123456789 and 3.14159",
+    "a literal </s> and <s> in the text stay text",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_datasets_cache(tmp_path_factory):
+    """Keep this module's `datasets` cache files out of the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets_cache")))
+        yield
+
+
+def cli_env(tmp_path: Path) -> dict:
+    return {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "prepare_data.py"), *args],
+        cwd=cwd,
+        env=cli_env(cwd),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,  # the tests assert the exit status themselves
+    )
+
+
+@pytest.fixture(scope="module")
+def code_documents() -> list[str]:
+    """About 260 KB of real Python: the stdlib's json and http packages, one document per file."""
+    files = sorted(f for folder in stdlib_corpus_paths(("json", "http")) for f in Path(folder).rglob("*.py"))
+    return [f.read_text(encoding="utf-8") for f in files]
+
+
+@pytest.fixture(scope="module")
+def issue_run(tmp_path_factory, code_documents):
+    """The exact command from the issue, run as a real subprocess."""
+    work = tmp_path_factory.mktemp("issue")
+    with open(work / "docs.jsonl", "w") as out:
+        out.writelines(json.dumps({"content": text, "path": "ignored"}) + "\n" for text in code_documents)
+    command = "--input docs.jsonl --text_field content --vocab_size 600 --block_size 64 --val_fraction 0.1"
+    result = run_cli([*command.split(), "--output_dir", "out"], cwd=work)
+    assert result.returncode == 0, result.stderr
+    return work / "out"
+
+
+def recover_documents(output_dir: Path, split: str) -> tuple[list[str], list[int], dict]:
+    """Cut the concatenated blocks after each EOS: every piece must be exactly BOS + the encoded document + EOS.
+
+    Returns the documents, the tokens after the last EOS (the start of the document the tail cut off), and stats.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(output_dir / "tokenizer")
+    blocks = datasets.load_from_disk(str(output_dir))[split]
+    stream = [token for block in blocks["input_ids"] for token in block]
+    documents, start = [], 0
+    for position, token in enumerate(stream):
+        if token == tokenizer.eos_token_id:
+            piece = stream[start : position + 1]
+            text = tokenizer.decode(piece, skip_special_tokens=True)
+            assert piece == encode(tokenizer, text), "tokens in a block differ from the document's own encoding"
+            documents.append(text)
+            start = position + 1
+    stats = json.loads((output_dir / "stats.json").read_text())
+    return documents, stream[start:], stats
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """A document as it must appear in the stream: the tokenizer's BOS, the text, then EOS."""
+    return tokenizer(text, split_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_issue_command_writes_blocks_of_64_and_a_tokenizer_that_round_trips_code(issue_run, code_documents):
+    blocks = datasets.load_from_disk(str(issue_run))
+    assert set(blocks) == {"train", "validation"}
+    for split in blocks.values():
+        assert split.column_names == ["input_ids"]
+        assert split.features["input_ids"].feature.dtype == "int32"
+        assert len(split) > 0 and {len(row) for row in split["input_ids"]} == {64}
+    tokenizer = AutoTokenizer.from_pretrained(issue_run / "tokenizer")
+    for text in code_documents[:3] + ROUND_TRIP_SAMPLES:
+        assert tokenizer.decode(encode(tokenizer, text), skip_special_tokens=True) == text
+
+
+def test_trained_tokenizer_reloads_with_bos_eos_and_exact_round_trip(issue_run):
+    tokenizer = AutoTokenizer.from_pretrained(issue_run / "tokenizer")
+    stats = json.loads((issue_run / "stats.json").read_text())
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (stats["bos_token_id"], stats["eos_token_id"])
+    assert len(tokenizer) == stats["vocab_size"] == 600
+    for text in ROUND_TRIP_SAMPLES:
+        ids = tokenizer(text, split_special_tokens=True)["input_ids"]
+        assert ids[0] == tokenizer.bos_token_id and tokenizer.eos_token_id not in ids
+        assert tokenizer.unk_token_id not in ids, "byte fallback must cover characters never seen in training"
+        assert tokenizer.decode(ids[1:]) == text
+    digits = tokenizer("98765", add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(digits) == list("98765")
+
+
+def test_blocks_are_the_exact_token_stream_with_eos_after_every_document(issue_run, code_documents):
+    tokenizer = AutoTokenizer.from_pretrained(issue_run / "tokenizer")
+    assert min(len(encode(tokenizer, text)) for text in code_documents) > 64, "so the tail cuts at most one document"
+    splits = {}
+    for split in ("train", "validation"):
+        documents, tail, stats = recover_documents(issue_run, split)
+        counts = stats["splits"][split]
+        assert counts["blocks"] * 64 + counts["dropped_tokens"] == counts["tokens"] and counts["dropped_tokens"] < 64
+        assert set(documents) <= set(code_documents), "a document was cut, padded or duplicated"
+        if tail:  # the stream ends inside one document: its first tokens are in the blocks, the rest was dropped
+            cut = [text for text in code_documents if encode(tokenizer, text)[: len(tail)] == tail]
+            assert any(len(encode(tokenizer, text)) - len(tail) == counts["dropped_tokens"] for text in cut)
+            documents.append(cut[0])
+        assert len(documents) == counts["documents"]
+        splits[split] = set(documents)
+    assert not splits["train"] & splits["validation"], "a document is in both train and validation"
+    assert splits["train"] | splits["validation"] == set(code_documents)
+    assert len(splits["validation"]) == 1  # ceil(0.1 * 10 files)
+
+
+def test_packing_is_exact_across_batches_and_processes():
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(3, 500, size=rng.integers(1, 40)).tolist() for _ in range(3000)]
+    tokenized = Dataset.from_dict({"input_ids": documents, "length": [len(d) for d in documents]})
+    stream = np.concatenate([np.asarray(d) for d in documents])
+    blocks = pack(tokenized, block_size=7, num_proc=2, desc="test")
+    expected = stream[: len(stream) // 7 * 7].reshape(-1, 7)
+    assert len(blocks) > 2000, "must span several map batches"
+    np.testing.assert_array_equal(np.asarray(blocks["input_ids"]), expected)
+
+
+def write_format(folder: Path, kind: str, documents: list[str]) -> Path:
+    """The same documents as one of the accepted input kinds; returns the --input path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame({"body": documents, "id": range(len(documents))})
+    if kind == "txt":
+        for i, text in enumerate(documents):
+            (folder / f"doc{i}.txt").write_text(text)
+        return folder
+    if kind == "split_lines":
+        (folder / "lines.txt").write_text("\n".join(text.replace("\n", " ") for text in documents) + "\n")
+        return folder / "lines.txt"
+    if kind == "jsonl":
+        table.to_json(folder / "docs.jsonl", orient="records", lines=True)
+        return folder / "docs.jsonl"
+    if kind == "json":
+        (folder / "docs.json").write_text(json.dumps(table.to_dict(orient="records")))
+        return folder / "docs.json"
+    if kind == "parquet":
+        table.to_parquet(folder / "docs.parquet")
+        return folder / "docs.parquet"
+    if kind == "csv":
+        table.to_csv(folder / "docs.csv", index=False)
+        return folder / "docs.csv"
+    if kind == "folder":
+        half = len(documents) // 2
+        nested = folder / "nested" / "deeper"
+        nested.mkdir(parents=True)
+        for i, text in enumerate(documents[:half]):
+            (nested / f"module{i}.py" if i % 2 else folder / f"note{i}.md").write_text(text)
+        table.iloc[half:].to_json(folder / "rest.jsonl", orient="records", lines=True)
+        (folder / "__pycache__").mkdir()
+        (folder / "__pycache__" / "skip.txt").write_text("not a document")
+        return folder
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["txt", "split_lines", "jsonl", "json", "parquet", "csv", "folder"])
+def test_every_input_format_yields_its_documents(kind, tmp_path, issue_run, code_documents):
+    documents = [text[:400] for text in code_documents] + [f"short doc {i}\twith tab" for i in range(10)]
+    if kind == "split_lines":
+        documents = [text.replace("\n", " ") for text in documents]
+    source = write_format(tmp_path / "in", kind, documents)
+    stats = prepare(
+        PrepareArgs(
+            input=[str(source)],
+            text_field="body",
+            split_lines=kind == "split_lines",
+            tokenizer=str(issue_run / "tokenizer"),
+            block_size=2,  # so that at most the final EOS is dropped and every document can be recovered
+            val_fraction=0.2,
+            output_dir=str(tmp_path / "out"),
+        )
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer")
+    recovered = []
+    for split in ("train", "validation"):
+        pieces, tail, _ = recover_documents(tmp_path / "out", split)
+        recovered += pieces + ([tokenizer.decode(tail, skip_special_tokens=True)] if tail else [])
+    assert sorted(recovered) == sorted(documents)
+    assert sum(stats["splits"][s]["documents"] for s in ("train", "validation")) == len(documents)
+
+
+def test_saved_dataset_brings_its_own_validation_split(tmp_path, issue_run, code_documents):
+    own = DatasetDict(
+        train=Dataset.from_dict({"text": code_documents[:-2]}),
+        validation=Dataset.from_dict({"text": code_documents[-2:]}),
+    )
+    own.save_to_disk(str(tmp_path / "saved"))
+    stats = prepare(
+        PrepareArgs(
+            input=[str(tmp_path / "saved")],
+            tokenizer=str(issue_run / "tokenizer"),
+            block_size=64,
+            output_dir=str(tmp_path / "out"),
+        )
+    )
+    assert stats["splits"]["validation"]["documents"] == 2
+    validation, _, _ = recover_documents(tmp_path / "out", "validation")
+    assert set(validation) <= set(code_documents[-2:]) and validation
+
+
+def test_same_seed_same_output_other_seed_other_split(tmp_path, code_documents):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents))
+
+    def run(seed: int, name: str) -> tuple[list, str]:
+        args = PrepareArgs(
+            input=[str(tmp_path / "docs.jsonl")],
+            vocab_size=400,
+            block_size=32,
+            seed=seed,
+            val_fraction=0.3,
+            output_dir=str(tmp_path / name),
+        )
+        prepare(args)
+        validation = datasets.load_from_disk(str(tmp_path / name))["validation"]["input_ids"]
+        return list(validation), (tmp_path / name / "tokenizer" / "tokenizer.json").read_text()
+
+    first, again, other = run(1, "a"), run(1, "b"), run(2, "c")
+    assert first == again
+    assert first[0] != other[0]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--input", "no/such/file.jsonl", "--vocab_size", "600"], "--input no/such/file.jsonl"),
+        (["--input", "{docs}"], "--tokenizer"),
+        (["--input", "{docs}", "--vocab_size", "600", "--tokenizer", "gpt2"], "--vocab_size"),
+        (["--input", "{docs}", "--vocab_size", "600", "--text_field", "content"], "--text_field content"),
+        (["--input", "{empty}", "--vocab_size", "600"], "no non-empty documents"),
+        (["--input", "{docs}", "--vocab_size", "600", "--val_fraction", "1.5"], "--val_fraction"),
+        (["--input", "{docs}", "--vocab_size", "600", "--block_size", "oops"], "block_size"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_leaves_output_alone(argv, flag, tmp_path, capsys, code_documents):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t, "id": 1}) + "\n" for t in code_documents))
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    argv = [a.format(docs=tmp_path / "docs.jsonl", empty=tmp_path / "empty.jsonl") for a in argv]
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "keep.txt").write_text("precious")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--output_dir", str(output), "--overwrite"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and flag in error[0], error
+    assert_untouched(output, tmp_path)
+
+
+def assert_untouched(output: Path, tmp_path: Path) -> None:
+    assert [p.name for p in output.iterdir()] == ["keep.txt"] and (output / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "empty.jsonl", "out"], "no leftovers"
+
+
+def test_block_size_larger_than_the_text_is_refused_after_tokenizing_before_writing(tmp_path, capsys, issue_run):
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n"}) + "\n" + json.dumps({"text": "y"}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "keep.txt").write_text("precious")
+    argv = ["--input", str(tmp_path / "docs.jsonl"), "--tokenizer", str(issue_run / "tokenizer"), "--block_size", "64"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--output_dir", str(output), "--overwrite"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[-1].startswith("prepare_data.py: error: --block_size 64 is larger than the training text (")
+    assert not any("Traceback" in line for line in error)
+    assert_untouched(output, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--input", "missing.txt", "--vocab_size", "600"], "--input missing.txt"),
+        (["--input", "docs.jsonl", "--vocab_size", "600"], "--output_dir"),
+        (["--input", "docs.jsonl", "--vocab_size", "600", "--text_field", "nope", "--overwrite"], "text, id"),
+        (["--input", "no-such-dataset-here", "--vocab_size", "600", "--overwrite"], "--input no-such-dataset-here"),
+    ],
+)
+def test_real_cli_refuses_with_one_line(argv, flag, tmp_path):
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n", "id": 1}) + "\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("precious")
+    result = run_cli([*argv, "--output_dir", "out"], cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_overwrite_replaces_only_after_the_new_output_is_complete(tmp_path, issue_run, code_documents):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents))
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "old.txt").write_text("old")
+    args = {"input": [str(tmp_path / "docs.jsonl")], "tokenizer": str(issue_run / "tokenizer"), "block_size": 64}
+    with pytest.raises(UsageError, match="--output_dir .* already holds data"):
+        prepare(PrepareArgs(**args, output_dir=str(output)))
+    prepare(PrepareArgs(**args, output_dir=str(output), overwrite=True))
+    assert sorted(p.name for p in output.iterdir()) == [
+        "dataset_dict.json",
+        "stats.json",
+        "tokenizer",
+        "train",
+        "validation",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "out"], "staging folders left behind"
+    with pytest.raises(UsageError, match="overlaps --input"):
+        prepare(PrepareArgs(**{**args, "input": [str(tmp_path)]}, output_dir=str(output), overwrite=True))
+
+
+def test_a_list_of_strings_field_becomes_one_document_joined_by_spaces(tmp_path, issue_run):
+    games = [{"Moves": ["e2e4", "e7e5", f"g1f{i % 8 + 1}"], "Result": "1-0"} for i in range(20)]
+    (tmp_path / "games.jsonl").write_text("".join(json.dumps(game) + "\n" for game in games))
+    args = PrepareArgs(
+        input=[str(tmp_path / "games.jsonl")],
+        text_field="Moves",
+        tokenizer=str(issue_run / "tokenizer"),
+        block_size=2,
+        val_fraction=0.2,
+        output_dir=str(tmp_path / "out"),
+    )
+    prepare(args)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer")
+    recovered = []
+    for split in ("train", "validation"):
+        pieces, tail, _ = recover_documents(tmp_path / "out", split)
+        recovered += pieces + ([tokenizer.decode(tail, skip_special_tokens=True)] if tail else [])
+    assert sorted(recovered) == sorted(" ".join(game["Moves"]) for game in games)
