@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny Llama built from a config, a tokenizer trained here, and real text packed into blocks.
 
-Nothing is downloaded: the text is the Python standard library's own source, the tokenizer is trained on it.
+Nothing is downloaded: the text is the Python standard library's own source, prepared by prepare_data's pipeline.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,39 +24,21 @@ class TinySetup:
     data: Path
 
 
-def stdlib_texts(package: str = "json") -> list[str]:
-    folder = Path(sysconfig.get_paths()["stdlib"]) / package
-    return [path.read_text() for path in sorted(folder.glob("*.py"))]
-
-
 def build_tiny_setup(root: Path) -> TinySetup:
-    import datasets
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    """prepare_data's own pipeline on the stdlib's json package (a tokenizer of 400 pieces, blocks of 32 tokens),
+    and a 2-layer, 64-wide Llama config whose vocabulary fits that tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig
 
-    texts = stdlib_texts()
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
-    hf_tokenizer.save_pretrained(root / "tokenizer")
+    from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 
-    stream: list[int] = []
-    for text in texts:
-        stream += hf_tokenizer(text)["input_ids"] + [hf_tokenizer.eos_token_id]
-    blocks = [stream[i:i + BLOCK_SIZE] for i in range(0, len(stream) - BLOCK_SIZE + 1, BLOCK_SIZE)]
-    held_out = len(blocks) // 10
-    datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"input_ids": blocks[held_out:]}),
-        "validation": datasets.Dataset.from_dict({"input_ids": blocks[:held_out]}),
-    }).save_to_disk(str(root / "data"))
-
-    LlamaConfig(vocab_size=len(hf_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    data = root / "data"
+    prepare(PrepareArgs(input=stdlib_corpus_paths(("json",)), output_dir=str(data), vocab_size=400,
+                        block_size=BLOCK_SIZE, val_fraction=0.15, seed=0))
+    tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
+    LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                eos_token_id=hf_tokenizer.eos_token_id, bos_token_id=None).save_pretrained(root / "model")
-    return TinySetup(model_config=root / "model", tokenizer=root / "tokenizer", data=root / "data")
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(root / "model")
+    return TinySetup(model_config=root / "model", tokenizer=data / "tokenizer", data=data)
 
 
 @pytest.fixture(scope="session")
