@@ -1,0 +1,118 @@
+"""The training loop: optimizer steps until max_step, with evaluation, logging and checkpoints at their intervals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import islice
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from datasets import DatasetDict
+from lightning import Fabric
+
+from app.checkpoint import checkpoint_path, rng_of_every_rank, save_checkpoint
+from app.data import train_batches
+from app.evaluate import perplexity, validation_loss
+from app.metrics import StepClock, progress_line
+from app.optim import set_learning_rate
+from app.schedule import TrainingPlan, learning_rate
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+
+def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tensor], grad_clip: float,
+               lr: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One optimizer step over the micro-batches; returns the mean loss and the gradient norm as device tensors.
+
+    Gradients are synchronised only on the last micro-batch; each micro-batch loss is scaled by 1/accumulation so
+    the accumulated gradient is the mean over the step's batch.
+    """
+    accumulation = len(micro_batches)
+    loss_sum = torch.zeros((), device=fabric.device)
+    for index, input_ids in enumerate(micro_batches):
+        with fabric.no_backward_sync(model, enabled=index < accumulation - 1):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            fabric.backward(loss / accumulation)
+        loss_sum += loss.detach()
+    grad_norm = fabric.clip_gradients(model, optimizer, max_norm=grad_clip) if grad_clip > 0 else None
+    set_learning_rate(optimizer, lr)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum / accumulation, grad_norm
+
+
+def advance_position(state: dict[str, Any], plan: TrainingPlan) -> bool:
+    """Count one optimizer step in the state; returns True when it finished an epoch."""
+    state["step"] += 1
+    state["position"] += plan.accumulation
+    if state["position"] < plan.micro_batches_per_epoch:
+        return False
+    state["epoch"] += 1
+    state["position"] = 0
+    return True
+
+
+@dataclass
+class Loop:
+    """One run's training: the objects it needs, and the decisions of when to log, evaluate and save."""
+
+    fabric: Fabric
+    cfg: Config
+    plan: TrainingPlan
+    splits: DatasetDict
+    state: dict[str, Any]
+
+    def fit(self) -> None:
+        state, plan, cfg = self.state, self.plan, self.cfg
+        batches = train_batches(self.fabric, self.splits["train"], plan, seed=cfg.seed, epoch=state["epoch"],
+                                position=state["position"], num_workers=cfg.num_workers)
+        clock = StepClock(start_step=state["step"], max_step=plan.max_step, window=cfg.log_interval,
+                          world_size=plan.world_size, samples_per_step=plan.global_batch_size,
+                          tokens_per_step=plan.tokens_per_step)
+        losses: list[torch.Tensor] = []
+        while state["step"] < plan.max_step:
+            lr = learning_rate(state["step"] + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                               max_step=plan.max_step, decay=cfg.lr_decay)
+            loss, grad_norm = train_step(self.fabric, state["model"], state["optimizer"],
+                                         list(islice(batches, plan.accumulation)), cfg.grad_clip, lr)
+            losses.append(loss)
+            epoch_ended = advance_position(state, plan)
+            throughput = clock.tick(state["step"])
+            step, last = state["step"], state["step"] == plan.max_step
+            metrics: dict[str, float] = {}
+            if step % cfg.log_interval == 0 or last:
+                metrics |= self.training_metrics(losses, grad_norm, lr, throughput, clock)
+                losses = []
+            if step % cfg.eval_step_interval == 0 or epoch_ended or last:
+                metrics |= self.evaluate()
+            if metrics:
+                self.fabric.log_dict(metrics, step=step)
+            if step % cfg.save_step_interval == 0 or last:
+                self.save()
+
+    def training_metrics(self, losses: list[torch.Tensor], grad_norm: Optional[torch.Tensor], lr: float,
+                         throughput: dict[str, float], clock: StepClock) -> dict[str, float]:
+        """The only place training values leave the device: once per log interval, averaged over ranks."""
+        mean_loss = self.fabric.all_reduce(torch.stack(losses).mean(), reduce_op="mean")
+        step = self.state["step"]
+        metrics = {"epoch": self.state["epoch"], "train_loss": mean_loss.item(), "lr": lr,
+                   "elapsed_sec": clock.elapsed(), **throughput}
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm.item()
+        self.fabric.print(progress_line(step, self.plan.max_step, metrics, clock.eta(step)))
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        cfg = self.cfg
+        loss = validation_loss(self.fabric, self.state["model"], self.splits["validation"],
+                               batch_size=cfg.eval_batch_size or cfg.micro_batch_size, max_batches=cfg.eval_iters)
+        self.state["val_loss"] = loss
+        self.fabric.print(f"step {self.state['step']}: val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
+        return {"val_loss": loss, "val_ppl": perplexity(loss)}
+
+    def save(self) -> None:
+        path = checkpoint_path(self.cfg.out_dir, self.state["step"])
+        self.state["rng"] = rng_of_every_rank(self.fabric)
+        save_checkpoint(self.fabric, path, self.state)
+        self.fabric.print(f"step {self.state['step']}: saved {path}")

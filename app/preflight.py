@@ -1,0 +1,255 @@
+"""Checks of every input, in the launching process, before any worker starts or any file is written.
+
+Each check appends one line per problem (naming the flag and what to do); all problems are reported together and
+the run exits with status 2. What the checks resolve along the way (the model config, the FSDP layer classes, the
+checkpoint to resume from) is returned, so the workers never re-derive it differently.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import pyarrow.compute as pc
+import torch
+from datasets import DatasetDict, load_from_disk
+from torch.nn import Module
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from app.checkpoint import checkpoint_dir, latest_checkpoint
+from app.model import load_model_config, model_source, resolve_wrap_classes, weights_dtype
+from app.schedule import TrainingPlan, accumulation_steps, make_plan
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+EXIT_BAD_INPUT = 2
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads")
+
+
+@dataclass
+class RunInputs:
+    """What the preflight resolved, passed to every rank."""
+
+    model_config: PretrainedConfig
+    wrap_classes: set[type[Module]]
+    plan: TrainingPlan
+    tokenizer: Optional[str]
+    resume_from: Optional[Path]
+
+
+@dataclass
+class DataFacts:
+    train_rows: int
+    block_size: int
+    max_token_id: int
+
+
+def launching_process() -> bool:
+    """True in the process the user started (or local rank 0 under torchrun/srun): the one that reports."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def note(message: str) -> None:
+    if launching_process():
+        print(message, flush=True)
+
+
+def world_size(cfg: Config) -> int:
+    if cfg.devices != "auto":
+        return cfg.devices * cfg.num_nodes
+    gpus = torch.cuda.device_count() if cfg.accelerator in ("auto", "gpu", "cuda") else 0
+    return max(gpus, 1) * cfg.num_nodes
+
+
+def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
+    path = Path(cfg.train_data_dir)
+    flag = f"--train_data_dir {path}"
+    if not path.is_dir():
+        problems.append(f"{flag}: no such folder; create it with prepare_data.py")
+        return None
+    try:
+        splits = load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as error:
+        problems.append(f"{flag}: not a dataset saved with save_to_disk ({error}); create it with prepare_data.py")
+        return None
+    missing = [s for s in ("train", "validation") if not isinstance(splits, DatasetDict) or s not in splits]
+    if missing:
+        problems.append(f"{flag}: missing split(s) {', '.join(missing)}; prepare_data.py writes train and validation")
+        return None
+    lengths, max_ids = set(), []
+    for name in ("train", "validation"):
+        split = splits[name]
+        if "input_ids" not in split.column_names or len(split) == 0:
+            problems.append(f"{flag}: split {name} has no rows of input_ids (columns: {split.column_names})")
+            return None
+        column = split.data.column("input_ids")
+        row_lengths = pc.list_value_length(column)
+        lengths |= {pc.min(row_lengths).as_py(), pc.max(row_lengths).as_py()}
+        max_ids.append(pc.max(pc.list_flatten(column)).as_py())
+    if len(lengths) != 1:
+        problems.append(f"{flag}: rows have different lengths {sorted(lengths)}; pack them into blocks with prepare_data.py")
+        return None
+    return DataFacts(train_rows=len(splits["train"]), block_size=lengths.pop(), max_token_id=max(max_ids))
+
+
+def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
+    flag = "--model_name" if cfg.model_name else "--model_config"
+    try:
+        return load_model_config(cfg)
+    except (OSError, ValueError) as error:
+        hint = ("run `python prefetch.py --model NAME` where there is internet, then keep HF_HUB_OFFLINE=1"
+                if os.environ.get("HF_HUB_OFFLINE") == "1" else "check the name, or log in for gated models")
+        problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({str(error).splitlines()[0]}); {hint}")
+        return None
+
+
+def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    if max_positions and data.block_size > max_positions:
+        problems.append(f"--train_data_dir blocks of {data.block_size} tokens exceed the model's "
+                        f"max_position_embeddings ({max_positions}); prepare the data with a smaller --block_size")
+    if data.max_token_id >= model_config.vocab_size:
+        problems.append(f"--train_data_dir holds token id {data.max_token_id} but the model's vocab_size is "
+                        f"{model_config.vocab_size}; tokenize with the model's tokenizer")
+
+
+def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[str]:
+    """--tokenizer, else the data folder's tokenizer/, else the pretrained model's; checked to load and to fit."""
+    bundled = Path(cfg.train_data_dir or "") / "tokenizer"
+    name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else cfg.model_name)
+    if name is None:
+        return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as error:
+        problems.append(f"--tokenizer {name}: cannot load it ({str(error).splitlines()[0]}); give a tokenizer folder or hub id")
+        return None
+    if model_config is not None and len(tokenizer) > model_config.vocab_size:
+        problems.append(f"--tokenizer {name} has {len(tokenizer)} tokens, more than the model's vocab_size "
+                        f"{model_config.vocab_size}; use the tokenizer the data was prepared with")
+    return name
+
+
+def check_plan(cfg: Config, data: DataFacts, problems: list[str]) -> Optional[TrainingPlan]:
+    try:
+        accumulation = accumulation_steps(world_size=world_size(cfg), micro_batch_size=cfg.micro_batch_size,
+                                          gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                          global_batch_size=cfg.global_batch_size)
+        return make_plan(train_rows=data.train_rows, block_size=data.block_size, world_size=world_size(cfg),
+                         micro_batch_size=cfg.micro_batch_size, accumulation=accumulation,
+                         number_epochs=cfg.number_epochs, max_step=cfg.max_step)
+    except ValueError as error:
+        problems.append(str(error))
+        return None
+
+
+def existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def estimated_checkpoint_bytes(model_config: PretrainedConfig, cfg: Config) -> int:
+    """Weights plus AdamW's two moments, all in the weights' dtype: what one full checkpoint holds."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+    parameters = sum(p.numel() for p in model.parameters())
+    return parameters * 3 * torch.finfo(weights_dtype(cfg.precision)).bits // 8
+
+
+def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> None:
+    out_dir = Path(cfg.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        problems.append(f"--out_dir {out_dir} is a file; give a folder")
+        return
+    ancestor = existing_ancestor(out_dir)
+    if not os.access(ancestor, os.W_OK):
+        problems.append(f"--out_dir {out_dir}: {ancestor} is not writable; choose a folder you can write to")
+        return
+    if model_config is not None:
+        needed, free = estimated_checkpoint_bytes(model_config, cfg), shutil.disk_usage(ancestor).free
+        if free < needed:
+            problems.append(f"--out_dir {out_dir}: {free / 1e9:.1f} GB free, one checkpoint needs about "
+                            f"{needed / 1e9:.1f} GB; free space or choose another folder")
+
+
+def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
+    """The plain-data part of a checkpoint, read safely (weights_only) and lazily (mmap) without loading weights."""
+    if path.is_dir():
+        return torch.load(path / "meta.pt", weights_only=True)
+    return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+
+
+def check_checkpoint_matches(path: Path, model_config: Optional[PretrainedConfig], problems: list[str]) -> None:
+    flag = f"--checkpoint {path}"
+    try:
+        metadata = read_checkpoint_metadata(path)
+    except Exception as error:  # any unreadable or unsafe file is the same user error
+        problems.append(f"{flag}: not a readable checkpoint ({type(error).__name__}); pick another one")
+        return
+    if not isinstance(metadata.get("step"), int) or "model_config" not in metadata:
+        problems.append(f"{flag}: not a checkpoint written by train.py (no step/model_config); pick another one")
+        return
+    if model_config is not None:
+        saved, current = metadata["model_config"], model_config.to_dict()
+        differing = [k for k in SHAPE_KEYS if saved.get(k) != current.get(k)]
+        if differing:
+            k = differing[0]
+            problems.append(f"{flag} is from a different model ({k} {saved.get(k)} != {current.get(k)}); "
+                            "resume with the model it was trained with")
+
+
+def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Path]:
+    if not cfg.resume:
+        if latest_checkpoint(cfg.out_dir):
+            problems.append(f"--out_dir {cfg.out_dir} already holds checkpoints; add --resume true to continue that "
+                            "run, or choose another --out_dir (nothing is overwritten)")
+        return None
+    path = Path(cfg.checkpoint) if cfg.checkpoint else latest_checkpoint(cfg.out_dir)
+    if path is None:
+        note(f"--resume true: no checkpoint in {checkpoint_dir(cfg.out_dir)} yet, starting from step 0")
+        return None
+    if not path.exists():
+        problems.append(f"--checkpoint {path}: no such file or folder")
+        return None
+    check_checkpoint_matches(path, model_config, problems)
+    return path
+
+
+def check_wandb(cfg: Config, problems: list[str]) -> None:
+    netrc = Path.home() / ".netrc"
+    logged_in = "WANDB_API_KEY" in os.environ or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
+    if cfg.wandb_mode == "online" and not logged_in:
+        problems.append("--wandb_mode online needs WANDB_API_KEY or `wandb login`; or use --wandb_mode offline")
+
+
+def preflight(cfg: Config) -> RunInputs:
+    """Check everything; exit with status 2 and one line per problem, or return what the run needs."""
+    problems: list[str] = []
+    data = check_data(cfg, problems)
+    model_config = check_model(cfg, problems)
+    wrap_classes: set[type[Module]] = set()
+    if model_config is not None and (cfg.strategy == "fsdp" or cfg.tpu):
+        try:
+            wrap_classes = resolve_wrap_classes(model_config, cfg.auto_wrap_policy, cfg.trust_remote_code)
+        except ValueError as error:
+            problems.append(str(error))
+    if model_config is not None and data is not None:
+        check_model_fits_data(cfg, model_config, data, problems)
+    plan = check_plan(cfg, data, problems) if data is not None else None
+    tokenizer = resolve_tokenizer(cfg, model_config, problems)
+    check_out_dir(cfg, model_config, problems)
+    resume_from = resolve_resume(cfg, model_config, problems)
+    check_wandb(cfg, problems)
+    if problems:
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    return RunInputs(model_config=model_config, wrap_classes=wrap_classes, plan=plan, tokenizer=tokenizer,
+                     resume_from=resume_from)

@@ -1,0 +1,96 @@
+"""The arithmetic of a run: batch sizes, steps per epoch and the learning rate at each step. Pure functions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+
+def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_step: int, decay: bool = True) -> float:
+    """LR for optimizer step `step` (1-based): linear warmup from 0 to lr, then cosine decay to min_lr at max_step.
+
+    Past max_step the LR stays at min_lr; with decay off it stays at lr after warmup.
+    """
+    if step <= warmup_steps:
+        return lr * step / warmup_steps
+    if not decay:
+        return lr
+    if step >= max_step:
+        return min_lr
+    progress = (step - warmup_steps) / (max_step - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def accumulation_steps(
+    *, world_size: int, micro_batch_size: int, gradient_accumulation_steps: Optional[int], global_batch_size: Optional[int]
+) -> int:
+    """Micro-batches per optimizer step. Raises ValueError (naming the flags) when the batch sizes do not divide."""
+    if global_batch_size is None:
+        return gradient_accumulation_steps or 1
+    per_pass = micro_batch_size * world_size
+    if global_batch_size % per_pass:
+        raise ValueError(
+            f"--global_batch_size {global_batch_size} is not a multiple of --micro_batch_size x world size "
+            f"({micro_batch_size} x {world_size} = {per_pass}): change one of them"
+        )
+    derived = global_batch_size // per_pass
+    if gradient_accumulation_steps not in (None, derived):
+        raise ValueError(
+            f"--gradient_accumulation_steps {gradient_accumulation_steps} contradicts --global_batch_size "
+            f"{global_batch_size}, which needs {derived} at world size {world_size}: give only one of them"
+        )
+    return derived
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """What the loop needs to know about batches and steps, derived once from the config and the data."""
+
+    world_size: int
+    micro_batch_size: int
+    accumulation: int
+    steps_per_epoch: int
+    max_step: int
+    block_size: int
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Micro-batches each rank reads per epoch; a tail that does not fill an optimizer step is skipped."""
+        return self.steps_per_epoch * self.accumulation
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.world_size * self.accumulation
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.block_size
+
+
+def make_plan(
+    *,
+    train_rows: int,
+    block_size: int,
+    world_size: int,
+    micro_batch_size: int,
+    accumulation: int,
+    number_epochs: int,
+    max_step: Optional[int],
+) -> TrainingPlan:
+    """Raises ValueError when the training split cannot fill a single optimizer step."""
+    steps_per_epoch = train_rows // world_size // micro_batch_size // accumulation
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"the training split has {train_rows} sequences, fewer than one optimizer step needs "
+            f"({micro_batch_size} x {world_size} devices x {accumulation} accumulation): "
+            "lower --micro_batch_size or --gradient_accumulation_steps, or add data"
+        )
+    return TrainingPlan(
+        world_size=world_size,
+        micro_batch_size=micro_batch_size,
+        accumulation=accumulation,
+        steps_per_epoch=steps_per_epoch,
+        max_step=max_step or steps_per_epoch * number_epochs,
+        block_size=block_size,
+    )

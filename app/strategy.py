@@ -1,0 +1,113 @@
+"""Lightning Fabric for the chosen strategy, and the one place where FSDP on CPU differs from FSDP on GPU.
+
+FSDP on CPU processes (gloo) is the same torch FSDP users run on GPUs; Lightning 2.6 only needs two adjustments
+for it, measured in shared/notes/fsdp-on-cpu.md:
+1. Lightning refuses `FSDPStrategy` on CPU by exact type check, and passes `device_id=None` (the CPU device has no
+   index), which torch FSDP rejects. `CPUFSDPStrategy` passes `device_id=cpu`.
+2. Lightning gathers full state dicts with `offload_to_cpu=True`, which breaks on CPU tensors ("setStorage ...
+   out of bounds"); the tensors already live on the CPU, so the adapter gathers with offload off while saving and
+   loading.
+Everything else (wrapping, sharding, activation checkpointing, checkpoint format) is Lightning's own code, so a GPU
+run takes exactly the path the CPU tests take. Tied to lightning==2.6.6 (pinned in requirements.txt).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from lightning import Fabric
+from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, XLAFSDPStrategy
+from lightning.fabric.strategies import fsdp as lightning_fsdp
+from lightning.fabric.strategies import model_parallel as lightning_model_parallel
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.nn import Module
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+
+def _full_state_dict_context_on_cpu(module: Module, world_size: int, rank0_only: bool = True) -> Any:
+    """Lightning's full-state-dict context without offload_to_cpu, which fails for tensors already on the CPU."""
+    return FSDP.state_dict_type(
+        module=module,
+        state_dict_type=StateDictType.FULL_STATE_DICT,
+        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+    )
+
+
+@contextmanager
+def _gather_without_offload() -> Iterator[None]:
+    originals = (lightning_fsdp._get_full_state_dict_context, lightning_model_parallel._get_full_state_dict_context)
+    lightning_fsdp._get_full_state_dict_context = _full_state_dict_context_on_cpu
+    lightning_model_parallel._get_full_state_dict_context = _full_state_dict_context_on_cpu
+    try:
+        yield
+    finally:
+        lightning_fsdp._get_full_state_dict_context, lightning_model_parallel._get_full_state_dict_context = originals
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy for CPU processes over gloo; see the module docstring for the two differences."""
+
+    def setup_module(self, module: Module) -> Module:
+        module = FSDP(
+            module=module,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self._fsdp_kwargs,
+        )
+        lightning_fsdp._setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
+        return module
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        with _gather_without_offload():
+            super().save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        with _gather_without_offload():
+            return super().load_checkpoint(*args, **kwargs)
+
+
+def resolve_accelerator(cfg: Config) -> str:
+    if cfg.tpu:
+        return "tpu"
+    if cfg.accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cfg.accelerator == "gpu" else cfg.accelerator
+
+
+def build_strategy(cfg: Config, wrap_classes: set[type[Module]]) -> Any:
+    """The Lightning strategy object for --strategy and the FSDP flags."""
+    accelerator = resolve_accelerator(cfg)
+    if accelerator == "tpu":
+        return XLAFSDPStrategy(auto_wrap_policy=wrap_classes, state_dict_type=cfg.state_dict_type)
+    if cfg.strategy == "single_device":
+        return SingleDeviceStrategy(device=torch.device("cuda", 0) if accelerator == "cuda" else torch.device(accelerator))
+    if cfg.strategy == "ddp":
+        return DDPStrategy()
+    fsdp_class = CPUFSDPStrategy if accelerator == "cpu" else FSDPStrategy
+    return fsdp_class(
+        auto_wrap_policy=wrap_classes,
+        activation_checkpointing_policy=wrap_classes if cfg.gradient_checkpointing else None,
+        sharding_strategy=cfg.sharding_strategy,
+        state_dict_type=cfg.state_dict_type,
+        limit_all_gathers=cfg.limit_all_gathers,
+        cpu_offload=cfg.cpu_offload,
+    )
+
+
+def build_fabric(cfg: Config, wrap_classes: set[type[Module]], loggers: list[Any]) -> Fabric:
+    return Fabric(
+        accelerator=resolve_accelerator(cfg),
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        strategy=build_strategy(cfg, wrap_classes),
+        precision=cfg.precision,
+        loggers=loggers,
+    )

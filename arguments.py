@@ -1,0 +1,243 @@
+"""Every option of train.py: command line and YAML config files (`--config run.yaml`), parsed into one `Config`.
+
+The groups and names follow the original FSDP training script (seed 001). Each dataclass is one help group; the
+attribute docstrings are the help text. Parsing needs no torch import, so `--help` and `--print_config` are instant.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, fields
+from typing import Literal, Optional, Union
+
+from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true"]
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+
+
+@dataclass
+class DeviceArgs:
+    """Devices"""
+
+    accelerator: Literal["auto", "gpu", "cuda", "cpu", "tpu"] = "auto"
+    """Hardware to run on; auto picks the GPUs when there are any, else the CPU."""
+    devices: Union[int, Literal["auto"]] = "auto"
+    """Processes (GPUs) per node; auto uses every visible GPU, or one CPU process."""
+    num_nodes: int = 1
+    """Number of machines; the world size is devices x num_nodes."""
+    strategy: Literal["fsdp", "ddp", "single_device"] = "fsdp"
+    """fsdp shards parameters, gradients and optimizer state; ddp replicates the model (the --no_fsdp case)."""
+    precision: Precision = "bf16-true"
+    """bf16-true keeps weights and optimizer state in bf16 (least memory); bf16-mixed keeps fp32 master weights."""
+    tpu: bool = False
+    """Alias of --accelerator tpu with Lightning's XLA FSDP strategy (untested here: no TPU on our machines)."""
+
+
+@dataclass
+class DataArgs:
+    """Data"""
+
+    train_data_dir: Optional[str] = None
+    """Folder written by prepare_data.py (datasets save_to_disk): splits train and validation, column input_ids."""
+    num_workers: int = 2
+    """Data loader worker processes per rank."""
+
+
+@dataclass
+class ModelArgs:
+    """Model"""
+
+    model_name: Optional[str] = None
+    """Hugging Face hub id or local folder of a pretrained model to fine-tune (AutoModelForCausalLM.from_pretrained)."""
+    model_config: Optional[str] = None
+    """A config.json file, or a folder holding one: the model is initialised from scratch (pretraining, tests)."""
+    tokenizer: Optional[str] = None
+    """Tokenizer recorded with the run for conversion; default: the data folder's tokenizer/, else the model's."""
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
+    """Attention kernel: PyTorch SDPA (flash/memory-efficient on GPUs), flash_attention_2 (needs flash-attn)."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub repository to run; off unless you trust its authors."""
+
+
+@dataclass
+class FSDPArgs:
+    """FSDP"""
+
+    auto_wrap_policy: Optional[list[str]] = None
+    """Layer class names that become FSDP units, e.g. [LlamaDecoderLayer]; default: the model's _no_split_modules."""
+    sharding_strategy: ShardingStrategy = "FULL_SHARD"
+    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), HYBRID_SHARD (shard in a node, replicate across), NO_SHARD."""
+    state_dict_type: Literal["full", "sharded"] = "full"
+    """full: one checkpoint file gathered on rank 0; sharded: a folder with one shard per rank (faster, larger runs)."""
+    limit_all_gathers: bool = True
+    """Throttle parameter all-gathers so that memory stays bounded; recommended when memory is tight."""
+    cpu_offload: bool = False
+    """Keep sharded parameters and gradients in CPU memory; several times slower, for models that do not fit."""
+    gradient_checkpointing: bool = False
+    """Recompute the activations of each wrapped layer in backward: much less memory, about 30% more compute."""
+
+
+@dataclass
+class CheckpointArgs:
+    """Checkpoint"""
+
+    out_dir: str = "out"
+    """Run folder: checkpoints/, metrics.csv, config.yaml."""
+    resume: bool = False
+    """Continue from --checkpoint, or from the latest checkpoint in out_dir."""
+    checkpoint: Optional[str] = None
+    """Checkpoint file (or sharded folder) to resume from; needs --resume true."""
+
+
+@dataclass
+class TrainingArgs:
+    """Training"""
+
+    number_epochs: int = 1
+    """Passes over the training split, used when --max_step is not given."""
+    micro_batch_size: int = 1
+    """Sequences per device in one forward/backward pass."""
+    gradient_accumulation_steps: Optional[int] = None
+    """Micro-batches per optimizer step; default 1, or derived from --global_batch_size."""
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step over all devices; sets accumulation = global / (micro x devices x nodes)."""
+    grad_clip: float = 1.0
+    """Maximum global gradient norm; 0 disables clipping."""
+    max_step: Optional[int] = None
+    """Optimizer steps to train; default: number_epochs x steps per epoch. Overrides --number_epochs when given."""
+    lr: float = 2e-5
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 2e-6
+    """Learning rate at max_step, the end of the cosine decay."""
+    lr_decay: bool = True
+    """Cosine decay from lr to min_lr after warmup; false keeps lr constant after warmup."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    seed: int = 42
+    """Seed of model initialisation, data order and every random generator."""
+
+
+@dataclass
+class EvalArgs:
+    """Evaluation"""
+
+    eval_batch_size: Optional[int] = None
+    """Sequences per device in evaluation; default: --micro_batch_size."""
+    eval_iters: int = 100
+    """Maximum validation batches per evaluation (per device)."""
+    eval_step_interval: int = 500
+    """Evaluate every this many optimizer steps (and at the end of each epoch and of training)."""
+
+
+@dataclass
+class SaveArgs:
+    """Save"""
+
+    save_step_interval: int = 1000
+    """Write a checkpoint every this many optimizer steps (and at the end of training)."""
+
+
+@dataclass
+class LoggingArgs:
+    """Logging"""
+
+    log_interval: int = 10
+    """Print and log training metrics every this many optimizer steps."""
+    entity: Optional[str] = None
+    """Weights & Biases entity (user or team)."""
+    project: str = "fsdp-trainer"
+    """Weights & Biases project."""
+    run_name: Optional[str] = None
+    """Weights & Biases run name; default: the out_dir folder name."""
+    log_model: Union[bool, Literal["all"]] = False
+    """Upload checkpoints to Weights & Biases as artifacts: true for the last one, all for every one."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """online needs WANDB_API_KEY or `wandb login`; offline writes to out_dir/wandb for a later `wandb sync`."""
+
+
+GROUPS = (DeviceArgs, DataArgs, ModelArgs, FSDPArgs, CheckpointArgs, TrainingArgs, EvalArgs, SaveArgs, LoggingArgs)
+
+
+@dataclass
+class Config(LoggingArgs, SaveArgs, EvalArgs, TrainingArgs, CheckpointArgs, FSDPArgs, ModelArgs, DataArgs, DeviceArgs):
+    """All options of one run, flat as on the command line (`cfg.lr`, `cfg.devices`)."""
+
+    def to_dict(self) -> dict:
+        """Plain data, for checkpoints and config.yaml."""
+        return asdict(self)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="train.py",
+        description="Fully fine-tune or pre-train a Hugging Face causal LM with Lightning Fabric and FSDP.",
+        default_env=False,
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any subset of the options below.")
+    for group in GROUPS:
+        parser.add_class_arguments(group, nested_key=None, as_group=True)
+    return parser
+
+
+def parse_config(argv: Optional[list[str]] = None) -> Config:
+    """Parse argv (default: sys.argv) and exit with status 2 and one line per problem when values are invalid."""
+    namespace = build_parser().parse_args(argv)
+    cfg = Config(**{f.name: namespace[f.name] for f in fields(Config)})
+    problems = validate_config(cfg)
+    if problems:
+        sys.exit("\n".join(f"error: {p}" for p in problems))
+    return cfg
+
+
+def config_to_yaml(cfg: Config) -> str:
+    parser = build_parser()
+    return parser.dump(parser.parse_object(cfg.to_dict()), skip_none=False)
+
+
+def validate_config(cfg: Config) -> list[str]:
+    """Every problem with the values themselves, one line each (files and models are checked by app/preflight)."""
+    problems = []
+
+    def require(condition: bool, message: str) -> None:
+        if not condition:
+            problems.append(message)
+
+    for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "eval_step_interval",
+                 "save_step_interval", "log_interval"):
+        require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "eval_batch_size"):
+        value = getattr(cfg, name)
+        require(value in (None, "auto") or value >= 1, f"--{name} must be at least 1, got {value}")
+    require(cfg.num_workers >= 0, f"--num_workers must be 0 or more, got {cfg.num_workers}")
+    require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")
+    require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
+    require(0 <= cfg.min_lr <= cfg.lr, f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}")
+    require(cfg.weight_decay >= 0, f"--weight_decay must be 0 or more, got {cfg.weight_decay}")
+    require(cfg.grad_clip >= 0, f"--grad_clip must be 0 (off) or positive, got {cfg.grad_clip}")
+    for name in ("beta1", "beta2"):
+        require(0 <= getattr(cfg, name) < 1, f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
+    require(cfg.max_step is None or cfg.warmup_steps <= cfg.max_step,
+            f"--warmup_steps ({cfg.warmup_steps}) exceeds --max_step ({cfg.max_step}): lower one of them")
+    require(cfg.train_data_dir is not None, "--train_data_dir is required: a folder written by prepare_data.py")
+    require((cfg.model_name is None) != (cfg.model_config is None),
+            "give exactly one of --model_name (fine-tune a pretrained model) and --model_config (train from scratch)")
+    require(cfg.checkpoint is None or cfg.resume,
+            "--checkpoint is only read when resuming: add --resume true, or drop --checkpoint")
+    require(not cfg.tpu or cfg.accelerator in ("auto", "tpu"),
+            f"--tpu true contradicts --accelerator {cfg.accelerator}: drop one of them")
+    require(cfg.strategy != "single_device" or cfg.devices in (1, "auto") and cfg.num_nodes == 1,
+            "--strategy single_device runs one process: use --devices 1 --num_nodes 1, or --strategy fsdp/ddp")
+    if cfg.strategy != "fsdp":
+        changed = [f.name for f in fields(FSDPArgs) if getattr(cfg, f.name) != f.default and f.name != "gradient_checkpointing"]
+        require(not changed, f"{', '.join('--' + n for n in changed)} only apply to --strategy fsdp, "
+                             f"not {cfg.strategy}: drop them or use --strategy fsdp")
+    return problems
