@@ -18,6 +18,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoConfig
+
+from conftest import train_args
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -315,3 +319,24 @@ def test_lightning_detects_slurm_and_derives_every_rank_from_the_sbatch_layout()
     ]
     assert ranks == expected
     assert f"--ntasks-per-node={per_node}" in mismatch
+
+
+def test_torchrun_launch_with_two_processes_trains_and_checkpoints(tiny, tmp_path):
+    """The README's torchrun command on CPU: Lightning must adopt torchrun's two processes, not spawn its own."""
+    out_dir = tmp_path / "run"
+    args = train_args(tiny, out_dir, max_step=4, warmup_steps=1, eval_step_interval=4, eval_iters=2,
+                      save_step_interval=4)
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "train.py", *args],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 4/4" in result.stdout
+    members = sorted(re.findall(r"GLOBAL_RANK: (\d), MEMBER: (\d)/(\d)", result.stderr))
+    assert members == [("0", "1", "2"), ("1", "2", "2")]
+    checkpoint = torch.load(out_dir / "checkpoints" / "step-00000004.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["step"] == 4
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    embeddings = checkpoint["model"]["model.embed_tokens.weight"]
+    assert tuple(embeddings.shape) == (config.vocab_size, config.hidden_size)
