@@ -227,8 +227,9 @@ def test_sbatch_script_asks_for_one_task_per_gpu_and_a_preemption_signal():
     options = sbatch_options(SBATCH)
     assert options["ntasks-per-node"] == options["gpus-per-node"]
     assert re.fullmatch(r"USR1@\d+", options["signal"])
-    assert "requeue" in SBATCH.read_text()
+    assert "requeue" in options
     srun = launch_command(SBATCH, "srun")
+    assert flag_value(srun, "--resume") == "true", "a requeued job must continue from its latest checkpoint"
     assert srun[1:3] == ["python", "train.py"] and srun[-1] == "$@"
     assert flag_value(srun, "--num_nodes") == "$SLURM_NNODES"
     assert flag_value(srun, "--devices") == "$GPUS_PER_NODE"
