@@ -1,0 +1,206 @@
+"""Fill the Hugging Face cache on a machine with internet so compute nodes can train with HF_HUB_OFFLINE=1.
+
+Everything goes through `huggingface_hub.snapshot_download`, so the files land in the standard cache layout that
+`from_pretrained(name)` and `snapshot_download(name)` find offline. Only what training needs is fetched: config,
+tokenizer and one copy of the weights (safetensors when the repo has them, never Meta's `original/` checkpoint).
+The token comes from HF_TOKEN or a cached `hf auth login`; it is never printed.
+"""
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import httpx2
+import jsonargparse
+from huggingface_hub import DatasetCard, HfApi, constants, hf_hub_download, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+# Config, generation config, weight index, tokenizer.json / tokenizer_config.json, SentencePiece and tiktoken
+# models, BPE merges and vocabularies.
+CONFIG_AND_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt"]
+# Meta's own consolidated .pth checkpoint and tokenizer duplicate the Hugging Face files and double the download.
+IGNORED_PATTERNS = ["original/*"]
+
+
+@dataclass
+class PrefetchArgs:
+    model: str
+    """Hub id of the model to cache, e.g. meta-llama/Meta-Llama-3-8B (config, tokenizer and weights)."""
+    tokenizer: Optional[str] = None
+    """Hub id of a tokenizer kept in another repository (default: the model's own)."""
+    dataset: Optional[str] = None
+    """Hub id of a dataset repository to cache as well."""
+    dataset_config: Optional[str] = None
+    """Only the data files of this dataset config (as declared in the dataset card), instead of the whole repo."""
+    revision: Optional[str] = None
+    """Branch, tag or commit of --model (default: main)."""
+    cache_dir: Optional[str] = None
+    """Hub cache folder (default: $HF_HUB_CACHE, i.e. $HF_HOME/hub). Compute nodes must read the same folder."""
+
+
+class PrefetchError(Exception):
+    """A problem the user can fix, reported as one line."""
+
+
+def offline_hint(name: str) -> str:
+    """The advice train.py prints when `name` is missing from the cache of an offline machine."""
+    return (
+        f"{name} is not in the Hugging Face cache: run `python prefetch.py --model {name}` on a machine with "
+        "internet access using the same HF_HOME, then set HF_HUB_OFFLINE=1"
+    )
+
+
+def model_file_patterns(repo_files: list[str]) -> list[str]:
+    """Files to fetch from a model repo: one weight format only, safetensors when present."""
+    has_safetensors = any(name.endswith(".safetensors") for name in repo_files)
+    weights = ["*.safetensors"] if has_safetensors else ["*.bin"]
+    return CONFIG_AND_TOKENIZER_PATTERNS + weights
+
+
+def dataset_config_patterns(card_data: dict, dataset: str, config_name: str) -> list[str]:
+    """The README plus the data files a dataset card declares for `config_name`."""
+    configs = {config["config_name"]: config for config in card_data.get("configs", [])}
+    if config_name not in configs:
+        known = ", ".join(sorted(configs)) or "none declared in its dataset card"
+        raise PrefetchError(f"--dataset_config {config_name}: {dataset} has no such config (configs: {known})")
+    data_files = configs[config_name].get("data_files", [])
+    entries = data_files if isinstance(data_files, list) else [data_files]
+    paths = []
+    for entry in entries:
+        entry_paths = entry["path"] if isinstance(entry, dict) else entry
+        paths += entry_paths if isinstance(entry_paths, list) else [entry_paths]
+    return ["README.md", *paths]
+
+
+@dataclass(frozen=True)
+class Download:
+    """One repo to fetch, decided before anything is downloaded."""
+
+    flag: str
+    name: str
+    repo_type: str
+    revision: Optional[str]
+    allow_patterns: Optional[list[str]]
+
+
+HUB_ERRORS = (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, httpx2.TransportError)
+
+
+def describe_hub_error(flag: str, name: str, error: Exception) -> str:
+    """One line naming the flag and what to do; never includes the exception's text, which may hold URLs."""
+    if isinstance(error, GatedRepoError):
+        return f"{flag} {name}: gated repository: accept its licence on the Hub, then export HF_TOKEN"
+    if isinstance(error, RepositoryNotFoundError):
+        return f"{flag} {name}: no such repository (or it is private and HF_TOKEN is missing or lacks access)"
+    if isinstance(error, RevisionNotFoundError):
+        return f"--revision: no such branch, tag or commit in {name}"
+    if isinstance(error, HFValidationError):
+        return f"{flag} {name}: not a Hub id; expected owner/name"
+    if isinstance(error, HfHubHTTPError):
+        return f"{flag} {name}: the Hub answered HTTP {error.response.status_code}; try again later"
+    return f"{flag} {name}: cannot reach {constants.ENDPOINT}; run prefetch.py on a machine with internet access"
+
+
+@contextmanager
+def reported_as(flag: str, name: str) -> Iterator[None]:
+    """Turn a Hub or network failure while handling `flag` into a one-line PrefetchError."""
+    try:
+        yield
+    except HUB_ERRORS as error:
+        raise PrefetchError(describe_hub_error(flag, name, error)) from None
+
+
+def repo_files(name: str, repo_type: str, revision: Optional[str] = None) -> list[str]:
+    """The file names of a repo; also proves it exists and is readable with the current token."""
+    info = HfApi().repo_info(name, repo_type=repo_type, revision=revision)
+    return [sibling.rfilename for sibling in info.siblings or []]
+
+
+def dataset_download(args: PrefetchArgs) -> Download:
+    patterns = None
+    repo_files(args.dataset, "dataset")
+    if args.dataset_config is not None:
+        card_file = hf_hub_download(args.dataset, "README.md", repo_type="dataset", cache_dir=args.cache_dir)
+        card = DatasetCard.load(card_file)
+        patterns = dataset_config_patterns(card.data.to_dict(), args.dataset, args.dataset_config)
+    return Download("--dataset", args.dataset, "dataset", None, patterns)
+
+
+def plan(args: PrefetchArgs) -> list[Download]:
+    """Check every requested repo before downloading any, so a typo in the last flag wastes no download."""
+    with reported_as("--model", args.model):
+        model_patterns = model_file_patterns(repo_files(args.model, "model", args.revision))
+    downloads = [Download("--model", args.model, "model", args.revision, model_patterns)]
+    if args.tokenizer not in (None, args.model):
+        with reported_as("--tokenizer", args.tokenizer):
+            repo_files(args.tokenizer, "model")
+        downloads.append(Download("--tokenizer", args.tokenizer, "model", None, CONFIG_AND_TOKENIZER_PATTERNS))
+    if args.dataset is not None:
+        with reported_as("--dataset", args.dataset):
+            downloads.append(dataset_download(args))
+    return downloads
+
+
+def fetch(download: Download, cache_dir: Optional[str]) -> str:
+    """Download the matching files of one repo into the cache and return its snapshot folder."""
+    with reported_as(download.flag, download.name):
+        return snapshot_download(
+            download.name,
+            repo_type=download.repo_type,
+            revision=download.revision,
+            cache_dir=cache_dir,
+            allow_patterns=download.allow_patterns,
+            ignore_patterns=IGNORED_PATTERNS,
+        )
+
+
+def run(args: PrefetchArgs) -> list[str]:
+    """Fetch every requested repo; return one '<flag> <name> -> <folder>' line per repo."""
+    return [f"{d.flag.lstrip('-')} {d.name} -> {fetch(d, args.cache_dir)}" for d in plan(args)]
+
+
+def parse_args(argv: Optional[list[str]]) -> PrefetchArgs:
+    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = jsonargparse.ArgumentParser(
+        prog="prefetch.py", exit_on_error=False, description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--config", action=jsonargparse.ActionConfigFile, help="YAML file with these options.")
+    parser.add_class_arguments(PrefetchArgs, nested_key=None, as_group=True)
+    try:
+        config = parser.parse_args(argv)
+    except jsonargparse.ArgumentError as error:
+        raise PrefetchError(str(error)) from None
+    config.pop("config", None)
+    args = PrefetchArgs(**config.as_dict())
+    if constants.HF_HUB_OFFLINE:
+        raise PrefetchError("HF_HUB_OFFLINE is set: prefetch.py downloads, run it with HF_HUB_OFFLINE=0 or unset")
+    if args.dataset_config is not None and args.dataset is None:
+        raise PrefetchError("--dataset_config needs --dataset: name the dataset repository it belongs to")
+    return args
+
+
+def offline_settings(args: PrefetchArgs) -> str:
+    """What the compute nodes must export to read this cache without network."""
+    cache = f"HF_HUB_CACHE={args.cache_dir} " if args.cache_dir else ""
+    return f"{cache}HF_HUB_OFFLINE=1"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = parse_args(argv)
+        lines = run(args)
+    except PrefetchError as error:
+        print(f"prefetch.py: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    print(f"cached; on the compute nodes set {offline_settings(args)}")
+    return 0

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Run a command in the training image with every GPU, shared memory for the data loaders and NCCL, and the
+# data, outputs and Hugging Face cache on volumes.
+#
+#   docker/run.sh python train.py --devices 4 --train_data_dir /data/tokenized --out_dir /outputs/run1 ...
+#
+# Environment (all optional):
+#   IMAGE      image to run                          (default: fsdp-trainer:latest)
+#   DATA_DIR   host folder mounted read-only at /data (default: ./data)
+#   OUT_DIR    host folder mounted at /outputs        (default: ./outputs)
+#   HF_CACHE   host folder or volume name for /cache/huggingface (default: the named volume hf-cache)
+#   HF_TOKEN, WANDB_API_KEY, HF_HUB_OFFLINE, WANDB_MODE are passed through by name: their values never appear
+#   on the command line, in the image or in `docker inspect` of the image.
+set -euo pipefail
+
+IMAGE="${IMAGE:-fsdp-trainer:latest}"
+DATA_DIR="$(realpath -m "${DATA_DIR:-./data}")"
+OUT_DIR="$(realpath -m "${OUT_DIR:-./outputs}")"
+HF_CACHE="${HF_CACHE:-hf-cache}"
+
+if [[ ! -d "$DATA_DIR" ]]; then
+    echo "docker/run.sh: DATA_DIR $DATA_DIR does not exist; set DATA_DIR to the folder holding your datasets" >&2
+    exit 2
+fi
+mkdir -p "$OUT_DIR"
+
+if [[ $# -eq 0 ]]; then
+    set -- python train.py --help
+fi
+
+# --ipc=host: PyTorch data loader workers and NCCL exchange tensors through shared memory, and Docker's default
+#             64 MB /dev/shm makes them crash with "bus error".
+# --network host: multi-node NCCL/Gloo and the torchrun rendezvous need the host's interfaces and ports.
+# --ulimit memlock/stack: what NVIDIA recommends for NCCL and InfiniBand inside containers.
+exec docker run --rm --init \
+    --gpus all \
+    --ipc=host \
+    --network host \
+    --ulimit memlock=-1 \
+    --ulimit stack=67108864 \
+    --volume "$DATA_DIR:/data:ro" \
+    --volume "$OUT_DIR:/outputs" \
+    --volume "$HF_CACHE:/cache/huggingface" \
+    --env HF_TOKEN \
+    --env WANDB_API_KEY \
+    --env HF_HUB_OFFLINE \
+    --env WANDB_MODE \
+    "$IMAGE" "$@"

@@ -1,0 +1,343 @@
+"""The deployment files users copy-paste: the Docker image, its run script and the Slurm batch scripts.
+
+No Docker engine or Slurm runs here, so these tests check what can be checked without them: hadolint on the
+Dockerfile, the build context, the command lines the scripts produce, and that Lightning's own cluster
+environment code accepts the environment srun creates for the batch script's layout.
+"""
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from conftest import train_args
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+RUN_SCRIPT = ROOT / "docker" / "run.sh"
+SBATCH = ROOT / "slurm" / "train.sbatch"
+SBATCH_TORCHRUN = ROOT / "slurm" / "train-torchrun.sbatch"
+SECRET_NAMES = re.compile(r"TOKEN|API_KEY|SECRET|PASSWORD", re.IGNORECASE)
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs with line continuations joined and comments dropped."""
+    joined = re.sub(r"\\\n", " ", path.read_text())
+    instructions = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, arguments = line.partition(" ")
+            instructions.append((keyword.upper(), arguments.strip()))
+    return instructions
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def is_ignored(relative_path: str, patterns: list[str]) -> bool:
+    """Docker's rule: a pattern excludes the paths it matches and everything below a matched folder."""
+    parts = relative_path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        bare = pattern.removeprefix("**/")
+        if any(fnmatch.fnmatch(prefix, pattern) for prefix in prefixes):
+            return True
+        if pattern.startswith("**/") and any(fnmatch.fnmatch(part, bare) for part in parts):
+            return True
+    return False
+
+
+def sbatch_options(path: Path) -> dict[str, str]:
+    options = {}
+    for match in re.finditer(r"^#SBATCH\s+--([\w-]+)(?:=(\S+))?", path.read_text(), re.MULTILINE):
+        options[match.group(1)] = match.group(2) or ""
+    return options
+
+
+def launch_command(path: Path, program: str) -> list[str]:
+    """The words of the (continued) command line that starts with `program`."""
+    joined = re.sub(r"\\\n", " ", path.read_text())
+    line = next(line for line in joined.splitlines() if line.strip().startswith(program + " "))
+    return shlex.split(line, posix=True)
+
+
+def flag_value(words: list[str], flag: str) -> str:
+    return words[words.index(flag) + 1]
+
+
+def shell_variable(path: Path, name: str, env: dict[str, str]) -> str:
+    """Evaluate the script's own assignment of `name` under `env`, the way bash will in the job."""
+    assignment = next(line for line in path.read_text().splitlines() if line.startswith(f"{name}="))
+    result = subprocess.run(
+        ["bash", "-c", f'{assignment}\nprintf %s "${name}"'], env=env, capture_output=True, text=True, check=True
+    )
+    return result.stdout
+
+
+def hadolint() -> str:
+    beside_python = shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    found = beside_python or shutil.which("hadolint")
+    assert found, "hadolint is missing: pip install -r requirements-dev.txt"
+    return found
+
+
+def test_dockerfile_passes_hadolint_at_every_level_without_ignore_pragmas():
+    result = subprocess.run(
+        [hadolint(), "--failure-threshold", "info", "--disable-ignore-pragma", "--no-color", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_base_image_torch_matches_the_requirements_pin():
+    torch_pin = re.search(r"^torch==(\S+)$", (ROOT / "requirements.txt").read_text(), re.MULTILINE).group(1)
+    base_arg = next(args for kw, args in dockerfile_instructions(DOCKERFILE) if kw == "ARG" and "BASE_IMAGE=" in args)
+    image = base_arg.split("=", 1)[1]
+    assert image.startswith(f"pytorch/pytorch:{torch_pin}-cuda") and image.endswith("-runtime"), image
+
+
+def test_requirements_are_installed_in_a_layer_before_the_code_is_copied():
+    instructions = dockerfile_instructions(DOCKERFILE)
+    copy_requirements = instructions.index(("COPY", "requirements.txt ./"))
+    install = next(i for i, (kw, args) in enumerate(instructions) if kw == "RUN" and "-r requirements.txt" in args)
+    copy_code = next(i for i, (kw, args) in enumerate(instructions) if kw == "COPY" and args.endswith(". ."))
+    assert copy_requirements < install < copy_code
+
+
+def test_every_copied_file_exists_and_is_in_the_build_context():
+    patterns = dockerignore_patterns()
+    for keyword, arguments in dockerfile_instructions(DOCKERFILE):
+        if keyword != "COPY":
+            continue
+        sources = [word for word in shlex.split(arguments) if not word.startswith("--")][:-1]
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY {source}: missing from the repository"
+            if source != ".":
+                assert not is_ignored(source, patterns), f"COPY {source}: excluded by .dockerignore"
+
+
+def test_build_context_keeps_the_code_and_drops_secrets_data_and_results():
+    patterns = dockerignore_patterns()
+    needed = ["requirements.txt", "prefetch.py", "app/prefetch.py", "slurm/train.sbatch", "docker/run.sh"]
+    needed += [name for name in ("train.py", "prepare_data.py", "convert_to_hf.py") if (ROOT / name).exists()]
+    assert [path for path in needed if is_ignored(path, patterns)] == []
+    unwanted = [".venv/bin/python", ".git/HEAD", "wandb/run-1/x", "runs/a/checkpoints/step-00000004.ckpt",
+                "outputs/model.safetensors", "app/__pycache__/x.pyc", ".cache/huggingface/token", "checkpoints/x"]
+    assert [path for path in unwanted if not is_ignored(path, patterns)] == []
+
+
+def test_no_credential_is_baked_into_the_image():
+    for keyword, arguments in dockerfile_instructions(DOCKERFILE):
+        if keyword in ("ENV", "ARG"):
+            names = re.findall(r"(\w+)=", arguments) or [arguments.split()[0]]
+            assert not [name for name in names if SECRET_NAMES.search(name)], f"{keyword} {arguments}"
+            assert not re.search(r"\bhf_[A-Za-z0-9]{20,}", arguments)
+        if keyword == "RUN":
+            assert "login" not in arguments, f"RUN {arguments}"
+
+
+def test_image_runs_as_a_non_root_user():
+    users = [args for kw, args in dockerfile_instructions(DOCKERFILE) if kw == "USER"]
+    assert users, "no USER instruction: the container would run as root"
+    assert users[-1].split(":")[0] not in ("root", "0")
+    uid_default = next(args for kw, args in dockerfile_instructions(DOCKERFILE) if kw == "ARG" and args.startswith("UID="))
+    assert users[-1] == "${UID}" and uid_default != "UID=0"
+
+
+def test_hf_home_is_a_volume():
+    instructions = dockerfile_instructions(DOCKERFILE)
+    env = " ".join(args for kw, args in instructions if kw == "ENV")
+    hf_home = re.search(r"HF_HOME=(\S+)", env).group(1)
+    volumes = json.loads(next(args for kw, args in instructions if kw == "VOLUME"))
+    assert hf_home in volumes
+
+
+@pytest.fixture
+def fake_docker(tmp_path):
+    """A `docker` executable that records its arguments: the real client needs an engine this machine lacks."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "docker-args.json"
+    script = bin_dir / "docker"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return bin_dir, record
+
+
+def test_run_script_gives_gpus_shared_memory_volumes_and_tokens_by_name_only(tmp_path, fake_docker):
+    bin_dir, record = fake_docker
+    (tmp_path / "data").mkdir()
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "DATA_DIR": str(tmp_path / "data"),
+        "OUT_DIR": str(tmp_path / "outputs"),
+        "HF_TOKEN": "hf_secretvalue0123456789abcdef",
+        "WANDB_API_KEY": "wandb-secret-value",
+    }
+    command = ["python", "train.py", "--devices", "4"]
+    subprocess.run([str(RUN_SCRIPT), *command], env=env, check=True, cwd=tmp_path)
+    args = json.loads(record.read_text())
+    joined = " ".join(args)
+
+    assert args[0] == "run" and args[-len(command) :] == command
+    assert flag_value(args, "--gpus") == "all"
+    assert "--ipc=host" in args
+    volumes = [args[i + 1] for i, word in enumerate(args) if word == "--volume"]
+    assert f"{tmp_path / 'data'}:/data:ro" in volumes
+    assert f"{tmp_path / 'outputs'}:/outputs" in volumes
+    assert "hf-cache:/cache/huggingface" in volumes
+    passed = [args[i + 1] for i, word in enumerate(args) if word == "--env"]
+    assert {"HF_TOKEN", "WANDB_API_KEY"} <= set(passed)
+    assert env["HF_TOKEN"] not in joined and env["WANDB_API_KEY"] not in joined
+    assert (tmp_path / "outputs").is_dir()
+
+
+def test_run_script_refuses_a_missing_data_folder_in_one_line(tmp_path, fake_docker):
+    bin_dir, record = fake_docker
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "DATA_DIR": str(tmp_path / "nope")}
+    result = subprocess.run([str(RUN_SCRIPT)], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "DATA_DIR" in result.stderr
+    assert not record.exists()
+
+
+@pytest.mark.parametrize("script", [RUN_SCRIPT, SBATCH, SBATCH_TORCHRUN], ids=lambda p: p.name)
+def test_scripts_are_valid_bash(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_sbatch_script_asks_for_one_task_per_gpu_and_a_preemption_signal():
+    options = sbatch_options(SBATCH)
+    assert options["ntasks-per-node"] == options["gpus-per-node"]
+    assert re.fullmatch(r"USR1@\d+", options["signal"])
+    assert "requeue" in options
+    srun = launch_command(SBATCH, "srun")
+    assert flag_value(srun, "--resume") == "true", "a requeued job must continue from its latest checkpoint"
+    assert srun[1:3] == ["python", "train.py"] and srun[-1] == "$@"
+    assert flag_value(srun, "--num_nodes") == "$SLURM_NNODES"
+    assert flag_value(srun, "--devices") == "$GPUS_PER_NODE"
+
+
+def test_devices_are_the_gpu_count_even_when_slurm_reports_a_gpu_type():
+    for reported in ("8", "a100:8", "gpu:h100:8"):
+        assert shell_variable(SBATCH, "GPUS_PER_NODE", {"SLURM_GPUS_PER_NODE": reported}) == "8"
+
+
+def test_torchrun_sbatch_starts_one_launcher_per_node_with_one_worker_per_gpu():
+    options = sbatch_options(SBATCH_TORCHRUN)
+    assert options["ntasks-per-node"] == "1"
+    words = launch_command(SBATCH_TORCHRUN, "srun")
+    assert words[1] == "torchrun"
+    assert flag_value(words, "--nproc_per_node") == flag_value(words, "--devices") == "$GPUS_PER_NODE"
+    assert flag_value(words, "--nnodes") == flag_value(words, "--num_nodes") == "$SLURM_NNODES"
+    assert "SIGUSR1" in flag_value(words, "--signals_to_handle").split(",")
+
+
+LIGHTNING_PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    tasks, devices, num_nodes = json.loads(sys.argv[1])
+    seen = []
+    for task_env in tasks:
+        os.environ.update(task_env)
+        assert SLURMEnvironment.detect()
+        fabric = Fabric(accelerator="cpu", strategy="ddp", devices=devices, num_nodes=num_nodes)
+        fabric.strategy.launcher.launch(lambda: None)  # the checks fabric.launch() runs before any process group
+        environment = fabric._connector.cluster_environment
+        seen.append([type(environment).__name__, fabric.world_size, fabric.global_rank, fabric.local_rank,
+                     fabric.node_rank, environment.main_address])
+    try:
+        fabric = Fabric(accelerator="cpu", strategy="ddp", devices=devices // 2, num_nodes=num_nodes)
+        fabric.strategy.launcher.launch(lambda: None)
+        seen.append("mismatch accepted")
+    except ValueError as error:
+        seen.append(str(error))
+    print(json.dumps(seen))
+    """
+)
+
+
+def srun_task_environments(options: dict[str, str], gpus_per_node: str) -> list[dict[str, str]]:
+    """The SLURM_* variables srun sets in each task of a job with this #SBATCH layout (names from Slurm's srun docs)."""
+    nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])
+    common = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": options["job-name"],
+        "SLURM_NNODES": str(nodes),
+        "SLURM_NTASKS": str(nodes * per_node),
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+        "SLURM_GPUS_PER_NODE": gpus_per_node,
+        "SLURM_NODELIST": f"gpu-node[{1:02d}-{nodes:02d}]",
+    }
+    return [
+        {**common, "SLURM_PROCID": str(node * per_node + local), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node)}
+        for node in range(nodes)
+        for local in range(per_node)
+    ]
+
+
+def test_lightning_detects_slurm_and_derives_every_rank_from_the_sbatch_layout():
+    options = sbatch_options(SBATCH)
+    tasks = srun_task_environments(options, options["gpus-per-node"])
+    nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])
+    devices = int(shell_variable(SBATCH, "GPUS_PER_NODE", tasks[0]))
+    num_nodes = int(tasks[0]["SLURM_NNODES"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK"):
+        env.pop(name, None)
+
+    result = subprocess.run(
+        [sys.executable, "-c", LIGHTNING_PROBE, json.dumps([tasks, devices, num_nodes])],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    *ranks, mismatch = json.loads(result.stdout.strip().splitlines()[-1])
+
+    expected = [
+        ["SLURMEnvironment", nodes * per_node, node * per_node + local, local, node, "gpu-node01"]
+        for node in range(nodes)
+        for local in range(per_node)
+    ]
+    assert ranks == expected
+    assert f"--ntasks-per-node={per_node}" in mismatch
+
+
+def test_torchrun_launch_with_two_processes_trains_and_checkpoints(tiny, tmp_path):
+    """The README's torchrun command on CPU: Lightning must adopt torchrun's two processes, not spawn its own."""
+    out_dir = tmp_path / "run"
+    args = train_args(tiny, out_dir, max_step=4, warmup_steps=1, eval_step_interval=4, eval_iters=2,
+                      save_step_interval=4)
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "train.py", *args],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 4/4" in result.stdout
+    members = sorted(re.findall(r"GLOBAL_RANK: (\d), MEMBER: (\d)/(\d)", result.stderr))
+    assert members == [("0", "1", "2"), ("1", "2", "2")]
+    checkpoint = torch.load(out_dir / "checkpoints" / "step-00000004.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["step"] == 4
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    embeddings = checkpoint["model"]["model.embed_tokens.weight"]
+    assert tuple(embeddings.shape) == (config.vocab_size, config.hidden_size)

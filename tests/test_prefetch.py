@@ -1,0 +1,273 @@
+"""prefetch.py against a Hub served from 127.0.0.1, then the cache it filled read with HF_HUB_OFFLINE=1.
+
+The server answers the four requests huggingface_hub's real `snapshot_download` makes (repo info, recursive
+tree listing, HEAD and GET of a file), from folders the test writes; nothing leaves the machine.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+
+from app.prefetch import dataset_config_patterns, model_file_patterns, offline_hint
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny-org/tiny-llama"
+TOKENIZER = "tiny-org/tiny-tokenizer"
+DATASET = "tiny-org/tiny-text"
+TOKEN = "hf_testtoken0123456789abcdefghij"
+DATASET_CARD = """---
+configs:
+- config_name: en
+  data_files:
+  - split: train
+    path: en/train-*.jsonl
+- config_name: fr
+  data_files: fr/*.jsonl
+---
+# tiny-text
+"""
+
+
+class LocalHub(BaseHTTPRequestHandler):
+    """The Hub API subset snapshot_download uses, over folders `<root>/<models|datasets>/<owner>/<name>/`."""
+
+    root: Path
+    requests: list
+
+    def log_message(self, *args):
+        pass
+
+    def do_HEAD(self):
+        self.answer(send_body=False)
+
+    def do_GET(self):
+        self.answer(send_body=True)
+
+    def answer(self, send_body: bool):
+        path = unquote(urlparse(self.path).path)
+        self.requests.append((self.command, path, self.headers.get("Authorization")))
+        parts = path.strip("/").split("/")
+        if parts[0] == "api":
+            kind, repo, rest = parts[1], "/".join(parts[2:4]), parts[4:]
+            return self.api(kind, repo, rest)
+        kind = "datasets" if parts[0] == "datasets" else "models"
+        parts = parts[1:] if kind == "datasets" else parts
+        repo, filename = "/".join(parts[:2]), "/".join(parts[4:])
+        self.file(kind, repo, filename, send_body)
+
+    def repo_folder(self, kind: str, repo: str) -> Path | None:
+        folder = self.root / kind / repo
+        return folder if folder.is_dir() else None
+
+    def api(self, kind: str, repo: str, rest: list[str]):
+        folder = self.repo_folder(kind, repo)
+        if folder is None:
+            return self.send(404, b"{}", {"X-Error-Code": "RepoNotFound"})
+        files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+        if not rest or rest[0] == "revision":
+            body = {"id": repo, "sha": commit_of(repo), "siblings": [{"rfilename": name} for name in files]}
+        else:
+            body = [
+                {"type": "file", "path": name, "size": (folder / name).stat().st_size, "oid": blob_id(folder / name)}
+                for name in files
+            ]
+        self.send(200, json.dumps(body).encode())
+
+    def file(self, kind: str, repo: str, filename: str, send_body: bool):
+        folder = self.repo_folder(kind, repo)
+        if folder is None or not (folder / filename).is_file():
+            return self.send(404, b"", {"X-Error-Code": "EntryNotFound"})
+        content = (folder / filename).read_bytes()
+        headers = {"X-Repo-Commit": commit_of(repo), "ETag": f'"{blob_id(folder / filename)}"'}
+        self.send(200, content, headers, send_body)
+
+    def send(self, status: int, body: bytes, headers: dict | None = None, send_body: bool = True):
+        self.send_response(status)
+        for name, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+
+def commit_of(repo: str) -> str:
+    return hashlib.sha1(repo.encode()).hexdigest()
+
+
+def blob_id(path: Path) -> str:
+    return hashlib.sha1(path.read_bytes()).hexdigest()
+
+
+def write_repos(root: Path) -> None:
+    """A tiny Llama with safetensors plus the duplicates real repos carry, a tokenizer repo and a dataset repo."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    model_dir = root / "models" / MODEL
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    (model_dir / "pytorch_model.bin").write_bytes(b"duplicate weights")
+    (model_dir / "original").mkdir()
+    (model_dir / "original" / "consolidated.00.pth").write_bytes(b"meta checkpoint")
+    (model_dir / "original" / "params.json").write_text("{}")
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(ord("a") + i): i + 3 for i in range(26)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(root / "models" / TOKENIZER)
+    config.save_pretrained(root / "models" / TOKENIZER)  # AutoTokenizer reads the model type from config.json
+
+    dataset_dir = root / "datasets" / DATASET
+    for config_name in ("en", "fr"):
+        (dataset_dir / config_name).mkdir(parents=True)
+        lines = [json.dumps({"text": f"{config_name} document {i}"}) for i in range(3)]
+        (dataset_dir / config_name / "train-0.jsonl").write_text("\n".join(lines) + "\n")
+    (dataset_dir / "README.md").write_text(DATASET_CARD)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    write_repos(root)
+    handler = type("Handler", (LocalHub,), {"root": root, "requests": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler.requests
+    server.shutdown()
+    server.server_close()
+
+
+def clean_env(hf_home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    return {**env, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
+
+
+def run_prefetch(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "prefetch.py"), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+OFFLINE_PROBE = textwrap.dedent(
+    f"""
+    import json, sys
+    from datasets import load_dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained({MODEL!r})
+    model = AutoModelForCausalLM.from_pretrained({MODEL!r})
+    tokenizer = AutoTokenizer.from_pretrained({TOKENIZER!r})
+    dataset = load_dataset(sys.argv[1], "en", split="train")
+    print(json.dumps([config.hidden_size, sum(p.numel() for p in model.parameters()), tokenizer("abc").input_ids,
+                      list(dataset["text"])]))
+    """
+)
+
+
+def test_prefetched_model_tokenizer_and_dataset_load_offline(hub, tmp_path):
+    endpoint, requests = hub
+    requests.clear()
+    hf_home = tmp_path / "hf"
+    result = run_prefetch(
+        ["--model", MODEL, "--tokenizer", TOKENIZER, "--dataset", DATASET, "--dataset_config", "en"],
+        clean_env(hf_home, HF_ENDPOINT=endpoint, HF_TOKEN=TOKEN),
+    )
+    assert result.returncode == 0, result.stderr
+    assert TOKEN not in result.stdout + result.stderr
+    assert "HF_HUB_OFFLINE=1" in result.stdout.splitlines()[-1]
+    folders = dict(line.split(" -> ") for line in result.stdout.splitlines()[:-1])
+    dataset_folder = folders[f"dataset {DATASET}"]
+
+    downloaded = {path for method, path, _ in requests if method == "GET" and "/resolve/" in path}
+    assert not [p for p in downloaded if p.endswith((".bin", ".pth")) or "/original/" in p]
+    assert any(p.endswith("model.safetensors") for p in downloaded)
+    assert not [p for p in downloaded if "/fr/" in p]
+    assert {auth for _, _, auth in requests} == {f"Bearer {TOKEN}"}
+
+    probe = subprocess.run(
+        [sys.executable, "-c", OFFLINE_PROBE, dataset_folder],
+        env=clean_env(hf_home, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9"),
+        capture_output=True, text=True, timeout=180,
+    )
+    assert probe.returncode == 0, probe.stderr
+    hidden_size, n_params, ids, texts = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert hidden_size == 16 and n_params > 0
+    assert ids == [3, 4, 5]
+    assert texts == [f"en document {i}" for i in range(3)]
+
+
+def test_prefetch_runs_again_from_the_cache_without_downloading(hub, tmp_path):
+    endpoint, requests = hub
+    env = clean_env(tmp_path / "hf", HF_ENDPOINT=endpoint)
+    assert run_prefetch(["--model", MODEL], env).returncode == 0
+    requests.clear()
+    again = run_prefetch(["--model", MODEL], env)
+    assert again.returncode == 0, again.stderr
+    assert not [path for method, path, _ in requests if method == "GET" and "/resolve/" in path]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model", "tiny-org/missing"], "--model tiny-org/missing: no such repository"),
+        (["--model", MODEL, "--tokenizer", "tiny-org/nope"], "--tokenizer tiny-org/nope: no such repository"),
+        (["--model", MODEL, "--dataset", DATASET, "--dataset_config", "de"], "--dataset_config de:"),
+        (["--model", MODEL, "--dataset_config", "en"], "--dataset_config needs --dataset"),
+        (["--model", "not a repo id"], "--model not a repo id: not a Hub id"),
+        (["--tokenizer", TOKENIZER], "model"),
+    ],
+    ids=["unknown-model", "unknown-tokenizer", "unknown-config", "config-without-dataset", "bad-id", "no-model"],
+)
+def test_bad_input_is_one_line_and_exit_2(hub, tmp_path, args, expected):
+    endpoint, _ = hub
+    result = run_prefetch(args, clean_env(tmp_path / "hf", HF_ENDPOINT=endpoint))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and expected in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_no_network_is_one_line_and_exit_2(tmp_path):
+    result = run_prefetch(["--model", MODEL], clean_env(tmp_path / "hf", HF_ENDPOINT="http://127.0.0.1:9"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("prefetch.py: --model tiny-org/tiny-llama: cannot reach")
+
+
+def test_prefetch_refuses_to_run_offline(tmp_path):
+    result = run_prefetch(["--model", MODEL], clean_env(tmp_path / "hf", HF_HUB_OFFLINE="1"))
+    assert result.returncode == 2 and "HF_HUB_OFFLINE" in result.stderr
+
+
+def test_one_weight_format_is_fetched_preferring_safetensors():
+    llama3 = ["config.json", "model-00001-of-00004.safetensors", "model.safetensors.index.json",
+              "original/consolidated.00.pth", "tokenizer.json", "tokenizer_config.json"]
+    assert "*.safetensors" in model_file_patterns(llama3) and "*.bin" not in model_file_patterns(llama3)
+    older = ["config.json", "pytorch_model.bin", "tokenizer.model"]
+    assert "*.bin" in model_file_patterns(older)
+
+
+def test_dataset_config_patterns_accept_every_data_files_form():
+    card = {"configs": [
+        {"config_name": "a", "data_files": "a/*.parquet"},
+        {"config_name": "b", "data_files": ["b/1.jsonl", "b/2.jsonl"]},
+        {"config_name": "c", "data_files": [{"split": "train", "path": ["c/t-*"]}, {"split": "test", "path": "c/v"}]},
+    ]}
+    assert dataset_config_patterns(card, "x/y", "a") == ["README.md", "a/*.parquet"]
+    assert dataset_config_patterns(card, "x/y", "b") == ["README.md", "b/1.jsonl", "b/2.jsonl"]
+    assert dataset_config_patterns(card, "x/y", "c") == ["README.md", "c/t-*", "c/v"]
+
+
+def test_offline_hint_names_the_command_and_the_setting():
+    hint = offline_hint("meta-llama/Meta-Llama-3-8B")
+    assert "python prefetch.py --model meta-llama/Meta-Llama-3-8B" in hint and "HF_HUB_OFFLINE=1" in hint
+    assert "\n" not in hint
