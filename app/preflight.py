@@ -21,6 +21,7 @@ from torch.nn import Module
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from app.checkpoint import checkpoint_dir, latest_checkpoint
+from app.prefetch import offline_hint
 from app.model import load_model_config, model_source, resolve_wrap_classes, weights_dtype
 from app.schedule import TrainingPlan, accumulation_steps, make_plan
 
@@ -103,8 +104,8 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
     try:
         return load_model_config(cfg)
     except (OSError, ValueError) as error:
-        hint = ("run `python prefetch.py --model NAME` where there is internet, then keep HF_HUB_OFFLINE=1"
-                if os.environ.get("HF_HUB_OFFLINE") == "1" else "check the name, or log in for gated models")
+        hint = (offline_hint(model_source(cfg)) if os.environ.get("HF_HUB_OFFLINE") == "1"
+                else "check the name, or log in for gated models")
         problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({str(error).splitlines()[0]}); {hint}")
         return None
 

@@ -62,8 +62,8 @@ def train_args(tiny: TinySetup, out_dir: Path, **overrides: object) -> list[str]
     return args
 
 
-def run_train(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """train.py in real processes, as a user runs it."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """train.py in real processes, as a user runs it (with extra environment variables `env`)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)

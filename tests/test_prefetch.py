@@ -271,3 +271,14 @@ def test_offline_hint_names_the_command_and_the_setting():
     hint = offline_hint("meta-llama/Meta-Llama-3-8B")
     assert "python prefetch.py --model meta-llama/Meta-Llama-3-8B" in hint and "HF_HUB_OFFLINE=1" in hint
     assert "\n" not in hint
+
+
+def test_train_tells_how_to_prefetch_a_model_missing_offline(tiny, tmp_path):
+    from tests.conftest import run_train, train_args
+
+    args = train_args(tiny, tmp_path / "run", model_config=None, model_name="nobody/missing-model")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = run_train(args, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "python prefetch.py --model nobody/missing-model" in result.stderr
+    assert not (tmp_path / "run").exists()
