@@ -1,0 +1,60 @@
+"""Upload a converted model folder to the Hugging Face Hub with huggingface_hub's own client.
+
+The token is never handled here: `HfApi` finds it in HF_TOKEN or the cached `hf auth login` by itself, so it
+cannot end up in our output, logs or files. We only ask whether one exists, to refuse early instead of after
+a long conversion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from huggingface_hub import HfApi, get_token
+
+
+@dataclass
+class HubArgs:
+    """Hugging Face Hub"""
+
+    push_to_hub: Optional[str] = None
+    """Repository id (user/name or org/name) to upload the converted folder to; created if it does not exist."""
+    private: bool = False
+    """Create the repository as private (only when it does not exist yet)."""
+    revision: Optional[str] = None
+    """Branch to upload to (created from main when missing); default: main."""
+    commit_message: Optional[str] = None
+    """Commit message of the upload; default: 'Upload <folder> (step N)'."""
+    dry_run: bool = False
+    """List the files that would be uploaded and their sizes, without contacting the Hub."""
+
+
+def login_problem(args: HubArgs) -> Optional[str]:
+    """Why an upload cannot start, checked before the conversion; None when it can (or nothing is pushed)."""
+    if args.push_to_hub and not args.dry_run and get_token() is None:
+        return (f"--push_to_hub {args.push_to_hub} needs a Hugging Face token: set HF_TOKEN or run `hf auth login`, "
+                "or add --dry_run true")
+    return None
+
+
+def files_to_upload(folder: Path) -> list[tuple[str, int]]:
+    """Every file of the folder as (path in the repository, size in bytes): what upload_folder sends."""
+    return sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+
+
+def describe_upload(folder: Path, args: HubArgs) -> str:
+    lines = [f"would upload to {args.push_to_hub} (branch {args.revision or 'main'}):"]
+    lines += [f"  {name}  {size:,} bytes" for name, size in files_to_upload(folder)]
+    return "\n".join(lines)
+
+
+def push_folder(folder: Path, args: HubArgs, default_message: str) -> str:
+    """Create the repository (and branch) if needed and upload the folder in one commit; return the commit url."""
+    api = HfApi()
+    api.create_repo(args.push_to_hub, private=args.private, exist_ok=True)
+    if args.revision:
+        api.create_branch(args.push_to_hub, branch=args.revision, exist_ok=True)
+    commit = api.upload_folder(repo_id=args.push_to_hub, folder_path=folder, revision=args.revision,
+                               commit_message=args.commit_message or default_message)
+    return str(commit)
