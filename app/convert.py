@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from torch.nn import Module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from app.checkpoint import checkpoint_dir, list_checkpoints
+from app.model import meta_model
 from app.hub import HubArgs, describe_upload, login_problem, push_folder
 from app.preflight import EXIT_BAD_INPUT, read_checkpoint_metadata
 
@@ -103,11 +105,18 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def one_line(message: str) -> str:
+    """jsonargparse's multi-line message ('Parser key "dtype":' then the reason) as one line naming the flag."""
+    key, *reasons = message.splitlines()
+    match = re.match(r'Parser key "(\w+)":', key)
+    return " ".join([f"--{match.group(1)}:" if match else key, *(line.strip() for line in reasons)])
+
+
 def parse_args(argv: Optional[list[str]] = None) -> Args:
     try:
         namespace = build_parser().parse_args(argv)
     except ArgumentError as error:
-        raise BadInput(str(error).splitlines()[0]) from None
+        raise BadInput(one_line(str(error))) from None
     return Args(**{f.name: namespace[f.name] for f in fields(Args)})
 
 
@@ -201,12 +210,6 @@ def resolve_tokenizer(args: Args, metadata: dict[str, Any]) -> str:
     return name
 
 
-def meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The architecture with no memory behind its tensors."""
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
 def first_mismatch(expected: dict[str, torch.Size], stored: dict[str, tuple[torch.Size, torch.dtype]]) -> Optional[str]:
     """The first key the checkpoint lacks, has with another shape, or has in excess; None when they fit."""
     for name, shape in expected.items():
@@ -262,6 +265,8 @@ def plan(args: Args) -> list[Job]:
         check_weights_fit(checkpoint, config, shapes)
         tokenizer = resolve_tokenizer(args, metadata)
         check_tokenizer(tokenizer, config)
+        training_state = ("optimizer", "rng")  # mapped from the same file: dropping them lets it be unmapped
+        metadata = {key: value for key, value in metadata.items() if key not in training_state}
         jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes))
     return jobs
 
@@ -269,9 +274,12 @@ def plan(args: Args) -> list[Job]:
 # ---- building, verifying and writing the model -----------------------------------------------------------------
 
 def load_weights(job: Job) -> dict[str, torch.Tensor]:
-    """The model tensors in their stored dtype: memory-mapped (full) or read into one copy (sharded)."""
+    """The model tensors in their stored dtype: memory-mapped (full) or read into one copy (sharded).
+
+    The job lets go of them, so that once the model built from them is freed, nothing maps the checkpoint.
+    """
     if not job.sharded:
-        return job.metadata["model"]
+        return job.metadata.pop("model")
     weights = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in job.shapes.items()}
     load_distributed({SHARDED_MODEL_KEY: weights}, checkpoint_id=str(job.checkpoint), no_dist=True)
     return weights

@@ -38,4 +38,4 @@ def generate(args: GenerateArgs) -> str:
 
 
 if __name__ == "__main__":
-    print(generate(auto_cli(GenerateArgs, as_positional=False)))
+    print(generate(auto_cli(GenerateArgs)))

@@ -1,0 +1,163 @@
+"""convert_to_hf.py: checkpoints written by train.py become Hugging Face folders with the same logits."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import HfApi
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from app.convert import main as convert_main
+from tests.conftest import ROOT, run_train, train_args
+
+SHORT = dict(max_step=8, warmup_steps=2, eval_step_interval=4, save_step_interval=4)
+
+
+def trained(tiny, out_dir: Path, **overrides: object) -> Path:
+    result = run_train(train_args(tiny, out_dir, **SHORT, **overrides))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny, tmp_path_factory) -> Path:
+    return trained(tiny, tmp_path_factory.mktemp("full"))
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tiny, tmp_path_factory) -> Path:
+    return trained(tiny, tmp_path_factory.mktemp("sharded"), state_dict_type="sharded")
+
+
+def convert(*argv: object) -> None:
+    convert_main([str(a) for a in argv])
+
+
+def refused(capsys, *argv: object) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        convert(*argv)
+    assert exit_info.value.code == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: "), errors
+    return errors[0]
+
+
+def probe() -> torch.Tensor:
+    return torch.randint(400, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def reference_logits(tiny, checkpoint: Path) -> torch.Tensor:
+    """Logits of transformers' own model holding the checkpoint's weights."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
+    with torch.no_grad():
+        return model.eval()(input_ids=probe()).logits
+
+
+def test_float32_round_trip_gives_identical_logits_and_generates(tiny, full_run, tmp_path) -> None:
+    convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits
+    assert torch.equal(logits, reference_logits(tiny, full_run / "checkpoints" / "step-00000008.ckpt"))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def load(path):\n    return json.loads(path.read_text())\n"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+    generated = model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] > 1
+
+
+def test_bfloat16_conversion_is_within_tolerance(tiny, full_run, tmp_path) -> None:
+    convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "bfloat16")
+    assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.bfloat16}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits
+    reference = reference_logits(tiny, full_run / "checkpoints" / "step-00000008.ckpt")
+    assert ((logits - reference).abs().max() / reference.abs().max()).item() < 5e-2
+
+
+def test_sharded_checkpoint_converts_to_the_same_weights_as_the_full_one(full_run, sharded_run, tmp_path) -> None:
+    assert (sharded_run / "checkpoints" / "step-00000008.ckpt").is_dir()
+    convert("--checkpoint", full_run, "--output_dir", tmp_path / "full", "--dtype", "float32")
+    convert("--checkpoint", sharded_run, "--output_dir", tmp_path / "sharded", "--dtype", "float32")
+    full, sharded = (load_file(tmp_path / name / "model.safetensors") for name in ("full", "sharded"))
+    assert full.keys() == sharded.keys() and all(torch.equal(full[k], sharded[k]) for k in full)
+
+
+def test_model_card_records_origin_and_training(full_run, tmp_path) -> None:
+    convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    card = (tmp_path / "hf" / "README.md").read_text()
+    checkpoint = torch.load(full_run / "checkpoints" / "step-00000008.ckpt", weights_only=True)
+    assert "| Step | 8 (epoch 0) |" in card and f"{checkpoint['val_loss']:.4f}" in card
+    assert "| lr | 0.003 |" in card and "trained from scratch" in card and "| Block size (tokens) | 32 |" in card
+
+
+def test_all_converts_every_checkpoint_of_a_run(full_run, tmp_path) -> None:
+    convert("--checkpoint", full_run / "checkpoints", "--all", "true", "--output_dir", tmp_path / "all",
+            "--dtype", "float32")
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["step-00000004", "step-00000008"]
+
+
+def folder_digest(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        digest.update(path.name.encode() + (path.read_bytes() if path.is_file() else b""))
+    return digest.hexdigest()
+
+
+def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, tiny, tmp_path, capsys) -> None:
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    before = folder_digest(existing)
+    corrupt = tmp_path / "step-00000001.ckpt"
+    corrupt.write_bytes(b"not a checkpoint")
+    wider = tmp_path / "wider"
+    AutoConfig.from_pretrained(tiny.model_config, hidden_size=96).save_pretrained(wider)
+    good = full_run / "checkpoints" / "step-00000008.ckpt"
+    out = tmp_path / "out"
+    assert "no such file" in refused(capsys, "--checkpoint", tmp_path / "missing.ckpt", "--output_dir", out)
+    assert "not a readable checkpoint" in refused(capsys, "--checkpoint", corrupt, "--output_dir", out)
+    message = refused(capsys, "--checkpoint", good, "--output_dir", out, "--model_config", wider)
+    assert "model.embed_tokens.weight of shape (400, 64)" in message and "(400, 96)" in message
+    assert "is not empty" in refused(capsys, "--checkpoint", good, "--output_dir", existing)
+    assert "--dtype" in refused(capsys, "--checkpoint", good, "--output_dir", out, "--dtype", "int8")
+    assert folder_digest(existing) == before and not out.exists()
+
+
+def test_cli_refusal_has_no_traceback(tmp_path) -> None:
+    result = subprocess.run([sys.executable, "convert_to_hf.py", "--checkpoint", str(tmp_path / "none"),
+                             "--output_dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "--checkpoint" in result.stderr
+
+
+def test_push_uploads_through_huggingface_hub_without_leaking_the_token(full_run, tmp_path, monkeypatch, capsys) -> None:
+    token = "hf_secretTOKEN1234567890"
+    monkeypatch.setenv("HF_TOKEN", token)
+    calls = {}
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.setdefault("create", (repo_id, kw)))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.setdefault("upload", kw) and "commit-url")
+    convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "float32",
+            "--push_to_hub", "me/tiny", "--private", "true", "--commit_message", "first")
+    assert calls["create"] == ("me/tiny", {"private": True, "exist_ok": True})
+    assert calls["upload"]["repo_id"] == "me/tiny" and Path(calls["upload"]["folder_path"]) == tmp_path / "hf"
+    assert calls["upload"]["commit_message"] == "first"
+    output = capsys.readouterr()
+    assert token not in output.out + output.err
+    assert all(token.encode() not in p.read_bytes() for p in (tmp_path / "hf").iterdir())
+
+
+def test_dry_run_lists_the_files_and_sends_nothing(full_run, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: pytest.fail("dry run uploaded"))
+    convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "float32",
+            "--push_to_hub", "me/tiny", "--dry_run", "true")
+    listing = capsys.readouterr().out
+    assert "would upload to me/tiny" in listing and "model.safetensors" in listing and "config.json" in listing
