@@ -14,6 +14,7 @@ from app.metrics import make_loggers
 from app.model import build_model
 from app.optim import build_optimizer
 from app.preflight import RunInputs, preflight
+from app.signals import EXIT_NON_FINITE, EXIT_PREEMPTED, StopRequest, exit_run, requeue_slurm_job
 from app.strategy import build_fabric
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ def write_run_files(fabric: Fabric, cfg: Config) -> None:
 
 
 def main(fabric: Fabric, cfg: Config, inputs: RunInputs) -> None:
+    stop = StopRequest()
+    stop.install()
     fabric.seed_everything(cfg.seed)
     splits = load_splits(cfg.train_data_dir)
     model = build_model(fabric, cfg, inputs.model_config)
@@ -67,6 +70,13 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs) -> None:
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.block_size} tokens "
                  f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)")
-    loop = Loop(fabric=fabric, cfg=cfg, plan=plan, splits=splits, state=state)
-    loop.fit()
+    loop = Loop(fabric=fabric, cfg=cfg, plan=plan, splits=splits, state=state, stop=stop,
+                resumed_from=inputs.resume_from)
+    outcome = loop.fit()
+    if outcome == "non_finite":
+        exit_run(fabric, EXIT_NON_FINITE)
+    if outcome == "preempted":
+        if cfg.requeue_on_signal and fabric.is_global_zero:
+            requeue_slurm_job()
+        exit_run(fabric, EXIT_PREEMPTED)
     fabric.print(f"done: step {state['step']}, val_loss {state['val_loss']:.4f}")
