@@ -12,6 +12,8 @@ from typing import Literal, Optional, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
+from app.exit_codes import EXIT_BAD_INPUT
+
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true"]
@@ -198,7 +200,8 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     cfg = Config(**{f.name: namespace[f.name] for f in fields(Config)})
     problems = validate_config(cfg)
     if problems:
-        sys.exit("\n".join(f"error: {p}" for p in problems))
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     return cfg
 
 

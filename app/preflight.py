@@ -21,13 +21,13 @@ from torch.nn import Module
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from app.checkpoint import checkpoint_dir, latest_checkpoint, read_checkpoint_metadata
+from app.exit_codes import EXIT_BAD_INPUT
 from app.model import load_model_config, model_source, resolve_wrap_classes, weights_dtype
 from app.schedule import TrainingPlan, accumulation_steps, make_plan
 
 if TYPE_CHECKING:
     from arguments import Config
 
-EXIT_BAD_INPUT = 2
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads")
 

@@ -14,7 +14,8 @@ from app.metrics import make_loggers
 from app.model import build_model
 from app.optim import build_optimizer
 from app.preflight import RunInputs, preflight
-from app.signals import EXIT_NON_FINITE, EXIT_PREEMPTED, StopRequest, exit_run, requeue_slurm_job
+from app.exit_codes import EXIT_NON_FINITE, EXIT_PREEMPTED
+from app.signals import StopRequest, exit_run, requeue_slurm_job
 from app.strategy import build_fabric
 
 if TYPE_CHECKING:

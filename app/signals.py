@@ -7,12 +7,7 @@ the next optimizer-step boundary through ONE small all_reduce (max) that also ca
 step's loss and gradient norm. That is one host synchronisation per optimizer step, never per micro-batch. Every rank
 then finishes the step, saves a checkpoint together with the others, and exits.
 
-Exit codes (the launching process, i.e. local rank 0 on each node; other ranks exit 0 so that Lightning's launcher
-does not kill the launching process for a child's non-zero code while it is still shutting down):
-  0   training finished
-  2   bad input, refused before any work (app/preflight.py)
-  3   a non-finite loss or gradient norm stopped the run; no checkpoint was written from the corrupted step
-  75  stopped by SIGTERM/SIGUSR1 after saving a checkpoint (EX_TEMPFAIL: "try again"); rerun with --resume true
+Exit codes: app/exit_codes.py (75 after a preemption save, 3 after non-finite numbers).
 """
 
 from __future__ import annotations
@@ -27,12 +22,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from app.exit_codes import EXIT_FINISHED
+
 if TYPE_CHECKING:
     from lightning import Fabric
 
-EXIT_FINISHED = 0
-EXIT_NON_FINITE = 3
-EXIT_PREEMPTED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
