@@ -12,6 +12,8 @@ from typing import Literal, Optional, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
+from app.exit_codes import EXIT_BAD_INPUT
+
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true"]
@@ -90,6 +92,10 @@ class CheckpointArgs:
     """Continue from --checkpoint, or from the latest checkpoint in out_dir."""
     checkpoint: Optional[str] = None
     """Checkpoint file (or sharded folder) to resume from; needs --resume true."""
+    keep_last_n: Optional[int] = None
+    """Keep only the newest N checkpoints (plus the best one in checkpoints/best.json and the one resumed from)."""
+    requeue_on_signal: bool = False
+    """Under Slurm, after the SIGTERM/SIGUSR1 checkpoint, run `scontrol requeue $SLURM_JOB_ID` so the job restarts."""
 
 
 @dataclass
@@ -105,7 +111,7 @@ class TrainingArgs:
     global_batch_size: Optional[int] = None
     """Sequences per optimizer step over all devices; sets accumulation = global / (micro x devices x nodes)."""
     grad_clip: float = 1.0
-    """Maximum global gradient norm; 0 disables clipping."""
+    """Maximum global gradient norm; 0 disables clipping (the norm is still measured, logged and checked)."""
     max_step: Optional[int] = None
     """Optimizer steps to train; default: number_epochs x steps per epoch. Overrides --number_epochs when given."""
     lr: float = 2e-5
@@ -200,7 +206,7 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     problems = validate_config(cfg)
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
     return cfg
 
 
@@ -231,7 +237,8 @@ def validate_config(cfg: Config) -> list[str]:
     for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "eval_step_interval",
                  "save_step_interval", "log_interval"):
         require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "eval_batch_size"):
+    for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "eval_batch_size",
+                 "keep_last_n"):
         value = getattr(cfg, name)
         require(value in (None, "auto") or value >= 1, f"--{name} must be at least 1, got {value}")
     require(cfg.num_workers >= 0, f"--num_workers must be 0 or more, got {cfg.num_workers}")

@@ -3,11 +3,17 @@
 A checkpoint is `<out_dir>/checkpoints/step-00000016.ckpt`: a file with --state_dict_type full (model weights under
 their Hugging Face names, gathered on rank 0), a folder of shards with --state_dict_type sharded. It is written
 under a hidden temporary name in the same folder and renamed once complete, so a crash at any moment leaves
-either the previous checkpoints or the new one, never a partial file that resume would take.
+either the previous checkpoints or the new one, never a partial file that resume would take; the next save removes
+what an interrupted one left behind.
+
+After publishing, rank 0 records the checkpoint with the lowest validation loss in `checkpoints/best.json` (only
+checkpoints evaluated at their own step compete) and, with --keep_last_n, deletes older checkpoints except that
+best one and the one the run resumed from.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -21,6 +27,8 @@ import torch.distributed as dist
 from lightning import Fabric
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.ckpt$")
+LEFTOVER_NAME = re.compile(r"^\.step-\d+\.ckpt\.(partial|replaced)$")
+BEST_FILE = "best.json"
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
@@ -106,14 +114,50 @@ def _publish(temporary: Path, final: Path) -> None:
         os.replace(temporary, final)
 
 
+def remove_leftovers(folder: Path) -> None:
+    """Delete what interrupted saves left behind (hidden `.partial` / `.replaced` names, never a checkpoint)."""
+    for path in folder.iterdir() if folder.is_dir() else ():
+        if LEFTOVER_NAME.match(path.name):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def read_best(out_dir: str | Path) -> Optional[dict[str, Any]]:
+    """`{"checkpoint": "step-00000016.ckpt", "step": 16, "val_loss": 2.31}`, or None when nothing was marked yet."""
+    path = checkpoint_dir(out_dir) / BEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def mark_if_best(path: Path, step: int, val_loss: float) -> None:
+    """Point best.json at `path` when its validation loss beats the marked one (written atomically)."""
+    best = read_best(path.parent.parent)
+    if best is not None and (path.parent / best["checkpoint"]).exists() and best["val_loss"] <= val_loss:
+        return
+    temporary = path.parent / f".{BEST_FILE}.partial"
+    temporary.write_text(json.dumps({"checkpoint": path.name, "step": step, "val_loss": val_loss}) + "\n")
+    os.replace(temporary, path.parent / BEST_FILE)
+
+
+def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected: set[Path]) -> list[Path]:
+    """Delete all but the newest `keep_last_n` checkpoints, never the best one nor those in `protected`."""
+    if keep_last_n is None:
+        return []
+    checkpoints = list_checkpoints(out_dir)
+    best = read_best(out_dir)
+    keep = {path.resolve() for path in protected} | {checkpoints[step].resolve() for step in sorted(checkpoints)[-keep_last_n:]}
+    if best is not None:
+        keep.add((checkpoint_dir(out_dir) / best["checkpoint"]).resolve())
+    deleted = [path for step, path in sorted(checkpoints.items()) if path.resolve() not in keep]
+    for path in deleted:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return deleted
+
+
 def save_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any]) -> None:
     """fabric.save to a temporary name beside `path`, then an atomic rename on rank 0. Collective: all ranks call it."""
     temporary = path.with_name(f".{path.name}.partial")
     if fabric.is_global_zero:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if temporary.is_dir():
-            shutil.rmtree(temporary)
-        temporary.unlink(missing_ok=True)
+        remove_leftovers(path.parent)
     fabric.barrier()
     fabric.save(temporary, state)
     fabric.barrier()
@@ -123,7 +167,20 @@ def save_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any]) -> None:
     fabric.barrier()
 
 
+def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
+    """The checkpoint's contents, read safely (weights_only: tensors and plain data only, no code runs) and lazily
+    (mmap: no weights are read); of a sharded folder, its `meta.pt`. Raises on unreadable or unsafe files."""
+    if path.is_dir():
+        return torch.load(path / "meta.pt", weights_only=True)
+    return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+
+
 def load_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any]) -> None:
-    """Restore `state` in place (model, optimizer, counters) and this rank's random generators."""
+    """Restore `state` in place (model, optimizer, counters) and this rank's random generators.
+
+    Lightning reads full checkpoint files with an unrestricted unpickler, so every rank first reads the file with
+    weights_only=True, which refuses anything but tensors and plain data before Lightning's loader sees it.
+    """
+    read_checkpoint_metadata(path)
     fabric.load(path, state)
     restore_rng(state["rng"][fabric.global_rank])

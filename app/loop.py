@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 from datasets import DatasetDict
 from lightning import Fabric
 
-from app.checkpoint import checkpoint_path, rng_of_every_rank, save_checkpoint
+from app.checkpoint import checkpoint_path, mark_if_best, prune_checkpoints, rng_of_every_rank, save_checkpoint
 from app.data import train_batches
 from app.evaluate import perplexity, validation_loss
 from app.metrics import StepClock, progress_line, should_upload_checkpoint, upload_checkpoint
 from app.optim import set_learning_rate
 from app.schedule import TrainingPlan, learning_rate
+from app.signals import StepVerdict, StopRequest, step_verdict
 
 if TYPE_CHECKING:
     from arguments import Config
 
 
+Outcome = Literal["finished", "preempted", "non_finite"]
+
+
 def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tensor], grad_clip: float,
-               lr: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               lr: float, stop: StopRequest) -> tuple[torch.Tensor, torch.Tensor, StepVerdict]:
     """One optimizer step over the micro-batches; returns the mean loss and the gradient norm as device tensors.
 
     Gradients are synchronised only on the last micro-batch; each micro-batch loss is scaled by 1/accumulation so
-    the accumulated gradient is the mean over the step's batch.
+    the accumulated gradient is the mean over the step's batch. The gradient norm is measured even when clipping is
+    off (max_norm inf) so that a non-finite gradient is caught: then the weights are left as they were.
     """
     accumulation = len(micro_batches)
     loss_sum = torch.zeros((), device=fabric.device)
@@ -35,11 +42,14 @@ def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tenso
             loss = model(input_ids=input_ids, labels=input_ids).loss
             fabric.backward(loss / accumulation)
         loss_sum += loss.detach()
-    grad_norm = fabric.clip_gradients(model, optimizer, max_norm=grad_clip) if grad_clip > 0 else None
-    set_learning_rate(optimizer, lr)
-    optimizer.step()
+    grad_norm = fabric.clip_gradients(model, optimizer, max_norm=grad_clip if grad_clip > 0 else math.inf,
+                                      error_if_nonfinite=False)
+    verdict = step_verdict(fabric, loss_sum, grad_norm, stop)
+    if not verdict.non_finite:
+        set_learning_rate(optimizer, lr)
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum / accumulation, grad_norm
+    return loss_sum / accumulation, grad_norm, verdict
 
 
 def advance_position(state: dict[str, Any], plan: TrainingPlan) -> bool:
@@ -62,8 +72,11 @@ class Loop:
     plan: TrainingPlan
     splits: DatasetDict
     state: dict[str, Any]
+    stop: StopRequest
+    resumed_from: Optional[Path] = None
 
-    def fit(self) -> None:
+    def fit(self) -> Outcome:
+        """Train until max_step; returns early after saving when a stop signal arrived, or when numbers went bad."""
         state, plan, cfg = self.state, self.plan, self.cfg
         batches = train_batches(self.fabric, self.splits["train"], plan, seed=cfg.seed, epoch=state["epoch"],
                                 position=state["position"], num_workers=cfg.num_workers)
@@ -74,8 +87,12 @@ class Loop:
         while state["step"] < plan.max_step:
             lr = learning_rate(state["step"] + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_step=plan.max_step, decay=cfg.lr_decay)
-            loss, grad_norm = train_step(self.fabric, state["model"], state["optimizer"],
-                                         list(islice(batches, plan.accumulation)), cfg.grad_clip, lr)
+            loss, grad_norm, verdict = train_step(self.fabric, state["model"], state["optimizer"],
+                                                  list(islice(batches, plan.accumulation)), cfg.grad_clip, lr,
+                                                  self.stop)
+            if verdict.non_finite:
+                self.report_non_finite(loss, grad_norm)
+                return "non_finite"
             losses.append(loss)
             epoch_ended = advance_position(state, plan)
             throughput = clock.tick(state["step"])
@@ -84,22 +101,25 @@ class Loop:
             if step % cfg.log_interval == 0 or last:
                 metrics |= self.training_metrics(losses, grad_norm, lr, throughput, clock)
                 losses = []
-            if step % cfg.eval_step_interval == 0 or epoch_ended or last:
+            evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
+            if evaluated:
                 metrics |= self.evaluate()
             if metrics:
                 self.fabric.log_dict(metrics, step=step)
-            if step % cfg.save_step_interval == 0 or last:
-                self.save(upload=should_upload_checkpoint(cfg.log_model, last))
+            if step % cfg.save_step_interval == 0 or last or verdict.stop_requested:
+                self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
+            if verdict.stop_requested and not last:
+                self.fabric.print(f"step {step}: stopped by a signal after saving; continue with --resume true")
+                return "preempted"
+        return "finished"
 
-    def training_metrics(self, losses: list[torch.Tensor], grad_norm: Optional[torch.Tensor], lr: float,
+    def training_metrics(self, losses: list[torch.Tensor], grad_norm: torch.Tensor, lr: float,
                          throughput: dict[str, float], clock: StepClock) -> dict[str, float]:
         """The only place training values leave the device: once per log interval, averaged over ranks."""
         mean_loss = self.fabric.all_reduce(torch.stack(losses).mean(), reduce_op="mean")
         step = self.state["step"]
         metrics = {"epoch": self.state["epoch"], "train_loss": mean_loss.item(), "lr": lr,
-                   "elapsed_sec": clock.elapsed(), **throughput}
-        if grad_norm is not None:
-            metrics["grad_norm"] = grad_norm.item()
+                   "grad_norm": grad_norm.item(), "elapsed_sec": clock.elapsed(), **throughput}
         self.fabric.print(progress_line(step, self.plan.max_step, metrics, clock.eta(step)))
         return metrics
 
@@ -111,10 +131,23 @@ class Loop:
         self.fabric.print(f"step {self.state['step']}: val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
         return {"val_loss": loss, "val_ppl": perplexity(loss)}
 
-    def save(self, upload: bool) -> None:
-        path = checkpoint_path(self.cfg.out_dir, self.state["step"])
+    def report_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.fabric.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()}, gradient norm "
+                          f"{grad_norm.item()} on rank 0); stopped without applying this step or saving it. Resume "
+                          "from the last checkpoint with a lower --lr, a --grad_clip, or --precision bf16-mixed")
+
+    def save(self, evaluated: bool, upload: bool) -> None:
+        """Write the checkpoint; then rank 0 marks it when it is the best so far and applies --keep_last_n."""
+        step = self.state["step"]
+        path = checkpoint_path(self.cfg.out_dir, step)
         self.state["rng"] = rng_of_every_rank(self.fabric)
         save_checkpoint(self.fabric, path, self.state)
-        self.fabric.print(f"step {self.state['step']}: saved {path}")
+        self.fabric.print(f"step {step}: saved {path}")
+        if self.fabric.is_global_zero:
+            if evaluated:
+                mark_if_best(path, step, self.state["val_loss"])
+            protected = {self.resumed_from} if self.resumed_from else set()
+            for deleted in prune_checkpoints(self.cfg.out_dir, self.cfg.keep_last_n, protected):
+                self.fabric.print(f"step {step}: deleted {deleted.name} (--keep_last_n {self.cfg.keep_last_n})")
         if upload:
-            upload_checkpoint(self.fabric.loggers, path, self.state["step"])
+            upload_checkpoint(self.fabric.loggers, path, step)

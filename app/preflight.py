@@ -12,7 +12,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import pyarrow.compute as pc
 import torch
@@ -20,7 +20,8 @@ from datasets import DatasetDict, load_from_disk
 from torch.nn import Module
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from app.checkpoint import checkpoint_dir, latest_checkpoint
+from app.checkpoint import checkpoint_dir, latest_checkpoint, read_checkpoint_metadata
+from app.exit_codes import EXIT_BAD_INPUT
 from app.prefetch import offline_hint
 from app.model import load_model_config, model_source, resolve_wrap_classes, weights_dtype
 from app.schedule import TrainingPlan, accumulation_steps, make_plan
@@ -28,7 +29,6 @@ from app.schedule import TrainingPlan, accumulation_steps, make_plan
 if TYPE_CHECKING:
     from arguments import Config
 
-EXIT_BAD_INPUT = 2
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads")
 
@@ -186,13 +186,6 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
         if free < needed:
             problems.append(f"--out_dir {out_dir}: {free / 1e9:.1f} GB free, one checkpoint needs about "
                             f"{needed / 1e9:.1f} GB; free space or choose another folder")
-
-
-def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
-    """The plain-data part of a checkpoint, read safely (weights_only) and lazily (mmap) without loading weights."""
-    if path.is_dir():
-        return torch.load(path / "meta.pt", weights_only=True)
-    return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
 
 
 def check_checkpoint_matches(path: Path, model_config: Optional[PretrainedConfig], problems: list[str]) -> None:

@@ -14,10 +14,14 @@ from app.metrics import make_loggers
 from app.model import DeferredInit, build_model, deferred_init, load_pretrained_weights, weights_dtype
 from app.optim import build_optimizer, no_decay_names
 from app.preflight import RunInputs, preflight
+from app.exit_codes import EXIT_FINISHED, EXIT_NON_FINITE, EXIT_PREEMPTED
+from app.signals import StopRequest, exit_run, requeue_slurm_job
 from app.strategy import build_fabric
 
 if TYPE_CHECKING:
     from arguments import Config
+
+EXIT_CODES = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED, "non_finite": EXIT_NON_FINITE}
 
 
 def run(cfg: Config) -> None:
@@ -56,6 +60,8 @@ def write_run_files(fabric: Fabric, cfg: Config) -> None:
 
 
 def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> None:
+    stop = StopRequest()
+    stop.install()
     fabric.seed_everything(cfg.seed)
     splits = load_splits(cfg.train_data_dir)
     model = build_model(fabric, cfg, inputs.model_config, deferred)
@@ -72,6 +78,11 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.block_size} tokens "
                  f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)")
-    loop = Loop(fabric=fabric, cfg=cfg, plan=plan, splits=splits, state=state)
-    loop.fit()
-    fabric.print(f"done: step {state['step']}, val_loss {state['val_loss']:.4f}")
+    loop = Loop(fabric=fabric, cfg=cfg, plan=plan, splits=splits, state=state, stop=stop,
+                resumed_from=inputs.resume_from)
+    outcome = loop.fit()
+    if outcome == "finished":
+        fabric.print(f"done: step {state['step']}, val_loss {state['val_loss']:.4f}")
+    if outcome == "preempted" and cfg.requeue_on_signal and fabric.is_global_zero:
+        requeue_slurm_job()
+    exit_run(fabric, EXIT_CODES[outcome])

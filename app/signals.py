@@ -1,0 +1,87 @@
+"""Stopping a run cleanly: preemption signals, non-finite numbers, and the exit codes schedulers see.
+
+SIGTERM (what Kubernetes, Docker and Slurm send before killing a job) and SIGUSR1 (what Slurm sends ahead of a time
+limit with `#SBATCH --signal=USR1@120`) only set a flag here. The signal may reach one process (Lightning's launcher
+parent, which is rank 0) or all of them (srun, torchrun, `kill -TERM -PGID`); either way the ranks learn of it at
+the next optimizer-step boundary through ONE small all_reduce (max) that also carries the non-finite check of the
+step's loss and gradient norm. That is one host synchronisation per optimizer step, never per micro-batch. Every rank
+then finishes the step, saves a checkpoint together with the others, and exits.
+
+Exit codes: app/exit_codes.py (75 after a preemption save, 3 after non-finite numbers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from app.exit_codes import EXIT_FINISHED
+
+if TYPE_CHECKING:
+    from lightning import Fabric
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Remembers the first stop signal this process received; the handler does nothing else (async-signal safe)."""
+
+    def __init__(self) -> None:
+        self.signal: Optional[int] = None
+
+    def install(self) -> None:
+        for stop_signal in STOP_SIGNALS:
+            signal.signal(stop_signal, self._record)
+
+    def _record(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.signal = self.signal or signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """What all ranks agreed on at one optimizer-step boundary."""
+
+    stop_requested: bool
+    non_finite: bool
+
+
+def step_verdict(fabric: Fabric, loss: torch.Tensor, grad_norm: torch.Tensor, stop: StopRequest) -> StepVerdict:
+    """ONE all_reduce (max) of [this rank saw a stop signal, this rank's loss or gradient norm is not finite].
+
+    The loss is the sum over the step's micro-batches, so a NaN in any of them shows here without a sync per
+    micro-batch; the `.tolist()` is the step's single device-to-host synchronisation.
+    """
+    non_finite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    flags = torch.stack([torch.tensor(float(stop.requested), device=loss.device), non_finite.float()])
+    stop_requested, bad = fabric.all_reduce(flags, reduce_op="max").tolist()
+    return StepVerdict(stop_requested=stop_requested > 0, non_finite=bad > 0)
+
+
+def requeue_slurm_job() -> None:
+    """`scontrol requeue $SLURM_JOB_ID`: Slurm puts the job back in the queue; its next start resumes (--resume true)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id is None:
+        print("--requeue_on_signal: SLURM_JOB_ID is not set (not a Slurm job); not requeued", flush=True)
+        return
+    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    outcome = "requeued" if result.returncode == 0 else f"requeue failed: {result.stderr.strip()}"
+    print(f"Slurm job {job_id} {outcome}", flush=True)
+
+
+def exit_run(fabric: Fabric, code: int) -> None:
+    """Leave with `code` from the launching process of each node; the other ranks return normally (exit 0)."""
+    fabric.barrier()
+    if code != EXIT_FINISHED and fabric.local_rank == 0:
+        sys.stdout.flush()
+        sys.exit(code)
