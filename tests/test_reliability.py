@@ -24,7 +24,7 @@ from app.exit_codes import EXIT_NON_FINITE, EXIT_PREEMPTED
 from conftest import ROOT, TinySetup, run_train, train_args
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
-# 667 train blocks / (16 micro-batch x 2 ranks x 2 accumulation) = 10 steps per epoch: step 10 ends epoch 0.
+# 647 train blocks / (16 micro-batch x 2 ranks x 2 accumulation) = 10 steps per epoch: step 10 ends epoch 0.
 EXACT = dict(micro_batch_size=16, gradient_accumulation_steps=2, max_step=14, save_step_interval=6,
              eval_step_interval=100)
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \|", re.MULTILINE)

@@ -1,0 +1,105 @@
+"""Preflight: every bad input is refused before any worker starts, all at once, one line each, nothing touched."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import AutoConfig
+
+from app.preflight import preflight
+from arguments import parse_config
+from tests.conftest import ROOT, TinySetup, train_args
+
+
+def digest(folder: Path) -> str:
+    hashed = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        hashed.update(str(path.relative_to(folder)).encode() + (path.read_bytes() if path.is_file() else b""))
+    return hashed.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
+    """Broken inputs of every kind, and a run folder with a checkpoint that must survive every refusal."""
+    root = tmp_path_factory.mktemp("bad")
+    splits = datasets.load_from_disk(str(tiny.data))
+    datasets.DatasetDict({"train": splits["train"]}).save_to_disk(str(root / "no_validation"))
+    text = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    datasets.DatasetDict({"train": text, "validation": text}).save_to_disk(str(root / "no_input_ids"))
+    ragged = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [1, 2]]})
+    datasets.DatasetDict({"train": ragged, "validation": ragged}).save_to_disk(str(root / "ragged"))
+    for name, changes in {"short_positions": {"max_position_embeddings": 16}, "small_vocab": {"vocab_size": 100},
+                          "wider": {"hidden_size": 96}}.items():
+        AutoConfig.from_pretrained(tiny.model_config, **changes).save_pretrained(root / name)
+    (root / "corrupt.ckpt").write_bytes(b"\x80\x04 not a checkpoint")
+    torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(root / "wider").to_dict()},
+               root / "other_model.ckpt")
+    run = root / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config).to_dict()},
+               run / "step-00000004.ckpt")
+    (root / "a_file").write_text("not a folder")
+    return {path.stem: path for path in root.iterdir()}
+
+
+CASES = {
+    "missing data": (dict(train_data_dir="/nonexistent/data"), "--train_data_dir /nonexistent/data: no such folder"),
+    "no validation split": (dict(train_data_dir="{no_validation}"), "missing split(s) validation"),
+    "no input_ids": (dict(train_data_dir="{no_input_ids}"), "has no rows of input_ids (columns: ['text'])"),
+    "ragged rows": (dict(train_data_dir="{ragged}"), "rows have different lengths"),
+    "blocks too long": (dict(model_config="{short_positions}"), "exceed the model's max_position_embeddings (16)"),
+    "ids beyond vocab": (dict(model_config="{small_vocab}", tokenizer=None), "but the model's vocab_size is 100"),
+    "missing model config": (dict(model_config="/nonexistent/config"), "--model_config /nonexistent/config"),
+    "missing tokenizer": (dict(tokenizer="/nonexistent/tokenizer"), "--tokenizer /nonexistent/tokenizer"),
+    "unknown wrap class": (dict(auto_wrap_policy="[GPT2Block]"), "choose from: LlamaDecoderLayer"),
+    "global batch": (dict(global_batch_size=12, gradient_accumulation_steps=None), "--global_batch_size 12"),
+    "data below one step": (dict(micro_batch_size=400), "fewer than one optimizer step"),
+    "missing checkpoint": (dict(resume=True, checkpoint="/nonexistent.ckpt"), "--checkpoint /nonexistent.ckpt"),
+    "corrupt checkpoint": (dict(resume=True, checkpoint="{corrupt}"), "not a readable checkpoint"),
+    "other model's checkpoint": (dict(resume=True, checkpoint="{other_model}"), "is from a different model"),
+    "out_dir is a file": (dict(out_dir="{a_file}"), "is a file; give a folder"),
+    "checkpoints without resume": (dict(out_dir="{run}"), "already holds checkpoints; add --resume true"),
+    "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),
+    "negative lr": (dict(lr=-1.0), "--lr must be positive"),
+    "fsdp option with ddp": (dict(strategy="ddp", sharding_strategy="NO_SHARD"), "only apply to --strategy fsdp"),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_bad_input_is_refused_with_one_line_naming_it(case, tiny, bad, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    overrides, expected = CASES[case]
+    overrides = {k: v.format(**{n: p for n, p in bad.items()}) if isinstance(v, str) else v
+                 for k, v in overrides.items()}
+    out_dir = Path(overrides.pop("out_dir", tmp_path / "out"))
+    before = digest(bad["run"])
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, out_dir, **overrides)))
+    assert exit_info.value.code == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert any(expected in line for line in errors), errors
+    assert all(line.startswith("error: ") for line in errors)
+    assert digest(bad["run"]) == before
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_problem_is_reported_at_once_by_the_cli_without_traceback(tiny, bad, tmp_path) -> None:
+    args = train_args(tiny, bad["run"], model_config=bad["small_vocab"], tokenizer="/nonexistent/tokenizer",
+                      auto_wrap_policy="[GPT2Block]")
+    before = digest(bad["run"])
+    result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "LOCAL_RANK": "0"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    errors = result.stderr.strip().splitlines()
+    for expected in ("vocab_size is 100", "--tokenizer /nonexistent/tokenizer", "--auto_wrap_policy GPT2Block",
+                     "already holds checkpoints"):
+        assert any(expected in line for line in errors), errors
+    assert digest(bad["run"]) == before
