@@ -50,7 +50,7 @@ def test_fsdp_run_trains_evaluates_and_logs_every_step(fsdp_run) -> None:
 
 def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:
     names = sorted(p.name for p in (fsdp_run / "checkpoints").iterdir())
-    assert names == ["step-00000008.ckpt", "step-00000016.ckpt", "step-00000024.ckpt"]
+    assert names == ["best.json", "step-00000008.ckpt", "step-00000016.ckpt", "step-00000024.ckpt"]
     checkpoint = torch.load(fsdp_run / "checkpoints" / "step-00000016.ckpt", weights_only=True)
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).state_dict()
     assert {k: v.shape for k, v in checkpoint["model"].items()} == {k: v.shape for k, v in reference.items()}
