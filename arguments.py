@@ -62,6 +62,8 @@ class ModelArgs:
     """Attention kernel: PyTorch SDPA (flash/memory-efficient on GPUs), flash_attention_2 (needs flash-attn)."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run; off unless you trust its authors."""
+    compile: bool = False
+    """torch.compile the model after FSDP wrapping: faster GPU steps after a compilation warm-up at the start."""
 
 
 @dataclass
@@ -142,6 +144,8 @@ class EvalArgs:
     """Maximum validation batches per evaluation (per device)."""
     eval_step_interval: int = 500
     """Evaluate every this many optimizer steps (and at the end of each epoch and of training)."""
+    initial_validation: bool = True
+    """Evaluate once before the first step of a new run: the baseline every later validation loss compares with."""
 
 
 @dataclass
@@ -170,11 +174,23 @@ class LoggingArgs:
     """online needs WANDB_API_KEY or `wandb login`; offline writes to out_dir/wandb for a later `wandb sync`."""
 
 
-GROUPS = (DeviceArgs, DataArgs, ModelArgs, FSDPArgs, CheckpointArgs, TrainingArgs, EvalArgs, SaveArgs, LoggingArgs)
+@dataclass
+class PlannerArgs:
+    """Memory planner"""
+
+    estimate_memory: bool = False
+    """Print the expected memory per device and the largest micro batch that fits, then exit without training."""
+    device_memory_gb: Optional[float] = None
+    """Memory of one device for --estimate_memory (e.g. 80 to plan for an H100 elsewhere); default: this machine's."""
+
+
+GROUPS = (DeviceArgs, DataArgs, ModelArgs, FSDPArgs, CheckpointArgs, TrainingArgs, EvalArgs, SaveArgs, LoggingArgs,
+          PlannerArgs)
 
 
 @dataclass
-class Config(LoggingArgs, SaveArgs, EvalArgs, TrainingArgs, CheckpointArgs, FSDPArgs, ModelArgs, DataArgs, DeviceArgs):
+class Config(PlannerArgs, LoggingArgs, SaveArgs, EvalArgs, TrainingArgs, CheckpointArgs, FSDPArgs, ModelArgs,
+             DataArgs, DeviceArgs):
     """All options of one run, flat as on the command line (`cfg.lr`, `cfg.devices`)."""
 
     def to_dict(self) -> dict:
@@ -241,6 +257,8 @@ def validate_config(cfg: Config) -> list[str]:
                  "keep_last_n"):
         value = getattr(cfg, name)
         require(value in (None, "auto") or value >= 1, f"--{name} must be at least 1, got {value}")
+    require(cfg.device_memory_gb is None or cfg.device_memory_gb > 0,
+            f"--device_memory_gb must be positive, got {cfg.device_memory_gb}")
     require(cfg.num_workers >= 0, f"--num_workers must be 0 or more, got {cfg.num_workers}")
     require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")

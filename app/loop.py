@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -15,7 +15,9 @@ from lightning import Fabric
 from app.checkpoint import checkpoint_path, mark_if_best, prune_checkpoints, rng_of_every_rank, save_checkpoint
 from app.data import train_batches
 from app.evaluate import perplexity, validation_loss
-from app.metrics import StepClock, progress_line, should_upload_checkpoint, upload_checkpoint
+from app.console import Console
+from app.metrics import should_upload_checkpoint, upload_checkpoint
+from app.observe import PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, largest, run_summary
 from app.optim import set_learning_rate
 from app.schedule import TrainingPlan, learning_rate
 from app.signals import StepVerdict, StopRequest, step_verdict
@@ -65,7 +67,7 @@ def advance_position(state: dict[str, Any], plan: TrainingPlan) -> bool:
 
 @dataclass
 class Loop:
-    """One run's training: the objects it needs, and the decisions of when to log, evaluate and save."""
+    """One run's training: the objects it needs, the decisions of when to log, evaluate and save, and its timers."""
 
     fabric: Fabric
     cfg: Config
@@ -73,81 +75,114 @@ class Loop:
     splits: DatasetDict
     state: dict[str, Any]
     stop: StopRequest
+    clock: StepClock
+    console: Console
     resumed_from: Optional[Path] = None
+    data_wait: Stopwatch = field(default_factory=Stopwatch)
+    evaluation: Stopwatch = field(default_factory=Stopwatch)
+    saving: Stopwatch = field(default_factory=Stopwatch)
+    state_memory: ModelStateMemory = field(default_factory=ModelStateMemory)
+    ranks_at_last_log: Optional[list[RankStats]] = None
+    elapsed_at_last_log: float = 0.0
 
     def fit(self) -> Outcome:
         """Train until max_step; returns early after saving when a stop signal arrived, or when numbers went bad."""
         state, plan, cfg = self.state, self.plan, self.cfg
         batches = train_batches(self.fabric, self.splits["train"], plan, seed=cfg.seed, epoch=state["epoch"],
                                 position=state["position"], num_workers=cfg.num_workers)
-        clock = StepClock(start_step=state["step"], max_step=plan.max_step, window=cfg.log_interval,
-                          world_size=plan.world_size, samples_per_step=plan.global_batch_size,
-                          tokens_per_step=plan.tokens_per_step)
+        self.state_memory.watch(state["model"], state["optimizer"])
+        if state["step"] == 0 and cfg.initial_validation:
+            self.fabric.log_dict(self.evaluate(), step=0)
         losses: list[torch.Tensor] = []
         while state["step"] < plan.max_step:
             lr = learning_rate(state["step"] + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_step=plan.max_step, decay=cfg.lr_decay)
-            loss, grad_norm, verdict = train_step(self.fabric, state["model"], state["optimizer"],
-                                                  list(islice(batches, plan.accumulation)), cfg.grad_clip, lr,
-                                                  self.stop)
+            with self.data_wait.measure():
+                micro_batches = list(islice(batches, plan.accumulation))
+            loss, grad_norm, verdict = train_step(self.fabric, state["model"], state["optimizer"], micro_batches,
+                                                  cfg.grad_clip, lr, self.stop)
             if verdict.non_finite:
                 self.report_non_finite(loss, grad_norm)
                 return "non_finite"
             losses.append(loss)
             epoch_ended = advance_position(state, plan)
-            throughput = clock.tick(state["step"])
+            throughput = self.clock.tick(state["step"])
+            self.console.advance()
             step, last = state["step"], state["step"] == plan.max_step
             metrics: dict[str, float] = {}
             if step % cfg.log_interval == 0 or last:
-                metrics |= self.training_metrics(losses, grad_norm, lr, throughput, clock)
+                metrics |= self.training_metrics(losses, grad_norm, lr, throughput)
                 losses = []
             evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
             if evaluated:
                 metrics |= self.evaluate()
+            if step % cfg.save_step_interval == 0 or last or verdict.stop_requested:
+                metrics |= self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
             if metrics:
                 self.fabric.log_dict(metrics, step=step)
-            if step % cfg.save_step_interval == 0 or last or verdict.stop_requested:
-                self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
             if verdict.stop_requested and not last:
-                self.fabric.print(f"step {step}: stopped by a signal after saving; continue with --resume true")
+                self.console.print(f"step {step}: stopped by a signal after saving; continue with --resume true")
                 return "preempted"
         return "finished"
 
+    def gather_rank_stats(self, local_values: torch.Tensor) -> tuple[torch.Tensor, list[RankStats]]:
+        """One all_gather of `local_values` and of this rank's RankStats: rows of the values, and every rank's stats."""
+        stats = RankStats.of_this_rank(self.fabric.device, self.data_wait, self.saving, self.state_memory)
+        local = torch.cat([local_values.double().to(self.fabric.device), stats.to_tensor().to(self.fabric.device)])
+        rows = self.fabric.all_gather(local).reshape(-1, local.numel()).cpu()
+        return rows[:, :local_values.numel()], [RankStats.from_tensor(row[local_values.numel():]) for row in rows]
+
     def training_metrics(self, losses: list[torch.Tensor], grad_norm: torch.Tensor, lr: float,
-                         throughput: dict[str, float], clock: StepClock) -> dict[str, float]:
-        """The only place training values leave the device: once per log interval, averaged over ranks."""
-        mean_loss = self.fabric.all_reduce(torch.stack(losses).mean(), reduce_op="mean")
+                         throughput: dict[str, float]) -> dict[str, float]:
+        """The only place training values leave the device: once per log interval, with every rank's numbers."""
+        mean_losses, ranks = self.gather_rank_stats(torch.stack(losses).mean().reshape(1))
+        previous = self.ranks_at_last_log or [RankStats() for _ in ranks]
+        waited = max(now.data_wait_sec - before.data_wait_sec for now, before in zip(ranks, previous))
+        elapsed = self.clock.elapsed()
+        interval = elapsed - self.elapsed_at_last_log
+        self.ranks_at_last_log, self.elapsed_at_last_log = ranks, elapsed
         step = self.state["step"]
-        metrics = {"epoch": self.state["epoch"], "train_loss": mean_loss.item(), "lr": lr,
-                   "grad_norm": grad_norm.item(), "elapsed_sec": clock.elapsed(), **throughput}
-        self.fabric.print(progress_line(step, self.plan.max_step, metrics, clock.eta(step)))
+        metrics = {"epoch": self.state["epoch"], "train_loss": mean_losses.mean().item(), "lr": lr,
+                   "grad_norm": grad_norm.item(), "elapsed_sec": elapsed, "data_wait_pct": 100 * waited / interval,
+                   **throughput}
+        metrics |= {name: largest(ranks, name) for name in PEAK_MEMORY if not math.isnan(largest(ranks, name))}
+        self.console.report(step, self.plan.max_step, metrics, self.clock.eta(step))
         return metrics
+
+    def summarize(self) -> dict[str, Any]:
+        """The run summary; every rank takes part (one all_gather of the ranks' numbers)."""
+        _, ranks = self.gather_rank_stats(torch.zeros(0))
+        return run_summary(clock=self.clock, step=self.state["step"], evaluation=self.evaluation, saving=self.saving,
+                           ranks=ranks, val_loss=self.state["val_loss"])
 
     def evaluate(self) -> dict[str, float]:
         cfg = self.cfg
-        loss = validation_loss(self.fabric, self.state["model"], self.splits["validation"],
-                               batch_size=cfg.eval_batch_size or cfg.micro_batch_size, max_batches=cfg.eval_iters)
+        with self.evaluation.measure():
+            loss = validation_loss(self.fabric, self.state["model"], self.splits["validation"],
+                                   batch_size=cfg.eval_batch_size or cfg.micro_batch_size, max_batches=cfg.eval_iters)
         self.state["val_loss"] = loss
-        self.fabric.print(f"step {self.state['step']}: val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
+        self.console.print(f"step {self.state['step']}: val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
         return {"val_loss": loss, "val_ppl": perplexity(loss)}
 
     def report_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        self.fabric.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()}, gradient norm "
+        self.console.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()}, gradient norm "
                           f"{grad_norm.item()} on rank 0); stopped without applying this step or saving it. Resume "
                           "from the last checkpoint with a lower --lr, a --grad_clip, or --precision bf16-mixed")
 
-    def save(self, evaluated: bool, upload: bool) -> None:
+    def save(self, evaluated: bool, upload: bool) -> dict[str, float]:
         """Write the checkpoint; then rank 0 marks it when it is the best so far and applies --keep_last_n."""
         step = self.state["step"]
         path = checkpoint_path(self.cfg.out_dir, step)
-        self.state["rng"] = rng_of_every_rank(self.fabric)
-        save_checkpoint(self.fabric, path, self.state)
-        self.fabric.print(f"step {step}: saved {path}")
+        with self.saving.measure():
+            self.state["rng"] = rng_of_every_rank(self.fabric)
+            save_checkpoint(self.fabric, path, self.state)
+        self.console.print(f"step {step}: saved {path} in {self.saving.last:.1f} s")
         if self.fabric.is_global_zero:
             if evaluated:
                 mark_if_best(path, step, self.state["val_loss"])
             protected = {self.resumed_from} if self.resumed_from else set()
             for deleted in prune_checkpoints(self.cfg.out_dir, self.cfg.keep_last_n, protected):
-                self.fabric.print(f"step {step}: deleted {deleted.name} (--keep_last_n {self.cfg.keep_last_n})")
+                self.console.print(f"step {step}: deleted {deleted.name} (--keep_last_n {self.cfg.keep_last_n})")
         if upload:
             upload_checkpoint(self.fabric.loggers, path, step)
+        return {"save_sec": self.saving.last}

@@ -1,22 +1,26 @@
-"""Where numbers go: a progress line on rank 0, `<out_dir>/metrics.csv`, and Weights & Biases when enabled."""
+"""Where numbers go: `<out_dir>/metrics.csv`, `<out_dir>/summary.json`, and Weights & Biases when enabled."""
 
 from __future__ import annotations
 
 import csv
-import math
-import time
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.fabric.loggers import Logger
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.throughput import Throughput
+
+from app.console import Console
+from app.observe import summary_lines
 
 if TYPE_CHECKING:
+    from lightning import Fabric
+
     from arguments import Config
 
 COLUMNS = ["step", "epoch", "train_loss", "val_loss", "val_ppl", "lr", "grad_norm", "tokens_per_sec",
-           "samples_per_sec", "tokens_per_sec_per_device", "elapsed_sec"]
+           "samples_per_sec", "tokens_per_sec_per_device", "tflops_per_sec_per_device", "mfu", "data_wait_pct",
+           "peak_rss_gb", "peak_allocated_gb", "peak_reserved_gb", "save_sec", "elapsed_sec"]
 
 
 class CSVMetrics(Logger):
@@ -98,55 +102,17 @@ def upload_checkpoint(loggers: list[Logger], path: Path, step: int) -> None:
             logger.experiment.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
 
 
-def format_duration(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+def report_summary(fabric: Fabric, out_dir: str | Path, summary: dict[str, Any], console: Console) -> None:
+    """The end-of-run summary: printed, written to <out_dir>/summary.json, and set as the W&B run summary."""
+    if not fabric.is_global_zero:
+        return
+    path = Path(out_dir) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    for line in summary_lines(summary):
+        console.print(line)
+    console.print(f"  written to {path}")
+    from lightning.pytorch.loggers import WandbLogger
 
-
-class StepClock:
-    """Elapsed time, throughput (Lightning's Throughput over the last log interval) and ETA of the training steps."""
-
-    def __init__(self, *, start_step: int, max_step: int, window: int, world_size: int,
-                 samples_per_step: int, tokens_per_step: int) -> None:
-        self.start_step, self.max_step = start_step, max_step
-        self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
-        self.world_size = world_size
-        self.throughput = Throughput(world_size=world_size, window_size=window + 1)
-        self.started = time.perf_counter()
-        self._update(start_step)
-
-    def _update(self, step: int) -> None:
-        done = step - self.start_step
-        per_device = self.samples_per_step // self.world_size
-        self.throughput.update(time=self.elapsed(), batches=done, samples=done * per_device,
-                               lengths=done * per_device * (self.tokens_per_step // self.samples_per_step))
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def tick(self, step: int) -> dict[str, float]:
-        """Record a finished step; returns throughput once a full window of steps has been timed."""
-        self._update(step)
-        measured = self.throughput.compute()
-        if "device/samples_per_sec" not in measured:
-            return {}
-        per_device = measured["device/items_per_sec"]
-        return {
-            "tokens_per_sec": per_device * self.world_size,
-            "samples_per_sec": measured["device/samples_per_sec"] * self.world_size,
-            "tokens_per_sec_per_device": per_device,
-        }
-
-    def eta(self, step: int) -> float:
-        done = step - self.start_step
-        return self.elapsed() / done * (self.max_step - step) if done else math.nan
-
-
-def progress_line(step: int, max_step: int, metrics: dict[str, float], eta: float) -> str:
-    parts = [f"step {step}/{max_step}", f"loss {metrics['train_loss']:.4f}", f"lr {metrics['lr']:.2e}"]
-    if "tokens_per_sec" in metrics:
-        parts.append(f"{metrics['tokens_per_sec']:,.0f} tok/s")
-    if not math.isnan(eta):
-        parts.append(f"eta {format_duration(eta)}")
-    return " | ".join(parts)
+    for logger in fabric.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.summary.update({k: v for k, v in summary.items() if k != "ranks"})

@@ -209,7 +209,7 @@ def check_checkpoint_matches(path: Path, model_config: Optional[PretrainedConfig
 
 def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Path]:
     if not cfg.resume:
-        if latest_checkpoint(cfg.out_dir):
+        if latest_checkpoint(cfg.out_dir) and not cfg.estimate_memory:
             problems.append(f"--out_dir {cfg.out_dir} already holds checkpoints; add --resume true to continue that "
                             "run, or choose another --out_dir (nothing is overwritten)")
         return None

@@ -5,13 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 from lightning import Fabric
 
 from app.checkpoint import load_checkpoint
 from app.data import load_splits
+from app.console import Console
 from app.loop import Loop
-from app.metrics import make_loggers
+from app.metrics import make_loggers, report_summary
+from app.memory_plan import ModelShape, memory_report, setup_of
 from app.model import DeferredInit, build_model, deferred_init, load_pretrained_weights, weights_dtype
+from app.observe import StepClock, flops_per_micro_batch, peak_flops
 from app.optim import build_optimizer, no_decay_names
 from app.preflight import RunInputs, preflight
 from app.exit_codes import EXIT_FINISHED, EXIT_NON_FINITE, EXIT_PREEMPTED
@@ -26,6 +30,10 @@ EXIT_CODES = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED, "non_finit
 
 def run(cfg: Config) -> None:
     inputs = preflight(cfg)
+    if cfg.estimate_memory:
+        shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
+        print(memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, inputs.plan.block_size)))
+        return
     resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
     deferred = deferred_init(cfg, inputs.model_config)
     param_init_fn = deferred.param_init_fn if deferred else None
@@ -59,6 +67,21 @@ def write_run_files(fabric: Fabric, cfg: Config) -> None:
         logger.log_hyperparams(cfg.to_dict())
 
 
+def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, start_step: int) -> StepClock:
+    """Throughput from the step counts; FLOP/s and MFU when the model's FLOPs can be counted and the chip is known."""
+    plan = inputs.plan
+    try:
+        flops = flops_per_micro_batch(inputs.model_config, plan.micro_batch_size, plan.block_size,
+                                      cfg.trust_remote_code) * plan.accumulation
+    except Exception as error:  # an architecture FlopCounter cannot trace on the meta device: throughput only
+        fabric.print(f"FLOP/s and MFU are not reported: counting the model's FLOPs failed ({error})")
+        flops = None
+    return StepClock(start_step=start_step, max_step=plan.max_step, window=cfg.log_interval,
+                     world_size=plan.world_size, samples_per_step=plan.global_batch_size,
+                     tokens_per_step=plan.tokens_per_step, flops_per_step=flops,
+                     available_flops=peak_flops(fabric.device, cfg.precision))
+
+
 def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> None:
     stop = StopRequest()
     stop.install()
@@ -66,7 +89,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     splits = load_splits(cfg.train_data_dir)
     model = build_model(fabric, cfg, inputs.model_config, deferred)
     no_decay = no_decay_names(model)
-    model = fabric.setup_module(model)
+    model = fabric.setup_module(torch.compile(model) if cfg.compile else model)
     if deferred and deferred.weight_files:
         load_pretrained_weights(model._forward_module, deferred.weight_files, weights_dtype(cfg.precision))
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
@@ -78,11 +101,13 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.block_size} tokens "
                  f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)")
+    console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
     loop = Loop(fabric=fabric, cfg=cfg, plan=plan, splits=splits, state=state, stop=stop,
+                clock=step_clock(fabric, cfg, inputs, state["step"]), console=console,
                 resumed_from=inputs.resume_from)
     outcome = loop.fit()
-    if outcome == "finished":
-        fabric.print(f"done: step {state['step']}, val_loss {state['val_loss']:.4f}")
+    console.close()
+    report_summary(fabric, cfg.out_dir, loop.summarize(), console)
     if outcome == "preempted" and cfg.requeue_on_signal and fabric.is_global_zero:
         requeue_slurm_job()
     exit_run(fabric, EXIT_CODES[outcome])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 from pathlib import Path
 
@@ -38,14 +39,38 @@ def fsdp_run(tiny, tmp_path_factory) -> Path:
 
 def test_fsdp_run_trains_evaluates_and_logs_every_step(fsdp_run) -> None:
     metrics = read_metrics(fsdp_run)
-    assert sorted(metrics) == list(range(1, 25))
-    assert all("train_loss" in metrics[s] and "lr" in metrics[s] for s in metrics)
-    assert [s for s in metrics if "val_loss" in metrics[s]] == [8, 16, 24]
+    assert sorted(metrics) == list(range(0, 25))
+    assert all("train_loss" in metrics[s] and "lr" in metrics[s] for s in range(1, 25))
+    assert [s for s in metrics if "val_loss" in metrics[s]] == [0, 8, 16, 24]
+    assert metrics[0]["val_loss"] > metrics[8]["val_loss"], "the initial validation is the untrained baseline"
     first, last = metrics[1]["train_loss"], sum(metrics[s]["train_loss"] for s in range(21, 25)) / 4
     assert last < first - 0.5, (first, last)
     assert metrics[24]["val_loss"] < metrics[8]["val_loss"]
     assert metrics[4]["lr"] == pytest.approx(3e-3) and metrics[24]["lr"] == pytest.approx(3e-4)
     assert (fsdp_run / "config.yaml").read_text().count("micro_batch_size: 4") == 1
+
+
+def test_run_reports_throughput_flops_memory_and_time_lost(fsdp_run, tiny) -> None:
+    """metrics.csv at every log interval, and summary.json with every rank's memory (before the resume test)."""
+    metrics = read_metrics(fsdp_run)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    matmul_weights = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    for step in range(2, 25):
+        row = metrics[step]
+        assert row["tokens_per_sec_per_device"] == pytest.approx(row["tokens_per_sec"] / 2)
+        assert row["samples_per_sec"] == pytest.approx(row["tokens_per_sec"] / 32)
+        flops_per_token = row["tflops_per_sec_per_device"] * 1e12 / row["tokens_per_sec_per_device"]
+        assert 6 * matmul_weights < flops_per_token < 8 * matmul_weights, "6 per weight (forward, backward) + attention"
+        assert 0 <= row["data_wait_pct"] < 50 and 0.2 < row["peak_rss_gb"] < 4
+        assert "mfu" not in row and "peak_allocated_gb" not in row, "a CPU has no FLOP peak and no CUDA allocator"
+    assert [s for s in metrics if "save_sec" in metrics[s]] == [8, 16, 24]
+    summary = json.loads((fsdp_run / "summary.json").read_text())
+    assert summary["steps"] == 24 and summary["checkpoints_saved"] == 3
+    assert summary["tokens_per_sec"] == pytest.approx(16 * 32 * 24 / summary["train_sec"])
+    assert summary["train_sec"] + summary["eval_sec"] + summary["save_sec"] == pytest.approx(summary["elapsed_sec"])
+    assert summary["val_loss"] == pytest.approx(metrics[24]["val_loss"])
+    assert [sorted(rank) for rank in summary["ranks"]] == [
+        ["gradients_gb", "optimizer_gb", "parameters_gb", "peak_rss_gb"]] * 2
 
 
 def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:
@@ -67,7 +92,7 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert progress[0].startswith("step 17/24"), progress[:2]
     resumed = read_metrics(fsdp_run)
-    assert sorted(resumed) == list(range(1, 25))
+    assert sorted(resumed) == list(range(0, 25))
     for step in range(17, 25):
         assert resumed[step]["lr"] == straight[step]["lr"]
         assert resumed[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-5)

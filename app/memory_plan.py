@@ -1,0 +1,198 @@
+"""The memory planner (`train.py ... --estimate_memory`): what one device will hold, before anything runs.
+
+For a model of N parameters whose model state is divided over S ranks (the world size for FULL_SHARD and
+SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP), per device:
+- parameters: N x the stored dtype (fp32 for 32-true and the *-mixed precisions, 16 bits for *-true) / S
+  (SHARD_GRAD_OP shards the stored parameters but keeps whole layers gathered from forward to backward: those
+  count as working memory);
+- gradients: as the parameters, / S except for NO_SHARD and DDP;
+- optimizer state: AdamW's two moments in the parameters' dtype, / S except for NO_SHARD and DDP;
+- working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
+  head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP), DDP's gradient buckets (a second copy of
+  the gradients), and about 1 GiB per process for the runtime (CUDA context and kernels, or the Python process
+  itself on a CPU) measured before any tensor exists;
+- activations: per sequence, what backward keeps of each decoder layer (with activation checkpointing only the
+  layer inputs, plus one layer recomputed at a time), and the logits with their fp32 loss copies.
+With --cpu_offload the parameters, gradients and optimizer state live in host RAM, not on the device.
+Parameters, gradients and optimizer state are exact up to FSDP's padding (tests compare them with the tensors a
+real run holds); activations are an estimate from the layer shapes, so 10% of the device is kept free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import psutil
+import torch
+from torch.nn import Module
+
+from app.console import format_gb
+from app.model import meta_model, weights_dtype
+from app.observe import GB, compute_dtype
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from arguments import Config
+
+RUNTIME_BYTES = 1 * GB
+USABLE_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about the model, read from a weightless instance."""
+
+    parameters: int
+    root_parameters: int
+    """Parameters outside the wrapped layers (embeddings, final norm, head): FSDP's root unit."""
+    layer_parameters: int
+    """Parameters of the largest wrapped layer."""
+    layers: int
+    hidden_size: int
+    kv_size: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, model_config: PretrainedConfig, wrap_classes: set[type[Module]],
+           trust_remote_code: bool = False) -> "ModelShape":
+        model = meta_model(model_config, trust_remote_code)
+        layers = [m for m in model.modules() if type(m) in wrap_classes]
+        total = sum(p.numel() for p in model.parameters())
+        per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers] or [0]
+        heads = model_config.num_attention_heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        return cls(parameters=total, root_parameters=total - sum(per_layer), layer_parameters=max(per_layer),
+                   layers=model_config.num_hidden_layers, hidden_size=model_config.hidden_size,
+                   kv_size=head_dim * getattr(model_config, "num_key_value_heads", heads),
+                   intermediate_size=model_config.intermediate_size, vocab_size=model_config.vocab_size)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The run options that change memory."""
+
+    strategy: str
+    sharding_strategy: str
+    precision: str
+    world_size: int
+    devices_per_node: int
+    micro_batch_size: int
+    block_size: int
+    gradient_checkpointing: bool
+    cpu_offload: bool
+
+    @property
+    def shards(self) -> int:
+        """Ranks over which parameters, gradients and optimizer state are divided."""
+        if self.strategy != "fsdp" or self.sharding_strategy == "NO_SHARD":
+            return 1
+        return self.devices_per_node if self.sharding_strategy == "HYBRID_SHARD" else self.world_size
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device by category."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    working: float
+    activations: float
+    activations_per_sequence: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.working + self.activations
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def activation_bytes_per_sequence(shape: ModelShape, setup: Setup) -> float:
+    """What backward keeps for one sequence of block_size tokens, in the compute dtype unless noted.
+
+    Per decoder layer and token (SDPA keeps no attention matrix): the normalised inputs of attention and MLP (2h),
+    queries and keys before and after rotary embedding (2(h + kv)), values (kv), the attention output and its
+    projection input (2h), the MLP's gate, up, activation and product (4i), and each RMSNorm's fp32 input and
+    normalised value (4h in fp32). Logits: the compute-dtype logits, their fp32 copy, log-softmax and its gradient.
+    """
+    h, kv, i = shape.hidden_size, shape.kv_size, shape.intermediate_size
+    size = dtype_bytes(compute_dtype(setup.precision))
+    layer = size * (4 * h + 2 * (h + kv) + kv + 4 * i) + 4 * (4 * h)
+    fp32_copy = 0 if size == 4 else 4
+    logits = shape.vocab_size * (size + fp32_copy + 4 + 4)
+    if setup.gradient_checkpointing:
+        layers = shape.layers * size * h + layer
+    else:
+        layers = shape.layers * layer
+    return setup.block_size * (layers + logits)
+
+
+def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
+    stored = dtype_bytes(weights_dtype(setup.precision))
+    computed = dtype_bytes(compute_dtype(setup.precision))
+    on_device = 0 if setup.cpu_offload else 1
+    parameters = on_device * shape.parameters * stored / setup.shards
+    gradients = on_device * shape.parameters * stored / setup.shards
+    optimizer = on_device * 2 * shape.parameters * stored / setup.shards
+    if setup.strategy != "fsdp":
+        working = gradients
+    elif setup.sharding_strategy == "NO_SHARD":
+        working = 0.0
+    elif setup.sharding_strategy == "SHARD_GRAD_OP":
+        working = shape.parameters * computed
+    else:
+        working = (shape.root_parameters + 2 * shape.layer_parameters) * computed
+    per_sequence = activation_bytes_per_sequence(shape, setup)
+    return MemoryEstimate(parameters=parameters, gradients=gradients, optimizer=optimizer,
+                          working=working + RUNTIME_BYTES, activations=per_sequence * setup.micro_batch_size,
+                          activations_per_sequence=per_sequence)
+
+
+def largest_micro_batch(estimate: MemoryEstimate, device_bytes: float) -> int:
+    """The largest micro batch whose estimate fits in the usable part of the device; 0 when none does."""
+    fixed = estimate.total - estimate.activations
+    return max(0, int((device_bytes * USABLE_FRACTION - fixed) // estimate.activations_per_sequence))
+
+
+def device_memory_bytes(cfg: Config, devices_per_node: int) -> tuple[float, str]:
+    """The memory of one device, and where the figure comes from."""
+    if cfg.device_memory_gb is not None:
+        return cfg.device_memory_gb * GB, "--device_memory_gb"
+    if torch.cuda.is_available() and cfg.accelerator in ("auto", "gpu", "cuda"):
+        properties = torch.cuda.get_device_properties(0)
+        return properties.total_memory, properties.name
+    return psutil.virtual_memory().total / devices_per_node, f"host RAM / {devices_per_node} processes"
+
+
+def setup_of(cfg: Config, world_size: int, block_size: int) -> Setup:
+    return Setup(strategy=cfg.strategy, sharding_strategy=cfg.sharding_strategy, precision=cfg.precision,
+                 world_size=world_size, devices_per_node=world_size // cfg.num_nodes,
+                 micro_batch_size=cfg.micro_batch_size, block_size=block_size,
+                 gradient_checkpointing=cfg.gradient_checkpointing, cpu_offload=cfg.cpu_offload)
+
+
+def memory_report(cfg: Config, shape: ModelShape, setup: Setup, device: Optional[tuple[float, str]] = None) -> str:
+    estimate = estimate_memory(shape, setup)
+    device_bytes, source = device or device_memory_bytes(cfg, setup.devices_per_node)
+    fits = estimate.total <= device_bytes * USABLE_FRACTION
+    rows = [("parameters", estimate.parameters), ("gradients", estimate.gradients),
+            ("optimizer state", estimate.optimizer), ("working memory", estimate.working),
+            (f"activations ({setup.micro_batch_size} x {setup.block_size} tokens)", estimate.activations),
+            ("total", estimate.total)]
+    sharding = setup.sharding_strategy if setup.strategy == "fsdp" else setup.strategy
+    lines = [f"memory per device: {shape.parameters / 1e6:,.1f}M parameters, {sharding} over {setup.world_size} "
+             f"device(s), {setup.precision}, activation checkpointing {'on' if setup.gradient_checkpointing else 'off'}"
+             f"{', cpu offload' if setup.cpu_offload else ''}"]
+    lines += [f"  {name:<40} {format_gb(value / GB):>10}" for name, value in rows]
+    lines.append(f"  device: {device_bytes / GB:.1f} GB ({source}); {'fits' if fits else 'does NOT fit'} "
+                 f"with {1 - USABLE_FRACTION:.0%} kept free")
+    largest = largest_micro_batch(estimate, device_bytes)
+    lines.append(f"  largest micro batch that fits: {largest}" if largest else
+                 "  no micro batch fits: shard more (FULL_SHARD, more devices), --gradient_checkpointing true, "
+                 "--precision bf16-true or --cpu_offload true")
+    return "\n".join(lines)

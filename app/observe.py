@@ -1,0 +1,246 @@
+"""What a run measures about itself: throughput and MFU, peak memory, model-state memory, time lost to data and saves.
+
+Nothing here synchronises the host with the device per micro-batch: timers read the host clock, memory peaks are
+the allocator's (GPU) or the kernel's (CPU) high-water marks, and the numbers of all ranks travel in one
+`all_gather` per log interval (`RankStats`).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
+from torch.nn import Module
+
+from app.console import format_duration, format_gb
+from app.model import meta_model
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+GB = 1024**3
+PEAK_MEMORY = ("peak_rss_gb", "peak_allocated_gb", "peak_reserved_gb")
+COMPUTE_DTYPES = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16,
+                  "16-mixed": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the matrix multiplications run in, which sets the device's peak FLOP/s."""
+    return COMPUTE_DTYPES.get(precision, torch.float32)
+
+
+def flops_per_micro_batch(model_config: PretrainedConfig, micro_batch_size: int, block_size: int,
+                          trust_remote_code: bool = False) -> int:
+    """FLOPs of one forward and backward pass on one device, counted by torch's FlopCounter on a weightless model.
+
+    Counted without activation checkpointing, so that the recomputation does not count as useful work (MFU, not
+    hardware FLOPs utilisation). The KV cache (no FLOPs) makes transformers skip its packed-sequence check, which
+    reads tensor values that the meta device does not have.
+    """
+    model = meta_model(model_config, trust_remote_code)
+    input_ids = torch.zeros((micro_batch_size, block_size), dtype=torch.long, device="meta")
+    return measure_flops(model, lambda: model(input_ids=input_ids, labels=input_ids, use_cache=True), lambda output: output.loss)
+
+
+def peak_flops(device: torch.device, precision: str) -> Optional[int]:
+    """The device's peak FLOP/s for the compute dtype from Lightning's table; None on CPUs and unknown chips."""
+    if device.type == "cpu":
+        return None
+    return get_available_flops(device, compute_dtype(precision))
+
+
+def peak_memory_gb(device: torch.device) -> dict[str, float]:
+    """This process's memory high-water marks: host RSS always, and the CUDA caching allocator's on a GPU."""
+    peaks = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB}
+    if device.type == "cuda":
+        peaks["peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GB
+        peaks["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / GB
+    return peaks
+
+
+def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
+    """Bytes of the distinct storages behind the tensors: FSDP's parameters and gradients are views of flat shards."""
+    sizes = {}
+    for tensor in tensors:
+        if tensor is not None and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            sizes[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(sizes.values())
+
+
+@dataclass
+class ModelStateMemory:
+    """Bytes this rank holds for parameters, gradients and optimizer state, read at the first optimizer step."""
+
+    parameters: float = math.nan
+    gradients: float = math.nan
+    optimizer: float = math.nan
+
+    def watch(self, model: Module, optimizer: torch.optim.Optimizer) -> None:
+        """Measure once, around the first step: gradients exist just before it, optimizer state just after it."""
+
+        def before_step(*_) -> None:
+            self.parameters = storage_bytes(model.parameters())
+            self.gradients = storage_bytes(p.grad for p in model.parameters())
+            pre_hook.remove()
+
+        def after_step(*_) -> None:
+            self.optimizer = storage_bytes(t for s in optimizer.state.values() for t in s.values()
+                                           if isinstance(t, torch.Tensor))
+            post_hook.remove()
+
+        pre_hook = optimizer.register_step_pre_hook(before_step)
+        post_hook = optimizer.register_step_post_hook(after_step)
+
+
+@dataclass
+class Stopwatch:
+    """Seconds spent inside `measure()` blocks: the last one, and the sum."""
+
+    total: float = 0.0
+    last: float = 0.0
+    count: int = 0
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.last = time.perf_counter() - start
+            self.total += self.last
+            self.count += 1
+
+
+@dataclass
+class RankStats:
+    """The per-rank numbers that are gathered together: one float each, so they travel as one tensor."""
+
+    data_wait_sec: float = 0.0
+    save_sec: float = 0.0
+    peak_rss_gb: float = math.nan
+    peak_allocated_gb: float = math.nan
+    peak_reserved_gb: float = math.nan
+    parameters_gb: float = math.nan
+    gradients_gb: float = math.nan
+    optimizer_gb: float = math.nan
+
+    @classmethod
+    def of_this_rank(cls, device: torch.device, data_wait: Stopwatch, save: Stopwatch,
+                     state: ModelStateMemory) -> "RankStats":
+        return cls(data_wait_sec=data_wait.total, save_sec=save.total, **peak_memory_gb(device),
+                   parameters_gb=state.parameters / GB, gradients_gb=state.gradients / GB,
+                   optimizer_gb=state.optimizer / GB)
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, values: torch.Tensor) -> "RankStats":
+        return cls(*values.tolist())
+
+
+def largest(ranks: list[RankStats], name: str) -> float:
+    values = [getattr(r, name) for r in ranks if not math.isnan(getattr(r, name))]
+    return max(values) if values else math.nan
+
+
+@dataclass
+class StepClock:
+    """Elapsed time, throughput and MFU (Lightning's Throughput over the last log interval), and the ETA."""
+
+    start_step: int
+    max_step: int
+    window: int
+    world_size: int
+    samples_per_step: int
+    tokens_per_step: int
+    flops_per_step: Optional[int] = None
+    """FLOPs of one optimizer step on one device; None when they could not be counted."""
+    available_flops: Optional[int] = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.throughput = Throughput(available_flops=self.available_flops, world_size=self.world_size,
+                                     window_size=self.window + 1)
+        self._update(self.start_step, flops=0 if self.flops_per_step else None)
+
+    def _update(self, step: int, flops: Optional[int]) -> None:
+        done = step - self.start_step
+        per_device = self.samples_per_step // self.world_size
+        self.throughput.update(time=self.elapsed(), batches=done, samples=done * per_device,
+                               lengths=done * per_device * (self.tokens_per_step // self.samples_per_step),
+                               flops=flops)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def tick(self, step: int) -> dict[str, float]:
+        """Record a finished step; returns throughput once a full window of steps has been timed."""
+        self._update(step, flops=self.flops_per_step)
+        measured = self.throughput.compute()
+        if "device/items_per_sec" not in measured:
+            return {}
+        per_device = measured["device/items_per_sec"]
+        metrics = {
+            "tokens_per_sec": per_device * self.world_size,
+            "samples_per_sec": measured["device/samples_per_sec"] * self.world_size,
+            "tokens_per_sec_per_device": per_device,
+        }
+        if "device/flops_per_sec" in measured:
+            metrics["tflops_per_sec_per_device"] = measured["device/flops_per_sec"] / 1e12
+        if "device/mfu" in measured:
+            metrics["mfu"] = measured["device/mfu"]
+        return metrics
+
+    def eta(self, step: int) -> float:
+        done = step - self.start_step
+        return self.elapsed() / done * (self.max_step - step) if done else math.nan
+
+
+def run_summary(*, clock: StepClock, step: int, evaluation: Stopwatch, saving: Stopwatch, ranks: list[RankStats],
+                val_loss: Optional[float]) -> dict[str, Any]:
+    """The numbers of one run (this attempt, when resumed). Throughput counts training time only: evaluation and
+    checkpoint saves are reported separately, so that the figures compare across eval and save intervals."""
+    steps, elapsed = step - clock.start_step, clock.elapsed()
+    train_sec = elapsed - evaluation.total - saving.total
+    summary: dict[str, Any] = {"steps": steps, "last_step": step, "elapsed_sec": elapsed, "train_sec": train_sec,
+                               "eval_sec": evaluation.total, "checkpoints_saved": saving.count,
+                               "save_sec": saving.total, "val_loss": val_loss}
+    if steps:
+        tokens_per_sec = clock.tokens_per_step * steps / train_sec
+        summary |= {"step_sec": train_sec / steps, "tokens_per_sec": tokens_per_sec,
+                    "tokens_per_sec_per_device": tokens_per_sec / clock.world_size,
+                    "samples_per_sec": clock.samples_per_step * steps / train_sec,
+                    "data_wait_pct": 100 * max(r.data_wait_sec for r in ranks) / train_sec}
+        if clock.flops_per_step:
+            summary["tflops_per_sec_per_device"] = clock.flops_per_step * steps / train_sec / 1e12
+        if clock.flops_per_step and clock.available_flops:
+            summary["mfu"] = clock.flops_per_step * steps / train_sec / clock.available_flops
+    memory = [{k: v for k, v in asdict(r).items() if not k.endswith("_sec") and not math.isnan(v)} for r in ranks]
+    return summary | {"ranks": memory}
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    s = summary
+    lines = [f"summary: {s['steps']} steps in {format_duration(s['elapsed_sec'])} (training "
+             f"{format_duration(s['train_sec'])}, evaluation {format_duration(s['eval_sec'])}, "
+             f"{s['checkpoints_saved']} checkpoint saves {format_duration(s['save_sec'])})"
+             + (f", final val_loss {s['val_loss']:.4f}" if s["val_loss"] is not None else "")]
+    if s["steps"]:
+        speed = (f"  throughput: {s['tokens_per_sec']:,.0f} tokens/s ({s['tokens_per_sec_per_device']:,.0f} per "
+                 f"device), {s['step_sec']:.3f} s per step, data wait {s['data_wait_pct']:.1f}% of training time")
+        if "tflops_per_sec_per_device" in s:
+            speed += f", {s['tflops_per_sec_per_device']:.2f} TFLOP/s per device"
+        lines.append(speed + (f", MFU {s['mfu']:.1%}" if "mfu" in s else ""))
+    for rank, memory in enumerate(s["ranks"]):
+        lines.append(f"  rank {rank} memory: " + ", ".join(f"{k.removesuffix('_gb').replace('_', ' ')} "
+                                                          f"{format_gb(v)}" for k, v in memory.items()))
+    return lines
