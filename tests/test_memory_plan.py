@@ -1,0 +1,102 @@
+"""The memory planner: its arithmetic, its command line, and its figures against the tensors a real run holds."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from transformers import AutoConfig, LlamaConfig
+
+from app.memory_plan import ModelShape, Setup, estimate_memory, largest_micro_batch
+from app.model import resolve_wrap_classes
+from app.observe import GB
+from tests.conftest import run_train, train_args
+
+LLAMA_3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+EIGHT_GPUS = Setup(strategy="fsdp", sharding_strategy="FULL_SHARD", precision="bf16-mixed", world_size=8,
+                   devices_per_node=8, micro_batch_size=1, block_size=8192, gradient_checkpointing=True,
+                   cpu_offload=False)
+
+
+@pytest.fixture(scope="module")
+def llama_3_8b() -> ModelShape:
+    return ModelShape.of(LLAMA_3_8B, resolve_wrap_classes(LLAMA_3_8B, None))
+
+
+def test_llama_3_8b_shape_is_read_from_the_config(llama_3_8b) -> None:
+    assert llama_3_8b.parameters == 8_030_261_248
+    assert llama_3_8b.root_parameters == 2 * 128256 * 4096 + 4096, "embeddings, head and final norm"
+    assert llama_3_8b.layer_parameters * 32 + llama_3_8b.root_parameters == llama_3_8b.parameters
+    assert llama_3_8b.kv_size == 1024
+
+
+def test_model_state_is_divided_by_the_ranks_that_shard_it(llama_3_8b) -> None:
+    full = estimate_memory(llama_3_8b, EIGHT_GPUS)
+    assert full.parameters == pytest.approx(8_030_261_248 * 4 / 8), "bf16-mixed keeps fp32 master weights"
+    assert full.optimizer == 2 * full.gradients == 2 * full.parameters
+    replicated = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, sharding_strategy="NO_SHARD"))
+    assert replicated.parameters == 8 * full.parameters and replicated.optimizer == 8 * full.optimizer
+    hybrid = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, sharding_strategy="HYBRID_SHARD", world_size=16))
+    assert hybrid.parameters == full.parameters, "HYBRID_SHARD shards within a node of 8, whatever the node count"
+    bf16 = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, precision="bf16-true"))
+    assert bf16.parameters + bf16.gradients + bf16.optimizer == pytest.approx(
+        (full.parameters + full.gradients + full.optimizer) / 2)
+    offloaded = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, cpu_offload=True))
+    assert offloaded.parameters == offloaded.gradients == offloaded.optimizer == 0
+
+
+def test_activation_checkpointing_and_batch_size_scale_the_activations(llama_3_8b) -> None:
+    checkpointed = estimate_memory(llama_3_8b, EIGHT_GPUS)
+    stored = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, gradient_checkpointing=False))
+    assert stored.activations > 3 * checkpointed.activations
+    doubled = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, micro_batch_size=2))
+    assert doubled.activations == pytest.approx(2 * checkpointed.activations)
+
+
+def test_llama_3_8b_on_eight_80gb_gpus_fits_as_users_run_it(llama_3_8b) -> None:
+    """FULL_SHARD, bf16-mixed, 8k tokens with activation checkpointing on 8 x 80 GB: what torchtitan and peers run."""
+    estimate = estimate_memory(llama_3_8b, EIGHT_GPUS)
+    assert 20 * GB < estimate.total < 60 * GB
+    largest = largest_micro_batch(estimate, 80 * GB)
+    assert largest >= 1
+    assert estimate_memory(llama_3_8b, replace(EIGHT_GPUS, micro_batch_size=largest)).total <= 0.9 * 80 * GB
+    assert estimate_memory(llama_3_8b, replace(EIGHT_GPUS, micro_batch_size=largest + 1)).total > 0.9 * 80 * GB
+    one_gpu = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, world_size=1, devices_per_node=1))
+    assert largest_micro_batch(one_gpu, 80 * GB) == 0, "8B with AdamW in fp32 needs 128 GB of model state alone"
+
+
+@pytest.mark.parametrize("sharding_strategy, precision", [("FULL_SHARD", "32-true"), ("NO_SHARD", "bf16-true")])
+def test_estimate_matches_the_parameters_gradients_and_optimizer_state_of_a_run(tiny, tmp_path, sharding_strategy,
+                                                                               precision) -> None:
+    """A real 2-process FSDP run measures the storage of its tensors at the first step (summary.json)."""
+    result = run_train(train_args(tiny, tmp_path, max_step=4, eval_iters=1, sharding_strategy=sharding_strategy,
+                                  precision=precision, save_step_interval=100, initial_validation=False))
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    setup = replace(EIGHT_GPUS, sharding_strategy=sharding_strategy, precision=precision, world_size=2,
+                    devices_per_node=2, micro_batch_size=4, block_size=32, gradient_checkpointing=False)
+    estimate = estimate_memory(ModelShape.of(config, resolve_wrap_classes(config, None)), setup)
+    ranks = json.loads((tmp_path / "summary.json").read_text())["ranks"]
+    assert len(ranks) == 2
+    for measured in ranks:
+        for name in ("parameters", "gradients", "optimizer"):
+            assert measured[f"{name}_gb"] * GB == pytest.approx(getattr(estimate, name), rel=0.10), name
+
+
+def test_estimate_memory_prints_the_plan_and_trains_nothing(tiny, tmp_path) -> None:
+    out_dir = tmp_path / "run"
+    result = run_train(train_args(tiny, out_dir, estimate_memory=True, device_memory_gb=80))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("memory per device: 0.1M parameters, FULL_SHARD over 2 device(s), 32-true")
+    for row in ("parameters", "gradients", "optimizer state", "working memory", "activations (4 x 32 tokens)",
+                "total"):
+        assert any(line.strip().startswith(row) for line in lines), row
+    assert "device: 80.0 GB (--device_memory_gb); fits with 10% kept free" in result.stdout
+    assert "largest micro batch that fits:" in result.stdout
+    assert not out_dir.exists(), "planning writes nothing"
+
+    small = run_train(train_args(tiny, out_dir, estimate_memory=True, device_memory_gb=0.5))
+    assert "does NOT fit" in small.stdout and "no micro batch fits: shard more" in small.stdout
