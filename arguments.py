@@ -78,6 +78,10 @@ class FSDPArgs:
     """full: one checkpoint file gathered on rank 0; sharded: a folder with one shard per rank (faster, larger runs)."""
     limit_all_gathers: bool = True
     """Throttle parameter all-gathers so that memory stays bounded; recommended when memory is tight."""
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "none"] = "BACKWARD_PRE"
+    """When backward all-gathers the next layer: PRE (most overlap, one more layer in memory), POST, none (least)."""
+    forward_prefetch: bool = False
+    """All-gather the next layer while the current one runs forward; helps when the CPU lags behind the GPU."""
     cpu_offload: bool = False
     """Keep sharded parameters and gradients in CPU memory; several times slower, for models that do not fit."""
     gradient_checkpointing: bool = False

@@ -246,7 +246,8 @@ def preflight(cfg: Config) -> RunInputs:
         check_model_fits_data(cfg, model_config, data, problems)
     plan = check_plan(cfg, data, problems) if data is not None else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
-    check_out_dir(cfg, model_config, problems)
+    if not cfg.estimate_memory:  # planning writes nothing
+        check_out_dir(cfg, model_config, problems)
     resume_from = resolve_resume(cfg, model_config, problems)
     check_wandb(cfg, problems)
     if problems:

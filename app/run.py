@@ -15,7 +15,7 @@ from app.loop import Loop
 from app.metrics import make_loggers, report_summary
 from app.memory_plan import ModelShape, memory_report, setup_of
 from app.model import DeferredInit, build_model, deferred_init, load_pretrained_weights, weights_dtype
-from app.observe import StepClock, flops_per_micro_batch, peak_flops
+from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.optim import build_optimizer, no_decay_names
 from app.preflight import RunInputs, preflight
 from app.exit_codes import EXIT_FINISHED, EXIT_NON_FINITE, EXIT_PREEMPTED
@@ -95,8 +95,11 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)
     if inputs.resume_from:
-        load_checkpoint(fabric, inputs.resume_from, state)
-        fabric.print(f"resumed from {inputs.resume_from} at step {state['step']} (epoch {state['epoch']})")
+        loading = Stopwatch()
+        with loading.measure():
+            load_checkpoint(fabric, inputs.resume_from, state)
+        fabric.print(f"resumed from {inputs.resume_from} at step {state['step']} (epoch {state['epoch']}) "
+                     f"in {loading.last:.1f} s")
     write_run_files(fabric, cfg)
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.block_size} tokens "

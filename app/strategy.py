@@ -21,7 +21,7 @@ from lightning import Fabric
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, XLAFSDPStrategy
 from lightning.fabric.strategies import fsdp as lightning_fsdp
 from lightning.fabric.strategies import model_parallel as lightning_model_parallel
-from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import BackwardPrefetch, FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 
@@ -99,6 +99,8 @@ def build_strategy(cfg: Config, wrap_classes: set[type[Module]], param_init_fn: 
         state_dict_type=cfg.state_dict_type,
         limit_all_gathers=cfg.limit_all_gathers,
         cpu_offload=cfg.cpu_offload,
+        backward_prefetch=None if cfg.backward_prefetch == "none" else BackwardPrefetch[cfg.backward_prefetch],
+        forward_prefetch=cfg.forward_prefetch,
         **({"param_init_fn": param_init_fn} if param_init_fn else {}),
     )
 

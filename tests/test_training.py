@@ -98,13 +98,30 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
         assert resumed[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-5)
 
 
-def test_activation_checkpointing_through_fsdp_leaves_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:
-    result = run_train(train_args(tiny, tmp_path, max_step=4, gradient_checkpointing=True, save_step_interval=100))
+def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:
+    """Activation checkpointing, prefetching and all-gather throttling trade memory for time, never the maths."""
+    result = run_train(train_args(tiny, tmp_path, max_step=4, gradient_checkpointing=True, save_step_interval=100,
+                                  backward_prefetch="BACKWARD_POST", forward_prefetch=True, limit_all_gathers=False))
     assert_succeeded(result)
     straight = read_metrics(fsdp_run)
-    with_checkpointing = read_metrics(tmp_path)
+    with_knobs = read_metrics(tmp_path)
     for step in (1, 2, 3, 4):
-        assert with_checkpointing[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-5)
+        assert with_knobs[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-5)
+
+
+def test_compiled_fsdp_run_trains_like_eager_and_saves_hugging_face_keys(fsdp_run, tiny, tmp_path) -> None:
+    inductor_cache = tmp_path / "inductor"
+    result = run_train(train_args(tiny, tmp_path, max_step=4, save_step_interval=4, compile=True), timeout=600,
+                       env={"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
+    assert_succeeded(result)
+    assert any(inductor_cache.rglob("*.py")), "torch.compile generated no code: the model ran eagerly"
+    straight = read_metrics(fsdp_run)
+    compiled = read_metrics(tmp_path)
+    for step in (1, 2, 3, 4):
+        assert compiled[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-3)
+    checkpoint = torch.load(tmp_path / "checkpoints" / "step-00000004.ckpt", weights_only=True)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).state_dict()
+    assert sorted(checkpoint["model"]) == sorted(reference), "no _orig_mod. or wrapper prefixes in the keys"
 
 
 def short_run(tiny, out_dir: Path, **overrides: object) -> dict[int, dict[str, float]]:
