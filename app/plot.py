@@ -1,0 +1,201 @@
+"""Pictures of a run: train/validation loss, learning rate and throughput from `<out_dir>/metrics.csv`.
+
+metrics.csv rows are sparse (a training-log row, an evaluation row and a save row may share a step, each with its own
+cells filled), so the file is first turned into one (steps, values) series per column, then drawn. Nothing here
+imports torch or Lightning: plotting a run that is still training on another machine takes a second, not ten.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonargparse
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from app.exit_codes import EXIT_BAD_INPUT
+
+Series = tuple[list[int], list[float]]
+"""Steps and the values logged at them, in step order."""
+
+REQUIRED_COLUMNS = ("step", "train_loss", "val_loss", "lr", "tokens_per_sec")
+"""What a metrics.csv written by train.py always has; the other plotted columns are drawn when present."""
+PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+class PlotError(Exception):
+    """A problem the user can fix, reported as one line with exit status 2."""
+
+
+@dataclass
+class PlotArgs:
+    """Plot train/validation loss, learning rate and throughput of one or more train.py runs."""
+
+    run: list[str] = field(default_factory=list)
+    """Run folders (train.py --out_dir) or metrics.csv files, also accepted positionally. Several runs are drawn
+    over each other, each labelled with its folder name."""
+    output: str | None = None
+    """Picture to write: .png, .svg or .pdf, replaced if it exists (default: <first run's folder>/metrics.png)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    series: dict[str, Series]
+
+
+def metric_series(text: str) -> dict[str, Series]:
+    """Per column, the steps that have a value and those values, from the text of a metrics.csv.
+
+    Empty cells are skipped, so each column keeps only the rows that logged it. When one column has two values for
+    the same step, the later row wins: it is the newer measurement.
+    """
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [name for name in REQUIRED_COLUMNS if name not in (reader.fieldnames or [])]
+    if missing:
+        raise ValueError(f"not a train.py metrics.csv: the header lacks {', '.join(missing)}")
+    by_column: dict[str, dict[int, float]] = {name: {} for name in reader.fieldnames if name != "step"}
+    for line, row in enumerate(reader, start=2):
+        try:
+            step = int(row["step"])
+            for name, cell in row.items():
+                if name in by_column and cell:
+                    by_column[name][step] = float(cell)
+        except (TypeError, ValueError):
+            raise ValueError(f"line {line} holds a value that is not a number") from None
+    return {name: (sorted(values), [values[s] for s in sorted(values)]) for name, values in by_column.items()}
+
+
+def metrics_csv(path: Path) -> Path:
+    """The metrics.csv a --run names: the file itself, or the one inside a run folder."""
+    if path.is_dir():
+        if not (path / "metrics.csv").is_file():
+            raise PlotError(f"--run {path}: no metrics.csv in this folder; give the --out_dir of a train.py run")
+        return path / "metrics.csv"
+    if not path.is_file():
+        raise PlotError(f"--run {path}: no such file or folder; give a train.py --out_dir or its metrics.csv")
+    return path
+
+
+def load_run(path: Path) -> Run:
+    """Read one run, labelled with the name of the folder its metrics.csv is in."""
+    csv_path = metrics_csv(path)
+    try:
+        series = metric_series(csv_path.read_text())
+    except (OSError, csv.Error, ValueError) as error:
+        raise PlotError(f"--run {csv_path}: {error}; plot the metrics.csv that train.py writes") from None
+    if not any(steps for steps, _ in series.values()):
+        raise PlotError(f"--run {csv_path}: no rows yet; plot again once train.py has logged a step")
+    return Run(csv_path.resolve().parent.name, series)
+
+
+def output_path(output: str | None, first_run: Path) -> Path:
+    """Where the picture goes; its format follows the suffix, so an unknown suffix is refused up front."""
+    if output is None:
+        return metrics_csv(first_run).parent / "metrics.png"
+    path = Path(output)
+    if path.suffix.lower() not in PICTURE_SUFFIXES:
+        raise PlotError(f"--output {path}: use a {', '.join(PICTURE_SUFFIXES)} file name")
+    if not path.parent.is_dir():
+        raise PlotError(f"--output {path}: folder {path.parent} does not exist; create it first")
+    return path
+
+
+def draw_lines(axes: Axes, runs: list[Run], columns: dict[str, dict]) -> bool:
+    """Draw `columns` ({column: line style}) of every run in the run's colour; False when none has a value."""
+    drawn = False
+    for colour, run in enumerate(runs):
+        prefix = f"{run.label} " if len(runs) > 1 else ""
+        for name, style in columns.items():
+            steps, values = run.series.get(name, ([], []))
+            if steps:
+                axes.plot(steps, values, color=f"C{colour}", label=prefix + name, **style)
+                drawn = True
+    return drawn
+
+
+def finish_panel(axes: Axes, drawn: bool, ylabel: str) -> None:
+    """A legend for a panel with lines, a visible 'no data' instead of an empty frame for one without."""
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    if drawn:
+        axes.legend(loc="best", fontsize="small")
+    else:
+        axes.text(0.5, 0.5, "no data", transform=axes.transAxes, ha="center", va="center", color="grey")
+
+
+def draw_loss(axes: Axes, runs: list[Run]) -> None:
+    drawn = draw_lines(axes, runs, {"train_loss": {"linewidth": 1},
+                                    "val_loss": {"marker": "o", "linestyle": "--", "linewidth": 1}})
+    finish_panel(axes, drawn, "loss")
+
+
+def draw_lr(axes: Axes, runs: list[Run]) -> None:
+    finish_panel(axes, draw_lines(axes, runs, {"lr": {"linewidth": 1}}), "learning rate")
+
+
+def draw_throughput(axes: Axes, runs: list[Run]) -> None:
+    """Tokens/s in total and per device; MFU on a second axis, only for runs that report it (GPU runs)."""
+    drawn = draw_lines(axes, runs, {"tokens_per_sec": {"linewidth": 1},
+                                    "tokens_per_sec_per_device": {"linestyle": "--", "linewidth": 1}})
+    finish_panel(axes, drawn, "tokens/s")
+    if any(run.series.get("mfu", ([], []))[0] for run in runs):
+        mfu_axes = axes.twinx()
+        draw_lines(mfu_axes, runs, {"mfu": {"linestyle": ":", "linewidth": 1}})
+        mfu_axes.set_ylabel("MFU")
+        mfu_axes.legend(loc="lower right", fontsize="small")
+
+
+def draw(runs: list[Run], output: Path) -> None:
+    """One figure, three panels over a shared step axis, written with the non-interactive Agg canvas."""
+    figure = Figure(figsize=(10, 10), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss, lr, throughput = figure.subplots(3, 1, sharex=True)
+    draw_loss(loss, runs)
+    draw_lr(lr, runs)
+    draw_throughput(throughput, runs)
+    throughput.set_xlabel("step")
+    figure.suptitle(" vs ".join(run.label for run in runs))
+    figure.savefig(output, dpi=100)
+
+
+def build_parser() -> jsonargparse.ArgumentParser:
+    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = jsonargparse.ArgumentParser(prog="plot_metrics.py", exit_on_error=False, description=PlotArgs.__doc__)
+    parser.add_argument("--config", action="config", help="YAML file with any of the options below.")
+    parser.add_argument("paths", nargs="*", default=[], metavar="RUN", help="Same as --run.")
+    parser.add_class_arguments(PlotArgs, nested_key=None, as_group=True)
+    for action in parser._actions:
+        if action.dest == "run":
+            action.nargs, action.metavar, action._typehint = "+", "RUN", str
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> PlotArgs:
+    try:
+        namespace = build_parser().parse_args(argv)
+    except jsonargparse.ArgumentError as error:
+        raise PlotError(" ".join(str(error).split())) from None
+    args = PlotArgs(run=[*namespace.paths, *namespace.run], output=namespace.output)
+    if not args.run:
+        raise PlotError("give a run to plot: plot_metrics.py <train.py --out_dir> [more runs to overlay]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plot the runs and print where the picture is; bad input is one line on stderr and exit status 2."""
+    try:
+        args = parse_args(argv)
+        output = output_path(args.output, Path(args.run[0]))
+        runs = [load_run(Path(path)) for path in args.run]
+    except PlotError as error:
+        print(f"plot_metrics.py: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    draw(runs, output)
+    print(f"wrote {output}")
+    return 0

@@ -1,0 +1,8 @@
+"""Draw train/validation loss, learning rate and throughput of train.py runs from their metrics.csv to a picture."""
+
+import sys
+
+from app.plot import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""plot_metrics.py: sparse metrics.csv rows become per-column series, real runs become a picture, bad input exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from app.metrics import COLUMNS
+from app.plot import main, metric_series
+from tests.conftest import ROOT, run_train, train_args
+
+HEADER = ",".join(COLUMNS)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def csv_text(*rows: dict[str, object]) -> str:
+    """A metrics.csv in train.py's layout: every column present, the cells a row does not log left empty."""
+    lines = [",".join(str(row.get(name, "")) for name in COLUMNS) for row in rows]
+    return "\n".join([HEADER, *lines]) + "\n"
+
+
+def plot(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "plot_metrics.py"), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_series_keep_only_the_rows_that_logged_each_column() -> None:
+    text = csv_text(
+        {"step": 0, "epoch": 0, "val_loss": 6.0, "val_ppl": 403.4},
+        {"step": 1, "epoch": 0, "train_loss": 5.9, "lr": 0.001, "tokens_per_sec": 100.0},
+        {"step": 2, "epoch": 0, "train_loss": 5.1, "lr": 0.002, "tokens_per_sec": 120.0},
+        {"step": 2, "epoch": 0, "val_loss": 5.0},
+        {"step": 2, "epoch": 0, "save_sec": 0.5},
+        {"step": 3, "epoch": 1, "train_loss": 4.8, "lr": 0.002, "tokens_per_sec": 130.0, "mfu": ""},
+    )
+    series = metric_series(text)
+    assert series["train_loss"] == ([1, 2, 3], [5.9, 5.1, 4.8]), "step 0 is a validation-only row"
+    assert series["val_loss"] == ([0, 2], [6.0, 5.0])
+    assert series["lr"] == ([1, 2, 3], [0.001, 0.002, 0.002])
+    assert series["save_sec"] == ([2], [0.5])
+    assert series["epoch"] == ([0, 1, 2, 3], [0.0, 0.0, 0.0, 1.0]), "a repeated step appears once"
+    assert series["mfu"] == ([], []), "a CPU run logs no MFU"
+
+
+def test_a_later_row_for_the_same_step_and_column_wins() -> None:
+    series = metric_series(csv_text({"step": 4, "val_loss": 3.0}, {"step": 4, "val_loss": 2.5}, {"step": 5}))
+    assert series["val_loss"] == ([4], [2.5])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "the header lacks step"),
+    ("step,loss\n1,2.0\n", "the header lacks train_loss, val_loss, lr, tokens_per_sec"),
+    (csv_text({"step": 1, "train_loss": "nan?"}), "line 2 holds a value that is not a number"),
+])
+def test_series_refuse_what_train_py_does_not_write(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        metric_series(text)
+
+
+def assert_picture(path: Path) -> np.ndarray:
+    """A real PNG of the figure's size (10x10 inches at 100 dpi) with something drawn on it."""
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    pixels = imread(path)
+    assert pixels.shape[:2] == (1000, 1000)
+    assert pixels.var() > 0
+    return pixels
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny, tmp_path_factory) -> tuple[Path, Path]:
+    """Two short one-process runs that differ in learning rate, evaluated at steps 0, 4 and 8 (trained side by side:
+    most of a run's time is single-threaded start-up)."""
+    root = tmp_path_factory.mktemp("plot")
+    commands = [train_args(tiny, root / name, max_step=8, devices=1, strategy="single_device", lr=lr, min_lr=lr / 10,
+                           eval_step_interval=4, save_step_interval=8)
+                for name, lr in (("lr-high", 3e-3), ("lr-low", 1e-3))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for result in pool.map(run_train, commands):
+            assert result.returncode == 0, result.stderr[-3000:]
+    return root / "lr-high", root / "lr-low"
+
+
+def test_plots_a_real_run_into_its_folder(two_runs) -> None:
+    run, _ = two_runs
+    result = plot(run)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"wrote {run / 'metrics.png'}"
+    assert_picture(run / "metrics.png")
+    series = metric_series((run / "metrics.csv").read_text())
+    assert series["val_loss"][0] == [0, 4, 8] and series["train_loss"][0] == list(range(1, 9))
+
+
+def test_overlays_runs_and_accepts_a_csv_path(two_runs, tmp_path) -> None:
+    high, low = two_runs
+    assert plot(high, "--output", tmp_path / "alone.png").returncode == 0
+    result = plot("--run", high, low / "metrics.csv", "--output", tmp_path / "both.png")
+    assert result.returncode == 0, result.stderr
+    alone, both = assert_picture(tmp_path / "alone.png"), assert_picture(tmp_path / "both.png")
+    assert not np.array_equal(alone, both), "the second run adds lines"
+    svg = tmp_path / "both.svg"
+    assert plot(high, "--run", low, "--output", svg).returncode == 0
+    assert svg.read_text().count("lr-low") >= 1 and "lr-high" in svg.read_text()
+
+
+def test_mfu_gets_its_own_axis_and_a_panel_without_values_says_no_data(tmp_path) -> None:
+    """A GPU run logs MFU; a run stopped after its initial validation has no training row yet."""
+    gpu, fresh = tmp_path / "gpu", tmp_path / "fresh"
+    gpu.mkdir(), fresh.mkdir()
+    (gpu / "metrics.csv").write_text(csv_text(
+        *({"step": s, "train_loss": 6 - s / 10, "lr": 1e-4, "tokens_per_sec": 9000, "mfu": 0.41} for s in (1, 2))))
+    (fresh / "metrics.csv").write_text(csv_text({"step": 0, "val_loss": 6.0}))
+    assert main([str(gpu), "--output", str(gpu / "p.svg")]) == 0
+    assert "MFU" in (gpu / "p.svg").read_text() and "no data" not in (gpu / "p.svg").read_text()
+    assert main([str(fresh), "--output", str(fresh / "p.svg")]) == 0
+    assert (fresh / "p.svg").read_text().count("no data") == 2 and "MFU" not in (fresh / "p.svg").read_text()
+
+
+@pytest.fixture
+def bad_inputs(two_runs, tmp_path) -> dict[tuple[str, ...], tuple[str, str]]:
+    """Command lines a user gets wrong, each with the path its error must name and what the error must say."""
+    run, _ = two_runs
+    (tmp_path / "empty_folder").mkdir()
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "header_only").mkdir()
+    (tmp_path / "header_only" / "metrics.csv").write_text(HEADER + "\n")
+    return {
+        (str(tmp_path / "empty_folder"),): ("empty_folder", "no metrics.csv in this folder"),
+        (str(tmp_path / "empty.csv"),): ("empty.csv", "not a train.py metrics.csv"),
+        (str(tmp_path / "other.csv"),): ("other.csv", "not a train.py metrics.csv"),
+        (str(tmp_path / "header_only"),): ("header_only", "no rows yet"),
+        (str(run), "--output", str(tmp_path / "picture.jpg")): ("picture.jpg", "use a .png, .svg, .pdf file name"),
+        (str(run), "--output", str(tmp_path / "no" / "p.png")): ("p.png", "does not exist"),
+        ("--run",): ("--run", "expected at least one argument"),
+        (): ("give a run to plot", ""),
+    }
+
+
+def test_bad_input_is_one_line_naming_the_path_and_exit_2(bad_inputs, tmp_path, capsys) -> None:
+    for args, (path, message) in bad_inputs.items():
+        assert main(list(args)) == 2, args
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and path in lines[0] and message in lines[0], (args, lines)
+    assert not (tmp_path / "picture.jpg").exists()
+
+
+def test_the_command_exits_2_without_a_traceback(tmp_path) -> None:
+    result = plot(tmp_path / "missing")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"plot_metrics.py: error: --run {tmp_path / 'missing'}: no such file or folder; " \
+                            "give a train.py --out_dir or its metrics.csv\n"
