@@ -232,7 +232,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     s = summary
     lines = [f"summary: {s['steps']} steps in {format_duration(s['elapsed_sec'])} (training "
              f"{format_duration(s['train_sec'])}, evaluation {format_duration(s['eval_sec'])}, "
-             f"{s['checkpoints_saved']} checkpoint saves {format_duration(s['save_sec'])})"
+             f"checkpoints {format_duration(s['save_sec'])} for {s['checkpoints_saved']} saved)"
              + (f", final val_loss {s['val_loss']:.4f}" if s["val_loss"] is not None else "")]
     if s["steps"]:
         speed = (f"  throughput: {s['tokens_per_sec']:,.0f} tokens/s ({s['tokens_per_sec_per_device']:,.0f} per "
