@@ -82,6 +82,11 @@ def resolve_accelerator(cfg: Config) -> str:
     return "cuda" if cfg.accelerator == "gpu" else cfg.accelerator
 
 
+DDP_OPTIONS = {"broadcast_buffers": False, "gradient_as_bucket_view": True}
+"""Causal LMs' buffers (rotary frequencies) never change, so re-broadcasting them before every forward is a wasted
+collective; gradients as views of DDP's communication buckets save a copy of every gradient per step (and its memory)."""
+
+
 def build_strategy(cfg: Config, wrap_classes: set[type[Module]], param_init_fn: Optional[Callable] = None) -> Any:
     """The Lightning strategy object for --strategy and the FSDP flags; param_init_fn materialises meta modules."""
     accelerator = resolve_accelerator(cfg)
@@ -90,7 +95,7 @@ def build_strategy(cfg: Config, wrap_classes: set[type[Module]], param_init_fn: 
     if cfg.strategy == "single_device":
         return SingleDeviceStrategy(device=torch.device("cuda", 0) if accelerator == "cuda" else torch.device(accelerator))
     if cfg.strategy == "ddp":
-        return DDPStrategy()
+        return DDPStrategy(**DDP_OPTIONS)
     fsdp_class = CPUFSDPStrategy if accelerator == "cpu" else FSDPStrategy
     return fsdp_class(
         auto_wrap_policy=wrap_classes,
