@@ -8,10 +8,12 @@
 
 Every contender runs in 2 processes on this machine's CPU with the same threads per process. A step time is the
 difference of the training time of a long and a short run divided by the difference in steps, so that start-up,
-the first steps' warm-up and the final evaluation and save cancel out; contenders alternate, `--repeats` times,
-and the median counts. Prints a Markdown table (the README's), with the ratios.
+the first steps' warm-up and the final evaluation and save cancel out. The two contenders of a comparison run back
+to back, `--repeats` times in alternating order; a ratio is the median of the repeats' ratios, and its range is
+printed next to it, because this machine's speed drifts by +-10% over tens of minutes. Prints a Markdown table
+(the README's).
 
-Run: python benchmarks/bench_training.py [--parts overhead trainer memory checkpoint] [--repeats 3]
+Run: python benchmarks/bench_training.py [--parts overhead trainer memory checkpoint] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -99,15 +101,36 @@ def baseline_train_sec(name: str, work: Workload) -> float:
     return json.loads(timing[-1])["train_sec"]
 
 
-def median_step_times(contenders: dict[str, Callable[[int], float]], short: int, long: int,
-                      repeats: int) -> dict[str, float]:
-    """Seconds per step of each contender: (long run - short run) / (long - short), alternating, median of repeats."""
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, train_sec in contenders.items():
-            samples[name].append((train_sec(long) - train_sec(short)) / (long - short))
-            print(f"  {name}: {samples[name][-1]:.4f} s/step", flush=True)
-    return {name: statistics.median(values) for name, values in samples.items()}
+@dataclass
+class PairedStepTimes:
+    """Seconds per step of two contenders measured back to back, repeat after repeat."""
+
+    ours: list[float]
+    theirs: list[float]
+
+    def ratios(self, speed_up: bool) -> list[float]:
+        """One ratio per repeat, from two samples taken minutes apart at most: the machine's slow drift (this one's
+        speed wanders by +-10% over tens of minutes) falls on both sides of each ratio."""
+        return [t / o if speed_up else o / t for o, t in zip(self.ours, self.theirs)]
+
+
+def paired_step_times(ours: Callable[[int], float], theirs: Callable[[int], float], short: int, long: int,
+                      repeats: int) -> PairedStepTimes:
+    """(long run - short run) / (long - short) for each contender, in the order AB, BA, AB, ... so that neither
+    always runs first after the other."""
+    def per_step(train_sec: Callable[[int], float]) -> float:
+        return (train_sec(long) - train_sec(short)) / (long - short)
+
+    times = PairedStepTimes(ours=[], theirs=[])
+    for repeat in range(repeats):
+        if repeat % 2:
+            times.theirs.append(per_step(theirs))
+            times.ours.append(per_step(ours))
+        else:
+            times.ours.append(per_step(ours))
+            times.theirs.append(per_step(theirs))
+        print(f"  repeat {repeat + 1}: {times.ours[-1]:.4f} / {times.theirs[-1]:.4f} s per step", flush=True)
+    return times
 
 
 STEP_BATCHES = {"compute-bound, 8 x 128 tokens per rank": (8, 40), "overhead-bound, 1 x 128 tokens per rank": (1, 160)}
@@ -120,38 +143,37 @@ def step_workload(data: Path, work_dir: Path, name: str, micro_batch_size: int, 
                     steps=steps, micro_batch_size=micro_batch_size)
 
 
-def compare_step_times(options: argparse.Namespace, title: str, ours: tuple[str, Callable[[int, int], float]],
-                       baseline: tuple[str, Callable[[int, int], float]], speed_up: bool, target: float) -> list[str]:
+def compare_step_times(options: argparse.Namespace, title: str, ours: Callable[[int, int], float],
+                       theirs: Callable[[int, int], float], speed_up: bool, target: float) -> list[str]:
     """A row per micro batch; each contender maps (micro batch, steps) to seconds of training. The ratio is
-    ours / baseline, or baseline / ours when `speed_up` (the target then being a minimum)."""
+    ours / theirs, or theirs / ours when `speed_up` (the target then being a minimum): the median of the repeats'
+    paired ratios, with their range."""
     rows = []
     for label, (micro, long_steps) in STEP_BATCHES.items():
-        times = median_step_times({name: partial(train_sec, micro) for name, train_sec in (ours, baseline)},
-                                  options.short_steps, long_steps, options.repeats)
-        mine, theirs = times[ours[0]], times[baseline[0]]
-        ratio = theirs / mine if speed_up else mine / theirs
+        times = paired_step_times(partial(ours, micro), partial(theirs, micro), options.short_steps, long_steps,
+                                  options.repeats)
+        ratios = times.ratios(speed_up)
+        ratio = statistics.median(ratios)
         met = ratio >= target if speed_up else ratio <= target
-        rows.append(row(f"{title} ({label})", f"{mine:.3f} s", f"{theirs:.3f} s", ratio,
-                        f"{'>=' if speed_up else '<='} {target:.2f}", met))
+        rows.append(row(f"{title} ({label})", f"{statistics.median(times.ours):.3f} s",
+                        f"{statistics.median(times.theirs):.3f} s", ratio,
+                        f"{'>=' if speed_up else '<='} {target:.2f}", met, spread=(min(ratios), max(ratios))))
     return rows
 
 
 def bench_overhead(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
     return compare_step_times(
         options, "step time: application FSDP / bare torch FSDP loop",
-        ("application FSDP", lambda micro, steps: app_train_sec(step_workload(data, work_dir, "app", micro, steps))),
-        ("bare torch FSDP", lambda micro, steps: baseline_train_sec(
-            "bare_fsdp", step_workload(data, work_dir, "bare", micro, steps))),
+        lambda micro, steps: app_train_sec(step_workload(data, work_dir, "app", micro, steps)),
+        lambda micro, steps: baseline_train_sec("bare_fsdp", step_workload(data, work_dir, "bare", micro, steps)),
         speed_up=False, target=1.03)
 
 
 def bench_trainer(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
     return compare_step_times(
         options, "speed-up: application DDP over Hugging Face Trainer",
-        ("application DDP", lambda micro, steps: app_train_sec(step_workload(data, work_dir, "app", micro, steps),
-                                                               strategy="ddp")),
-        ("Hugging Face Trainer", lambda micro, steps: baseline_train_sec(
-            "hf_trainer", step_workload(data, work_dir, "trainer", micro, steps))),
+        lambda micro, steps: app_train_sec(step_workload(data, work_dir, "app", micro, steps), strategy="ddp"),
+        lambda micro, steps: baseline_train_sec("hf_trainer", step_workload(data, work_dir, "trainer", micro, steps)),
         speed_up=True, target=1.10)
 
 
@@ -219,9 +241,11 @@ def bench_checkpoint(data: Path, work_dir: Path, options: argparse.Namespace) ->
     return rows
 
 
-def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met: bool | None = None) -> str:
+def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met: bool | None = None,
+        spread: tuple[float, float] | None = None) -> str:
     verdict = "" if met is None else (" met" if met else " **missed**")
-    return f"| {name} | {ours} | {baseline} | {ratio:.2f} | {target}{verdict} |"
+    shown = f"{ratio:.2f}" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
+    return f"| {name} | {ours} | {baseline} | {shown} | {target}{verdict} |"
 
 
 PARTS = {"overhead": bench_overhead, "trainer": bench_trainer, "memory": bench_memory, "checkpoint": bench_checkpoint}
@@ -231,7 +255,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--short_steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     options = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder, quiet_progress():
         work_dir = Path(folder)
@@ -243,8 +267,8 @@ def main() -> None:
         for part in options.parts:
             print(f"{part} ...", flush=True)
             rows += PARTS[part](data, work_dir, options)
-    print(f"\n{os.cpu_count()} CPU cores, 2 processes, torch {torch.__version__}; median of {options.repeats} "
-          f"repeats of a {options.short_steps}-step run and a long one\n")
+    print(f"\n{os.cpu_count()} CPU cores, 2 processes, torch {torch.__version__}; step times: medians of "
+          f"{options.repeats} paired repeats of a {options.short_steps}-step run and a long one, ratio (range)\n")
     print("| measured | application | baseline | ratio | target |\n| --- | --- | --- | --- | --- |")
     print("\n".join(rows))
 
