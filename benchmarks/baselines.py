@@ -3,7 +3,8 @@
 - `bare_fsdp`: the plain torch FSDP loop of PyTorch's FSDP tutorial (seed 002) with the application's FSDP settings
   (wrapping the decoder layers, FULL_SHARD, use_orig_params, limit_all_gathers, gradient clipping, warmup + cosine):
   what a user would write by hand, without checkpoints, guards or metrics.
-- `hf_trainer`: Hugging Face Trainer with its defaults, which runs DDP over gloo on CPU.
+- `hf_trainer`: Hugging Face Trainer with its defaults, which runs DDP over gloo on CPU;
+- `hf_trainer_compiled`: the same with `torch_compile=True`.
 
 Both train the same model from the same config on the same packed data, and print on rank 0 one JSON line:
 {"steps": N, "train_sec": seconds from just before the first step to the end of the last}.
@@ -16,6 +17,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -95,13 +97,13 @@ class StepTimer(TrainerCallback):
         self.ended = time.perf_counter()
 
 
-def hf_trainer(work: Workload) -> float:
+def hf_trainer(work: Workload, compile: bool = False) -> float:
     arguments = TrainingArguments(
         output_dir=work.out_dir, max_steps=work.steps, per_device_train_batch_size=work.micro_batch_size,
         learning_rate=work.lr, weight_decay=work.weight_decay, warmup_steps=work.warmup_steps,
         lr_scheduler_type="cosine", max_grad_norm=work.grad_clip, logging_steps=work.log_interval,
         save_strategy="no", eval_strategy="no", report_to="none", use_cpu=True, seed=work.seed,
-        dataloader_num_workers=0, disable_tqdm=True)
+        dataloader_num_workers=0, disable_tqdm=True, torch_compile=compile)
     timer = StepTimer()
     trainer = Trainer(model=fresh_model(work), args=arguments, train_dataset=load_from_disk(work.data)["train"],
                       data_collator=token_batches, callbacks=[timer])
@@ -109,7 +111,7 @@ def hf_trainer(work: Workload) -> float:
     return timer.ended - timer.started
 
 
-BASELINES = {"bare_fsdp": bare_fsdp, "hf_trainer": hf_trainer}
+BASELINES = {"bare_fsdp": bare_fsdp, "hf_trainer": hf_trainer, "hf_trainer_compiled": partial(hf_trainer, compile=True)}
 
 
 def main() -> None:

@@ -1,17 +1,19 @@
 """The training application side by side with its baselines, on the same model, data, batch and steps.
 
-1. step time: the application's FSDP against a bare torch FSDP loop (target: overhead <= 3%);
-2. step time: the application with --strategy ddp against Hugging Face Trainer (target: >= 1.1x faster);
+1. step time: the application's FSDP against a bare torch FSDP loop (target: overhead <= 3%), and the cost of
+   starting the application with `python train.py` (Lightning's launcher) rather than torchrun;
+2. speed-up: the application with --strategy ddp and --compile true against Hugging Face Trainer's defaults
+   (target: >= 1.1x), and each against the other with the same kernels (both eager, both compiled);
 3. peak memory of the largest rank while training a ~170M-parameter model, FULL_SHARD against NO_SHARD
    (target: <= 0.70x);
 4. checkpoint save and load of that model's training state against plain torch.save / torch.load of the same state.
 
-Every contender runs in 2 processes on this machine's CPU with the same threads per process. A step time is the
-difference of the training time of a long and a short run divided by the difference in steps, so that start-up,
-the first steps' warm-up and the final evaluation and save cancel out. The two contenders of a comparison run back
-to back, `--repeats` times in alternating order; a ratio is the median of the repeats' ratios, and its range is
-printed next to it, because this machine's speed drifts by +-10% over tens of minutes. Prints a Markdown table
-(the README's).
+Every contender runs in 2 processes on this machine's CPU with the same threads per process, started by torchrun
+unless a row says otherwise. A step time is the difference of the training time of a long and a short run divided
+by the difference in steps, so that start-up, compilation, the first steps' warm-up and the final evaluation and
+save cancel out. The contenders of a row run back to back, `--repeats` times in alternating order; a ratio is the
+median of the repeats' ratios, and its range is printed next to it, because this machine's speed drifts by +-10%
+over tens of minutes. Prints a Markdown table (the README's). All parts take about an hour.
 
 Run: python benchmarks/bench_training.py [--parts overhead trainer memory checkpoint] [--repeats 5]
 """
@@ -30,9 +32,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -66,8 +67,15 @@ def run(command: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
-def train_app(work: Workload, **options: object) -> str:
-    """train.py as a user runs it, on 2 CPU processes; evaluation and saving only where a run must (its last step)."""
+def torchrun(*script: str) -> list[str]:
+    """2 processes as torchrun starts them: each in its own session, so each in its own scheduler group (the
+    launcher matters on this machine's 2 cores: see the launcher row and the README)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *script]
+
+
+def train_app(work: Workload, launcher: str = "torchrun", **options: object) -> str:
+    """train.py on 2 CPU processes, started by torchrun (like every baseline) or by `python train.py` (Lightning's
+    launcher); evaluation and saving only where a run must (its last step)."""
     arguments = {
         "accelerator": "cpu", "devices": 2, "strategy": "fsdp", "precision": "32-true",
         "model_config": work.model_config, "train_data_dir": work.data, "out_dir": work.out_dir,
@@ -77,10 +85,10 @@ def train_app(work: Workload, **options: object) -> str:
         "eval_iters": 1, "eval_step_interval": 10**6, "save_step_interval": 10**6, "initial_validation": False,
         "wandb_mode": "disabled", "num_workers": 0,
     } | options
-    command = [sys.executable, "train.py"]
+    script = ["train.py"]
     for name, value in arguments.items():
-        command += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return run(command).stdout
+        script += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return run(torchrun(*script) if launcher == "torchrun" else [sys.executable, *script]).stdout
 
 
 def app_train_sec(work: Workload, **options: object) -> float:
@@ -93,49 +101,95 @@ def app_train_sec(work: Workload, **options: object) -> float:
 def baseline_train_sec(name: str, work: Workload) -> float:
     """The baseline's own timing line. gloo sometimes aborts a process at exit ("terminate called without an active
     exception"), after the timing was printed: that does not affect the measurement."""
-    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                  str(ROOT / "benchmarks" / "baselines.py"), name, json.dumps(asdict(work))], check=False)
+    result = run(torchrun(str(ROOT / "benchmarks" / "baselines.py"), name, json.dumps(asdict(work))), check=False)
     timing = [line for line in result.stdout.splitlines() if line.startswith('{"steps"')]
     if not timing:
         raise RuntimeError(f"{name} failed:\n{result.stderr[-4000:]}")
     return json.loads(timing[-1])["train_sec"]
 
 
-@dataclass
-class PairedStepTimes:
-    """Seconds per step of two contenders measured back to back, repeat after repeat."""
-
-    ours: list[float]
-    theirs: list[float]
-
-    def ratios(self, speed_up: bool) -> list[float]:
-        """One ratio per repeat, from two samples taken minutes apart at most: the machine's slow drift (this one's
-        speed wanders by +-10% over tens of minutes) falls on both sides of each ratio."""
-        return [t / o if speed_up else o / t for o, t in zip(self.ours, self.theirs)]
+TrainSec = Callable[[int, int], float]
+"""A contender: (micro batch, steps) -> seconds of training of a fresh run."""
 
 
-def paired_step_times(ours: Callable[[int], float], theirs: Callable[[int], float], short: int, long: int,
-                      repeats: int) -> PairedStepTimes:
-    """(long run - short run) / (long - short) for each contender, in the order AB, BA, AB, ... so that neither
-    always runs first after the other."""
-    def per_step(train_sec: Callable[[int], float]) -> float:
-        return (train_sec(long) - train_sec(short)) / (long - short)
+@dataclass(frozen=True)
+class Regime:
+    label: str
+    micro_batch_size: int
+    long_steps: int
 
-    times = PairedStepTimes(ours=[], theirs=[])
-    for repeat in range(repeats):
-        if repeat % 2:
-            times.theirs.append(per_step(theirs))
-            times.ours.append(per_step(ours))
-        else:
-            times.ours.append(per_step(ours))
-            times.theirs.append(per_step(theirs))
-        print(f"  repeat {repeat + 1}: {times.ours[-1]:.4f} / {times.theirs[-1]:.4f} s per step", flush=True)
+
+REGIMES = (Regime("compute-bound, 8 x 128 tokens per rank", 8, 40),
+           Regime("overhead-bound, 1 x 128 tokens per rank", 1, 160))
+"""The same kernels dominate the first; each framework's own per-step work shows in the second, whose short steps
+need a longer run to rise above the noise."""
+
+
+def step_times(contenders: dict[str, TrainSec], regime: Regime, options: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per step of every contender, (long run - short run) / (long - short steps), once per repeat.
+
+    One short run of each contender first warms the caches (torch.compile's kernels, the page cache) out of the
+    measurement. Within a repeat the contenders run back to back, in reversed order every other repeat, so that a
+    ratio of two contenders of the same repeat compares samples taken minutes apart: this machine's speed drifts
+    by +-10% over tens of minutes, and the drift falls on both sides of the ratio.
+    """
+    def per_step(train_sec: TrainSec) -> float:
+        short = train_sec(regime.micro_batch_size, options.short_steps)
+        long = train_sec(regime.micro_batch_size, regime.long_steps)
+        return (long - short) / (regime.long_steps - options.short_steps)
+
+    for train_sec in contenders.values():
+        train_sec(regime.micro_batch_size, options.short_steps)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for repeat in range(options.repeats):
+        for name in names if repeat % 2 == 0 else reversed(names):
+            times[name].append(per_step(contenders[name]))
+        print(f"  {regime.label}, repeat {repeat + 1}: "
+              + ", ".join(f"{name} {times[name][-1]:.4f}" for name in names) + " s per step", flush=True)
     return times
 
 
-STEP_BATCHES = {"compute-bound, 8 x 128 tokens per rank": (8, 40), "overhead-bound, 1 x 128 tokens per rank": (1, 160)}
-"""(micro batch, steps of the long run) of the step-time comparisons: the same kernels dominate the first; each
-framework's own per-step work shows in the second, whose short steps need a longer run to rise above the noise."""
+@dataclass(frozen=True)
+class Comparison:
+    """A row: ours against theirs, as a time ratio (ours / theirs, at most `target`) or, when `speed_up`, as a
+    speed-up (theirs / ours, at least `target`); without a target the row only informs."""
+
+    title: str
+    ours: str
+    theirs: str
+    speed_up: bool = False
+    target: Optional[float] = None
+
+    def row(self, times: dict[str, list[float]], regime: Regime) -> str:
+        """The median of the repeats' ratios, with their range."""
+        pairs = zip(times[self.ours], times[self.theirs])
+        ratios = [theirs / ours if self.speed_up else ours / theirs for ours, theirs in pairs]
+        ratio = statistics.median(ratios)
+        met = None if self.target is None else (ratio >= self.target if self.speed_up else ratio <= self.target)
+        target = "" if self.target is None else f"{'>=' if self.speed_up else '<='} {self.target:.2f}"
+        return row(f"{self.title} ({regime.label})", f"{statistics.median(times[self.ours]):.3f} s",
+                   f"{statistics.median(times[self.theirs]):.3f} s", ratio, target, met,
+                   spread=(min(ratios), max(ratios)))
+
+
+def compare_step_times(contenders: dict[str, TrainSec], comparisons: dict[Regime, list[Comparison]],
+                       options: argparse.Namespace) -> list[str]:
+    """Each regime's contenders are the ones its comparisons name."""
+    rows = []
+    for regime, regime_comparisons in comparisons.items():
+        names = dict.fromkeys(name for c in regime_comparisons for name in (c.ours, c.theirs))
+        times = step_times({name: contenders[name] for name in names}, regime, options)
+        rows += [comparison.row(times, regime) for comparison in regime_comparisons]
+    return rows
+
+
+def app_contender(data: Path, work_dir: Path, name: str, **options: object) -> TrainSec:
+    return lambda micro, steps: app_train_sec(step_workload(data, work_dir, name, micro, steps), **options)
+
+
+def baseline_contender(data: Path, work_dir: Path, name: str) -> TrainSec:
+    return lambda micro, steps: baseline_train_sec(name, step_workload(data, work_dir, name, micro, steps))
 
 
 def step_workload(data: Path, work_dir: Path, name: str, micro_batch_size: int, steps: int) -> Workload:
@@ -143,38 +197,35 @@ def step_workload(data: Path, work_dir: Path, name: str, micro_batch_size: int, 
                     steps=steps, micro_batch_size=micro_batch_size)
 
 
-def compare_step_times(options: argparse.Namespace, title: str, ours: Callable[[int, int], float],
-                       theirs: Callable[[int, int], float], speed_up: bool, target: float) -> list[str]:
-    """A row per micro batch; each contender maps (micro batch, steps) to seconds of training. The ratio is
-    ours / theirs, or theirs / ours when `speed_up` (the target then being a minimum): the median of the repeats'
-    paired ratios, with their range."""
-    rows = []
-    for label, (micro, long_steps) in STEP_BATCHES.items():
-        times = paired_step_times(partial(ours, micro), partial(theirs, micro), options.short_steps, long_steps,
-                                  options.repeats)
-        ratios = times.ratios(speed_up)
-        ratio = statistics.median(ratios)
-        met = ratio >= target if speed_up else ratio <= target
-        rows.append(row(f"{title} ({label})", f"{statistics.median(times.ours):.3f} s",
-                        f"{statistics.median(times.theirs):.3f} s", ratio,
-                        f"{'>=' if speed_up else '<='} {target:.2f}", met, spread=(min(ratios), max(ratios))))
-    return rows
-
-
 def bench_overhead(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
-    return compare_step_times(
-        options, "step time: application FSDP / bare torch FSDP loop",
-        lambda micro, steps: app_train_sec(step_workload(data, work_dir, "app", micro, steps)),
-        lambda micro, steps: baseline_train_sec("bare_fsdp", step_workload(data, work_dir, "bare", micro, steps)),
-        speed_up=False, target=1.03)
+    """The application's FSDP against the bare loop, both started by torchrun; and what Lightning's launcher
+    (`python train.py --devices 2`) costs against torchrun on this machine."""
+    contenders = {"app": app_contender(data, work_dir, "app"),
+                  "app-python": app_contender(data, work_dir, "app-python", launcher="python"),
+                  "bare": baseline_contender(data, work_dir, "bare_fsdp")}
+    comparisons = [Comparison("step time: application FSDP / bare torch FSDP loop", "app", "bare", target=1.03),
+                   Comparison("step time: application started by `python train.py` / by torchrun", "app-python",
+                              "app")]
+    return compare_step_times(contenders, {regime: comparisons for regime in REGIMES}, options)
 
 
 def bench_trainer(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
-    return compare_step_times(
-        options, "speed-up: application DDP over Hugging Face Trainer",
-        lambda micro, steps: app_train_sec(step_workload(data, work_dir, "app", micro, steps), strategy="ddp"),
-        lambda micro, steps: baseline_train_sec("hf_trainer", step_workload(data, work_dir, "trainer", micro, steps)),
-        speed_up=True, target=1.10)
+    """The application with --strategy ddp against Trainer as it is commonly run (its defaults); and, without a
+    target, each against the other with the same kernels (both eager, both compiled), which isolates the per-step
+    work of each framework."""
+    contenders = {"app": app_contender(data, work_dir, "app-ddp", strategy="ddp"),
+                  "app-compiled": app_contender(data, work_dir, "app-ddp-compiled", strategy="ddp", compile=True),
+                  "trainer": baseline_contender(data, work_dir, "hf_trainer"),
+                  "trainer-compiled": baseline_contender(data, work_dir, "hf_trainer_compiled")}
+    fastest = Comparison("speed-up: application DDP `--compile true` over Hugging Face Trainer's defaults",
+                         "app-compiled", "trainer", speed_up=True, target=1.10)
+    eager = Comparison("speed-up: application DDP over Hugging Face Trainer, both eager", "app", "trainer",
+                       speed_up=True)
+    compiled = Comparison("speed-up: application DDP over Hugging Face Trainer, both compiled", "app-compiled",
+                          "trainer-compiled", speed_up=True)
+    compute_bound, overhead_bound = REGIMES
+    return compare_step_times(contenders, {compute_bound: [fastest, eager, compiled],
+                                           overhead_bound: [fastest, eager]}, options)
 
 
 def state_workload(data: Path, work_dir: Path, name: str, steps: int = 3) -> Workload:
