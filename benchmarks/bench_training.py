@@ -33,7 +33,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -73,7 +73,7 @@ def torchrun(*script: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *script]
 
 
-def train_app(work: Workload, launcher: str = "torchrun", **options: object) -> str:
+def train_app(work: Workload, launcher: Literal["torchrun", "python"] = "torchrun", **options: object) -> str:
     """train.py on 2 CPU processes, started by torchrun (like every baseline) or by `python train.py` (Lightning's
     launcher); evaluation and saving only where a run must (its last step)."""
     arguments = {
@@ -308,6 +308,12 @@ def main() -> None:
     parser.add_argument("--short_steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     options = parser.parse_args()
+    shortest_long_run = min(regime.long_steps for regime in REGIMES)
+    if options.repeats < 1:
+        parser.error(f"--repeats must be 1 or more, got {options.repeats}")
+    if not Workload.warmup_steps <= options.short_steps < shortest_long_run:
+        parser.error(f"--short_steps must be from {Workload.warmup_steps} (the warmup) to {shortest_long_run - 1} "
+                     f"(below the shortest long run), got {options.short_steps}")
     with tempfile.TemporaryDirectory() as folder, quiet_progress():
         work_dir = Path(folder)
         data = work_dir / "data"
