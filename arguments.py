@@ -33,7 +33,11 @@ class DeviceArgs:
     strategy: Literal["fsdp", "ddp", "single_device"] = "fsdp"
     """fsdp shards parameters, gradients and optimizer state; ddp replicates the model (the --no_fsdp case)."""
     precision: Precision = "bf16-true"
-    """bf16-true keeps weights and optimizer state in bf16 (least memory); bf16-mixed keeps fp32 master weights."""
+    """bf16-true keeps weights and optimizer state in bf16 (least memory); bf16-mixed keeps fp32 master weights;
+    16-mixed (fp16 with loss scaling) is for GPUs without bf16 (V100, T4)."""
+    tf32: bool = True
+    """With 32-true on Ampere or newer GPUs, run fp32 matmuls on TF32 tensor cores (10-bit mantissa, several times
+    faster); false keeps full fp32."""
     tpu: bool = False
     """Alias of --accelerator tpu with Lightning's XLA FSDP strategy (untested here: no TPU on our machines)."""
 
@@ -86,6 +90,9 @@ class FSDPArgs:
     """Keep sharded parameters and gradients in CPU memory; several times slower, for models that do not fit."""
     gradient_checkpointing: bool = False
     """Recompute the activations of each wrapped layer in backward: much less memory, about 30% more compute."""
+    reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    """dtype FSDP reduce-scatters gradients in; default float32 under *-mixed precision (as torchtitan), the
+    weights' dtype under *-true. bfloat16 halves the gradient traffic of bf16-mixed at some accuracy."""
 
 
 @dataclass
@@ -176,6 +183,9 @@ class LoggingArgs:
     """Upload checkpoints to Weights & Biases as artifacts: true for the last one, all for every one."""
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     """online needs WANDB_API_KEY or `wandb login`; offline writes to out_dir/wandb for a later `wandb sync`."""
+    peak_tflops: Optional[float] = None
+    """Dense peak TFLOP/s of one device in the run's compute dtype, for MFU; default: app/peaks.py's table of NVIDIA
+    GPUs, then Lightning's."""
 
 
 @dataclass
@@ -261,8 +271,9 @@ def validate_config(cfg: Config) -> list[str]:
                  "keep_last_n"):
         value = getattr(cfg, name)
         require(value in (None, "auto") or value >= 1, f"--{name} must be at least 1, got {value}")
-    require(cfg.device_memory_gb is None or cfg.device_memory_gb > 0,
-            f"--device_memory_gb must be positive, got {cfg.device_memory_gb}")
+    for name in ("device_memory_gb", "peak_tflops"):
+        value = getattr(cfg, name)
+        require(value is None or value > 0, f"--{name} must be positive, got {value}")
     require(cfg.num_workers >= 0, f"--num_workers must be 0 or more, got {cfg.num_workers}")
     require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")

@@ -176,7 +176,7 @@ def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any]) -> None:
-    """Restore `state` in place (model, optimizer, counters) and this rank's random generators.
+    """Restore `state` in place (model, optimizer, counters), this rank's random generators and the gradient scaler.
 
     Lightning reads full checkpoint files with an unrestricted unpickler, so every rank first reads the file with
     weights_only=True, which refuses anything but tensors and plain data before Lightning's loader sees it.
@@ -184,3 +184,5 @@ def load_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any]) -> None:
     read_checkpoint_metadata(path)
     fabric.load(path, state)
     restore_rng(state["rng"][fabric.global_rank])
+    if state.get("grad_scaler"):
+        fabric.strategy.precision.load_state_dict(state["grad_scaler"])

@@ -18,7 +18,7 @@ from app.evaluate import perplexity, validation_loss
 from app.console import Console
 from app.metrics import should_upload_checkpoint, upload_checkpoint
 from app.observe import PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, largest, run_summary
-from app.optim import set_learning_rate
+from app.optim import Clipping, clip_gradients, gradient_square_sum, set_learning_rate
 from app.schedule import TrainingPlan, learning_rate
 from app.signals import StepVerdict, StopRequest, step_verdict
 
@@ -29,13 +29,13 @@ if TYPE_CHECKING:
 Outcome = Literal["finished", "preempted", "non_finite"]
 
 
-def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tensor], grad_clip: float,
-               lr: float, stop: StopRequest) -> tuple[torch.Tensor, torch.Tensor, StepVerdict]:
-    """One optimizer step over the micro-batches; returns the mean loss and the gradient norm as device tensors.
+def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tensor], lr: float, stop: StopRequest,
+               clipping: Clipping) -> tuple[torch.Tensor, StepVerdict]:
+    """One optimizer step over the micro-batches; returns the mean loss (on the device) and the ranks' verdict.
 
     Gradients are synchronised only on the last micro-batch; each micro-batch loss is scaled by 1/accumulation so
     the accumulated gradient is the mean over the step's batch. The gradient norm is measured even when clipping is
-    off (max_norm inf) so that a non-finite gradient is caught: then the weights are left as they were.
+    off so that a non-finite gradient is caught: then the weights are left as they were.
     """
     accumulation = len(micro_batches)
     loss_sum = torch.zeros((), device=fabric.device)
@@ -44,14 +44,17 @@ def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tenso
             loss = model(input_ids=input_ids, labels=input_ids).loss
             fabric.backward(loss / accumulation)
         loss_sum += loss.detach()
-    grad_norm = fabric.clip_gradients(model, optimizer, max_norm=grad_clip if grad_clip > 0 else math.inf,
-                                      error_if_nonfinite=False)
-    verdict = step_verdict(fabric, loss_sum, grad_norm, stop)
+    if clipping.scaled:
+        fabric.strategy.precision.unscale_gradients(optimizer.optimizer)
+    verdict = step_verdict(fabric, loss_sum, gradient_square_sum(optimizer, fabric.device), stop,
+                           replicas=clipping.replicas, scaled=clipping.scaled)
     if not verdict.non_finite:
+        if clipping.max_norm > 0:
+            clip_gradients(optimizer, verdict.grad_norm, clipping.max_norm)
         set_learning_rate(optimizer, lr)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum / accumulation, grad_norm, verdict
+    return loss_sum / accumulation, verdict
 
 
 def advance_position(state: dict[str, Any], plan: TrainingPlan) -> bool:
@@ -77,6 +80,7 @@ class Loop:
     stop: StopRequest
     clock: StepClock
     console: Console
+    clipping: Clipping
     resumed_from: Optional[Path] = None
     data_wait: Stopwatch = field(default_factory=Stopwatch)
     evaluation: Stopwatch = field(default_factory=Stopwatch)
@@ -99,10 +103,10 @@ class Loop:
                                max_step=plan.max_step, decay=cfg.lr_decay)
             with self.data_wait.measure():
                 micro_batches = list(islice(batches, plan.accumulation))
-            loss, grad_norm, verdict = train_step(self.fabric, state["model"], state["optimizer"], micro_batches,
-                                                  cfg.grad_clip, lr, self.stop)
+            loss, verdict = train_step(self.fabric, state["model"], state["optimizer"], micro_batches, lr, self.stop,
+                                       self.clipping)
             if verdict.non_finite:
-                self.report_non_finite(loss, grad_norm)
+                self.report_non_finite(loss, verdict.grad_norm)
                 return "non_finite"
             losses.append(loss)
             epoch_ended = advance_position(state, plan)
@@ -111,7 +115,7 @@ class Loop:
             step, last = state["step"], state["step"] == plan.max_step
             metrics: dict[str, float] = {}
             if step % cfg.log_interval == 0 or last:
-                metrics |= self.training_metrics(losses, grad_norm, lr, throughput)
+                metrics |= self.training_metrics(losses, verdict.grad_norm, lr, throughput)
                 losses = []
             evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
             if evaluated:
@@ -165,8 +169,8 @@ class Loop:
         return {"val_loss": loss, "val_ppl": perplexity(loss)}
 
     def report_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        self.console.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()}, gradient norm "
-                          f"{grad_norm.item()} on rank 0); stopped without applying this step or saving it. Resume "
+        self.console.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()} on rank 0, gradient "
+                          f"norm {grad_norm.item()}); stopped without applying this step or saving it. Resume "
                           "from the last checkpoint with a lower --lr, a --grad_clip, or --precision bf16-mixed")
 
     def save(self, evaluated: bool, upload: bool) -> dict[str, float]:
@@ -175,6 +179,7 @@ class Loop:
         path = checkpoint_path(self.cfg.out_dir, step)
         with self.saving.measure():
             self.state["rng"] = rng_of_every_rank(self.fabric)
+            self.state["grad_scaler"] = self.fabric.strategy.precision.state_dict()
             save_checkpoint(self.fabric, path, self.state)
         self.console.print(f"step {step}: saved {path} in {self.saving.last:.1f} s")
         if self.fabric.is_global_zero:

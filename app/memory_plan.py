@@ -28,8 +28,9 @@ import torch
 from torch.nn import Module
 
 from app.console import format_gb
-from app.model import meta_model, weights_dtype
-from app.observe import GB, compute_dtype
+from app.model import meta_model
+from app.observe import GB
+from app.precision import compute_dtype, weights_dtype
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

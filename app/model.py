@@ -15,6 +15,7 @@ model on each device anyway and take the plain route too.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -26,21 +27,16 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from app.optim import canonical_name, no_decay_names
+from app.precision import weights_dtype
 from app.strategy import resolve_accelerator
 
 if TYPE_CHECKING:
     from lightning import Fabric
 
     from arguments import Config
-
-TRAINING_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
-
-
-def weights_dtype(precision: str) -> torch.dtype:
-    """The dtype the weights are stored in: half for *-true, fp32 master weights for mixed precision and 32-true."""
-    return TRAINING_DTYPES.get(precision, torch.float32)
 
 
 def model_source(cfg: Config) -> str:
@@ -126,7 +122,10 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
     common = dict(attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
     with fabric.init_module(empty_init=deferred is not None):
         if cfg.model_name and deferred is None:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=model_config, **common)
+            model, loading = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=model_config,
+                                                                  output_loading_info=True, **common)
+            check_all_weights_loaded(cfg.model_name, set(loading["missing_keys"]) | set(loading["mismatched_keys"]),
+                                     set(loading["unexpected_keys"]))
         else:
             model = AutoModelForCausalLM.from_config(model_config, **common)
     model.config.use_cache = False
@@ -135,16 +134,76 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
     return model
 
 
+def check_all_weights_loaded(source: str, missing: set[str], unexpected: set[str]) -> None:
+    """A fine-tune that starts from partly random weights trains and logs like a real one: refuse it instead."""
+    if missing or unexpected:
+        raise RuntimeError(
+            f"--model_name {source}: the pretrained weights do not fit the model: {len(missing)} missing "
+            f"({', '.join(sorted(missing)[:3]) or 'none'}), {len(unexpected)} unexpected "
+            f"({', '.join(sorted(unexpected)[:3]) or 'none'}); check that the folder holds this model's weights")
+
+
 @torch.no_grad()
-def load_pretrained_weights(sharded_model: Module, files: list[Path], dtype: torch.dtype) -> None:
-    """Read the pretrained weights into an FSDP model, one safetensors file at a time.
+def load_pretrained_weights(sharded_model: Module, files: list[Path], dtype: torch.dtype, expected: set[str]) -> None:
+    """Read the pretrained weights into an FSDP model, one safetensors file at a time, and check that every one of
+    the `expected` keys was loaded and nothing else was offered.
 
     Under FSDP's full-state-dict context each wrapped layer is gathered, overwritten from the file and re-sharded
-    in turn, so a rank holds one file plus one layer, never the whole model. Every rank reads every file; that the
-    files hold exactly the model's keys was checked by `deferred_init`.
+    in turn, so a rank holds one file plus one layer, never the whole model. Every rank reads every file.
+    `sharded_model` must be the FSDP module itself: through a compiled wrapper every key would miss (`_orig_mod.`).
     """
+    loaded: set[str] = set()
+    unexpected: set[str] = set()
     config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
-    with FSDP.state_dict_type(sharded_model, StateDictType.FULL_STATE_DICT, config):
+    full_state_dict = (FSDP.state_dict_type(sharded_model, StateDictType.FULL_STATE_DICT, config)
+                       if FSDP.fsdp_modules(sharded_model) else nullcontext())
+    with full_state_dict:
         for file in files:
             weights = {name: tensor.to(dtype) for name, tensor in load_file(str(file)).items()}
-            sharded_model.load_state_dict(weights, strict=False)
+            result = sharded_model.load_state_dict(weights, strict=False)
+            rejected = {canonical_name(key) for key in result.unexpected_keys}
+            unexpected |= rejected
+            loaded |= set(weights) - rejected
+    check_all_weights_loaded(str(files[0].parent), expected - loaded, unexpected)
+
+
+def strategy_module(model: Module) -> Module:
+    """The model as the strategy wrapped it (FSDP, DDP or the plain model), inside Fabric's and torch.compile's
+    wrappers: the object whose state dict has the model's own names."""
+    module = getattr(model, "_forward_module", model)
+    return getattr(module, "_orig_mod", module)
+
+
+def hugging_face_model(module: Module) -> PreTrainedModel:
+    return next(m for m in module.modules() if isinstance(m, PreTrainedModel))
+
+
+@torch.no_grad()
+def keep_rotary_in_fp32(module: Module) -> None:
+    """Recompute rotary frequencies in fp32 after set-up cast them to the training dtype (see app/precision.py).
+
+    The modules are the ones transformers' own initialisation recognises as rotary embeddings; it computes their
+    buffers in fp32 into whatever tensor they hold, so they are given fp32 tensors first.
+    """
+    model = hugging_face_model(module)
+    for rotary in model.modules():
+        if "RotaryEmbedding" in type(rotary).__name__ and hasattr(rotary, "original_inv_freq"):
+            for name in ("inv_freq", "original_inv_freq"):
+                buffer = getattr(rotary, name)
+                rotary.register_buffer(name, torch.empty(buffer.shape, dtype=torch.float32, device=buffer.device),
+                                       persistent=False)
+            model._init_weights(rotary)
+
+
+def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig,
+                deferred: Optional[DeferredInit]) -> tuple[Module, set[str]]:
+    """Build, wrap (and compile) the model, load pretrained weights into its shards, restore fp32 rotary buffers.
+    Returns the Fabric module and the names of the parameters exempt from weight decay (read before wrapping)."""
+    model = build_model(fabric, cfg, model_config, deferred)
+    no_decay = no_decay_names(model)
+    expected = set(model.state_dict())
+    model = fabric.setup_module(torch.compile(model) if cfg.compile else model)
+    if deferred and deferred.weight_files:
+        load_pretrained_weights(strategy_module(model), deferred.weight_files, weights_dtype(cfg.precision), expected)
+    keep_rotary_in_fp32(strategy_module(model))
+    return model, no_decay

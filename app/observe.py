@@ -21,19 +21,14 @@ from torch.nn import Module
 
 from app.console import format_duration, format_gb
 from app.model import meta_model
+from app.peaks import peak_tflops
+from app.precision import compute_dtype
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 GB = 1024**3
 PEAK_MEMORY = ("peak_rss_gb", "peak_allocated_gb", "peak_reserved_gb")
-COMPUTE_DTYPES = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16,
-                  "16-mixed": torch.float16}
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype the matrix multiplications run in, which sets the device's peak FLOP/s."""
-    return COMPUTE_DTYPES.get(precision, torch.float32)
 
 
 def flops_per_micro_batch(model_config: PretrainedConfig, micro_batch_size: int, block_size: int,
@@ -49,11 +44,16 @@ def flops_per_micro_batch(model_config: PretrainedConfig, micro_batch_size: int,
     return measure_flops(model, lambda: model(input_ids=input_ids, labels=input_ids, use_cache=True), lambda output: output.loss)
 
 
-def peak_flops(device: torch.device, precision: str) -> Optional[int]:
-    """The device's peak FLOP/s for the compute dtype from Lightning's table; None on CPUs and unknown chips."""
-    if device.type == "cpu":
+def peak_flops(device: torch.device, precision: str, override_tflops: Optional[float] = None) -> Optional[int]:
+    """The device's dense peak FLOP/s for the compute dtype: --peak_tflops, else app/peaks.py's table, else
+    Lightning's; None on CPUs and unknown chips (no MFU then)."""
+    if override_tflops is not None:
+        return int(override_tflops * 1e12)
+    if device.type != "cuda":
         return None
-    return get_available_flops(device, compute_dtype(precision))
+    listed = peak_tflops(torch.cuda.get_device_name(device), compute_dtype(precision),
+                         torch.get_float32_matmul_precision())
+    return int(listed * 1e12) if listed else get_available_flops(device, compute_dtype(precision))
 
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:

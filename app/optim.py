@@ -1,11 +1,21 @@
-"""AdamW with weight decay on matrices only: norms and biases (1-D parameters) are not decayed."""
+"""AdamW with weight decay on matrices only (norms and biases are not decayed), and the gradient norm in fp32.
+
+The gradient norm is computed here rather than by Lightning or FSDP, whose norms come back in the gradients' dtype
+(bf16 under bf16-true) and cost one collective of their own: each rank sums its gradients' squares in fp32, the sum
+travels in the step's single all_reduce (app/signals.py), and dividing by the number of ranks that hold the same
+gradient values (`app.strategy.gradient_replicas`) gives the squared norm of the whole gradient, under FSDP, DDP or
+one device alike.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import Module
+
+from app.precision import uses_grad_scaler
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -35,10 +45,44 @@ def parameter_groups(model: Module, weight_decay: float, no_decay: set[str]) -> 
 
 
 def build_optimizer(model: Module, cfg: Config, no_decay: set[str]) -> torch.optim.AdamW:
-    """Built on the set-up (wrapped) model. The LR is set before every step by the schedule."""
-    return torch.optim.AdamW(
-        parameter_groups(model, cfg.weight_decay, no_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=not cfg.tpu
-    )
+    """Built on the set-up (wrapped) model. The LR is set before every step by the schedule.
+
+    Fused AdamW (one kernel over all parameters) unscales fp16 gradients inside its step, so Lightning cannot clip
+    them first: with a gradient scaler (16-mixed) the multi-tensor (foreach) implementation is used instead.
+    """
+    fused = not cfg.tpu and not uses_grad_scaler(cfg.precision)
+    return torch.optim.AdamW(parameter_groups(model, cfg.weight_decay, no_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), fused=fused, foreach=None if fused else True)
+
+
+@dataclass(frozen=True)
+class Clipping:
+    """How a step's gradient is measured and bounded."""
+
+    max_norm: float
+    """0 measures the norm without clipping."""
+    replicas: int
+    """Ranks holding the same gradient values (app.strategy.gradient_replicas)."""
+    scaled: bool
+    """A gradient scaler unscales first and skips steps whose gradients are not finite."""
+
+
+def parameters_with_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def gradient_square_sum(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
+    """The sum of the squares of the gradient entries this rank holds, in fp32 whatever the gradients' dtype."""
+    grads = [p.grad for p in parameters_with_gradients(optimizer)]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.stack([norm.to(device) for norm in norms]).square().sum()
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients down to `max_norm` when the whole gradient's norm exceeds it (no host synchronisation)."""
+    torch.nn.utils.clip_grads_with_norm_(parameters_with_gradients(optimizer), max_norm, total_norm)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

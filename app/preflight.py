@@ -23,8 +23,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from app.checkpoint import checkpoint_dir, latest_checkpoint, read_checkpoint_metadata
 from app.exit_codes import EXIT_BAD_INPUT
 from app.prefetch import offline_hint
-from app.model import load_model_config, model_source, resolve_wrap_classes, weights_dtype
+from app.model import load_model_config, model_source, resolve_wrap_classes
+from app.precision import bf16_support_problem, weights_dtype
 from app.schedule import TrainingPlan, accumulation_steps, make_plan
+from app.strategy import resolve_accelerator
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -224,6 +226,14 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
     return path
 
 
+def check_precision(cfg: Config, problems: list[str]) -> None:
+    """On a GPU without bf16 (V100, T4) a bf16 run would emulate it slowly or fail inside a worker: refuse it here."""
+    if resolve_accelerator(cfg) == "cuda" and torch.cuda.is_available():
+        problem = bf16_support_problem(cfg.precision, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+        if problem:
+            problems.append(problem)
+
+
 def check_wandb(cfg: Config, problems: list[str]) -> None:
     netrc = Path.home() / ".netrc"
     logged_in = "WANDB_API_KEY" in os.environ or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
@@ -249,6 +259,7 @@ def preflight(cfg: Config) -> RunInputs:
     if not cfg.estimate_memory:  # planning writes nothing
         check_out_dir(cfg, model_config, problems)
     resume_from = resolve_resume(cfg, model_config, problems)
+    check_precision(cfg, problems)
     check_wandb(cfg, problems)
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)

@@ -14,13 +14,14 @@ from app.console import Console
 from app.loop import Loop
 from app.metrics import make_loggers, report_summary
 from app.memory_plan import ModelShape, memory_report, setup_of
-from app.model import DeferredInit, build_model, deferred_init, load_pretrained_weights, weights_dtype
+from app.model import DeferredInit, deferred_init, setup_model
 from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
-from app.optim import build_optimizer, no_decay_names
+from app.optim import Clipping, build_optimizer
+from app.precision import float32_matmul_precision, uses_grad_scaler
 from app.preflight import RunInputs, preflight
 from app.exit_codes import EXIT_FINISHED, EXIT_NON_FINITE, EXIT_PREEMPTED
 from app.signals import StopRequest, exit_run, requeue_slurm_job
-from app.strategy import build_fabric
+from app.strategy import build_fabric, gradient_replicas
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -51,6 +52,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "position": 0,
         "val_loss": None,
         "rng": None,
+        "grad_scaler": {},
         "config": cfg.to_dict(),
         "model_config": inputs.model_config.to_dict(),
         "tokenizer": inputs.tokenizer,
@@ -79,19 +81,22 @@ def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, start_step: int) 
     return StepClock(start_step=start_step, max_step=plan.max_step, window=cfg.log_interval,
                      world_size=plan.world_size, samples_per_step=plan.global_batch_size,
                      tokens_per_step=plan.tokens_per_step, flops_per_step=flops,
-                     available_flops=peak_flops(fabric.device, cfg.precision))
+                     available_flops=peak_flops(fabric.device, cfg.precision, cfg.peak_tflops))
+
+
+def set_matmul_precision(fabric: Fabric, cfg: Config) -> None:
+    """TF32 tensor cores for fp32 matmuls on Ampere and newer GPUs (app/precision.py), before the first kernel."""
+    capability = torch.cuda.get_device_capability(fabric.device) if fabric.device.type == "cuda" else None
+    torch.set_float32_matmul_precision(float32_matmul_precision(cfg.precision, cfg.tf32, capability))
 
 
 def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> None:
     stop = StopRequest()
     stop.install()
     fabric.seed_everything(cfg.seed)
+    set_matmul_precision(fabric, cfg)
     splits = load_splits(cfg.train_data_dir)
-    model = build_model(fabric, cfg, inputs.model_config, deferred)
-    no_decay = no_decay_names(model)
-    model = fabric.setup_module(torch.compile(model) if cfg.compile else model)
-    if deferred and deferred.weight_files:
-        load_pretrained_weights(model._forward_module, deferred.weight_files, weights_dtype(cfg.precision))
+    model, no_decay = setup_model(fabric, cfg, inputs.model_config, deferred)
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)
     if inputs.resume_from:
@@ -107,6 +112,8 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
     loop = Loop(fabric=fabric, cfg=cfg, plan=plan, splits=splits, state=state, stop=stop,
                 clock=step_clock(fabric, cfg, inputs, state["step"]), console=console,
+                clipping=Clipping(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
+                                  scaled=uses_grad_scaler(cfg.precision)),
                 resumed_from=inputs.resume_from)
     outcome = loop.fit()
     console.close()

@@ -3,8 +3,8 @@
 SIGTERM (what Kubernetes, Docker and Slurm send before killing a job) and SIGUSR1 (what Slurm sends ahead of a time
 limit with `#SBATCH --signal=USR1@120`) only set a flag here. The signal may reach one process (Lightning's launcher
 parent, which is rank 0) or all of them (srun, torchrun, `kill -TERM -PGID`); either way the ranks learn of it at
-the next optimizer-step boundary through ONE small all_reduce (max) that also carries the non-finite check of the
-step's loss and gradient norm. That is one host synchronisation per optimizer step, never per micro-batch. Every rank
+the next optimizer-step boundary through ONE small all_reduce (sum) that also carries the non-finite check of the
+step's loss and the gradient norm (app/optim.py). That is one host synchronisation per optimizer step, never per micro-batch. Every rank
 then finishes the step, saves a checkpoint together with the others, and exits.
 
 Exit codes: app/exit_codes.py (75 after a preemption save, 3 after non-finite numbers).
@@ -55,29 +55,38 @@ class StepVerdict:
 
     stop_requested: bool
     non_finite: bool
+    grad_norm: torch.Tensor
+    """The norm of the whole gradient in fp32, on the device (read only when it is logged)."""
 
 
-def all_reduce_max(fabric: Fabric, tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(fabric: Fabric, tensor: torch.Tensor) -> torch.Tensor:
     """torch.distributed's all_reduce alone on CPU and CUDA: Lightning's `fabric.all_reduce` puts a barrier before
     it, a second collective on every step. XLA devices keep Lightning's."""
     if fabric.world_size == 1:
         return tensor
     if fabric.device.type not in ("cpu", "cuda"):
-        return fabric.all_reduce(tensor, reduce_op="max")
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return fabric.all_reduce(tensor, reduce_op="sum")
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
-def step_verdict(fabric: Fabric, loss: torch.Tensor, grad_norm: torch.Tensor, stop: StopRequest) -> StepVerdict:
-    """ONE all_reduce (max) of [this rank saw a stop signal, this rank's loss or gradient norm is not finite].
+def step_verdict(fabric: Fabric, loss: torch.Tensor, grad_square_sum: torch.Tensor, stop: StopRequest, *,
+                 replicas: int, scaled: bool) -> StepVerdict:
+    """ONE all_reduce (sum) of [this rank's squared gradient norm, it saw a stop signal, its loss is not finite].
 
     The loss is the sum over the step's micro-batches, so a NaN in any of them shows here without a sync per
-    micro-batch; the `.tolist()` is the step's single device-to-host synchronisation.
+    micro-batch; the `.tolist()` is the step's single device-to-host synchronisation. Non-finite gradients stop the
+    run, except under a gradient scaler (16-mixed), which skips such steps and lowers its scale by design.
     """
-    non_finite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-    flags = torch.stack([torch.tensor(float(stop.requested), device=loss.device), non_finite.float()])
-    stop_requested, bad = all_reduce_max(fabric, flags).tolist()
-    return StepVerdict(stop_requested=stop_requested > 0, non_finite=bad > 0)
+    device = grad_square_sum.device
+    local = torch.stack([grad_square_sum.float(), torch.tensor(float(stop.requested), device=device),
+                         (~torch.isfinite(loss)).float().to(device)])
+    totals = all_reduce_sum(fabric, local)
+    grad_norm = (totals[0] / replicas).sqrt()
+    flags = torch.stack([totals[1], totals[2], (~torch.isfinite(grad_norm)).float()])
+    stop_requested, bad_loss, bad_gradient = flags.tolist()
+    return StepVerdict(stop_requested=stop_requested > 0, non_finite=bad_loss > 0 or (bad_gradient > 0 and not scaled),
+                       grad_norm=grad_norm)
 
 
 def requeue_slurm_job() -> None:

@@ -25,6 +25,8 @@ from torch.distributed.fsdp import BackwardPrefetch, FullOptimStateDictConfig, F
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 
+from app.precision import fsdp_mixed_precision, precision_plugin
+
 if TYPE_CHECKING:
     from arguments import Config
 
@@ -106,18 +108,34 @@ def build_strategy(cfg: Config, wrap_classes: set[type[Module]], param_init_fn: 
         cpu_offload=cfg.cpu_offload,
         backward_prefetch=None if cfg.backward_prefetch == "none" else BackwardPrefetch[cfg.backward_prefetch],
         forward_prefetch=cfg.forward_prefetch,
+        mixed_precision=fsdp_mixed_precision(cfg.precision, cfg.reduce_dtype),
         **({"param_init_fn": param_init_fn} if param_init_fn else {}),
     )
+
+
+def gradient_replicas(cfg: Config, world_size: int) -> int:
+    """How many ranks hold the same gradient values once they are synchronised: the sum of the ranks' squared
+    gradient norms divided by this is the squared norm of the whole gradient."""
+    if cfg.strategy == "single_device":
+        return 1
+    if cfg.strategy == "ddp" or cfg.sharding_strategy == "NO_SHARD":
+        return world_size
+    if cfg.sharding_strategy == "HYBRID_SHARD":
+        return cfg.num_nodes
+    return 1
 
 
 def build_fabric(
     cfg: Config, wrap_classes: set[type[Module]], loggers: list[Any], param_init_fn: Optional[Callable] = None
 ) -> Fabric:
+    accelerator = resolve_accelerator(cfg)
+    precision = ({"precision": cfg.precision} if accelerator == "tpu" else
+                 {"plugins": [precision_plugin(cfg.precision, fsdp=cfg.strategy == "fsdp", device_type=accelerator)]})
     return Fabric(
-        accelerator=resolve_accelerator(cfg),
+        accelerator=accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         strategy=build_strategy(cfg, wrap_classes, param_init_fn),
-        precision=cfg.precision,
         loggers=loggers,
+        **precision,
     )

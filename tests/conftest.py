@@ -46,6 +46,20 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinySetup:
     return build_tiny_setup(tmp_path_factory.mktemp("tiny"))
 
 
+LONG_BLOCK_SIZE = 1024
+
+
+@pytest.fixture(scope="session")
+def long_blocks(tiny: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same text in blocks of 1024 tokens (20 train, 9 validation), where rotary precision shows."""
+    from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
+
+    data = tmp_path_factory.mktemp("long") / "data"
+    prepare(PrepareArgs(input=stdlib_corpus_paths(("json",)), output_dir=str(data), tokenizer=str(tiny.tokenizer),
+                        block_size=LONG_BLOCK_SIZE, val_fraction=0.15, seed=0))
+    return data
+
+
 def train_args(tiny: TinySetup, out_dir: Path, **overrides: object) -> list[str]:
     """The issue's reference command line, with overrides (`devices=1`, `resume=True`, ...)."""
     options = {

@@ -1,0 +1,99 @@
+"""Every decision --precision implies, in one place: dtypes, the Lightning precision plugin, FSDP's mixed-precision
+policy, the gradient scaler, TF32, and whether the GPU supports the choice at all.
+
+What each precision means here:
+
+| --precision | weights and AdamW state | matmuls | gradients reduced in (FSDP, default) | scaler |
+| --- | --- | --- | --- | --- |
+| 32-true | fp32 | fp32 (TF32 on Ampere+ unless --tf32 false) | fp32 | no |
+| bf16-mixed | fp32 | bf16 | fp32 (--reduce_dtype bfloat16 halves the traffic) | no |
+| bf16-true | bf16 | bf16 | bf16 | no |
+| 16-mixed | fp32 | fp16 | fp32 | yes: loss scaling, AdamW not fused |
+| 16-true | fp16 | fp16 | fp16 | no |
+
+Buffers keep the dtype the model gives them (FSDP's `buffer_dtype` is left unset), and the rotary frequencies are
+recomputed in fp32 after set-up (`app.model.keep_rotary_in_fp32`): in bf16 their ~0.3% error becomes radians of
+phase error at positions in the thousands.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from lightning.fabric.plugins import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
+from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
+
+WEIGHT_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+COMPUTE_DTYPES = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16,
+                  "16-mixed": torch.float16}
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AMPERE = (8, 0)
+
+
+def weights_dtype(precision: str) -> torch.dtype:
+    """The dtype the weights are stored in: half for *-true, fp32 master weights for mixed precision and 32-true."""
+    return WEIGHT_DTYPES.get(precision, torch.float32)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the matrix multiplications run in, which sets the device's peak FLOP/s."""
+    return COMPUTE_DTYPES.get(precision, torch.float32)
+
+
+def uses_grad_scaler(precision: str) -> bool:
+    """fp16's narrow range needs loss scaling; bf16 and fp32 do not."""
+    return precision == "16-mixed"
+
+
+def reduce_dtype(precision: str, requested: Optional[str]) -> torch.dtype:
+    """Gradients are reduced in fp32 under mixed precision (as torchtitan does), in the weights' dtype otherwise."""
+    if requested is not None:
+        return DTYPE_NAMES[requested]
+    return torch.float32 if "mixed" in precision else weights_dtype(precision)
+
+
+def fsdp_mixed_precision(precision: str, requested_reduce_dtype: Optional[str]) -> FSDPMixedPrecision:
+    """FSDP's policy: parameters gathered in the compute dtype, gradients reduced in `reduce_dtype`, buffers left in
+    the dtype the model built them in (Lightning's default casts them, rotary frequencies included, to bf16)."""
+    return FSDPMixedPrecision(param_dtype=compute_dtype(precision),
+                              reduce_dtype=reduce_dtype(precision, requested_reduce_dtype), buffer_dtype=None)
+
+
+def precision_plugin(precision: str, fsdp: bool, device_type: str) -> Precision:
+    """Lightning's plugin for `precision`, built here rather than by Lightning's connector because the connector
+    silently turns 16-mixed into bf16-mixed on CPU and gives FSDP a CUDA-only scaler: the CPU tests would then not run
+    the code a GPU runs."""
+    if fsdp:
+        with warnings.catch_warnings():  # its default scaler is CUDA's, disabled with a warning on CPU; replaced below
+            warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available")
+            plugin = FSDPPrecision(precision)
+        if uses_grad_scaler(precision):
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            plugin.scaler = ShardedGradScaler(device=device_type)
+        return plugin
+    if "mixed" in precision:
+        scaler = torch.amp.GradScaler(device=device_type) if uses_grad_scaler(precision) else None
+        return MixedPrecision(precision, device=device_type, scaler=scaler)
+    if precision in WEIGHT_DTYPES:
+        return HalfPrecision(precision)
+    return Precision()
+
+
+def float32_matmul_precision(precision: str, tf32: bool, capability: Optional[tuple[int, int]]) -> str:
+    """torch's setting for fp32 matmuls: TF32 tensor cores ("high") for 32-true on Ampere and newer GPUs unless
+    --tf32 false. The other precisions multiply in 16 bits, CPUs have no TF32, so they keep "highest"."""
+    if precision == "32-true" and tf32 and capability is not None and capability >= AMPERE:
+        return "high"
+    return "highest"
+
+
+def bf16_support_problem(precision: str, device_name: str, capability: tuple[int, int]) -> Optional[str]:
+    """Seed 002's readiness check: bf16 needs Ampere (compute capability 8.0) or newer; V100 and T4 only emulate it."""
+    if "bf16" not in precision or capability >= AMPERE:
+        return None
+    major, minor = capability
+    return (f"--precision {precision} needs bfloat16 support (compute capability 8.0+, Ampere or newer), but this "
+            f"{device_name} has {major}.{minor}: use --precision 16-mixed")

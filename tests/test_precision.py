@@ -1,0 +1,237 @@
+"""Precision on the path GPU users take: bf16 and fp16 train, rotary frequencies stay fp32, the gradient norm is
+fp32, MFU has a dense peak for every listed GPU, and activation checkpointing saves memory without changing a loss.
+
+The decisions that depend on a GPU (bf16 support, TF32, peak FLOP/s) are pure functions tested here on their inputs;
+everything else runs for real in 2 CPU processes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_from_disk
+from lightning.fabric.plugins import FSDPPrecision, MixedPrecision
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from app.optim import clip_gradients, gradient_square_sum
+from app.peaks import PEAKS, listed_peak, peak_tflops
+from app.precision import (bf16_support_problem, float32_matmul_precision, fsdp_mixed_precision, precision_plugin,
+                           reduce_dtype)
+from tests.conftest import ROOT, run_train, train_args
+from tests.test_training import assert_succeeded, read_metrics
+
+# --- decisions that depend on the GPU, as pure functions ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, capability, refused", [
+    ("Tesla V100-SXM2-32GB", (7, 0), True), ("Tesla T4", (7, 5), True),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), False), ("NVIDIA H100 80GB HBM3", (9, 0), False)])
+def test_bf16_is_refused_on_gpus_without_it_with_a_hint_to_16_mixed(name, capability, refused) -> None:
+    for precision in ("bf16-true", "bf16-mixed"):
+        problem = bf16_support_problem(precision, name, capability)
+        assert (problem is not None) == refused
+        if refused:
+            assert f"--precision {precision}" in problem and "--precision 16-mixed" in problem and name in problem
+    assert bf16_support_problem("16-mixed", "Tesla T4", (7, 5)) is None
+    assert bf16_support_problem("32-true", "Tesla T4", (7, 5)) is None
+
+
+def test_tf32_only_for_fp32_matmuls_on_ampere_and_newer_unless_turned_off() -> None:
+    assert float32_matmul_precision("32-true", True, (8, 0)) == "high"
+    assert float32_matmul_precision("32-true", False, (9, 0)) == "highest"
+    assert float32_matmul_precision("32-true", True, (7, 0)) == "highest"
+    assert float32_matmul_precision("32-true", True, None) == "highest", "CPU: no TF32"
+    assert float32_matmul_precision("bf16-mixed", True, (9, 0)) == "highest"
+
+
+def test_gradients_reduce_in_fp32_under_mixed_precision_and_buffers_are_left_alone() -> None:
+    assert reduce_dtype("bf16-mixed", None) == torch.float32
+    assert reduce_dtype("bf16-mixed", "bfloat16") == torch.bfloat16
+    assert reduce_dtype("bf16-true", None) == torch.bfloat16
+    assert reduce_dtype("32-true", None) == torch.float32
+    policy = fsdp_mixed_precision("bf16-mixed", None)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype) == (torch.bfloat16, torch.float32, None)
+
+
+def test_16_mixed_gets_an_enabled_fp16_scaler_on_cpu_too() -> None:
+    """Lightning's connector would turn 16-mixed into bf16-mixed on CPU and give FSDP a disabled CUDA scaler."""
+    ddp = precision_plugin("16-mixed", fsdp=False, device_type="cpu")
+    assert isinstance(ddp, MixedPrecision) and ddp._desired_input_dtype == torch.float16 and ddp.scaler.is_enabled()
+    fsdp = precision_plugin("16-mixed", fsdp=True, device_type="cpu")
+    assert isinstance(fsdp, FSDPPrecision) and fsdp.scaler.is_enabled()
+    assert precision_plugin("bf16-mixed", fsdp=True, device_type="cpu").scaler is None
+
+
+@pytest.mark.parametrize("name, bf16, fp32", [
+    ("NVIDIA H200", 989.4, 67.0), ("NVIDIA H200 NVL", 835.5, 60.0), ("NVIDIA H100 80GB HBM3", 989.4, 66.9),
+    ("NVIDIA H100 NVL", 835.5, 60.0), ("NVIDIA H100 PCIe", 756.0, 51.2), ("NVIDIA A100-SXM4-80GB", 312.0, 19.5),
+    ("NVIDIA A100 80GB PCIe", 312.0, 19.5), ("NVIDIA L4", 121.0, 30.3), ("NVIDIA L40S", 362.05, 91.6),
+    ("NVIDIA A10", 125.0, 31.2), ("NVIDIA GeForce RTX 4090", 165.2, 82.6)])
+def test_dense_peak_per_gpu_as_torch_names_it(name, bf16, fp32) -> None:
+    assert peak_tflops(name, torch.bfloat16, "highest") == bf16
+    assert peak_tflops(name, torch.float16, "highest") == bf16
+    assert peak_tflops(name, torch.float32, "highest") == fp32
+    assert peak_tflops(name, torch.float32, "high") == listed_peak(name).tf32
+
+
+def test_gpus_without_bf16_and_unlisted_ones() -> None:
+    assert peak_tflops("Tesla V100-SXM2-32GB", torch.float16, "highest") == 125.0
+    assert peak_tflops("Tesla V100-PCIE-32GB", torch.float16, "highest") == 112.0
+    assert peak_tflops("Tesla T4", torch.bfloat16, "highest") is None
+    assert peak_tflops("Tesla T4", torch.float32, "high") == 8.1, "no TF32 before Ampere"
+    assert peak_tflops("Some Future GPU", torch.bfloat16, "highest") is None
+    assert all(peak.source.startswith("https://") for peak in PEAKS)
+
+
+def test_mfu_peak_can_be_given_and_cpus_have_none() -> None:
+    from app.observe import peak_flops
+
+    assert peak_flops(torch.device("cpu"), "bf16-true") is None
+    assert peak_flops(torch.device("cpu"), "bf16-true", override_tflops=989.4) == int(989.4e12)
+
+
+# --- the gradient norm ----------------------------------------------------------------------------------------------
+
+
+def gradients_of(dtype: torch.dtype) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(dtype)
+    model(torch.randn(16, 64, dtype=dtype)).square().sum().backward()
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_gradient_norm_and_clipping_match_torch_in_fp32() -> None:
+    model, optimizer = gradients_of(torch.float32)
+    norm = gradient_square_sum(optimizer, torch.device("cpu")).sqrt()
+    clip_gradients(optimizer, norm, max_norm=1.0)
+    clipped = [p.grad.clone() for p in model.parameters()]
+    model, _ = gradients_of(torch.float32)
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6) and norm.item() > 1
+    assert all(torch.allclose(a, p.grad) for a, p in zip(clipped, model.parameters()))
+
+
+def test_gradient_norm_of_bf16_gradients_is_computed_in_fp32() -> None:
+    _, optimizer = gradients_of(torch.bfloat16)
+    norm = gradient_square_sum(optimizer, torch.device("cpu")).sqrt()
+    exact = torch.cat([p.grad.double().flatten() for group in optimizer.param_groups for p in group["params"]]).norm()
+    assert norm.dtype == torch.float32
+    assert norm.item() == pytest.approx(exact.item(), rel=1e-6), "a bf16 norm is off by up to 0.4%"
+
+
+# --- real runs ------------------------------------------------------------------------------------------------------
+
+
+def probe(tiny, tmp_path: Path, **overrides: object) -> dict:
+    """tests/helpers/probe_setup.py: the model set up by train.py's own code in 2 processes, one forward."""
+    report = tmp_path / "probe.json"
+    args = train_args(tiny, tmp_path / "out", **overrides)
+    result = subprocess.run([sys.executable, str(ROOT / "tests/helpers/probe_setup.py"), str(report), *args],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_rotary_frequencies_stay_fp32_and_exact_under_fsdp(tiny, tmp_path, precision) -> None:
+    """bf16-true: Lightning casts every buffer; bf16-mixed: FSDP's buffer_dtype would, at the first forward."""
+    report = probe(tiny, tmp_path, precision=precision, gradient_checkpointing=True)
+    for moment in ("after_setup", "after_forward"):
+        assert report[moment] == {"dtype": "torch.float32", "original_dtype": "torch.float32", "max_difference": 0.0}
+    assert report["buffer_dtype"] == "None"
+    assert report["reduce_dtype"] == ("torch.float32" if precision == "bf16-mixed" else "torch.bfloat16")
+    assert report["checkpoint_wrappers"] == 2 and not report["hf_gradient_checkpointing"], "each layer wrapped once"
+
+
+@pytest.mark.slow
+def test_rotary_frequencies_stay_fp32_under_ddp_with_checkpointing_wrapped_once(tiny, tmp_path) -> None:
+    report = probe(tiny, tmp_path, precision="bf16-true", strategy="ddp", gradient_checkpointing=True)
+    assert report["after_forward"]["dtype"] == "torch.float32" and report["after_forward"]["max_difference"] == 0
+    assert report["checkpoint_wrappers"] == 0 and report["hf_gradient_checkpointing"], "transformers' own, only"
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tiny, tmp_path_factory) -> Path:
+    """A 'pretrained' model whose attention is sharp and far-reaching (scaled query/key/value weights), so that its
+    loss at 1024 tokens moves by 0.16% when the rotary frequencies are rounded to bf16."""
+    folder = tmp_path_factory.mktemp("sharp")
+    config = AutoConfig.from_pretrained(tiny.model_config, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection, scale in (("q_proj", 50), ("k_proj", 50), ("v_proj", 10), ("o_proj", 10)):
+                getattr(layer.self_attn, projection).weight.mul_(scale)
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_long_context_loss_of_a_pretrained_model_in_bf16_matches_transformers(tiny, long_blocks, sharp_model,
+                                                                               tmp_path) -> None:
+    result = run_train(train_args(tiny, tmp_path, model_config=None, model_name=sharp_model, train_data_dir=long_blocks,
+                                  precision="bf16-true", max_step=1, lr=1e-30, min_lr=0, warmup_steps=0,
+                                  eval_batch_size=2, eval_iters=1, micro_batch_size=1, gradient_accumulation_steps=1))
+    assert_succeeded(result)
+    logged = read_metrics(tmp_path)[0]["val_loss"]
+    reference = AutoModelForCausalLM.from_pretrained(sharp_model, dtype=torch.bfloat16).eval()
+    rows = load_from_disk(str(long_blocks))["validation"].with_format("torch")[:4]["input_ids"].long()
+    with torch.no_grad():  # the rows each rank evaluates: rank 0 rows 0-1, rank 1 rows 2-3
+        expected = sum(reference(input_ids=rows[i:i + 2], labels=rows[i:i + 2]).loss.double() for i in (0, 2)) / 2
+    assert logged == pytest.approx(expected.item(), rel=2e-4), "bf16 rotary frequencies shift this loss by 1.6e-3"
+
+
+@pytest.mark.slow
+def test_16_mixed_trains_with_loss_scaling_under_fsdp_and_resumes_exactly(tiny, tmp_path) -> None:
+    """fp16 with a gradient scaler: Lightning refuses to clip with fused AdamW, so 16-mixed uses foreach AdamW; the
+    scaler's state is part of the checkpoint, so a resumed run scales, skips and grows exactly like a straight one."""
+    options = dict(precision="16-mixed", max_step=8, save_step_interval=4, eval_step_interval=8)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert_succeeded(run_train(train_args(tiny, straight, **options)))
+    assert_succeeded(run_train(train_args(tiny, resumed, **options, resume=True,
+                                          checkpoint=straight / "checkpoints/step-00000004.ckpt")))
+    expected, got = read_metrics(straight), read_metrics(resumed)
+    assert expected[8]["train_loss"] < expected[1]["train_loss"] - 0.3
+    for step in range(5, 9):
+        assert got[step]["train_loss"] == pytest.approx(expected[step]["train_loss"], rel=1e-5)
+    scaler = torch.load(resumed / "checkpoints/step-00000008.ckpt", weights_only=True)["grad_scaler"]
+    assert scaler["scale"] == 2.0 ** 16 and scaler["_growth_tracker"] == 8, "eight scaled steps, none overflowed"
+
+
+@pytest.mark.slow
+def test_16_mixed_trains_under_ddp(tiny, tmp_path) -> None:
+    assert_succeeded(run_train(train_args(tiny, tmp_path, strategy="ddp", precision="16-mixed", max_step=4,
+                                          save_step_interval=4, eval_step_interval=4)))
+    metrics = read_metrics(tmp_path)
+    assert metrics[4]["train_loss"] < metrics[1]["train_loss"]
+    assert torch.load(tmp_path / "checkpoints/step-00000004.ckpt", weights_only=True)["grad_scaler"]["scale"] > 1
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_keeps_the_losses_and_lowers_peak_memory(tiny, long_blocks, tmp_path) -> None:
+    """A 4-layer, 256-wide Llama on 4 x 1024 tokens per rank, where activations dominate memory."""
+    wide = tmp_path / "wide"
+    LlamaConfig(vocab_size=AutoConfig.from_pretrained(tiny.model_config).vocab_size, hidden_size=256,
+                intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                max_position_embeddings=1024).save_pretrained(wide)
+    runs = {}
+    for checkpointing in (False, True):
+        out_dir = tmp_path / f"checkpointing-{checkpointing}"
+        assert_succeeded(run_train(train_args(tiny, out_dir, model_config=wide, train_data_dir=long_blocks,
+                                              gradient_checkpointing=checkpointing, max_step=2, warmup_steps=1,
+                                              gradient_accumulation_steps=1, initial_validation=False, eval_iters=1,
+                                              eval_batch_size=1)))
+        runs[checkpointing] = read_metrics(out_dir)
+    for step in (1, 2):
+        assert runs[True][step]["train_loss"] == pytest.approx(runs[False][step]["train_loss"], rel=1e-5)
+    saved = runs[False][2]["peak_rss_gb"] - runs[True][2]["peak_rss_gb"]
+    print(f"\nactivation checkpointing: peak RSS {runs[False][2]['peak_rss_gb']:.2f} -> "
+          f"{runs[True][2]['peak_rss_gb']:.2f} GB on the largest rank")
+    assert saved > 0.15, saved
