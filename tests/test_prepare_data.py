@@ -346,6 +346,15 @@ def test_overwrite_replaces_only_after_the_new_output_is_complete(tmp_path, issu
         prepare(PrepareArgs(**{**args, "input": [str(tmp_path)]}, output_dir=str(output), overwrite=True))
 
 
+def test_val_fraction_0_writes_an_empty_validation_split_that_loads(tmp_path, issue_run, code_documents):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents[:3]))
+    args = {"input": [str(tmp_path / "docs.jsonl")], "tokenizer": str(issue_run / "tokenizer"), "block_size": 64}
+    prepare(PrepareArgs(**args, val_fraction=0, output_dir=str(tmp_path / "out")))
+    blocks = datasets.load_from_disk(str(tmp_path / "out"))
+    assert len(blocks["validation"]) == 0 and blocks["validation"].column_names == ["input_ids"]
+    assert len(blocks["train"]) > 0
+
+
 def test_a_list_of_strings_field_becomes_one_document_joined_by_spaces(tmp_path, issue_run):
     games = [{"Moves": ["e2e4", "e7e5", f"g1f{i % 8 + 1}"], "Result": "1-0"} for i in range(20)]
     (tmp_path / "games.jsonl").write_text("".join(json.dumps(game) + "\n" for game in games))

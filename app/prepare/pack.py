@@ -65,6 +65,9 @@ def pack(tokenized: Dataset, block_size: int, num_proc: int, desc: str) -> Datas
     lengths = _lengths(tokenized)
     ends = np.cumsum(lengths)
     blocks = int(lengths.sum()) // block_size
+    features = Features({"input_ids": List(Value("int32"), length=block_size)})
+    if not blocks:
+        return empty_rows(features)
 
     def cut(batch: dict) -> dict:
         start, stop = batch["block"][0] * block_size, (batch["block"][-1] + 1) * block_size
@@ -76,9 +79,14 @@ def pack(tokenized: Dataset, block_size: int, num_proc: int, desc: str) -> Datas
         batched=True,
         num_proc=useful_processes(blocks, num_proc),
         remove_columns=["block"],
-        features=Features({"input_ids": List(Value("int32"), length=block_size)}),
+        features=features,
         desc=desc,
     )
+
+
+def empty_rows(features: Features) -> Dataset:
+    """An empty split with its columns (`Dataset.map` over no rows returns none), so that it saves and loads."""
+    return Dataset.from_dict({name: [] for name in features}, features=features)
 
 
 def _stream_between(
