@@ -14,6 +14,7 @@ from datasets import Dataset, Features, List, Value
 from transformers import PreTrainedTokenizerBase
 
 from app.prepare.args import useful_processes
+from app.prepare.tokenizer import encode_texts
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,7 @@ def tokenize(
     """Each document's ids (with the tokenizer's own BOS, then EOS) and their count, in document order."""
 
     def encode(batch: dict) -> dict:
-        # split_special_tokens: a literal "</s>" or "<|end_of_text|>" in the text is text, not a document boundary.
-        encoded = tokenizer(batch["text"], split_special_tokens=True, verbose=False)["input_ids"]
-        ids = [document + suffix for document in encoded]
+        ids = encode_texts(tokenizer, batch["text"], suffix)
         return {"input_ids": ids, "length": [len(document) for document in ids]}
 
     return documents.map(
