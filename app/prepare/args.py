@@ -14,8 +14,7 @@ class UsageError(Exception):
 
 @dataclass
 class PrepareArgs:
-    """Turn raw text into packed token blocks for training; or prompt/response pairs, chats or source/target pairs
-    into supervised examples (see docs/prepare-data.md)."""
+    """Turn raw text, prompt/response pairs, chats or source/target pairs into token rows for training."""
 
     input: list[str] = field(default_factory=list)
     """Files (.txt .py .md .jsonl .json .parquet .csv), folders of them (searched recursively), a folder written by
@@ -28,8 +27,8 @@ class PrepareArgs:
     """Instead of --tokenizer: train a byte-fallback SentencePiece BPE tokenizer of this size on the training split."""
     block_size: int = 2048
     """Tokens per training row. Raw text: documents are concatenated and cut into blocks of exactly this length.
-    Supervised data: whole examples are packed into blocks of this length (or, with --packing false, the longest
-    example kept)."""
+    Supervised data: whole examples are packed into blocks of this length; with --packing false, it is the most
+    tokens of one example."""
     val_fraction: float = 0.05
     """Fraction of documents (or examples) held out for validation, whole, never split. Ignored for inputs that bring
     their own validation split. 0 writes an empty validation split."""

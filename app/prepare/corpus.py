@@ -33,6 +33,12 @@ def stdlib_corpus_paths(packages: tuple[str, ...] = STDLIB_CORPUS) -> list[str]:
     return [str(root / name) for name in packages if (root / name).is_dir()]
 
 
+def document_texts(documents: Dataset) -> Iterator[str]:
+    """The text of every document, to train a tokenizer on (--vocab_size)."""
+    for batch in documents.iter(batch_size=1000):
+        yield from batch["text"]
+
+
 @dataclass
 class Documents:
     """The documents of all inputs: a pool to split by --val_fraction, and inputs that brought their own split."""

@@ -3,7 +3,7 @@ labels) → rows (blocks of raw text, packed examples, or unpadded examples) →
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from app.prepare.args import PrepareArgs, RecordShape, UsageError, check_args, data_format, record_shape
 from app.prepare.chat import chat_records, chat_texts
 from app.prepare.chat_template import ChatEncoder, chat_advice, check_template, choose_template, encode_chats
-from app.prepare.corpus import read_documents
+from app.prepare.corpus import document_texts, read_documents
 from app.prepare.examples import ExampleCounts, examples_to_rows
 from app.prepare.output import TOKENIZER_FOLDER, save_prepared, write_atomically
 from app.prepare.pack import SplitCounts, count, pack, tokenize
@@ -116,8 +116,8 @@ def seq2seq_rows(
 
 
 RECORDS = {"prompt/response": chat_records, "messages": chat_records, "source/target": pair_records}
-TEXTS: dict[RecordShape, Callable[[Dataset], object]] = {
-    "text": lambda documents: (text for batch in documents.iter(batch_size=1000) for text in batch["text"]),
+TEXTS: dict[RecordShape, Callable[[Dataset], Iterable[str]]] = {
+    "text": document_texts,
     "prompt/response": chat_texts,
     "messages": chat_texts,
     "source/target": pair_texts,
