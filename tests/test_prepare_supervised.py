@@ -276,6 +276,23 @@ def test_chat_template_file_overrides_the_tokenizers_and_is_saved(work):
         assert ids[len(ids) - len(newline["input_ids"]) :] == newline["input_ids"] and labels[-1] == -100
 
 
+def test_an_example_the_template_cannot_mask_is_dropped_and_counted(work, pairs):
+    """The template renders the whole chat differently when the response holds "Return": the prompt's tokens are
+    then no prefix of the chat's, so those examples are left out, and counted."""
+    condition = "messages[-1]['role'] == 'assistant' and 'Return' in messages[-1]['content']"
+    (work / "moody.jinja").write_text(f"{{% if {condition} %}}! {{% endif %}}{DEFAULT_CHAT_TEMPLATE}")
+    _, stats, _ = sft(work, "moody", chat_template=str(work / "moody.jinja"), block_size=1024, val_fraction=0)
+    moody = sum("Return" in pair["summary"] for pair in pairs)
+    assert 0 < moody < len(pairs)
+    assert stats["splits"]["train"]["dropped"] == {"template_prefix_mismatch": moody}
+
+
+def test_num_proc_2_writes_the_same_rows(work, packed_run):
+    rows = sft(work, "two_processes", num_proc=2).rows
+    assert rows["train"][:] == packed_run.rows["train"][:]
+    assert rows["validation"][:] == packed_run.rows["validation"][:]
+
+
 def test_input_and_system_fields_make_alpaca_style_chats(work, pairs):
     rows = [{"instruction": "Summarise:", "input": p["code"], "output": p["summary"], "sys": ""} for p in pairs]
     rows[0]["sys"] = "Be brief."
