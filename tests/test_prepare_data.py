@@ -110,6 +110,10 @@ def test_issue_command_writes_blocks_of_64_and_a_tokenizer_that_round_trips_code
         assert tokenizer.decode(encode(tokenizer, text), skip_special_tokens=True) == text
 
 
+def test_stats_say_the_rows_are_raw_text_blocks(issue_run):
+    assert json.loads((issue_run / "stats.json").read_text())["format"] == "text"
+
+
 def test_trained_tokenizer_reloads_with_bos_eos_and_exact_round_trip(issue_run):
     tokenizer = AutoTokenizer.from_pretrained(issue_run / "tokenizer")
     stats = json.loads((issue_run / "stats.json").read_text())
@@ -344,6 +348,15 @@ def test_overwrite_replaces_only_after_the_new_output_is_complete(tmp_path, issu
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "out"], "staging folders left behind"
     with pytest.raises(UsageError, match="overlaps --input"):
         prepare(PrepareArgs(**{**args, "input": [str(tmp_path)]}, output_dir=str(output), overwrite=True))
+
+
+def test_val_fraction_0_writes_an_empty_validation_split_that_loads(tmp_path, issue_run, code_documents):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents[:3]))
+    args = {"input": [str(tmp_path / "docs.jsonl")], "tokenizer": str(issue_run / "tokenizer"), "block_size": 64}
+    prepare(PrepareArgs(**args, val_fraction=0, output_dir=str(tmp_path / "out")))
+    blocks = datasets.load_from_disk(str(tmp_path / "out"))
+    assert len(blocks["validation"]) == 0 and blocks["validation"].column_names == ["input_ids"]
+    assert len(blocks["train"]) > 0
 
 
 def test_a_list_of_strings_field_becomes_one_document_joined_by_spaces(tmp_path, issue_run):

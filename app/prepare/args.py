@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 
 class UsageError(Exception):
@@ -13,21 +14,23 @@ class UsageError(Exception):
 
 @dataclass
 class PrepareArgs:
-    """Turn raw text into packed token blocks for training."""
+    """Turn raw text, prompt/response pairs, chats or source/target pairs into token rows for training."""
 
     input: list[str] = field(default_factory=list)
     """Files (.txt .py .md .jsonl .json .parquet .csv), folders of them (searched recursively), a folder written by
     `datasets.save_to_disk`, or a Hugging Face dataset name. Several may be given."""
     output_dir: str = ""
-    """Folder to create: a DatasetDict (train, validation) of `input_ids` blocks, `tokenizer/` and `stats.json`."""
+    """Folder to create: a DatasetDict (train, validation) of token rows, `tokenizer/` and `stats.json`."""
     tokenizer: str | None = None
     """Hugging Face tokenizer name or local folder (the tokenizer of the model you will train)."""
     vocab_size: int | None = None
     """Instead of --tokenizer: train a byte-fallback SentencePiece BPE tokenizer of this size on the training split."""
     block_size: int = 2048
-    """Tokens per training example; documents are concatenated and cut into blocks of exactly this length."""
+    """Tokens per training row. Raw text: documents are concatenated and cut into blocks of exactly this length.
+    Supervised data: whole examples are packed into blocks of this length; with --packing false, it is the most
+    tokens of one example."""
     val_fraction: float = 0.05
-    """Fraction of documents held out for validation (whole documents, never split). Ignored for inputs that bring
+    """Fraction of documents (or examples) held out for validation, whole, never split. Ignored for inputs that bring
     their own validation split. 0 writes an empty validation split."""
     text_field: str = "text"
     """Column holding the text in .jsonl/.json/.parquet/.csv files and in datasets."""
@@ -46,6 +49,36 @@ class PrepareArgs:
     """Replace an existing output folder (only after the new one is completely written)."""
     trust_remote_code: bool = False
     """Allow a --tokenizer whose repository ships Python code to run it. Only for repositories you trust."""
+    prompt_field: str | None = None
+    """Supervised fine-tuning: the field holding each example's prompt (the user's turn); needs --response_field."""
+    response_field: str | None = None
+    """Supervised fine-tuning: the field holding the response to train on (the assistant's turn)."""
+    system_field: str | None = None
+    """With --prompt_field: a field holding a system message (rows where it is empty get none)."""
+    input_field: str | None = None
+    """With --prompt_field (Alpaca style): a field appended to the prompt after a blank line, when not empty."""
+    messages_field: str | None = None
+    """Supervised fine-tuning on chats: the field holding a list of {role, content} messages; every assistant
+    message is trained."""
+    chat_template: str | None = None
+    """A Jinja chat template file to render examples with, instead of the tokenizer's own (or the default one for a
+    tokenizer without a template). It is saved with the tokenizer."""
+    train_on_prompt: bool = False
+    """Supervised: train on every token (prompts and system messages too), not only on the responses."""
+    packing: bool = True
+    """Supervised: pack whole examples into rows of --block_size (position_ids restart for each example); false
+    writes one unpadded example per row, padded per batch at training time."""
+    too_long: Literal["truncate", "drop"] = "truncate"
+    """Supervised and source/target: what to do with an example longer than --block_size (or
+    --max_source_length/--max_target_length): cut its end, or leave it out. Either is counted in stats.json."""
+    source_field: str | None = None
+    """Encoder-decoder data: the field holding the source text (the encoder's input); needs --target_field."""
+    target_field: str | None = None
+    """Encoder-decoder data: the field holding the target text (what the decoder learns to write)."""
+    max_source_length: int = 1024
+    """Encoder-decoder data: most tokens of a source, its EOS included."""
+    max_target_length: int = 128
+    """Encoder-decoder data: most tokens of a target, its EOS included."""
 
 
 SUPPORTED_SUFFIXES = (".txt", ".py", ".md", ".jsonl", ".json", ".parquet", ".csv")
@@ -53,8 +86,58 @@ MIN_TRAINED_VOCAB = 256 + 3 + 1
 """A trained tokenizer holds 256 byte pieces and <unk> <s> </s> before it can learn a single character."""
 
 
+RecordShape = Literal["text", "prompt/response", "messages", "source/target"]
+DataFormat = Literal["text", "supervised_packed", "supervised_padded", "seq2seq"]
+SHAPE_FIELDS: dict[RecordShape, tuple[str, ...]] = {
+    "prompt/response": ("prompt_field", "response_field"),
+    "messages": ("messages_field",),
+    "source/target": ("source_field", "target_field"),
+}
+"""The options that choose a record shape; all of a shape's options are required together."""
+SHAPE_NAMES: dict[RecordShape, str] = {
+    "text": "raw text",
+    "prompt/response": "--prompt_field/--response_field data",
+    "messages": "--messages_field data",
+    "source/target": "--source_field/--target_field data",
+}
+SUPERVISED: tuple[RecordShape, ...] = ("prompt/response", "messages")
+OPTION_SHAPES: dict[str, tuple[RecordShape, ...]] = {
+    "text_field": ("text",),
+    "split_lines": ("text",),
+    "block_size": ("text", *SUPERVISED),
+    "system_field": ("prompt/response",),
+    "input_field": ("prompt/response",),
+    "chat_template": SUPERVISED,
+    "train_on_prompt": SUPERVISED,
+    "packing": SUPERVISED,
+    "too_long": (*SUPERVISED, "source/target"),
+    "max_source_length": ("source/target",),
+    "max_target_length": ("source/target",),
+}
+"""Options that mean something only for some record shapes: a value other than the default is refused elsewhere."""
+
+
+def record_shape(args: PrepareArgs) -> RecordShape:
+    """What one input record is, chosen by which field options are given (raw text when none is)."""
+    given = _shapes_given(args)
+    return given[0] if given else "text"
+
+
+def _shapes_given(args: PrepareArgs) -> list[RecordShape]:
+    return [shape for shape, names in SHAPE_FIELDS.items() if any(getattr(args, n) is not None for n in names)]
+
+
+def data_format(args: PrepareArgs) -> DataFormat:
+    """The `format` of stats.json: what the rows hold, so that training knows how to batch them."""
+    shape = record_shape(args)
+    if shape in SUPERVISED:
+        return "supervised_packed" if args.packing else "supervised_padded"
+    return "seq2seq" if shape == "source/target" else "text"
+
+
 def check_args(args: PrepareArgs) -> None:
     """Refuse arguments that cannot work, cheaply and before reading any data."""
+    check_record_options(args)
     if not args.input:
         raise UsageError("--input is required: give one or more files, folders or a Hugging Face dataset name")
     if not args.output_dir:
@@ -65,8 +148,9 @@ def check_args(args: PrepareArgs) -> None:
         )
     if args.vocab_size is not None and args.vocab_size < MIN_TRAINED_VOCAB:
         raise UsageError(f"--vocab_size {args.vocab_size} is too small: use at least {MIN_TRAINED_VOCAB}")
-    if args.block_size < 2:
-        raise UsageError(f"--block_size {args.block_size} must be at least 2")
+    for name in ("block_size", "max_source_length", "max_target_length"):
+        if getattr(args, name) < 2:
+            raise UsageError(f"--{name} {getattr(args, name)} must be at least 2")
     if not 0 <= args.val_fraction < 1:
         raise UsageError(f"--val_fraction {args.val_fraction} must be in [0, 1)")
     if args.num_proc < 1:
@@ -76,6 +160,26 @@ def check_args(args: PrepareArgs) -> None:
     if args.tokenizer and args.tokenizer.startswith(("/", ".", "~")) and not Path(args.tokenizer).is_dir():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such folder")
     check_output_dir(Path(args.output_dir), args.overwrite, [Path(p) for p in args.input if Path(p).exists()])
+
+
+def check_record_options(args: PrepareArgs) -> None:
+    """One record shape at a time, all of its field options, and no option that only another shape reads."""
+    shapes = _shapes_given(args)
+    if len(shapes) > 1:
+        given = " and ".join("/".join(f"--{n}" for n in SHAPE_FIELDS[shape]) for shape in shapes)
+        raise UsageError(f"{given}: give the fields of one kind of record only")
+    shape = record_shape(args)
+    for name in SHAPE_FIELDS.get(shape, ()):
+        if not getattr(args, name):
+            raise UsageError(f"--{name} is missing: {SHAPE_NAMES[shape]} needs the field that holds it")
+    defaults = PrepareArgs()
+    for name, shapes_reading_it in OPTION_SHAPES.items():
+        if shape not in shapes_reading_it and getattr(args, name) != getattr(defaults, name):
+            readers = ", ".join(SHAPE_NAMES[s] for s in shapes_reading_it)
+            raise UsageError(f"--{name} applies only to {readers}, not to {SHAPE_NAMES[shape]}; remove it")
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise UsageError(f"--chat_template {args.chat_template}: no such file (give a Jinja template file)")
+
 
 
 def looks_like_hub_name(text: str) -> bool:

@@ -1,9 +1,13 @@
-"""Read every kind of input into one table of documents (column `text`), keeping any validation split it brings."""
+"""Read every kind of input into one table of records, keeping any validation split it brings.
+
+Raw text becomes documents (column `text`); the other record shapes (prompt/response, messages, source/target) are
+turned into their records by their own module, which validates every row of an input as it is read.
+"""
 
 from __future__ import annotations
 
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +15,7 @@ from pathlib import Path
 import datasets
 from datasets import Dataset, DatasetDict
 
-from app.prepare.args import SUPPORTED_SUFFIXES, PrepareArgs, UsageError
+from app.prepare.args import SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
 
 STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "concurrent", "wsgiref", "collections")
 """Standard-library packages whose sources (about 1.5 MB of Python) make a corpus every machine already has."""
@@ -19,12 +23,20 @@ STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "c
 VALIDATION_SPLIT_NAMES = ("validation", "valid", "val", "dev")
 BUILDER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """Everything else we accept (.txt .py .md) is plain text, read with the `text` builder."""
+ToRecords = Callable[[Dataset, str], Dataset]
+"""Turns the table of one input (named by the second argument) into records of the chosen shape, or refuses it."""
 
 
 def stdlib_corpus_paths(packages: tuple[str, ...] = STDLIB_CORPUS) -> list[str]:
     """Folders of the running interpreter's own standard library, usable as `--input` on any fresh machine."""
     root = Path(sysconfig.get_paths()["stdlib"])
     return [str(root / name) for name in packages if (root / name).is_dir()]
+
+
+def document_texts(documents: Dataset) -> Iterator[str]:
+    """The text of every document, to train a tokenizer on (--vocab_size)."""
+    for batch in documents.iter(batch_size=1000):
+        yield from batch["text"]
 
 
 @dataclass
@@ -37,11 +49,16 @@ class Documents:
     description: list[str]
 
 
-def read_documents(args: PrepareArgs) -> Documents:
-    """Read every --input, keeping apart the validation split an input brings with it."""
+def read_documents(args: PrepareArgs, to_records: ToRecords | None = None) -> Documents:
+    """Read every --input, keeping apart the validation split an input brings with it.
+
+    `to_records` makes the records of a supervised or source/target shape; by default, each input's --text_field
+    becomes the documents' `text`.
+    """
+    to_records = to_records or (lambda table, source: _text_column(table, args.text_field, source))
     pool, own_train, own_validation, description = [], [], [], []
     for source in args.input:
-        train, validation, what = read_source(source, args)
+        train, validation, what = read_source(source, args, to_records)
         description.append(what)
         if validation is None:
             pool.append(train)
@@ -55,21 +72,21 @@ def _concatenate(parts: list[Dataset]) -> Dataset | None:
     return datasets.concatenate_datasets(parts) if parts else None
 
 
-def read_source(source: str, args: PrepareArgs) -> tuple[Dataset, Dataset | None, str]:
-    """One --input as (documents, its own validation documents or None, a description for stats.json)."""
+def read_source(source: str, args: PrepareArgs, to_records: ToRecords) -> tuple[Dataset, Dataset | None, str]:
+    """One --input as (records, its own validation records or None, a description for stats.json)."""
     path = Path(source)
     if not path.exists():
-        return _from_dataset(_load_hub(source, args), source, args)
+        return _from_dataset(_load_hub(source, args), source, args, to_records)
     with quiet_progress():
         if path.is_dir() and _is_saved_dataset(path):
-            return _from_dataset(datasets.load_from_disk(str(path)), source, args)
+            return _from_dataset(datasets.load_from_disk(str(path)), source, args, to_records)
         if args.split is not None:
             raise UsageError(
                 f"--split {args.split} applies to a Hugging Face or saved dataset, not to --input {source}"
             )
         files = _supported_files(path)
         groups = _group_by_builder(files, args)
-        parts = [_read_files(group, builder, source, args) for builder, group in groups.items()]
+        parts = [_read_files(group, builder, source, args, to_records) for builder, group in groups.items()]
         return datasets.concatenate_datasets(parts), None, f"{source} ({len(files)} files)"
 
 
@@ -118,14 +135,22 @@ def _group_by_builder(files: list[Path], args: PrepareArgs) -> dict[tuple[str, s
     return groups
 
 
-def _read_files(files: list[str], builder: tuple[str, str | None], source: str, args: PrepareArgs) -> Dataset:
+def _read_files(
+    files: list[str], builder: tuple[str, str | None], source: str, args: PrepareArgs, to_records: ToRecords
+) -> Dataset:
     name, sample_by = builder
+    shape = record_shape(args)
+    if name == "text" and shape != "text":
+        raise UsageError(
+            f"--input {source}: holds plain-text files ({files[0]}); {SHAPE_NAMES[shape]} is read from "
+            ".jsonl/.json/.parquet/.csv files or datasets"
+        )
     options = {"sample_by": sample_by} if name == "text" else {}
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
         raise UsageError(f"--input {source}: could not read it as {name}: {_first_line(error)}") from error
-    return _text_column(dataset, "text" if name == "text" else args.text_field, source)
+    return _text_column(dataset, "text", source) if name == "text" else to_records(dataset, source)
 
 
 def _load_hub(name: str, args: PrepareArgs) -> Dataset | DatasetDict:
@@ -138,30 +163,57 @@ def _load_hub(name: str, args: PrepareArgs) -> Dataset | DatasetDict:
         ) from error
 
 
-def _from_dataset(loaded: Dataset | DatasetDict, source: str, args: PrepareArgs) -> tuple[Dataset, Dataset | None, str]:
+def _from_dataset(
+    loaded: Dataset | DatasetDict, source: str, args: PrepareArgs, to_records: ToRecords
+) -> tuple[Dataset, Dataset | None, str]:
     """Take `train` (or --split) and, without --split, the dataset's own validation split when it has one."""
     if isinstance(loaded, Dataset):
-        return _text_column(loaded, args.text_field, source), None, f"{source} ({len(loaded)} rows)"
+        return to_records(loaded, source), None, f"{source} ({len(loaded)} rows)"
     if args.split is not None:
         if args.split not in loaded:
             raise UsageError(f"--split {args.split}: not in --input {source}; it has {', '.join(loaded)}")
-        return _from_dataset(loaded[args.split], source, args)
+        return _from_dataset(loaded[args.split], source, args, to_records)
     if "train" not in loaded:
         raise UsageError(f"--input {source} has no train split (it has {', '.join(loaded)}); choose one with --split")
     validation = next((loaded[name] for name in VALIDATION_SPLIT_NAMES if name in loaded), None)
-    train = _text_column(loaded["train"], args.text_field, source)
+    train = to_records(loaded["train"], source)
     if validation is None:
         return train, None, f"{source} (train: {len(train)} rows)"
-    validation = _text_column(validation, args.text_field, source)
+    validation = to_records(validation, f"{source} (validation split)")
     return train, validation, f"{source} (train: {len(train)} rows, own validation: {len(validation)} rows)"
+
+
+def require_fields(dataset: Dataset, fields: dict[str, str], source: str) -> None:
+    """Every field an option names (option → field) must be a column of the input; else say which ones it has."""
+    for option, field in fields.items():
+        if field not in dataset.column_names:
+            raise UsageError(
+                f"--{option} {field}: no such field in --input {source}; it has: {', '.join(dataset.column_names)}"
+            )
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of one input, so that a bad value is named in one line: option, field, row (from 1) and input."""
+
+    fields: dict[str, str]
+    """Option → the input field it names."""
+    index: int
+    source: str
+
+    def error(self, option: str, problem: str) -> UsageError:
+        return UsageError(f"--{option} {self.fields[option]}: row {self.index + 1} of --input {self.source} {problem}")
+
+    def text(self, option: str, value: object) -> str:
+        """The value of a text field ("" when missing); anything else is refused."""
+        if value is None or isinstance(value, str):
+            return value or ""
+        raise self.error(option, f"holds {type(value).__name__} {repr(value)[:40]}, not text")
 
 
 def _text_column(dataset: Dataset, field: str, source: str) -> Dataset:
     """Keep only the text, renamed `text`, so that inputs of every format concatenate."""
-    if field not in dataset.column_names:
-        raise UsageError(
-            f"--text_field {field}: no such field in --input {source}; it has: {', '.join(dataset.column_names)}"
-        )
+    require_fields(dataset, {"text_field": field}, source)
     feature = dataset.features[field]
     dataset = dataset.select_columns([field])
     if _is_list_of_text(feature):  # e.g. the chess games' `Moves`: one game = the moves joined by spaces

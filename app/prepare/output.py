@@ -36,7 +36,11 @@ def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:
 
 
 def save_prepared(folder: Path, blocks: DatasetDict, tokenizer: PreTrainedTokenizerBase, stats: dict) -> None:
-    """The DatasetDict of blocks, the tokenizer training will load by default, and stats.json."""
-    blocks.save_to_disk(str(folder))
+    """The DatasetDict of rows, the tokenizer training will load by default, and stats.json.
+
+    An empty split (--val_fraction 0) is written as one empty shard: by default `save_to_disk` writes no data file
+    for it, and `load_from_disk` (datasets 5.2) then fails with an IndexError.
+    """
+    blocks.save_to_disk(str(folder), num_shards={name: 1 for name, split in blocks.items() if not len(split)})
     tokenizer.save_pretrained(str(folder / TOKENIZER_FOLDER))
     (folder / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")

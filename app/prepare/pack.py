@@ -14,6 +14,7 @@ from datasets import Dataset, Features, List, Value
 from transformers import PreTrainedTokenizerBase
 
 from app.prepare.args import useful_processes
+from app.prepare.tokenizer import encode_texts
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,7 @@ def tokenize(
     """Each document's ids (with the tokenizer's own BOS, then EOS) and their count, in document order."""
 
     def encode(batch: dict) -> dict:
-        # split_special_tokens: a literal "</s>" or "<|end_of_text|>" in the text is text, not a document boundary.
-        encoded = tokenizer(batch["text"], split_special_tokens=True, verbose=False)["input_ids"]
-        ids = [document + suffix for document in encoded]
+        ids = encode_texts(tokenizer, batch["text"], suffix)
         return {"input_ids": ids, "length": [len(document) for document in ids]}
 
     return documents.map(
@@ -65,6 +64,9 @@ def pack(tokenized: Dataset, block_size: int, num_proc: int, desc: str) -> Datas
     lengths = _lengths(tokenized)
     ends = np.cumsum(lengths)
     blocks = int(lengths.sum()) // block_size
+    features = Features({"input_ids": List(Value("int32"), length=block_size)})
+    if not blocks:
+        return empty_rows(features)
 
     def cut(batch: dict) -> dict:
         start, stop = batch["block"][0] * block_size, (batch["block"][-1] + 1) * block_size
@@ -76,9 +78,14 @@ def pack(tokenized: Dataset, block_size: int, num_proc: int, desc: str) -> Datas
         batched=True,
         num_proc=useful_processes(blocks, num_proc),
         remove_columns=["block"],
-        features=Features({"input_ids": List(Value("int32"), length=block_size)}),
+        features=features,
         desc=desc,
     )
+
+
+def empty_rows(features: Features) -> Dataset:
+    """An empty split with its columns (`Dataset.map` over no rows returns none), so that it saves and loads."""
+    return Dataset.from_dict({name: [] for name in features}, features=features)
 
 
 def _stream_between(

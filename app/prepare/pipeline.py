@@ -1,29 +1,61 @@
-"""prepare(): inputs → documents → train/validation by document → tokenizer → token stream → blocks → output."""
+"""prepare(): inputs → records → train/validation (whole documents or examples) → tokenizer → tokens (and
+labels) → rows (blocks of raw text, packed examples, or unpadded examples) → output, whose stats.json says which."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
-from datasets import DatasetDict
+from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
-from app.prepare.args import PrepareArgs, UsageError, check_args
-from app.prepare.corpus import read_documents
+from app.prepare.args import PrepareArgs, RecordShape, UsageError, check_args, data_format, record_shape
+from app.prepare.chat import chat_records, chat_texts
+from app.prepare.chat_template import ChatEncoder, chat_advice, check_template, choose_template, encode_chats
+from app.prepare.corpus import document_texts, read_documents
+from app.prepare.examples import ExampleCounts, examples_to_rows
 from app.prepare.output import TOKENIZER_FOLDER, save_prepared, write_atomically
 from app.prepare.pack import SplitCounts, count, pack, tokenize
+from app.prepare.pack_examples import pack_examples
+from app.prepare.seq2seq import check_room, encode_pairs, pair_advice, pair_records, pair_texts
 from app.prepare.split import split_by_document
-from app.prepare.tokenizer import adds_bos, document_suffix, load_tokenizer, train_tokenizer
+from app.prepare.tokenizer import adds_bos, document_suffix, load_tokenizer, pad_token_id, train_tokenizer
+
+FIELD_OPTIONS = (
+    "prompt_field",
+    "response_field",
+    "system_field",
+    "input_field",
+    "messages_field",
+    "source_field",
+    "target_field",
+)
 
 
 def prepare(args: PrepareArgs) -> dict:
     """Prepare `args.output_dir` and return its stats (also written to stats.json). Raises UsageError on bad input."""
     check_args(args)
+    shape = record_shape(args)
     tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code) if args.tokenizer else None
-    documents = read_documents(args)
-    splits, empty_documents = split_by_document(documents, args.val_fraction, args.seed, args.num_proc)
+    documents = read_documents(args, RECORDS[shape](args) if shape in RECORDS else None)
+    unit = "document" if shape == "text" else "example"
+    splits, empty_documents = split_by_document(documents, args.val_fraction, args.seed, args.num_proc, unit)
     if tokenizer is None:
-        tokenizer = train_tokenizer(splits["train"], args.vocab_size, args.seed)
+        tokenizer = train_tokenizer(TEXTS[shape](splits["train"]), args.vocab_size, args.seed)
+    if shape == "text":
+        rows, stats = text_blocks(splits, tokenizer, args, empty_documents, documents.description)
+    else:
+        rows, counts, options = BUILDERS[shape](splits, tokenizer, args)
+        stats = describe_examples(args, tokenizer, counts, options, documents.description)
+    write_atomically(Path(args.output_dir), lambda folder: save_prepared(folder, rows, tokenizer, stats))
+    return stats
+
+
+def text_blocks(
+    splits: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: PrepareArgs, empty_documents: int, inputs: list[str]
+) -> tuple[DatasetDict, dict]:
+    """Raw text: each split's documents as one token stream, cut into blocks of exactly --block_size tokens."""
     suffix = document_suffix(tokenizer)
     tokenized = {
         name: tokenize(split, tokenizer, suffix, args.num_proc, desc=f"Tokenizing {name}")
@@ -34,9 +66,64 @@ def prepare(args: PrepareArgs) -> dict:
     blocks = DatasetDict(
         {name: pack(split, args.block_size, args.num_proc, desc=f"Packing {name}") for name, split in tokenized.items()}
     )
-    stats = describe(args, tokenizer, counts, empty_documents, documents.description)
-    write_atomically(Path(args.output_dir), lambda folder: save_prepared(folder, blocks, tokenizer, stats))
-    return stats
+    return blocks, describe(args, tokenizer, counts, empty_documents, inputs)
+
+
+def supervised_rows(
+    splits: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: PrepareArgs
+) -> tuple[DatasetDict, dict[str, ExampleCounts], dict]:
+    """Chats rendered with the chat template, labels on the assistant turns, packed into blocks or one per row."""
+    template = choose_template(tokenizer, args)
+    encoder = ChatEncoder(tokenizer, template, args.train_on_prompt)
+    check_template(encoder)
+    encoded = {name: encode_chats(split, encoder, args, desc=f"Encoding {name}") for name, split in splits.items()}
+    rows, counts = examples_to_rows(encoded, chat_advice(template, args.block_size), _arrange(tokenizer, args))
+    if not template.tokenizers_own:
+        tokenizer.chat_template = template.text  # saved with the tokenizer, so the converted model keeps it
+    options = {
+        "chat_template": template.origin,
+        "train_on_prompt": args.train_on_prompt,
+        "packing": args.packing,
+        "block_size": args.block_size,
+        "too_long": args.too_long,
+    }
+    return rows, counts, options
+
+
+def _arrange(tokenizer: PreTrainedTokenizerBase, args: PrepareArgs) -> Callable[[Dataset, str], Dataset]:
+    """--packing true: whole examples packed into rows of --block_size; false: the examples as they are."""
+    if not args.packing:
+        return lambda examples, name: examples
+    pad_id = pad_token_id(tokenizer)
+    return lambda examples, name: pack_examples(
+        examples, args.block_size, pad_id, args.seed, args.num_proc, desc=f"Packing {name}"
+    )
+
+
+def seq2seq_rows(
+    splits: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: PrepareArgs
+) -> tuple[DatasetDict, dict[str, ExampleCounts], dict]:
+    """Source and target ids, each ending with EOS, one unpadded pair per row."""
+    check_room(tokenizer, args)
+    encoded = {name: encode_pairs(split, tokenizer, args, desc=f"Encoding {name}") for name, split in splits.items()}
+    rows, counts = examples_to_rows(encoded, pair_advice(args), lambda examples, name: examples)
+    options = {
+        "max_source_length": args.max_source_length,
+        "max_target_length": args.max_target_length,
+        "too_long": args.too_long,
+    }
+    return rows, counts, options
+
+
+RECORDS = {"prompt/response": chat_records, "messages": chat_records, "source/target": pair_records}
+TEXTS: dict[RecordShape, Callable[[Dataset], Iterable[str]]] = {
+    "text": document_texts,
+    "prompt/response": chat_texts,
+    "messages": chat_texts,
+    "source/target": pair_texts,
+}
+"""Every text of a training split, for a tokenizer trained with --vocab_size."""
+BUILDERS = {"prompt/response": supervised_rows, "messages": supervised_rows, "source/target": seq2seq_rows}
 
 
 def check_enough_tokens(counts: dict[str, SplitCounts], args: PrepareArgs) -> None:
@@ -61,19 +148,48 @@ def describe(
     empty_documents: int,
     inputs: list[str],
 ) -> dict:
-    """The content of stats.json: what was read, how it was tokenized, and what packing kept and dropped."""
+    """The content of stats.json for raw text: what was read, how it was tokenized, what packing kept and dropped."""
     return {
+        "format": "text",
         "inputs": inputs,
         "text_field": args.text_field,
-        "tokenizer": args.tokenizer or f"trained SentencePiece BPE (saved in {TOKENIZER_FOLDER}/)",
-        "tokenizer_path": TOKENIZER_FOLDER,
-        "vocab_size": len(tokenizer),
+        **describe_tokenizer(args, tokenizer),
         "block_size": args.block_size,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "adds_bos": adds_bos(tokenizer),
         "val_fraction": args.val_fraction,
         "seed": args.seed,
         "empty_documents_skipped": empty_documents,
         "splits": {name: asdict(split) for name, split in counts.items()},
+    }
+
+
+def describe_examples(
+    args: PrepareArgs,
+    tokenizer: PreTrainedTokenizerBase,
+    counts: dict[str, ExampleCounts],
+    options: dict,
+    inputs: list[str],
+) -> dict:
+    """The content of stats.json for supervised and source/target data: the format of the rows, the options that
+    shaped them, and what each split kept, truncated and dropped."""
+    return {
+        "format": data_format(args),
+        "inputs": inputs,
+        "fields": {option: getattr(args, option) for option in FIELD_OPTIONS if getattr(args, option) is not None},
+        **describe_tokenizer(args, tokenizer),
+        "pad_token_id": pad_token_id(tokenizer),
+        **options,
+        "val_fraction": args.val_fraction,
+        "seed": args.seed,
+        "splits": {name: asdict(split) for name, split in counts.items()},
+    }
+
+
+def describe_tokenizer(args: PrepareArgs, tokenizer: PreTrainedTokenizerBase) -> dict:
+    return {
+        "tokenizer": args.tokenizer or f"trained SentencePiece BPE (saved in {TOKENIZER_FOLDER}/)",
+        "tokenizer_path": TOKENIZER_FOLDER,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "adds_bos": adds_bos(tokenizer),
     }

@@ -1,4 +1,4 @@
-"""Hold out validation by whole documents, so that no document is seen in both splits."""
+"""Hold out validation by whole documents (or examples), so that none is seen in both splits."""
 
 from __future__ import annotations
 
@@ -9,30 +9,37 @@ from app.prepare.args import UsageError, useful_processes
 from app.prepare.corpus import Documents, quiet_progress
 
 
-def split_by_document(documents: Documents, val_fraction: float, seed: int, num_proc: int) -> tuple[DatasetDict, int]:
-    """Train/validation documents, and how many empty documents were left out (they would add only BOS/EOS)."""
-    pool, empty = _drop_empty(documents.pool, num_proc)
-    own_train, empty_train = _drop_empty(documents.own_train, num_proc)
-    own_validation, empty_validation = _drop_empty(documents.own_validation, num_proc)
+def split_by_document(
+    documents: Documents, val_fraction: float, seed: int, num_proc: int, unit: str = "document"
+) -> tuple[DatasetDict, int]:
+    """Train/validation records, and how many empty documents were left out (they would add only BOS/EOS).
+
+    Supervised and source/target examples (`unit="example"`) are never empty here: an empty one is refused when read.
+    """
+    drop = _drop_empty if unit == "document" else lambda part, _: (part, 0)
+    pool, empty = drop(documents.pool, num_proc)
+    own_train, empty_train = drop(documents.own_train, num_proc)
+    own_validation, empty_validation = drop(documents.own_validation, num_proc)
     if not any(len(part or []) for part in (pool, own_train)):
-        raise UsageError(f"--input {' '.join(documents.description)}: no non-empty documents to train on")
+        raise UsageError(f"--input {' '.join(documents.description)}: no non-empty {unit}s to train on")
     train, validation = [own_train], [own_validation]
     if pool is not None:
-        pool_train, pool_validation = _hold_out(pool, val_fraction, seed)
+        pool_train, pool_validation = _hold_out(pool, val_fraction, seed, unit)
         train.append(pool_train)
         validation.append(pool_validation)
     splits = DatasetDict(train=_concatenate(train), validation=_concatenate(validation))
     return splits, empty + empty_train + empty_validation
 
 
-def _hold_out(pool: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    """Shuffle documents with `seed` and hold out `ceil(val_fraction * documents)` of them."""
+def _hold_out(pool: Dataset, val_fraction: float, seed: int, unit: str) -> tuple[Dataset, Dataset]:
+    """Shuffle records with `seed` and hold out `ceil(val_fraction * records)` of them."""
     if val_fraction == 0:
         return pool, pool.select([])
     if len(pool) < 2:
+        more = "documents (or --split_lines for .txt)" if unit == "document" else "examples"
         raise UsageError(
-            f"--val_fraction {val_fraction}: the input has {len(pool)} document and validation is held out by "
-            "document; give more documents (or --split_lines for .txt), or --val_fraction 0"
+            f"--val_fraction {val_fraction}: the input has {len(pool)} {unit} and validation is held out by "
+            f"{unit}; give more {more}, or --val_fraction 0"
         )
     parts = pool.train_test_split(test_size=val_fraction, seed=seed)
     return parts["train"], parts["test"]

@@ -5,11 +5,10 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import sentencepiece
-from datasets import Dataset
 from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
 from app.prepare.args import UsageError
@@ -45,13 +44,14 @@ def load_tokenizer(name_or_dir: str, trust_remote_code: bool) -> PreTrainedToken
     return tokenizer
 
 
-def train_tokenizer(documents: Dataset, vocab_size: int, seed: int) -> PreTrainedTokenizerBase:
-    """Train SentencePiece BPE on the documents and return it as a Hugging Face (Llama) tokenizer."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int, seed: int) -> PreTrainedTokenizerBase:
+    """Train SentencePiece BPE on the texts (every text field of the training split) and return it as a Hugging Face
+    (Llama) tokenizer."""
     model = io.BytesIO()
     sentencepiece.set_random_generator_seed(seed)
     try:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=_lines(documents),
+            sentence_iterator=_lines(texts),
             model_writer=model,
             vocab_size=vocab_size,
             num_threads=os.cpu_count() or 1,
@@ -66,11 +66,19 @@ def train_tokenizer(documents: Dataset, vocab_size: int, seed: int) -> PreTraine
         return LlamaTokenizer.from_pretrained(folder, add_prefix_space=False, add_bos_token=True, add_eos_token=False)
 
 
-def _lines(documents: Dataset) -> Iterator[str]:
+def _lines(texts: Iterable[str]) -> Iterator[str]:
     """SentencePiece learns from lines: newlines themselves are encoded as the byte piece <0x0A>, like Llama."""
-    for batch in documents.iter(batch_size=1000):
-        for text in batch["text"]:
-            yield from (line for line in text.split("\n") if line)
+    for text in texts:
+        yield from (line for line in text.split("\n") if line)
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str], suffix: list[int]) -> list[list[int]]:
+    """Each text as the tokenizer encodes a document (with its own BOS or EOS), then `suffix`.
+
+    split_special_tokens: a literal "</s>" or "<|end_of_text|>" in the text is text, not a document boundary.
+    """
+    encoded = tokenizer(texts, split_special_tokens=True, verbose=False)["input_ids"]
+    return [ids + suffix for ids in encoded]
 
 
 def document_suffix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -87,3 +95,14 @@ def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether encoding a document puts BOS in front of it (Llama 2/3, CodeLlama and our trained tokenizer do)."""
     probe = tokenizer("a", add_special_tokens=True)["input_ids"]
     return tokenizer.bos_token_id is not None and bool(probe) and probe[0] == tokenizer.bos_token_id
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that fills rows: the tokenizer's pad token, or EOS when it has none (labels there are always -100)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every special token, named (BOS, EOS, ...) or added as special (e.g. `<|eot_id|>`, `<|im_end|>`)."""
+    added = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return added | set(tokenizer.all_special_ids)

@@ -1,0 +1,87 @@
+"""Supervised records: prompt/response pairs (Alpaca style) and chats, both read as a list of {role, content} messages.
+
+A pair becomes `[system?] + [user: prompt (+ "\\n\\n" + input)] + [assistant: response]`, so that both shapes go
+through the same chat template and the same masking (`chat_template.py`). Every row is checked as it is read, and a
+bad one is refused in one line naming the option, the row and the input: an empty response, a chat without an
+assistant message, or a value that is not text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+
+from datasets import Dataset, Features, List, Value
+
+from app.prepare.args import PrepareArgs
+from app.prepare.corpus import Row, ToRecords, quiet_progress, require_fields
+
+MESSAGES = Features({"messages": List({"role": Value("string"), "content": Value("string")})})
+PAIR_OPTIONS = ("prompt_field", "response_field", "input_field", "system_field")
+
+
+def chat_records(args: PrepareArgs) -> ToRecords:
+    """What turns one input's rows into `messages` records, for --messages_field or --prompt_field/--response_field."""
+    if args.messages_field is not None:
+        return partial(_records, fields={"messages_field": args.messages_field}, to_messages=chat_messages)
+    fields = {option: getattr(args, option) for option in PAIR_OPTIONS if getattr(args, option) is not None}
+    return partial(_records, fields=fields, to_messages=pair_messages)
+
+
+def _records(
+    table: Dataset, source: str, fields: dict[str, str], to_messages: Callable[[dict, Row], list[dict[str, str]]]
+) -> Dataset:
+    """The messages of every row of one input; `fields` maps each option to the input field it names."""
+    require_fields(table, fields, source)
+
+    def convert(batch: dict, indices: list[int]) -> dict:
+        values = [{option: batch[field][i] for option, field in fields.items()} for i in range(len(indices))]
+        return {"messages": [to_messages(row, Row(fields, index, source)) for index, row in zip(indices, values)]}
+
+    with quiet_progress():
+        return table.map(
+            convert, batched=True, with_indices=True, remove_columns=table.column_names, features=MESSAGES
+        )
+
+
+def pair_messages(values: dict, row: Row) -> list[dict[str, str]]:
+    """A prompt/response row as a chat; an empty or missing response is refused, empty system or input skipped."""
+    prompt, response, extra, system = (row.text(option, values.get(option)) for option in PAIR_OPTIONS)
+    if not response.strip():
+        raise row.error("response_field", "is empty; every example needs a response to train on")
+    user = f"{prompt}\n\n{extra}" if extra else prompt
+    messages = [{"role": "system", "content": system}] if system else []
+    return [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": response}]
+
+
+def chat_messages(values: dict, row: Row) -> list[dict[str, str]]:
+    """A chat as {role, content} messages; it must start with a system or user message and have an assistant one,
+    and no assistant message may be empty."""
+    chat = values["messages_field"]
+    if not isinstance(chat, list) or not chat or not all(_is_message(m) for m in chat):
+        raise row.error("messages_field", "is not a list of {role, content} messages with text content")
+    messages = [{"role": m["role"], "content": m["content"]} for m in chat]
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        raise row.error("messages_field", "has no assistant message to train on")
+    if roles[0] == "assistant":
+        raise row.error("messages_field", "starts with an assistant message; a chat starts with system or user")
+    if any(not m["content"].strip() for m in messages if m["role"] == "assistant"):
+        raise row.error("messages_field", "has an empty assistant message")
+    return messages
+
+
+def _is_message(message: object) -> bool:
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and bool(message["role"])
+        and isinstance(message.get("content"), str)
+    )
+
+
+def chat_texts(records: Dataset) -> Iterator[str]:
+    """Every message's text, to train a tokenizer on (--vocab_size)."""
+    for batch in records.iter(batch_size=1000):
+        for chat in batch["messages"]:
+            yield from (message["content"] for message in chat)

@@ -1,0 +1,183 @@
+"""Chat templates, and which tokens of a rendered chat are trained: every assistant turn, through its end-of-turn.
+
+The template is `--chat_template FILE`, else the tokenizer's own, else `DEFAULT_CHAT_TEMPLATE`, which ends every
+assistant turn with the tokenizer's EOS:
+
+    <s>### System:
+    {system message}
+
+    ### User:
+    {user message}
+
+    ### Assistant:
+    {assistant message}</s>### User:
+    ...
+
+Masks come from the template itself, never from searching the text for a marker. For the assistant message at
+position k, the tokens of `render(messages[:k], add_generation_prompt=True)` must be a prefix of the tokens of
+`render(messages[:k + 1])`, which must be a prefix of the whole chat's tokens; the tokens in between are that
+turn, and they are trained. The last of them must be a special token (EOS, or an end-of-turn token such as
+`<|eot_id|>`), so that the model learns to stop; whitespace a template writes after it (`<|im_end|>\\n`) is not
+trained. Everything else (system, user, the template's headers) has label -100, as has the first token of every
+example, also with --train_on_prompt: packed after another example, it must not be predicted from that example's
+last token.
+
+Messages are rendered with `sanitize_control_tokens`: special-token text inside a message (`</s>` in code) is
+encoded as text, and only the template's own special tokens are special.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from app.prepare.args import PrepareArgs, UsageError
+from app.prepare.examples import IGNORE_INDEX, Example, causal_advice, dropped, encode_examples, fit_to_block
+from app.prepare.tokenizer import special_token_ids
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{{- bos_token if bos_token is defined and bos_token else '' -}}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'assistant' -%}\n"
+    "{{- '### Assistant:\\n' + message['content'] + eos_token -}}\n"
+    "{%- else -%}\n"
+    "{{- '### ' + message['role'] | capitalize + ':\\n' + message['content'] + '\\n\\n' -}}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "{{- '### Assistant:\\n' -}}\n"
+    "{%- endif -%}\n"
+)
+"""For tokenizers without a chat template (such as the one --vocab_size trains). Documented in docs/prepare-data.md."""
+
+PREFIX_MISMATCH = "template_prefix_mismatch"
+NO_END_OF_TURN = "no_end_of_turn"
+NOTHING_TRAINED = "nothing_trained"
+PROBE_CHAT = [
+    {"role": "user", "content": "Hello."},
+    {"role": "assistant", "content": "Hi, how can I help?"},
+    {"role": "user", "content": "Say goodbye."},
+    {"role": "assistant", "content": "Goodbye."},
+]
+"""A chat every template must handle, checked before any data is encoded."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    text: str
+    origin: str
+    """Where it comes from, as error messages and stats.json name it."""
+    tokenizers_own: bool = False
+    """The tokenizer already holds it (with any other named templates it has): nothing to add before saving."""
+
+
+def choose_template(tokenizer: PreTrainedTokenizerBase, args: PrepareArgs) -> ChatTemplate:
+    """--chat_template FILE, else the tokenizer's own template, else the default one."""
+    if args.chat_template is not None:
+        text = Path(args.chat_template).read_text(encoding="utf-8")
+        if not text.strip():
+            raise UsageError(f"--chat_template {args.chat_template} is empty; give a Jinja chat template")
+        return ChatTemplate(text, f"--chat_template {args.chat_template}")
+    if tokenizer.chat_template:
+        return ChatTemplate(tokenizer.get_chat_template(), f"the chat template of --tokenizer {args.tokenizer}", True)
+    return ChatTemplate(DEFAULT_CHAT_TEMPLATE, "the default chat template")
+
+
+class ChatEncoder:
+    """Renders chats with one template and returns their tokens with the labels of the assistant turns."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: ChatTemplate, train_on_prompt: bool) -> None:
+        self.tokenizer, self.template, self.train_on_prompt = tokenizer, template, train_on_prompt
+        self.special_ids = special_token_ids(tokenizer)
+
+    def tokens(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.template.text,
+                add_generation_prompt=generation_prompt,
+                sanitize_control_tokens=True,
+                tokenizer_kwargs={"verbose": False},
+            )["input_ids"]
+        except Exception as error:  # a template error (raise_exception, a Jinja error): the user's template or data
+            first = " ".join(str(error).split()) or type(error).__name__
+            raise UsageError(
+                f"{self.template.origin} fails on a chat starting {messages[0]['content'][:40]!r}: {first}; "
+                "fix the data or give another template with --chat_template FILE"
+            ) from error
+
+    def encode(self, messages: list[dict[str, str]]) -> Example:
+        """The chat's tokens and labels, or a dropped example naming what the template did wrong."""
+        chat = self.tokens(messages, generation_prompt=False)
+        spans = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.tokens(messages[:k], generation_prompt=True)
+            through = chat if k == len(messages) - 1 else self.tokens(messages[: k + 1], generation_prompt=False)
+            if through[: len(before)] != before or chat[: len(through)] != through:
+                return dropped(PREFIX_MISMATCH)
+            if len(through) == len(before):
+                return dropped(NOTHING_TRAINED)
+            end = self._end_of_turn(through, len(before))
+            if end is None:
+                return dropped(NO_END_OF_TURN)
+            spans.append((len(before), end))
+        return Example(chat, chat_labels(chat, spans, self.train_on_prompt))
+
+    def _end_of_turn(self, tokens: list[int], start: int) -> int | None:
+        """Where the turn `tokens[start:]` ends: after its last special token, when only whitespace follows that."""
+        for end in range(len(tokens), start, -1):
+            if tokens[end - 1] in self.special_ids:
+                trailing = self.tokenizer.decode(tokens[end:]) if end < len(tokens) else ""
+                return None if trailing.strip() else end
+        return None
+
+
+def chat_labels(tokens: list[int], spans: list[tuple[int, int]], train_on_prompt: bool) -> list[int]:
+    """Labels: the tokens of the trained spans (or all tokens), -100 elsewhere and always on the first token."""
+    labels = list(tokens) if train_on_prompt else [IGNORE_INDEX] * len(tokens)
+    for start, end in spans:
+        labels[start:end] = tokens[start:end]
+    labels[0] = IGNORE_INDEX
+    return labels
+
+
+def check_template(encoder: ChatEncoder) -> None:
+    """Refuse a template that cannot be masked, masks every token, or never ends an assistant turn, before any data
+    is encoded (the same checks then run on every example)."""
+    problem = encoder.encode(PROBE_CHAT).dropped
+    if problem:
+        raise UsageError(template_problem(encoder.template, problem))
+
+
+TEMPLATE_PROBLEMS = {
+    PREFIX_MISMATCH: "the tokens of a chat rendered up to an assistant turn (with the generation prompt) are not a "
+    "prefix of the whole chat's tokens, so the prompt cannot be masked",
+    NOTHING_TRAINED: "it masks every token: assistant messages render to nothing after the generation prompt",
+    NO_END_OF_TURN: "assistant turns do not end with a special token (EOS or an end-of-turn token), so the model "
+    "would never learn to stop",
+}
+
+
+def template_problem(template: ChatTemplate, problem: str) -> str:
+    return f"{template.origin}: {TEMPLATE_PROBLEMS[problem]}; give another with --chat_template FILE"
+
+
+def chat_advice(template: ChatTemplate, block_size: int) -> dict[str, str]:
+    """What to say when no example is left, by the reason the examples were dropped."""
+    template_advice = {problem: template_problem(template, problem) for problem in TEMPLATE_PROBLEMS}
+    return {**causal_advice(block_size), **template_advice}
+
+
+def encode_chats(records: Dataset, encoder: ChatEncoder, args: PrepareArgs, desc: str) -> Dataset:
+    """Every chat's tokens and labels, fitted to --block_size (rows of `EXAMPLE_FEATURES`)."""
+
+    def encode(batch: dict) -> list[Example]:
+        examples = (encoder.encode(messages) for messages in batch["messages"])
+        return [fit_to_block(example, args.block_size, args.too_long) for example in examples]
+
+    return encode_examples(records, encode, args.num_proc, desc)

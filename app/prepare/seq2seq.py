@@ -1,0 +1,104 @@
+"""Source→target records for encoder-decoder models: `input_ids` is the source, `labels` the target.
+
+Both are encoded as the tokenizer encodes a document (its own BOS where it adds one; literal special-token text
+stays text) and end with exactly one EOS, the T5 convention. Rows stay unpadded: training pads per batch, with -100
+in the labels, and builds attention masks from the lengths. A sequence longer than its limit
+(--max_source_length, --max_target_length) is cut before its end and keeps its EOS (--too_long truncate), or
+the example is dropped (--too_long drop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+
+from datasets import Dataset, Features, Value
+from transformers import PreTrainedTokenizerBase
+
+from app.prepare.args import PrepareArgs, UsageError
+from app.prepare.corpus import Row, ToRecords, quiet_progress, require_fields
+from app.prepare.examples import Example, dropped, encode_examples, length_advice
+from app.prepare.tokenizer import adds_bos, document_suffix, encode_texts
+
+PAIRS = Features({"source": Value("string"), "target": Value("string")})
+SOURCE_TOO_LONG = "source_too_long"
+TARGET_TOO_LONG = "target_too_long"
+
+
+def pair_records(args: PrepareArgs) -> ToRecords:
+    """What turns one input's rows into `source`/`target` records, refusing a row without text in either."""
+    return partial(_records, fields={"source_field": args.source_field, "target_field": args.target_field})
+
+
+def _records(table: Dataset, source: str, fields: dict[str, str]) -> Dataset:
+    require_fields(table, fields, source)
+
+    def convert(batch: dict, indices: list[int]) -> dict:
+        columns = {}
+        for column, option in (("source", "source_field"), ("target", "target_field")):
+            columns[column] = [text(Row(fields, i, source), option, v) for i, v in zip(indices, batch[fields[option]])]
+        return columns
+
+    with quiet_progress():
+        return table.map(convert, batched=True, with_indices=True, remove_columns=table.column_names, features=PAIRS)
+
+
+def text(row: Row, option: str, value: object) -> str:
+    """A source or target: text that is not empty."""
+    value = row.text(option, value)
+    if not value.strip():
+        raise row.error(option, "is empty; every example needs a source and a target")
+    return value
+
+
+def pair_texts(records: Dataset) -> Iterator[str]:
+    """Sources and targets, to train a tokenizer on (--vocab_size)."""
+    for batch in records.iter(batch_size=1000):
+        yield from batch["source"]
+        yield from batch["target"]
+
+
+def check_room(tokenizer: PreTrainedTokenizerBase, args: PrepareArgs) -> None:
+    """A limit must leave room for one token of text between the tokenizer's BOS (if any) and the EOS."""
+    least = 2 + adds_bos(tokenizer)
+    for option in ("max_source_length", "max_target_length"):
+        if getattr(args, option) < least:
+            raise UsageError(f"--{option} {getattr(args, option)} leaves no room for text: use at least {least}")
+
+
+def fit(ids: list[int], max_length: int, eos_id: int) -> list[int]:
+    """`ids` (which end with EOS) cut to `max_length` tokens by dropping text before the EOS, which is kept."""
+    return ids if len(ids) <= max_length else [*ids[: max_length - 1], eos_id]
+
+
+def fit_pair(source: list[int], target: list[int], args: PrepareArgs, eos_id: int) -> Example:
+    """The pair within --max_source_length/--max_target_length, truncated or dropped as --too_long says."""
+    too_long_source, too_long_target = len(source) > args.max_source_length, len(target) > args.max_target_length
+    if args.too_long == "drop" and (too_long_source or too_long_target):
+        return dropped(SOURCE_TOO_LONG if too_long_source else TARGET_TOO_LONG)
+    return Example(
+        fit(source, args.max_source_length, eos_id),
+        fit(target, args.max_target_length, eos_id),
+        truncated=too_long_source or too_long_target,
+    )
+
+
+def encode_pairs(records: Dataset, tokenizer: PreTrainedTokenizerBase, args: PrepareArgs, desc: str) -> Dataset:
+    """Every pair's source and target ids, each ending with EOS, fitted to the limits (rows of `EXAMPLE_FEATURES`)."""
+    suffix = document_suffix(tokenizer)
+
+    def encode(batch: dict) -> list[Example]:
+        sources = encode_texts(tokenizer, batch["source"], suffix)
+        targets = encode_texts(tokenizer, batch["target"], suffix)
+        pairs = zip(sources, targets, strict=True)
+        return [fit_pair(source, target, args, tokenizer.eos_token_id) for source, target in pairs]
+
+    return encode_examples(records, encode, args.num_proc, desc)
+
+
+def pair_advice(args: PrepareArgs) -> dict[str, str]:
+    """What to say when no example is left."""
+    return {
+        SOURCE_TOO_LONG: length_advice("--max_source_length", args.max_source_length),
+        TARGET_TOO_LONG: length_advice("--max_target_length", args.max_target_length),
+    }

@@ -1,0 +1,483 @@
+"""prepare_data.py for supervised fine-tuning (prompt/response pairs, chats) and source→target data, on the standard
+library's own code→summary task: labels and masks, packing, padding, truncation, templates, and refusals."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import datasets
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from app.prepare import PrepareArgs, prepare
+from app.prepare.chat_template import DEFAULT_CHAT_TEMPLATE
+from app.prepare.cli import main
+from app.prepare.pack_examples import best_fit_decreasing
+from app.prepare.stdlib_tasks import code_summary_pairs
+from app.prepare.tokenizer import train_tokenizer
+from tests.test_prepare_data import REPO, isolated_datasets_cache, run_cli  # noqa: F401 (an autouse fixture)
+
+SPECIAL_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
+"""Llama-3's and ChatML's, added to a tokenizer trained here (nothing is downloaded)."""
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML writes a newline after each end-of-turn: it must stay untrained, the end-of-turn itself trained."""
+SYSTEM = "You summarise Python code in one sentence."
+FOLLOW_UP = "Shorter, please. A literal <|eot_id|> or </s> here is text."
+
+
+@pytest.fixture(scope="module")
+def pairs() -> list[dict[str, str]]:
+    """About 120 real code→summary pairs from the stdlib's json and http packages."""
+    return code_summary_pairs(("json", "http"))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, pairs) -> Path:
+    """pairs.jsonl, chats.jsonl (two assistant turns each), a tokenizer without a chat template (`plain`) and the
+    same with special tokens and a Llama-3-style template (`llama3`)."""
+    work = tmp_path_factory.mktemp("sft")
+    write_jsonl(work / "pairs.jsonl", pairs)
+    chats = [{"messages": chat(pair), "id": i} for i, pair in enumerate(pairs)]
+    write_jsonl(work / "chats.jsonl", chats)
+    plain = train_tokenizer((text for pair in pairs for text in pair.values()), 600, seed=0)
+    plain.save_pretrained(work / "plain")
+    llama3 = AutoTokenizer.from_pretrained(work / "plain")
+    llama3.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    llama3.chat_template = LLAMA3_TEMPLATE
+    llama3.save_pretrained(work / "llama3")
+    return work
+
+
+def chat(pair: dict[str, str]) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": pair["code"]},
+        {"role": "assistant", "content": pair["summary"]},
+        {"role": "user", "content": FOLLOW_UP},
+        {"role": "assistant", "content": pair["summary"].split()[0] + "."},
+    ]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+class Prepared(NamedTuple):
+    rows: DatasetDict
+    stats: dict
+    tokenizer: PreTrainedTokenizerBase
+
+
+def load_prepared(folder: Path) -> Prepared:
+    stats = json.loads((folder / "stats.json").read_text())
+    return Prepared(datasets.load_from_disk(str(folder)), stats, AutoTokenizer.from_pretrained(folder / "tokenizer"))
+
+
+def prepared_by_the_cli(work: Path, command: str, output: str) -> Prepared:
+    result = run_cli([*command.split(), "--output_dir", output], cwd=work)
+    assert result.returncode == 0, result.stderr
+    return load_prepared(work / output)
+
+
+def sft(work: Path, name: str, **options) -> Prepared:
+    """prepare() in process, by default on the pairs with the plain tokenizer."""
+    options = {
+        "input": [str(work / "pairs.jsonl")],
+        "prompt_field": "code",
+        "response_field": "summary",
+        "tokenizer": str(work / "plain"),
+        "block_size": 256,
+        "val_fraction": 0.1,
+        **options,
+    }
+    prepare(PrepareArgs(**options, output_dir=str(work / name)))
+    return load_prepared(work / name)
+
+
+def segments(row: dict) -> list[tuple[list[int], list[int]]]:
+    """A packed row cut where position_ids restart at 0: each example's (input_ids, labels), then the padding run."""
+    starts = [i for i, position in enumerate(row["position_ids"]) if position == 0] + [len(row["position_ids"])]
+    for start, end in zip(starts, starts[1:]):
+        assert row["position_ids"][start:end] == list(range(end - start)), "position_ids must count up per example"
+    return [(row["input_ids"][s:e], row["labels"][s:e]) for s, e in zip(starts, starts[1:])]
+
+
+def trained_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
+    """The maximal runs of trained positions, as token ids; a trained label must equal its input token."""
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label == -100:
+            if current:
+                runs.append(current)
+            current = []
+        else:
+            assert label == token, "a trained label differs from its input token"
+            current.append(token)
+    return runs + ([current] if current else [])
+
+
+@pytest.fixture(scope="module")
+def packed_run(work) -> Prepared:
+    """The issue's command for supervised data, through the real command line."""
+    command = "--input pairs.jsonl --prompt_field code --response_field summary --tokenizer plain --block_size 256"
+    return prepared_by_the_cli(work, f"{command} --val_fraction 0.1", "packed")
+
+
+def test_packed_rows_hold_whole_examples_with_only_the_response_and_eos_trained(packed_run, pairs):
+    rows, stats, tokenizer = packed_run
+    assert stats["format"] == "supervised_packed" and stats["chat_template"] == "the default chat template"
+    assert tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE, "the template used is saved with the tokenizer"
+    expected = {
+        f"<s>### User:\n{pair['code']}\n\n### Assistant:\n": pair["summary"] for pair in pairs
+    }  # what the default template renders
+    seen = []
+    for split, counts in stats["splits"].items():
+        table = rows[split]
+        assert table.column_names == ["input_ids", "labels", "position_ids"]
+        assert all(table.features[c].feature.dtype == "int32" for c in table.column_names)
+        examples = truncated = 0
+        for row in table:
+            assert len(row["input_ids"]) == 256
+            *members, tail = segments(row)
+            if any(label != -100 for label in tail[1]):  # the row is full: its last segment is an example
+                members.append(tail)
+            else:  # the padding run: pad (EOS here) with label -100
+                assert set(tail[0]) == {stats["pad_token_id"]}
+            for ids, labels in members:
+                assert labels[0] == -100, "the first token of a packed example must never be a target"
+                (response,) = trained_runs(ids, labels)
+                prompt = tokenizer.decode(ids[: len(ids) - len(response)])
+                assert prompt in expected, "an example was split across rows or its prompt is not masked"
+                full = tokenizer(expected[prompt], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                if len(ids) == 256 and response != full:  # --too_long truncate (the default) cut its end
+                    assert response == full[: len(response)]
+                    truncated += 1
+                else:  # EOS is trained, so that the model learns to stop
+                    assert response == full and tokenizer.decode(response) == expected[prompt] + "</s>"
+                seen.append(prompt)
+                examples += 1
+        assert examples == counts["kept"] == counts["examples"] - sum(counts["dropped"].values())
+        assert truncated == counts["truncated"]
+        assert counts["rows"] == len(table) and counts["tokens"] + counts["padding_tokens"] == 256 * len(table)
+        assert counts["trained_tokens"] == sum(label != -100 for row in table["labels"] for label in row)
+    assert len(seen) == len(set(seen)), "an example was written twice"
+
+
+def test_packed_attention_and_loss_never_cross_examples(packed_run):
+    """A Llama given a packed row with its position_ids computes the same summed loss as on each example alone."""
+    row = packed_run.rows["train"].with_format("torch")[0]
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+
+    def summed_loss(ids: torch.Tensor, labels: torch.Tensor, **extra) -> torch.Tensor:
+        trained = (labels[1:] != -100).sum()
+        return model(input_ids=ids[None], labels=labels[None], **extra).loss * trained if trained else 0.0
+
+    with torch.no_grad():
+        packed = summed_loss(row["input_ids"], row["labels"], position_ids=row["position_ids"][None])
+        starts = [*torch.nonzero(row["position_ids"] == 0).flatten().tolist(), 256]
+        alone = sum(summed_loss(row["input_ids"][s:e], row["labels"][s:e]) for s, e in zip(starts, starts[1:]))
+    assert len(starts) > 2, "the row must pack several examples"
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-4)
+
+
+def test_packing_false_writes_one_unpadded_example_per_row(work):
+    rows, stats, _ = sft(work, "padded", packing=False)
+    assert stats["format"] == "supervised_padded"
+    lengths = set()
+    for split, counts in stats["splits"].items():
+        assert rows[split].column_names == ["input_ids", "labels"]
+        assert len(rows[split]) == counts["kept"] == counts["rows"] and counts["padding_tokens"] == 0
+        cut = 0
+        for ids, labels in zip(rows[split]["input_ids"], rows[split]["labels"]):
+            lengths.add(len(ids))
+            assert len(ids) == len(labels) <= 256 and labels[0] == -100 and ids[0] == 1
+            if ids[-1] != 2:  # cut by --too_long truncate; every other row ends with its trained EOS, unpadded
+                assert len(ids) == 256 and labels[-1] == ids[-1]
+                cut += 1
+            assert labels[-1] == ids[-1]
+        assert cut == counts["truncated"]
+    assert len(lengths) > 10, "rows keep their own lengths"
+
+
+def test_too_long_examples_are_truncated_or_dropped_and_counted(work):
+    truncated_rows, truncated, _ = sft(work, "truncate", block_size=96, packing=False)
+    dropped = sft(work, "drop", block_size=96, packing=False, too_long="drop").stats
+    for split in ("train", "validation"):
+        cut, left_out = truncated["splits"][split], dropped["splits"][split]
+        assert cut["truncated"] > 0 and left_out["truncated"] == 0
+        assert cut["truncated"] + cut["dropped"].get("prompt_fills_block", 0) == left_out["dropped"]["too_long"]
+        assert left_out["kept"] + left_out["dropped"]["too_long"] == left_out["examples"] == cut["examples"]
+    long_rows = [row for row in truncated_rows["train"] if len(row["input_ids"]) == 96 and row["input_ids"][-1] != 2]
+    assert len(long_rows) >= truncated["splits"]["train"]["truncated"] > 0
+    assert all(any(label != -100 for label in row["labels"]) for row in long_rows), "a cut keeps part of a response"
+
+
+def test_train_on_prompt_trains_every_token_but_the_first_of_each_example(work):
+    rows, stats, _ = sft(work, "on_prompt", train_on_prompt=True)
+    assert stats["train_on_prompt"] is True
+    for row in rows["train"]:
+        for ids, labels in segments(row):
+            if set(labels) == {-100}:
+                continue  # the padding run
+            assert labels[0] == -100 and labels[1:] == ids[1:]
+
+
+def test_multi_turn_chats_with_a_llama3_template_train_every_assistant_turn_through_eot(work, pairs):
+    rows, stats, tokenizer = sft(
+        work, "chats", input=[str(work / "chats.jsonl")], prompt_field=None, response_field=None,
+        messages_field="messages", tokenizer=str(work / "llama3"), block_size=512, too_long="drop",
+    )
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert tokenizer.chat_template == LLAMA3_TEMPLATE, "the tokenizer's own template is used and kept"
+    assert stats["fields"] == {"messages_field": "messages"} and stats["chat_template"].endswith("llama3")
+    summaries = {pair["summary"] for pair in pairs}
+    checked = 0
+    for row in rows["train"]:
+        for ids, labels in segments(row):
+            if set(labels) == {-100}:
+                continue
+            first, second = trained_runs(ids, labels)
+            assert first[-1] == second[-1] == eot
+            assert tokenizer.decode(first[:-1]) in summaries
+            assert tokenizer.decode(second[:-1]) == tokenizer.decode(first[:-1]).split()[0] + "."
+            masked = tokenizer.decode([t for t, label in zip(ids, labels) if label == -100])
+            assert SYSTEM in masked and FOLLOW_UP in masked and masked.count("assistant<|end_header_id|>") == 2
+            assert ids.count(eot) == 5, "a literal <|eot_id|> in a message must stay text"
+            checked += 1
+    assert checked == stats["splits"]["train"]["kept"] > 50
+
+
+def test_chat_template_file_overrides_the_tokenizers_and_is_saved(work):
+    (work / "chatml.jinja").write_text(CHATML_TEMPLATE)
+    template = str(work / "chatml.jinja")
+    rows, stats, tokenizer = sft(work, "chatml", tokenizer=str(work / "llama3"), chat_template=template)
+    assert tokenizer.chat_template == CHATML_TEMPLATE and stats["chat_template"].startswith("--chat_template")
+    end, newline = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer("\n", add_special_tokens=False)
+    for ids, labels in segments(rows["train"][0])[:-1]:
+        (response,) = trained_runs(ids, labels)
+        assert response[-1] == end, "the end-of-turn token is trained"
+        assert ids[len(ids) - len(newline["input_ids"]) :] == newline["input_ids"] and labels[-1] == -100
+
+
+def test_an_example_the_template_cannot_mask_is_dropped_and_counted(work, pairs):
+    """The template renders the whole chat differently when the response holds "Return": the prompt's tokens are
+    then no prefix of the chat's, so those examples are left out, and counted."""
+    condition = "messages[-1]['role'] == 'assistant' and 'Return' in messages[-1]['content']"
+    (work / "moody.jinja").write_text(f"{{% if {condition} %}}! {{% endif %}}{DEFAULT_CHAT_TEMPLATE}")
+    _, stats, _ = sft(work, "moody", chat_template=str(work / "moody.jinja"), block_size=1024, val_fraction=0)
+    moody = sum("Return" in pair["summary"] for pair in pairs)
+    assert 0 < moody < len(pairs)
+    assert stats["splits"]["train"]["dropped"] == {"template_prefix_mismatch": moody}
+
+
+def test_num_proc_2_writes_the_same_rows(work, packed_run):
+    rows = sft(work, "two_processes", num_proc=2).rows
+    assert rows["train"][:] == packed_run.rows["train"][:]
+    assert rows["validation"][:] == packed_run.rows["validation"][:]
+
+
+def test_input_and_system_fields_make_alpaca_style_chats(work, pairs):
+    rows = [{"instruction": "Summarise:", "input": p["code"], "output": p["summary"], "sys": ""} for p in pairs]
+    rows[0]["sys"] = "Be brief."
+    write_jsonl(work / "alpaca.jsonl", rows)
+    out, stats, tokenizer = sft(
+        work, "alpaca", input=[str(work / "alpaca.jsonl")], prompt_field="instruction", response_field="output",
+        input_field="input", system_field="sys", packing=False, val_fraction=0, block_size=1024,
+    )
+    texts = [tokenizer.decode(ids) for ids in out["train"]["input_ids"]]
+    assert f"<s>### User:\nSummarise:\n\n{pairs[1]['code']}\n\n### Assistant:\n{pairs[1]['summary']}</s>" in texts
+    assert sum(text.startswith("<s>### System:\nBe brief.\n\n### User:\n") for text in texts) == 1
+    assert stats["fields"] == {
+        "prompt_field": "instruction", "response_field": "output", "system_field": "sys", "input_field": "input"
+    }
+
+
+def test_own_validation_split_and_a_trained_tokenizer(work, pairs):
+    own = DatasetDict(
+        train=Dataset.from_dict({"q": [p["code"] for p in pairs[:-5]], "a": [p["summary"] for p in pairs[:-5]]}),
+        validation=Dataset.from_dict({"q": [p["code"] for p in pairs[-5:]], "a": [p["summary"] for p in pairs[-5:]]}),
+    )
+    own.save_to_disk(str(work / "own"))
+    rows, stats, tokenizer = sft(
+        work, "own_out", input=[str(work / "own")], prompt_field="q", response_field="a", tokenizer=None,
+        vocab_size=500, packing=False, too_long="drop",
+    )
+    assert stats["splits"]["validation"]["examples"] == 5 and stats["vocab_size"] == 500
+    validation = {tokenizer.decode(ids) for ids in rows["validation"]["input_ids"]}
+    endings = tuple(f"### Assistant:\n{pair['summary']}</s>" for pair in pairs[-5:])
+    assert all(text.endswith(endings) for text in validation)
+    assert len(validation) == stats["splits"]["validation"]["kept"] > 0
+
+
+@pytest.fixture(scope="module")
+def seq2seq_run(work) -> Prepared:
+    """The issue's command for encoder-decoder data, through the real command line."""
+    command = "--input pairs.jsonl --source_field code --target_field summary --tokenizer plain"
+    limits = "--max_source_length 96 --max_target_length 12 --val_fraction 0.1"
+    return prepared_by_the_cli(work, f"{command} {limits}", "seq2seq")
+
+
+def test_seq2seq_rows_are_unpadded_sources_and_targets_ending_with_eos(seq2seq_run, pairs):
+    rows, stats, tokenizer = seq2seq_run
+    by_source = {tuple(encode(tokenizer, p["code"])): encode(tokenizer, p["summary"]) for p in pairs}
+    assert stats["format"] == "seq2seq" and (stats["max_source_length"], stats["max_target_length"]) == (96, 12)
+    truncated = 0
+    for split, counts in stats["splits"].items():
+        assert rows[split].column_names == ["input_ids", "labels"] and counts["rows"] == len(rows[split])
+        for source, target in zip(rows[split]["input_ids"], rows[split]["labels"]):
+            assert source[-1] == target[-1] == tokenizer.eos_token_id, "EOS is kept, also when truncated"
+            assert len(source) <= 96 and len(target) <= 12
+            full_source = next(s for s in by_source if list(s[: len(source) - 1]) == source[:-1])
+            full_target = by_source[full_source]
+            assert target[:-1] == full_target[: len(target) - 1]
+            was_cut = len(full_source) > 96 or len(full_target) > 12
+            assert was_cut == (list(full_source) != source or full_target != target)
+            truncated += was_cut
+        assert counts["trained_tokens"] == sum(map(len, rows[split]["labels"]))
+    assert truncated == sum(counts["truncated"] for counts in stats["splits"].values()) > 0
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, split_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_seq2seq_drop_and_trained_tokenizer(work):
+    args = {"prompt_field": None, "response_field": None, "source_field": "code", "target_field": "summary"}
+    limits = {"max_source_length": 160, "max_target_length": 24, "block_size": 2048}
+    _, stats, tokenizer = sft(work, "s2s_drop", **args, **limits, too_long="drop", tokenizer=None, vocab_size=400)
+    assert len(tokenizer) == stats["vocab_size"] == 400 and stats["format"] == "seq2seq"
+    train = stats["splits"]["train"]
+    assert set(train["dropped"]) <= {"source_too_long", "target_too_long"} and train["truncated"] == 0
+    assert train["kept"] + sum(train["dropped"].values()) == train["examples"] and train["kept"] > 0
+
+
+def test_best_fit_decreasing_is_deterministic_and_fills_rows():
+    lengths = torch.randint(1, 60, (2000,), generator=torch.Generator().manual_seed(0)).numpy()
+    rows = best_fit_decreasing(lengths, 64, seed=3)
+    assert rows == best_fit_decreasing(lengths, 64, seed=3) and rows != best_fit_decreasing(lengths, 64, seed=4)
+    assert sorted(i for row in rows for i in row) == list(range(2000))
+    assert max(sum(lengths[row]) for row in rows) <= 64
+    assert lengths.sum() / (64 * len(rows)) > 0.97
+
+
+REFUSED_BY_THE_CLI = {
+    "missing prompt field": (["--prompt_field", "question", "--response_field", "summary"], "--prompt_field question"),
+    "empty response": (["--input", "{bad}", "--prompt_field", "code", "--response_field", "summary"], "row 2"),
+    "template masks every token": (
+        ["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{masking}"],
+        "--chat_template",
+    ),
+    "block too small": (
+        ["--prompt_field", "code", "--response_field", "summary", "--block_size", "8"], "--block_size 8"
+    ),
+    "missing target field": (["--source_field", "code", "--target_field", "title"], "--target_field title"),
+    "empty target": (["--input", "{bad}", "--source_field", "code", "--target_field", "summary"], "--target_field"),
+}
+"""The refusals the issues name, each by a real `python prepare_data.py` process (the others run in process)."""
+
+
+def test_bad_supervised_input_is_refused_by_the_cli_in_one_line_before_writing(work, pairs):
+    bad = write_jsonl(work / "bad.jsonl", [pairs[0], {**pairs[1], "summary": ""}])
+    (work / "masking.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
+
+    def refuse(case: str) -> tuple[str, object, str]:
+        argv, expected = REFUSED_BY_THE_CLI[case]
+        folder = work / "refused" / case.replace(" ", "_")
+        (folder / "out").mkdir(parents=True)
+        (folder / "out" / "keep.txt").write_text("precious")
+        argv = [a.format(bad=bad, masking=work / "masking.jinja") for a in argv]
+        if "--input" not in argv:
+            argv += ["--input", str(work / "pairs.jsonl")]
+        argv += ["--tokenizer", str(work / "plain"), "--output_dir", "out", "--overwrite"]
+        return case, run_cli(argv, folder), expected
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two at a time: the processes are CPU-bound
+        results = list(pool.map(refuse, REFUSED_BY_THE_CLI))
+    for case, result, expected in results:
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, (case, result.stderr)
+        assert len(lines) == 1 and expected in lines[0] and "Traceback" not in result.stderr, (case, lines)
+        folder = work / "refused" / case.replace(" ", "_")
+        assert [p.name for p in folder.iterdir() if p.name != "cache"] == ["out"], f"{case}: leftovers"
+        assert [p.name for p in (folder / "out").iterdir()] == ["keep.txt"], f"{case}: output touched"
+
+
+REFUSED = [
+    (["--messages_field", "messages"], "--messages_field messages: no such field"),
+    (["--source_field", "code", "--target_field", "summary", "--max_source_length", "8", "--too_long", "drop"],
+     "--max_source_length 8 is too small for any example"),
+    (["--prompt_field", "code"], "--response_field is missing"),
+    (["--prompt_field", "code", "--response_field", "summary", "--messages_field", "m"], "one kind of record"),
+    (["--source_field", "code", "--target_field", "summary", "--packing", "false"], "--packing applies only"),
+    (["--packing", "false"], "--packing applies only"),
+    (["--source_field", "code", "--target_field", "summary", "--block_size", "64"], "--block_size applies only"),
+    (["--prompt_field", "code", "--response_field", "summary", "--max_source_length", "64"], "--max_source_length"),
+    (["--system_field", "s"], "--system_field applies only"),
+    (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "no.jinja"], "--chat_template"),
+    (["--prompt_field", "code", "--response_field", "summary", "--too_long", "cut"], "too_long"),
+    (["--prompt_field", "code", "--response_field", "summary", "--input", "{folder}"], "plain-text files"),
+    (["--prompt_field", "code", "--response_field", "n", "--input", "{numbers}"], "holds int 3"),
+    (["--messages_field", "messages", "--input", "{no_assistant}"], "has no assistant message"),
+    (["--messages_field", "messages", "--input", "{assistant_first}"], "starts with an assistant message"),
+    (["--messages_field", "messages", "--input", "{not_chat}"], "is not a list of {role, content}"),
+    (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{mismatch}"], "not a prefix"),
+    (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{no_eot}"], "never learn to stop"),
+    (["--source_field", "code", "--target_field", "summary", "--max_target_length", "2"], "--max_target_length 2"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", REFUSED)
+def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, tmp_path, capsys):
+    files = {
+        "folder": tmp_path / "texts",
+        "no_assistant": write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}]),
+        "assistant_first": write_jsonl(
+            tmp_path / "b.jsonl",
+            [{"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}],
+        ),
+        "not_chat": write_jsonl(tmp_path / "c.jsonl", [{"messages": "hello"}]),
+        "numbers": write_jsonl(tmp_path / "n.jsonl", [{"code": "x = 1", "summary": "Set x.", "n": 3}]),
+        "mismatch": tmp_path / "mismatch.jinja",
+        "no_eot": tmp_path / "no_eot.jinja",
+    }
+    (tmp_path / "mismatch.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}"
+    )
+    (tmp_path / "no_eot.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] + ':\n' + m['content'] + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}"
+    )
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "notes.txt").write_text("plain text")
+    argv = [a.format(**files) for a in argv]
+    if "--input" not in argv:
+        argv += ["--input", str(work / "pairs.jsonl")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--tokenizer", str(work / "plain"), "--output_dir", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_docs_show_the_default_template_verbatim():
+    assert DEFAULT_CHAT_TEMPLATE.strip() in (REPO / "docs" / "prepare-data.md").read_text()
