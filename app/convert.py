@@ -1,8 +1,7 @@
 """Checkpoint → Hugging Face model folder (weights, config, tokenizer, model card), verified by reloading it.
 
-Memory: the model is built on the meta device and the checkpoint's own tensors are assigned into it (a full
-checkpoint is memory-mapped, a sharded one is read into one preallocated copy), so at most one copy of the
-weights exists; it is cast to --dtype tensor by tensor. Logits on a fixed input are taken from that model in the
+Memory: the model is built on the meta device and the checkpoint's model tensors are read (never its optimizer
+state) into one copy that is assigned into it, so at most one copy of the weights exists; it is cast to --dtype tensor by tensor. Logits on a fixed input are taken from that model in the
 checkpoint's dtype, the model is written and freed, and the folder is reloaded with `from_pretrained` and must
 reproduce them (exactly when the dtype is unchanged). The folder is written under a hidden temporary name and
 only renamed into place after that check, so a failed conversion never leaves or replaces an output folder.
@@ -11,7 +10,6 @@ only renamed into place after that check, so a failed conversion never leaves or
 from __future__ import annotations
 
 import gc
-import os
 import re
 import shutil
 import sys
@@ -22,15 +20,16 @@ from typing import Any, Literal, Optional
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, set_parsing_settings
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import load as load_distributed
 from torch.nn import Module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from app.checkpoint import checkpoint_dir, list_checkpoints
+from app.checkpoint import (CheckpointError, checkpoint_dir, list_checkpoints, read_metadata as read_checkpoint_metadata,
+                            read_model_weights, stored_tensor_shapes)
+from app.checkpoint.files import publish
+from app.checkpoint.state import MODEL_PREFIX
 from app.model import meta_model
 from app.hub import HubArgs, describe_upload, login_problem, push_folder
-from app.preflight import EXIT_BAD_INPUT, read_checkpoint_metadata
+from app.exit_codes import EXIT_BAD_INPUT
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -39,7 +38,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Largest logit difference accepted after a cast, relative to the largest reference logit (|logit|): bf16 keeps
 # 8 mantissa bits (relative rounding 2^-9 per weight), fp16 keeps 11; errors accumulate over layers.
 CAST_TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-4}
-SHARDED_MODEL_KEY = "model"
 
 
 @dataclass
@@ -85,10 +83,6 @@ class Job:
     @property
     def step(self) -> int:
         return self.metadata["step"]
-
-    @property
-    def sharded(self) -> bool:
-        return self.checkpoint.is_dir()
 
 
 class BadInput(Exception):
@@ -155,29 +149,24 @@ def select_checkpoints(args: Args) -> list[tuple[Path, Path]]:
 def read_metadata(path: Path) -> dict[str, Any]:
     try:
         metadata = read_checkpoint_metadata(path)
-    except Exception as error:  # a truncated, foreign or unsafe file is the same user error
-        raise BadInput(f"--checkpoint {path}: not a readable checkpoint ({type(error).__name__}); "
-                       "pick another one") from None
+    except CheckpointError as error:
+        raise BadInput(f"--checkpoint {error}; pick another one") from None
     if not isinstance(metadata, dict) or not isinstance(metadata.get("step"), int):
         raise BadInput(f"--checkpoint {path}: not a checkpoint written by train.py (no step); pick another one")
     return metadata
 
 
-def stored_shapes(path: Path, metadata: dict[str, Any]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+def stored_shapes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Name → (shape, dtype) of every model tensor, without reading the weights."""
-    if not path.is_dir():
-        model = metadata.get("model")
-        if not isinstance(model, dict):
-            raise BadInput(f"--checkpoint {path}: holds no model weights; pick another one")
-        return {name: (tensor.shape, tensor.dtype) for name, tensor in model.items()}
-    prefix = f"{SHARDED_MODEL_KEY}."
     try:
-        entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as error:
-        raise BadInput(f"--checkpoint {path}: unreadable sharded checkpoint ({type(error).__name__}); "
-                       "pick another one") from None
-    return {name[len(prefix):]: (entry.size, entry.properties.dtype)
-            for name, entry in entries.items() if name.startswith(prefix) and hasattr(entry, "size")}
+        stored = stored_tensor_shapes(path)
+    except Exception as error:  # a truncated or foreign file
+        raise BadInput(f"--checkpoint {path}: unreadable checkpoint ({type(error).__name__}); pick another one") from None
+    shapes = {name.removeprefix(MODEL_PREFIX): (torch.Size(shape), dtype) for name, (dtype, shape) in stored.items()
+              if name.startswith(MODEL_PREFIX)}
+    if not shapes:
+        raise BadInput(f"--checkpoint {path}: holds no model weights; pick another one")
+    return shapes
 
 
 def config_from_dict(saved: dict[str, Any]) -> PretrainedConfig:
@@ -261,12 +250,10 @@ def plan(args: Args) -> list[Job]:
         check_output_dir(output, args.overwrite)
         metadata = read_metadata(checkpoint)
         config = resolve_model_config(args, metadata)
-        shapes = stored_shapes(checkpoint, metadata)
+        shapes = stored_shapes(checkpoint)
         check_weights_fit(checkpoint, config, shapes)
         tokenizer = resolve_tokenizer(args, metadata)
         check_tokenizer(tokenizer, config)
-        training_state = ("optimizer", "rng")  # mapped from the same file: dropping them lets it be unmapped
-        metadata = {key: value for key, value in metadata.items() if key not in training_state}
         jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes))
     return jobs
 
@@ -274,15 +261,8 @@ def plan(args: Args) -> list[Job]:
 # ---- building, verifying and writing the model -----------------------------------------------------------------
 
 def load_weights(job: Job) -> dict[str, torch.Tensor]:
-    """The model tensors in their stored dtype: memory-mapped (full) or read into one copy (sharded).
-
-    The job lets go of them, so that once the model built from them is freed, nothing maps the checkpoint.
-    """
-    if not job.sharded:
-        return job.metadata.pop("model")
-    weights = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in job.shapes.items()}
-    load_distributed({SHARDED_MODEL_KEY: weights}, checkpoint_id=str(job.checkpoint), no_dist=True)
-    return weights
+    """The model tensors in their stored dtype, read once (no optimizer state is read)."""
+    return read_model_weights(job.checkpoint)
 
 
 def restore_non_persistent_buffers(model: PreTrainedModel) -> None:
@@ -401,17 +381,6 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     (folder / "README.md").write_text(model_card(job, dtype, block_size_of(job.metadata.get("config") or {})))
     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).eval()
     return reference, logits_of(reloaded, ids)
-
-
-def publish(temporary: Path, final: Path) -> None:
-    """Move the verified folder into place; an existing one (--overwrite) is removed only after the swap."""
-    if final.exists():
-        stale = final.with_name(f".{final.name}.replaced")
-        os.rename(final, stale)
-        os.rename(temporary, final)
-        shutil.rmtree(stale)
-    else:
-        os.rename(temporary, final)
 
 
 def convert(job: Job, dtype: str, max_shard_size: str) -> float:

@@ -1,8 +1,10 @@
 """Tokenized data from prepare_data.py, cut into per-rank batches whose order is a pure function of the state.
 
-Training: each epoch is a seeded permutation of the train split, dealt round-robin to the ranks, so each rank
-reads a disjoint part; the order depends on (seed, epoch) only. Resuming at `position` micro-batches into an epoch
-skips those batches by index, without reading them.
+Training: each epoch is one seeded permutation of the train split, the same on every rank; it depends on
+(seed, epoch) only. Optimizer step after step takes the next `global_batch_size` samples of it, and splits them
+into the micro-batches of every rank. `position` counts the samples of the epoch already trained on, so a run
+resumed on another number of ranks or with another micro batch continues at the same sample of the same order;
+the batches before it are skipped by index, not read. A tail too short for a whole step is left out.
 Evaluation: the validation split in order, every rank taking the same number of batches (a rank past the end of
 the data gets padding rows of weight zero), so that FSDP's collectives never wait on a rank that has run out.
 """
@@ -31,19 +33,34 @@ def block_size(split: Dataset) -> int:
     return len(split[0]["input_ids"])
 
 
-def epoch_order(num_rows: int, *, seed: int, epoch: int, rank: int, world_size: int) -> list[int]:
-    """This rank's rows for one epoch: a permutation seeded by (seed, epoch), dealt round-robin to the ranks."""
+def epoch_permutation(num_rows: int, *, seed: int, epoch: int) -> list[int]:
+    """The order of the train split's rows in one epoch."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_rows, generator=generator)[rank::world_size].tolist()
+    return torch.randperm(num_rows, generator=generator).tolist()
+
+
+def rank_micro_batches(order: list[int], plan: TrainingPlan, *, rank: int, position: int) -> list[list[int]]:
+    """This rank's micro-batches for every whole step from sample `position` of `order` on.
+
+    Micro-batch m of a step holds the step's samples [m x world x micro, (m + 1) x world x micro), rank r its
+    r-th slice of `micro` samples: every layout of the same global batch trains on the same samples.
+    """
+    size, world = plan.micro_batch_size, plan.world_size
+    batches = []
+    for start in range(position, len(order) - plan.global_batch_size + 1, plan.global_batch_size):
+        for micro in range(plan.accumulation):
+            first = start + (micro * world + rank) * size
+            batches.append(order[first:first + size])
+    return batches
 
 
 class EpochBatches(Sampler[list[int]]):
-    """Micro-batches of row indices for one rank and one epoch, starting `skip` micro-batches in."""
+    """Micro-batches of row indices for one rank and one epoch, from sample `position` of the epoch on."""
 
-    def __init__(self, num_rows: int, plan: TrainingPlan, *, seed: int, epoch: int, rank: int, skip: int = 0) -> None:
-        order = epoch_order(num_rows, seed=seed, epoch=epoch, rank=rank, world_size=plan.world_size)
-        size = plan.micro_batch_size
-        self.batches = [order[i * size:(i + 1) * size] for i in range(skip, plan.micro_batches_per_epoch)]
+    def __init__(self, num_rows: int, plan: TrainingPlan, *, seed: int, epoch: int, rank: int,
+                 position: int = 0) -> None:
+        order = epoch_permutation(num_rows, seed=seed, epoch=epoch)
+        self.batches = rank_micro_batches(order, plan, rank=rank, position=position)
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches)
@@ -56,7 +73,7 @@ def train_batches(fabric, split: Dataset, plan: TrainingPlan, *, seed: int, epoc
                   num_workers: int) -> Iterator[torch.Tensor]:
     """Token batches on this rank's device from (epoch, position) onwards, epoch after epoch, without end."""
     while True:
-        sampler = EpochBatches(len(split), plan, seed=seed, epoch=epoch, rank=fabric.global_rank, skip=position)
+        sampler = EpochBatches(len(split), plan, seed=seed, epoch=epoch, rank=fabric.global_rank, position=position)
         loader = DataLoader(split, batch_sampler=sampler, num_workers=num_workers,
                             pin_memory=fabric.device.type == "cuda", persistent_workers=False)
         for batch in fabric.setup_dataloaders(loader, use_distributed_sampler=False, move_to_device=True):

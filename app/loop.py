@@ -58,10 +58,10 @@ def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tenso
 
 
 def advance_position(state: dict[str, Any], plan: TrainingPlan) -> bool:
-    """Count one optimizer step in the state; returns True when it finished an epoch."""
+    """Count one optimizer step in the state; returns True when it finished an epoch (no whole step left in it)."""
     state["step"] += 1
-    state["position"] += plan.accumulation
-    if state["position"] < plan.micro_batches_per_epoch:
+    state["position"] += plan.global_batch_size
+    if state["position"] + plan.global_batch_size <= plan.train_rows:
         return False
     state["epoch"] += 1
     state["position"] = 0
@@ -178,9 +178,9 @@ class Loop:
         step = self.state["step"]
         path = checkpoint_path(self.cfg.out_dir, step)
         with self.saving.measure():
-            self.state["rng"] = rng_of_every_rank(self.fabric)
+            self.state["rng"] = rng_of_every_rank(self.fabric.world_size)
             self.state["grad_scaler"] = self.fabric.strategy.precision.state_dict()
-            save_checkpoint(self.fabric, path, self.state)
+            save_checkpoint(self.fabric, path, self.state, sharded=self.cfg.state_dict_type == "sharded")
         self.console.print(f"step {step}: saved {path} in {self.saving.last:.1f} s")
         if self.fabric.is_global_zero:
             if evaluated:

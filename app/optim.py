@@ -36,12 +36,17 @@ def no_decay_names(model: Module) -> set[str]:
     return {name for name, p in model.named_parameters() if p.ndim < 2}
 
 
+def grouped_parameter_names(model: Module, no_decay: set[str]) -> tuple[list[str], list[str]]:
+    """The trainable parameters with and without weight decay, in the order the optimizer lists them."""
+    names = [canonical_name(n) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n in names if n not in no_decay], [n for n in names if n in no_decay]
+
+
 def parameter_groups(model: Module, weight_decay: float, no_decay: set[str]) -> list[dict]:
-    params = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    return [
-        {"params": [p for n, p in params if n not in no_decay], "weight_decay": weight_decay},
-        {"params": [p for n, p in params if n in no_decay], "weight_decay": 0.0},
-    ]
+    params = {canonical_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+    decayed, exempt = grouped_parameter_names(model, no_decay)
+    return [{"params": [params[n] for n in decayed], "weight_decay": weight_decay},
+            {"params": [params[n] for n in exempt], "weight_decay": 0.0}]
 
 
 def build_optimizer(model: Module, cfg: Config, no_decay: set[str]) -> torch.optim.AdamW:

@@ -20,10 +20,12 @@ from datasets import DatasetDict, load_from_disk
 from torch.nn import Module
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from app.checkpoint import checkpoint_dir, latest_checkpoint, read_checkpoint_metadata
+from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, stored_tensor_shapes
+from app.checkpoint.state import expected_shapes, check_fits
 from app.exit_codes import EXIT_BAD_INPUT
 from app.prefetch import offline_hint
-from app.model import load_model_config, model_source, resolve_wrap_classes
+from app.model import load_model_config, meta_model, model_source, resolve_wrap_classes
+from app.optim import grouped_parameter_names, no_decay_names
 from app.precision import bf16_support_problem, weights_dtype
 from app.schedule import TrainingPlan, accumulation_steps, make_plan
 from app.strategy import resolve_accelerator
@@ -44,6 +46,14 @@ class RunInputs:
     plan: TrainingPlan
     tokenizer: Optional[str]
     resume_from: Optional[Path]
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from, and what it says about the run that wrote it."""
+
+    path: Path
+    metadata: dict
 
 
 @dataclass
@@ -146,17 +156,44 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     return name
 
 
-def check_plan(cfg: Config, data: DataFacts, problems: list[str]) -> Optional[TrainingPlan]:
+def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems: list[str]) -> Optional[TrainingPlan]:
+    """The batch arithmetic. A resumed run keeps its checkpoint's global batch unless --global_batch_size is given:
+    the accumulation follows the devices and micro batch it resumes with."""
+    kept = resume is not None and cfg.global_batch_size is None
+    global_batch_size = resume.metadata["global_batch_size"] if kept else cfg.global_batch_size
     try:
         accumulation = accumulation_steps(world_size=world_size(cfg), micro_batch_size=cfg.micro_batch_size,
-                                          gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                                          global_batch_size=cfg.global_batch_size)
-        return make_plan(train_rows=data.train_rows, block_size=data.block_size, world_size=world_size(cfg),
+                                          gradient_accumulation_steps=None if kept else cfg.gradient_accumulation_steps,
+                                          global_batch_size=global_batch_size)
+        plan = make_plan(train_rows=data.train_rows, block_size=data.block_size, world_size=world_size(cfg),
                          micro_batch_size=cfg.micro_batch_size, accumulation=accumulation,
                          number_epochs=cfg.number_epochs, max_step=cfg.max_step)
     except ValueError as error:
-        problems.append(str(error))
+        problems.append(f"--resume: the checkpoint's global batch of {global_batch_size} sequences does not split "
+                        f"into --micro_batch_size {cfg.micro_batch_size} on {world_size(cfg)} ranks; choose a micro "
+                        "batch and device count that divide it, or give --global_batch_size" if kept else str(error))
         return None
+    if resume is not None:
+        note_what_changed(cfg, resume.metadata, plan)
+    return plan
+
+
+def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
+    """Say how the resumed run's layout differs from the checkpoint's (the samples it trains on do not)."""
+    before = saved.get("config") or {}
+    saved_world = len(saved.get("rng") or []) or None
+    changes = [f"{name} {old} -> {new}" for name, old, new in (
+        ("ranks", saved_world, plan.world_size), ("micro batch", before.get("micro_batch_size"), plan.micro_batch_size))
+        if old is not None and old != new]
+    if saved["global_batch_size"] != plan.global_batch_size:
+        changes.append(f"global batch {saved['global_batch_size']} -> {plan.global_batch_size} sequences")
+    if changes:
+        note(f"--resume: {', '.join(changes)}; {plan.global_batch_size} sequences per step as {plan.accumulation} "
+             f"accumulation x {plan.micro_batch_size} micro batch x {plan.world_size} ranks, continuing at sample "
+             f"{saved['position']} of epoch {saved['epoch']}")
+    if cfg.gradient_accumulation_steps not in (None, plan.accumulation) and cfg.global_batch_size is None:
+        note(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is not used: the checkpoint's global "
+             f"batch of {plan.global_batch_size} is kept (give --global_batch_size to change it)")
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -190,26 +227,38 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
                             f"{needed / 1e9:.1f} GB; free space or choose another folder")
 
 
-def check_checkpoint_matches(path: Path, model_config: Optional[PretrainedConfig], problems: list[str]) -> None:
+def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[PretrainedConfig],
+                             problems: list[str]) -> Optional[dict]:
+    """The checkpoint's metadata when it is this model's, checked tensor by tensor; None after a problem."""
     flag = f"--checkpoint {path}"
     try:
-        metadata = read_checkpoint_metadata(path)
-    except Exception as error:  # any unreadable or unsafe file is the same user error
-        problems.append(f"{flag}: not a readable checkpoint ({type(error).__name__}); pick another one")
-        return
+        metadata = read_metadata(path)
+    except CheckpointError as error:
+        problems.append(f"{flag}: {str(error).split(': ', 1)[1]}; pick another one")
+        return None
     if not isinstance(metadata.get("step"), int) or "model_config" not in metadata:
         problems.append(f"{flag}: not a checkpoint written by train.py (no step/model_config); pick another one")
-        return
-    if model_config is not None:
-        saved, current = metadata["model_config"], model_config.to_dict()
-        differing = [k for k in SHAPE_KEYS if saved.get(k) != current.get(k)]
-        if differing:
-            k = differing[0]
-            problems.append(f"{flag} is from a different model ({k} {saved.get(k)} != {current.get(k)}); "
-                            "resume with the model it was trained with")
+        return None
+    if model_config is None:
+        return metadata
+    saved, current = metadata["model_config"], model_config.to_dict()
+    differing = [k for k in SHAPE_KEYS if saved.get(k) != current.get(k)]
+    if differing:
+        k = differing[0]
+        problems.append(f"{flag} is from a different model ({k} {saved.get(k)} != {current.get(k)}); "
+                        "resume with the model it was trained with")
+        return None
+    model = meta_model(model_config, cfg.trust_remote_code)
+    decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
+    try:
+        check_fits(stored_tensor_shapes(path, decayed + exempt), expected_shapes(model, decayed + exempt), flag)
+    except ValueError as error:
+        problems.append(f"{error}; resume with the model it was trained with")
+        return None
+    return metadata
 
 
-def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Path]:
+def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
     if not cfg.resume:
         if latest_checkpoint(cfg.out_dir) and not cfg.estimate_memory:
             problems.append(f"--out_dir {cfg.out_dir} already holds checkpoints; add --resume true to continue that "
@@ -222,8 +271,8 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
     if not path.exists():
         problems.append(f"--checkpoint {path}: no such file or folder")
         return None
-    check_checkpoint_matches(path, model_config, problems)
-    return path
+    metadata = check_checkpoint_matches(cfg, path, model_config, problems)
+    return Resume(path, metadata) if metadata is not None else None
 
 
 def check_precision(cfg: Config, problems: list[str]) -> None:
@@ -254,15 +303,15 @@ def preflight(cfg: Config) -> RunInputs:
             problems.append(str(error))
     if model_config is not None and data is not None:
         check_model_fits_data(cfg, model_config, data, problems)
-    plan = check_plan(cfg, data, problems) if data is not None else None
+    resume = resolve_resume(cfg, model_config, problems)
+    plan = check_plan(cfg, data, resume, problems) if data is not None else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
     if not cfg.estimate_memory:  # planning writes nothing
         check_out_dir(cfg, model_config, problems)
-    resume_from = resolve_resume(cfg, model_config, problems)
     check_precision(cfg, problems)
     check_wandb(cfg, problems)
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     return RunInputs(model_config=model_config, wrap_classes=wrap_classes, plan=plan, tokenizer=tokenizer,
-                     resume_from=resume_from)
+                     resume_from=resume.path if resume else None)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from lightning import Fabric
 
-from app.checkpoint import load_checkpoint
+from app.checkpoint import load_checkpoint, resume_rng
 from app.data import load_splits
 from app.console import Console
 from app.loop import Loop
@@ -50,6 +50,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "step": 0,
         "epoch": 0,
         "position": 0,
+        "global_batch_size": inputs.plan.global_batch_size,
         "val_loss": None,
         "rng": None,
         "grad_scaler": {},
@@ -57,6 +58,22 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "model_config": inputs.model_config.to_dict(),
         "tokenizer": inputs.tokenizer,
     }
+
+
+def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any]) -> None:
+    """Load the checkpoint into the model and optimizer, then continue its counters, random states and scaler."""
+    loading = Stopwatch()
+    with loading.measure():
+        saved = load_checkpoint(path, state["model"], state["optimizer"])
+    state |= {key: saved[key] for key in ("step", "epoch", "position", "val_loss")}
+    own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
+    if saved.get("grad_scaler"):
+        fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
+    fabric.print(f"resumed from {path} at step {state['step']} (epoch {state['epoch']}, sample {state['position']} "
+                 f"of the epoch) in {loading.last:.1f} s")
+    if not own_rng:
+        print(f"rank {fabric.global_rank}: no random state saved for this rank; seeded from --seed and the step",
+              flush=True)
 
 
 def write_run_files(fabric: Fabric, cfg: Config) -> None:
@@ -100,11 +117,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)
     if inputs.resume_from:
-        loading = Stopwatch()
-        with loading.measure():
-            load_checkpoint(fabric, inputs.resume_from, state)
-        fabric.print(f"resumed from {inputs.resume_from} at step {state['step']} (epoch {state['epoch']}) "
-                     f"in {loading.last:.1f} s")
+        resume(fabric, cfg, inputs.resume_from, state)
     write_run_files(fabric, cfg)
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.block_size} tokens "

@@ -50,14 +50,14 @@ class TrainingPlan:
     world_size: int
     micro_batch_size: int
     accumulation: int
-    steps_per_epoch: int
+    train_rows: int
     max_step: int
     block_size: int
 
     @property
-    def micro_batches_per_epoch(self) -> int:
-        """Micro-batches each rank reads per epoch; a tail that does not fill an optimizer step is skipped."""
-        return self.steps_per_epoch * self.accumulation
+    def steps_per_epoch(self) -> int:
+        """Whole optimizer steps in one pass over the train split; a tail that does not fill one is skipped."""
+        return self.train_rows // self.global_batch_size
 
     @property
     def global_batch_size(self) -> int:
@@ -79,7 +79,7 @@ def make_plan(
     max_step: Optional[int],
 ) -> TrainingPlan:
     """Raises ValueError when the training split cannot fill a single optimizer step."""
-    steps_per_epoch = train_rows // world_size // micro_batch_size // accumulation
+    steps_per_epoch = train_rows // (world_size * micro_batch_size * accumulation)
     if steps_per_epoch == 0:
         raise ValueError(
             f"the training split has {train_rows} sequences, fewer than one optimizer step needs "
@@ -90,7 +90,7 @@ def make_plan(
         world_size=world_size,
         micro_batch_size=micro_batch_size,
         accumulation=accumulation,
-        steps_per_epoch=steps_per_epoch,
+        train_rows=train_rows,
         max_step=max_step or steps_per_epoch * number_epochs,
         block_size=block_size,
     )

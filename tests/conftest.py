@@ -81,3 +81,10 @@ def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint's metadata (step, config, grad_scaler, ...) and its model weights under "model"."""
+    from app.checkpoint import read_metadata, read_model_weights
+
+    return read_metadata(path) | {"model": read_model_weights(path)}

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from app.convert import main as convert_main
-from tests.conftest import ROOT, run_train, train_args
+from tests.conftest import ROOT, read_checkpoint, run_train, train_args
 
 SHORT = dict(max_step=8, warmup_steps=2, eval_step_interval=4, save_step_interval=4)
 
@@ -55,7 +55,7 @@ def probe() -> torch.Tensor:
 def reference_logits(tiny, checkpoint: Path) -> torch.Tensor:
     """Logits of transformers' own model holding the checkpoint's weights."""
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
-    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
+    model.load_state_dict(read_checkpoint(checkpoint)["model"])
     with torch.no_grad():
         return model.eval()(input_ids=probe()).logits
 
@@ -94,7 +94,7 @@ def test_sharded_checkpoint_converts_to_the_same_weights_as_the_full_one(full_ru
 def test_model_card_records_origin_and_training(full_run, tmp_path) -> None:
     convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
     card = (tmp_path / "hf" / "README.md").read_text()
-    checkpoint = torch.load(full_run / "checkpoints" / "step-00000008.ckpt", weights_only=True)
+    checkpoint = read_checkpoint(full_run / "checkpoints" / "step-00000008.ckpt")
     assert "| Step | 8 (epoch 0) |" in card and f"{checkpoint['val_loss']:.4f}" in card
     assert "| lr | 0.003 |" in card and "trained from scratch" in card and "| Block size (tokens) | 32 |" in card
 

@@ -2,24 +2,44 @@
 
 from __future__ import annotations
 
-from app.data import EpochBatches, epoch_order, eval_plan
+from app.data import EpochBatches, epoch_permutation, eval_plan, rank_micro_batches
 from app.schedule import make_plan
 
 
-def test_ranks_read_disjoint_rows_and_the_order_changes_every_epoch() -> None:
-    orders = [epoch_order(103, seed=1, epoch=0, rank=r, world_size=3) for r in range(3)]
-    assert not set(orders[0]) & set(orders[1]) and not set(orders[1]) & set(orders[2])
-    assert sorted(sum(orders, [])) == list(range(103))
-    assert epoch_order(103, seed=1, epoch=1, rank=0, world_size=3) != orders[0]
-    assert epoch_order(103, seed=1, epoch=0, rank=0, world_size=3) == orders[0]
+def plan_for(world_size: int, micro_batch_size: int, accumulation: int, train_rows: int = 100):
+    return make_plan(train_rows=train_rows, block_size=8, world_size=world_size, micro_batch_size=micro_batch_size,
+                     accumulation=accumulation, number_epochs=1, max_step=None)
 
 
-def test_resume_skips_batches_by_index_and_continues_identically() -> None:
-    plan = make_plan(train_rows=100, block_size=8, world_size=2, micro_batch_size=3, accumulation=2,
-                     number_epochs=1, max_step=None)
-    full = list(EpochBatches(100, plan, seed=5, epoch=2, rank=1))
-    assert len(full) == plan.micro_batches_per_epoch == 16
-    assert list(EpochBatches(100, plan, seed=5, epoch=2, rank=1, skip=6)) == full[6:]
+def steps(plan, *, epoch: int = 0, position: int = 0, seed: int = 5) -> list[set[int]]:
+    """The samples of each optimizer step, over all ranks and micro-batches."""
+    per_rank = [EpochBatches(plan.train_rows, plan, seed=seed, epoch=epoch, rank=r, position=position).batches
+                for r in range(plan.world_size)]
+    return [{row for rank in per_rank for batch in rank[i:i + plan.accumulation] for row in batch}
+            for i in range(0, len(per_rank[0]), plan.accumulation)]
+
+
+def test_a_step_takes_the_next_global_batch_of_the_epoch_order_split_over_ranks_and_micro_batches() -> None:
+    plan = plan_for(world_size=3, micro_batch_size=2, accumulation=2)
+    order = epoch_permutation(100, seed=5, epoch=0)
+    assert steps(plan) == [set(order[i:i + 12]) for i in range(0, 96, 12)], "8 whole steps, the tail of 4 left out"
+    rank_batches = [rank_micro_batches(order, plan, rank=r, position=0)[0] for r in range(3)]
+    assert all(len(batch) == 2 for batch in rank_batches) and len({*sum(rank_batches, [])}) == 6
+    assert epoch_permutation(100, seed=5, epoch=1) != order, "a new order every epoch"
+
+
+def test_every_layout_of_the_same_global_batch_trains_on_the_same_samples_step_by_step() -> None:
+    """2 ranks x 4 x 2 accumulation, 4 ranks x 2 x 2, 1 rank x 4 x 4: 16 sequences per step, the same ones."""
+    layouts = [plan_for(2, 4, 2), plan_for(4, 2, 2), plan_for(1, 4, 4), plan_for(2, 2, 4)]
+    assert len({plan.global_batch_size for plan in layouts}) == 1
+    reference = steps(layouts[0])
+    assert all(steps(plan) == reference for plan in layouts)
+
+
+def test_resume_at_a_sample_continues_the_same_order_whatever_the_layout() -> None:
+    straight = steps(plan_for(2, 4, 2), epoch=3)
+    for plan in (plan_for(2, 4, 2), plan_for(4, 2, 2), plan_for(1, 4, 4)):
+        assert steps(plan, epoch=3, position=32) == straight[2:]
 
 
 def test_evaluation_gives_every_rank_the_same_number_of_batches_and_covers_each_row_once() -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from conftest import train_args
+from conftest import read_checkpoint, train_args
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -336,7 +336,7 @@ def test_torchrun_launch_with_two_processes_trains_and_checkpoints(tiny, tmp_pat
     assert "step 4/4" in result.stdout
     members = sorted(re.findall(r"GLOBAL_RANK: (\d), MEMBER: (\d)/(\d)", result.stderr))
     assert members == [("0", "1", "2"), ("1", "2", "2")]
-    checkpoint = torch.load(out_dir / "checkpoints" / "step-00000004.ckpt", map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(out_dir / "checkpoints" / "step-00000004.ckpt")
     assert checkpoint["step"] == 4
     config = AutoConfig.from_pretrained(tiny.model_config)
     embeddings = checkpoint["model"]["model.embed_tokens.weight"]

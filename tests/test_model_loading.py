@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from arguments import read_config
 from app.model import deferred_init, load_pretrained_weights
-from tests.conftest import run_train, train_args
+from tests.conftest import read_checkpoint, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 STILL = dict(max_step=1, lr=1e-30, min_lr=0.0, warmup_steps=0, eval_step_interval=1, save_step_interval=1)
@@ -41,7 +41,7 @@ def test_pretrained_model_is_loaded_shard_by_shard_with_its_exact_weights(tiny, 
     result = run_train(train_args(tiny, tmp_path, model_config=None, model_name=pretrained, **STILL))
     assert result.returncode == 0, result.stderr[-3000:]
     reference = AutoModelForCausalLM.from_pretrained(pretrained)
-    saved = torch.load(tmp_path / "checkpoints" / "step-00000001.ckpt", weights_only=True)["model"]
+    saved = read_checkpoint(tmp_path / "checkpoints" / "step-00000001.ckpt")["model"]
     assert all(torch.equal(saved[name], tensor) for name, tensor in reference.state_dict().items())
     assert logged_val_loss(result) == pytest.approx(transformers_loss(reference, tiny.data), rel=1e-5)
 
@@ -49,7 +49,7 @@ def test_pretrained_model_is_loaded_shard_by_shard_with_its_exact_weights(tiny, 
 def test_model_from_config_is_initialised_like_transformers_including_rotary_buffers(tiny, tmp_path) -> None:
     result = run_train(train_args(tiny, tmp_path, **STILL))
     assert result.returncode == 0, result.stderr[-3000:]
-    saved = torch.load(tmp_path / "checkpoints" / "step-00000001.ckpt", weights_only=True)["model"]
+    saved = read_checkpoint(tmp_path / "checkpoints" / "step-00000001.ckpt")["model"]
     assert torch.equal(saved["model.norm.weight"], torch.ones(64))
     assert saved["model.layers.1.mlp.up_proj.weight"].std().item() == pytest.approx(0.02, rel=0.1)
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
@@ -101,7 +101,7 @@ def test_compiled_run_loads_the_pretrained_weights_and_trains_like_eager(tiny, p
     assert runs[True][0]["val_loss"] == pytest.approx(pretrained_loss, rel=1e-5), "step 0 is the pretrained model"
     for step in (1, 2, 3, 4):
         assert runs[True][step]["train_loss"] == pytest.approx(runs[False][step]["train_loss"], rel=1e-3)
-    checkpoint = torch.load(tmp_path / "compile-True/checkpoints/step-00000004.ckpt", weights_only=True)
+    checkpoint = read_checkpoint(tmp_path / "compile-True/checkpoints/step-00000004.ckpt")
     assert sorted(checkpoint["model"]) == sorted(AutoModelForCausalLM.from_pretrained(pretrained).state_dict()), \
         "no _orig_mod. or wrapper prefixes in the keys"
 

@@ -22,7 +22,7 @@ from app.optim import clip_gradients, gradient_square_sum
 from app.peaks import PEAKS, listed_peak, peak_tflops
 from app.precision import (bf16_support_problem, float32_matmul_precision, fsdp_mixed_precision, precision_plugin,
                            reduce_dtype)
-from tests.conftest import ROOT, run_train, train_args
+from tests.conftest import ROOT, read_checkpoint, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 # --- decisions that depend on the GPU, as pure functions ---------------------------------------------------------
@@ -201,7 +201,7 @@ def test_16_mixed_trains_with_loss_scaling_under_fsdp_and_resumes_exactly(tiny, 
     assert expected[8]["train_loss"] < expected[1]["train_loss"] - 0.3
     for step in range(5, 9):
         assert got[step]["train_loss"] == pytest.approx(expected[step]["train_loss"], rel=1e-5)
-    scaler = torch.load(resumed / "checkpoints/step-00000008.ckpt", weights_only=True)["grad_scaler"]
+    scaler = read_checkpoint(resumed / "checkpoints/step-00000008.ckpt")["grad_scaler"]
     assert scaler["scale"] == 2.0 ** 16 and scaler["_growth_tracker"] == 8, "eight scaled steps, none overflowed"
 
 
@@ -211,7 +211,7 @@ def test_16_mixed_trains_under_ddp(tiny, tmp_path) -> None:
                                           save_step_interval=4, eval_step_interval=4)))
     metrics = read_metrics(tmp_path)
     assert metrics[4]["train_loss"] < metrics[1]["train_loss"]
-    assert torch.load(tmp_path / "checkpoints/step-00000004.ckpt", weights_only=True)["grad_scaler"]["scale"] > 1
+    assert read_checkpoint(tmp_path / "checkpoints/step-00000004.ckpt")["grad_scaler"]["scale"] > 1
 
 
 @pytest.mark.slow

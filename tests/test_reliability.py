@@ -21,7 +21,7 @@ import torch
 
 from app.checkpoint import list_checkpoints, mark_if_best, prune_checkpoints, read_best
 from app.exit_codes import EXIT_NON_FINITE, EXIT_PREEMPTED
-from conftest import ROOT, TinySetup, run_train, train_args
+from conftest import ROOT, TinySetup, read_checkpoint, run_train, train_args
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
 # 647 train blocks / (16 micro-batch x 2 ranks x 2 accumulation) = 10 steps per epoch: step 10 ends epoch 0.
@@ -65,7 +65,7 @@ def logged_losses(out_dir: Path) -> dict[int, float]:
 
 
 def model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, weights_only=True, map_location="cpu")["model"]
+    return read_checkpoint(path)["model"]
 
 
 def first_logged_step(output: str) -> int:
@@ -134,7 +134,7 @@ def test_three_sigkills_resume_at_the_next_step_then_sigusr1_to_all_saves(tiny: 
         run.finish()
         checkpoints = list_checkpoints(out)
         latest = max(checkpoints)
-        torch.load(checkpoints[latest], weights_only=True, mmap=True)  # the one resume takes is complete
+        read_checkpoint(checkpoints[latest])  # the one resume takes is complete
 
     os.killpg(run.process.pid, signal.SIGUSR1)  # every rank and data loader worker gets it, as under srun
     assert run.finish() == EXIT_PREEMPTED, run.output()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.conftest import run_train, train_args
+from tests.conftest import read_checkpoint, run_train, train_args
 
 
 def read_metrics(out_dir: Path) -> dict[int, dict[str, float]]:
@@ -76,7 +76,7 @@ def test_run_reports_throughput_flops_memory_and_time_lost(fsdp_run, tiny) -> No
 def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:
     names = sorted(p.name for p in (fsdp_run / "checkpoints").iterdir())
     assert names == ["best.json", "step-00000008.ckpt", "step-00000016.ckpt", "step-00000024.ckpt"]
-    checkpoint = torch.load(fsdp_run / "checkpoints" / "step-00000016.ckpt", weights_only=True)
+    checkpoint = read_checkpoint(fsdp_run / "checkpoints" / "step-00000016.ckpt")
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).state_dict()
     assert {k: v.shape for k, v in checkpoint["model"].items()} == {k: v.shape for k, v in reference.items()}
     assert checkpoint["step"] == 16 and isinstance(checkpoint["step"], int)
@@ -117,7 +117,7 @@ def short_run(tiny, out_dir: Path, **overrides: object) -> dict[int, dict[str, f
     """Six steps, evaluated and saved at the end; returns the metrics after checking the checkpoint."""
     options = dict(max_step=6, eval_step_interval=6, save_step_interval=6, warmup_steps=1) | overrides
     assert_succeeded(run_train(train_args(tiny, out_dir, **options)))
-    checkpoint = torch.load(out_dir / "checkpoints" / "step-00000006.ckpt", weights_only=True)
+    checkpoint = read_checkpoint(out_dir / "checkpoints" / "step-00000006.ckpt")
     assert "model.embed_tokens.weight" in checkpoint["model"] and checkpoint["step"] == 6
     metrics = read_metrics(out_dir)
     assert metrics[6]["train_loss"] < metrics[1]["train_loss"] and "val_loss" in metrics[6]
@@ -134,7 +134,7 @@ def test_ddp_over_two_processes_trains_exactly_like_one_process(tiny, tmp_path) 
     assert_succeeded(run_train(train_args(tiny, ddp_dir, strategy="ddp", **same)))
     assert_succeeded(run_train(train_args(tiny, single_dir, strategy="single_device", devices=1,
                                           gradient_accumulation_steps=4, **same)))
-    checkpoint = torch.load(ddp_dir / "checkpoints" / "step-00000004.ckpt", weights_only=True)
+    checkpoint = read_checkpoint(ddp_dir / "checkpoints" / "step-00000004.ckpt")
     assert "model.embed_tokens.weight" in checkpoint["model"] and checkpoint["step"] == 4
     ddp, single = read_metrics(ddp_dir), read_metrics(single_dir)
     for step in (1, 2, 3, 4):

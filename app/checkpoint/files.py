@@ -1,0 +1,117 @@
+"""Checkpoint files: `<out_dir>/checkpoints/step-00000016.ckpt`, made visible atomically, and which ones to keep.
+
+A checkpoint is written under a hidden temporary name in the same folder (`temporary_path`), made durable and
+renamed once complete (`publish`), so a crash at any moment leaves either the previous checkpoints or the new one,
+never a partial file that resume would take; the next save removes what an interrupted one left behind.
+
+After publishing, rank 0 records the checkpoint with the lowest validation loss in `checkpoints/best.json` (only
+checkpoints evaluated at their own step compete) and, with --keep_last_n, deletes older checkpoints except that
+best one and the one the run resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.ckpt$")
+LEFTOVER_NAME = re.compile(r"^\.step-\d+\.ckpt\.(partial|replaced)$")
+BEST_FILE = "best.json"
+
+
+def checkpoint_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def checkpoint_path(out_dir: str | Path, step: int) -> Path:
+    return checkpoint_dir(out_dir) / f"step-{step:08d}.ckpt"
+
+
+def list_checkpoints(out_dir: str | Path) -> dict[int, Path]:
+    """Complete checkpoints by step number (temporary files of an interrupted save never match the name)."""
+    folder = checkpoint_dir(out_dir)
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        match = CHECKPOINT_NAME.match(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return found
+
+
+def latest_checkpoint(out_dir: str | Path) -> Optional[Path]:
+    """The checkpoint with the highest step number (by number, not by string order)."""
+    checkpoints = list_checkpoints(out_dir)
+    return checkpoints[max(checkpoints)] if checkpoints else None
+
+
+def temporary_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def make_durable(path: Path) -> None:
+    """fsync a written file, or every file of a written folder, before it is published."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def publish(temporary: Path, final: Path) -> None:
+    """Rename `temporary` to `final` atomically (an existing folder is swapped out, then removed) and fsync the
+    parent folder, so that the new name itself survives a crash."""
+    if final.is_dir():
+        stale = final.with_name(f".{final.name}.replaced")
+        os.rename(final, stale)
+        os.rename(temporary, final)
+        shutil.rmtree(stale)
+    else:
+        os.replace(temporary, final)
+    directory = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Delete what interrupted saves left behind (hidden `.partial` / `.replaced` names, never a checkpoint)."""
+    for path in folder.iterdir() if folder.is_dir() else ():
+        if LEFTOVER_NAME.match(path.name):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def read_best(out_dir: str | Path) -> Optional[dict[str, Any]]:
+    """`{"checkpoint": "step-00000016.ckpt", "step": 16, "val_loss": 2.31}`, or None when nothing was marked yet."""
+    path = checkpoint_dir(out_dir) / BEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def mark_if_best(path: Path, step: int, val_loss: float) -> None:
+    """Point best.json at `path` when its validation loss beats the marked one (written atomically)."""
+    best = read_best(path.parent.parent)
+    if best is not None and (path.parent / best["checkpoint"]).exists() and best["val_loss"] <= val_loss:
+        return
+    temporary = path.parent / f".{BEST_FILE}.partial"
+    temporary.write_text(json.dumps({"checkpoint": path.name, "step": step, "val_loss": val_loss}) + "\n")
+    os.replace(temporary, path.parent / BEST_FILE)
+
+
+def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected: set[Path]) -> list[Path]:
+    """Delete all but the newest `keep_last_n` checkpoints, never the best one nor those in `protected`."""
+    if keep_last_n is None:
+        return []
+    checkpoints = list_checkpoints(out_dir)
+    best = read_best(out_dir)
+    keep = {path.resolve() for path in protected} | {checkpoints[step].resolve() for step in sorted(checkpoints)[-keep_last_n:]}
+    if best is not None:
+        keep.add((checkpoint_dir(out_dir) / best["checkpoint"]).resolve())
+    deleted = [path for step, path in sorted(checkpoints.items()) if path.resolve() not in keep]
+    for path in deleted:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return deleted

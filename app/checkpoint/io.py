@@ -1,0 +1,176 @@
+"""Saving and loading a run's `state` (model, optimizer, counters, random states) in either checkpoint format.
+
+- full (--state_dict_type full): one file in the safetensors layout, tensors under the names of state.py and the
+  rest as JSON in its metadata. Rank 0 gathers one tensor at a time and streams it into the file, so it never holds
+  more than one whole tensor; on resume each rank reads only the rows of its own shard (reader.py).
+- sharded (--state_dict_type sharded): a torch.distributed.checkpoint folder, every rank writing its shards, and
+  `training.json`.
+Both load into any strategy at any world size. Checkpoints of earlier versions (legacy.py) load too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from app.checkpoint import legacy
+from app.checkpoint.files import make_durable, publish, remove_leftovers, temporary_path
+from app.checkpoint.reader import FileSource, MemorySource, SourceReader
+from app.checkpoint.state import MODEL_PREFIX, TrainingState, check_fits, global_shape
+from app.checkpoint.tensor_file import layout, read_header, read_tensors, write_tensor
+
+if TYPE_CHECKING:
+    from lightning import Fabric
+
+FORMAT = "fsdp-trainer/2"
+METADATA_KEY = "training"
+SHARDED_METADATA = "training.json"
+TENSORS = ("model", "optimizer")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be read, or holds another model's state: one line for the user."""
+
+
+def no_process_group() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def metadata_of(state: dict[str, Any]) -> dict[str, Any]:
+    """Everything in `state` but the model and the optimizer: plain JSON data."""
+    return {"format": FORMAT} | {key: value for key, value in state.items() if key not in TENSORS}
+
+
+def whole_on_rank0(value: Any, rank0: bool) -> Optional[torch.Tensor]:
+    """The whole tensor on rank 0's CPU (None elsewhere); a collective for a sharded value."""
+    if isinstance(value, ShardedTensor):
+        shard = value.local_shards()[0].tensor if value.local_shards() else None
+        device = shard.device if shard is not None else torch.device("cpu")
+        whole = torch.empty(value.size(), dtype=value.dtype, device=device) if rank0 else None
+        value.gather(dst=0, out=whole)
+    elif isinstance(value, DTensor):
+        whole = value.full_tensor()
+    else:
+        whole = value
+    return whole.cpu() if rank0 else None
+
+
+def write_full(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], rank0: bool) -> None:
+    """Stream the tensors, gathered one at a time, into one file on rank 0. Collective: every rank calls it."""
+    header = layout(((name, global_shape(value), value.dtype) for name, value in tensors.items()),
+                    {METADATA_KEY: json.dumps(metadata)})
+    with open(path, "wb") if rank0 else nullcontext() as handle:
+        if rank0:
+            handle.write(header)
+        for value in tensors.values():
+            whole = whole_on_rank0(value, rank0)
+            if rank0:
+                write_tensor(handle, whole)
+
+
+def write_sharded(folder: Path, tensors: dict[str, Any], metadata: dict[str, Any], rank0: bool) -> None:
+    """Every rank writes its own shards (DCP), rank 0 the metadata. Collective."""
+    dcp.save(tensors, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=True),
+             no_dist=no_process_group())
+    if rank0:
+        (folder / SHARDED_METADATA).write_text(json.dumps(metadata))
+
+
+def save_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any], sharded: bool) -> None:
+    """Write `state` to a temporary name beside `path`, then publish it atomically on rank 0. Collective."""
+    temporary = temporary_path(path)
+    if fabric.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(path.parent)
+    fabric.barrier()
+    tensors = TrainingState.of(state["model"], state["optimizer"]).tensors()
+    write = write_sharded if sharded else write_full
+    write(temporary, tensors, metadata_of(state), fabric.is_global_zero)
+    fabric.barrier()
+    if fabric.is_global_zero:
+        make_durable(temporary)
+        publish(temporary, path)
+    fabric.barrier()
+
+
+@contextmanager
+def storage_reader(path: Path, parameter_order: Optional[list[str]] = None) -> Iterator[StorageReader]:
+    """DCP's reader for any checkpoint: a sharded folder, a full file, or an earlier version's torch.save file."""
+    if path.is_dir():
+        yield FileSystemReader(str(path))
+        return
+    source = (MemorySource(legacy.tensors(legacy.load_torch_save(path), parameter_order))
+              if legacy.is_torch_save_file(path) else FileSource(path))
+    try:
+        yield SourceReader(source)
+    finally:
+        source.close()
+
+
+def stored_shapes(reader: StorageReader) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    entries = reader.read_metadata().state_dict_metadata
+    return {name: (entry.properties.dtype, tuple(entry.size)) for name, entry in entries.items()
+            if isinstance(entry, TensorStorageMetadata)}
+
+
+def load_checkpoint(path: Path, model: Any, optimizer: Any) -> dict[str, Any]:
+    """Load the model's and optimizer's tensors (each rank its own part) and return the checkpoint's metadata.
+    Collective. Raises CheckpointError, before reading any tensor, when the checkpoint is another model's."""
+    training = TrainingState.of(model, optimizer)
+    targets = training.tensors()
+    with storage_reader(path, training.parameter_order()) as reader:
+        try:
+            check_fits(stored_shapes(reader), {name: global_shape(value) for name, value in targets.items()},
+                       f"--checkpoint {path}")
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
+        dcp.load(targets, storage_reader=reader, no_dist=no_process_group())
+    training.apply(model, optimizer)
+    return read_metadata(path)
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The checkpoint's counters, options and random states, without reading any weights (no code runs).
+    Raises CheckpointError when it is not a readable checkpoint."""
+    try:
+        if path.is_dir():
+            if (path / SHARDED_METADATA).is_file():
+                return json.loads((path / SHARDED_METADATA).read_text())
+            return legacy.metadata(legacy.load_sharded_metadata(path))
+        if legacy.is_torch_save_file(path):
+            return legacy.metadata(legacy.load_torch_save(path))
+        return json.loads(read_header(path)[1][METADATA_KEY])
+    except Exception as error:  # a missing, truncated, foreign or unsafe file is the same user error
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(error).__name__})") from None
+
+
+def stored_tensor_shapes(path: Path, parameter_order: Optional[list[str]] = None
+                         ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Name -> (dtype, shape) of every tensor a checkpoint holds, without reading them (`parameter_order` names
+    the numbered optimizer state of earlier DDP checkpoints, which is left out without it)."""
+    with storage_reader(path, parameter_order) as reader:
+        return stored_shapes(reader)
+
+
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names, in their stored dtype, in one process (conversion)."""
+    if path.is_file() and legacy.is_torch_save_file(path):
+        return legacy.load_torch_save(path)["model"]
+    shapes = {name: shape for name, shape in stored_tensor_shapes(path).items() if name.startswith(MODEL_PREFIX)}
+    if path.is_dir():
+        weights = {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape) in shapes.items()}
+        dcp.load(weights, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    else:
+        weights = dict(read_tensors(path, shapes))
+    return {name.removeprefix(MODEL_PREFIX): tensor for name, tensor in weights.items()}
