@@ -78,8 +78,6 @@ class FSDPArgs:
     """Layer class names that become FSDP units, e.g. [LlamaDecoderLayer]; default: the model's _no_split_modules."""
     sharding_strategy: ShardingStrategy = "FULL_SHARD"
     """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), HYBRID_SHARD (shard in a node, replicate across), NO_SHARD."""
-    state_dict_type: Literal["full", "sharded"] = "full"
-    """full: one checkpoint file gathered on rank 0; sharded: a folder with one shard per rank (faster, larger runs)."""
     limit_all_gathers: bool = True
     """Throttle parameter all-gathers so that memory stays bounded; recommended when memory is tight."""
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "none"] = "BACKWARD_PRE"
@@ -101,6 +99,9 @@ class CheckpointArgs:
 
     out_dir: str = "out"
     """Run folder: checkpoints/, metrics.csv, config.yaml."""
+    state_dict_type: Literal["full", "sharded"] = "full"
+    """full: one file, gathered tensor by tensor on rank 0; sharded: a folder where every rank writes its own shards
+    (faster for large models). Either one resumes under any strategy and number of ranks."""
     resume: bool = False
     """Continue from --checkpoint, or from the latest checkpoint in out_dir."""
     checkpoint: Optional[str] = None

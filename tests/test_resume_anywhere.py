@@ -1,0 +1,134 @@
+"""Resume anywhere: another strategy, checkpoint format, number of ranks or micro batch, and earlier versions'
+checkpoints, each continuing exactly where a straight run would be.
+
+One chain of runs changes all of them at every link, and its per-step losses must equal a straight run's: the
+global batch of the checkpoint is kept (the accumulation follows), the data continues at the same global sample,
+and every strategy loads every format. Links of 2 steps with a constant learning rate, so that a link's --max_step
+does not change the schedule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformers import AutoConfig
+
+from app.checkpoint import list_checkpoints, read_metadata
+from app.checkpoint.rng import decode_generator_state
+from app.checkpoint.state import ADAMW_STATE
+from app.checkpoint.tensor_file import read_header, read_tensors
+from app.model import meta_model
+from app.optim import grouped_parameter_names, no_decay_names
+from tests.conftest import run_train, train_args
+from tests.test_training import assert_succeeded, read_metrics
+
+CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=2, save_step_interval=100, eval_batch_size=16,
+                   eval_iters=100)  # the whole validation split, whatever the number of ranks
+STRAIGHT = dict(strategy="fsdp", state_dict_type="full", devices=2, micro_batch_size=4, gradient_accumulation_steps=2)
+CHAIN = [  # (strategy, format, ranks, micro batch): what each link resumes with, after the first link
+    ("fsdp", "full", 2, 4),
+    ("ddp", "sharded", 4, 2),  # loads fsdp/full: 2 -> 4 ranks, micro batch 4 -> 2
+    ("single_device", "full", 1, 4),  # loads ddp/sharded: 4 -> 1 rank
+    ("fsdp", "sharded", 4, 4),  # loads single/full: 1 -> 4 ranks
+    ("ddp", "full", 2, 2),  # loads fsdp/sharded
+    ("single_device", "sharded", 1, 8),  # loads ddp/full
+    ("fsdp", "full", 2, 4),  # loads single/sharded
+]
+
+
+def link_args(tiny, out_dir: Path, strategy: str, state_dict_type: str, devices: int, micro_batch_size: int,
+              max_step: int) -> list[str]:
+    return train_args(tiny, out_dir, strategy=strategy, state_dict_type=state_dict_type, devices=devices,
+                      micro_batch_size=micro_batch_size, gradient_accumulation_steps=None,
+                      global_batch_size=16 if max_step == 2 else None, max_step=max_step,
+                      resume=max_step > 2, **CONSTANT_LR)
+
+
+@pytest.fixture(scope="module")
+def straight(tiny, tmp_path_factory) -> dict[int, dict[str, float]]:
+    out_dir = tmp_path_factory.mktemp("straight")
+    assert_succeeded(run_train(train_args(tiny, out_dir, max_step=2 * len(CHAIN), **STRAIGHT, **CONSTANT_LR)))
+    return read_metrics(out_dir)
+
+
+@pytest.fixture(scope="module")
+def two_steps(tiny, tmp_path_factory) -> Path:
+    """The first 2 steps of the straight run (FSDP, 2 ranks, full checkpoint at step 2), to resume from."""
+    out_dir = tmp_path_factory.mktemp("two-steps")
+    assert_succeeded(run_train(link_args(tiny, out_dir, "fsdp", "full", 2, 4, max_step=2)))
+    return out_dir
+
+
+@pytest.mark.slow
+def test_a_chain_of_resumes_across_strategies_formats_ranks_and_micro_batches_matches_a_straight_run(
+        tiny, straight, tmp_path) -> None:
+    outputs = []
+    for link, (strategy, state_dict_type, devices, micro_batch_size) in enumerate(CHAIN):
+        result = run_train(link_args(tiny, tmp_path, strategy, state_dict_type, devices, micro_batch_size,
+                                     max_step=2 * (link + 1)))
+        assert_succeeded(result)
+        outputs.append(result.stdout)
+        saved = list_checkpoints(tmp_path)[2 * (link + 1)]
+        assert saved.is_dir() == (state_dict_type == "sharded")
+        assert read_metadata(saved)["global_batch_size"] == 16
+    assert "--resume: ranks 2 -> 4, micro batch 4 -> 2; 16 sequences per step as 2 accumulation" in outputs[1]
+    assert "no random state saved for this rank; seeded from --seed and the step" in outputs[1]
+    assert "ranks 4 -> 1" in outputs[2] and "as 4 accumulation x 4 micro batch x 1 ranks" in outputs[2]
+    chained = read_metrics(tmp_path)
+    assert sorted(step for step in chained if step) == sorted(step for step in straight if step)
+    worst = max(abs(chained[s]["train_loss"] - straight[s]["train_loss"]) / straight[s]["train_loss"]
+                for s in straight if s)
+    print(f"\nchain of {len(CHAIN)} resumes vs straight run: max relative loss difference {worst:.1e}")
+    assert worst < 1e-5
+    for step in range(2, 2 * len(CHAIN) + 1, 2):
+        assert chained[step]["val_loss"] == pytest.approx(straight[step]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_global_batch_that_the_new_layout_cannot_split_is_refused_before_any_work(tiny, two_steps) -> None:
+    before = {path: path.stat().st_mtime_ns for path in two_steps.rglob("*")}
+    result = run_train(link_args(tiny, two_steps, "ddp", "full", 2, 3, max_step=4))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("error: --resume: the checkpoint's global batch of 16 sequences does not split "
+                                     "into --micro_batch_size 3 on 2 ranks; choose a micro batch and device count "
+                                     "that divide it, or give --global_batch_size")
+    assert {path: path.stat().st_mtime_ns for path in two_steps.rglob("*")} == before
+
+
+def write_legacy_checkpoint(source: Path, target: Path, *, numbered_optimizer: bool) -> None:
+    """What earlier versions wrote with Lightning's fabric.save: torch.save of the state dict, the random states with
+    tensors, the data position in micro-batches per rank and, under DDP or one device, the optimizer state numbered
+    in the optimizer's parameter order."""
+    metadata = read_metadata(source)
+    tensors = dict(read_tensors(source, read_header(source)[0]))
+    model = meta_model(AutoConfig.for_model(**metadata["model_config"]))
+    decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
+    optimizer = {index if numbered_optimizer else name: {key: tensors[f"optimizer.state.{name}.{key}"]
+                                                         for key in ADAMW_STATE}
+                 for index, name in enumerate(decayed + exempt)}
+    rng = [state | {"python": tuple(state["python"]), "torch": decode_generator_state(state["torch"])}
+           for state in metadata["rng"]]
+    micro_batches = metadata["position"] // (metadata["config"]["micro_batch_size"] * len(rng))
+    legacy = {key: metadata[key] for key in ("step", "epoch", "val_loss", "config", "model_config", "tokenizer")}
+    legacy |= {"model": {name.removeprefix("model."): tensor for name, tensor in tensors.items()
+                         if name.startswith("model.")},
+               "optimizer": {"state": optimizer, "param_groups": []}, "rng": rng, "position": micro_batches}
+    torch.save(legacy, target)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, numbered_optimizer", [("fsdp", False), ("ddp", True)])
+def test_checkpoints_of_earlier_versions_resume_exactly(tiny, straight, two_steps, tmp_path, strategy,
+                                                         numbered_optimizer) -> None:
+    resumed = tmp_path / "resumed"
+    legacy = tmp_path / "step-00000002.ckpt"
+    write_legacy_checkpoint(list_checkpoints(two_steps)[2], legacy, numbered_optimizer=numbered_optimizer)
+    result = run_train(link_args(tiny, resumed, strategy, "full", 2, 4, max_step=4) + ["--checkpoint", str(legacy)])
+    assert_succeeded(result)
+    assert f"resumed from {legacy} at step 2 (epoch 0, sample 32 of the epoch)" in result.stdout
+    metrics = read_metrics(resumed)
+    for step in (3, 4):
+        assert metrics[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-5)
