@@ -18,7 +18,7 @@ from app.evaluate import perplexity, validation_loss
 from app.console import Console
 from app.metrics import should_upload_checkpoint, upload_checkpoint
 from app.observe import PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, largest, run_summary
-from app.optim import Clipping, clip_gradients, gradient_square_sum, set_learning_rate
+from app.optim import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
 from app.schedule import TrainingPlan, learning_rate
 from app.signals import StepVerdict, StopRequest, step_verdict
 
@@ -30,27 +30,28 @@ Outcome = Literal["finished", "preempted", "non_finite"]
 
 
 def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tensor], lr: float, stop: StopRequest,
-               clipping: Clipping) -> tuple[torch.Tensor, StepVerdict]:
+               gradients: GradientPolicy) -> tuple[torch.Tensor, StepVerdict]:
     """One optimizer step over the micro-batches; returns the mean loss (on the device) and the ranks' verdict.
 
-    Gradients are synchronised only on the last micro-batch; each micro-batch loss is scaled by 1/accumulation so
-    the accumulated gradient is the mean over the step's batch. The gradient norm is measured even when clipping is
+    Gradients are synchronised after every micro-batch, or only after the last one when `gradients.defer_sync`
+    (DDP's no_sync costs no memory; FSDP's keeps the whole unsharded gradient on every rank); each micro-batch
+    loss is scaled by 1/accumulation so the accumulated gradient is the mean over the step's batch. The gradient norm is measured even when clipping is
     off so that a non-finite gradient is caught: then the weights are left as they were.
     """
     accumulation = len(micro_batches)
     loss_sum = torch.zeros((), device=fabric.device)
     for index, input_ids in enumerate(micro_batches):
-        with fabric.no_backward_sync(model, enabled=index < accumulation - 1):
+        with fabric.no_backward_sync(model, enabled=gradients.defer_sync and index < accumulation - 1):
             loss = model(input_ids=input_ids, labels=input_ids).loss
             fabric.backward(loss / accumulation)
         loss_sum += loss.detach()
-    if clipping.scaled:
+    if gradients.scaled:
         fabric.strategy.precision.unscale_gradients(optimizer.optimizer)
     verdict = step_verdict(fabric, loss_sum, gradient_square_sum(optimizer, fabric.device), stop,
-                           replicas=clipping.replicas, scaled=clipping.scaled)
+                           replicas=gradients.replicas, scaled=gradients.scaled)
     if not verdict.non_finite:
-        if clipping.max_norm > 0:
-            clip_gradients(optimizer, verdict.grad_norm, clipping.max_norm)
+        if gradients.max_norm > 0:
+            clip_gradients(optimizer, verdict.grad_norm, gradients.max_norm)
         set_learning_rate(optimizer, lr)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -80,7 +81,7 @@ class Loop:
     stop: StopRequest
     clock: StepClock
     console: Console
-    clipping: Clipping
+    gradients: GradientPolicy
     resumed_from: Optional[Path] = None
     data_wait: Stopwatch = field(default_factory=Stopwatch)
     evaluation: Stopwatch = field(default_factory=Stopwatch)
@@ -104,7 +105,7 @@ class Loop:
             with self.data_wait.measure():
                 micro_batches = list(islice(batches, plan.accumulation))
             loss, verdict = train_step(self.fabric, state["model"], state["optimizer"], micro_batches, lr, self.stop,
-                                       self.clipping)
+                                       self.gradients)
             if verdict.non_finite:
                 self.report_non_finite(loss, verdict.grad_norm)
                 return "non_finite"

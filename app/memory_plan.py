@@ -5,7 +5,8 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
 - parameters: N x the stored dtype (fp32 for 32-true and the *-mixed precisions, 16 bits for *-true) / S
   (SHARD_GRAD_OP shards the stored parameters but keeps whole layers gathered from forward to backward: those
   count as working memory);
-- gradients: as the parameters, / S except for NO_SHARD and DDP;
+- gradients: as the parameters, / S except for NO_SHARD and DDP; with --fsdp_no_sync and gradient accumulation,
+  the whole unsharded gradient in the compute dtype instead (FSDP keeps it on every rank between micro-batches);
 - optimizer state: AdamW's two moments in the parameters' dtype, / S except for NO_SHARD and DDP;
 - working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
   head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP), DDP's gradient buckets (a second copy of
@@ -84,6 +85,8 @@ class Setup:
     block_size: int
     gradient_checkpointing: bool
     cpu_offload: bool
+    unsharded_accumulation: bool = False
+    """--fsdp_no_sync with more than one micro-batch per step."""
 
     @property
     def shards(self) -> int:
@@ -139,6 +142,8 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     on_device = 0 if setup.cpu_offload else 1
     parameters = on_device * shape.parameters * stored / setup.shards
     gradients = on_device * shape.parameters * stored / setup.shards
+    if setup.unsharded_accumulation:
+        gradients = shape.parameters * computed
     optimizer = on_device * 2 * shape.parameters * stored / setup.shards
     if setup.strategy != "fsdp":
         working = gradients
@@ -170,11 +175,12 @@ def device_memory_bytes(cfg: Config, devices_per_node: int) -> tuple[float, str]
     return psutil.virtual_memory().total / devices_per_node, f"host RAM / {devices_per_node} processes"
 
 
-def setup_of(cfg: Config, world_size: int, block_size: int) -> Setup:
+def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int) -> Setup:
     return Setup(strategy=cfg.strategy, sharding_strategy=cfg.sharding_strategy, precision=cfg.precision,
                  world_size=world_size, devices_per_node=world_size // cfg.num_nodes,
                  micro_batch_size=cfg.micro_batch_size, block_size=block_size,
-                 gradient_checkpointing=cfg.gradient_checkpointing, cpu_offload=cfg.cpu_offload)
+                 gradient_checkpointing=cfg.gradient_checkpointing, cpu_offload=cfg.cpu_offload,
+                 unsharded_accumulation=cfg.strategy == "fsdp" and cfg.fsdp_no_sync and accumulation > 1)
 
 
 def memory_report(cfg: Config, shape: ModelShape, setup: Setup, device: Optional[tuple[float, str]] = None) -> str:
@@ -188,7 +194,8 @@ def memory_report(cfg: Config, shape: ModelShape, setup: Setup, device: Optional
     sharding = setup.sharding_strategy if setup.strategy == "fsdp" else setup.strategy
     lines = [f"memory per device: {shape.parameters / 1e6:,.1f}M parameters, {sharding} over {setup.world_size} "
              f"device(s), {setup.precision}, activation checkpointing {'on' if setup.gradient_checkpointing else 'off'}"
-             f"{', cpu offload' if setup.cpu_offload else ''}"]
+             f"{', cpu offload' if setup.cpu_offload else ''}"
+             f"{', unsharded gradient accumulation (--fsdp_no_sync)' if setup.unsharded_accumulation else ''}"]
     lines += [f"  {name:<40} {format_gb(value / GB):>10}" for name, value in rows]
     lines.append(f"  device: {device_bytes / GB:.1f} GB ({source}); {'fits' if fits else 'does NOT fit'} "
                  f"with {1 - USABLE_FRACTION:.0%} kept free")

@@ -77,18 +77,35 @@ def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
 
 @dataclass
 class ModelStateMemory:
-    """Bytes this rank holds for parameters, gradients and optimizer state, read at the first optimizer step."""
+    """Bytes this rank holds for parameters, gradients and optimizer state, read during the first optimizer step.
+
+    Gradients are read twice, and the larger count kept: between the first two micro-batches (what accumulation
+    holds: a shard, or the whole unsharded gradient with --fsdp_no_sync) and just before the optimizer step.
+    """
 
     parameters: float = math.nan
     gradients: float = math.nan
     optimizer: float = math.nan
+    training_forwards: int = 0
 
     def watch(self, model: Module, optimizer: torch.optim.Optimizer) -> None:
-        """Measure once, around the first step: gradients exist just before it, optimizer state just after it."""
+        """Measure once, around the first step: gradients exist before the second micro-batch and before the
+        optimizer step, optimizer state just after it."""
+
+        def count_gradients() -> None:
+            measured = storage_bytes(p.grad for p in model.parameters())
+            self.gradients = measured if math.isnan(self.gradients) else max(self.gradients, measured)
+
+        def before_forward(module: Module, args: Any) -> None:
+            if module.training:
+                self.training_forwards += 1
+                if self.training_forwards == 2:
+                    count_gradients()
+                    forward_hook.remove()
 
         def before_step(*_) -> None:
             self.parameters = storage_bytes(model.parameters())
-            self.gradients = storage_bytes(p.grad for p in model.parameters())
+            count_gradients()
             pre_hook.remove()
 
         def after_step(*_) -> None:
@@ -96,6 +113,7 @@ class ModelStateMemory:
                                            if isinstance(t, torch.Tensor))
             post_hook.remove()
 
+        forward_hook = model.register_forward_pre_hook(before_forward)
         pre_hook = optimizer.register_step_pre_hook(before_step)
         post_hook = optimizer.register_step_post_hook(after_step)
 

@@ -61,8 +61,8 @@ def build_optimizer(model: Module, cfg: Config, no_decay: set[str]) -> torch.opt
 
 
 @dataclass(frozen=True)
-class Clipping:
-    """How a step's gradient is measured and bounded."""
+class GradientPolicy:
+    """How a step's gradients are accumulated, measured and bounded."""
 
     max_norm: float
     """0 measures the norm without clipping."""
@@ -70,6 +70,8 @@ class Clipping:
     """Ranks holding the same gradient values (app.strategy.gradient_replicas)."""
     scaled: bool
     """A gradient scaler unscales first and skips steps whose gradients are not finite."""
+    defer_sync: bool
+    """Synchronise gradients only after the last micro-batch (DDP; FSDP with --fsdp_no_sync), else after each."""
 
 
 def parameters_with_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from app.metrics import make_loggers, report_summary
 from app.memory_plan import ModelShape, memory_report, setup_of
 from app.model import DeferredInit, deferred_init, setup_model
 from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
-from app.optim import Clipping, build_optimizer
+from app.optim import GradientPolicy, build_optimizer
 from app.precision import float32_matmul_precision, uses_grad_scaler
 from app.preflight import RunInputs, preflight
 from app.exit_codes import EXIT_FINISHED, EXIT_NON_FINITE, EXIT_PREEMPTED
@@ -33,7 +33,8 @@ def run(cfg: Config) -> None:
     inputs = preflight(cfg)
     if cfg.estimate_memory:
         shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
-        print(memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, inputs.plan.block_size)))
+        print(memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, inputs.plan.block_size,
+                                                  inputs.plan.accumulation)))
         return
     resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
     deferred = deferred_init(cfg, inputs.model_config)
@@ -125,8 +126,9 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
     loop = Loop(fabric=fabric, cfg=cfg, plan=plan, splits=splits, state=state, stop=stop,
                 clock=step_clock(fabric, cfg, inputs, state["step"]), console=console,
-                clipping=Clipping(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
-                                  scaled=uses_grad_scaler(cfg.precision)),
+                gradients=GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
+                                  scaled=uses_grad_scaler(cfg.precision),
+                                  defer_sync=cfg.strategy != "fsdp" or cfg.fsdp_no_sync),
                 resumed_from=inputs.resume_from)
     outcome = loop.fit()
     console.close()

@@ -67,16 +67,20 @@ def test_llama_3_8b_on_eight_80gb_gpus_fits_as_users_run_it(llama_3_8b) -> None:
     assert largest_micro_batch(one_gpu, 80 * GB) == 0, "8B with AdamW in fp32 needs 128 GB of model state alone"
 
 
-@pytest.mark.parametrize("sharding_strategy, precision", [("FULL_SHARD", "32-true"), ("NO_SHARD", "bf16-true")])
+@pytest.mark.parametrize("sharding_strategy, precision, fsdp_no_sync", [
+    ("FULL_SHARD", "32-true", False), ("FULL_SHARD", "32-true", True), ("NO_SHARD", "bf16-true", False)])
 def test_estimate_matches_the_parameters_gradients_and_optimizer_state_of_a_run(tiny, tmp_path, sharding_strategy,
-                                                                               precision) -> None:
-    """A real 2-process FSDP run measures the storage of its tensors at the first step (summary.json)."""
+                                                                               precision, fsdp_no_sync) -> None:
+    """A real 2-process FSDP run with 2 micro-batches per step measures the storage of its tensors during the first
+    step (summary.json): gradients between the micro-batches are a shard, the whole gradient with --fsdp_no_sync."""
     result = run_train(train_args(tiny, tmp_path, max_step=4, eval_iters=1, sharding_strategy=sharding_strategy,
-                                  precision=precision, save_step_interval=100, initial_validation=False))
+                                  precision=precision, save_step_interval=100, initial_validation=False,
+                                  fsdp_no_sync=fsdp_no_sync))
     assert result.returncode == 0, result.stderr[-3000:]
     config = AutoConfig.from_pretrained(tiny.model_config)
     setup = replace(EIGHT_GPUS, sharding_strategy=sharding_strategy, precision=precision, world_size=2,
-                    devices_per_node=2, micro_batch_size=4, block_size=32, gradient_checkpointing=False)
+                    devices_per_node=2, micro_batch_size=4, block_size=32, gradient_checkpointing=False,
+                    unsharded_accumulation=fsdp_no_sync)
     estimate = estimate_memory(ModelShape.of(config, resolve_wrap_classes(config, None)), setup)
     ranks = json.loads((tmp_path / "summary.json").read_text())["ranks"]
     assert len(ranks) == 2

@@ -5,14 +5,16 @@
   more than one whole tensor; on resume each rank reads only the rows of its own shard (reader.py).
 - sharded (--state_dict_type sharded): a torch.distributed.checkpoint folder, every rank writing its shards, and
   `training.json`.
-Both load into any strategy at any world size. Checkpoints of earlier versions (legacy.py) load too.
+Both load into any strategy at any world size: through torch's state dicts and DCP (state.py), or, for a full file
+under FSDP, straight into each rank's flat shards (fsdp_shards.py). Checkpoints of earlier versions (legacy.py)
+load too.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -25,9 +27,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from app.checkpoint import legacy
+from app.model import strategy_module
 from app.checkpoint.files import make_durable, publish, remove_leftovers, temporary_path
 from app.checkpoint.reader import FileSource, MemorySource, SourceReader
-from app.checkpoint.state import MODEL_PREFIX, TrainingState, check_fits, global_shape
+from app.checkpoint.fsdp_shards import load_into_shards, local_pieces
+from app.checkpoint.state import MODEL_PREFIX, CheckpointMismatch, TrainingState, check_fits, global_shape
 from app.checkpoint.tensor_file import layout, read_header, read_tensors, write_tensor
 
 if TYPE_CHECKING:
@@ -127,17 +131,32 @@ def stored_shapes(reader: StorageReader) -> dict[str, tuple[torch.dtype, tuple[i
 def load_checkpoint(path: Path, model: Any, optimizer: Any) -> dict[str, Any]:
     """Load the model's and optimizer's tensors (each rank its own part) and return the checkpoint's metadata.
     Collective. Raises CheckpointError, before reading any tensor, when the checkpoint is another model's."""
+    try:
+        pieces = local_pieces(strategy_module(model)) if is_full_file(path) else []
+        if pieces:
+            with closing(FileSource(path)) as source:
+                load_into_shards(source, strategy_module(model), optimizer, pieces, f"--checkpoint {path}")
+        else:
+            load_through_state_dicts(path, model, optimizer)
+    except CheckpointMismatch as error:
+        raise CheckpointError(str(error)) from None
+    return read_metadata(path)
+
+
+def is_full_file(path: Path) -> bool:
+    """A full checkpoint of this version (not a sharded folder, not an earlier version's torch.save file)."""
+    return path.is_file() and not legacy.is_torch_save_file(path)
+
+
+def load_through_state_dicts(path: Path, model: Any, optimizer: Any) -> None:
+    """The general route: torch's state dicts for any strategy, filled by DCP from any checkpoint."""
     training = TrainingState.of(model, optimizer)
     targets = training.tensors()
     with storage_reader(path, training.parameter_order()) as reader:
-        try:
-            check_fits(stored_shapes(reader), {name: global_shape(value) for name, value in targets.items()},
-                       f"--checkpoint {path}")
-        except ValueError as error:
-            raise CheckpointError(str(error)) from None
+        check_fits(stored_shapes(reader), {name: global_shape(value) for name, value in targets.items()},
+                   f"--checkpoint {path}")
         dcp.load(targets, storage_reader=reader, no_dist=no_process_group())
     training.apply(model, optimizer)
-    return read_metadata(path)
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
@@ -148,9 +167,9 @@ def read_metadata(path: Path) -> dict[str, Any]:
             if (path / SHARDED_METADATA).is_file():
                 return json.loads((path / SHARDED_METADATA).read_text())
             return legacy.metadata(legacy.load_sharded_metadata(path))
-        if legacy.is_torch_save_file(path):
-            return legacy.metadata(legacy.load_torch_save(path))
-        return json.loads(read_header(path)[1][METADATA_KEY])
+        if is_full_file(path):
+            return json.loads(read_header(path)[1][METADATA_KEY])
+        return legacy.metadata(legacy.load_torch_save(path))
     except Exception as error:  # a missing, truncated, foreign or unsafe file is the same user error
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(error).__name__})") from None
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorPr
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from app.checkpoint.tensor_file import read_header, read_region, read_rows_into, whole_rows
+from app.checkpoint.tensor_file import elements_per_row, read_header, read_into, read_region, whole_rows
 
 
 class TensorSource(Protocol):
@@ -43,9 +43,19 @@ class FileSource:
         direct = (target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
                   and bool(entry.shape) and whole_rows(entry, offsets, lengths))
         if direct:
-            read_rows_into(self.handle, entry, offsets[0], target)
+            read_into(self.handle, entry, offsets[0] * elements_per_row(entry), target)
         else:
             target.copy_(read_region(self.handle, entry, offsets, lengths))
+
+    def read_elements_into(self, name: str, first: int, target: torch.Tensor) -> None:
+        """`target.numel()` elements of tensor `name`, flattened, from element `first` on."""
+        entry = self.entries[name]
+        if target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous():
+            read_into(self.handle, entry, first, target)
+        else:
+            buffer = torch.empty(target.shape, dtype=entry.dtype)
+            read_into(self.handle, entry, first, buffer)
+            target.copy_(buffer)
 
     def close(self) -> None:
         self.handle.close()

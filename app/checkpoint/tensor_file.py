@@ -82,24 +82,27 @@ def read_header(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
     return entries, metadata
 
 
-def read_rows_into(handle: BinaryIO, entry: Entry, first_row: int, target: torch.Tensor) -> None:
-    """Fill `target` (contiguous, on the CPU) with `len(target)` whole rows of the stored tensor from `first_row`
-    on: one seek and one read into the target's own memory, no temporary copy."""
-    row_bytes = entry.nbytes // entry.shape[0] if entry.shape else entry.nbytes
-    handle.seek(entry.begin + first_row * row_bytes)
+def read_into(handle: BinaryIO, entry: Entry, first: int, target: torch.Tensor) -> None:
+    """Fill `target` (contiguous, on the CPU, of the stored dtype) with `target.numel()` elements of the stored
+    tensor, flattened, from element `first` on: one seek and one read into the target's own memory."""
+    handle.seek(entry.begin + first * entry.dtype.itemsize)
     view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
     if handle.readinto(view) != len(view):
         raise ValueError("checkpoint file ended early: it is truncated")
 
 
+def elements_per_row(entry: Entry) -> int:
+    return prod(entry.shape[1:])
+
+
 def read_region(handle: BinaryIO, entry: Entry, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
     """A region of the stored tensor: its rows are read whole, then the other dimensions are cut."""
     if not entry.shape:
-        rows = torch.empty((), dtype=entry.dtype)
-        read_rows_into(handle, entry, 0, rows)
-        return rows
+        scalar = torch.empty((), dtype=entry.dtype)
+        read_into(handle, entry, 0, scalar)
+        return scalar
     rows = torch.empty((lengths[0], *entry.shape[1:]), dtype=entry.dtype)
-    read_rows_into(handle, entry, offsets[0], rows)
+    read_into(handle, entry, offsets[0] * elements_per_row(entry), rows)
     return rows[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:])))]
 
 
