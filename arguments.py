@@ -136,6 +136,11 @@ class TrainingArgs:
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 2e-6
     """Learning rate at max_step, the end of the cosine decay."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Move --lr and --min_lr from --reference_batch_size to the run's global batch: linear (x G/B) or sqrt
+    (x sqrt(G/B), steadier); the resolved values are printed and written to config.yaml."""
+    reference_batch_size: Optional[int] = None
+    """The global batch size --lr was tuned at; needed by --lr_scaling linear/sqrt."""
     lr_decay: bool = True
     """Cosine decay from lr to min_lr after warmup; false keeps lr constant after warmup."""
     warmup_steps: int = 0
@@ -162,6 +167,11 @@ class EvalArgs:
     """Evaluate every this many optimizer steps (and at the end of each epoch and of training)."""
     initial_validation: bool = True
     """Evaluate once before the first step of a new run: the baseline every later validation loss compares with."""
+    eval_samples: int = 0
+    """At each evaluation, greedily generate the answers of this many fixed validation prompts (supervised or
+    seq2seq data), write them to out_dir/samples/ and log exact match, ROUGE-1/2/L and their length."""
+    eval_max_new_tokens: int = 128
+    """Most tokens generated per sample (fewer when every sample stops earlier)."""
 
 
 @dataclass
@@ -270,16 +280,17 @@ def validate_config(cfg: Config) -> list[str]:
             problems.append(message)
 
     for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "eval_step_interval",
-                 "save_step_interval", "log_interval"):
+                 "save_step_interval", "log_interval", "eval_max_new_tokens"):
         require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")
     for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "eval_batch_size",
-                 "keep_last_n"):
+                 "keep_last_n", "reference_batch_size"):
         value = getattr(cfg, name)
         require(value in (None, "auto") or value >= 1, f"--{name} must be at least 1, got {value}")
     for name in ("device_memory_gb", "peak_tflops"):
         value = getattr(cfg, name)
         require(value is None or value > 0, f"--{name} must be positive, got {value}")
     require(cfg.num_workers >= 0, f"--num_workers must be 0 or more, got {cfg.num_workers}")
+    require(cfg.eval_samples >= 0, f"--eval_samples must be 0 or more, got {cfg.eval_samples}")
     require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
     require(0 <= cfg.min_lr <= cfg.lr, f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}")
@@ -289,6 +300,8 @@ def validate_config(cfg: Config) -> list[str]:
         require(0 <= getattr(cfg, name) < 1, f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
     require(cfg.max_step is None or cfg.warmup_steps <= cfg.max_step,
             f"--warmup_steps ({cfg.warmup_steps}) exceeds --max_step ({cfg.max_step}): lower one of them")
+    require(cfg.lr_scaling == "none" or cfg.reference_batch_size is not None,
+            f"--lr_scaling {cfg.lr_scaling} needs --reference_batch_size: the global batch --lr was tuned at")
     require(cfg.train_data_dir is not None, "--train_data_dir is required: a folder written by prepare_data.py")
     require((cfg.model_name is None) != (cfg.model_config is None),
             "give exactly one of --model_name (fine-tune a pretrained model) and --model_config (train from scratch)")

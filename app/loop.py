@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
-from datasets import DatasetDict
 from lightning import Fabric
 
 from app.checkpoint import checkpoint_path, mark_if_best, prune_checkpoints, rng_of_every_rank, save_checkpoint
-from app.data import train_batches
+from app.data import Batch, Step, TrainingData, train_steps
 from app.evaluate import perplexity, validation_loss
 from app.console import Console
 from app.metrics import should_upload_checkpoint, upload_checkpoint
 from app.observe import PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, largest, run_summary
 from app.optim import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
 from app.schedule import TrainingPlan, learning_rate
+from app.samples import SampleEvaluator
 from app.signals import StepVerdict, StopRequest, step_verdict
 
 if TYPE_CHECKING:
@@ -29,21 +28,36 @@ if TYPE_CHECKING:
 Outcome = Literal["finished", "preempted", "non_finite"]
 
 
-def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tensor], lr: float, stop: StopRequest,
+def micro_batch_loss(model, batch: Batch, step_tokens: int, world_size: int) -> torch.Tensor:
+    """This micro-batch's share of the step's loss: its summed token losses divided by the step's trained tokens
+    over all ranks, times the world size that DDP's and FSDP's gradient averaging divides by again.
+
+    The model returns the mean over the micro-batch's own trained tokens; times their count it is their sum. Means
+    of micro-batches with different numbers of trained tokens are never averaged (a mean of means gives every
+    micro-batch the same weight whatever its tokens: wrong gradients with supervised data and accumulation).
+    """
+    output = model(**batch.inputs)
+    if not batch.trained_tokens:  # nothing to learn here, but FSDP's collectives need every rank's backward
+        return output.logits.sum() * 0.0
+    return output.loss * (batch.trained_tokens * world_size / max(step_tokens, 1))
+
+
+def train_step(fabric: Fabric, model, optimizer, step: Step, lr: float, stop: StopRequest,
                gradients: GradientPolicy) -> tuple[torch.Tensor, StepVerdict]:
-    """One optimizer step over the micro-batches; returns the mean loss (on the device) and the ranks' verdict.
+    """One optimizer step over the micro-batches; returns this rank's part of the loss x world size (their mean
+    over ranks is the step's loss, on the device) and the ranks' verdict.
 
     Gradients are synchronised after every micro-batch, or only after the last one when `gradients.defer_sync`
-    (DDP's no_sync costs no memory; FSDP's keeps the whole unsharded gradient on every rank); each micro-batch
-    loss is scaled by 1/accumulation so the accumulated gradient is the mean over the step's batch. The gradient norm is measured even when clipping is
-    off so that a non-finite gradient is caught: then the weights are left as they were.
+    (DDP's no_sync costs no memory; FSDP's keeps the whole unsharded gradient on every rank). The gradient norm is
+    measured even when clipping is off so that a non-finite gradient is caught: then the weights are left as they
+    were.
     """
-    accumulation = len(micro_batches)
+    accumulation = len(step.micro_batches)
     loss_sum = torch.zeros((), device=fabric.device)
-    for index, input_ids in enumerate(micro_batches):
+    for index, batch in enumerate(step.micro_batches):
         with fabric.no_backward_sync(model, enabled=gradients.defer_sync and index < accumulation - 1):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            fabric.backward(loss / accumulation)
+            loss = micro_batch_loss(model, batch, step.trained_tokens, fabric.world_size)
+            fabric.backward(loss)
         loss_sum += loss.detach()
     if gradients.scaled:
         fabric.strategy.precision.unscale_gradients(optimizer.optimizer)
@@ -55,7 +69,7 @@ def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tenso
         set_learning_rate(optimizer, lr)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum / accumulation, verdict
+    return loss_sum, verdict
 
 
 def advance_position(state: dict[str, Any], plan: TrainingPlan) -> bool:
@@ -76,12 +90,13 @@ class Loop:
     fabric: Fabric
     cfg: Config
     plan: TrainingPlan
-    splits: DatasetDict
+    data: TrainingData
     state: dict[str, Any]
     stop: StopRequest
     clock: StepClock
     console: Console
     gradients: GradientPolicy
+    samples: Optional[SampleEvaluator] = None
     resumed_from: Optional[Path] = None
     data_wait: Stopwatch = field(default_factory=Stopwatch)
     evaluation: Stopwatch = field(default_factory=Stopwatch)
@@ -93,8 +108,8 @@ class Loop:
     def fit(self) -> Outcome:
         """Train until max_step; returns early after saving when a stop signal arrived, or when numbers went bad."""
         state, plan, cfg = self.state, self.plan, self.cfg
-        batches = train_batches(self.fabric, self.splits["train"], plan, seed=cfg.seed, epoch=state["epoch"],
-                                position=state["position"], num_workers=cfg.num_workers)
+        steps = train_steps(self.fabric, self.data, plan, seed=cfg.seed, epoch=state["epoch"],
+                            position=state["position"], num_workers=cfg.num_workers)
         self.state_memory.watch(state["model"], state["optimizer"])
         if state["step"] == 0 and cfg.initial_validation:
             self.fabric.log_dict(self.evaluate(), step=0)
@@ -103,8 +118,8 @@ class Loop:
             lr = learning_rate(state["step"] + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_step=plan.max_step, decay=cfg.lr_decay)
             with self.data_wait.measure():
-                micro_batches = list(islice(batches, plan.accumulation))
-            loss, verdict = train_step(self.fabric, state["model"], state["optimizer"], micro_batches, lr, self.stop,
+                step_batches = next(steps)
+            loss, verdict = train_step(self.fabric, state["model"], state["optimizer"], step_batches, lr, self.stop,
                                        self.gradients)
             if verdict.non_finite:
                 self.report_non_finite(loss, verdict.grad_norm)
@@ -163,11 +178,15 @@ class Loop:
     def evaluate(self) -> dict[str, float]:
         cfg = self.cfg
         with self.evaluation.measure():
-            loss = validation_loss(self.fabric, self.state["model"], self.splits["validation"],
+            loss = validation_loss(self.fabric, self.state["model"], self.data,
                                    batch_size=cfg.eval_batch_size or cfg.micro_batch_size, max_batches=cfg.eval_iters)
+            metrics = {"val_loss": loss, "val_ppl": perplexity(loss)}
+            if self.samples:
+                metrics |= self.samples.evaluate(self.fabric, self.state["model"], self.state["step"])
         self.state["val_loss"] = loss
-        self.console.print(f"step {self.state['step']}: val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
-        return {"val_loss": loss, "val_ppl": perplexity(loss)}
+        self.console.print(f"step {self.state['step']}: " + " | ".join(f"{name} {value:.4f}"
+                                                                     for name, value in metrics.items()))
+        return metrics
 
     def report_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.console.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()} on rank 0, gradient "

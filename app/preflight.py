@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -22,12 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, stored_tensor_shapes
 from app.checkpoint.state import expected_shapes, check_fits
+from app.data import DataFormat
 from app.exit_codes import EXIT_BAD_INPUT
 from app.prefetch import offline_hint
 from app.model import load_model_config, meta_model, model_source, resolve_wrap_classes
 from app.optim import grouped_parameter_names, no_decay_names
 from app.precision import bf16_support_problem, weights_dtype
-from app.schedule import TrainingPlan, accumulation_steps, make_plan
+from app.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch
 from app.strategy import resolve_accelerator
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
 class RunInputs:
     """What the preflight resolved, passed to every rank."""
 
+    config: Config
+    """The options, with --lr and --min_lr resolved for the global batch (--lr_scaling)."""
     model_config: PretrainedConfig
     wrap_classes: set[type[Module]]
     plan: TrainingPlan
@@ -58,8 +61,11 @@ class Resume:
 
 @dataclass
 class DataFacts:
+    format: DataFormat
     train_rows: int
     block_size: int
+    """The longest row (every row, for block formats)."""
+    mean_row_tokens: float
     max_token_id: int
 
 
@@ -88,6 +94,7 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
         return None
     try:
         splits = load_from_disk(str(path))
+        data_format = DataFormat.of(path)
     except (FileNotFoundError, ValueError) as error:
         problems.append(f"{flag}: not a dataset saved with save_to_disk ({error}); create it with prepare_data.py")
         return None
@@ -98,17 +105,20 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
     lengths, max_ids = set(), []
     for name in ("train", "validation"):
         split = splits[name]
-        if "input_ids" not in split.column_names or len(split) == 0:
-            problems.append(f"{flag}: split {name} has no rows of input_ids (columns: {split.column_names})")
+        absent = [column for column in data_format.columns if column not in split.column_names]
+        if absent or len(split) == 0:
+            problems.append(f"{flag}: split {name} has no rows of {', '.join(absent or data_format.columns)} "
+                            f"({data_format.name} data; columns: {split.column_names}); prepare it again")
             return None
-        column = split.data.column("input_ids")
-        row_lengths = pc.list_value_length(column)
+        row_lengths = pc.list_value_length(split.data.column("input_ids"))
         lengths |= {pc.min(row_lengths).as_py(), pc.max(row_lengths).as_py()}
-        max_ids.append(pc.max(pc.list_flatten(column)).as_py())
-    if len(lengths) != 1:
+        max_ids.append(pc.max(pc.list_flatten(split.data.column("input_ids"))).as_py())
+    if len(lengths) != 1 and not data_format.padded:
         problems.append(f"{flag}: rows have different lengths {sorted(lengths)}; pack them into blocks with prepare_data.py")
         return None
-    return DataFacts(train_rows=len(splits["train"]), block_size=lengths.pop(), max_token_id=max(max_ids))
+    mean_row_tokens = pc.mean(pc.list_value_length(splits["train"].data.column("input_ids"))).as_py()
+    return DataFacts(format=data_format, train_rows=len(splits["train"]), block_size=max(lengths),
+                     mean_row_tokens=mean_row_tokens, max_token_id=max(max_ids))
 
 
 def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
@@ -123,6 +133,12 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
 
 
 def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
+    if data.format.encoder_decoder != bool(model_config.is_encoder_decoder):
+        kind = "an encoder-decoder model" if model_config.is_encoder_decoder else "a causal LM"
+        wanted = ("--prompt_field/--response_field or --messages_field" if model_config.is_encoder_decoder
+                  else "--source_field/--target_field")
+        problems.append(f"--train_data_dir holds {data.format.name} data but {model_source(cfg)} is {kind}; "
+                        f"prepare the data with {wanted}, or train a matching model")
     max_positions = getattr(model_config, "max_position_embeddings", None)
     if max_positions and data.block_size > max_positions:
         problems.append(f"--train_data_dir blocks of {data.block_size} tokens exceed the model's "
@@ -156,6 +172,14 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     return name
 
 
+def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], problems: list[str]) -> None:
+    if cfg.eval_samples and not data.format.supervised:
+        problems.append(f"--eval_samples {cfg.eval_samples} needs prompts and references (supervised or seq2seq data), "
+                        f"but --train_data_dir {cfg.train_data_dir} holds raw text; drop it or prepare pairs")
+    if cfg.eval_samples and tokenizer is None:
+        problems.append(f"--eval_samples {cfg.eval_samples} decodes the samples with the run's tokenizer: give --tokenizer")
+
+
 def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems: list[str]) -> Optional[TrainingPlan]:
     """The batch arithmetic. A resumed run keeps its checkpoint's global batch unless --global_batch_size is given:
     the accumulation follows the devices and micro batch it resumes with."""
@@ -165,7 +189,8 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
         accumulation = accumulation_steps(world_size=world_size(cfg), micro_batch_size=cfg.micro_batch_size,
                                           gradient_accumulation_steps=None if kept else cfg.gradient_accumulation_steps,
                                           global_batch_size=global_batch_size)
-        plan = make_plan(train_rows=data.train_rows, block_size=data.block_size, world_size=world_size(cfg),
+        plan = make_plan(train_rows=data.train_rows, block_size=data.block_size, row_tokens=data.mean_row_tokens,
+                         world_size=world_size(cfg),
                          micro_batch_size=cfg.micro_batch_size, accumulation=accumulation,
                          number_epochs=cfg.number_epochs, max_step=cfg.max_step)
     except ValueError as error:
@@ -194,6 +219,17 @@ def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
     if cfg.gradient_accumulation_steps not in (None, plan.accumulation) and cfg.global_batch_size is None:
         note(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is not used: the checkpoint's global "
              f"batch of {plan.global_batch_size} is kept (give --global_batch_size to change it)")
+
+
+def resolve_learning_rates(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
+    """--lr and --min_lr moved to the global batch by --lr_scaling, said once; the run uses the resolved values."""
+    if cfg.lr_scaling == "none" or plan is None:
+        return cfg
+    lr, min_lr = (scale_for_batch(value, rule=cfg.lr_scaling, global_batch_size=plan.global_batch_size,
+                                  reference_batch_size=cfg.reference_batch_size) for value in (cfg.lr, cfg.min_lr))
+    note(f"--lr_scaling {cfg.lr_scaling}: lr {cfg.lr:.3g} -> {lr:.3g}, min_lr {cfg.min_lr:.3g} -> {min_lr:.3g} for "
+         f"a global batch of {plan.global_batch_size} (--reference_batch_size {cfg.reference_batch_size})")
+    return replace(cfg, lr=lr, min_lr=min_lr, lr_scaling="none", reference_batch_size=None)
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -306,6 +342,8 @@ def preflight(cfg: Config) -> RunInputs:
     resume = resolve_resume(cfg, model_config, problems)
     plan = check_plan(cfg, data, resume, problems) if data is not None else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
+    if data is not None:
+        check_samples(cfg, data, tokenizer, problems)
     if not cfg.estimate_memory:  # planning writes nothing
         check_out_dir(cfg, model_config, problems)
     check_precision(cfg, problems)
@@ -313,5 +351,5 @@ def preflight(cfg: Config) -> RunInputs:
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    return RunInputs(model_config=model_config, wrap_classes=wrap_classes, plan=plan, tokenizer=tokenizer,
-                     resume_from=resume.path if resume else None)
+    return RunInputs(config=resolve_learning_rates(cfg, plan), model_config=model_config, wrap_classes=wrap_classes,
+                     plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None)

@@ -9,7 +9,7 @@ import torch
 from lightning import Fabric
 
 from app.checkpoint import load_checkpoint, resume_rng
-from app.data import load_splits
+from app.data import TrainingData, load_data
 from app.console import Console
 from app.loop import Loop
 from app.metrics import make_loggers, report_summary
@@ -19,6 +19,7 @@ from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.optim import GradientPolicy, build_optimizer
 from app.precision import float32_matmul_precision, uses_grad_scaler
 from app.preflight import RunInputs, preflight
+from app.samples import CAUSAL, SampleEvaluator
 from app.exit_codes import EXIT_FINISHED, EXIT_NON_FINITE, EXIT_PREEMPTED
 from app.signals import StopRequest, exit_run, requeue_slurm_job
 from app.strategy import build_fabric, gradient_replicas
@@ -31,6 +32,7 @@ EXIT_CODES = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED, "non_finit
 
 def run(cfg: Config) -> None:
     inputs = preflight(cfg)
+    cfg = inputs.config
     if cfg.estimate_memory:
         shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
         print(memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, inputs.plan.block_size,
@@ -39,7 +41,8 @@ def run(cfg: Config) -> None:
     resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
     deferred = deferred_init(cfg, inputs.model_config)
     param_init_fn = deferred.param_init_fn if deferred else None
-    fabric = build_fabric(cfg, inputs.wrap_classes, make_loggers(cfg, resume_step), param_init_fn)
+    fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, make_loggers(cfg, resume_step),
+                          param_init_fn)
     fabric.launch(main, cfg, inputs, deferred)
 
 
@@ -108,12 +111,23 @@ def set_matmul_precision(fabric: Fabric, cfg: Config) -> None:
     torch.set_float32_matmul_precision(float32_matmul_precision(cfg.precision, cfg.tf32, capability))
 
 
+def sample_evaluator(cfg: Config, inputs: RunInputs, data: TrainingData) -> Optional[SampleEvaluator]:
+    """--eval_samples: the first N examples of the validation split, generated at every evaluation."""
+    if not cfg.eval_samples:
+        return None
+    from transformers import AutoTokenizer
+
+    return SampleEvaluator(samples=data.format.samples(data.validation, cfg.eval_samples),
+                           tokenizer=AutoTokenizer.from_pretrained(inputs.tokenizer), decoding=CAUSAL,
+                           max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
+
+
 def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> None:
     stop = StopRequest()
     stop.install()
     fabric.seed_everything(cfg.seed)
     set_matmul_precision(fabric, cfg)
-    splits = load_splits(cfg.train_data_dir)
+    data = load_data(cfg.train_data_dir)
     model, no_decay = setup_model(fabric, cfg, inputs.model_config, deferred)
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)
@@ -124,11 +138,12 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.block_size} tokens "
                  f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)")
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
-    loop = Loop(fabric=fabric, cfg=cfg, plan=plan, splits=splits, state=state, stop=stop,
+    loop = Loop(fabric=fabric, cfg=cfg, plan=plan, data=data, state=state, stop=stop,
                 clock=step_clock(fabric, cfg, inputs, state["step"]), console=console,
                 gradients=GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
                                   scaled=uses_grad_scaler(cfg.precision),
                                   defer_sync=cfg.strategy != "fsdp" or cfg.fsdp_no_sync),
+                samples=sample_evaluator(cfg, inputs, data),
                 resumed_from=inputs.resume_from)
     outcome = loop.fit()
     console.close()

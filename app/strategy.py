@@ -21,6 +21,7 @@ from lightning import Fabric
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, XLAFSDPStrategy
 from lightning.fabric.strategies import fsdp as lightning_fsdp
 from lightning.fabric.strategies import model_parallel as lightning_model_parallel
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch, FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
@@ -53,7 +54,13 @@ def _gather_without_offload() -> Iterator[None]:
 
 
 class CPUFSDPStrategy(FSDPStrategy):
-    """Lightning's FSDPStrategy for CPU processes over gloo; see the module docstring for the two differences."""
+    """Lightning's FSDPStrategy for CPU processes over gloo; see the module docstring for the differences."""
+
+    def setup_environment(self) -> None:
+        shape = self._fsdp_kwargs.pop("device_mesh", None)
+        super().setup_environment()
+        if shape is not None:
+            self._fsdp_kwargs["device_mesh"] = init_device_mesh("cpu", shape)
 
     def setup_module(self, module: Module) -> Module:
         module = FSDP(
@@ -89,7 +96,8 @@ DDP_OPTIONS = {"broadcast_buffers": False, "gradient_as_bucket_view": True}
 collective; gradients as views of DDP's communication buckets save a copy of every gradient per step (and its memory)."""
 
 
-def build_strategy(cfg: Config, wrap_classes: set[type[Module]], param_init_fn: Optional[Callable] = None) -> Any:
+def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]],
+                   param_init_fn: Optional[Callable] = None) -> Any:
     """The Lightning strategy object for --strategy and the FSDP flags; param_init_fn materialises meta modules."""
     accelerator = resolve_accelerator(cfg)
     if accelerator == "tpu":
@@ -109,8 +117,17 @@ def build_strategy(cfg: Config, wrap_classes: set[type[Module]], param_init_fn: 
         backward_prefetch=None if cfg.backward_prefetch == "none" else BackwardPrefetch[cfg.backward_prefetch],
         forward_prefetch=cfg.forward_prefetch,
         mixed_precision=fsdp_mixed_precision(cfg.precision, cfg.reduce_dtype),
+        device_mesh=mesh_shape(cfg, world_size),
         **({"param_init_fn": param_init_fn} if param_init_fn else {}),
     )
+
+
+def mesh_shape(cfg: Config, world_size: int) -> tuple[int, ...]:
+    """FSDP's device mesh: one dimension of all ranks, or (nodes, devices per node) to shard within a node and
+    replicate across nodes (HYBRID_SHARD). With a mesh, FSDP's sharded state dicts are DTensors."""
+    if cfg.sharding_strategy == "HYBRID_SHARD":
+        return cfg.num_nodes, world_size // cfg.num_nodes
+    return (world_size,)
 
 
 def gradient_replicas(cfg: Config, world_size: int) -> int:
@@ -125,9 +142,8 @@ def gradient_replicas(cfg: Config, world_size: int) -> int:
     return 1
 
 
-def build_fabric(
-    cfg: Config, wrap_classes: set[type[Module]], loggers: list[Any], param_init_fn: Optional[Callable] = None
-) -> Fabric:
+def build_fabric(cfg: Config, world_size: int, wrap_classes: set[type[Module]], loggers: list[Any],
+                 param_init_fn: Optional[Callable] = None) -> Fabric:
     accelerator = resolve_accelerator(cfg)
     precision = ({"precision": cfg.precision} if accelerator == "tpu" else
                  {"plugins": [precision_plugin(cfg.precision, fsdp=cfg.strategy == "fsdp", device_type=accelerator)]})
@@ -135,7 +151,7 @@ def build_fabric(
         accelerator=accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
-        strategy=build_strategy(cfg, wrap_classes, param_init_fn),
+        strategy=build_strategy(cfg, world_size, wrap_classes, param_init_fn),
         loggers=loggers,
         **precision,
     )

@@ -58,7 +58,8 @@ def main() -> None:
     report, checkpoint, cfg = sys.argv[1], Path(sys.argv[2]), parse_config(sys.argv[3:])
     inputs = preflight(cfg)
     deferred = deferred_init(cfg, inputs.model_config)
-    fabric = build_fabric(cfg, inputs.wrap_classes, [], deferred.param_init_fn if deferred else None)
+    fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, [],
+                          deferred.param_init_fn if deferred else None)
     fabric.launch(measure, cfg, inputs, deferred, checkpoint, report)
 
 

@@ -52,7 +52,7 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
 CASES = {
     "missing data": (dict(train_data_dir="/nonexistent/data"), "--train_data_dir /nonexistent/data: no such folder"),
     "no validation split": (dict(train_data_dir="{no_validation}"), "missing split(s) validation"),
-    "no input_ids": (dict(train_data_dir="{no_input_ids}"), "has no rows of input_ids (columns: ['text'])"),
+    "no input_ids": (dict(train_data_dir="{no_input_ids}"), "has no rows of input_ids (text data; columns: ['text'])"),
     "ragged rows": (dict(train_data_dir="{ragged}"), "rows have different lengths"),
     "blocks too long": (dict(model_config="{short_positions}"), "exceed the model's max_position_embeddings (16)"),
     "ids beyond vocab": (dict(model_config="{small_vocab}", tokenizer=None), "but the model's vocab_size is 100"),

@@ -73,3 +73,13 @@ def test_plan_refuses_data_smaller_than_one_step() -> None:
     with pytest.raises(ValueError, match="fewer than one optimizer step"):
         make_plan(train_rows=10, block_size=8, world_size=2, micro_batch_size=4, accumulation=2,
                   number_epochs=1, max_step=None)
+
+
+def test_learning_rate_scales_with_the_global_batch_as_seed_003_computes_it() -> None:
+    from app.schedule import scale_for_batch
+
+    assert scale_for_batch(1e-5, rule="sqrt", global_batch_size=28, reference_batch_size=10) == pytest.approx(1.673e-5,
+                                                                                                           rel=1e-3)
+    assert scale_for_batch(1e-5, rule="sqrt", global_batch_size=40, reference_batch_size=10) == pytest.approx(2e-5)
+    assert scale_for_batch(1e-5, rule="linear", global_batch_size=40, reference_batch_size=10) == pytest.approx(4e-5)
+    assert scale_for_batch(1e-5, rule="none", global_batch_size=40, reference_batch_size=None) == 1e-5

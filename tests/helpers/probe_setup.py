@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from app.data import load_splits  # noqa: E402
+from app.data import load_data  # noqa: E402
 from app.model import deferred_init, hugging_face_model, setup_model, strategy_module  # noqa: E402
 from app.preflight import preflight  # noqa: E402
 from app.strategy import build_fabric  # noqa: E402
@@ -37,7 +37,7 @@ def probe(fabric, cfg, inputs, deferred, report: str) -> None:
     model, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
     module = strategy_module(model)
     after_setup = rotary_report(module, inputs.model_config)
-    rows = fabric.to_device(load_splits(cfg.train_data_dir)["train"][:2]["input_ids"])
+    rows = fabric.to_device(load_data(cfg.train_data_dir).train[:2]["input_ids"])
     with torch.no_grad():
         model(input_ids=rows)
     mixed_precision = getattr(module, "mixed_precision", None)
@@ -56,7 +56,8 @@ def main() -> None:
     report, cfg = sys.argv[1], parse_config(sys.argv[2:])
     inputs = preflight(cfg)
     deferred = deferred_init(cfg, inputs.model_config)
-    fabric = build_fabric(cfg, inputs.wrap_classes, [], deferred.param_init_fn if deferred else None)
+    fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, [],
+                          deferred.param_init_fn if deferred else None)
     fabric.launch(probe, cfg, inputs, deferred, report)
 
 

@@ -1,0 +1,7 @@
+"""Training data: the prepared folder's format (formats.py), which rows each rank reads (order.py), and the
+steps and evaluation batches read from it (loader.py)."""
+
+from app.data.formats import IGNORE_INDEX, Batch, DataFormat
+from app.data.loader import Step, TrainingData, eval_batches, load_data, train_steps
+
+__all__ = ["IGNORE_INDEX", "Batch", "DataFormat", "Step", "TrainingData", "eval_batches", "load_data", "train_steps"]

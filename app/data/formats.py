@@ -1,0 +1,133 @@
+"""The data formats prepare_data.py writes (stats.json `format`), and all that training needs to know of each.
+
+| format | columns | a batch for the model |
+| --- | --- | --- |
+| text | input_ids (blocks) | labels = input_ids |
+| supervised_packed | input_ids, labels, position_ids (blocks) | as stored; position_ids restart at every example, so attention never crosses examples |
+| supervised_padded | input_ids, labels (one example per row) | padded to the longest row: pad id, label -100, attention_mask 0 |
+| seq2seq | input_ids (source), labels (target) | padded the same way; the model builds its decoder inputs from the labels |
+
+Every row also gets its count of trained tokens, the targets that count in the loss (labels other than -100, after
+the causal models' one-token shift): the loop divides a step's summed token losses by the step's count, which it
+knows from these counts without any collective or device synchronisation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from datasets import Dataset
+from torch.nn.utils.rnn import pad_sequence
+
+from app.samples import Sample
+
+IGNORE_INDEX = -100
+FormatName = Literal["text", "supervised_packed", "supervised_padded", "seq2seq"]
+COLUMNS = {"text": ["input_ids"], "supervised_packed": ["input_ids", "labels", "position_ids"],
+           "supervised_padded": ["input_ids", "labels"], "seq2seq": ["input_ids", "labels"]}
+TRAINED_TOKENS = "trained_tokens"
+
+
+@dataclass
+class Batch:
+    """A micro-batch: the model's keyword arguments (labels included) and its number of trained tokens."""
+
+    inputs: dict[str, torch.Tensor]
+    trained_tokens: int
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    name: FormatName
+    pad_token_id: int
+
+    @classmethod
+    def of(cls, data_dir: str | Path) -> "DataFormat":
+        """From the folder's stats.json; a folder prepared before formats existed holds text blocks."""
+        stats_file = Path(data_dir) / "stats.json"
+        stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
+        pad = stats.get("pad_token_id")
+        return cls(stats.get("format", "text"), pad if pad is not None else stats.get("eos_token_id") or 0)
+
+    @property
+    def columns(self) -> list[str]:
+        return COLUMNS[self.name]
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return self.name == "seq2seq"
+
+    @property
+    def padded(self) -> bool:
+        return self.name in ("supervised_padded", "seq2seq")
+
+    @property
+    def supervised(self) -> bool:
+        return self.name != "text"
+
+    def collate(self, rows: list[dict[str, torch.Tensor]]) -> Batch:
+        """The model's inputs for a list of rows (as `Dataset.__getitems__` gives them)."""
+        trained = sum(int(row[TRAINED_TOKENS]) for row in rows)
+        if self.padded:
+            inputs = {"input_ids": self._pad(rows, "input_ids", self.pad_token_id),
+                      "attention_mask": pad_sequence([torch.ones_like(row["input_ids"]) for row in rows],
+                                                     batch_first=True, padding_value=0),
+                      "labels": self._pad(rows, "labels", IGNORE_INDEX)}
+            return Batch(inputs, trained)
+        inputs = {name: torch.stack([row[name] for row in rows]) for name in self.columns}
+        if self.name == "text":  # a row may bring its own labels: -100 for evaluation's padding rows
+            inputs["labels"] = torch.stack([row.get("labels", row["input_ids"]) for row in rows])
+        return Batch(inputs, trained)
+
+    @staticmethod
+    def _pad(rows: list[dict[str, torch.Tensor]], column: str, value: int) -> torch.Tensor:
+        return pad_sequence([row[column] for row in rows], batch_first=True, padding_value=value)
+
+    def trained_tokens(self, split: Dataset) -> np.ndarray:
+        """Each row's number of trained tokens (int64)."""
+        column = split.data.column("input_ids" if self.name == "text" else "labels")
+        if self.name == "text":
+            return np.maximum(pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64) - 1, 0)
+        targets = column if self.encoder_decoder else pc.list_slice(column, 1)
+        trained = pc.not_equal(pc.list_flatten(targets), IGNORE_INDEX).to_numpy(zero_copy_only=False)
+        rows = pc.list_parent_indices(targets).to_numpy(zero_copy_only=False)
+        return np.bincount(rows, weights=trained, minlength=len(split)).astype(np.int64)
+
+    def samples(self, split: Dataset, count: int) -> list[Sample]:
+        """The first `count` examples of a split as prompt and reference: the source and target of seq2seq data; of
+        supervised data, what precedes an example's first trained token, and the trained tokens that follow."""
+        samples: list[Sample] = []
+        for row in split.with_format(None):
+            examples = [(row["input_ids"], row["labels"])] if self.padded else _examples_of(row)
+            samples += [sample for sample in (self._sample(*example) for example in examples) if sample]
+            if len(samples) >= count:
+                break
+        return samples[:count]
+
+    def _sample(self, input_ids: list[int], labels: list[int]) -> Optional[Sample]:
+        if self.encoder_decoder:
+            return Sample(prompt=input_ids, reference=[t for t in labels if t != IGNORE_INDEX])
+        first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
+        if first is None:
+            return None
+        end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE_INDEX), len(labels))
+        return Sample(prompt=input_ids[:first], reference=input_ids[first:end])
+
+
+def _examples_of(row: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
+    """The examples packed into one row, cut where position_ids restart at 0."""
+    starts = [i for i, position in enumerate(row["position_ids"]) if position == 0] + [len(row["position_ids"])]
+    return [(row["input_ids"][a:b], row["labels"][a:b]) for a, b in zip(starts, starts[1:])]
+
+
+def with_trained_tokens(split: Dataset, data_format: DataFormat) -> tuple[Dataset, np.ndarray]:
+    """The split yielding int64 tensors of the format's columns and each row's trained tokens, and those counts."""
+    counts = data_format.trained_tokens(split)
+    split = split.add_column(TRAINED_TOKENS, counts.tolist())
+    return split.with_format("torch", columns=[*data_format.columns, TRAINED_TOKENS], dtype=torch.long), counts

@@ -1,0 +1,143 @@
+"""Generation samples at each evaluation (--eval_samples N): greedy answers to N fixed validation prompts, written
+to `out_dir/samples/step-XXXXXXXX.jsonl` and scored against their references (exact match, ROUGE, length).
+
+Under FSDP, `model.generate()` is a known trap: it bypasses the root forward, so parameters are not gathered, and
+ranks that stop at different lengths wait for each other for ever. Here every token is one call of the sharded
+model's own forward (FSDP gathers and frees each layer as in evaluation), with the key/value cache, and all ranks
+make the same number of calls: each takes every world-size-th prompt, a rank out of prompts or already finished
+feeds a placeholder token, and one small all-reduce per token tells them when every rank is done. No rank ever
+holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torchmetrics.functional.text.rouge import rouge_score
+
+from app.model import strategy_module
+
+if TYPE_CHECKING:
+    from lightning import Fabric
+    from transformers import PreTrainedTokenizerBase
+
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A validation example as a prompt (or a source) and the tokens it was trained to produce."""
+
+    prompt: list[int]
+    reference: list[int]
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How one model kind is stepped: the inputs of the first forward (the prompt), and of every next one."""
+
+    first: Callable[[torch.Tensor], dict[str, Any]]
+    next: Callable[[torch.Tensor, Any], dict[str, Any]]
+    """(last token, previous model output) -> the inputs of the next forward."""
+
+
+CAUSAL = Decoding(first=lambda prompt: {"input_ids": prompt},
+                  next=lambda token, output: {"input_ids": token, "past_key_values": output.past_key_values})
+
+
+def all_done(fabric: Fabric, done: bool) -> bool:
+    """True when every rank is done; the one collective of a generated token."""
+    if fabric.world_size == 1:
+        return done
+    flag = torch.tensor([0.0 if done else 1.0], device=fabric.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
+@torch.no_grad()
+def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, prompt: list[int], *, decoding: Decoding,
+                         max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Greedy tokens after `prompt` (empty for a placeholder prompt), until a stop token or `max_new_tokens`."""
+    module = strategy_module(model)
+    placeholder = not prompt
+    inputs = decoding.first(torch.tensor([prompt or [next(iter(stop_ids))]], device=fabric.device))
+    generated: list[int] = []
+    done = placeholder
+    for _ in range(max_new_tokens):
+        with fabric.autocast():
+            output = module(**inputs, use_cache=True)
+        token = output.logits[:, -1].argmax(-1, keepdim=True)
+        if not done:
+            generated.append(int(token.item()))
+            done = generated[-1] in stop_ids
+        if all_done(fabric, done):
+            break
+        inputs = decoding.next(token, output)
+    return generated
+
+
+def generate_samples(fabric: Fabric, model: torch.nn.Module, samples: list[Sample], *, decoding: Decoding,
+                     max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
+    """The generated tokens of every sample, on every rank; each rank generates every world-size-th one."""
+    mine = samples[fabric.global_rank::fabric.world_size]
+    rounds = -(-len(samples) // fabric.world_size)
+    was_training = model.training
+    model.eval()
+    outputs = [generate_in_lockstep(fabric, model, mine[i].prompt if i < len(mine) else [], decoding=decoding,
+                                    max_new_tokens=max_new_tokens, stop_ids=stop_ids) for i in range(rounds)]
+    model.train(was_training)
+    gathered = [outputs]
+    if fabric.world_size > 1:
+        gathered = [None] * fabric.world_size
+        dist.all_gather_object(gathered, outputs)
+    return [gathered[i % fabric.world_size][i // fabric.world_size] for i in range(len(samples))]
+
+
+def sample_metrics(generated: list[str], references: list[str], lengths: list[int]) -> dict[str, float]:
+    """Exact match, ROUGE-1/2/L F-measures (torchmetrics, no stemming) and the mean generated length in tokens."""
+    rouge = rouge_score(generated, references, rouge_keys=ROUGE_KEYS)
+    metrics = {f"sample_{key}": rouge[f"{key}_fmeasure"].item() for key in ROUGE_KEYS}
+    exact = sum(g.strip() == r.strip() for g, r in zip(generated, references)) / len(references)
+    return metrics | {"sample_exact_match": exact, "sample_length": sum(lengths) / len(lengths)}
+
+
+def write_samples(path: Path, prompts: list[str], references: list[str], generated: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        for prompt, reference, text in zip(prompts, references, generated):
+            handle.write(json.dumps({"prompt": prompt, "reference": reference, "generated": text}) + "\n")
+
+
+@dataclass
+class SampleEvaluator:
+    """The fixed samples of a run and how to score them; `evaluate` is called by every rank at each evaluation."""
+
+    samples: list[Sample]
+    tokenizer: PreTrainedTokenizerBase
+    decoding: Decoding
+    max_new_tokens: int
+    out_dir: Path
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """EOS, and the token every reference ends with (an end-of-turn token such as <|eot_id|>)."""
+        return {self.tokenizer.eos_token_id} | {sample.reference[-1] for sample in self.samples if sample.reference}
+
+    def evaluate(self, fabric: Fabric, model: torch.nn.Module, step: int) -> dict[str, float]:
+        tokens = generate_samples(fabric, model, self.samples, decoding=self.decoding,
+                                  max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids)
+        if not fabric.is_global_zero:
+            return {}
+        generated = [self.text(ids) for ids in tokens]
+        references = [self.text(sample.reference) for sample in self.samples]
+        write_samples(self.out_dir / "samples" / f"step-{step:08d}.jsonl",
+                      [self.text(sample.prompt) for sample in self.samples], references, generated)
+        return sample_metrics(generated, references, [len(ids) for ids in tokens])
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

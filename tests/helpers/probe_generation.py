@@ -1,0 +1,45 @@
+"""Generate the first validation samples as an evaluation does, with the model set up by train.py's code.
+
+    python tests/helpers/probe_generation.py REPORT.json STOP_ID COUNT MAX_NEW_TOKENS <train.py options>
+
+Rank 0 writes the generated tokens of every sample to REPORT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from app.data import load_data  # noqa: E402
+from app.model import deferred_init, setup_model  # noqa: E402
+from app.preflight import preflight  # noqa: E402
+from app.samples import CAUSAL, generate_samples  # noqa: E402
+from app.strategy import build_fabric  # noqa: E402
+from arguments import parse_config  # noqa: E402
+
+
+def probe(fabric, cfg, inputs, deferred, report: str, stop_id: int, count: int, max_new_tokens: int) -> None:
+    model, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
+    data = load_data(cfg.train_data_dir)
+    samples = data.format.samples(data.validation, count)
+    generated = generate_samples(fabric, model, samples, decoding=CAUSAL, max_new_tokens=max_new_tokens,
+                                 stop_ids={stop_id})
+    if fabric.is_global_zero:
+        Path(report).write_text(json.dumps(generated))
+
+
+def main() -> None:
+    report, stop_id, count, max_new_tokens = sys.argv[1], *map(int, sys.argv[2:5])
+    cfg = parse_config(sys.argv[5:])
+    inputs = preflight(cfg)
+    deferred = deferred_init(cfg, inputs.model_config)
+    fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, [],
+                          deferred.param_init_fn if deferred else None)
+    fabric.launch(probe, cfg, inputs, deferred, report, stop_id, count, max_new_tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Supervised fine-tuning: packed examples never see each other, the loss of a step is normalised over all the
+trained tokens of all its micro-batches and ranks, generation samples run in lockstep under FSDP, and the
+learning rate follows the global batch.
+
+Data: the standard library's code -> docstring summary pairs, prepared by prepare_data.py with the tiny tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from app.data import IGNORE_INDEX, DataFormat, load_data
+from app.data.order import epoch_permutation, rank_micro_batches
+from app.prepare import PrepareArgs, prepare
+from app.prepare.stdlib_tasks import code_summary_pairs
+from app.schedule import make_plan
+from tests.conftest import ROOT, run_train, train_args
+from tests.test_training import assert_succeeded, read_metrics
+
+BLOCK = 256
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(pair) + "\n" for pair in code_summary_pairs(("json", "email", "http"))))
+    return path
+
+
+def prepared(tiny, pairs: Path, folder: Path, packing: bool) -> Path:
+    prepare(PrepareArgs(input=[str(pairs)], prompt_field="code", response_field="summary", tokenizer=str(tiny.tokenizer),
+                        block_size=BLOCK, val_fraction=0.1, packing=packing, output_dir=str(folder)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def packed(tiny, pairs, tmp_path_factory) -> Path:
+    return prepared(tiny, pairs, tmp_path_factory.mktemp("packed") / "data", packing=True)
+
+
+@pytest.fixture(scope="module")
+def padded(tiny, pairs, tmp_path_factory) -> Path:
+    return prepared(tiny, pairs, tmp_path_factory.mktemp("padded") / "data", packing=False)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tiny, tmp_path_factory) -> Path:
+    """A 'pretrained' tiny Llama with room for the examples' positions, so that every strategy starts from it."""
+    folder = tmp_path_factory.mktemp("pretrained-512")
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(tiny.model_config, max_position_embeddings=2 * BLOCK)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_an_example_packed_with_others_gets_the_logits_it_gets_alone(packed, pretrained) -> None:
+    """SDPA with position_ids restarting at every example (the batch the training path builds) isolates them. As in
+    train.py's build_model, without the KV cache: with a cache, transformers does not look for packed examples."""
+    data = load_data(packed)
+    model = AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation="sdpa", use_cache=False).eval()
+    row = next(i for i in range(len(data.train)) if (data.train[i]["position_ids"] == 0).sum() >= 3)
+    batch = data.format.collate(data.train.__getitems__([row]))
+    assert set(batch.inputs) == {"input_ids", "labels", "position_ids"}
+    with torch.no_grad():
+        packed_logits = model(input_ids=batch.inputs["input_ids"], position_ids=batch.inputs["position_ids"]).logits[0]
+        starts = (batch.inputs["position_ids"][0] == 0).nonzero().flatten().tolist() + [BLOCK]
+        for start, end in zip(starts, starts[1:]):
+            alone = model(input_ids=batch.inputs["input_ids"][:, start:end]).logits[0]
+            assert torch.allclose(packed_logits[start:end], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_of_a_step_hold_different_numbers_of_trained_tokens(padded) -> None:
+    """What makes a mean of micro-batch means wrong, and the runs below meaningful."""
+    data = load_data(padded)
+    plan = make_plan(train_rows=len(data.train), block_size=BLOCK, world_size=2, micro_batch_size=4, accumulation=2,
+                     number_epochs=1, max_step=None)
+    order = epoch_permutation(len(data.train), seed=7, epoch=0)
+    counts = {int(data.train_trained_tokens[rows].sum()) for rank in (0, 1)
+              for rows in rank_micro_batches(order, plan, rank=rank, position=0)[:2]}
+    assert len(counts) == 4, counts
+
+
+def run_supervised(tiny, data: Path, pretrained: Path, out_dir: Path, **overrides: object) -> dict[int, dict]:
+    options = dict(model_config=None, model_name=pretrained, train_data_dir=data, max_step=3, warmup_steps=0,
+                   eval_step_interval=3, eval_iters=100, eval_batch_size=16) | overrides
+    result = run_train(train_args(tiny, out_dir, **options))
+    assert_succeeded(result)
+    return read_metrics(out_dir)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny, padded, pretrained, tmp_path_factory) -> Path:
+    """FSDP, 2 ranks x 2 accumulated micro-batches of 4 padded examples, generation samples, sqrt LR scaling."""
+    out_dir = tmp_path_factory.mktemp("two-ranks")
+    run_supervised(tiny, padded, pretrained, out_dir, micro_batch_size=4, gradient_accumulation_steps=2,
+                   eval_samples=4, eval_max_new_tokens=8, lr_scaling="sqrt", reference_batch_size=4)
+    return out_dir
+
+
+@pytest.mark.slow
+def test_loss_is_normalised_over_the_trained_tokens_of_the_whole_step(tiny, padded, pretrained, two_ranks,
+                                                                      tmp_path) -> None:
+    """2 ranks x 2 micro-batches with unequal masks give the gradients of 1 process on the whole batch of 16."""
+    single = run_supervised(tiny, padded, pretrained, tmp_path, strategy="single_device", devices=1,
+                            micro_batch_size=16, gradient_accumulation_steps=1, lr_scaling="sqrt",
+                            reference_batch_size=4)
+    sharded = read_metrics(two_ranks)
+    for step in (1, 2, 3):
+        assert sharded[step]["train_loss"] == pytest.approx(single[step]["train_loss"], rel=1e-5)
+        assert sharded[step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-5)
+    assert sharded[3]["val_loss"] == pytest.approx(single[3]["val_loss"], rel=1e-5)
+
+
+def test_validation_loss_is_the_mean_over_trained_tokens_only(padded, pretrained, two_ranks) -> None:
+    """The step-0 validation loss equals transformers' summed token losses over every trained token of the split
+    (prompt tokens and padding excluded), divided by their number."""
+    data = load_data(padded)
+    model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for row in data.validation:
+            labels = row["labels"][None]
+            logits = model(input_ids=row["input_ids"][None]).logits
+            total += torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=IGNORE_INDEX,
+                                                       reduction="sum").item()
+            tokens += int((labels[0, 1:] != IGNORE_INDEX).sum())
+    assert read_metrics(two_ranks)[0]["val_loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
+def test_generation_samples_are_written_and_scored_at_each_evaluation(two_ranks) -> None:
+    metrics = read_metrics(two_ranks)
+    for step in (0, 3):
+        lines = (two_ranks / "samples" / f"step-{step:08d}.jsonl").read_text().splitlines()
+        assert len(lines) == 4 and set(json.loads(lines[0])) == {"prompt", "reference", "generated"}
+        assert json.loads(lines[0])["prompt"].startswith("### User:\n") and json.loads(lines[0])["reference"]
+        assert {"sample_exact_match", "sample_rougeL", "sample_length"} <= set(metrics[step])
+        assert 0 <= metrics[step]["sample_rougeL"] <= 1 and 1 <= metrics[step]["sample_length"] <= 8
+
+
+def test_learning_rate_scaling_is_resolved_and_recorded(tiny, two_ranks) -> None:
+    """sqrt(16 / 4) x 3e-3: the configuration records the value the run used."""
+    config = yaml.safe_load((two_ranks / "config.yaml").read_text())
+    assert config["lr"] == pytest.approx(6e-3) and config["min_lr"] == pytest.approx(6e-4)
+    assert config["lr_scaling"] == "none"
+    assert read_metrics(two_ranks)[3]["lr"] == pytest.approx(6e-4), "the cosine ends at the scaled --min_lr"
+
+
+@pytest.mark.slow
+def test_greedy_samples_under_fsdp_equal_transformers_generate_and_ranks_stop_at_different_lengths(
+        tiny, packed, pretrained, tmp_path) -> None:
+    data = load_data(packed)
+    samples = DataFormat.of(packed).samples(data.validation, 4)
+    model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    expected = [model.generate(torch.tensor([s.prompt]), max_new_tokens=10, do_sample=False)[0, len(s.prompt):].tolist()
+                for s in samples]
+    stop_id = expected[0][2]  # the first sample stops after 3 tokens, the others run longer
+    expected = [tokens[:tokens.index(stop_id) + 1] if stop_id in tokens else tokens for tokens in expected]
+    assert len({len(tokens) for tokens in expected}) > 1
+    report = tmp_path / "generated.json"
+    args = train_args(tiny, tmp_path / "out", model_config=None, model_name=pretrained, train_data_dir=packed)
+    result = subprocess.run([sys.executable, str(ROOT / "tests/helpers/probe_generation.py"), str(report),
+                             str(stop_id), "4", "10", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(report.read_text()) == expected
