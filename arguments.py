@@ -57,7 +57,8 @@ class ModelArgs:
     """Model"""
 
     model_name: Optional[str] = None
-    """Hugging Face hub id or local folder of a pretrained model to fine-tune (AutoModelForCausalLM.from_pretrained)."""
+    """Hugging Face hub id or local folder of a pretrained model to fine-tune: a causal LM, or an encoder-decoder
+    (T5, BART) for seq2seq data."""
     model_config: Optional[str] = None
     """A config.json file, or a folder holding one: the model is initialised from scratch (pretraining, tests)."""
     tokenizer: Optional[str] = None

@@ -21,13 +21,13 @@ from typing import Any, Literal, Optional
 import torch
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, set_parsing_settings
 from torch.nn import Module
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from app.checkpoint import (CheckpointError, checkpoint_dir, list_checkpoints, read_metadata as read_checkpoint_metadata,
                             read_model_weights, stored_tensor_shapes)
 from app.checkpoint.files import publish
 from app.checkpoint.state import MODEL_PREFIX
-from app.model import meta_model
+from app.model import meta_model, model_class
 from app.hub import HubArgs, describe_upload, login_problem, push_folder
 from app.exit_codes import EXIT_BAD_INPUT
 
@@ -300,7 +300,9 @@ def probe_ids(config: PretrainedConfig) -> torch.Tensor:
 
 @torch.no_grad()
 def logits_of(model: Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids).logits.float()
+    """The logits of a fixed input; an encoder-decoder's decoder reads the same ids."""
+    decoder = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
+    return model(input_ids=ids, **decoder).logits.float()
 
 
 def tolerance(stored: torch.dtype, target: torch.dtype) -> float:
@@ -349,9 +351,10 @@ def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
               f"| Final validation loss | {'%.4f' % val_loss if val_loss is not None else 'not evaluated'} |",
               f"| Weights dtype | {dtype} |"]
     lines += [f"| {name} | {value} |" for name, value in hyperparameters(run)]
-    lines += ["", "## Usage", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+    auto_class = model_class(job.model_config).__name__
+    lines += ["", "## Usage", "", "```python", f"from transformers import {auto_class}, AutoTokenizer", "",
               'tokenizer = AutoTokenizer.from_pretrained("<this folder or repo>")',
-              'model = AutoModelForCausalLM.from_pretrained("<this folder or repo>")', "```", ""]
+              f'model = {auto_class}.from_pretrained("<this folder or repo>")', "```", ""]
     return "\n".join(lines)
 
 
@@ -379,7 +382,7 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     gc.collect()
     AutoTokenizer.from_pretrained(job.tokenizer).save_pretrained(folder)
     (folder / "README.md").write_text(model_card(job, dtype, block_size_of(job.metadata.get("config") or {})))
-    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).eval()
+    reloaded = model_class(job.model_config).from_pretrained(folder, dtype=DTYPES[dtype]).eval()
     return reference, logits_of(reloaded, ids)
 
 

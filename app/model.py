@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 
 from app.optim import canonical_name, no_decay_names
 from app.precision import weights_dtype
@@ -48,10 +48,15 @@ def load_model_config(cfg: Config) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model_source(cfg), trust_remote_code=cfg.trust_remote_code)
 
 
+def model_class(model_config: PretrainedConfig) -> type:
+    """The one place the model kind is decided: an encoder-decoder (T5, BART) or a causal LM (Llama, Mistral)."""
+    return AutoModelForSeq2SeqLM if model_config.is_encoder_decoder else AutoModelForCausalLM
+
+
 def meta_model(model_config: PretrainedConfig, trust_remote_code: bool = False) -> Module:
     """A weightless instance: its classes, parameter names and shapes, and its own init function."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+        return model_class(model_config).from_config(model_config, trust_remote_code=trust_remote_code)
 
 
 def resolve_wrap_classes(
@@ -122,12 +127,12 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
     common = dict(attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
     with fabric.init_module(empty_init=deferred is not None):
         if cfg.model_name and deferred is None:
-            model, loading = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=model_config,
-                                                                  output_loading_info=True, **common)
+            model, loading = model_class(model_config).from_pretrained(cfg.model_name, config=model_config,
+                                                                       output_loading_info=True, **common)
             check_all_weights_loaded(cfg.model_name, set(loading["missing_keys"]) | set(loading["mismatched_keys"]),
                                      set(loading["unexpected_keys"]))
         else:
-            model = AutoModelForCausalLM.from_config(model_config, **common)
+            model = model_class(model_config).from_config(model_config, **common)
     model.config.use_cache = False
     if cfg.gradient_checkpointing and cfg.strategy != "fsdp":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -31,17 +31,20 @@ GB = 1024**3
 PEAK_MEMORY = ("peak_rss_gb", "peak_allocated_gb", "peak_reserved_gb")
 
 
-def flops_per_micro_batch(model_config: PretrainedConfig, micro_batch_size: int, block_size: int,
+def flops_per_micro_batch(model_config: PretrainedConfig, micro_batch_size: int, tokens: int, target_tokens: int = 0,
                           trust_remote_code: bool = False) -> int:
-    """FLOPs of one forward and backward pass on one device, counted by torch's FlopCounter on a weightless model.
+    """FLOPs of one forward and backward pass on one device, counted by torch's FlopCounter on a weightless model:
+    `tokens` per sequence (the source of an encoder-decoder, whose decoder reads `target_tokens`).
 
     Counted without activation checkpointing, so that the recomputation does not count as useful work (MFU, not
     hardware FLOPs utilisation). The KV cache (no FLOPs) makes transformers skip its packed-sequence check, which
     reads tensor values that the meta device does not have.
     """
     model = meta_model(model_config, trust_remote_code)
-    input_ids = torch.zeros((micro_batch_size, block_size), dtype=torch.long, device="meta")
-    return measure_flops(model, lambda: model(input_ids=input_ids, labels=input_ids, use_cache=True), lambda output: output.loss)
+    input_ids = torch.zeros((micro_batch_size, tokens), dtype=torch.long, device="meta")
+    labels = torch.zeros((micro_batch_size, target_tokens), dtype=torch.long, device="meta") if target_tokens else input_ids
+    return measure_flops(model, lambda: model(input_ids=input_ids, labels=labels, use_cache=True),
+                         lambda output: output.loss)
 
 
 def peak_flops(device: torch.device, precision: str, override_tflops: Optional[float] = None) -> Optional[int]:

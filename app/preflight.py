@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import torch
 from datasets import DatasetDict, load_from_disk
 from torch.nn import Module
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig
 
 from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, stored_tensor_shapes
 from app.checkpoint.state import expected_shapes, check_fits
@@ -66,6 +66,8 @@ class DataFacts:
     block_size: int
     """The longest row (every row, for block formats)."""
     mean_row_tokens: float
+    mean_target_tokens: float
+    """Of seq2seq data's targets; 0 for the other formats, whose labels are their inputs."""
     max_token_id: int
 
 
@@ -116,9 +118,13 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
     if len(lengths) != 1 and not data_format.padded:
         problems.append(f"{flag}: rows have different lengths {sorted(lengths)}; pack them into blocks with prepare_data.py")
         return None
-    mean_row_tokens = pc.mean(pc.list_value_length(splits["train"].data.column("input_ids"))).as_py()
+    train = splits["train"].data
+    mean_tokens = {column: pc.mean(pc.list_value_length(train.column(column))).as_py()
+                   for column in ("input_ids", "labels") if column in train.column_names}
     return DataFacts(format=data_format, train_rows=len(splits["train"]), block_size=max(lengths),
-                     mean_row_tokens=mean_row_tokens, max_token_id=max(max_ids))
+                     mean_row_tokens=mean_tokens["input_ids"],
+                     mean_target_tokens=mean_tokens["labels"] if data_format.encoder_decoder else 0.0,
+                     max_token_id=max(max_ids))
 
 
 def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
@@ -190,7 +196,7 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
                                           gradient_accumulation_steps=None if kept else cfg.gradient_accumulation_steps,
                                           global_batch_size=global_batch_size)
         plan = make_plan(train_rows=data.train_rows, block_size=data.block_size, row_tokens=data.mean_row_tokens,
-                         world_size=world_size(cfg),
+                         target_tokens=data.mean_target_tokens, world_size=world_size(cfg),
                          micro_batch_size=cfg.micro_batch_size, accumulation=accumulation,
                          number_epochs=cfg.number_epochs, max_step=cfg.max_step)
     except ValueError as error:
@@ -241,8 +247,7 @@ def existing_ancestor(path: Path) -> Path:
 
 def estimated_checkpoint_bytes(model_config: PretrainedConfig, cfg: Config) -> int:
     """Weights plus AdamW's two moments, all in the weights' dtype: what one full checkpoint holds."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+    model = meta_model(model_config, cfg.trust_remote_code)
     parameters = sum(p.numel() for p in model.parameters())
     return parameters * 3 * torch.finfo(weights_dtype(cfg.precision)).bits // 8
 

@@ -19,7 +19,7 @@ from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.optim import GradientPolicy, build_optimizer
 from app.precision import float32_matmul_precision, uses_grad_scaler
 from app.preflight import RunInputs, preflight
-from app.samples import CAUSAL, SampleEvaluator
+from app.samples import SampleEvaluator, decoding_for
 from app.exit_codes import EXIT_FINISHED, EXIT_NON_FINITE, EXIT_PREEMPTED
 from app.signals import StopRequest, exit_run, requeue_slurm_job
 from app.strategy import build_fabric, gradient_replicas
@@ -94,8 +94,8 @@ def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, start_step: int) 
     """Throughput from the step counts; FLOP/s and MFU when the model's FLOPs can be counted and the chip is known."""
     plan = inputs.plan
     try:
-        flops = flops_per_micro_batch(inputs.model_config, plan.micro_batch_size, plan.block_size,
-                                      cfg.trust_remote_code) * plan.accumulation
+        flops = flops_per_micro_batch(inputs.model_config, plan.micro_batch_size, round(plan.row_tokens),
+                                      round(plan.target_tokens), cfg.trust_remote_code) * plan.accumulation
     except Exception as error:  # an architecture FlopCounter cannot trace on the meta device: throughput only
         fabric.print(f"FLOP/s and MFU are not reported: counting the model's FLOPs failed ({error})")
         flops = None
@@ -118,7 +118,8 @@ def sample_evaluator(cfg: Config, inputs: RunInputs, data: TrainingData) -> Opti
     from transformers import AutoTokenizer
 
     return SampleEvaluator(samples=data.format.samples(data.validation, cfg.eval_samples),
-                           tokenizer=AutoTokenizer.from_pretrained(inputs.tokenizer), decoding=CAUSAL,
+                           tokenizer=AutoTokenizer.from_pretrained(inputs.tokenizer),
+                           decoding=decoding_for(inputs.model_config),
                            max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
 
 
@@ -135,7 +136,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
         resume(fabric, cfg, inputs.resume_from, state)
     write_run_files(fabric, cfg)
     plan = inputs.plan
-    fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.block_size} tokens "
+    fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} tokens "
                  f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)")
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
     loop = Loop(fabric=fabric, cfg=cfg, plan=plan, data=data, state=state, stop=stop,

@@ -24,7 +24,7 @@ from app.model import strategy_module
 
 if TYPE_CHECKING:
     from lightning import Fabric
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
 
@@ -48,6 +48,20 @@ class Decoding:
 
 CAUSAL = Decoding(first=lambda prompt: {"input_ids": prompt},
                   next=lambda token, output: {"input_ids": token, "past_key_values": output.past_key_values})
+
+
+def seq2seq_decoding(start_token_id: int) -> Decoding:
+    """An encoder-decoder reads the source once; its decoder starts from `start_token_id` and then reads its own
+    tokens, with the encoder's output and its cache passed back in."""
+    return Decoding(
+        first=lambda source: {"input_ids": source,
+                              "decoder_input_ids": torch.full((1, 1), start_token_id, device=source.device)},
+        next=lambda token, output: {"encoder_outputs": (output.encoder_last_hidden_state,),
+                                    "decoder_input_ids": token, "past_key_values": output.past_key_values})
+
+
+def decoding_for(model_config: PretrainedConfig) -> Decoding:
+    return seq2seq_decoding(model_config.decoder_start_token_id) if model_config.is_encoder_decoder else CAUSAL
 
 
 def all_done(fabric: Fabric, done: bool) -> bool:

@@ -64,7 +64,9 @@ class TrainingPlan:
     block_size: int
     """The longest row: every row's length for block formats, an upper bound for padded ones."""
     row_tokens: float
-    """Tokens in an average train row: `block_size` for block formats."""
+    """Tokens in an average train row: `block_size` for block formats; the source for seq2seq."""
+    target_tokens: float = 0.0
+    """Tokens in an average target (seq2seq data), which the decoder reads."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -77,7 +79,7 @@ class TrainingPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        return round(self.global_batch_size * self.row_tokens)
+        return round(self.global_batch_size * (self.row_tokens + self.target_tokens))
 
 
 def make_plan(
@@ -85,6 +87,7 @@ def make_plan(
     train_rows: int,
     block_size: int,
     row_tokens: Optional[float] = None,
+    target_tokens: float = 0.0,
     world_size: int,
     micro_batch_size: int,
     accumulation: int,
@@ -107,4 +110,5 @@ def make_plan(
         max_step=max_step or steps_per_epoch * number_epochs,
         block_size=block_size,
         row_tokens=row_tokens or block_size,
+        target_tokens=target_tokens,
     )

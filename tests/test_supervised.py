@@ -20,19 +20,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from app.data import IGNORE_INDEX, DataFormat, load_data
 from app.data.order import epoch_permutation, rank_micro_batches
 from app.prepare import PrepareArgs, prepare
-from app.prepare.stdlib_tasks import code_summary_pairs
 from app.schedule import make_plan
-from tests.conftest import ROOT, run_train, train_args
+from tests.conftest import generate_through_the_application, run_train, stop_where_lengths_differ, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 BLOCK = 256
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(pair) + "\n" for pair in code_summary_pairs(("json", "email", "http"))))
-    return path
 
 
 def prepared(tiny, pairs: Path, folder: Path, packing: bool) -> Path:
@@ -157,16 +149,9 @@ def test_learning_rate_scaling_is_resolved_and_recorded(tiny, two_ranks) -> None
 def test_greedy_samples_under_fsdp_equal_transformers_generate_and_ranks_stop_at_different_lengths(
         tiny, packed, pretrained, tmp_path) -> None:
     data = load_data(packed)
-    samples = DataFormat.of(packed).samples(data.validation, 4)
+    samples = data.format.samples(data.validation, 4)
     model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
-    expected = [model.generate(torch.tensor([s.prompt]), max_new_tokens=10, do_sample=False)[0, len(s.prompt):].tolist()
-                for s in samples]
-    stop_id = expected[0][2]  # the first sample stops after 3 tokens, the others run longer
-    expected = [tokens[:tokens.index(stop_id) + 1] if stop_id in tokens else tokens for tokens in expected]
-    assert len({len(tokens) for tokens in expected}) > 1
-    report = tmp_path / "generated.json"
-    args = train_args(tiny, tmp_path / "out", model_config=None, model_name=pretrained, train_data_dir=packed)
-    result = subprocess.run([sys.executable, str(ROOT / "tests/helpers/probe_generation.py"), str(report),
-                             str(stop_id), "4", "10", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(report.read_text()) == expected
+    greedy = [model.generate(torch.tensor([s.prompt]), max_new_tokens=10, do_sample=False)[0, len(s.prompt):].tolist()
+              for s in samples]
+    stop_id, expected = stop_where_lengths_differ(greedy)
+    assert generate_through_the_application(tiny, packed, pretrained, stop_id, 4, 10, tmp_path) == expected

@@ -14,6 +14,7 @@ ties it to torch==2.13 (pinned); a model without them takes the general route.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -37,19 +38,38 @@ class Piece:
     start: int
 
 
-def local_pieces(module: Module) -> list[Piece]:
-    """Every parameter's local piece under FSDP; empty when `module` is not FSDP with original parameters."""
-    pieces = []
+def flat_parameters(module: Module) -> Iterator[tuple[str, Any]]:
+    """(the unit's name prefix, its flat parameter) of every FSDP unit holding original parameters."""
     for unit_name, unit in module.named_modules():
         handle = getattr(unit, "_handle", None) if isinstance(unit, FSDP) else None
         flat = handle.flat_param if handle is not None else None
-        if flat is None or flat._params is None:
-            continue
-        prefix = canonical_name(f"{unit_name}." if unit_name else "")
+        if flat is not None and flat._params is not None:
+            yield canonical_name(f"{unit_name}." if unit_name else ""), flat
+
+
+def local_pieces(module: Module) -> list[Piece]:
+    """Every parameter's local piece under FSDP; empty when `module` is not FSDP with original parameters."""
+    pieces = []
+    for prefix, flat in flat_parameters(module):
         for parameter, info, fqn, shape in zip(flat._params, flat._shard_param_infos, flat._fqns, flat._shapes):
             start = info.intra_param_start_idx if info.in_shard else 0
             pieces.append(Piece(canonical_name(prefix + fqn), parameter, tuple(shape), start))
     return pieces
+
+
+def tied_aliases(module: Module) -> dict[str, str]:
+    """Other names of tied parameters (T5's encoder and decoder embeddings and head are its shared embedding):
+    state dicts hold every name, FSDP one parameter. Maps each alias to the name of the parameter it is."""
+    aliases = {}
+    for prefix, flat in flat_parameters(module):
+        for info in flat._shared_param_infos:
+            alias = qualified(prefix, info.module_name, info.param_name)
+            aliases[alias] = qualified(prefix, info.prim_module_name, info.prim_param_name)
+    return aliases
+
+
+def qualified(prefix: str, module_name: str, parameter: str) -> str:
+    return canonical_name(prefix + (f"{module_name}." if module_name else "") + parameter)
 
 
 def persistent_buffers(module: Module) -> dict[str, torch.Tensor]:
@@ -77,20 +97,21 @@ def initialise_adamw_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def expected_shapes(pieces: list[Piece], buffers: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+def expected_shapes(pieces: list[Piece], buffers: dict[str, torch.Tensor],
+                    aliases: dict[str, str]) -> dict[str, tuple[int, ...]]:
     shapes = {MODEL_PREFIX + name: tuple(buffer.shape) for name, buffer in buffers.items()}
     for piece in pieces:
         shapes[MODEL_PREFIX + piece.name] = piece.shape
         shapes |= {f"{OPTIMIZER_PREFIX}{piece.name}.{key}": () if key == "step" else piece.shape
                    for key in ADAMW_STATE}
-    return shapes
+    return shapes | {MODEL_PREFIX + alias: shapes[MODEL_PREFIX + name] for alias, name in aliases.items()}
 
 
 @torch.no_grad()
 def load_into_shards(source: FileSource, module: Module, optimizer: Any, pieces: list[Piece], where: str) -> None:
     """Read every piece of the weights and AdamW's moments, and the step count, from a full checkpoint file."""
     buffers = persistent_buffers(module)
-    check_fits(source.shapes(), expected_shapes(pieces, buffers), where)
+    check_fits(source.shapes(), expected_shapes(pieces, buffers, tied_aliases(module)), where)
     optimizer = raw_optimizer(optimizer)
     initialise_adamw_state(optimizer)
     for name, buffer in buffers.items():

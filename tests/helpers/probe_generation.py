@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from app.data import load_data  # noqa: E402
 from app.model import deferred_init, setup_model  # noqa: E402
 from app.preflight import preflight  # noqa: E402
-from app.samples import CAUSAL, generate_samples  # noqa: E402
+from app.samples import decoding_for, generate_samples  # noqa: E402
 from app.strategy import build_fabric  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
@@ -25,8 +25,8 @@ def probe(fabric, cfg, inputs, deferred, report: str, stop_id: int, count: int, 
     model, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
     data = load_data(cfg.train_data_dir)
     samples = data.format.samples(data.validation, count)
-    generated = generate_samples(fabric, model, samples, decoding=CAUSAL, max_new_tokens=max_new_tokens,
-                                 stop_ids={stop_id})
+    generated = generate_samples(fabric, model, samples, decoding=decoding_for(inputs.model_config),
+                                 max_new_tokens=max_new_tokens, stop_ids={stop_id})
     if fabric.is_global_zero:
         Path(report).write_text(json.dumps(generated))
 

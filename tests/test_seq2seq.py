@@ -1,0 +1,108 @@
+"""Encoder-decoder models (seed 002's system): a T5 from a config trains under FSDP on 2 processes, generates in
+lockstep, converts to a folder AutoModelForSeq2SeqLM loads with identical logits, and padding never counts.
+
+Data: the standard library's code -> docstring summary pairs as source -> target, the tiny tokenizer.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM, T5Config
+
+from app.data import load_data
+from app.prepare import PrepareArgs, prepare
+from tests.conftest import ROOT, generate_through_the_application, run_train, stop_where_lengths_differ, train_args
+from tests.test_training import assert_succeeded, read_metrics
+
+
+@pytest.fixture(scope="module")
+def summaries(tiny, pairs, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("seq2seq") / "data"
+    prepare(PrepareArgs(input=[str(pairs)], source_field="code", target_field="summary", tokenizer=str(tiny.tokenizer),
+                        max_source_length=128, max_target_length=32, val_fraction=0.1, output_dir=str(folder)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def t5_config(tiny, tmp_path_factory) -> Path:
+    """A 2+2-layer T5, 64 wide; its decoder starts from <s>, pads with </s>; embeddings tied, as T5's always are."""
+    folder = tmp_path_factory.mktemp("t5")
+    vocab = len(__import__("transformers").AutoTokenizer.from_pretrained(tiny.tokenizer))
+    T5Config(vocab_size=vocab, d_model=64, d_ff=128, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=4,
+             decoder_start_token_id=1, bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def t5_run(tiny, summaries, t5_config, tmp_path_factory) -> Path:
+    """FSDP (T5Block units) over 2 processes, 8 steps, generation samples at every evaluation."""
+    out_dir = tmp_path_factory.mktemp("t5-run")
+    assert_succeeded(run_train(train_args(tiny, out_dir, model_config=t5_config, train_data_dir=summaries, max_step=8,
+                                          eval_step_interval=8, eval_samples=4, eval_max_new_tokens=6)))
+    return out_dir
+
+
+@pytest.mark.slow
+def test_t5_trains_under_fsdp_and_samples_are_scored(t5_run) -> None:
+    metrics = read_metrics(t5_run)
+    assert metrics[8]["train_loss"] < metrics[1]["train_loss"] - 0.5
+    assert metrics[8]["val_loss"] < metrics[0]["val_loss"]
+    for step in (0, 8):
+        assert {"sample_rouge1", "sample_rouge2", "sample_rougeL", "sample_length"} <= set(metrics[step])
+        assert len((t5_run / "samples" / f"step-{step:08d}.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.slow
+def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, tmp_path) -> None:
+    folder = tmp_path / "hf"
+    result = subprocess.run([sys.executable, str(ROOT / "convert_to_hf.py"), "--checkpoint", str(t5_run),
+                             "--output_dir", str(folder), "--dtype", "float32"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "logits verified (max relative difference 0.0e+00)" in result.stdout
+    assert "AutoModelForSeq2SeqLM.from_pretrained" in (folder / "README.md").read_text()
+    generated = subprocess.run([sys.executable, "-m", "app.generate", str(folder), "--prompt", "def f(x):\n    return x",
+                                "--max_new_tokens", "5", "--temperature", "0"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300)
+    assert generated.returncode == 0 and "-->" in generated.stdout, generated.stderr[-2000:]
+
+
+def test_padding_never_counts_in_the_loss(summaries, t5_config) -> None:
+    """A padded batch's mean loss times its trained tokens equals the sum of each example's own loss x tokens."""
+    data = load_data(summaries)
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLM.from_config(T5Config.from_pretrained(t5_config)).eval()
+    rows = data.train.__getitems__(list(range(6)))
+    batch = data.format.collate(rows)
+    assert (batch.inputs["attention_mask"] == 0).any() and (batch.inputs["labels"] == -100).any(), "padding"
+    with torch.no_grad():
+        padded = model(**batch.inputs).loss * batch.trained_tokens
+        alone = sum(model(input_ids=row["input_ids"][None], labels=row["labels"][None]).loss * len(row["labels"])
+                    for row in rows)
+    assert batch.trained_tokens == sum(len(row["labels"]) for row in rows)
+    assert padded.item() == pytest.approx(alone.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_t5_samples_under_fsdp_equal_transformers_generate_with_different_lengths(tiny, summaries, t5_config,
+                                                                                  tmp_path) -> None:
+    """A pretrained T5 (randomly initialised, attention and feed-forward weights x3, otherwise it repeats one token
+    whatever it reads), set up by the application on 2 FSDP ranks."""
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLM.from_config(T5Config.from_pretrained(t5_config)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if any(part in name for part in ("SelfAttention", "EncDecAttention", "DenseReluDense")):
+                parameter.mul_(3)
+    model.save_pretrained(tmp_path / "t5")
+    data = load_data(summaries)
+    samples = data.format.samples(data.validation, 4)
+    greedy = [model.generate(torch.tensor([s.prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                             pad_token_id=2)[0, 1:].tolist() for s in samples]
+    stop_id, expected = stop_where_lengths_differ(greedy)
+    assert generate_through_the_application(tiny, summaries, tmp_path / "t5", stop_id, 4, 10, tmp_path) == expected
