@@ -155,3 +155,27 @@ class SampleEvaluator:
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def latest_samples(out_dir: Path) -> Path:
+    """The samples file of a run's last evaluation."""
+    files = sorted((out_dir / "samples").glob("step-*.jsonl"))
+    if not files:
+        raise SystemExit(f"{out_dir}: no samples/ yet; train with --eval_samples N")
+    return files[-1]
+
+
+def show(out_dir: Path, count: int) -> str:
+    """The start of each prompt (whitespace collapsed), its reference and what the model wrote."""
+    path = latest_samples(out_dir)
+    lines = [f"{path}:"]
+    for record in map(json.loads, path.read_text().splitlines()[:count]):
+        lines += [f"  prompt     {' '.join(record['prompt'].split())[:110]}", f"  reference  {record['reference']}",
+                  f"  generated  {record['generated']}", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(show(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 4))
