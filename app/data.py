@@ -18,6 +18,7 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from torch.utils.data import DataLoader, Sampler
 
 from app.schedule import TrainingPlan
+from app.workers import worker_options
 
 
 def load_splits(train_data_dir: str | Path) -> DatasetDict:
@@ -58,7 +59,8 @@ def train_batches(fabric, split: Dataset, plan: TrainingPlan, *, seed: int, epoc
     while True:
         sampler = EpochBatches(len(split), plan, seed=seed, epoch=epoch, rank=fabric.global_rank, skip=position)
         loader = DataLoader(split, batch_sampler=sampler, num_workers=num_workers,
-                            pin_memory=fabric.device.type == "cuda", persistent_workers=False)
+                            pin_memory=fabric.device.type == "cuda", persistent_workers=False,
+                            **worker_options(num_workers))
         for batch in fabric.setup_dataloaders(loader, use_distributed_sampler=False, move_to_device=True):
             yield batch["input_ids"]
         epoch, position = epoch + 1, 0
