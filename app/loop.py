@@ -21,12 +21,13 @@ from app.observe import PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Sto
 from app.optim import set_learning_rate
 from app.schedule import TrainingPlan, learning_rate
 from app.signals import StepVerdict, StopRequest, step_verdict
+from app.watchdog import StallWatchdog
 
 if TYPE_CHECKING:
     from arguments import Config
 
 
-Outcome = Literal["finished", "preempted", "non_finite"]
+Outcome = Literal["finished", "preempted", "interrupted", "non_finite"]
 
 
 def train_step(fabric: Fabric, model, optimizer, micro_batches: list[torch.Tensor], grad_clip: float,
@@ -77,6 +78,7 @@ class Loop:
     stop: StopRequest
     clock: StepClock
     console: Console
+    watchdog: StallWatchdog
     resumed_from: Optional[Path] = None
     data_wait: Stopwatch = field(default_factory=Stopwatch)
     evaluation: Stopwatch = field(default_factory=Stopwatch)
@@ -94,6 +96,7 @@ class Loop:
         if state["step"] == 0 and cfg.initial_validation:
             self.fabric.log_dict(self.evaluate(), step=0)
         losses: list[torch.Tensor] = []
+        self.stop.begin_training()
         while state["step"] < plan.max_step:
             lr = learning_rate(state["step"] + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_step=plan.max_step, decay=cfg.lr_decay)
@@ -105,6 +108,7 @@ class Loop:
                 self.report_non_finite(loss, grad_norm)
                 return "non_finite"
             losses.append(loss)
+            self.watchdog.beat(arm=True)
             epoch_ended = advance_position(state, plan)
             throughput = self.clock.tick(state["step"])
             self.console.advance()
@@ -122,7 +126,7 @@ class Loop:
                 self.fabric.log_dict(metrics, step=step)
             if verdict.stop_requested and not last:
                 self.console.print(f"step {step}: stopped by a signal after saving; continue with --resume true")
-                return "preempted"
+                return "interrupted" if self.stop.interrupted else "preempted"
         return "finished"
 
     def gather_rank_stats(self, local_values: torch.Tensor) -> tuple[torch.Tensor, list[RankStats]]:
@@ -161,6 +165,7 @@ class Loop:
             loss = validation_loss(self.fabric, self.state["model"], self.splits["validation"],
                                    batch_size=cfg.eval_batch_size or cfg.micro_batch_size, max_batches=cfg.eval_iters)
         self.state["val_loss"] = loss
+        self.watchdog.beat()
         self.console.print(f"step {self.state['step']}: val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
         return {"val_loss": loss, "val_ppl": perplexity(loss)}
 
@@ -176,6 +181,7 @@ class Loop:
         with self.saving.measure():
             self.state["rng"] = rng_of_every_rank(self.fabric)
             save_checkpoint(self.fabric, path, self.state)
+        self.watchdog.beat()
         self.console.print(f"step {step}: saved {path} in {self.saving.last:.1f} s")
         if self.fabric.is_global_zero:
             if evaluated:

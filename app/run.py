@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -18,17 +19,21 @@ from app.model import DeferredInit, build_model, deferred_init, load_pretrained_
 from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.optim import build_optimizer, no_decay_names
 from app.preflight import RunInputs, preflight
-from app.exit_codes import EXIT_FINISHED, EXIT_NON_FINITE, EXIT_PREEMPTED
+from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED
 from app.signals import StopRequest, exit_run, requeue_slurm_job
 from app.strategy import build_fabric
+from app.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
+from app.workers import start_worker_server
 
 if TYPE_CHECKING:
     from arguments import Config
 
-EXIT_CODES = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED, "non_finite": EXIT_NON_FINITE}
+EXIT_CODES = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED,
+              "non_finite": EXIT_NON_FINITE}
 
 
 def run(cfg: Config) -> None:
+    print_stacks_on_signal()
     inputs = preflight(cfg)
     if cfg.estimate_memory:
         shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
@@ -37,7 +42,16 @@ def run(cfg: Config) -> None:
     resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
     deferred = deferred_init(cfg, inputs.model_config)
     param_init_fn = deferred.param_init_fn if deferred else None
+    if cfg.num_workers:
+        start_worker_server()
     fabric = build_fabric(cfg, inputs.wrap_classes, make_loggers(cfg, resume_step), param_init_fn)
+    if inputs.plan.world_size > 1:
+        RendezvousDeadline(cfg.rendezvous_timeout_min * 60, nodes=cfg.num_nodes, world_size=inputs.plan.world_size,
+                           node_rank=fabric.node_rank, local_rank=fabric.local_rank).start()
+        # The ranks Lightning's launcher starts inherit the mask, so that a Ctrl-C while their interpreter starts cannot
+        # print a KeyboardInterrupt; here the deadline's thread takes it meanwhile (SIGINT's default action ends the
+        # process), until the StopRequest unblocks it again.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     fabric.launch(main, cfg, inputs, deferred)
 
 
@@ -82,9 +96,14 @@ def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, start_step: int) 
                      available_flops=peak_flops(fabric.device, cfg.precision))
 
 
+def stall_watchdog(fabric: Fabric, cfg: Config) -> StallWatchdog:
+    head_start = 0.0 if fabric.local_rank == 0 else LAUNCHER_HEAD_START_SEC
+    return StallWatchdog(cfg.stall_timeout_min * 60, rank=fabric.global_rank, head_start_sec=head_start).start()
+
+
 def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> None:
     stop = StopRequest()
-    stop.install()
+    stop.install(announce=fabric.is_global_zero)
     fabric.seed_everything(cfg.seed)
     splits = load_splits(cfg.train_data_dir)
     model = build_model(fabric, cfg, inputs.model_config, deferred)
@@ -107,8 +126,9 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
     loop = Loop(fabric=fabric, cfg=cfg, plan=plan, splits=splits, state=state, stop=stop,
                 clock=step_clock(fabric, cfg, inputs, state["step"]), console=console,
-                resumed_from=inputs.resume_from)
+                watchdog=stall_watchdog(fabric, cfg), resumed_from=inputs.resume_from)
     outcome = loop.fit()
+    loop.watchdog.disarm()
     console.close()
     report_summary(fabric, cfg.out_dir, loop.summarize(), console)
     if outcome == "preempted" and cfg.requeue_on_signal and fabric.is_global_zero:

@@ -14,6 +14,7 @@ run takes exactly the path the CPU tests take. Tied to lightning==2.6.6 (pinned 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
@@ -94,8 +95,9 @@ def build_strategy(cfg: Config, wrap_classes: set[type[Module]], param_init_fn: 
         return XLAFSDPStrategy(auto_wrap_policy=wrap_classes, state_dict_type=cfg.state_dict_type)
     if cfg.strategy == "single_device":
         return SingleDeviceStrategy(device=torch.device("cuda", 0) if accelerator == "cuda" else torch.device(accelerator))
+    timeout = timedelta(minutes=cfg.process_group_timeout_min)
     if cfg.strategy == "ddp":
-        return DDPStrategy(**DDP_OPTIONS)
+        return DDPStrategy(timeout=timeout, **DDP_OPTIONS)
     fsdp_class = CPUFSDPStrategy if accelerator == "cpu" else FSDPStrategy
     return fsdp_class(
         auto_wrap_policy=wrap_classes,
@@ -106,6 +108,7 @@ def build_strategy(cfg: Config, wrap_classes: set[type[Module]], param_init_fn: 
         cpu_offload=cfg.cpu_offload,
         backward_prefetch=None if cfg.backward_prefetch == "none" else BackwardPrefetch[cfg.backward_prefetch],
         forward_prefetch=cfg.forward_prefetch,
+        timeout=timeout,
         **({"param_init_fn": param_init_fn} if param_init_fn else {}),
     )
 
