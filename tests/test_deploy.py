@@ -69,10 +69,11 @@ def sbatch_options(path: Path) -> dict[str, str]:
 
 
 def launch_command(path: Path, program: str) -> list[str]:
-    """The words of the (continued) command line that starts with `program`."""
+    """The words of the (continued) command line that starts with `program`, without a trailing `|| ...`."""
     joined = re.sub(r"\\\n", " ", path.read_text())
     line = next(line for line in joined.splitlines() if line.strip().startswith(program + " "))
-    return shlex.split(line, posix=True)
+    words = shlex.split(line, posix=True)
+    return words[:words.index("||")] if "||" in words else words
 
 
 def flag_value(words: list[str], flag: str) -> str:
@@ -244,7 +245,7 @@ def test_torchrun_sbatch_starts_one_launcher_per_node_with_one_worker_per_gpu():
     options = sbatch_options(SBATCH_TORCHRUN)
     assert options["ntasks-per-node"] == "1"
     words = launch_command(SBATCH_TORCHRUN, "srun")
-    assert words[1] == "torchrun"
+    assert words[1:4] == ["python", "-m", "app.torchrun"]  # torchrun passing on the failed worker's exit code
     assert flag_value(words, "--nproc_per_node") == flag_value(words, "--devices") == "$GPUS_PER_NODE"
     assert flag_value(words, "--nnodes") == flag_value(words, "--num_nodes") == "$SLURM_NNODES"
     assert "SIGUSR1" in flag_value(words, "--signals_to_handle").split(",")
