@@ -2,7 +2,8 @@
 
 Training: each epoch is a seeded permutation of the train split, dealt round-robin to the ranks, so each rank
 reads a disjoint part; the order depends on (seed, epoch) only. Resuming at `position` micro-batches into an epoch
-skips those batches by index, without reading them.
+skips those batches by index, without reading them. Worker processes (--num_workers) start as app/workers.py says:
+forked by a forkserver, never by the rank, and deaf to the stop signals meant for the rank.
 Evaluation: the validation split in order, every rank taking the same number of batches (a rank past the end of
 the data gets padding rows of weight zero), so that FSDP's collectives never wait on a rank that has run out.
 """
