@@ -13,7 +13,8 @@ Signals: Slurm, `kill -TERM -- -PGID` and a terminal's Ctrl-C signal every proce
 torch's worker handler dies on a SIGTERM its parent did not send, and the rank then fails with "DataLoader worker
 (pid N) is killed by signal: Terminated". The forkserver and multiprocessing's resource tracker start with SIGTERM,
 SIGUSR1 and SIGINT blocked (a signal mask survives fork and exec), so they outlive those signals, and the workers
-they fork start with them blocked too: there is no window before `worker_init_fn`, which ignores them. The rank
+they fork start with them blocked too: there is no window before `worker_init_fn`, which ignores them. SIGUSR2
+(print the stacks) is blocked in the helpers the same way, so `kill -USR2 -- -PGID` reaches only ranks and workers. The rank
 alone decides when to stop. A worker still ends when its rank shuts the loader down, or within seconds of its rank's
 death (the forkserver exits with the rank, and torch's worker watches its parent).
 """
@@ -30,19 +31,22 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from app.watchdog import print_stacks_on_signal
+from app.watchdog import STACKS_SIGNAL, print_stacks_on_signal
 
 RANK_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """The signals a rank handles itself (app/signals.py) and its workers must leave alone."""
+BLOCKED_AT_START = (*RANK_SIGNALS, STACKS_SIGNAL)
+"""Blocked in the forkserver and the resource tracker for good, and in the workers until worker_init_fn: so that a
+signal to every process of the run (SIGUSR2 too: stacks, see app/watchdog.py) never kills them."""
 PRELOADED = ["torch", "datasets"]
 """Imported once by the forkserver, so that a worker starts in milliseconds instead of seconds."""
 
 
 @contextmanager
-def rank_signals_blocked() -> Iterator[None]:
-    """Block RANK_SIGNALS in the calling thread only: the rank's other threads still take them (and its handler
-    records them), while every process started meanwhile inherits the mask."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS)
+def blocked_at_start() -> Iterator[None]:
+    """Block BLOCKED_AT_START in the calling thread only: the rank's other threads still take those signals (and
+    its handlers act on them), while every process started meanwhile inherits the mask."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED_AT_START)
     try:
         yield
     finally:
@@ -50,13 +54,13 @@ def rank_signals_blocked() -> Iterator[None]:
 
 
 def leave_rank_signals_to_the_rank(worker_id: int) -> None:
-    """worker_init_fn: ignore RANK_SIGNALS (replacing torch's SIGTERM handler, installed just before), then unblock
-    them; let the forkserver end with the rank; SIGUSR2 prints the worker's Python stacks, as it does in the ranks."""
+    """worker_init_fn: ignore RANK_SIGNALS (replacing torch's SIGTERM handler, installed just before), print the
+    worker's Python stacks on SIGUSR2 as the ranks do, unblock them all; let the forkserver end with the rank."""
     for rank_signal in RANK_SIGNALS:
         signal.signal(rank_signal, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, RANK_SIGNALS)
-    release_forkserver()
     print_stacks_on_signal()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED_AT_START)
+    release_forkserver()
 
 
 def release_forkserver() -> None:
@@ -83,7 +87,7 @@ def start_worker_server() -> BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)
     for start in (resource_tracker.ensure_running, forkserver.ensure_running):
-        with rank_signals_blocked():  # one at a time: starting the tracker unblocks SIGINT and SIGTERM on return
+        with blocked_at_start():  # one at a time: starting the tracker unblocks SIGINT and SIGTERM on return
             start()
     atexit.unregister(kill_workers_left_at_exit)  # registered once
     atexit.register(kill_workers_left_at_exit)

@@ -14,10 +14,10 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import psutil
 import pytest
@@ -27,6 +27,7 @@ from app.checkpoint import list_checkpoints, mark_if_best, prune_checkpoints, re
 from app.exit_codes import (EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
                             EXIT_STALLED)
 from app.signals import INTERRUPT_MESSAGE
+from app.watchdog import STACKS_SIGNAL
 from conftest import ROOT, TinySetup, run_train, train_args
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
@@ -203,46 +204,52 @@ def test_three_sigkills_resume_at_the_next_step_then_sigusr1_to_all_saves(tiny: 
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith((".partial", ".replaced"))]
 
 
-def stopped_step(output: str) -> int:
-    return int(re.search(r"step (\d+): stopped by a signal", output).group(1))
+@contextmanager
+def launched(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[Launched]:
+    """`launch`, and whatever happens, no process of the run left afterwards."""
+    run = launch(args, log, env)
+    try:
+        yield run
+    finally:
+        run.kill()
+
+
+def stop_gracefully(run: Launched, signum: int, code: int, out_dir: Path) -> tuple[int, float]:
+    """Send `signum` to every process of the run: it must save the current step and exit with `code`, without a
+    traceback and leaving no process behind. Returns the step and the seconds until the save was announced."""
+    sent = time.monotonic()
+    os.killpg(run.process.pid, signum)
+    seconds = run.wait_for(r"stopped by a signal after saving") - sent
+    assert run.finish() == code, run.output()
+    step = int(re.search(r"step (\d+): stopped by a signal", run.output()).group(1))
+    assert step in list_checkpoints(out_dir) and "Traceback" not in run.output(), run.output()
+    assert "resource_tracker" not in run.output(), run.output()  # multiprocessing's helper outlived the signal
+    run.assert_nothing_left()
+    return step, seconds
 
 
 @pytest.mark.slow
 def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySetup, tmp_path: Path):
-    """SIGTERM to the whole process group, data loader workers included (Slurm's scancel and time limit,
-    `kill -TERM -- -PGID`); then Ctrl-C (SIGINT to the group, as a terminal sends it) once on the resumed run; then
+    """SIGUSR2 (stacks), then SIGTERM to the whole process group, data loader workers included (Slurm's scancel and
+    time limit, `kill -TERM -- -PGID`); then Ctrl-C (SIGINT to the group, as a terminal sends it) once on the resumed run; then
     twice on the next one while rank 1 waits for ever on its workers and rank 0 on the collective."""
     out = tmp_path / "run"
     args = train_args(tiny, out, num_workers=2, max_step=300, save_step_interval=100, eval_step_interval=100)
-    run = launch(args, tmp_path / "sigterm.log")
-    try:
+    with launched(args, tmp_path / "sigterm.log") as run:
         run.wait_for_step(2)
         workers = [w for w in run.processes() if w.name() == "pt_data_worker"]
         assert len(workers) == 4 and all("forkserver" in " ".join(w.parent().cmdline()) for w in workers)
-        sent = time.monotonic()
-        os.killpg(run.process.pid, signal.SIGTERM)
-        seconds_to_checkpoint = run.wait_for(r"stopped by a signal after saving") - sent
-        assert run.finish() == EXIT_PREEMPTED, run.output()
-        first_stop = stopped_step(run.output())
-        assert first_stop in list_checkpoints(out) and "Traceback" not in run.output(), run.output()
-        run.assert_nothing_left()
-    finally:
-        run.kill()
+        os.killpg(run.process.pid, STACKS_SIGNAL)  # every rank and worker prints its stacks; the run goes on
+        run.wait_for(r"in _worker_loop")
+        run.wait_for_step(3)
+        first_stop, seconds_to_checkpoint = stop_gracefully(run, signal.SIGTERM, EXIT_PREEMPTED, out)
 
-    run = launch(args + ["--resume", "true"], tmp_path / "ctrl-c.log")
-    try:
+    with launched(args + ["--resume", "true"], tmp_path / "ctrl-c.log") as run:
         run.wait_for_step(first_stop + 2)
-        os.killpg(run.process.pid, signal.SIGINT)
-        assert run.finish() == EXIT_INTERRUPTED, run.output()
-        second_stop = stopped_step(run.output())
-        assert run.output().count(INTERRUPT_MESSAGE) == 1 and "Traceback" not in run.output(), run.output()
-        assert second_stop > first_stop and second_stop in list_checkpoints(out)
-        run.assert_nothing_left()
-    finally:
-        run.kill()
+        second_stop, _ = stop_gracefully(run, signal.SIGINT, EXIT_INTERRUPTED, out)
+        assert second_stop > first_stop and run.output().count(INTERRUPT_MESSAGE) == 1, run.output()
 
-    run = launch(args + ["--resume", "true"], tmp_path / "ctrl-c-twice.log")
-    try:
+    with launched(args + ["--resume", "true"], tmp_path / "ctrl-c-twice.log") as run:
         run.wait_for_step(second_stop + 2)
         for worker in run.workers_of(run.other_rank()):
             worker.suspend()
@@ -256,8 +263,6 @@ def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySet
         assert "Traceback" not in run.output() and "KeyboardInterrupt" not in run.output(), run.output()
         assert max(list_checkpoints(out)) == second_stop
         run.assert_nothing_left()
-    finally:
-        run.kill()
     print(f"\nSIGTERM to every process: checkpoint of step {first_stop} written and announced "
           f"{seconds_to_checkpoint:.1f} s after the signal; a second Ctrl-C quit in {seconds_to_quit:.1f} s")
 
@@ -265,9 +270,8 @@ def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySet
 @pytest.mark.slow
 def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: TinySetup, tmp_path: Path):
     """Rank 1's data loader worker stops (SIGSTOP): rank 1 waits on it, rank 0 on the next collective."""
-    run = launch(train_args(tiny, tmp_path / "run", num_workers=1, max_step=300, save_step_interval=100,
-                            eval_step_interval=100, stall_timeout_min=0.1), tmp_path / "stall.log")
-    try:
+    with launched(train_args(tiny, tmp_path / "run", num_workers=1, max_step=300, save_step_interval=100,
+                             eval_step_interval=100, stall_timeout_min=0.1), tmp_path / "stall.log") as run:
         run.wait_for_step(3)
         for worker in run.workers_of(run.other_rank()):
             worker.suspend()
@@ -279,8 +283,6 @@ def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: Ti
         assert "in all_gather" in output and "in _try_get_data" in output, output  # rank 0's stack, rank 1's
         assert "Traceback" not in output
         run.assert_nothing_left()
-    finally:
-        run.kill()
     print(f"\nstall watchdog (--stall_timeout_min 0.1): exit {EXIT_STALLED} {seconds:.1f} s after the worker hung")
 
 
@@ -297,9 +299,8 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
     port = free_port()
     by_hand = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0"}
     started = time.monotonic()
-    run = launch(train_args(tiny, tmp_path / "run", num_nodes=2, rendezvous_timeout_min=0.1),
-                 tmp_path / "rendezvous.log", env=by_hand)
-    try:
+    with launched(train_args(tiny, tmp_path / "run", num_nodes=2, rendezvous_timeout_min=0.1),
+                  tmp_path / "rendezvous.log", env=by_hand) as run:
         assert run.finish(timeout=120) == EXIT_RENDEZVOUS_TIMEOUT, run.output()
         seconds = time.monotonic() - started
         errors = [line for line in run.output().splitlines() if line.startswith("error:")]
@@ -307,18 +308,13 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
         assert f"127.0.0.1:{port}" in errors[0] and "expecting 4 ranks on 2 nodes" in errors[0]
         assert "Traceback" not in run.output()
         run.assert_nothing_left()
-    finally:
-        run.kill()
 
-    run = launch(train_args(tiny, tmp_path / "run", num_nodes=2), tmp_path / "ctrl-c.log", env=by_hand)
-    try:
+    with launched(train_args(tiny, tmp_path / "run", num_nodes=2), tmp_path / "ctrl-c.log", env=by_hand) as run:
         sent = run.wait_for(r"GLOBAL_RANK: 0")
         os.killpg(run.process.pid, signal.SIGINT)
         assert run.finish(timeout=30) in (EXIT_INTERRUPTED, -signal.SIGINT), run.output()
         assert time.monotonic() - sent < 10 and "Traceback" not in run.output(), run.output()
         run.assert_nothing_left()
-    finally:
-        run.kill()
     print(f"\nrendezvous without the second node: exit {EXIT_RENDEZVOUS_TIMEOUT} after {seconds:.1f} s in all "
           "(--rendezvous_timeout_min 0.1, start-up included)")
 
