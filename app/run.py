@@ -21,7 +21,7 @@ from app.optim import build_optimizer, no_decay_names
 from app.preflight import RunInputs, preflight
 from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED
 from app.signals import StopRequest, exit_run, requeue_slurm_job
-from app.strategy import build_fabric
+from app.strategy import build_fabric, resolve_accelerator
 from app.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
 from app.workers import start_worker_server
 
@@ -45,14 +45,20 @@ def run(cfg: Config) -> None:
     if cfg.num_workers:
         start_worker_server()
     fabric = build_fabric(cfg, inputs.wrap_classes, make_loggers(cfg, resume_step), param_init_fn)
-    if inputs.plan.world_size > 1:
-        RendezvousDeadline(cfg.rendezvous_timeout_min * 60, nodes=cfg.num_nodes, world_size=inputs.plan.world_size,
-                           node_rank=fabric.node_rank, local_rank=fabric.local_rank).start()
-        # The ranks Lightning's launcher starts inherit the mask, so that a Ctrl-C while their interpreter starts cannot
-        # print a KeyboardInterrupt; here the deadline's thread takes it meanwhile (SIGINT's default action ends the
-        # process), until the StopRequest unblocks it again.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    bound_rendezvous(cfg, fabric, inputs.plan.world_size)
     fabric.launch(main, cfg, inputs, deferred)
+
+
+def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:
+    """Start the rendezvous deadline (for torch.distributed: XLA's ranks meet otherwise), and block SIGINT in this
+    thread until StopRequest unblocks it: the ranks Lightning's launcher starts inherit the mask, so that a Ctrl-C
+    while their interpreter starts cannot print a KeyboardInterrupt; here the deadline's thread takes it meanwhile
+    (SIGINT's default action ends the process)."""
+    if world_size == 1 or resolve_accelerator(cfg) == "tpu":
+        return
+    RendezvousDeadline(cfg.rendezvous_timeout_min * 60, nodes=cfg.num_nodes, world_size=world_size,
+                       node_rank=fabric.node_rank, local_rank=fabric.local_rank).start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) -> dict[str, Any]:
