@@ -253,7 +253,7 @@ def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySet
         run.wait_for_step(second_stop + 2)
         for worker in run.workers_of(run.other_rank()):
             worker.suspend()
-        run.wait_until_quiet(seconds=3)
+        run.wait_until_quiet(seconds=5)
         os.killpg(run.process.pid, signal.SIGINT)
         run.wait_for(re.escape(INTERRUPT_MESSAGE), timeout=10)
         sent = time.monotonic()
