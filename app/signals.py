@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED
-from app.watchdog import end_process_tree
+from app.watchdog import end_process_tree, say
 
 if TYPE_CHECKING:
     from lightning import Fabric
@@ -82,11 +82,11 @@ class StopRequest:
 
     def _interrupt(self) -> None:
         if self.interrupted or not self.training:
-            end_process_tree(EXIT_INTERRUPTED, collect_stacks=False)
+            end_process_tree(EXIT_INTERRUPTED, stacks=False)
         self.interrupted = True
         self.signal = self.signal or signal.SIGINT
         if self.announce:
-            os.write(sys.stderr.fileno(), f"\n{INTERRUPT_MESSAGE}\n".encode())
+            say(f"\n{INTERRUPT_MESSAGE}\n")
 
     @property
     def requested(self) -> bool:

@@ -16,8 +16,10 @@ import faulthandler
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import NoReturn, Optional
 
@@ -27,8 +29,8 @@ import torch.distributed as dist
 from app.exit_codes import EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED
 
 STACKS_SIGNAL = signal.SIGUSR2
-STACKS_WAIT_SEC = 1.0
-"""How long a watchdog waits for the processes it started to print their stacks before it kills them."""
+STACKS_WAIT_SEC = 0.3
+"""How long to wait for one process to print its stacks before asking the next one (or killing it)."""
 LAUNCHER_HEAD_START_SEC = 10.0
 """Ranks other than a node's launching process expire this much later. Under Lightning's own launcher the other
 ranks are the launching process's children, and when a child exits first, Lightning SIGKILLs the launching process
@@ -40,27 +42,46 @@ def print_stacks_on_signal() -> None:
     faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
 
-def say(line: str) -> None:
-    """One line on stderr, bypassing Python's stream lock (which a hung main thread may hold)."""
-    os.write(sys.stderr.fileno(), (line + "\n").encode())
+def say(text: str) -> None:
+    """Text on stderr in as few writes as the OS allows, bypassing Python's stream lock (which a hung main thread may
+    hold), so that other processes writing to the same log at the same time do not split it."""
+    data = text.encode()
+    while data:
+        data = data[os.write(sys.stderr.fileno(), data):]
 
 
-def end_process_tree(code: int, collect_stacks: bool) -> NoReturn:
-    """Kill every process this one started (after asking them for their stacks), then exit at once with `code`."""
-    descendants = psutil.Process().children(recursive=True)
-    if collect_stacks:
-        send(descendants, STACKS_SIGNAL)
+def print_own_stacks() -> None:
+    """This process's Python stacks (every thread), gathered first and written in one piece: faulthandler itself
+    writes line fragments, which interleave with another process's in a shared log."""
+    with tempfile.TemporaryFile() as gathered:
+        faulthandler.dump_traceback(file=gathered, all_threads=True)
+        gathered.seek(0)
+        say(gathered.read().decode(errors="replace"))
+
+
+def collect_stacks(processes: list[psutil.Process]) -> None:
+    """Ask the processes for their stacks (STACKS_SIGNAL) one at a time, for the same reason, each under a header
+    (the helper processes, which keep the signal blocked, print nothing under theirs)."""
+    for process in processes:
+        with suppress(psutil.NoSuchProcess):
+            say(f"stacks of process {process.pid} ({process.name()}: {' '.join(process.cmdline())[:100]}):\n")
+        send([process], STACKS_SIGNAL)
         time.sleep(STACKS_WAIT_SEC)
+
+
+def end_process_tree(code: int, stacks: bool) -> NoReturn:
+    """Kill every process this one started (after collecting their stacks), then exit at once with `code`."""
+    descendants = psutil.Process().children(recursive=True)
+    if stacks:
+        collect_stacks(descendants)
     send(descendants, signal.SIGKILL)
     os._exit(code)
 
 
 def send(processes: list[psutil.Process], signum: int) -> None:
     for process in processes:
-        try:
+        with suppress(psutil.NoSuchProcess):
             process.send_signal(signum)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def poll_interval(timeout_sec: float) -> float:
@@ -103,9 +124,9 @@ class StallWatchdog:
     def _expire(self, idle_sec: float) -> NoReturn:
         say(f"rank {self.rank}: stalled: no optimizer step, evaluation or save finished in {idle_sec / 60:.1f} min "
             f"(--stall_timeout_min {self.timeout_sec / 60:g}); the Python stacks of this rank and of the processes it "
-            f"started follow, then the run ends with exit code {EXIT_STALLED}: resume with --resume true")
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        end_process_tree(EXIT_STALLED, collect_stacks=True)
+            f"started follow, then the run ends with exit code {EXIT_STALLED}: resume with --resume true\n")
+        print_own_stacks()
+        end_process_tree(EXIT_STALLED, stacks=True)
 
 
 @dataclass(frozen=True)
@@ -129,8 +150,8 @@ class RendezvousDeadline:
         deadline = time.monotonic() + self.timeout_sec
         while not dist.is_initialized():
             if time.monotonic() > deadline:
-                say(self.message())
-                end_process_tree(EXIT_RENDEZVOUS_TIMEOUT, collect_stacks=False)
+                say(self.message() + "\n")
+                end_process_tree(EXIT_RENDEZVOUS_TIMEOUT, stacks=False)
             time.sleep(poll_interval(self.timeout_sec))
 
     def message(self) -> str:

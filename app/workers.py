@@ -14,9 +14,9 @@ torch's worker handler dies on a SIGTERM its parent did not send, and the rank t
 (pid N) is killed by signal: Terminated". The forkserver and multiprocessing's resource tracker start with SIGTERM,
 SIGUSR1 and SIGINT blocked (a signal mask survives fork and exec), so they outlive those signals, and the workers
 they fork start with them blocked too: there is no window before `worker_init_fn`, which ignores them. SIGUSR2
-(print the stacks) is blocked in the helpers the same way, so `kill -USR2 -- -PGID` reaches only ranks and workers. The rank
-alone decides when to stop. A worker still ends when its rank shuts the loader down, or within seconds of its rank's
-death (the forkserver exits with the rank, and torch's worker watches its parent).
+(print the stacks) is blocked in the helpers the same way, so `kill -USR2 -- -PGID` reaches only ranks and workers.
+The rank alone decides when to stop. A worker still ends when its rank shuts the loader down, or within seconds of
+its rank's death (the forkserver exits with the rank, and torch's worker watches its parent).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from app.checkpoint import list_checkpoints, mark_if_best, prune_checkpoints, re
 from app.exit_codes import (EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
                             EXIT_STALLED)
 from app.signals import INTERRUPT_MESSAGE
-from app.watchdog import STACKS_SIGNAL
+from app.watchdog import collect_stacks
 from conftest import ROOT, TinySetup, run_train, train_args
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
@@ -230,16 +230,17 @@ def stop_gracefully(run: Launched, signum: int, code: int, out_dir: Path) -> tup
 
 @pytest.mark.slow
 def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySetup, tmp_path: Path):
-    """SIGUSR2 (stacks), then SIGTERM to the whole process group, data loader workers included (Slurm's scancel and
-    time limit, `kill -TERM -- -PGID`); then Ctrl-C (SIGINT to the group, as a terminal sends it) once on the resumed run; then
-    twice on the next one while rank 1 waits for ever on its workers and rank 0 on the collective."""
+    """SIGUSR2 (stacks) to each process, then SIGTERM to the whole process group, data loader workers included
+    (Slurm's scancel and time limit, `kill -TERM -- -PGID`); then Ctrl-C (SIGINT to the group, as a terminal sends
+    it) once on the resumed run; then twice on the next one while rank 1 waits for ever on its workers and rank 0 on
+    the collective."""
     out = tmp_path / "run"
     args = train_args(tiny, out, num_workers=2, max_step=300, save_step_interval=100, eval_step_interval=100)
     with launched(args, tmp_path / "sigterm.log") as run:
         run.wait_for_step(2)
         workers = [w for w in run.processes() if w.name() == "pt_data_worker"]
         assert len(workers) == 4 and all("forkserver" in " ".join(w.parent().cmdline()) for w in workers)
-        os.killpg(run.process.pid, STACKS_SIGNAL)  # every rank and worker prints its stacks; the run goes on
+        collect_stacks(run.processes())  # every rank and worker prints its stacks; the run goes on
         run.wait_for(r"in _worker_loop")
         run.wait_for_step(3)
         first_stop, seconds_to_checkpoint = stop_gracefully(run, signal.SIGTERM, EXIT_PREEMPTED, out)
