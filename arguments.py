@@ -214,13 +214,25 @@ class PlannerArgs:
     """Memory of one device for --estimate_memory (e.g. 80 to plan for an H100 elsewhere); default: this machine's."""
 
 
+@dataclass
+class ReliabilityArgs:
+    """Reliability"""
+
+    stall_timeout_min: float = 30.0
+    """End the run (exit 4, stacks printed) when no step, evaluation or save finishes for this long; 0 never does."""
+    process_group_timeout_min: float = 30.0
+    """Timeout of each collective (torch.distributed); keep it >= --stall_timeout_min so the watchdog acts first."""
+    rendezvous_timeout_min: float = 10.0
+    """End the run (exit 5) when the ranks of all nodes have not joined the process group this long after launch."""
+
+
 GROUPS = (DeviceArgs, DataArgs, ModelArgs, FSDPArgs, CheckpointArgs, TrainingArgs, EvalArgs, SaveArgs, LoggingArgs,
-          PlannerArgs)
+          PlannerArgs, ReliabilityArgs)
 
 
 @dataclass
-class Config(PlannerArgs, LoggingArgs, SaveArgs, EvalArgs, TrainingArgs, CheckpointArgs, FSDPArgs, ModelArgs,
-             DataArgs, DeviceArgs):
+class Config(ReliabilityArgs, PlannerArgs, LoggingArgs, SaveArgs, EvalArgs, TrainingArgs, CheckpointArgs, FSDPArgs,
+             ModelArgs, DataArgs, DeviceArgs):
     """All options of one run, flat as on the command line (`cfg.lr`, `cfg.devices`)."""
 
     def to_dict(self) -> dict:
@@ -292,6 +304,9 @@ def validate_config(cfg: Config) -> list[str]:
         require(value is None or value > 0, f"--{name} must be positive, got {value}")
     require(cfg.num_workers >= 0, f"--num_workers must be 0 or more, got {cfg.num_workers}")
     require(cfg.eval_samples >= 0, f"--eval_samples must be 0 or more, got {cfg.eval_samples}")
+    require(cfg.stall_timeout_min >= 0, f"--stall_timeout_min must be 0 (off) or positive, got {cfg.stall_timeout_min}")
+    for name in ("process_group_timeout_min", "rendezvous_timeout_min"):
+        require(getattr(cfg, name) > 0, f"--{name} must be positive, got {getattr(cfg, name)}")
     require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
     require(0 <= cfg.min_lr <= cfg.lr, f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}")

@@ -1,8 +1,15 @@
 """Train a Hugging Face causal LM with Lightning Fabric and FSDP: `python train.py --help`."""
 
+import signal
+
 from arguments import parse_config
 
 if __name__ == "__main__":
+    # Until training starts, Ctrl-C ends the process at once by SIGINT's default action: quietly (no KeyboardInterrupt
+    # traceback) and even while it waits in C code (the rendezvous); a shell reports 130. app/signals.py takes over.
+    # A rank started by Lightning's launcher inherits SIGINT blocked (app/run.py): a pending Ctrl-C ends it here.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     config = parse_config()
     from app.run import run
 

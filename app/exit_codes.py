@@ -1,7 +1,8 @@
 """The exit status of train.py, for users, wrapper scripts and schedulers (imports nothing, so arguments.py can use it).
 
 Each node's launching process (local rank 0) exits with it; the other ranks exit 0, so that Lightning's launcher
-does not kill the launching process for a child's non-zero status while it is still shutting down.
+does not kill the launching process for a child's non-zero status while it is still shutting down. The exceptions
+end every process at once, each with the code: a stall, a rendezvous timeout, and Ctrl-C outside the save path.
 """
 
 EXIT_FINISHED = 0
@@ -10,5 +11,15 @@ EXIT_BAD_INPUT = 2
 """An option, file or folder was wrong: refused before any work, one line per problem, nothing written."""
 EXIT_NON_FINITE = 3
 """A non-finite loss or gradient norm stopped the run; that step was not applied and nothing was saved from it."""
+EXIT_STALLED = 4
+"""No optimizer step, evaluation or save finished within --stall_timeout_min: every rank printed its Python stacks
+and the run ended without saving. Requeue and resume (--resume true) from the latest checkpoint; the Slurm scripts
+do that."""
+EXIT_RENDEZVOUS_TIMEOUT = 5
+"""The ranks did not all meet within --rendezvous_timeout_min at start-up (a node that never started, or wrong
+MASTER_ADDR/MASTER_PORT/NODE_RANK); nothing was trained. The Slurm scripts requeue, as a node may have failed."""
 EXIT_PREEMPTED = 75
 """SIGTERM/SIGUSR1 stopped the run after a checkpoint of the current step (EX_TEMPFAIL): rerun with --resume true."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (SIGINT, 128 + 2): the first one during training stops after a checkpoint of the current step; a second
+one, or one before the first step, quits at once without saving. Not requeued: the user stopped the run."""

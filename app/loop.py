@@ -20,12 +20,13 @@ from app.optim import GradientPolicy, clip_gradients, gradient_square_sum, set_l
 from app.schedule import TrainingPlan, learning_rate
 from app.samples import SampleEvaluator
 from app.signals import StepVerdict, StopRequest, step_verdict
+from app.watchdog import StallWatchdog
 
 if TYPE_CHECKING:
     from arguments import Config
 
 
-Outcome = Literal["finished", "preempted", "non_finite"]
+Outcome = Literal["finished", "preempted", "interrupted", "non_finite"]
 
 
 def micro_batch_loss(model, batch: Batch, step_tokens: int, world_size: int) -> torch.Tensor:
@@ -96,6 +97,7 @@ class Loop:
     clock: StepClock
     console: Console
     gradients: GradientPolicy
+    watchdog: StallWatchdog
     samples: Optional[SampleEvaluator] = None
     resumed_from: Optional[Path] = None
     data_wait: Stopwatch = field(default_factory=Stopwatch)
@@ -114,6 +116,7 @@ class Loop:
         if state["step"] == 0 and cfg.initial_validation:
             self.fabric.log_dict(self.evaluate(), step=0)
         losses: list[torch.Tensor] = []
+        self.stop.begin_training()
         while state["step"] < plan.max_step:
             lr = learning_rate(state["step"] + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                max_step=plan.max_step, decay=cfg.lr_decay)
@@ -125,6 +128,7 @@ class Loop:
                 self.report_non_finite(loss, verdict.grad_norm)
                 return "non_finite"
             losses.append(loss)
+            self.watchdog.beat(arm=True)
             epoch_ended = advance_position(state, plan)
             throughput = self.clock.tick(state["step"])
             self.console.advance()
@@ -142,7 +146,7 @@ class Loop:
                 self.fabric.log_dict(metrics, step=step)
             if verdict.stop_requested and not last:
                 self.console.print(f"step {step}: stopped by a signal after saving; continue with --resume true")
-                return "preempted"
+                return "interrupted" if self.stop.interrupted else "preempted"
         return "finished"
 
     def gather_rank_stats(self, local_values: torch.Tensor) -> tuple[torch.Tensor, list[RankStats]]:
@@ -184,6 +188,7 @@ class Loop:
             if self.samples:
                 metrics |= self.samples.evaluate(self.fabric, self.state["model"], self.state["step"])
         self.state["val_loss"] = loss
+        self.watchdog.beat()
         self.console.print(f"step {self.state['step']}: " + " | ".join(f"{name} {value:.4f}"
                                                                      for name, value in metrics.items()))
         return metrics
@@ -201,6 +206,7 @@ class Loop:
             self.state["rng"] = rng_of_every_rank(self.fabric.world_size)
             self.state["grad_scaler"] = self.fabric.strategy.precision.state_dict()
             save_checkpoint(self.fabric, path, self.state, sharded=self.cfg.state_dict_type == "sharded")
+        self.watchdog.beat()
         self.console.print(f"step {step}: saved {path} in {self.saving.last:.1f} s")
         if self.fabric.is_global_zero:
             if evaluated:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Optional
 import pyarrow.compute as pc
 import torch
 from datasets import DatasetDict, load_from_disk
+from lightning.fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
+                                                   TorchElasticEnvironment)
 from torch.nn import Module
 from transformers import AutoTokenizer, PretrainedConfig
 
@@ -324,6 +326,22 @@ def check_precision(cfg: Config, problems: list[str]) -> None:
             problems.append(problem)
 
 
+def launched_on_every_node() -> bool:
+    """True when something starts the ranks of every node: a launcher Lightning detects (Slurm's srun, torchrun,
+    LSF's jsrun, MPI), or Lightning's manual multi-node variables (MASTER_ADDR and NODE_RANK set on each node)."""
+    detected = any(environment.detect() for environment in
+                   (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment))
+    return detected or {"MASTER_ADDR", "NODE_RANK"} <= os.environ.keys()
+
+
+def check_launcher(cfg: Config, problems: list[str]) -> None:
+    """Without a launcher for the other nodes, a multi-node run would wait for them until the rendezvous timeout."""
+    if cfg.num_nodes > 1 and not launched_on_every_node():
+        problems.append(f"--num_nodes {cfg.num_nodes}: nothing starts the other nodes here; run train.py on every "
+                        "node with srun (slurm/train.sbatch), torchrun --nnodes (slurm/train-torchrun.sbatch), or "
+                        "by hand with MASTER_ADDR, MASTER_PORT and each node's NODE_RANK set; or use --num_nodes 1")
+
+
 def check_wandb(cfg: Config, problems: list[str]) -> None:
     netrc = Path.home() / ".netrc"
     logged_in = "WANDB_API_KEY" in os.environ or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
@@ -353,6 +371,7 @@ def preflight(cfg: Config) -> RunInputs:
         check_out_dir(cfg, model_config, problems)
     check_precision(cfg, problems)
     check_wandb(cfg, problems)
+    check_launcher(cfg, problems)
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

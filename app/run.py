@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -20,17 +21,21 @@ from app.optim import GradientPolicy, build_optimizer
 from app.precision import float32_matmul_precision, uses_grad_scaler
 from app.preflight import RunInputs, preflight
 from app.samples import SampleEvaluator, decoding_for
-from app.exit_codes import EXIT_FINISHED, EXIT_NON_FINITE, EXIT_PREEMPTED
+from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED
 from app.signals import StopRequest, exit_run, requeue_slurm_job
-from app.strategy import build_fabric, gradient_replicas
+from app.strategy import build_fabric, gradient_replicas, resolve_accelerator
+from app.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
+from app.workers import start_worker_server
 
 if TYPE_CHECKING:
     from arguments import Config
 
-EXIT_CODES = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED, "non_finite": EXIT_NON_FINITE}
+EXIT_CODES = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED,
+              "non_finite": EXIT_NON_FINITE}
 
 
 def run(cfg: Config) -> None:
+    print_stacks_on_signal()
     inputs = preflight(cfg)
     cfg = inputs.config
     if cfg.estimate_memory:
@@ -41,9 +46,24 @@ def run(cfg: Config) -> None:
     resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
     deferred = deferred_init(cfg, inputs.model_config)
     param_init_fn = deferred.param_init_fn if deferred else None
+    if cfg.num_workers:
+        start_worker_server()
     fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, make_loggers(cfg, resume_step),
                           param_init_fn)
+    bound_rendezvous(cfg, fabric, inputs.plan.world_size)
     fabric.launch(main, cfg, inputs, deferred)
+
+
+def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:
+    """Start the rendezvous deadline (for torch.distributed: XLA's ranks meet otherwise), and block SIGINT in this
+    thread until StopRequest unblocks it: the ranks Lightning's launcher starts inherit the mask, so that a Ctrl-C
+    while their interpreter starts cannot print a KeyboardInterrupt; here the deadline's thread takes it meanwhile
+    (SIGINT's default action ends the process)."""
+    if world_size == 1 or resolve_accelerator(cfg) == "tpu":
+        return
+    RendezvousDeadline(cfg.rendezvous_timeout_min * 60, nodes=cfg.num_nodes, world_size=world_size,
+                       node_rank=fabric.node_rank, local_rank=fabric.local_rank).start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) -> dict[str, Any]:
@@ -123,9 +143,14 @@ def sample_evaluator(cfg: Config, inputs: RunInputs, data: TrainingData) -> Opti
                            max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
 
 
+def stall_watchdog(fabric: Fabric, cfg: Config) -> StallWatchdog:
+    head_start = 0.0 if fabric.local_rank == 0 else LAUNCHER_HEAD_START_SEC
+    return StallWatchdog(cfg.stall_timeout_min * 60, rank=fabric.global_rank, head_start_sec=head_start).start()
+
+
 def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> None:
     stop = StopRequest()
-    stop.install()
+    stop.install(announce=fabric.is_global_zero)
     fabric.seed_everything(cfg.seed)
     set_matmul_precision(fabric, cfg)
     data = load_data(cfg.train_data_dir)
@@ -144,9 +169,10 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                 gradients=GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
                                   scaled=uses_grad_scaler(cfg.precision),
                                   defer_sync=cfg.strategy != "fsdp" or cfg.fsdp_no_sync),
-                samples=sample_evaluator(cfg, inputs, data),
+                samples=sample_evaluator(cfg, inputs, data), watchdog=stall_watchdog(fabric, cfg),
                 resumed_from=inputs.resume_from)
     outcome = loop.fit()
+    loop.watchdog.disarm()
     console.close()
     report_summary(fabric, cfg.out_dir, loop.summarize(), console)
     if outcome == "preempted" and cfg.requeue_on_signal and fabric.is_global_zero:

@@ -4,10 +4,13 @@ SIGTERM (what Kubernetes, Docker and Slurm send before killing a job) and SIGUSR
 limit with `#SBATCH --signal=USR1@120`) only set a flag here. The signal may reach one process (Lightning's launcher
 parent, which is rank 0) or all of them (srun, torchrun, `kill -TERM -PGID`); either way the ranks learn of it at
 the next optimizer-step boundary through ONE small all_reduce (sum) that also carries the non-finite check of the
-step's loss and the gradient norm (app/optim.py). That is one host synchronisation per optimizer step, never per micro-batch. Every rank
-then finishes the step, saves a checkpoint together with the others, and exits.
+step's loss and the gradient norm (app/optim.py). That is one host synchronisation per optimizer step, never per
+micro-batch. Every rank then finishes the step, saves a checkpoint together with the others, and exits.
 
-Exit codes: app/exit_codes.py (75 after a preemption save, 3 after non-finite numbers).
+Ctrl-C (SIGINT, which a terminal sends to every process of the run): the first one during training stops the same
+way, and rank 0 says so; a second one, or one before the first step (nothing to save yet), quits at once.
+
+Exit codes: app/exit_codes.py (75 after a preemption save, 130 after Ctrl-C, 3 after non-finite numbers).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Optional
@@ -23,26 +27,66 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from app.exit_codes import EXIT_FINISHED
+from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED
+from app.watchdog import end_process_tree, say
 
 if TYPE_CHECKING:
     from lightning import Fabric
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+INTERRUPT_MESSAGE = "Ctrl-C: stopping after this step and saving a checkpoint; press Ctrl-C again to quit at once"
+
+
+def _leave_to_the_thread(signum: int, frame: Optional[FrameType]) -> None:
+    """A Python-level handler that does nothing: it keeps Python's C-level handler, which feeds the wakeup pipe."""
 
 
 class StopRequest:
-    """Remembers the first stop signal this process received; the handler does nothing else (async-signal safe)."""
+    """Remembers the first stop signal this process received, and quits at once on Ctrl-C when that is due.
+
+    Python runs signal handlers in the main thread only, between bytecodes, which never comes while that thread
+    waits in a collective or the rendezvous. So Python's C-level handler only writes the signal's number to a pipe
+    (signal.set_wakeup_fd) and a daemon thread reads it and acts at once. Quitting kills the processes this one started
+    (its data loader workers; in the launching process also the other ranks) and leaves with os._exit(130): no rank
+    prints a KeyboardInterrupt or gloo traceback.
+    """
 
     def __init__(self) -> None:
         self.signal: Optional[int] = None
+        self.interrupted = False
+        self.training = False
+        self.announce = False
 
-    def install(self) -> None:
-        for stop_signal in STOP_SIGNALS:
-            signal.signal(stop_signal, self._record)
+    def install(self, announce: bool = False) -> None:
+        """Take over SIGTERM, SIGUSR1 and SIGINT; `announce` in the one process that tells the user about Ctrl-C."""
+        self.announce = announce
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        for handled in (*STOP_SIGNALS, signal.SIGINT):
+            signal.signal(handled, _leave_to_the_thread)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while the ranks started (app/run.py)
+        threading.Thread(target=self._receive, args=(read_end,), name="stop-signals", daemon=True).start()
 
-    def _record(self, signum: int, frame: Optional[FrameType]) -> None:
-        self.signal = self.signal or signum
+    def begin_training(self) -> None:
+        """From the first optimizer step on, the first Ctrl-C stops at a step boundary with a checkpoint."""
+        self.training = True
+
+    def _receive(self, read_end: int) -> None:
+        while True:
+            for signum in os.read(read_end, 64):
+                if signum in STOP_SIGNALS:
+                    self.signal = self.signal or signum
+                elif signum == signal.SIGINT:
+                    self._interrupt()
+
+    def _interrupt(self) -> None:
+        if self.interrupted or not self.training:
+            end_process_tree(EXIT_INTERRUPTED, stacks=False)
+        self.interrupted = True
+        self.signal = self.signal or signal.SIGINT
+        if self.announce:
+            say(f"\n{INTERRUPT_MESSAGE}\n")
 
     @property
     def requested(self) -> bool:

@@ -14,6 +14,7 @@ run takes exactly the path the CPU tests take. Tied to lightning==2.6.6 (pinned 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
@@ -104,8 +105,9 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
         return XLAFSDPStrategy(auto_wrap_policy=wrap_classes, state_dict_type=cfg.state_dict_type)
     if cfg.strategy == "single_device":
         return SingleDeviceStrategy(device=torch.device("cuda", 0) if accelerator == "cuda" else torch.device(accelerator))
+    timeout = timedelta(minutes=cfg.process_group_timeout_min)
     if cfg.strategy == "ddp":
-        return DDPStrategy(**DDP_OPTIONS)
+        return DDPStrategy(timeout=timeout, **DDP_OPTIONS)
     fsdp_class = CPUFSDPStrategy if accelerator == "cpu" else FSDPStrategy
     return fsdp_class(
         auto_wrap_policy=wrap_classes,
@@ -118,6 +120,7 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
         forward_prefetch=cfg.forward_prefetch,
         mixed_precision=fsdp_mixed_precision(cfg.precision, cfg.reduce_dtype),
         device_mesh=mesh_shape(cfg, world_size),
+        timeout=timeout,
         **({"param_init_fn": param_init_fn} if param_init_fn else {}),
     )
 

@@ -41,6 +41,9 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins(tmp_path) -> None
     (["--strategy", "ddp", "--sharding_strategy", "NO_SHARD"], "--sharding_strategy only apply to --strategy fsdp"),
     (["--strategy", "single_device", "--devices", "2"], "--strategy single_device runs one process"),
     (["--tpu", "true", "--accelerator", "cpu"], "--tpu true contradicts --accelerator cpu"),
+    (["--stall_timeout_min", "-1"], "--stall_timeout_min must be 0 (off) or positive"),
+    (["--rendezvous_timeout_min", "0"], "--rendezvous_timeout_min must be positive"),
+    (["--process_group_timeout_min", "0"], "--process_group_timeout_min must be positive"),
 ])
 def test_invalid_values_are_named(argv, message) -> None:
     cfg = read_config(REQUIRED + argv)

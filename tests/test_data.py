@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from contextlib import suppress
+from pathlib import Path
+
+import pytest
+
 from app.data.order import EpochBatches, epoch_permutation, eval_plan, rank_micro_batches
 from app.schedule import make_plan
+from tests.conftest import ROOT
 
 
 def plan_for(world_size: int, micro_batch_size: int, accumulation: int, train_rows: int = 100):
@@ -53,3 +63,79 @@ def test_evaluation_gives_every_rank_the_same_number_of_batches_and_covers_each_
 
 def test_eval_iters_caps_the_batches() -> None:
     assert len(eval_plan(1000, batch_size=4, rank=0, world_size=2, max_batches=3)) == 3
+
+
+LOCKED_ROWS = '''
+import threading
+
+import torch
+
+LOCK = threading.Lock()
+
+
+class LockedRows:
+    """Rows that need LOCK, as reading rows may need a lock that the rank's other threads also take."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        with LOCK:
+            return {"input_ids": torch.tensor([index, index]), "trained_tokens": torch.tensor(1)}
+'''
+
+FIRST_BATCH_WHILE_ANOTHER_THREAD_HOLDS_THE_LOCK = '''
+import sys, threading
+import numpy as np
+import torch
+from locked_rows import LOCK, LockedRows
+from app.data import DataFormat, TrainingData, train_steps
+from app.schedule import make_plan
+
+
+class OneRank:
+    """What train_steps uses of Fabric."""
+    global_rank = 0
+    device = torch.device("cpu")
+
+    def setup_dataloaders(self, loader, **options):
+        return loader
+
+
+held, release = threading.Event(), threading.Event()
+
+
+def hold_the_lock():
+    with LOCK:
+        held.set()
+        release.wait()
+
+
+threading.Thread(target=hold_the_lock, daemon=True).start()
+held.wait()
+plan = make_plan(train_rows=64, block_size=1, world_size=1, micro_batch_size=4, accumulation=1, number_epochs=1,
+                 max_step=None)
+data = TrainingData(DataFormat("text", 0), LockedRows(), None, np.ones(64, dtype=np.int64))
+steps = train_steps(OneRank(), data, plan, seed=0, epoch=0, position=0, num_workers=2)
+first = next(steps)  # the workers start now, while the other thread holds the lock
+release.set()
+print("first batch", first.micro_batches[0].inputs["input_ids"].flatten().tolist())
+'''
+
+
+@pytest.mark.slow
+def test_workers_do_not_inherit_a_lock_another_thread_of_the_rank_held_when_they_started(tmp_path: Path) -> None:
+    """The start-up hang, made deterministic: a worker forked while another thread of the rank (gloo's, OpenMP's,
+    tqdm's) holds a lock inherits that lock held for ever, and hangs as soon as it needs it."""
+    (tmp_path / "locked_rows.py").write_text(LOCKED_ROWS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    process = subprocess.Popen([sys.executable, "-c", FIRST_BATCH_WHILE_ANOTHER_THREAD_HOLDS_THE_LOCK], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # a hung worker included
+    assert process.returncode == 0, stderr
+    assert "first batch" in stdout

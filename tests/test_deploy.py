@@ -69,10 +69,11 @@ def sbatch_options(path: Path) -> dict[str, str]:
 
 
 def launch_command(path: Path, program: str) -> list[str]:
-    """The words of the (continued) command line that starts with `program`."""
+    """The words of the (continued) command line that starts with `program`, without a trailing `|| ...`."""
     joined = re.sub(r"\\\n", " ", path.read_text())
     line = next(line for line in joined.splitlines() if line.strip().startswith(program + " "))
-    return shlex.split(line, posix=True)
+    words = shlex.split(line, posix=True)
+    return words[:words.index("||")] if "||" in words else words
 
 
 def flag_value(words: list[str], flag: str) -> str:
@@ -244,7 +245,7 @@ def test_torchrun_sbatch_starts_one_launcher_per_node_with_one_worker_per_gpu():
     options = sbatch_options(SBATCH_TORCHRUN)
     assert options["ntasks-per-node"] == "1"
     words = launch_command(SBATCH_TORCHRUN, "srun")
-    assert words[1] == "torchrun"
+    assert words[1:4] == ["python", "-m", "app.torchrun"]  # torchrun passing on the failed worker's exit code
     assert flag_value(words, "--nproc_per_node") == flag_value(words, "--devices") == "$GPUS_PER_NODE"
     assert flag_value(words, "--nnodes") == flag_value(words, "--num_nodes") == "$SLURM_NNODES"
     assert "SIGUSR1" in flag_value(words, "--signals_to_handle").split(",")
@@ -341,3 +342,51 @@ def test_torchrun_launch_with_two_processes_trains_and_checkpoints(tiny, tmp_pat
     config = AutoConfig.from_pretrained(tiny.model_config)
     embeddings = checkpoint["model"]["model.embed_tokens.weight"]
     assert tuple(embeddings.shape) == (config.vocab_size, config.hidden_size)
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    """`srun` exiting with $FAKE_STATUS (what train.py returned), and `scontrol` recording what it was asked to do."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol.log"
+    (bin_dir / "srun").write_text('#!/bin/bash\nexit "$FAKE_STATUS"\n')
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\nif [ "$1" = show ]; then echo gpu-node01; else echo "$@" >> {record}; fi\n'
+    )
+    for program in bin_dir.iterdir():
+        program.chmod(program.stat().st_mode | stat.S_IEXEC)
+    return bin_dir, record
+
+
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_TORCHRUN], ids=lambda p: p.name)
+@pytest.mark.parametrize("status, restarts, requeued", [
+    (4, 0, True),     # stalled: requeue and resume
+    (5, 2, True),     # rendezvous timeout: requeue (a node may have failed)
+    (4, 3, False),    # after MAX_REQUEUES (3) requeues, a run that keeps stalling is left alone
+    (75, 0, False),   # preempted: Slurm's own --requeue
+    (130, 0, False),  # Ctrl-C: the user stopped it
+    (2, 0, False),    # bad input
+    (0, 0, False),
+])
+def test_batch_scripts_requeue_a_stalled_run_a_bounded_number_of_times(script, status, restarts, requeued,
+                                                                        fake_slurm, tmp_path):
+    bin_dir, record = fake_slurm
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2",
+           "SLURM_GPUS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "8", "SLURM_JOB_NODELIST": "gpu-node[01-02]",
+           "SLURM_RESTART_COUNT": str(restarts), "FAKE_STATUS": str(status)}
+    result = subprocess.run(["bash", str(script), "--out_dir", "/outputs/run"], env=env, capture_output=True,
+                            text=True, cwd=tmp_path)
+    assert result.returncode == status, result.stderr
+    assert (record.read_text().split() if record.exists() else []) == (["requeue", "4242"] if requeued else [])
+
+
+@pytest.mark.slow
+def test_torchrun_wrapper_exits_with_the_failed_workers_own_code(tmp_path):
+    """torchrun itself exits 1 for any failed worker; the Slurm script needs the stall's 4 to requeue."""
+    worker = tmp_path / "stalls.py"
+    worker.write_text("import os\nos._exit(4)\n")
+    result = subprocess.run([sys.executable, "-m", "app.torchrun", "--standalone", "--nproc_per_node", "1",
+                             str(worker)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 4, result.stderr[-2000:]
+    assert "exitcode  : 4" in result.stderr

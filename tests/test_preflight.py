@@ -103,3 +103,22 @@ def test_every_problem_is_reported_at_once_by_the_cli_without_traceback(tiny, ba
                      "already holds checkpoints"):
         assert any(expected in line for line in errors), errors
     assert digest(bad["run"]) == before
+
+
+LAUNCHER_VARIABLES = ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "LSB_JOBID", "MASTER_ADDR", "NODE_RANK")
+
+
+def test_several_nodes_without_a_launcher_are_refused_in_one_line(tiny, tmp_path, capsys, monkeypatch) -> None:
+    """`--num_nodes 2` typed on one machine (or in a Slurm script without srun) would wait for the other nodes."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    args = train_args(tiny, tmp_path / "out", num_nodes=2)
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(args))
+    assert exit_info.value.code == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: --num_nodes 2: nothing starts the other nodes"), errors
+    assert all(launcher in errors[0] for launcher in ("srun", "torchrun", "MASTER_ADDR", "NODE_RANK"))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # Lightning's own multi-node variables: started by hand
+    monkeypatch.setenv("NODE_RANK", "0")
+    assert preflight(parse_config(args)).plan.world_size == 4

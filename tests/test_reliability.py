@@ -1,4 +1,4 @@
-"""Exact resume, crash-safe checkpoints, preemption signals, the non-finite guard and secrets, with real processes.
+"""Exact resume, crash-safe checkpoints, stop signals, Ctrl-C, hangs, the non-finite guard and secrets, for real.
 
 Every run is train.py in 2 real FSDP processes on CPU; signals are real signals sent to the real processes.
 """
@@ -10,17 +10,24 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
+import psutil
 import pytest
 import torch
 
 from app.checkpoint import list_checkpoints, mark_if_best, prune_checkpoints, read_best
-from app.exit_codes import EXIT_NON_FINITE, EXIT_PREEMPTED
+from app.exit_codes import (EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
+                            EXIT_STALLED)
+from app.signals import INTERRUPT_MESSAGE
+from app.watchdog import collect_stacks
 from conftest import ROOT, TinySetup, read_checkpoint, run_train, train_args
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
@@ -40,15 +47,63 @@ class Launched:
     def output(self) -> str:
         return self.log.read_text()
 
-    def wait_for_step(self, step: int, timeout: float = 180) -> None:
+    def wait_until(self, condition: Callable[[str], bool], what: str, timeout: float = 180) -> float:
+        """Wait until `condition(output)`; returns the time it held."""
         deadline = time.monotonic() + timeout
-        while not any(int(s) >= step for s in STEP_LINE.findall(self.output())):
-            assert self.process.poll() is None, f"run ended before step {step}:\n{self.output()}"
-            assert time.monotonic() < deadline, f"no step {step} within {timeout} s:\n{self.output()}"
+        while not condition(self.output()):
+            assert self.process.poll() is None, f"run ended before {what}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.output()}"
             time.sleep(0.05)
+        return time.monotonic()
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> float:
+        return self.wait_until(lambda output: re.search(pattern, output, re.MULTILINE) is not None, repr(pattern),
+                               timeout)
+
+    def wait_for_step(self, step: int, timeout: float = 180) -> float:
+        return self.wait_until(lambda output: any(int(s) >= step for s in STEP_LINE.findall(output)), f"step {step}",
+                               timeout)
+
+    def wait_until_quiet(self, seconds: float, timeout: float = 60) -> None:
+        """Wait until the output has not changed for `seconds`: the run makes no more progress."""
+        deadline = time.monotonic() + timeout
+        last, since = self.output(), time.monotonic()
+        while time.monotonic() - since < seconds:
+            assert time.monotonic() < deadline, f"still progressing after {timeout} s:\n{self.output()}"
+            time.sleep(0.2)
+            if self.output() != last:
+                last, since = self.output(), time.monotonic()
 
     def finish(self, timeout: float = 180) -> int:
         return self.process.wait(timeout=timeout)
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of the run: ranks, data loader workers, forkservers (zombies are dead)."""
+        found = []
+        for process in psutil.process_iter(["status"]):
+            with suppress(ProcessLookupError, psutil.Error):
+                if os.getpgid(process.pid) == self.process.pid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                    found.append(process)
+        return found
+
+    def workers_of(self, process: psutil.Process) -> list[psutil.Process]:
+        return [child for child in process.children(recursive=True) if child.name() == "pt_data_worker"]
+
+    def other_rank(self) -> psutil.Process:
+        """Rank 1, which Lightning's launcher (rank 0, the launched process) started."""
+        return next(child for child in psutil.Process(self.process.pid).children()
+                    if "train.py" in " ".join(child.cmdline()))
+
+    def assert_nothing_left(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while self.processes():
+            assert time.monotonic() < deadline, f"left running: {[p.cmdline()[:3] for p in self.processes()]}"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """Whatever happened, leave no process behind."""
+        with suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
 
 def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Launched:
@@ -118,7 +173,7 @@ def test_three_sigkills_resume_at_the_next_step_then_sigusr1_to_all_saves(tiny: 
     """SIGKILL to the whole process group at seeded random moments (mid-step, mid-save, mid-eval), three times."""
     out = tmp_path / "run"
     args = train_args(tiny, out, micro_batch_size=4, max_step=200, save_step_interval=2, eval_step_interval=4,
-                      keep_last_n=2, num_workers=1)
+                      keep_last_n=2, num_workers=2)
     moments = random.Random(20261105)
     latest = 0
     for attempt in range(4):
@@ -138,6 +193,8 @@ def test_three_sigkills_resume_at_the_next_step_then_sigusr1_to_all_saves(tiny: 
 
     os.killpg(run.process.pid, signal.SIGUSR1)  # every rank and data loader worker gets it, as under srun
     assert run.finish() == EXIT_PREEMPTED, run.output()
+    assert "Traceback" not in run.output() and "resource_tracker" not in run.output(), run.output()
+    run.assert_nothing_left()
     stop_step = int(re.search(r"step (\d+): stopped by a signal", run.output()).group(1))
     checkpoints = list_checkpoints(out)
     assert max(checkpoints) == stop_step
@@ -145,6 +202,122 @@ def test_three_sigkills_resume_at_the_next_step_then_sigusr1_to_all_saves(tiny: 
     kept = {step for step in checkpoints}
     assert kept <= set(sorted(checkpoints)[-2:]) | {best["step"], latest}
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith((".partial", ".replaced"))]
+
+
+@contextmanager
+def launched(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[Launched]:
+    """`launch`, and whatever happens, no process of the run left afterwards."""
+    run = launch(args, log, env)
+    try:
+        yield run
+    finally:
+        run.kill()
+
+
+def stop_gracefully(run: Launched, signum: int, code: int, out_dir: Path) -> tuple[int, float]:
+    """Send `signum` to every process of the run: it must save the current step and exit with `code`, without a
+    traceback and leaving no process behind. Returns the step and the seconds until the save was announced."""
+    sent = time.monotonic()
+    os.killpg(run.process.pid, signum)
+    seconds = run.wait_for(r"stopped by a signal after saving") - sent
+    assert run.finish() == code, run.output()
+    step = int(re.search(r"step (\d+): stopped by a signal", run.output()).group(1))
+    assert step in list_checkpoints(out_dir) and "Traceback" not in run.output(), run.output()
+    assert "resource_tracker" not in run.output(), run.output()  # multiprocessing's helper outlived the signal
+    run.assert_nothing_left()
+    return step, seconds
+
+
+@pytest.mark.slow
+def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySetup, tmp_path: Path):
+    """SIGUSR2 (stacks) to each process, then SIGTERM to the whole process group, data loader workers included
+    (Slurm's scancel and time limit, `kill -TERM -- -PGID`); then Ctrl-C (SIGINT to the group, as a terminal sends
+    it) once on the resumed run; then twice on the next one while rank 1 waits for ever on its workers and rank 0 on
+    the collective."""
+    out = tmp_path / "run"
+    args = train_args(tiny, out, num_workers=2, max_step=300, save_step_interval=100, eval_step_interval=100)
+    with launched(args, tmp_path / "sigterm.log") as run:
+        run.wait_for_step(2)
+        workers = [w for w in run.processes() if w.name() == "pt_data_worker"]
+        assert len(workers) == 4 and all("forkserver" in " ".join(w.parent().cmdline()) for w in workers)
+        collect_stacks(run.processes())  # every rank and worker prints its stacks; the run goes on
+        run.wait_for(r"in _worker_loop")
+        run.wait_for_step(3)
+        first_stop, seconds_to_checkpoint = stop_gracefully(run, signal.SIGTERM, EXIT_PREEMPTED, out)
+
+    with launched(args + ["--resume", "true"], tmp_path / "ctrl-c.log") as run:
+        run.wait_for_step(first_stop + 2)
+        second_stop, _ = stop_gracefully(run, signal.SIGINT, EXIT_INTERRUPTED, out)
+        assert second_stop > first_stop and run.output().count(INTERRUPT_MESSAGE) == 1, run.output()
+
+    with launched(args + ["--resume", "true"], tmp_path / "ctrl-c-twice.log") as run:
+        run.wait_for_step(second_stop + 2)
+        for worker in run.workers_of(run.other_rank()):
+            worker.suspend()
+        run.wait_until_quiet(seconds=5)
+        os.killpg(run.process.pid, signal.SIGINT)
+        run.wait_for(re.escape(INTERRUPT_MESSAGE), timeout=10)
+        sent = time.monotonic()
+        os.killpg(run.process.pid, signal.SIGINT)
+        assert run.finish(timeout=30) == EXIT_INTERRUPTED, run.output()
+        seconds_to_quit = time.monotonic() - sent
+        assert "Traceback" not in run.output() and "KeyboardInterrupt" not in run.output(), run.output()
+        assert max(list_checkpoints(out)) == second_stop
+        run.assert_nothing_left()
+    print(f"\nSIGTERM to every process: checkpoint of step {first_stop} written and announced "
+          f"{seconds_to_checkpoint:.1f} s after the signal; a second Ctrl-C quit in {seconds_to_quit:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: TinySetup, tmp_path: Path):
+    """Rank 1's data loader worker stops (SIGSTOP): rank 1 waits on it, rank 0 on the next collective."""
+    with launched(train_args(tiny, tmp_path / "run", num_workers=1, max_step=300, save_step_interval=100,
+                             eval_step_interval=100, stall_timeout_min=0.1), tmp_path / "stall.log") as run:
+        run.wait_for_step(3)
+        for worker in run.workers_of(run.other_rank()):
+            worker.suspend()
+        hung = time.monotonic()
+        assert run.finish(timeout=120) == EXIT_STALLED, run.output()
+        seconds = time.monotonic() - hung
+        output = run.output()
+        assert "rank 0: stalled: no optimizer step, evaluation or save finished in 0.1 min" in output, output
+        assert "in all_gather" in output and "in _try_get_data" in output, output  # rank 0's stack, rank 1's
+        assert "Traceback" not in output
+        run.assert_nothing_left()
+    print(f"\nstall watchdog (--stall_timeout_min 0.1): exit {EXIT_STALLED} {seconds:.1f} s after the worker hung")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once(tiny: TinySetup, tmp_path: Path):
+    """Two nodes by hand (Lightning's MASTER_ADDR, MASTER_PORT, NODE_RANK) on one machine, the second never
+    started: the rendezvous ends after --rendezvous_timeout_min with one line; Ctrl-C ends it sooner."""
+    port = free_port()
+    by_hand = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0"}
+    started = time.monotonic()
+    with launched(train_args(tiny, tmp_path / "run", num_nodes=2, rendezvous_timeout_min=0.1),
+                  tmp_path / "rendezvous.log", env=by_hand) as run:
+        assert run.finish(timeout=120) == EXIT_RENDEZVOUS_TIMEOUT, run.output()
+        seconds = time.monotonic() - started
+        errors = [line for line in run.output().splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "the other ranks did not join within 0.1 min" in errors[0], run.output()
+        assert f"127.0.0.1:{port}" in errors[0] and "expecting 4 ranks on 2 nodes" in errors[0]
+        assert "Traceback" not in run.output()
+        run.assert_nothing_left()
+
+    with launched(train_args(tiny, tmp_path / "run", num_nodes=2), tmp_path / "ctrl-c.log", env=by_hand) as run:
+        sent = run.wait_for(r"GLOBAL_RANK: 0")
+        os.killpg(run.process.pid, signal.SIGINT)
+        assert run.finish(timeout=30) in (EXIT_INTERRUPTED, -signal.SIGINT), run.output()
+        assert time.monotonic() - sent < 10 and "Traceback" not in run.output(), run.output()
+        run.assert_nothing_left()
+    print(f"\nrendezvous without the second node: exit {EXIT_RENDEZVOUS_TIMEOUT} after {seconds:.1f} s in all "
+          "(--rendezvous_timeout_min 0.1, start-up included)")
 
 
 @pytest.mark.slow

@@ -1,4 +1,8 @@
-"""The prepared data folder, read as training steps and evaluation batches on this rank's device."""
+"""The prepared data folder, read as training steps and evaluation batches on this rank's device.
+
+Worker processes (--num_workers) start as app/workers.py says: forked by a forkserver, never by the rank, and deaf
+to the stop signals meant for the rank.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from torch.utils.data import DataLoader
 from app.data.formats import IGNORE_INDEX, Batch, DataFormat, with_trained_tokens
 from app.data.order import EpochBatches, epoch_permutation, eval_plan, step_rows
 from app.schedule import TrainingPlan
+from app.workers import worker_options
 
 if TYPE_CHECKING:
     from lightning import Fabric
@@ -51,7 +56,8 @@ def train_steps(fabric: Fabric, data: TrainingData, plan: TrainingPlan, *, seed:
         order = epoch_permutation(len(data.train), seed=seed, epoch=epoch)
         sampler = EpochBatches(order, plan, rank=fabric.global_rank, position=position)
         loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=data.format.collate,
-                            num_workers=num_workers, pin_memory=fabric.device.type == "cuda")
+                            num_workers=num_workers, pin_memory=fabric.device.type == "cuda",
+                            **worker_options(num_workers))
         micro_batches = iter(fabric.setup_dataloaders(loader, use_distributed_sampler=False, move_to_device=True))
         for rows in step_rows(order, plan, position):
             yield Step([next(micro_batches) for _ in range(plan.accumulation)],

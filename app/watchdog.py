@@ -1,0 +1,163 @@
+"""Bounds on waiting: a stall watchdog while training, a deadline for the start-up rendezvous, stacks on demand.
+
+A stuck collective or data loader worker waits in C code for ever (or for the process group timeout, 30 min by
+default), burning the allocation. Each rank therefore runs a daemon thread that ends the run when nothing finishes
+in time. It prints first: the rank's Python stacks (faulthandler writes them from C, so it works while the main
+thread is blocked and holds no Python lock), then it asks every process it started for theirs (SIGUSR2), kills them
+(SIGKILL: the DataLoader workers, and in the launching process also the ranks Lightning's launcher started) and
+leaves with os._exit and a documented code, skipping clean-up that would wait on the hung collective.
+
+`kill -USR2 PID` prints any rank's or worker's stacks at any time, without stopping it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import NoReturn, Optional
+
+import psutil
+import torch.distributed as dist
+
+from app.exit_codes import EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED
+
+STACKS_SIGNAL = signal.SIGUSR2
+STACKS_WAIT_SEC = 0.3
+"""How long to wait for one process to print its stacks before asking the next one (or killing it)."""
+LAUNCHER_HEAD_START_SEC = 10.0
+"""Ranks other than a node's launching process expire this much later. Under Lightning's own launcher the other
+ranks are the launching process's children, and when a child exits first, Lightning SIGKILLs the launching process
+before it can print its stacks and exit with the code; being first, it collects the children's stacks instead."""
+
+
+def print_stacks_on_signal() -> None:
+    """`kill -USR2 PID` prints this process's Python stacks (every thread) to its stderr."""
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+
+
+def say(text: str) -> None:
+    """Text on stderr in as few writes as the OS allows, bypassing Python's stream lock (which a hung main thread may
+    hold), so that other processes writing to the same log at the same time do not split it."""
+    data = text.encode()
+    while data:
+        data = data[os.write(sys.stderr.fileno(), data):]
+
+
+def print_own_stacks() -> None:
+    """This process's Python stacks (every thread), gathered first and written in one piece: faulthandler itself
+    writes line fragments, which interleave with another process's in a shared log."""
+    with tempfile.TemporaryFile() as gathered:
+        faulthandler.dump_traceback(file=gathered, all_threads=True)
+        gathered.seek(0)
+        say(gathered.read().decode(errors="replace"))
+
+
+def collect_stacks(processes: list[psutil.Process]) -> None:
+    """Ask the processes for their stacks (STACKS_SIGNAL) one at a time, for the same reason, each under a header
+    (the helper processes, which keep the signal blocked, print nothing under theirs)."""
+    for process in processes:
+        with suppress(psutil.NoSuchProcess):
+            say(f"stacks of process {process.pid} ({process.name()}: {' '.join(process.cmdline())[:100]}):\n")
+        send([process], STACKS_SIGNAL)
+        time.sleep(STACKS_WAIT_SEC)
+
+
+def end_process_tree(code: int, stacks: bool) -> NoReturn:
+    """Kill every process this one started (after collecting their stacks), then exit at once with `code`."""
+    descendants = psutil.Process().children(recursive=True)
+    if stacks:
+        collect_stacks(descendants)
+    send(descendants, signal.SIGKILL)
+    os._exit(code)
+
+
+def send(processes: list[psutil.Process], signum: int) -> None:
+    for process in processes:
+        with suppress(psutil.NoSuchProcess):
+            process.send_signal(signum)
+
+
+def poll_interval(timeout_sec: float) -> float:
+    return min(1.0, timeout_sec / 10)
+
+
+@dataclass
+class StallWatchdog:
+    """Ends the run when no optimizer step, evaluation or save finishes within `timeout_sec` (0: never).
+
+    Armed by the end of the first optimizer step, so that loading, compilation, the initial validation and the first
+    step are not timed; `disarm()` once training is over (a final upload may take long and is not a stall).
+    """
+
+    timeout_sec: float
+    rank: int = 0
+    head_start_sec: float = 0.0
+    last_beat: Optional[float] = field(default=None, init=False)
+
+    def start(self) -> StallWatchdog:
+        if self.timeout_sec > 0:
+            threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
+        return self
+
+    def beat(self, arm: bool = False) -> None:
+        """Something finished: restart the clock if it runs; `arm` (an optimizer step finished) starts it."""
+        if arm or self.last_beat is not None:
+            self.last_beat = time.monotonic()
+
+    def disarm(self) -> None:
+        self.last_beat = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(poll_interval(self.timeout_sec))
+            last_beat = self.last_beat
+            if last_beat is not None and time.monotonic() - last_beat > self.timeout_sec + self.head_start_sec:
+                self._expire(time.monotonic() - last_beat)
+
+    def _expire(self, idle_sec: float) -> NoReturn:
+        say(f"rank {self.rank}: stalled: no optimizer step, evaluation or save finished in {idle_sec / 60:.1f} min "
+            f"(--stall_timeout_min {self.timeout_sec / 60:g}); the Python stacks of this rank and of the processes it "
+            f"started follow, then the run ends with exit code {EXIT_STALLED}: resume with --resume true\n")
+        print_own_stacks()
+        end_process_tree(EXIT_STALLED, stacks=True)
+
+
+@dataclass(frozen=True)
+class RendezvousDeadline:
+    """Ends this process (and the ranks it launched) when the process group is not up within `timeout_sec`.
+
+    A multi-node run whose other nodes never start (or use another MASTER_ADDR/MASTER_PORT) waits in the
+    rendezvous; Ctrl-C cannot end it there, as the main thread waits in C code.
+    """
+
+    timeout_sec: float
+    nodes: int
+    world_size: int
+    node_rank: int
+    local_rank: int
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="rendezvous-deadline", daemon=True).start()
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + self.timeout_sec
+        while not dist.is_initialized():
+            if time.monotonic() > deadline:
+                say(self.message() + "\n")
+                end_process_tree(EXIT_RENDEZVOUS_TIMEOUT, stacks=False)
+            time.sleep(poll_interval(self.timeout_sec))
+
+    def message(self) -> str:
+        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        return (f"error: node {self.node_rank}, local rank {self.local_rank}: the other ranks did not join within "
+                f"{self.timeout_sec / 60:g} min (--rendezvous_timeout_min) at {address}, expecting {self.world_size} "
+                f"ranks on {self.nodes} nodes; start train.py on every node (srun, torchrun --nnodes, or by hand "
+                f"with the same MASTER_ADDR/MASTER_PORT and each node's NODE_RANK) and check that {address} is "
+                f"reachable from every node; exit code {EXIT_RENDEZVOUS_TIMEOUT}")
