@@ -12,6 +12,7 @@ from typing import Literal, Optional, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
+from app.choices import FSDP1_ONLY_OPTIONS, SHARDED_STRATEGIES
 from app.exit_codes import EXIT_BAD_INPUT
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -30,8 +31,9 @@ class DeviceArgs:
     """Processes (GPUs) per node; auto uses every visible GPU, or one CPU process."""
     num_nodes: int = 1
     """Number of machines; the world size is devices x num_nodes."""
-    strategy: Literal["fsdp", "ddp", "single_device"] = "fsdp"
-    """fsdp shards parameters, gradients and optimizer state; ddp replicates the model (the --no_fsdp case)."""
+    strategy: Literal["fsdp", "fsdp2", "ddp", "single_device"] = "fsdp"
+    """fsdp shards parameters, gradients and optimizer state (FSDP1); fsdp2 does the same per parameter with torch's
+    fully_shard (DTensors); ddp replicates the model (the --no_fsdp case)."""
     precision: Precision = "bf16-true"
     """bf16-true keeps weights and optimizer state in bf16 (least memory); bf16-mixed keeps fp32 master weights;
     16-mixed (fp16 with loss scaling) is for GPUs without bf16 (V100, T4)."""
@@ -107,6 +109,10 @@ class CheckpointArgs:
     state_dict_type: Literal["full", "sharded"] = "full"
     """full: one file, gathered tensor by tensor on rank 0; sharded: a folder where every rank writes its own shards
     (faster for large models). Either one resumes under any strategy and number of ranks."""
+    async_save: bool = False
+    """Write checkpoints in a background thread: the saving step only copies the state to host memory (rank 0 the
+    whole state with full checkpoints, each rank its shards with sharded ones) and training goes on; the next save
+    and the end of the run wait for the write. A crash during the write leaves the previous checkpoints."""
     resume: bool = False
     """Continue from --checkpoint, or from the latest checkpoint in out_dir."""
     checkpoint: Optional[str] = None
@@ -327,10 +333,14 @@ def validate_config(cfg: Config) -> list[str]:
             f"--tpu true contradicts --accelerator {cfg.accelerator}: drop one of them")
     require(cfg.strategy != "single_device" or cfg.devices in (1, "auto") and cfg.num_nodes == 1,
             "--strategy single_device runs one process: use --devices 1 --num_nodes 1, or --strategy fsdp/ddp")
+    fsdp1_only = FSDP1_ONLY_OPTIONS if cfg.strategy == "fsdp2" else ()
     if cfg.strategy != "fsdp":
-        changed = [f.name for f in fields(FSDPArgs) if getattr(cfg, f.name) != f.default and f.name != "gradient_checkpointing"]
+        changed = [f.name for f in fields(FSDPArgs) if getattr(cfg, f.name) != f.default
+                   and f.name != "gradient_checkpointing" and (cfg.strategy not in SHARDED_STRATEGIES or f.name in fsdp1_only)]
         require(not changed, f"{', '.join('--' + n for n in changed)} only apply to --strategy fsdp, "
                              f"not {cfg.strategy}: drop them or use --strategy fsdp")
+    require(cfg.strategy != "fsdp2" or cfg.precision != "16-mixed",
+            "--precision 16-mixed needs FSDP1's sharded gradient scaler: use --strategy fsdp, or --precision bf16-mixed")
     return problems
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 from lightning import Fabric
 
-from app.checkpoint import checkpoint_path, mark_if_best, prune_checkpoints, rng_of_every_rank, save_checkpoint
+from app.checkpoint import CheckpointSaver, checkpoint_path, mark_if_best, prune_checkpoints, rng_of_every_rank
 from app.data import Batch, Step, TrainingData, train_steps
 from app.evaluate import perplexity, validation_loss
 from app.console import Console
@@ -98,6 +100,7 @@ class Loop:
     console: Console
     gradients: GradientPolicy
     watchdog: StallWatchdog
+    saver: CheckpointSaver
     samples: Optional[SampleEvaluator] = None
     resumed_from: Optional[Path] = None
     data_wait: Stopwatch = field(default_factory=Stopwatch)
@@ -199,21 +202,29 @@ class Loop:
                           "from the last checkpoint with a lower --lr, a --grad_clip, or --precision bf16-mixed")
 
     def save(self, evaluated: bool, upload: bool) -> dict[str, float]:
-        """Write the checkpoint; then rank 0 marks it when it is the best so far and applies --keep_last_n."""
+        """Write the checkpoint (or, with --async_save, stage it for the background writer); once it is published,
+        rank 0 marks it when it is the best so far and applies --keep_last_n. `save_sec` is the time training lost."""
         step = self.state["step"]
         path = checkpoint_path(self.cfg.out_dir, step)
+        published = partial(self.after_publishing, path, step, self.state["val_loss"] if evaluated else None,
+                            started=time.monotonic())
         with self.saving.measure():
             self.state["rng"] = rng_of_every_rank(self.fabric.world_size)
             self.state["grad_scaler"] = self.fabric.strategy.precision.state_dict()
-            save_checkpoint(self.fabric, path, self.state, sharded=self.cfg.state_dict_type == "sharded")
+            self.saver.save(path, self.state, published)
         self.watchdog.beat()
-        self.console.print(f"step {step}: saved {path} in {self.saving.last:.1f} s")
-        if self.fabric.is_global_zero:
-            if evaluated:
-                mark_if_best(path, step, self.state["val_loss"])
-            protected = {self.resumed_from} if self.resumed_from else set()
-            for deleted in prune_checkpoints(self.cfg.out_dir, self.cfg.keep_last_n, protected):
-                self.console.print(f"step {step}: deleted {deleted.name} (--keep_last_n {self.cfg.keep_last_n})")
+        if self.saver.background:
+            self.console.print(f"step {step}: staged in {self.saving.last:.1f} s; writing {path} in the background")
         if upload:
+            self.saver.wait()
             upload_checkpoint(self.fabric.loggers, path, step)
         return {"save_sec": self.saving.last}
+
+    def after_publishing(self, path: Path, step: int, val_loss: Optional[float], started: float) -> None:
+        """On rank 0, when the checkpoint is visible (in the background writer's thread with --async_save)."""
+        self.console.print(f"step {step}: saved {path} in {time.monotonic() - started:.1f} s")
+        if val_loss is not None:
+            mark_if_best(path, step, val_loss)
+        protected = {self.resumed_from} if self.resumed_from else set()
+        for deleted in prune_checkpoints(self.cfg.out_dir, self.cfg.keep_last_n, protected):
+            self.console.print(f"step {step}: deleted {deleted.name} (--keep_last_n {self.cfg.keep_last_n})")

@@ -28,6 +28,7 @@ import psutil
 import torch
 from torch.nn import Module
 
+from app.choices import SHARDED_STRATEGIES
 from app.console import format_gb
 from app.model import meta_model
 from app.observe import GB
@@ -91,7 +92,7 @@ class Setup:
     @property
     def shards(self) -> int:
         """Ranks over which parameters, gradients and optimizer state are divided."""
-        if self.strategy != "fsdp" or self.sharding_strategy == "NO_SHARD":
+        if self.strategy not in SHARDED_STRATEGIES or self.sharding_strategy == "NO_SHARD":
             return 1
         return self.devices_per_node if self.sharding_strategy == "HYBRID_SHARD" else self.world_size
 
@@ -145,7 +146,7 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     if setup.unsharded_accumulation:
         gradients = shape.parameters * computed
     optimizer = on_device * 2 * shape.parameters * stored / setup.shards
-    if setup.strategy != "fsdp":
+    if setup.strategy not in SHARDED_STRATEGIES:
         working = gradients
     elif setup.sharding_strategy == "NO_SHARD":
         working = 0.0
@@ -180,7 +181,7 @@ def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int) -
                  world_size=world_size, devices_per_node=world_size // cfg.num_nodes,
                  micro_batch_size=cfg.micro_batch_size, block_size=block_size,
                  gradient_checkpointing=cfg.gradient_checkpointing, cpu_offload=cfg.cpu_offload,
-                 unsharded_accumulation=cfg.strategy == "fsdp" and cfg.fsdp_no_sync and accumulation > 1)
+                 unsharded_accumulation=cfg.strategy in SHARDED_STRATEGIES and cfg.fsdp_no_sync and accumulation > 1)
 
 
 def memory_report(cfg: Config, shape: ModelShape, setup: Setup, device: Optional[tuple[float, str]] = None) -> str:
@@ -191,7 +192,8 @@ def memory_report(cfg: Config, shape: ModelShape, setup: Setup, device: Optional
             ("optimizer state", estimate.optimizer), ("working memory", estimate.working),
             (f"activations ({setup.micro_batch_size} x {setup.block_size} tokens)", estimate.activations),
             ("total", estimate.total)]
-    sharding = setup.sharding_strategy if setup.strategy == "fsdp" else setup.strategy
+    sharding = {"fsdp": setup.sharding_strategy, "fsdp2": f"FSDP2 {setup.sharding_strategy}"}.get(setup.strategy,
+                                                                                                  setup.strategy)
     lines = [f"memory per device: {shape.parameters / 1e6:,.1f}M parameters, {sharding} over {setup.world_size} "
              f"device(s), {setup.precision}, activation checkpointing {'on' if setup.gradient_checkpointing else 'off'}"
              f"{', cpu offload' if setup.cpu_offload else ''}"

@@ -29,6 +29,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 
+from app.choices import SHARDED_STRATEGIES
+from app.fsdp2 import shard_like
 from app.optim import canonical_name, no_decay_names
 from app.precision import weights_dtype
 from app.strategy import resolve_accelerator
@@ -111,7 +113,7 @@ class DeferredInit:
 
 def deferred_init(cfg: Config, model_config: PretrainedConfig) -> Optional[DeferredInit]:
     """The meta-device route when it gives exactly the model transformers would build; None for the plain route."""
-    if cfg.strategy != "fsdp" or cfg.tpu or model_config.tie_word_embeddings:
+    if cfg.strategy not in SHARDED_STRATEGIES or cfg.tpu or model_config.tie_word_embeddings:
         return None
     twin = meta_model(model_config, cfg.trust_remote_code)
     files = pretrained_weight_files(cfg.model_name) if cfg.model_name else []
@@ -153,18 +155,20 @@ def load_pretrained_weights(sharded_model: Module, files: list[Path], dtype: tor
     """Read the pretrained weights into an FSDP model, one safetensors file at a time, and check that every one of
     the `expected` keys was loaded and nothing else was offered.
 
-    Under FSDP's full-state-dict context each wrapped layer is gathered, overwritten from the file and re-sharded
-    in turn, so a rank holds one file plus one layer, never the whole model. Every rank reads every file.
+    Under FSDP1's full-state-dict context each wrapped layer is gathered, overwritten from the file and re-sharded
+    in turn, so a rank holds one file plus one layer, never the whole model; under FSDP2 each rank copies its rows
+    of every tensor straight into its DTensor shards. Every rank reads every file.
     `sharded_model` must be the FSDP module itself: through a compiled wrapper every key would miss (`_orig_mod.`).
     """
     loaded: set[str] = set()
     unexpected: set[str] = set()
     config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
-    full_state_dict = (FSDP.state_dict_type(sharded_model, StateDictType.FULL_STATE_DICT, config)
-                       if FSDP.fsdp_modules(sharded_model) else nullcontext())
+    fsdp1 = bool(FSDP.fsdp_modules(sharded_model))
+    shards = {} if fsdp1 else sharded_model.state_dict()
+    full_state_dict = FSDP.state_dict_type(sharded_model, StateDictType.FULL_STATE_DICT, config) if fsdp1 else nullcontext()
     with full_state_dict:
         for file in files:
-            weights = {name: tensor.to(dtype) for name, tensor in load_file(str(file)).items()}
+            weights = {name: shard_like(tensor.to(dtype), shards.get(name)) for name, tensor in load_file(str(file)).items()}
             result = sharded_model.load_state_dict(weights, strict=False)
             rejected = {canonical_name(key) for key in result.unexpected_keys}
             unexpected |= rejected

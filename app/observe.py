@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 from app.console import format_duration, format_gb
@@ -69,9 +70,12 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
 
 
 def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
-    """Bytes of the distinct storages behind the tensors: FSDP's parameters and gradients are views of flat shards."""
+    """Bytes of the distinct storages behind the tensors: FSDP's parameters and gradients are views of flat shards,
+    FSDP2's are DTensors whose local part is the rank's (padded) shard."""
     sizes = {}
     for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
         if tensor is not None and tensor.device.type != "meta":
             storage = tensor.untyped_storage()
             sizes[(tensor.device, storage.data_ptr())] = storage.nbytes()

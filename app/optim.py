@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 from app.precision import uses_grad_scaler
@@ -74,13 +75,15 @@ class GradientPolicy:
     """Synchronise gradients only after the last micro-batch (DDP; FSDP with --fsdp_no_sync), else after each."""
 
 
-def parameters_with_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+def local_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradient entries this rank holds: FSDP2's gradients are DTensors, whose local part is this rank's rows."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
 
 
 def gradient_square_sum(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
     """The sum of the squares of the gradient entries this rank holds, in fp32 whatever the gradients' dtype."""
-    grads = [p.grad for p in parameters_with_gradients(optimizer)]
+    grads = local_gradients(optimizer)
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
@@ -88,8 +91,14 @@ def gradient_square_sum(optimizer: torch.optim.Optimizer, device: torch.device) 
 
 
 def clip_gradients(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale the gradients down to `max_norm` when the whole gradient's norm exceeds it (no host synchronisation)."""
-    torch.nn.utils.clip_grads_with_norm_(parameters_with_gradients(optimizer), max_norm, total_norm)
+    """Scale the gradients down to `max_norm` when the whole gradient's norm exceeds it (no host synchronisation;
+    torch's clip_grads_with_norm_ with its epsilon, on the local parts so that DTensor gradients are scaled too)."""
+    scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in local_gradients(optimizer):
+        by_device.setdefault(grad.device, []).append(grad)
+    for device, grads in by_device.items():  # with --cpu_offload the gradients live on the CPU
+        torch._foreach_mul_(grads, scale.to(device))
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -61,11 +61,13 @@ def fsdp_mixed_precision(precision: str, requested_reduce_dtype: Optional[str]) 
                               reduce_dtype=reduce_dtype(precision, requested_reduce_dtype), buffer_dtype=None)
 
 
-def precision_plugin(precision: str, fsdp: bool, device_type: str) -> Precision:
+def precision_plugin(precision: str, strategy: str, device_type: str) -> Precision:
     """Lightning's plugin for `precision`, built here rather than by Lightning's connector because the connector
     silently turns 16-mixed into bf16-mixed on CPU and gives FSDP a CUDA-only scaler: the CPU tests would then not run
-    the code a GPU runs."""
-    if fsdp:
+    the code a GPU runs. Under FSDP2 mixed precision is its MixedPrecisionPolicy (app/fsdp2.py), so no autocast."""
+    if strategy == "fsdp2" and "mixed" in precision:
+        return Precision()
+    if strategy == "fsdp":
         with warnings.catch_warnings():  # its default scaler is CUDA's, disabled with a warning on CPU; replaced below
             warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available")
             plugin = FSDPPrecision(precision)

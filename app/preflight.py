@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, PretrainedConfig
 
 from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, stored_tensor_shapes
 from app.checkpoint.state import expected_shapes, check_fits
+from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
 from app.exit_codes import EXIT_BAD_INPUT
 from app.prefetch import offline_hint
@@ -326,6 +327,14 @@ def check_precision(cfg: Config, problems: list[str]) -> None:
             problems.append(problem)
 
 
+def check_offload(cfg: Config, problems: list[str]) -> None:
+    """FSDP2's CPUOffloadPolicy moves shards from an accelerator to the host; on CPU processes there is nowhere to
+    offload from, and torch fails inside every rank."""
+    if cfg.cpu_offload and cfg.strategy == "fsdp2" and resolve_accelerator(cfg) == "cpu":
+        problems.append("--cpu_offload true with --strategy fsdp2 needs GPUs: on CPU processes the shards already "
+                        "live in host memory; drop --cpu_offload")
+
+
 def launched_on_every_node() -> bool:
     """True when something starts the ranks of every node: a launcher Lightning detects (Slurm's srun, torchrun,
     LSF's jsrun, MPI), or Lightning's manual multi-node variables (MASTER_ADDR and NODE_RANK set on each node)."""
@@ -355,7 +364,7 @@ def preflight(cfg: Config) -> RunInputs:
     data = check_data(cfg, problems)
     model_config = check_model(cfg, problems)
     wrap_classes: set[type[Module]] = set()
-    if model_config is not None and (cfg.strategy == "fsdp" or cfg.tpu):
+    if model_config is not None and (cfg.strategy in SHARDED_STRATEGIES or cfg.tpu):
         try:
             wrap_classes = resolve_wrap_classes(model_config, cfg.auto_wrap_policy, cfg.trust_remote_code)
         except ValueError as error:
@@ -370,6 +379,7 @@ def preflight(cfg: Config) -> RunInputs:
     if not cfg.estimate_memory:  # planning writes nothing
         check_out_dir(cfg, model_config, problems)
     check_precision(cfg, problems)
+    check_offload(cfg, problems)
     check_wandb(cfg, problems)
     check_launcher(cfg, problems)
     if problems:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from lightning import Fabric
 
-from app.checkpoint import load_checkpoint, resume_rng
+from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng
+from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
 from app.console import Console
 from app.loop import Loop
@@ -168,10 +169,12 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                 clock=step_clock(fabric, cfg, inputs, state["step"]), console=console,
                 gradients=GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
                                   scaled=uses_grad_scaler(cfg.precision),
-                                  defer_sync=cfg.strategy != "fsdp" or cfg.fsdp_no_sync),
+                                  defer_sync=cfg.strategy not in SHARDED_STRATEGIES or cfg.fsdp_no_sync),
                 samples=sample_evaluator(cfg, inputs, data), watchdog=stall_watchdog(fabric, cfg),
+                saver=CheckpointSaver(fabric, sharded=cfg.state_dict_type == "sharded", background=cfg.async_save),
                 resumed_from=inputs.resume_from)
     outcome = loop.fit()
+    loop.saver.close()
     loop.watchdog.disarm()
     console.close()
     report_summary(fabric, cfg.out_dir, loop.summarize(), console)

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from lightning import Fabric
-from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, XLAFSDPStrategy
+from lightning.fabric.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy,
+                                         XLAFSDPStrategy)
 from lightning.fabric.strategies import fsdp as lightning_fsdp
 from lightning.fabric.strategies import model_parallel as lightning_model_parallel
 from torch.distributed.device_mesh import init_device_mesh
@@ -27,6 +28,7 @@ from torch.distributed.fsdp import BackwardPrefetch, FullOptimStateDictConfig, F
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 
+from app.fsdp2 import parallelize_fn
 from app.precision import fsdp_mixed_precision, precision_plugin
 
 if TYPE_CHECKING:
@@ -108,6 +110,9 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
     timeout = timedelta(minutes=cfg.process_group_timeout_min)
     if cfg.strategy == "ddp":
         return DDPStrategy(timeout=timeout, **DDP_OPTIONS)
+    if cfg.strategy == "fsdp2":
+        return ModelParallelStrategy(parallelize_fn(cfg, wrap_classes, param_init_fn), data_parallel_size=world_size,
+                                     tensor_parallel_size=1, timeout=timeout)
     fsdp_class = CPUFSDPStrategy if accelerator == "cpu" else FSDPStrategy
     return fsdp_class(
         auto_wrap_policy=wrap_classes,
@@ -149,7 +154,7 @@ def build_fabric(cfg: Config, world_size: int, wrap_classes: set[type[Module]], 
                  param_init_fn: Optional[Callable] = None) -> Fabric:
     accelerator = resolve_accelerator(cfg)
     precision = ({"precision": cfg.precision} if accelerator == "tpu" else
-                 {"plugins": [precision_plugin(cfg.precision, fsdp=cfg.strategy == "fsdp", device_type=accelerator)]})
+                 {"plugins": [precision_plugin(cfg.precision, cfg.strategy, device_type=accelerator)]})
     return Fabric(
         accelerator=accelerator,
         devices=cfg.devices,

@@ -36,9 +36,10 @@ def pretrained(tiny, tmp_path_factory):
     return folder
 
 
-def test_pretrained_model_is_loaded_shard_by_shard_with_its_exact_weights(tiny, pretrained, tmp_path) -> None:
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_pretrained_model_is_loaded_shard_by_shard_with_its_exact_weights(tiny, pretrained, tmp_path, strategy) -> None:
     """With lr ~ 0 the step-1 checkpoint holds the pretrained weights and the evaluation matches transformers."""
-    result = run_train(train_args(tiny, tmp_path, model_config=None, model_name=pretrained, **STILL))
+    result = run_train(train_args(tiny, tmp_path, model_config=None, model_name=pretrained, strategy=strategy, **STILL))
     assert result.returncode == 0, result.stderr[-3000:]
     reference = AutoModelForCausalLM.from_pretrained(pretrained)
     saved = read_checkpoint(tmp_path / "checkpoints" / "step-00000001.ckpt")["model"]

@@ -60,11 +60,11 @@ def test_gradients_reduce_in_fp32_under_mixed_precision_and_buffers_are_left_alo
 
 def test_16_mixed_gets_an_enabled_fp16_scaler_on_cpu_too() -> None:
     """Lightning's connector would turn 16-mixed into bf16-mixed on CPU and give FSDP a disabled CUDA scaler."""
-    ddp = precision_plugin("16-mixed", fsdp=False, device_type="cpu")
+    ddp = precision_plugin("16-mixed", "ddp", device_type="cpu")
     assert isinstance(ddp, MixedPrecision) and ddp._desired_input_dtype == torch.float16 and ddp.scaler.is_enabled()
-    fsdp = precision_plugin("16-mixed", fsdp=True, device_type="cpu")
+    fsdp = precision_plugin("16-mixed", "fsdp", device_type="cpu")
     assert isinstance(fsdp, FSDPPrecision) and fsdp.scaler.is_enabled()
-    assert precision_plugin("bf16-mixed", fsdp=True, device_type="cpu").scaler is None
+    assert precision_plugin("bf16-mixed", "fsdp", device_type="cpu").scaler is None
 
 
 @pytest.mark.parametrize("name, bf16, fp32", [
@@ -138,15 +138,20 @@ def probe(tiny, tmp_path: Path, **overrides: object) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
-def test_rotary_frequencies_stay_fp32_and_exact_under_fsdp(tiny, tmp_path, precision) -> None:
-    """bf16-true: Lightning casts every buffer; bf16-mixed: FSDP's buffer_dtype would, at the first forward."""
-    report = probe(tiny, tmp_path, precision=precision, gradient_checkpointing=True)
+@pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16-true"), ("fsdp", "bf16-mixed"), ("fsdp2", "bf16-mixed")])
+def test_rotary_frequencies_stay_fp32_and_exact_under_fsdp(tiny, tmp_path, strategy, precision) -> None:
+    """bf16-true: Lightning casts every buffer; bf16-mixed: FSDP's buffer_dtype would, at the first forward.
+    FSDP2 never casts buffers, and gathers the fp32 weights in bf16 by its own policy (no autocast)."""
+    report = probe(tiny, tmp_path, strategy=strategy, precision=precision, gradient_checkpointing=True)
     for moment in ("after_setup", "after_forward"):
         assert report[moment] == {"dtype": "torch.float32", "original_dtype": "torch.float32", "max_difference": 0.0}
     assert report["buffer_dtype"] == "None"
     assert report["reduce_dtype"] == ("torch.float32" if precision == "bf16-mixed" else "torch.bfloat16")
-    assert report["checkpoint_wrappers"] == 2 and not report["hf_gradient_checkpointing"], "each layer wrapped once"
+    assert report["param_dtype"] == "torch.bfloat16"
+    if strategy == "fsdp":
+        assert report["checkpoint_wrappers"] == 2 and not report["hf_gradient_checkpointing"], "each layer wrapped once"
+    else:
+        assert report["checkpoint_wrappers"] == 0 and report["hf_gradient_checkpointing"], "transformers' own"
 
 
 @pytest.mark.slow

@@ -33,9 +33,11 @@ STRAIGHT = dict(strategy="fsdp", state_dict_type="full", devices=2, micro_batch_
 CHAIN = [  # (strategy, format, ranks, micro batch): what each link resumes with, after the first link
     ("fsdp", "full", 2, 4),
     ("ddp", "sharded", 4, 2),  # loads fsdp/full: 2 -> 4 ranks, micro batch 4 -> 2
-    ("single_device", "full", 1, 4),  # loads ddp/sharded: 4 -> 1 rank
+    ("fsdp2", "full", 2, 4),  # loads ddp/sharded: 4 -> 2 ranks
+    ("single_device", "full", 1, 4),  # loads fsdp2/full: 2 -> 1 rank
     ("fsdp", "sharded", 4, 4),  # loads single/full: 1 -> 4 ranks
-    ("ddp", "full", 2, 2),  # loads fsdp/sharded
+    ("fsdp2", "sharded", 4, 2),  # loads fsdp/sharded
+    ("ddp", "full", 2, 2),  # loads fsdp2/sharded: 4 -> 2 ranks
     ("single_device", "sharded", 1, 8),  # loads ddp/full
     ("fsdp", "full", 2, 4),  # loads single/sharded
 ]
@@ -78,7 +80,7 @@ def test_a_chain_of_resumes_across_strategies_formats_ranks_and_micro_batches_ma
         assert read_metadata(saved)["global_batch_size"] == 16
     assert "--resume: ranks 2 -> 4, micro batch 4 -> 2; 16 sequences per step as 2 accumulation" in outputs[1]
     assert "no random state saved for this rank; seeded from --seed and the step" in outputs[1]
-    assert "ranks 4 -> 1" in outputs[2] and "as 4 accumulation x 4 micro batch x 1 ranks" in outputs[2]
+    assert "ranks 2 -> 1" in outputs[3] and "as 4 accumulation x 4 micro batch x 1 ranks" in outputs[3]
     chained = read_metrics(tmp_path)
     assert sorted(step for step in chained if step) == sorted(step for step in straight if step)
     worst = max(abs(chained[s]["train_loss"] - straight[s]["train_loss"]) / straight[s]["train_loss"]
@@ -87,6 +89,22 @@ def test_a_chain_of_resumes_across_strategies_formats_ranks_and_micro_batches_ma
     assert worst < 1e-5
     for step in range(2, 2 * len(CHAIN) + 1, 2):
         assert chained[step]["val_loss"] == pytest.approx(straight[step]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_like_fsdp_and_converts_with_identical_logits(tiny, straight, tmp_path) -> None:
+    """FSDP2 starts from the same weights (same init, same order) and takes the same steps as FSDP1."""
+    result = run_train(train_args(tiny, tmp_path, max_step=2 * len(CHAIN), **(STRAIGHT | {"strategy": "fsdp2"}),
+                                  **CONSTANT_LR))
+    assert_succeeded(result)
+    fsdp2 = read_metrics(tmp_path)
+    worst = max(abs(fsdp2[s]["train_loss"] - straight[s]["train_loss"]) / straight[s]["train_loss"] for s in straight if s)
+    print(f"\nfsdp2 vs fsdp over {2 * len(CHAIN)} steps: max relative loss difference {worst:.1e}")
+    assert worst < 1e-4
+    converted = subprocess.run([sys.executable, "convert_to_hf.py", "--checkpoint", str(tmp_path), "--output_dir",
+                                str(tmp_path / "hf"), "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    assert "logits verified (max relative difference 0.0e+00)" in converted.stdout + converted.stderr
 
 
 @pytest.mark.slow

@@ -70,17 +70,37 @@ def whole_on_rank0(value: Any, rank0: bool) -> Optional[torch.Tensor]:
     return whole.cpu() if rank0 else None
 
 
+def file_header(tensors: dict[str, Any], metadata: dict[str, Any]) -> bytes:
+    return layout(((name, global_shape(value), value.dtype) for name, value in tensors.items()),
+                  {METADATA_KEY: json.dumps(metadata)})
+
+
 def write_full(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], rank0: bool) -> None:
     """Stream the tensors, gathered one at a time, into one file on rank 0. Collective: every rank calls it."""
-    header = layout(((name, global_shape(value), value.dtype) for name, value in tensors.items()),
-                    {METADATA_KEY: json.dumps(metadata)})
     with open(path, "wb") if rank0 else nullcontext() as handle:
         if rank0:
-            handle.write(header)
+            handle.write(file_header(tensors, metadata))
         for value in tensors.values():
             whole = whole_on_rank0(value, rank0)
             if rank0:
                 write_tensor(handle, whole)
+
+
+def stage_full(tensors: dict[str, Any], rank0: bool) -> dict[str, torch.Tensor]:
+    """Every whole tensor in rank 0's host memory, copied away from the ones training will change. Collective."""
+    staged = {}
+    for name, value in tensors.items():
+        whole = whole_on_rank0(value, rank0)
+        if rank0:
+            staged[name] = whole.clone() if whole is value else whole
+    return staged
+
+
+def write_staged_full(path: Path, staged: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+    with open(path, "wb") as handle:
+        handle.write(file_header(staged, metadata))
+        for tensor in staged.values():
+            write_tensor(handle, tensor)
 
 
 def write_sharded(folder: Path, tensors: dict[str, Any], metadata: dict[str, Any], rank0: bool) -> None:
@@ -91,13 +111,18 @@ def write_sharded(folder: Path, tensors: dict[str, Any], metadata: dict[str, Any
         (folder / SHARDED_METADATA).write_text(json.dumps(metadata))
 
 
-def save_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any], sharded: bool) -> None:
-    """Write `state` to a temporary name beside `path`, then publish it atomically on rank 0. Collective."""
-    temporary = temporary_path(path)
+def begin_save(fabric: Fabric, path: Path) -> Path:
+    """Clear what interrupted saves left; returns the temporary name to write to. Collective."""
     if fabric.is_global_zero:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_leftovers(path.parent)
     fabric.barrier()
+    return temporary_path(path)
+
+
+def save_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any], sharded: bool) -> None:
+    """Write `state` to a temporary name beside `path`, then publish it atomically on rank 0. Collective."""
+    temporary = begin_save(fabric, path)
     tensors = TrainingState.of(state["model"], state["optimizer"]).tensors()
     write = write_sharded if sharded else write_full
     write(temporary, tensors, metadata_of(state), fabric.is_global_zero)

@@ -4,7 +4,7 @@
 
 Runs on every rank (Lightning's launcher re-runs this script for the other ranks); rank 0 writes the report:
 the rotary buffers' dtype and their largest difference from transformers' own fp32 values, the wrappers applied
-for activation checkpointing, and FSDP's mixed-precision policy.
+for activation checkpointing, and FSDP's (or FSDP2's) mixed-precision policy.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # noqa: E402
+from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from app.data import load_data  # noqa: E402
@@ -40,7 +41,9 @@ def probe(fabric, cfg, inputs, deferred, report: str) -> None:
     rows = fabric.to_device(load_data(cfg.train_data_dir).train[:2]["input_ids"])
     with torch.no_grad():
         model(input_ids=rows)
-    mixed_precision = getattr(module, "mixed_precision", None)
+    mixed_precision = getattr(module, "mixed_precision", None)  # FSDP1's policy
+    if isinstance(module, FSDPModule):
+        mixed_precision = fully_shard.state(module)._mp_policy
     if fabric.is_global_zero:
         Path(report).write_text(json.dumps({
             "after_setup": after_setup,
@@ -48,7 +51,8 @@ def probe(fabric, cfg, inputs, deferred, report: str) -> None:
             "checkpoint_wrappers": sum(isinstance(m, CheckpointWrapper) for m in module.modules()),
             "hf_gradient_checkpointing": hugging_face_model(module).is_gradient_checkpointing,
             "reduce_dtype": str(mixed_precision.reduce_dtype) if mixed_precision else None,
-            "buffer_dtype": str(mixed_precision.buffer_dtype) if mixed_precision else None,
+            "buffer_dtype": str(getattr(mixed_precision, "buffer_dtype", None)) if mixed_precision else None,
+            "param_dtype": str(mixed_precision.param_dtype) if mixed_precision else None,
         }))
 
 

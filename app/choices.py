@@ -1,0 +1,7 @@
+"""Choices the command line and the code share, importable without torch (arguments.py parses without it)."""
+
+SHARDED_STRATEGIES = ("fsdp", "fsdp2")
+"""--strategy values that shard parameters, gradients and optimizer state, and take the FSDP options."""
+
+FSDP1_ONLY_OPTIONS = ("limit_all_gathers", "backward_prefetch", "forward_prefetch")
+"""FSDP options FSDP2 has no use for: it bounds its all-gathers and prefetches one unit ahead by itself."""

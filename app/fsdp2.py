@@ -1,0 +1,112 @@
+"""--strategy fsdp2: torch's per-parameter sharding (`fully_shard`) through Lightning's ModelParallelStrategy.
+
+FSDP2 shards every parameter on its first dimension as a DTensor instead of flattening each unit into one flat
+tensor (FSDP1). Its state dicts are DTensors that torch.distributed.checkpoint reads and writes natively, so the
+checkpoint formats, resume and conversion are the same code as for FSDP1 (app/checkpoint/state.py).
+
+How the FSDP options map onto it:
+
+| --sharding_strategy | device mesh | parameters re-sharded after forward |
+| --- | --- | --- |
+| FULL_SHARD | all ranks | yes (ZeRO-3) |
+| SHARD_GRAD_OP | all ranks | no (ZeRO-2) |
+| HYBRID_SHARD | (nodes, devices per node): shard in a node, replicate across | yes |
+| NO_SHARD | (all ranks, 1): every rank holds everything (DDP through FSDP2) | no |
+
+Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in
+`app.precision.reduce_dtype`), not autocast; activation checkpointing is the model's own (transformers'
+`gradient_checkpointing_enable`, as for DDP), which keeps the parameter names unchanged.
+
+A model built on the meta device is materialised one unit at a time just before that unit is sharded, by the same
+`param_init_fn` and in the same order as FSDP1 (children before their parent, each unit's modules breadth-first),
+so a run from a config starts from the same weights under either strategy and a rank never holds more than one
+whole unit. Pretrained weights are then read file by file into the shards (`shard_like`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn import Module
+
+from app.precision import compute_dtype, reduce_dtype
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "NO_SHARD": False}
+
+
+def mesh_shape(sharding_strategy: str, world_size: int, num_nodes: int) -> tuple[int, ...]:
+    """FSDP2's mesh: 1-D shards over every rank; 2-D (replicate, shard) for HYBRID_SHARD and NO_SHARD."""
+    if sharding_strategy == "HYBRID_SHARD":
+        return num_nodes, world_size // num_nodes
+    if sharding_strategy == "NO_SHARD":
+        return world_size, 1
+    return (world_size,)
+
+
+def mixed_precision_policy(precision: str, requested_reduce_dtype: Optional[str]) -> MixedPrecisionPolicy:
+    """Under *-mixed, fp32 weights are gathered in the compute dtype; under *-true and 32-true nothing is cast."""
+    mixed = "mixed" in precision
+    return MixedPrecisionPolicy(param_dtype=compute_dtype(precision) if mixed else None,
+                                reduce_dtype=reduce_dtype(precision, requested_reduce_dtype))
+
+
+def modules_to_materialize(unit: Module) -> list[Module]:
+    """The unit and its submodules breadth-first, not entering units already sharded (FSDP1's order)."""
+    found, queue = [], deque([unit])
+    while queue:
+        module = queue.popleft()
+        found.append(module)
+        queue.extend(child for child in module.children() if not isinstance(child, FSDPModule))
+    return found
+
+
+def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[type[Module]], sharding_strategy: str,
+                num_nodes: int, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy,
+                param_init_fn: Optional[Callable[[Module], None]]) -> Module:
+    """Lightning's `parallelize_fn`: `fully_shard` every wrap unit (children first), then the root."""
+    world_size = lightning_mesh.size()
+    shape = mesh_shape(sharding_strategy, world_size, num_nodes)
+    mesh = (init_device_mesh(lightning_mesh.device_type, shape, mesh_dim_names=("replicate", "shard"))
+            if len(shape) == 2 else lightning_mesh["data_parallel"])
+    options: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    reshard = RESHARD_AFTER_FORWARD[sharding_strategy]
+
+    def shard(module: Module, reshard_after_forward: bool) -> None:
+        if param_init_fn is not None:
+            for part in modules_to_materialize(module):
+                param_init_fn(part)
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
+
+    def shard_units(module: Module) -> None:
+        for child in module.children():
+            shard_units(child)
+        if isinstance(module, tuple(wrap_classes)):
+            shard(module, reshard)
+
+    shard_units(model)
+    shard(model, reshard_after_forward=False)  # backward needs the root's parameters right after forward
+    return model
+
+
+def parallelize_fn(cfg: Config, wrap_classes: set[type[Module]],
+                   param_init_fn: Optional[Callable[[Module], None]]) -> Callable[[Module, DeviceMesh], Module]:
+    offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    return partial(shard_model, wrap_classes=wrap_classes, sharding_strategy=cfg.sharding_strategy,
+                   num_nodes=cfg.num_nodes, mp_policy=mixed_precision_policy(cfg.precision, cfg.reduce_dtype),
+                   offload_policy=offload, param_init_fn=param_init_fn)
+
+
+def shard_like(full: torch.Tensor, target: Any) -> torch.Tensor:
+    """A whole tensor read from a file, as the DTensor shard `target` holds (sliced locally, no communication)."""
+    if not isinstance(target, DTensor):
+        return full
+    return distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
