@@ -1,30 +1,26 @@
 """Lightning Fabric for the chosen strategy, and the one place where FSDP on CPU differs from FSDP on GPU.
 
-FSDP on CPU processes (gloo) is the same torch FSDP users run on GPUs; Lightning 2.6 only needs two adjustments
-for it, measured in shared/notes/fsdp-on-cpu.md:
-1. Lightning refuses `FSDPStrategy` on CPU by exact type check, and passes `device_id=None` (the CPU device has no
-   index), which torch FSDP rejects. `CPUFSDPStrategy` passes `device_id=cpu`.
-2. Lightning gathers full state dicts with `offload_to_cpu=True`, which breaks on CPU tensors ("setStorage ...
-   out of bounds"); the tensors already live on the CPU, so the adapter gathers with offload off while saving and
-   loading.
-Everything else (wrapping, sharding, activation checkpointing, checkpoint format) is Lightning's own code, so a GPU
-run takes exactly the path the CPU tests take. Tied to lightning==2.6.6 (pinned in requirements.txt).
+FSDP on CPU processes (gloo) is the same torch FSDP users run on GPUs; Lightning 2.6 needs one adjustment for it,
+measured in shared/notes/fsdp-on-cpu.md: it refuses `FSDPStrategy` on CPU by exact type check, and passes
+`device_id=None` (the CPU device has no index), which torch FSDP rejects. `CPUFSDPStrategy` passes `device_id=cpu`
+(and builds HYBRID_SHARD's device mesh on the CPU). Everything else (wrapping, sharding, activation checkpointing)
+is Lightning's own code, so a GPU run takes exactly the path the CPU tests take; checkpoints are the application's
+own (app/checkpoint/). FSDP2 (`--strategy fsdp2`) runs through Lightning's ModelParallelStrategy unchanged on CPU
+(app/fsdp2.py). Tied to lightning==2.6.6 (pinned in requirements.txt).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning import Fabric
 from lightning.fabric.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy,
                                          XLAFSDPStrategy)
 from lightning.fabric.strategies import fsdp as lightning_fsdp
-from lightning.fabric.strategies import model_parallel as lightning_model_parallel
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import BackwardPrefetch, FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 
@@ -33,27 +29,6 @@ from app.precision import fsdp_mixed_precision, precision_plugin
 
 if TYPE_CHECKING:
     from arguments import Config
-
-
-def _full_state_dict_context_on_cpu(module: Module, world_size: int, rank0_only: bool = True) -> Any:
-    """Lightning's full-state-dict context without offload_to_cpu, which fails for tensors already on the CPU."""
-    return FSDP.state_dict_type(
-        module=module,
-        state_dict_type=StateDictType.FULL_STATE_DICT,
-        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
-        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
-    )
-
-
-@contextmanager
-def _gather_without_offload() -> Iterator[None]:
-    originals = (lightning_fsdp._get_full_state_dict_context, lightning_model_parallel._get_full_state_dict_context)
-    lightning_fsdp._get_full_state_dict_context = _full_state_dict_context_on_cpu
-    lightning_model_parallel._get_full_state_dict_context = _full_state_dict_context_on_cpu
-    try:
-        yield
-    finally:
-        lightning_fsdp._get_full_state_dict_context, lightning_model_parallel._get_full_state_dict_context = originals
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -76,14 +51,6 @@ class CPUFSDPStrategy(FSDPStrategy):
         )
         lightning_fsdp._setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
         return module
-
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        with _gather_without_offload():
-            super().save_checkpoint(*args, **kwargs)
-
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        with _gather_without_offload():
-            return super().load_checkpoint(*args, **kwargs)
 
 
 def resolve_accelerator(cfg: Config) -> str:

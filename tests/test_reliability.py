@@ -53,7 +53,7 @@ class Launched:
         while not condition(self.output()):
             assert self.process.poll() is None, f"run ended before {what}:\n{self.output()}"
             assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.output()}"
-            time.sleep(0.05)
+            time.sleep(0.01)
         return time.monotonic()
 
     def wait_for(self, pattern: str, timeout: float = 180) -> float:
@@ -346,3 +346,40 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     assert [p.name for p in deleted] == ["step-00000006.ckpt"]
     assert sorted(list_checkpoints(tmp_path)) == [2, 4, 8, 10]
     assert prune_checkpoints(tmp_path, None, set()) == []
+
+
+@pytest.fixture(scope="module")
+def wider_model(tiny: TinySetup, tmp_path_factory) -> Path:
+    """27M parameters: a 0.3 GB training state, whose write and fsync outlast a few training steps here."""
+    from transformers import AutoConfig, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("wider")
+    LlamaConfig(vocab_size=AutoConfig.from_pretrained(tiny.model_config).vocab_size, hidden_size=512,
+                intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                max_position_embeddings=128).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_async_save_returns_before_the_write_and_a_sigkill_mid_write_leaves_the_previous_checkpoint(
+        tiny: TinySetup, wider_model: Path, tmp_path: Path, state_dict_type: str):
+    out = tmp_path / "run"
+    args = train_args(tiny, out, model_config=wider_model, async_save=True, state_dict_type=state_dict_type,
+                      micro_batch_size=1, gradient_accumulation_steps=1, save_step_interval=2, eval_step_interval=1000,
+                      initial_validation=False, max_step=100)
+    writing = out / "checkpoints" / ".step-00000004.ckpt.partial"
+    with launched(args, tmp_path / "async.log") as run:
+        run.wait_until(lambda _: writing.exists(), "step 4's write")  # step 2's was published before it began
+        os.killpg(run.process.pid, signal.SIGKILL)
+        run.finish()
+        output = run.output()
+    assert output.index("step 2: staged in") < output.index("step 2: saved"), "the step returned before the write"
+    assert sorted(list_checkpoints(out)) == [2], "step 4 was killed mid-write: only step 2 is a checkpoint"
+
+    resumed = run_train(args[:-2] + ["--max_step", "5", "--resume", "true"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step-00000002.ckpt'} at step 2" in resumed.stdout
+    assert sorted(list_checkpoints(out)) == [2, 4, 5]
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith(".partial")]
+    read_checkpoint(list_checkpoints(out)[5])

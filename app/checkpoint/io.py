@@ -1,8 +1,8 @@
 """Saving and loading a run's `state` (model, optimizer, counters, random states) in either checkpoint format.
 
 - full (--state_dict_type full): one file in the safetensors layout, tensors under the names of state.py and the
-  rest as JSON in its metadata. Rank 0 gathers one tensor at a time and streams it into the file, so it never holds
-  more than one whole tensor; on resume each rank reads only the rows of its own shard (reader.py).
+  rest as JSON in its metadata. Rank 0 gathers one tensor at a time (gather.py) and streams it into the file, so it
+  never holds more than one whole tensor; on resume each rank reads only the rows of its own shard (reader.py).
 - sharded (--state_dict_type sharded): a torch.distributed.checkpoint folder, every rank writing its shards, and
   `training.json`.
 Both load into any strategy at any world size: through torch's state dicts and DCP (state.py), or, for a full file
@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from app.checkpoint import legacy
 from app.model import strategy_module
 from app.checkpoint.files import make_durable, publish, remove_leftovers, temporary_path
+from app.checkpoint.gather import Piece, RankZeroGather, pieces_of
 from app.checkpoint.reader import FileSource, MemorySource, SourceReader
 from app.checkpoint.fsdp_shards import load_into_shards, local_pieces
 from app.checkpoint.state import MODEL_PREFIX, CheckpointMismatch, TrainingState, check_fits, global_shape
@@ -56,51 +55,19 @@ def metadata_of(state: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT} | {key: value for key, value in state.items() if key not in TENSORS}
 
 
-def whole_on_rank0(value: Any, rank0: bool) -> Optional[torch.Tensor]:
-    """The whole tensor on rank 0's CPU (None elsewhere); a collective for a sharded value."""
-    if isinstance(value, ShardedTensor):
-        shard = value.local_shards()[0].tensor if value.local_shards() else None
-        device = shard.device if shard is not None else torch.device("cpu")
-        whole = torch.empty(value.size(), dtype=value.dtype, device=device) if rank0 else None
-        value.gather(dst=0, out=whole)
-    elif isinstance(value, DTensor):
-        whole = value.full_tensor()
-    else:
-        whole = value
-    return whole.cpu() if rank0 else None
-
-
-def file_header(tensors: dict[str, Any], metadata: dict[str, Any]) -> bytes:
-    return layout(((name, global_shape(value), value.dtype) for name, value in tensors.items()),
-                  {METADATA_KEY: json.dumps(metadata)})
-
-
-def write_full(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], rank0: bool) -> None:
-    """Stream the tensors, gathered one at a time, into one file on rank 0. Collective: every rank calls it."""
+def write_full(path: Path, tensors: dict[str, Any], pieces: dict[str, Optional[list[Piece]]],
+               metadata: dict[str, Any], rank0: bool, group: Optional[dist.ProcessGroup]) -> None:
+    """Stream the tensors into one file on rank 0, each gathered whole from the ranks' `pieces` over `group` just
+    before it is written: rank 0 never holds more than one whole tensor. Collective: every rank calls it."""
+    gather = RankZeroGather(pieces, group)
     with open(path, "wb") if rank0 else nullcontext() as handle:
         if rank0:
-            handle.write(file_header(tensors, metadata))
-        for value in tensors.values():
-            whole = whole_on_rank0(value, rank0)
+            handle.write(layout(((name, global_shape(value), value.dtype) for name, value in tensors.items()),
+                                {METADATA_KEY: json.dumps(metadata)}))
+        for name, value in tensors.items():
+            whole = gather.whole(name, value, pieces[name])
             if rank0:
                 write_tensor(handle, whole)
-
-
-def stage_full(tensors: dict[str, Any], rank0: bool) -> dict[str, torch.Tensor]:
-    """Every whole tensor in rank 0's host memory, copied away from the ones training will change. Collective."""
-    staged = {}
-    for name, value in tensors.items():
-        whole = whole_on_rank0(value, rank0)
-        if rank0:
-            staged[name] = whole.clone() if whole is value else whole
-    return staged
-
-
-def write_staged_full(path: Path, staged: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
-    with open(path, "wb") as handle:
-        handle.write(file_header(staged, metadata))
-        for tensor in staged.values():
-            write_tensor(handle, tensor)
 
 
 def write_sharded(folder: Path, tensors: dict[str, Any], metadata: dict[str, Any], rank0: bool) -> None:
@@ -120,12 +87,17 @@ def begin_save(fabric: Fabric, path: Path) -> Path:
     return temporary_path(path)
 
 
-def save_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any], sharded: bool) -> None:
-    """Write `state` to a temporary name beside `path`, then publish it atomically on rank 0. Collective."""
+def save_checkpoint(fabric: Fabric, path: Path, state: dict[str, Any], sharded: bool,
+                    group: Optional[dist.ProcessGroup]) -> None:
+    """Write `state` to a temporary name beside `path`, then publish it atomically on rank 0. Collective; `group`
+    carries the full format's gather."""
     temporary = begin_save(fabric, path)
     tensors = TrainingState.of(state["model"], state["optimizer"]).tensors()
-    write = write_sharded if sharded else write_full
-    write(temporary, tensors, metadata_of(state), fabric.is_global_zero)
+    if sharded:
+        write_sharded(temporary, tensors, metadata_of(state), fabric.is_global_zero)
+    else:
+        pieces = {name: pieces_of(value, copy=False) for name, value in tensors.items()}
+        write_full(temporary, tensors, pieces, metadata_of(state), fabric.is_global_zero, group)
     fabric.barrier()
     if fabric.is_global_zero:
         make_durable(temporary)

@@ -1,15 +1,15 @@
 """Saving a checkpoint now, or (--async_save) staging it and writing it while training goes on.
 
 A background save has two halves:
-1. staging, at the step that saves, on every rank: the state is copied to host memory away from the tensors the
-   next steps change. Full format: rank 0 gathers every whole tensor (it holds the whole training state in host
-   RAM until the file is written); sharded: every rank copies its own shards (torch.distributed.checkpoint's
-   async_save).
-2. writing, in a background thread: the file or folder under its temporary name, fsync, the atomic rename, then
-   whatever follows publishing (best.json, --keep_last_n) on rank 0.
+1. staging, at the step that saves, on every rank: each rank copies its own shards of the state to host memory,
+   away from the tensors the next steps change (with DDP or one device, rank 0 copies the whole state).
+2. writing, in a background thread: full format, rank 0 gathers one whole tensor at a time from the staged pieces
+   and streams it into the file (gather.py); sharded, every rank writes its shards (torch.distributed.checkpoint's
+   async_save); then fsync, the atomic rename and what follows publishing (best.json, --keep_last_n) on rank 0.
 The next save, an upload and the end of the run wait for the write; a crash before the rename leaves the previous
-checkpoints and a temporary name that resume never takes (files.py). The background half of a sharded save talks
-to the other ranks over a process group of its own, so that its collectives never interleave with training's.
+checkpoints and a temporary name that resume never takes (files.py). The gathers and the background half of a
+save talk to the other ranks over a gloo process group of their own (made once per run), so that their
+collectives never interleave with training's, and run on CPU tensors on any machine.
 """
 
 from __future__ import annotations
@@ -19,17 +19,26 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from app.checkpoint.files import make_durable, publish
+from app.checkpoint.gather import pieces_of
 from app.checkpoint.io import (SHARDED_METADATA, begin_save, metadata_of, no_process_group, save_checkpoint,
-                               stage_full, write_staged_full)
+                               write_full)
 from app.checkpoint.state import TrainingState
 
 if TYPE_CHECKING:
     from lightning import Fabric
+
+
+def staged_value(value: Any, whole_here: bool) -> torch.Tensor:
+    """A copy of a tensor this rank writes whole; else only its shape and dtype (its pieces are staged apart)."""
+    if whole_here:
+        return value.detach().to("cpu", copy=True)
+    return torch.empty(tuple(value.size()), dtype=value.dtype, device="meta")
 
 
 class CheckpointSaver:
@@ -39,14 +48,13 @@ class CheckpointSaver:
         self.fabric, self.sharded, self.background = fabric, sharded, background
         self.pending: Optional[Future] = None
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if background else None
-        self.group = (dist.new_group(backend="gloo") if background and sharded and not no_process_group()
-                      else None)
+        self.group = None if no_process_group() else dist.new_group(backend="gloo")
 
     def save(self, path: Path, state: dict[str, Any], published: Callable[[], None]) -> None:
         """Save `state` to `path`; `published` runs on rank 0 once the checkpoint is visible. Collective."""
         self.wait()
         if not self.background:
-            save_checkpoint(self.fabric, path, state, self.sharded)
+            save_checkpoint(self.fabric, path, state, self.sharded, self.group)
             if self.fabric.is_global_zero:
                 published()
             return
@@ -63,11 +71,11 @@ class CheckpointSaver:
                 if rank0:
                     (temporary / SHARDED_METADATA).write_text(json.dumps(metadata))
         else:
-            staged = stage_full(tensors, rank0)
+            pieces = {name: pieces_of(value, copy=True) for name, value in tensors.items()}
+            staged = {name: staged_value(value, pieces[name] is None and rank0) for name, value in tensors.items()}
 
             def write() -> None:
-                if rank0:
-                    write_staged_full(temporary, staged, metadata)
+                write_full(temporary, staged, pieces, metadata, rank0, self.group)
 
         def write_and_publish() -> None:
             write()
