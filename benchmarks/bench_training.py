@@ -13,7 +13,7 @@ unless a row says otherwise. A step time is the difference of the training time 
 by the difference in steps, so that start-up, compilation, the first steps' warm-up and the final evaluation and
 save cancel out. The contenders of a row run back to back, `--repeats` times in alternating order; a ratio is the
 median of the repeats' ratios, and its range is printed next to it, because this machine's speed drifts by +-10%
-over tens of minutes. Prints a Markdown table (the README's). All parts take about an hour.
+over tens of minutes. Prints a Markdown table (the one in docs/performance.md). All parts take about an hour.
 
 Run: python benchmarks/bench_training.py [--parts overhead trainer memory checkpoint] [--repeats 5]
 """
@@ -69,7 +69,7 @@ def run(command: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 def torchrun(*script: str) -> list[str]:
     """2 processes as torchrun starts them: each in its own session, so each in its own scheduler group (the
-    launcher matters on this machine's 2 cores: see the launcher row and the README)."""
+    launcher matters on this machine's 2 cores: see the launcher row and docs/performance.md)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *script]
 
 

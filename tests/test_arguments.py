@@ -1,4 +1,4 @@
-"""The command line: types, YAML configs, validation, help text, and the README's option list."""
+"""The command line: types, YAML configs, validation, help text, and the option list of docs/options.md."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from arguments import Config, build_parser, options_markdown, parse_config, read_config, validate_config
+from arguments import (OPTIONS_BEGIN, OPTIONS_END, Config, build_parser, options_markdown, parse_config,
+                       read_config, validate_config, with_options, write_options_doc)
 from tests.conftest import ROOT
 
 REQUIRED = ["--train_data_dir", "data", "--model_config", "cfg"]
@@ -78,9 +79,22 @@ def test_print_config_round_trips(tmp_path) -> None:
     assert parse_config(["--config", str(tmp_path / "printed.yaml")]).lr == 0.01
 
 
-def test_readme_lists_every_option_as_the_parser_defines_it() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert options_markdown() in readme, "README options are stale: run `python arguments.py`"
+def test_docs_list_every_option_as_the_parser_defines_it() -> None:
+    document = (ROOT / "docs" / "options.md").read_text()
+    assert OPTIONS_BEGIN in document and OPTIONS_END in document
+    assert with_options(document) == document, "docs/options.md is stale: run `python arguments.py`"
+    assert all(f"| `--{action.dest}` |" in document for action in build_parser()._actions
+               if action.dest not in ("help", "config", "print_config"))
+
+
+def test_python_arguments_py_rewrites_only_the_generated_part(tmp_path) -> None:
+    stale = tmp_path / "options.md"
+    stale.write_text(f"# Options\n\nintro\n\n{OPTIONS_BEGIN}\n\n| `--lr` | `1` | old |\n\n{OPTIONS_END}\n\nafter\n")
+    assert write_options_doc(stale)
+    text = stale.read_text()
+    assert text.startswith("# Options\n\nintro\n\n") and text.endswith(f"{OPTIONS_END}\n\nafter\n")
+    assert options_markdown() in text and "| old |" not in text
+    assert not write_options_doc(stale), "a second run changes nothing"
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
