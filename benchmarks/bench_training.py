@@ -4,9 +4,12 @@
    starting the application with `python train.py` (Lightning's launcher) rather than torchrun;
 2. speed-up: the application with --strategy ddp and --compile true against Hugging Face Trainer's defaults
    (target: >= 1.1x), and each against the other with the same kernels (both eager, both compiled);
-3. peak memory of the largest rank while training a ~170M-parameter model, FULL_SHARD against NO_SHARD
-   (target: <= 0.70x);
-4. checkpoint save and load of that model's training state against plain torch.save / torch.load of the same state.
+3. --strategy fsdp2 against the default fsdp, step times (target: no slower);
+4. peak memory of the largest rank while training a ~170M-parameter model started by `python train.py`,
+   FULL_SHARD against NO_SHARD (target: <= 0.70x) and fsdp2 against fsdp (target: <= 1.0x);
+5. checkpoint save and load of that model's training state against torch.save with fsync / torch.load of the same
+   tensors (targets: full save and load <= 2.0x, sharded load <= 1.5x);
+6. the training time one save costs with --async_save against a synchronous save (target: <= 0.20x).
 
 Every contender runs in 2 processes on this machine's CPU with the same threads per process, started by torchrun
 unless a row says otherwise. A step time is the difference of the training time of a long and a short run divided
@@ -15,7 +18,7 @@ save cancel out. The contenders of a row run back to back, `--repeats` times in 
 median of the repeats' ratios, and its range is printed next to it, because this machine's speed drifts by +-10%
 over tens of minutes. Prints a Markdown table (the one in docs/performance.md). All parts take about an hour.
 
-Run: python benchmarks/bench_training.py [--parts overhead trainer memory checkpoint] [--repeats 5]
+Run: python benchmarks/bench_training.py [--parts overhead trainer fsdp2 memory checkpoint async_save] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 from transformers import LlamaConfig
 
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
+from app.checkpoint.tensor_file import read_header, read_tensors
 from app.prepare.corpus import quiet_progress
 from benchmarks.baselines import Workload
 
@@ -240,15 +244,29 @@ def peak_rss_while_training(out_dir: str) -> float:
 
 
 def bench_memory(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
+    """Peak RSS of the largest rank while training the 170M model, started as users start it (`python train.py
+    --devices 2`): FULL_SHARD against NO_SHARD, and FSDP2 against FSDP."""
     peaks = {}
-    for sharding in ("FULL_SHARD", "NO_SHARD"):
-        work = state_workload(data, work_dir, sharding)
-        train_app(work, sharding_strategy=sharding)
-        peaks[sharding] = peak_rss_while_training(work.out_dir)
-        print(f"  {sharding}: peak RSS of the largest rank {peaks[sharding]:.2f} GB", flush=True)
-    ratio = peaks["FULL_SHARD"] / peaks["NO_SHARD"]
-    return [row("peak RSS, largest rank, 170M model: FULL_SHARD / NO_SHARD", f"{peaks['FULL_SHARD']:.2f} GB",
-                f"{peaks['NO_SHARD']:.2f} GB", ratio, "<= 0.70", ratio <= 0.70)]
+    for name, strategy, sharding in (("FULL_SHARD", "fsdp", "FULL_SHARD"), ("NO_SHARD", "fsdp", "NO_SHARD"),
+                                     ("FSDP2", "fsdp2", "FULL_SHARD")):
+        work = state_workload(data, work_dir, name)
+        train_app(work, launcher="python", strategy=strategy, sharding_strategy=sharding)
+        peaks[name] = peak_rss_while_training(work.out_dir)
+        print(f"  {name}: peak RSS of the largest rank {peaks[name]:.2f} GB", flush=True)
+    sharded = peaks["FULL_SHARD"] / peaks["NO_SHARD"]
+    fsdp2 = peaks["FSDP2"] / peaks["FULL_SHARD"]
+    return [row("peak RSS, largest rank, 170M model, `python train.py`: FULL_SHARD / NO_SHARD",
+                f"{peaks['FULL_SHARD']:.2f} GB", f"{peaks['NO_SHARD']:.2f} GB", sharded, "<= 0.70", sharded <= 0.70),
+            row("peak RSS, largest rank, 170M model, `python train.py`, FULL_SHARD: fsdp2 / fsdp",
+                f"{peaks['FSDP2']:.2f} GB", f"{peaks['FULL_SHARD']:.2f} GB", fsdp2, "<= 1.00", fsdp2 <= 1.0)]
+
+
+def bench_fsdp2(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
+    """--strategy fsdp2 against the default fsdp, step times in both regimes (target: no slower)."""
+    contenders = {"fsdp2": app_contender(data, work_dir, "app-fsdp2", strategy="fsdp2"),
+                  "fsdp": app_contender(data, work_dir, "app")}
+    comparison = Comparison("step time: application --strategy fsdp2 / fsdp", "fsdp2", "fsdp", target=1.0)
+    return compare_step_times(contenders, {regime: [comparison] for regime in REGIMES}, options)
 
 
 def median_seconds(action: Callable[[], object], repeats: int = 3) -> float:
@@ -259,6 +277,14 @@ def median_seconds(action: Callable[[], object], repeats: int = 3) -> float:
         action()
         samples.append(time.perf_counter() - started)
     return statistics.median(samples)
+
+
+def torch_save_with_fsync(state: dict[str, torch.Tensor], path: Path) -> None:
+    """What a checkpoint must cost at least: torch.save of the same tensors, made durable as the application's are."""
+    with open(path, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def app_save_and_load_sec(data: Path, work_dir: Path, state_dict_type: str) -> tuple[float, float, Path]:
@@ -273,22 +299,57 @@ def app_save_and_load_sec(data: Path, work_dir: Path, state_dict_type: str) -> t
 
 
 def bench_checkpoint(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
-    """The application's save (gather the shards or write one per rank, fsync, atomic rename) and resume (read,
-    restore the shards and the optimizer) against torch.save / torch.load of the same state in one process."""
+    """The application's save (gather the shards to rank 0 or write one file per rank, fsync, atomic rename) and
+    resume (each rank reads its part and restores the shards and the optimizer) against torch.save with fsync and
+    torch.load of the same tensors in one process."""
     rows = []
-    for state_dict_type in ("full", "sharded"):
-        save_sec, load_sec, checkpoint = app_save_and_load_sec(data, work_dir, state_dict_type)
-        if state_dict_type == "full":
-            state = torch.load(checkpoint, weights_only=True)
-            plain_save = median_seconds(lambda: torch.save(state, work_dir / "plain.pt"))
-            plain_load = median_seconds(lambda: torch.load(work_dir / "plain.pt", weights_only=True))
-            size = checkpoint.stat().st_size / 1e9
-            del state
-        rows += [row(f"checkpoint save, {state_dict_type} ({size:.1f} GB): application / torch.save",
-                     f"{save_sec:.1f} s", f"{plain_save:.1f} s", save_sec / plain_save),
-                 row(f"checkpoint load, {state_dict_type}: application resume / torch.load", f"{load_sec:.1f} s",
-                     f"{plain_load:.1f} s", load_sec / plain_load)]
-        print(f"  {state_dict_type}: save {save_sec:.1f} s, load {load_sec:.1f} s", flush=True)
+    timings = {kind: app_save_and_load_sec(data, work_dir, kind) for kind in ("full", "sharded")}
+    full_file = timings["full"][2]
+    state = dict(read_tensors(full_file, read_header(full_file)[0]))
+    plain = work_dir / "plain.pt"
+    plain_save = median_seconds(lambda: torch_save_with_fsync(state, plain))
+    plain_load = median_seconds(lambda: torch.load(plain, weights_only=True))
+    size = full_file.stat().st_size / 1e9
+    del state
+    targets = {("full", "save"): 2.0, ("full", "load"): 2.0, ("sharded", "load"): 1.5}
+    for kind, (save_sec, load_sec, _) in timings.items():
+        print(f"  {kind}: save {save_sec:.1f} s, load {load_sec:.1f} s", flush=True)
+        for action, ours, theirs, baseline in (("save", save_sec, plain_save, "torch.save + fsync"),
+                                               ("load", load_sec, plain_load, "torch.load")):
+            target = targets.get((kind, action))
+            rows.append(row(f"checkpoint {action}, {kind} ({size:.1f} GB): application / {baseline}",
+                            f"{ours:.1f} s", f"{theirs:.1f} s", ours / theirs,
+                            f"<= {target:.1f}" if target else "", None if target is None else ours / theirs <= target))
+    return rows
+
+
+def elapsed_at_step(out_dir: str, step: int) -> float:
+    """Seconds from the first step to the end of `step`, logged before that step's own evaluation and save."""
+    with open(Path(out_dir) / "metrics.csv") as file:
+        return next(float(r["elapsed_sec"]) for r in csv.DictReader(file) if r["step"] == str(step) and r["elapsed_sec"])
+
+
+def bench_async_save(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
+    """Training time one save costs: 8 steps with a save after step 4 against 8 steps without, synchronous and
+    --async_save, for each format; the median of `--repeats` paired runs."""
+    steps, rows = 8, []
+    for kind in ("full", "sharded"):
+        lost: dict[str, list[float]] = {"sync": [], "async": []}
+        for _ in range(options.repeats):
+            runs = {}
+            for name, interval, background in (("none", 10**6, False), ("sync", 4, False), ("async", 4, True)):
+                work = state_workload(data, work_dir, f"save-{kind}-{name}", steps=steps)
+                shutil.rmtree(work.out_dir, ignore_errors=True)
+                train_app(work, state_dict_type=kind, save_step_interval=interval, async_save=background)
+                runs[name] = elapsed_at_step(work.out_dir, steps)
+            for name in ("sync", "async"):
+                lost[name].append(runs[name] - runs["none"])
+            print(f"  {kind}: training time lost to the step-4 save: sync {lost['sync'][-1]:.1f} s, "
+                  f"async {lost['async'][-1]:.1f} s", flush=True)
+        ratio = statistics.median(lost["async"]) / statistics.median(lost["sync"])
+        rows.append(row(f"training time lost to one save, {kind}: `--async_save true` / synchronous",
+                        f"{statistics.median(lost['async']):.1f} s", f"{statistics.median(lost['sync']):.1f} s",
+                        ratio, "<= 0.20", ratio <= 0.20))
     return rows
 
 
@@ -299,7 +360,8 @@ def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met
     return f"| {name} | {ours} | {baseline} | {shown} | {target}{verdict} |"
 
 
-PARTS = {"overhead": bench_overhead, "trainer": bench_trainer, "memory": bench_memory, "checkpoint": bench_checkpoint}
+PARTS = {"overhead": bench_overhead, "trainer": bench_trainer, "fsdp2": bench_fsdp2, "memory": bench_memory,
+         "checkpoint": bench_checkpoint, "async_save": bench_async_save}
 
 
 def main() -> None:
