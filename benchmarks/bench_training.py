@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -307,7 +308,7 @@ def bench_checkpoint(data: Path, work_dir: Path, options: argparse.Namespace) ->
     full_file = timings["full"][2]
     state = dict(read_tensors(full_file, read_header(full_file)[0]))
     plain = work_dir / "plain.pt"
-    plain_save = median_seconds(lambda: torch_save_with_fsync(state, plain))
+    plain_save = median_seconds(partial(torch_save_with_fsync, state, plain))
     plain_load = median_seconds(lambda: torch.load(plain, weights_only=True))
     size = full_file.stat().st_size / 1e9
     del state
