@@ -171,7 +171,8 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                                   scaled=uses_grad_scaler(cfg.precision),
                                   defer_sync=cfg.strategy not in SHARDED_STRATEGIES or cfg.fsdp_no_sync),
                 samples=sample_evaluator(cfg, inputs, data), watchdog=stall_watchdog(fabric, cfg),
-                saver=CheckpointSaver(fabric, sharded=cfg.state_dict_type == "sharded", background=cfg.async_save),
+                saver=CheckpointSaver(fabric, state, sharded=cfg.state_dict_type == "sharded",
+                                      background=cfg.async_save),
                 resumed_from=inputs.resume_from)
     outcome = loop.fit()
     loop.saver.close()

@@ -10,7 +10,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from app.exit_codes import (EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, E
                             EXIT_STALLED)
 from app.signals import INTERRUPT_MESSAGE
 from app.watchdog import collect_stacks
-from conftest import ROOT, TinySetup, read_checkpoint, run_train, train_args
+from conftest import ROOT, TinySetup, free_port, read_checkpoint, run_train, train_args
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
 # 647 train blocks / (16 micro-batch x 2 ranks x 2 accumulation) = 10 steps per epoch: step 10 ends epoch 0.
@@ -285,12 +284,6 @@ def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: Ti
         assert "Traceback" not in output
         run.assert_nothing_left()
     print(f"\nstall watchdog (--stall_timeout_min 0.1): exit {EXIT_STALLED} {seconds:.1f} s after the worker hung")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -18,10 +18,9 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig
 
-from app.checkpoint import list_checkpoints, read_metadata
+from app.checkpoint import list_checkpoints, read_metadata, read_tensors
 from app.checkpoint.rng import decode_generator_state
 from app.checkpoint.state import ADAMW_STATE
-from app.checkpoint.tensor_file import read_header, read_tensors
 from app.model import meta_model
 from app.optim import grouped_parameter_names, no_decay_names
 from tests.conftest import ROOT, run_train, train_args
@@ -123,7 +122,7 @@ def write_legacy_checkpoint(source: Path, target: Path, *, numbered_optimizer: b
     tensors, the data position in micro-batches per rank and, under DDP or one device, the optimizer state numbered
     in the optimizer's parameter order."""
     metadata = read_metadata(source)
-    tensors = dict(read_tensors(source, read_header(source)[0]))
+    tensors = read_tensors(source)
     model = meta_model(AutoConfig.for_model(**metadata["model_config"]))
     decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
     optimizer = {index if numbered_optimizer else name: {key: tensors[f"optimizer.state.{name}.{key}"]

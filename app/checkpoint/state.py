@@ -1,36 +1,135 @@
-"""The model's and optimizer's state in one form for every strategy: flat names, this rank's part of each tensor.
+"""What a checkpoint holds, and this rank's part of it: flat names, and pieces of flattened tensors.
 
-torch.distributed.checkpoint's state-dict API names every tensor after the Hugging Face model, whether the model
-is wrapped by FSDP, DDP, torch.compile or nothing, and AdamW's moments after the parameter they belong to:
+Every strategy's checkpoint stores the same tensors under the names of torch.distributed.checkpoint's state-dict API,
+named after the Hugging Face model whether it is wrapped by FSDP, DDP, torch.compile or nothing:
 
-    model.<parameter>                     e.g. model.model.layers.0.mlp.up_proj.weight
-    optimizer.state.<parameter>.<state>   state: step, exp_avg, exp_avg_sq
+    model.<parameter or persistent buffer>    e.g. model.model.layers.0.mlp.up_proj.weight
+    optimizer.state.<parameter>.<state>       state: step, exp_avg, exp_avg_sq (AdamW)
 
-(the keys DCP gives the nested `{"model": ..., "optimizer": ...}` dict, as Lightning saved it). Under FSDP each value
-holds this rank's rows of the tensor (ShardedTensor, or DTensor under FSDP2); under DDP and on one device the whole
-tensor. A checkpoint written by any strategy therefore loads into any other, at any world size: the load asks for
-the regions each rank holds. Shapes are checked against the model before any tensor is read, so optimizer state of
-another model never reaches a kernel.
+A rank holds a `Part` of each: the whole tensor's shape and dtype and the `Piece`s of it the rank has, each a range of
+elements of the tensor flattened in C order. Under FSDP a piece is the rank's range of a parameter inside FSDP's flat
+shard (fsdp_shards.py) or, under FSDP2, its rows (a DTensor's local shard); under DDP and on one device every rank
+holds every tensor as one piece. Pieces are views of the tensors training uses, so a checkpoint is written from them
+and read into them with no copy of the state on the way. Element ranges make every layout readable by every other:
+a checkpoint written by any strategy loads into any other, at any world size. Shapes are checked against the model
+before any tensor is read, so another model's optimizer state never reaches a kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn import Module
 
-from app.model import strategy_module
-
-SHARDED = StateDictOptions(full_state_dict=False)
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer.state."
+ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")
 
 
 class CheckpointMismatch(ValueError):
     """The checkpoint does not hold this model's state: named tensor, shapes, what to do."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, start + data.numel()) of a tensor flattened in C order; `data` is 1-D."""
+
+    start: int
+    data: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Part:
+    """This rank's part of one stored tensor: the whole tensor's shape and dtype, and the pieces the rank holds."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass
+class LocalState:
+    """This rank's part of every tensor a checkpoint holds, by name (in the order a full checkpoint stores them),
+    and the parameters' names in the optimizer's order (how earlier versions numbered their optimizer state)."""
+
+    parts: dict[str, Part]
+    parameter_order: list[str]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: part.shape for name, part in self.parts.items()}
+
+
+def whole_part(tensor: torch.Tensor) -> Part:
+    """A tensor this rank holds whole, as one piece."""
+    pieces = (Piece(0, tensor.detach().view(-1)),) if tensor.numel() else ()
+    return Part(tuple(tensor.shape), tensor.dtype, pieces)
+
+
+def part_of(value: Any) -> Part:
+    """This rank's part of a value of torch's distributed state dicts: a DTensor's or ShardedTensor's local blocks
+    of rows, or a plain tensor held whole."""
+    if isinstance(value, ShardedTensor):
+        blocks = [(tuple(shard.metadata.shard_offsets), shard.tensor) for shard in value.local_shards()]
+    elif isinstance(value, DTensor):
+        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        blocks = [(tuple(offsets), value.to_local())]
+    else:
+        return whole_part(value)
+    shape = tuple(value.size())
+    pieces = tuple(Piece(row_block_start(shape, offsets, tuple(local.shape)), local.detach().view(-1))
+                   for offsets, local in blocks if local.numel())
+    return Part(shape, value.dtype, pieces)
+
+
+def row_block_start(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+    """Where a block of whole rows starts in the flattened tensor (other blocks are not one range of elements)."""
+    if any(offsets[1:]) or tuple(sizes[1:]) != tuple(shape[1:]):
+        raise ValueError(f"a shard at {offsets} of size {sizes} is not a block of rows of a tensor of shape {shape}")
+    return offsets[0] * prod(shape[1:]) if shape else 0
+
+
+def blocks(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The rectangular blocks (offsets, sizes) that elements [start, stop) of a C-ordered tensor of `shape` make up,
+    in order: a partial first row, whole rows, a partial last row (recursively for more dimensions). A sharded
+    checkpoint stores a piece as these blocks, the form torch.distributed.checkpoint describes chunks in."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    row = prod(shape[1:])
+    first_row, first_column = divmod(start, row)
+    last_row, last_column = divmod(stop, row)
+
+    def within(row_index: int, begin: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((row_index, *offsets), (1, *sizes)) for offsets, sizes in blocks(shape[1:], begin, end)]
+
+    if first_row == last_row:
+        return within(first_row, first_column, last_column)
+    found = within(first_row, first_column, row) if first_column else []
+    whole_from = first_row + (1 if first_column else 0)
+    if last_row > whole_from:
+        found.append(((whole_from, *[0] * (len(shape) - 1)), (last_row - whole_from, *shape[1:])))
+    return found + (within(last_row, 0, last_column) if last_column else [])
+
+
+def flat_range(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(start, numel) of a block that is one range of the flattened tensor; ValueError for any other block."""
+    split = next((dim for dim, size in enumerate(sizes) if size != 1), len(sizes))
+    if any(offsets[dim] != 0 or sizes[dim] != shape[dim] for dim in range(split + 1, len(shape))):
+        raise ValueError(f"a block at {tuple(offsets)} of size {tuple(sizes)} is not one range of a tensor of shape "
+                         f"{tuple(shape)}")
+    strides = [prod(shape[dim + 1:]) for dim in range(len(shape))]
+    return sum(o * s for o, s in zip(offsets, strides)), prod(sizes)
 
 
 def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -38,36 +137,31 @@ def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-@dataclass
-class TrainingState:
-    """The nested state dicts torch's API reads and writes, and the flat view of their tensors checkpoints store."""
-
-    model_state: dict[str, Any]
-    optimizer_state: dict[str, Any]
-
-    @classmethod
-    def of(cls, model: Module, optimizer: Any) -> "TrainingState":
-        """This rank's state; an optimizer that has not stepped yet gets zero moments (step 0) to load into."""
-        model_state, optimizer_state = get_state_dict(strategy_module(model), raw_optimizer(optimizer), options=SHARDED)
-        return cls(model_state, optimizer_state)
-
-    def tensors(self) -> dict[str, Any]:
-        flat = {MODEL_PREFIX + name: value for name, value in self.model_state.items()}
-        for parameter, values in self.optimizer_state["state"].items():
-            flat |= {f"{OPTIMIZER_PREFIX}{parameter}.{key}": value for key, value in values.items()}
-        return flat
-
-    def parameter_order(self) -> list[str]:
-        """Parameter names in the optimizer's order (how torch's own optimizer state dicts number them)."""
-        return [name for group in self.optimizer_state["param_groups"] for name in group["params"]]
-
-    def apply(self, model: Module, optimizer: Any) -> None:
-        """Give the (loaded) tensors back to the model and optimizer."""
-        set_state_dict(strategy_module(model), raw_optimizer(optimizer), model_state_dict=self.model_state,
-                       optim_state_dict=self.optimizer_state, options=SHARDED)
-
-
-ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")
+@torch.no_grad()
+def initialise_adamw_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter without AdamW state (none before the first step; under FSDP, those a rank holds no
+    element of) the state AdamW starts from, zero moments and step 0, so that a checkpoint can be written from it or
+    read into it. AdamW creates it in a step: here one with lr 0 on zero gradients of those parameters only, after
+    which their step count is set back to 0, so that their next step is exactly the first one."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    missing = [parameter for parameter in parameters if parameter not in optimizer.state]
+    if not missing:
+        return
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    gradients = [parameter.grad for parameter in parameters]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for parameter in parameters:
+        parameter.grad = None
+    for parameter in missing:
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, learning_rates):
+        group["lr"] = lr
+    for parameter, gradient in zip(parameters, gradients):
+        parameter.grad = gradient
+    for parameter in missing:
+        optimizer.state[parameter]["step"].zero_()
 
 
 def expected_shapes(model: Module, parameter_order: list[str]) -> dict[str, tuple[int, ...]]:
@@ -78,11 +172,6 @@ def expected_shapes(model: Module, parameter_order: list[str]) -> dict[str, tupl
         shape = tuple(parameters[name].shape)
         shapes |= {f"{OPTIMIZER_PREFIX}{name}.{key}": () if key == "step" else shape for key in ADAMW_STATE}
     return shapes
-
-
-def global_shape(value: Any) -> tuple[int, ...]:
-    """The whole tensor's shape, also for a rank's shard (ShardedTensor and DTensor report the whole size)."""
-    return tuple(value.size())
 
 
 def check_fits(stored: dict[str, tuple[torch.dtype, tuple[int, ...]]], expected: dict[str, tuple[int, ...]],

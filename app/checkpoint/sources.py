@@ -1,0 +1,242 @@
+"""Reading ranges of elements of stored tensors from any checkpoint, straight into the tensors that receive them.
+
+Every checkpoint stores each tensor's elements, in C order, as raw bytes in one or more extents:
+- a full checkpoint file (tensor_file.py): one extent per tensor;
+- a sharded folder (torch.distributed.checkpoint, DCP): each block a rank wrote is a torch.save archive whose one
+  storage record holds the block's bytes uncompressed; a block of whole rows, or of part of one row, is one range of
+  the flattened tensor (state.py). Reading the record's bytes directly, rather than through DCP's reader (torch.load
+  of every block, then a copy into the target), takes a rank's shard at the speed of a plain read.
+A rank asks for the range of each tensor its piece covers (`read_elements_into`), whichever layout the writer had.
+Checkpoints of earlier versions written with torch.save are read from memory (`MemorySource`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator, Optional, Protocol
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from app.checkpoint import legacy
+from app.checkpoint.state import flat_range
+from app.checkpoint.tensor_file import read_header
+
+Shapes = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+class TensorSource(Protocol):
+    def shapes(self) -> Shapes:
+        """Every stored tensor's dtype and whole shape."""
+
+    def read_elements_into(self, name: str, first: int, target: torch.Tensor) -> None:
+        """Fill `target` with `target.numel()` elements of tensor `name`, flattened, from element `first` on."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Elements [start, start + numel) of a stored tensor, flattened, as raw bytes from `offset` in file `path`."""
+
+    start: int
+    numel: int
+    path: Path
+    offset: int
+
+
+class RawSource:
+    """Tensors stored as raw bytes, each in one or more extents: plain seeks and reads into the target's memory."""
+
+    def __init__(self, shapes: Shapes, extents: dict[str, list[Extent]]) -> None:
+        self._shapes, self.extents = shapes, extents
+        self.handles: dict[Path, BinaryIO] = {}
+
+    def shapes(self) -> Shapes:
+        return self._shapes
+
+    def read_elements_into(self, name: str, first: int, target: torch.Tensor) -> None:
+        dtype = self._shapes[name][0]
+        direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+        buffer = target.view(-1) if direct else torch.empty(target.numel(), dtype=dtype)
+        stop, covered = first + buffer.numel(), 0
+        for extent in self.extents_of(name):
+            begin, end = max(first, extent.start), min(stop, extent.start + extent.numel)
+            if begin < end:
+                self.read(extent.path, extent.offset + (begin - extent.start) * dtype.itemsize,
+                          buffer[begin - first:end - first])
+                covered += end - begin
+        if covered != buffer.numel():
+            raise ValueError(f"{name}: elements {first} to {stop} are not all stored: the checkpoint is incomplete")
+        if not direct:
+            target.copy_(buffer.view(target.shape))
+
+    def extents_of(self, name: str) -> list[Extent]:
+        return self.extents[name]
+
+    def read(self, path: Path, offset: int, target: torch.Tensor) -> None:
+        if path not in self.handles:
+            self.handles[path] = open(path, "rb")
+        handle = self.handles[path]
+        handle.seek(offset)
+        view = memoryview(target.view(torch.uint8).numpy())
+        if handle.readinto(view) != len(view):
+            raise ValueError(f"{path} ended early: the checkpoint is truncated")
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.close()
+        self.handles.clear()
+
+
+def file_source(path: Path) -> RawSource:
+    """A full checkpoint file: every tensor whole, back to back after the header."""
+    entries, _ = read_header(path)
+    shapes = {name: (entry.dtype, entry.shape) for name, entry in entries.items()}
+    extents = {name: [Extent(0, prod(entry.shape), path, entry.begin)] for name, entry in entries.items()}
+    return RawSource(shapes, extents)
+
+
+class FolderSource(RawSource):
+    """A DCP folder: each tensor's blocks as extents, located in the rank files when first read."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.metadata = read_dcp_metadata(folder)
+        entries = {name: entry for name, entry in self.metadata.state_dict_metadata.items()
+                   if isinstance(entry, TensorStorageMetadata)}
+        super().__init__({name: (entry.properties.dtype, tuple(entry.size)) for name, entry in entries.items()}, {})
+        self.entries = entries
+
+    def extents_of(self, name: str) -> list[Extent]:
+        if name not in self.extents:
+            entry = self.entries[name]
+            self.extents[name] = [self.extent(name, tuple(entry.size), entry.properties.dtype, tuple(chunk.offsets),
+                                              tuple(chunk.sizes)) for chunk in entry.chunks]
+        return self.extents[name]
+
+    def extent(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, offsets: tuple[int, ...],
+               sizes: tuple[int, ...]) -> Extent:
+        start, numel = flat_range(shape, offsets, sizes)
+        stored = self.metadata.storage_data[MetadataIndex(name, torch.Size(offsets))]
+        path = self.folder / stored.relative_path
+        if path not in self.handles:
+            self.handles[path] = open(path, "rb")
+        data = record_data_offset(self.handles[path], stored.offset, stored.length, numel * dtype.itemsize)
+        return Extent(start, numel, path, data)
+
+
+METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "TensorStorageMetadata",
+                                              "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"} | {str(dtype).removeprefix("torch.") for dtype in vars(torch).values()
+                         if isinstance(dtype, torch.dtype)},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+"""What a DCP folder's `.metadata` pickle may build: DCP's records of tensors and where their bytes are."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name not in METADATA_CLASSES.get(module, ()):
+            raise ValueError(f"{module}.{name} is not what a checkpoint's metadata holds")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(folder: Path) -> Metadata:
+    """A DCP folder's `.metadata`, unpickled with only DCP's own classes (DCP's reader unpickles anything: a
+    downloaded checkpoint could run code)."""
+    path = folder / ".metadata"
+    with open(path, "rb") as handle:
+        try:
+            metadata = MetadataUnpickler(handle).load()
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"{path}: not the metadata of a torch.distributed.checkpoint folder")
+    return metadata
+
+
+def record_data_offset(handle: BinaryIO, offset: int, length: int, nbytes: int) -> int:
+    """Where the bytes of the one tensor a torch.save archive at [offset, offset + length) holds begin in the file:
+    its single storage record, stored uncompressed, of exactly the tensor's size (so a dense, unshared tensor)."""
+    with zipfile.ZipFile(FileSlice(handle, offset, length)) as archive:
+        storages = [info for info in archive.infolist() if "/data/" in info.filename]
+    if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED or storages[0].file_size != nbytes:
+        raise ValueError(f"the block at byte {offset} of {handle.name} is not one tensor of {nbytes} bytes")
+    record = storages[0]
+    handle.seek(offset + record.header_offset + 26)
+    name_length, extra_length = struct.unpack("<HH", handle.read(4))
+    return offset + record.header_offset + 30 + name_length + extra_length
+
+
+class FileSlice(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file, as a file of their own (for zipfile)."""
+
+    def __init__(self, handle: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self.handle, self.offset, self.length, self.position = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = min(max(base + position, 0), self.length)
+        return self.position
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        wanted = min(len(buffer), self.length - self.position)
+        self.handle.seek(self.offset + self.position)
+        count = self.handle.readinto(memoryview(buffer)[:wanted])
+        self.position += count
+        return count
+
+
+class MemorySource:
+    """Tensors already in memory (an earlier version's torch.save file, memory-mapped)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shapes(self) -> Shapes:
+        return {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in self.tensors.items()}
+
+    def read_elements_into(self, name: str, first: int, target: torch.Tensor) -> None:
+        target.copy_(self.tensors[name].reshape(-1)[first:first + target.numel()].view(target.shape))
+
+    def close(self) -> None:
+        self.tensors.clear()
+
+
+@contextmanager
+def open_source(path: Path, parameter_order: Optional[list[str]] = None) -> Iterator[TensorSource]:
+    """The tensors of any checkpoint: a sharded folder, a full file, or an earlier version's torch.save file (whose
+    numbered optimizer state `parameter_order` names; without it, that state is left out)."""
+    if path.is_dir():
+        source: TensorSource = FolderSource(path)
+    elif legacy.is_torch_save_file(path):
+        source = MemorySource(legacy.tensors(legacy.load_torch_save(path), parameter_order))
+    else:
+        source = file_source(path)
+    try:
+        yield source
+    finally:
+        source.close()

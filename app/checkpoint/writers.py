@@ -1,0 +1,289 @@
+"""Writing this rank's part of a checkpoint: who writes which piece, then one full file or a sharded folder.
+
+The ranks first agree, in one exchange, which rank writes each distinct piece of every tensor: the lowest rank
+holding it (pieces are either distinct or, where ranks replicate them under DDP, NO_SHARD or HYBRID_SHARD, equal),
+and that the pieces cover every tensor exactly once. A rank then keeps only the pieces it writes (`Snapshot`): views
+of the training state for a save made now, or host copies for one written in the background (--async_save).
+- full: rank 0 writes the file's header and sizes the file; every rank on rank 0's machine then writes its own
+  pieces at their place in the file, all at once; ranks on other machines send theirs to rank 0 (point to point, in
+  the same order on both sides, into one reused buffer), which writes them. No rank holds more than its own state.
+- sharded: every rank writes its pieces with torch.distributed.checkpoint (DCP) as the rectangular blocks they
+  make up (state.py), one file per rank; DCP checks that the blocks of every tensor cover it exactly once.
+The exchanges run over a gloo process group made for checkpoints (CPU tensors, on GPU machines too, so the same code
+runs everywhere), which also lets a background writer talk to the other ranks while training uses the default group.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from math import prod
+from pathlib import Path
+from typing import Any, BinaryIO, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from app.checkpoint.state import LocalState, Part, Piece, blocks
+from app.checkpoint.tensor_file import layout
+
+METADATA_KEY = "training"
+SHARDED_METADATA = "training.json"
+
+Writers = dict[str, list[tuple[int, int, int]]]
+"""name -> (rank, start, numel) of every distinct piece of the tensor, in order of start."""
+
+
+def distributed(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    """(rank, world size) in the checkpoint group; (0, 1) without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def barrier(group: Optional[dist.ProcessGroup]) -> None:
+    if distributed(group)[1] > 1:
+        dist.barrier(group=group)
+
+
+def lowest_holders(layouts: list[dict[str, list[tuple[int, int]]]], shapes: dict[str, tuple[int, ...]]) -> Writers:
+    """Each distinct (start, numel) region of every tensor, from the lowest rank holding it, in order of start;
+    the tensors in rank 0's order (every rank names every tensor, holding a piece of it or not). RuntimeError when
+    the regions do not cover a tensor exactly once."""
+    chosen: dict[str, dict[tuple[int, int], int]] = {name: {} for name in layouts[0]}
+    for rank, layout_of_rank in enumerate(layouts):
+        for name, regions in layout_of_rank.items():
+            for region in regions:
+                chosen[name].setdefault(region, rank)
+    writers = {name: sorted(((rank, start, numel) for (start, numel), rank in regions.items()), key=lambda w: w[1])
+               for name, regions in chosen.items()}
+    for name, pieces in writers.items():
+        covered = 0
+        for _, start, numel in pieces:
+            if start != covered:
+                raise RuntimeError(f"the ranks' pieces of {name} do not tile it: elements from {covered} to {start}")
+            covered += numel
+        if covered != prod(shapes[name]):
+            raise RuntimeError(f"the ranks' pieces of {name} cover {covered} of its {prod(shapes[name])} elements")
+    return writers
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """What the ranks agreed before writing a checkpoint."""
+
+    writers: Writers
+    same_machine: frozenset[int]
+    """The ranks on rank 0's machine, which write their pieces of a full file themselves."""
+    header: bytes
+    """A full file's header: the tensors, in the order of `writers`, and the metadata."""
+
+
+def agree_plan(state: LocalState, metadata: dict[str, Any], group: Optional[dist.ProcessGroup]) -> WritePlan:
+    """The plan, made on rank 0 from every rank's layout and machine, and sent to all. Collective."""
+    rank, world_size = distributed(group)
+    held = {name: [(piece.start, piece.data.numel()) for piece in part.pieces] for name, part in state.parts.items()}
+    reports: list[Any] = [(socket.gethostname(), held)]
+    if world_size > 1:
+        reports = [None] * world_size
+        dist.gather_object((socket.gethostname(), held), reports if rank == 0 else None, group_dst=0, group=group)
+    plan: list[Any] = [None]
+    if rank == 0:
+        writers = lowest_holders([layout_of_rank for _, layout_of_rank in reports], state.shapes())
+        header = layout(((name, state.parts[name].shape, state.parts[name].dtype) for name in writers),
+                        {METADATA_KEY: json.dumps(metadata)})
+        same_machine = frozenset(r for r, (host, _) in enumerate(reports) if host == reports[0][0])
+        plan = [WritePlan(writers, same_machine, header)]
+    if world_size > 1:
+        dist.broadcast_object_list(plan, group_src=0, group=group)
+    return plan[0]
+
+
+@dataclass
+class Snapshot:
+    """What this rank writes of one checkpoint: its pieces (views, or copies once `staged`) and the plan."""
+
+    parts: dict[str, Part]
+    plan: WritePlan
+    own: dict[str, dict[int, torch.Tensor]]
+    """name -> start -> the data of each piece this rank writes."""
+    metadata: dict[str, Any]
+    group: Optional[dist.ProcessGroup]
+    sharded: bool
+
+    @classmethod
+    def take(cls, state: LocalState, metadata: dict[str, Any], group: Optional[dist.ProcessGroup],
+             sharded: bool) -> "Snapshot":
+        """This rank's pieces to write (for a sharded checkpoint, cut into the blocks DCP stores), as views of the
+        training state, and the metadata as plain data. Collective."""
+        metadata = json.loads(json.dumps(metadata))
+        plan = agree_plan(state, metadata, group)
+        rank, _ = distributed(group)
+        own: dict[str, dict[int, torch.Tensor]] = {}
+        for name, part in state.parts.items():
+            mine = {start for writer, start, _ in plan.writers[name] if writer == rank}
+            pieces = [piece for piece in part.pieces if piece.start in mine]
+            if sharded:
+                pieces = [block for piece in pieces for block in block_pieces(part.shape, piece)]
+            own[name] = {piece.start: piece.data for piece in pieces}
+        return cls(state.parts, plan, own, metadata, group, sharded)
+
+    def staged(self, area: "StagingArea") -> "Snapshot":
+        """The same snapshot with its pieces copied to host memory that training does not change."""
+        return replace(self, own=area.copy(self.own))
+
+    def write(self, path: Path) -> None:
+        """The checkpoint at `path` (a file, or a folder when sharded). Collective over the group."""
+        if self.sharded:
+            self.write_sharded(path)
+        else:
+            self.write_full(path)
+
+    def write_full(self, path: Path) -> None:
+        """Rank 0 writes the header and sizes the file, then the ranks of its machine write their pieces into it
+        at once, and rank 0 the pieces the other machines send. Collective over the group."""
+        rank, _ = distributed(self.group)
+        begins = self.tensor_offsets()
+        if rank == 0:
+            with open(path, "wb") as handle:
+                handle.write(self.plan.header)
+                handle.truncate(begins[None])
+        barrier(self.group)
+        if rank in self.plan.same_machine:
+            with open(path, "r+b") as handle:
+                self.write_pieces(handle, begins, rank)
+        else:
+            for name, pieces in self.plan.writers.items():
+                for writer, start, _ in pieces:
+                    if writer == rank:
+                        dist.send(self.own[name][start].to("cpu"), group_dst=0, group=self.group)
+        barrier(self.group)
+
+    def tensor_offsets(self) -> dict[Optional[str], int]:
+        """Where each tensor's bytes begin in the full file, and (under None) where the file ends."""
+        begins: dict[Optional[str], int] = {}
+        position = len(self.plan.header)
+        for name in self.plan.writers:
+            begins[name] = position
+            position += self.parts[name].numel * self.parts[name].dtype.itemsize
+        begins[None] = position
+        return begins
+
+    def write_pieces(self, handle: BinaryIO, begins: dict[Optional[str], int], rank: int) -> None:
+        """This rank's pieces at their place; on rank 0 also those of the ranks on other machines, received."""
+        received = Receiver(self.group)
+        for name, pieces in self.plan.writers.items():
+            dtype = self.parts[name].dtype
+            for writer, start, numel in pieces:
+                if writer == rank:
+                    data = self.own[name][start].to("cpu")
+                elif rank == 0 and writer not in self.plan.same_machine:
+                    data = received.piece(writer, numel, dtype)
+                else:
+                    continue
+                handle.seek(begins[name] + start * dtype.itemsize)
+                handle.write(memoryview(data.view(torch.uint8).numpy()))
+
+    def write_sharded(self, folder: Path) -> None:
+        """Every rank writes its blocks into its own file, rank 0 the metadata. Collective."""
+        rank, world_size = distributed(self.group)
+        written = {}
+        for name, part in self.parts.items():
+            for start, data in self.own[name].items():
+                ((offsets, sizes),) = blocks(part.shape, start, start + data.numel())
+                written[(name, offsets)] = (data.view(sizes), part.shape)
+            if part.numel == 0 and rank == 0:
+                written[(name, (0,) * len(part.shape))] = (torch.empty(part.shape, dtype=part.dtype), part.shape)
+        with without_crc32():
+            dcp.save({}, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=True),
+                     planner=BlocksPlanner(written), process_group=self.group, no_dist=world_size == 1)
+        if rank == 0:
+            (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))
+
+
+@contextmanager
+def without_crc32() -> Iterator[None]:
+    """torch.save without the zip records' CRC-32, a third of DCP's CPU time per byte written: torch.load never
+    checks it, nor do the readers of sources.py. (A process-wide setting; nothing else here calls torch.save.)"""
+    computed = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(computed)
+
+
+def block_pieces(shape: tuple[int, ...], piece: Piece) -> list[Piece]:
+    """A piece cut into the blocks it makes up, each one range of the flattened tensor."""
+    found, start = [], piece.start
+    for _, sizes in blocks(shape, piece.start, piece.start + piece.data.numel()):
+        count = prod(sizes)
+        found.append(Piece(start, piece.data[start - piece.start:start - piece.start + count]))
+        start += count
+    return found
+
+
+class StagingArea:
+    """Host memory for the pieces this rank writes in the background, made once and reused by every save of the run
+    (the pieces are the same all run): staging is then a copy into memory already in use, not an allocation that
+    the operating system fills page by page (pinned memory on a GPU machine, for fast device-to-host copies)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def copy(self, own: dict[str, dict[int, torch.Tensor]]) -> dict[str, dict[int, torch.Tensor]]:
+        staged: dict[str, dict[int, torch.Tensor]] = {}
+        for name, pieces in own.items():
+            staged[name] = {}
+            for start, data in pieces.items():
+                buffer = self.buffers.get((name, start))
+                if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
+                    buffer = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)
+                    self.buffers[(name, start)] = buffer
+                staged[name][start] = buffer.copy_(data)
+        return staged
+
+
+class Receiver:
+    """Pieces from the other ranks, each received into one buffer reused for all of them."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def piece(self, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        data = self.buffer[:nbytes].view(dtype)
+        dist.recv(data, group_src=rank, group=self.group)
+        return data
+
+
+class BlocksPlanner(DefaultSavePlanner):
+    """DCP's save planner for blocks of tensors this rank writes, given as (name, offsets) -> (data, whole shape)."""
+
+    def __init__(self, written: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.written = written
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(name, torch.Size(offsets)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                                                  sizes=data.shape),
+                                                       properties=TensorProperties(dtype=data.dtype),
+                                                       size=torch.Size(shape)))
+                 for (name, offsets), (data, shape) in self.written.items()]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        return self.written[(index.fqn, tuple(index.offset))][0]

@@ -1,0 +1,155 @@
+"""Checkpoint formats in one process: pieces cut into blocks, written as a full file or a DCP folder, read back as any
+other pieces, and the folder readable by torch.distributed.checkpoint's own loader.
+
+The multi-process paths (FSDP's flat shards, FSDP2's rows, DDP's replicas, at any world size) are exercised by
+tests/test_resume_anywhere.py and tests/test_reliability.py; these tests pin the arithmetic and the byte layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+from math import prod
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from app.checkpoint import read_tensors, stored_tensor_shapes
+from app.checkpoint.sources import open_source
+from app.checkpoint.state import LocalState, Part, Piece, blocks, flat_range
+from app.checkpoint.tensor_file import read_header
+from app.checkpoint.writers import Snapshot, StagingArea, lowest_holders
+from conftest import ROOT, free_port
+
+
+def test_blocks_cover_a_range_in_order_and_each_is_one_range_again() -> None:
+    generator = random.Random(0)
+    for _ in range(3000):
+        shape = tuple(generator.randint(1, 5) for _ in range(generator.randint(0, 4)))
+        start = generator.randint(0, prod(shape))
+        stop = generator.randint(start, prod(shape))
+        found = blocks(shape, start, stop)
+        position = start
+        for offsets, sizes in found:
+            assert all(0 <= o and o + s <= d for o, s, d in zip(offsets, sizes, shape))
+            assert flat_range(shape, offsets, sizes) == (position, prod(sizes))
+            position += prod(sizes)
+        assert position == stop
+        assert len(found) <= 2 * len(shape) + 1
+
+
+def test_a_block_that_is_not_one_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="not one range"):
+        flat_range((4, 6), (0, 2), (2, 3))  # two rows, three columns each: two ranges
+
+
+def test_the_rank_that_writes_a_piece_is_the_lowest_holding_it_and_pieces_must_tile_each_tensor() -> None:
+    shapes = {"a": (2, 4), "b": (10,), "c": (3,)}
+    layouts = [{"a": [(0, 4)], "b": [(0, 10)], "c": []},
+               {"a": [(4, 4)], "b": [(0, 10)], "c": [(0, 3)]}]
+    assert lowest_holders(layouts, shapes) == {"a": [(0, 0, 4), (1, 4, 4)], "b": [(0, 0, 10)], "c": [(1, 0, 3)]}
+    with pytest.raises(RuntimeError, match="pieces of a do not tile it: elements from 4 to 5"):
+        lowest_holders([{"a": [(0, 4)], "b": [(0, 10)], "c": [(0, 3)]}, {"a": [(5, 3)]}], shapes)
+    with pytest.raises(RuntimeError, match="pieces of c cover 2 of its 3 elements"):
+        lowest_holders([{"a": [(0, 8)], "b": [(0, 10)], "c": [(0, 2)]}], shapes)
+
+
+def uneven_pieces(tensors: dict[str, torch.Tensor], cuts: dict[str, list[int]]) -> LocalState:
+    """One process holding every tensor as pieces cut at arbitrary elements, as FSDP's flat shards cut them."""
+    parts = {}
+    for name, tensor in tensors.items():
+        bounds = [0, *cuts.get(name, []), tensor.numel()]
+        parts[name] = Part(tuple(tensor.shape), tensor.dtype,
+                           tuple(Piece(a, tensor.view(-1)[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a))
+    return LocalState(parts, [])
+
+
+@pytest.fixture
+def tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"model.embed.weight": torch.randn(7, 5, generator=generator),
+            "model.experts": torch.randn(3, 4, 6, generator=generator).to(torch.bfloat16),
+            "model.norm.weight": torch.randn(5, generator=generator),
+            "optimizer.state.embed.step": torch.tensor(12.0)}
+
+
+CUTS = {"model.embed.weight": [3, 4, 27], "model.experts": [5, 30, 31, 70], "model.norm.weight": [2]}
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("staged", [False, True])
+def test_pieces_written_in_either_format_read_back_exactly_into_other_pieces(tensors, tmp_path, sharded,
+                                                                             staged) -> None:
+    path = tmp_path / ("step.ckpt" if not sharded else "folder")
+    taken = Snapshot.take(uneven_pieces(tensors, CUTS), {"step": 12}, group=None, sharded=sharded)
+    (taken.staged(StagingArea()) if staged else taken).write(path)
+    assert read_tensors(path).keys() == tensors.keys()
+    for name, tensor in read_tensors(path).items():
+        assert tensor.dtype == tensors[name].dtype and torch.equal(tensor, tensors[name])
+    with open_source(path) as source:
+        assert source.shapes() == {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+        for name, tensor in tensors.items():
+            start, stop = tensor.numel() // 3, tensor.numel() - 1
+            target = torch.empty(stop - start, dtype=torch.float64)  # another dtype: read, then converted
+            source.read_elements_into(name, start, target)
+            assert torch.equal(target, tensor.reshape(-1)[start:stop].double())
+    metadata = json.loads((path / "training.json").read_text() if sharded else read_header(path)[1]["training"])
+    assert metadata == {"step": 12}
+
+
+def test_a_sharded_folder_is_a_checkpoint_torch_distributed_checkpoint_itself_loads(tensors, tmp_path) -> None:
+    Snapshot.take(uneven_pieces(tensors, CUTS), {}, group=None, sharded=True).write(tmp_path)
+    chunks = FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata["model.experts"].chunks
+    assert len(chunks) > len(CUTS["model.experts"]) + 1, "pieces are stored as the blocks they make up"
+    loaded = {name: torch.zeros_like(tensor) for name, tensor in tensors.items()}
+    dcp.load(loaded, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
+
+
+def test_a_folder_torch_distributed_checkpoint_wrote_reads_as_pieces(tensors, tmp_path) -> None:
+    """Sharded checkpoints of earlier versions were written by DCP from torch's state dicts."""
+    dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
+    assert all(torch.equal(tensor, tensors[name]) for name, tensor in read_tensors(tmp_path).items())
+
+
+def test_a_truncated_file_is_reported(tensors, tmp_path) -> None:
+    path = tmp_path / "step.ckpt"
+    Snapshot.take(uneven_pieces(tensors, {}), {}, group=None, sharded=False).write(path)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="truncated"):
+        read_tensors(Path(path))
+
+
+def test_a_sharded_folder_whose_metadata_would_run_code_is_refused_before_the_code_runs(tensors, tmp_path) -> None:
+    """DCP's `.metadata` is a pickle: only the classes DCP stores there may be built from it."""
+    Snapshot.take(uneven_pieces(tensors, {}), {}, group=None, sharded=True).write(tmp_path)
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ValueError, match=r"\.metadata: .*system is not what a checkpoint's metadata holds"):
+        stored_tensor_shapes(tmp_path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("machines", ["one machine", "two machines"])
+def test_two_ranks_write_uneven_and_replicated_pieces_that_read_back_whole(tmp_path, machines) -> None:
+    """On one machine both ranks write their pieces of a full file themselves; from another machine rank 1's pieces
+    travel to rank 0. Replicated tensors are written once, by rank 0."""
+    port = str(free_port())
+    extra = ["machines"] if machines == "two machines" else []
+    ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests/helpers/write_pieces.py"), str(rank), port,
+                               str(tmp_path), *extra], stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for rank in ranks:
+        _, errors = rank.communicate(timeout=120)
+        assert rank.returncode == 0, errors[-3000:]
