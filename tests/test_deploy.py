@@ -18,7 +18,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoConfig
 
 from conftest import read_checkpoint, train_args

@@ -8,8 +8,6 @@ Data: the standard library's code -> docstring summary pairs, prepared by prepar
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from app.data import IGNORE_INDEX, DataFormat, load_data
+from app.data import IGNORE_INDEX, load_data
 from app.data.order import epoch_permutation, rank_micro_batches
 from app.prepare import PrepareArgs, prepare
 from app.schedule import make_plan

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import read_checkpoint, run_train, train_args
