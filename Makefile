@@ -12,7 +12,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	touch $@
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The demo: prepare the Python standard library's source, train a small Llama from scratch with FSDP (2 CPU
 # processes without a GPU, every GPU with one), convert the last checkpoint and print what the model writes.
