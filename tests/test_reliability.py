@@ -313,6 +313,20 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
           "(--rendezvous_timeout_min 0.1, start-up included)")
 
 
+def test_a_teardown_that_hangs_is_left_after_its_timeout_with_the_runs_exit_code() -> None:
+    """destroy_process_group can hang at exit (rarely): the rank must still leave, with the run's exit code."""
+    teardown = ("import time\nfrom app.signals import run_or_leave\n"
+                "run_or_leave(lambda: None, 5, 9)\nprint('returned', flush=True)\n"
+                "run_or_leave(lambda: time.sleep(120), 0.5, {code})\nprint('not reached')\n")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", teardown.format(code=EXIT_PREEMPTED)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_PREEMPTED, result.stderr
+    assert result.stdout == "returned\n"
+    assert f"did not return within 0.5 s; exiting without it (exit {EXIT_PREEMPTED})" in result.stderr
+    assert time.monotonic() - started < 30
+
+
 @pytest.mark.slow
 def test_non_finite_loss_stops_without_saving_corrupted_weights(tiny: TinySetup, tmp_path: Path):
     out = tmp_path / "run"
