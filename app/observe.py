@@ -62,11 +62,25 @@ def peak_flops(device: torch.device, precision: str, override_tflops: Optional[f
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
     """This process's memory high-water marks: host RSS always, and the CUDA caching allocator's on a GPU."""
-    peaks = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB}
+    peaks = {"peak_rss_gb": peak_rss_bytes() / GB}
     if device.type == "cuda":
         peaks["peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GB
         peaks["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / GB
     return peaks
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: Linux's VmHWM, which starts afresh with the program. getrusage's
+    ru_maxrss survives execve, so a rank started by a large process (a notebook, a benchmark holding a model, or
+    Lightning's launching rank) would report that process's peak as its own."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -11,7 +13,7 @@ from transformers import AutoConfig, LlamaConfig
 from app.memory_plan import ModelShape, Setup, estimate_memory, largest_micro_batch
 from app.model import resolve_wrap_classes
 from app.observe import GB
-from tests.conftest import run_train, train_args
+from tests.conftest import ROOT, run_train, train_args
 
 LLAMA_3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
@@ -104,3 +106,19 @@ def test_estimate_memory_prints_the_plan_and_trains_nothing(tiny, tmp_path) -> N
 
     small = run_train(train_args(tiny, out_dir, estimate_memory=True, device_memory_gb=0.5))
     assert "does NOT fit" in small.stdout and "no micro batch fits: shard more" in small.stdout
+
+
+def test_peak_rss_is_the_processs_own_not_that_of_the_large_process_that_started_it() -> None:
+    """A rank started by a process holding a lot (a notebook, the benchmark, Lightning's launching rank) reports its
+    own peak: getrusage's ru_maxrss would carry the parent's over execve."""
+    started_by_a_large_process = (
+        "import subprocess, sys\n"
+        "held = bytearray(1_500_000_000)\n"
+        "held[::4096] = b'x' * len(held[::4096])\n"
+        "report = 'import json, torch; from app.observe import peak_memory_gb; '\n"
+        "report += 'print(json.dumps(peak_memory_gb(torch.device(\"cpu\"))))'\n"
+        "print(subprocess.run([sys.executable, '-c', report], capture_output=True, text=True, check=True).stdout)\n")
+    printed = subprocess.run([sys.executable, "-c", started_by_a_large_process], cwd=ROOT, capture_output=True,
+                             text=True, check=True, timeout=120).stdout
+    peak = json.loads(printed)["peak_rss_gb"]
+    assert 0.05 < peak < 1.0, f"the child reported {peak:.2f} GB; its parent held 1.5 GB"
