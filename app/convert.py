@@ -23,8 +23,8 @@ from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, set_pa
 from torch.nn import Module
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from app.checkpoint import (CheckpointError, checkpoint_dir, list_checkpoints, read_metadata as read_checkpoint_metadata,
-                            read_model_weights, stored_tensor_shapes)
+from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints,
+                            read_metadata as read_checkpoint_metadata, read_model_weights, stored_tensor_shapes)
 from app.checkpoint.files import publish
 from app.checkpoint.state import MODEL_PREFIX
 from app.model import meta_model, model_class
@@ -116,10 +116,6 @@ def parse_args(argv: Optional[list[str]] = None) -> Args:
 
 # ---- finding checkpoints -------------------------------------------------------------------------------------
 
-def is_checkpoint(path: Path) -> bool:
-    return path.is_file() or (path / "meta.pt").is_file()
-
-
 def checkpoints_in(folder: Path) -> dict[int, Path]:
     """Checkpoints by step in a run folder or in its checkpoints/ folder."""
     if folder.name == checkpoint_dir(".").name and not (folder / checkpoint_dir(".").name).is_dir():
@@ -160,6 +156,8 @@ def stored_shapes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Name → (shape, dtype) of every model tensor, without reading the weights."""
     try:
         stored = stored_tensor_shapes(path)
+    except ValueError as error:  # what the readers found wrong, e.g. a sharded folder's metadata
+        raise BadInput(f"--checkpoint {path}: {error}; pick another one") from None
     except Exception as error:  # a truncated or foreign file
         raise BadInput(f"--checkpoint {path}: unreadable checkpoint ({type(error).__name__}); pick another one") from None
     shapes = {name.removeprefix(MODEL_PREFIX): (torch.Size(shape), dtype) for name, (dtype, shape) in stored.items()

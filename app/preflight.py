@@ -23,7 +23,7 @@ from torch.nn import Module
 from transformers import AutoTokenizer, PretrainedConfig
 
 from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, stored_tensor_shapes
-from app.checkpoint.state import expected_shapes, check_fits
+from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
 from app.exit_codes import EXIT_BAD_INPUT
@@ -296,8 +296,11 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
     decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
     try:
         check_fits(stored_tensor_shapes(path, decayed + exempt), expected_shapes(model, decayed + exempt), flag)
-    except ValueError as error:
+    except CheckpointMismatch as error:
         problems.append(f"{error}; resume with the model it was trained with")
+        return None
+    except ValueError as error:
+        problems.append(f"{flag}: {error}; pick another one")
         return None
     return metadata
 

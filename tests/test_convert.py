@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -86,7 +87,8 @@ def test_bfloat16_conversion_is_within_tolerance(tiny, full_run, tmp_path) -> No
 def test_sharded_checkpoint_converts_to_the_same_weights_as_the_full_one(full_run, sharded_run, tmp_path) -> None:
     assert (sharded_run / "checkpoints" / "step-00000008.ckpt").is_dir()
     convert("--checkpoint", full_run, "--output_dir", tmp_path / "full", "--dtype", "float32")
-    convert("--checkpoint", sharded_run, "--output_dir", tmp_path / "sharded", "--dtype", "float32")
+    convert("--checkpoint", sharded_run / "checkpoints" / "step-00000008.ckpt", "--output_dir", tmp_path / "sharded",
+            "--dtype", "float32")
     full, sharded = (load_file(tmp_path / name / "model.safetensors") for name in ("full", "sharded"))
     assert full.keys() == sharded.keys() and all(torch.equal(full[k], sharded[k]) for k in full)
 
@@ -123,8 +125,15 @@ def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, tiny, tm
     AutoConfig.from_pretrained(tiny.model_config, hidden_size=96).save_pretrained(wider)
     good = full_run / "checkpoints" / "step-00000008.ckpt"
     out = tmp_path / "out"
+    unsafe = tmp_path / "step-00000002.ckpt"
+    unsafe.mkdir()
+    model_config = AutoConfig.from_pretrained(tiny.model_config).to_dict()
+    (unsafe / "training.json").write_text(json.dumps({"step": 2, "model_config": model_config}))
+    (unsafe / ".metadata").write_bytes(f"cos\nsystem\n(S'touch {tmp_path / 'ran'}'\ntR.".encode())
     assert "no such file" in refused(capsys, "--checkpoint", tmp_path / "missing.ckpt", "--output_dir", out)
     assert "not a readable checkpoint" in refused(capsys, "--checkpoint", corrupt, "--output_dir", out)
+    message = refused(capsys, "--checkpoint", unsafe, "--output_dir", out)
+    assert "os.system is not what a checkpoint's metadata holds" in message and not (tmp_path / "ran").exists()
     message = refused(capsys, "--checkpoint", good, "--output_dir", out, "--model_config", wider)
     assert "model.embed_tokens.weight of shape (400, 64)" in message and "(400, 96)" in message
     assert "is not empty" in refused(capsys, "--checkpoint", good, "--output_dir", existing)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,11 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config).to_dict()},
                run / "step-00000004.ckpt")
     (root / "a_file").write_text("not a folder")
+    metadata = json.dumps({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config).to_dict()})
+    for name, pickled in {"unsafe_folder": b"cos\nsystem\n(S'true'\ntR.", "truncated_folder": b"\x80\x04\x95"}.items():
+        (root / name).mkdir()
+        (root / name / "training.json").write_text(metadata)
+        (root / name / ".metadata").write_bytes(pickled)
     return {path.stem: path for path in root.iterdir()}
 
 
@@ -64,6 +70,10 @@ CASES = {
     "missing checkpoint": (dict(resume=True, checkpoint="/nonexistent.ckpt"), "--checkpoint /nonexistent.ckpt"),
     "corrupt checkpoint": (dict(resume=True, checkpoint="{corrupt}"), "not a readable checkpoint"),
     "other model's checkpoint": (dict(resume=True, checkpoint="{other_model}"), "is from a different model"),
+    "sharded folder that would run code": (dict(resume=True, checkpoint="{unsafe_folder}"),
+                                           "os.system is not what a checkpoint's metadata holds; pick another one"),
+    "sharded folder cut short": (dict(resume=True, checkpoint="{truncated_folder}"),
+                                 ".metadata: not readable (UnpicklingError): the folder is incomplete; pick another"),
     "out_dir is a file": (dict(out_dir="{a_file}"), "is a file; give a folder"),
     "checkpoints without resume": (dict(out_dir="{run}"), "already holds checkpoints; add --resume true"),
     "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),

@@ -4,11 +4,12 @@ state_dicts.py, fsdp_shards.py); saving and loading (io.py) through writers (wri
 
 from app.checkpoint.files import (checkpoint_dir, checkpoint_path, latest_checkpoint, list_checkpoints, mark_if_best,
                                   prune_checkpoints, read_best)
-from app.checkpoint.io import (CheckpointError, load_checkpoint, read_metadata, read_model_weights,
+from app.checkpoint.io import (CheckpointError, is_checkpoint, load_checkpoint, read_metadata, read_model_weights,
                                read_tensors, stored_tensor_shapes)
 from app.checkpoint.rng import resume_rng, rng_of_every_rank
 from app.checkpoint.saver import CheckpointSaver
 
-__all__ = ["CheckpointError", "CheckpointSaver", "checkpoint_dir", "checkpoint_path", "latest_checkpoint",
-           "list_checkpoints", "load_checkpoint", "mark_if_best", "prune_checkpoints", "read_best", "read_metadata",
-           "read_model_weights", "read_tensors", "resume_rng", "rng_of_every_rank", "stored_tensor_shapes"]
+__all__ = ["CheckpointError", "CheckpointSaver", "checkpoint_dir", "checkpoint_path", "is_checkpoint",
+           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_if_best", "prune_checkpoints",
+           "read_best", "read_metadata", "read_model_weights", "read_tensors", "resume_rng", "rng_of_every_rank",
+           "stored_tensor_shapes"]

@@ -73,6 +73,11 @@ def load_checkpoint(path: Path, model: Any, optimizer: Any) -> dict[str, Any]:
     return read_metadata(path)
 
 
+def is_checkpoint(path: Path) -> bool:
+    """A checkpoint of any format and version (rather than a run folder or a folder of checkpoints)."""
+    return path.is_file() or (path / SHARDED_METADATA).is_file() or (path / legacy.SHARDED_METADATA).is_file()
+
+
 def is_full_file(path: Path) -> bool:
     """A full checkpoint of this version (not a sharded folder, not an earlier version's torch.save file)."""
     return path.is_file() and not legacy.is_torch_save_file(path)

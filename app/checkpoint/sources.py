@@ -158,11 +158,13 @@ def read_dcp_metadata(folder: Path) -> Metadata:
     """A DCP folder's `.metadata`, unpickled with only DCP's own classes (DCP's reader unpickles anything: a
     downloaded checkpoint could run code)."""
     path = folder / ".metadata"
-    with open(path, "rb") as handle:
-        try:
+    try:
+        with open(path, "rb") as handle:
             metadata = MetadataUnpickler(handle).load()
-        except ValueError as error:
-            raise ValueError(f"{path}: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    except (OSError, EOFError, pickle.UnpicklingError) as error:
+        raise ValueError(f"{path}: not readable ({type(error).__name__}): the folder is incomplete") from None
     if not isinstance(metadata, Metadata):
         raise ValueError(f"{path}: not the metadata of a torch.distributed.checkpoint folder")
     return metadata
