@@ -17,7 +17,8 @@ from app.data import Batch, Step, TrainingData, train_steps
 from app.evaluate import perplexity, validation_loss
 from app.console import Console
 from app.metrics import should_upload_checkpoint, upload_checkpoint
-from app.observe import PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, largest, run_summary
+from app.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, gather_rows, largest,
+                         run_summary)
 from app.optim import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
 from app.schedule import TrainingPlan, learning_rate
 from app.samples import SampleEvaluator
@@ -156,7 +157,7 @@ class Loop:
         """One all_gather of `local_values` and of this rank's RankStats: rows of the values, and every rank's stats."""
         stats = RankStats.of_this_rank(self.fabric.device, self.data_wait, self.saving, self.state_memory)
         local = torch.cat([local_values.double().to(self.fabric.device), stats.to_tensor().to(self.fabric.device)])
-        rows = self.fabric.all_gather(local).reshape(-1, local.numel()).cpu()
+        rows = gather_rows(local).cpu()
         return rows[:, :local_values.numel()], [RankStats.from_tensor(row[local_values.numel():]) for row in rows]
 
     def training_metrics(self, losses: list[torch.Tensor], grad_norm: torch.Tensor, lr: float,

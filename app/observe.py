@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
@@ -43,7 +44,8 @@ def flops_per_micro_batch(model_config: PretrainedConfig, micro_batch_size: int,
     """
     model = meta_model(model_config, trust_remote_code)
     input_ids = torch.zeros((micro_batch_size, tokens), dtype=torch.long, device="meta")
-    labels = torch.zeros((micro_batch_size, target_tokens), dtype=torch.long, device="meta") if target_tokens else input_ids
+    labels = (torch.zeros((micro_batch_size, target_tokens), dtype=torch.long, device="meta") if target_tokens
+              else input_ids)
     return measure_flops(model, lambda: model(input_ids=input_ids, labels=labels, use_cache=True),
                          lambda output: output.loss)
 
@@ -184,6 +186,17 @@ class RankStats:
     @classmethod
     def from_tensor(cls, values: torch.Tensor) -> "RankStats":
         return cls(*values.tolist())
+
+
+def gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `local` as one row each, in rank order. torch's own all_gather rather than Fabric's, which
+    goes through the autograd-aware torch.distributed.nn gather that torch 2.13 deprecates (a warning on every rank
+    of every run; these numbers need no gradient)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return local.unsqueeze(0)
+    rows = local.new_empty(dist.get_world_size(), local.numel())
+    dist.all_gather(list(rows.unbind()), local)
+    return rows
 
 
 def largest(ranks: list[RankStats], name: str) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -31,9 +32,15 @@ def assert_succeeded(result) -> None:
 def fsdp_run(tiny, tmp_path_factory) -> Path:
     """The issue's reference run: FSDP over 2 CPU processes, 24 steps, evaluation and checkpoints every 8."""
     out_dir = tmp_path_factory.mktemp("fsdp")
-    assert_succeeded(run_train(train_args(tiny, out_dir)))
+    result = run_train(train_args(tiny, out_dir))
+    assert_succeeded(result)
+    stderr_of(out_dir).write_text(result.stderr)
     shutil.copy(out_dir / "metrics.csv", out_dir / "straight_metrics.csv")
     return out_dir
+
+
+def stderr_of(out_dir: Path) -> Path:
+    return out_dir.with_name(out_dir.name + ".stderr")
 
 
 def test_fsdp_run_trains_evaluates_and_logs_every_step(fsdp_run) -> None:
@@ -47,6 +54,13 @@ def test_fsdp_run_trains_evaluates_and_logs_every_step(fsdp_run) -> None:
     assert metrics[24]["val_loss"] < metrics[8]["val_loss"]
     assert metrics[4]["lr"] == pytest.approx(3e-3) and metrics[24]["lr"] == pytest.approx(3e-4)
     assert (fsdp_run / "config.yaml").read_text().count("micro_batch_size: 4") == 1
+
+
+def test_a_run_prints_no_library_warning(fsdp_run) -> None:
+    """Every rank printed torch 2.13's deprecation of the gather that Fabric's all_gather uses, on every run. A
+    warning reads `<file>.py:<line>: <message>` (Lightning drops the category)."""
+    stderr = stderr_of(fsdp_run).read_text()
+    assert not re.search(r"\.py:\d+: ", stderr), stderr
 
 
 def test_run_reports_throughput_flops_memory_and_time_lost(fsdp_run, tiny) -> None:
