@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torchmetrics.functional.text.rouge import rouge_score
 
+from app.data.formats import Sample
 from app.model import strategy_module
 
 if TYPE_CHECKING:
@@ -27,14 +28,6 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
-
-
-@dataclass(frozen=True)
-class Sample:
-    """A validation example as a prompt (or a source) and the tokens it was trained to produce."""
-
-    prompt: list[int]
-    reference: list[int]
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,11 @@ Start: a rank already runs threads (gloo, OpenMP, tqdm's monitor) when its data 
 forked from a threaded process inherits every lock another thread held at that instant, held for ever: the child can
 deadlock before its first line (seen once in about 60 starts: a worker stuck in multiprocessing's popen_fork right
 after fork()). Workers are therefore forked by multiprocessing's forkserver: a helper process started by fork+exec
-(nothing of the rank runs in between), with torch and datasets imported once, that does nothing but fork. It never
-runs a Python thread, a collective or an OpenMP region; the only other threads its imports start are idle pools
-(OpenBLAS's, pyarrow's jemalloc thread) whose libraries prepare for fork themselves (pthread_atfork). Spawning each
-worker instead would pay those imports in every worker at every epoch, and an interpreter shutdown at its end.
+(nothing of the rank runs in between), with the data modules imported once (PRELOADED), that does nothing but
+fork. It never runs a Python thread, a collective or an OpenMP region; the only other threads its imports start are
+idle pools (OpenBLAS's, pyarrow's jemalloc thread) whose libraries prepare for fork themselves (pthread_atfork).
+Spawning each worker instead would pay those imports in every worker at every epoch, and an interpreter shutdown at
+its end.
 
 Signals: Slurm, `kill -TERM -- -PGID` and a terminal's Ctrl-C signal every process of the job, workers included.
 torch's worker handler dies on a SIGTERM its parent did not send, and the rank then fails with "DataLoader worker
@@ -38,8 +39,10 @@ RANK_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 BLOCKED_AT_START = (*RANK_SIGNALS, STACKS_SIGNAL)
 """Blocked in the forkserver and the resource tracker for good, and in the workers until worker_init_fn: so that a
 signal to every process of the run (SIGUSR2 too: stacks, see app/watchdog.py) never kills them."""
-PRELOADED = ["torch", "datasets"]
-"""Imported once by the forkserver, so that a worker starts in milliseconds instead of seconds."""
+PRELOADED = ["torch", "datasets", "app.data"]
+"""Imported once by the forkserver, so that a worker starts in milliseconds instead of seconds: all that the objects
+a worker receives (the dataset, its format's collate function, worker_init_fn) need, and nothing of the training
+stack (Lightning, transformers), which cost every worker seconds of imports when app.data pulled it in."""
 
 
 @contextmanager

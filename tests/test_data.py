@@ -84,11 +84,9 @@ class LockedRows:
             return {"input_ids": torch.tensor([index, index]), "trained_tokens": torch.tensor(1)}
 '''
 
-FIRST_BATCH_WHILE_ANOTHER_THREAD_HOLDS_THE_LOCK = '''
-import sys, threading
+FIRST_BATCH_OF_WORKERS = '''
 import numpy as np
 import torch
-from locked_rows import LOCK, LockedRows
 from app.data import DataFormat, TrainingData, train_steps
 from app.schedule import make_plan
 
@@ -102,6 +100,19 @@ class OneRank:
         return loader
 
 
+def first_batch(rows):
+    """The first micro-batch that 2 worker processes load from `rows` (64 of them)."""
+    plan = make_plan(train_rows=64, block_size=1, world_size=1, micro_batch_size=4, accumulation=1, number_epochs=1,
+                     max_step=None)
+    data = TrainingData(DataFormat("text", 0), rows, None, np.ones(64, dtype=np.int64))
+    steps = train_steps(OneRank(), data, plan, seed=0, epoch=0, position=0, num_workers=2)
+    return next(steps).micro_batches[0].inputs["input_ids"]
+'''
+
+FIRST_BATCH_WHILE_ANOTHER_THREAD_HOLDS_THE_LOCK = FIRST_BATCH_OF_WORKERS + '''
+import threading
+from locked_rows import LOCK, LockedRows
+
 held, release = threading.Event(), threading.Event()
 
 
@@ -113,14 +124,46 @@ def hold_the_lock():
 
 threading.Thread(target=hold_the_lock, daemon=True).start()
 held.wait()
-plan = make_plan(train_rows=64, block_size=1, world_size=1, micro_batch_size=4, accumulation=1, number_epochs=1,
-                 max_step=None)
-data = TrainingData(DataFormat("text", 0), LockedRows(), None, np.ones(64, dtype=np.int64))
-steps = train_steps(OneRank(), data, plan, seed=0, epoch=0, position=0, num_workers=2)
-first = next(steps)  # the workers start now, while the other thread holds the lock
+first = first_batch(LockedRows())  # the workers start now, while the other thread holds the lock
 release.set()
-print("first batch", first.micro_batches[0].inputs["input_ids"].flatten().tolist())
+print("first batch", first.flatten().tolist())
 '''
+
+MODULES_IN_THE_WORKER = '''
+import sys
+
+import torch
+
+
+class ModulesInTheWorker:
+    """Rows that tell which modules of the training stack the worker reading them has imported."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        imported = [name in sys.modules for name in ("lightning", "transformers", "torchmetrics")]
+        return {"input_ids": torch.tensor(imported, dtype=torch.long), "trained_tokens": torch.tensor(1)}
+'''
+
+FIRST_BATCH_OF_MODULES_IN_THE_WORKER = FIRST_BATCH_OF_WORKERS + '''
+from modules_in_the_worker import ModulesInTheWorker
+
+print("heavy modules imported", first_batch(ModulesInTheWorker()).sum().item())
+'''
+
+
+def run_probe(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """`script` in a new session (its workers included), with tmp_path's modules importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # a hung worker included
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.mark.slow
@@ -128,14 +171,15 @@ def test_workers_do_not_inherit_a_lock_another_thread_of_the_rank_held_when_they
     """The start-up hang, made deterministic: a worker forked while another thread of the rank (gloo's, OpenMP's,
     tqdm's) holds a lock inherits that lock held for ever, and hangs as soon as it needs it."""
     (tmp_path / "locked_rows.py").write_text(LOCKED_ROWS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    process = subprocess.Popen([sys.executable, "-c", FIRST_BATCH_WHILE_ANOTHER_THREAD_HOLDS_THE_LOCK], cwd=ROOT,
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        with suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # a hung worker included
-    assert process.returncode == 0, stderr
-    assert "first batch" in stdout
+    result = run_probe(FIRST_BATCH_WHILE_ANOTHER_THREAD_HOLDS_THE_LOCK, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "first batch" in result.stdout
+
+
+def test_workers_start_without_importing_the_training_stack(tmp_path: Path) -> None:
+    """The forkserver imports all that a worker unpickles (app.data) once. When app.data pulled in Lightning and
+    transformers, every worker imported them again: 5 s before a rank's first batch here, at every epoch."""
+    (tmp_path / "modules_in_the_worker.py").write_text(MODULES_IN_THE_WORKER)
+    result = run_probe(FIRST_BATCH_OF_MODULES_IN_THE_WORKER, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "heavy modules imported 0" in result.stdout, result.stdout

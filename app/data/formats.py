@@ -25,13 +25,20 @@ import torch
 from datasets import Dataset
 from torch.nn.utils.rnn import pad_sequence
 
-from app.samples import Sample
 
 IGNORE_INDEX = -100
 FormatName = Literal["text", "supervised_packed", "supervised_padded", "seq2seq"]
 COLUMNS = {"text": ["input_ids"], "supervised_packed": ["input_ids", "labels", "position_ids"],
            "supervised_padded": ["input_ids", "labels"], "seq2seq": ["input_ids", "labels"]}
 TRAINED_TOKENS = "trained_tokens"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A validation example as a prompt (or a source) and the tokens it was trained to produce."""
+
+    prompt: list[int]
+    reference: list[int]
 
 
 @dataclass
