@@ -14,9 +14,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from app.data import load_data  # noqa: E402
+from app.exit_codes import EXIT_FINISHED  # noqa: E402
 from app.model import deferred_init, setup_model  # noqa: E402
 from app.preflight import preflight  # noqa: E402
 from app.samples import decoding_for, generate_samples  # noqa: E402
+from app.signals import exit_run  # noqa: E402
 from app.strategy import build_fabric  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
@@ -29,6 +31,7 @@ def probe(fabric, cfg, inputs, deferred, report: str, stop_id: int, count: int, 
                                  max_new_tokens=max_new_tokens, stop_ids={stop_id})
     if fabric.is_global_zero:
         Path(report).write_text(json.dumps(generated))
+    exit_run(fabric, EXIT_FINISHED)  # as train.py ends: gloo torn down before the interpreter exits
 
 
 def main() -> None:

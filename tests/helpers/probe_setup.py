@@ -21,8 +21,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from app.data import load_data  # noqa: E402
+from app.exit_codes import EXIT_FINISHED  # noqa: E402
 from app.model import deferred_init, hugging_face_model, setup_model, strategy_module  # noqa: E402
 from app.preflight import preflight  # noqa: E402
+from app.signals import exit_run  # noqa: E402
 from app.strategy import build_fabric  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
@@ -54,6 +56,7 @@ def probe(fabric, cfg, inputs, deferred, report: str) -> None:
             "buffer_dtype": str(getattr(mixed_precision, "buffer_dtype", None)) if mixed_precision else None,
             "param_dtype": str(mixed_precision.param_dtype) if mixed_precision else None,
         }))
+    exit_run(fabric, EXIT_FINISHED)  # as train.py ends: gloo torn down before the interpreter exits
 
 
 def main() -> None:
