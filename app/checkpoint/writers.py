@@ -9,8 +9,9 @@ of the training state for a save made now, or host copies for one written in the
   the same order on both sides, into one reused buffer), which writes them. No rank holds more than its own state.
 - sharded: every rank writes its pieces with torch.distributed.checkpoint (DCP) as the rectangular blocks they
   make up (state.py), one file per rank; DCP checks that the blocks of every tensor cover it exactly once.
-The exchanges run over a gloo process group made for checkpoints (CPU tensors, on GPU machines too, so the same code
-runs everywhere), which also lets a background writer talk to the other ranks while training uses the default group.
+Both write whole disk blocks past the page cache (direct_io.py). The exchanges run over a gloo process group made
+for checkpoints (CPU tensors, on GPU machines too, so the same code runs everywhere), which also lets a background
+writer talk to the other ranks while training uses the default group.
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from app.checkpoint.direct_io import DirectFile, DirectFileSystemWriter
 from app.checkpoint.state import LocalState, Part, Piece, blocks
 from app.checkpoint.tensor_file import layout
 
@@ -158,8 +159,8 @@ class Snapshot:
                 handle.truncate(begins[None])
         barrier(self.group)
         if rank in self.plan.same_machine:
-            with open(path, "r+b") as handle:
-                self.write_pieces(handle, begins, rank)
+            with DirectFile(path) as file:
+                self.write_pieces(file, begins, rank)
         else:
             for name, pieces in self.plan.writers.items():
                 for writer, start, _ in pieces:
@@ -177,7 +178,7 @@ class Snapshot:
         begins[None] = position
         return begins
 
-    def write_pieces(self, handle: BinaryIO, begins: dict[Optional[str], int], rank: int) -> None:
+    def write_pieces(self, file: DirectFile, begins: dict[Optional[str], int], rank: int) -> None:
         """This rank's pieces at their place; on rank 0 also those of the ranks on other machines, received."""
         received = Receiver(self.group)
         for name, pieces in self.plan.writers.items():
@@ -189,8 +190,7 @@ class Snapshot:
                     data = received.piece(writer, numel, dtype)
                 else:
                     continue
-                handle.seek(begins[name] + start * dtype.itemsize)
-                handle.write(memoryview(data.view(torch.uint8).numpy()))
+                file.write_at(begins[name] + start * dtype.itemsize, memoryview(data.view(torch.uint8).numpy()))
 
     def write_sharded(self, folder: Path) -> None:
         """Every rank writes its blocks into its own file, rank 0 the metadata. Collective."""
@@ -203,7 +203,7 @@ class Snapshot:
             if part.numel == 0 and rank == 0:
                 written[(name, (0,) * len(part.shape))] = (torch.empty(part.shape, dtype=part.dtype), part.shape)
         with without_crc32():
-            dcp.save({}, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=True),
+            dcp.save({}, storage_writer=DirectFileSystemWriter(str(folder), single_file_per_rank=True),
                      planner=BlocksPlanner(written), process_group=self.group, no_dist=world_size == 1)
         if rank == 0:
             (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))

@@ -1,0 +1,104 @@
+"""Checkpoint bytes written past the page cache (app/checkpoint/direct_io.py): the file is exact whatever the ranges'
+alignment, order and writers, and the whole blocks really go through O_DIRECT where the filesystem takes it."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from app.checkpoint import direct_io
+from app.checkpoint.direct_io import ALIGN, BOUNCE_BYTES, DirectFile, DirectStream, open_direct
+
+SIZE = BOUNCE_BYTES * 2 + 3 * ALIGN + 123
+"""More than two bounce buffers, and not a whole number of blocks."""
+
+
+def unaligned_ranges(size: int, seed: int) -> list[tuple[int, int]]:
+    """Consecutive ranges covering [0, size): tiny ones inside a block, ones across a few blocks, larger ones."""
+    generator, ranges, start = random.Random(seed), [], 0
+    while start < size:
+        length = generator.choice([1, 7, ALIGN - 1, ALIGN + 5, 3 * ALIGN + 17, BOUNCE_BYTES + 11])
+        ranges.append((start, min(start + length, size)))
+        start += length
+    return ranges
+
+
+def write_ranges(path: Path, expected: bytes, ranges: list[tuple[int, int]]) -> None:
+    with DirectFile(path) as file:
+        for start, stop in ranges:
+            file.write_at(start, memoryview(expected)[start:stop])
+
+
+def test_two_processes_writing_neighbouring_unaligned_ranges_in_any_order_make_the_exact_file(tmp_path) -> None:
+    expected = random.Random(0).randbytes(SIZE)
+    path = tmp_path / "file"
+    with open(path, "wb") as handle:
+        handle.truncate(SIZE)
+    ranges = unaligned_ranges(SIZE, seed=1)
+    random.Random(2).shuffle(ranges)
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=write_ranges, args=(path, expected, ranges[rank::2])) for rank in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    assert path.read_bytes() == expected
+
+
+def test_a_stream_of_writes_of_any_size_makes_the_exact_file_and_tells_its_position(tmp_path) -> None:
+    expected = random.Random(3).randbytes(SIZE)
+    path = tmp_path / "stream"
+    with DirectStream(path) as stream:
+        for start, stop in unaligned_ranges(SIZE, seed=4):
+            assert stream.tell() == start
+            assert stream.write(expected[start:stop]) == stop - start
+    assert path.read_bytes() == expected
+
+
+def test_whole_blocks_go_through_o_direct_where_the_filesystem_takes_it(tmp_path) -> None:
+    path = tmp_path / "file"
+    path.write_bytes(b"")
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    with DirectFile(path) as file:
+        assert file.direct is not None
+
+
+def test_a_device_refusing_a_direct_write_gets_the_bytes_through_the_page_cache(tmp_path, monkeypatch) -> None:
+    """Devices whose blocks are larger than ALIGN refuse the write with EINVAL: the same bytes, buffered."""
+    expected = random.Random(5).randbytes(SIZE)
+    path = tmp_path / "file"
+    path.write_bytes(bytes(SIZE))
+    real_pwrite = os.pwrite
+    with DirectFile(path) as file:
+        refused = file.direct
+
+        def pwrite(descriptor: int, data, offset: int) -> int:
+            if descriptor == refused:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_pwrite(descriptor, data, offset)
+
+        monkeypatch.setattr(direct_io.os, "pwrite", pwrite)
+        for start, stop in unaligned_ranges(SIZE, seed=6):
+            file.write_at(start, memoryview(expected)[start:stop])
+        assert file.direct is None
+    assert path.read_bytes() == expected
+
+
+def test_a_filesystem_without_o_direct_is_written_through_the_page_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.delattr(direct_io.os, "O_DIRECT")
+    path = tmp_path / "file"
+    path.write_bytes(b"")
+    assert open_direct(path) is None
+    expected = random.Random(7).randbytes(3 * ALIGN + 5)
+    with DirectStream(path) as stream:
+        stream.write(expected)
+    assert path.read_bytes() == expected
