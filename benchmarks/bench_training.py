@@ -324,34 +324,37 @@ def bench_checkpoint(data: Path, work_dir: Path, options: argparse.Namespace) ->
     return rows
 
 
-def elapsed_at_step(out_dir: str, step: int) -> float:
-    """Seconds from the first step to the end of `step`, logged before that step's own evaluation and save."""
+def step_ends(out_dir: str) -> dict[int, float]:
+    """Seconds from the first step to the end of each step, logged before that step's own evaluation and save."""
     with open(Path(out_dir) / "metrics.csv") as file:
-        return next(float(r["elapsed_sec"]) for r in csv.DictReader(file) if r["step"] == str(step) and r["elapsed_sec"])
+        return {int(r["step"]): float(r["elapsed_sec"]) for r in csv.DictReader(file) if r["elapsed_sec"]}
+
+
+def time_lost_to_saves(ends: dict[int, float], interval: int) -> list[float]:
+    """For every save but the last: the save and the step after it, less the step before it. Adjacent steps of one
+    run, so that this machine's drift (tens of percent between runs minutes apart) cancels; the same estimate for a
+    synchronous save (its duration) and a background one (staging, and what the write slows the next step by)."""
+    return [(ends[step + 1] - ends[step]) - (ends[step] - ends[step - 1])
+            for step in range(interval, max(ends), interval) if step + 1 in ends]
 
 
 def bench_async_save(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
-    """Training time one save costs: 10 steps saving every 2 against 10 steps saving only after the last, synchronous
-    and with --async_save, for each format. Four saves happen before the last step is logged, so the difference per
-    save stands above this machine's run-to-run noise (seconds over a minute); the median of `--repeats` runs."""
-    steps, interval = 10, 2
-    saves = (steps - 1) // interval
+    """Training time one save costs with --async_save against a synchronous one, for each format: 21 steps saving
+    every 4, both modes in each repeat; the median over every save of the repeats."""
+    steps, interval = 21, 4
     rows = []
     for kind in ("full", "sharded"):
         lost: dict[str, list[float]] = {"sync": [], "async": []}
-        for _ in range(options.repeats):
-            runs = {}
-            for name, every, background in (("none", 10**6, False), ("sync", interval, False),
-                                            ("async", interval, True)):
+        for repeat in range(options.repeats):
+            for name in ("sync", "async")[::1 if repeat % 2 == 0 else -1]:
                 work = state_workload(data, work_dir, f"save-{kind}-{name}", steps=steps)
                 shutil.rmtree(work.out_dir, ignore_errors=True)
-                train_app(work, state_dict_type=kind, save_step_interval=every, async_save=background)
-                runs[name] = elapsed_at_step(work.out_dir, steps)
-                shutil.rmtree(work.out_dir)  # five checkpoints of 2 GB
-            for name in ("sync", "async"):
-                lost[name].append((runs[name] - runs["none"]) / saves)
-            print(f"  {kind}: training time lost per save: sync {lost['sync'][-1]:.2f} s, "
-                  f"async {lost['async'][-1]:.2f} s", flush=True)
+                train_app(work, state_dict_type=kind, save_step_interval=interval, async_save=name == "async",
+                          keep_last_n=1)
+                lost[name] += time_lost_to_saves(step_ends(work.out_dir), interval)
+                shutil.rmtree(work.out_dir)
+            print(f"  {kind}: training time lost per save: sync {statistics.median(lost['sync']):.2f} s, "
+                  f"async {statistics.median(lost['async']):.2f} s (medians so far)", flush=True)
         ratio = statistics.median(lost["async"]) / statistics.median(lost["sync"])
         rows.append(row(f"training time lost per save, {kind}: `--async_save true` / synchronous",
                         f"{statistics.median(lost['async']):.2f} s", f"{statistics.median(lost['sync']):.2f} s",

@@ -39,7 +39,7 @@ class DirectFile:
     def __init__(self, path: Path) -> None:
         self.buffered = os.open(path, os.O_WRONLY)
         self.direct: Optional[int] = open_direct(path)
-        self.bounce = mmap.mmap(-1, BOUNCE_BYTES) if self.direct is not None else None
+        self.bounce = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned; pages never written cost nothing
 
     def write_at(self, offset: int, data: memoryview) -> None:
         data = data.cast("B")
@@ -49,30 +49,32 @@ class DirectFile:
             write_fully(self.buffered, data, offset)
             return
         write_fully(self.buffered, data[:first_block - offset], offset)
-        for start in range(first_block, last_block, BOUNCE_BYTES):
-            chunk = data[start - offset:min(start + BOUNCE_BYTES, last_block) - offset]
-            self.write_block_aligned(chunk, start)
+        with memoryview(self.bounce) as bounce:
+            for start in range(first_block, last_block, BOUNCE_BYTES):
+                chunk = data[start - offset:min(start + BOUNCE_BYTES, last_block) - offset]
+                with bounce[:len(chunk)] as aligned:
+                    aligned[:] = chunk
+                    self.write_blocks(aligned, start)
         write_fully(self.buffered, data[last_block - offset:], last_block)
 
-    def write_block_aligned(self, chunk: memoryview, offset: int) -> None:
-        with memoryview(self.bounce)[:len(chunk)] as bounce:
-            bounce[:] = chunk
-            refused = not write_direct(self.direct, bounce, offset)
-        if refused:  # the device wants a larger alignment than ALIGN: the page cache from here on
-            self.stop_direct()
-            write_fully(self.buffered, chunk, offset)
+    def write_blocks(self, aligned: memoryview, offset: int) -> None:
+        """`aligned`'s memory, `offset` and length all on block boundaries."""
+        if self.direct is not None and write_direct(self.direct, aligned, offset):
+            return
+        self.stop_direct()  # the device wants a larger alignment than ALIGN: the page cache from here on
+        write_fully(self.buffered, aligned, offset)
 
     def stop_direct(self) -> None:
         if self.direct is not None:
-            direct, bounce, self.direct, self.bounce = self.direct, self.bounce, None, None
+            direct, self.direct = self.direct, None
             os.close(direct)
-            bounce.close()
 
     def fileno(self) -> int:
         return self.buffered
 
     def close(self) -> None:
         self.stop_direct()
+        self.bounce.close()
         os.close(self.buffered)
 
     def __enter__(self) -> "DirectFile":
@@ -112,32 +114,56 @@ def write_fully(descriptor: int, data: memoryview, offset: int) -> None:
 
 
 class DirectStream(io.RawIOBase):
-    """A new file written front to back through `DirectFile`: how torch.distributed.checkpoint writes a rank's file."""
+    """A new file written front to back, as torch.distributed.checkpoint writes a rank's file. The bytes gather in an
+    aligned buffer that is written whole, so torch.save's many small writes (about 40 per tensor) cost no system
+    call each. Closing writes the rest and fsyncs: DCP fsyncs before it closes, while the last bytes are buffered."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
         path.open("wb").close()
         self.file = DirectFile(path)
-        self.position = 0
+        self.buffer = mmap.mmap(-1, BOUNCE_BYTES)
+        self.filled = 0
+        self.buffer_offset = 0
+        """Where the buffer's bytes go in the file: every byte before is written."""
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:  # type: ignore[override]
-        view = memoryview(data)
-        self.file.write_at(self.position, view)
-        self.position += view.nbytes
-        return view.nbytes
+        with memoryview(data).cast("B") as view:
+            written = 0
+            while written < len(view):
+                count = min(len(view) - written, BOUNCE_BYTES - self.filled)
+                self.buffer[self.filled:self.filled + count] = view[written:written + count]
+                self.filled += count
+                written += count
+                if self.filled == BOUNCE_BYTES:
+                    self.write_buffer()
+            return written
+
+    def write_buffer(self) -> None:
+        whole_blocks = self.filled // ALIGN * ALIGN
+        with memoryview(self.buffer) as buffer:
+            with buffer[:whole_blocks] as blocks:
+                self.file.write_blocks(blocks, self.buffer_offset)
+            with buffer[whole_blocks:self.filled] as rest:
+                self.file.write_at(self.buffer_offset + whole_blocks, rest)
+        self.buffer_offset += self.filled
+        self.filled = 0
 
     def tell(self) -> int:
-        return self.position
+        return self.buffer_offset + self.filled
 
     def fileno(self) -> int:
         return self.file.fileno()
 
     def close(self) -> None:
         if not self.closed:
+            self.write_buffer()
+            os.fsync(self.file.fileno())
             self.file.close()
+            self.buffer.close()
         super().close()
 
 
