@@ -108,12 +108,13 @@ class CheckpointArgs:
     out_dir: str = "out"
     """Run folder: checkpoints/, metrics.csv, config.yaml."""
     state_dict_type: Literal["full", "sharded"] = "full"
-    """full: one file, gathered tensor by tensor on rank 0; sharded: a folder where every rank writes its own shards
-    (faster for large models). Either one resumes under any strategy and number of ranks."""
+    """full: one file under Hugging Face names, every rank writing its own shards into it (ranks on other machines
+    through rank 0); sharded: a folder of torch.distributed.checkpoint files, one per rank (no traffic between machines on multi-node
+    runs). Either one resumes under any strategy and number of ranks."""
     async_save: bool = False
-    """Write checkpoints in a background thread: the saving step only copies the state to host memory (rank 0 the
-    whole state with full checkpoints, each rank its shards with sharded ones) and training goes on; the next save
-    and the end of the run wait for the write. A crash during the write leaves the previous checkpoints."""
+    """Write checkpoints in a background thread: the saving step only copies what each rank writes into host memory
+    set aside at start-up, and training goes on; the next save and the end of the run wait for the write. A crash
+    during the write leaves the previous checkpoints."""
     resume: bool = False
     """Continue from --checkpoint, or from the latest checkpoint in out_dir."""
     checkpoint: Optional[str] = None
