@@ -13,6 +13,7 @@ Checkpoints of earlier versions written with torch.save are read from memory (`M
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
 import zipfile
@@ -82,13 +83,19 @@ class RawSource:
         return self.extents[name]
 
     def read(self, path: Path, offset: int, target: torch.Tensor) -> None:
-        if path not in self.handles:
-            self.handles[path] = open(path, "rb")
-        handle = self.handles[path]
+        handle = self.handle(path)
         handle.seek(offset)
         view = memoryview(target.view(torch.uint8).numpy())
         if handle.readinto(view) != len(view):
             raise ValueError(f"{path} ended early: the checkpoint is truncated")
+
+    def handle(self, path: Path) -> BinaryIO:
+        """The open file, told that it is read front to back (twice the read-ahead from a cold disk)."""
+        if path not in self.handles:
+            self.handles[path] = open(path, "rb")
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.handles[path].fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return self.handles[path]
 
     def close(self) -> None:
         for handle in self.handles.values():
@@ -127,9 +134,7 @@ class FolderSource(RawSource):
         start, numel = flat_range(shape, offsets, sizes)
         stored = self.metadata.storage_data[MetadataIndex(name, torch.Size(offsets))]
         path = self.folder / stored.relative_path
-        if path not in self.handles:
-            self.handles[path] = open(path, "rb")
-        data = record_data_offset(self.handles[path], stored.offset, stored.length, numel * dtype.itemsize)
+        data = record_data_offset(self.handle(path), stored.offset, stored.length, numel * dtype.itemsize)
         return Extent(start, numel, path, data)
 
 
