@@ -317,7 +317,7 @@ def app_save_and_load_sec(data: Path, work_dir: Path, state_dict_type: str) -> t
 
 
 def bench_checkpoint(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
-    """The application's save (gather the shards to rank 0 or write one file per rank, fsync, atomic rename) and
+    """The application's save (every rank writes its pieces into the file, or into its own file; fsync, rename) and
     resume (each rank reads its part and restores the shards and the optimizer) against torch.save with fsync and
     torch.load of the same tensors in one process, both loads from the disk."""
     rows = []
@@ -348,7 +348,7 @@ def step_ends(out_dir: str) -> dict[int, float]:
 
 
 def time_lost_to_saves(ends: dict[int, float], interval: int) -> list[float]:
-    """For every save but the last: the save and the step after it, less the step before it. Adjacent steps of one
+    """For every save a step follows: the save and the step after it, less the step before it. Adjacent steps of one
     run, so that this machine's drift (tens of percent between runs minutes apart) cancels; the same estimate for a
     synchronous save (its duration) and a background one (staging, and what the write slows the next step by)."""
     return [(ends[step + 1] - ends[step]) - (ends[step] - ends[step - 1])

@@ -41,7 +41,11 @@ class DirectFile:
 
     def __init__(self, path: Path) -> None:
         self.buffered = os.open(path, os.O_WRONLY)
-        self.direct: Optional[int] = open_direct(path)
+        try:
+            self.direct: Optional[int] = open_direct(path)
+        except OSError:
+            os.close(self.buffered)
+            raise
         self.bounce = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned; pages never written cost nothing
 
     def write_at(self, offset: int, data: memoryview) -> None:
@@ -64,7 +68,7 @@ class DirectFile:
         """`aligned`'s memory, `offset` and length all on block boundaries."""
         if self.direct is not None and write_direct(self.direct, aligned, offset):
             return
-        self.stop_direct()  # the device wants a larger alignment than ALIGN: the page cache from here on
+        self.stop_direct()  # no O_DIRECT, or a device wanting more than ALIGN: the page cache from here on
         write_fully(self.buffered, aligned, offset)
 
     def stop_direct(self) -> None:
@@ -176,12 +180,15 @@ class DirectStream(io.RawIOBase):
         return self.file.fileno()
 
     def close(self) -> None:
-        if not self.closed:
+        if self.closed:
+            return
+        try:
             self.write_buffer()
             os.fsync(self.file.fileno())
+        finally:
             self.file.close()
             self.buffer.close()
-        super().close()
+            super().close()
 
 
 class DirectFileSystem(FileSystem):
