@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED
-from app.watchdog import end_process_tree, say
+from app.watchdog import end_process_tree, print_own_stacks, say
 
 if TYPE_CHECKING:
     from lightning import Fabric
@@ -146,20 +146,23 @@ def requeue_slurm_job() -> None:
 
 def exit_run(fabric: Fabric, code: int) -> None:
     """Leave with `code` from the launching process of each node; the other ranks return normally (exit 0).
-    The process groups are destroyed first: gloo's threads still holding work at interpreter shutdown can abort the
-    process (SIGABRT, "terminate called without an active exception"), seen once in about 40 runs here. Destroying
-    them can itself hang, rarely (pytorch/pytorch#75097; once in about 150 CI runs here): after a minute the rank
-    leaves without them."""
-    fabric.barrier()
-    if dist.is_available() and dist.is_initialized():
-        run_or_leave(dist.destroy_process_group, PROCESS_GROUP_TEARDOWN_SEC,
-                     code if fabric.local_rank == 0 else EXIT_FINISHED)
+    The ranks meet, then destroy the process groups before the interpreter exits: gloo's threads still holding work
+    at interpreter shutdown can abort the process (SIGABRT, "terminate called without an active exception"), seen
+    once in about 40 runs here. Destroying them can itself hang, rarely (pytorch/pytorch#75097; once in about 150 CI
+    runs here), and so, once, did the meeting: after a minute the rank prints where it is and leaves."""
+
+    def meet_and_disconnect() -> None:
+        fabric.barrier()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    run_or_leave(meet_and_disconnect, TEARDOWN_SEC, code if fabric.local_rank == 0 else EXIT_FINISHED)
     if code != EXIT_FINISHED and fabric.local_rank == 0:
         sys.stdout.flush()
         sys.exit(code)
 
 
-PROCESS_GROUP_TEARDOWN_SEC = 60.0
+TEARDOWN_SEC = 60.0
 
 
 def run_or_leave(action: Callable[[], object], timeout_sec: float, code: int) -> None:
@@ -177,5 +180,6 @@ def run_or_leave(action: Callable[[], object], timeout_sec: float, code: int) ->
     if not finished.wait(timeout_sec):
         sys.stdout.flush()
         say(f"{getattr(action, '__name__', 'teardown')} did not return within {timeout_sec:g} s; "
-            f"exiting without it (exit {code})\n")
+            f"exiting without it (exit {code}) from where this process was:\n")
+        print_own_stacks()
         os._exit(code)

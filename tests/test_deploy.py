@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from conftest import read_checkpoint, train_args
+from conftest import read_checkpoint, run_script, train_args
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -329,8 +329,7 @@ def test_torchrun_launch_with_two_processes_trains_and_checkpoints(tiny, tmp_pat
                       save_step_interval=4)
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "train.py", *args],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = run_script([torchrun, "--standalone", "--nproc_per_node", "2", "train.py", *args], timeout=300, env=env)
 
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 4/4" in result.stdout

@@ -8,7 +8,6 @@ everything else runs for real in 2 CPU processes.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from app.optim import clip_gradients, gradient_square_sum
 from app.peaks import PEAKS, listed_peak, peak_tflops
 from app.precision import (bf16_support_problem, float32_matmul_precision, fsdp_mixed_precision, precision_plugin,
                            reduce_dtype)
-from tests.conftest import ROOT, read_checkpoint, run_train, train_args
+from tests.conftest import ROOT, read_checkpoint, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 # --- decisions that depend on the GPU, as pure functions ---------------------------------------------------------
@@ -131,8 +130,7 @@ def probe(tiny, tmp_path: Path, **overrides: object) -> dict:
     """tests/helpers/probe_setup.py: the model set up by train.py's own code in 2 processes, one forward."""
     report = tmp_path / "probe.json"
     args = train_args(tiny, tmp_path / "out", **overrides)
-    result = subprocess.run([sys.executable, str(ROOT / "tests/helpers/probe_setup.py"), str(report), *args],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = run_script([sys.executable, str(ROOT / "tests/helpers/probe_setup.py"), str(report), *args], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(report.read_text())
 

@@ -314,7 +314,8 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
 
 
 def test_a_teardown_that_hangs_is_left_after_its_timeout_with_the_runs_exit_code() -> None:
-    """destroy_process_group can hang at exit (rarely): the rank must still leave, with the run's exit code."""
+    """The ranks' last meeting and destroy_process_group can hang at exit (rarely): the rank must still leave, with
+    the run's exit code, and say where it was stuck."""
     teardown = ("import time\nfrom app.signals import run_or_leave\n"
                 "run_or_leave(lambda: None, 5, 9)\nprint('returned', flush=True)\n"
                 "run_or_leave(lambda: time.sleep(120), 0.5, {code})\nprint('not reached')\n")
@@ -324,6 +325,7 @@ def test_a_teardown_that_hangs_is_left_after_its_timeout_with_the_runs_exit_code
     assert result.returncode == EXIT_PREEMPTED, result.stderr
     assert result.stdout == "returned\n"
     assert f"did not return within 0.5 s; exiting without it (exit {EXIT_PREEMPTED})" in result.stderr
+    assert 'File "<string>", line 5 in <lambda>' in result.stderr, result.stderr
     assert time.monotonic() - started < 30
 
 

@@ -23,7 +23,7 @@ from app.checkpoint.rng import decode_generator_state
 from app.checkpoint.state import ADAMW_STATE
 from app.model import meta_model
 from app.optim import grouped_parameter_names, no_decay_names
-from tests.conftest import ROOT, run_train, train_args
+from tests.conftest import ROOT, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=2, save_step_interval=100, eval_batch_size=16,
@@ -165,10 +165,9 @@ def test_resuming_a_full_checkpoint_under_fsdp_costs_about_the_optimizer_state(t
                    initial_validation=False, eval_iters=1)
     assert_succeeded(run_train(train_args(tiny, tmp_path / "run", **options)))
     report = tmp_path / "resume-memory.json"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/resume_memory.py"), str(report),
-                             str(list_checkpoints(tmp_path / "run")[1]),
-                             *train_args(tiny, tmp_path / "load", **options)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = run_script([sys.executable, str(ROOT / "benchmarks/resume_memory.py"), str(report),
+                         str(list_checkpoints(tmp_path / "run")[1]), *train_args(tiny, tmp_path / "load", **options)],
+                        timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(report.read_text())
     print(f"\nresume memory: ranks rose by {measured['rises_gb']} GB for a {measured['checkpoint_gb']:.2f} GB "
