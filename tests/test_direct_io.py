@@ -9,10 +9,13 @@ import os
 import random
 from pathlib import Path
 
+import numpy
 import pytest
+import torch
 
 from app.checkpoint import direct_io
 from app.checkpoint.direct_io import ALIGN, BOUNCE_BYTES, DirectFile, DirectStream, open_direct
+from app.checkpoint.writers import empty_at_phase
 
 SIZE = BOUNCE_BYTES * 2 + 3 * ALIGN + 123
 """More than two bounce buffers, and not a whole number of blocks."""
@@ -59,6 +62,31 @@ def test_a_stream_of_writes_of_any_size_makes_the_exact_file_and_tells_its_posit
             assert stream.tell() == start
             assert stream.write(expected[start:stop]) == stop - start
     assert path.read_bytes() == expected
+
+
+def test_memory_placed_like_the_file_is_written_from_where_it_lies_and_other_memory_through_the_bounce_buffer(
+        tmp_path, monkeypatch) -> None:
+    """A background save stages each piece at the place within a page that its bytes have within a disk block
+    (StagingArea): its whole blocks then go to the disk with no copy."""
+    expected = random.Random(8).randbytes(SIZE)
+    offset = 3 * ALIGN + 1000
+    path = tmp_path / "file"
+    with open(path, "wb") as handle:
+        handle.truncate(offset + SIZE)
+    staged = empty_at_phase((SIZE,), torch.uint8, offset % ALIGN, pin_memory=False)
+    staged.numpy()[:] = numpy.frombuffer(expected, dtype=numpy.uint8)
+    assert staged.data_ptr() % ALIGN == offset % ALIGN
+    copied = []
+    real_copy = direct_io.copy_into
+    monkeypatch.setattr(direct_io, "copy_into",
+                        lambda into, source: copied.append(len(source)) or real_copy(into, source))
+    with DirectFile(path) as file:
+        file.write_at(offset, memoryview(staged.numpy()))
+        assert copied == []
+        assert path.read_bytes()[offset:] == expected
+        file.write_at(offset + 8, memoryview(staged.numpy())[:-8])
+        assert sum(copied) > SIZE - 2 * ALIGN
+    assert path.read_bytes()[offset:] == expected[:8] + expected[:-8]
 
 
 def test_whole_blocks_go_through_o_direct_where_the_filesystem_takes_it(tmp_path) -> None:

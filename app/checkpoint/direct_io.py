@@ -7,7 +7,8 @@ busy processes 30% of their compute while it ran, where the same write with O_DI
 synchronous save, and the whole cost of a background one (--async_save).
 
 O_DIRECT needs the memory, the file offset and the length aligned to the disk's block. `DirectFile.write_at` therefore
-writes the whole blocks of a range through an aligned bounce buffer and the bytes before the range's first block
+writes the whole blocks of a range from the memory itself when it is aligned like the file (a background save
+stages its pieces that way), else through an aligned bounce buffer, and the bytes before the range's first block
 boundary and after its last one through the page cache, so ranks writing neighbouring ranges of one file never
 write the same block both ways. Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems), or refuses
 a write, everything goes through the page cache: slower, never wrong. Durability is unchanged: the file is fsynced
@@ -56,9 +57,13 @@ class DirectFile:
             write_fully(self.buffered, data, offset)
             return
         write_fully(self.buffered, data[:first_block - offset], offset)
+        in_place = address_of(data[first_block - offset:]) % ALIGN == 0
         with memoryview(self.bounce) as bounce:
             for start in range(first_block, last_block, BOUNCE_BYTES):
                 chunk = data[start - offset:min(start + BOUNCE_BYTES, last_block) - offset]
+                if in_place:
+                    self.write_blocks(chunk, start)
+                    continue
                 with bounce[:len(chunk)] as aligned:
                     copy_into(aligned, chunk)
                     self.write_blocks(aligned, start)

@@ -42,8 +42,10 @@ class Entry:
         return prod(self.shape) * self.dtype.itemsize
 
 
-def layout(tensors: Iterable[tuple[str, tuple[int, ...], torch.dtype]], metadata: dict[str, str]) -> bytes:
-    """The header for tensors stored back to back in the given order: write it first, then each tensor's bytes."""
+def layout(tensors: Iterable[tuple[str, tuple[int, ...], torch.dtype]], metadata: dict[str, str],
+           data_alignment: int = HEADER_ALIGNMENT) -> bytes:
+    """The header for tensors stored back to back in the given order: write it first, then each tensor's bytes.
+    It is padded so that the bytes begin at a multiple of `data_alignment` (a multiple of 8)."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, shape, dtype in tensors:
@@ -51,7 +53,7 @@ def layout(tensors: Iterable[tuple[str, tuple[int, ...], torch.dtype]], metadata
         header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % HEADER_ALIGNMENT)
+    encoded += b" " * (-(8 + len(encoded)) % data_alignment)
     return struct.pack("<Q", len(encoded)) + encoded
 
 
