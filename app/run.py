@@ -23,7 +23,7 @@ from app.precision import float32_matmul_precision, uses_grad_scaler
 from app.preflight import RunInputs, preflight
 from app.samples import SampleEvaluator, decoding_for
 from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED
-from app.signals import StopRequest, exit_run, requeue_slurm_job
+from app.signals import StopRequest, requeue_slurm_job, run_and_exit
 from app.strategy import build_fabric, gradient_replicas, resolve_accelerator
 from app.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
 from app.workers import start_worker_server
@@ -52,7 +52,7 @@ def run(cfg: Config) -> None:
     fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, make_loggers(cfg, resume_step),
                           param_init_fn)
     bound_rendezvous(cfg, fabric, inputs.plan.world_size)
-    fabric.launch(main, cfg, inputs, deferred)
+    fabric.launch(run_and_exit, main, cfg, inputs, deferred)
 
 
 def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:
@@ -149,7 +149,8 @@ def stall_watchdog(fabric: Fabric, cfg: Config) -> StallWatchdog:
     return StallWatchdog(cfg.stall_timeout_min * 60, rank=fabric.global_rank, head_start_sec=head_start).start()
 
 
-def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> None:
+def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> int:
+    """One rank's run, from setting up the model to the summary; its exit code."""
     stop = StopRequest()
     stop.install(announce=fabric.is_global_zero)
     fabric.seed_everything(cfg.seed)
@@ -181,4 +182,4 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     report_summary(fabric, cfg.out_dir, loop.summarize(), console)
     if outcome == "preempted" and cfg.requeue_on_signal and fabric.is_global_zero:
         requeue_slurm_job()
-    exit_run(fabric, EXIT_CODES[outcome])
+    return EXIT_CODES[outcome]

@@ -15,6 +15,7 @@ Exit codes: app/exit_codes.py (75 after a preemption save, 130 after Ctrl-C, 3 a
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -144,12 +145,23 @@ def requeue_slurm_job() -> None:
     print(f"Slurm job {job_id} {outcome}", flush=True)
 
 
+def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> None:
+    """`work(fabric, *args)`, then `exit_run` with the exit code it returns, once what it made is released. Its
+    models hold the process groups (DDP's reducer, FSDP's units): released here, while the groups are still
+    registered, they leave the groups' destruction, which joins gloo's threads, to exit_run's bounded teardown. A
+    finished run whose model outlived the teardown hung for good in that join as the launcher's frames unwound
+    (once in about 150 runs here)."""
+    code = work(fabric, *args)
+    gc.collect()  # the model, if reference cycles hold it
+    exit_run(fabric, code)
+
+
 def exit_run(fabric: Fabric, code: int) -> None:
     """Leave with `code` from the launching process of each node; the other ranks return normally (exit 0).
     The ranks meet, then destroy the process groups before the interpreter exits: gloo's threads still holding work
     at interpreter shutdown can abort the process (SIGABRT, "terminate called without an active exception"), seen
     once in about 40 runs here. Destroying them can itself hang, rarely (pytorch/pytorch#75097; once in about 150 CI
-    runs here), and so, once, did the meeting: after a minute the rank prints where it is and leaves."""
+    runs here): after a minute the rank prints where it is and leaves. The meeting is bounded the same way."""
 
     def meet_and_disconnect() -> None:
         fabric.barrier()

@@ -20,9 +20,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from app.checkpoint import load_checkpoint  # noqa: E402
+from app.exit_codes import EXIT_FINISHED  # noqa: E402
 from app.model import deferred_init, setup_model  # noqa: E402
 from app.optim import build_optimizer  # noqa: E402
 from app.preflight import preflight  # noqa: E402
+from app.signals import run_and_exit  # noqa: E402
 from app.strategy import build_fabric  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
@@ -39,7 +41,7 @@ def size_of(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def measure(fabric, cfg, inputs, deferred, checkpoint: Path, report: str) -> None:
+def measure(fabric, cfg, inputs, deferred, checkpoint: Path, report: str) -> int:
     model, no_decay = setup_model(fabric, cfg, inputs.model_config, deferred)
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     gc.collect()
@@ -52,6 +54,7 @@ def measure(fabric, cfg, inputs, deferred, checkpoint: Path, report: str) -> Non
         Path(report).write_text(json.dumps({"rises_gb": [r / 1e9 for r in rises.tolist()],
                                             "sum_gb": rises.sum().item() / 1e9, "checkpoint_gb": size / 1e9,
                                             "ratio": rises.sum().item() / size}))
+    return EXIT_FINISHED
 
 
 def main() -> None:
@@ -60,7 +63,7 @@ def main() -> None:
     deferred = deferred_init(cfg, inputs.model_config)
     fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, [],
                           deferred.param_init_fn if deferred else None)
-    fabric.launch(measure, cfg, inputs, deferred, checkpoint, report)
+    fabric.launch(run_and_exit, measure, cfg, inputs, deferred, checkpoint, report)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Every run is train.py in 2 real FSDP processes on CPU; signals are real signals 
 from __future__ import annotations
 
 import csv
+import gc
 import os
 import random
 import re
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch
 from app.checkpoint import list_checkpoints, mark_if_best, prune_checkpoints, read_best
 from app.exit_codes import (EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
                             EXIT_STALLED)
+from app import signals
 from app.signals import INTERRUPT_MESSAGE
 from app.watchdog import collect_stacks
 from conftest import ROOT, TinySetup, free_port, read_checkpoint, run_train, train_args
@@ -311,6 +314,31 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
         run.assert_nothing_left()
     print(f"\nrendezvous without the second node: exit {EXIT_RENDEZVOUS_TIMEOUT} after {seconds:.1f} s in all "
           "(--rendezvous_timeout_min 0.1, start-up included)")
+
+
+def test_what_a_run_made_is_released_before_its_teardown_begins(monkeypatch) -> None:
+    """The model holds the process groups (DDP's reducer, FSDP's units): if it outlived the teardown, destroying
+    the groups would happen as the launcher's frames unwind, unbounded, where a join of gloo's threads once hung a
+    finished run for good. Here the model is held by a reference cycle, as wrapped models often are."""
+    seen = {}
+
+    class Model:
+        pass
+
+    def train(fabric: object, name: str) -> int:
+        model = Model()
+        model.itself = model
+        seen["model"] = weakref.ref(model)
+        return EXIT_PREEMPTED
+
+    monkeypatch.setattr(signals, "exit_run", lambda fabric, code: seen.update(alive=seen["model"]() is not None,
+                                                                              code=code))
+    gc.disable()  # only run_and_exit may collect it
+    try:
+        signals.run_and_exit(object(), train, "run")
+    finally:
+        gc.enable()
+    assert seen == {"model": seen["model"], "alive": False, "code": EXIT_PREEMPTED}
 
 
 def test_a_teardown_that_hangs_is_left_after_its_timeout_with_the_runs_exit_code() -> None:

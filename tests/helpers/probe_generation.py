@@ -18,12 +18,12 @@ from app.exit_codes import EXIT_FINISHED  # noqa: E402
 from app.model import deferred_init, setup_model  # noqa: E402
 from app.preflight import preflight  # noqa: E402
 from app.samples import decoding_for, generate_samples  # noqa: E402
-from app.signals import exit_run  # noqa: E402
+from app.signals import run_and_exit  # noqa: E402
 from app.strategy import build_fabric  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
 
-def probe(fabric, cfg, inputs, deferred, report: str, stop_id: int, count: int, max_new_tokens: int) -> None:
+def probe(fabric, cfg, inputs, deferred, report: str, stop_id: int, count: int, max_new_tokens: int) -> int:
     model, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
     data = load_data(cfg.train_data_dir)
     samples = data.format.samples(data.validation, count)
@@ -31,7 +31,7 @@ def probe(fabric, cfg, inputs, deferred, report: str, stop_id: int, count: int, 
                                  max_new_tokens=max_new_tokens, stop_ids={stop_id})
     if fabric.is_global_zero:
         Path(report).write_text(json.dumps(generated))
-    exit_run(fabric, EXIT_FINISHED)  # as train.py ends: gloo torn down before the interpreter exits
+    return EXIT_FINISHED
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     deferred = deferred_init(cfg, inputs.model_config)
     fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, [],
                           deferred.param_init_fn if deferred else None)
-    fabric.launch(probe, cfg, inputs, deferred, report, stop_id, count, max_new_tokens)
+    fabric.launch(run_and_exit, probe, cfg, inputs, deferred, report, stop_id, count, max_new_tokens)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from app.data import load_data  # noqa: E402
 from app.exit_codes import EXIT_FINISHED  # noqa: E402
 from app.model import deferred_init, hugging_face_model, setup_model, strategy_module  # noqa: E402
 from app.preflight import preflight  # noqa: E402
-from app.signals import exit_run  # noqa: E402
+from app.signals import run_and_exit  # noqa: E402
 from app.strategy import build_fabric  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
@@ -36,7 +36,7 @@ def rotary_report(module: torch.nn.Module, model_config) -> dict:
             "max_difference": (rotary.inv_freq.cpu().double() - reference.double()).abs().max().item()}
 
 
-def probe(fabric, cfg, inputs, deferred, report: str) -> None:
+def probe(fabric, cfg, inputs, deferred, report: str) -> int:
     model, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
     module = strategy_module(model)
     after_setup = rotary_report(module, inputs.model_config)
@@ -56,7 +56,7 @@ def probe(fabric, cfg, inputs, deferred, report: str) -> None:
             "buffer_dtype": str(getattr(mixed_precision, "buffer_dtype", None)) if mixed_precision else None,
             "param_dtype": str(mixed_precision.param_dtype) if mixed_precision else None,
         }))
-    exit_run(fabric, EXIT_FINISHED)  # as train.py ends: gloo torn down before the interpreter exits
+    return EXIT_FINISHED
 
 
 def main() -> None:
@@ -65,7 +65,7 @@ def main() -> None:
     deferred = deferred_init(cfg, inputs.model_config)
     fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, [],
                           deferred.param_init_fn if deferred else None)
-    fabric.launch(probe, cfg, inputs, deferred, report)
+    fabric.launch(run_and_exit, probe, cfg, inputs, deferred, report)
 
 
 if __name__ == "__main__":
