@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from app.checkpoint import read_tensors, stored_tensor_shapes
+from app.checkpoint import direct_io
 from app.checkpoint.direct_io import ALIGN
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import LocalState, Part, Piece, blocks, flat_range
@@ -124,6 +125,26 @@ def test_staged_pieces_lie_in_memory_as_in_the_file_and_sharded_ones_own_their_s
             alone = alone_in_storage(sharded.own[name][start])
             assert alone.data_ptr() == sharded.own[name][start].data_ptr()
             assert alone.untyped_storage().nbytes() == alone.nbytes and torch.equal(alone, data)
+
+
+def test_a_background_sharded_save_learns_where_its_pieces_land_and_stages_the_next_save_to_write_them_in_place(
+        tmp_path, monkeypatch) -> None:
+    """torch.save places the bytes of a sharded save's pieces: the first save notes where, and the next ones stage
+    each piece so that it lies in memory as in the file, and send it to the disk from there."""
+    big = {"model.embed.weight": torch.randn(1000, 700), "optimizer.state.embed.exp_avg": torch.randn(1000, 700)}
+    cuts = {name: [400 * 700] for name in big}  # two blocks of rows per tensor, each above IN_PLACE_BYTES
+    nbytes = 2 * 1000 * 700 * 4
+    area = StagingArea()
+    copied = []
+    real_copy = direct_io.copy_into
+    monkeypatch.setattr(direct_io, "copy_into",
+                        lambda into, source: copied.append(len(source)) or real_copy(into, source))
+    for save in range(3):
+        copied.clear()
+        Snapshot.take(uneven_pieces(big, cuts), {}, group=None, sharded=True).staged(area).write(tmp_path / str(save))
+        assert all(torch.equal(read_tensors(tmp_path / str(save))[name], tensor) for name, tensor in big.items())
+        assert len(area.landed) == 4
+        assert (sum(copied) > nbytes) if save == 0 else (sum(copied) < nbytes / 100), (save, sum(copied))
 
 
 def test_a_sharded_folder_is_a_checkpoint_torch_distributed_checkpoint_itself_loads(tensors, tmp_path) -> None:

@@ -35,6 +35,8 @@ ALIGN = max(4096, mmap.PAGESIZE)
 """Block and page size the direct writes are aligned to (a page, so no page-cache page is written both ways)."""
 BOUNCE_BYTES = 16 << 20
 GIL_FREE_COPY_BYTES = 1 << 16
+IN_PLACE_BYTES = 1 << 20
+"""DirectStream writes at least this large are candidates to go to the disk from their own memory."""
 
 
 class DirectFile:
@@ -141,32 +143,57 @@ def write_fully(descriptor: int, data: memoryview, offset: int) -> None:
 class DirectStream(io.RawIOBase):
     """A new file written front to back, as torch.distributed.checkpoint writes a rank's file. The bytes gather in an
     aligned buffer that is written whole, so torch.save's many small writes (about 40 per tensor) cost no system
-    call each. Closing writes the rest and fsyncs: DCP fsyncs before it closes, while the last bytes are buffered."""
+    call each. A large write whose memory lies like its place in the file (the same offset within a block) goes to
+    the disk from where it lies; where each large write landed is noted in `landed` (address -> offset within a
+    block), so that a background save can stage the next save's pieces that way. Closing writes the rest and
+    fsyncs: DCP fsyncs before it closes, while the last bytes are buffered."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, landed: Optional[dict[int, int]] = None) -> None:
         super().__init__()
         path.open("wb").close()
         self.file = DirectFile(path)
         self.buffer = mmap.mmap(-1, BOUNCE_BYTES)
         self.filled = 0
         self.buffer_offset = 0
-        """Where the buffer's bytes go in the file: every byte before is written."""
+        """Where the buffer's bytes go in the file (on a block boundary until closing): every byte before is written."""
+        self.landed = landed
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:  # type: ignore[override]
         with memoryview(data).cast("B") as view:
-            written = 0
-            while written < len(view):
-                count = min(len(view) - written, BOUNCE_BYTES - self.filled)
-                with memoryview(self.buffer)[self.filled:self.filled + count] as free:
-                    copy_into(free, view[written:written + count])
-                self.filled += count
-                written += count
-                if self.filled == BOUNCE_BYTES:
-                    self.write_buffer()
-            return written
+            if len(view) >= IN_PLACE_BYTES:
+                address = address_of(view)
+                if self.landed is not None:
+                    self.landed[address] = self.tell() % ALIGN
+                if (address - self.tell()) % ALIGN == 0:
+                    self.write_in_place(view)
+                    return len(view)
+            self.gather(view)
+            return len(view)
+
+    def gather(self, view: memoryview) -> None:
+        written = 0
+        while written < len(view):
+            count = min(len(view) - written, BOUNCE_BYTES - self.filled)
+            with memoryview(self.buffer)[self.filled:self.filled + count] as free:
+                copy_into(free, view[written:written + count])
+            self.filled += count
+            written += count
+            if self.filled == BOUNCE_BYTES:
+                self.write_buffer()
+
+    def write_in_place(self, view: memoryview) -> None:
+        """`view`'s bytes up to the next block boundary complete the buffer's last block; its whole blocks then go
+        to the disk from its own memory, and the rest starts the buffer again."""
+        head = -self.tell() % ALIGN
+        self.gather(view[:head])
+        self.write_buffer()
+        whole = (len(view) - head) // ALIGN * ALIGN
+        self.file.write_at(self.buffer_offset, view[head:head + whole])
+        self.buffer_offset += whole
+        self.gather(view[head + whole:])
 
     def write_buffer(self) -> None:
         whole_blocks = self.filled // ALIGN * ALIGN
@@ -199,19 +226,24 @@ class DirectStream(io.RawIOBase):
 class DirectFileSystem(FileSystem):
     """torch.distributed.checkpoint's local filesystem, with files created through `DirectStream`."""
 
+    def __init__(self, landed: Optional[dict[int, int]] = None) -> None:
+        super().__init__()
+        self.landed = landed
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with DirectStream(Path(path)) as stream:
+        with DirectStream(Path(path), self.landed) as stream:
             yield stream
 
 
 class DirectFileSystemWriter(FileSystemWriter):
-    """torch.distributed.checkpoint's FileSystemWriter, writing through `DirectFileSystem`."""
+    """torch.distributed.checkpoint's FileSystemWriter, writing through `DirectFileSystem` (which notes in `landed`
+    where large writes landed, see DirectStream)."""
 
-    def __init__(self, path: str | os.PathLike, **options: object) -> None:
+    def __init__(self, path: str | os.PathLike, landed: Optional[dict[int, int]] = None, **options: object) -> None:
         super().__init__(path, **options)
-        self.fs = DirectFileSystem()
+        self.fs = DirectFileSystem(landed)

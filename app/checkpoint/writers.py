@@ -120,6 +120,8 @@ class Snapshot:
     metadata: dict[str, Any]
     group: Optional[dist.ProcessGroup]
     sharded: bool
+    area: Optional["StagingArea"] = None
+    """Where the pieces were staged, which learns where a sharded save's writes land in their files."""
 
     @classmethod
     def take(cls, state: LocalState, metadata: dict[str, Any], group: Optional[dist.ProcessGroup],
@@ -140,7 +142,7 @@ class Snapshot:
 
     def staged(self, area: "StagingArea") -> "Snapshot":
         """The same snapshot with its pieces copied to host memory that training does not change."""
-        return replace(self, own=area.copy(self.own, None if self.sharded else self.block_phases()))
+        return replace(self, own=area.copy(self.own, area.landed if self.sharded else self.block_phases()), area=area)
 
     def block_phases(self) -> dict[tuple[str, int], int]:
         """(name, start) -> where the piece's bytes begin within a disk block of the full file."""
@@ -209,9 +211,12 @@ class Snapshot:
                 written[(name, offsets)] = (alone_in_storage(data).view(sizes), part.shape)
             if part.numel == 0 and rank == 0:
                 written[(name, (0,) * len(part.shape))] = (torch.empty(part.shape, dtype=part.dtype), part.shape)
+        landed: dict[int, int] = {}
         with without_crc32():
-            dcp.save({}, storage_writer=DirectFileSystemWriter(str(folder), single_file_per_rank=True),
+            dcp.save({}, storage_writer=DirectFileSystemWriter(str(folder), landed, single_file_per_rank=True),
                      planner=BlocksPlanner(written), process_group=self.group, no_dist=world_size == 1)
+        if self.area is not None:
+            self.area.learn(self.own, landed)
         if rank == 0:
             (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))
 
@@ -252,21 +257,22 @@ class StagingArea:
     (the pieces are the same all run): staging is then a copy into memory already in use, not an allocation that
     the operating system fills page by page (pinned memory on a GPU machine, for fast device-to-host copies).
     Each piece sits at the place within a memory page that its bytes have within a disk block of the file, so the
-    background write sends its whole blocks to the disk from here, with no further copy (direct_io.py)."""
+    background write sends its whole blocks to the disk from here, with no further copy (direct_io.py): known
+    before the first save for a full file, learned from the first save for a sharded one (torch.save places them)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self.landed: dict[tuple[str, int], int] = {}
+        """(name, start) -> where a sharded save wrote the piece's bytes within a disk block."""
 
     def copy(self, own: dict[str, dict[int, torch.Tensor]],
-             phases: Optional[dict[tuple[str, int], int]]) -> dict[str, dict[int, torch.Tensor]]:
-        """Copies of `own`'s pieces, each at `phases[(name, start)]` bytes past a page boundary when given."""
+             phases: dict[tuple[str, int], int]) -> dict[str, dict[int, torch.Tensor]]:
+        """Copies of `own`'s pieces, each at `phases[(name, start)]` bytes past a page boundary where known."""
         staged: dict[str, dict[int, torch.Tensor]] = {}
         for name, pieces in own.items():
             staged[name] = {}
             for start, data in pieces.items():
-                phase = None if phases is None else phases[(name, start)]
-                if phase is not None and phase % data.dtype.itemsize:
-                    phase = None  # a tensor after one of an odd number of 2-byte items: staged unaligned
+                phase = phases.get((name, start))
                 buffer = self.buffers.get((name, start))
                 if (buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype
                         or (phase is not None and buffer.data_ptr() % ALIGN != phase)):
@@ -275,16 +281,24 @@ class StagingArea:
                 staged[name][start] = buffer.copy_(data)
         return staged
 
+    def learn(self, staged: dict[str, dict[int, torch.Tensor]], landed: dict[int, int]) -> None:
+        """Note where a sharded save wrote each staged piece (`landed`: memory address -> offset within a block)."""
+        for name, pieces in staged.items():
+            for start, data in pieces.items():
+                if data.data_ptr() in landed:
+                    self.landed[(name, start)] = landed[data.data_ptr()]
+
 
 def empty_at_phase(shape: torch.Size, dtype: torch.dtype, phase: Optional[int], pin_memory: bool) -> torch.Tensor:
-    """An uninitialized tensor whose data begins `phase` bytes past a page boundary (a multiple of its item size);
-    with no phase, one whose storage is exactly its own bytes (DCP copies a tensor whose storage holds more)."""
-    if phase is None:
+    """An uninitialized tensor whose data begins `phase` bytes past a page boundary (even where that leaves its items
+    unaligned: torch.save places a sharded save's tensors at any byte, and copies and writes do not mind); with no
+    phase, an ordinary one. Either way its storage is exactly its own bytes (DCP copies a tensor whose storage holds
+    more)."""
+    if phase is None or prod(shape) == 0:
         return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-    nbytes = prod(shape) * dtype.itemsize
-    memory = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    memory = torch.empty(prod(shape) * dtype.itemsize + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
     skip = (phase - memory.data_ptr()) % ALIGN
-    return memory[skip:skip + nbytes].view(dtype).view(shape)
+    return torch.frombuffer(memory.numpy(), dtype=dtype, count=prod(shape), offset=skip).view(shape)
 
 
 class Receiver:
