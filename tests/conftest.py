@@ -97,15 +97,16 @@ def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None 
 
 def run_script(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`command` run from the repository with its output captured. When it has not finished after `timeout`
-    seconds the test fails with what it printed and where every one of its processes is (py-spy), and none of them
-    is left running: a rare hang in CI is then diagnosed from the log alone."""
-    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as process:
+    seconds the test fails with what it printed and where each of its processes is (py-spy), and none of them is
+    left running: a rare hang in CI is then diagnosed from the log alone. The command runs in a session of its own,
+    which finds its processes even where the launching one has exited and left a rank behind."""
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
         stacks = None
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            stacks = kill_process_tree(process.pid)
+            stacks = kill_session(process.pid)
             stdout, stderr = process.communicate()
     if stacks is not None:
         pytest.fail(f"{' '.join(command[:2])} did not finish in {timeout:.0f} s\n--- stdout\n{stdout[-4000:]}\n"
@@ -113,16 +114,24 @@ def run_script(command: list[str], timeout: float, env: dict[str, str] | None = 
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def kill_process_tree(pid: int) -> str:
-    """The Python stacks of `pid` and its descendants (all threads), then SIGKILL for all of them."""
+def kill_session(session: int) -> str:
+    """The Python stacks of every process of `session` (all threads), then SIGKILL for all of them."""
     import psutil
 
-    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    stacks = [python_stacks(running.pid) for running in processes]
-    for running in processes:
+    members = [process for process in psutil.process_iter(["status"]) if session_of(process.pid) == session]
+    stacks = [f"process {process.pid}: exited" if process.info["status"] == psutil.STATUS_ZOMBIE
+              else python_stacks(process.pid) for process in members]
+    for process in members:
         with contextlib.suppress(psutil.NoSuchProcess):
-            running.kill()
+            process.kill()
     return "\n".join(stacks)
+
+
+def session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def python_stacks(pid: int) -> str:

@@ -30,7 +30,7 @@ from app.exit_codes import (EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, E
 from app import signals
 from app.signals import INTERRUPT_MESSAGE
 from app.watchdog import collect_stacks
-from conftest import ROOT, TinySetup, free_port, read_checkpoint, run_train, train_args
+from conftest import ROOT, TinySetup, free_port, read_checkpoint, run_script, run_train, train_args
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
 # 647 train blocks / (16 micro-batch x 2 ranks x 2 accumulation) = 10 steps per epoch: step 10 ends epoch 0.
@@ -314,6 +314,20 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
         run.assert_nothing_left()
     print(f"\nrendezvous without the second node: exit {EXIT_RENDEZVOUS_TIMEOUT} after {seconds:.1f} s in all "
           "(--rendezvous_timeout_min 0.1, start-up included)")
+
+
+def test_a_run_that_outlives_its_timeout_fails_with_where_its_processes_were_and_leaves_none_running() -> None:
+    """The tests' harness (conftest.run_script) as CI met it: the launching process had exited and a rank it
+    started hung, holding the output pipes open."""
+    rank = "import time; time.sleep(300)  # the rank left behind"
+    launcher = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {rank!r}]); print('launched')"
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        run_script([sys.executable, "-c", launcher], timeout=3)
+    assert "did not finish in 3 s" in str(failure.value) and "launched" in str(failure.value)
+    assert "exited" in str(failure.value) and "Thread" in str(failure.value), str(failure.value)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if rank in " ".join(p.info["cmdline"] or [])]
+    assert time.monotonic() - started < 60
 
 
 def test_what_a_run_made_is_released_before_its_teardown_begins(monkeypatch) -> None:
