@@ -189,10 +189,13 @@ def test_a_sharded_folder_whose_metadata_would_run_code_is_refused_before_the_co
 def test_two_ranks_write_uneven_and_replicated_pieces_that_read_back_whole(tmp_path, machines) -> None:
     """On one machine both ranks write their pieces of a full file themselves; from another machine rank 1's pieces
     travel to rank 0. Replicated tensors are written once, by rank 0."""
-    port = str(free_port())
     extra = ["machines"] if machines == "two machines" else []
-    ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests/helpers/write_pieces.py"), str(rank), port,
-                               str(tmp_path), *extra], stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    for rank in ranks:
-        _, errors = rank.communicate(timeout=120)
-        assert rank.returncode == 0, errors[-3000:]
+    for attempt in range(3):  # the free port can be taken before rank 0 listens on it (the other test worker)
+        port = str(free_port())
+        ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests/helpers/write_pieces.py"), str(rank), port,
+                                   str(tmp_path), *extra], stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        errors = [rank.communicate(timeout=120)[1] for rank in ranks]
+        if not any("EADDRINUSE" in error for error in errors):
+            break
+    for rank, error in zip(ranks, errors):
+        assert rank.returncode == 0, error[-3000:]
