@@ -178,13 +178,11 @@ def exit_run(fabric: Fabric, code: int) -> NoReturn:
 def leave(code: int) -> NoReturn:
     """Exit as the interpreter would, without its final teardown of every module and object, which took 1.3-1.8 s
     per process here once torch, Lightning and transformers are imported (every rank pays it at the end of a run).
-    What that teardown would still do for us is done first: other threads are waited for, exit handlers run (W&B's
-    finish, logging, multiprocessing's children) and the standard streams are flushed. Nothing else holds buffered
-    output: metrics.csv and every checkpoint are closed when written."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    What that teardown would still do for us is done first, by the interpreter's own functions: thread pools are
+    told to finish and other threads are waited for, exit handlers run (W&B's finish, logging, multiprocessing's
+    children) and the standard streams are flushed. Nothing else holds buffered output: metrics.csv and every
+    checkpoint are closed when written."""
+    threading._shutdown()  # the interpreter's first step: thread pools told to finish, other threads waited for
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with suppress(OSError, ValueError):  # a reader that went away, as at the interpreter's own exit

@@ -372,15 +372,18 @@ def test_a_teardown_that_hangs_is_left_after_its_timeout_with_the_runs_exit_code
 
 
 def test_leaving_skips_the_interpreters_teardown_but_not_what_it_owes() -> None:
-    """A rank leaves with os._exit after its run: a thread still working, an exit handler (W&B's finish is one) and
-    output still in the buffer of a pipe must all have had their turn, and the exit code must be the run's."""
-    leaving = ("import atexit, threading, time\nfrom app.signals import leave\n"
+    """A rank leaves with os._exit after its run: a thread still working, an idle thread pool (torch.compile leaves
+    one), an exit handler (W&B's finish is one) and output still in the buffer of a pipe must all have had their turn,
+    and the exit code must be the run's."""
+    leaving = ("import atexit, threading, time\nfrom concurrent.futures import ThreadPoolExecutor\n"
+               "from app.signals import leave\n"
                "atexit.register(print, 'exit handler ran')\n"
+               "ThreadPoolExecutor(2).submit(print, 'pool idle')\n"
                "threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished'))).start()\n"
                "print('buffered', end=' ')\nleave(9)\nprint('not reached')\n")
     result = subprocess.run([sys.executable, "-c", leaving], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 9, result.stderr
-    assert result.stdout == "buffered thread finished\nexit handler ran\n"
+    assert result.stdout == "pool idle\nbuffered thread finished\nexit handler ran\n"
 
 
 @pytest.mark.slow
