@@ -86,15 +86,24 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
                 param_init_fn(part)
         fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
 
-    def shard_units(module: Module) -> None:
-        for child in module.children():
-            shard_units(child)
-        if isinstance(module, tuple(wrap_classes)):
-            shard(module, reshard)
-
-    shard_units(model)
-    shard(model, reshard_after_forward=False)  # backward needs the root's parameters right after forward
+    units = wrap_units(model, wrap_classes)
+    for unit in units[:-1]:
+        shard(unit, reshard)
+    for unit in units[-1:]:
+        shard(unit, reshard_after_forward=False)  # the last unit to run forward is the first backward gathers again
+    shard(model, reshard_after_forward=False)  # and the root's parameters too
     return model
+
+
+def wrap_units(model: Module, wrap_classes: set[type[Module]]) -> list[Module]:
+    """The modules to shard as units, children before their parent, in the order they were registered: the order
+    forward runs them in (decoder layers; a T5 encoder's blocks, then its decoder's)."""
+    units = []
+    for child in model.children():
+        units += wrap_units(child, wrap_classes)
+    if isinstance(model, tuple(wrap_classes)):
+        units.append(model)
+    return units
 
 
 def parallelize_fn(cfg: Config, wrap_classes: set[type[Module]],

@@ -7,6 +7,10 @@ exact pretrained weights in tests/test_model_loading.py; rotary buffers in tests
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from app.fsdp2 import mesh_shape, mixed_precision_policy
 from app.precision import precision_plugin
 from arguments import read_config, validate_config
-from tests.conftest import read_checkpoint, run_train, train_args
+from tests.conftest import ROOT, read_checkpoint, run_train, train_args
 from tests.test_model_loading import pretrained, transformers_loss  # noqa: F401 (fixture)
 from tests.test_training import assert_succeeded, read_metrics
 
@@ -41,6 +45,39 @@ def test_mixed_precision_is_fsdp2s_policy_and_not_autocast() -> None:
 def test_options_fsdp2_has_no_use_for_are_refused(options, message) -> None:
     cfg = read_config(["--strategy", "fsdp2", "--model_config", "m", "--train_data_dir", "d", *options])
     assert any(message in problem for problem in validate_config(cfg))
+
+
+LAST_UNIT_KEPT = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import OffloadPolicy
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from app.fsdp2 import mixed_precision_policy, shard_model
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=4))
+shard_model(model, mesh, wrap_classes={LlamaDecoderLayer}, sharding_strategy="FULL_SHARD", num_nodes=1,
+            mp_policy=mixed_precision_policy("32-true", None), offload_policy=OffloadPolicy(), param_init_fn=None)
+tokens = torch.randint(0, 64, (1, 8))
+loss = model(input_ids=tokens, labels=tokens).loss
+print([isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers])
+loss.backward()
+print([isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers])
+dist.destroy_process_group()
+"""
+
+
+def test_full_shard_keeps_only_the_last_layer_gathered_from_forward_to_backward(tmp_path) -> None:
+    """Backward starts with the layer forward ended with: resharding it after forward would only gather it again
+    (torchtitan does the same). Every other layer is back to its shard (a DTensor) after forward, and all are after
+    backward."""
+    result = subprocess.run([sys.executable, "-c", LAST_UNIT_KEPT, str(tmp_path / "store")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["[True, True, False]", "[True, True, True]"]
 
 
 def test_cpu_offload_on_cpu_processes_is_refused_before_any_work(tiny, tmp_path) -> None:
