@@ -164,3 +164,4 @@ def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny
     recorded = run_log.read_bytes()
     assert b"val_loss" in recorded and b"train_loss" in recorded
     assert b"step-00000003.ckpt" in recorded and b"step-00000006.ckpt" in recorded
+    assert b"train_sec" in recorded, "the run summary, written when W&B finishes the run as the process leaves"
