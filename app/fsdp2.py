@@ -8,9 +8,9 @@ How the FSDP options map onto it:
 
 | --sharding_strategy | device mesh | parameters re-sharded after forward |
 | --- | --- | --- |
-| FULL_SHARD | all ranks | yes (ZeRO-3) |
+| FULL_SHARD | all ranks | yes, but for the last unit (ZeRO-3) |
 | SHARD_GRAD_OP | all ranks | no (ZeRO-2) |
-| HYBRID_SHARD | (nodes, devices per node): shard in a node, replicate across | yes |
+| HYBRID_SHARD | (nodes, devices per node): shard in a node, replicate across | yes, but for the last unit |
 | NO_SHARD | (all ranks, 1): every rank holds everything (DDP through FSDP2) | no |
 
 Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in
@@ -87,11 +87,10 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
         fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
 
     units = wrap_units(model, wrap_classes)
-    for unit in units[:-1]:
-        shard(unit, reshard)
-    for unit in units[-1:]:
-        shard(unit, reshard_after_forward=False)  # the last unit to run forward is the first backward gathers again
-    shard(model, reshard_after_forward=False)  # and the root's parameters too
+    for index, unit in enumerate(units):
+        # the last unit forward runs is the first one backward needs: resharding it would only gather it again
+        shard(unit, reshard and index < len(units) - 1)
+    shard(model, reshard_after_forward=False)  # the same holds for the root's parameters
     return model
 
 
