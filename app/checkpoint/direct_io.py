@@ -22,14 +22,10 @@ import errno
 import io
 import mmap
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import numpy
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 ALIGN = max(4096, mmap.PAGESIZE)
 """Block and page size the direct writes are aligned to (a page, so no page-cache page is written both ways)."""
@@ -141,14 +137,12 @@ def write_fully(descriptor: int, data: memoryview, offset: int) -> None:
 
 
 class DirectStream(io.RawIOBase):
-    """A new file written front to back, as torch.distributed.checkpoint writes a rank's file. The bytes gather in an
-    aligned buffer that is written whole, so torch.save's many small writes (about 40 per tensor) cost no system
-    call each. A large write whose memory lies like its place in the file (the same offset within a block) goes to
-    the disk from where it lies; where each large write landed is noted in `landed` (address -> offset within a
-    block), so that a background save can stage the next save's pieces that way. Closing writes the rest and
-    fsyncs: DCP fsyncs before it closes, while the last bytes are buffered."""
+    """A new file written front to back, as a rank's file of a sharded checkpoint is (dcp_blocks.py). Small writes
+    gather in an aligned buffer that is written whole, so they cost no system call each. A large write whose memory
+    lies like its place in the file (the same offset within a block, as a background save stages its blocks) goes
+    to the disk from where it lies. Closing writes the rest and fsyncs."""
 
-    def __init__(self, path: Path, landed: Optional[dict[int, int]] = None) -> None:
+    def __init__(self, path: Path) -> None:
         super().__init__()
         path.open("wb").close()
         self.file = DirectFile(path)
@@ -156,21 +150,16 @@ class DirectStream(io.RawIOBase):
         self.filled = 0
         self.buffer_offset = 0
         """Where the buffer's bytes go in the file (on a block boundary until closing): every byte before is written."""
-        self.landed = landed
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:  # type: ignore[override]
         with memoryview(data).cast("B") as view:
-            if len(view) >= IN_PLACE_BYTES:
-                address = address_of(view)
-                if self.landed is not None:
-                    self.landed[address] = self.tell() % ALIGN
-                if (address - self.tell()) % ALIGN == 0:
-                    self.write_in_place(view)
-                    return len(view)
-            self.gather(view)
+            if len(view) >= IN_PLACE_BYTES and (address_of(view) - self.tell()) % ALIGN == 0:
+                self.write_in_place(view)
+            else:
+                self.gather(view)
             return len(view)
 
     def gather(self, view: memoryview) -> None:
@@ -222,28 +211,3 @@ class DirectStream(io.RawIOBase):
             self.buffer.close()
             super().close()
 
-
-class DirectFileSystem(FileSystem):
-    """torch.distributed.checkpoint's local filesystem, with files created through `DirectStream`."""
-
-    def __init__(self, landed: Optional[dict[int, int]] = None) -> None:
-        super().__init__()
-        self.landed = landed
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with DirectStream(Path(path), self.landed) as stream:
-            yield stream
-
-
-class DirectFileSystemWriter(FileSystemWriter):
-    """torch.distributed.checkpoint's FileSystemWriter, writing through `DirectFileSystem` (which notes in `landed`
-    where large writes landed, see DirectStream)."""
-
-    def __init__(self, path: str | os.PathLike, landed: Optional[dict[int, int]] = None, **options: object) -> None:
-        super().__init__(path, **options)
-        self.fs = DirectFileSystem(landed)

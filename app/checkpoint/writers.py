@@ -8,7 +8,8 @@ of the training state for a save made now, or host copies for one written in the
   pieces at their place in the file, all at once; ranks on other machines send theirs to rank 0 (point to point, in
   the same order on both sides, into one reused buffer), which writes them. No rank holds more than its own state.
 - sharded: every rank writes its pieces with torch.distributed.checkpoint (DCP) as the rectangular blocks they
-  make up (state.py), one file per rank; DCP checks that the blocks of every tensor cover it exactly once.
+  make up (state.py), one file per rank (dcp_blocks.py); DCP checks that the blocks of every tensor cover it exactly
+  once.
 Both write whole disk blocks past the page cache (direct_io.py). The exchanges run over a gloo process group made
 for checkpoints (CPU tensors, on GPU machines too, so the same code runs everywhere), which also lets a background
 writer talk to the other ranks while training uses the default group.
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
@@ -32,7 +31,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from app.checkpoint.direct_io import ALIGN, DirectFile, DirectFileSystemWriter
+from app.checkpoint.dcp_blocks import BlocksWriter, data_offsets
+from app.checkpoint.direct_io import ALIGN, DirectFile
 from app.checkpoint.state import LocalState, Part, Piece, blocks
 from app.checkpoint.tensor_file import layout
 
@@ -120,8 +120,6 @@ class Snapshot:
     metadata: dict[str, Any]
     group: Optional[dist.ProcessGroup]
     sharded: bool
-    area: Optional["StagingArea"] = None
-    """Where the pieces were staged, which learns where a sharded save's writes land in their files."""
 
     @classmethod
     def take(cls, state: LocalState, metadata: dict[str, Any], group: Optional[dist.ProcessGroup],
@@ -142,10 +140,14 @@ class Snapshot:
 
     def staged(self, area: "StagingArea") -> "Snapshot":
         """The same snapshot with its pieces copied to host memory that training does not change."""
-        return replace(self, own=area.copy(self.own, area.landed if self.sharded else self.block_phases()), area=area)
+        return replace(self, own=area.copy(self.own, self.block_phases()))
 
     def block_phases(self) -> dict[tuple[str, int], int]:
-        """(name, start) -> where the piece's bytes begin within a disk block of the full file."""
+        """(name, start) -> where the piece's bytes begin within a disk block of the file this rank writes."""
+        if self.sharded:
+            blocks_written = self.sharded_blocks()
+            begins = data_offsets((block.dtype, tuple(block.shape)) for _, _, _, block in blocks_written)
+            return {(name, start): begin % ALIGN for (name, start, _, _), begin in zip(blocks_written, begins)}
         begins = self.tensor_offsets()
         return {(name, start): (begins[name] + start * self.parts[name].dtype.itemsize) % ALIGN
                 for name, pieces in self.own.items() for start in pieces}
@@ -201,45 +203,28 @@ class Snapshot:
                     continue
                 file.write_at(begins[name] + start * dtype.itemsize, memoryview(data.view(torch.uint8).numpy()))
 
-    def write_sharded(self, folder: Path) -> None:
-        """Every rank writes its blocks into its own file, rank 0 the metadata. Collective."""
-        rank, world_size = distributed(self.group)
-        written = {}
+    def sharded_blocks(self) -> list[tuple[str, int, tuple[int, ...], torch.Tensor]]:
+        """(name, start, offsets, data shaped as the block) of every block this rank writes, in the order it writes
+        them; rank 0 also writes the one empty block of each tensor without elements."""
+        rank, _ = distributed(self.group)
+        found = []
         for name, part in self.parts.items():
             for start, data in self.own[name].items():
                 ((offsets, sizes),) = blocks(part.shape, start, start + data.numel())
-                written[(name, offsets)] = (alone_in_storage(data).view(sizes), part.shape)
+                found.append((name, start, offsets, data.view(sizes)))
             if part.numel == 0 and rank == 0:
-                written[(name, (0,) * len(part.shape))] = (torch.empty(part.shape, dtype=part.dtype), part.shape)
-        landed: dict[int, int] = {}
-        with without_crc32():
-            dcp.save({}, storage_writer=DirectFileSystemWriter(str(folder), landed, single_file_per_rank=True),
-                     planner=BlocksPlanner(written), process_group=self.group, no_dist=world_size == 1)
-        if self.area is not None:
-            self.area.learn(self.own, landed)
+                found.append((name, 0, (0,) * len(part.shape), torch.empty(part.shape, dtype=part.dtype)))
+        return found
+
+    def write_sharded(self, folder: Path) -> None:
+        """Every rank writes its blocks into its own file, rank 0 the metadata. Collective."""
+        rank, world_size = distributed(self.group)
+        written = {(name, offsets): (block, self.parts[name].shape)
+                   for name, _, offsets, block in self.sharded_blocks()}
+        dcp.save({}, storage_writer=BlocksWriter(folder, list(written)), planner=BlocksPlanner(written),
+                 process_group=self.group, no_dist=world_size == 1)
         if rank == 0:
             (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))
-
-
-def alone_in_storage(data: torch.Tensor) -> torch.Tensor:
-    """`data` (contiguous, on the CPU) as a tensor sharing its memory whose storage is exactly its bytes. torch.save
-    writes whole storages, so DCP copies every tensor whose storage holds more: every piece of a flat parameter, every
-    block of a row-split tensor, 1 GB per rank of copies (and page faults) for the 170M model's state."""
-    if data.device.type != "cpu" or data.untyped_storage().nbytes() == data.nbytes:
-        return data
-    return torch.from_numpy(data.detach().view(torch.uint8).numpy()).view(data.dtype).view(data.shape)
-
-
-@contextmanager
-def without_crc32() -> Iterator[None]:
-    """torch.save without the zip records' CRC-32, a third of DCP's CPU time per byte written: torch.load never
-    checks it, nor do the readers of sources.py. (A process-wide setting; nothing else here calls torch.save.)"""
-    computed = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(computed)
 
 
 def block_pieces(shape: tuple[int, ...], piece: Piece) -> list[Piece]:
@@ -257,44 +242,32 @@ class StagingArea:
     (the pieces are the same all run): staging is then a copy into memory already in use, not an allocation that
     the operating system fills page by page (pinned memory on a GPU machine, for fast device-to-host copies).
     Each piece sits at the place within a memory page that its bytes have within a disk block of the file, so the
-    background write sends its whole blocks to the disk from here, with no further copy (direct_io.py): known
-    before the first save for a full file, learned from the first save for a sharded one (torch.save places them)."""
+    background write sends its whole blocks to the disk from here, with no further copy (direct_io.py)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
-        self.landed: dict[tuple[str, int], int] = {}
-        """(name, start) -> where a sharded save wrote the piece's bytes within a disk block."""
 
     def copy(self, own: dict[str, dict[int, torch.Tensor]],
              phases: dict[tuple[str, int], int]) -> dict[str, dict[int, torch.Tensor]]:
-        """Copies of `own`'s pieces, each at `phases[(name, start)]` bytes past a page boundary where known."""
+        """Copies of `own`'s pieces, each `phases[(name, start)]` bytes past a page boundary."""
         staged: dict[str, dict[int, torch.Tensor]] = {}
         for name, pieces in own.items():
             staged[name] = {}
             for start, data in pieces.items():
-                phase = phases.get((name, start))
+                phase = phases[(name, start)]
                 buffer = self.buffers.get((name, start))
                 if (buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype
-                        or (phase is not None and buffer.data_ptr() % ALIGN != phase)):
+                        or buffer.data_ptr() % ALIGN != phase):
                     buffer = empty_at_phase(data.shape, data.dtype, phase, pin_memory=data.is_cuda)
                     self.buffers[(name, start)] = buffer
                 staged[name][start] = buffer.copy_(data)
         return staged
 
-    def learn(self, staged: dict[str, dict[int, torch.Tensor]], landed: dict[int, int]) -> None:
-        """Note where a sharded save wrote each staged piece (`landed`: memory address -> offset within a block)."""
-        for name, pieces in staged.items():
-            for start, data in pieces.items():
-                if data.data_ptr() in landed:
-                    self.landed[(name, start)] = landed[data.data_ptr()]
 
-
-def empty_at_phase(shape: torch.Size, dtype: torch.dtype, phase: Optional[int], pin_memory: bool) -> torch.Tensor:
+def empty_at_phase(shape: torch.Size, dtype: torch.dtype, phase: int, pin_memory: bool) -> torch.Tensor:
     """An uninitialized tensor whose data begins `phase` bytes past a page boundary (even where that leaves its items
-    unaligned: torch.save places a sharded save's tensors at any byte, and copies and writes do not mind); with no
-    phase, an ordinary one. Either way its storage is exactly its own bytes (DCP copies a tensor whose storage holds
-    more)."""
-    if phase is None or prod(shape) == 0:
+    unaligned: a sharded save's blocks lie at any byte of their file, and copies and writes do not mind)."""
+    if prod(shape) == 0:
         return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
     memory = torch.empty(prod(shape) * dtype.itemsize + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
     skip = (phase - memory.data_ptr()) % ALIGN

@@ -1,0 +1,120 @@
+"""A rank's file of a sharded checkpoint, in torch.distributed.checkpoint's (DCP) format, written without torch.save.
+
+DCP stores each block of a tensor as the bytes `torch.save(block)` writes, at an offset its metadata records, and
+its reader gives those bytes to torch.load. torch.save costs about 0.1 ms of Python per block (it pickles the
+block's description and writes some 40 small zip records around its data), for the 300-400 blocks a rank of the
+170M benchmark model writes at every save: time held under the GIL, which a background save (--async_save) shares
+with training. The bytes around the data depend only on the block's dtype and shape (the data record's place in the
+archive is fixed, and the zip CRC-32, which no reader checks, is off), so `framing` makes them once per dtype and
+shape and `write_block` writes them around each block's data again: the bytes torch.save writes, in three writes.
+Where each block's data lies in the file is then known before anything is written (`data_offsets`), so a
+background save stages every block in memory as it will lie in the file, from its first save on (writers.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from app.checkpoint.direct_io import DirectStream, address_of
+
+
+@contextmanager
+def without_crc32() -> Iterator[None]:
+    """torch.save without the zip records' CRC-32: torch.load never checks it, nor do the readers of sources.py; with
+    it, the bytes around a block's data would depend on the data. (A process-wide setting.)"""
+    computed = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(computed)
+
+
+class FramingRecorder(io.RawIOBase):
+    """What torch.save writes around the data of `data_address`: the bytes before it and after it."""
+
+    def __init__(self, data_address: int, nbytes: int) -> None:
+        super().__init__()
+        self.data_address, self.nbytes = data_address, nbytes
+        self.before, self.after = bytearray(), bytearray()
+        self.data_seen = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:  # type: ignore[override]
+        with memoryview(data).cast("B") as view:
+            if self.nbytes and len(view) == self.nbytes and address_of(view) == self.data_address:
+                self.data_seen = True
+            else:
+                (self.after if self.data_seen else self.before).extend(view)
+            return len(view)
+
+
+@functools.cache
+def framing(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
+    """The bytes torch.save writes before and after a contiguous tensor's data (of a tensor whose storage is exactly
+    its data, as DCP saves every block), from torch.save of an uninitialized tensor: its memory is never read."""
+    sample = torch.empty(shape, dtype=dtype)
+    recorder = FramingRecorder(sample.data_ptr(), sample.nbytes)
+    with without_crc32():
+        torch.save(sample, recorder)
+    if sample.nbytes and not recorder.data_seen:
+        raise RuntimeError(f"torch.save wrote the data of a {dtype} tensor of shape {shape} in pieces: update "
+                           "app/checkpoint/dcp_blocks.py for this version of torch")
+    return bytes(recorder.before), bytes(recorder.after)
+
+
+def write_block(stream: io.RawIOBase, block: torch.Tensor) -> None:
+    """The bytes of `torch.save(block)` (with the CRC-32 off), from the block's own memory."""
+    before, after = framing(block.dtype, tuple(block.shape))
+    stream.write(before)
+    stream.write(memoryview(block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    stream.write(after)
+
+
+def data_offsets(blocks: Iterable[tuple[torch.dtype, tuple[int, ...]]]) -> list[int]:
+    """Where the data of each block (dtype, shape) begins in a file that `write_block` writes them to in this order."""
+    offsets, position = [], 0
+    for dtype, shape in blocks:
+        before, after = framing(dtype, tuple(shape))
+        offsets.append(position + len(before))
+        position += len(before) + torch.Size(shape).numel() * dtype.itemsize + len(after)
+    return offsets
+
+
+class BlocksWriter(FileSystemWriter):
+    """DCP's FileSystemWriter for one file per rank, its blocks written by `write_block` through a `DirectStream`, in
+    the order `order` gives their (name, offsets), rather than each by torch.save."""
+
+    def __init__(self, path: str | Path, order: list[tuple[str, tuple[int, ...]]]) -> None:
+        super().__init__(path, single_file_per_rank=True)
+        self.order = {key: position for position, key in enumerate(order)}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        with DirectStream(Path(self.path) / file_name) as stream:
+            for item in sorted(plan.items, key=self.position):
+                begin = stream.tell()
+                write_block(stream, planner.resolve_data(item))
+                length = stream.tell() - begin
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(file_name, begin, length)))
+        written: Future[list[WriteResult]] = Future()
+        written.set_result(results)
+        return written
+
+    def position(self, item: WriteItem) -> int:
+        return self.order[(item.index.fqn, tuple(item.index.offset))]
