@@ -148,3 +148,42 @@ def test_a_filesystem_without_o_direct_is_written_through_the_page_cache(tmp_pat
     with DirectStream(path) as stream:
         stream.write(expected)
     assert path.read_bytes() == expected
+
+
+@pytest.mark.parametrize("refusal", ["none", "no O_DIRECT", "EINVAL"])
+def test_ranges_of_any_alignment_read_back_exactly_and_past_the_end_of_the_file_fewer(tmp_path, monkeypatch,
+                                                                                  refusal) -> None:
+    """Resume reads its pieces past the page cache (DirectReader); where the filesystem has no O_DIRECT, or the
+    device refuses a read, through it: the same bytes either way."""
+    expected = random.Random(11).randbytes(SIZE)
+    path = tmp_path / "file"
+    path.write_bytes(expected)
+    if refusal == "no O_DIRECT":
+        monkeypatch.delattr(direct_io.os, "O_DIRECT")
+    reader = direct_io.DirectReader(path)
+    if refusal == "EINVAL":
+        real_preadv, refused = os.preadv, reader.direct
+
+        def preadv(descriptor: int, buffers, offset: int) -> int:
+            if descriptor == refused:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_preadv(descriptor, buffers, offset)
+
+        monkeypatch.setattr(direct_io.os, "preadv", preadv)
+    ranges = unaligned_ranges(SIZE, seed=12)
+    random.Random(13).shuffle(ranges)
+    try:
+        for start, stop in ranges + [(0, SIZE)]:
+            into = bytearray(stop - start)
+            assert reader.read_into(start, memoryview(into)) == stop - start
+            assert into == expected[start:stop], (start, stop)
+        for start in (SIZE - 5, SIZE - ALIGN - 3, SIZE, SIZE + 7):
+            into = bytearray(BOUNCE_BYTES + 100)
+            count = reader.read_into(start, memoryview(into))
+            assert count == max(SIZE - start, 0) and into[:count] == expected[start:]
+        direct = open_direct(path, os.O_RDONLY)
+        if direct is not None:
+            os.close(direct)
+        assert (reader.direct is not None) == (refusal == "none" and direct is not None)
+    finally:
+        reader.close()

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from app.checkpoint import legacy
+from app.checkpoint.direct_io import DirectReader
 from app.checkpoint.state import flat_range
 from app.checkpoint.tensor_file import read_header
 
@@ -59,6 +60,7 @@ class RawSource:
     def __init__(self, shapes: Shapes, extents: dict[str, list[Extent]]) -> None:
         self._shapes, self.extents = shapes, extents
         self.handles: dict[Path, BinaryIO] = {}
+        self.readers: dict[Path, DirectReader] = {}
 
     def shapes(self) -> Shapes:
         return self._shapes
@@ -83,24 +85,27 @@ class RawSource:
         return self.extents[name]
 
     def read(self, path: Path, offset: int, target: torch.Tensor) -> None:
-        handle = self.handle(path)
-        handle.seek(offset)
+        """Tensor bytes, past the page cache (direct_io.py)."""
+        if path not in self.readers:
+            self.readers[path] = DirectReader(path)
         view = memoryview(target.view(torch.uint8).numpy())
-        if handle.readinto(view) != len(view):
+        if self.readers[path].read_into(offset, view) != len(view):
             raise ValueError(f"{path} ended early: the checkpoint is truncated")
 
     def handle(self, path: Path) -> BinaryIO:
-        """The open file, told that it is read front to back (twice the read-ahead from a cold disk)."""
+        """The open file for the small reads that locate tensor bytes (no read-ahead of the bytes around them, which
+        `read` reads past the page cache)."""
         if path not in self.handles:
             self.handles[path] = open(path, "rb")
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self.handles[path].fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                os.posix_fadvise(self.handles[path].fileno(), 0, 0, os.POSIX_FADV_RANDOM)
         return self.handles[path]
 
     def close(self) -> None:
-        for handle in self.handles.values():
+        for handle in [*self.handles.values(), *self.readers.values()]:
             handle.close()
         self.handles.clear()
+        self.readers.clear()
 
 
 def file_source(path: Path) -> RawSource:
