@@ -22,6 +22,8 @@ import errno
 import io
 import mmap
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -69,7 +71,7 @@ class DirectFile:
 
     def write_blocks(self, aligned: memoryview, offset: int) -> None:
         """`aligned`'s memory, `offset` and length all on block boundaries."""
-        if self.direct is not None and write_direct(self.direct, aligned, offset):
+        if self.direct is not None and unless_refused(partial(write_fully, self.direct, aligned, offset)) is not None:
             return
         self.stop_direct()  # no O_DIRECT, or a device wanting more than ALIGN: the page cache from here on
         write_fully(self.buffered, aligned, offset)
@@ -133,7 +135,7 @@ class DirectReader:
         with memoryview(self.bounce) as bounce:
             while self.direct is not None and position < stop:
                 wanted = min(BOUNCE_BYTES, -(-(stop - position) // ALIGN) * ALIGN)
-                count = read_direct(self.direct, bounce[:wanted], position)
+                count = unless_refused(partial(read_fully, self.direct, bounce[:wanted], position, direct=True))
                 if count is None:
                     self.stop_direct()  # a device wanting more than ALIGN: the page cache from here on
                     break
@@ -157,30 +159,14 @@ class DirectReader:
         os.close(self.buffered)
 
 
-def read_direct(descriptor: int, aligned: memoryview, offset: int) -> Optional[int]:
-    """How many bytes an O_DIRECT read of whole blocks gave (fewer at the end of the file); None where the device
-    refuses it (EINVAL: its blocks are larger than ALIGN)."""
-    done = 0
-    try:
-        while done < len(aligned):
-            count = os.preadv(descriptor, [aligned[done:]], offset + done)
-            done += count
-            if count == 0 or count % ALIGN:  # the end of the file
-                break
-    except OSError as error:
-        if error.errno != errno.EINVAL:
-            raise
-        return None
-    return done
-
-
-def read_fully(descriptor: int, data: memoryview, offset: int) -> int:
+def read_fully(descriptor: int, data: memoryview, offset: int, direct: bool = False) -> int:
+    """How many bytes there were: fewer only at the end of the file, where a direct read ends on a partial block."""
     done = 0
     while done < len(data):
         count = os.preadv(descriptor, [data[done:]], offset + done)
-        if count == 0:
-            break
         done += count
+        if count == 0 or (direct and count % ALIGN):
+            break
     return done
 
 
@@ -197,21 +183,22 @@ def address_of(view: memoryview) -> int:
     return numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
 
 
-def write_direct(descriptor: int, data: memoryview, offset: int) -> bool:
-    """False where the device refuses the write (EINVAL: its blocks are larger than ALIGN)."""
+def unless_refused(transfer: Callable[[], int]) -> Optional[int]:
+    """The bytes an O_DIRECT transfer moved, or None where the device refuses it (EINVAL: its blocks are larger than
+    ALIGN)."""
     try:
-        write_fully(descriptor, data, offset)
+        return transfer()
     except OSError as error:
         if error.errno != errno.EINVAL:
             raise
-        return False
-    return True
+        return None
 
 
-def write_fully(descriptor: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        written = os.pwrite(descriptor, data, offset)
-        data, offset = data[written:], offset + written
+def write_fully(descriptor: int, data: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(descriptor, data[done:], offset + done)
+    return done
 
 
 class DirectStream(io.RawIOBase):
