@@ -4,6 +4,7 @@ alignment, order and writers, and the whole blocks really go through O_DIRECT wh
 from __future__ import annotations
 
 import errno
+import mmap
 import multiprocessing
 import os
 import random
@@ -154,13 +155,16 @@ def test_a_filesystem_without_o_direct_is_written_through_the_page_cache(tmp_pat
 def test_ranges_of_any_alignment_read_back_exactly_and_past_the_end_of_the_file_fewer(tmp_path, monkeypatch,
                                                                                   refusal) -> None:
     """Resume reads its pieces past the page cache (DirectReader); where the filesystem has no O_DIRECT, or the
-    device refuses a read, through it: the same bytes either way."""
-    expected = random.Random(11).randbytes(SIZE)
+    device refuses a read, through it: the same bytes either way. Reads of another file in between, through the same
+    buffer (as the rank files of a sharded folder share one), change nothing."""
+    expected, other = random.Random(11).randbytes(SIZE), random.Random(14).randbytes(3 * ALIGN + 9)
     path = tmp_path / "file"
     path.write_bytes(expected)
+    (tmp_path / "other").write_bytes(other)
     if refusal == "no O_DIRECT":
         monkeypatch.delattr(direct_io.os, "O_DIRECT")
-    reader = direct_io.DirectReader(path)
+    bounce = mmap.mmap(-1, BOUNCE_BYTES)
+    reader, other_reader = direct_io.DirectReader(path, bounce), direct_io.DirectReader(tmp_path / "other", bounce)
     if refusal == "EINVAL":
         real_preadv, refused = os.preadv, reader.direct
 
@@ -177,6 +181,8 @@ def test_ranges_of_any_alignment_read_back_exactly_and_past_the_end_of_the_file_
             into = bytearray(stop - start)
             assert reader.read_into(start, memoryview(into)) == stop - start
             assert into == expected[start:stop], (start, stop)
+            into = bytearray(ALIGN + 3)
+            assert other_reader.read_into(7, memoryview(into)) == ALIGN + 3 and into == other[7:ALIGN + 10]
         for start in (SIZE - 5, SIZE - ALIGN - 3, SIZE, SIZE + 7):
             into = bytearray(BOUNCE_BYTES + 100)
             count = reader.read_into(start, memoryview(into))
@@ -187,3 +193,5 @@ def test_ranges_of_any_alignment_read_back_exactly_and_past_the_end_of_the_file_
         assert (reader.direct is not None) == (refusal == "none" and direct is not None)
     finally:
         reader.close()
+        other_reader.close()
+        bounce.close()

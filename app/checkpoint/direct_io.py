@@ -114,9 +114,10 @@ class DirectReader:
     aligned buffer, then the range copied out. Where the filesystem refuses O_DIRECT, or refuses a read, through the
     page cache. Why: a resume on a fresh node reads every byte of its part once, and on this project's VM reading
     through the page cache was kernel CPU work that two ranks reading one file at once slowed each other with (two
-    processes reading 1 GB each: 1.1-2.9 s buffered, 1.4-1.6 s with O_DIRECT at a third of the CPU)."""
+    processes reading 1 GB each: 1.1-2.9 s buffered, 1.4-1.6 s with O_DIRECT at a third of the CPU). The readers of
+    every file of a checkpoint share one `bounce` buffer (of BOUNCE_BYTES), however many rank files it has."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, bounce: mmap.mmap) -> None:
         self.buffered = os.open(path, os.O_RDONLY)
         try:
             self.direct: Optional[int] = open_direct(path, os.O_RDONLY)
@@ -125,7 +126,7 @@ class DirectReader:
             raise
         if hasattr(os, "posix_fadvise"):  # read front to back where it is read: twice the read-ahead
             os.posix_fadvise(self.buffered, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        self.bounce = mmap.mmap(-1, BOUNCE_BYTES)
+        self.bounce = bounce
 
     def read_into(self, offset: int, view: memoryview) -> int:
         """Bytes [offset, offset + len(view)) into `view`; how many there were (fewer past the end of the file)."""
@@ -155,7 +156,6 @@ class DirectReader:
 
     def close(self) -> None:
         self.stop_direct()
-        self.bounce.close()
         os.close(self.buffered)
 
 

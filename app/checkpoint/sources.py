@@ -13,6 +13,7 @@ Checkpoints of earlier versions written with torch.save are read from memory (`M
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 import struct
@@ -27,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from app.checkpoint import legacy
-from app.checkpoint.direct_io import DirectReader
+from app.checkpoint.direct_io import BOUNCE_BYTES, DirectReader
 from app.checkpoint.state import flat_range
 from app.checkpoint.tensor_file import read_header
 
@@ -61,6 +62,7 @@ class RawSource:
         self._shapes, self.extents = shapes, extents
         self.handles: dict[Path, BinaryIO] = {}
         self.readers: dict[Path, DirectReader] = {}
+        self.bounce: Optional[mmap.mmap] = None
 
     def shapes(self) -> Shapes:
         return self._shapes
@@ -86,8 +88,10 @@ class RawSource:
 
     def read(self, path: Path, offset: int, target: torch.Tensor) -> None:
         """Tensor bytes, past the page cache (direct_io.py)."""
+        if self.bounce is None:
+            self.bounce = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned; made once for every file of the checkpoint
         if path not in self.readers:
-            self.readers[path] = DirectReader(path)
+            self.readers[path] = DirectReader(path, self.bounce)
         view = memoryview(target.view(torch.uint8).numpy())
         if self.readers[path].read_into(offset, view) != len(view):
             raise ValueError(f"{path} ended early: the checkpoint is truncated")
@@ -106,6 +110,9 @@ class RawSource:
             handle.close()
         self.handles.clear()
         self.readers.clear()
+        if self.bounce is not None:
+            self.bounce.close()
+            self.bounce = None
 
 
 def file_source(path: Path) -> RawSource:
