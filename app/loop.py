@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -59,7 +60,9 @@ def train_step(fabric: Fabric, model, optimizer, step: Step, lr: float, stop: St
     accumulation = len(step.micro_batches)
     loss_sum = torch.zeros((), device=fabric.device)
     for index, batch in enumerate(step.micro_batches):
-        with fabric.no_backward_sync(model, enabled=gradients.defer_sync and index < accumulation - 1):
+        skip_sync = gradients.defer_sync and index < accumulation - 1
+        # Not no_backward_sync(enabled=False): under fsdp2 it still walks every module twice per micro-batch
+        with fabric.no_backward_sync(model) if skip_sync else nullcontext():
             loss = micro_batch_loss(model, batch, step.trained_tokens, fabric.world_size)
             fabric.backward(loss)
         loss_sum += loss.detach()
