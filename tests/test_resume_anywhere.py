@@ -91,10 +91,12 @@ def test_a_chain_of_resumes_across_strategies_formats_ranks_and_micro_batches_ma
 
 
 @pytest.mark.slow
-def test_fsdp2_trains_like_fsdp_and_converts_with_identical_logits(tiny, straight, tmp_path) -> None:
-    """FSDP2 starts from the same weights (same init, same order) and takes the same steps as FSDP1."""
+@pytest.mark.parametrize("fsdp_no_sync", [False, True], ids=["sync-every-micro-batch", "fsdp_no_sync"])
+def test_fsdp2_trains_like_fsdp_and_converts_with_identical_logits(tiny, straight, tmp_path, fsdp_no_sync) -> None:
+    """FSDP2 starts from the same weights (same init, same order) and takes the same steps as FSDP1, also when the
+    gradients of the step's 2 micro-batches are reduced once, after the last (--fsdp_no_sync)."""
     result = run_train(train_args(tiny, tmp_path, max_step=2 * len(CHAIN), **(STRAIGHT | {"strategy": "fsdp2"}),
-                                  **CONSTANT_LR))
+                                  fsdp_no_sync=fsdp_no_sync, **CONSTANT_LR))
     assert_succeeded(result)
     fsdp2 = read_metrics(tmp_path)
     worst = max(abs(fsdp2[s]["train_loss"] - straight[s]["train_loss"]) / straight[s]["train_loss"] for s in straight if s)
