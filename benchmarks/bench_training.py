@@ -372,7 +372,10 @@ def bench_async_save(data: Path, work_dir: Path, options: argparse.Namespace) ->
                 shutil.rmtree(work.out_dir, ignore_errors=True)
                 train_app(work, state_dict_type=kind, save_step_interval=interval, async_save=name == "async",
                           keep_last_n=1)
-                lost[name] += time_lost_to_saves(step_ends(work.out_dir), interval)
+                run_lost = time_lost_to_saves(step_ends(work.out_dir), interval)
+                print(f"    {kind} {name}, repeat {repeat + 1}: lost per save {statistics.median(run_lost):.2f} s "
+                      f"(median; each: {' '.join(f'{seconds:.2f}' for seconds in run_lost)})", flush=True)
+                lost[name] += run_lost
                 shutil.rmtree(work.out_dir)
             print(f"  {kind}: training time lost per save: sync {statistics.median(lost['sync']):.2f} s, "
                   f"async {statistics.median(lost['async']):.2f} s (medians so far)", flush=True)
