@@ -8,7 +8,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 from lightning import Fabric
@@ -48,14 +48,14 @@ def micro_batch_loss(model, batch: Batch, step_tokens: int, world_size: int) -> 
 
 
 def train_step(fabric: Fabric, model, optimizer, step: Step, lr: float, stop: StopRequest,
-               gradients: GradientPolicy) -> tuple[torch.Tensor, StepVerdict]:
+               gradients: GradientPolicy, before_update: Callable[[], None]) -> tuple[torch.Tensor, StepVerdict]:
     """One optimizer step over the micro-batches; returns this rank's part of the loss x world size (their mean
     over ranks is the step's loss, on the device) and the ranks' verdict.
 
     Gradients are synchronised after every micro-batch, or only after the last one when `gradients.defer_sync`
     (DDP's no_sync costs no memory; FSDP's keeps the whole unsharded gradient on every rank). The gradient norm is
     measured even when clipping is off so that a non-finite gradient is caught: then the weights are left as they
-    were.
+    were. `before_update` runs just before the weights change (a background save copies them until then).
     """
     accumulation = len(step.micro_batches)
     loss_sum = torch.zeros((), device=fabric.device)
@@ -74,6 +74,7 @@ def train_step(fabric: Fabric, model, optimizer, step: Step, lr: float, stop: St
         if gradients.max_norm > 0:
             clip_gradients(optimizer, verdict.grad_norm, gradients.max_norm)
         set_learning_rate(optimizer, lr)
+        before_update()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, verdict
@@ -130,7 +131,7 @@ class Loop:
             with self.data_wait.measure():
                 step_batches = next(steps)
             loss, verdict = train_step(self.fabric, state["model"], state["optimizer"], step_batches, lr, self.stop,
-                                       self.gradients)
+                                       self.gradients, self.saver.before_update)
             if verdict.non_finite:
                 self.report_non_finite(loss, verdict.grad_norm)
                 return "non_finite"
@@ -206,7 +207,7 @@ class Loop:
                           "from the last checkpoint with a lower --lr, a --grad_clip, or --precision bf16-mixed")
 
     def save(self, evaluated: bool, upload: bool) -> dict[str, float]:
-        """Write the checkpoint (or, with --async_save, stage it for the background writer); once it is published,
+        """Write the checkpoint (or, with --async_save, hand it to the background writer); once it is published,
         rank 0 marks it when it is the best so far and applies --keep_last_n. `save_sec` is the time training lost."""
         step = self.state["step"]
         path = checkpoint_path(self.cfg.out_dir, step)
@@ -218,7 +219,8 @@ class Loop:
             self.saver.save(path, self.state, published)
         self.watchdog.beat()
         if self.saver.background:
-            self.console.print(f"step {step}: staged in {self.saving.last:.1f} s; writing {path} in the background")
+            self.console.print(f"step {step}: writing {path} in the background (training paused "
+                               f"{self.saving.last:.1f} s)")
         if upload:
             self.saver.wait()
             upload_checkpoint(self.fabric.loggers, path, step)

@@ -414,6 +414,93 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     assert prune_checkpoints(tmp_path, None, set()) == []
 
 
+def test_a_background_save_holds_its_steps_state_even_when_its_copy_outlasts_the_next_forward_and_backward(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The copy of a background save runs while the next step computes; `before_update`, which the next weight
+    update waits for, returns only once the copy is made: a checkpoint never holds weights of a later step."""
+    from lightning import Fabric
+
+    from app.checkpoint import CheckpointSaver, read_model_weights
+    from app.checkpoint.writers import StagingArea
+
+    model = torch.nn.Linear(256, 128)
+    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 1}
+    saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=False, background=True)
+    copy = StagingArea.copy
+
+    def slow_copy(area: StagingArea, *args: object) -> dict:
+        time.sleep(0.5)
+        return copy(area, *args)
+
+    monkeypatch.setattr(StagingArea, "copy", slow_copy)
+    saved = {name: value.clone() for name, value in model.state_dict().items()}
+    path, published = tmp_path / "step-00000001.ckpt", []
+    began = time.monotonic()
+    saver.save(path, state, lambda: published.append(path))
+    assert time.monotonic() - began < 0.4, "save() returned before the copy"
+    saver.before_update()
+    assert time.monotonic() - began >= 0.5, "before_update() waited for the copy"
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)  # the optimizer step that follows
+    saver.close()
+    assert published == [path]
+    stored = read_model_weights(path)
+    for name, value in saved.items():
+        assert torch.equal(stored[name], value), name
+
+
+def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_change() -> None:
+    from lightning import Fabric
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.data import Batch, Step
+    from app.loop import train_step
+    from app.optim import GradientPolicy
+    from app.signals import StopRequest
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    tokens = torch.randint(0, 64, (2, 16))
+    step = Step([Batch({"input_ids": tokens, "labels": tokens}, trained_tokens=30)], trained_tokens=30)
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    seen = []
+
+    def before_update() -> None:
+        seen.append((all(torch.equal(p, b) for p, b in zip(model.parameters(), before)),
+                     all(p.grad is not None for p in model.parameters())))
+
+    train_step(fabric, model, optimizer, step, lr=1e-2, stop=StopRequest(),
+               gradients=GradientPolicy(max_norm=1.0, replicas=1, scaled=False, defer_sync=False),
+               before_update=before_update)
+    assert seen == [(True, True)], "once, with the gradients computed and the weights not yet changed"
+    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "then the step changed them"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, state_dict_type", [("fsdp", "full"), ("fsdp2", "sharded")])
+def test_background_saves_hold_exactly_what_synchronous_saves_of_the_same_steps_hold(
+        tiny: TinySetup, tmp_path: Path, strategy: str, state_dict_type: str):
+    from app.checkpoint import read_tensors
+
+    checkpoints = {}
+    for async_save in (False, True):
+        out = tmp_path / f"async-{async_save}"
+        result = run_train(train_args(tiny, out, strategy=strategy, state_dict_type=state_dict_type,
+                                      async_save=async_save, max_step=4, save_step_interval=1,
+                                      eval_step_interval=1000, initial_validation=False))
+        assert result.returncode == 0, result.stderr[-3000:]
+        checkpoints[async_save] = list_checkpoints(out)
+    assert sorted(checkpoints[True]) == sorted(checkpoints[False]) == [1, 2, 3, 4]
+    for step, path in checkpoints[True].items():
+        written, expected = read_tensors(path), read_tensors(checkpoints[False][step])
+        assert written.keys() == expected.keys()
+        assert all(torch.equal(written[name], expected[name]) for name in expected), f"step {step}"
+
+
 @pytest.fixture(scope="module")
 def wider_model(tiny: TinySetup, tmp_path_factory) -> Path:
     """27M parameters: a 0.3 GB training state, whose write and fsync outlast a few training steps here."""
@@ -440,7 +527,7 @@ def test_async_save_returns_before_the_write_and_a_sigkill_mid_write_leaves_the_
         os.killpg(run.process.pid, signal.SIGKILL)
         run.finish()
         output = run.output()
-    assert output.index("step 2: staged in") < output.index("step 2: saved"), "the step returned before the write"
+    assert output.index("step 2: writing") < output.index("step 2: saved"), "the step returned before the write"
     assert sorted(list_checkpoints(out)) == [2], "step 4 was killed mid-write: only step 2 is a checkpoint"
 
     resumed = run_train(args[:-2] + ["--max_step", "5", "--resume", "true"])

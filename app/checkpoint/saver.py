@@ -1,18 +1,20 @@
-"""Saving a checkpoint now, or (--async_save) staging it and writing it while training goes on.
+"""Saving a checkpoint now, or (--async_save) copying it and writing it while training goes on.
 
 Both take the same snapshot of what each rank writes (writers.py) and write it the same way; a background save
 differs in two things:
-1. staging, at the step that saves: each rank copies the pieces it writes (and nothing else: under DDP only rank 0
-   copies the state) into host memory that training does not change. That memory is made once, when the run
-   starts, and reused by every save: the first save costs no more than the next, and a machine without the host
-   memory for it fails at start-up rather than hours later;
-2. writing, in a background thread: the file or folder, then fsync, the atomic rename and what follows publishing
-   (best.json, --keep_last_n) on rank 0.
+1. staging: each rank copies the pieces it writes (and nothing else: under DDP only rank 0 copies the state) into
+   host memory that training does not change, in the background thread while the next step's forward and
+   backward run; that step's optimizer update waits for the copy (`before_update`), as it changes the state being
+   copied. The memory is made once, when the run starts, and reused by every save: the first save costs no more
+   than the next, and a machine without the host memory for it fails at start-up rather than hours later. On a
+   GPU the copy runs on the default stream after the kernels queued before the save, so it reads what the step
+   that saved left, while the training thread goes on queueing the next step's work;
+2. writing, in the same thread after the copy: the file or folder, then fsync, the atomic rename and what follows
+   publishing (best.json, --keep_last_n) on rank 0.
 The next save, an upload and the end of the run wait for the write; a crash before the rename leaves the previous
 checkpoints and a temporary name that resume never takes (files.py). The exchanges of a save run over a gloo process
 group of their own (made once per run), so that a background write's never interleave with training's collectives.
 """
-
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from app.checkpoint.files import make_durable, publish
 from app.checkpoint.io import begin_save, snapshot
-from app.checkpoint.writers import StagingArea
+from app.checkpoint.writers import Snapshot, StagingArea
 
 if TYPE_CHECKING:
     from lightning import Fabric
@@ -35,6 +37,7 @@ class CheckpointSaver:
     def __init__(self, fabric: Fabric, state: dict[str, Any], sharded: bool, background: bool) -> None:
         self.fabric, self.sharded, self.background = fabric, sharded, background
         self.pending: Optional[Future] = None
+        self.staging_copy: Optional[Future] = None
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if background else None
         self.staging = StagingArea() if background else None
@@ -46,22 +49,27 @@ class CheckpointSaver:
         self.wait()
         temporary = begin_save(self.fabric, path)
         taken = snapshot(state, self.sharded, self.group)
-        if self.staging is not None:
-            taken = taken.staged(self.staging)
         rank0 = self.fabric.is_global_zero
 
-        def write_and_publish() -> None:
-            taken.write(temporary)  # on rank 0 it returns once every rank's part is written
+        def write_and_publish(staged: Snapshot) -> None:
+            staged.write(temporary)  # on rank 0 it returns once every rank's part is written
             if rank0:
                 make_durable(temporary)
                 publish(temporary, path)
                 published()
 
-        if self.writer is not None:
-            self.pending = self.writer.submit(write_and_publish)
-        else:
-            write_and_publish()
+        if self.writer is None:
+            write_and_publish(taken)
             self.fabric.barrier()
+            return
+        copy = self.staging_copy = self.writer.submit(taken.staged, self.staging)
+        self.pending = self.writer.submit(lambda: write_and_publish(copy.result()))
+
+    def before_update(self) -> None:
+        """Until the background save has its copy of the state, which the optimizer step about to run changes."""
+        if self.staging_copy is not None:
+            copy, self.staging_copy = self.staging_copy, None
+            copy.result()
 
     def wait(self) -> None:
         """Until the background write is published (re-raising its error, if it failed)."""
