@@ -15,6 +15,7 @@ The next save, an upload and the end of the run wait for the write; a crash befo
 checkpoints and a temporary name that resume never takes (files.py). The exchanges of a save run over a gloo process
 group of their own (made once per run), so that a background write's never interleave with training's collectives.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
