@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from contextlib import contextmanager, suppress
@@ -426,20 +427,22 @@ def test_a_background_save_holds_its_steps_state_even_when_its_copy_outlasts_the
     model = torch.nn.Linear(256, 128)
     state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 1}
     saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=False, background=True)
-    copy = StagingArea.copy
+    copy, release, copied = StagingArea.copy, threading.Event(), threading.Event()
 
     def slow_copy(area: StagingArea, *args: object) -> dict:
-        time.sleep(0.5)
-        return copy(area, *args)
+        release.wait(timeout=60)
+        staged = copy(area, *args)
+        copied.set()
+        return staged
 
     monkeypatch.setattr(StagingArea, "copy", slow_copy)
     saved = {name: value.clone() for name, value in model.state_dict().items()}
     path, published = tmp_path / "step-00000001.ckpt", []
-    began = time.monotonic()
     saver.save(path, state, lambda: published.append(path))
-    assert time.monotonic() - began < 0.4, "save() returned before the copy"
+    assert not copied.is_set(), "save() returned before the copy"
+    threading.Timer(0.3, release.set).start()  # the copy is made while the next step would compute
     saver.before_update()
-    assert time.monotonic() - began >= 0.5, "before_update() waited for the copy"
+    assert copied.is_set(), "before_update() returned once the copy was made"
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(1.0)  # the optimizer step that follows
