@@ -208,7 +208,8 @@ class Loop:
 
     def save(self, evaluated: bool, upload: bool) -> dict[str, float]:
         """Write the checkpoint (or, with --async_save, hand it to the background writer); once it is published,
-        rank 0 marks it when it is the best so far and applies --keep_last_n. `save_sec` is the time training lost."""
+        rank 0 marks it when it is the best so far and applies --keep_last_n. `save_sec` is the time this step paused
+        training (a background copy that outlasts the next forward and backward would also hold its update)."""
         step = self.state["step"]
         path = checkpoint_path(self.cfg.out_dir, step)
         published = partial(self.after_publishing, path, step, self.state["val_loss"] if evaluated else None,
