@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from app.checkpoint import read_tensors, stored_tensor_shapes
@@ -163,6 +164,27 @@ def test_a_background_sharded_save_writes_every_block_from_where_it_is_staged_fr
         Snapshot.take(uneven_pieces(big, cuts), {}, group=None, sharded=True).staged(area).write(tmp_path / str(save))
         assert sum(copied) < nbytes / 100, (save, sum(copied))
         assert all(torch.equal(read_tensors(tmp_path / str(save))[name], tensor) for name, tensor in big.items())
+
+
+def test_sharded_saves_of_one_layout_reuse_dcps_plan_and_of_another_layout_never_do(tensors, tmp_path,
+                                                                                     monkeypatch) -> None:
+    """The second save of a run skips DCP's global planning (its plan cache); a save of other dtypes in the same
+    process, with the same names and shapes (which DCP's comparison of plans alone would take for the same), is
+    planned afresh and reads back in its own dtypes."""
+    planned = []
+    real_plan = DefaultSavePlanner._create_global_plan
+    monkeypatch.setattr(DefaultSavePlanner, "_create_global_plan",
+                        lambda planner, plans: planned.append(1) or real_plan(planner, plans))
+    tensors = {**tensors, f"model.{tmp_path.name}": torch.ones(3)}  # a layout no other save of this process had
+    doubled = {name: (tensor * 2).to(torch.float64 if tensor.is_floating_point() else tensor.dtype)
+               for name, tensor in tensors.items()}
+    saves = [("first", tensors, 1), ("again", tensors, 0), ("other-dtypes", doubled, 1)]
+    for folder, saved, planned_afresh in saves:
+        planned.clear()
+        Snapshot.take(uneven_pieces(saved, CUTS), {}, group=None, sharded=True).write(tmp_path / folder)
+        assert len(planned) == planned_afresh, folder
+        for name, tensor in read_tensors(tmp_path / folder).items():
+            assert tensor.dtype == saved[name].dtype and torch.equal(tensor, saved[name]), (folder, name)
 
 
 def test_a_sharded_folder_is_a_checkpoint_torch_distributed_checkpoint_itself_loads(tensors, tmp_path) -> None:

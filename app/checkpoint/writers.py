@@ -17,6 +17,7 @@ writer talk to the other ranks while training uses the default group.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 from dataclasses import dataclass, replace
@@ -28,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from app.checkpoint.dcp_blocks import BlocksWriter, data_offsets
 from app.checkpoint.direct_io import ALIGN, DirectFile
@@ -203,6 +204,12 @@ class Snapshot:
                     continue
                 file.write_at(begins[name] + start * dtype.itemsize, memoryview(data.view(torch.uint8).numpy()))
 
+    def layout_key(self) -> str:
+        """The same on every rank, and at every save of a run; different for any other tensors, dtypes or writers."""
+        layout_of_tensors = [(name, str(part.dtype), part.shape, self.plan.writers[name])
+                             for name, part in self.parts.items()]
+        return hashlib.sha256(json.dumps(layout_of_tensors).encode()).hexdigest()
+
     def sharded_blocks(self) -> list[tuple[str, int, tuple[int, ...], torch.Tensor]]:
         """(name, start, offsets, data shaped as the block) of every block this rank writes, in the order it writes
         them; rank 0 also writes the one empty block of each tensor without elements."""
@@ -219,9 +226,11 @@ class Snapshot:
     def write_sharded(self, folder: Path) -> None:
         """Every rank writes its blocks into its own file, rank 0 the metadata. Collective."""
         rank, world_size = distributed(self.group)
-        written = {(name, offsets): (block, self.parts[name].shape)
-                   for name, _, offsets, block in self.sharded_blocks()}
-        dcp.save({}, storage_writer=BlocksWriter(folder, list(written)), planner=BlocksPlanner(written),
+        written: dict[str, TensorBlocks] = {}
+        for name, _, offsets, block in self.sharded_blocks():
+            written.setdefault(name, TensorBlocks(self.parts[name].shape, {})).blocks[offsets] = block
+        order = [(name, offsets) for name, held in written.items() for offsets in held.blocks]
+        dcp.save({}, storage_writer=BlocksWriter(folder, order), planner=BlocksPlanner(written, self.layout_key()),
                  process_group=self.group, no_dist=world_size == 1)
         if rank == 0:
             (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))
@@ -290,22 +299,40 @@ class Receiver:
         return data
 
 
-class BlocksPlanner(DefaultSavePlanner):
-    """DCP's save planner for blocks of tensors this rank writes, given as (name, offsets) -> (data, whole shape)."""
+@dataclass
+class TensorBlocks:
+    """This rank's blocks of one tensor, (offsets) -> data, as DCP plans them (its `_Checkpointable` protocol)."""
 
-    def __init__(self, written: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...]]]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+    shape: tuple[int, ...]
+    blocks: dict[tuple[int, ...], torch.Tensor]
+
+    def __create_write_items__(self, name: str, _: object) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(name, torch.Size(offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                                                 sizes=data.shape),
+                                                      properties=TensorProperties(dtype=data.dtype),
+                                                      size=torch.Size(self.shape)))
+                for offsets, data in self.blocks.items()]
+
+
+class BlocksPlanner(DefaultSavePlanner):
+    """DCP's save planner for `TensorBlocks`. Every save of a run writes the same blocks, so DCP caches the plans:
+    from the second save on, the ranks send its coordinator no plans, and it neither merges nor checks them again
+    (0.03 s of Python per save on rank 0 of the 170M benchmark model, held under the GIL a background save shares
+    with training). DCP keys its cache by the planner's class and compares the local plans' blocks but not their
+    dtypes, so the key here is the layout's (`Snapshot.layout_key`): another run in the same process never reuses a
+    plan that is not its own."""
+
+    def __init__(self, written: dict[str, TensorBlocks], layout_key: str) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, enable_plan_caching=True)
+        self._cached_plans_key = f"{type(self).__name__}-{layout_key}"
         self.written = written
 
-    def create_local_plan(self) -> SavePlan:
-        items = [WriteItem(index=MetadataIndex(name, torch.Size(offsets)), type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
-                                                                                  sizes=data.shape),
-                                                       properties=TensorProperties(dtype=data.dtype),
-                                                       size=torch.Size(shape)))
-                 for (name, offsets), (data, shape) in self.written.items()]
-        self.plan = SavePlan(items)
-        return self.plan
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Optional[StorageMeta] = None,
+                       is_coordinator: bool = False) -> None:
+        """The blocks come from the planner rather than through dcp.save, which logs each key of its state dict
+        (0.3 ms a key, 250 per rank here)."""
+        super().set_up_planner(self.written, storage_meta, is_coordinator)
 
     def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return self.written[(index.fqn, tuple(index.offset))][0]
+        return self.state_dict[index.fqn].blocks[tuple(index.offset)]
