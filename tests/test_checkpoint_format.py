@@ -89,13 +89,21 @@ def tensors() -> dict[str, torch.Tensor]:
 CUTS = {"model.embed.weight": [3, 4, 27], "model.experts": [5, 30, 31, 70], "model.norm.weight": [2]}
 
 
+def updated_before_written(taken: Snapshot) -> Snapshot:
+    """A background save whose next update came before its write: it writes every piece from copies."""
+    area = StagingArea()
+    background = taken.for_background(area)
+    background.handover.freeze()
+    return background.staged(area)
+
+
 @pytest.mark.parametrize("sharded", [False, True])
-@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("copied", [False, True])
 def test_pieces_written_in_either_format_read_back_exactly_into_other_pieces(tensors, tmp_path, sharded,
-                                                                             staged) -> None:
+                                                                             copied) -> None:
     path = tmp_path / ("step.ckpt" if not sharded else "folder")
     taken = Snapshot.take(uneven_pieces(tensors, CUTS), {"step": 12}, group=None, sharded=sharded)
-    (taken.staged(StagingArea()) if staged else taken).write(path)
+    (updated_before_written(taken) if copied else taken).write(path)
     assert read_tensors(path).keys() == tensors.keys()
     for name, tensor in read_tensors(path).items():
         assert tensor.dtype == tensors[name].dtype and torch.equal(tensor, tensors[name])
@@ -110,26 +118,18 @@ def test_pieces_written_in_either_format_read_back_exactly_into_other_pieces(ten
     assert metadata == {"step": 12}
 
 
-def test_staged_pieces_lie_in_memory_as_in_the_files_they_are_written_to(tensors, tmp_path) -> None:
-    """What lets a background save write without copying again: each piece at the place within a page that its
-    bytes have within a disk block of the file, known before the first save: in a full file the tensors begin on
-    a block, whatever the metadata's length; in a sharded folder each block's data follows what torch.save writes
-    before it."""
+def test_copies_lie_in_memory_as_their_bytes_lie_in_a_full_file(tensors, tmp_path) -> None:
+    """What lets a background save write its copies without copying again: each piece at the place within a page
+    that its bytes have within a disk block of the file; the tensors begin on a block, whatever the metadata's
+    length."""
     for metadata in ({"step": 12}, {"step": 12, "note": "x" * 1001}):
-        full = Snapshot.take(uneven_pieces(tensors, CUTS), metadata, group=None, sharded=False).staged(StagingArea())
+        full = updated_before_written(Snapshot.take(uneven_pieces(tensors, CUTS), metadata, group=None,
+                                                    sharded=False))
         full.write(tmp_path / "step.ckpt")
         entries, _ = read_header(tmp_path / "step.ckpt")
         assert min(entry.begin for entry in entries.values()) % ALIGN == 0
-        for name, pieces in full.own.items():
-            for start, data in pieces.items():
-                assert data.data_ptr() % ALIGN == (entries[name].begin + start * data.element_size()) % ALIGN
-    sharded = Snapshot.take(uneven_pieces(tensors, CUTS), {}, group=None, sharded=True).staged(StagingArea())
-    sharded.write(tmp_path / "folder")
-    storage = FileSystemReader(str(tmp_path / "folder")).read_metadata().storage_data
-    for name, start, offsets, block in sharded.sharded_blocks():
-        stored = storage[MetadataIndex(name, torch.Size(offsets))]
-        data_begin = stored.offset + len(framing(block.dtype, tuple(block.shape))[0])
-        assert block.data_ptr() % ALIGN == data_begin % ALIGN, (name, start)
+        for (name, start), copy in full.handover.copies.items():
+            assert copy.data_ptr() % ALIGN == (entries[name].begin + start * copy.element_size()) % ALIGN
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
@@ -147,23 +147,36 @@ def test_a_block_is_written_as_the_bytes_torch_save_writes(dtype, shape) -> None
     assert loaded.dtype == dtype and torch.equal(loaded, block)
 
 
-def test_a_background_sharded_save_writes_every_block_from_where_it_is_staged_from_the_first_save_on(
-        tmp_path, monkeypatch) -> None:
-    """No block of a background sharded save is copied again on its way to the disk: staged where it will lie in
-    the file, its whole disk blocks go from there (direct_io.py)."""
+@pytest.mark.parametrize("source", ["training state", "background, before the update", "background, copied"])
+def test_a_sharded_save_writes_every_large_block_from_where_it_lies(tmp_path, monkeypatch, source) -> None:
+    """No large block of a sharded save is copied on its way to the disk: each lies in its file at the place within
+    a disk block that it has in memory (the training state's, or a background save's copy), so its whole disk
+    blocks go from there (direct_io.py)."""
     big = {"model.embed.weight": torch.randn(1000, 700), "optimizer.state.embed.exp_avg": torch.randn(1000, 700)}
-    cuts = {name: [400 * 700] for name in big}  # two blocks of rows per tensor, each above IN_PLACE_BYTES
+    cuts = {name: [400 * 700 + 3] for name in big}  # blocks above IN_PLACE_BYTES, at any place within a page
     nbytes = 2 * 1000 * 700 * 4
-    area = StagingArea()
     copied = []
     real_copy = direct_io.copy_into
     monkeypatch.setattr(direct_io, "copy_into",
                         lambda into, source: copied.append(len(source)) or real_copy(into, source))
     for save in range(2):
         copied.clear()
-        Snapshot.take(uneven_pieces(big, cuts), {}, group=None, sharded=True).staged(area).write(tmp_path / str(save))
+        taken = Snapshot.take(uneven_pieces(big, cuts), {}, group=None, sharded=True)
+        if source != "training state":
+            taken = taken.for_background(StagingArea())
+        if source == "background, copied":
+            taken.handover.freeze()
+        taken.write(tmp_path / str(save))
         assert sum(copied) < nbytes / 100, (save, sum(copied))
         assert all(torch.equal(read_tensors(tmp_path / str(save))[name], tensor) for name, tensor in big.items())
+        storage = FileSystemReader(str(tmp_path / str(save))).read_metadata().storage_data
+        written = (taken.handover.copies or taken.pieces()) if taken.handover else taken.pieces()
+        for name, start, offsets, block in taken.sharded_blocks():
+            if block.nbytes < direct_io.IN_PLACE_BYTES:  # small blocks are gathered into one buffer
+                continue
+            data_begin = storage[MetadataIndex(name, torch.Size(offsets))].offset + len(
+                framing(block.dtype, tuple(block.shape))[0])
+            assert written[(name, start)].data_ptr() % ALIGN == data_begin % ALIGN, (name, start)
 
 
 def test_sharded_saves_of_one_layout_reuse_dcps_plan_and_of_another_layout_never_do(tensors, tmp_path,

@@ -415,17 +415,75 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     assert prune_checkpoints(tmp_path, None, set()) == []
 
 
-def test_a_background_save_holds_its_steps_state_even_when_its_copy_outlasts_the_next_forward_and_backward(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """The copy of a background save runs while the next step computes; `before_update`, which the next weight
-    update waits for, returns only once the copy is made: a checkpoint never holds weights of a later step."""
+def linear_state() -> dict:
+    model = torch.nn.Linear(256, 128)
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 1}
+
+
+def update_and_check(saver, path: Path, state: dict) -> None:
+    """The optimizer step that follows (after `before_update`), then the end of the run: the checkpoint holds the
+    weights of the step that saved."""
+    from app.checkpoint import read_model_weights
+
+    model = state["model"]
+    saved = {name: value.clone() for name, value in model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    saver.close()
+    stored = read_model_weights(path)
+    for name, value in saved.items():
+        assert torch.equal(stored[name], value), name
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_background_save_holds_its_steps_state_even_when_its_write_outlasts_the_next_forward_and_backward(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sharded: bool):
+    """A background save writes the training state itself while the next step computes; `before_update`, which the
+    next weight update waits for, waits for the piece being written and copies those not yet written: the
+    checkpoint never holds weights of a later step."""
     from lightning import Fabric
 
-    from app.checkpoint import CheckpointSaver, read_model_weights
+    from app.checkpoint import CheckpointSaver
+    from app.checkpoint.handover import Handover
+
+    state = linear_state()
+    saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=sharded, background=True)
+    reading, writing, release = Handover.reading, threading.Event(), threading.Event()
+
+    @contextmanager
+    def slow_reading(handover: Handover, key: object) -> Iterator[torch.Tensor]:
+        with reading(handover, key) as data:
+            if not writing.is_set():  # the first piece: still being written when the update comes
+                writing.set()
+                release.wait(timeout=60)
+            yield data
+
+    monkeypatch.setattr(Handover, "reading", slow_reading)
+    path, published = tmp_path / "step-00000001.ckpt", []
+    saver.save(path, state, lambda: published.append(path))
+    handover = saver.handover
+    assert writing.wait(timeout=60), "the write began"
+    threading.Timer(0.3, release.set).start()  # the next forward and backward end before the piece is written
+    saver.before_update()
+    assert release.is_set() and len(handover.done) >= 1, "before_update() waited for the piece being written"
+    assert set(handover.copies) == set(handover.live) - {next(iter(handover.live))}, "and copied the others"
+    update_and_check(saver, path, state)
+    assert published == [path]
+
+
+def test_a_background_save_of_pieces_on_a_gpu_holds_its_steps_state_even_when_their_copy_outlasts_the_next_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Pieces a disk cannot write from (a GPU's memory) are copied to host memory while the next step computes;
+    `before_update` returns only once the copy is made. Shown with host pieces taken for a GPU's."""
+    from lightning import Fabric
+
+    from app.checkpoint import CheckpointSaver
+    from app.checkpoint import writers
     from app.checkpoint.writers import StagingArea
 
-    model = torch.nn.Linear(256, 128)
-    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 1}
+    monkeypatch.setattr(writers, "in_host_memory", lambda data: False)
+    state = linear_state()
     saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=False, background=True)
     copy, release, copied = StagingArea.copy, threading.Event(), threading.Event()
 
@@ -436,21 +494,14 @@ def test_a_background_save_holds_its_steps_state_even_when_its_copy_outlasts_the
         return staged
 
     monkeypatch.setattr(StagingArea, "copy", slow_copy)
-    saved = {name: value.clone() for name, value in model.state_dict().items()}
-    path, published = tmp_path / "step-00000001.ckpt", []
-    saver.save(path, state, lambda: published.append(path))
+    path = tmp_path / "step-00000001.ckpt"
+    saver.save(path, state, lambda: None)
     assert not copied.is_set(), "save() returned before the copy"
+    assert not saver.handover.live, "no piece is written from where it lies"
     threading.Timer(0.3, release.set).start()  # the copy is made while the next step would compute
     saver.before_update()
     assert copied.is_set(), "before_update() returned once the copy was made"
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(1.0)  # the optimizer step that follows
-    saver.close()
-    assert published == [path]
-    stored = read_model_weights(path)
-    for name, value in saved.items():
-        assert torch.equal(stored[name], value), name
+    update_and_check(saver, path, state)
 
 
 def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_change() -> None:

@@ -7,16 +7,17 @@ block's description and writes some 40 small zip records around its data), for t
 with training. The bytes around the data depend only on the block's dtype and shape (the data record's place in the
 archive is fixed, and the zip CRC-32, which no reader checks, is off), so `framing` makes them once per dtype and
 shape and `write_block` writes them around each block's data again: the bytes torch.save writes, in three writes.
-Where each block's data lies in the file is then known before anything is written (`data_offsets`), so a
-background save stages every block in memory as it will lie in the file, from its first save on (writers.py).
+DCP records where each block lies in its file, so blocks need not follow each other: zero bytes before a large
+block place its data at the offset within a disk block that it has in memory, and its whole disk blocks then go to
+the disk from the training state itself (direct_io.py), whether the save is made now or in the background.
 """
 
 from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from app.checkpoint.direct_io import DirectStream, address_of
+from app.checkpoint.direct_io import ALIGN, IN_PLACE_BYTES, DirectStream, address_of
 
 
 @contextmanager
@@ -84,31 +85,37 @@ def write_block(stream: io.RawIOBase, block: torch.Tensor) -> None:
     stream.write(after)
 
 
-def data_offsets(blocks: Iterable[tuple[torch.dtype, tuple[int, ...]]]) -> list[int]:
-    """Where the data of each block (dtype, shape) begins in a file that `write_block` writes them to in this order."""
-    offsets, position = [], 0
-    for dtype, shape in blocks:
-        before, after = framing(dtype, tuple(shape))
-        offsets.append(position + len(before))
-        position += len(before) + torch.Size(shape).numel() * dtype.itemsize + len(after)
-    return offsets
+def padding(position: int, block: torch.Tensor) -> int:
+    """Zero bytes to write at `position` before `block` so that its data lies in the file at the offset within a disk
+    block it has in memory: for blocks large enough to be written from their own memory, in host memory."""
+    if block.device.type != "cpu" or block.nbytes < IN_PLACE_BYTES:
+        return 0
+    before, _ = framing(block.dtype, tuple(block.shape))
+    return (block.data_ptr() - position - len(before)) % ALIGN
+
+
+Reading = Callable[[str, tuple[int, ...]], AbstractContextManager[torch.Tensor]]
+"""(name, offsets) -> the block's data, valid within the `with` block (a background save's handover.py)."""
 
 
 class BlocksWriter(FileSystemWriter):
     """DCP's FileSystemWriter for one file per rank, its blocks written by `write_block` through a `DirectStream`, in
     the order `order` gives their (name, offsets), rather than each by torch.save."""
 
-    def __init__(self, path: str | Path, order: list[tuple[str, tuple[int, ...]]]) -> None:
+    def __init__(self, path: str | Path, order: list[tuple[str, tuple[int, ...]]], reading: Reading) -> None:
         super().__init__(path, single_file_per_rank=True)
         self.order = {key: position for position, key in enumerate(order)}
+        self.reading = reading
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         results = []
         with DirectStream(Path(self.path) / file_name) as stream:
             for item in sorted(plan.items, key=self.position):
-                begin = stream.tell()
-                write_block(stream, planner.resolve_data(item))
+                with self.reading(item.index.fqn, tuple(item.index.offset)) as block:
+                    stream.write(bytes(padding(stream.tell(), block)))
+                    begin = stream.tell()
+                    write_block(stream, block)
                 length = stream.tell() - begin
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(file_name, begin, length)))

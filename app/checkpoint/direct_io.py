@@ -7,8 +7,8 @@ busy processes 30% of their compute while it ran, where the same write with O_DI
 synchronous save, and the whole cost of a background one (--async_save).
 
 O_DIRECT needs the memory, the file offset and the length aligned to the disk's block. `DirectFile.write_at` therefore
-writes the whole blocks of a range from the memory itself when it is aligned like the file (a background save
-stages its pieces that way), else through an aligned bounce buffer, and the bytes before the range's first block
+writes the whole blocks of a range from the memory itself when it is aligned like the file (a sharded save places
+its large blocks that way, a background save stages its copies that way), else through an aligned bounce buffer, and the bytes before the range's first block
 boundary and after its last one through the page cache, so ranks writing neighbouring ranges of one file never
 write the same block both ways. Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems), or refuses
 a write, everything goes through the page cache: slower, never wrong. Durability is unchanged: the file is fsynced
@@ -204,7 +204,7 @@ def write_fully(descriptor: int, data: memoryview, offset: int) -> int:
 class DirectStream(io.RawIOBase):
     """A new file written front to back, as a rank's file of a sharded checkpoint is (dcp_blocks.py). Small writes
     gather in an aligned buffer that is written whole, so they cost no system call each. A large write whose memory
-    lies like its place in the file (the same offset within a block, as a background save stages its blocks) goes
+    lies like its place in the file (the same offset within a block, as dcp_blocks.py places large blocks) goes
     to the disk from where it lies. Closing writes the rest and fsyncs."""
 
     def __init__(self, path: Path) -> None:

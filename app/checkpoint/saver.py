@@ -1,21 +1,20 @@
-"""Saving a checkpoint now, or (--async_save) copying it and writing it while training goes on.
+"""Saving a checkpoint now, or (--async_save) writing it while training goes on.
 
 Both take the same snapshot of what each rank writes (writers.py) and write it the same way; a background save
 differs in two things:
-1. staging: each rank copies the pieces it writes (and nothing else: under DDP only rank 0 copies the state) into
-   host memory that training does not change, in the background thread while the next step's forward and
-   backward run; that step's optimizer update waits for the copy (`before_update`), as it changes the state being
-   copied. The memory is made once, when the run starts, and reused by every save: the first save costs no more
-   than the next, and a machine without the host memory for it fails at start-up rather than hours later. On a
-   GPU the copy runs on the default stream after the kernels queued before the save, so it reads what the step
-   that saved left, while the training thread goes on queueing the next step's work;
-2. writing, in the same thread after the copy: the file or folder, then fsync, the atomic rename and what follows
-   publishing (best.json, --keep_last_n) on rank 0.
+1. what it writes from: the pieces a rank writes (and nothing else: under DDP only rank 0 writes the state) that lie
+   in host memory are written from the training state itself while the next step's forward and backward run, which
+   only read them; that step's optimizer update, which changes them, first copies those not yet written
+   (`before_update`, handover.py). Pieces in a GPU's memory are copied to pinned host memory at once, in the
+   background thread, on the default stream after the kernels queued before the save (so the copy reads what the
+   step that saved left), and the update waits for that copy. The host memory for these copies is made once, when
+   the run starts, and reused by every save: a machine without it fails at start-up rather than hours later;
+2. writing, in a background thread: the file or folder, then fsync, the atomic rename and what follows publishing
+   (best.json, --keep_last_n) on rank 0.
 The next save, an upload and the end of the run wait for the write; a crash before the rename leaves the previous
 checkpoints and a temporary name that resume never takes (files.py). The exchanges of a save run over a gloo process
 group of their own (made once per run), so that a background write's never interleave with training's collectives.
 """
-
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch.distributed as dist
 
 from app.checkpoint.files import make_durable, publish
+from app.checkpoint.handover import Handover
 from app.checkpoint.io import begin_save, snapshot
 from app.checkpoint.writers import Snapshot, StagingArea
 
@@ -39,11 +39,12 @@ class CheckpointSaver:
         self.fabric, self.sharded, self.background = fabric, sharded, background
         self.pending: Optional[Future] = None
         self.staging_copy: Optional[Future] = None
+        self.handover: Optional[Handover] = None
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if background else None
         self.staging = StagingArea() if background else None
         if self.staging is not None:
-            snapshot(state, sharded, self.group).staged(self.staging)
+            snapshot(state, sharded, self.group).reserve(self.staging)
 
     def save(self, path: Path, state: dict[str, Any], published: Callable[[], None]) -> None:
         """Save `state` to `path`; `published` runs on rank 0 once the checkpoint is visible. Collective."""
@@ -63,14 +64,19 @@ class CheckpointSaver:
             write_and_publish(taken)
             self.fabric.barrier()
             return
+        taken = taken.for_background(self.staging)
+        self.handover = taken.handover
         copy = self.staging_copy = self.writer.submit(taken.staged, self.staging)
         self.pending = self.writer.submit(lambda: write_and_publish(copy.result()))
 
     def before_update(self) -> None:
-        """Until the background save has its copy of the state, which the optimizer step about to run changes."""
+        """Until the background save no longer reads the state that the optimizer step about to run changes."""
         if self.staging_copy is not None:
             copy, self.staging_copy = self.staging_copy, None
             copy.result()
+        if self.handover is not None:
+            handover, self.handover = self.handover, None
+            handover.freeze()
 
     def wait(self) -> None:
         """Until the background write is published (re-raising its error, if it failed)."""

@@ -3,7 +3,8 @@
 The ranks first agree, in one exchange, which rank writes each distinct piece of every tensor: the lowest rank
 holding it (pieces are either distinct or, where ranks replicate them under DDP, NO_SHARD or HYBRID_SHARD, equal),
 and that the pieces cover every tensor exactly once. A rank then keeps only the pieces it writes (`Snapshot`): views
-of the training state for a save made now, or host copies for one written in the background (--async_save).
+of the training state (for a background save, --async_save, until the next update: handover.py), or host copies of
+those on a GPU.
 - full: rank 0 writes the file's header and sizes the file; every rank on rank 0's machine then writes its own
   pieces at their place in the file, all at once; ranks on other machines send theirs to rank 0 (point to point, in
   the same order on both sides, into one reused buffer), which writes them. No rank holds more than its own state.
@@ -20,7 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from math import prod
 from pathlib import Path
 from typing import Any, Optional
@@ -32,8 +36,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from app.checkpoint.dcp_blocks import BlocksWriter, data_offsets
+from app.checkpoint.dcp_blocks import BlocksWriter
 from app.checkpoint.direct_io import ALIGN, DirectFile
+from app.checkpoint.handover import Handover
 from app.checkpoint.state import LocalState, Part, Piece, blocks
 from app.checkpoint.tensor_file import layout
 
@@ -121,6 +126,8 @@ class Snapshot:
     metadata: dict[str, Any]
     group: Optional[dist.ProcessGroup]
     sharded: bool
+    handover: Optional[Handover] = None
+    """For a background save: the pieces it writes from the training state until the next update."""
 
     @classmethod
     def take(cls, state: LocalState, metadata: dict[str, Any], group: Optional[dist.ProcessGroup],
@@ -139,16 +146,39 @@ class Snapshot:
             own[name] = {piece.start: piece.data for piece in pieces}
         return cls(state.parts, plan, own, metadata, group, sharded)
 
+    def for_background(self, area: "StagingArea") -> "Snapshot":
+        """The snapshot a background write takes: its pieces in host memory are written from the training state
+        until the next update, which copies into `area` those not yet written (handover.py)."""
+        live = {key: data for key, data in self.pieces().items() if in_host_memory(data)}
+        return replace(self, handover=Handover(live, partial(area.copy, phases=self.block_phases())))
+
     def staged(self, area: "StagingArea") -> "Snapshot":
-        """The same snapshot with its pieces copied to host memory that training does not change."""
-        return replace(self, own=area.copy(self.own, self.block_phases()))
+        """The same snapshot with its pieces outside host memory (on a GPU) copied to host memory in `area`, as a
+        disk writes only from host memory, and that training does not change."""
+        away = {key: data for key, data in self.pieces().items() if not in_host_memory(data)}
+        own = {name: dict(pieces) for name, pieces in self.own.items()}
+        for (name, start), copy in area.copy(away, self.block_phases()).items():
+            own[name][start] = copy
+        return replace(self, own=own)
+
+    def reserve(self, area: "StagingArea") -> None:
+        """`area`'s memory for copies of every piece (the pieces of a run are the same at every save)."""
+        area.copy(self.pieces(), self.block_phases())
+
+    def pieces(self) -> dict[tuple[str, int], torch.Tensor]:
+        return {(name, start): data for name, pieces in self.own.items() for start, data in pieces.items()}
+
+    def piece(self, name: str, start: int) -> AbstractContextManager[torch.Tensor]:
+        """The data of a piece to write, valid within the `with` block (a background save's handover)."""
+        if self.handover is not None and (name, start) in self.handover.live:
+            return self.handover.reading((name, start))
+        return nullcontext(self.own[name][start])
 
     def block_phases(self) -> dict[tuple[str, int], int]:
-        """(name, start) -> where the piece's bytes begin within a disk block of the file this rank writes."""
+        """(name, start) -> where the piece's bytes begin within a disk block of the file this rank writes: a
+        sharded file places each block where it lies in memory (dcp_blocks.py), a full file's layout is fixed."""
         if self.sharded:
-            blocks_written = self.sharded_blocks()
-            begins = data_offsets((block.dtype, tuple(block.shape)) for _, _, _, block in blocks_written)
-            return {(name, start): begin % ALIGN for (name, start, _, _), begin in zip(blocks_written, begins)}
+            return {key: data.data_ptr() % ALIGN for key, data in self.pieces().items()}
         begins = self.tensor_offsets()
         return {(name, start): (begins[name] + start * self.parts[name].dtype.itemsize) % ALIGN
                 for name, pieces in self.own.items() for start in pieces}
@@ -177,7 +207,8 @@ class Snapshot:
             for name, pieces in self.plan.writers.items():
                 for writer, start, _ in pieces:
                     if writer == rank:
-                        dist.send(self.own[name][start].to("cpu"), group_dst=0, group=self.group)
+                        with self.piece(name, start) as data:
+                            dist.send(data.to("cpu"), group_dst=0, group=self.group)
         barrier(self.group)
 
     def tensor_offsets(self) -> dict[Optional[str], int]:
@@ -197,12 +228,11 @@ class Snapshot:
             dtype = self.parts[name].dtype
             for writer, start, numel in pieces:
                 if writer == rank:
-                    data = self.own[name][start].to("cpu")
+                    with self.piece(name, start) as data:
+                        file.write_at(begins[name] + start * dtype.itemsize, bytes_of(data.to("cpu")))
                 elif rank == 0 and writer not in self.plan.same_machine:
                     data = received.piece(writer, numel, dtype)
-                else:
-                    continue
-                file.write_at(begins[name] + start * dtype.itemsize, memoryview(data.view(torch.uint8).numpy()))
+                    file.write_at(begins[name] + start * dtype.itemsize, bytes_of(data))
 
     def layout_key(self) -> str:
         """The same on every rank, and at every save of a run; different for any other tensors, dtypes or writers."""
@@ -227,13 +257,34 @@ class Snapshot:
         """Every rank writes its blocks into its own file, rank 0 the metadata. Collective."""
         rank, world_size = distributed(self.group)
         written: dict[str, TensorBlocks] = {}
-        for name, _, offsets, block in self.sharded_blocks():
+        starts: dict[tuple[str, tuple[int, ...]], int] = {}
+        for name, start, offsets, block in self.sharded_blocks():
             written.setdefault(name, TensorBlocks(self.parts[name].shape, {})).blocks[offsets] = block
-        order = [(name, offsets) for name, held in written.items() for offsets in held.blocks]
-        dcp.save({}, storage_writer=BlocksWriter(folder, order), planner=BlocksPlanner(written, self.layout_key()),
-                 process_group=self.group, no_dist=world_size == 1)
+            starts[(name, offsets)] = start
+
+        @contextmanager
+        def reading(name: str, offsets: tuple[int, ...]) -> Iterator[torch.Tensor]:
+            block = written[name].blocks[offsets]
+            if block.numel() == 0:  # the block of a tensor without elements: no data to read
+                yield block
+                return
+            with self.piece(name, starts[(name, offsets)]) as data:
+                yield data.view(block.shape)
+
+        dcp.save({}, storage_writer=BlocksWriter(folder, list(starts), reading),
+                 planner=BlocksPlanner(written, self.layout_key()), process_group=self.group,
+                 no_dist=world_size == 1)
         if rank == 0:
             (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))
+
+
+def in_host_memory(data: torch.Tensor) -> bool:
+    """Where a disk writes from (a GPU's memory is copied to host memory first)."""
+    return data.device.type == "cpu"
+
+
+def bytes_of(data: torch.Tensor) -> memoryview:
+    return memoryview(data.view(torch.uint8).numpy())
 
 
 def block_pieces(shape: tuple[int, ...], piece: Piece) -> list[Piece]:
@@ -247,29 +298,27 @@ def block_pieces(shape: tuple[int, ...], piece: Piece) -> list[Piece]:
 
 
 class StagingArea:
-    """Host memory for the pieces this rank writes in the background, made once and reused by every save of the run
-    (the pieces are the same all run): staging is then a copy into memory already in use, not an allocation that
-    the operating system fills page by page (pinned memory on a GPU machine, for fast device-to-host copies).
+    """Host memory for copies of the pieces this rank writes in the background (those on a GPU, and those in host
+    memory that the next update finds unwritten), made once and reused by every save of the run (the pieces are the
+    same all run): a copy then goes into memory already in use, not an allocation that the operating system fills
+    page by page (pinned memory on a GPU machine, for fast device-to-host copies).
     Each piece sits at the place within a memory page that its bytes have within a disk block of the file, so the
     background write sends its whole blocks to the disk from here, with no further copy (direct_io.py)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
 
-    def copy(self, own: dict[str, dict[int, torch.Tensor]],
-             phases: dict[tuple[str, int], int]) -> dict[str, dict[int, torch.Tensor]]:
-        """Copies of `own`'s pieces, each `phases[(name, start)]` bytes past a page boundary."""
-        staged: dict[str, dict[int, torch.Tensor]] = {}
-        for name, pieces in own.items():
-            staged[name] = {}
-            for start, data in pieces.items():
-                phase = phases[(name, start)]
-                buffer = self.buffers.get((name, start))
-                if (buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype
-                        or buffer.data_ptr() % ALIGN != phase):
-                    buffer = empty_at_phase(data.shape, data.dtype, phase, pin_memory=data.is_cuda)
-                    self.buffers[(name, start)] = buffer
-                staged[name][start] = buffer.copy_(data)
+    def copy(self, pieces: dict[tuple[str, int], torch.Tensor],
+             phases: dict[tuple[str, int], int]) -> dict[tuple[str, int], torch.Tensor]:
+        """Copies of the pieces, each `phases[key]` bytes past a page boundary."""
+        staged = {}
+        for key, data in pieces.items():
+            buffer = self.buffers.get(key)
+            if (buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype
+                    or buffer.data_ptr() % ALIGN != phases[key]):
+                buffer = empty_at_phase(data.shape, data.dtype, phases[key], pin_memory=data.is_cuda)
+                self.buffers[key] = buffer
+            staged[key] = buffer.copy_(data)
         return staged
 
 
@@ -334,5 +383,3 @@ class BlocksPlanner(DefaultSavePlanner):
         (0.3 ms a key, 250 per rank here)."""
         super().set_up_planner(self.written, storage_meta, is_coordinator)
 
-    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn].blocks[tuple(index.offset)]

@@ -55,10 +55,13 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     tensors = whole_tensors()
-    for sharded, staged in ((False, False), (True, True)):
+    for sharded, background in ((False, False), (True, True)):
         path = folder / ("sharded" if sharded else "full.ckpt")
         taken = Snapshot.take(this_ranks_part(rank, tensors), {"step": 3}, group=None, sharded=sharded)
-        (taken.staged(StagingArea()) if staged else taken).write(path)
+        if background:  # a background save whose next update came first: written from copies
+            taken = taken.for_background(StagingArea())
+            taken.handover.freeze()
+        taken.write(path)
         dist.barrier()
         if rank == 0:
             assert read_metadata(path) == {"step": 3}
