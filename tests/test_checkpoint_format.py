@@ -123,12 +123,15 @@ def test_copies_lie_in_memory_as_their_bytes_lie_in_a_full_file(tensors, tmp_pat
     that its bytes have within a disk block of the file; the tensors begin on a block, whatever the metadata's
     length."""
     for metadata in ({"step": 12}, {"step": 12, "note": "x" * 1001}):
-        full = updated_before_written(Snapshot.take(uneven_pieces(tensors, CUTS), metadata, group=None,
-                                                    sharded=False))
-        full.write(tmp_path / "step.ckpt")
+        taken = Snapshot.take(uneven_pieces(tensors, CUTS), metadata, group=None, sharded=False)
+        area = StagingArea()
+        background = taken.for_background(area)
+        background.handover.freeze()
+        background.staged(area).write(tmp_path / "step.ckpt")
         entries, _ = read_header(tmp_path / "step.ckpt")
         assert min(entry.begin for entry in entries.values()) % ALIGN == 0
-        for (name, start), copy in full.handover.copies.items():
+        assert area.buffers.keys() == taken.pieces().keys()
+        for (name, start), copy in area.buffers.items():
             assert copy.data_ptr() % ALIGN == (entries[name].begin + start * copy.element_size()) % ALIGN
 
 

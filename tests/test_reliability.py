@@ -441,12 +441,14 @@ def test_a_background_save_holds_its_steps_state_even_when_its_write_outlasts_th
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sharded: bool):
     """A background save writes the training state itself while the next step computes; `before_update`, which the
     next weight update waits for, waits for the piece being written and copies those not yet written: the
-    checkpoint never holds weights of a later step."""
+    checkpoint never holds weights of a later step. (A full file's pieces are written from where they lie only if
+    they lie there as in the file; here all are.)"""
     from lightning import Fabric
 
-    from app.checkpoint import CheckpointSaver
+    from app.checkpoint import CheckpointSaver, writers
     from app.checkpoint.handover import Handover
 
+    monkeypatch.setattr(writers, "lies_as_in_the_file", lambda data, phase: True)
     state = linear_state()
     saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=sharded, background=True)
     reading, writing, release = Handover.reading, threading.Event(), threading.Event()
@@ -474,15 +476,16 @@ def test_a_background_save_holds_its_steps_state_even_when_its_write_outlasts_th
 
 def test_a_background_save_of_pieces_on_a_gpu_holds_its_steps_state_even_when_their_copy_outlasts_the_next_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Pieces a disk cannot write from (a GPU's memory) are copied to host memory while the next step computes;
-    `before_update` returns only once the copy is made. Shown with host pieces taken for a GPU's."""
+    """Pieces a disk cannot write from (a GPU's memory, or a full file's pieces lying otherwise than in the file)
+    are copied to host memory while the next step computes; `before_update` returns only once the copy is made.
+    Shown with host pieces taken for a GPU's."""
     from lightning import Fabric
 
     from app.checkpoint import CheckpointSaver
     from app.checkpoint import writers
     from app.checkpoint.writers import StagingArea
 
-    monkeypatch.setattr(writers, "in_host_memory", lambda data: False)
+    monkeypatch.setattr(writers, "lies_as_in_the_file", lambda data, phase: False)
     state = linear_state()
     saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=False, background=True)
     copy, release, copied = StagingArea.copy, threading.Event(), threading.Event()

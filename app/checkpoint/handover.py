@@ -1,8 +1,10 @@
 """A background save (--async_save) writing pieces of the training state from where they lie, until the next update.
 
 Copying a rank's state before writing it costs as much CPU as writing it (on the benchmark machine, 0.06-0.09 s per
-GB against 0.05-0.1 s for the O_DIRECT write), CPU that training loses. Pieces in host memory therefore go to the
-disk from the training state itself while the next step's forward and backward run, which only read them. The
+GB against 0.05-0.1 s for the O_DIRECT write), CPU that training loses. Pieces that lie in host memory as their
+bytes lie in the file (a sharded file's blocks, placed so: dcp_blocks.py) therefore go to the disk from the training
+state itself while the next step's forward and backward run, which only read them. (A full file's layout is fixed:
+its pieces, which rarely lie so, are copied at once to where they go to the disk from without another copy.) The
 weight update that follows changes them, so it first calls `freeze`: that waits for the piece being written, copies
 the pieces not yet written into host memory of their own, and the writer goes on from the copies. On the benchmark
 machine the write ends long before the update, which then copies nothing.

@@ -147,15 +147,19 @@ class Snapshot:
         return cls(state.parts, plan, own, metadata, group, sharded)
 
     def for_background(self, area: "StagingArea") -> "Snapshot":
-        """The snapshot a background write takes: its pieces in host memory are written from the training state
-        until the next update, which copies into `area` those not yet written (handover.py)."""
-        live = {key: data for key, data in self.pieces().items() if in_host_memory(data)}
-        return replace(self, handover=Handover(live, partial(area.copy, phases=self.block_phases())))
+        """The snapshot a background write takes: its pieces that lie in host memory as their bytes lie in the file
+        (at the same offset within a disk block: a sharded file's blocks, dcp_blocks.py) are written from the
+        training state until the next update, which copies into `area` those not yet written (handover.py)."""
+        phases = self.block_phases()
+        live = {key: data for key, data in self.pieces().items() if lies_as_in_the_file(data, phases[key])}
+        return replace(self, handover=Handover(live, partial(area.copy, phases=phases)))
 
     def staged(self, area: "StagingArea") -> "Snapshot":
-        """The same snapshot with its pieces outside host memory (on a GPU) copied to host memory in `area`, as a
-        disk writes only from host memory, and that training does not change."""
-        away = {key: data for key, data in self.pieces().items() if not in_host_memory(data)}
+        """The same snapshot with its other pieces copied into `area`, where they lie as in the file: host memory
+        that training does not change (a disk writes only from host memory; a full file's pieces would otherwise
+        go to the disk through one more copy, direct_io.py)."""
+        away = {key: data for key, data in self.pieces().items()
+                if self.handover is None or key not in self.handover.live}
         own = {name: dict(pieces) for name, pieces in self.own.items()}
         for (name, start), copy in area.copy(away, self.block_phases()).items():
             own[name][start] = copy
@@ -278,9 +282,10 @@ class Snapshot:
             (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))
 
 
-def in_host_memory(data: torch.Tensor) -> bool:
-    """Where a disk writes from (a GPU's memory is copied to host memory first)."""
-    return data.device.type == "cpu"
+def lies_as_in_the_file(data: torch.Tensor, phase: int) -> bool:
+    """Whether the disk can write `data` from its own memory: in host memory (not a GPU's), at the offset `phase`
+    within a page that its bytes have within a disk block of the file."""
+    return data.device.type == "cpu" and data.data_ptr() % ALIGN == phase
 
 
 def bytes_of(data: torch.Tensor) -> memoryview:
