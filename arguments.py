@@ -112,10 +112,10 @@ class CheckpointArgs:
     through rank 0); sharded: a folder of torch.distributed.checkpoint files, one per rank (no traffic between machines on multi-node
     runs). Either one resumes under any strategy and number of ranks."""
     async_save: bool = False
-    """Write checkpoints in a background thread while the next step computes: from the training state itself where
-    it is in host memory (the weight update then first copies what is not yet written), from a copy made at once
-    where it is on a GPU (the weight update waits for the copy); the next save and the end of the run wait for the
-    write. A crash during the write leaves the previous checkpoints."""
+    """Write checkpoints in a background thread while the next step computes: a sharded checkpoint's blocks in host
+    memory from the training state itself (the weight update then first copies what is not yet written), the rest
+    (a full file's pieces, a GPU's) from a copy made at once (the weight update waits for the copy); the next save
+    and the end of the run wait for the write. A crash during the write leaves the previous checkpoints."""
     resume: bool = False
     """Continue from --checkpoint, or from the latest checkpoint in out_dir."""
     checkpoint: Optional[str] = None

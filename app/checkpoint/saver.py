@@ -3,11 +3,12 @@
 Both take the same snapshot of what each rank writes (writers.py) and write it the same way; a background save
 differs in two things:
 1. what it writes from: the pieces a rank writes (and nothing else: under DDP only rank 0 writes the state) that lie
-   in host memory are written from the training state itself while the next step's forward and backward run, which
-   only read them; that step's optimizer update, which changes them, first copies those not yet written
-   (`before_update`, handover.py). Pieces in a GPU's memory are copied to pinned host memory at once, in the
-   background thread, on the default stream after the kernels queued before the save (so the copy reads what the
-   step that saved left), and the update waits for that copy. The host memory for these copies is made once, when
+   in host memory as their bytes lie in the file (a sharded file's blocks) are written from the training state
+   itself while the next step's forward and backward run, which only read them; that step's optimizer update, which
+   changes them, first copies those not yet written (`before_update`, handover.py). The other pieces (a full file's,
+   and those in a GPU's memory) are copied to host memory at once, in the background thread (on a GPU into pinned
+   memory, on the default stream after the kernels queued before the save, so the copy reads what the step that
+   saved left), and the update waits for that copy. The host memory for these copies is made once, when
    the run starts, and reused by every save: a machine without it fails at start-up rather than hours later;
 2. writing, in a background thread: the file or folder, then fsync, the atomic rename and what follows publishing
    (best.json, --keep_last_n) on rank 0.
@@ -15,6 +16,7 @@ The next save, an upload and the end of the run wait for the write; a crash befo
 checkpoints and a temporary name that resume never takes (files.py). The exchanges of a save run over a gloo process
 group of their own (made once per run), so that a background write's never interleave with training's collectives.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
