@@ -15,6 +15,7 @@ from app.data import TrainingData, load_data
 from app.console import Console
 from app.loop import Loop
 from app.metrics import make_loggers, report_summary
+from app.host_memory import map_large_cpu_tensors
 from app.memory_plan import ModelShape, memory_report, setup_of
 from app.model import DeferredInit, deferred_init, setup_model
 from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
@@ -44,6 +45,8 @@ def run(cfg: Config) -> None:
         print(memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, inputs.plan.block_size,
                                                   inputs.plan.accumulation)))
         return
+    if resolve_accelerator(cfg) == "cpu":
+        map_large_cpu_tensors()
     resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
     deferred = deferred_init(cfg, inputs.model_config)
     param_init_fn = deferred.param_init_fn if deferred else None
