@@ -13,9 +13,9 @@ from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
 from app.console import Console
+from app.host_memory import map_large_cpu_tensors
 from app.loop import Loop
 from app.metrics import make_loggers, report_summary
-from app.host_memory import map_large_cpu_tensors
 from app.memory_plan import ModelShape, memory_report, setup_of
 from app.model import DeferredInit, deferred_init, setup_model
 from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops

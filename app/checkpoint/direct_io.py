@@ -7,12 +7,13 @@ busy processes 30% of their compute while it ran, where the same write with O_DI
 synchronous save, and the whole cost of a background one (--async_save).
 
 O_DIRECT needs the memory, the file offset and the length aligned to the disk's block. `DirectFile.write_at` therefore
-writes the whole blocks of a range from the memory itself when it is aligned like the file (a sharded save places
-its large blocks that way, a background save stages its copies that way), else through an aligned bounce buffer,
-and the bytes before the range's first block boundary and after its last one through the page cache, so ranks
-writing neighbouring ranges of one file never write the same block both ways. Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems), or refuses
-a write, everything goes through the page cache: slower, never wrong. Durability is unchanged: the file is fsynced
-before it is published (files.py), which flushes both kinds of write. Resume reads the same way (`DirectReader`).
+writes the whole blocks of a range from the memory itself when it is aligned like the file (a sharded save places its
+large blocks that way, a background save stages its copies that way), else through an aligned bounce buffer, and the
+bytes before the range's first block boundary and after its last one through the page cache, so ranks writing
+neighbouring ranges of one file never write the same block both ways. Where the filesystem refuses O_DIRECT (tmpfs, some
+network filesystems), or refuses a write, everything goes through the page cache: slower, never wrong. Durability is
+unchanged: the file is fsynced before it is published (files.py), which flushes both kinds of write. Resume reads the
+same way (`DirectReader`).
 """
 
 from __future__ import annotations
