@@ -13,7 +13,7 @@ from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
 from app.console import Console
-from app.host_memory import map_large_cpu_tensors
+from app.host_memory import tune_cpu_heap
 from app.loop import Loop
 from app.metrics import make_loggers, report_summary
 from app.memory_plan import ModelShape, memory_report, setup_of
@@ -46,7 +46,7 @@ def run(cfg: Config) -> None:
                                                   inputs.plan.accumulation)))
         return
     if resolve_accelerator(cfg) == "cpu":
-        map_large_cpu_tensors()
+        tune_cpu_heap()
     resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
     deferred = deferred_init(cfg, inputs.model_config)
     param_init_fn = deferred.param_init_fn if deferred else None
