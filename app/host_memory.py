@@ -10,7 +10,7 @@ at every step (FSDP2 gathers, and reduces gradients, parameter by parameter), so
 the heap and a rank's peak RSS held freed space. On CPU processes both are therefore fixed (docs/performance.md):
 - the mmap threshold at 4 MB: the 170M model's peak went from 2.8 to 2.2 GB under fsdp2, 2.4 to 2.3 under fsdp;
 - the trim threshold at 64 MB: fixing one turns off the other's rise, and at its 128 KB start every heap gave back
-  its top after each step and faulted it in at the next (4,000-7,000 page faults per step on `configs/demo-llama`).
+  its top after each step and faulted it in at the next (4,400-7,300 page faults per step on `configs/demo-llama`).
 
 A setting in the environment (which glibc reads itself) is kept. On GPUs tensors live in CUDA's allocator, so GPU
 runs keep glibc's default.

@@ -38,8 +38,8 @@ def mb_retained_after_freeing() -> float:
 
 
 def faults_per_reallocation(repeats: int = 10) -> float:
-    """A step's pattern: blocks below the mmap threshold, allocated and freed together, over and over, in a thread
-    (whose heap is not the main one) as gloo's and the data loader's are."""
+    """A step's pattern: blocks below the mmap threshold, allocated and freed together, over and over. In a thread,
+    whose heap is not the main one: there the faults show in every round, as they did in training."""
     def allocate_and_free() -> None:
         blocks = [torch.ones(TWO_MB) for _ in range(16)]
         del blocks
