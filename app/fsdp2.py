@@ -4,14 +4,13 @@ FSDP2 shards every parameter on its first dimension as a DTensor instead of flat
 tensor (FSDP1). Its state dicts are DTensors that torch.distributed.checkpoint reads and writes natively, so the
 checkpoint formats, resume and conversion are the same code as for FSDP1 (app/checkpoint/state.py).
 
-The units are each module of a wrap class, then lm_head and the input embeddings when no other module holds their
-weights (torchtitan's layout), then the root with what is left (the final norm). How the FSDP options map onto it:
+How the FSDP options map onto it:
 
 | --sharding_strategy | device mesh | parameters re-sharded after forward |
 | --- | --- | --- |
-| FULL_SHARD | all ranks | yes, but for the last layer, lm_head and the root (ZeRO-3) |
+| FULL_SHARD | all ranks | yes, but for the last unit (ZeRO-3) |
 | SHARD_GRAD_OP | all ranks | no (ZeRO-2) |
-| HYBRID_SHARD | (nodes, devices per node): shard in a node, replicate across | as FULL_SHARD |
+| HYBRID_SHARD | (nodes, devices per node): shard in a node, replicate across | yes, but for the last unit |
 | NO_SHARD | (all ranks, 1): every rank holds everything (DDP through FSDP2) | no |
 
 Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in
@@ -20,15 +19,14 @@ Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the co
 gradient is freed as soon as it is reduced (`ReleasingReduceScatter`).
 
 A model built on the meta device is materialised one unit at a time just before that unit is sharded, by the same
-`param_init_fn` and in the same order as FSDP1 (children before their parent, each unit's modules breadth-first,
-lm_head before the input embeddings as FSDP1's breadth-first walk of the root reaches them),
+`param_init_fn` and in the same order as FSDP1 (children before their parent, each unit's modules breadth-first),
 so a run from a config starts from the same weights under either strategy and a rank never holds more than one
 whole unit. Pretrained weights are then read file by file into the shards (`shard_like`).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -96,30 +94,8 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
     for index, unit in enumerate(units):
         # the last unit forward runs is the first one backward needs: resharding it would only gather it again
         shard(unit, reshard and index < len(units) - 1)
-    output, embedding = separate_embeddings(model)
-    if output is not None:  # lm_head's gradient is reduced as soon as backward has it
-        shard(output, reshard_after_forward=False)
-    if embedding is not None:  # gathered again only at the end of backward
-        shard(embedding, reshard)
-    shard(model, reshard_after_forward=False)  # the root's remaining parameters are used from first to last
+    shard(model, reshard_after_forward=False)  # the same holds for the root's parameters
     return model
-
-
-def separate_embeddings(model: Module) -> tuple[Optional[Module], Optional[Module]]:
-    """The output and input embeddings that get units of their own (torchtitan's layout). Left in the root, both
-    stay gathered from the start of forward to the end of backward, and lm_head's whole gradient until the end of
-    backward too (for Llama-3-8B, 1 GB each in bf16).
-
-    Only a module whose weight no other module holds: tied embeddings (one matrix at both ends, as T5's) and shared
-    ones (an encoder's and a decoder's) stay in the root."""
-    holders = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
-
-    def alone(module: Optional[Module]) -> Optional[Module]:
-        owned = module is not None and all(holders[id(parameter)] == 1 for parameter in module.parameters())
-        return module if owned else None
-
-    return tuple(alone(getattr(model, name)() if hasattr(model, name) else None)
-                 for name in ("get_output_embeddings", "get_input_embeddings"))
 
 
 class ReleasingReduceScatter:

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers import AutoModelForCausalLM
 
-from app.fsdp2 import mesh_shape, mixed_precision_policy, separate_embeddings
+from app.fsdp2 import mesh_shape, mixed_precision_policy
 from app.precision import precision_plugin
 from arguments import read_config, validate_config
 from tests.conftest import ROOT, read_checkpoint, run_train, train_args
@@ -63,39 +63,21 @@ shard_model(model, mesh, wrap_classes={LlamaDecoderLayer}, sharding_strategy="FU
             mp_policy=mixed_precision_policy("32-true", None), offload_policy=OffloadPolicy(), param_init_fn=None)
 tokens = torch.randint(0, 64, (1, 8))
 loss = model(input_ids=tokens, labels=tokens).loss
-def sharded():
-    return ([isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers],
-            [isinstance(module.weight, DTensor) for module in (model.model.embed_tokens, model.lm_head)])
-print(*sharded())
+print([isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers])
 loss.backward()
-print(*sharded())
+print([isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers])
 dist.destroy_process_group()
 """
 
 
 def test_full_shard_keeps_only_the_last_layer_gathered_from_forward_to_backward(tmp_path) -> None:
-    """Backward starts with the layer forward ended with, and with lm_head (a unit of its own): resharding them after
-    forward would only gather them again (torchtitan does the same). Every other layer, and the input embeddings,
-    are back to their shards (DTensors) after forward, and all are after backward."""
+    """Backward starts with the layer forward ended with: resharding it after forward would only gather it again
+    (torchtitan does the same). Every other layer is back to its shard (a DTensor) after forward, and all are after
+    backward."""
     result = subprocess.run([sys.executable, "-c", LAST_UNIT_KEPT, str(tmp_path / "store")], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines() == ["[True, True, False] [True, False]", "[True, True, True] [True, True]"]
-
-
-def small_llama(**overrides) -> LlamaForCausalLM:
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, **overrides))
-
-
-def test_untied_embeddings_get_units_of_their_own_and_tied_or_shared_ones_stay_in_the_root() -> None:
-    untied = small_llama(tie_word_embeddings=False)
-    assert separate_embeddings(untied) == (untied.lm_head, untied.model.embed_tokens)
-    assert separate_embeddings(small_llama(tie_word_embeddings=True)) == (None, None)
-    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2))
-    assert separate_embeddings(t5) == (None, None), "transformers ties T5's embeddings"
-    t5.lm_head.weight = torch.nn.Parameter(t5.lm_head.weight.detach().clone())
-    assert separate_embeddings(t5) == (t5.lm_head, None), "the encoder and the decoder share the input embeddings"
+    assert result.stdout.splitlines() == ["[True, True, False]", "[True, True, True]"]
 
 
 REDUCED_AND_RELEASED = """
