@@ -15,8 +15,7 @@ How the FSDP options map onto it:
 
 Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in
 `app.precision.reduce_dtype`), not autocast; activation checkpointing is the model's own (transformers'
-`gradient_checkpointing_enable`, as for DDP), which keeps the parameter names unchanged. On CPU processes each unit's
-gradient is freed as soon as it is reduced (`ReleasingReduceScatter`).
+`gradient_checkpointing_enable`, as for DDP), which keeps the parameter names unchanged.
 
 A model built on the meta device is materialised one unit at a time just before that unit is sharded, by the same
 `param_init_fn` and in the same order as FSDP1 (children before their parent, each unit's modules breadth-first),
@@ -28,10 +27,9 @@ from __future__ import annotations
 
 from collections import deque
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -87,8 +85,6 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
             for part in modules_to_materialize(module):
                 param_init_fn(part)
         fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
-        if mesh.device_type == "cpu":
-            module.set_custom_reduce_scatter(ReleasingReduceScatter())
 
     units = wrap_units(model, wrap_classes)
     for index, unit in enumerate(units):
@@ -96,26 +92,6 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
         shard(unit, reshard and index < len(units) - 1)
     shard(model, reshard_after_forward=False)  # the same holds for the root's parameters
     return model
-
-
-class ReleasingReduceScatter:
-    """FSDP2's gradient reduce-scatter for CPU processes: it frees the unit's whole gradient (its input) once reduced.
-
-    FSDP2 keeps that buffer until the next unit's gradients are reduced, so that a GPU's compute stream cannot reuse
-    memory the reduce-scatter stream may still be reading. On CPU processes the collective has finished when the call
-    returns, and keeping the buffer only held one unit's gradient through the next unit's backward (67 MB on the
-    README's 170M model). The same collective as FSDP2's default otherwise.
-    """
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: Any, async_op: bool = False) -> Optional[dist.Work]:
-        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        if not async_op:
-            input_tensor.untyped_storage().resize_(0)
-        return work
 
 
 def wrap_units(model: Module, wrap_classes: set[type[Module]]) -> list[Module]:
