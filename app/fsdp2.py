@@ -4,13 +4,15 @@ FSDP2 shards every parameter on its first dimension as a DTensor instead of flat
 tensor (FSDP1). Its state dicts are DTensors that torch.distributed.checkpoint reads and writes natively, so the
 checkpoint formats, resume and conversion are the same code as for FSDP1 (app/checkpoint/state.py).
 
-How the FSDP options map onto it:
+The units are each module of a wrap class, then lm_head and the input embeddings when they are as large as a layer
+and no other module holds their weights (torchtitan's layout; Llama-3's 128K-token embeddings), then the root with
+what is left. How the FSDP options map onto it:
 
 | --sharding_strategy | device mesh | parameters re-sharded after forward |
 | --- | --- | --- |
-| FULL_SHARD | all ranks | yes, but for the last unit (ZeRO-3) |
+| FULL_SHARD | all ranks | yes, but for the last layer, lm_head and the root (ZeRO-3) |
 | SHARD_GRAD_OP | all ranks | no (ZeRO-2) |
-| HYBRID_SHARD | (nodes, devices per node): shard in a node, replicate across | yes, but for the last unit |
+| HYBRID_SHARD | (nodes, devices per node): shard in a node, replicate across | as FULL_SHARD |
 | NO_SHARD | (all ranks, 1): every rank holds everything (DDP through FSDP2) | no |
 
 Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in
@@ -18,14 +20,15 @@ Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the co
 `gradient_checkpointing_enable`, as for DDP), which keeps the parameter names unchanged.
 
 A model built on the meta device is materialised one unit at a time just before that unit is sharded, by the same
-`param_init_fn` and in the same order as FSDP1 (children before their parent, each unit's modules breadth-first),
+`param_init_fn` and in the same order as FSDP1 (children before their parent, each unit's modules breadth-first,
+lm_head before the input embeddings as FSDP1's breadth-first walk of the root reaches them),
 so a run from a config starts from the same weights under either strategy and a rank never holds more than one
 whole unit. Pretrained weights are then read file by file into the shards (`shard_like`).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -87,11 +90,40 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
         fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
 
     units = wrap_units(model, wrap_classes)
+    output, embedding = separate_embeddings(model, layer_size=max(map(parameter_count, units), default=None))
     for index, unit in enumerate(units):
         # the last unit forward runs is the first one backward needs: resharding it would only gather it again
         shard(unit, reshard and index < len(units) - 1)
-    shard(model, reshard_after_forward=False)  # the same holds for the root's parameters
+    if output is not None:  # lm_head's gradient is reduced as soon as backward has it
+        shard(output, reshard_after_forward=False)
+    if embedding is not None:  # gathered again only at the end of backward
+        shard(embedding, reshard)
+    shard(model, reshard_after_forward=False)  # the root's remaining parameters are used from first to last
     return model
+
+
+def separate_embeddings(model: Module, layer_size: Optional[int]) -> tuple[Optional[Module], Optional[Module]]:
+    """The output and input embeddings that get units of their own (torchtitan's layout). Left in the root, both
+    stay gathered from the start of forward to the end of backward, and lm_head's whole gradient until the end of
+    backward too: for Llama-3-8B (128K tokens), 1 GB each in bf16, more than two of its layers.
+
+    Only an embedding at least as large as the largest layer (`layer_size` parameters): a smaller one held gathered
+    costs less memory than a layer FSDP gathers anyway, and its own collectives would cost time at every step. And
+    only one whose weight no other module holds: tied embeddings (one matrix at both ends, as T5's) and shared ones
+    (an encoder's and a decoder's) stay in the root."""
+    holders = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+
+    def alone_and_large(module: Optional[Module]) -> Optional[Module]:
+        if module is None or layer_size is None or parameter_count(module) < layer_size:
+            return None
+        return module if all(holders[id(parameter)] == 1 for parameter in module.parameters()) else None
+
+    return tuple(alone_and_large(getattr(model, name)() if hasattr(model, name) else None)
+                 for name in ("get_output_embeddings", "get_input_embeddings"))
+
+
+def parameter_count(module: Module) -> int:
+    return sum(parameter.numel() for parameter in module.parameters())
 
 
 def wrap_units(model: Module, wrap_classes: set[type[Module]]) -> list[Module]:

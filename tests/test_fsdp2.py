@@ -1,7 +1,8 @@
 """--strategy fsdp2: the mapping of the FSDP options onto fully_shard, the refusals, and a pretrained model trained
 the way GPU users run it (bf16-mixed, --compile, activation checkpointing) on 2 CPU processes.
 
-Equality with FSDP1 step by step, resume across strategies and conversion are in tests/test_resume_anywhere.py;
+Equality with FSDP1 step by step, resume across strategies and conversion are in tests/test_resume_anywhere.py (and
+here for a vocabulary large enough that the embeddings get units of their own);
 exact pretrained weights in tests/test_model_loading.py; rotary buffers in tests/test_precision.py.
 """
 
@@ -10,12 +11,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from torch.nn import Module
+from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, T5Config,
+                          T5ForConditionalGeneration)
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.t5.modeling_t5 import T5Block
 
-from app.fsdp2 import mesh_shape, mixed_precision_policy
+from app.fsdp2 import mesh_shape, mixed_precision_policy, parameter_count, separate_embeddings, wrap_units
+from app.model import meta_model
 from app.precision import precision_plugin
 from arguments import read_config, validate_config
 from tests.conftest import ROOT, read_checkpoint, run_train, train_args
@@ -57,27 +64,58 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from app.fsdp2 import mixed_precision_policy, shard_model
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                     num_attention_heads=4, num_key_value_heads=4))
+model = LlamaForCausalLM(LlamaConfig(vocab_size=int(sys.argv[2]), hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4))
 shard_model(model, mesh, wrap_classes={LlamaDecoderLayer}, sharding_strategy="FULL_SHARD", num_nodes=1,
             mp_policy=mixed_precision_policy("32-true", None), offload_policy=OffloadPolicy(), param_init_fn=None)
 tokens = torch.randint(0, 64, (1, 8))
 loss = model(input_ids=tokens, labels=tokens).loss
-print([isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers])
+def sharded():
+    return ([isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers],
+            [isinstance(module.weight, DTensor) for module in (model.model.embed_tokens, model.lm_head)])
+print(*sharded())
 loss.backward()
-print([isinstance(layer.mlp.up_proj.weight, DTensor) for layer in model.model.layers])
+print(*sharded())
 dist.destroy_process_group()
 """
 
 
-def test_full_shard_keeps_only_the_last_layer_gathered_from_forward_to_backward(tmp_path) -> None:
-    """Backward starts with the layer forward ended with: resharding it after forward would only gather it again
-    (torchtitan does the same). Every other layer is back to its shard (a DTensor) after forward, and all are after
+@pytest.mark.parametrize("vocab_size, embeddings_after_forward", [(64, "[False, False]"), (1024, "[True, False]")],
+                         ids=["embeddings-in-the-root", "embeddings-as-units"])
+def test_full_shard_keeps_only_the_last_layer_gathered_from_forward_to_backward(tmp_path, vocab_size,
+                                                                                embeddings_after_forward) -> None:
+    """Backward starts with the layer forward ended with, and with lm_head: resharding them after forward would only
+    gather them again (torchtitan does the same). Every other layer is back to its shard (a DTensor) after forward,
+    and so are the input embeddings when they are a unit of their own (else the root keeps them); all are after
     backward."""
-    result = subprocess.run([sys.executable, "-c", LAST_UNIT_KEPT, str(tmp_path / "store")], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-c", LAST_UNIT_KEPT, str(tmp_path / "store"), str(vocab_size)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines() == ["[True, True, False]", "[True, True, True]"]
+    assert result.stdout.splitlines() == [f"[True, True, False] {embeddings_after_forward}",
+                                          "[True, True, True] [True, True]"]
+
+
+def small_llama(vocab_size: int, **overrides) -> LlamaForCausalLM:
+    """Layers of 10,304 parameters; embeddings of 32 x vocab_size."""
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, **overrides))
+
+
+def embedding_units(model: Module, wrap_class: type[Module]) -> tuple[Module | None, Module | None]:
+    return separate_embeddings(model, layer_size=max(map(parameter_count, wrap_units(model, {wrap_class}))))
+
+
+def test_embeddings_as_large_as_a_layer_get_units_of_their_own_unless_tied_or_shared() -> None:
+    """Llama-3-8B's embeddings (128K x 4096) are 2.4 layers each; Mistral-7B's (32K x 4096) 0.6 of one."""
+    large = small_llama(vocab_size=1024)  # 32,768 parameters
+    assert embedding_units(large, LlamaDecoderLayer) == (large.lm_head, large.model.embed_tokens)
+    assert embedding_units(small_llama(vocab_size=320), LlamaDecoderLayer) == (None, None), "10,240 parameters"
+    assert embedding_units(small_llama(vocab_size=1024, tie_word_embeddings=True), LlamaDecoderLayer) == (None, None)
+    assert separate_embeddings(large, layer_size=None) == (None, None), "no layers to compare with: all in the root"
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=1024, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2))
+    assert embedding_units(t5, T5Block) == (None, None), "transformers ties T5's embeddings"
+    t5.lm_head.weight = torch.nn.Parameter(t5.lm_head.weight.detach().clone())
+    assert embedding_units(t5, T5Block) == (t5.lm_head, None), "the encoder and the decoder share the input embeddings"
 
 
 def test_cpu_offload_on_cpu_processes_is_refused_before_any_work(tiny, tmp_path) -> None:
@@ -104,3 +142,36 @@ def test_a_pretrained_model_trains_under_fsdp2_in_bf16_mixed_compiled_with_check
     expected = AutoModelForCausalLM.from_pretrained(pretrained).state_dict()
     assert sorted(saved) == sorted(expected), "Hugging Face names, no wrapper prefixes"
     assert all(tensor.dtype == torch.float32 for tensor in saved.values()), "fp32 master weights under bf16-mixed"
+
+
+@pytest.fixture(scope="module")
+def wide_vocabulary(tiny, tmp_path_factory):
+    """The tiny setup with its vocabulary padded to 2048 rows (as users pad theirs): each embedding then has more
+    parameters than a layer, so fsdp2 gives lm_head and the input embeddings units of their own."""
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    config.vocab_size = 2048
+    path = tmp_path_factory.mktemp("wide-vocabulary")
+    config.save_pretrained(path)
+    model = meta_model(config)
+    assert embedding_units(model, LlamaDecoderLayer) == (model.lm_head, model.model.embed_tokens)
+    return replace(tiny, model_config=path)
+
+
+@pytest.mark.slow
+def test_embeddings_with_units_of_their_own_train_like_fsdp_resume_exactly_and_convert(wide_vocabulary,
+                                                                                       tmp_path) -> None:
+    """FSDP2 with the embeddings as units starts from FSDP1's weights (initialised in FSDP1's order), takes its
+    steps, resumes exactly from its sharded checkpoint, and converts with identical logits."""
+    constant = dict(lr_decay=False, warmup_steps=0, eval_step_interval=100, save_step_interval=2)
+    assert_succeeded(run_train(train_args(wide_vocabulary, tmp_path / "fsdp", max_step=4, **constant)))
+    fsdp2 = tmp_path / "fsdp2"
+    for max_step in (2, 4):
+        assert_succeeded(run_train(train_args(wide_vocabulary, fsdp2, strategy="fsdp2", state_dict_type="sharded",
+                                              max_step=max_step, resume=max_step > 2, **constant)))
+    reference, resumed = read_metrics(tmp_path / "fsdp"), read_metrics(fsdp2)
+    for step in range(1, 5):
+        assert resumed[step]["train_loss"] == pytest.approx(reference[step]["train_loss"], rel=1e-4), step
+    converted = subprocess.run([sys.executable, "convert_to_hf.py", "--checkpoint", str(fsdp2), "--output_dir",
+                                str(tmp_path / "hf"), "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    assert "logits verified (max relative difference 0.0e+00)" in converted.stdout + converted.stderr
