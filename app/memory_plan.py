@@ -9,7 +9,8 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
   the whole unsharded gradient in the compute dtype instead (FSDP keeps it on every rank between micro-batches);
 - optimizer state: AdamW's two moments in the parameters' dtype, / S except for NO_SHARD and DDP;
 - working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
-  head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP), DDP's gradient buckets (a second copy of
+  head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; under fsdp2 without input embeddings that
+  are a unit of their own, resharded after forward), DDP's gradient buckets (a second copy of
   the gradients), and about 1 GiB per process for the runtime (CUDA context and kernels, or the Python process
   itself on a CPU) measured before any tensor exists;
 - activations: per sequence, what backward keeps of each decoder layer (with activation checkpointing only the
@@ -30,6 +31,7 @@ from torch.nn import Module
 
 from app.choices import SHARDED_STRATEGIES
 from app.console import format_gb
+from app.fsdp2 import parameter_count, separate_embeddings
 from app.model import meta_model
 from app.observe import GB
 from app.precision import compute_dtype, weights_dtype
@@ -52,6 +54,9 @@ class ModelShape:
     """Parameters outside the wrapped layers (embeddings, final norm, head): FSDP's root unit."""
     layer_parameters: int
     """Parameters of the largest wrapped layer."""
+    input_embedding_unit: int
+    """Parameters of the input embeddings when fsdp2 gives them a unit of their own (`app.fsdp2.separate_embeddings`),
+    else 0."""
     layers: int
     hidden_size: int
     kv_size: int
@@ -65,9 +70,11 @@ class ModelShape:
         layers = [m for m in model.modules() if type(m) in wrap_classes]
         total = sum(p.numel() for p in model.parameters())
         per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers] or [0]
+        _, input_embeddings = separate_embeddings(model, layer_size=max(per_layer) if layers else None)
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
         return cls(parameters=total, root_parameters=total - sum(per_layer), layer_parameters=max(per_layer),
+                   input_embedding_unit=parameter_count(input_embeddings) if input_embeddings else 0,
                    layers=model_config.num_hidden_layers, hidden_size=model_config.hidden_size,
                    kv_size=head_dim * getattr(model_config, "num_key_value_heads", heads),
                    intermediate_size=model_config.intermediate_size, vocab_size=model_config.vocab_size)
@@ -153,7 +160,8 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     elif setup.sharding_strategy == "SHARD_GRAD_OP":
         working = shape.parameters * computed
     else:
-        working = (shape.root_parameters + 2 * shape.layer_parameters) * computed
+        resharded = shape.input_embedding_unit if setup.strategy == "fsdp2" else 0
+        working = (shape.root_parameters - resharded + 2 * shape.layer_parameters) * computed
     per_sequence = activation_bytes_per_sequence(shape, setup)
     return MemoryEstimate(parameters=parameters, gradients=gradients, optimizer=optimizer,
                           working=working + RUNTIME_BYTES, activations=per_sequence * setup.micro_batch_size,

@@ -49,6 +49,19 @@ def test_model_state_is_divided_by_the_ranks_that_shard_it(llama_3_8b) -> None:
     assert offloaded.parameters == offloaded.gradients == offloaded.optimizer == 0
 
 
+def test_fsdp2_does_not_hold_large_input_embeddings_gathered_with_the_root(llama_3_8b) -> None:
+    """Llama-3-8B's input embeddings (2.4 layers) are a unit of their own under fsdp2, resharded after forward."""
+    assert llama_3_8b.input_embedding_unit == 128256 * 4096
+    fsdp = estimate_memory(llama_3_8b, EIGHT_GPUS)
+    fsdp2 = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, strategy="fsdp2"))
+    assert fsdp.working - fsdp2.working == 128256 * 4096 * 2, "bf16 gathered weights"
+    kept = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, strategy="fsdp2", sharding_strategy="SHARD_GRAD_OP"))
+    assert kept.working == estimate_memory(llama_3_8b, replace(EIGHT_GPUS, sharding_strategy="SHARD_GRAD_OP")).working
+    mistral = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=32768)
+    assert ModelShape.of(mistral, resolve_wrap_classes(mistral, None)).input_embedding_unit == 0, "0.6 of a layer"
+
+
 def test_activation_checkpointing_and_batch_size_scale_the_activations(llama_3_8b) -> None:
     checkpointed = estimate_memory(llama_3_8b, EIGHT_GPUS)
     stored = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, gradient_checkpointing=False))
