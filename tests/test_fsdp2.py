@@ -26,7 +26,7 @@ from app.model import meta_model
 from app.precision import precision_plugin
 from arguments import read_config, validate_config
 from tests.conftest import ROOT, read_checkpoint, run_train, train_args
-from tests.test_model_loading import pretrained, transformers_loss  # noqa: F401 (fixture)
+from tests.test_model_loading import pretrained, pretrained_wide_vocabulary, transformers_loss  # noqa: F401 (fixtures)
 from tests.test_training import assert_succeeded, read_metrics
 
 
@@ -126,8 +126,11 @@ def test_cpu_offload_on_cpu_processes_is_refused_before_any_work(tiny, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_pretrained_model_trains_under_fsdp2_in_bf16_mixed_compiled_with_checkpointing(tiny, pretrained,
-                                                                                          tmp_path) -> None:
+@pytest.mark.parametrize("folder", ["pretrained", "pretrained_wide_vocabulary"],
+                         ids=["embeddings-in-the-root", "embeddings-as-units"])
+def test_a_pretrained_model_trains_under_fsdp2_in_bf16_mixed_compiled_with_checkpointing(tiny, folder, tmp_path,
+                                                                                          request) -> None:
+    pretrained = request.getfixturevalue(folder)
     result = run_train(train_args(tiny, tmp_path, model_config=None, model_name=pretrained, strategy="fsdp2",
                                   precision="bf16-mixed", compile=True, gradient_checkpointing=True, max_step=4,
                                   save_step_interval=4, eval_step_interval=4),

@@ -27,18 +27,34 @@ def logged_val_loss(result) -> float:
     return float(line.split("val_loss ")[1].split()[0])
 
 
-@pytest.fixture(scope="module")
-def pretrained(tiny, tmp_path_factory):
-    """A 'pretrained' model folder as save_pretrained writes it (safetensors), with a tokenizer beside it."""
-    folder = tmp_path_factory.mktemp("pretrained")
+def save_pretrained_model(tiny, folder, **config_overrides):
+    """A 'pretrained' model folder as save_pretrained writes it (safetensors)."""
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    for name, value in config_overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
-def test_pretrained_model_is_loaded_shard_by_shard_with_its_exact_weights(tiny, pretrained, tmp_path, strategy) -> None:
+@pytest.fixture(scope="module")
+def pretrained(tiny, tmp_path_factory):
+    return save_pretrained_model(tiny, tmp_path_factory.mktemp("pretrained"))
+
+
+@pytest.fixture(scope="module")
+def pretrained_wide_vocabulary(tiny, tmp_path_factory):
+    """Its vocabulary padded to 2048 rows, as Llama-3's is: fsdp2 gives each embedding (more parameters than a layer)
+    a unit of their own."""
+    return save_pretrained_model(tiny, tmp_path_factory.mktemp("pretrained-wide"), vocab_size=2048)
+
+
+@pytest.mark.parametrize("strategy, folder", [("fsdp", "pretrained"), ("fsdp2", "pretrained"),
+                                              ("fsdp2", "pretrained_wide_vocabulary")])
+def test_pretrained_model_is_loaded_shard_by_shard_with_its_exact_weights(tiny, tmp_path, strategy, folder,
+                                                                          request) -> None:
     """With lr ~ 0 the step-1 checkpoint holds the pretrained weights and the evaluation matches transformers."""
+    pretrained = request.getfixturevalue(folder)
     result = run_train(train_args(tiny, tmp_path, model_config=None, model_name=pretrained, strategy=strategy, **STILL))
     assert result.returncode == 0, result.stderr[-3000:]
     reference = AutoModelForCausalLM.from_pretrained(pretrained)
