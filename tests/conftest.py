@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -89,10 +90,23 @@ def train_args(tiny: TinySetup, out_dir: Path, **overrides: object) -> list[str]
     return args
 
 
-def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """train.py in real processes, as a user runs it (with extra environment variables `env`)."""
+def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None = None,
+              nodes: int = 1) -> subprocess.CompletedProcess:
+    """train.py in real processes, as a user runs it (with extra environment variables `env`); with `nodes` > 1,
+    once per node, all on this machine, as users start each node by hand (with `--num_nodes` among `args`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return run_script([sys.executable, str(ROOT / "train.py"), *args], timeout, env)
+    command = [sys.executable, str(ROOT / "train.py"), *args]
+    return run_script(command if nodes == 1 else on_nodes(command, nodes), timeout, env)
+
+
+def on_nodes(command: list[str], nodes: int) -> list[str]:
+    """A shell that starts `command` as every node of a job (Lightning's MASTER_ADDR, MASTER_PORT and NODE_RANK),
+    node 0 in the foreground, and fails if any node failed."""
+    port = free_port()
+    starts = [f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} NODE_RANK={node} {shlex.join(command)}" for node in range(nodes)]
+    others = "".join(f"{start} & pids+=($!); " for start in starts[1:])
+    return ["bash", "-c", f'pids=(); {others}{starts[0]}; status=$?; '
+                          f'for pid in "${{pids[@]}}"; do wait $pid || status=1; done; exit $status']
 
 
 def run_script(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

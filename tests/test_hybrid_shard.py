@@ -1,0 +1,48 @@
+"""HYBRID_SHARD on two nodes as users start them by hand (`python train.py --num_nodes 2` on each, with MASTER_ADDR,
+MASTER_PORT and NODE_RANK), both on this machine with 2 processes each: parameters sharded within a node and
+replicated across it, under fsdp and fsdp2. Its steps are FULL_SHARD's, and its sharded checkpoint, written by 4
+ranks on 2 nodes, resumes on the 2 ranks of one node under the other strategy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_train, train_args
+from tests.test_training import assert_succeeded, read_metrics
+
+CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=100, micro_batch_size=2,
+                   gradient_accumulation_steps=1, state_dict_type="sharded")
+
+
+@pytest.fixture(scope="module")
+def full_shard(tiny, tmp_path_factory) -> Path:
+    """6 steps of FULL_SHARD on the 4 ranks of one node: the same global batch of 8 sequences."""
+    out_dir = tmp_path_factory.mktemp("full-shard")
+    assert_succeeded(run_train(train_args(tiny, out_dir, devices=4, max_step=6, **CONSTANT_LR)))
+    return out_dir
+
+
+def parameters_per_rank(out_dir: Path) -> list[float]:
+    return [rank["parameters_gb"] for rank in json.loads((out_dir / "summary.json").read_text())["ranks"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, resumed_by", [("fsdp", "fsdp2"), ("fsdp2", "fsdp")])
+def test_hybrid_shard_on_two_nodes_takes_full_shards_steps_and_resumes_on_one_node(tiny, full_shard, tmp_path,
+                                                                                   strategy, resumed_by) -> None:
+    hybrid = run_train(train_args(tiny, tmp_path, strategy=strategy, sharding_strategy="HYBRID_SHARD", devices=2,
+                                  num_nodes=2, max_step=4, save_step_interval=4, **CONSTANT_LR), nodes=2)
+    assert_succeeded(hybrid)
+    assert "8 sequences x 32 tokens (1 accumulation x 2 micro-batch x 4 ranks)" in hybrid.stdout, hybrid.stdout
+    sharded_in_two = [2 * size for size in parameters_per_rank(full_shard)]
+    assert parameters_per_rank(tmp_path) == pytest.approx(sharded_in_two, rel=0.02), "a node's half, not a quarter"
+    resumed = run_train(train_args(tiny, tmp_path, strategy=resumed_by, devices=2, max_step=6, resume=True,
+                                   **CONSTANT_LR))
+    assert_succeeded(resumed)
+    assert "ranks 4 -> 2" in resumed.stdout, resumed.stdout
+    steps, reference = read_metrics(tmp_path), read_metrics(full_shard)
+    for step in range(1, 7):
+        assert steps[step]["train_loss"] == pytest.approx(reference[step]["train_loss"], rel=1e-5), step
