@@ -158,7 +158,8 @@ def test_checkpoints_of_earlier_versions_resume_exactly(tiny, straight, two_step
 @pytest.mark.slow
 def test_resuming_a_full_checkpoint_under_fsdp_costs_about_the_optimizer_state(tiny, tmp_path) -> None:
     """Each rank reads only its own piece of every tensor into its shard; AdamW's moments, created on load, are 2/3
-    of the file. Through torch's sharded state dicts the ranks' memory rose by 2.9x the file (170M model, 4 ranks)."""
+    of the file. Through torch's sharded state dicts the ranks' memory rose by 2.9x the file (170M model, 4 ranks);
+    with zero gradients for every parameter at once to create the moments, by 0.85-1.04x (here 0.72-0.76x)."""
     config = tmp_path / "state-heavy"
     LlamaConfig(vocab_size=AutoConfig.from_pretrained(tiny.model_config).vocab_size, hidden_size=768,
                 intermediate_size=3072, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=12,
@@ -174,4 +175,4 @@ def test_resuming_a_full_checkpoint_under_fsdp_costs_about_the_optimizer_state(t
     measured = json.loads(report.read_text())
     print(f"\nresume memory: ranks rose by {measured['rises_gb']} GB for a {measured['checkpoint_gb']:.2f} GB "
           f"checkpoint: {measured['ratio']:.2f}x")
-    assert measured["ratio"] < 1.0
+    assert measured["ratio"] < 0.9

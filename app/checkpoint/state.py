@@ -141,8 +141,10 @@ def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 def initialise_adamw_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every parameter without AdamW state (none before the first step; under FSDP, those a rank holds no
     element of) the state AdamW starts from, zero moments and step 0, so that a checkpoint can be written from it or
-    read into it. AdamW creates it in a step: here one with lr 0 on zero gradients of those parameters only, after
-    which their step count is set back to 0, so that their next step is exactly the first one."""
+    read into it. AdamW creates it in a step: here one with lr 0 on a zero gradient, for one parameter at a time so
+    that no more than the largest parameter's zeros exist at once (all of them at once held a second copy of the
+    parameters while resuming), after which their step count is set back to 0, so that their next step is exactly
+    the first one."""
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
     missing = [parameter for parameter in parameters if parameter not in optimizer.state]
     if not missing:
@@ -155,7 +157,8 @@ def initialise_adamw_state(optimizer: torch.optim.Optimizer) -> None:
         parameter.grad = None
     for parameter in missing:
         parameter.grad = torch.zeros_like(parameter)
-    optimizer.step()
+        optimizer.step()
+        parameter.grad = None
     for group, lr in zip(optimizer.param_groups, learning_rates):
         group["lr"] = lr
     for parameter, gradient in zip(parameters, gradients):
