@@ -9,7 +9,7 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
   the whole unsharded gradient in the compute dtype instead (FSDP keeps it on every rank between micro-batches);
 - optimizer state: AdamW's two moments in the parameters' dtype, / S except for NO_SHARD and DDP;
 - working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
-  head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; under fsdp2 without input embeddings that
+  head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; under fsdp2, less input embeddings that
   are a unit of their own, resharded after forward), DDP's gradient buckets (a second copy of
   the gradients), and about 1 GiB per process for the runtime (CUDA context and kernels, or the Python process
   itself on a CPU) measured before any tensor exists;
@@ -68,8 +68,8 @@ class ModelShape:
            trust_remote_code: bool = False) -> "ModelShape":
         model = meta_model(model_config, trust_remote_code)
         layers = [m for m in model.modules() if type(m) in wrap_classes]
-        total = sum(p.numel() for p in model.parameters())
-        per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers] or [0]
+        total = parameter_count(model)
+        per_layer = [parameter_count(layer) for layer in layers] or [0]
         _, input_embeddings = separate_embeddings(model, layer_size=max(per_layer) if layers else None)
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
