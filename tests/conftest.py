@@ -5,16 +5,21 @@ Nothing is downloaded: the text is the Python standard library's own source, pre
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import time
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,9 +99,13 @@ def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None 
               nodes: int = 1) -> subprocess.CompletedProcess:
     """train.py in real processes, as a user runs it (with extra environment variables `env`); with `nodes` > 1,
     once per node, all on this machine, as users start each node by hand (with `--num_nodes` among `args`)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     command = [sys.executable, str(ROOT / "train.py"), *args]
-    return run_script(command if nodes == 1 else on_nodes(command, nodes), timeout, env)
+    return run_script(command if nodes == 1 else on_nodes(command, nodes), timeout, run_environment(env))
+
+
+def run_environment(env: dict[str, str] | None) -> dict[str, str]:
+    """This environment, unbuffered, with the extra variables `env`."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
 
 
 def on_nodes(command: list[str], nodes: int) -> list[str]:
@@ -128,15 +137,103 @@ def run_script(command: list[str], timeout: float, env: dict[str, str] | None = 
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+STEP_LINE = re.compile(r"^step (\d+)/\d+ \|", re.MULTILINE)
+
+
+@dataclass
+class Launched:
+    """A train.py run in its own process group, its console output going to a file we can watch."""
+
+    process: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_until(self, condition: Callable[[str], bool], what: str, timeout: float = 180) -> float:
+        """Wait until `condition(output)`; returns the time it held."""
+        deadline = time.monotonic() + timeout
+        while not condition(self.output()):
+            assert self.process.poll() is None, f"run ended before {what}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.output()}"
+            time.sleep(0.01)
+        return time.monotonic()
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> float:
+        return self.wait_until(lambda output: re.search(pattern, output, re.MULTILINE) is not None, repr(pattern),
+                               timeout)
+
+    def wait_for_step(self, step: int, timeout: float = 180) -> float:
+        return self.wait_until(lambda output: any(int(s) >= step for s in STEP_LINE.findall(output)), f"step {step}",
+                               timeout)
+
+    def wait_until_quiet(self, seconds: float, timeout: float = 60) -> None:
+        """Wait until the output has not changed for `seconds`: the run makes no more progress."""
+        deadline = time.monotonic() + timeout
+        last, since = self.output(), time.monotonic()
+        while time.monotonic() - since < seconds:
+            assert time.monotonic() < deadline, f"still progressing after {timeout} s:\n{self.output()}"
+            time.sleep(0.2)
+            if self.output() != last:
+                last, since = self.output(), time.monotonic()
+
+    def finish(self, timeout: float = 180) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of the run: ranks, data loader workers, forkservers (zombies are dead)."""
+        found = []
+        for process in psutil.process_iter(["status"]):
+            with suppress(ProcessLookupError, psutil.Error):
+                if os.getpgid(process.pid) == self.process.pid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                    found.append(process)
+        return found
+
+    def workers_of(self, process: psutil.Process) -> list[psutil.Process]:
+        return [child for child in process.children(recursive=True) if child.name() == "pt_data_worker"]
+
+    def other_rank(self) -> psutil.Process:
+        """Rank 1, which Lightning's launcher (rank 0, the launched process) started."""
+        return next(child for child in psutil.Process(self.process.pid).children()
+                    if "train.py" in " ".join(child.cmdline()))
+
+    def assert_nothing_left(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while self.processes():
+            assert time.monotonic() < deadline, f"left running: {[p.cmdline()[:3] for p in self.processes()]}"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """Whatever happened, leave no process behind."""
+        with suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Launched:
+    with open(log, "w") as handle:
+        process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
+                                   env=run_environment(env), stdout=handle, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    return Launched(process, log)
+
+
+@contextmanager
+def launched(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[Launched]:
+    """`launch`, and whatever happens, no process of the run left afterwards."""
+    run = launch(args, log, env)
+    try:
+        yield run
+    finally:
+        run.kill()
+
+
 def kill_session(session: int) -> str:
     """The Python stacks of every process of `session` (all threads), then SIGKILL for all of them."""
-    import psutil
-
     members = [process for process in psutil.process_iter(["status"]) if session_of(process.pid) == session]
     stacks = [f"process {process.pid}: exited" if process.info["status"] == psutil.STATUS_ZOMBIE
               else python_stacks(process.pid) for process in members]
     for process in members:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with suppress(psutil.NoSuchProcess):
             process.kill()
     return "\n".join(stacks)
 

@@ -2,7 +2,8 @@
 other pieces, and the folder readable by torch.distributed.checkpoint's own loader.
 
 The multi-process paths (FSDP's flat shards, FSDP2's rows, DDP's replicas, at any world size) are exercised by
-tests/test_resume_anywhere.py and tests/test_reliability.py; these tests pin the arithmetic and the byte layouts.
+tests/test_resume_anywhere.py, tests/test_reliability.py and tests/test_async_save.py; these tests pin the
+arithmetic and the byte layouts.
 """
 
 from __future__ import annotations

@@ -13,13 +13,9 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import weakref
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import psutil
 import pytest
@@ -31,90 +27,13 @@ from app.exit_codes import (EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, E
 from app import signals
 from app.signals import INTERRUPT_MESSAGE
 from app.watchdog import collect_stacks
-from conftest import ROOT, TinySetup, free_port, read_checkpoint, run_script, run_train, train_args
+from conftest import (ROOT, STEP_LINE, Launched, TinySetup, free_port, launch, launched, read_checkpoint,
+                      run_script, run_train, train_args)
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
 # 647 train blocks / (16 micro-batch x 2 ranks x 2 accumulation) = 10 steps per epoch: step 10 ends epoch 0.
 EXACT = dict(micro_batch_size=16, gradient_accumulation_steps=2, max_step=14, save_step_interval=6,
              eval_step_interval=100)
-STEP_LINE = re.compile(r"^step (\d+)/\d+ \|", re.MULTILINE)
-
-
-@dataclass
-class Launched:
-    """A train.py run in its own process group, its console output going to a file we can watch."""
-
-    process: subprocess.Popen
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def wait_until(self, condition: Callable[[str], bool], what: str, timeout: float = 180) -> float:
-        """Wait until `condition(output)`; returns the time it held."""
-        deadline = time.monotonic() + timeout
-        while not condition(self.output()):
-            assert self.process.poll() is None, f"run ended before {what}:\n{self.output()}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.output()}"
-            time.sleep(0.01)
-        return time.monotonic()
-
-    def wait_for(self, pattern: str, timeout: float = 180) -> float:
-        return self.wait_until(lambda output: re.search(pattern, output, re.MULTILINE) is not None, repr(pattern),
-                               timeout)
-
-    def wait_for_step(self, step: int, timeout: float = 180) -> float:
-        return self.wait_until(lambda output: any(int(s) >= step for s in STEP_LINE.findall(output)), f"step {step}",
-                               timeout)
-
-    def wait_until_quiet(self, seconds: float, timeout: float = 60) -> None:
-        """Wait until the output has not changed for `seconds`: the run makes no more progress."""
-        deadline = time.monotonic() + timeout
-        last, since = self.output(), time.monotonic()
-        while time.monotonic() - since < seconds:
-            assert time.monotonic() < deadline, f"still progressing after {timeout} s:\n{self.output()}"
-            time.sleep(0.2)
-            if self.output() != last:
-                last, since = self.output(), time.monotonic()
-
-    def finish(self, timeout: float = 180) -> int:
-        return self.process.wait(timeout=timeout)
-
-    def processes(self) -> list[psutil.Process]:
-        """Every live process of the run: ranks, data loader workers, forkservers (zombies are dead)."""
-        found = []
-        for process in psutil.process_iter(["status"]):
-            with suppress(ProcessLookupError, psutil.Error):
-                if os.getpgid(process.pid) == self.process.pid and process.info["status"] != psutil.STATUS_ZOMBIE:
-                    found.append(process)
-        return found
-
-    def workers_of(self, process: psutil.Process) -> list[psutil.Process]:
-        return [child for child in process.children(recursive=True) if child.name() == "pt_data_worker"]
-
-    def other_rank(self) -> psutil.Process:
-        """Rank 1, which Lightning's launcher (rank 0, the launched process) started."""
-        return next(child for child in psutil.Process(self.process.pid).children()
-                    if "train.py" in " ".join(child.cmdline()))
-
-    def assert_nothing_left(self, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        while self.processes():
-            assert time.monotonic() < deadline, f"left running: {[p.cmdline()[:3] for p in self.processes()]}"
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        """Whatever happened, leave no process behind."""
-        with suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-
-
-def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Launched:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    with open(log, "w") as handle:
-        process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
-                                   stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-    return Launched(process, log)
 
 
 def logged_losses(out_dir: Path) -> dict[int, float]:
@@ -205,16 +124,6 @@ def test_three_sigkills_resume_at_the_next_step_then_sigusr1_to_all_saves(tiny: 
     kept = {step for step in checkpoints}
     assert kept <= set(sorted(checkpoints)[-2:]) | {best["step"], latest}
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith((".partial", ".replaced"))]
-
-
-@contextmanager
-def launched(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[Launched]:
-    """`launch`, and whatever happens, no process of the run left afterwards."""
-    run = launch(args, log, env)
-    try:
-        yield run
-    finally:
-        run.kill()
 
 
 def stop_gracefully(run: Launched, signum: int, code: int, out_dir: Path) -> tuple[int, float]:
@@ -413,183 +322,3 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     assert [p.name for p in deleted] == ["step-00000006.ckpt"]
     assert sorted(list_checkpoints(tmp_path)) == [2, 4, 8, 10]
     assert prune_checkpoints(tmp_path, None, set()) == []
-
-
-def linear_state() -> dict:
-    model = torch.nn.Linear(256, 128)
-    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 1}
-
-
-def update_and_check(saver, path: Path, state: dict) -> None:
-    """The optimizer step that follows (after `before_update`), then the end of the run: the checkpoint holds the
-    weights of the step that saved."""
-    from app.checkpoint import read_model_weights
-
-    model = state["model"]
-    saved = {name: value.clone() for name, value in model.state_dict().items()}
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(1.0)
-    saver.close()
-    stored = read_model_weights(path)
-    for name, value in saved.items():
-        assert torch.equal(stored[name], value), name
-
-
-@pytest.mark.parametrize("sharded", [False, True])
-def test_a_background_save_holds_its_steps_state_even_when_its_write_outlasts_the_next_forward_and_backward(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sharded: bool):
-    """A background save writes the training state itself while the next step computes; `before_update`, which the
-    next weight update waits for, waits for the piece being written and copies those not yet written: the
-    checkpoint never holds weights of a later step. (A full file's pieces are written from where they lie only if
-    they lie there as in the file; here all are.)"""
-    from lightning import Fabric
-
-    from app.checkpoint import CheckpointSaver, writers
-    from app.checkpoint.handover import Handover
-
-    monkeypatch.setattr(writers, "lies_as_in_the_file", lambda data, phase: True)
-    state = linear_state()
-    saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=sharded, background=True)
-    reading, writing, release = Handover.reading, threading.Event(), threading.Event()
-
-    @contextmanager
-    def slow_reading(handover: Handover, key: object) -> Iterator[torch.Tensor]:
-        with reading(handover, key) as data:
-            if not writing.is_set():  # the first piece: still being written when the update comes
-                writing.set()
-                release.wait(timeout=60)
-            yield data
-
-    monkeypatch.setattr(Handover, "reading", slow_reading)
-    path, published = tmp_path / "step-00000001.ckpt", []
-    saver.save(path, state, lambda: published.append(path))
-    handover = saver.handover
-    assert writing.wait(timeout=60), "the write began"
-    threading.Timer(0.3, release.set).start()  # the next forward and backward end before the piece is written
-    saver.before_update()
-    assert release.is_set() and len(handover.done) >= 1, "before_update() waited for the piece being written"
-    assert set(handover.copies) == set(handover.live) - {next(iter(handover.live))}, "and copied the others"
-    update_and_check(saver, path, state)
-    assert published == [path]
-
-
-def test_a_background_save_of_pieces_on_a_gpu_holds_its_steps_state_even_when_their_copy_outlasts_the_next_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Pieces a disk cannot write from (a GPU's memory, or a full file's pieces lying otherwise than in the file)
-    are copied to host memory while the next step computes; `before_update` returns only once the copy is made.
-    Shown with host pieces taken for a GPU's."""
-    from lightning import Fabric
-
-    from app.checkpoint import CheckpointSaver
-    from app.checkpoint import writers
-    from app.checkpoint.writers import StagingArea
-
-    monkeypatch.setattr(writers, "lies_as_in_the_file", lambda data, phase: False)
-    state = linear_state()
-    saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=False, background=True)
-    copy, release, copied = StagingArea.copy, threading.Event(), threading.Event()
-
-    def slow_copy(area: StagingArea, *args: object) -> dict:
-        release.wait(timeout=60)
-        staged = copy(area, *args)
-        copied.set()
-        return staged
-
-    monkeypatch.setattr(StagingArea, "copy", slow_copy)
-    path = tmp_path / "step-00000001.ckpt"
-    saver.save(path, state, lambda: None)
-    assert not copied.is_set(), "save() returned before the copy"
-    assert not saver.handover.live, "no piece is written from where it lies"
-    threading.Timer(0.3, release.set).start()  # the copy is made while the next step would compute
-    saver.before_update()
-    assert copied.is_set(), "before_update() returned once the copy was made"
-    update_and_check(saver, path, state)
-
-
-def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_change() -> None:
-    from lightning import Fabric
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from app.data import Batch, Step
-    from app.loop import train_step
-    from app.optim import GradientPolicy
-    from app.signals import StopRequest
-
-    fabric = Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    tokens = torch.randint(0, 64, (2, 16))
-    step = Step([Batch({"input_ids": tokens, "labels": tokens}, trained_tokens=30)], trained_tokens=30)
-    before = [parameter.detach().clone() for parameter in model.parameters()]
-    seen = []
-
-    def before_update() -> None:
-        seen.append((all(torch.equal(p, b) for p, b in zip(model.parameters(), before)),
-                     all(p.grad is not None for p in model.parameters())))
-
-    train_step(fabric, model, optimizer, step, lr=1e-2, stop=StopRequest(),
-               gradients=GradientPolicy(max_norm=1.0, replicas=1, scaled=False, defer_sync=False),
-               before_update=before_update)
-    assert seen == [(True, True)], "once, with the gradients computed and the weights not yet changed"
-    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "then the step changed them"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy, state_dict_type", [("fsdp", "full"), ("fsdp2", "sharded")])
-def test_background_saves_hold_exactly_what_synchronous_saves_of_the_same_steps_hold(
-        tiny: TinySetup, tmp_path: Path, strategy: str, state_dict_type: str):
-    from app.checkpoint import read_tensors
-
-    checkpoints = {}
-    for async_save in (False, True):
-        out = tmp_path / f"async-{async_save}"
-        result = run_train(train_args(tiny, out, strategy=strategy, state_dict_type=state_dict_type,
-                                      async_save=async_save, max_step=4, save_step_interval=1,
-                                      eval_step_interval=1000, initial_validation=False))
-        assert result.returncode == 0, result.stderr[-3000:]
-        checkpoints[async_save] = list_checkpoints(out)
-    assert sorted(checkpoints[True]) == sorted(checkpoints[False]) == [1, 2, 3, 4]
-    for step, path in checkpoints[True].items():
-        written, expected = read_tensors(path), read_tensors(checkpoints[False][step])
-        assert written.keys() == expected.keys()
-        assert all(torch.equal(written[name], expected[name]) for name in expected), f"step {step}"
-
-
-@pytest.fixture(scope="module")
-def wider_model(tiny: TinySetup, tmp_path_factory) -> Path:
-    """27M parameters: a 0.3 GB training state, whose write and fsync outlast a few training steps here."""
-    from transformers import AutoConfig, LlamaConfig
-
-    folder = tmp_path_factory.mktemp("wider")
-    LlamaConfig(vocab_size=AutoConfig.from_pretrained(tiny.model_config).vocab_size, hidden_size=512,
-                intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                max_position_embeddings=128).save_pretrained(folder)
-    return folder
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
-def test_async_save_returns_before_the_write_and_a_sigkill_mid_write_leaves_the_previous_checkpoint(
-        tiny: TinySetup, wider_model: Path, tmp_path: Path, state_dict_type: str):
-    out = tmp_path / "run"
-    args = train_args(tiny, out, model_config=wider_model, async_save=True, state_dict_type=state_dict_type,
-                      micro_batch_size=1, gradient_accumulation_steps=1, save_step_interval=2, eval_step_interval=1000,
-                      initial_validation=False, max_step=100)
-    writing = out / "checkpoints" / ".step-00000004.ckpt.partial"
-    with launched(args, tmp_path / "async.log") as run:
-        run.wait_until(lambda _: writing.exists(), "step 4's write")  # step 2's was published before it began
-        os.killpg(run.process.pid, signal.SIGKILL)
-        run.finish()
-        output = run.output()
-    assert output.index("step 2: writing") < output.index("step 2: saved"), "the step returned before the write"
-    assert sorted(list_checkpoints(out)) == [2], "step 4 was killed mid-write: only step 2 is a checkpoint"
-
-    resumed = run_train(args[:-2] + ["--max_step", "5", "--resume", "true"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {out / 'checkpoints' / 'step-00000002.ckpt'} at step 2" in resumed.stdout
-    assert sorted(list_checkpoints(out)) == [2, 4, 5]
-    assert not [p for p in (out / "checkpoints").iterdir() if p.name.endswith(".partial")]
-    read_checkpoint(list_checkpoints(out)[5])
