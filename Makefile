@@ -12,7 +12,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	touch $@
 
 # Three workers on two cores: a test's processes often wait (for the other rank's start-up, a signal, a timeout),
-# and a third worker fills that time (three suites on 2026-11-26: 947-1,042 s, against 1,088 and 1,117 s with two).
+# and a third worker fills that time. On 2026-11-26 four suites took 947-1,086 s with three workers, against 1,088
+# and 1,117 s with two earlier that day (this machine grew slower over the afternoon: compare in one sitting).
 # One file per worker at a time, so that a file's module fixtures (its shared runs) are made once.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile tests
