@@ -19,9 +19,11 @@ CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=100, micro
 
 @pytest.fixture(scope="module")
 def full_shard(tiny, tmp_path_factory) -> Path:
-    """6 steps of FULL_SHARD on the 4 ranks of one node: the same global batch of 8 sequences."""
+    """6 steps of FULL_SHARD on 2 ranks: the same global batch of 8 sequences (2 accumulation), and each rank
+    holds what a rank of a 2-rank node holds under HYBRID_SHARD."""
     out_dir = tmp_path_factory.mktemp("full-shard")
-    assert_succeeded(run_train(train_args(tiny, out_dir, devices=4, max_step=6, **CONSTANT_LR)))
+    options = CONSTANT_LR | {"gradient_accumulation_steps": 2}
+    assert_succeeded(run_train(train_args(tiny, out_dir, devices=2, max_step=6, **options)))
     return out_dir
 
 
@@ -37,8 +39,8 @@ def test_hybrid_shard_on_two_nodes_takes_full_shards_steps_and_resumes_on_one_no
                                   num_nodes=2, max_step=4, save_step_interval=4, **CONSTANT_LR), nodes=2)
     assert_succeeded(hybrid)
     assert "8 sequences x 32 tokens (1 accumulation x 2 micro-batch x 4 ranks)" in hybrid.stdout, hybrid.stdout
-    sharded_in_two = [2 * size for size in parameters_per_rank(full_shard)]
-    assert parameters_per_rank(tmp_path) == pytest.approx(sharded_in_two, rel=0.02), "a node's half, not a quarter"
+    sharded_in_two = parameters_per_rank(full_shard)
+    assert parameters_per_rank(tmp_path) == pytest.approx(2 * sharded_in_two, rel=0.02), "a node's half, not a quarter"
     resumed = run_train(train_args(tiny, tmp_path, strategy=resumed_by, devices=2, max_step=6, resume=True,
                                    **CONSTANT_LR))
     assert_succeeded(resumed)

@@ -10,6 +10,7 @@ does not change the schedule.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,17 +30,17 @@ from tests.test_training import assert_succeeded, read_metrics
 CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=2, save_step_interval=100, eval_batch_size=16,
                    eval_iters=100)  # the whole validation split, whatever the number of ranks
 STRAIGHT = dict(strategy="fsdp", state_dict_type="full", devices=2, micro_batch_size=4, gradient_accumulation_steps=2)
-CHAIN = [  # (strategy, format, ranks, micro batch): what each link resumes with, after the first link
-    ("fsdp", "full", 2, 4),
+CHAIN = [  # (strategy, format, ranks, micro batch): what each link resumes with, after the first link (two_steps)
     ("ddp", "sharded", 4, 2),  # loads fsdp/full: 2 -> 4 ranks, micro batch 4 -> 2
     ("fsdp2", "full", 2, 4),  # loads ddp/sharded: 4 -> 2 ranks
     ("single_device", "full", 1, 4),  # loads fsdp2/full: 2 -> 1 rank
-    ("fsdp", "sharded", 4, 4),  # loads single/full: 1 -> 4 ranks
-    ("fsdp2", "sharded", 4, 2),  # loads fsdp/sharded
+    ("fsdp", "sharded", 2, 4),  # loads single/full: 1 -> 2 ranks
+    ("fsdp2", "sharded", 4, 2),  # loads fsdp/sharded: 2 -> 4 ranks
     ("ddp", "full", 2, 2),  # loads fsdp2/sharded: 4 -> 2 ranks
     ("single_device", "sharded", 1, 8),  # loads ddp/full
     ("fsdp", "full", 2, 4),  # loads single/sharded
 ]
+STEPS = 2 * (1 + len(CHAIN))
 
 
 def link_args(tiny, out_dir: Path, strategy: str, state_dict_type: str, devices: int, micro_batch_size: int,
@@ -53,13 +54,14 @@ def link_args(tiny, out_dir: Path, strategy: str, state_dict_type: str, devices:
 @pytest.fixture(scope="module")
 def straight(tiny, tmp_path_factory) -> dict[int, dict[str, float]]:
     out_dir = tmp_path_factory.mktemp("straight")
-    assert_succeeded(run_train(train_args(tiny, out_dir, max_step=2 * len(CHAIN), **STRAIGHT, **CONSTANT_LR)))
+    assert_succeeded(run_train(train_args(tiny, out_dir, max_step=STEPS, **STRAIGHT, **CONSTANT_LR)))
     return read_metrics(out_dir)
 
 
 @pytest.fixture(scope="module")
 def two_steps(tiny, tmp_path_factory) -> Path:
-    """The first 2 steps of the straight run (FSDP, 2 ranks, full checkpoint at step 2), to resume from."""
+    """The first 2 steps of the straight run (FSDP, 2 ranks, full checkpoint at step 2), to resume from: the
+    chain's first link."""
     out_dir = tmp_path_factory.mktemp("two-steps")
     assert_succeeded(run_train(link_args(tiny, out_dir, "fsdp", "full", 2, 4, max_step=2)))
     return out_dir
@@ -67,26 +69,27 @@ def two_steps(tiny, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_a_chain_of_resumes_across_strategies_formats_ranks_and_micro_batches_matches_a_straight_run(
-        tiny, straight, tmp_path) -> None:
+        tiny, straight, two_steps, tmp_path) -> None:
+    shutil.copytree(two_steps, tmp_path, dirs_exist_ok=True)
     outputs = []
-    for link, (strategy, state_dict_type, devices, micro_batch_size) in enumerate(CHAIN):
+    for link, (strategy, state_dict_type, devices, micro_batch_size) in enumerate(CHAIN, start=2):
         result = run_train(link_args(tiny, tmp_path, strategy, state_dict_type, devices, micro_batch_size,
-                                     max_step=2 * (link + 1)))
+                                     max_step=2 * link))
         assert_succeeded(result)
         outputs.append(result.stdout)
-        saved = list_checkpoints(tmp_path)[2 * (link + 1)]
+        saved = list_checkpoints(tmp_path)[2 * link]
         assert saved.is_dir() == (state_dict_type == "sharded")
         assert read_metadata(saved)["global_batch_size"] == 16
-    assert "--resume: ranks 2 -> 4, micro batch 4 -> 2; 16 sequences per step as 2 accumulation" in outputs[1]
-    assert "no random state saved for this rank; seeded from --seed and the step" in outputs[1]
-    assert "ranks 2 -> 1" in outputs[3] and "as 4 accumulation x 4 micro batch x 1 ranks" in outputs[3]
+    assert "--resume: ranks 2 -> 4, micro batch 4 -> 2; 16 sequences per step as 2 accumulation" in outputs[0]
+    assert "no random state saved for this rank; seeded from --seed and the step" in outputs[0]
+    assert "ranks 2 -> 1" in outputs[2] and "as 4 accumulation x 4 micro batch x 1 ranks" in outputs[2]
     chained = read_metrics(tmp_path)
     assert sorted(step for step in chained if step) == sorted(step for step in straight if step)
     worst = max(abs(chained[s]["train_loss"] - straight[s]["train_loss"]) / straight[s]["train_loss"]
                 for s in straight if s)
     print(f"\nchain of {len(CHAIN)} resumes vs straight run: max relative loss difference {worst:.1e}")
     assert worst < 1e-5
-    for step in range(2, 2 * len(CHAIN) + 1, 2):
+    for step in range(2, STEPS + 1, 2):
         assert chained[step]["val_loss"] == pytest.approx(straight[step]["val_loss"], rel=1e-5)
 
 
@@ -95,12 +98,12 @@ def test_a_chain_of_resumes_across_strategies_formats_ranks_and_micro_batches_ma
 def test_fsdp2_trains_like_fsdp_and_converts_with_identical_logits(tiny, straight, tmp_path, fsdp_no_sync) -> None:
     """FSDP2 starts from the same weights (same init, same order) and takes the same steps as FSDP1, also when the
     gradients of the step's 2 micro-batches are reduced once, after the last (--fsdp_no_sync)."""
-    result = run_train(train_args(tiny, tmp_path, max_step=2 * len(CHAIN), **(STRAIGHT | {"strategy": "fsdp2"}),
+    result = run_train(train_args(tiny, tmp_path, max_step=STEPS, **(STRAIGHT | {"strategy": "fsdp2"}),
                                   fsdp_no_sync=fsdp_no_sync, **CONSTANT_LR))
     assert_succeeded(result)
     fsdp2 = read_metrics(tmp_path)
     worst = max(abs(fsdp2[s]["train_loss"] - straight[s]["train_loss"]) / straight[s]["train_loss"] for s in straight if s)
-    print(f"\nfsdp2 vs fsdp over {2 * len(CHAIN)} steps: max relative loss difference {worst:.1e}")
+    print(f"\nfsdp2 vs fsdp over {STEPS} steps: max relative loss difference {worst:.1e}")
     assert worst < 1e-4
     converted = subprocess.run([sys.executable, "convert_to_hf.py", "--checkpoint", str(tmp_path), "--output_dir",
                                 str(tmp_path / "hf"), "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True)
