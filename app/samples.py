@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
-from torchmetrics.functional.text.rouge import rouge_score
 
 from app.data.formats import Sample
 from app.model import strategy_module
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
@@ -106,9 +105,13 @@ def generate_samples(fabric: Fabric, model: torch.nn.Module, samples: list[Sampl
 
 
 def sample_metrics(generated: list[str], references: list[str], lengths: list[int]) -> dict[str, float]:
-    """Exact match, ROUGE-1/2/L F-measures (torchmetrics, no stemming) and the mean generated length in tokens."""
-    rouge = rouge_score(generated, references, rouge_keys=ROUGE_KEYS)
-    metrics = {f"sample_{key}": rouge[f"{key}_fmeasure"].item() for key in ROUGE_KEYS}
+    """Exact match, mean ROUGE-1/2/L F-measures (Google's rouge-score, no stemming) and the mean generated length in
+    tokens."""
+    from rouge_score.rouge_scorer import RougeScorer
+
+    scorer = RougeScorer(list(ROUGE_KEYS), use_stemmer=False)
+    scores = [scorer.score(target=r, prediction=g) for g, r in zip(generated, references)]
+    metrics = {f"sample_{key}": sum(score[key].fmeasure for score in scores) / len(scores) for key in ROUGE_KEYS}
     exact = sum(g.strip() == r.strip() for g, r in zip(generated, references)) / len(references)
     return metrics | {"sample_exact_match": exact, "sample_length": sum(lengths) / len(lengths)}
 

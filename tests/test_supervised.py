@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from app.data import IGNORE_INDEX, load_data
 from app.data.order import epoch_permutation, rank_micro_batches
 from app.prepare import PrepareArgs, prepare
+from app.samples import sample_metrics
 from app.schedule import make_plan
 from tests.conftest import generate_through_the_application, run_train, stop_where_lengths_differ, train_args
 from tests.test_training import assert_succeeded, read_metrics
@@ -134,6 +135,17 @@ def test_generation_samples_are_written_and_scored_at_each_evaluation(two_ranks)
         assert {"sample_exact_match", "sample_rougeL", "sample_length"} <= set(metrics[step])
         assert 0 <= metrics[step]["sample_rougeL"] <= 1 and 1 <= metrics[step]["sample_length"] <= 8
 
+
+
+def test_sample_scores_are_the_mean_over_samples_of_rouge_f_measures() -> None:
+    generated = ["Return the cat.", "the the"]
+    references = ["Return the cat on the mat.", "the the"]
+    metrics = sample_metrics(generated, references, lengths=[4, 2])
+    # 1: 3 of 3 words in 6 (F 2/3), 2 of 2 bigrams in 5 (F 4/7), the longest common subsequence is 3 words; 2: equal.
+    assert metrics["sample_rouge1"] == pytest.approx((2 / 3 + 1) / 2)
+    assert metrics["sample_rouge2"] == pytest.approx((4 / 7 + 1) / 2)
+    assert metrics["sample_rougeL"] == pytest.approx((2 / 3 + 1) / 2)
+    assert metrics["sample_exact_match"] == 0.5 and metrics["sample_length"] == 3
 
 def test_learning_rate_scaling_is_resolved_and_recorded(tiny, two_ranks) -> None:
     """sqrt(16 / 4) x 3e-3: the configuration records the value the run used."""
