@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from lightning import Fabric
+from lightning_fabric import Fabric
 from torch.nn import Module
 
 from app.data import TrainingData, eval_batches

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
-from lightning import Fabric
+from lightning_fabric import Fabric
 
 from app.checkpoint import CheckpointSaver, checkpoint_path, mark_if_best, prune_checkpoints, rng_of_every_rank
 from app.data import Batch, Step, TrainingData, train_steps

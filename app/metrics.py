@@ -7,14 +7,15 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning.fabric.loggers import Logger
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_fabric.loggers import Logger
+from lightning_fabric.loggers.logger import rank_zero_experiment
+from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 from app.console import Console
 from app.observe import summary_lines
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
 
     from arguments import Config
 
@@ -66,15 +67,69 @@ class CSVMetrics(Logger):
             csv.DictWriter(handle, fieldnames=COLUMNS).writerow({**metrics, "step": step})
 
 
+class WandbMetrics(Logger):
+    """The run in Weights & Biases: started on rank 0 at its first use, finished by wandb as the process leaves.
+
+    The Fabric package has no W&B logger (Lightning's comes with its Trainer, whose import, torchmetrics included, adds
+    about 2 s to the start of every rank, and wandb's Fabric integration imports that), and a run needs four of wandb's
+    calls. Metrics are plotted against `trainer/global_step`, as Lightning's logger does, so that resumed runs line up.
+    """
+
+    def __init__(self, cfg: Config, resuming: bool) -> None:
+        self._init = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name or Path(cfg.out_dir).resolve().name,
+                          dir=cfg.out_dir, mode=cfg.wandb_mode, resume="allow" if resuming else None)
+        self._run: Any = None
+
+    @property
+    def name(self) -> str:
+        return "wandb"
+
+    @property
+    def version(self) -> Optional[str]:
+        return self._run.id if self._run else None
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        if self._run is None:
+            import wandb
+
+            Path(self._init["dir"]).mkdir(parents=True, exist_ok=True)
+            self._run = wandb.init(**self._init)
+            self._run.define_metric("trainer/global_step")
+            self._run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+        return self._run
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.experiment.config.update(params, allow_val_change=True)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        self.experiment.log({**metrics, "trainer/global_step": step} if step is not None else metrics)
+
+    @rank_zero_only
+    def log_checkpoint(self, path: Path, step: int) -> None:
+        """A published checkpoint as a model artifact, referenced rather than copied (policy immutable): it never
+        changes. In offline mode the upload happens at `wandb sync`, so keep the file until then."""
+        import wandb
+
+        artifact = wandb.Artifact(f"model-{self.experiment.id}", type="model", metadata={"step": step})
+        if path.is_dir():
+            artifact.add_dir(str(path), policy="immutable")
+        else:
+            artifact.add_file(str(path), policy="immutable")
+        self.experiment.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
+
+    @rank_zero_only
+    def set_summary(self, summary: dict[str, Any]) -> None:
+        self.experiment.summary.update(summary)
+
+
 def make_loggers(cfg: Config, resume_step: Optional[int]) -> list[Logger]:
     loggers: list[Logger] = [CSVMetrics(cfg.out_dir, resume_step)]
     if cfg.wandb_mode != "disabled":
-        from lightning.pytorch.loggers import WandbLogger
-
-        loggers.append(WandbLogger(
-            project=cfg.project, entity=cfg.entity, name=cfg.run_name or Path(cfg.out_dir).resolve().name,
-            save_dir=cfg.out_dir, offline=cfg.wandb_mode == "offline", resume="allow" if resume_step else None,
-        ))
+        loggers.append(WandbMetrics(cfg, resuming=bool(resume_step)))
     return loggers
 
 
@@ -83,24 +138,10 @@ def should_upload_checkpoint(log_model: bool | str, last: bool) -> bool:
     return log_model == "all" or (log_model is True and last)
 
 
-@rank_zero_only
 def upload_checkpoint(loggers: list[Logger], path: Path, step: int) -> None:
-    """Log a published checkpoint as a W&B model artifact.
-
-    The file is referenced, not copied (policy immutable): a published checkpoint never changes. In offline mode the
-    upload happens at `wandb sync`, so keep the file until then.
-    """
-    import wandb
-    from lightning.pytorch.loggers import WandbLogger
-
     for logger in loggers:
-        if isinstance(logger, WandbLogger):
-            artifact = wandb.Artifact(f"model-{logger.experiment.id}", type="model", metadata={"step": step})
-            if path.is_dir():
-                artifact.add_dir(str(path), policy="immutable")
-            else:
-                artifact.add_file(str(path), policy="immutable")
-            logger.experiment.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
+        if isinstance(logger, WandbMetrics):
+            logger.log_checkpoint(path, step)
 
 
 def report_summary(fabric: Fabric, out_dir: str | Path, summary: dict[str, Any], console: Console) -> None:
@@ -112,8 +153,6 @@ def report_summary(fabric: Fabric, out_dir: str | Path, summary: dict[str, Any],
     for line in summary_lines(summary):
         console.print(line)
     console.print(f"  written to {path}")
-    from lightning.pytorch.loggers import WandbLogger
-
     for logger in fabric.loggers:
-        if isinstance(logger, WandbLogger):
-            logger.experiment.summary.update({k: v for k, v in summary.items() if k != "ranks"})
+        if isinstance(logger, WandbMetrics):
+            logger.set_summary({k: v for k, v in summary.items() if k != "ranks"})

@@ -36,7 +36,7 @@ from app.precision import weights_dtype
 from app.strategy import resolve_accelerator
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
 
     from arguments import Config
 

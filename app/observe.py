@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
+from lightning_fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 

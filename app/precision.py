@@ -22,7 +22,7 @@ import warnings
 from typing import Optional
 
 import torch
-from lightning.fabric.plugins import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
+from lightning_fabric.plugins import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 
 WEIGHT_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}

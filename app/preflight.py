@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import pyarrow.compute as pc
 import torch
 from datasets import DatasetDict, load_from_disk
-from lightning.fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
+from lightning_fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
                                                    TorchElasticEnvironment)
 from torch.nn import Module
 from transformers import AutoTokenizer, PretrainedConfig

@@ -34,7 +34,7 @@ from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED
 from app.watchdog import end_process_tree, print_own_stacks, say
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 INTERRUPT_MESSAGE = "Ctrl-C: stopping after this step and saving a checkpoint; press Ctrl-C again to quit at once"

@@ -6,7 +6,7 @@ measured in shared/notes/fsdp-on-cpu.md: it refuses `FSDPStrategy` on CPU by exa
 (and builds HYBRID_SHARD's device mesh on the CPU). Everything else (wrapping, sharding, activation checkpointing)
 is Lightning's own code, so a GPU run takes exactly the path the CPU tests take; checkpoints are the application's
 own (app/checkpoint/). FSDP2 (`--strategy fsdp2`) runs through Lightning's ModelParallelStrategy unchanged on CPU
-(app/fsdp2.py). Tied to lightning==2.6.6 (pinned in requirements.txt).
+(app/fsdp2.py). Tied to lightning-fabric==2.6.6 (pinned in requirements.txt).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from lightning import Fabric
-from lightning.fabric.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy,
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy,
                                          XLAFSDPStrategy)
-from lightning.fabric.strategies import fsdp as lightning_fsdp
+from lightning_fabric.strategies import fsdp as lightning_fsdp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -49,7 +49,7 @@ def test_a_background_save_holds_its_steps_state_even_when_its_write_outlasts_th
     next weight update waits for, waits for the piece being written and copies those not yet written: the
     checkpoint never holds weights of a later step. (A full file's pieces are written from where they lie only if
     they lie there as in the file; here all are.)"""
-    from lightning import Fabric
+    from lightning_fabric import Fabric
 
     from app.checkpoint import CheckpointSaver, writers
     from app.checkpoint.handover import Handover
@@ -85,7 +85,7 @@ def test_a_background_save_of_pieces_on_a_gpu_holds_its_steps_state_even_when_th
     """Pieces a disk cannot write from (a GPU's memory, or a full file's pieces lying otherwise than in the file)
     are copied to host memory while the next step computes; `before_update` returns only once the copy is made.
     Shown with host pieces taken for a GPU's."""
-    from lightning import Fabric
+    from lightning_fabric import Fabric
 
     from app.checkpoint import CheckpointSaver
     from app.checkpoint import writers
@@ -114,7 +114,7 @@ def test_a_background_save_of_pieces_on_a_gpu_holds_its_steps_state_even_when_th
 
 
 def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_change() -> None:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from app.data import Batch, Step

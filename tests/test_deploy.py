@@ -253,8 +253,8 @@ def test_torchrun_sbatch_starts_one_launcher_per_node_with_one_worker_per_gpu():
 LIGHTNING_PROBE = textwrap.dedent(
     """
     import json, os, sys
-    from lightning.fabric import Fabric
-    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins.environments import SLURMEnvironment
 
     tasks, devices, num_nodes = json.loads(sys.argv[1])
     seen = []

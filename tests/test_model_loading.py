@@ -141,7 +141,7 @@ def test_weight_loading_refuses_missing_and_unexpected_keys(pretrained, tmp_path
 
 
 def test_plain_route_refuses_a_folder_whose_weights_do_not_fit(tiny, pretrained, tmp_path) -> None:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
     from safetensors.torch import load_file, save_file
 
     from app.model import build_model

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import load_from_disk
-from lightning.fabric.plugins import FSDPPrecision, MixedPrecision
+from lightning_fabric.plugins import FSDPPrecision, MixedPrecision
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from app.optim import clip_gradients, gradient_square_sum

@@ -162,6 +162,6 @@ def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny
               log_model="all")
     [run_log] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     recorded = run_log.read_bytes()
-    assert b"val_loss" in recorded and b"train_loss" in recorded
+    assert b"val_loss" in recorded and b"train_loss" in recorded and b"trainer/global_step" in recorded
     assert b"step-00000003.ckpt" in recorded and b"step-00000006.ckpt" in recorded
     assert b"train_sec" in recorded, "the run summary, written when W&B finishes the run as the process leaves"

@@ -28,7 +28,7 @@ from app.checkpoint.tensor_file import read_header
 from app.checkpoint.writers import METADATA_KEY, SHARDED_METADATA, Snapshot
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
 
 FORMAT = "fsdp-trainer/2"
 TENSORS = ("model", "optimizer")

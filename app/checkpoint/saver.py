@@ -31,7 +31,7 @@ from app.checkpoint.io import begin_save, snapshot
 from app.checkpoint.writers import Snapshot, StagingArea
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
 
 
 class CheckpointSaver:

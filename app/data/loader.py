@@ -21,7 +21,7 @@ from app.schedule import TrainingPlan
 from app.workers import worker_options
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
 
 
 @dataclass
