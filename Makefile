@@ -12,11 +12,13 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	touch $@
 
 # Three workers on two cores: a test's processes often wait (for the other rank's start-up, a signal, a timeout),
-# and a third worker fills that time. On 2026-11-26 four suites took 947-1,086 s with three workers, against 1,088
-# and 1,117 s with two earlier that day (this machine grew slower over the afternoon: compare in one sitting).
-# One file per worker at a time, so that a file's module fixtures (its shared runs) are made once.
+# and a third worker fills that time; a fourth only adds contention (1,124 s against 996 s for three, minutes apart). Whole
+# files per worker, so that a file's module fixtures (its shared runs) are made once, the longest files first
+# (tests/conftest.py): the last worker then ends about 35 s after an even split of the tests' time instead of 85 s.
+# The suite is CPU-bound (vmstat: 1% idle), three quarters of it the imports of torch, transformers and datasets in
+# each of its ~300 processes; on 2026-11-27 it took 875-996 s.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 3 --dist loadfile tests
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
 # The demo: prepare the Python standard library's source, train a small Llama from scratch with FSDP (2 CPU
 # processes without a GPU, every GPU with one), convert the last checkpoint and print what the model writes.
