@@ -16,7 +16,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # files per worker, so that a file's module fixtures (its shared runs) are made once, the longest files first
 # (tests/conftest.py): the last worker then ends about 35 s after an even split of the tests' time instead of 85 s.
 # The suite is CPU-bound (vmstat: 1% idle), three quarters of it the imports of torch, transformers and datasets in
-# each of its ~300 processes; on 2026-11-27 it took 875-996 s.
+# each of its ~300 processes (transformers alone reads its ~3,300 model files for their `__all__` on import); on
+# 2026-11-27 six suites took 875-1,023 s.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
