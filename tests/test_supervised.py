@@ -136,7 +136,6 @@ def test_generation_samples_are_written_and_scored_at_each_evaluation(two_ranks)
         assert 0 <= metrics[step]["sample_rougeL"] <= 1 and 1 <= metrics[step]["sample_length"] <= 8
 
 
-
 def test_sample_scores_are_the_mean_over_samples_of_rouge_f_measures() -> None:
     generated = ["Return the cat.", "the the"]
     references = ["Return the cat on the mat.", "the the"]
@@ -146,6 +145,7 @@ def test_sample_scores_are_the_mean_over_samples_of_rouge_f_measures() -> None:
     assert metrics["sample_rouge2"] == pytest.approx((4 / 7 + 1) / 2)
     assert metrics["sample_rougeL"] == pytest.approx((2 / 3 + 1) / 2)
     assert metrics["sample_exact_match"] == 0.5 and metrics["sample_length"] == 3
+
 
 def test_learning_rate_scaling_is_resolved_and_recorded(tiny, two_ranks) -> None:
     """sqrt(16 / 4) x 3e-3: the configuration records the value the run used."""
