@@ -17,7 +17,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # files first (tests/conftest.py): the last worker then ends about 35 s after an even split of the tests' time
 # instead of 85 s. The suite is CPU-bound (vmstat: 1% idle), three quarters of it the imports of torch,
 # transformers and datasets in each of its ~300 processes (transformers alone reads its ~3,300 model files for
-# their `__all__` on import); on 2026-11-27 six suites took 875-1,023 s.
+# their `__all__` on import); on 2026-11-27 seven suites took 875-1,141 s.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
