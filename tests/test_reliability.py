@@ -288,7 +288,7 @@ def test_leaving_skips_the_interpreters_teardown_but_not_what_it_owes() -> None:
     leaving = ("import atexit, threading, time\nfrom concurrent.futures import ThreadPoolExecutor\n"
                "from app.signals import leave\n"
                "atexit.register(print, 'exit handler ran')\n"
-               "ThreadPoolExecutor(2).submit(print, 'pool idle')\n"
+               "ThreadPoolExecutor(2).submit(print, 'pool idle').result()\n"
                "threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished'))).start()\n"
                "print('buffered', end=' ')\nleave(9)\nprint('not reached')\n")
     result = subprocess.run([sys.executable, "-c", leaving], cwd=ROOT, capture_output=True, text=True, timeout=60)
