@@ -1,7 +1,7 @@
 """HYBRID_SHARD on two nodes as users start them by hand (`python train.py --num_nodes 2` on each, with MASTER_ADDR,
 MASTER_PORT and NODE_RANK), both on this machine with 2 processes each: parameters sharded within a node and
-replicated across it, under fsdp and fsdp2. Its steps are FULL_SHARD's, and its sharded checkpoint, written by 4
-ranks on 2 nodes, resumes on the 2 ranks of one node under the other strategy."""
+replicated across it, under fsdp and fsdp2. Its steps are FULL_SHARD's, and its sharded checkpoints, written by 4
+ranks on 2 nodes, resume under the other strategy: on 2 nodes again, and on the 2 ranks of one node."""
 
 from __future__ import annotations
 
@@ -32,17 +32,20 @@ def parameters_per_rank(out_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, resumed_by", [("fsdp", "fsdp2"), ("fsdp2", "fsdp")])
-def test_hybrid_shard_on_two_nodes_takes_full_shards_steps_and_resumes_on_one_node(tiny, full_shard, tmp_path,
-                                                                                   strategy, resumed_by) -> None:
-    hybrid = run_train(train_args(tiny, tmp_path, strategy=strategy, sharding_strategy="HYBRID_SHARD", devices=2,
-                                  num_nodes=2, max_step=4, save_step_interval=4, **CONSTANT_LR), nodes=2)
-    assert_succeeded(hybrid)
-    assert "8 sequences x 32 tokens (1 accumulation x 2 micro-batch x 4 ranks)" in hybrid.stdout, hybrid.stdout
+def test_hybrid_shard_on_two_nodes_takes_full_shards_steps_and_resumes_under_the_other_strategy_and_on_one_node(
+        tiny, full_shard, tmp_path) -> None:
+    """fsdp on two nodes takes steps 1-2, fsdp2 on two nodes resumes its checkpoint for steps 3-4, and fsdp on the
+    2 ranks of one node resumes fsdp2's for steps 5-6."""
     sharded_in_two = parameters_per_rank(full_shard)
     on_each_node = sharded_in_two + sharded_in_two  # node 0's two ranks, then node 1's
-    assert parameters_per_rank(tmp_path) == pytest.approx(on_each_node, rel=0.02), "a node's half, not a quarter"
-    resumed = run_train(train_args(tiny, tmp_path, strategy=resumed_by, devices=2, max_step=6, resume=True,
+    for strategy, max_step in (("fsdp", 2), ("fsdp2", 4)):
+        hybrid = run_train(train_args(tiny, tmp_path, strategy=strategy, sharding_strategy="HYBRID_SHARD", devices=2,
+                                      num_nodes=2, max_step=max_step, save_step_interval=2, resume=max_step > 2,
+                                      **CONSTANT_LR), nodes=2)
+        assert_succeeded(hybrid)
+        assert "8 sequences x 32 tokens (1 accumulation x 2 micro-batch x 4 ranks)" in hybrid.stdout, hybrid.stdout
+        assert parameters_per_rank(tmp_path) == pytest.approx(on_each_node, rel=0.02), "a node's half, not a quarter"
+    resumed = run_train(train_args(tiny, tmp_path, strategy="fsdp", devices=2, max_step=6, resume=True,
                                    **CONSTANT_LR))
     assert_succeeded(resumed)
     assert "ranks 4 -> 2" in resumed.stdout, resumed.stdout

@@ -10,7 +10,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from arguments import read_config
 from app.model import deferred_init, load_pretrained_weights
 from tests.conftest import read_checkpoint, run_train, train_args
-from tests.test_training import assert_succeeded, read_metrics
 
 STILL = dict(max_step=1, lr=1e-30, min_lr=0.0, warmup_steps=0, eval_step_interval=1, save_step_interval=1)
 
@@ -98,29 +97,6 @@ def test_pretrained_folder_whose_keys_differ_takes_the_plain_route(tiny, pretrai
     assert deferred_init(cfg, AutoConfig.from_pretrained(tiny.model_config)) is None
     cfg = read_config(["--train_data_dir", str(tiny.data), "--model_name", str(pretrained)])
     assert deferred_init(cfg, AutoConfig.from_pretrained(tiny.model_config)).weight_files == [pretrained / "model.safetensors"]
-
-
-@pytest.mark.slow
-def test_compiled_run_loads_the_pretrained_weights_and_trains_like_eager(tiny, pretrained, tmp_path) -> None:
-    """--compile wraps FSDP in an OptimizedModule whose keys carry `_orig_mod.`: loading through it loaded nothing
-    (5 of 21 tensors right, the all-ones norms) and the run trained from random weights without a word."""
-    inductor_cache = tmp_path / "inductor"
-    runs = {}
-    for compiled in (True, False):
-        out_dir = tmp_path / f"compile-{compiled}"
-        result = run_train(train_args(tiny, out_dir, model_config=None, model_name=pretrained, max_step=4,
-                                      save_step_interval=4, compile=compiled), timeout=600,
-                           env={"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
-        assert_succeeded(result)
-        runs[compiled] = read_metrics(out_dir)
-    assert any(inductor_cache.rglob("*.py")), "torch.compile generated no code: the model ran eagerly"
-    pretrained_loss = transformers_loss(AutoModelForCausalLM.from_pretrained(pretrained), tiny.data)
-    assert runs[True][0]["val_loss"] == pytest.approx(pretrained_loss, rel=1e-5), "step 0 is the pretrained model"
-    for step in (1, 2, 3, 4):
-        assert runs[True][step]["train_loss"] == pytest.approx(runs[False][step]["train_loss"], rel=1e-3)
-    checkpoint = read_checkpoint(tmp_path / "compile-True/checkpoints/step-00000004.ckpt")
-    assert sorted(checkpoint["model"]) == sorted(AutoModelForCausalLM.from_pretrained(pretrained).state_dict()), \
-        "no _orig_mod. or wrapper prefixes in the keys"
 
 
 def test_weight_loading_refuses_missing_and_unexpected_keys(pretrained, tmp_path) -> None:
