@@ -12,13 +12,13 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	touch $@
 
 # Three workers on two cores: a test's processes often wait (for the other rank's start-up, a signal, a timeout),
-# and a third worker fills that time (two: 882 s against 864 s for three); a fourth only adds contention
-# (1,124 s against 996 s for three, minutes apart). Whole files per worker, so that a file's module fixtures (its shared runs) are made once, the longest
-# files first (tests/conftest.py): the last worker then ends about 35 s after an even split of the tests' time
-# instead of 85 s. The suite is CPU-bound (vmstat: 1% idle), three quarters of it the imports of torch,
-# transformers and datasets in each of its ~300 processes (transformers alone reads its ~3,300 model files for
-# their `__all__` on import), so runs that repeat a pairing another test covers are merged (864 s on 2026-11-27,
-# against 875-1,141 s before).
+# and a third worker fills that time (two: 882 s against 864 s for three); a fourth only adds contention (1,124 s
+# against 996 s for three, minutes apart). Whole files per worker, so that a file's module fixtures (its shared
+# runs) are made once, the longest files first (tests/conftest.py): the last worker then ends about 35 s after an
+# even split of the tests' time instead of 85 s. The suite is CPU-bound (vmstat: 1% idle), three quarters of it the
+# imports of torch, transformers and datasets in each of its ~300 processes (transformers alone reads its ~3,300
+# model files for their `__all__` on import), so runs that repeat a pairing another test covers are merged: 796-882 s
+# on 2026-11-27, against 875-1,141 s before.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
