@@ -25,7 +25,8 @@ from transformers.models.t5.modeling_t5 import T5Block
 from app.fsdp2 import mesh_shape, mixed_precision_policy, parameter_count, separate_embeddings, wrap_units
 from app.model import meta_model
 from app.precision import precision_plugin
-from arguments import read_config, validate_config
+from app.preflight import preflight
+from arguments import parse_config, read_config, validate_config
 from tests.conftest import ROOT, read_checkpoint, run_train, train_args
 from tests.test_model_loading import pretrained_wide_vocabulary, transformers_loss  # noqa: F401 (fixture)
 from tests.test_training import assert_succeeded, read_metrics
@@ -119,10 +120,11 @@ def test_embeddings_as_large_as_a_layer_get_units_of_their_own_unless_tied_or_sh
     assert embedding_units(t5, T5Block) == (t5.lm_head, None), "the encoder and the decoder share the input embeddings"
 
 
-def test_cpu_offload_on_cpu_processes_is_refused_before_any_work(tiny, tmp_path) -> None:
-    result = run_train(train_args(tiny, tmp_path / "out", strategy="fsdp2", cpu_offload=True))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "--cpu_offload true with --strategy fsdp2 needs GPUs" in result.stderr
+def test_cpu_offload_on_cpu_processes_is_refused_before_any_work(tiny, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, tmp_path / "out", strategy="fsdp2", cpu_offload=True)))
+    assert exit_info.value.code == 2
+    assert "--cpu_offload true with --strategy fsdp2 needs GPUs" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

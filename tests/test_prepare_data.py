@@ -309,23 +309,38 @@ def test_block_size_larger_than_the_text_is_refused_after_tokenizing_before_writ
     assert_untouched(output, tmp_path)
 
 
+def make_refusable_folder(tmp_path: Path) -> None:
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n", "id": 1}) + "\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("precious")
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [
         (["--input", "missing.txt", "--vocab_size", "600"], "--input missing.txt"),
         (["--input", "docs.jsonl", "--vocab_size", "600"], "--output_dir"),
         (["--input", "docs.jsonl", "--vocab_size", "600", "--text_field", "nope", "--overwrite"], "text, id"),
-        (["--input", "no-such-dataset-here", "--vocab_size", "600", "--overwrite"], "--input no-such-dataset-here"),
     ],
 )
-def test_real_cli_refuses_with_one_line(argv, flag, tmp_path):
-    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n", "id": 1}) + "\n")
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("precious")
-    result = run_cli([*argv, "--output_dir", "out"], cwd=tmp_path)
+def test_relative_paths_are_refused_with_one_line(argv, flag, tmp_path, capsys, monkeypatch):
+    make_refusable_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--output_dir", "out"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and flag in lines[0], lines
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_real_cli_refuses_a_dataset_it_cannot_find_with_one_line(tmp_path):
+    """`python prepare_data.py` itself, offline: the Hub is asked, and its error becomes one line."""
+    make_refusable_folder(tmp_path)
+    result = run_cli(["--input", "no-such-dataset-here", "--vocab_size", "600", "--overwrite", "--output_dir", "out"],
+                     cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1 and "--input no-such-dataset-here" in lines[0] and "Traceback" not in result.stderr, lines
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
 
