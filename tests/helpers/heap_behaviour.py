@@ -47,10 +47,10 @@ def faults_per_reallocation(repeats: int = 10) -> float:
     def measure() -> None:
         allocate_and_free()
         allocate_and_free()  # a new heap takes two rounds to reach the size it keeps
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         for _ in range(repeats):
             allocate_and_free()
-        faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / repeats)
+        faults.append((resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before) / repeats)
 
     faults: list[float] = []
     thread = threading.Thread(target=measure)
