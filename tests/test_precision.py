@@ -214,7 +214,9 @@ def test_16_mixed_trains_under_ddp(tiny, tmp_path) -> None:
                                           save_step_interval=4, eval_step_interval=4)))
     metrics = read_metrics(tmp_path)
     assert metrics[4]["train_loss"] < metrics[1]["train_loss"]
-    assert read_checkpoint(tmp_path / "checkpoints/step-00000004.ckpt")["grad_scaler"]["scale"] > 1
+    checkpoint = read_checkpoint(tmp_path / "checkpoints/step-00000004.ckpt")
+    assert checkpoint["grad_scaler"]["scale"] > 1
+    assert "model.embed_tokens.weight" in checkpoint["model"] and checkpoint["step"] == 4, "Hugging Face names"
 
 
 @pytest.mark.slow
