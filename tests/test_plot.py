@@ -77,19 +77,19 @@ def two_runs(tiny, tmp_path_factory) -> tuple[Path, Path]:
     """A short one-process run evaluated at steps 0, 4 and 8, and a second run's folder whose metrics.csv is the
     first's with every loss 0.5 higher: plot_metrics.py reads nothing else."""
     root = tmp_path_factory.mktemp("plot")
-    high, low = root / "lr-high", root / "lr-low"
-    result = run_train(train_args(tiny, high, max_step=8, devices=1, strategy="single_device", eval_step_interval=4,
+    real, shifted = root / "real-run", root / "shifted-run"
+    result = run_train(train_args(tiny, real, max_step=8, devices=1, strategy="single_device", eval_step_interval=4,
                                   save_step_interval=8))
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(high / "metrics.csv", newline="") as source:
+    with open(real / "metrics.csv", newline="") as source:
         rows = list(csv.DictReader(source))
-    low.mkdir()
-    with open(low / "metrics.csv", "w", newline="") as target:
+    shifted.mkdir()
+    with open(shifted / "metrics.csv", "w", newline="") as target:
         writer = csv.DictWriter(target, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows({**row, **{name: float(row[name]) + 0.5 for name in ("train_loss", "val_loss") if row[name]}}
                          for row in rows)
-    return high, low
+    return real, shifted
 
 
 def test_plots_a_real_run_into_its_folder(two_runs) -> None:
@@ -103,15 +103,15 @@ def test_plots_a_real_run_into_its_folder(two_runs) -> None:
 
 
 def test_overlays_runs_and_accepts_a_csv_path(two_runs, tmp_path) -> None:
-    high, low = two_runs
-    assert plot(high, "--output", tmp_path / "alone.png").returncode == 0
-    result = plot("--run", high, low / "metrics.csv", "--output", tmp_path / "both.png")
+    real, shifted = two_runs
+    assert plot(real, "--output", tmp_path / "alone.png").returncode == 0
+    result = plot("--run", real, shifted / "metrics.csv", "--output", tmp_path / "both.png")
     assert result.returncode == 0, result.stderr
     alone, both = assert_picture(tmp_path / "alone.png"), assert_picture(tmp_path / "both.png")
     assert not np.array_equal(alone, both), "the second run adds lines"
     svg = tmp_path / "both.svg"
-    assert plot(high, "--run", low, "--output", svg).returncode == 0
-    assert svg.read_text().count("lr-low") >= 1 and "lr-high" in svg.read_text()
+    assert plot(real, "--run", shifted, "--output", svg).returncode == 0
+    assert "shifted-run" in svg.read_text() and "real-run" in svg.read_text(), "each line is named after its run"
 
 
 def test_mfu_gets_its_own_axis_and_a_panel_without_values_says_no_data(tmp_path) -> None:

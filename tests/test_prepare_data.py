@@ -323,7 +323,7 @@ def make_refusable_folder(tmp_path: Path) -> None:
         (["--input", "docs.jsonl", "--vocab_size", "600", "--text_field", "nope", "--overwrite"], "text, id"),
     ],
 )
-def test_relative_paths_are_refused_with_one_line(argv, flag, tmp_path, capsys, monkeypatch):
+def test_refusals_name_the_flag_in_one_line_and_leave_the_output_alone(argv, flag, tmp_path, capsys, monkeypatch):
     make_refusable_folder(tmp_path)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
