@@ -38,6 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Module
 
+from app.cpu_collectives import use_point_to_point_collectives, uses_point_to_point
 from app.precision import compute_dtype, reduce_dtype
 
 if TYPE_CHECKING:
@@ -82,12 +83,15 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
             if len(shape) == 2 else lightning_mesh["data_parallel"])
     options: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     reshard = RESHARD_AFTER_FORWARD[sharding_strategy]
+    point_to_point = uses_point_to_point(torch.device(mesh.device_type))
 
     def shard(module: Module, reshard_after_forward: bool) -> None:
         if param_init_fn is not None:
             for part in modules_to_materialize(module):
                 param_init_fn(part)
         fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
+        if point_to_point:
+            use_point_to_point_collectives(module)
 
     units = wrap_units(model, wrap_classes)
     output, embedding = separate_embeddings(model, layer_size=max(map(parameter_count, units), default=None))
