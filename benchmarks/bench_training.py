@@ -4,7 +4,8 @@
    starting the application with `python train.py` (Lightning's launcher) rather than torchrun;
 2. speed-up: the application with --strategy ddp and --compile true against Hugging Face Trainer's defaults
    (target: >= 1.1x), and each against the other with the same kernels (both eager, both compiled);
-3. --strategy fsdp2 against the default fsdp, step times (target: no slower);
+3. --strategy fsdp2 against the default fsdp: every step's loss (target: within 1e-4) and step times (target: no
+   slower);
 4. peak memory of the largest rank while training a ~170M-parameter model started by `python train.py`,
    FULL_SHARD against NO_SHARD (target: <= 0.70x) and fsdp2 against fsdp (target: <= 1.0x), and fsdp2 against
    fsdp with a 32K vocabulary (where fsdp2 gives the embeddings units of their own);
@@ -276,11 +277,29 @@ def bench_memory(data: Path, work_dir: Path, options: argparse.Namespace) -> lis
 
 
 def bench_fsdp2(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
-    """--strategy fsdp2 against the default fsdp, step times in both regimes (target: no slower)."""
+    """--strategy fsdp2 against the default fsdp: the losses of every step (target: within 1e-4 of each other) and
+    step times in both regimes (target: no slower)."""
+    fsdp2, fsdp = (every_step_loss(data, work_dir, strategy) for strategy in ("fsdp2", "fsdp"))
+    largest = max(abs(fsdp2[step] - fsdp[step]) / fsdp[step] for step in fsdp)
+    loss_row = (f"| training loss, each of {LOSS_STEPS} steps (fp32, 8 x 128 tokens per rank): fsdp2 against fsdp, "
+                f"largest relative difference | {fsdp2[LOSS_STEPS]:.5f} at the last step | {fsdp[LOSS_STEPS]:.5f} | "
+                f"{largest:.1e} | <= 1e-4{' met' if largest <= 1e-4 else ' **missed**'} |")
     contenders = {"fsdp2": app_contender(data, work_dir, "app-fsdp2", strategy="fsdp2"),
                   "fsdp": app_contender(data, work_dir, "app")}
     comparison = Comparison("step time: application --strategy fsdp2 / fsdp", "fsdp2", "fsdp", target=1.0)
-    return compare_step_times(contenders, {regime: [comparison] for regime in REGIMES}, options)
+    return [loss_row, *compare_step_times(contenders, {regime: [comparison] for regime in REGIMES}, options)]
+
+
+LOSS_STEPS = 24
+
+
+def every_step_loss(data: Path, work_dir: Path, strategy: str) -> dict[int, float]:
+    """The training loss of each step of a run logging every step (the step-time runs log every 10th)."""
+    work = replace(step_workload(data, work_dir, f"losses-{strategy}", micro_batch_size=8, steps=LOSS_STEPS),
+                   log_interval=1)
+    train_app(work, strategy=strategy)
+    with open(Path(work.out_dir) / "metrics.csv") as file:
+        return {int(r["step"]): float(r["train_loss"]) for r in csv.DictReader(file) if r["train_loss"]}
 
 
 def median_seconds(action: Callable[[], object], repeats: int = 3) -> float:
