@@ -11,7 +11,8 @@ fsdp2's steps went from 0.95-0.99 of fsdp's to 0.80-0.91 (docs/performance.md).
 
 FSDP2 takes these through `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`, so everything else it
 does (copy-in, copy-out, mixed precision, resharding, prefetching) is the code GPU runs take; GPUs keep NCCL's
-collectives, which write into FSDP2's buffers directly.
+collectives, which write into FSDP2's buffers directly. Both finish before they return (`async_op` is ignored): a CPU
+process has nothing to overlap them with, and FSDP2 waits on a collective it gets no work handle for.
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ class PointToPointReduceScatter(FreshBuffers):
         input_tensor.untyped_storage().resize_(0)
 
 
-def reduce_scatter_point_to_point(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+def reduce_scatter_point_to_point(output: torch.Tensor, gradients: torch.Tensor, group: dist.ProcessGroup,
                                   average: bool) -> None:
     rank, world_size = group.rank(), group.size()
-    chunks = input.chunk(world_size)
+    chunks = gradients.chunk(world_size)
     output.copy_(chunks[rank])
     received = torch.empty_like(output)
     sends = [dist.isend(chunks[peer], group_dst=peer, group=group) for peer in range(world_size) if peer != rank]
