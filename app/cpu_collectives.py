@@ -7,12 +7,12 @@ its reduce-scatter likewise works through temporaries of the whole gradient. Her
 every peer and receives theirs straight into the output, and a reduce-scatter adds its peers' chunks into its own
 one at a time. On 2 processes, per call on one layer of the README's 170M model (67 MB), the all-gather took 0.59
 of gloo's time with half its page faults and the reduce-scatter 0.79 (`python benchmarks/bench_collectives.py`);
-fsdp2's steps went from 0.95-0.99 of fsdp's to 0.80-0.91 (docs/performance.md).
+fsdp2's steps went from 0.95-0.99 of fsdp's to 0.76-0.91 (docs/performance.md).
 
 FSDP2 takes these through `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`, so everything else it
 does (copy-in, copy-out, mixed precision, resharding, prefetching) is the code GPU runs take; GPUs keep NCCL's
 collectives, which write into FSDP2's buffers directly. Both finish before they return (`async_op` is ignored): a CPU
-process has nothing to overlap them with, and FSDP2 waits on a collective it gets no work handle for.
+process has nothing to overlap them with, and FSDP2 takes a collective that returns no work handle as done.
 """
 
 from __future__ import annotations
