@@ -18,7 +18,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # even split of the tests' time instead of 85 s. The suite is CPU-bound (vmstat: 1% idle), three quarters of it the
 # imports of torch, transformers and datasets in each of its ~300 processes (transformers alone reads its ~3,300
 # model files for their `__all__` on import), so runs that repeat a pairing another test covers are merged and
-# refusals run in process: 806-912 s in fresh clones on 2026-11-27 (this machine's speed varies by a fifth from hour
+# refusals run in process: 806-950 s in fresh clones on 2026-11-27 (this machine's speed varies by a fifth from hour
 # to hour), against 875-1,141 s before.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
