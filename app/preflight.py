@@ -26,7 +26,9 @@ from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, r
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
+from app.data.formats import Layout
 from app.exit_codes import EXIT_BAD_INPUT
+from app.isolation import probe_isolation
 from app.prefetch import offline_hint
 from app.model import load_model_config, meta_model, model_source, resolve_wrap_classes
 from app.optim import grouped_parameter_names, no_decay_names
@@ -52,6 +54,8 @@ class RunInputs:
     plan: TrainingPlan
     tokenizer: Optional[str]
     resume_from: Optional[Path]
+    packed_layout: Layout = "position_ids"
+    """How packed examples reach the model so that they stay apart (app/isolation.py)."""
 
 
 @dataclass
@@ -155,6 +159,46 @@ def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: Dat
     if data.max_token_id >= model_config.vocab_size:
         problems.append(f"--train_data_dir holds token id {data.max_token_id} but the model's vocab_size is "
                         f"{model_config.vocab_size}; tokenize with the model's tokenizer")
+
+
+def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: DataFacts,
+                           problems: list[str]) -> Layout:
+    """Packed examples must never attend to each other: the layout that keeps them apart in the run's own model
+    class and attention implementation, found by a probe (app/isolation.py); refused when there is none."""
+    if data.format.name != "supervised_packed":
+        return "position_ids"
+    attention, kind = cfg.attn_implementation, model_config.model_type
+    try:
+        found = probe_isolation(model_config, attention, cfg.trust_remote_code)
+    except Exception as error:  # the implementation does not run here (FlashAttention without a GPU) or at all
+        problems.append(f"--attn_implementation {attention}: a {kind} model cannot run with it here, so packed "
+                        f"examples cannot be checked to stay apart ({first_line(error)}); use --attn_implementation "
+                        "sdpa, or a machine where it runs")
+        return "position_ids"
+    if found.layout is None:
+        others = [other for other in ("sdpa", "eager") if other != attention and isolates(model_config, other, cfg)]
+        instead = f"use --attn_implementation {others[0]}, or " if others else ""
+        problems.append(f"--train_data_dir {cfg.train_data_dir} holds packed examples, but a {kind} model with "
+                        f"--attn_implementation {attention} lets them attend to each other (probed: an example's "
+                        f"logits change by {found.leak:.0%} when packed) and takes no mask that stops it; {instead}prepare the data "
+                        "with --packing false")
+    elif found.layout != "position_ids":
+        note(f"packed examples: a {kind} model with --attn_implementation {attention} would let them attend to each "
+             f"other as prepared (probed: an example's logits change by {found.leak:.0%} when packed); they are "
+             f"kept apart as {found.layout} "
+             "(docs/supervised.md#packing)")
+    return found.layout or "position_ids"
+
+
+def isolates(model_config: PretrainedConfig, attention: str, cfg: Config) -> bool:
+    try:
+        return probe_isolation(model_config, attention, cfg.trust_remote_code).layout is not None
+    except Exception:
+        return False
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[str]:
@@ -372,8 +416,10 @@ def preflight(cfg: Config) -> RunInputs:
             wrap_classes = resolve_wrap_classes(model_config, cfg.auto_wrap_policy, cfg.trust_remote_code)
         except ValueError as error:
             problems.append(str(error))
+    packed_layout: Layout = "position_ids"
     if model_config is not None and data is not None:
         check_model_fits_data(cfg, model_config, data, problems)
+        packed_layout = check_packed_isolation(cfg, model_config, data, problems)
     resume = resolve_resume(cfg, model_config, problems)
     plan = check_plan(cfg, data, resume, problems) if data is not None else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
@@ -389,4 +435,5 @@ def preflight(cfg: Config) -> RunInputs:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     return RunInputs(config=resolve_learning_rates(cfg, plan), model_config=model_config, wrap_classes=wrap_classes,
-                     plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None)
+                     plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
+                     packed_layout=packed_layout)

@@ -158,7 +158,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     stop.install(announce=fabric.is_global_zero)
     fabric.seed_everything(cfg.seed)
     set_matmul_precision(fabric, cfg)
-    data = load_data(cfg.train_data_dir)
+    data = load_data(cfg.train_data_dir, inputs.packed_layout)
     model, no_decay = setup_model(fabric, cfg, inputs.model_config, deferred)
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)

@@ -13,14 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, FalconConfig
 
 from app.data import IGNORE_INDEX, load_data
+from app.data.formats import _examples_of
+from app.isolation import probe_isolation
+from app.preflight import preflight
 from app.data.order import epoch_permutation, rank_micro_batches
 from app.prepare import PrepareArgs, prepare
 from app.samples import sample_metrics
 from app.schedule import make_plan
+from arguments import parse_config
 from tests.conftest import generate_through_the_application, run_train, stop_where_lengths_differ, train_args
+from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
 from tests.test_training import assert_succeeded, read_metrics
 
 BLOCK = 256
@@ -66,6 +71,74 @@ def test_an_example_packed_with_others_gets_the_logits_it_gets_alone(packed, pre
         for start, end in zip(starts, starts[1:]):
             alone = model(input_ids=batch.inputs["input_ids"][:, start:end]).logits[0]
             assert torch.allclose(packed_logits[start:end], alone, atol=1e-5, rtol=1e-5)
+
+
+def falcon_folder(tiny, folder: Path, **changes: object) -> Path:
+    """A 'pretrained' 2-layer Falcon over the tiny tokenizer: its masks ignore position_ids in transformers 5.23."""
+    torch.manual_seed(0)
+    config = FalconConfig(vocab_size=len(AutoTokenizer.from_pretrained(tiny.tokenizer)), hidden_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2 * BLOCK, **changes)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def summed_losses_alone(model: torch.nn.Module, split) -> tuple[float, int]:
+    """Every packed example of the split run alone: its summed token losses over trained tokens, and their count."""
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for row in split.with_format(None):
+            for input_ids, labels in _examples_of(row):
+                logits = model(input_ids=torch.tensor([input_ids])).logits[0]
+                targets = torch.tensor(labels[1:])
+                total += torch.nn.functional.cross_entropy(logits[:-1], targets, ignore_index=IGNORE_INDEX,
+                                                           reduction="sum").item()
+                tokens += int((targets != IGNORE_INDEX).sum())
+    return total, tokens
+
+
+@pytest.mark.slow
+def test_a_falcon_trains_on_packed_examples_that_never_see_each_other(tiny, packed, tmp_path) -> None:
+    """Falcon's own masks let packed examples attend to each other (1e-2 off in the validation loss); the probe
+    finds it and the run feeds a block-diagonal mask: the step-0 validation loss over packed rows of several
+    examples, 4 rows per batch on 2 FSDP ranks, equals each example's loss alone."""
+    model = falcon_folder(tiny, tmp_path / "falcon")
+    result = run_train(train_args(tiny, tmp_path / "out", model_config=None, model_name=model, train_data_dir=packed,
+                                  max_step=1, warmup_steps=0, eval_iters=100, eval_batch_size=4,
+                                  micro_batch_size=2))
+    assert_succeeded(result)
+    assert "kept apart as boolean_mask" in result.stdout
+    total, tokens = summed_losses_alone(AutoModelForCausalLM.from_pretrained(model).eval(), load_data(packed).validation)
+    assert read_metrics(tmp_path / "out")[0]["val_loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
+def test_flash_attention_2_sees_packed_examples_alone_in_the_layout_the_probe_chose(packed, pretrained) -> None:
+    """transformers' FlashAttention-2 code (reference kernels on the CPU): a batch of 4 packed rows in the layout the
+    probe chooses gives the loss of every example alone; as prepared, it does not."""
+    with flash_attention_on_cpu():
+        model = AutoModelForCausalLM.from_pretrained(pretrained, attn_implementation="flash_attention_2").eval()
+        model.config.use_cache = False
+        assert probe_isolation(model.config, "flash_attention_2").layout == "one_row"
+        total, _ = summed_losses_alone(model, load_data(packed).validation.select(range(4)))
+        with torch.no_grad():
+            for layout, isolated in (("one_row", True), ("position_ids", False)):
+                data = load_data(packed, layout)
+                batch = data.format.collate(data.validation.__getitems__(list(range(4))))
+                summed = model(**batch.inputs).loss.item() * batch.trained_tokens
+                assert (summed == pytest.approx(total, rel=1e-5)) == isolated, layout
+
+
+def test_a_model_that_cannot_keep_packed_examples_apart_is_refused_in_one_line(tiny, packed, tmp_path,
+                                                                               capsys) -> None:
+    """Falcon with ALiBi takes no mask of ours: refused before any worker starts, naming what works."""
+    model = falcon_folder(tiny, tmp_path / "falcon-alibi", alibi=True)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=model,
+                                          train_data_dir=packed)))
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(errors) == 1, errors
+    assert "holds packed examples, but a falcon model with --attn_implementation sdpa lets them attend to each " \
+           "other" in errors[0] and errors[0].endswith("prepare the data with --packing false"), errors
 
 
 def test_micro_batches_of_a_step_hold_different_numbers_of_trained_tokens(padded) -> None:

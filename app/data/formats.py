@@ -3,9 +3,17 @@
 | format | columns | a batch for the model |
 | --- | --- | --- |
 | text | input_ids (blocks) | labels = input_ids |
-| supervised_packed | input_ids, labels, position_ids (blocks) | as stored; position_ids restart at every example, so attention never crosses examples |
+| supervised_packed | input_ids, labels, position_ids (blocks) | in the layout that keeps the examples apart in the run's model (below) |
 | supervised_padded | input_ids, labels (one example per row) | padded to the longest row: pad id, label -100, attention_mask 0 |
 | seq2seq | input_ids (source), labels (target) | padded the same way; the model builds its decoder inputs from the labels |
+
+Packed examples are kept apart by the layout the preflight's probe of the run's model chose (app/isolation.py):
+`position_ids` (the rows as prepared: their restarts at 0 become example boundaries in models that read them),
+`one_row` (the micro batch flattened into one row, as transformers' DataCollatorWithFlattening does: FlashAttention
+finds packed examples only in a one-row batch), or a block-diagonal causal `attention_mask` for models whose masks
+ignore position_ids, as booleans (`boolean_mask`, SDPA) or added to the scores (`additive_mask`, eager). Flattening
+changes no loss: every example's first token has label -100, so no row's last token learns to predict the next
+row's first one. A mask costs rows x block^2 bytes per micro batch (4x that when additive).
 
 Every row also gets its count of trained tokens, the targets that count in the loss (labels other than -100, after
 the causal models' one-token shift): the loop divides a step's summed token losses by the step's count, which it
@@ -27,6 +35,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 
 IGNORE_INDEX = -100
+Layout = Literal["position_ids", "one_row", "boolean_mask", "additive_mask"]
+LAYOUTS: tuple[Layout, ...] = ("position_ids", "one_row", "boolean_mask", "additive_mask")
 FormatName = Literal["text", "supervised_packed", "supervised_padded", "seq2seq"]
 COLUMNS = {"text": ["input_ids"], "supervised_packed": ["input_ids", "labels", "position_ids"],
            "supervised_padded": ["input_ids", "labels"], "seq2seq": ["input_ids", "labels"]}
@@ -53,6 +63,8 @@ class Batch:
 class DataFormat:
     name: FormatName
     pad_token_id: int
+    layout: Layout = "position_ids"
+    """How packed rows reach the model (supervised_packed only)."""
 
     @classmethod
     def of(cls, data_dir: str | Path) -> "DataFormat":
@@ -88,6 +100,8 @@ class DataFormat:
                       "labels": self._pad(rows, "labels", IGNORE_INDEX)}
             return Batch(inputs, trained)
         inputs = {name: torch.stack([row[name] for row in rows]) for name in self.columns}
+        if self.name == "supervised_packed":
+            return Batch(arrange(self.layout, inputs), trained)
         if self.name == "text":  # a row may bring its own labels: -100 for evaluation's padding rows
             inputs["labels"] = torch.stack([row.get("labels", row["input_ids"]) for row in rows])
         return Batch(inputs, trained)
@@ -125,6 +139,27 @@ class DataFormat:
             return None
         end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE_INDEX), len(labels))
         return Sample(prompt=input_ids[:first], reference=input_ids[first:end])
+
+
+def arrange(layout: Layout, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's inputs for packed rows (`input_ids`, `labels`, `position_ids`, each rows x block) in `layout`."""
+    if layout == "position_ids":
+        return inputs
+    if layout == "one_row":
+        return {name: tensor.reshape(1, -1) for name, tensor in inputs.items()}
+    allowed = block_causal(inputs["position_ids"])
+    if layout == "boolean_mask":
+        return inputs | {"attention_mask": allowed}
+    return inputs | {"attention_mask": torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)}
+
+
+def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
+    """(rows, 1, T, T) booleans: query i may attend to key j when j <= i and both belong to the same example (an
+    example starts wherever the positions restart at 0)."""
+    example = (position_ids == 0).cumsum(-1)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return ((example[:, :, None] == example[:, None, :]) & causal)[:, None]
 
 
 def _examples_of(row: dict[str, Any]) -> list[tuple[list[int], list[int]]]:

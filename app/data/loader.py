@@ -7,7 +7,7 @@ to the stop signals meant for the rank.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +15,7 @@ import numpy as np
 from datasets import Dataset, load_from_disk
 from torch.utils.data import DataLoader
 
-from app.data.formats import IGNORE_INDEX, Batch, DataFormat, with_trained_tokens
+from app.data.formats import IGNORE_INDEX, Batch, DataFormat, Layout, with_trained_tokens
 from app.data.order import EpochBatches, epoch_permutation, eval_plan, step_rows
 from app.schedule import TrainingPlan
 from app.workers import worker_options
@@ -33,8 +33,9 @@ class TrainingData:
     """Each train row's trained tokens: a step's total is known on every rank without a collective."""
 
 
-def load_data(data_dir: str | Path) -> TrainingData:
-    data_format = DataFormat.of(data_dir)
+def load_data(data_dir: str | Path, layout: Layout = "position_ids") -> TrainingData:
+    """The folder's splits; packed rows reach the model in `layout` (the one the preflight's probe chose)."""
+    data_format = replace(DataFormat.of(data_dir), layout=layout)
     splits = load_from_disk(str(data_dir))
     train, counts = with_trained_tokens(splits["train"], data_format)
     validation, _ = with_trained_tokens(splits["validation"], data_format)

@@ -1,0 +1,156 @@
+"""Whether the examples packed into one row stay isolated, proven for the run's own model class, attention
+implementation and micro batch, and the layout of the model's inputs that keeps them so.
+
+Packed supervised rows hold several examples whose `position_ids` restart at 0. Whether attention then stops at
+an example's edge depends on code outside this project, and differs between models and attention kernels
+(transformers 5.23): Llama, Qwen2, Mistral, Phi-3 and GPT-2 turn the restarts into a block-diagonal mask under SDPA
+and eager; Falcon's and OPT's masks ignore position_ids whatever the attention; FlashAttention-2 gets no mask at
+all and finds the restarts only in a batch of one row. A list of architecture names would go stale with every
+release, so the run's class is asked instead: `probe_isolation` builds a small random twin of the run's config
+(2 layers, a few heads, a small vocabulary; the same class and attention implementation), runs packed rows of
+examples of different lengths through it in each layout below, and compares every example's logits with its
+logits alone. The first layout that matches is used for training and evaluation; when none does, the run is
+refused before any worker starts.
+
+| layout (app/data/formats.py) | isolates |
+| --- | --- |
+| position_ids: the rows as prepared | models whose masks read position restarts; FlashAttention with one row |
+| one_row: the micro batch flattened into one row | FlashAttention-2 with micro batches of several rows |
+| boolean_mask: a block-diagonal causal mask of booleans | SDPA in models that ignore position restarts |
+| additive_mask: the same mask as 0 / -inf added to the scores | eager attention in those models |
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import PretrainedConfig
+
+from app.data.formats import LAYOUTS, Layout, arrange
+
+EXAMPLE_LENGTHS = ((5, 9, 7, 3), (8, 4, 6, 6))
+"""The examples of the probe's two rows (each row's last one stands for the padding that ends a block)."""
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+"""Largest difference, relative to the largest logit, between an example's logits packed and alone that still
+counts as isolated. Measured on CPU: 4e-7 when isolated, 0.3 to 1.2 when examples see each other."""
+KV_HEAD_NAMES = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
+MLP_WIDTH_NAMES = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff", "moe_intermediate_size",
+                   "shared_expert_intermediate_size")
+EXPERT_COUNT_NAMES = ("num_local_experts", "num_experts", "n_routed_experts")
+PROBE_VOCAB = 512
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What the probe found for one attention implementation: the first layout that isolates (None: none does)
+    and how far an example's logits moved when packed as prepared."""
+
+    attn_implementation: str
+    layout: Optional[Layout]
+    leak: float
+
+
+def probe_isolation(model_config: PretrainedConfig, attn_implementation: str,
+                    trust_remote_code: bool = False) -> Isolation:
+    """Run packed rows through a small twin of the model and return the first layout that keeps examples apart.
+
+    The probe's batch has two rows, whatever the micro batch: evaluation batches have their own size, and a layout
+    that isolates two rows isolates one. Raises what building or running the model raises (an attention
+    implementation this machine lacks)."""
+    from app.model import model_class
+
+    device, dtype = probe_device(attn_implementation)
+    model = model_class(model_config).from_config(small_twin(model_config), attn_implementation=attn_implementation,
+                                                  trust_remote_code=trust_remote_code, dtype=dtype)
+    model.to(device).eval()
+    model.config.use_cache = False  # as training builds it: with a cache, transformers looks for no packing
+    examples = probe_examples(EXAMPLE_LENGTHS, model.config.vocab_size)
+    with torch.no_grad():
+        alone = [model(input_ids=ids[None].to(device)).logits[0].float() for row in examples for ids in row]
+        as_prepared = packed_difference(model, "position_ids", examples, alone, device)
+        for layout in LAYOUTS:
+            leak = as_prepared if layout == "position_ids" else packed_difference(model, layout, examples, alone,
+                                                                                 device)
+            if leak <= TOLERANCE[dtype]:
+                return Isolation(attn_implementation, layout, as_prepared)
+    return Isolation(attn_implementation, None, as_prepared)
+
+
+def packed_difference(model: torch.nn.Module, layout: Layout, examples: list[list[torch.Tensor]],
+                      alone: list[torch.Tensor], device: torch.device) -> float:
+    """The largest difference between an example's logits packed in `layout` and alone, relative to the largest
+    logit; infinite when the model refuses the layout's inputs."""
+    inputs = {"input_ids": torch.stack([torch.cat(row) for row in examples]),
+              "position_ids": torch.stack([torch.cat([torch.arange(len(ids)) for ids in row]) for row in examples])}
+    try:
+        logits = model(**{name: tensor.to(device) for name, tensor in arrange(layout, inputs).items()}).logits
+    except (RuntimeError, ValueError, TypeError, IndexError):  # e.g. a model that cannot take a 4D mask
+        return float("inf")
+    packed = logits.float().reshape(-1, logits.shape[-1]).split([len(ids) for row in examples for ids in row])
+    return max(float((p - a).abs().max() / a.abs().max().clamp_min(1e-12)) for p, a in zip(packed, alone))
+
+
+def probe_examples(rows: tuple[tuple[int, ...], ...], vocab_size: int) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [[torch.randint(3, vocab_size, (length,), generator=generator) for length in row] for row in rows]
+
+
+def probe_device(attn_implementation: str) -> tuple[torch.device, torch.dtype]:
+    """FlashAttention kernels run on a GPU in half precision; the others are probed on the CPU in float32."""
+    if "flash" in attn_implementation and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def small_twin(config: PretrainedConfig) -> PretrainedConfig:
+    """The config with 2 layers (one of each kind where layers differ), at most 4 attention heads of the same
+    width in the same grouping, narrow feed-forward layers, at most 4 experts and a small vocabulary: the same
+    classes and attention code, a thousandth of the weights.
+
+    Attribute names go through the config's own attribute_map (GPT-2's n_layer, n_head, n_embd)."""
+    twin = copy.deepcopy(config)
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and layer_types:
+        kinds = list(dict.fromkeys(layer_types))
+        twin.layer_types = kinds if len(kinds) > 1 else kinds * 2
+        twin.num_hidden_layers = len(twin.layer_types)
+    else:
+        twin.num_hidden_layers = 2
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads > 4:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        twin.num_attention_heads = 4
+        for name in KV_HEAD_NAMES:
+            kv_heads = getattr(config, name, None)
+            if isinstance(kv_heads, int) and 0 < kv_heads < heads:
+                setattr(twin, name, max(1, 4 * kv_heads // heads))
+            elif kv_heads == heads:
+                setattr(twin, name, 4)
+        if "head_dim" in vars(config):  # a value of its own, not a property computed from the others
+            twin.head_dim = head_dim
+        old_width, twin.hidden_size = config.hidden_size, 4 * head_dim
+        if getattr(config, "word_embed_proj_dim", None) == old_width:
+            twin.word_embed_proj_dim = twin.hidden_size
+    for name in MLP_WIDTH_NAMES:
+        if isinstance(getattr(config, name, None), int):
+            setattr(twin, name, 2 * twin.hidden_size)
+    for name in EXPERT_COUNT_NAMES:
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) > 4:
+            setattr(twin, name, 4)
+    if isinstance(getattr(config, "num_experts_per_tok", None), int):
+        twin.num_experts_per_tok = min(config.num_experts_per_tok, 2)
+    if config.vocab_size > PROBE_VOCAB:
+        twin.vocab_size = PROBE_VOCAB
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            if _beyond(getattr(twin, name, None), PROBE_VOCAB):
+                setattr(twin, name, None)
+    return twin
+
+
+def _beyond(token_id: object, vocab_size: int) -> bool:
+    ids = token_id if isinstance(token_id, list) else [token_id]
+    return any(isinstance(i, int) and i >= vocab_size for i in ids)

@@ -1,0 +1,88 @@
+"""Packed examples stay apart in every model, attention implementation and micro batch, or the run is refused: the
+probe of the run's own class (app/isolation.py) and the layouts it chooses (app/data/formats.py).
+
+The configs are tiny random ones of each architecture; FlashAttention-2 runs transformers' own code with reference
+kernels on the CPU (tests/helpers/flash_attention_on_cpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (FalconConfig, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
+                          PretrainedConfig, Qwen2Config)
+
+from app.data.formats import arrange, block_causal
+from app.isolation import probe_isolation, small_twin
+from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
+
+WIDTH = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+LLAMA_LIKE = dict(WIDTH, intermediate_size=128, num_key_value_heads=2)
+CONFIGS: dict[str, PretrainedConfig] = {
+    "llama": LlamaConfig(**LLAMA_LIKE),
+    "qwen2": Qwen2Config(**LLAMA_LIKE),
+    "mistral": MistralConfig(**LLAMA_LIKE),
+    "phi3": Phi3Config(**LLAMA_LIKE, pad_token_id=0),
+    "gpt2": GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4),
+    "falcon": FalconConfig(**WIDTH),
+    "opt": OPTConfig(**WIDTH, ffn_dim=128, word_embed_proj_dim=64),
+    "falcon-alibi": FalconConfig(**WIDTH, alibi=True),
+}
+EXPECTED = {  # (sdpa, eager)
+    "llama": ("position_ids", "position_ids"), "qwen2": ("position_ids", "position_ids"),
+    "mistral": ("position_ids", "position_ids"), "phi3": ("position_ids", "position_ids"),
+    "gpt2": ("position_ids", "position_ids"),
+    "falcon": ("boolean_mask", "additive_mask"), "opt": ("boolean_mask", "additive_mask"),
+    "falcon-alibi": (None, None),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_probe_finds_the_layout_that_keeps_packed_examples_apart(name: str) -> None:
+    """Models whose masks read position restarts take the rows as prepared; Falcon and OPT, whose masks ignore them,
+    need a block-diagonal mask (booleans for SDPA, added to the scores for eager); Falcon with ALiBi takes no mask
+    of ours and is refused."""
+    for attention, expected in zip(("sdpa", "eager"), EXPECTED[name]):
+        found = probe_isolation(CONFIGS[name], attention)
+        assert found.layout == expected, (attention, found)
+        leaks_as_prepared = expected != "position_ids"
+        assert (found.leak > 0.1) == leaks_as_prepared, (attention, found)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "opt"])
+def test_flash_attention_2_with_several_rows_leaks_as_prepared_and_one_row_keeps_examples_apart(name: str) -> None:
+    """transformers gives FlashAttention-2 no mask and looks for packed examples only in a batch of one row: with
+    two rows each example sees the ones before it. Flattened into one row, every example is alone again."""
+    with flash_attention_on_cpu():
+        found = probe_isolation(CONFIGS[name], "flash_attention_2")
+    assert found.layout == "one_row" and found.leak > 0.1, found
+
+
+def test_block_causal_mask_lets_a_token_see_only_its_own_examples_earlier_tokens() -> None:
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]])
+    mask = block_causal(positions)
+    example = (positions == 0).cumsum(-1)
+    for row in range(2):
+        for i in range(6):
+            for j in range(6):
+                assert mask[row, 0, i, j] == (j <= i and example[row, i] == example[row, j])
+    inputs = {"input_ids": torch.arange(12).reshape(2, 6), "labels": torch.arange(12).reshape(2, 6),
+              "position_ids": positions}
+    assert {k: v.tolist() for k, v in arrange("one_row", inputs).items()} == {
+        k: [v.flatten().tolist()] for k, v in inputs.items()}
+    additive = arrange("additive_mask", inputs)["attention_mask"]
+    assert additive.dtype == torch.float32 and ((additive == 0) == mask).all()
+
+
+def test_the_probes_twin_keeps_the_class_and_the_attention_grouping_at_a_fraction_of_the_size() -> None:
+    """Llama-3-8B's shape: 32 layers of 32 heads in 8 groups, 128K vocabulary -> 2 layers of 4 heads in 1 group of
+    the same width, 512 tokens; the probe runs in well under a second."""
+    llama3 = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, bos_token_id=128000, eos_token_id=128001)
+    twin = small_twin(llama3)
+    assert (twin.num_hidden_layers, twin.num_attention_heads, twin.num_key_value_heads, twin.hidden_size,
+            twin.intermediate_size, twin.vocab_size) == (2, 4, 1, 512, 1024, 512)
+    assert twin.bos_token_id is None and llama3.num_hidden_layers == 32, "the run's own config is untouched"
+    falcon7b = FalconConfig(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
+                            multi_query=True)
+    assert probe_isolation(falcon7b, "sdpa").layout == "boolean_mask"
