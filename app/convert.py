@@ -1,10 +1,15 @@
-"""Checkpoint → Hugging Face model folder (weights, config, tokenizer, model card), verified by reloading it.
+"""Checkpoint → Hugging Face model folder (weights, config, generation config, tokenizer, model card), verified by
+reloading it.
 
 Memory: the model is built on the meta device and the checkpoint's model tensors are read (never its optimizer
 state) into one copy that is assigned into it, so at most one copy of the weights exists; it is cast to --dtype tensor by tensor. Logits on a fixed input are taken from that model in the
 checkpoint's dtype, the model is written and freed, and the folder is reloaded with `from_pretrained` and must
 reproduce them (exactly when the dtype is unchanged). The folder is written under a hidden temporary name and
 only renamed into place after that check, so a failed conversion never leaves or replaces an output folder.
+
+generation_config.json is the base model's own when it has one (its sampling defaults and stop tokens: Gemma's
+instruction models and Phi-3 keep their end-of-turn there only), else made from the model config; either way it
+stops at the tokenizer's EOS and at the chat template's end-of-turn, where training taught the model to stop.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Literal, Optional
 import torch
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, set_parsing_settings
 from torch.nn import Module
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints,
                             read_metadata as read_checkpoint_metadata, read_model_weights, stored_tensor_shapes)
@@ -29,6 +34,7 @@ from app.checkpoint.files import publish
 from app.checkpoint.state import MODEL_PREFIX
 from app.model import meta_model, model_class
 from app.hub import HubArgs, describe_upload, login_problem, push_folder
+from app.prepare.chat_template import end_of_turn_id
 from app.exit_codes import EXIT_BAD_INPUT
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -79,6 +85,8 @@ class Job:
     model_config: PretrainedConfig
     tokenizer: str
     shapes: dict[str, tuple[torch.Size, torch.dtype]] = field(repr=False)
+    base_model: Optional[str] = None
+    """The model training started from (--model_name of the run, or of this command): its generation config."""
 
     @property
     def step(self) -> int:
@@ -252,7 +260,8 @@ def plan(args: Args) -> list[Job]:
         check_weights_fit(checkpoint, config, shapes)
         tokenizer = resolve_tokenizer(args, metadata)
         check_tokenizer(tokenizer, config)
-        jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes))
+        base_model = args.model_name or (metadata.get("config") or {}).get("model_name")
+        jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes, base_model))
     return jobs
 
 
@@ -369,16 +378,36 @@ def block_size_of(run: dict[str, Any]) -> Optional[int]:
         return None
 
 
+def generation_config(job: Job, tokenizer: Any) -> GenerationConfig:
+    """The base model's generation config (its sampling defaults, its stop tokens) when it has one, else one made
+    from the model config; its eos_token_id also lists the tokenizer's EOS and the chat template's end-of-turn."""
+    config = None
+    if job.base_model:
+        try:
+            config = GenerationConfig.from_pretrained(job.base_model)
+        except (OSError, ValueError):  # none in the folder or repo, or the Hub out of reach: made below
+            config = None
+    config = config or GenerationConfig.from_model_config(job.model_config)
+    own = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    stops = [i for i in dict.fromkeys([*own, tokenizer.eos_token_id, end_of_turn_id(tokenizer)]) if i is not None]
+    config.eos_token_id = stops[0] if len(stops) == 1 else stops
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    return config
+
+
 def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the folder; return (logits of the checkpoint's weights, logits of the written folder)."""
     model = model_from_checkpoint(job)
     ids = probe_ids(job.model_config)
     reference = logits_of(model, ids)
     model.to(DTYPES[dtype])
+    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer)
+    model.generation_config = generation_config(job, tokenizer)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     del model
     gc.collect()
-    AutoTokenizer.from_pretrained(job.tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     (folder / "README.md").write_text(model_card(job, dtype, block_size_of(job.metadata.get("config") or {})))
     reloaded = model_class(job.model_config).from_pretrained(folder, dtype=DTYPES[dtype]).eval()
     return reference, logits_of(reloaded, ids)

@@ -7,6 +7,7 @@ python -m app.generate demo/sft-model --chat true --prompt "def add(a, b):\\n   
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from jsonargparse import auto_cli
@@ -25,8 +26,9 @@ class GenerateArgs:
     """Wrap the prompt in the tokenizer's chat template, as a user message followed by the assistant's turn."""
     max_new_tokens: int = 80
     """Tokens to generate."""
-    temperature: float = 0.8
-    """Sampling temperature; 0 for greedy decoding."""
+    temperature: Optional[float] = None
+    """Sampling temperature; 0 for greedy decoding; default: the sampling of the model's generation_config.json,
+    or 0.8 with top-k 50 when it does not sample."""
     seed: int = 0
     """Sampling seed."""
 
@@ -38,20 +40,39 @@ def model_input(tokenizer, args: GenerateArgs) -> dict[str, torch.Tensor]:
                                          return_tensors="pt", return_dict=True)
 
 
+def sampling(args: GenerateArgs, own_config: Any) -> dict[str, Any]:
+    """generate()'s sampling options: --temperature when given, else the model's own generation config when it
+    samples, else a temperature of 0.8 among the 50 likeliest tokens."""
+    if args.temperature == 0:
+        return {"do_sample": False}
+    if args.temperature is None and own_config.do_sample:
+        return {}
+    return {"do_sample": True, "temperature": args.temperature or 0.8, "top_k": 50}
+
+
 def generate(args: GenerateArgs) -> str:
-    """What the model writes: a plain prompt and its continuation, or a chat message (a source) and the answer."""
+    """What the model writes: a plain prompt and its continuation, or a chat message (a source) and the answer,
+    then how many tokens it wrote and why it stopped (a stop token of its generation config, or the limit)."""
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     config = AutoConfig.from_pretrained(args.model)
     model = model_class(config).from_pretrained(args.model).eval()
     inputs = model_input(tokenizer, args)
     torch.manual_seed(args.seed)
-    sampling = dict(do_sample=True, temperature=args.temperature, top_k=50) if args.temperature > 0 else {}
     output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id,
-                            **sampling)
-    new_tokens = output[0] if config.is_encoder_decoder else output[0, inputs["input_ids"].shape[1]:]
+                            **sampling(args, model.generation_config))
+    new_tokens = output[0, 1:] if config.is_encoder_decoder else output[0, inputs["input_ids"].shape[1]:]
     written = tokenizer.decode(new_tokens, skip_special_tokens=True)
     answers = args.chat or config.is_encoder_decoder
-    return f"{args.prompt}\n--> {written}" if answers else args.prompt + written
+    text = f"{args.prompt}\n--> {written}" if answers else args.prompt + written
+    ending = why_it_stopped(new_tokens.tolist(), model.generation_config, tokenizer)
+    return f"{text}\n({len(new_tokens)} new tokens, {ending})"
+
+
+def why_it_stopped(new_tokens: list[int], own_config: Any, tokenizer: Any) -> str:
+    stops = own_config.eos_token_id if isinstance(own_config.eos_token_id, list) else [own_config.eos_token_id]
+    if new_tokens and new_tokens[-1] in stops:
+        return f"stopped at {tokenizer.convert_ids_to_tokens(new_tokens[-1])}"
+    return "--max_new_tokens reached"
 
 
 if __name__ == "__main__":
