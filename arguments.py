@@ -179,7 +179,7 @@ class EvalArgs:
     """Evaluate once before the first step of a new run: the baseline every later validation loss compares with."""
     eval_samples: int = 0
     """At each evaluation, greedily generate the answers of this many fixed validation prompts (supervised or
-    seq2seq data), write them to out_dir/samples/ and log exact match, ROUGE-1/2/L and their length."""
+    seq2seq data), write them to out_dir/samples/ and log exact match, ROUGE-1/2/L/Lsum and their length."""
     eval_max_new_tokens: int = 128
     """Most tokens generated per sample (fewer when every sample stops earlier)."""
 

@@ -121,7 +121,7 @@ class Loop:
         steps = train_steps(self.fabric, self.data, plan, seed=cfg.seed, epoch=state["epoch"],
                             position=state["position"], num_workers=cfg.num_workers)
         self.state_memory.watch(state["model"], state["optimizer"])
-        if state["step"] == 0 and cfg.initial_validation:
+        if state["step"] == 0 and cfg.initial_validation and len(self.data.validation):
             self.fabric.log_dict(self.evaluate(), step=0)
         losses: list[torch.Tensor] = []
         self.stop.begin_training()
@@ -188,7 +188,10 @@ class Loop:
                            ranks=ranks, val_loss=self.state["val_loss"])
 
     def evaluate(self) -> dict[str, float]:
+        """Validation loss (and generation samples) on every rank; nothing when the data has no validation split."""
         cfg = self.cfg
+        if not len(self.data.validation):
+            return {}
         with self.evaluation.measure():
             loss = validation_loss(self.fabric, self.state["model"], self.data,
                                    batch_size=cfg.eval_batch_size or cfg.micro_batch_size, max_batches=cfg.eval_iters)
@@ -204,7 +207,8 @@ class Loop:
     def report_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.console.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()} on rank 0, gradient "
                           f"norm {grad_norm.item()}); stopped without applying this step or saving it. Resume "
-                          "from the last checkpoint with a lower --lr, a --grad_clip, or --precision bf16-mixed")
+                          "from the last checkpoint with a lower --lr, a --grad_clip, or --precision bf16-mixed "
+                          "(32-true on GPUs without bfloat16)")
 
     def save(self, evaluated: bool, upload: bool) -> dict[str, float]:
         """Write the checkpoint (or, with --async_save, hand it to the background writer); once it is published,

@@ -92,6 +92,19 @@ def float32_matmul_precision(precision: str, tf32: bool, capability: Optional[tu
     return "highest"
 
 
+def fp32_modules_problem(precision: str, model: torch.nn.Module) -> Optional[str]:
+    """Models that name modules to keep in float32 under fp16 (T5's feed-forward output `wo`: transformers'
+    `_keep_in_fp32_modules`) overflow when 16-bit training casts those modules down, as 16-mixed's autocast and
+    16-true's weights both do: the run would stop at its first non-finite loss."""
+    kept = set(getattr(model, "_keep_in_fp32_modules", None) or []) | set(
+        getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if precision not in ("16-mixed", "16-true") or not kept:
+        return None
+    return (f"--precision {precision}: {type(model).__name__} keeps {', '.join(sorted(kept))} in float32 under "
+            "float16 (transformers' _keep_in_fp32_modules), which 16-bit training would cast down and overflow; use "
+            "--precision 32-true, or bf16-mixed on a GPU with bfloat16 (Ampere or newer)")
+
+
 def bf16_support_problem(precision: str, device_name: str, capability: tuple[int, int]) -> Optional[str]:
     """Seed 002's readiness check: bf16 needs Ampere (compute capability 8.0) or newer; V100 and T4 only emulate it."""
     if "bf16" not in precision or capability >= AMPERE:

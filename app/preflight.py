@@ -32,7 +32,7 @@ from app.isolation import probe_isolation
 from app.prefetch import offline_hint
 from app.model import load_model_config, meta_model, model_source, resolve_wrap_classes
 from app.optim import grouped_parameter_names, no_decay_names
-from app.precision import bf16_support_problem, weights_dtype
+from app.precision import bf16_support_problem, fp32_modules_problem, weights_dtype
 from app.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch
 from app.strategy import resolve_accelerator
 
@@ -70,6 +70,7 @@ class Resume:
 class DataFacts:
     format: DataFormat
     train_rows: int
+    validation_rows: int
     block_size: int
     """The longest row (every row, for block formats)."""
     mean_row_tokens: float
@@ -115,10 +116,13 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
     for name in ("train", "validation"):
         split = splits[name]
         absent = [column for column in data_format.columns if column not in split.column_names]
-        if absent or len(split) == 0:
+        if absent or (len(split) == 0 and name == "train"):
             problems.append(f"{flag}: split {name} has no rows of {', '.join(absent or data_format.columns)} "
                             f"({data_format.name} data; columns: {split.column_names}); prepare it again")
             return None
+        if len(split) == 0:
+            note(f"{flag} has no validation rows (prepared with --val_fraction 0): the run trains without evaluating")
+            continue
         row_lengths = pc.list_value_length(split.data.column("input_ids"))
         lengths |= {pc.min(row_lengths).as_py(), pc.max(row_lengths).as_py()}
         max_ids.append(pc.max(pc.list_flatten(split.data.column("input_ids"))).as_py())
@@ -128,7 +132,8 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
     train = splits["train"].data
     mean_tokens = {column: pc.mean(pc.list_value_length(train.column(column))).as_py()
                    for column in ("input_ids", "labels") if column in train.column_names}
-    return DataFacts(format=data_format, train_rows=len(splits["train"]), block_size=max(lengths),
+    return DataFacts(format=data_format, train_rows=len(splits["train"]),
+                     validation_rows=len(splits["validation"]), block_size=max(lengths),
                      mean_row_tokens=mean_tokens["input_ids"],
                      mean_target_tokens=mean_tokens["labels"] if data_format.encoder_decoder else 0.0,
                      max_token_id=max(max_ids))
@@ -148,8 +153,8 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
 def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
     if data.format.encoder_decoder != bool(model_config.is_encoder_decoder):
         kind = "an encoder-decoder model" if model_config.is_encoder_decoder else "a causal LM"
-        wanted = ("--prompt_field/--response_field or --messages_field" if model_config.is_encoder_decoder
-                  else "--source_field/--target_field")
+        wanted = ("--source_field/--target_field" if model_config.is_encoder_decoder
+                  else "--prompt_field/--response_field or --messages_field (raw text: --text_field)")
         problems.append(f"--train_data_dir holds {data.format.name} data but {model_source(cfg)} is {kind}; "
                         f"prepare the data with {wanted}, or train a matching model")
     max_positions = getattr(model_config, "max_position_embeddings", None)
@@ -180,8 +185,8 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
         instead = f"use --attn_implementation {others[0]}, or " if others else ""
         problems.append(f"--train_data_dir {cfg.train_data_dir} holds packed examples, but a {kind} model with "
                         f"--attn_implementation {attention} lets them attend to each other (probed: an example's "
-                        f"logits change by {found.leak:.0%} when packed) and takes no mask that stops it; {instead}prepare the data "
-                        "with --packing false")
+                        f"logits change by {found.leak:.0%} when packed) and takes no mask that stops it; "
+                        f"{instead}prepare the data with --packing false")
     elif found.layout != "position_ids":
         note(f"packed examples: a {kind} model with --attn_implementation {attention} would let them attend to each "
              f"other as prepared (probed: an example's logits change by {found.leak:.0%} when packed); they are "
@@ -222,13 +227,33 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     if model_config is not None and len(tokenizer) > model_config.vocab_size:
         problems.append(f"--tokenizer {name} has {len(tokenizer)} tokens, more than the model's vocab_size "
                         f"{model_config.vocab_size}; use the tokenizer the data was prepared with")
+    if cfg.tokenizer and bundled.is_dir():
+        difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(bundled))
+        if difference:
+            problems.append(f"--tokenizer {name} is not the tokenizer --train_data_dir was prepared with ({bundled}): "
+                            f"{difference}; drop --tokenizer (the run records the data's), or prepare the data with it")
     return name
+
+
+def tokenizer_difference(given, prepared) -> Optional[str]:
+    """What differs between two tokenizers in what the run records for conversion: the token ids, the special
+    tokens, the chat template (a converted chat model would render prompts unlike its training)."""
+    if given.get_vocab() != prepared.get_vocab():
+        return "its vocabulary differs"
+    if given.all_special_ids != prepared.all_special_ids:
+        return "its special tokens differ"
+    if (given.chat_template or None) != (prepared.chat_template or None):
+        return "its chat template differs"
+    return None
 
 
 def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], problems: list[str]) -> None:
     if cfg.eval_samples and not data.format.supervised:
         problems.append(f"--eval_samples {cfg.eval_samples} needs prompts and references (supervised or seq2seq data), "
                         f"but --train_data_dir {cfg.train_data_dir} holds raw text; drop it or prepare pairs")
+    if cfg.eval_samples and not data.validation_rows:
+        problems.append(f"--eval_samples {cfg.eval_samples} takes its prompts from the validation split, but "
+                        f"--train_data_dir {cfg.train_data_dir} has none; drop it or prepare with --val_fraction > 0")
     if cfg.eval_samples and tokenizer is None:
         problems.append(f"--eval_samples {cfg.eval_samples} decodes the samples with the run's tokenizer: give --tokenizer")
 
@@ -366,8 +391,13 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
     return Resume(path, metadata) if metadata is not None else None
 
 
-def check_precision(cfg: Config, problems: list[str]) -> None:
-    """On a GPU without bf16 (V100, T4) a bf16 run would emulate it slowly or fail inside a worker: refuse it here."""
+def check_precision(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> None:
+    """On a GPU without bf16 (V100, T4) a bf16 run would emulate it slowly or fail inside a worker, and a model
+    that needs float32 modules overflows in fp16: refuse both here."""
+    if model_config is not None:
+        problem = fp32_modules_problem(cfg.precision, meta_model(model_config, cfg.trust_remote_code))
+        if problem:
+            problems.append(problem)
     if resolve_accelerator(cfg) == "cuda" and torch.cuda.is_available():
         problem = bf16_support_problem(cfg.precision, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
         if problem:
@@ -427,7 +457,7 @@ def preflight(cfg: Config) -> RunInputs:
         check_samples(cfg, data, tokenizer, problems)
     if not cfg.estimate_memory:  # planning writes nothing
         check_out_dir(cfg, model_config, problems)
-    check_precision(cfg, problems)
+    check_precision(cfg, model_config, problems)
     check_offload(cfg, problems)
     check_wandb(cfg, problems)
     check_launcher(cfg, problems)

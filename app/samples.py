@@ -12,6 +12,7 @@ holds the whole model.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -21,12 +22,17 @@ import torch.distributed as dist
 
 from app.data.formats import Sample
 from app.model import strategy_module
+from app.prepare.chat_template import end_of_turn_id
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+WRITTEN_WITHOUT_SPACES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff"
+"""Kana and CJK ideographs: scripts whose words are not separated by spaces."""
+WORD = re.compile(f"[{WRITTEN_WITHOUT_SPACES}]|[^\\W_{WRITTEN_WITHOUT_SPACES}]+")
+STEMMED = re.compile("[a-z0-9]{4,}")
 
 
 @dataclass(frozen=True)
@@ -104,12 +110,32 @@ def generate_samples(fabric: Fabric, model: torch.nn.Module, samples: list[Sampl
     return [gathered[i % fabric.world_size][i // fabric.world_size] for i in range(len(samples))]
 
 
+class RougeWords:
+    """Words for ROUGE in every script, stemmed as published English summarization scores are.
+
+    rouge_score's own tokenizer keeps only [a-z0-9]: a Cyrillic or Chinese answer identical to its reference scores
+    0. Here a word is a run of letters and digits of any script, lower-cased, except in scripts written without
+    spaces (kana, CJK ideographs), where each character is a word, as multilingual ROUGE does; ASCII words longer
+    than 3 characters go through rouge_score's Porter stemmer, so that on ASCII text this gives exactly the words
+    of rouge_score's default tokenizer with use_stemmer=True. (rouge_score accepts any object with `tokenize`.)
+    """
+
+    def __init__(self) -> None:
+        from nltk.stem import porter
+
+        self.stemmer = porter.PorterStemmer()
+
+    def tokenize(self, text: str) -> list[str]:
+        return [self.stemmer.stem(word) if STEMMED.fullmatch(word) else word for word in WORD.findall(text.lower())]
+
+
 def sample_metrics(generated: list[str], references: list[str], lengths: list[int]) -> dict[str, float]:
-    """Exact match, mean ROUGE-1/2/L F-measures (Google's rouge-score, no stemming) and the mean generated length in
-    tokens."""
+    """Exact match, mean ROUGE-1/2/L/Lsum F-measures (Google's rouge-score, words of every script, stemmed; rougeLsum
+    takes every line as a sentence, as summaries are written one sentence per line) and the mean generated length
+    in tokens."""
     from rouge_score.rouge_scorer import RougeScorer
 
-    scorer = RougeScorer(list(ROUGE_KEYS), use_stemmer=False)
+    scorer = RougeScorer(list(ROUGE_KEYS), tokenizer=RougeWords())
     scores = [scorer.score(target=r, prediction=g) for g, r in zip(generated, references)]
     metrics = {f"sample_{key}": sum(score[key].fmeasure for score in scores) / len(scores) for key in ROUGE_KEYS}
     exact = sum(g.strip() == r.strip() for g, r in zip(generated, references)) / len(references)
@@ -135,8 +161,9 @@ class SampleEvaluator:
 
     @property
     def stop_ids(self) -> set[int]:
-        """EOS, and the token every reference ends with (an end-of-turn token such as <|eot_id|>)."""
-        return {self.tokenizer.eos_token_id} | {sample.reference[-1] for sample in self.samples if sample.reference}
+        """EOS, and the token that ends an assistant turn in the tokenizer's chat template (<|eot_id|>, <|im_end|>);
+        never a reference's last token, which is any token when the example was cut to the block."""
+        return {self.tokenizer.eos_token_id} | ({end_of_turn_id(self.tokenizer)} - {None})
 
     def evaluate(self, fabric: Fabric, model: torch.nn.Module, step: int) -> dict[str, float]:
         tokens = generate_samples(fabric, model, self.samples, decoding=self.decoding,

@@ -12,10 +12,12 @@ import pytest
 import torch
 from huggingface_hub import HfApi
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from app.convert import main as convert_main
+from app.generate import GenerateArgs, generate
 from tests.conftest import ROOT, read_checkpoint, run_train, train_args
+from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS
 
 SHORT = dict(max_step=8, warmup_steps=2, eval_step_interval=4, save_step_interval=4)
 
@@ -72,6 +74,49 @@ def test_float32_round_trip_gives_identical_logits_and_generates(tiny, full_run,
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
     generated = model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=8, do_sample=False)
     assert generated.shape[1] > 1
+
+
+def test_the_generation_config_is_the_base_models_own_or_stops_at_the_tokenizers_eos(tiny, full_run,
+                                                                                     tmp_path) -> None:
+    """A model trained from scratch gets one from its config, stopping at EOS; one trained from a base model keeps
+    the base's (sampling defaults, and an end-of-turn that only the generation config names, as Gemma's instruction
+    models and Phi-3 keep theirs), with EOS added."""
+    eos = AutoTokenizer.from_pretrained(tiny.tokenizer).eos_token_id
+    convert("--checkpoint", full_run, "--output_dir", tmp_path / "scratch", "--dtype", "float32")
+    assert json.loads((tmp_path / "scratch" / "generation_config.json").read_text())["eos_token_id"] == eos
+    base = tmp_path / "base"
+    AutoConfig.from_pretrained(tiny.model_config).save_pretrained(base)
+    GenerationConfig(eos_token_id=[7], do_sample=True, temperature=0.6, top_p=0.9).save_pretrained(base)
+    convert("--checkpoint", full_run, "--output_dir", tmp_path / "based", "--dtype", "float32", "--model_name", base)
+    kept = json.loads((tmp_path / "based" / "generation_config.json").read_text())
+    assert (kept["eos_token_id"], kept["do_sample"], kept["temperature"], kept["top_p"]) == ([7, eos], True, 0.6, 0.9)
+
+
+def test_generate_stops_at_an_end_of_turn_that_only_the_generation_config_names(tiny, tmp_path) -> None:
+    """A chat model whose config's EOS is </s> and whose turns end with <|eot_id|>, named only in
+    generation_config.json; its greedy answer reaches <|eot_id|> as its third token or so (two rows of its output
+    layer swapped to make it): `python -m app.generate --chat true` stops there instead of at --max_new_tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(tiny.model_config, vocab_size=len(tokenizer))).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "def f(x):"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    greedy = model.generate(**prompt, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, prompt["input_ids"].shape[1]:].tolist()
+    at = next(i for i in range(1, 8) if greedy[i] not in greedy[:i] and eot not in greedy[:i + 1])
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[[greedy[at], eot]] = head[[eot, greedy[at]]]
+    model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, eot])
+    model.save_pretrained(tmp_path / "chat")
+    tokenizer.save_pretrained(tmp_path / "chat")
+    assert model.config.eos_token_id == tokenizer.eos_token_id != eot
+    written = generate(GenerateArgs(str(tmp_path / "chat"), prompt="def f(x):", chat=True, temperature=0,
+                                    max_new_tokens=12))
+    assert written.endswith(f"({at + 1} new tokens, stopped at <|eot_id|>)"), written
 
 
 def test_bfloat16_conversion_is_within_tolerance(tiny, full_run, tmp_path) -> None:

@@ -14,7 +14,8 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from app.prepare import PrepareArgs, prepare
-from app.prepare.chat_template import DEFAULT_CHAT_TEMPLATE
+from app.data import DataFormat
+from app.prepare.chat_template import DEFAULT_CHAT_TEMPLATE, end_of_turn_id
 from app.prepare.cli import main
 from app.prepare.pack_examples import best_fit_decreasing
 from app.prepare.stdlib_tasks import code_summary_pairs
@@ -89,6 +90,7 @@ def load_prepared(folder: Path) -> Prepared:
 def prepared_by_the_cli(work: Path, command: str, output: str) -> Prepared:
     result = run_cli([*command.split(), "--output_dir", output], cwd=work)
     assert result.returncode == 0, result.stderr
+    (work / f"{output}.stdout").write_text(result.stdout)
     return load_prepared(work / output)
 
 
@@ -146,7 +148,7 @@ def test_packed_rows_hold_whole_examples_with_only_the_response_and_eos_trained(
     seen = []
     for split, counts in stats["splits"].items():
         table = rows[split]
-        assert table.column_names == ["input_ids", "labels", "position_ids"]
+        assert table.column_names == ["input_ids", "labels", "position_ids", "response_spans"]
         assert all(table.features[c].feature.dtype == "int32" for c in table.column_names)
         examples = truncated = 0
         for row in table:
@@ -156,9 +158,12 @@ def test_packed_rows_hold_whole_examples_with_only_the_response_and_eos_trained(
                 members.append(tail)
             else:  # the padding run: pad (EOS here) with label -100
                 assert set(tail[0]) == {stats["pad_token_id"]}
-            for ids, labels in members:
+            spans = row["response_spans"]
+            assert len(spans) == 2 * len(members), "every example's response is recorded, the padding's is not"
+            for (ids, labels), start, end in zip(members, spans[::2], spans[1::2]):
                 assert labels[0] == -100, "the first token of a packed example must never be a target"
                 (response,) = trained_runs(ids, labels)
+                assert row["input_ids"][start:end] == response, "the recorded response is the trained one"
                 prompt = tokenizer.decode(ids[: len(ids) - len(response)])
                 assert prompt in expected, "an example was split across rows or its prompt is not masked"
                 full = tokenizer(expected[prompt], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -173,7 +178,22 @@ def test_packed_rows_hold_whole_examples_with_only_the_response_and_eos_trained(
         assert truncated == counts["truncated"]
         assert counts["rows"] == len(table) and counts["tokens"] + counts["padding_tokens"] == 256 * len(table)
         assert counts["trained_tokens"] == sum(label != -100 for row in table["labels"] for label in row)
+        roles = counts["loss_mask"]["roles"]
+        assert counts["loss_mask"]["audited_examples"] == examples and set(roles) == {"user", "template", "assistant"}
+        assert roles["user"]["trained"] == 0 and roles["assistant"]["trained_share"] == 1.0
+        assert roles["template"]["trained"] == examples - truncated, "each EOS that ends a response, unless cut off"
     assert len(seen) == len(set(seen)), "an example was written twice"
+
+
+def test_the_cli_says_what_it_kept_and_which_roles_it_trains(work, packed_run):
+    train = packed_run.stats["splits"]["train"]
+    lines = (work / "packed.stdout").read_text().splitlines()
+    assert train["dropped"] == {"prompt_fills_block": 22}
+    assert lines[0] == (f"train: {train['kept']:,} of {train['examples']:,} examples kept ({train['truncated']:,} "
+                        f"truncated; dropped: prompt_fills_block 22), {train['rows']:,} rows, {train['tokens']:,} "
+                        f"tokens, {train['trained_tokens']:,} trained")
+    assert lines[1].startswith(f"  trained tokens by role ({train['kept']} examples audited): user 0% of ")
+    assert lines[2].startswith("validation: ") and len(lines) == 4
 
 
 def test_packed_attention_and_loss_never_cross_examples(packed_run):
@@ -201,7 +221,7 @@ def test_packing_false_writes_one_unpadded_example_per_row(work):
     assert stats["format"] == "supervised_padded"
     lengths = set()
     for split, counts in stats["splits"].items():
-        assert rows[split].column_names == ["input_ids", "labels"]
+        assert rows[split].column_names == ["input_ids", "labels", "response_spans"]
         assert len(rows[split]) == counts["kept"] == counts["rows"] and counts["padding_tokens"] == 0
         cut = 0
         for ids, labels in zip(rows[split]["input_ids"], rows[split]["labels"]):
@@ -228,7 +248,7 @@ def test_too_long_examples_are_truncated_or_dropped_and_counted(work):
     assert all(any(label != -100 for label in row["labels"]) for row in long_rows), "a cut keeps part of a response"
 
 
-def test_train_on_prompt_trains_every_token_but_the_first_of_each_example(work):
+def test_train_on_prompt_trains_every_token_but_the_first_of_each_example(work, packed_run):
     rows, stats, _ = sft(work, "on_prompt", train_on_prompt=True)
     assert stats["train_on_prompt"] is True
     for row in rows["train"]:
@@ -236,6 +256,13 @@ def test_train_on_prompt_trains_every_token_but_the_first_of_each_example(work):
             if set(labels) == {-100}:
                 continue  # the padding run
             assert labels[0] == -100 and labels[1:] == ids[1:]
+    roles = stats["splits"]["train"]["loss_mask"]["roles"]
+    assert roles["user"]["trained_share"] == 1.0 == roles["assistant"]["trained_share"]
+    on_prompt = DataFormat.of(work / "on_prompt").samples(rows["validation"], 100)
+    only_responses = DataFormat.of(work / "packed").samples(packed_run.rows["validation"], 100)
+    assert sorted(map(repr, on_prompt)) == sorted(map(repr, only_responses)) and len(on_prompt) > 5, \
+        "generation samples prompt with the chat up to the response, not with the BOS alone"
+    assert all(packed_run.tokenizer.decode(s.prompt).endswith("### Assistant:\n") for s in on_prompt)
 
 
 def test_multi_turn_chats_with_a_llama3_template_train_every_assistant_turn_through_eot(work, pairs):
@@ -245,6 +272,7 @@ def test_multi_turn_chats_with_a_llama3_template_train_every_assistant_turn_thro
     )
     eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     assert tokenizer.chat_template == LLAMA3_TEMPLATE, "the tokenizer's own template is used and kept"
+    assert stats["end_of_turn_token_id"] == eot == end_of_turn_id(tokenizer) != tokenizer.eos_token_id
     assert stats["fields"] == {"messages_field": "messages"} and stats["chat_template"].endswith("llama3")
     summaries = {pair["summary"] for pair in pairs}
     checked = 0
@@ -261,6 +289,9 @@ def test_multi_turn_chats_with_a_llama3_template_train_every_assistant_turn_thro
             assert ids.count(eot) == 5, "a literal <|eot_id|> in a message must stay text"
             checked += 1
     assert checked == stats["splits"]["train"]["kept"] > 50
+    audit = stats["splits"]["train"]["loss_mask"]
+    assert (audit["audited_examples"], audit["unaudited_examples"]) == (0, checked), \
+        "a message holding special-token text is encoded piece by piece, which character offsets cannot follow"
 
 
 def test_chat_template_file_overrides_the_tokenizers_and_is_saved(work):
@@ -306,6 +337,11 @@ def test_input_and_system_fields_make_alpaca_style_chats(work, pairs):
     assert stats["fields"] == {
         "prompt_field": "instruction", "response_field": "output", "system_field": "sys", "input_field": "input"
     }
+    audit = stats["splits"]["train"]["loss_mask"]
+    roles = {role: (count["trained"], count["trained_share"]) for role, count in audit["roles"].items()}
+    assert audit["audited_examples"] == len(out["train"]) and set(roles) == {"system", "user", "assistant", "template"}
+    assert roles["system"] == roles["user"] == (0, 0.0) and roles["assistant"][1] == 1.0, roles
+    assert roles["template"][0] == len(out["train"]), "the EOS that ends each response"
 
 
 def test_own_validation_split_and_a_trained_tokenizer(work, pairs):
@@ -434,6 +470,8 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{not_chat}"], "is not a list of {role, content}"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{mismatch}"], "not a prefix"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{no_eot}"], "never learn to stop"),
+    (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{trains_users}"],
+     "its masks train 15 of the 15 tokens of user messages in a two-turn chat"),
     (["--source_field", "code", "--target_field", "summary", "--max_target_length", "2"], "--max_target_length 2"),
 ]
 
@@ -451,7 +489,15 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "numbers": write_jsonl(tmp_path / "n.jsonl", [{"code": "x = 1", "summary": "Set x.", "n": 3}]),
         "mismatch": tmp_path / "mismatch.jinja",
         "no_eot": tmp_path / "no_eot.jinja",
+        "trains_users": tmp_path / "trains_users.jinja",
     }
+    # Renders the last user message only when the assistant's answer follows: masked by prefixes, the user's message
+    # falls inside the assistant's turn and is trained.
+    (tmp_path / "trains_users.jinja").write_text(
+        "{% for m in messages %}{% if not (loop.last and add_generation_prompt and m['role'] == 'user') %}"
+        "{{ m['role'] + ': ' + m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+        "{{ '\n' }}{% endif %}{% endfor %}"
+    )
     (tmp_path / "mismatch.jinja").write_text(
         "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}"

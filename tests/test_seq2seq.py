@@ -15,7 +15,9 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, T5Config
 
 from app.data import load_data
+from app.preflight import preflight
 from app.prepare import PrepareArgs, prepare
+from arguments import parse_config
 from tests.conftest import ROOT, generate_through_the_application, run_train, stop_where_lengths_differ, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
@@ -53,7 +55,7 @@ def test_t5_trains_under_fsdp_and_samples_are_scored(t5_run) -> None:
     assert metrics[8]["train_loss"] < metrics[1]["train_loss"] - 0.5
     assert metrics[8]["val_loss"] < metrics[0]["val_loss"]
     for step in (0, 8):
-        assert {"sample_rouge1", "sample_rouge2", "sample_rougeL", "sample_length"} <= set(metrics[step])
+        assert {f"sample_{key}" for key in ("rouge1", "rouge2", "rougeL", "rougeLsum", "length")} <= set(metrics[step])
         assert len((t5_run / "samples" / f"step-{step:08d}.jsonl").read_text().splitlines()) == 4
 
 
@@ -106,3 +108,31 @@ def test_t5_samples_under_fsdp_equal_transformers_generate_with_different_length
                              pad_token_id=2)[0, 1:].tolist() for s in samples]
     stop_id, expected = stop_where_lengths_differ(greedy)
     assert generate_through_the_application(tiny, summaries, tmp_path / "t5", stop_id, 4, 10, tmp_path) == expected
+
+
+def refusals(tiny, out_dir: Path, capsys, **overrides: object) -> list[str]:
+    """The lines of the preflight's refusal of train.py with these options (exit 2)."""
+    capsys.readouterr()  # what the fixtures printed
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, out_dir, **overrides)))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
+def test_t5_in_float16_is_refused_naming_a_precision_without_bfloat16(tiny, summaries, t5_config, precision, tmp_path,
+                                                                      capsys) -> None:
+    """T5 keeps its feed-forward output in float32 under fp16; 16-bit training casts it down and overflows, then
+    stops on a non-finite loss advising bf16, which a V100 or T4 lacks."""
+    (line,) = refusals(tiny, tmp_path, capsys, model_config=t5_config, train_data_dir=summaries, precision=precision)
+    assert line.startswith(f"error: --precision {precision}: T5ForConditionalGeneration keeps wo in float32") and \
+        "use --precision 32-true, or bf16-mixed" in line, line
+
+
+def test_data_for_another_kind_of_model_is_refused_naming_the_options_that_prepare_the_right_kind(
+        tiny, summaries, t5_config, tmp_path, capsys) -> None:
+    causal = " ".join(refusals(tiny, tmp_path, capsys, train_data_dir=summaries))
+    assert "holds seq2seq data but" in causal and "is a causal LM; prepare the data with --prompt_field/--response_" \
+        "field or --messages_field (raw text: --text_field)" in causal, causal
+    (line,) = refusals(tiny, tmp_path, capsys, model_config=t5_config)
+    assert "holds text data but" in line and "prepare the data with --source_field/--target_field" in line, line

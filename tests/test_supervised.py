@@ -13,19 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from rouge_score.tokenizers import DefaultTokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, FalconConfig
 
 from app.data import IGNORE_INDEX, load_data
-from app.data.formats import _examples_of
+from app.data.formats import Sample, packed_examples
+from app.data.order import epoch_permutation, rank_micro_batches
 from app.isolation import probe_isolation
 from app.preflight import preflight
-from app.data.order import epoch_permutation, rank_micro_batches
 from app.prepare import PrepareArgs, prepare
-from app.samples import sample_metrics
+from app.samples import CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, sample_metrics
 from app.schedule import make_plan
 from arguments import parse_config
 from tests.conftest import generate_through_the_application, run_train, stop_where_lengths_differ, train_args
 from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
+from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS
 from tests.test_training import assert_succeeded, read_metrics
 
 BLOCK = 256
@@ -87,9 +89,9 @@ def summed_losses_alone(model: torch.nn.Module, split) -> tuple[float, int]:
     total, tokens = 0.0, 0
     with torch.no_grad():
         for row in split.with_format(None):
-            for input_ids, labels in _examples_of(row):
-                logits = model(input_ids=torch.tensor([input_ids])).logits[0]
-                targets = torch.tensor(labels[1:])
+            for example in packed_examples(row):
+                logits = model(input_ids=torch.tensor([example.input_ids])).logits[0]
+                targets = torch.tensor(example.labels[1:])
                 total += torch.nn.functional.cross_entropy(logits[:-1], targets, ignore_index=IGNORE_INDEX,
                                                            reduction="sum").item()
                 tokens += int((targets != IGNORE_INDEX).sum())
@@ -103,11 +105,12 @@ def test_a_falcon_trains_on_packed_examples_that_never_see_each_other(tiny, pack
     examples, 4 rows per batch on 2 FSDP ranks, equals each example's loss alone."""
     model = falcon_folder(tiny, tmp_path / "falcon")
     result = run_train(train_args(tiny, tmp_path / "out", model_config=None, model_name=model, train_data_dir=packed,
-                                  max_step=1, warmup_steps=0, eval_iters=100, eval_batch_size=4,
+                                  tokenizer=None, max_step=1, warmup_steps=0, eval_iters=100, eval_batch_size=4,
                                   micro_batch_size=2))
     assert_succeeded(result)
     assert "kept apart as boolean_mask" in result.stdout
-    total, tokens = summed_losses_alone(AutoModelForCausalLM.from_pretrained(model).eval(), load_data(packed).validation)
+    falcon = AutoModelForCausalLM.from_pretrained(model).eval()
+    total, tokens = summed_losses_alone(falcon, load_data(packed).validation)
     assert read_metrics(tmp_path / "out")[0]["val_loss"] == pytest.approx(total / tokens, rel=1e-5)
 
 
@@ -134,11 +137,23 @@ def test_a_model_that_cannot_keep_packed_examples_apart_is_refused_in_one_line(t
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=model,
-                                          train_data_dir=packed)))
+                                          train_data_dir=packed, tokenizer=None)))
     errors = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(errors) == 1, errors
     assert "holds packed examples, but a falcon model with --attn_implementation sdpa lets them attend to each " \
            "other" in errors[0] and errors[0].endswith("prepare the data with --packing false"), errors
+
+
+def test_a_tokenizer_other_than_the_datas_is_refused(tiny, packed, pretrained, tmp_path, capsys) -> None:
+    """The data was prepared with the default chat template saved in its tokenizer/; the tiny tokenizer given with
+    --tokenizer has none, and the converted model would carry it: prompts rendered unlike training."""
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=pretrained,
+                                          train_data_dir=packed, tokenizer=tiny.tokenizer)))
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"error: --tokenizer {tiny.tokenizer} is not the tokenizer --train_data_dir was prepared with "
+                    f"({packed / 'tokenizer'}): its chat template differs; drop --tokenizer (the run records the "
+                    "data's), or prepare the data with it")
 
 
 def test_micro_batches_of_a_step_hold_different_numbers_of_trained_tokens(padded) -> None:
@@ -153,8 +168,8 @@ def test_micro_batches_of_a_step_hold_different_numbers_of_trained_tokens(padded
 
 
 def run_supervised(tiny, data: Path, pretrained: Path, out_dir: Path, **overrides: object) -> dict[int, dict]:
-    options = dict(model_config=None, model_name=pretrained, train_data_dir=data, max_step=3, warmup_steps=0,
-                   eval_step_interval=3, eval_iters=100, eval_batch_size=16) | overrides
+    options = dict(model_config=None, model_name=pretrained, train_data_dir=data, tokenizer=None, max_step=3,
+                   warmup_steps=0, eval_step_interval=3, eval_iters=100, eval_batch_size=16) | overrides
     result = run_train(train_args(tiny, out_dir, **options))
     assert_succeeded(result)
     return read_metrics(out_dir)
@@ -216,8 +231,42 @@ def test_sample_scores_are_the_mean_over_samples_of_rouge_f_measures() -> None:
     # 1: 3 of 3 words in 6 (F 2/3), 2 of 2 bigrams in 5 (F 4/7), the longest common subsequence is 3 words; 2: equal.
     assert metrics["sample_rouge1"] == pytest.approx((2 / 3 + 1) / 2)
     assert metrics["sample_rouge2"] == pytest.approx((4 / 7 + 1) / 2)
-    assert metrics["sample_rougeL"] == pytest.approx((2 / 3 + 1) / 2)
+    assert metrics["sample_rougeL"] == metrics["sample_rougeLsum"] == pytest.approx((2 / 3 + 1) / 2)
     assert metrics["sample_exact_match"] == 0.5 and metrics["sample_length"] == 3
+
+
+ENGLISH = ["The cats were running quickly, weren't they?", "foo_bar abc123 x9 Running2day -- e.g. 3.14",
+           "Return the HTTP status code that was sent with the response."]
+
+
+def test_rouge_reads_every_script_and_stems_english_words_as_rouge_score_does() -> None:
+    """rouge_score's own tokenizer keeps only [a-z0-9]: a Cyrillic or Chinese answer equal to its reference scored
+    0 while exact match was 1. CJK is scored character by character, as multilingual ROUGE does."""
+    stemmed = DefaultTokenizer(use_stemmer=True)
+    assert all(RougeWords().tokenize(text) == stemmed.tokenize(text) for text in ENGLISH)
+    same = sample_metrics(["Кошка сидит на окне.", "我爱北京天安门", "Ελληνικά κείμενα"],
+                          ["Кошка сидит на окне.", "我爱北京天安门", "ελληνικά Κείμενα"], lengths=[5, 7, 4])
+    assert all(same[f"sample_{key}"] == 1.0 for key in ROUGE_KEYS) and same["sample_exact_match"] == pytest.approx(2 / 3)
+    part = sample_metrics(["我爱北京"], ["我爱北京天安门"], lengths=[4])
+    assert part["sample_rouge1"] == pytest.approx(2 * 4 / (4 + 7))  # 4 of 7 characters: precision 1, recall 4/7
+
+
+def test_rouge_lsum_scores_a_multi_line_summary_sentence_by_sentence() -> None:
+    """Summaries are written one sentence per line: rougeLsum matches each reference line on its own (the ROUGE
+    that published summarization results report), rougeL the whole text as one sequence."""
+    scores = sample_metrics(["the dog ran\nthe cat sat on the mat"], ["the cat sat on the mat\nthe dog ran"], [9])
+    assert scores["sample_rougeLsum"] == 1.0 and scores["sample_rougeL"] == pytest.approx(6 / 9)
+
+
+def test_samples_stop_at_eos_or_the_templates_end_of_turn_never_at_a_cut_references_last_token(tiny) -> None:
+    """An example cut to the block (--too_long truncate) ends its reference with an ordinary token, which must not
+    stop every sample; the template's end-of-turn, which no reference may show, must."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    cut = Sample(prompt=[1, 5, 6], reference=[7, 8, 9])
+    evaluator = SampleEvaluator([cut], tokenizer, CAUSAL, max_new_tokens=4, out_dir=Path("unused"))
+    assert evaluator.stop_ids == {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot_id|>")}
 
 
 def test_learning_rate_scaling_is_resolved_and_recorded(tiny, two_ranks) -> None:

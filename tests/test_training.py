@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.conftest import read_checkpoint, run_train, train_args
+from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
+from tests.conftest import BLOCK_SIZE, read_checkpoint, run_train, train_args
 
 
 def read_metrics(out_dir: Path) -> dict[int, dict[str, float]]:
@@ -145,3 +146,17 @@ def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny
     assert b"val_loss" in recorded and b"train_loss" in recorded and b"trainer/global_step" in recorded
     assert b"step-00000003.ckpt" in recorded and b"step-00000006.ckpt" in recorded
     assert b"train_sec" in recorded, "the run summary, written when W&B finishes the run as the process leaves"
+
+
+def test_data_prepared_without_validation_trains_without_evaluating(tiny, tmp_path) -> None:
+    """prepare_data.py --val_fraction 0 writes an empty validation split; train.py used to refuse it."""
+    data = tmp_path / "data"
+    prepare(PrepareArgs(input=stdlib_corpus_paths(("json",)), output_dir=str(data), tokenizer=str(tiny.tokenizer),
+                        block_size=BLOCK_SIZE, val_fraction=0.0))
+    result = run_train(train_args(tiny, tmp_path / "out", train_data_dir=data, devices=1, strategy="single_device",
+                                  max_step=4, warmup_steps=0, save_step_interval=4))
+    assert_succeeded(result)
+    assert "has no validation rows (prepared with --val_fraction 0): the run trains without evaluating" in result.stdout
+    metrics = read_metrics(tmp_path / "out")
+    assert sorted(metrics) == [1, 2, 3, 4] and not any("val_loss" in row for row in metrics.values())
+    assert (tmp_path / "out" / "checkpoints" / "step-00000004.ckpt").exists()

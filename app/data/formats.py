@@ -122,23 +122,20 @@ class DataFormat:
 
     def samples(self, split: Dataset, count: int) -> list[Sample]:
         """The first `count` examples of a split as prompt and reference: the source and target of seq2seq data; of
-        supervised data, what precedes an example's first trained token, and the trained tokens that follow."""
+        supervised data, what precedes an example's first response, and that response (through its end-of-turn).
+
+        The response is where prepare_data.py recorded it from the chat's structure (`response_spans`); data
+        prepared before it recorded them falls back to the first run of trained tokens, which is the response only
+        when the prompt was not trained."""
         samples: list[Sample] = []
         for row in split.with_format(None):
-            examples = [(row["input_ids"], row["labels"])] if self.padded else _examples_of(row)
-            samples += [sample for sample in (self._sample(*example) for example in examples) if sample]
+            if self.encoder_decoder:
+                samples.append(Sample(prompt=row["input_ids"], reference=row["labels"]))
+            else:
+                samples += [sample for sample in map(_sample, packed_examples(row)) if sample.reference]
             if len(samples) >= count:
                 break
         return samples[:count]
-
-    def _sample(self, input_ids: list[int], labels: list[int]) -> Optional[Sample]:
-        if self.encoder_decoder:
-            return Sample(prompt=input_ids, reference=[t for t in labels if t != IGNORE_INDEX])
-        first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
-        if first is None:
-            return None
-        end = next((i for i in range(first, len(labels)) if labels[i] == IGNORE_INDEX), len(labels))
-        return Sample(prompt=input_ids[:first], reference=input_ids[first:end])
 
 
 def arrange(layout: Layout, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -150,7 +147,8 @@ def arrange(layout: Layout, inputs: dict[str, torch.Tensor]) -> dict[str, torch.
     allowed = block_causal(inputs["position_ids"])
     if layout == "boolean_mask":
         return inputs | {"attention_mask": allowed}
-    return inputs | {"attention_mask": torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)}
+    additive = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    return inputs | {"attention_mask": additive}
 
 
 def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
@@ -162,10 +160,38 @@ def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
     return ((example[:, :, None] == example[:, None, :]) & causal)[:, None]
 
 
-def _examples_of(row: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
-    """The examples packed into one row, cut where position_ids restart at 0."""
-    starts = [i for i, position in enumerate(row["position_ids"]) if position == 0] + [len(row["position_ids"])]
-    return [(row["input_ids"][a:b], row["labels"][a:b]) for a, b in zip(starts, starts[1:])]
+@dataclass(frozen=True)
+class PackedExample:
+    """One supervised example of a row: its tokens, labels and first response (start, end), None if unrecorded."""
+
+    input_ids: list[int]
+    labels: list[int]
+    response: Optional[tuple[int, int]]
+
+
+def packed_examples(row: dict[str, Any]) -> list[PackedExample]:
+    """The examples of one supervised row: cut where position_ids restart at 0 (one example when unpacked)."""
+    length = len(row["input_ids"])
+    positions = row.get("position_ids") or range(length)
+    starts = [i for i, position in enumerate(positions) if position == 0] + [length]
+    spans = row.get("response_spans")
+    responses = list(zip(spans[::2], spans[1::2])) if spans is not None else []
+    examples = []
+    for index, (a, b) in enumerate(zip(starts, starts[1:])):
+        response = (responses[index][0] - a, responses[index][1] - a) if index < len(responses) else None
+        examples.append(PackedExample(row["input_ids"][a:b], row["labels"][a:b], response))
+    return examples
+
+
+def _sample(example: PackedExample) -> Sample:
+    if example.response is not None:
+        start, end = example.response
+    else:
+        trained = [i for i, label in enumerate(example.labels) if label != IGNORE_INDEX]
+        start = trained[0] if trained else len(example.labels)
+        end = next((i for i in range(start, len(example.labels)) if example.labels[i] == IGNORE_INDEX),
+                   len(example.labels))
+    return Sample(prompt=example.input_ids[:start], reference=example.input_ids[start:end])
 
 
 def with_trained_tokens(split: Dataset, data_format: DataFormat) -> tuple[Dataset, np.ndarray]:

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from app.prepare.args import PrepareArgs, UsageError
 from app.prepare.examples import IGNORE_INDEX, Example, causal_advice, dropped, encode_examples, fit_to_block
+from app.prepare.mask_audit import audit_split, check_audit
 from app.prepare.tokenizer import special_token_ids
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -126,7 +128,8 @@ class ChatEncoder:
             if end is None:
                 return dropped(NO_END_OF_TURN)
             spans.append((len(before), end))
-        return Example(chat, chat_labels(chat, spans, self.train_on_prompt))
+        (first_start, first_end), *_ = spans
+        return Example(chat, chat_labels(chat, spans, self.train_on_prompt), first_start, first_end)
 
     def _end_of_turn(self, tokens: list[int], start: int) -> int | None:
         """Where the turn `tokens[start:]` ends: after its last special token, when only whitespace follows that."""
@@ -147,11 +150,16 @@ def chat_labels(tokens: list[int], spans: list[tuple[int, int]], train_on_prompt
 
 
 def check_template(encoder: ChatEncoder) -> None:
-    """Refuse a template that cannot be masked, masks every token, or never ends an assistant turn, before any data
-    is encoded (the same checks then run on every example)."""
-    problem = encoder.encode(PROBE_CHAT).dropped
-    if problem:
-        raise UsageError(template_problem(encoder.template, problem))
+    """Refuse a template that cannot be masked, masks every token, never ends an assistant turn, or whose masks
+    train the user's messages or little of the assistant's, before any data is encoded (the same checks then run
+    on every example, and the loss-mask audit on the first ones of each split)."""
+    example = encoder.encode(PROBE_CHAT)
+    if example.dropped:
+        raise UsageError(template_problem(encoder.template, example.dropped))
+    probe = Dataset.from_dict({"messages": [PROBE_CHAT]})
+    encoded = Dataset.from_dict({"input_ids": [example.input_ids], "labels": [example.labels], "dropped": [""]})
+    audit = audit_split(probe, encoded, encoder.tokenizer, encoder.template.text)
+    check_audit(audit, encoder.template.origin, encoder.train_on_prompt, "a two-turn chat")
 
 
 TEMPLATE_PROBLEMS = {
@@ -165,6 +173,20 @@ TEMPLATE_PROBLEMS = {
 
 def template_problem(template: ChatTemplate, problem: str) -> str:
     return f"{template.origin}: {TEMPLATE_PROBLEMS[problem]}; give another with --chat_template FILE"
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> Optional[int]:
+    """The special token that ends an assistant turn in the tokenizer's chat template (EOS in the default template,
+    <|eot_id|> in Llama-3's, <|im_end|> in Qwen's): where generation stops. None without a template, or when its
+    turns do not end with a special token."""
+    if not tokenizer.chat_template:
+        return None
+    template = ChatTemplate(tokenizer.get_chat_template(), "the tokenizer's chat template", tokenizers_own=True)
+    try:
+        example = ChatEncoder(tokenizer, template, train_on_prompt=False).encode(PROBE_CHAT[:2])
+    except UsageError:
+        return None
+    return None if example.dropped else example.input_ids[example.response_end - 1]
 
 
 def chat_advice(template: ChatTemplate, block_size: int) -> dict[str, str]:

@@ -63,7 +63,9 @@ def run_command(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run prepare() from the command line."""
-    from app.prepare.pipeline import prepare
+    """Run prepare() from the command line, and say what it wrote."""
+    from app.prepare.pipeline import prepare, summary
 
-    return run_command(PrepareArgs, prepare, "prepare_data.py", argv)
+    stats = run_command(PrepareArgs, prepare, "prepare_data.py", argv)
+    print(summary(stats), flush=True)
+    return stats

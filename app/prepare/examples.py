@@ -2,7 +2,9 @@
 kept, truncated and dropped (and why), and refusing data of which nothing would be trained.
 
 Every tokenized example is one row of `EXAMPLE_FEATURES`: `input_ids` and `labels` (-100 where nothing is
-trained), `truncated`, and `dropped`, the reason it was left out ("" when kept; a dropped example keeps no tokens).
+trained), where its first response starts and ends (what generation samples prompt with and score against, from
+the chat's structure: with --train_on_prompt the labels no longer show it), `truncated`, and `dropped`, the reason
+it was left out ("" when kept; a dropped example keeps no tokens).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -27,11 +30,15 @@ EXAMPLE_FEATURES = Features(
     {
         "input_ids": List(Value("int32")),
         "labels": List(Value("int32")),
+        "response_start": Value("int32"),
+        "response_end": Value("int32"),
         "truncated": Value("bool"),
         "dropped": Value("string"),
     }
 )
-ROW_FEATURES = Features({"input_ids": List(Value("int32")), "labels": List(Value("int32"))})
+ROW_FEATURES = ("input_ids", "labels", "response_start", "response_end")
+RESPONSE_SPANS = "response_spans"
+"""The column of supervised rows that holds (start, end) of every example's first response, flattened."""
 
 TOO_LONG = "too_long"
 """Longer than --block_size with --too_long drop."""
@@ -45,6 +52,8 @@ class Example:
 
     input_ids: list[int]
     labels: list[int]
+    response_start: int = 0
+    response_end: int = 0
     truncated: bool = False
     dropped: str = ""
 
@@ -72,7 +81,8 @@ def fit_to_block(example: Example, block_size: int, too_long: str) -> Example:
     labels = example.labels[:block_size]
     if all(label == IGNORE_INDEX for label in labels):
         return dropped(PROMPT_FILLS_BLOCK)
-    return Example(example.input_ids[:block_size], labels, truncated=True)
+    return Example(example.input_ids[:block_size], labels, min(example.response_start, block_size),
+                   min(example.response_end, block_size), truncated=True)
 
 
 def encode_examples(
@@ -116,12 +126,24 @@ class ExampleCounts:
     padding_tokens: int
     examples_per_row: float
     padding_fraction: float
+    loss_mask: Optional[dict] = None
+    """Chats only: tokens and trained tokens per role (app/prepare/mask_audit.py)."""
 
 
 def kept_examples(encoded: Dataset) -> Dataset:
-    """The examples that were not dropped, as rows of `input_ids` and `labels` (unpadded)."""
+    """The examples that were not dropped: `input_ids`, `labels` (unpadded) and where their response is."""
     kept = encoded.filter(lambda reasons: [not reason for reason in reasons], batched=True, input_columns="dropped")
     return kept.select_columns(list(ROW_FEATURES))
+
+
+def one_example_per_row(examples: Dataset) -> Dataset:
+    """Unpacked supervised rows: each example with its response's (start, end) as `response_spans`."""
+
+    def spans(starts: list[int], ends: list[int]) -> dict:
+        return {RESPONSE_SPANS: [[start, end] for start, end in zip(starts, ends)]}
+
+    return examples.map(spans, batched=True, input_columns=["response_start", "response_end"],
+                        remove_columns=["response_start", "response_end"], desc="Recording responses")
 
 
 def count_examples(encoded: Dataset, rows: Dataset) -> ExampleCounts:

@@ -5,7 +5,8 @@ The algorithm is best-fit decreasing, deterministic for a seed: the examples are
 length (longest first, ties in shuffled order), and each goes into the open row with the least room that still
 holds it, or starts a new row; the rows are then shuffled with the seed. An example is never split across rows.
 The unused end of a row is padding: the pad id (EOS when the tokenizer has none), label -100, and position_ids
-that restart at 0, so that it is an example of its own that nothing attends to.
+that restart at 0, so that it is an example of its own that nothing attends to. `response_spans` holds each
+example's first response as (start, end) in the row, flattened: the prompts and references of generation samples.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pyarrow.compute as pc
 from datasets import Dataset, Features, List, Value
 
 from app.prepare.args import useful_processes
-from app.prepare.examples import IGNORE_INDEX
+from app.prepare.examples import IGNORE_INDEX, RESPONSE_SPANS
 from app.prepare.pack import empty_rows
 
 
@@ -45,11 +46,12 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> list[l
 
 def packed_features(block_size: int) -> Features:
     row = List(Value("int32"), length=block_size)
-    return Features({"input_ids": row, "labels": row, "position_ids": row})
+    return Features({"input_ids": row, "labels": row, "position_ids": row, RESPONSE_SPANS: List(Value("int32"))})
 
 
 def pack_examples(examples: Dataset, block_size: int, pad_id: int, seed: int, num_proc: int, desc: str) -> Dataset:
-    """Rows of `input_ids`, `labels` and `position_ids`, each `block_size` long, from unpadded examples that fit."""
+    """Rows of `input_ids`, `labels` and `position_ids`, each `block_size` long, from unpadded examples that fit,
+    with their `response_spans`."""
     features = packed_features(block_size)
     if not len(examples):
         return empty_rows(features)
@@ -58,8 +60,9 @@ def pack_examples(examples: Dataset, block_size: int, pad_id: int, seed: int, nu
 
     def assemble(batch: dict) -> dict:
         fetched = examples[[index for row in batch["examples"] for index in row]]
-        pairs = iter(zip(fetched["input_ids"], fetched["labels"], strict=True))
-        return pack_rows([[next(pairs) for _ in row] for row in batch["examples"]], block_size, pad_id)
+        members = iter(zip(fetched["input_ids"], fetched["labels"], fetched["response_start"], fetched["response_end"],
+                           strict=True))
+        return pack_rows([[next(members) for _ in row] for row in batch["examples"]], block_size, pad_id)
 
     return Dataset.from_dict({"examples": rows}).map(
         assemble,
@@ -71,17 +74,21 @@ def pack_examples(examples: Dataset, block_size: int, pad_id: int, seed: int, nu
     )
 
 
-def pack_rows(rows: list[list[tuple[list[int], list[int]]]], block_size: int, pad_id: int) -> dict[str, np.ndarray]:
-    """Rows from their examples' (input_ids, labels), each example followed by the next, then the padding run."""
+def pack_rows(rows: list[list[tuple[list[int], list[int], int, int]]], block_size: int, pad_id: int) -> dict:
+    """Rows from their examples' (input_ids, labels, response start, response end), each example followed by the
+    next, then the padding run."""
     input_ids = np.full((len(rows), block_size), pad_id, dtype=np.int32)
     labels = np.full((len(rows), block_size), IGNORE_INDEX, dtype=np.int32)
     position_ids = np.empty((len(rows), block_size), dtype=np.int32)
+    spans = []
     for row, members in enumerate(rows):
-        start = 0
-        for ids, example_labels in members:
+        start, row_spans = 0, []
+        for ids, example_labels, response_start, response_end in members:
             end = start + len(ids)
             input_ids[row, start:end], labels[row, start:end] = ids, example_labels
             position_ids[row, start:end] = np.arange(len(ids))
+            row_spans += [start + response_start, start + response_end]
             start = end
         position_ids[row, start:] = np.arange(block_size - start)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        spans.append(row_spans)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, RESPONSE_SPANS: spans}

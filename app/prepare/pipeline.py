@@ -4,7 +4,7 @@ labels) → rows (blocks of raw text, packed examples, or unpadded examples) →
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict
@@ -12,9 +12,11 @@ from transformers import PreTrainedTokenizerBase
 
 from app.prepare.args import PrepareArgs, RecordShape, UsageError, check_args, data_format, record_shape
 from app.prepare.chat import chat_records, chat_texts
-from app.prepare.chat_template import ChatEncoder, chat_advice, check_template, choose_template, encode_chats
+from app.prepare.chat_template import (ChatEncoder, chat_advice, check_template, choose_template, encode_chats,
+                                       end_of_turn_id)
 from app.prepare.corpus import document_texts, read_documents
-from app.prepare.examples import ExampleCounts, examples_to_rows
+from app.prepare.examples import ExampleCounts, examples_to_rows, one_example_per_row
+from app.prepare.mask_audit import audit_split, check_audit, describe_audit
 from app.prepare.output import TOKENIZER_FOLDER, save_prepared, write_atomically
 from app.prepare.pack import SplitCounts, count, pack, tokenize
 from app.prepare.pack_examples import pack_examples
@@ -78,10 +80,16 @@ def supervised_rows(
     check_template(encoder)
     encoded = {name: encode_chats(split, encoder, args, desc=f"Encoding {name}") for name, split in splits.items()}
     rows, counts = examples_to_rows(encoded, chat_advice(template, args.block_size), _arrange(tokenizer, args))
+    for name, split in encoded.items():
+        audit = audit_split(splits[name], split, tokenizer, template.text)
+        check_audit(audit, template.origin, args.train_on_prompt,
+                    f"the first {audit['audited_examples']} {name} examples")
+        counts[name] = replace(counts[name], loss_mask=audit)
     if not template.tokenizers_own:
         tokenizer.chat_template = template.text  # saved with the tokenizer, so the converted model keeps it
     options = {
         "chat_template": template.origin,
+        "end_of_turn_token_id": end_of_turn_id(tokenizer),
         "train_on_prompt": args.train_on_prompt,
         "packing": args.packing,
         "block_size": args.block_size,
@@ -93,7 +101,7 @@ def supervised_rows(
 def _arrange(tokenizer: PreTrainedTokenizerBase, args: PrepareArgs) -> Callable[[Dataset, str], Dataset]:
     """--packing true: whole examples packed into rows of --block_size; false: the examples as they are."""
     if not args.packing:
-        return lambda examples, name: examples
+        return lambda examples, name: one_example_per_row(examples)
     pad_id = pad_token_id(tokenizer)
     return lambda examples, name: pack_examples(
         examples, args.block_size, pad_id, args.seed, args.num_proc, desc=f"Packing {name}"
@@ -106,7 +114,8 @@ def seq2seq_rows(
     """Source and target ids, each ending with EOS, one unpadded pair per row."""
     check_room(tokenizer, args)
     encoded = {name: encode_pairs(split, tokenizer, args, desc=f"Encoding {name}") for name, split in splits.items()}
-    rows, counts = examples_to_rows(encoded, pair_advice(args), lambda examples, name: examples)
+    rows, counts = examples_to_rows(encoded, pair_advice(args),
+                                    lambda examples, name: examples.select_columns(["input_ids", "labels"]))
     options = {
         "max_source_length": args.max_source_length,
         "max_target_length": args.max_target_length,
@@ -182,6 +191,24 @@ def describe_examples(
         "seed": args.seed,
         "splits": {name: asdict(split) for name, split in counts.items()},
     }
+
+
+def summary(stats: dict) -> str:
+    """What prepare_data.py prints when it is done: per split, what was kept, cut and dropped and why, and which
+    roles' tokens are trained."""
+    lines = []
+    for name, split in stats["splits"].items():
+        if stats["format"] == "text":
+            lines.append(f"{name}: {split['blocks']:,} blocks of {stats['block_size']} tokens from "
+                         f"{split['documents']:,} documents ({split['dropped_tokens']:,} tokens left over)")
+            continue
+        dropped = ", ".join(f"{reason} {count:,}" for reason, count in split["dropped"].items())
+        lines.append(f"{name}: {split['kept']:,} of {split['examples']:,} examples kept ({split['truncated']:,} "
+                     f"truncated; dropped: {dropped or 'none'}), {split['rows']:,} rows, {split['tokens']:,} tokens, "
+                     f"{split['trained_tokens']:,} trained")
+        if split.get("loss_mask"):
+            lines.append(f"  {describe_audit(split['loss_mask'])}")
+    return "\n".join(lines)
 
 
 def describe_tokenizer(args: PrepareArgs, tokenizer: PreTrainedTokenizerBase) -> dict:

@@ -1,0 +1,110 @@
+"""The loss-mask audit: which roles' tokens a chat template's masks train, read independently of those masks.
+
+The labels come from the template's prefixes (chat_template.py). The audit reads each token's role from where it
+sits in the rendered text instead: inside a message's content (system, user, assistant, other roles such as tool)
+or outside every content (template text: BOS, role headers, end-of-turn tokens). Counted against the labels, it
+shows what training will learn from, per role; a template whose prefixes mislead the masks, so that they train the
+users' messages or almost none of the assistant's, is refused before anything is written (the trap other trainers'
+users meet only after training: all-zero assistant masks with stock Llama-3.1 and Qwen3 templates).
+
+The first `AUDITED_EXAMPLES` examples of each split are audited, as they were written (cut to --block_size): shares
+to the percent at a fixed cost (one more render and one tokenization with character offsets per example, which
+would add half again to encoding every example). An example whose tokens the offsets do not reproduce (a message
+holding special-token text, or a tokenizer without offsets) is not audited, and counted as such.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from app.prepare.args import UsageError
+from app.prepare.examples import IGNORE_INDEX
+
+AUDITED_EXAMPLES = 1000
+ROLES = ("system", "user", "assistant", "other", "template")
+PROMPT_ROLES = ("system", "user", "other")
+LEAST_ASSISTANT_SHARE = 0.5
+"""Below this share of the assistant's tokens trained, the masks miss the responses (a cut keeps what it keeps
+trained: only the first token of an example, never a response's, goes untrained)."""
+
+
+@dataclass(frozen=True)
+class RoleCount:
+    tokens: int
+    trained: int
+
+    @property
+    def share(self) -> float:
+        return self.trained / self.tokens if self.tokens else 0.0
+
+
+def token_roles(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, str]],
+                written: list[int]) -> Optional[list[str]]:
+    """The role of each of the `written` tokens of a chat, from its rendered text; None when unauditable."""
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    except NotImplementedError:  # a tokenizer without character offsets
+        return None
+    if encoded["input_ids"][: len(written)] != written:
+        return None
+    owner = ["template"] * len(text)
+    cursor = 0
+    for message in messages:
+        content = message["content"].strip()
+        start = text.find(content, cursor) if content else -1
+        if start < 0:
+            continue  # a template that rewrites the content: its characters stay template text
+        role = message["role"] if message["role"] in ROLES[:3] else "other"
+        owner[start:start + len(content)] = [role] * len(content)
+        cursor = start + len(content)
+    return [owner[a] if a < len(owner) else "template" for a, _ in encoded["offset_mapping"][: len(written)]]
+
+
+def audit_split(records: Dataset, encoded: Dataset, tokenizer: PreTrainedTokenizerBase,
+                template: str) -> dict[str, object]:
+    """Tokens and trained tokens per role over the split's first examples that were kept."""
+    tokens, trained = Counter(), Counter()
+    audited = unaudited = 0
+    count = min(len(records), AUDITED_EXAMPLES)
+    for chat, example in zip(records.select(range(count))["messages"], encoded.select(range(count))):
+        if example["dropped"]:
+            continue
+        roles = token_roles(tokenizer, template, chat, example["input_ids"])
+        if roles is None:
+            unaudited += 1
+            continue
+        audited += 1
+        tokens.update(roles)
+        trained.update(role for role, label in zip(roles, example["labels"]) if label != IGNORE_INDEX)
+    return {"audited_examples": audited, "unaudited_examples": unaudited,
+            "roles": {role: {"tokens": tokens[role], "trained": trained[role],
+                             "trained_share": round(RoleCount(tokens[role], trained[role]).share, 4)}
+                      for role in ROLES if tokens[role]}}
+
+
+def check_audit(audit: dict[str, object], origin: str, train_on_prompt: bool, where: str) -> None:
+    """Refuse masks that train the prompt's messages (unless --train_on_prompt) or hardly any of the responses."""
+    roles = {role: RoleCount(c["tokens"], c["trained"]) for role, c in audit["roles"].items()}
+    examples = f"in {where}"
+    if not train_on_prompt:
+        for role in PROMPT_ROLES:
+            if role in roles and roles[role].trained:
+                raise UsageError(f"{origin}: its masks train {roles[role].trained} of the {roles[role].tokens} tokens "
+                                 f"of {role} messages {examples}, which only --train_on_prompt should; give another "
+                                 "with --chat_template FILE")
+    assistant = roles.get("assistant")
+    if assistant and assistant.share < LEAST_ASSISTANT_SHARE:
+        raise UsageError(f"{origin}: its masks train only {assistant.share:.0%} of the assistant messages' tokens "
+                         f"{examples}; give another with --chat_template FILE")
+
+
+def describe_audit(audit: dict[str, object]) -> str:
+    """One line: the share of each role's tokens that is trained."""
+    shares = ", ".join(f"{role} {c['trained_share']:.0%} of {c['tokens']:,}" for role, c in audit["roles"].items())
+    return f"trained tokens by role ({audit['audited_examples']} examples audited): {shares}"
