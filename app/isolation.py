@@ -31,6 +31,7 @@ import torch
 from transformers import PretrainedConfig
 
 from app.data.formats import LAYOUTS, Layout, arrange
+from app.model import model_class
 
 EXAMPLE_LENGTHS = ((5, 9, 7, 3), (8, 4, 6, 6))
 """The examples of the probe's two rows (each row's last one stands for the padding that ends a block)."""
@@ -61,8 +62,6 @@ def probe_isolation(model_config: PretrainedConfig, attn_implementation: str,
     The probe's batch has two rows, whatever the micro batch: evaluation batches have their own size, and a layout
     that isolates two rows isolates one. Raises what building or running the model raises (an attention
     implementation this machine lacks)."""
-    from app.model import model_class
-
     device, dtype = probe_device(attn_implementation)
     model = model_class(model_config).from_config(small_twin(model_config), attn_implementation=attn_implementation,
                                                   trust_remote_code=trust_remote_code, dtype=dtype)
@@ -109,7 +108,7 @@ def probe_device(attn_implementation: str) -> tuple[torch.device, torch.dtype]:
 def small_twin(config: PretrainedConfig) -> PretrainedConfig:
     """The config with 2 layers (one of each kind where layers differ), at most 4 attention heads of the same
     width in the same grouping, narrow feed-forward layers, at most 4 experts and a small vocabulary: the same
-    classes and attention code, a thousandth of the weights.
+    classes and attention code, a few million weights (Llama-3-8B's twin: 5 million).
 
     Attribute names go through the config's own attribute_map (GPT-2's n_layer, n_head, n_embd)."""
     twin = copy.deepcopy(config)

@@ -170,7 +170,7 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
                            problems: list[str]) -> Layout:
     """Packed examples must never attend to each other: the layout that keeps them apart in the run's own model
     class and attention implementation, found by a probe (app/isolation.py); refused when there is none."""
-    if data.format.name != "supervised_packed":
+    if data.format.name != "supervised_packed" or model_config.is_encoder_decoder:  # the latter refused above
         return "position_ids"
     attention, kind = cfg.attn_implementation, model_config.model_type
     try:
