@@ -190,12 +190,12 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
     elif found.layout != "position_ids":
         note(f"packed examples: a {kind} model with --attn_implementation {attention} would let them attend to each "
              f"other as prepared (probed: an example's logits change by {found.leak:.0%} when packed); they are "
-             f"kept apart as {found.layout} "
-             "(docs/supervised.md#packing)")
+             f"kept apart as {found.layout} (docs/supervised.md#packing)")
     return found.layout or "position_ids"
 
 
 def isolates(model_config: PretrainedConfig, attention: str, cfg: Config) -> bool:
+    """Whether another attention implementation would keep packed examples apart (to name it when refusing)."""
     try:
         return probe_isolation(model_config, attention, cfg.trust_remote_code).layout is not None
     except Exception:

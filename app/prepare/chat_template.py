@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from app.prepare.args import PrepareArgs, UsageError
 from app.prepare.examples import IGNORE_INDEX, Example, causal_advice, dropped, encode_examples, fit_to_block
-from app.prepare.mask_audit import audit_split, check_audit
+from app.prepare.mask_audit import audit, check_audit
 from app.prepare.tokenizer import special_token_ids
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -156,10 +156,9 @@ def check_template(encoder: ChatEncoder) -> None:
     example = encoder.encode(PROBE_CHAT)
     if example.dropped:
         raise UsageError(template_problem(encoder.template, example.dropped))
-    probe = Dataset.from_dict({"messages": [PROBE_CHAT]})
-    encoded = Dataset.from_dict({"input_ids": [example.input_ids], "labels": [example.labels], "dropped": [""]})
-    audit = audit_split(probe, encoded, encoder.tokenizer, encoder.template.text)
-    check_audit(audit, encoder.template.origin, encoder.train_on_prompt, "a two-turn chat")
+    encoded = {"input_ids": example.input_ids, "labels": example.labels, "dropped": ""}
+    probe = audit([PROBE_CHAT], [encoded], encoder.tokenizer, encoder.template.text)
+    check_audit(probe, encoder.template.origin, encoder.train_on_prompt, "a two-turn chat")
 
 
 TEMPLATE_PROBLEMS = {

@@ -36,7 +36,7 @@ EXAMPLE_FEATURES = Features(
         "dropped": Value("string"),
     }
 )
-ROW_FEATURES = ("input_ids", "labels", "response_start", "response_end")
+ROW_COLUMNS = ("input_ids", "labels", "response_start", "response_end")
 RESPONSE_SPANS = "response_spans"
 """The column of supervised rows that holds (start, end) of every example's first response, flattened."""
 
@@ -133,7 +133,7 @@ class ExampleCounts:
 def kept_examples(encoded: Dataset) -> Dataset:
     """The examples that were not dropped: `input_ids`, `labels` (unpadded) and where their response is."""
     kept = encoded.filter(lambda reasons: [not reason for reason in reasons], batched=True, input_columns="dropped")
-    return kept.select_columns(list(ROW_FEATURES))
+    return kept.select_columns(list(ROW_COLUMNS))
 
 
 def one_example_per_row(examples: Dataset) -> Dataset:

@@ -16,6 +16,7 @@ holding special-token text, or a tokenizer without offsets) is not audited, and 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -68,11 +69,18 @@ def token_roles(tokenizer: PreTrainedTokenizerBase, template: str, messages: lis
 
 def audit_split(records: Dataset, encoded: Dataset, tokenizer: PreTrainedTokenizerBase,
                 template: str) -> dict[str, object]:
-    """Tokens and trained tokens per role over the split's first examples that were kept."""
+    """The audit of a split's first `AUDITED_EXAMPLES` examples (its records, and their encoded examples)."""
+    count = min(len(records), AUDITED_EXAMPLES)
+    return audit(records.select(range(count))["messages"], encoded.select(range(count)), tokenizer, template)
+
+
+def audit(chats: Iterable[list[dict[str, str]]], examples: Iterable[dict], tokenizer: PreTrainedTokenizerBase,
+          template: str) -> dict[str, object]:
+    """Tokens and trained tokens per role over the chats' examples that were kept (`input_ids`, `labels`, `dropped`
+    as encoded)."""
     tokens, trained = Counter(), Counter()
     audited = unaudited = 0
-    count = min(len(records), AUDITED_EXAMPLES)
-    for chat, example in zip(records.select(range(count))["messages"], encoded.select(range(count))):
+    for chat, example in zip(chats, examples):
         if example["dropped"]:
             continue
         roles = token_roles(tokenizer, template, chat, example["input_ids"])
