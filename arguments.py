@@ -1,7 +1,8 @@
 """Every option of train.py: command line and YAML config files (`--config run.yaml`), parsed into one `Config`.
 
 The groups and names follow the original FSDP training script (seed 001). Each dataclass is one help group; the
-attribute docstrings are the help text. Parsing needs no torch import, so `--help` and `--print_config` are instant.
+attribute docstrings are the help text. Parsing needs no torch import, so `--help` is instant; how the command line
+meets a shell (the command line wins over --config, bare boolean flags, one-line refusals) is app/cli.py's.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+import yaml
+from jsonargparse import ArgumentParser
 
 from app.choices import FSDP1_ONLY_OPTIONS, SHARDED_STRATEGIES
+from app.cli import UsageError, command_parser, config_files_first, parse, refuse
 from app.exit_codes import EXIT_BAD_INPUT
-
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true"]
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
@@ -199,15 +200,17 @@ class LoggingArgs:
     log_interval: int = 10
     """Print and log training metrics every this many optimizer steps."""
     entity: Optional[str] = None
-    """Weights & Biases entity (user or team)."""
-    project: str = "fsdp-trainer"
-    """Weights & Biases project."""
+    """Weights & Biases entity (user or team); default: $WANDB_ENTITY, else your default entity."""
+    project: Optional[str] = None
+    """Weights & Biases project; default: $WANDB_PROJECT, else fsdp-trainer."""
     run_name: Optional[str] = None
-    """Weights & Biases run name; default: the out_dir folder name."""
+    """Weights & Biases run name; default: $WANDB_NAME, else the out_dir folder name."""
     log_model: Union[bool, Literal["all"]] = False
     """Upload checkpoints to Weights & Biases as artifacts: true for the last one, all for every one."""
-    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
-    """online needs WANDB_API_KEY or `wandb login`; offline writes to out_dir/wandb for a later `wandb sync`."""
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None
+    """Weights & Biases: online needs WANDB_API_KEY or `wandb login`; offline writes to out_dir/wandb for a later
+    `wandb sync`; default: $WANDB_MODE, else disabled (nothing written). WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME and
+    WANDB_DIR are honoured the same way."""
     peak_tflops: Optional[float] = None
     """Dense peak TFLOP/s of one device in the run's compute dtype, for MFU; default: app/peaks.py's table of NVIDIA
     GPUs, then Lightning's."""
@@ -219,6 +222,10 @@ class PlannerArgs:
 
     estimate_memory: bool = False
     """Print the expected memory per device and the largest micro batch that fits, then exit without training."""
+    print_config: bool = False
+    """Check every input, print the resolved run (each option with where its value came from: flag, config file,
+    environment or default; then the values derived from them: world size, accumulation, global batch, tokens per
+    step, learning rates, steps) as YAML that --config reads back, then exit without training."""
     device_memory_gb: Optional[float] = None
     """Memory of one device for --estimate_memory (e.g. 80 to plan for an H100 elsewhere); default: this machine's."""
 
@@ -250,31 +257,42 @@ class Config(ReliabilityArgs, PlannerArgs, LoggingArgs, SaveArgs, EvalArgs, Trai
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="train.py",
-        description="Fully fine-tune or pre-train a Hugging Face causal LM with Lightning Fabric and FSDP.",
-        default_env=False,
-    )
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any subset of the options below.")
-    for group in GROUPS:
-        parser.add_class_arguments(group, nested_key=None, as_group=True)
-    return parser
+    return command_parser("train.py", "Fully fine-tune or pre-train a Hugging Face causal LM with Lightning Fabric "
+                                      "and FSDP.", GROUPS)
 
 
 def read_config(argv: Optional[list[str]] = None) -> Config:
-    """Parse argv (default: sys.argv) without checking values; type errors exit with jsonargparse's one line."""
-    namespace = build_parser().parse_args(argv)
+    """Parse argv (default: sys.argv) without checking values; raises UsageError (one line) on a bad command line."""
+    namespace = parse(build_parser(), argv)
     return Config(**{f.name: namespace[f.name] for f in fields(Config)})
 
 
 def parse_config(argv: Optional[list[str]] = None) -> Config:
-    """Parse and validate; exit with status 2 and one line per problem when values are invalid."""
-    cfg = read_config(argv)
+    """Parse and validate; exit with status 2 and one line per problem when the command line or a value is bad."""
+    try:
+        cfg = read_config(argv)
+    except UsageError as error:
+        refuse("train.py", str(error))
     problems = validate_config(cfg)
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     return cfg
+
+
+def option_sources(argv: list[str]) -> dict[str, str]:
+    """Where each option given on this command line or in its config files comes from: `flag`, or `config FILE`
+    (the last file that sets it); options absent from both are defaults (or the environment, where one is read)."""
+    sources: dict[str, str] = {}
+    arguments = config_files_first(argv)
+    for index, argument in enumerate(arguments):
+        if argument == "--config" and index + 1 < len(arguments) or argument.startswith("--config="):
+            path = argument.split("=", 1)[1] if "=" in argument else arguments[index + 1]
+            values = yaml.safe_load(Path(path).read_text()) or {}
+            sources |= {key: f"config {path}" for key in values}
+        elif argument.startswith("--") and argument != "--config":
+            sources[argument[2:].split("=", 1)[0]] = "flag"
+    return sources
 
 
 OPTIONS_DOC = Path(__file__).resolve().parent / "docs" / "options.md"

@@ -1,8 +1,9 @@
 """Train a Hugging Face causal LM with Lightning Fabric and FSDP: `python train.py --help`."""
 
 import signal
+import sys
 
-from arguments import parse_config
+from arguments import option_sources, parse_config
 
 if __name__ == "__main__":
     # Until training starts, Ctrl-C ends the process at once by SIGINT's default action: quietly (no KeyboardInterrupt
@@ -13,4 +14,4 @@ if __name__ == "__main__":
     config = parse_config()
     from app.run import run
 
-    run(config)
+    run(config, option_sources(sys.argv[1:]))

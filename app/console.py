@@ -35,15 +35,18 @@ def progress_line(step: int, max_step: int, metrics: dict[str, float], eta: floa
 
 
 class Console:
-    """Rank 0's output. On a terminal a tqdm bar advances every step and messages print above it; in a log file
-    (Slurm, docker logs, CI) a progress line is printed at each log interval instead, since a bar's carriage
-    returns turn into one unreadable line there."""
+    """Rank 0's output. Each log interval's numbers are one line that stays (in a terminal's scrollback, or a log
+    file); on a terminal a tqdm bar below them also advances every step, with the run's own ETA (tqdm's, from its
+    average step rate, would disagree with the line's after every evaluation or save). In a log file (Slurm, docker
+    logs, CI) there is no bar: its carriage returns would turn into one unreadable line there."""
+
+    BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
     def __init__(self, *, enabled: bool, start_step: int, max_step: int, interactive: Optional[bool] = None) -> None:
         self.enabled = enabled
         interactive = sys.stdout.isatty() if interactive is None else interactive
-        self.bar = (tqdm(total=max_step, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=True)
-                    if enabled and interactive else None)
+        self.bar = (tqdm(total=max_step, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=True,
+                         bar_format=self.BAR_FORMAT) if enabled and interactive else None)
 
     def print(self, message: str) -> None:
         if not self.enabled:
@@ -58,12 +61,10 @@ class Console:
             self.bar.update(1)
 
     def report(self, step: int, max_step: int, metrics: dict[str, float], eta: float) -> None:
-        """The log interval's numbers: the bar's postfix on a terminal, a line otherwise."""
-        line = progress_line(step, max_step, metrics, eta)
-        if self.bar is not None:
-            self.bar.set_postfix_str(line.split(" | ", 1)[1], refresh=False)
-        else:
-            self.print(line)
+        """The log interval's numbers: a line (above the bar on a terminal), and the bar's ETA."""
+        self.print(progress_line(step, max_step, metrics, eta))
+        if self.bar is not None and not math.isnan(eta):
+            self.bar.set_postfix_str(f"eta {format_duration(eta)}", refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -15,7 +15,6 @@ stops at the tokenizer's EOS and at the chat template's end-of-turn, where train
 from __future__ import annotations
 
 import gc
-import re
 import shutil
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, set_parsing_settings
+from jsonargparse import ArgumentParser
 from torch.nn import Module
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
@@ -32,12 +31,10 @@ from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list
                             read_metadata as read_checkpoint_metadata, read_model_weights, stored_tensor_shapes)
 from app.checkpoint.files import publish
 from app.checkpoint.state import MODEL_PREFIX
+from app.cli import UsageError, command_parser, parse, run_command
 from app.model import meta_model, model_class
 from app.hub import HubArgs, describe_upload, login_problem, push_folder
 from app.prepare.chat_template import end_of_turn_id
-from app.exit_codes import EXIT_BAD_INPUT
-
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 EXIT_VERIFY_FAILED = 1
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -93,32 +90,17 @@ class Job:
         return self.metadata["step"]
 
 
-class BadInput(Exception):
+class BadInput(UsageError):
     """A user error, reported as one line with exit status 2."""
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="convert_to_hf.py", exit_on_error=False, default_env=False,
-                            description="Convert a train.py checkpoint into a Hugging Face model folder, verify it, "
-                                        "and optionally push it to the Hub.")
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any subset of the options below.")
-    parser.add_class_arguments(ConvertArgs, nested_key=None, as_group=True)
-    parser.add_class_arguments(HubArgs, nested_key=None, as_group=True)
-    return parser
-
-
-def one_line(message: str) -> str:
-    """jsonargparse's multi-line message ('Parser key "dtype":' then the reason) as one line naming the flag."""
-    key, *reasons = message.splitlines()
-    match = re.match(r'Parser key "(\w+)":', key)
-    return " ".join([f"--{match.group(1)}:" if match else key, *(line.strip() for line in reasons)])
+    return command_parser("convert_to_hf.py", "Convert a train.py checkpoint into a Hugging Face model folder, verify "
+                                              "it, and optionally push it to the Hub.", [ConvertArgs, HubArgs])
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Args:
-    try:
-        namespace = build_parser().parse_args(argv)
-    except ArgumentError as error:
-        raise BadInput(one_line(str(error))) from None
+    namespace = parse(build_parser(), argv)
     return Args(**{f.name: namespace[f.name] for f in fields(Args)})
 
 
@@ -453,10 +435,7 @@ def run(args: Args) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: one line on stderr and exit 2 for bad input, exit 1 when verification fails."""
     try:
-        run(parse_args(argv))
-    except BadInput as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        run_command("convert_to_hf.py", lambda: run(parse_args(argv)))
     except VerificationFailed as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"convert_to_hf.py: error: {error}", file=sys.stderr)
         sys.exit(EXIT_VERIFY_FAILED)

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from jsonargparse import auto_cli
 from transformers import AutoConfig, AutoTokenizer
 
+from app import cli
 from app.model import model_class
+
+PROG = "python -m app.generate"
 
 
 @dataclass
@@ -53,8 +55,12 @@ def sampling(args: GenerateArgs, own_config: Any) -> dict[str, Any]:
 def generate(args: GenerateArgs) -> str:
     """What the model writes: a plain prompt and its continuation, or a chat message (a source) and the answer,
     then how many tokens it wrote and why it stopped (a stop token of its generation config, or the limit)."""
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    config = AutoConfig.from_pretrained(args.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        raise cli.UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load "
+                             f"({str(error).strip().splitlines()[0]}); give a folder written by convert_to_hf.py")
     model = model_class(config).from_pretrained(args.model).eval()
     inputs = model_input(tokenizer, args)
     torch.manual_seed(args.seed)
@@ -75,5 +81,12 @@ def why_it_stopped(new_tokens: list[int], own_config: Any, tokenizer: Any) -> st
     return "--max_new_tokens reached"
 
 
+def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
+    parser = cli.command_parser(PROG, __doc__.splitlines()[0], [GenerateArgs], config=False, skip={"model"})
+    parser.add_argument("model", metavar="MODEL", help="Folder written by convert_to_hf.py (or any Hugging Face "
+                                                       "causal LM or encoder-decoder).")
+    return GenerateArgs(**cli.parse(parser, argv).as_dict())
+
+
 if __name__ == "__main__":
-    print(generate(auto_cli(GenerateArgs)))
+    print(cli.run_command(PROG, lambda: generate(parse_args())))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -77,7 +78,8 @@ class WandbMetrics(Logger):
 
     def __init__(self, cfg: Config, resuming: bool) -> None:
         self._init = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name or Path(cfg.out_dir).resolve().name,
-                          dir=cfg.out_dir, mode=cfg.wandb_mode, resume="allow" if resuming else None)
+                          dir=os.environ.get("WANDB_DIR") or cfg.out_dir, mode=cfg.wandb_mode,
+                          resume="allow" if resuming else None)
         self._run: Any = None
 
     @property

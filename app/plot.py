@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import io
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +17,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from app.exit_codes import EXIT_BAD_INPUT
+from app import cli
+from app.cli import UsageError
 
 Series = tuple[list[int], list[float]]
 """Steps and the values logged at them, in step order."""
@@ -28,7 +28,7 @@ REQUIRED_COLUMNS = ("step", "train_loss", "val_loss", "lr", "tokens_per_sec")
 PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-class PlotError(Exception):
+class PlotError(UsageError):
     """A problem the user can fix, reported as one line with exit status 2."""
 
 
@@ -165,23 +165,14 @@ def draw(runs: list[Run], output: Path) -> None:
 
 
 def build_parser() -> jsonargparse.ArgumentParser:
-    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = jsonargparse.ArgumentParser(prog="plot_metrics.py", exit_on_error=False, description=PlotArgs.__doc__)
-    parser.add_argument("--config", action="config", help="YAML file with any of the options below.")
+    parser = cli.command_parser("plot_metrics.py", PlotArgs.__doc__, [PlotArgs])
     parser.add_argument("paths", nargs="*", default=[], metavar="RUN", help="Same as --run.")
-    parser.add_class_arguments(PlotArgs, nested_key=None, as_group=True)
-    for action in parser._actions:
-        if action.dest == "run":
-            action.nargs, action.metavar, action._typehint = "+", "RUN", str
     return parser
 
 
 def parse_args(argv: list[str] | None) -> PlotArgs:
-    try:
-        namespace = build_parser().parse_args(argv)
-    except jsonargparse.ArgumentError as error:
-        raise PlotError(" ".join(str(error).split())) from None
-    args = PlotArgs(run=[*namespace.paths, *namespace.run], output=namespace.output)
+    namespace = cli.parse(build_parser(), argv)
+    args = PlotArgs(run=[*namespace.paths, *(namespace.run or [])], output=namespace.output)
     if not args.run:
         raise PlotError("give a run to plot: plot_metrics.py <train.py --out_dir> [more runs to overlay]")
     return args
@@ -189,13 +180,12 @@ def parse_args(argv: list[str] | None) -> PlotArgs:
 
 def main(argv: list[str] | None = None) -> int:
     """Plot the runs and print where the picture is; bad input is one line on stderr and exit status 2."""
-    try:
+
+    def load() -> tuple[list[Run], Path]:
         args = parse_args(argv)
-        output = output_path(args.output, Path(args.run[0]))
-        runs = [load_run(Path(path)) for path in args.run]
-    except PlotError as error:
-        print(f"plot_metrics.py: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return [load_run(Path(path)) for path in args.run], output_path(args.output, Path(args.run[0]))
+
+    runs, output = cli.run_command("plot_metrics.py", load)
     draw(runs, output)
     print(f"wrote {output}")
     return 0

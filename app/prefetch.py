@@ -6,14 +6,12 @@ tokenizer and one copy of the weights (safetensors when the repo has them, never
 The token comes from HF_TOKEN or a cached `hf auth login`; it is never printed.
 """
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import httpx2
-import jsonargparse
 from huggingface_hub import DatasetCard, HfApi, constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -23,6 +21,9 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+
+from app import cli
+from app.cli import UsageError
 
 # Config, generation config, weight index, tokenizer.json / tokenizer_config.json, SentencePiece and tiktoken
 # models, BPE merges and vocabularies.
@@ -47,7 +48,7 @@ class PrefetchArgs:
     """Hub cache folder (default: $HF_HUB_CACHE, i.e. $HF_HOME/hub). Compute nodes must read the same folder."""
 
 
-class PrefetchError(Exception):
+class PrefetchError(UsageError):
     """A problem the user can fix, reported as one line."""
 
 
@@ -169,16 +170,7 @@ def run(args: PrefetchArgs) -> list[str]:
 
 
 def parse_args(argv: Optional[list[str]]) -> PrefetchArgs:
-    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = jsonargparse.ArgumentParser(
-        prog="prefetch.py", exit_on_error=False, description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--config", action=jsonargparse.ActionConfigFile, help="YAML file with these options.")
-    parser.add_class_arguments(PrefetchArgs, nested_key=None, as_group=True)
-    try:
-        config = parser.parse_args(argv)
-    except jsonargparse.ArgumentError as error:
-        raise PrefetchError(str(error)) from None
+    config = cli.parse(cli.command_parser("prefetch.py", __doc__.splitlines()[0], [PrefetchArgs]), argv)
     config.pop("config", None)
     args = PrefetchArgs(**config.as_dict())
     if constants.HF_HUB_OFFLINE:
@@ -195,12 +187,8 @@ def offline_settings(args: PrefetchArgs) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    try:
-        args = parse_args(argv)
-        lines = run(args)
-    except PrefetchError as error:
-        print(f"prefetch.py: {error}", file=sys.stderr)
-        return 2
+    args = cli.run_command("prefetch.py", lambda: parse_args(argv))
+    lines = cli.run_command("prefetch.py", lambda: run(args))
     print("\n".join(lines))
     print(f"cached; on the compute nodes set {offline_settings(args)}")
     return 0

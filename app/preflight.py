@@ -428,6 +428,25 @@ def check_launcher(cfg: Config, problems: list[str]) -> None:
                         "by hand with MASTER_ADDR, MASTER_PORT and each node's NODE_RANK set; or use --num_nodes 1")
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def resolve_wandb(cfg: Config, problems: list[str]) -> Config:
+    """--wandb_mode, --project, --entity and --run_name when given, else WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY and
+    WANDB_NAME (what docker/run.sh forwards and wandb's users set), else disabled: a run without a choice writes
+    nothing to out_dir/wandb, and says so in one line."""
+    mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or "disabled"
+    mode = {"dryrun": "offline", "run": "online"}.get(mode, mode)  # wandb's older names
+    if mode not in WANDB_MODES:
+        problems.append(f"WANDB_MODE={mode} is not one of {', '.join(WANDB_MODES)}; set one, or give --wandb_mode")
+        mode = "disabled"
+    if not cfg.wandb_mode and not os.environ.get("WANDB_MODE"):
+        note("Weights & Biases: off (--wandb_mode offline or online, or WANDB_MODE, to log there)")
+    return replace(cfg, wandb_mode=mode, project=cfg.project or os.environ.get("WANDB_PROJECT") or "fsdp-trainer",
+                   entity=cfg.entity or os.environ.get("WANDB_ENTITY"),
+                   run_name=cfg.run_name or os.environ.get("WANDB_NAME"))
+
+
 def check_wandb(cfg: Config, problems: list[str]) -> None:
     netrc = Path.home() / ".netrc"
     logged_in = "WANDB_API_KEY" in os.environ or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
@@ -438,6 +457,7 @@ def check_wandb(cfg: Config, problems: list[str]) -> None:
 def preflight(cfg: Config) -> RunInputs:
     """Check everything; exit with status 2 and one line per problem, or return what the run needs."""
     problems: list[str] = []
+    cfg = resolve_wandb(cfg, problems)
     data = check_data(cfg, problems)
     model_config = check_model(cfg, problems)
     wrap_classes: set[type[Module]] = set()

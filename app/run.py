@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import sys
+from contextlib import nullcontext, redirect_stdout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -22,6 +24,7 @@ from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.optim import GradientPolicy, build_optimizer
 from app.precision import float32_matmul_precision, uses_grad_scaler
 from app.preflight import RunInputs, preflight
+from app.print_config import resolved_run
 from app.samples import SampleEvaluator, decoding_for
 from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED
 from app.signals import StopRequest, requeue_slurm_job, run_and_exit
@@ -36,9 +39,15 @@ EXIT_CODES = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED, "interrupt
               "non_finite": EXIT_NON_FINITE}
 
 
-def run(cfg: Config) -> None:
+def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
+    """Train as `cfg` says; `sources` (arguments.option_sources) says where each option came from, for
+    --print_config."""
     print_stacks_on_signal()
-    inputs = preflight(cfg)
+    with redirect_stdout(sys.stderr) if cfg.print_config else nullcontext():  # what it notes stays out of the YAML
+        inputs = preflight(cfg)
+    if cfg.print_config:
+        print(resolved_run(cfg, inputs, sources or {}))
+        return
     cfg = inputs.config
     if cfg.estimate_memory:
         shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
@@ -156,7 +165,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     """One rank's run, from setting up the model to the summary; its exit code."""
     stop = StopRequest()
     stop.install(announce=fabric.is_global_zero)
-    fabric.seed_everything(cfg.seed)
+    fabric.seed_everything(cfg.seed, verbose=False)
     set_matmul_precision(fabric, cfg)
     data = load_data(cfg.train_data_dir, inputs.packed_layout)
     model, no_decay = setup_model(fabric, cfg, inputs.model_config, deferred)

@@ -15,11 +15,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from app import cli
+from app.cli import UsageError
 from app.data.formats import Sample
 from app.model import strategy_module
 from app.prepare.chat_template import end_of_turn_id
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from lightning_fabric import Fabric
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+PROG = "python -m app.samples"
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 WRITTEN_WITHOUT_SPACES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff"
 """Kana and CJK ideographs: scripts whose words are not separated by spaces."""
@@ -184,7 +187,7 @@ def latest_samples(out_dir: Path) -> Path:
     """The samples file of a run's last evaluation."""
     files = sorted((out_dir / "samples").glob("step-*.jsonl"))
     if not files:
-        raise SystemExit(f"{out_dir}: no samples/ yet; train with --eval_samples N")
+        raise UsageError(f"RUN {out_dir}: no samples/ in it; give a train.py --out_dir that ran with --eval_samples N")
     return files[-1]
 
 
@@ -198,7 +201,24 @@ def show(out_dir: Path, count: int) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    import sys
+@dataclass
+class ShowArgs:
+    """Print the first samples of a run's latest evaluation: each prompt's start, its reference and the answer."""
 
-    print(show(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 4))
+    count: int = 4
+    """How many samples to print."""
+
+
+def parse_show_args(argv: Optional[list[str]] = None) -> tuple[Path, int]:
+    parser = cli.command_parser(PROG, ShowArgs.__doc__, [ShowArgs], config=False)
+    parser.add_argument("run", metavar="RUN", help="A train.py --out_dir.")
+    parser.add_argument("positional_count", metavar="N", nargs="?", type=int, help="Same as --count.")
+    namespace = cli.parse(parser, argv)
+    count = namespace.positional_count if namespace.positional_count is not None else namespace.count
+    if count < 1:
+        raise UsageError(f"N {count}: give at least 1")
+    return Path(namespace.run), count
+
+
+if __name__ == "__main__":
+    print(cli.run_command(PROG, lambda: show(*parse_show_args())))

@@ -11,6 +11,8 @@ own (app/checkpoint/). FSDP2 (`--strategy fsdp2`) runs through Lightning's Model
 
 from __future__ import annotations
 
+import logging
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -84,7 +86,8 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
     return fsdp_class(
         auto_wrap_policy=wrap_classes,
         activation_checkpointing_policy=wrap_classes if cfg.gradient_checkpointing else None,
-        sharding_strategy=cfg.sharding_strategy,
+        # One process has nothing to shard: FSDP would switch to NO_SHARD itself, with a warning at every start
+        sharding_strategy="NO_SHARD" if world_size == 1 else cfg.sharding_strategy,
         state_dict_type=cfg.state_dict_type,
         limit_all_gathers=cfg.limit_all_gathers,
         cpu_offload=cfg.cpu_offload,
@@ -122,11 +125,23 @@ def build_fabric(cfg: Config, world_size: int, wrap_classes: set[type[Module]], 
     accelerator = resolve_accelerator(cfg)
     precision = ({"precision": cfg.precision} if accelerator == "tpu" else
                  {"plugins": [precision_plugin(cfg.precision, cfg.strategy, device_type=accelerator)]})
-    return Fabric(
-        accelerator=accelerator,
-        devices=cfg.devices,
-        num_nodes=cfg.num_nodes,
-        strategy=build_strategy(cfg, world_size, wrap_classes, param_init_fn),
-        loggers=loggers,
-        **precision,
-    )
+    quiet_lightning_start()
+    with warnings.catch_warnings():
+        # Lightning's hint on machines where Slurm is installed, for a run started without srun: the preflight
+        # refuses the case it guards against (several nodes and nothing starting them), and one node needs no srun.
+        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+        return Fabric(
+            accelerator=accelerator,
+            devices=cfg.devices,
+            num_nodes=cfg.num_nodes,
+            strategy=build_strategy(cfg, world_size, wrap_classes, param_init_fn),
+            loggers=loggers,
+            **precision,
+        )
+
+
+def quiet_lightning_start() -> None:
+    """Lightning's start-up lines ("Initializing distributed: GLOBAL_RANK ...", a banner naming the backend) tell a
+    user nothing to act on; its warnings still show."""
+    for name in ("lightning_fabric.utilities.distributed", "lightning_fabric.utilities.rank_zero"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -144,6 +144,11 @@ class RendezvousDeadline:
     local_rank: int
 
     def start(self) -> None:
+        """Watch, and say on each node that its ranks wait for the others (the one start-up line of a multi-node run:
+        until every node has started train.py, nothing else can happen)."""
+        if self.nodes > 1 and self.local_rank == 0:
+            print(f"node {self.node_rank}: waiting for the ranks of {self.nodes} nodes ({self.world_size} in all) to "
+                  f"join, at most {self.timeout_sec / 60:g} min (--rendezvous_timeout_min)", flush=True)
         threading.Thread(target=self._watch, name="rendezvous-deadline", daemon=True).start()
 
     def _watch(self) -> None:

@@ -6,8 +6,8 @@
    (target: >= 1.1x), and each against the other with the same kernels (both eager, both compiled);
 3. --strategy fsdp2 against the default fsdp: every step's loss (target: within 1e-4) and step times (target: no
    slower);
-4. peak memory of the largest rank while training a ~170M-parameter model started by `python train.py`,
-   FULL_SHARD against NO_SHARD (target: <= 0.70x) and fsdp2 against fsdp (target: <= 1.0x), and fsdp2 against
+4. peak memory of the largest rank while training a 172M-parameter model (configs/bench-170m) started by
+   `python train.py`, FULL_SHARD against NO_SHARD (target: <= 0.70x) and fsdp2 against fsdp (target: <= 1.0x), and fsdp2 against
    fsdp with a 32K vocabulary (where fsdp2 gives the embeddings units of their own);
 5. checkpoint save and load of that model's training state against torch.save with fsync / torch.load of the same
    tensors (targets: full save and load <= 2.0x, sharded load <= 1.5x);
@@ -45,7 +45,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch
-from transformers import LlamaConfig
 
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 from app.checkpoint import read_tensors
@@ -54,12 +53,11 @@ from benchmarks.baselines import Workload
 
 CORPUS = ("asyncio", "email", "json", "logging", "http", "unittest")
 STEP_MODEL = ROOT / "configs" / "demo-llama"
-STATE_LAYERS = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=10, num_attention_heads=16,
-                    num_key_value_heads=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
-STATE_MODEL = LlamaConfig(vocab_size=2000, **STATE_LAYERS)
-"""~170M parameters whose training state (weights, gradients, AdamW moments) dominates memory."""
-VOCABULARY_MODEL = LlamaConfig(vocab_size=32000, **STATE_LAYERS)
-"""The same layers with Llama-2's and Mistral's 32K vocabulary (~190M parameters): each embedding holds 2.6 layers'
+STATE_MODEL = ROOT / "configs" / "bench-170m"
+"""172M parameters (10 layers, 1024 wide, 2,000 tokens) whose training state (weights, gradients, AdamW moments)
+dominates memory."""
+VOCABULARY_MODEL = ROOT / "configs" / "bench-233m-32k"
+"""The same layers with Llama-2's and Mistral's 32K vocabulary (233M parameters): each embedding holds 2.6 layers'
 parameters (Llama-3-8B's 2.4), so fsdp2 gives them units of their own."""
 
 
@@ -238,8 +236,8 @@ def bench_trainer(data: Path, work_dir: Path, options: argparse.Namespace) -> li
                                            overhead_bound: [fastest, eager]}, options)
 
 
-def state_workload(data: Path, work_dir: Path, name: str, steps: int = 3, model: str = "state-model") -> Workload:
-    return Workload(model_config=str(work_dir / model), data=str(data), out_dir=str(work_dir / name),
+def state_workload(data: Path, work_dir: Path, name: str, steps: int = 3, model: Path = STATE_MODEL) -> Workload:
+    return Workload(model_config=str(model), data=str(data), out_dir=str(work_dir / name),
                     steps=steps, micro_batch_size=2, warmup_steps=1, log_interval=1)
 
 
@@ -253,11 +251,11 @@ def bench_memory(data: Path, work_dir: Path, options: argparse.Namespace) -> lis
     """Peak RSS of the largest rank while training the 170M model, started as users start it (`python train.py
     --devices 2`): FULL_SHARD against NO_SHARD, and FSDP2 against FSDP, also with a 32K vocabulary."""
     peaks = {}
-    for name, strategy, sharding, model in (("FULL_SHARD", "fsdp", "FULL_SHARD", "state-model"),
-                                            ("NO_SHARD", "fsdp", "NO_SHARD", "state-model"),
-                                            ("FSDP2", "fsdp2", "FULL_SHARD", "state-model"),
-                                            ("FSDP 32K", "fsdp", "FULL_SHARD", "vocabulary-model"),
-                                            ("FSDP2 32K", "fsdp2", "FULL_SHARD", "vocabulary-model")):
+    for name, strategy, sharding, model in (("FULL_SHARD", "fsdp", "FULL_SHARD", STATE_MODEL),
+                                            ("NO_SHARD", "fsdp", "NO_SHARD", STATE_MODEL),
+                                            ("FSDP2", "fsdp2", "FULL_SHARD", STATE_MODEL),
+                                            ("FSDP 32K", "fsdp", "FULL_SHARD", VOCABULARY_MODEL),
+                                            ("FSDP2 32K", "fsdp2", "FULL_SHARD", VOCABULARY_MODEL)):
         work = state_workload(data, work_dir, name.replace(" ", "-"), model=model)
         train_app(work, launcher="python", strategy=strategy, sharding_strategy=sharding)
         peaks[name] = peak_rss_while_training(work.out_dir)
@@ -272,7 +270,7 @@ def bench_memory(data: Path, work_dir: Path, options: argparse.Namespace) -> lis
                   "NO_SHARD", 0.70),
             ratio("peak RSS, largest rank, 170M model, `python train.py`, FULL_SHARD: fsdp2 / fsdp", "FSDP2",
                   "FULL_SHARD", 1.0),
-            ratio("peak RSS, largest rank, 190M model (32K vocabulary), `python train.py`, FULL_SHARD: fsdp2 / fsdp",
+            ratio("peak RSS, largest rank, 233M model (32K vocabulary), `python train.py`, FULL_SHARD: fsdp2 / fsdp",
                   "FSDP2 32K", "FSDP 32K", None)]
 
 
@@ -447,8 +445,6 @@ def main() -> None:
         data = work_dir / "data"
         prepare(PrepareArgs(input=stdlib_corpus_paths(CORPUS), output_dir=str(data), vocab_size=2000,
                             block_size=128, val_fraction=0.05, seed=0))
-        STATE_MODEL.save_pretrained(work_dir / "state-model")
-        VOCABULARY_MODEL.save_pretrained(work_dir / "vocabulary-model")
         rows = []
         for part in options.parts:
             print(f"{part} ...", flush=True)

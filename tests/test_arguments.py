@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from arguments import (OPTIONS_BEGIN, OPTIONS_END, Config, build_parser, options_markdown, parse_config,
-                       read_config, validate_config, with_options, write_options_doc)
+from app.run import run
+from arguments import (OPTIONS_BEGIN, OPTIONS_END, Config, build_parser, option_sources, options_markdown,
+                       parse_config, read_config, validate_config, with_options, write_options_doc)
 from tests.conftest import ROOT
 
 REQUIRED = ["--train_data_dir", "data", "--model_config", "cfg"]
@@ -23,12 +24,27 @@ def test_types_of_the_original_script_are_fixed() -> None:
     assert cfg.devices == 4 and cfg.auto_wrap_policy == ["LlamaDecoderLayer"]
 
 
-def test_yaml_config_sets_any_subset_and_the_command_line_wins(tmp_path) -> None:
+def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_it(tmp_path) -> None:
+    """`python train.py --devices 8 --config X.yaml` (the README's resume line, and slurm/train.sbatch's
+    `--devices "$GPUS_PER_NODE" "$@"`) used to train on the file's device count."""
     config = tmp_path / "run.yaml"
-    config.write_text("lr: 0.001\nmicro_batch_size: 8\nprecision: bf16-mixed\n")
-    cfg = parse_config(REQUIRED + ["--config", str(config), "--micro_batch_size", "2"])
-    assert (cfg.lr, cfg.micro_batch_size, cfg.precision) == (0.001, 2, "bf16-mixed")
-    assert cfg.warmup_steps == Config.warmup_steps
+    config.write_text("lr: 0.001\nmicro_batch_size: 8\nprecision: bf16-mixed\ndevices: 4\n")
+    after = parse_config(REQUIRED + ["--config", str(config), "--micro_batch_size", "2", "--devices", "8"])
+    before = parse_config(["--micro_batch_size", "2", "--devices", "8", *REQUIRED, f"--config={config}"])
+    for cfg in (after, before):
+        assert (cfg.lr, cfg.micro_batch_size, cfg.precision, cfg.devices) == (0.001, 2, "bf16-mixed", 8)
+        assert cfg.warmup_steps == Config.warmup_steps
+    assert option_sources(["--devices", "8", "--config", str(config)]) == {
+        "devices": "flag", "lr": f"config {config}", "micro_batch_size": f"config {config}",
+        "precision": f"config {config}"}
+
+
+def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
+    cfg = parse_config(REQUIRED + ["--resume", "--auto_wrap_policy", "LlamaDecoderLayer", "LlamaMLP", "--log_model"])
+    assert cfg.resume is True and cfg.auto_wrap_policy == ["LlamaDecoderLayer", "LlamaMLP"] and cfg.log_model is True
+    cfg = parse_config(REQUIRED + ["--resume", "false", "--auto_wrap_policy", "[LlamaDecoderLayer]", "--log_model",
+                                   "all"])
+    assert cfg.resume is False and cfg.auto_wrap_policy == ["LlamaDecoderLayer"] and cfg.log_model == "all"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -60,23 +76,73 @@ def test_cli_reports_every_problem_in_one_go_without_traceback() -> None:
     assert len(errors) >= 4, result.stderr  # three bad values and the missing --train_data_dir
 
 
-def test_wrong_type_is_one_line_not_a_traceback() -> None:
-    result = subprocess.run([sys.executable, "train.py", "--lr", "fast"], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 2 and "Traceback" not in result.stderr and "--lr" in result.stderr
+REFUSED_COMMANDS = {
+    "train.py wrong type": (["train.py", "--lr", "fast"], "train.py: error: --lr: expected a number, got 'fast'"),
+    "train.py unknown option": (["train.py", "--learning_rate", "1"],
+                                "train.py: error: unrecognized arguments: --learning_rate 1"),
+    "train.py wrong choice": (["train.py", "--precision", "bf17"], "train.py: error: --precision: expected one of"),
+    "prepare_data.py": (["prepare_data.py", "--block_size", "big"], "prepare_data.py: error: --block_size: expected "
+                                                                      "an integer, got 'big'"),
+    "convert_to_hf.py": (["convert_to_hf.py", "--dtype", "float8"], "convert_to_hf.py: error: --dtype: expected one of"),
+    "prefetch.py": (["prefetch.py", "--unknown"], "prefetch.py: error: unrecognized arguments: --unknown"),
+    "plot_metrics.py": (["plot_metrics.py", "/nonexistent/run"], "plot_metrics.py: error: --run /nonexistent/run: no "
+                                                                  "such file or folder"),
+    "app.generate": (["-m", "app.generate", "/nonexistent/model"], "python -m app.generate: error: MODEL "
+                                                                    "/nonexistent/model: not a model folder"),
+    "app.samples": (["-m", "app.samples", "/nonexistent/run"], "python -m app.samples: error: RUN /nonexistent/run: "
+                                                                "no samples/ in it"),
+    "app.samples count": (["-m", "app.samples", "run", "four"], "python -m app.samples: error: N: expected an "
+                                                                 "integer, got 'four'"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_COMMANDS)
+def test_every_entry_point_refuses_a_bad_command_line_in_one_line(case) -> None:
+    """One line on stderr, saying what is wrong and ending with where the help is; exit 2; no usage dump, no
+    traceback (train.py's wrong types printed about 45 lines of usage first)."""
+    argv, expected = REFUSED_COMMANDS[case]
+    prog = argv[0] if argv[0] != "-m" else f"python -m {argv[1]}"
+    result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(expected) and line.endswith(f"; see {prog} --help"), line
 
 
 def test_every_option_has_help_text() -> None:
     for action in build_parser()._actions:
-        if action.dest not in ("help", "print_config"):
+        if action.dest != "help":
             assert action.help and action.help.strip(), action.dest
 
 
-def test_print_config_round_trips(tmp_path) -> None:
-    result = subprocess.run([sys.executable, "train.py", *REQUIRED, "--lr", "0.01", "--print_config"],
-                            cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    (tmp_path / "printed.yaml").write_text(result.stdout)
-    assert parse_config(["--config", str(tmp_path / "printed.yaml")]).lr == 0.01
+def test_print_config_shows_the_resolved_run_with_where_each_value_came_from(tiny, tmp_path, capfd,
+                                                                               monkeypatch) -> None:
+    """After the preflight (which refuses --devices 0 and missing data): every option with its source, the values
+    the run derives, and YAML that --config reads back."""
+    monkeypatch.setenv("WANDB_PROJECT", "from-the-environment")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    (tmp_path / "run.yaml").write_text("micro_batch_size: 2\nlr: 0.004\ndevices: 4\n")
+    argv = ["--devices", "2", "--config", str(tmp_path / "run.yaml"), "--accelerator", "cpu", "--precision",
+            "32-true", "--model_config", str(tiny.model_config), "--train_data_dir", str(tiny.data), "--out_dir",
+            str(tmp_path / "out"), "--lr_scaling", "sqrt", "--reference_batch_size", "8", "--print_config"]
+    run(parse_config(argv), option_sources(argv))
+    printed = capfd.readouterr().out
+    for line in ("devices: 2", "micro_batch_size: 2", "lr: 0.00282842", "project: \"from-the-environment\"",
+                 "wandb_mode: \"disabled\"", f"warmup_steps: {Config.warmup_steps}"):
+        assert any(row.startswith(line) for row in printed.splitlines()), line
+    sources = {row.split(":")[0]: row.split("# ")[-1] for row in printed.splitlines() if not row.startswith("#")}
+    assert sources["devices"] == "flag" and sources["micro_batch_size"] == f"config {tmp_path / 'run.yaml'}"
+    assert sources["lr"] == f"derived from 0.004 (config {tmp_path / 'run.yaml'}) by the preflight"
+    assert sources["project"] == "environment WANDB_PROJECT" and sources["warmup_steps"] == "default"
+    assert "#   global batch: 4 sequences per step (2 micro batch x 1 accumulation x 2 ranks)" in printed
+    assert "#   optimizer steps: 161 (--number_epochs 1; 161 steps per epoch of 647 rows)" in printed
+    assert not (tmp_path / "out").exists(), "printing the configuration writes nothing"
+    (tmp_path / "printed.yaml").write_text(printed)
+    again = parse_config(["--config", str(tmp_path / "printed.yaml")])
+    assert (again.devices, again.micro_batch_size, again.lr, again.lr_scaling, again.print_config) == (
+        2, 2, pytest.approx(0.004 * (4 / 8) ** 0.5), "none", False), "lr scaled by sqrt(global batch 4 / 8)"
+    result = subprocess.run([sys.executable, "train.py", *argv, "--devices", "0"], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and result.stdout == "" and "--devices must be at least 1, got 0" in result.stderr
 
 
 def test_docs_list_every_option_as_the_parser_defines_it() -> None:
@@ -84,7 +150,7 @@ def test_docs_list_every_option_as_the_parser_defines_it() -> None:
     assert OPTIONS_BEGIN in document and OPTIONS_END in document
     assert with_options(document) == document, "docs/options.md is stale: run `python arguments.py`"
     assert all(f"| `--{action.dest}` |" in document for action in build_parser()._actions
-               if action.dest not in ("help", "config", "print_config"))
+               if action.dest not in ("help", "config"))
 
 
 def test_python_arguments_py_rewrites_only_the_generated_part(tmp_path) -> None:

@@ -47,7 +47,8 @@ def refused(capsys, *argv: object) -> str:
         convert(*argv)
     assert exit_info.value.code == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 1 and errors[0].startswith("error: "), errors
+    assert len(errors) == 1 and errors[0].startswith("convert_to_hf.py: error: "), errors
+    assert errors[0].endswith("; see convert_to_hf.py --help"), errors
     return errors[0]
 
 

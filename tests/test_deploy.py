@@ -233,6 +233,7 @@ def test_sbatch_script_asks_for_one_task_per_gpu_and_a_preemption_signal():
     assert srun[1:3] == ["python", "train.py"] and srun[-1] == "$@"
     assert flag_value(srun, "--num_nodes") == "$SLURM_NNODES"
     assert flag_value(srun, "--devices") == "$GPUS_PER_NODE"
+    assert "--strategy" not in srun, "flags win over --config: the script passes only what the job decides"
 
 
 def test_devices_are_the_gpu_count_even_when_slurm_reports_a_gpu_type():
@@ -332,11 +333,9 @@ def test_torchrun_launch_with_two_processes_trains_and_checkpoints(tiny, tmp_pat
     result = run_script([torchrun, "--standalone", "--nproc_per_node", "2", "train.py", *args], timeout=300, env=env)
 
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "step 4/4" in result.stdout
-    members = sorted(re.findall(r"GLOBAL_RANK: (\d), MEMBER: (\d)/(\d)", result.stderr))
-    assert members == [("0", "1", "2"), ("1", "2", "2")]
+    assert result.stdout.count("step 4/4") == 1 and "x 2 ranks)" in result.stdout, result.stdout
     checkpoint = read_checkpoint(out_dir / "checkpoints" / "step-00000004.ckpt")
-    assert checkpoint["step"] == 4
+    assert checkpoint["step"] == 4 and len(checkpoint["rng"]) == 2, "torchrun's two processes, one rank each"
     config = AutoConfig.from_pretrained(tiny.model_config)
     embeddings = checkpoint["model"]["model.embed_tokens.weight"]
     assert tuple(embeddings.shape) == (config.vocab_size, config.hidden_size)

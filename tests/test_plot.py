@@ -150,7 +150,9 @@ def bad_inputs(two_runs, tmp_path) -> dict[tuple[str, ...], tuple[str, str]]:
 
 def test_bad_input_is_one_line_naming_the_path_and_exit_2(bad_inputs, tmp_path, capsys) -> None:
     for args, (path, message) in bad_inputs.items():
-        assert main(list(args)) == 2, args
+        with pytest.raises(SystemExit) as exit_info:
+            main(list(args))
+        assert exit_info.value.code == 2, args
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1 and path in lines[0] and message in lines[0], (args, lines)
     assert not (tmp_path / "picture.jpg").exists()
@@ -160,4 +162,4 @@ def test_the_command_exits_2_without_a_traceback(tmp_path) -> None:
     result = plot(tmp_path / "missing")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"plot_metrics.py: error: --run {tmp_path / 'missing'}: no such file or folder; " \
-                            "give a train.py --out_dir or its metrics.csv\n"
+                            "give a train.py --out_dir or its metrics.csv; see plot_metrics.py --help\n"

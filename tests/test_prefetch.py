@@ -240,7 +240,8 @@ def test_bad_input_is_one_line_and_exit_2(hub, tmp_path, args, expected):
 def test_no_network_is_one_line_and_exit_2(tmp_path):
     result = run_prefetch(["--model", MODEL], clean_env(tmp_path / "hf", HF_ENDPOINT="http://127.0.0.1:9"))
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("prefetch.py: --model tiny-org/tiny-llama: cannot reach")
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefetch.py: error: --model tiny-org/tiny-llama: cannot reach"), last
 
 
 def test_prefetch_refuses_to_run_offline(tmp_path):

@@ -132,3 +132,24 @@ def test_several_nodes_without_a_launcher_are_refused_in_one_line(tiny, tmp_path
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # Lightning's own multi-node variables: started by hand
     monkeypatch.setenv("NODE_RANK", "0")
     assert preflight(parse_config(args)).plan.world_size == 4
+
+
+def test_wandb_follows_its_environment_unless_a_flag_says_otherwise(tiny, tmp_path, capsys, monkeypatch) -> None:
+    """docker/run.sh forwards WANDB_MODE; the project's own default used to override it (offline, always)."""
+    for name in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    resolved = preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None))).config
+    assert (resolved.wandb_mode, resolved.project) == ("disabled", "fsdp-trainer")
+    assert capsys.readouterr().out.count("Weights & Biases: off") == 1
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_PROJECT", "theirs")
+    monkeypatch.setenv("WANDB_NAME", "run-7")
+    resolved = preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None))).config
+    assert (resolved.wandb_mode, resolved.project, resolved.run_name) == ("offline", "theirs", "run-7")
+    flagged = preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode="disabled", project="mine"))).config
+    assert (flagged.wandb_mode, flagged.project) == ("disabled", "mine")
+    assert "Weights & Biases" not in capsys.readouterr().out, "a choice was made: nothing to say"
+    monkeypatch.setenv("WANDB_MODE", "sometimes")
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None)))
+    assert "error: WANDB_MODE=sometimes is not one of online, offline, disabled" in capsys.readouterr().err

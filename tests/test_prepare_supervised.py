@@ -91,6 +91,7 @@ def prepared_by_the_cli(work: Path, command: str, output: str) -> Prepared:
     result = run_cli([*command.split(), "--output_dir", output], cwd=work)
     assert result.returncode == 0, result.stderr
     (work / f"{output}.stdout").write_text(result.stdout)
+    (work / f"{output}.stderr").write_text(result.stderr)
     return load_prepared(work / output)
 
 
@@ -187,13 +188,21 @@ def test_packed_rows_hold_whole_examples_with_only_the_response_and_eos_trained(
 
 def test_the_cli_says_what_it_kept_and_which_roles_it_trains(work, packed_run):
     train = packed_run.stats["splits"]["train"]
-    lines = (work / "packed.stdout").read_text().splitlines()
+    progress, lines = [], (work / "packed.stdout").read_text().splitlines()
+    while lines[0].startswith("prepare_data.py: "):
+        progress.append(lines.pop(0))
     assert train["dropped"] == {"prompt_fills_block": 22}
     assert lines[0] == (f"train: {train['kept']:,} of {train['examples']:,} examples kept ({train['truncated']:,} "
                         f"truncated; dropped: prompt_fills_block 22), {train['rows']:,} rows, {train['tokens']:,} "
-                        f"tokens, {train['trained_tokens']:,} trained")
+                        f"tokens, {train['trained_tokens']:,} trained, {train['padding_fraction']:.1%} padding")
     assert lines[1].startswith(f"  trained tokens by role ({train['kept']} examples audited): user 0% of ")
-    assert lines[2].startswith("validation: ") and len(lines) == 4
+    assert lines[2].startswith("validation: ") and len(lines) == 5
+    assert lines[4] == "wrote packed (supervised_packed rows, tokenizer/, stats.json)"
+    assert (work / "packed.stderr").read_text() == ""
+    assert progress == [f"prepare_data.py: read pairs.jsonl (1 files): {train['examples']} training and 12 validation "
+                        "examples",
+                        "prepare_data.py: tokenizing and packing", "prepare_data.py: writing packed"], \
+        "outside a terminal, a few lines of progress and no bars"
 
 
 def test_packed_attention_and_loss_never_cross_examples(packed_run):

@@ -217,7 +217,7 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
         run.assert_nothing_left()
 
     with launched(train_args(tiny, tmp_path / "run", num_nodes=2), tmp_path / "ctrl-c.log", env=by_hand) as run:
-        sent = run.wait_for(r"GLOBAL_RANK: 0")
+        sent = run.wait_for(r"node 0: waiting for the ranks of 2 nodes \(4 in all\) to join")
         os.killpg(run.process.pid, signal.SIGINT)
         assert run.finish(timeout=30) in (EXIT_INTERRUPTED, -signal.SIGINT), run.output()
         assert time.monotonic() - sent < 10 and "Traceback" not in run.output(), run.output()

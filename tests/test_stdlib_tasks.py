@@ -45,5 +45,5 @@ def test_cli_writes_json_lines_and_refuses_an_unknown_package_in_one_line(tmp_pa
         run_command(StdlibTaskArgs, write_stdlib_task, PROG, ["--output", str(output), "--packages", "json", "nope"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"{PROG}: error: --packages: not a standard-library package here: nope"
+        f"{PROG}: error: --packages: not a standard-library package here: nope; see {PROG} --help"
     ]

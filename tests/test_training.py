@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from app.console import Console
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 from tests.conftest import BLOCK_SIZE, read_checkpoint, run_train, train_args
 
@@ -127,10 +129,11 @@ def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, 
         assert with_knobs[step]["grad_norm"] == pytest.approx(straight[step]["grad_norm"], rel=1e-5)
 
 
-def short_run(tiny, out_dir: Path, **overrides: object) -> dict[int, dict[str, float]]:
+def short_run(tiny, out_dir: Path, env: dict[str, str] | None = None,
+              **overrides: object) -> dict[int, dict[str, float]]:
     """Six steps, evaluated and saved at the end; returns the metrics after checking the checkpoint."""
     options = dict(max_step=6, eval_step_interval=6, save_step_interval=6, warmup_steps=1) | overrides
-    assert_succeeded(run_train(train_args(tiny, out_dir, **options)))
+    assert_succeeded(run_train(train_args(tiny, out_dir, **options), env=env))
     checkpoint = read_checkpoint(out_dir / "checkpoints" / "step-00000006.ckpt")
     assert "model.embed_tokens.weight" in checkpoint["model"] and checkpoint["step"] == 6
     metrics = read_metrics(out_dir)
@@ -139,8 +142,9 @@ def short_run(tiny, out_dir: Path, **overrides: object) -> dict[int, dict[str, f
 
 
 def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny, tmp_path) -> None:
-    short_run(tiny, tmp_path, strategy="single_device", devices=1, save_step_interval=3, wandb_mode="offline",
-              log_model="all")
+    """WANDB_MODE chooses, as wandb's users set it (docker/run.sh forwards it): no --wandb_mode here."""
+    short_run(tiny, tmp_path, env={"WANDB_MODE": "offline"}, strategy="single_device", devices=1,
+              save_step_interval=3, wandb_mode=None, log_model="all")
     [run_log] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     recorded = run_log.read_bytes()
     assert b"val_loss" in recorded and b"train_loss" in recorded and b"trainer/global_step" in recorded
@@ -148,15 +152,43 @@ def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny
     assert b"train_sec" in recorded, "the run summary, written when W&B finishes the run as the process leaves"
 
 
-def test_data_prepared_without_validation_trains_without_evaluating(tiny, tmp_path) -> None:
-    """prepare_data.py --val_fraction 0 writes an empty validation split; train.py used to refuse it."""
+def test_a_one_process_run_without_validation_prints_only_what_a_user_can_act_on(tiny, tmp_path) -> None:
+    """Data prepared with --val_fraction 0 (which train.py used to refuse) trains without evaluating; FSDP on one
+    process with sharded saves, on a machine where Slurm's srun exists, and no W&B choice: none of FSDP's NO_SHARD,
+    DCP's single-process or Lightning's srun warnings, no start-up banner, one line about W&B and nothing written
+    for it."""
     data = tmp_path / "data"
     prepare(PrepareArgs(input=stdlib_corpus_paths(("json",)), output_dir=str(data), tokenizer=str(tiny.tokenizer),
                         block_size=BLOCK_SIZE, val_fraction=0.0))
-    result = run_train(train_args(tiny, tmp_path / "out", train_data_dir=data, devices=1, strategy="single_device",
-                                  max_step=4, warmup_steps=0, save_step_interval=4))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    result = run_train(train_args(tiny, tmp_path / "out", train_data_dir=data, devices=1, max_step=4, warmup_steps=0,
+                                  save_step_interval=2, state_dict_type="sharded", wandb_mode=None),
+                       env={"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
     assert_succeeded(result)
-    assert "has no validation rows (prepared with --val_fraction 0): the run trains without evaluating" in result.stdout
+    output = result.stdout + result.stderr
+    assert "has no validation rows (prepared with --val_fraction 0): the run trains without evaluating" in output
     metrics = read_metrics(tmp_path / "out")
     assert sorted(metrics) == [1, 2, 3, 4] and not any("val_loss" in row for row in metrics.values())
-    assert (tmp_path / "out" / "checkpoints" / "step-00000004.ckpt").exists()
+    assert (tmp_path / "out" / "checkpoints" / "step-00000004.ckpt").is_dir()
+    for noise in ("NO_SHARD", "torch.distributed is disabled", "srun", "Initializing distributed", "distributed_backend",
+                  "Seed set", "Warning"):
+        assert noise not in output, noise
+    assert output.count("Weights & Biases") == 1 and "wandb" not in output.replace("--wandb_mode", "")
+    assert not (tmp_path / "out" / "wandb").exists()
+
+
+def test_on_a_terminal_every_log_interval_stays_in_the_scrollback_and_the_bar_has_one_eta(capsys) -> None:
+    console = Console(enabled=True, start_step=0, max_step=4, interactive=True)
+    for step in (1, 2, 3, 4):
+        console.advance()
+        if step % 2 == 0:
+            console.report(step, 4, {"train_loss": 5.0 / step, "lr": 1e-3}, eta=30.0 - step)
+    console.close()
+    output = capsys.readouterr().out
+    lines = [line for line in output.replace("\r", "\n").splitlines() if line.startswith("step ")]
+    assert lines == ["step 2/4 | loss 2.5000 | lr 1.00e-03 | eta 28.0s",
+                     "step 4/4 | loss 1.2500 | lr 1.00e-03 | eta 26.0s"]
+    bar = output.replace("\r", "\n").splitlines()[-1]
+    assert bar.count("eta") == 1 and "eta 26.0s" in bar and "<" not in bar, bar

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -275,9 +276,11 @@ class Snapshot:
             with self.piece(name, starts[(name, offsets)]) as data:
                 yield data.view(block.shape)
 
-        dcp.save({}, storage_writer=BlocksWriter(folder, list(starts), reading),
-                 planner=BlocksPlanner(written, self.layout_key()), process_group=self.group,
-                 no_dist=world_size == 1)
+        with warnings.catch_warnings():  # one process without a group writes alone, as DCP's warning assumes
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.save({}, storage_writer=BlocksWriter(folder, list(starts), reading),
+                     planner=BlocksPlanner(written, self.layout_key()), process_group=self.group,
+                     no_dist=world_size == 1 and not dist.is_initialized())
         if rank == 0:
             (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))
 

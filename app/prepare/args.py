@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-
-class UsageError(Exception):
-    """A problem with the user's arguments or inputs: reported as one line, exit status 2, no traceback."""
+from app.cli import UsageError  # noqa: F401 (app/prepare raises it from here)
 
 
 @dataclass

@@ -9,10 +9,8 @@ it was left out ("" when kept; a dropped example keeps no tokens).
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +19,6 @@ import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, Features, List, Value
 
 from app.prepare.args import UsageError, useful_processes
-from app.prepare.corpus import quiet_progress
 from app.prepare.pack import empty_rows
 
 IGNORE_INDEX = -100
@@ -89,11 +86,7 @@ def encode_examples(
     records: Dataset, encode: Callable[[dict], list[Example]], num_proc: int, desc: str
 ) -> Dataset:
     """Rows of `EXAMPLE_FEATURES` from the records, a batch at a time (`encode` turns a batch of records into its
-    examples); an empty split keeps the columns.
-
-    Progress bars only on a terminal: in a log or a pipe, a refusal that comes after encoding (no example fits the
-    block) stays a single line on stderr.
-    """
+    examples); an empty split keeps the columns."""
     if not len(records):
         return empty_rows(EXAMPLE_FEATURES)
 
@@ -101,15 +94,14 @@ def encode_examples(
         examples = encode(batch)
         return {name: [getattr(example, name) for example in examples] for name in EXAMPLE_FEATURES}
 
-    with nullcontext() if sys.stderr.isatty() else quiet_progress():
-        return records.map(
-            columns,
-            batched=True,
-            num_proc=useful_processes(len(records), num_proc),
-            remove_columns=records.column_names,
-            features=EXAMPLE_FEATURES,
-            desc=desc,
-        )
+    return records.map(
+        columns,
+        batched=True,
+        num_proc=useful_processes(len(records), num_proc),
+        remove_columns=records.column_names,
+        features=EXAMPLE_FEATURES,
+        desc=desc,
+    )
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ labels) → rows (blocks of raw text, packed examples, or unpadded examples) →
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from app.prepare.args import PrepareArgs, RecordShape, UsageError, check_args, d
 from app.prepare.chat import chat_records, chat_texts
 from app.prepare.chat_template import (ChatEncoder, chat_advice, check_template, choose_template, encode_chats,
                                        end_of_turn_id)
-from app.prepare.corpus import document_texts, read_documents
+from app.prepare.corpus import document_texts, quiet_progress, read_documents
 from app.prepare.examples import ExampleCounts, examples_to_rows, one_example_per_row
 from app.prepare.mask_audit import audit_split, check_audit, describe_audit
 from app.prepare.output import TOKENIZER_FOLDER, save_prepared, write_atomically
@@ -36,22 +38,42 @@ FIELD_OPTIONS = (
 
 
 def prepare(args: PrepareArgs) -> dict:
-    """Prepare `args.output_dir` and return its stats (also written to stats.json). Raises UsageError on bad input."""
+    """Prepare `args.output_dir` and return its stats (also written to stats.json). Raises UsageError on bad input.
+
+    Progress bars only on a terminal: in a log (Slurm, CI) their carriage returns make one unreadable line, and a
+    refusal must stay a single line on stderr; there, a few lines on stdout say which stage is running."""
+    with nullcontext() if sys.stderr.isatty() else quiet_progress():
+        return prepare_folder(args)
+
+
+def prepare_folder(args: PrepareArgs) -> dict:
     check_args(args)
     shape = record_shape(args)
     tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code) if args.tokenizer else None
     documents = read_documents(args, RECORDS[shape](args) if shape in RECORDS else None)
     unit = "document" if shape == "text" else "example"
     splits, empty_documents = split_by_document(documents, args.val_fraction, args.seed, args.num_proc, unit)
+    log(f"read {', '.join(documents.description)}: {len(splits['train']):,} training and "
+        f"{len(splits['validation']):,} validation {unit}s")
     if tokenizer is None:
+        log(f"training a tokenizer of {args.vocab_size:,} pieces on the training split")
         tokenizer = train_tokenizer(TEXTS[shape](splits["train"]), args.vocab_size, args.seed)
+    log("tokenizing" + (" and packing" if shape == "text" or args.packing else ""))
     if shape == "text":
         rows, stats = text_blocks(splits, tokenizer, args, empty_documents, documents.description)
     else:
         rows, counts, options = BUILDERS[shape](splits, tokenizer, args)
         stats = describe_examples(args, tokenizer, counts, options, documents.description)
+    log(f"writing {args.output_dir}")
     write_atomically(Path(args.output_dir), lambda folder: save_prepared(folder, rows, tokenizer, stats))
     return stats
+
+
+def log(message: str) -> None:
+    """A stage of the work, outside a terminal (a Slurm log, CI), where progress bars are off: a few lines in all,
+    on stdout, so that a refusal stays the one line on stderr."""
+    if not sys.stderr.isatty():
+        print(f"prepare_data.py: {message}", flush=True)
 
 
 def text_blocks(
@@ -193,9 +215,9 @@ def describe_examples(
     }
 
 
-def summary(stats: dict) -> str:
-    """What prepare_data.py prints when it is done: per split, what was kept, cut and dropped and why, and which
-    roles' tokens are trained."""
+def summary(stats: dict, output_dir: str) -> str:
+    """What prepare_data.py prints when it is done: per split, what was kept, cut and dropped and why, the tokens,
+    trained tokens and padding, which roles' tokens are trained; then where it wrote (stats.json holds the same)."""
     lines = []
     for name, split in stats["splits"].items():
         if stats["format"] == "text":
@@ -205,9 +227,10 @@ def summary(stats: dict) -> str:
         dropped = ", ".join(f"{reason} {count:,}" for reason, count in split["dropped"].items())
         lines.append(f"{name}: {split['kept']:,} of {split['examples']:,} examples kept ({split['truncated']:,} "
                      f"truncated; dropped: {dropped or 'none'}), {split['rows']:,} rows, {split['tokens']:,} tokens, "
-                     f"{split['trained_tokens']:,} trained")
+                     f"{split['trained_tokens']:,} trained, {split['padding_fraction']:.1%} padding")
         if split.get("loss_mask"):
             lines.append(f"  {describe_audit(split['loss_mask'])}")
+    lines.append(f"wrote {output_dir} ({stats['format']} rows, tokenizer/, stats.json)")
     return "\n".join(lines)
 
 

@@ -1,0 +1,142 @@
+"""What every command line of the project does alike: train.py, prepare_data.py, convert_to_hf.py, prefetch.py,
+plot_metrics.py, `python -m app.generate` and `python -m app.samples`.
+
+- Options come from dataclasses whose attribute docstrings are the help (jsonargparse), and a YAML `--config`
+  (where the command takes one) sets any subset of them. The command line wins over the file whatever the order:
+  `--devices 8 --config run.yaml` trains on 8 devices, as `--config run.yaml --devices 8` does (jsonargparse applies
+  a file where it stands, so a flag before it was silently overridden).
+- Shell forms: a bare boolean flag means true (`--resume` as `--resume true`), lists take their items plainly
+  (`--input a.jsonl b.jsonl`, `--auto_wrap_policy LlamaDecoderLayer`); the YAML/bracket forms still work.
+- A bad command line is one line on stderr ending with "see <prog> --help", exit status 2: no usage dump, no
+  traceback, nothing written.
+
+jsonargparse does the typed parsing; this module only shapes how it meets a shell and what a refusal looks like.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, Union, get_args, get_origin
+
+import jsonargparse
+import yaml
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from app.exit_codes import EXIT_BAD_INPUT
+
+CONFIG_FLAG = "--config"
+
+
+class UsageError(Exception):
+    """A problem with the user's arguments or inputs: reported as one line, exit status 2, no traceback."""
+
+
+def command_parser(prog: str, description: str, groups: Iterable[type], *, config: bool = True,
+                   skip: Iterable[str] = ()) -> ArgumentParser:
+    """The parser of one command: a --config file (unless `config` is False) and each dataclass as a help group."""
+    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, default_env=False,
+                            print_config=None)
+    if config:
+        parser.add_argument(CONFIG_FLAG, action=ActionConfigFile,
+                            help="YAML file with any subset of the options below; the command line wins over it.")
+    for group in groups:
+        parser.add_class_arguments(group, nested_key=None, as_group=True, skip=set(skip) or None)
+    shell_friendly(parser)
+    return parser
+
+
+def shell_friendly(parser: ArgumentParser) -> None:
+    """Bare boolean flags and plain lists (see the module docstring)."""
+    for action in parser._actions:
+        hint = getattr(action, "_typehint", None)
+        if hint is None:
+            continue
+        if _is_list_of_str(hint):
+            action.nargs, action.metavar, action._typehint = "+", action.dest.upper(), str
+            action.bracketed_too = True
+        elif bool in _members(hint):
+            action.nargs, action.const = "?", True
+
+
+def _members(hint: Any) -> tuple:
+    return get_args(hint) if get_origin(hint) is Union else (hint,)
+
+
+def _is_list_of_str(hint: Any) -> bool:
+    return any(get_origin(member) is list and get_args(member) == (str,) for member in _members(hint))
+
+
+def config_files_first(argv: list[str]) -> list[str]:
+    """argv with every `--config FILE` (or `--config=FILE`) moved to the front, in its order: flags then win."""
+    files, rest = [], []
+    arguments = iter(argv)
+    for argument in arguments:
+        if argument == CONFIG_FLAG:
+            files += [argument, next(arguments, "")]
+        elif argument.startswith(CONFIG_FLAG + "="):
+            files.append(argument)
+        else:
+            rest.append(argument)
+    return files + rest
+
+
+def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namespace:
+    """The parsed command line; a bad one raises UsageError with a one-line message."""
+    try:
+        namespace = parser.parse_args(config_files_first(sys.argv[1:] if argv is None else list(argv)))
+    except jsonargparse.ArgumentError as error:
+        raise UsageError(one_line(parser, str(error))) from None
+    for action in parser._actions:
+        value = namespace.get(action.dest) if getattr(action, "bracketed_too", False) else None
+        if isinstance(value, list) and len(value) == 1 and value[0].strip().startswith("["):
+            namespace[action.dest] = [str(item) for item in yaml.safe_load(value[0]) or []]  # `--input '[a, b]'`
+    return namespace
+
+
+def one_line(parser: ArgumentParser, message: str) -> str:
+    """jsonargparse's message, often several lines ('Parser key "lr":' then the reasons), as one line naming the flag
+    and what it takes: `--lr: expected a number, got 'fast'`."""
+    key = re.match(r'Parser key "(\w+)":', message)
+    if not key:
+        return " ".join(message.split())
+    action = next((a for a in parser._actions if a.dest == key.group(1)), None)
+    name = (action.option_strings[0] if action.option_strings else action.metavar) if action else f"--{key.group(1)}"
+    given = re.search(r"(?:Got value|Given value): (.*)", message)
+    expected = describe(getattr(action, "_typehint", None) or getattr(action, "type", None))
+    if given and expected:
+        return f"{name}: expected {expected}, got {given.group(1).strip()!r}"
+    return f"{name}: " + " ".join(" ".join(message.splitlines()[1:]).split())
+
+
+def describe(hint: Any) -> str:
+    """What a type hint accepts, in words: `a number`, `one of bf16-true, 32-true`, `an integer or auto`."""
+    words = {int: "an integer", float: "a number", str: "text", bool: "true or false", type(None): "null"}
+    parts = []
+    for member in _members(hint):
+        if member in words:
+            parts.append(words[member])
+        elif get_origin(member) is Literal:
+            parts.append(("one of " if len(get_args(member)) > 1 else "") + ", ".join(map(str, get_args(member))))
+        elif get_origin(member) is list:
+            parts.append("a list")
+        else:
+            return ""
+    return " or ".join(parts)
+
+
+def refuse(prog: str, message: str) -> typing.NoReturn:
+    """Print the one line of a bad command line and exit with status 2."""
+    print(f"{prog}: error: {message}; see {prog} --help", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def run_command(prog: str, work: Callable[[], Any]) -> Any:
+    """Run `work`; a UsageError it raises becomes the command's one-line refusal."""
+    try:
+        return work()
+    except UsageError as error:
+        refuse(prog, str(error))

@@ -1,0 +1,64 @@
+"""What `train.py --print_config` prints: the run as it will train, after the preflight has checked every input.
+
+Every option with its value and where that came from (a flag, a config file, the environment, the default, or
+derived by the preflight: `--lr` after `--lr_scaling`), as YAML that `--config` reads back, then, as comments, what
+the run derives from them: world size, gradient accumulation, global batch, tokens per step, optimizer steps. A raw
+dump of the parsed values (jsonargparse's own --print_config) would show none of that and validate nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.preflight import RunInputs
+    from arguments import Config
+
+ENVIRONMENT = {"wandb_mode": "WANDB_MODE", "project": "WANDB_PROJECT", "entity": "WANDB_ENTITY",
+               "run_name": "WANDB_NAME"}
+"""Options whose default the environment gives (app/preflight.py resolve_wandb)."""
+COMMENT_COLUMN = 56
+
+
+def source_of(name: str, given: Config, resolved: Config, sources: dict[str, str]) -> str:
+    """Where the resolved value of option `name` comes from."""
+    before, after = getattr(given, name), getattr(resolved, name)
+    if name in sources and before == after:
+        return sources[name]
+    if before is None and name in ENVIRONMENT:
+        return f"environment {ENVIRONMENT[name]}" if os.environ.get(ENVIRONMENT[name]) else "default"
+    if before != after:
+        return f"derived from {before!r} ({sources.get(name, 'default')}) by the preflight"
+    return "default"
+
+
+def resolved_run(given: Config, inputs: RunInputs, sources: dict[str, str]) -> str:
+    """The YAML text --print_config prints (see the module docstring)."""
+    resolved, plan = inputs.config, inputs.plan
+    lines = ["# train.py --print_config: the run as resolved after checking every input; --config reads it back."]
+    for option in fields(resolved):
+        if option.name == "print_config":
+            continue
+        entry = f"{option.name}: {json.dumps(getattr(resolved, option.name))}"  # JSON values are YAML
+        lines.append(f"{entry:<{COMMENT_COLUMN}} # {source_of(option.name, given, resolved, sources)}")
+    epochs = "--max_step" if given.max_step else f"--number_epochs {given.number_epochs}"
+    lines += [
+        "# derived:",
+        f"#   world size: {plan.world_size} ranks (--devices x --num_nodes)",
+        f"#   gradient accumulation: {plan.accumulation} (micro-batches per optimizer step)",
+        f"#   global batch: {plan.global_batch_size} sequences per step ({plan.micro_batch_size} micro batch x "
+        f"{plan.accumulation} accumulation x {plan.world_size} ranks)",
+        f"#   tokens per step: {plan.tokens_per_step:,} (rows of {plan.row_tokens:.0f} tokens on average)",
+        f"#   optimizer steps: {plan.max_step} ({epochs}; {plan.steps_per_epoch} steps per epoch of "
+        f"{plan.train_rows:,} rows)",
+        f"#   learning rate: {resolved.lr:.3g} after {resolved.warmup_steps} warmup steps, "
+        + (f"cosine decay to {resolved.min_lr:.3g} at step {plan.max_step}" if resolved.lr_decay else "then constant"),
+    ]
+    if inputs.resume_from:
+        lines.append(f"#   resumes from: {inputs.resume_from}")
+    if inputs.packed_layout != "position_ids":
+        lines.append(f"#   packed examples kept apart as: {inputs.packed_layout}")
+    return "\n".join(lines)
