@@ -141,6 +141,9 @@ def test_wandb_follows_its_environment_unless_a_flag_says_otherwise(tiny, tmp_pa
     resolved = preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None))).config
     assert (resolved.wandb_mode, resolved.project) == ("disabled", "fsdp-trainer")
     assert capsys.readouterr().out.count("Weights & Biases: off") == 1
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None))).config.wandb_mode == "disabled"
+    assert "Weights & Biases" not in capsys.readouterr().out, "WANDB_MODE=disabled is a choice: nothing to say"
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "theirs")
     monkeypatch.setenv("WANDB_NAME", "run-7")
