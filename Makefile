@@ -36,7 +36,7 @@ demo: $(VENV)/.installed
 		--vocab_size 2000 --block_size 128 --val_fraction 0.05 --output_dir demo/data
 	$(PY) train.py --config configs/demo.yaml $(DEMO_HARDWARE)
 	$(PY) convert_to_hf.py --checkpoint demo/run --output_dir demo/hf-model --dtype float32
-	$(PY) -m app.generate demo/hf-model --prompt "def parse_header(" --max_new_tokens 60
+	$(PY) generate.py demo/hf-model --prompt "def parse_header(" --max_new_tokens 60
 
 # Supervised fine-tuning: the demo model learns to say what a function does (the first sentence of its docstring)
 # from the standard library's code -> summary pairs, packed with the default chat template; then it is converted
@@ -50,7 +50,7 @@ sft-demo: $(VENV)/.installed
 		--tokenizer demo/hf-model --block_size 512 --val_fraction 0.1 --output_dir demo/sft/data
 	$(PY) train.py --config configs/sft-demo.yaml $(DEMO_HARDWARE)
 	$(PY) convert_to_hf.py --checkpoint demo/sft/run --output_dir demo/sft/hf-model --dtype float32
-	$(PY) -m app.samples demo/sft/run 4
+	$(PY) show_samples.py demo/sft/run 4
 
 # Summarization with an encoder-decoder (seed 002's system, small): a T5 trained from scratch with FSDP to turn a
 # standard-library function into the first sentence of its docstring, converted, and its summaries printed next to
@@ -64,4 +64,4 @@ summarize-demo: $(VENV)/.installed
 		--output_dir demo/summarize/data
 	$(PY) train.py --config configs/summarize-demo.yaml $(DEMO_HARDWARE)
 	$(PY) convert_to_hf.py --checkpoint demo/summarize/run --output_dir demo/summarize/hf-model --dtype float32
-	$(PY) -m app.samples demo/summarize/run 4
+	$(PY) show_samples.py demo/summarize/run 4

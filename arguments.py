@@ -212,8 +212,8 @@ class LoggingArgs:
     `wandb sync`; default: $WANDB_MODE, else disabled (nothing written). WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME and
     WANDB_DIR are honoured the same way."""
     peak_tflops: Optional[float] = None
-    """Dense peak TFLOP/s of one device in the run's compute dtype, for MFU; default: app/peaks.py's table of NVIDIA
-    GPUs, then Lightning's."""
+    """Dense peak TFLOP/s of one device in the run's compute dtype, for MFU; default: app/metrics/peaks.py's table of
+    NVIDIA GPUs, then Lightning's."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 import sys
 
-from app.plot import main
+from app.metrics.plot import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 import sys
 
-from app.prefetch import main
+from app.huggingface.prefetch import main
 
 if __name__ == "__main__":
     sys.exit(main())

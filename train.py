@@ -7,11 +7,12 @@ from arguments import option_sources, parse_config
 
 if __name__ == "__main__":
     # Until training starts, Ctrl-C ends the process at once by SIGINT's default action: quietly (no KeyboardInterrupt
-    # traceback) and even while it waits in C code (the rendezvous); a shell reports 130. app/signals.py takes over.
-    # A rank started by Lightning's launcher inherits SIGINT blocked (app/run.py): a pending Ctrl-C ends it here.
+    # traceback) and even while it waits in C code (the rendezvous); a shell reports 130. app/reliability/signals.py
+    # takes over. A rank started by Lightning's launcher inherits SIGINT blocked (app/training/run.py): a pending Ctrl-C
+    # ends it here.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     config = parse_config()
-    from app.run import run
+    from app.training.run import run
 
     run(config, option_sources(sys.argv[1:]))

@@ -1,0 +1,38 @@
+"""The training application. Where things are (tests/test_layout.py checks this map against the tree and every
+import against its order):
+
+| where | what it holds |
+| --- | --- |
+| exit_codes.py, choices.py, cli.py | what every part shares: exit statuses, option sets, how a command line meets a shell |
+| distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py: devices, sharding, dtypes |
+| optimization/ | optimizer.py, schedule.py: AdamW's groups and clipping, batch arithmetic and lr(step) |
+| reliability/ | signals.py, watchdog.py, workers.py, torchrun.py: keeping a run alive and ending it well |
+| prepare/ | prepare_data.py's pipeline: records, chat templates, masks, packing, the folder it writes |
+| data/ | formats.py, order.py, loader.py: the prepared folder read as steps and batches |
+| model/ | build.py, isolation.py: the Hugging Face model on every rank; packed examples kept apart |
+| checkpoint/ | saving, loading and reading checkpoints in either format, now or in the background |
+| metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, memory_plan.py: measuring a run |
+| evaluation/ | validation.py, samples.py: validation loss and generation samples |
+| huggingface/ | convert.py, upload.py, generate.py, prefetch.py: to and from Hugging Face |
+| training/ | preflight.py, print_config.py, run.py, loop.py: one run, top to bottom |
+
+Imports run one way: a part may import the parts above it in this table (within the first row, cli.py imports
+exit_codes.py), never one below it, and nothing in app/ imports the top-level scripts. The scripts (train.py,
+prepare_data.py, convert_to_hf.py, prefetch.py, plot_metrics.py, generate.py, show_samples.py) are a few lines each.
+"""
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("exit_codes", "choices", "cli"),
+    ("distributed",),
+    ("optimization",),
+    ("reliability",),
+    ("prepare",),
+    ("data",),
+    ("model",),
+    ("checkpoint",),
+    ("metrics",),
+    ("evaluation",),
+    ("huggingface",),
+    ("training",),
+)
+"""The parts of app/ in the order of the map above: each may import only parts of its own row or of rows before."""

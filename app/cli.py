@@ -1,5 +1,5 @@
 """What every command line of the project does alike: train.py, prepare_data.py, convert_to_hf.py, prefetch.py,
-plot_metrics.py, `python -m app.generate` and `python -m app.samples`.
+plot_metrics.py, generate.py and show_samples.py.
 
 - Options come from dataclasses whose attribute docstrings are the help (jsonargparse), and a YAML `--config`
   (where the command takes one) sets any subset of them. The command line wins over the file whatever the order:

@@ -1,5 +1,6 @@
-"""FSDP2's collectives on CPU processes: gloo's all-gather and reduce-scatter against app/cpu_collectives.py's
-point-to-point ones, on one layer of the 170M model of configs/bench-170m (16.8M fp32 elements, 67 MB), side by side.
+"""FSDP2's collectives on CPU processes: gloo's all-gather and reduce-scatter against
+app/distributed/cpu_collectives.py's point-to-point ones, on one layer of the 170M model of configs/bench-170m (16.8M
+fp32 elements, 67 MB), side by side.
 
 Each of 2 processes runs every contender `--repeats` times in alternating order, each time on fresh tensors as FSDP2
 allocates them at every layer; rank 0 reports the median time and page faults per call.
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.cpu_collectives import PointToPointAllGather, PointToPointReduceScatter
+from app.distributed.cpu_collectives import PointToPointAllGather, PointToPointReduceScatter
 
 Collective = Callable[[int, int], None]
 """(rank, numel of the gathered layer) -> one call on fresh tensors."""

@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 from app.checkpoint import read_tensors
+from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 from app.prepare.corpus import quiet_progress
 from benchmarks.baselines import Workload
 

@@ -20,12 +20,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from app.checkpoint import load_checkpoint  # noqa: E402
+from app.distributed.strategy import build_fabric  # noqa: E402
 from app.exit_codes import EXIT_FINISHED  # noqa: E402
-from app.model import deferred_init, setup_model  # noqa: E402
-from app.optim import build_optimizer  # noqa: E402
-from app.preflight import preflight  # noqa: E402
-from app.signals import run_and_exit  # noqa: E402
-from app.strategy import build_fabric  # noqa: E402
+from app.model.build import deferred_init, setup_model  # noqa: E402
+from app.optimization.optimizer import build_optimizer  # noqa: E402
+from app.reliability.signals import run_and_exit  # noqa: E402
+from app.training.preflight import preflight  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
 

@@ -4,8 +4,8 @@ The start-up hang this guards against (a data loader worker forked from a rank t
 before its first line) came about once in 60 starts. Each run here is train.py as users start it: `python train.py
 --devices 2` (Lightning's launcher) with the default `--num_workers` (2), on the tests' tiny model and data, 24
 steps over 3 epochs, so that every run starts 12 workers (2 per rank and epoch). A run that does not end within
-`--timeout` seconds is a hang: its processes print their Python stacks into its log one after the other
-(SIGUSR2, see app/watchdog.py), then they are killed. The logs of runs that hung or failed are kept in `--log_dir`.
+`--timeout` seconds is a hang: its processes print their Python stacks into its log one after the other (SIGUSR2, see
+app/reliability/watchdog.py), then they are killed. The logs of runs that hung or failed are kept in `--log_dir`.
 
 Run: python benchmarks/stress_startup.py [--runs 100] [--timeout 180] [--log_dir stress-logs]
 """
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from app.watchdog import collect_stacks
+from app.reliability.watchdog import collect_stacks
 from conftest import TinySetup, build_tiny_setup, train_args
 
 RUN = dict(micro_batch_size=16, gradient_accumulation_steps=2, max_step=24, eval_step_interval=100,

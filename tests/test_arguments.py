@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from app.run import run
+from app.training.run import run
 from arguments import (OPTIONS_BEGIN, OPTIONS_END, Config, build_parser, option_sources, options_markdown,
                        parse_config, read_config, validate_config, with_options, write_options_doc)
 from tests.conftest import ROOT
@@ -87,12 +87,12 @@ REFUSED_COMMANDS = {
     "prefetch.py": (["prefetch.py", "--unknown"], "prefetch.py: error: unrecognized arguments: --unknown"),
     "plot_metrics.py": (["plot_metrics.py", "/nonexistent/run"], "plot_metrics.py: error: --run /nonexistent/run: no "
                                                                   "such file or folder"),
-    "app.generate": (["-m", "app.generate", "/nonexistent/model"], "python -m app.generate: error: MODEL "
-                                                                    "/nonexistent/model: not a model folder"),
-    "app.samples": (["-m", "app.samples", "/nonexistent/run"], "python -m app.samples: error: RUN /nonexistent/run: "
-                                                                "no samples/ in it"),
-    "app.samples count": (["-m", "app.samples", "run", "four"], "python -m app.samples: error: N: expected an "
-                                                                 "integer, got 'four'"),
+    "generate.py": (["generate.py", "/nonexistent/model"], "generate.py: error: MODEL /nonexistent/model: not a "
+                                                          "model folder"),
+    "show_samples.py": (["show_samples.py", "/nonexistent/run"], "show_samples.py: error: RUN /nonexistent/run: no "
+                                                                "samples/ in it"),
+    "show_samples.py count": (["show_samples.py", "run", "four"], "show_samples.py: error: N: expected an integer, "
+                                                                 "got 'four'"),
 }
 
 
@@ -101,7 +101,7 @@ def test_every_entry_point_refuses_a_bad_command_line_in_one_line(case) -> None:
     """One line on stderr, saying what is wrong and ending with where the help is; exit 2; no usage dump, no
     traceback (train.py's wrong types printed about 45 lines of usage first)."""
     argv, expected = REFUSED_COMMANDS[case]
-    prog = argv[0] if argv[0] != "-m" else f"python -m {argv[1]}"
+    prog = argv[0]
     result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()

@@ -118,9 +118,9 @@ def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_ch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from app.data import Batch, Step
-    from app.loop import train_step
-    from app.optim import GradientPolicy
-    from app.signals import StopRequest
+    from app.training.loop import train_step
+    from app.optimization.optimizer import GradientPolicy
+    from app.reliability.signals import StopRequest
 
     fabric = Fabric(accelerator="cpu", devices=1)
     torch.manual_seed(0)

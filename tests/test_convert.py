@@ -14,8 +14,8 @@ from huggingface_hub import HfApi
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-from app.convert import main as convert_main
-from app.generate import GenerateArgs, generate
+from app.huggingface.convert import main as convert_main
+from app.huggingface.generate import GenerateArgs, generate
 from tests.conftest import ROOT, read_checkpoint, run_train, train_args
 from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS
 
@@ -96,7 +96,7 @@ def test_the_generation_config_is_the_base_models_own_or_stops_at_the_tokenizers
 def test_generate_stops_at_an_end_of_turn_that_only_the_generation_config_names(tiny, tmp_path) -> None:
     """A chat model whose config's EOS is </s> and whose turns end with <|eot_id|>, named only in
     generation_config.json; its greedy answer reaches <|eot_id|> as its third token or so (two rows of its output
-    layer swapped to make it): `python -m app.generate --chat true` stops there instead of at --max_new_tokens."""
+    layer swapped to make it): `python generate.py --chat true` stops there instead of at --max_new_tokens."""
     tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
     tokenizer.chat_template = LLAMA3_TEMPLATE

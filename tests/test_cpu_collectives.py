@@ -1,4 +1,4 @@
-"""FSDP2's point-to-point collectives for CPU processes (app/cpu_collectives.py) give gloo's own results, and
+"""FSDP2's point-to-point collectives for CPU processes (app/distributed/cpu_collectives.py) give gloo's own results, and
 fsdp2 on CPU processes uses them.
 
 Three forked processes over gloo, so that a rank has more than one peer. Values are whole numbers, whose sums are
@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.nn import Linear, Sequential
 
-from app.cpu_collectives import PointToPointAllGather, PointToPointReduceScatter
-from app.fsdp2 import shard_model
+from app.distributed.cpu_collectives import PointToPointAllGather, PointToPointReduceScatter
+from app.distributed.fsdp2 import shard_model
 
 WORLD_SIZE = 3
 

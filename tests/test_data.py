@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.data.order import EpochBatches, epoch_permutation, eval_plan, rank_micro_batches
-from app.schedule import make_plan
+from app.optimization.schedule import make_plan
 from tests.conftest import ROOT
 
 
@@ -88,7 +88,7 @@ FIRST_BATCH_OF_WORKERS = '''
 import numpy as np
 import torch
 from app.data import DataFormat, TrainingData, train_steps
-from app.schedule import make_plan
+from app.optimization.schedule import make_plan
 
 
 class OneRank:

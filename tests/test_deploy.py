@@ -133,7 +133,7 @@ def test_every_copied_file_exists_and_is_in_the_build_context():
 
 def test_build_context_keeps_the_code_and_drops_secrets_data_and_results():
     patterns = dockerignore_patterns()
-    needed = ["requirements.txt", "prefetch.py", "app/prefetch.py", "slurm/train.sbatch", "docker/run.sh"]
+    needed = ["requirements.txt", "prefetch.py", "app/huggingface/prefetch.py", "slurm/train.sbatch", "docker/run.sh"]
     needed += [name for name in ("train.py", "prepare_data.py", "convert_to_hf.py") if (ROOT / name).exists()]
     assert [path for path in needed if is_ignored(path, patterns)] == []
     unwanted = [".venv/bin/python", ".git/HEAD", "wandb/run-1/x", "runs/a/checkpoints/step-00000004.ckpt",
@@ -245,7 +245,8 @@ def test_torchrun_sbatch_starts_one_launcher_per_node_with_one_worker_per_gpu():
     options = sbatch_options(SBATCH_TORCHRUN)
     assert options["ntasks-per-node"] == "1"
     words = launch_command(SBATCH_TORCHRUN, "srun")
-    assert words[1:4] == ["python", "-m", "app.torchrun"]  # torchrun passing on the failed worker's exit code
+    # torchrun passing on the failed worker's exit code
+    assert words[1:4] == ["python", "-m", "app.reliability.torchrun"]
     assert flag_value(words, "--nproc_per_node") == flag_value(words, "--devices") == "$GPUS_PER_NODE"
     assert flag_value(words, "--nnodes") == flag_value(words, "--num_nodes") == "$SLURM_NNODES"
     assert "SIGUSR1" in flag_value(words, "--signals_to_handle").split(",")
@@ -383,7 +384,7 @@ def test_torchrun_wrapper_exits_with_the_failed_workers_own_code(tmp_path):
     """torchrun itself exits 1 for any failed worker; the Slurm script needs the stall's 4 to requeue."""
     worker = tmp_path / "stalls.py"
     worker.write_text("import os\nos._exit(4)\n")
-    result = subprocess.run([sys.executable, "-m", "app.torchrun", "--standalone", "--nproc_per_node", "1",
+    result = subprocess.run([sys.executable, "-m", "app.reliability.torchrun", "--standalone", "--nproc_per_node", "1",
                              str(worker)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 4, result.stderr[-2000:]
     assert "exitcode  : 4" in result.stderr

@@ -22,10 +22,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFo
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.t5.modeling_t5 import T5Block
 
-from app.fsdp2 import mesh_shape, mixed_precision_policy, parameter_count, separate_embeddings, wrap_units
-from app.model import meta_model
-from app.precision import precision_plugin
-from app.preflight import preflight
+from app.distributed.fsdp2 import mesh_shape, mixed_precision_policy, parameter_count, separate_embeddings, wrap_units
+from app.distributed.precision import precision_plugin
+from app.model.build import meta_model
+from app.training.preflight import preflight
 from arguments import parse_config, read_config, validate_config
 from tests.conftest import ROOT, read_checkpoint, run_train, train_args
 from tests.test_model_loading import pretrained_wide_vocabulary, transformers_loss  # noqa: F401 (fixture)
@@ -63,7 +63,7 @@ from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-from app.fsdp2 import mixed_precision_policy, shard_model
+from app.distributed.fsdp2 import mixed_precision_policy, shard_model
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
 model = LlamaForCausalLM(LlamaConfig(vocab_size=int(sys.argv[2]), hidden_size=32, intermediate_size=64,

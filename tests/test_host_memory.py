@@ -1,5 +1,5 @@
 """A CPU process returns the memory of freed large tensors to the system, and keeps the free space it reuses at every
-step (app/host_memory.py)."""
+step (app/distributed/host_memory.py)."""
 
 import json
 import os
@@ -21,12 +21,12 @@ REPORT_AT_EXIT = f"""
 import atexit, sys
 
 sys.path[:0] = [{str(ROOT)!r}, {str(HELPER.parent)!r}]
-import app.host_memory
+import app.distributed.host_memory
 from heap_behaviour import report
 
 applied = []
-tune_cpu_heap = app.host_memory.tune_cpu_heap
-app.host_memory.tune_cpu_heap = lambda: applied.extend(tune_cpu_heap()) or applied
+tune_cpu_heap = app.distributed.host_memory.tune_cpu_heap
+app.distributed.host_memory.tune_cpu_heap = lambda: applied.extend(tune_cpu_heap()) or applied
 atexit.register(lambda: print("heap behaviour:", report(applied), file=sys.stderr, flush=True))
 """
 """Each process of the run records what its call to tune_cpu_heap applied, and reports at exit."""

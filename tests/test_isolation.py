@@ -1,5 +1,5 @@
 """Packed examples stay apart in every model, attention implementation and micro batch, or the run is refused: the
-probe of the run's own class (app/isolation.py) and the layouts it chooses (app/data/formats.py).
+probe of the run's own class (app/model/isolation.py) and the layouts it chooses (app/data/formats.py).
 
 The configs are tiny random ones of each architecture; FlashAttention-2 runs transformers' own code with reference
 kernels on the CPU (tests/helpers/flash_attention_on_cpu.py).
@@ -13,7 +13,7 @@ from transformers import (FalconConfig, GPT2Config, LlamaConfig, MistralConfig, 
                           PretrainedConfig, Qwen2Config)
 
 from app.data.formats import arrange, block_causal
-from app.isolation import probe_isolation, small_twin
+from app.model.isolation import probe_isolation, small_twin
 from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
 
 WIDTH = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)

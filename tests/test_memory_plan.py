@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 from transformers import AutoConfig, LlamaConfig
 
-from app.memory_plan import ModelShape, Setup, estimate_memory, largest_micro_batch
-from app.model import resolve_wrap_classes
-from app.observe import GB
+from app.metrics.memory_plan import ModelShape, Setup, estimate_memory, largest_micro_batch
+from app.metrics.observe import GB
+from app.model.build import resolve_wrap_classes
 from tests.conftest import ROOT, run_train, train_args
 
 LLAMA_3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -128,7 +128,7 @@ def test_peak_rss_is_the_processs_own_not_that_of_the_large_process_that_started
         "import subprocess, sys\n"
         "held = bytearray(1_500_000_000)\n"
         "held[::4096] = b'x' * len(held[::4096])\n"
-        "report = 'import json, torch; from app.observe import peak_memory_gb; '\n"
+        "report = 'import json, torch; from app.metrics.observe import peak_memory_gb; '\n"
         "report += 'print(json.dumps(peak_memory_gb(torch.device(\"cpu\"))))'\n"
         "print(subprocess.run([sys.executable, '-c', report], capture_output=True, text=True, check=True).stdout)\n")
     printed = subprocess.run([sys.executable, "-c", started_by_a_large_process], cwd=ROOT, capture_output=True,

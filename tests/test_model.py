@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from app.model import resolve_wrap_classes
-from app.precision import weights_dtype
+from app.distributed.precision import weights_dtype
+from app.model.build import resolve_wrap_classes
 
 
 def test_default_wrap_policy_is_the_models_decoder_layer(tiny) -> None:

@@ -8,7 +8,7 @@ from datasets import load_from_disk
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from arguments import read_config
-from app.model import deferred_init, load_pretrained_weights
+from app.model.build import deferred_init, load_pretrained_weights
 from tests.conftest import read_checkpoint, run_train, train_args
 
 STILL = dict(max_step=1, lr=1e-30, min_lr=0.0, warmup_steps=0, eval_step_interval=1, save_step_interval=1)
@@ -120,7 +120,7 @@ def test_plain_route_refuses_a_folder_whose_weights_do_not_fit(tiny, pretrained,
     from lightning_fabric import Fabric
     from safetensors.torch import load_file, save_file
 
-    from app.model import build_model
+    from app.model.build import build_model
 
     folder = tmp_path / "partial"
     AutoConfig.from_pretrained(pretrained).save_pretrained(folder)

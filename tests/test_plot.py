@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from app.metrics import COLUMNS
-from app.plot import main, metric_series
+from app.metrics.loggers import COLUMNS
+from app.metrics.plot import main, metric_series
 from tests.conftest import ROOT, run_train, train_args
 
 HEADER = ",".join(COLUMNS)

@@ -17,10 +17,10 @@ from datasets import load_from_disk
 from lightning_fabric.plugins import FSDPPrecision, MixedPrecision
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from app.optim import clip_gradients, gradient_square_sum
-from app.peaks import PEAKS, listed_peak, peak_tflops
-from app.precision import (bf16_support_problem, float32_matmul_precision, fsdp_mixed_precision, precision_plugin,
-                           reduce_dtype)
+from app.distributed.precision import (bf16_support_problem, float32_matmul_precision, fsdp_mixed_precision,
+                                       precision_plugin, reduce_dtype)
+from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
+from app.optimization.optimizer import clip_gradients, gradient_square_sum
 from tests.conftest import ROOT, read_checkpoint, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
@@ -88,7 +88,7 @@ def test_gpus_without_bf16_and_unlisted_ones() -> None:
 
 
 def test_mfu_peak_can_be_given_and_cpus_have_none() -> None:
-    from app.observe import peak_flops
+    from app.metrics.observe import peak_flops
 
     assert peak_flops(torch.device("cpu"), "bf16-true") is None
     assert peak_flops(torch.device("cpu"), "bf16-true", override_tflops=989.4) == int(989.4e12)

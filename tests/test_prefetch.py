@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from app.prefetch import dataset_config_patterns, model_file_patterns, offline_hint
+from app.huggingface.prefetch import dataset_config_patterns, model_file_patterns, offline_hint
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-org/tiny-llama"

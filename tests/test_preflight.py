@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from app.preflight import preflight
+from app.training.preflight import preflight
 from arguments import parse_config
 from tests.conftest import ROOT, TinySetup, train_args
 

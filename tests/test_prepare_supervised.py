@@ -13,8 +13,8 @@ import torch
 from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from app.prepare import PrepareArgs, prepare
 from app.data import DataFormat
+from app.prepare import PrepareArgs, prepare
 from app.prepare.chat_template import DEFAULT_CHAT_TEMPLATE, end_of_turn_id
 from app.prepare.cli import main
 from app.prepare.pack_examples import best_fit_decreasing

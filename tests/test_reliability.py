@@ -24,9 +24,9 @@ import torch
 from app.checkpoint import list_checkpoints, mark_if_best, prune_checkpoints, read_best
 from app.exit_codes import (EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
                             EXIT_STALLED)
-from app import signals
-from app.signals import INTERRUPT_MESSAGE
-from app.watchdog import collect_stacks
+from app.reliability import signals
+from app.reliability.signals import INTERRUPT_MESSAGE
+from app.reliability.watchdog import collect_stacks
 from conftest import (ROOT, STEP_LINE, Launched, TinySetup, free_port, launch, launched, read_checkpoint,
                       run_script, run_train, train_args)
 
@@ -268,7 +268,7 @@ def test_what_a_run_made_is_released_before_its_teardown_begins(monkeypatch) -> 
 def test_a_teardown_that_hangs_is_left_after_its_timeout_with_the_runs_exit_code() -> None:
     """The ranks' last meeting and destroy_process_group can hang at exit (rarely): the rank must still leave, with
     the run's exit code, and say where it was stuck."""
-    teardown = ("import time\nfrom app.signals import run_or_leave\n"
+    teardown = ("import time\nfrom app.reliability.signals import run_or_leave\n"
                 "run_or_leave(lambda: None, 5, 9)\nprint('returned', flush=True)\n"
                 "run_or_leave(lambda: time.sleep(120), 0.5, {code})\nprint('not reached')\n")
     started = time.monotonic()
@@ -286,7 +286,7 @@ def test_leaving_skips_the_interpreters_teardown_but_not_what_it_owes() -> None:
     one), an exit handler (W&B's finish is one) and output still in the buffer of a pipe must all have had their turn,
     and the exit code must be the run's."""
     leaving = ("import atexit, threading, time\nfrom concurrent.futures import ThreadPoolExecutor\n"
-               "from app.signals import leave\n"
+               "from app.reliability.signals import leave\n"
                "atexit.register(print, 'exit handler ran')\n"
                "ThreadPoolExecutor(2).submit(print, 'pool idle').result()\n"
                "threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished'))).start()\n"

@@ -25,8 +25,8 @@ from transformers import AutoConfig, LlamaConfig
 from app.checkpoint import list_checkpoints, read_metadata, read_tensors
 from app.checkpoint.rng import decode_generator_state
 from app.checkpoint.state import ADAMW_STATE
-from app.model import meta_model
-from app.optim import grouped_parameter_names, no_decay_names
+from app.model.build import meta_model
+from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from tests.conftest import ROOT, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 

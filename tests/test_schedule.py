@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from app.schedule import accumulation_steps, learning_rate, make_plan
+from app.optimization.schedule import accumulation_steps, learning_rate, make_plan
 
 
 def lr_at(step: int, **overrides: object) -> float:
@@ -76,7 +76,7 @@ def test_plan_refuses_data_smaller_than_one_step() -> None:
 
 
 def test_learning_rate_scales_with_the_global_batch_as_seed_003_computes_it() -> None:
-    from app.schedule import scale_for_batch
+    from app.optimization.schedule import scale_for_batch
 
     assert scale_for_batch(1e-5, rule="sqrt", global_batch_size=28, reference_batch_size=10) == pytest.approx(1.673e-5,
                                                                                                            rel=1e-3)

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, T5Config
 
 from app.data import load_data
-from app.preflight import preflight
 from app.prepare import PrepareArgs, prepare
+from app.training.preflight import preflight
 from arguments import parse_config
 from tests.conftest import ROOT, generate_through_the_application, run_train, stop_where_lengths_differ, train_args
 from tests.test_training import assert_succeeded, read_metrics
@@ -68,7 +68,7 @@ def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, tm
     assert result.returncode == 0, result.stderr[-3000:]
     assert "logits verified (max relative difference 0.0e+00)" in result.stdout
     assert "AutoModelForSeq2SeqLM.from_pretrained" in (folder / "README.md").read_text()
-    generated = subprocess.run([sys.executable, "-m", "app.generate", str(folder), "--prompt", "def f(x):\n    return x",
+    generated = subprocess.run([sys.executable, "generate.py", str(folder), "--prompt", "def f(x):\n    return x",
                                 "--max_new_tokens", "5", "--temperature", "0"], cwd=ROOT, capture_output=True,
                                text=True, timeout=300)
     assert generated.returncode == 0 and "-->" in generated.stdout, generated.stderr[-2000:]

@@ -19,11 +19,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Falcon
 from app.data import IGNORE_INDEX, load_data
 from app.data.formats import Sample, packed_examples
 from app.data.order import epoch_permutation, rank_micro_batches
-from app.isolation import probe_isolation
-from app.preflight import preflight
+from app.evaluation.samples import CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, sample_metrics
+from app.model.isolation import probe_isolation
+from app.optimization.schedule import make_plan
 from app.prepare import PrepareArgs, prepare
-from app.samples import CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, sample_metrics
-from app.schedule import make_plan
+from app.training.preflight import preflight
 from arguments import parse_config
 from tests.conftest import generate_through_the_application, run_train, stop_where_lengths_differ, train_args
 from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu

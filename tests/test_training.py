@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from app.console import Console
+from app.metrics.console import Console
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 from tests.conftest import BLOCK_SIZE, read_checkpoint, run_train, train_args
 

@@ -24,7 +24,7 @@ from torch.nn import Module
 
 from app.checkpoint.state import (MODEL_PREFIX, OPTIMIZER_PREFIX, LocalState, Part, Piece, initialise_adamw_state,
                                   whole_part)
-from app.optim import canonical_name
+from app.optimization.optimizer import canonical_name
 
 
 def flat_parameters(module: Module) -> Iterator[tuple[str, Any]]:

@@ -17,7 +17,7 @@ from torch.nn import Module
 from app.checkpoint.fsdp_shards import flat_shard_state
 from app.checkpoint.state import (MODEL_PREFIX, OPTIMIZER_PREFIX, LocalState, initialise_adamw_state, part_of,
                                   raw_optimizer)
-from app.model import strategy_module
+from app.model.build import strategy_module
 
 SHARDED = StateDictOptions(full_state_dict=False)
 

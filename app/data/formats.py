@@ -7,7 +7,7 @@
 | supervised_padded | input_ids, labels (one example per row) | padded to the longest row: pad id, label -100, attention_mask 0 |
 | seq2seq | input_ids (source), labels (target) | padded the same way; the model builds its decoder inputs from the labels |
 
-Packed examples are kept apart by the layout the preflight's probe of the run's model chose (app/isolation.py):
+Packed examples are kept apart by the layout the preflight's probe of the run's model chose (app/model/isolation.py):
 `position_ids` (the rows as prepared: their restarts at 0 become example boundaries in models that read them),
 `one_row` (the micro batch flattened into one row, as transformers' DataCollatorWithFlattening does: FlashAttention
 finds packed examples only in a one-row batch), or a block-diagonal causal `attention_mask` for models whose masks

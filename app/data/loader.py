@@ -1,7 +1,7 @@
 """The prepared data folder, read as training steps and evaluation batches on this rank's device.
 
-Worker processes (--num_workers) start as app/workers.py says: forked by a forkserver, never by the rank, and deaf
-to the stop signals meant for the rank.
+Worker processes (--num_workers) start as app/reliability/workers.py says: forked by a forkserver, never by the rank,
+and deaf to the stop signals meant for the rank.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 
 from app.data.formats import IGNORE_INDEX, Batch, DataFormat, Layout, with_trained_tokens
 from app.data.order import EpochBatches, epoch_permutation, eval_plan, step_rows
-from app.schedule import TrainingPlan
-from app.workers import worker_options
+from app.optimization.schedule import TrainingPlan
+from app.reliability.workers import worker_options
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
-from app.schedule import TrainingPlan
+from app.optimization.schedule import TrainingPlan
 
 
 def epoch_permutation(num_rows: int, *, seed: int, epoch: int) -> list[int]:

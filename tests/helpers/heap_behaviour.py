@@ -1,4 +1,4 @@
-"""What a CPU process's heap does with freed tensors (app/host_memory.py).
+"""What a CPU process's heap does with freed tensors (app/distributed/host_memory.py).
 
     python tests/helpers/heap_behaviour.py default|tuned    in a fresh process, with or without tune_cpu_heap()
 
@@ -74,6 +74,6 @@ def report(applied: list[str]) -> str:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from app.host_memory import tune_cpu_heap
+    from app.distributed.host_memory import tune_cpu_heap
 
     print(report(tune_cpu_heap() if sys.argv[1] == "tuned" else []))

@@ -14,12 +14,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from app.data import load_data  # noqa: E402
+from app.distributed.strategy import build_fabric  # noqa: E402
+from app.evaluation.samples import decoding_for, generate_samples  # noqa: E402
 from app.exit_codes import EXIT_FINISHED  # noqa: E402
-from app.model import deferred_init, setup_model  # noqa: E402
-from app.preflight import preflight  # noqa: E402
-from app.samples import decoding_for, generate_samples  # noqa: E402
-from app.signals import run_and_exit  # noqa: E402
-from app.strategy import build_fabric  # noqa: E402
+from app.model.build import deferred_init, setup_model  # noqa: E402
+from app.reliability.signals import run_and_exit  # noqa: E402
+from app.training.preflight import preflight  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
 

@@ -21,11 +21,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from app.data import load_data  # noqa: E402
+from app.distributed.strategy import build_fabric  # noqa: E402
 from app.exit_codes import EXIT_FINISHED  # noqa: E402
-from app.model import deferred_init, hugging_face_model, setup_model, strategy_module  # noqa: E402
-from app.preflight import preflight  # noqa: E402
-from app.signals import run_and_exit  # noqa: E402
-from app.strategy import build_fabric  # noqa: E402
+from app.model.build import deferred_init, hugging_face_model, setup_model, strategy_module  # noqa: E402
+from app.reliability.signals import run_and_exit  # noqa: E402
+from app.training.preflight import preflight  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
 

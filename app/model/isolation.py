@@ -31,7 +31,7 @@ import torch
 from transformers import PretrainedConfig
 
 from app.data.formats import LAYOUTS, Layout, arrange
-from app.model import model_class
+from app.model.build import model_class
 
 EXAMPLE_LENGTHS = ((5, 9, 7, 3), (8, 4, 6, 6))
 """The examples of the probe's two rows (each row's last one stands for the padding that ends a block)."""

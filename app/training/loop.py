@@ -15,16 +15,16 @@ from lightning_fabric import Fabric
 
 from app.checkpoint import CheckpointSaver, checkpoint_path, mark_if_best, prune_checkpoints, rng_of_every_rank
 from app.data import Batch, Step, TrainingData, train_steps
-from app.evaluate import perplexity, validation_loss
-from app.console import Console
-from app.metrics import should_upload_checkpoint, upload_checkpoint
-from app.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, gather_rows, largest,
+from app.evaluation.validation import perplexity, validation_loss
+from app.metrics.console import Console
+from app.metrics.loggers import should_upload_checkpoint, upload_checkpoint
+from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, gather_rows, largest,
                          run_summary)
-from app.optim import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
-from app.schedule import TrainingPlan, learning_rate
-from app.samples import SampleEvaluator
-from app.signals import StepVerdict, StopRequest, step_verdict
-from app.watchdog import StallWatchdog
+from app.evaluation.samples import SampleEvaluator
+from app.optimization.optimizer import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
+from app.optimization.schedule import TrainingPlan, learning_rate
+from app.reliability.signals import StepVerdict, StopRequest, step_verdict
+from app.reliability.watchdog import StallWatchdog
 
 if TYPE_CHECKING:
     from arguments import Config

@@ -21,10 +21,10 @@ from lightning_fabric.utilities.throughput import Throughput, get_available_flop
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
-from app.console import format_duration, format_gb
-from app.model import meta_model
-from app.peaks import peak_tflops
-from app.precision import compute_dtype
+from app.distributed.precision import compute_dtype
+from app.metrics.console import format_duration, format_gb
+from app.metrics.peaks import peak_tflops
+from app.model.build import meta_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -51,7 +51,7 @@ def flops_per_micro_batch(model_config: PretrainedConfig, micro_batch_size: int,
 
 
 def peak_flops(device: torch.device, precision: str, override_tflops: Optional[float] = None) -> Optional[int]:
-    """The device's dense peak FLOP/s for the compute dtype: --peak_tflops, else app/peaks.py's table, else
+    """The device's dense peak FLOP/s for the compute dtype: --peak_tflops, else app/metrics/peaks.py's table, else
     Lightning's; None on CPUs and unknown chips (no MFU then)."""
     if override_tflops is not None:
         return int(override_tflops * 1e12)

@@ -1,8 +1,8 @@
 """torchrun, exiting with the exit code of the first worker that failed instead of torchrun's own 1.
 
 slurm/train-torchrun.sbatch requeues a run that stalled (exit 4) or timed out at the rendezvous (exit 5), and only
-those: torchrun reports every failed worker as 1, so the script starts `python -m app.torchrun` with torchrun's
-arguments instead. A worker killed by a signal gives 128 + its number, as a shell does.
+those: torchrun reports every failed worker as 1, so the script starts `python -m app.reliability.torchrun` with
+torchrun's arguments instead. A worker killed by a signal gives 128 + its number, as a shell does.
 """
 
 from __future__ import annotations

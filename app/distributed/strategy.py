@@ -6,7 +6,7 @@ measured in shared/notes/fsdp-on-cpu.md: it refuses `FSDPStrategy` on CPU by exa
 (and builds HYBRID_SHARD's device mesh on the CPU). Everything else (wrapping, sharding, activation checkpointing)
 is Lightning's own code, so a GPU run takes exactly the path the CPU tests take; checkpoints are the application's
 own (app/checkpoint/). FSDP2 (`--strategy fsdp2`) runs through Lightning's ModelParallelStrategy unchanged on CPU
-(app/fsdp2.py). Tied to lightning-fabric==2.6.6 (pinned in requirements.txt).
+(app/distributed/fsdp2.py). Tied to lightning-fabric==2.6.6 (pinned in requirements.txt).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 
-from app.fsdp2 import parallelize_fn
-from app.precision import fsdp_mixed_precision, precision_plugin
+from app.distributed.fsdp2 import parallelize_fn
+from app.distributed.precision import fsdp_mixed_precision, precision_plugin
 
 if TYPE_CHECKING:
     from arguments import Config

@@ -1,7 +1,7 @@
 """Print what a Hugging Face model folder writes: the last step of the demos, and a quick check of a conversion.
 
-python -m app.generate demo/hf-model --prompt "def parse(" --max_new_tokens 80
-python -m app.generate demo/sft-model --chat true --prompt "def add(a, b):\\n    return a + b" --temperature 0
+python generate.py demo/hf-model --prompt "def parse(" --max_new_tokens 80
+python generate.py demo/sft-model --chat true --prompt "def add(a, b):\\n    return a + b" --temperature 0
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from app import cli
-from app.model import model_class
+from app.model.build import model_class
 
-PROG = "python -m app.generate"
+PROG = "generate.py"
 
 
 @dataclass
@@ -88,5 +88,5 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
     return GenerateArgs(**cli.parse(parser, argv).as_dict())
 
 
-if __name__ == "__main__":
-    print(cli.run_command(PROG, lambda: generate(parse_args())))
+def main(argv: Optional[list[str]] = None) -> None:
+    print(cli.run_command(PROG, lambda: generate(parse_args(argv))))

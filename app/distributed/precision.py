@@ -12,7 +12,7 @@ What each precision means here:
 | 16-true | fp16 | fp16 | fp16 | no |
 
 Buffers keep the dtype the model gives them (FSDP's `buffer_dtype` is left unset), and the rotary frequencies are
-recomputed in fp32 after set-up (`app.model.keep_rotary_in_fp32`): in bf16 their ~0.3% error becomes radians of
+recomputed in fp32 after set-up (`app.model.build.keep_rotary_in_fp32`): in bf16 their ~0.3% error becomes radians of
 phase error at positions in the thousands.
 """
 
@@ -64,7 +64,8 @@ def fsdp_mixed_precision(precision: str, requested_reduce_dtype: Optional[str]) 
 def precision_plugin(precision: str, strategy: str, device_type: str) -> Precision:
     """Lightning's plugin for `precision`, built here rather than by Lightning's connector because the connector
     silently turns 16-mixed into bf16-mixed on CPU and gives FSDP a CUDA-only scaler: the CPU tests would then not run
-    the code a GPU runs. Under FSDP2 mixed precision is its MixedPrecisionPolicy (app/fsdp2.py), so no autocast."""
+    the code a GPU runs. Under FSDP2 mixed precision is its MixedPrecisionPolicy (app/distributed/fsdp2.py), so no
+    autocast."""
     if strategy == "fsdp2" and "mixed" in precision:
         return Precision()
     if strategy == "fsdp":

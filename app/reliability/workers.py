@@ -32,13 +32,13 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from app.watchdog import STACKS_SIGNAL, print_stacks_on_signal
+from app.reliability.watchdog import STACKS_SIGNAL, print_stacks_on_signal
 
 RANK_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-"""The signals a rank handles itself (app/signals.py) and its workers must leave alone."""
+"""The signals a rank handles itself (app/reliability/signals.py) and its workers must leave alone."""
 BLOCKED_AT_START = (*RANK_SIGNALS, STACKS_SIGNAL)
 """Blocked in the forkserver and the resource tracker for good, and in the workers until worker_init_fn: so that a
-signal to every process of the run (SIGUSR2 too: stacks, see app/watchdog.py) never kills them."""
+signal to every process of the run (SIGUSR2 too: stacks, see app/reliability/watchdog.py) never kills them."""
 PRELOADED = ["torch", "datasets", "app.data"]
 """Imported once by the forkserver, so that a worker starts in milliseconds instead of seconds: all that the objects
 a worker receives (the dataset, its format's collate function, worker_init_fn) need, and nothing of the training

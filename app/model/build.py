@@ -30,10 +30,10 @@ from torch.nn import Module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 
 from app.choices import SHARDED_STRATEGIES
-from app.fsdp2 import shard_like
-from app.optim import canonical_name, no_decay_names
-from app.precision import weights_dtype
-from app.strategy import resolve_accelerator
+from app.distributed.fsdp2 import shard_like
+from app.distributed.precision import weights_dtype
+from app.distributed.strategy import resolve_accelerator
+from app.optimization.optimizer import canonical_name, no_decay_names
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -189,7 +189,8 @@ def hugging_face_model(module: Module) -> PreTrainedModel:
 
 @torch.no_grad()
 def keep_rotary_in_fp32(module: Module) -> None:
-    """Recompute rotary frequencies in fp32 after set-up cast them to the training dtype (see app/precision.py).
+    """Recompute rotary frequencies in fp32 after set-up cast them to the training dtype (see
+    app/distributed/precision.py).
 
     The modules are the ones transformers' own initialisation recognises as rotary embeddings; it computes their
     buffers in fp32 into whatever tensor they hold, so they are given fp32 tensors first.

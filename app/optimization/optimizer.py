@@ -1,10 +1,10 @@
 """AdamW with weight decay on matrices only (norms and biases are not decayed), and the gradient norm in fp32.
 
-The gradient norm is computed here rather than by Lightning or FSDP, whose norms come back in the gradients' dtype
-(bf16 under bf16-true) and cost one collective of their own: each rank sums its gradients' squares in fp32, the sum
-travels in the step's single all_reduce (app/signals.py), and dividing by the number of ranks that hold the same
-gradient values (`app.strategy.gradient_replicas`) gives the squared norm of the whole gradient, under FSDP, DDP or
-one device alike.
+The gradient norm is computed here rather than by Lightning or FSDP, whose norms come back in the gradients' dtype (bf16
+under bf16-true) and cost one collective of their own: each rank sums its gradients' squares in fp32, the sum travels in
+the step's single all_reduce (app/reliability/signals.py), and dividing by the number of ranks that hold the same
+gradient values (`app.distributed.strategy.gradient_replicas`) gives the squared norm of the whole gradient, under FSDP,
+DDP or one device alike.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
-from app.precision import uses_grad_scaler
+from app.distributed.precision import uses_grad_scaler
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -68,7 +68,7 @@ class GradientPolicy:
     max_norm: float
     """0 measures the norm without clipping."""
     replicas: int
-    """Ranks holding the same gradient values (app.strategy.gradient_replicas)."""
+    """Ranks holding the same gradient values (app.distributed.strategy.gradient_replicas)."""
     scaled: bool
     """A gradient scaler unscales first and skips steps whose gradients are not finite."""
     defer_sync: bool

@@ -2,10 +2,10 @@
 
 SIGTERM (what Kubernetes, Docker and Slurm send before killing a job) and SIGUSR1 (what Slurm sends ahead of a time
 limit with `#SBATCH --signal=USR1@120`) only set a flag here. The signal may reach one process (Lightning's launcher
-parent, which is rank 0) or all of them (srun, torchrun, `kill -TERM -PGID`); either way the ranks learn of it at
-the next optimizer-step boundary through ONE small all_reduce (sum) that also carries the non-finite check of the
-step's loss and the gradient norm (app/optim.py). That is one host synchronisation per optimizer step, never per
-micro-batch. Every rank then finishes the step, saves a checkpoint together with the others, and exits.
+parent, which is rank 0) or all of them (srun, torchrun, `kill -TERM -PGID`); either way the ranks learn of it at the
+next optimizer-step boundary through ONE small all_reduce (sum) that also carries the non-finite check of the step's
+loss and the gradient norm (app/optimization/optimizer.py). That is one host synchronisation per optimizer step, never
+per micro-batch. Every rank then finishes the step, saves a checkpoint together with the others, and exits.
 
 Ctrl-C (SIGINT, which a terminal sends to every process of the run): the first one during training stops the same
 way, and rank 0 says so; a second one, or one before the first step (nothing to save yet), quits at once.
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED
-from app.watchdog import end_process_tree, print_own_stacks, say
+from app.reliability.watchdog import end_process_tree, print_own_stacks, say
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -68,7 +68,8 @@ class StopRequest:
         signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
         for handled in (*STOP_SIGNALS, signal.SIGINT):
             signal.signal(handled, _leave_to_the_thread)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while the ranks started (app/run.py)
+        # blocked while the ranks started (app/training/run.py)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         threading.Thread(target=self._receive, args=(read_end,), name="stop-signals", daemon=True).start()
 
     def begin_training(self) -> None:

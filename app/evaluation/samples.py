@@ -23,14 +23,14 @@ import torch.distributed as dist
 from app import cli
 from app.cli import UsageError
 from app.data.formats import Sample
-from app.model import strategy_module
+from app.model.build import strategy_module
 from app.prepare.chat_template import end_of_turn_id
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-PROG = "python -m app.samples"
+PROG = "show_samples.py"
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 WRITTEN_WITHOUT_SPACES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff"
 """Kana and CJK ideographs: scripts whose words are not separated by spaces."""
@@ -220,5 +220,5 @@ def parse_show_args(argv: Optional[list[str]] = None) -> tuple[Path, int]:
     return Path(namespace.run), count
 
 
-if __name__ == "__main__":
-    print(cli.run_command(PROG, lambda: show(*parse_show_args())))
+def main(argv: Optional[list[str]] = None) -> None:
+    print(cli.run_command(PROG, lambda: show(*parse_show_args(argv))))

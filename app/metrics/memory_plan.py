@@ -30,11 +30,11 @@ import torch
 from torch.nn import Module
 
 from app.choices import SHARDED_STRATEGIES
-from app.console import format_gb
-from app.fsdp2 import parameter_count, separate_embeddings
-from app.model import meta_model
-from app.observe import GB
-from app.precision import compute_dtype, weights_dtype
+from app.distributed.fsdp2 import parameter_count, separate_embeddings
+from app.distributed.precision import compute_dtype, weights_dtype
+from app.metrics.console import format_gb
+from app.metrics.observe import GB
+from app.model.build import meta_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -55,8 +55,8 @@ class ModelShape:
     layer_parameters: int
     """Parameters of the largest wrapped layer."""
     input_embedding_unit: int
-    """Parameters of the input embeddings when fsdp2 gives them a unit of their own (`app.fsdp2.separate_embeddings`),
-    else 0."""
+    """Parameters of the input embeddings when fsdp2 gives them a unit of their own
+    (`app.distributed.fsdp2.separate_embeddings`), else 0."""
     layers: int
     hidden_size: int
     kv_size: int

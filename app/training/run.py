@@ -14,23 +14,23 @@ from lightning_fabric import Fabric
 from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
-from app.console import Console
-from app.host_memory import tune_cpu_heap
-from app.loop import Loop
-from app.metrics import make_loggers, report_summary
-from app.memory_plan import ModelShape, memory_report, setup_of
-from app.model import DeferredInit, deferred_init, setup_model
-from app.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
-from app.optim import GradientPolicy, build_optimizer
-from app.precision import float32_matmul_precision, uses_grad_scaler
-from app.preflight import RunInputs, preflight
-from app.print_config import resolved_run
-from app.samples import SampleEvaluator, decoding_for
+from app.distributed.host_memory import tune_cpu_heap
+from app.distributed.precision import float32_matmul_precision, uses_grad_scaler
+from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
+from app.evaluation.samples import SampleEvaluator, decoding_for
 from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED
-from app.signals import StopRequest, requeue_slurm_job, run_and_exit
-from app.strategy import build_fabric, gradient_replicas, resolve_accelerator
-from app.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
-from app.workers import start_worker_server
+from app.metrics.console import Console
+from app.metrics.loggers import make_loggers, report_summary
+from app.metrics.memory_plan import ModelShape, memory_report, setup_of
+from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
+from app.model.build import DeferredInit, deferred_init, setup_model
+from app.optimization.optimizer import GradientPolicy, build_optimizer
+from app.reliability.signals import StopRequest, requeue_slurm_job, run_and_exit
+from app.reliability.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
+from app.reliability.workers import start_worker_server
+from app.training.loop import Loop
+from app.training.preflight import RunInputs, preflight
+from app.training.print_config import resolved_run
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -139,7 +139,8 @@ def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, start_step: int) 
 
 
 def set_matmul_precision(fabric: Fabric, cfg: Config) -> None:
-    """TF32 tensor cores for fp32 matmuls on Ampere and newer GPUs (app/precision.py), before the first kernel."""
+    """TF32 tensor cores for fp32 matmuls on Ampere and newer GPUs (app/distributed/precision.py), before the first
+    kernel."""
     capability = torch.cuda.get_device_capability(fabric.device) if fabric.device.type == "cuda" else None
     torch.set_float32_matmul_precision(float32_matmul_precision(cfg.precision, cfg.tf32, capability))
 

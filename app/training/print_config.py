@@ -14,12 +14,12 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.preflight import RunInputs
+    from app.training.preflight import RunInputs
     from arguments import Config
 
 ENVIRONMENT = {"wandb_mode": "WANDB_MODE", "project": "WANDB_PROJECT", "entity": "WANDB_ENTITY",
                "run_name": "WANDB_NAME"}
-"""Options whose default the environment gives (app/preflight.py resolve_wandb)."""
+"""Options whose default the environment gives (app/training/preflight.py resolve_wandb)."""
 COMMENT_COLUMN = 56
 
 

@@ -16,9 +16,9 @@ what is left. How the FSDP options map onto it:
 | NO_SHARD | (all ranks, 1): every rank holds everything (DDP through FSDP2) | no |
 
 Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in
-`app.precision.reduce_dtype`), not autocast; activation checkpointing is the model's own (transformers'
+`app.distributed.precision.reduce_dtype`), not autocast; activation checkpointing is the model's own (transformers'
 `gradient_checkpointing_enable`, as for DDP), which keeps the parameter names unchanged. On CPU processes every
-unit gathers and reduces point to point (app/cpu_collectives.py) rather than through gloo's temporaries.
+unit gathers and reduces point to point (app/distributed/cpu_collectives.py) rather than through gloo's temporaries.
 
 A model built on the meta device is materialised one unit at a time just before that unit is sharded, by the same
 `param_init_fn` and in the same order as FSDP1 (children before their parent, each unit's modules breadth-first,
@@ -39,8 +39,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Module
 
-from app.cpu_collectives import use_point_to_point_collectives, uses_point_to_point
-from app.precision import compute_dtype, reduce_dtype
+from app.distributed.cpu_collectives import use_point_to_point_collectives, uses_point_to_point
+from app.distributed.precision import compute_dtype, reduce_dtype
 
 if TYPE_CHECKING:
     from arguments import Config

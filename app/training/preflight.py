@@ -27,14 +27,14 @@ from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
 from app.data.formats import Layout
+from app.distributed.precision import bf16_support_problem, fp32_modules_problem, weights_dtype
+from app.distributed.strategy import resolve_accelerator
 from app.exit_codes import EXIT_BAD_INPUT
-from app.isolation import probe_isolation
-from app.prefetch import offline_hint
-from app.model import load_model_config, meta_model, model_source, resolve_wrap_classes
-from app.optim import grouped_parameter_names, no_decay_names
-from app.precision import bf16_support_problem, fp32_modules_problem, weights_dtype
-from app.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch
-from app.strategy import resolve_accelerator
+from app.huggingface.prefetch import offline_hint
+from app.model.build import load_model_config, meta_model, model_source, resolve_wrap_classes
+from app.model.isolation import probe_isolation
+from app.optimization.optimizer import grouped_parameter_names, no_decay_names
+from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -55,7 +55,7 @@ class RunInputs:
     tokenizer: Optional[str]
     resume_from: Optional[Path]
     packed_layout: Layout = "position_ids"
-    """How packed examples reach the model so that they stay apart (app/isolation.py)."""
+    """How packed examples reach the model so that they stay apart (app/model/isolation.py)."""
 
 
 @dataclass
@@ -169,7 +169,7 @@ def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: Dat
 def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: DataFacts,
                            problems: list[str]) -> Layout:
     """Packed examples must never attend to each other: the layout that keeps them apart in the run's own model
-    class and attention implementation, found by a probe (app/isolation.py); refused when there is none."""
+    class and attention implementation, found by a probe (app/model/isolation.py); refused when there is none."""
     if data.format.name != "supervised_packed" or model_config.is_encoder_decoder:  # the latter refused above
         return "position_ids"
     attention, kind = cfg.attn_implementation, model_config.model_type

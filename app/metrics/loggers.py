@@ -12,8 +12,8 @@ from lightning_fabric.loggers import Logger
 from lightning_fabric.loggers.logger import rank_zero_experiment
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 
-from app.console import Console
-from app.observe import summary_lines
+from app.metrics.console import Console
+from app.metrics.observe import summary_lines
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric

@@ -32,8 +32,8 @@ from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list
 from app.checkpoint.files import publish
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, command_parser, parse, run_command
-from app.model import meta_model, model_class
-from app.hub import HubArgs, describe_upload, login_problem, push_folder
+from app.huggingface.upload import HubArgs, describe_upload, login_problem, push_folder
+from app.model.build import meta_model, model_class
 from app.prepare.chat_template import end_of_turn_id
 
 EXIT_VERIFY_FAILED = 1

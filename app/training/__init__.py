@@ -1,0 +1,6 @@
+"""One training run, top to bottom: every input checked before any worker starts (preflight.py) or printed as the
+resolved run (print_config.py), the launch and each rank's set-up (run.py), and the loop of optimizer steps with its
+evaluation, logging and checkpoints (loop.py).
+
+May import every other package of app/; nothing imports it but the top-level scripts.
+"""

@@ -1,0 +1,67 @@
+"""The map of app/ in its package docstring matches the tree, and imports run one way through it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import app
+from tests.conftest import ROOT
+
+APP = ROOT / "app"
+SCRIPTS = {"train", "prepare_data", "convert_to_hf", "prefetch", "plot_metrics", "generate", "show_samples"}
+
+
+def map_rows() -> dict[str, str]:
+    """The map's rows: what the first column names (a file or a folder) -> the second column."""
+    rows = re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", app.__doc__, re.MULTILINE)
+    return {where: what for where, what in rows[2:]}
+
+
+def test_the_map_names_every_part_of_app_and_every_module_of_the_parts_it_lists() -> None:
+    named = {part.strip() for where in map_rows() for part in where.split(",")}
+    tree = {p.name + "/" if p.is_dir() else p.name for p in APP.iterdir()
+            if p.name not in ("__init__.py", "__pycache__")}
+    assert named == tree
+    for where, what in map_rows().items():
+        listed = re.match(r"((?:\w+\.py, )*\w+\.py):", what)
+        if where.endswith("/") and listed:
+            modules = {p.name for p in (APP / where).glob("*.py") if p.name != "__init__.py"}
+            assert set(listed.group(1).split(", ")) == modules, where
+    assert [part for row in app.LAYERS for part in row] == [
+        part.strip().removesuffix("/").removesuffix(".py") for where in map_rows() for part in where.split(",")]
+
+
+def imported_parts(path: Path) -> set[str]:
+    """The parts of app/ (first name after `app.`) and the top-level modules a file imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "app":
+                found |= {alias.name for alias in node.names}
+            elif node.module.startswith("app."):
+                found.add(node.module.split(".")[1])
+            else:
+                found.add(":" + node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[1] if alias.name.startswith("app.") else ":" + alias.name.split(".")[0]
+                      for alias in node.names}
+    return found
+
+
+def test_imports_run_one_way_through_the_map_and_never_into_a_script() -> None:
+    layer = {part: index for index, row in enumerate(app.LAYERS) for part in row}
+    wrong = []
+    for path in APP.rglob("*.py"):
+        relative = path.relative_to(APP)
+        if relative.name == "__init__.py" and len(relative.parts) == 1:
+            continue
+        own = relative.parts[0].removesuffix(".py")
+        for part in imported_parts(path):
+            if part.startswith(":"):
+                if part[1:] in SCRIPTS:
+                    wrong.append(f"{relative} imports the script {part[1:]}.py")
+            elif layer[part] > layer[own]:
+                wrong.append(f"{relative} ({own}) imports {part}, which comes after it in the map")
+    assert not wrong, wrong
