@@ -19,7 +19,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # imports of torch, transformers and datasets in each of its ~300 processes (transformers alone reads its ~3,300
 # model files for their `__all__` on import), so runs that repeat a pairing another test covers are merged and
 # refusals run in process: 806-950 s in fresh clones on 2026-11-27 (this machine's speed varies by a fifth from hour
-# to hour), against 875-1,141 s before.
+# to hour), against 875-1,141 s before; later that day, with about 40 more tests, 645-798 s
+# (797.6 s in the last fresh clone).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
