@@ -47,10 +47,9 @@ PROBE_VOCAB = 512
 
 @dataclass(frozen=True)
 class Isolation:
-    """What the probe found for one attention implementation: the first layout that isolates (None: none does)
-    and how far an example's logits moved when packed as prepared."""
+    """What the probe found: the first layout that isolates (None: none does) and how far an example's logits moved
+    when packed as prepared."""
 
-    attn_implementation: str
     layout: Optional[Layout]
     leak: float
 
@@ -75,8 +74,8 @@ def probe_isolation(model_config: PretrainedConfig, attn_implementation: str,
             leak = as_prepared if layout == "position_ids" else packed_difference(model, layout, examples, alone,
                                                                                  device)
             if leak <= TOLERANCE[dtype]:
-                return Isolation(attn_implementation, layout, as_prepared)
-    return Isolation(attn_implementation, None, as_prepared)
+                return Isolation(layout, as_prepared)
+    return Isolation(None, as_prepared)
 
 
 def packed_difference(model: torch.nn.Module, layout: Layout, examples: list[list[torch.Tensor]],
