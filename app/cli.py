@@ -109,7 +109,7 @@ def one_line(parser: ArgumentParser, message: str) -> str:
     expected = describe(getattr(action, "_typehint", None) or getattr(action, "type", None))
     if given and expected:
         return f"{name}: expected {expected}, got {given.group(1).strip()!r}"
-    return f"{name}: " + " ".join(" ".join(message.splitlines()[1:]).split())
+    return f"{name}: " + " ".join(message[key.end():].split())
 
 
 def describe(hint: Any) -> str:

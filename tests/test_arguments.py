@@ -80,6 +80,8 @@ REFUSED_COMMANDS = {
     "train.py wrong type": (["train.py", "--lr", "fast"], "train.py: error: --lr: expected a number, got 'fast'"),
     "train.py unknown option": (["train.py", "--learning_rate", "1"],
                                 "train.py: error: unrecognized arguments: --learning_rate 1"),
+    "train.py missing config": (["train.py", "--config", "/nonexistent.yaml"],
+                                "train.py: error: --config: File does not exist: '/nonexistent.yaml'"),
     "train.py wrong choice": (["train.py", "--precision", "bf17"], "train.py: error: --precision: expected one of"),
     "prepare_data.py": (["prepare_data.py", "--block_size", "big"], "prepare_data.py: error: --block_size: expected "
                                                                       "an integer, got 'big'"),
