@@ -124,7 +124,8 @@ class CheckpointArgs:
     keep_last_n: Optional[int] = None
     """Keep only the newest N checkpoints (plus the best one in checkpoints/best.json and the one resumed from)."""
     requeue_on_signal: bool = False
-    """Under Slurm, after the SIGTERM/SIGUSR1 checkpoint, run `scontrol requeue $SLURM_JOB_ID` so the job restarts."""
+    """Under Slurm, after the checkpoint that SIGUSR1 (the warning before a time limit) asks for, run `scontrol requeue
+    $SLURM_JOB_ID` so the job restarts; SIGTERM (scancel, preemption) is left to Slurm."""
 
 
 @dataclass
@@ -234,10 +235,11 @@ class PlannerArgs:
 class ReliabilityArgs:
     """Reliability"""
 
-    stall_timeout_min: float = 30.0
-    """End the run (exit 4, stacks printed) when no step, evaluation or save finishes for this long; 0 never does."""
+    stall_timeout_min: float = 20.0
+    """End the run (exit 4, stacks printed) when no step, evaluation or save finishes for this long; 0 never does.
+    Below --process_group_timeout_min, so that the watchdog acts before a collective times out."""
     process_group_timeout_min: float = 30.0
-    """Timeout of each collective (torch.distributed); keep it >= --stall_timeout_min so the watchdog acts first."""
+    """Timeout of every collective of every process group the run creates (torch.distributed)."""
     rendezvous_timeout_min: float = 10.0
     """End the run (exit 5) when the ranks of all nodes have not joined the process group this long after launch."""
 
@@ -356,6 +358,10 @@ def validate_config(cfg: Config) -> list[str]:
     require(cfg.num_workers >= 0, f"--num_workers must be 0 or more, got {cfg.num_workers}")
     require(cfg.eval_samples >= 0, f"--eval_samples must be 0 or more, got {cfg.eval_samples}")
     require(cfg.stall_timeout_min >= 0, f"--stall_timeout_min must be 0 (off) or positive, got {cfg.stall_timeout_min}")
+    require(cfg.stall_timeout_min < cfg.process_group_timeout_min,
+            f"--stall_timeout_min ({cfg.stall_timeout_min:g}) must be below --process_group_timeout_min "
+            f"({cfg.process_group_timeout_min:g}): the watchdog prints every rank's stacks and exits with 4, which the "
+            "Slurm scripts requeue; a collective that times out first ends the run without either")
     for name in ("process_group_timeout_min", "rendezvous_timeout_min"):
         require(getattr(cfg, name) > 0, f"--{name} must be positive, got {getattr(cfg, name)}")
     require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")

@@ -61,6 +61,7 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     (["--stall_timeout_min", "-1"], "--stall_timeout_min must be 0 (off) or positive"),
     (["--rendezvous_timeout_min", "0"], "--rendezvous_timeout_min must be positive"),
     (["--process_group_timeout_min", "0"], "--process_group_timeout_min must be positive"),
+    (["--process_group_timeout_min", "10"], "--stall_timeout_min (20) must be below --process_group_timeout_min (10)"),
 ])
 def test_invalid_values_are_named(argv, message) -> None:
     cfg = read_config(REQUIRED + argv)

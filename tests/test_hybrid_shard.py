@@ -6,11 +6,14 @@ ranks on 2 nodes, resume under the other strategy: on 2 nodes again, and on the 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_train, train_args
+from tests.conftest import ROOT, free_port, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=100, micro_batch_size=2,
@@ -52,3 +55,18 @@ def test_hybrid_shard_on_two_nodes_takes_full_shards_steps_and_resumes_under_the
     steps, reference = read_metrics(tmp_path), read_metrics(full_shard)
     for step in range(1, 7):
         assert steps[step]["train_loss"] == pytest.approx(reference[step]["train_loss"], rel=1e-5), step
+
+
+def test_every_process_group_a_run_creates_times_out_after_process_group_timeout_min() -> None:
+    """Lightning's default group, the device meshes of HYBRID_SHARD under fsdp and fsdp2 and the checkpoint writer's
+    gloo group: all 7 min as asked (the mesh and writer groups were 30 min, torch's default; NCCL's is 10)."""
+    ports = [str(free_port()), str(free_port())]
+    ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "probe_group_timeouts.py"), str(rank),
+                               *ports], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    lines = [line for line in outputs[0][0].splitlines() if " group " in line]
+    for strategy in ("fsdp", "fsdp2"):
+        assert len([line for line in lines if line.startswith(strategy) and "(1 ranks)" in line]) >= 1, lines
+    assert lines and all(line.endswith(": 7 min") for line in lines), lines

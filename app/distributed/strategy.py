@@ -21,6 +21,7 @@ from lightning_fabric import Fabric
 from lightning_fabric.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy,
                                          XLAFSDPStrategy)
 from lightning_fabric.strategies import fsdp as lightning_fsdp
+from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -77,6 +78,7 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
     if cfg.strategy == "single_device":
         return SingleDeviceStrategy(device=torch.device("cuda", 0) if accelerator == "cuda" else torch.device(accelerator))
     timeout = timedelta(minutes=cfg.process_group_timeout_min)
+    every_group_times_out_after(timeout)
     if cfg.strategy == "ddp":
         return DDPStrategy(timeout=timeout, **DDP_OPTIONS)
     if cfg.strategy == "fsdp2":
@@ -98,6 +100,17 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
         timeout=timeout,
         **({"param_init_fn": param_init_fn} if param_init_fn else {}),
     )
+
+
+def every_group_times_out_after(timeout: timedelta) -> None:
+    """Make `timeout` the default of every process group this process creates, not only of the default group that
+    Lightning's strategies are given it for. torch gives a group created without an explicit timeout its backend's
+    default (NCCL 10 min, gloo 30 min), and the device meshes of HYBRID_SHARD and fsdp2 (`init_device_mesh`, in
+    Lightning's strategies and in app/distributed/fsdp2.py) and the checkpoint writer's gloo group pass none: a slow
+    node would then abort the run from NCCL's watchdog, without the stall watchdog's stacks and exit code. torch reads
+    these two module attributes whenever it creates a group without a timeout (`_get_default_timeout`)."""
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def mesh_shape(cfg: Config, world_size: int) -> tuple[int, ...]:
