@@ -7,6 +7,10 @@ end every process at once, each with the code: a stall, a rendezvous timeout, an
 
 EXIT_FINISHED = 0
 """Training reached max_step; the last checkpoint is saved."""
+EXIT_CRASHED = 1
+"""An exception on a rank (its traceback printed): that rank's node ends every process it started at once; the
+Slurm scripts end the whole job (srun --kill-on-bad-exit) and do not requeue it, as a requeued run would meet the
+same error."""
 EXIT_BAD_INPUT = 2
 """An option, file or folder was wrong: refused before any work, one line per problem, nothing written."""
 EXIT_NON_FINITE = 3

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from app.checkpoint import list_checkpoints, mark_if_best, prune_checkpoints, read_best
-from app.exit_codes import (EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
+from app.exit_codes import (EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
                             EXIT_STALLED)
 from app.reliability import signals
 from app.reliability.signals import INTERRUPT_MESSAGE
@@ -263,6 +263,22 @@ def test_what_a_run_made_is_released_before_its_teardown_begins(monkeypatch) -> 
     finally:
         gc.enable()
     assert seen == {"model": seen["model"], "alive": False, "code": EXIT_PREEMPTED}
+
+
+def test_an_exception_in_the_launching_rank_ends_the_ranks_it_started_with_exit_1() -> None:
+    """Lightning's launcher starts ranks 1..N as children of rank 0; if rank 0 raised and exited alone, they would
+    wait in their next collective until the process group timeout (NCCL does not notice a dead peer)."""
+    rank = "import time; time.sleep(300)  # a rank the launcher started"
+    launcher = ("import subprocess, sys\nfrom app.reliability.signals import run_and_exit\n"
+                f"child = subprocess.Popen([sys.executable, '-c', {rank!r}])\n"
+                "print(child.pid, flush=True)\n"
+                "def work(fabric):\n    raise RuntimeError('CUDA out of memory, say')\n"
+                "run_and_exit(None, work)\n")
+    result = subprocess.run([sys.executable, "-c", launcher], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_CRASHED, result.stderr
+    assert "RuntimeError: CUDA out of memory, say" in result.stderr
+    time.sleep(0.2)
+    assert not psutil.pid_exists(int(result.stdout)) or psutil.Process(int(result.stdout)).status() == "zombie"
 
 
 def test_a_teardown_that_hangs_is_left_after_its_timeout_with_the_runs_exit_code() -> None:

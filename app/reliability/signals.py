@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 from contextlib import suppress
 from dataclasses import dataclass
 from types import FrameType
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED
+from app.exit_codes import EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED
 from app.reliability.watchdog import end_process_tree, print_own_stacks, say
 
 if TYPE_CHECKING:
@@ -137,12 +138,26 @@ def step_verdict(fabric: Fabric, loss: torch.Tensor, grad_square_sum: torch.Tens
                        grad_norm=grad_norm)
 
 
+def requeues_itself(requeue_on_signal: bool, signum: Optional[int]) -> bool:
+    """Whether the stopped run puts its Slurm job back in the queue: only after SIGUSR1, Slurm's warning before a time
+    limit (`#SBATCH --signal=USR1@120`). SIGTERM comes from `scancel` (the user wants the job gone) or from a
+    preemption that Slurm requeues itself (`--requeue`): requeueing then would undo a cancel or fail."""
+    return requeue_on_signal and signum == signal.SIGUSR1 and "SLURM_JOB_ID" in os.environ
+
+
+def how_to_continue(requeue_on_signal: bool, signum: Optional[int]) -> str:
+    """What the user reads after a stop with a checkpoint."""
+    if requeues_itself(requeue_on_signal, signum):
+        return "requeueing the Slurm job, which resumes from this checkpoint"
+    if signum == signal.SIGUSR1 and "SLURM_JOB_ID" in os.environ:
+        return ("continue with --resume true (submit the same sbatch command again), or pass --requeue_on_signal true "
+                "so that the job requeues itself")
+    return "continue with --resume true"
+
+
 def requeue_slurm_job() -> None:
     """`scontrol requeue $SLURM_JOB_ID`: Slurm puts the job back in the queue; its next start resumes (--resume true)."""
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if job_id is None:
-        print("--requeue_on_signal: SLURM_JOB_ID is not set (not a Slurm job); not requeued", flush=True)
-        return
+    job_id = os.environ["SLURM_JOB_ID"]
     result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
     outcome = "requeued" if result.returncode == 0 else f"requeue failed: {result.stderr.strip()}"
     print(f"Slurm job {job_id} {outcome}", flush=True)
@@ -153,10 +168,31 @@ def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoR
     models hold the process groups (DDP's reducer, FSDP's units): released here, while the groups are still
     registered, they leave the groups' destruction, which joins gloo's threads, to exit_run's bounded teardown. A
     finished run whose model outlived the teardown hung for good in that join as the launcher's frames unwound
-    (once in about 150 runs here)."""
-    code = work(fabric, *args)
+    (once in about 150 runs here).
+
+    An exception ends this rank's processes at once, after its traceback: from the launching process the ranks that
+    Lightning's launcher started would otherwise stay in their next collective until the process group timeout
+    (NCCL notices no dead peer), and its observer of those ranks is a daemon thread that dies with the interpreter."""
+    try:
+        code = work(fabric, *args)
+    except Exception as error:
+        if peer_ended(error):  # the process that ended first printed why; a traceback here would only hide it
+            say(f"rank {fabric.global_rank}: another process of the run ended first ({str(error).splitlines()[0]})\n")
+        else:
+            traceback.print_exc()
+            sys.stderr.flush()
+        end_process_tree(EXIT_CRASHED, stacks=False)
     gc.collect()  # the model, if reference cycles hold it
     exit_run(fabric, code)
+
+
+PEER_ENDED = ("Connection closed by peer", "Connection reset by peer",  # gloo
+              "remote process exited or there was a network error")  # NCCL's ncclRemoteError
+
+
+def peer_ended(error: Exception) -> bool:
+    """Whether `error` is a collective failing because another rank's process went away."""
+    return any(text in str(error) for text in PEER_ENDED)
 
 
 def exit_run(fabric: Fabric, code: int) -> NoReturn:

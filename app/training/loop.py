@@ -23,7 +23,7 @@ from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepC
 from app.evaluation.samples import SampleEvaluator
 from app.optimization.optimizer import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
 from app.optimization.schedule import TrainingPlan, learning_rate
-from app.reliability.signals import StepVerdict, StopRequest, step_verdict
+from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict
 from app.reliability.watchdog import StallWatchdog
 
 if TYPE_CHECKING:
@@ -153,7 +153,8 @@ class Loop:
             if metrics:
                 self.fabric.log_dict(metrics, step=step)
             if verdict.stop_requested and not last:
-                self.console.print(f"step {step}: stopped by a signal after saving; continue with --resume true")
+                self.console.print(f"step {step}: stopped by a signal after saving; "
+                                   f"{how_to_continue(cfg.requeue_on_signal, self.stop.signal)}")
                 return "interrupted" if self.stop.interrupted else "preempted"
         return "finished"
 

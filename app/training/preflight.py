@@ -81,7 +81,7 @@ class DataFacts:
 
 def launching_process() -> bool:
     """True in the process the user started (or local rank 0 under torchrun/srun): the one that reports."""
-    return os.environ.get("LOCAL_RANK", "0") == "0"
+    return (os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0") == "0"
 
 
 def note(message: str) -> None:

@@ -25,7 +25,7 @@ from app.metrics.memory_plan import ModelShape, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.model.build import DeferredInit, deferred_init, setup_model
 from app.optimization.optimizer import GradientPolicy, build_optimizer
-from app.reliability.signals import StopRequest, requeue_slurm_job, run_and_exit
+from app.reliability.signals import StopRequest, requeue_slurm_job, requeues_itself, run_and_exit
 from app.reliability.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
 from app.reliability.workers import start_worker_server
 from app.training.loop import Loop
@@ -193,6 +193,6 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     loop.watchdog.disarm()
     console.close()
     report_summary(fabric, cfg.out_dir, loop.summarize(), console)
-    if outcome == "preempted" and cfg.requeue_on_signal and fabric.is_global_zero:
+    if outcome == "preempted" and requeues_itself(cfg.requeue_on_signal, stop.signal) and fabric.is_global_zero:
         requeue_slurm_job()
     return EXIT_CODES[outcome]
