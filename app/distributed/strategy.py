@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from lightning_fabric import Fabric
@@ -133,16 +134,23 @@ def gradient_replicas(cfg: Config, world_size: int) -> int:
     return 1
 
 
+@contextmanager
+def without_srun_hint() -> Iterator[None]:
+    """Without Lightning's warning on machines where Slurm is installed, for a run started without srun: the
+    preflight refuses the case it guards against (several nodes and nothing starting them), and one node needs no
+    srun."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+        yield
+
+
 def build_fabric(cfg: Config, world_size: int, wrap_classes: set[type[Module]], loggers: list[Any],
                  param_init_fn: Optional[Callable] = None) -> Fabric:
     accelerator = resolve_accelerator(cfg)
     precision = ({"precision": cfg.precision} if accelerator == "tpu" else
                  {"plugins": [precision_plugin(cfg.precision, cfg.strategy, device_type=accelerator)]})
     quiet_lightning_start()
-    with warnings.catch_warnings():
-        # Lightning's hint on machines where Slurm is installed, for a run started without srun: the preflight
-        # refuses the case it guards against (several nodes and nothing starting them), and one node needs no srun.
-        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+    with without_srun_hint():
         return Fabric(
             accelerator=accelerator,
             devices=cfg.devices,

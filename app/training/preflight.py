@@ -28,7 +28,7 @@ from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
 from app.data.formats import Layout
 from app.distributed.precision import bf16_support_problem, fp32_modules_problem, weights_dtype
-from app.distributed.strategy import resolve_accelerator
+from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.exit_codes import EXIT_BAD_INPUT
 from app.huggingface.prefetch import offline_hint
 from app.model.build import load_model_config, meta_model, model_source, resolve_wrap_classes
@@ -415,8 +415,9 @@ def check_offload(cfg: Config, problems: list[str]) -> None:
 def launched_on_every_node() -> bool:
     """True when something starts the ranks of every node: a launcher Lightning detects (Slurm's srun, torchrun,
     LSF's jsrun, MPI), or Lightning's manual multi-node variables (MASTER_ADDR and NODE_RANK set on each node)."""
-    detected = any(environment.detect() for environment in
-                   (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment))
+    with without_srun_hint():
+        detected = any(environment.detect() for environment in
+                       (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment))
     return detected or {"MASTER_ADDR", "NODE_RANK"} <= os.environ.keys()
 
 
