@@ -128,16 +128,17 @@ def test_cpu_offload_on_cpu_processes_is_refused_before_any_work(tiny, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+ONE_RANK = dict(devices=1, gradient_accumulation_steps=4, eval_iters=8)
 COMPILED_RUNS = {
-    "fsdp compiled": dict(strategy="fsdp", compile=True),
-    "fsdp2 compiled, 1 rank": dict(strategy="fsdp2", compile=True, devices=1, gradient_accumulation_steps=4,
-                                   eval_iters=8),
+    "fsdp compiled, 1 rank": dict(strategy="fsdp", compile=True, **ONE_RANK),
+    "fsdp2 compiled, 1 rank": dict(strategy="fsdp2", compile=True, **ONE_RANK),
     "fsdp2 eager": dict(strategy="fsdp2", compile=False),
 }
 """The same steps and evaluation rows in each (1 rank x 4 accumulation = 2 ranks x 2). The compiled runs share one
-inductor cache: after FSDP1's graphs (120 CPU-s on 2 ranks), FSDP2 on 1 rank costs 27 CPU-s instead of 67, and 60 on
-2 ranks. One rank is enough for FSDP2 here: its hooks, and so its collectives, run outside the compiled graph
-(`_dynamo_disable`), which sees the same gathered parameters."""
+inductor cache: after FSDP1's graphs, FSDP2 costs 27 CPU-s instead of 67. One rank is enough for both: the units'
+hooks, and so their collectives, run outside the compiled graphs, which see the same gathered parameters (FSDP2's
+hooks are `_dynamo_disable`d; FSDP1's units run their hooks around the compiled layers). Two ranks compiled every
+graph twice, at once (FSDP1: 120 CPU-s on 2 ranks), for nothing the graphs see."""
 
 
 @pytest.mark.slow
