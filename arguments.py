@@ -222,7 +222,8 @@ class PlannerArgs:
     """Memory planner"""
 
     estimate_memory: bool = False
-    """Print the expected memory per device and the largest micro batch that fits, then exit without training."""
+    """Print the expected memory per device and the largest micro batch that fits, then exit without training
+    (exit 2 when the run does not fit)."""
     print_config: bool = False
     """Check every input, print the resolved run (each option with where its value came from: flag, config file,
     environment or default; then the values derived from them: world size, accumulation, global batch, tokens per

@@ -4,7 +4,7 @@ import against its order):
 | where | what it holds |
 | --- | --- |
 | exit_codes.py, choices.py, cli.py | what every part shares: exit statuses, option sets, how a command line meets a shell |
-| distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py: devices, sharding, dtypes |
+| distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py: devices, sharding, dtypes, memory |
 | optimization/ | optimizer.py, schedule.py: AdamW's groups and clipping, batch arithmetic and lr(step) |
 | reliability/ | signals.py, watchdog.py, workers.py, torchrun.py: keeping a run alive and ending it well |
 | prepare/ | prepare_data.py's pipeline: records, chat templates, masks, packing, the folder it writes |

@@ -12,7 +12,8 @@ EXIT_CRASHED = 1
 Slurm scripts end the whole job (srun --kill-on-bad-exit) and do not requeue it, as a requeued run would meet the
 same error."""
 EXIT_BAD_INPUT = 2
-"""An option, file or folder was wrong: refused before any work, one line per problem, nothing written."""
+"""An option, file or folder was wrong: refused before any work, one line per problem, nothing written. Also
+--estimate_memory's answer when the run as configured does not fit its devices."""
 EXIT_NON_FINITE = 3
 """A non-finite loss or gradient norm stopped the run; that step was not applied and nothing was saved from it."""
 EXIT_STALLED = 4

@@ -1,5 +1,6 @@
 """A CPU process returns the memory of freed large tensors to the system, and keeps the free space it reuses at every
-step (app/distributed/host_memory.py)."""
+step (app/distributed/host_memory.py); a GPU process asks CUDA's allocator for expandable segments
+(app/distributed/device_memory.py)."""
 
 import json
 import os
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from app.distributed.device_memory import expandable_segments
 from tests.conftest import ROOT, run_script, run_train, train_args
 
 HELPER = ROOT / "tests" / "helpers" / "heap_behaviour.py"
@@ -77,3 +79,11 @@ def test_every_rank_of_a_cpu_run_tunes_its_heap(tiny, tmp_path: Path):
     assert len(reports) == 2, result.stderr[-3000:]
     assert all(r["applied"] == ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"] for r in reports), reports
     assert all(r["retained_mb"] < 40 and r["faults_per_reallocation"] < 500 for r in reports), reports
+
+
+def test_gpu_runs_ask_for_expandable_segments_unless_the_user_configured_the_allocator() -> None:
+    environ: dict[str, str] = {}
+    assert expandable_segments(environ) and environ == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        chosen = {name: "max_split_size_mb:512"}
+        assert not expandable_segments(chosen) and chosen == {name: "max_split_size_mb:512"}

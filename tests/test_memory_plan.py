@@ -8,11 +8,13 @@ import sys
 from dataclasses import replace
 
 import pytest
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig, BartConfig, GPT2Config, LlamaConfig, T5Config
 
-from app.metrics.memory_plan import ModelShape, Setup, estimate_memory, largest_micro_batch
+from app.exit_codes import EXIT_BAD_INPUT
+from app.metrics.memory_plan import ModelShape, Setup, estimate_memory, largest_micro_batch, memory_report
 from app.metrics.observe import GB
 from app.model.build import resolve_wrap_classes
+from arguments import read_config
 from tests.conftest import ROOT, run_train, train_args
 
 LLAMA_3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -82,6 +84,23 @@ def test_llama_3_8b_on_eight_80gb_gpus_fits_as_users_run_it(llama_3_8b) -> None:
     assert largest_micro_batch(one_gpu, 80 * GB) == 0, "8B with AdamW in fp32 needs 128 GB of model state alone"
 
 
+@pytest.mark.parametrize("config, layers, feed_forward", [
+    (T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_decoder_layers=3, num_heads=4), 5, 256),
+    (BartConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=192,
+                decoder_ffn_dim=192, encoder_attention_heads=4, decoder_attention_heads=4), 4, 192),
+    (GPT2Config(vocab_size=1000, n_embd=64, n_layer=3, n_head=4), 3, 256),
+], ids=["t5", "bart", "gpt2"])
+def test_every_architecture_the_project_trains_is_planned(config, layers, feed_forward) -> None:
+    """T5, BART and GPT-2 name their sizes otherwise than Llama (`d_ff`, `encoder_ffn_dim`, `n_inner` = None): the
+    planner crashed on them with AttributeError."""
+    shape = ModelShape.of(config, resolve_wrap_classes(config, None))
+    assert (shape.layers, shape.intermediate_size, shape.hidden_size) == (layers, feed_forward, 64)
+    assert shape.layer_parameters * layers + shape.root_parameters >= shape.parameters
+    report, fits = memory_report(read_config(["--model_config", "unused", "--train_data_dir", "unused"]), shape,
+                                 replace(EIGHT_GPUS, block_size=128), device=(80 * GB, "test"))
+    assert fits and "largest micro batch that fits" in report
+
+
 @pytest.mark.parametrize("sharding_strategy, precision, fsdp_no_sync", [
     ("FULL_SHARD", "32-true", False), ("FULL_SHARD", "32-true", True), ("NO_SHARD", "bf16-true", False)])
 def test_estimate_matches_the_parameters_gradients_and_optimizer_state_of_a_run(tiny, tmp_path, sharding_strategy,
@@ -119,6 +138,7 @@ def test_estimate_memory_prints_the_plan_and_trains_nothing(tiny, tmp_path) -> N
 
     small = run_train(train_args(tiny, out_dir, estimate_memory=True, device_memory_gb=0.5))
     assert "does NOT fit" in small.stdout and "no micro batch fits: shard more" in small.stdout
+    assert small.returncode == EXIT_BAD_INPUT, "a script planning runs reads the answer from the exit code"
 
 
 def test_peak_rss_is_the_processs_own_not_that_of_the_large_process_that_started_it() -> None:

@@ -75,9 +75,22 @@ class ModelShape:
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
         return cls(parameters=total, root_parameters=total - sum(per_layer), layer_parameters=max(per_layer),
                    input_embedding_unit=parameter_count(input_embeddings) if input_embeddings else 0,
-                   layers=model_config.num_hidden_layers, hidden_size=model_config.hidden_size,
+                   layers=len(layers) or model_config.num_hidden_layers, hidden_size=model_config.hidden_size,
                    kv_size=head_dim * getattr(model_config, "num_key_value_heads", heads),
-                   intermediate_size=model_config.intermediate_size, vocab_size=model_config.vocab_size)
+                   intermediate_size=feed_forward_size(model_config), vocab_size=model_config.vocab_size)
+
+
+FEED_FORWARD_NAMES = ("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "n_inner")
+"""The MLP's inner width in the configs of Llama, Mistral and Qwen; T5; OPT; BART; GPT-2 (where None means 4 x hidden).
+transformers' attribute maps give every config `hidden_size`, `num_attention_heads` and `num_hidden_layers`, but
+not this."""
+
+
+def feed_forward_size(model_config: PretrainedConfig) -> int:
+    for name in FEED_FORWARD_NAMES:
+        if getattr(model_config, name, None):
+            return getattr(model_config, name)
+    return 4 * model_config.hidden_size
 
 
 @dataclass(frozen=True)
@@ -192,7 +205,9 @@ def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int) -
                  unsharded_accumulation=cfg.strategy in SHARDED_STRATEGIES and cfg.fsdp_no_sync and accumulation > 1)
 
 
-def memory_report(cfg: Config, shape: ModelShape, setup: Setup, device: Optional[tuple[float, str]] = None) -> str:
+def memory_report(cfg: Config, shape: ModelShape, setup: Setup,
+                  device: Optional[tuple[float, str]] = None) -> tuple[str, bool]:
+    """The plan as printed, and whether the run as configured fits."""
     estimate = estimate_memory(shape, setup)
     device_bytes, source = device or device_memory_bytes(cfg, setup.devices_per_node)
     fits = estimate.total <= device_bytes * USABLE_FRACTION
@@ -213,4 +228,4 @@ def memory_report(cfg: Config, shape: ModelShape, setup: Setup, device: Optional
     lines.append(f"  largest micro batch that fits: {largest}" if largest else
                  "  no micro batch fits: shard more (FULL_SHARD, more devices), --gradient_checkpointing true, "
                  "--precision bf16-true or --cpu_offload true")
-    return "\n".join(lines)
+    return "\n".join(lines), fits

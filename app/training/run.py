@@ -14,11 +14,12 @@ from lightning_fabric import Fabric
 from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
+from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
 from app.distributed.precision import float32_matmul_precision, uses_grad_scaler
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
 from app.evaluation.samples import SampleEvaluator, decoding_for
-from app.exit_codes import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED
+from app.exit_codes import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED
 from app.metrics.console import Console
 from app.metrics.loggers import make_loggers, report_summary
 from app.metrics.memory_plan import ModelShape, memory_report, setup_of
@@ -51,11 +52,16 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
     cfg = inputs.config
     if cfg.estimate_memory:
         shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
-        print(memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, inputs.plan.block_size,
-                                                  inputs.plan.accumulation)))
+        report, fits = memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, inputs.plan.block_size,
+                                                          inputs.plan.accumulation))
+        print(report)
+        if not fits:  # a script planning runs reads the answer from the exit code
+            sys.exit(EXIT_BAD_INPUT)
         return
     if resolve_accelerator(cfg) == "cpu":
         tune_cpu_heap()
+    elif resolve_accelerator(cfg) == "cuda":
+        expandable_segments()
     resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
     deferred = deferred_init(cfg, inputs.model_config)
     param_init_fn = deferred.param_init_fn if deferred else None
