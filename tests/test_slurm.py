@@ -1,0 +1,237 @@
+"""The project's own sbatch scripts on a real one-node Slurm cluster (tests/helpers/slurm_cluster.py): submitted with
+`sbatch`, changing only sbatch options (2 CPU tasks, no GPUs) and train.py arguments, preempted, warned, frozen and
+crashed the ways Slurm and clusters do, each job followed to its end state.
+
+Without Slurm these tests skip with one line saying how to install it; in CI (`CI` set) a missing Slurm fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import psutil
+import pytest
+
+from app.checkpoint import list_checkpoints
+from app.exit_codes import EXIT_PREEMPTED, EXIT_STALLED
+from conftest import ROOT, STEP_LINE, TinySetup, read_checkpoint, train_args
+from tests.helpers.slurm_cluster import SlurmCluster, missing_slurm
+from test_reliability import logged_losses
+
+CPU_TASKS = ["--nodes", "1", "--ntasks-per-node", "2", "--cpus-per-task", "1", "--gpus-per-node", "0"]
+CPU_TORCHRUN = ["--nodes", "1", "--ntasks-per-node", "1", "--cpus-per-task", "2", "--gpus-per-node", "0",
+                "--export", "ALL,PROCS_PER_NODE=2"]
+MAX_STEP = 60
+END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+JOB_SEC = 240
+"""The longest a job may take here, requeues included (each requeue waits about 25 s for Slurm's credentials)."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    reason = missing_slurm()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the Slurm tests: {reason}", pytrace=False)
+        pytest.skip(reason)
+    cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.stop()
+
+
+@dataclass
+class Job:
+    """A submitted job and its output file (--open-mode=append: every start of a requeued job writes to it)."""
+
+    cluster: SlurmCluster
+    id: str
+    log: Path
+    out_dir: Path
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def steps(self) -> list[int]:
+        return [int(step) for step in STEP_LINE.findall(self.output())]
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        """Until the job's output shows a step >= `step`."""
+        self.wait_until(lambda: any(s >= step for s in self.steps()), f"step {step}", timeout)
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> None:
+        self.wait_until(lambda: re.search(pattern, self.output()) is not None, repr(pattern), timeout)
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s: {self.describe()}"
+            assert self.state() not in END_STATES, f"job ended before {what}: {self.describe()}"
+            time.sleep(0.05)
+
+    def state(self) -> str:
+        return self.cluster.job(self.id)["JobState"]
+
+    def end(self, timeout: float = JOB_SEC) -> dict[str, str]:
+        """Wait for the job's end state; `scontrol show job` fields."""
+        return self.cluster.wait_for_state(self.id, END_STATES, timeout)
+
+    def task_process(self, rank: int) -> psutil.Process:
+        """The train.py process of task `rank` (SLURM_PROCID)."""
+        for process in psutil.process_iter(["cmdline"]):
+            cmdline = process.info["cmdline"] or []
+            if "train.py" in cmdline and str(self.out_dir) in cmdline and not cmdline[0].endswith("srun"):
+                try:
+                    if process.environ().get("SLURM_PROCID") == str(rank):
+                        return process
+                except psutil.NoSuchProcess:
+                    continue
+        raise AssertionError(f"no process of task {rank}: {self.describe()}")
+
+    def describe(self) -> str:
+        return f"job {self.id} {self.cluster.job(self.id)}\n--- output\n{self.output()[-5000:]}"
+
+
+def submit(cluster: SlurmCluster, script: str, sbatch: list[str], tiny: TinySetup, out_dir: Path,
+           **train: object) -> Job:
+    """`sbatch <sbatch> slurm/<script> <train.py arguments>` from the repository, as a user submits it, with this
+    virtual environment's python first on PATH."""
+    log = out_dir.parent / f"{out_dir.name}.out"
+    args = train_args(tiny, out_dir, devices=None, max_step=MAX_STEP, **train)
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    job_id = cluster.submit(*sbatch, "--output", str(log), "--chdir", str(ROOT), f"slurm/{script}", *args, env=env)
+    return Job(cluster, job_id, log, out_dir)
+
+
+@pytest.fixture(scope="module")
+def straight(cluster: SlurmCluster, tiny: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The uninterrupted job every preempted one is compared with."""
+    job = submit(cluster, "train.sbatch", CPU_TASKS, tiny, tmp_path_factory.mktemp("straight") / "run")
+    job.end()
+    return job
+
+
+def assert_completed(job: Job, restarts: int) -> None:
+    fields = job.cluster.job(job.id)
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", str(restarts)), \
+        job.describe()
+    assert job.steps()[-1] == MAX_STEP and "Traceback" not in job.output(), job.describe()
+
+
+def assert_same_losses(job: Job, straight: Job) -> None:
+    expected, got = logged_losses(straight.out_dir), logged_losses(job.out_dir)
+    assert sorted(got) == list(range(1, MAX_STEP + 1))
+    assert max(abs(got[s] - expected[s]) / abs(expected[s]) for s in expected) <= 1e-6
+
+
+def stop_steps(job: Job) -> list[int]:
+    return [int(step) for step in re.findall(r"step (\d+): stopped by a signal after saving", job.output())]
+
+
+@pytest.mark.slow
+def test_a_two_task_job_trains_with_fsdp_to_max_step(straight: Job) -> None:
+    assert_completed(straight, restarts=0)
+    assert "job " in straight.output() and "1 nodes x 2 tasks" in straight.output()
+    assert "x 2 ranks)" in straight.output(), "Lightning's SLURMEnvironment took both ranks from srun"
+    assert straight.output().count("training 60 steps") == 1, "notes come from one task per node"
+    checkpoint = read_checkpoint(straight.out_dir / "checkpoints" / f"step-{MAX_STEP:08d}.ckpt")
+    assert len(checkpoint["rng"]) == 2
+    losses = logged_losses(straight.out_dir)
+    assert losses[MAX_STEP] < losses[1] - 1.0
+
+
+@pytest.mark.slow
+def test_preemption_then_a_time_limit_warning_each_save_requeue_and_resume_with_the_straight_losses(
+        cluster: SlurmCluster, tiny: TinySetup, straight: Job, tmp_path: Path) -> None:
+    """Slurm's preemption with requeue (`scontrol requeue`: SIGTERM to every task, KillWait, requeue), then, on the
+    requeued job, the warning before a time limit (`scancel --signal=USR1`, as `--signal=USR1@120` sends it) with
+    --requeue_on_signal true: the job requeues itself. Each start resumes at the step after the checkpoint."""
+    job = submit(cluster, "train.sbatch", CPU_TASKS, tiny, tmp_path / "run", requeue_on_signal=True)
+    job.wait_for_step(3)
+    cluster.command("scontrol", "requeue", job.id)
+    job.wait_for(r"resumed from")
+    first_stop = stop_steps(job)[0]
+    job.wait_for_step(first_stop + 3)
+    cluster.command("scancel", "--signal=USR1", job.id)
+    job.end()
+    assert_completed(job, restarts=2)
+    first_stop, second_stop = stop_steps(job)
+    assert 3 <= first_stop < second_stop < MAX_STEP, job.describe()
+    resumed = re.findall(r"resumed from \S+ at step (\d+)", job.output())
+    assert resumed == [str(first_stop), str(second_stop)], job.describe()
+    assert "requeueing the Slurm job" in job.output() and "requeue failed" not in job.output(), job.describe()
+    assert_same_losses(job, straight)
+
+
+@pytest.mark.slow
+def test_a_time_limit_warning_without_requeue_on_signal_ends_the_job_with_75_and_says_how_to_go_on(
+        cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path) -> None:
+    job = submit(cluster, "train.sbatch", CPU_TASKS, tiny, tmp_path / "run")
+    job.wait_for_step(3)
+    cluster.command("scancel", "--signal=USR1", job.id)
+    fields = job.end()
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("FAILED", f"{EXIT_PREEMPTED}:0", "0")
+    assert "submit the same sbatch command again), or pass --requeue_on_signal true" in job.output(), job.describe()
+    assert stop_steps(job)[0] in list_checkpoints(job.out_dir), job.describe()
+
+
+@pytest.mark.slow
+def test_a_frozen_task_ends_with_the_watchdogs_4_then_the_requeued_job_completes(
+        cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path) -> None:
+    """Task 1 stopped (SIGSTOP) mid-run: task 0's watchdog prints its stacks and exits 4, srun ends the frozen task
+    (--kill-on-bad-exit; without it the job stayed RUNNING for as long as anyone waited), the script requeues."""
+    job = submit(cluster, "train.sbatch", CPU_TASKS, tiny, tmp_path / "run", stall_timeout_min=0.1,
+                 save_step_interval=2)
+    job.wait_for_step(5)
+    job.task_process(1).suspend()
+    frozen = time.monotonic()
+    cluster.wait_for_state(job.id, ("PENDING", "REQUEUED"), timeout=60)
+    seconds = time.monotonic() - frozen
+    job.end()
+    assert_completed(job, restarts=1)
+    output = job.output()
+    assert "rank 0: stalled: no optimizer step, evaluation or save finished in 0.1 min" in output
+    assert re.search(rf"srun: error: \S+: task 0: Exited with exit code {EXIT_STALLED}", output), job.describe()
+    assert f"train.py exited with {EXIT_STALLED}: requeueing job {job.id}" in output
+    assert re.search(r"resumed from \S+ at step [1-9]", output), job.describe()
+    print(f"\nfrozen task: job requeued {seconds:.1f} s after SIGSTOP (--stall_timeout_min 0.1)")
+
+
+@pytest.mark.slow
+def test_a_killed_task_ends_the_whole_job_at_once_with_its_code_and_no_requeue(
+        cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path) -> None:
+    """Task 1 killed (an out-of-memory kill, say): the job fails within a minute with 137 (128 + SIGKILL) and
+    stays failed, as a requeued run would die the same way."""
+    job = submit(cluster, "train.sbatch", CPU_TASKS, tiny, tmp_path / "run")
+    job.wait_for_step(3)
+    job.task_process(1).send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    fields = job.end(timeout=60)
+    seconds = time.monotonic() - killed
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("FAILED", "137:0", "0"), job.describe()
+    assert "requeueing" not in job.output()
+    print(f"\nkilled task: job FAILED {seconds:.1f} s later")
+
+
+@pytest.mark.slow
+def test_the_torchrun_script_saves_on_preemption_and_resumes_with_the_straight_losses(
+        cluster: SlurmCluster, tiny: TinySetup, straight: Job, tmp_path: Path) -> None:
+    """slurm/train-torchrun.sbatch: one torchrun per node (here 2 CPU processes); `scontrol requeue` sends SIGTERM to
+    torchrun, which hands it to its workers; they save, and the requeued job resumes."""
+    job = submit(cluster, "train-torchrun.sbatch", CPU_TORCHRUN, tiny, tmp_path / "run")
+    job.wait_for_step(3)
+    cluster.command("scontrol", "requeue", job.id)
+    job.end()
+    assert_completed(job, restarts=1)
+    assert "1 nodes x 2 processes" in job.output()
+    assert "torchrun: SIGTERM handed to the workers, which stopped; exit 75" in job.output(), job.describe()
+    [stop] = stop_steps(job)
+    assert f"resumed from {job.out_dir / 'checkpoints' / f'step-{stop:08d}.ckpt'}" in job.output()
+    assert_same_losses(job, straight)
