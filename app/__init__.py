@@ -4,7 +4,7 @@ import against its order):
 | where | what it holds |
 | --- | --- |
 | exit_codes.py, choices.py, cli.py | what every part shares: exit statuses, option sets, how a command line meets a shell |
-| distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py: devices, sharding, dtypes, memory |
+| distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py: devices |
 | optimization/ | optimizer.py, schedule.py: AdamW's groups and clipping, batch arithmetic and lr(step) |
 | reliability/ | signals.py, watchdog.py, workers.py, torchrun.py: keeping a run alive and ending it well |
 | prepare/ | prepare_data.py's pipeline: records, chat templates, masks, packing, the folder it writes |
@@ -12,7 +12,7 @@ import against its order):
 | model/ | build.py, isolation.py: the Hugging Face model on every rank; packed examples kept apart |
 | checkpoint/ | saving, loading and reading checkpoints in either format, now or in the background |
 | metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, memory_plan.py: measuring a run |
-| evaluation/ | validation.py, samples.py: validation loss and generation samples |
+| evaluation/ | validation.py, samples.py, show.py: validation loss and generation samples, and show_samples.py |
 | huggingface/ | convert.py, upload.py, generate.py, prefetch.py: to and from Hugging Face |
 | training/ | preflight.py, print_config.py, run.py, loop.py: one run, top to bottom |
 

@@ -8,6 +8,8 @@ Data: the standard library's code -> docstring summary pairs, prepared by prepar
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,13 +21,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Falcon
 from app.data import IGNORE_INDEX, load_data
 from app.data.formats import Sample, packed_examples
 from app.data.order import epoch_permutation, rank_micro_batches
-from app.evaluation.samples import CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, sample_metrics
+from app.evaluation.samples import CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, sample_metrics, write_samples
 from app.model.isolation import probe_isolation
 from app.optimization.schedule import make_plan
 from app.prepare import PrepareArgs, prepare
 from app.training.preflight import preflight
 from arguments import parse_config
-from tests.conftest import generate_through_the_application, run_train, stop_where_lengths_differ, train_args
+from tests.conftest import ROOT, generate_through_the_application, run_train, stop_where_lengths_differ, train_args
 from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
 from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS
 from tests.test_training import assert_succeeded, read_metrics
@@ -287,3 +289,15 @@ def test_greedy_samples_under_fsdp_equal_transformers_generate_and_ranks_stop_at
               for s in samples]
     stop_id, expected = stop_where_lengths_differ(greedy)
     assert generate_through_the_application(tiny, packed, pretrained, stop_id, 4, 10, tmp_path) == expected
+
+
+def test_show_samples_prints_the_last_evaluations_samples_next_to_their_references(tmp_path) -> None:
+    for step, answer in ((10, "an early answer"), (20, "Return the header.")):
+        write_samples(tmp_path / "samples" / f"step-{step:08d}.jsonl", ["def parse_header(\n    line):"],
+                      ["Return the header."], [answer])
+    result = subprocess.run([sys.executable, "show_samples.py", str(tmp_path), "1"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[:4] == [f"{tmp_path / 'samples' / 'step-00000020.jsonl'}:",
+                                              "  prompt     def parse_header( line):",
+                                              "  reference  Return the header.", "  generated  Return the header."]

@@ -15,13 +15,11 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from app import cli
-from app.cli import UsageError
 from app.data.formats import Sample
 from app.model.build import strategy_module
 from app.prepare.chat_template import end_of_turn_id
@@ -30,7 +28,6 @@ if TYPE_CHECKING:
     from lightning_fabric import Fabric
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-PROG = "show_samples.py"
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 WRITTEN_WITHOUT_SPACES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff"
 """Kana and CJK ideographs: scripts whose words are not separated by spaces."""
@@ -181,44 +178,3 @@ class SampleEvaluator:
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def latest_samples(out_dir: Path) -> Path:
-    """The samples file of a run's last evaluation."""
-    files = sorted((out_dir / "samples").glob("step-*.jsonl"))
-    if not files:
-        raise UsageError(f"RUN {out_dir}: no samples/ in it; give a train.py --out_dir that ran with --eval_samples N")
-    return files[-1]
-
-
-def show(out_dir: Path, count: int) -> str:
-    """The start of each prompt (whitespace collapsed), its reference and what the model wrote."""
-    path = latest_samples(out_dir)
-    lines = [f"{path}:"]
-    for record in map(json.loads, path.read_text().splitlines()[:count]):
-        lines += [f"  prompt     {' '.join(record['prompt'].split())[:110]}", f"  reference  {record['reference']}",
-                  f"  generated  {record['generated']}", ""]
-    return "\n".join(lines)
-
-
-@dataclass
-class ShowArgs:
-    """Print the first samples of a run's latest evaluation: each prompt's start, its reference and the answer."""
-
-    count: int = 4
-    """How many samples to print."""
-
-
-def parse_show_args(argv: Optional[list[str]] = None) -> tuple[Path, int]:
-    parser = cli.command_parser(PROG, ShowArgs.__doc__, [ShowArgs], config=False)
-    parser.add_argument("run", metavar="RUN", help="A train.py --out_dir.")
-    parser.add_argument("positional_count", metavar="N", nargs="?", type=int, help="Same as --count.")
-    namespace = cli.parse(parser, argv)
-    count = namespace.positional_count if namespace.positional_count is not None else namespace.count
-    if count < 1:
-        raise UsageError(f"N {count}: give at least 1")
-    return Path(namespace.run), count
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    print(cli.run_command(PROG, lambda: show(*parse_show_args(argv))))

@@ -1,0 +1,56 @@
+"""show_samples.py: the samples that a run's last evaluation wrote (app/evaluation/samples.py), printed next to their
+references. Kept apart from the generation code so that the command imports neither torch nor transformers: it
+answers, or refuses a bad command line, at once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from app import cli
+from app.cli import UsageError
+
+PROG = "show_samples.py"
+
+
+def latest_samples(out_dir: Path) -> Path:
+    """The samples file of a run's last evaluation."""
+    files = sorted((out_dir / "samples").glob("step-*.jsonl"))
+    if not files:
+        raise UsageError(f"RUN {out_dir}: no samples/ in it; give a train.py --out_dir that ran with --eval_samples N")
+    return files[-1]
+
+
+def show(out_dir: Path, count: int) -> str:
+    """The start of each prompt (whitespace collapsed), its reference and what the model wrote."""
+    path = latest_samples(out_dir)
+    lines = [f"{path}:"]
+    for record in map(json.loads, path.read_text().splitlines()[:count]):
+        lines += [f"  prompt     {' '.join(record['prompt'].split())[:110]}", f"  reference  {record['reference']}",
+                  f"  generated  {record['generated']}", ""]
+    return "\n".join(lines)
+
+
+@dataclass
+class ShowArgs:
+    """Print the first samples of a run's latest evaluation: each prompt's start, its reference and the answer."""
+
+    count: int = 4
+    """How many samples to print."""
+
+
+def parse_show_args(argv: Optional[list[str]] = None) -> tuple[Path, int]:
+    parser = cli.command_parser(PROG, ShowArgs.__doc__, [ShowArgs], config=False)
+    parser.add_argument("run", metavar="RUN", help="A train.py --out_dir.")
+    parser.add_argument("positional_count", metavar="N", nargs="?", type=int, help="Same as --count.")
+    namespace = cli.parse(parser, argv)
+    count = namespace.positional_count if namespace.positional_count is not None else namespace.count
+    if count < 1:
+        raise UsageError(f"N {count}: give at least 1")
+    return Path(namespace.run), count
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    print(cli.run_command(PROG, lambda: show(*parse_show_args(argv))))
