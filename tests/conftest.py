@@ -30,7 +30,8 @@ BLOCK_SIZE = 32
 # worker busy while the others sit idle (longest-first scheduling). Seconds per file in the suite of 2026-11-27;
 # the files not listed follow in their usual order.
 LONGEST_FILES_FIRST = (
-    "test_slurm.py",  # 122 s, mostly waiting for Slurm: its jobs overlap the other files' work
+    "test_slurm.py",  # 285 s in the suite, 122 s alone, most of it waiting on Slurm: started first, its waits overlap
+    # the other files' work
     "test_reliability.py",  # 402 s
     "test_resume_anywhere.py",  # 332 s
     "test_fsdp2.py",  # 305 s

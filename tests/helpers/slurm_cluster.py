@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from contextlib import closing, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -117,6 +116,7 @@ class SlurmCluster:
     folder: Path
     env: dict[str, str]
     munged: Optional[psutil.Process] = None
+    started: float = field(default_factory=time.time)
 
     @classmethod
     def start(cls, folder: Path) -> "SlurmCluster":
@@ -172,12 +172,35 @@ class SlurmCluster:
                          for name in ("slurmctld.log", "slurmd.log") if (self.folder / name).exists())
 
     def stop(self) -> None:
-        """Cancel what is left, stop the daemons (by their pid files) and the munged started here."""
+        """Stop everything this cluster started, jobs included: a test that failed mid-job leaves no process behind.
+        The daemons and job steps are found by the configuration in their environment, the munged started here by
+        its process."""
         self.command("scancel", "--user", "root", check=False)
-        for name in ("slurmd", "slurmctld"):
-            pid_file = self.folder / f"{name}.pid"
-            with suppress(FileNotFoundError, ProcessLookupError, ValueError):
-                os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        if self.munged is not None:
+        started = [process for process in psutil.process_iter(["name"])
+                   if process.info["name"] in ("slurmd", "slurmctld", "slurmstepd") and self.configured(process)]
+        every = started + [child for process in started for child in safe_children(process)]
+        every += [self.munged] if self.munged is not None else []
+        for process in every:
             with suppress(psutil.NoSuchProcess):
-                self.munged.terminate()
+                process.terminate()
+        _, alive = psutil.wait_procs(every, timeout=5)
+        for process in alive:
+            with suppress(psutil.NoSuchProcess):
+                process.kill()
+
+    def configured(self, process: psutil.Process) -> bool:
+        """The daemons carry this cluster's SLURM_CONF; the job steps' slurmstepd clears its environment, so those
+        started since this cluster did are taken as its own (the tests run one cluster at a time)."""
+        try:
+            if process.info["name"] == "slurmstepd":
+                return process.create_time() >= self.started
+            return process.environ().get("SLURM_CONF") == self.env["SLURM_CONF"]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+
+
+def safe_children(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
