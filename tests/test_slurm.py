@@ -7,11 +7,14 @@ Without Slurm these tests skip with one line saying how to install it; in CI (`C
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -41,9 +44,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the Slurm tests: {reason}", pytrace=False)
         pytest.skip(reason)
-    cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
-    yield cluster
-    cluster.stop()
+    with one_cluster_at_a_time():
+        cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
+        yield cluster
+        cluster.stop()
+
+
+@contextmanager
+def one_cluster_at_a_time() -> Iterator[None]:
+    """Where pytest-xdist splits this file between workers (`-n N` without `--dist loadfile`), each worker's cluster
+    waits for the previous one to stop: two on one machine would share the node's CPUs and stop each other's jobs."""
+    with open(Path(tempfile.gettempdir()) / "fsdp-trainer-slurm-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @dataclass
