@@ -14,7 +14,8 @@ from app.exit_codes import EXIT_BAD_INPUT
 from app.metrics.memory_plan import ModelShape, Setup, estimate_memory, largest_micro_batch, memory_report
 from app.metrics.observe import GB
 from app.model.build import resolve_wrap_classes
-from arguments import read_config
+from app.training.run import run
+from arguments import parse_config, read_config
 from tests.conftest import ROOT, run_train, train_args
 
 LLAMA_3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -123,22 +124,25 @@ def test_estimate_matches_the_parameters_gradients_and_optimizer_state_of_a_run(
             assert measured[f"{name}_gb"] * GB == pytest.approx(getattr(estimate, name), rel=0.10), name
 
 
-def test_estimate_memory_prints_the_plan_and_trains_nothing(tiny, tmp_path) -> None:
+def test_estimate_memory_prints_the_plan_and_trains_nothing(tiny, tmp_path, capfd) -> None:
+    """train.py's own path (`app.training.run.run`), in this process: planning starts no rank."""
     out_dir = tmp_path / "run"
-    result = run_train(train_args(tiny, out_dir, estimate_memory=True, device_memory_gb=80))
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    run(parse_config(train_args(tiny, out_dir, estimate_memory=True, device_memory_gb=80)))
+    printed = capfd.readouterr().out
+    lines = printed.splitlines()
     assert lines[0].startswith("memory per device: 0.1M parameters, FULL_SHARD over 2 device(s), 32-true")
     for row in ("parameters", "gradients", "optimizer state", "working memory", "activations (4 x 32 tokens)",
                 "total"):
         assert any(line.strip().startswith(row) for line in lines), row
-    assert "device: 80.0 GB (--device_memory_gb); fits with 10% kept free" in result.stdout
-    assert "largest micro batch that fits:" in result.stdout
+    assert "device: 80.0 GB (--device_memory_gb); fits with 10% kept free" in printed
+    assert "largest micro batch that fits:" in printed
     assert not out_dir.exists(), "planning writes nothing"
 
-    small = run_train(train_args(tiny, out_dir, estimate_memory=True, device_memory_gb=0.5))
-    assert "does NOT fit" in small.stdout and "no micro batch fits: shard more" in small.stdout
-    assert small.returncode == EXIT_BAD_INPUT, "a script planning runs reads the answer from the exit code"
+    with pytest.raises(SystemExit) as exit_info:
+        run(parse_config(train_args(tiny, out_dir, estimate_memory=True, device_memory_gb=0.5)))
+    small = capfd.readouterr().out
+    assert "does NOT fit" in small and "no micro batch fits: shard more" in small
+    assert exit_info.value.code == EXIT_BAD_INPUT, "a script planning runs reads the answer from the exit code"
 
 
 def test_peak_rss_is_the_processs_own_not_that_of_the_large_process_that_started_it() -> None:
