@@ -21,7 +21,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # refusals run in process: 806-950 s in fresh clones on 2026-11-27 (this machine's speed varies by a fifth from hour
 # to hour), against 875-1,141 s before; later that day, with about 40 more tests, 645-798 s
 # (797.6 s in the last fresh clone); with the Slurm scenarios (tests/test_slurm.py: 10 job starts on a real
-# one-node cluster) and the compiled runs of test_fsdp2 on one rank each, 844-885 s.
+# one-node cluster) and the compiled runs of test_fsdp2 on one rank each, 844-885 s in this clone and 880-887 s in
+# fresh clones: close to the 15-minute limit, so new tests must come with an equal cut.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
