@@ -73,6 +73,10 @@ class ModelArgs:
     """Allow model code from the hub repository to run; off unless you trust its authors."""
     compile: bool = False
     """torch.compile the model after FSDP wrapping: faster GPU steps after a compilation warm-up at the start."""
+    chunked_loss: bool = True
+    """Compute the loss chunk by chunk from the last hidden states, never holding the full-vocabulary logits (the
+    largest activation at 128K-token vocabularies); models that change the logits after the output layer (BART)
+    keep their own loss, with a note. false: the model's own loss."""
 
 
 @dataclass

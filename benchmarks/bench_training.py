@@ -8,10 +8,14 @@
    slower);
 4. peak memory of the largest rank while training a 172M-parameter model (configs/bench-170m) started by
    `python train.py`, FULL_SHARD against NO_SHARD (target: <= 0.70x) and fsdp2 against fsdp (target: <= 1.0x), and fsdp2 against
-   fsdp with a 32K vocabulary (where fsdp2 gives the embeddings units of their own);
+   fsdp with a 32K vocabulary (where both give the embeddings units of their own), FULL_SHARD against NO_SHARD
+   with it under fsdp and fsdp2 (target: <= 0.70x), and 4 micro-batches per step against 1 (target: <= 1.05x);
 5. checkpoint save and load of that model's training state against torch.save with fsync / torch.load of the same
    tensors (targets: full save and load <= 2.0x, sharded load <= 1.5x);
-6. the training time one save costs with --async_save against a synchronous save (target: <= 0.20x).
+6. the training time one save costs with --async_save against a synchronous save (target: <= 0.20x);
+7. the chunked loss against the model's own (`--chunked_loss false`) on a 128K-token vocabulary at 1 x 4096 tokens
+   per rank: peak RSS of the largest rank (target: at least one fp32 copy of the logits, 2.1 GB, less) and step
+   time (target: <= 1.05x).
 
 Every contender runs in 2 processes on this machine's CPU with the same threads per process, started by torchrun
 unless a row says otherwise. A step time is the difference of the training time of a long and a short run divided
@@ -20,7 +24,8 @@ save cancel out. The contenders of a row run back to back, `--repeats` times in 
 median of the repeats' ratios, and its range is printed next to it, because this machine's speed drifts by +-10%
 over tens of minutes. Prints a Markdown table (the one in docs/performance.md). All parts take about an hour.
 
-Run: python benchmarks/bench_training.py [--parts overhead trainer fsdp2 memory checkpoint async_save] [--repeats 5]
+Run: python benchmarks/bench_training.py [--parts overhead trainer fsdp2 memory checkpoint async_save loss]
+[--repeats 5]
 """
 
 from __future__ import annotations
@@ -58,7 +63,10 @@ STATE_MODEL = ROOT / "configs" / "bench-170m"
 dominates memory."""
 VOCABULARY_MODEL = ROOT / "configs" / "bench-233m-32k"
 """The same layers with Llama-2's and Mistral's 32K vocabulary (233M parameters): each embedding holds 2.6 layers'
-parameters (Llama-3-8B's 2.4), so fsdp2 gives them units of their own."""
+parameters (Llama-3-8B's 2.4), so fsdp and fsdp2 give them units of their own."""
+VOCABULARY_128K_MODEL = ROOT / "configs" / "bench-128k"
+"""Llama-3's 128,256-token vocabulary on 2 layers 512 wide (138M parameters, 95% of them embeddings): the logits
+of 4096 tokens (2.1 GB in fp32) dominate a step's memory and time."""
 
 
 def child_environment() -> dict[str, str]:
@@ -251,13 +259,17 @@ def bench_memory(data: Path, work_dir: Path, options: argparse.Namespace) -> lis
     """Peak RSS of the largest rank while training the 170M model, started as users start it (`python train.py
     --devices 2`): FULL_SHARD against NO_SHARD, and FSDP2 against FSDP, also with a 32K vocabulary."""
     peaks = {}
-    for name, strategy, sharding, model in (("FULL_SHARD", "fsdp", "FULL_SHARD", STATE_MODEL),
-                                            ("NO_SHARD", "fsdp", "NO_SHARD", STATE_MODEL),
-                                            ("FSDP2", "fsdp2", "FULL_SHARD", STATE_MODEL),
-                                            ("FSDP 32K", "fsdp", "FULL_SHARD", VOCABULARY_MODEL),
-                                            ("FSDP2 32K", "fsdp2", "FULL_SHARD", VOCABULARY_MODEL)):
+    for name, strategy, sharding, model, accumulation in (
+            ("FULL_SHARD", "fsdp", "FULL_SHARD", STATE_MODEL, 1), ("NO_SHARD", "fsdp", "NO_SHARD", STATE_MODEL, 1),
+            ("FSDP2", "fsdp2", "FULL_SHARD", STATE_MODEL, 1),
+            ("FULL_SHARD x4", "fsdp", "FULL_SHARD", STATE_MODEL, 4),
+            ("FSDP 32K", "fsdp", "FULL_SHARD", VOCABULARY_MODEL, 1),
+            ("FSDP NO_SHARD 32K", "fsdp", "NO_SHARD", VOCABULARY_MODEL, 1),
+            ("FSDP2 32K", "fsdp2", "FULL_SHARD", VOCABULARY_MODEL, 1),
+            ("FSDP2 NO_SHARD 32K", "fsdp2", "NO_SHARD", VOCABULARY_MODEL, 1)):
         work = state_workload(data, work_dir, name.replace(" ", "-"), model=model)
-        train_app(work, launcher="python", strategy=strategy, sharding_strategy=sharding)
+        train_app(work, launcher="python", strategy=strategy, sharding_strategy=sharding,
+                  gradient_accumulation_steps=accumulation)
         peaks[name] = peak_rss_while_training(work.out_dir)
         print(f"  {name}: peak RSS of the largest rank {peaks[name]:.2f} GB", flush=True)
 
@@ -270,8 +282,14 @@ def bench_memory(data: Path, work_dir: Path, options: argparse.Namespace) -> lis
                   "NO_SHARD", 0.70),
             ratio("peak RSS, largest rank, 170M model, `python train.py`, FULL_SHARD: fsdp2 / fsdp", "FSDP2",
                   "FULL_SHARD", 1.0),
+            ratio("peak RSS, largest rank, 170M model, `python train.py`, FULL_SHARD: 4 micro-batches per step / 1",
+                  "FULL_SHARD x4", "FULL_SHARD", 1.05),
             ratio("peak RSS, largest rank, 233M model (32K vocabulary), `python train.py`, FULL_SHARD: fsdp2 / fsdp",
-                  "FSDP2 32K", "FSDP 32K", None)]
+                  "FSDP2 32K", "FSDP 32K", None),
+            ratio("peak RSS, largest rank, 233M model (32K vocabulary), `python train.py`, fsdp: FULL_SHARD / "
+                  "NO_SHARD", "FSDP 32K", "FSDP NO_SHARD 32K", 0.70),
+            ratio("peak RSS, largest rank, 233M model (32K vocabulary), `python train.py`, fsdp2: FULL_SHARD / "
+                  "NO_SHARD", "FSDP2 32K", "FSDP2 NO_SHARD 32K", 0.70)]
 
 
 def bench_fsdp2(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
@@ -417,6 +435,41 @@ def bench_async_save(data: Path, work_dir: Path, options: argparse.Namespace) ->
     return rows
 
 
+LOSS_BLOCK = 4096
+LOGITS_FP32_GB = LOSS_BLOCK * 128256 * 4 / 1e9
+
+
+def bench_loss(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
+    """The chunked loss against the model's own on the 128K-vocabulary model, 1 x 4096 tokens per rank, FULL_SHARD:
+    the largest rank's peak RSS (one run each) and step times (paired repeats of a short and a long run)."""
+    blocks = work_dir / "data-4096"
+    if not blocks.exists():
+        prepare(PrepareArgs(input=stdlib_corpus_paths(CORPUS), output_dir=str(blocks), vocab_size=2000,
+                            block_size=LOSS_BLOCK, val_fraction=0.02, seed=0))
+
+    def contender(name: str, chunked: bool) -> TrainSec:
+        def train_sec(micro: int, steps: int) -> float:
+            work = Workload(model_config=str(VOCABULARY_128K_MODEL), data=str(blocks),
+                            out_dir=str(work_dir / name / str(steps)), steps=steps, micro_batch_size=micro,
+                            warmup_steps=1, log_interval=1)
+            return app_train_sec(work, chunked_loss=chunked)
+        return train_sec
+
+    contenders = {"chunked": contender("loss-chunked", True), "full": contender("loss-full", False)}
+    few_steps = argparse.Namespace(**{**vars(options), "short_steps": 2})
+    regime = Regime(f"1 x {LOSS_BLOCK} tokens per rank, 128K vocabulary", 1, 6)
+    times = step_times(contenders, regime, few_steps)
+    peaks = {name: peak_rss_while_training(str(work_dir / f"loss-{name}" / str(regime.long_steps)))
+             for name in contenders}
+    saved = peaks["full"] - peaks["chunked"]
+    memory = row(f"peak RSS, largest rank, 138M model with a 128K vocabulary, 1 x {LOSS_BLOCK} tokens per rank: "
+                 "chunked loss / the model's own", f"{peaks['chunked']:.2f} GB ({saved:.2f} GB less)",
+                 f"{peaks['full']:.2f} GB", peaks["chunked"] / peaks["full"], f"{LOGITS_FP32_GB:.1f} GB less",
+                 saved >= LOGITS_FP32_GB)
+    step = Comparison("step time: chunked loss / the model's own", "chunked", "full", target=1.05)
+    return [memory, step.row(times, regime)]
+
+
 def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met: bool | None = None,
         spread: tuple[float, float] | None = None) -> str:
     verdict = "" if met is None else (" met" if met else " **missed**")
@@ -425,7 +478,7 @@ def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met
 
 
 PARTS = {"overhead": bench_overhead, "trainer": bench_trainer, "fsdp2": bench_fsdp2, "memory": bench_memory,
-         "checkpoint": bench_checkpoint, "async_save": bench_async_save}
+         "checkpoint": bench_checkpoint, "async_save": bench_async_save, "loss": bench_loss}
 
 
 def main() -> None:

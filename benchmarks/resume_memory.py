@@ -42,7 +42,7 @@ def size_of(path: Path) -> int:
 
 
 def measure(fabric, cfg, inputs, deferred, checkpoint: Path, report: str) -> int:
-    model, no_decay = setup_model(fabric, cfg, inputs.model_config, deferred)
+    model, no_decay, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     gc.collect()
     before = status_bytes("VmRSS")

@@ -22,7 +22,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFo
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.t5.modeling_t5 import T5Block
 
-from app.distributed.fsdp2 import mesh_shape, mixed_precision_policy, parameter_count, separate_embeddings, wrap_units
+from app.distributed.fsdp2 import mesh_shape, mixed_precision_policy, separate_embeddings, wrap_units
 from app.distributed.precision import precision_plugin
 from app.model.build import meta_model
 from app.training.preflight import preflight
@@ -104,7 +104,7 @@ def small_llama(vocab_size: int, **overrides) -> LlamaForCausalLM:
 
 
 def embedding_units(model: Module, wrap_class: type[Module]) -> tuple[Module | None, Module | None]:
-    return separate_embeddings(model, layer_size=max(map(parameter_count, wrap_units(model, {wrap_class}))))
+    return separate_embeddings(model, wrap_units(model, {wrap_class}))
 
 
 def test_embeddings_as_large_as_a_layer_get_units_of_their_own_unless_tied_or_shared() -> None:
@@ -113,7 +113,7 @@ def test_embeddings_as_large_as_a_layer_get_units_of_their_own_unless_tied_or_sh
     assert embedding_units(large, LlamaDecoderLayer) == (large.lm_head, large.model.embed_tokens)
     assert embedding_units(small_llama(vocab_size=320), LlamaDecoderLayer) == (None, None), "10,240 parameters"
     assert embedding_units(small_llama(vocab_size=1024, tie_word_embeddings=True), LlamaDecoderLayer) == (None, None)
-    assert separate_embeddings(large, layer_size=None) == (None, None), "no layers to compare with: all in the root"
+    assert separate_embeddings(large, []) == (None, None), "no layers to compare with: all in the root"
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=1024, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2))
     assert embedding_units(t5, T5Block) == (None, None), "transformers ties T5's embeddings"
     t5.lm_head.weight = torch.nn.Parameter(t5.lm_head.weight.detach().clone())

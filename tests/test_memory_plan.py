@@ -52,17 +52,30 @@ def test_model_state_is_divided_by_the_ranks_that_shard_it(llama_3_8b) -> None:
     assert offloaded.parameters == offloaded.gradients == offloaded.optimizer == 0
 
 
-def test_fsdp2_does_not_hold_large_input_embeddings_gathered_with_the_root(llama_3_8b) -> None:
-    """Llama-3-8B's input embeddings (2.4 layers) are a unit of their own under fsdp2, resharded after forward."""
+def test_large_input_embeddings_are_not_held_gathered_with_the_root(llama_3_8b) -> None:
+    """Llama-3-8B's input embeddings (2.4 layers) are a unit of their own under fsdp and fsdp2, resharded after
+    forward."""
     assert llama_3_8b.input_embedding_unit == 128256 * 4096
     fsdp = estimate_memory(llama_3_8b, EIGHT_GPUS)
     fsdp2 = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, strategy="fsdp2"))
-    assert fsdp.working - fsdp2.working == 128256 * 4096 * 2, "bf16 gathered weights"
+    layers = 2 * llama_3_8b.layer_parameters
+    assert fsdp.working == fsdp2.working == (128256 * 4096 + 4096 + layers) * 2 + GB, "bf16: head, norm, 2 layers"
     kept = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, strategy="fsdp2", sharding_strategy="SHARD_GRAD_OP"))
     assert kept.working == estimate_memory(llama_3_8b, replace(EIGHT_GPUS, sharding_strategy="SHARD_GRAD_OP")).working
     mistral = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                           num_key_value_heads=8, vocab_size=32768)
     assert ModelShape.of(mistral, resolve_wrap_classes(mistral, None)).input_embedding_unit == 0, "0.6 of a layer"
+
+
+def test_the_chunked_loss_holds_one_chunk_of_logits_instead_of_all(llama_3_8b) -> None:
+    """At 8K tokens Llama-3's logits are 2 + 4 + 4 + 4 bytes x 128,256 per token (14.7 GB); chunked, one chunk of
+    1,046 tokens (bf16 and fp32), the head's fp32 gradient and a bf16 product of it, and the hidden states'
+    gradient."""
+    full = estimate_memory(llama_3_8b, EIGHT_GPUS)
+    chunked = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, chunked_loss=True))
+    assert full.activations - chunked.activations == 8192 * (128256 * 14 - 4096 * 2)
+    assert chunked.working - full.working == 1046 * 128256 * 6 + 128256 * 4096 * 6
+    assert full.total - chunked.total > 9.5 * GB
 
 
 def test_activation_checkpointing_and_batch_size_scale_the_activations(llama_3_8b) -> None:

@@ -21,8 +21,8 @@ Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the co
 unit gathers and reduces point to point (app/distributed/cpu_collectives.py) rather than through gloo's temporaries.
 
 A model built on the meta device is materialised one unit at a time just before that unit is sharded, by the same
-`param_init_fn` and in the same order as FSDP1 (children before their parent, each unit's modules breadth-first,
-lm_head before the input embeddings as FSDP1's breadth-first walk of the root reaches them),
+`param_init_fn` and in the same order as FSDP1, whose auto-wrap policy (`UnitsWithEmbeddings`) makes the same units
+(children before their parent in registration order, each unit's modules breadth-first),
 so a run from a config starts from the same weights under either strategy and a rank never holds more than one
 whole unit. Pretrained weights are then read file by file into the shards (`shard_like`).
 """
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Module
 
@@ -94,29 +95,28 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
         if point_to_point:
             use_point_to_point_collectives(module)
 
-    units = wrap_units(model, wrap_classes)
-    output, embedding = separate_embeddings(model, layer_size=max(map(parameter_count, units), default=None))
-    for index, unit in enumerate(units):
-        # the last unit forward runs is the first one backward needs: resharding it would only gather it again
-        shard(unit, reshard and index < len(units) - 1)
-    if output is not None:  # lm_head's gradient is reduced as soon as backward has it
-        shard(output, reshard_after_forward=False)
-    if embedding is not None:  # gathered again only at the end of backward
-        shard(embedding, reshard)
+    layers = wrap_units(model, wrap_classes)
+    output, embedding = separate_embeddings(model, layers)
+    for unit in wrap_units(model, wrap_classes, also={output, embedding} - {None}):
+        # the last layer forward runs is the first one backward needs, and lm_head's gradient is reduced as soon as
+        # backward has it: resharding either would only gather it again
+        shard(unit, reshard and unit is not layers[-1] and unit is not output)
     shard(model, reshard_after_forward=False)  # the root's remaining parameters are used from first to last
     return model
 
 
-def separate_embeddings(model: Module, layer_size: Optional[int]) -> tuple[Optional[Module], Optional[Module]]:
-    """The output and input embeddings that get units of their own (torchtitan's layout). Left in the root, both
-    stay gathered from the start of forward to the end of backward, and lm_head's whole gradient until the end of
-    backward too: for Llama-3-8B (128K tokens), 1 GB each in bf16, more than two of its layers.
+def separate_embeddings(model: Module, layers: list[Module]) -> tuple[Optional[Module], Optional[Module]]:
+    """The output and input embeddings that get units of their own (torchtitan's layout), under fsdp2 and fsdp
+    alike. Left in the root, both stay gathered from the start of forward to the end of backward, and lm_head's
+    whole gradient until the end of backward too: for Llama-3-8B (128K tokens), 1 GB each in bf16, more than two of
+    its layers.
 
-    Only an embedding at least as large as the largest layer (`layer_size` parameters): a smaller one held gathered
+    Only an embedding at least as large as the largest of the `layers`: a smaller one held gathered
     costs less memory than a layer FSDP gathers anyway, and its own collectives would cost time at every step. And
     only one whose weight no other module holds: tied embeddings (one matrix at both ends, as T5's) and shared ones
     (an encoder's and a decoder's) stay in the root."""
     holders = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+    layer_size = max(map(parameter_count, layers), default=None)
 
     def alone_and_large(module: Optional[Module]) -> Optional[Module]:
         if module is None or layer_size is None or parameter_count(module) < layer_size:
@@ -131,15 +131,30 @@ def parameter_count(module: Module) -> int:
     return sum(parameter.numel() for parameter in module.parameters())
 
 
-def wrap_units(model: Module, wrap_classes: set[type[Module]]) -> list[Module]:
-    """The modules to shard as units, children before their parent, in the order they were registered: the order
-    forward runs them in (decoder layers; a T5 encoder's blocks, then its decoder's)."""
+def wrap_units(model: Module, wrap_classes: set[type[Module]], also: set[Module] = frozenset()) -> list[Module]:
+    """The modules of the wrap classes (and those `also` named), children before their parent, in the order they were
+    registered: the order forward runs them in (decoder layers; a T5 encoder's blocks, then its decoder's), and
+    the order FSDP1's auto-wrapping materialises them in."""
     units = []
     for child in model.children():
-        units += wrap_units(child, wrap_classes)
-    if isinstance(model, tuple(wrap_classes)):
+        units += wrap_units(child, wrap_classes, also)
+    if isinstance(model, tuple(wrap_classes)) or model in also:
         units.append(model)
     return units
+
+
+class UnitsWithEmbeddings(ModuleWrapPolicy):
+    """FSDP1's auto-wrap policy: a unit for each module of the wrap classes, and for the embeddings that
+    `separate_embeddings` chooses, as under fsdp2."""
+
+    def _run_policy(self, root_module: Module, ignored_modules: set[Module],
+                    root_kwargs: dict[str, Any]) -> dict[Module, dict[str, Any]]:
+        units = super()._run_policy(root_module, ignored_modules, root_kwargs)
+        layers = wrap_units(root_module, set(self._module_classes))
+        for embedding in separate_embeddings(root_module, layers):
+            if embedding is not None:
+                units[embedding] = dict(root_kwargs)
+        return units
 
 
 def parallelize_fn(cfg: Config, wrap_classes: set[type[Module]],

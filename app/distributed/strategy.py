@@ -28,7 +28,7 @@ from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 
-from app.distributed.fsdp2 import parallelize_fn
+from app.distributed.fsdp2 import UnitsWithEmbeddings, parallelize_fn
 from app.distributed.precision import fsdp_mixed_precision, precision_plugin
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
                                      tensor_parallel_size=1, timeout=timeout)
     fsdp_class = CPUFSDPStrategy if accelerator == "cpu" else FSDPStrategy
     return fsdp_class(
-        auto_wrap_policy=wrap_classes,
+        auto_wrap_policy=UnitsWithEmbeddings(wrap_classes),
         activation_checkpointing_policy=wrap_classes if cfg.gradient_checkpointing else None,
         # One process has nothing to shard: FSDP would switch to NO_SHARD itself, with a warning at every start
         sharding_strategy="NO_SHARD" if world_size == 1 else cfg.sharding_strategy,

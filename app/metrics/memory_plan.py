@@ -9,12 +9,14 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
   the whole unsharded gradient in the compute dtype instead (FSDP keeps it on every rank between micro-batches);
 - optimizer state: AdamW's two moments in the parameters' dtype, / S except for NO_SHARD and DDP;
 - working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
-  head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; under fsdp2, less input embeddings that
-  are a unit of their own, resharded after forward), DDP's gradient buckets (a second copy of
-  the gradients), and about 1 GiB per process for the runtime (CUDA context and kernels, or the Python process
-  itself on a CPU) measured before any tensor exists;
+  head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; less input embeddings that are a unit of
+  their own, resharded after forward), DDP's gradient buckets (a second copy of the gradients), the chunked loss's
+  buffers (one chunk's logits, the output weight's fp32 gradient and its compute-dtype product), and about 1 GiB per
+  process for the runtime (CUDA context and kernels, or the Python process itself on a CPU) measured before any
+  tensor exists;
 - activations: per sequence, what backward keeps of each decoder layer (with activation checkpointing only the
-  layer inputs, plus one layer recomputed at a time), and the logits with their fp32 loss copies.
+  layer inputs, plus one layer recomputed at a time), and of the loss: the hidden states' gradient with the chunked
+  loss, else the logits with their fp32 loss copies.
 With --cpu_offload the parameters, gradients and optimizer state live in host RAM, not on the device.
 Parameters, gradients and optimizer state are exact up to FSDP's padding (tests compare them with the tensors a
 real run holds); activations are an estimate from the layer shapes, so 10% of the device is kept free.
@@ -35,6 +37,7 @@ from app.distributed.precision import compute_dtype, weights_dtype
 from app.metrics.console import format_gb
 from app.metrics.observe import GB
 from app.model.build import meta_model
+from app.model.loss import chunk_tokens
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -55,7 +58,7 @@ class ModelShape:
     layer_parameters: int
     """Parameters of the largest wrapped layer."""
     input_embedding_unit: int
-    """Parameters of the input embeddings when fsdp2 gives them a unit of their own
+    """Parameters of the input embeddings when they are a unit of their own
     (`app.distributed.fsdp2.separate_embeddings`), else 0."""
     layers: int
     hidden_size: int
@@ -70,7 +73,7 @@ class ModelShape:
         layers = [m for m in model.modules() if type(m) in wrap_classes]
         total = parameter_count(model)
         per_layer = [parameter_count(layer) for layer in layers] or [0]
-        _, input_embeddings = separate_embeddings(model, layer_size=max(per_layer) if layers else None)
+        _, input_embeddings = separate_embeddings(model, layers)
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
         return cls(parameters=total, root_parameters=total - sum(per_layer), layer_parameters=max(per_layer),
@@ -108,6 +111,8 @@ class Setup:
     cpu_offload: bool
     unsharded_accumulation: bool = False
     """--fsdp_no_sync with more than one micro-batch per step."""
+    chunked_loss: bool = False
+    """The loss computed in chunks without the full logits (app/model/loss.py)."""
 
     @property
     def shards(self) -> int:
@@ -143,18 +148,30 @@ def activation_bytes_per_sequence(shape: ModelShape, setup: Setup) -> float:
     Per decoder layer and token (SDPA keeps no attention matrix): the normalised inputs of attention and MLP (2h),
     queries and keys before and after rotary embedding (2(h + kv)), values (kv), the attention output and its
     projection input (2h), the MLP's gate, up, activation and product (4i), and each RMSNorm's fp32 input and
-    normalised value (4h in fp32). Logits: the compute-dtype logits, their fp32 copy, log-softmax and its gradient.
+    normalised value (4h in fp32). The loss: chunked, the hidden states' gradient (computed in forward); else the
+    compute-dtype logits, their fp32 copy, log-softmax and its gradient.
     """
     h, kv, i = shape.hidden_size, shape.kv_size, shape.intermediate_size
     size = dtype_bytes(compute_dtype(setup.precision))
     layer = size * (4 * h + 2 * (h + kv) + kv + 4 * i) + 4 * (4 * h)
     fp32_copy = 0 if size == 4 else 4
-    logits = shape.vocab_size * (size + fp32_copy + 4 + 4)
+    logits = size * h if setup.chunked_loss else shape.vocab_size * (size + fp32_copy + 4 + 4)
     if setup.gradient_checkpointing:
         layers = shape.layers * size * h + layer
     else:
         layers = shape.layers * layer
     return setup.block_size * (layers + logits)
+
+
+def chunked_loss_bytes(shape: ModelShape, setup: Setup) -> float:
+    """The chunked loss's buffers, whatever the micro batch: one chunk's logits in the compute dtype and in fp32,
+    the output weight's gradient summed in fp32 and, below fp32, each chunk's product in the compute dtype."""
+    if not setup.chunked_loss:
+        return 0.0
+    size = dtype_bytes(compute_dtype(setup.precision))
+    tokens = min(chunk_tokens(shape.vocab_size), setup.micro_batch_size * setup.block_size)
+    weight = shape.vocab_size * shape.hidden_size
+    return tokens * shape.vocab_size * (size + (4 if size != 4 else 0)) + weight * (4 + (size if size != 4 else 0))
 
 
 def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
@@ -173,8 +190,8 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     elif setup.sharding_strategy == "SHARD_GRAD_OP":
         working = shape.parameters * computed
     else:
-        resharded = shape.input_embedding_unit if setup.strategy == "fsdp2" else 0
-        working = (shape.root_parameters - resharded + 2 * shape.layer_parameters) * computed
+        working = (shape.root_parameters - shape.input_embedding_unit + 2 * shape.layer_parameters) * computed
+    working += chunked_loss_bytes(shape, setup)
     per_sequence = activation_bytes_per_sequence(shape, setup)
     return MemoryEstimate(parameters=parameters, gradients=gradients, optimizer=optimizer,
                           working=working + RUNTIME_BYTES, activations=per_sequence * setup.micro_batch_size,
@@ -197,11 +214,12 @@ def device_memory_bytes(cfg: Config, devices_per_node: int) -> tuple[float, str]
     return psutil.virtual_memory().total / devices_per_node, f"host RAM / {devices_per_node} processes"
 
 
-def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int) -> Setup:
+def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int, chunked_loss: bool) -> Setup:
     return Setup(strategy=cfg.strategy, sharding_strategy=cfg.sharding_strategy, precision=cfg.precision,
                  world_size=world_size, devices_per_node=world_size // cfg.num_nodes,
                  micro_batch_size=cfg.micro_batch_size, block_size=block_size,
                  gradient_checkpointing=cfg.gradient_checkpointing, cpu_offload=cfg.cpu_offload,
+                 chunked_loss=chunked_loss,
                  unsharded_accumulation=cfg.strategy in SHARDED_STRATEGIES and cfg.fsdp_no_sync and accumulation > 1)
 
 
@@ -220,7 +238,8 @@ def memory_report(cfg: Config, shape: ModelShape, setup: Setup,
     lines = [f"memory per device: {shape.parameters / 1e6:,.1f}M parameters, {sharding} over {setup.world_size} "
              f"device(s), {setup.precision}, activation checkpointing {'on' if setup.gradient_checkpointing else 'off'}"
              f"{', cpu offload' if setup.cpu_offload else ''}"
-             f"{', unsharded gradient accumulation (--fsdp_no_sync)' if setup.unsharded_accumulation else ''}"]
+             f"{', unsharded gradient accumulation (--fsdp_no_sync)' if setup.unsharded_accumulation else ''}"
+             f", {'chunked loss' if setup.chunked_loss else 'full logits'}"]
     lines += [f"  {name:<40} {format_gb(value / GB):>10}" for name, value in rows]
     lines.append(f"  device: {device_bytes / GB:.1f} GB ({source}); {'fits' if fits else 'does NOT fit'} "
                  f"with {1 - USABLE_FRACTION:.0%} kept free")

@@ -33,6 +33,7 @@ from app.choices import SHARDED_STRATEGIES
 from app.distributed.fsdp2 import shard_like
 from app.distributed.precision import weights_dtype
 from app.distributed.strategy import resolve_accelerator
+from app.model.loss import LossPath, install_loss_head
 from app.optimization.optimizer import canonical_name, no_decay_names
 
 if TYPE_CHECKING:
@@ -205,15 +206,17 @@ def keep_rotary_in_fp32(module: Module) -> None:
             model._init_weights(rotary)
 
 
-def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig,
-                deferred: Optional[DeferredInit]) -> tuple[Module, set[str]]:
+def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, deferred: Optional[DeferredInit],
+                chunked_loss: bool = False) -> tuple[Module, set[str], LossPath]:
     """Build, wrap (and compile) the model, load pretrained weights into its shards, restore fp32 rotary buffers.
-    Returns the Fabric module and the names of the parameters exempt from weight decay (read before wrapping)."""
+    Returns the Fabric module, the names of the parameters exempt from weight decay (read before wrapping) and how
+    to ask it for a loss (chunked, without full logits, when the preflight's probe found that it may)."""
     model = build_model(fabric, cfg, model_config, deferred)
+    loss_path = install_loss_head(model) if chunked_loss else LossPath()
     no_decay = no_decay_names(model)
     expected = set(model.state_dict())
     model = fabric.setup_module(torch.compile(model) if cfg.compile else model)
     if deferred and deferred.weight_files:
         load_pretrained_weights(strategy_module(model), deferred.weight_files, weights_dtype(cfg.precision), expected)
     keep_rotary_in_fp32(strategy_module(model))
-    return model, no_decay
+    return model, no_decay, loss_path

@@ -17,6 +17,7 @@ from app.checkpoint import CheckpointSaver, checkpoint_path, mark_if_best, prune
 from app.data import Batch, Step, TrainingData, train_steps
 from app.evaluation.validation import perplexity, validation_loss
 from app.metrics.console import Console
+from app.model.loss import LossPath
 from app.metrics.loggers import should_upload_checkpoint, upload_checkpoint
 from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, gather_rows, largest,
                          run_summary)
@@ -33,22 +34,19 @@ if TYPE_CHECKING:
 Outcome = Literal["finished", "preempted", "interrupted", "non_finite"]
 
 
-def micro_batch_loss(model, batch: Batch, step_tokens: int, world_size: int) -> torch.Tensor:
+def micro_batch_loss(model, loss_path: LossPath, batch: Batch, step_tokens: int, world_size: int) -> torch.Tensor:
     """This micro-batch's share of the step's loss: its summed token losses divided by the step's trained tokens
     over all ranks, times the world size that DDP's and FSDP's gradient averaging divides by again.
 
-    The model returns the mean over the micro-batch's own trained tokens; times their count it is their sum. Means
-    of micro-batches with different numbers of trained tokens are never averaged (a mean of means gives every
+    Means of micro-batches with different numbers of trained tokens are never averaged (a mean of means gives every
     micro-batch the same weight whatever its tokens: wrong gradients with supervised data and accumulation).
     """
-    output = model(**batch.inputs)
-    if not batch.trained_tokens:  # nothing to learn here, but FSDP's collectives need every rank's backward
-        return output.logits.sum() * 0.0
-    return output.loss * (batch.trained_tokens * world_size / max(step_tokens, 1))
+    return loss_path.summed_loss(model, batch) * (world_size / max(step_tokens, 1))
 
 
 def train_step(fabric: Fabric, model, optimizer, step: Step, lr: float, stop: StopRequest,
-               gradients: GradientPolicy, before_update: Callable[[], None]) -> tuple[torch.Tensor, StepVerdict]:
+               gradients: GradientPolicy, before_update: Callable[[], None],
+               loss_path: LossPath = LossPath()) -> tuple[torch.Tensor, StepVerdict]:
     """One optimizer step over the micro-batches; returns this rank's part of the loss x world size (their mean
     over ranks is the step's loss, on the device) and the ranks' verdict.
 
@@ -63,7 +61,7 @@ def train_step(fabric: Fabric, model, optimizer, step: Step, lr: float, stop: St
         skip_sync = gradients.defer_sync and index < accumulation - 1
         # Not no_backward_sync(enabled=False): under fsdp2 it still walks every module twice per micro-batch
         with fabric.no_backward_sync(model) if skip_sync else nullcontext():
-            loss = micro_batch_loss(model, batch, step.trained_tokens, fabric.world_size)
+            loss = micro_batch_loss(model, loss_path, batch, step.trained_tokens, fabric.world_size)
             fabric.backward(loss)
         loss_sum += loss.detach()
     if gradients.scaled:
@@ -106,6 +104,7 @@ class Loop:
     gradients: GradientPolicy
     watchdog: StallWatchdog
     saver: CheckpointSaver
+    loss_path: LossPath
     samples: Optional[SampleEvaluator] = None
     resumed_from: Optional[Path] = None
     data_wait: Stopwatch = field(default_factory=Stopwatch)
@@ -131,7 +130,7 @@ class Loop:
             with self.data_wait.measure():
                 step_batches = next(steps)
             loss, verdict = train_step(self.fabric, state["model"], state["optimizer"], step_batches, lr, self.stop,
-                                       self.gradients, self.saver.before_update)
+                                       self.gradients, self.saver.before_update, self.loss_path)
             if verdict.non_finite:
                 self.report_non_finite(loss, verdict.grad_norm)
                 return "non_finite"
@@ -194,7 +193,7 @@ class Loop:
         if not len(self.data.validation):
             return {}
         with self.evaluation.measure():
-            loss = validation_loss(self.fabric, self.state["model"], self.data,
+            loss = validation_loss(self.fabric, self.state["model"], self.loss_path, self.data,
                                    batch_size=cfg.eval_batch_size or cfg.micro_batch_size, max_batches=cfg.eval_iters)
             metrics = {"val_loss": loss, "val_ppl": perplexity(loss)}
             if self.samples:

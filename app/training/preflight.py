@@ -33,6 +33,7 @@ from app.exit_codes import EXIT_BAD_INPUT
 from app.huggingface.prefetch import offline_hint
 from app.model.build import load_model_config, meta_model, model_source, resolve_wrap_classes
 from app.model.isolation import probe_isolation
+from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch
 
@@ -56,6 +57,8 @@ class RunInputs:
     resume_from: Optional[Path]
     packed_layout: Layout = "position_ids"
     """How packed examples reach the model so that they stay apart (app/model/isolation.py)."""
+    chunked_loss: bool = False
+    """Whether the loss is computed in chunks without the full logits (app/model/loss.py)."""
 
 
 @dataclass
@@ -192,6 +195,21 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
              f"other as prepared (probed: an example's logits change by {found.leak:.0%} when packed); they are "
              f"kept apart as {found.layout} (docs/supervised.md#packing)")
     return found.layout or "position_ids"
+
+
+def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
+    """--chunked_loss where the run's model class gives the same loss through it (app/model/loss.py's probe)."""
+    if not cfg.chunked_loss:
+        return False
+    try:
+        if probe_chunked_loss(model_config, cfg.attn_implementation, cfg.trust_remote_code):
+            return True
+        reason = "it changes the logits after its output layer"
+    except Exception as error:  # a model the probe cannot build or run here: its own loss is the safe choice
+        reason = f"probing it failed: {first_line(error)}"
+    note(f"--chunked_loss: a {model_config.model_type} model keeps its own loss ({reason}); its logits are "
+         "materialised")
+    return False
 
 
 def isolates(model_config: PretrainedConfig, attention: str, cfg: Config) -> bool:
@@ -471,6 +489,7 @@ def preflight(cfg: Config) -> RunInputs:
     if model_config is not None and data is not None:
         check_model_fits_data(cfg, model_config, data, problems)
         packed_layout = check_packed_isolation(cfg, model_config, data, problems)
+    chunked_loss = check_chunked_loss(cfg, model_config) if model_config is not None else False
     resume = resolve_resume(cfg, model_config, problems)
     plan = check_plan(cfg, data, resume, problems) if data is not None else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
@@ -487,4 +506,4 @@ def preflight(cfg: Config) -> RunInputs:
         sys.exit(EXIT_BAD_INPUT)
     return RunInputs(config=resolve_learning_rates(cfg, plan), model_config=model_config, wrap_classes=wrap_classes,
                      plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
-                     packed_layout=packed_layout)
+                     packed_layout=packed_layout, chunked_loss=chunked_loss)

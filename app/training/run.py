@@ -53,7 +53,7 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
     if cfg.estimate_memory:
         shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
         report, fits = memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, inputs.plan.block_size,
-                                                          inputs.plan.accumulation))
+                                                          inputs.plan.accumulation, inputs.chunked_loss))
         print(report)
         if not fits:  # a script planning runs reads the answer from the exit code
             sys.exit(EXIT_BAD_INPUT)
@@ -175,7 +175,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     fabric.seed_everything(cfg.seed, verbose=False)
     set_matmul_precision(fabric, cfg)
     data = load_data(cfg.train_data_dir, inputs.packed_layout)
-    model, no_decay = setup_model(fabric, cfg, inputs.model_config, deferred)
+    model, no_decay, loss_path = setup_model(fabric, cfg, inputs.model_config, deferred, inputs.chunked_loss)
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)
     if inputs.resume_from:
@@ -185,7 +185,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} tokens "
                  f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)")
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
-    loop = Loop(fabric=fabric, cfg=cfg, plan=plan, data=data, state=state, stop=stop,
+    loop = Loop(fabric=fabric, cfg=cfg, plan=plan, data=data, state=state, stop=stop, loss_path=loss_path,
                 clock=step_clock(fabric, cfg, inputs, state["step"]), console=console,
                 gradients=GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
                                   scaled=uses_grad_scaler(cfg.precision),

@@ -24,7 +24,7 @@ from arguments import parse_config  # noqa: E402
 
 
 def probe(fabric, cfg, inputs, deferred, report: str, stop_id: int, count: int, max_new_tokens: int) -> int:
-    model, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
+    model, _, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
     data = load_data(cfg.train_data_dir)
     samples = data.format.samples(data.validation, count)
     generated = generate_samples(fabric, model, samples, decoding=decoding_for(inputs.model_config),

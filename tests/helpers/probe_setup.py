@@ -37,7 +37,7 @@ def rotary_report(module: torch.nn.Module, model_config) -> dict:
 
 
 def probe(fabric, cfg, inputs, deferred, report: str) -> int:
-    model, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
+    model, _, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
     module = strategy_module(model)
     after_setup = rotary_report(module, inputs.model_config)
     rows = fabric.to_device(load_data(cfg.train_data_dir).train[:2]["input_ids"])

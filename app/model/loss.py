@@ -1,0 +1,210 @@
+"""The loss path: a micro-batch's summed token losses, computed without the full-vocabulary logits.
+
+A causal LM ends by turning its hidden states (tokens x hidden) into logits (tokens x vocabulary) and the loss into
+their cross-entropy. For Llama-3 (128,256 tokens) at 8K tokens per micro-batch the logits are 2.1 GB in bf16, the
+loss makes a 4.2 GB fp32 copy and backward a 4.2 GB gradient of it, and Fabric converts whatever the model returns
+to fp32 once more: the largest activations of the step, at the point where the others peak.
+
+Here the model's output layer is replaced by `LossHead`, which holds the very same weight (and bias). While the
+loop gives it the batch's labels (`LossPath.summed_loss`), it returns the summed cross-entropy as one number,
+computed in chunks of tokens: each chunk's logits, their loss and their gradients (softmax minus the one-hot
+target, times the weight and times the hidden states), then the next chunk. The gradients are computed in forward
+and only scaled in backward, as Liger Kernel's fused linear cross-entropy does: the same three matrix products as
+the materialising path, never more than one chunk's logits (`CHUNK_LOGITS` fp32 values, 512 MiB) and one fp32
+weight-sized gradient. Without labels the head is the plain Linear (generation, conversion).
+
+Written here rather than taken from Liger Kernel or Cut Cross-Entropy: both are Triton kernels for CUDA, and every
+run of this project (CPU processes in the tests, GPUs for users) must take the same loss path.
+
+Whether a model hands its output layer's result back untouched (BART adds `final_logits_bias`, Gemma-2 soft-caps the
+logits, others scale them) is not listed by name: `probe_chunked_loss` runs a small random twin of the run's config
+and keeps the chunked path only when its loss equals transformers' own. Otherwise the model's own loss is used.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import Linear, Module
+from transformers import PretrainedConfig
+
+from app.data.formats import IGNORE_INDEX, Batch
+
+CHUNK_LOGITS = 2**27
+"""fp32 logits per chunk (512 MiB): 1,046 tokens of Llama-3's vocabulary, 4,194 of Llama-2's."""
+PROBE_TOLERANCE = 1e-5
+"""Largest relative difference between the twin's chunked loss and transformers' own that counts as equal."""
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    return max(1, CHUNK_LOGITS // vocab_size)
+
+
+def chunked_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                          chunk: int) -> Tensor:
+    """The summed cross-entropy (fp32) of `hidden` (tokens x hidden) through the output layer against `targets`
+    (tokens; IGNORE_INDEX where nothing is learnt), `chunk` tokens at a time. Differentiable in hidden, weight and
+    bias; without gradients (evaluation) only the loss is computed."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        return _ChunkedCrossEntropy.apply(hidden, weight, bias, targets, chunk)
+    return _chunked_loss_and_gradients(hidden, weight, bias, targets, chunk, needs=(False, False, False))[0]
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Computes the gradients in forward (one pass over the chunks) and scales them by the loss's gradient in
+    backward."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk: int) -> Tensor:
+        loss, *gradients = _chunked_loss_and_gradients(hidden, weight, bias, targets, chunk,
+                                                       needs=tuple(ctx.needs_input_grad[:3]))
+        ctx.gradients = gradients
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        gradients, dtypes = ctx.gradients, ctx.dtypes
+        del ctx.gradients  # freed as soon as autograd has them
+        scaled = [None if gradient is None else (gradient * grad_loss).to(dtype)
+                  for gradient, dtype in zip(gradients, dtypes)]
+        return *scaled, None, None
+
+
+def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk: int,
+                                needs: tuple[bool, bool, bool]) -> tuple[Tensor, ...]:
+    """The summed loss and the gradients `needs` asks for (hidden, weight, bias; None for the others).
+
+    Per chunk: logits in the compute dtype, upcast to fp32 as transformers' loss does; loss = logsumexp - target
+    logit; d(loss)/d(logits) = softmax - one-hot, written over the logits in place; then its products with the
+    weight (the hidden states' gradient) and with the hidden states (the weight's, summed in fp32 over chunks)."""
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if needs[0] else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None
+    for start in range(0, hidden.shape[0], chunk):
+        h, t = hidden[start:start + chunk], targets[start:start + chunk]
+        logits = F.linear(h, weight, bias).float()
+        trained = t != IGNORE_INDEX
+        safe_targets = torch.where(trained, t, 0)
+        log_normaliser = torch.logsumexp(logits, dim=-1)
+        target_logits = logits.gather(1, safe_targets[:, None]).squeeze(1)
+        loss += ((log_normaliser - target_logits) * trained).sum()
+        if not any(needs):
+            continue
+        probabilities = logits.sub_(log_normaliser[:, None]).exp_()
+        d_logits = probabilities.scatter_add_(1, safe_targets[:, None], -trained[:, None].float())
+        d_logits.mul_(trained[:, None])
+        if grad_bias is not None:
+            grad_bias += d_logits.sum(0)
+        d_logits = d_logits.to(h.dtype)
+        if grad_hidden is not None:
+            grad_hidden[start:start + chunk] = d_logits @ weight
+        if grad_weight is not None:
+            if d_logits.dtype == torch.float32:
+                grad_weight.addmm_(d_logits.t(), h)
+            else:  # the product in the compute dtype (as the materialising path's backward), summed in fp32
+                grad_weight += d_logits.t() @ h
+    return loss, grad_hidden, grad_weight, grad_bias
+
+
+class LossHead(Linear):
+    """The model's output layer, holding its weight: the plain Linear, or while `scoring` the summed loss."""
+
+    def __init__(self, output_layer: Linear, shift: bool) -> None:
+        Module.__init__(self)
+        self.in_features, self.out_features = output_layer.in_features, output_layer.out_features
+        self.weight = output_layer.weight
+        self.register_parameter("bias", output_layer.bias)
+        self.shift = shift
+        """Causal LMs predict the next token: the target of position t is label t + 1."""
+        self.targets: Optional[Tensor] = None
+
+    @contextmanager
+    def scoring(self, labels: Tensor) -> Iterator[None]:
+        targets = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX) if self.shift else labels
+        self.targets = targets.reshape(-1)
+        try:
+            yield
+        finally:
+            self.targets = None
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        if self.targets is None:
+            return super().forward(hidden)
+        return chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias, self.targets,
+                                     chunk_tokens(self.out_features))
+
+
+@dataclass
+class LossPath:
+    """How the loop and evaluation ask the model for a micro-batch's summed token losses."""
+
+    head: Optional[LossHead] = None
+    """The chunked path when set; else the model's own loss (it materialises the logits)."""
+    decoder_inputs: Optional[Callable[[Tensor], Tensor]] = None
+    """An encoder-decoder's decoder inputs from the labels (its forward builds them only when given labels)."""
+
+    def summed_loss(self, model: Module, batch: Batch) -> Tensor:
+        """The micro-batch's token losses summed (0 with the graph intact when it trains no token: FSDP's
+        collectives need every rank's backward)."""
+        if self.head is None:
+            output = model(**batch.inputs)
+            if not batch.trained_tokens:
+                return output.logits.sum() * 0.0
+            return output.loss * batch.trained_tokens
+        inputs = dict(batch.inputs)
+        labels = inputs.pop("labels")
+        if self.decoder_inputs is not None and "decoder_input_ids" not in inputs:
+            inputs["decoder_input_ids"] = self.decoder_inputs(labels)
+        with self.head.scoring(labels):
+            return model(**inputs).logits
+
+
+def install_loss_head(model: Module) -> LossPath:
+    """Replace `model`'s output layer by a LossHead on the same weight (before any wrapping); the model's own loss
+    when its output layer is not a Linear."""
+    output_layer = model.get_output_embeddings()
+    if type(output_layer) is not Linear:
+        return LossPath()
+    encoder_decoder = bool(model.config.is_encoder_decoder)
+    head = LossHead(output_layer, shift=not encoder_decoder)
+    model.set_output_embeddings(head)
+    return LossPath(head, model.prepare_decoder_input_ids_from_labels if encoder_decoder else None)
+
+
+def probe_chunked_loss(model_config: PretrainedConfig, attn_implementation: str,
+                       trust_remote_code: bool = False) -> bool:
+    """Whether the chunked loss equals transformers' own for this model class: on a small random twin of the config
+    (fp32, CPU), with a row whose first targets are masked (-100) as supervised data has them."""
+    from app.model.build import model_class
+    from app.model.isolation import small_twin
+
+    twin = small_twin(model_config)
+    model = model_class(model_config).from_config(twin, attn_implementation=_cpu_attention(attn_implementation),
+                                                  trust_remote_code=trust_remote_code, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, twin.vocab_size, (2, 12), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :5] = IGNORE_INDEX
+    targets = labels if model_config.is_encoder_decoder else labels[:, 1:]
+    batch = Batch({"input_ids": input_ids, "labels": labels}, trained_tokens=int((targets != IGNORE_INDEX).sum()))
+    with torch.no_grad():
+        own = LossPath().summed_loss(model, batch)
+        path = install_loss_head(model)
+        if path.head is None:
+            return False
+        chunked = path.summed_loss(model, batch)
+    if chunked.ndim != 0:  # something was added to the head's output (a bias over the vocabulary)
+        return False
+    return bool((chunked - own).abs() <= PROBE_TOLERANCE * own.abs())
+
+
+def _cpu_attention(attn_implementation: str) -> str:
+    """FlashAttention needs a GPU; the loss does not depend on the attention kernel."""
+    return "sdpa" if "flash" in attn_implementation else attn_implementation

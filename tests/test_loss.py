@@ -1,0 +1,156 @@
+"""The chunked loss path (app/model/loss.py) against transformers' own loss: values, gradients, masks, packing, the
+architectures the project trains, and the probe that decides which models take it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartConfig, GPT2Config, LlamaConfig,
+                          PretrainedConfig, T5Config)
+
+from app.data.formats import IGNORE_INDEX, Batch, arrange
+from app.model.loss import LossHead, LossPath, chunked_cross_entropy, install_loss_head, probe_chunked_loss
+
+LLAMA = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+CAUSAL = {"llama": LLAMA, "gpt2": GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4)}
+T5 = T5Config(vocab_size=1000, d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4,
+              decoder_start_token_id=0, pad_token_id=0)
+
+
+def reference_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunks_give_the_loss_and_gradients_of_the_whole_logits(bias: bool) -> None:
+    """Any chunk size, masked targets included: the same summed loss and the same gradients of hidden states,
+    weight and bias (fp32), also through a scaled backward (the loop multiplies by world size / step tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    b = torch.randn(50, generator=generator, requires_grad=True) if bias else None
+    targets = torch.randint(0, 50, (37,), generator=generator)
+    targets[::4] = IGNORE_INDEX
+    expected = reference_loss(torch.nn.functional.linear(hidden, weight, b), targets)
+    expected_grads = torch.autograd.grad(expected * 0.3, [t for t in (hidden, weight, b) if t is not None])
+    for chunk in (1, 5, 37, 100):
+        loss = chunked_cross_entropy(hidden, weight, b, targets, chunk)
+        grads = torch.autograd.grad(loss * 0.3, [t for t in (hidden, weight, b) if t is not None])
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_without_gradients_only_the_loss_is_computed() -> None:
+    hidden, weight = torch.randn(9, 8), torch.randn(20, 8)
+    targets = torch.randint(0, 20, (9,))
+    with torch.no_grad():
+        loss = chunked_cross_entropy(hidden, weight.requires_grad_(), None, targets, 4)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, reference_loss(hidden @ weight.detach().t(), targets))
+
+
+def test_bf16_stays_close_to_the_materialising_path() -> None:
+    """In bf16 the logits are computed in bf16 and the loss in fp32, as transformers does; the weight's gradient
+    is summed over chunks in fp32."""
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(64, 32, generator=generator).bfloat16().requires_grad_()
+    weight = (torch.randn(300, 32, generator=generator) * 0.1).bfloat16().requires_grad_()
+    targets = torch.randint(0, 300, (64,), generator=generator)
+    expected = reference_loss(hidden @ weight.t(), targets)
+    want = torch.autograd.grad(expected, [hidden, weight])
+    loss = chunked_cross_entropy(hidden, weight, None, targets, 16)
+    got = torch.autograd.grad(loss, [hidden, weight])
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+
+
+def model_pair(config: PretrainedConfig) -> tuple[torch.nn.Module, torch.nn.Module, LossPath]:
+    """Two identical models: transformers' loss, and ours with the loss head installed."""
+    kind = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    torch.manual_seed(0)
+    own = kind.from_config(config, attn_implementation="sdpa")
+    ours = copy.deepcopy(own)
+    return own, ours, install_loss_head(ours)
+
+
+def compare(own: torch.nn.Module, ours: torch.nn.Module, path: LossPath, batch: Batch) -> None:
+    """Loss to 1e-5 relative and every parameter's gradient to 1e-4, through the loop's normalisation (the same
+    dropout masks in both)."""
+    torch.manual_seed(1)
+    expected = LossPath().summed_loss(own, batch)
+    torch.manual_seed(1)
+    loss = path.summed_loss(ours, batch)
+    assert loss.ndim == 0
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    (expected / 7).backward()
+    (loss / 7).backward()
+    for (name, a), (_, b) in zip(own.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def causal_batch(labels_masked: bool, packed: bool, vocab: int) -> Batch:
+    generator = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(3, vocab, (2, 16), generator=generator)
+    labels = input_ids.clone()
+    inputs = {"input_ids": input_ids, "labels": labels}
+    if labels_masked:
+        labels[:, :6] = IGNORE_INDEX
+    if packed:  # two examples per row; each example's first label is masked, as prepare_data.py writes them
+        inputs["position_ids"] = torch.cat([torch.arange(7), torch.arange(9)]).repeat(2, 1)
+        labels[:, 7] = IGNORE_INDEX
+        inputs = arrange("one_row", inputs)
+    trained = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return Batch(inputs, trained)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+@pytest.mark.parametrize("case", ["text", "supervised", "packed"])
+def test_causal_models_train_as_with_their_own_loss(name: str, case: str) -> None:
+    own, ours, path = model_pair(CAUSAL[name])
+    assert isinstance(path.head, LossHead)
+    compare(own, ours, path, causal_batch(case != "text", case == "packed", CAUSAL[name].vocab_size))
+
+
+def test_t5_trains_as_with_its_own_loss() -> None:
+    """Targets are not shifted, and the decoder's inputs come from the labels as T5 builds them itself."""
+    own, ours, path = model_pair(T5)
+    generator = torch.Generator().manual_seed(3)
+    labels = torch.randint(3, 1000, (2, 9), generator=generator)
+    labels[1, 6:] = IGNORE_INDEX  # padding of the shorter target
+    inputs = {"input_ids": torch.randint(3, 1000, (2, 11), generator=generator),
+              "attention_mask": torch.ones(2, 11, dtype=torch.long), "labels": labels}
+    compare(own, ours, path, Batch(inputs, int((labels != IGNORE_INDEX).sum())))
+
+
+def test_a_micro_batch_without_trained_tokens_still_runs_backward() -> None:
+    _, ours, path = model_pair(LLAMA)
+    batch = causal_batch(False, False, 1000)
+    batch.inputs["labels"][:] = IGNORE_INDEX
+    loss = path.summed_loss(ours, Batch(batch.inputs, 0))
+    loss.backward()
+    assert loss.detach().item() == 0 and ours.lm_head.weight.grad is not None
+
+
+def test_generation_still_gets_logits() -> None:
+    own, ours, _ = model_pair(LLAMA)
+    ids = torch.tensor([[5, 6, 7]])
+    torch.testing.assert_close(ours.generate(ids, max_new_tokens=4, do_sample=False),
+                               own.generate(ids, max_new_tokens=4, do_sample=False))
+    assert set(ours.state_dict()) == set(own.state_dict())
+
+
+@pytest.mark.parametrize("config, expected", [(LLAMA, True), (CAUSAL["gpt2"], True), (T5, True),
+                                              (BartConfig(vocab_size=1000, d_model=64, encoder_layers=1,
+                                                          decoder_layers=1, encoder_attention_heads=4,
+                                                          decoder_attention_heads=4, encoder_ffn_dim=128,
+                                                          decoder_ffn_dim=128), False)])
+def test_the_probe_keeps_the_models_own_loss_where_its_output_is_changed_after_the_head(
+        config: PretrainedConfig, expected: bool) -> None:
+    """BART adds final_logits_bias to the output layer's result: its own loss is kept."""
+    assert probe_chunked_loss(config, "sdpa") is expected
