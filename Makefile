@@ -32,6 +32,20 @@ test: $(VENV)/.installed
 DEMO_HARDWARE = $(shell $(PY) -c "import torch; n = torch.cuda.device_count(); \
 	print(f'--accelerator gpu --devices {n} --precision bf16-mixed' if n else '--accelerator cpu --devices 2 --precision 32-true')")
 
+# The GPU check (benchmarks/gpu_check.py, docs/performance.md#gpu-check), on a GPU machine whose own python3 holds
+# torch (2.11 or newer) and transformers (5.17 or newer): `make gpu-wheels` here downloads the pure-Python packages
+# such an image lacks into .whl/, which gpu-check installs beside that Python before it runs.
+GPU_WHEELS := jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 datasets==5.2.0 dill==0.4.1 \
+	multiprocess==0.70.19 lightning-fabric==2.6.6
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+gpu-check:
+	if [ -d .whl ]; then python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+		--upgrade --target /tmp/gpu-check-site .whl/*.whl; fi
+	PYTHONPATH=/tmp/gpu-check-site PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out gpu-check.json
+
 .PHONY: demo
 demo: $(VENV)/.installed
 	rm -rf demo

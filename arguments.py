@@ -234,6 +234,9 @@ class PlannerArgs:
     step, learning rates, steps) as YAML that --config reads back, then exit without training."""
     device_memory_gb: Optional[float] = None
     """Memory of one device for --estimate_memory (e.g. 80 to plan for an H100 elsewhere); default: this machine's."""
+    block_size: Optional[int] = None
+    """Tokens per sequence for --estimate_memory (e.g. 8192), without a prepared data folder (--train_data_dir then
+    optional); default: the data's longest row."""
 
 
 @dataclass
@@ -380,7 +383,12 @@ def validate_config(cfg: Config) -> list[str]:
             f"--warmup_steps ({cfg.warmup_steps}) exceeds --max_step ({cfg.max_step}): lower one of them")
     require(cfg.lr_scaling == "none" or cfg.reference_batch_size is not None,
             f"--lr_scaling {cfg.lr_scaling} needs --reference_batch_size: the global batch --lr was tuned at")
-    require(cfg.train_data_dir is not None, "--train_data_dir is required: a folder written by prepare_data.py")
+    require(cfg.train_data_dir is not None or (cfg.estimate_memory and cfg.block_size is not None),
+            "--train_data_dir is required: a folder written by prepare_data.py (to plan memory without one: "
+            "--estimate_memory true --block_size N)")
+    require(cfg.block_size is None or cfg.estimate_memory and cfg.block_size > 0,
+            f"--block_size {cfg.block_size}: only for --estimate_memory true, and positive; a run trains on the "
+            "blocks prepare_data.py wrote")
     require((cfg.model_name is None) != (cfg.model_config is None),
             "give exactly one of --model_name (fine-tune a pretrained model) and --model_config (train from scratch)")
     require(cfg.checkpoint is None or cfg.resume,

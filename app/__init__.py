@@ -9,7 +9,7 @@ import against its order):
 | reliability/ | signals.py, watchdog.py, workers.py, torchrun.py: keeping a run alive and ending it well |
 | prepare/ | prepare_data.py's pipeline: records, chat templates, masks, packing, the folder it writes |
 | data/ | formats.py, order.py, loader.py: the prepared folder read as steps and batches |
-| model/ | build.py, isolation.py: the Hugging Face model on every rank; packed examples kept apart |
+| model/ | build.py, isolation.py, loss.py: the Hugging Face model on every rank; packed examples kept apart; the loss without full logits |
 | checkpoint/ | saving, loading and reading checkpoints in either format, now or in the background |
 | metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, memory_plan.py: measuring a run |
 | evaluation/ | validation.py, samples.py, show.py: validation loss and generation samples, and show_samples.py |

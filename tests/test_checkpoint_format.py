@@ -136,6 +136,31 @@ def test_copies_lie_in_memory_as_their_bytes_lie_in_a_full_file(tensors, tmp_pat
             assert copy.data_ptr() % ALIGN == (entries[name].begin + start * copy.element_size()) % ALIGN
 
 
+def test_the_staging_area_is_one_arena_carved_into_the_pieces(tensors) -> None:
+    """One allocation for every piece (pinned on a GPU machine, where torch rounds each pinned request up to a
+    power of two: a buffer per piece pinned up to twice the state), each piece at its phase, reused by every save;
+    a piece never seen makes one new arena for all."""
+    taken = Snapshot.take(uneven_pieces(tensors, CUTS), {"step": 12}, group=None, sharded=True)
+    pieces, phases = taken.pieces(), taken.block_phases()
+    area = StagingArea()
+    taken.reserve(area)
+    arena = area.arena
+    begin, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    state = sum(data.numel() * data.element_size() for data in pieces.values())
+    assert state <= arena.numel() <= state + (len(pieces) + 1) * ALIGN
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in area.buffers.values()
+                   if b.numel())
+    assert all(begin <= a and b <= end for a, b in spans) and all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
+    assert all(area.buffers[key].data_ptr() % ALIGN == phases[key] for key in pieces if pieces[key].numel())
+    some = dict(list(pieces.items())[::2])
+    copies = area.copy(some, phases)
+    assert area.arena is arena and all(torch.equal(copies[key], data) for key, data in some.items())
+    extra = {("another", 0): torch.arange(10.0)}
+    area.copy(extra, {("another", 0): 100})
+    assert area.arena is not arena and area.buffers.keys() == pieces.keys() | extra.keys()
+    assert area.buffers[("another", 0)].data_ptr() % ALIGN == 100
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 5), (4, 0, 2), (70, 3, 9)])
 def test_a_block_is_written_as_the_bytes_torch_save_writes(dtype, shape) -> None:

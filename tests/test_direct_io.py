@@ -16,7 +16,13 @@ import torch
 
 from app.checkpoint import direct_io
 from app.checkpoint.direct_io import ALIGN, BOUNCE_BYTES, IN_PLACE_BYTES, DirectFile, DirectStream, open_direct
-from app.checkpoint.writers import empty_at_phase
+
+
+def empty_at_phase(shape: tuple[int, ...], dtype: torch.dtype, phase: int) -> torch.Tensor:
+    """An uninitialized tensor whose data begins `phase` bytes past a page boundary, as StagingArea places pieces."""
+    memory = torch.empty(numpy.prod(shape) * dtype.itemsize + ALIGN, dtype=torch.uint8)
+    skip = (phase - memory.data_ptr()) % ALIGN
+    return torch.frombuffer(memory.numpy(), dtype=dtype, count=int(numpy.prod(shape)), offset=skip).view(shape)
 
 SIZE = BOUNCE_BYTES * 2 + 3 * ALIGN + 123
 """More than two bounce buffers, and not a whole number of blocks."""
@@ -74,7 +80,7 @@ def test_memory_placed_like_the_file_is_written_from_where_it_lies_and_other_mem
     path = tmp_path / "file"
     with open(path, "wb") as handle:
         handle.truncate(offset + SIZE)
-    staged = empty_at_phase((SIZE,), torch.uint8, offset % ALIGN, pin_memory=False)
+    staged = empty_at_phase((SIZE,), torch.uint8, offset % ALIGN)
     staged.numpy()[:] = numpy.frombuffer(expected, dtype=numpy.uint8)
     assert staged.data_ptr() % ALIGN == offset % ALIGN
     copied = []
@@ -93,7 +99,7 @@ def test_memory_placed_like_the_file_is_written_from_where_it_lies_and_other_mem
 def test_a_stream_writes_large_writes_lying_like_the_file_from_where_they_lie(
         tmp_path, monkeypatch) -> None:
     head, large = random.Random(9).randbytes(1000), random.Random(10).randbytes(IN_PLACE_BYTES + 3 * ALIGN + 5)
-    placed = empty_at_phase((len(large),), torch.uint8, len(head) % ALIGN, pin_memory=False)
+    placed = empty_at_phase((len(large),), torch.uint8, len(head) % ALIGN)
     placed.numpy()[:] = numpy.frombuffer(large, dtype=numpy.uint8)
     copied = []
     real_copy = direct_io.copy_into

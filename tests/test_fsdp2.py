@@ -22,7 +22,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFo
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.t5.modeling_t5 import T5Block
 
-from app.distributed.fsdp2 import mesh_shape, mixed_precision_policy, separate_embeddings, wrap_units
+from app.distributed.fsdp2 import (UnitsWithEmbeddings, mesh_shape, mixed_precision_policy, separate_embeddings,
+                                   wrap_units)
 from app.distributed.precision import precision_plugin
 from app.model.build import meta_model
 from app.training.preflight import preflight
@@ -118,6 +119,19 @@ def test_embeddings_as_large_as_a_layer_get_units_of_their_own_unless_tied_or_sh
     assert embedding_units(t5, T5Block) == (None, None), "transformers ties T5's embeddings"
     t5.lm_head.weight = torch.nn.Parameter(t5.lm_head.weight.detach().clone())
     assert embedding_units(t5, T5Block) == (t5.lm_head, None), "the encoder and the decoder share the input embeddings"
+
+
+def test_fsdp1_wraps_the_units_fsdp2_shards_in_the_same_order() -> None:
+    """FSDP1's auto-wrap policy makes the embeddings units too (they stayed gathered in its root all step), and
+    FSDP1 materialises a meta model unit by unit in this order: fsdp2 follows it, so both start from the same
+    weights."""
+    large = small_llama(vocab_size=1024)
+    units = set(UnitsWithEmbeddings({LlamaDecoderLayer})._run_policy(large, set(), {}))
+    expected = wrap_units(large, {LlamaDecoderLayer}, also={large.lm_head, large.model.embed_tokens})
+    assert expected == [large.model.embed_tokens, *large.model.layers, large.lm_head]
+    assert units == set(expected), "and the root, which FSDP wraps whatever the policy"
+    small = small_llama(vocab_size=320)
+    assert set(UnitsWithEmbeddings({LlamaDecoderLayer})._run_policy(small, set(), {})) == set(small.model.layers)
 
 
 def test_cpu_offload_on_cpu_processes_is_refused_before_any_work(tiny, tmp_path, capsys) -> None:

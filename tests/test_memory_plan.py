@@ -172,3 +172,19 @@ def test_peak_rss_is_the_processs_own_not_that_of_the_large_process_that_started
                              text=True, check=True, timeout=120).stdout
     peak = json.loads(printed)["peak_rss_gb"]
     assert 0.05 < peak < 1.0, f"the child reported {peak:.2f} GB; its parent held 1.5 GB"
+
+
+def test_plans_without_a_data_folder_from_block_size(tmp_path, capfd) -> None:
+    """A user planning Llama-3-8B before preparing any data: its config and --block_size 8192 are enough; a
+    training run still needs the data folder."""
+    LLAMA_3_8B.save_pretrained(tmp_path / "llama-3-8b")
+    args = ["--model_config", str(tmp_path / "llama-3-8b"), "--devices", "8", "--precision", "bf16-mixed",
+            "--gradient_checkpointing", "true", "--micro_batch_size", "1", "--estimate_memory", "true",
+            "--block_size", "8192", "--device_memory_gb", "80"]
+    run(parse_config(args))
+    printed = capfd.readouterr().out
+    assert "FULL_SHARD over 8 device(s), bf16-mixed, activation checkpointing on, chunked loss" in printed
+    assert "activations (1 x 8192 tokens)" in printed and "fits with 10% kept free" in printed
+    with pytest.raises(SystemExit):
+        parse_config(args[:-6] + ["--block_size", "8192"])
+    assert "--block_size 8192: only for --estimate_memory true" in capfd.readouterr().err

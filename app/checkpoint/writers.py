@@ -311,33 +311,46 @@ class StagingArea:
     same all run): a copy then goes into memory already in use, not an allocation that the operating system fills
     page by page (pinned memory on a GPU machine, for fast device-to-host copies).
     Each piece sits at the place within a memory page that its bytes have within a disk block of the file, so the
-    background write sends its whole blocks to the disk from here, with no further copy (direct_io.py)."""
+    background write sends its whole blocks to the disk from here, with no further copy (direct_io.py).
+
+    All the pieces share one allocation, the arena, carved into them: torch's pinned allocator rounds every request
+    up to a power of two, so a pinned buffer per piece held up to twice the state (an 8B model under fsdp2 on 8
+    ranks: 14.3 GiB pinned per rank for 11.2 GiB of state). A piece not seen before (or of another shape) makes a
+    new arena for every piece known so far; a run's pieces are the same at every save, and `Snapshot.reserve` shows
+    them all at start-up."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self.arena: Optional[torch.Tensor] = None
 
     def copy(self, pieces: dict[tuple[str, int], torch.Tensor],
              phases: dict[tuple[str, int], int]) -> dict[tuple[str, int], torch.Tensor]:
         """Copies of the pieces, each `phases[key]` bytes past a page boundary."""
-        staged = {}
-        for key, data in pieces.items():
-            buffer = self.buffers.get(key)
-            if (buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype
-                    or buffer.data_ptr() % ALIGN != phases[key]):
-                buffer = empty_at_phase(data.shape, data.dtype, phases[key], pin_memory=data.is_cuda)
-                self.buffers[key] = buffer
-            staged[key] = buffer.copy_(data)
-        return staged
+        if not all(self.holds(key, data, phases[key]) for key, data in pieces.items()):
+            known = {key: (buffer, buffer.data_ptr() % ALIGN) for key, buffer in self.buffers.items()}
+            self.carve(known | {key: (data, phases[key]) for key, data in pieces.items()})
+        return {key: self.buffers[key].copy_(data) for key, data in pieces.items()}
 
+    def holds(self, key: tuple[str, int], data: torch.Tensor, phase: int) -> bool:
+        buffer = self.buffers.get(key)
+        return (buffer is not None and buffer.shape == data.shape and buffer.dtype == data.dtype
+                and (buffer.numel() == 0 or buffer.data_ptr() % ALIGN == phase))
 
-def empty_at_phase(shape: torch.Size, dtype: torch.dtype, phase: int, pin_memory: bool) -> torch.Tensor:
-    """An uninitialized tensor whose data begins `phase` bytes past a page boundary (even where that leaves its items
-    unaligned: a sharded save's blocks lie at any byte of their file, and copies and writes do not mind)."""
-    if prod(shape) == 0:
-        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-    memory = torch.empty(prod(shape) * dtype.itemsize + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
-    skip = (phase - memory.data_ptr()) % ALIGN
-    return torch.frombuffer(memory.numpy(), dtype=dtype, count=prod(shape), offset=skip).view(shape)
+    def carve(self, pieces: dict[tuple[str, int], tuple[torch.Tensor, int]]) -> None:
+        """One arena (pinned when a piece is on a GPU) holding a buffer like each piece at its phase."""
+        offsets, size = {}, 0
+        for key, (data, phase) in pieces.items():
+            offsets[key] = size + (phase - size) % ALIGN
+            size = offsets[key] + data.numel() * data.element_size()
+        self.buffers = {}  # the old arena is freed before the new one is made
+        self.arena = None
+        arena = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=any(d.is_cuda for d, _ in pieces.values()))
+        base = (-arena.data_ptr()) % ALIGN
+        for key, (data, _) in pieces.items():
+            self.buffers[key] = (torch.empty(data.shape, dtype=data.dtype) if data.numel() == 0 else
+                                 torch.frombuffer(arena.numpy(), dtype=data.dtype, count=data.numel(),
+                                                  offset=base + offsets[key]).view(data.shape))
+        self.arena = arena
 
 
 class Receiver:

@@ -276,6 +276,14 @@ def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], proble
         problems.append(f"--eval_samples {cfg.eval_samples} decodes the samples with the run's tokenizer: give --tokenizer")
 
 
+def planned_blocks(cfg: Config) -> DataFacts:
+    """Stand-in data for --estimate_memory --block_size without a data folder: blocks of that length, enough rows
+    for one step."""
+    rows = cfg.global_batch_size or world_size(cfg) * cfg.micro_batch_size * (cfg.gradient_accumulation_steps or 1)
+    return DataFacts(format=DataFormat("text", 0), train_rows=rows, validation_rows=0, block_size=cfg.block_size,
+                     mean_row_tokens=cfg.block_size, mean_target_tokens=0.0, max_token_id=0)
+
+
 def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems: list[str]) -> Optional[TrainingPlan]:
     """The batch arithmetic. A resumed run keeps its checkpoint's global batch unless --global_batch_size is given:
     the accumulation follows the devices and micro batch it resumes with."""
@@ -477,7 +485,7 @@ def preflight(cfg: Config) -> RunInputs:
     """Check everything; exit with status 2 and one line per problem, or return what the run needs."""
     problems: list[str] = []
     cfg = resolve_wandb(cfg, problems)
-    data = check_data(cfg, problems)
+    data = check_data(cfg, problems) if cfg.train_data_dir else None
     model_config = check_model(cfg, problems)
     wrap_classes: set[type[Module]] = set()
     if model_config is not None and (cfg.strategy in SHARDED_STRATEGIES or cfg.tpu):
@@ -491,7 +499,7 @@ def preflight(cfg: Config) -> RunInputs:
         packed_layout = check_packed_isolation(cfg, model_config, data, problems)
     chunked_loss = check_chunked_loss(cfg, model_config) if model_config is not None else False
     resume = resolve_resume(cfg, model_config, problems)
-    plan = check_plan(cfg, data, resume, problems) if data is not None else None
+    plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
     if data is not None:
         check_samples(cfg, data, tokenizer, problems)

@@ -52,7 +52,8 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
     cfg = inputs.config
     if cfg.estimate_memory:
         shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
-        report, fits = memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, inputs.plan.block_size,
+        block_size = cfg.block_size or inputs.plan.block_size
+        report, fits = memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, block_size,
                                                           inputs.plan.accumulation, inputs.chunked_loss))
         print(report)
         if not fits:  # a script planning runs reads the answer from the exit code

@@ -1,0 +1,337 @@
+"""The user's path on one GPU in one prepared command (`make gpu-check`), and the same script on CPU in a tiny mode
+(`--tiny`, run by the test suite) so that it cannot rot.
+
+Every step is what a user runs: `prepare_data.py`'s preparation, `python train.py` and `convert_to_hf.py` as
+separate processes on one device, nothing downloaded (models from configs, data from the Python standard library):
+1. a Llama-architecture model of about 1.5B parameters (2048 wide, 16 layers, Llama-3's 128K vocabulary, untied)
+   under fsdp and fsdp2 with bf16-mixed: every step's loss of one against the other, tokens/s, MFU and the peak
+   memory against what `--estimate_memory` planned;
+2. the same model under bf16-true, 16-mixed (fsdp), `--compile` and activation checkpointing;
+3. a 128K-vocabulary model at 8K tokens per micro-batch with the chunked loss and with the model's own
+   (`--chunked_loss false`): peak memory and tokens/s;
+4. an `--async_save` half-way, then a resume from it in a new run folder: its losses against the uninterrupted run's
+   (the first resumed step's forward reads exactly the saved weights);
+5. `convert_to_hf.py` on the last checkpoint, whose logits it verifies against the training model's;
+6. a supervised step on packed examples under flash_attention_2 where the image has flash-attn, else SDPA.
+Prints one table (also written as JSON to --out) with the card, driver and versions.
+
+On a GPU machine that lacks this project's pure-Python dependencies, `make gpu-wheels` downloads them (.whl/) and
+the command installs them first (docs/performance.md#gpu-check). Takes about 8 minutes on one H100; `--tiny` about a
+minute on 2 CPU cores (a 2-layer model in fp32, and bf16-true with activation checkpointing in one run; no 16-mixed
+or compile, which need a GPU). The memory planned is the planner's own figure for each run (in process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+
+CORPUS = ("asyncio", "email", "json", "logging", "http", "unittest")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """What changes between the GPU check and its tiny CPU mode."""
+
+    model: dict
+    vocabulary_model: dict
+    block_size: int
+    long_block_size: int
+    steps: int
+    hardware: list[str]
+    precisions: dict[str, Optional[str]]
+    """The row name -> the --precision it runs with (None: not run at this scale)."""
+    variants: list[tuple[str, list[str]]]
+    """Runs that show the other precisions and options train, each a row: its name and train.py options."""
+    loss_tolerance: float
+    """fsdp2 against fsdp, relative, per step."""
+
+
+GPU = Scale(model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256),
+            vocabulary_model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
+                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+            block_size=2048, long_block_size=8192, steps=12,
+            hardware=["--accelerator", "gpu", "--devices", "1"],
+            precisions={"bf16-mixed": "bf16-mixed"},
+            variants=[("fsdp bf16-true", ["--precision", "bf16-true"]), ("fsdp 16-mixed", ["--precision", "16-mixed"]),
+                      ("fsdp bf16-mixed --compile", ["--precision", "bf16-mixed", "--compile", "true"]),
+                      ("fsdp bf16-mixed, activation checkpointing",
+                       ["--precision", "bf16-mixed", "--gradient_checkpointing", "true"])],
+            loss_tolerance=1e-2)
+TINY = Scale(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=2000),
+             vocabulary_model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=8192),
+             block_size=64, long_block_size=256, steps=6,
+             hardware=["--accelerator", "cpu", "--devices", "1"],
+             precisions={"bf16-mixed": "32-true"},
+             variants=[("fsdp bf16-true, activation checkpointing",
+                        ["--precision", "bf16-true", "--gradient_checkpointing", "true"])],
+             loss_tolerance=1e-4)
+
+
+@dataclass
+class Row:
+    check: str
+    result: str
+    expected: str = ""
+    ok: Optional[bool] = None
+    numbers: dict = field(default_factory=dict)
+
+
+class Check:
+    """The work folder, the scale and the rows found so far."""
+
+    def __init__(self, scale: Scale, work: Path) -> None:
+        self.scale, self.work, self.rows = scale, work, []
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        verdict = "" if row.ok is None else (" ok" if row.ok else " FAILED")
+        print(f"  {row.check}: {row.result}{verdict}", flush=True)
+
+    def script(self, *arguments: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True)
+
+    def model(self, name: str, shape: dict) -> Path:
+        folder = self.work / name
+        LlamaConfig(**shape, max_position_embeddings=self.scale.long_block_size, tie_word_embeddings=False,
+                    bos_token_id=1, eos_token_id=2).save_pretrained(folder)
+        return folder
+
+    def train(self, name: str, model: Path, data: Path, *options: str) -> Optional[dict]:
+        """A run of --steps steps logging every step; its summary with the per-step losses, None if it failed."""
+        out = self.work / name
+        result = self.script("train.py", "--model_config", str(model), "--train_data_dir", str(data),
+                             "--out_dir", str(out), "--max_step", str(self.scale.steps), "--micro_batch_size", "1",
+                             "--log_interval", "1", "--eval_iters", "2", "--eval_step_interval", "1000",
+                             "--save_step_interval", "1000", "--initial_validation", "false", "--warmup_steps", "2",
+                             "--lr", "3e-4", "--wandb_mode", "disabled", "--num_workers", "0",
+                             *self.scale.hardware, *options)
+        if result.returncode != 0:
+            self.add(Row(name, f"train.py exited {result.returncode}: {last_line(result.stderr)}", ok=False))
+            return None
+        summary = json.loads((out / "summary.json").read_text())
+        with open(out / "metrics.csv") as file:
+            summary["losses"] = {int(r["step"]): float(r["train_loss"]) for r in csv.DictReader(file)
+                                 if r.get("train_loss")}
+        return summary
+
+    def estimate_gb(self, model: Path, strategy: str, precision: str) -> float:
+        """What --estimate_memory plans for one device of this check's runs (app/metrics/memory_plan.py)."""
+        from app.metrics.memory_plan import ModelShape, Setup, estimate_memory
+        from app.model.build import resolve_wrap_classes
+
+        config = LlamaConfig.from_pretrained(model)
+        shape = ModelShape.of(config, resolve_wrap_classes(config, None))
+        setup = Setup(strategy=strategy, sharding_strategy="NO_SHARD" if strategy == "fsdp" else "FULL_SHARD",
+                      precision=precision, world_size=1, devices_per_node=1, micro_batch_size=1,
+                      block_size=self.scale.block_size, gradient_checkpointing=False, cpu_offload=False,
+                      chunked_loss=True)
+        return estimate_memory(shape, setup).total / 2**30
+
+
+def last_line(text: str) -> str:
+    return (text.strip().splitlines() or ["(nothing printed)"])[-1][:300]
+
+
+def peak_gb(summary: dict) -> float:
+    """The device's peak: reserved by CUDA's allocator on a GPU (what the card must hold), RSS on a CPU."""
+    rank = summary["ranks"][0]
+    return rank.get("peak_reserved_gb", rank.get("peak_rss_gb", float("nan")))
+
+
+def throughput(summary: dict) -> str:
+    mfu = f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""
+    return f"{summary['tokens_per_sec']:,.0f} tokens/s{mfu}, peak {peak_gb(summary):.2f} GB"
+
+
+def largest_difference(ours: dict[int, float], theirs: dict[int, float]) -> float:
+    steps = sorted(set(ours) & set(theirs))
+    return max((abs(ours[s] - theirs[s]) / abs(theirs[s]) for s in steps), default=float("inf"))
+
+
+def prepare_text(work: Path, block_size: int, name: str, tokenizer: Optional[Path] = None) -> Path:
+    """Standard-library source in blocks, with a 2,000-piece tokenizer trained on it (or `tokenizer`)."""
+    from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
+    from app.prepare.corpus import quiet_progress
+
+    out = work / name
+    with quiet_progress():
+        prepare(PrepareArgs(input=stdlib_corpus_paths(CORPUS), output_dir=str(out), block_size=block_size,
+                            val_fraction=0.05, seed=0, **({"tokenizer": str(tokenizer)} if tokenizer else
+                                                          {"vocab_size": 2000})))
+    return out
+
+
+def prepare_supervised(check: Check, tokenizer: Path) -> Optional[Path]:
+    pairs, out = check.work / "pairs.jsonl", check.work / "sft-data"
+    made = check.script("-m", "app.prepare.stdlib_tasks", "--output", str(pairs))
+    prepared = made.returncode == 0 and check.script(
+        "prepare_data.py", "--input", str(pairs), "--prompt_field", "code", "--response_field", "summary",
+        "--tokenizer", str(tokenizer), "--block_size", str(check.scale.block_size), "--val_fraction", "0.1",
+        "--output_dir", str(out)).returncode == 0
+    return out if prepared else None
+
+
+def check_strategies(check: Check, model: Path, data: Path) -> Optional[dict]:
+    """fsdp against fsdp2 under the mixed precision users train in, and each run's speed and memory."""
+    precision = check.scale.precisions["bf16-mixed"]
+    runs = {strategy: check.train(f"{strategy}-{precision}", model, data, "--strategy", strategy,
+                                  "--precision", precision, "--save_step_interval", str(check.scale.steps // 2),
+                                  "--async_save", "true")
+            for strategy in ("fsdp", "fsdp2")}
+    if not all(runs.values()):
+        return runs["fsdp"]
+    difference = largest_difference(runs["fsdp2"]["losses"], runs["fsdp"]["losses"])
+    check.add(Row(f"losses, fsdp2 against fsdp, {precision}, {check.scale.steps} steps",
+                  f"largest relative difference {difference:.1e}", f"<= {check.scale.loss_tolerance:g}",
+                  difference <= check.scale.loss_tolerance, {"difference": difference}))
+    for strategy, summary in runs.items():
+        planned = check.estimate_gb(model, strategy, precision)
+        ratio = peak_gb(summary) / planned
+        check.add(Row(f"{strategy} {precision}", f"{throughput(summary)}; planned {planned:.2f} GB ({ratio:.2f}x)",
+                      "peak within 10% of the plan" if torch.cuda.is_available() else "",
+                      abs(ratio - 1) <= 0.10 if torch.cuda.is_available() else None,
+                      {k: summary.get(k) for k in ("tokens_per_sec", "mfu")} | {"peak_gb": peak_gb(summary),
+                                                                                 "planned_gb": planned}))
+    return runs["fsdp"]
+
+
+def check_variants(check: Check, model: Path, data: Path) -> None:
+    """The other precisions, --compile and activation checkpointing: each trains, with its speed and memory."""
+    for name, options in check.scale.variants:
+        summary = check.train(re.sub(r"\W+", "-", name), model, data, *options)
+        if summary:
+            losses = summary["losses"]
+            learns = losses[max(losses)] < losses[min(losses)]
+            check.add(Row(name, throughput(summary), "the loss falls", learns,
+                          {k: summary.get(k) for k in ("tokens_per_sec", "mfu")} | {"peak_gb": peak_gb(summary)}))
+
+
+def check_chunked_loss(check: Check, model: Path, data: Path) -> None:
+    mixed = check.scale.precisions["bf16-mixed"]
+    runs = {chunked: check.train(f"vocabulary-chunked-{chunked}", model, data, "--precision", mixed,
+                                 "--chunked_loss", chunked) for chunked in ("true", "false")}
+    if all(runs.values()):
+        chunked, full = runs["true"], runs["false"]
+        on_gpu = torch.cuda.is_available()  # the tiny model's logits are too small to show
+        check.add(Row(f"{check.scale.vocabulary_model['vocab_size']:,}-token vocabulary, 1 x "
+                      f"{check.scale.long_block_size} tokens: chunked loss / own loss",
+                      f"peak {peak_gb(chunked):.2f} / {peak_gb(full):.2f} GB, tokens/s "
+                      f"{chunked['tokens_per_sec']:,.0f} / {full['tokens_per_sec']:,.0f}",
+                      "less memory" if on_gpu else "", peak_gb(chunked) < peak_gb(full) if on_gpu else None,
+                      {"peak_gb": [peak_gb(chunked), peak_gb(full)],
+                       "tokens_per_sec": [chunked["tokens_per_sec"], full["tokens_per_sec"]]}))
+
+
+def check_resume(check: Check, model: Path, data: Path, straight: dict) -> None:
+    """Resume the fsdp run from its half-way background save, in a new folder: the same losses."""
+    from app.checkpoint import list_checkpoints
+
+    middle = check.scale.steps // 2
+    saved = list_checkpoints(check.work / f"fsdp-{check.scale.precisions['bf16-mixed']}").get(middle)
+    if saved is None:
+        check.add(Row("resume", f"no checkpoint of step {middle} was written", ok=False))
+        return
+    resumed = check.train("resumed", model, data, "--strategy", "fsdp", "--precision",
+                          check.scale.precisions["bf16-mixed"], "--resume", "true", "--checkpoint", str(saved))
+    if resumed:
+        first = middle + 1
+        exact = abs(resumed["losses"][first] - straight["losses"][first]) <= 1e-6 * abs(straight["losses"][first])
+        rest = largest_difference(resumed["losses"], straight["losses"])
+        check.add(Row(f"resume from the async save of step {middle}", f"step {first} loss "
+                      f"{resumed['losses'][first]:.6f} against {straight['losses'][first]:.6f}; later steps within "
+                      f"{rest:.1e}", "the first resumed step's loss identical", exact, {"later": rest}))
+
+
+def check_conversion(check: Check) -> None:
+    output = check.work / "hf-model"
+    result = check.script("convert_to_hf.py", "--checkpoint", str(check.work / "resumed"), "--output_dir",
+                          str(output))
+    verified = re.search(r"logits verified.*", result.stdout + result.stderr)
+    check.add(Row("convert_to_hf.py", verified.group(0) if verified else last_line(result.stderr),
+                  "logits verified", result.returncode == 0 and verified is not None))
+
+
+def check_supervised(check: Check, model: Path, tokenizer: Path) -> None:
+    data = prepare_supervised(check, tokenizer)
+    attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") and torch.cuda.is_available() else "sdpa"
+    if data is None:
+        check.add(Row("supervised, packed", "preparing the pairs failed", ok=False))
+        return
+    summary = check.train("supervised", model, data, "--precision", check.scale.precisions["bf16-mixed"],
+                          "--attn_implementation", attention)
+    if summary:
+        losses = summary["losses"]
+        check.add(Row(f"supervised, packed, {attention}", throughput(summary), "finite losses",
+                      all(loss == loss and abs(loss) != float("inf") for loss in losses.values())))
+
+
+def machine() -> dict:
+    found = {"python": platform.python_version(), "torch": torch.__version__,
+             "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
+    if torch.cuda.is_available():
+        found["device"] = torch.cuda.get_device_name(0)
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            found["driver"] = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                             capture_output=True, text=True).stdout.strip()
+    else:
+        found["device"] = f"CPU ({platform.processor() or platform.machine()})"
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="the CPU mode the test suite runs")
+    parser.add_argument("--out", default="gpu-check.json", help="the table as JSON")
+    options = parser.parse_args()
+    scale = TINY if options.tiny else GPU
+    if not options.tiny and not torch.cuda.is_available():
+        print("gpu_check.py: error: no GPU here; run it on a GPU machine, or --tiny on CPU", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as folder:
+        check = Check(scale, Path(folder))
+        data = prepare_text(check.work, scale.block_size, "data")
+        model = check.model("model", scale.model)
+        straight = check_strategies(check, model, data)
+        check_variants(check, model, data)
+        if straight:
+            check_resume(check, model, data, straight)
+            check_conversion(check)
+        long_data = prepare_text(check.work, scale.long_block_size, "long-data", data / "tokenizer")
+        check_chunked_loss(check, check.model("vocabulary-model", scale.vocabulary_model), long_data)
+        check_supervised(check, model, data / "tokenizer")
+    found = machine() | {"minutes": (time.monotonic() - started) / 60, "tiny": options.tiny}
+    print("\n" + ", ".join(f"{k} {v}" for k, v in found.items() if k != "tiny"))
+    print("\n| check | result | expected | |\n| --- | --- | --- | --- |")
+    for row in check.rows:
+        print(f"| {row.check} | {row.result} | {row.expected} | {'' if row.ok is None else 'ok' if row.ok else 'FAILED'} |")
+    Path(options.out).write_text(json.dumps({"machine": found, "rows": [asdict(r) for r in check.rows]}, indent=1))
+    return 0 if all(row.ok is not False for row in check.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

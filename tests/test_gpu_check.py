@@ -1,0 +1,27 @@
+"""`make gpu-check`'s script in its tiny CPU mode: every check it makes on a GPU runs here too, so that the one
+prepared command a lent GPU gets minutes for cannot rot between the times one is lent."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT, run_environment, run_script
+
+
+def test_the_gpu_check_runs_every_check_in_its_tiny_mode(tmp_path: Path) -> None:
+    out = tmp_path / "gpu-check.json"
+    result = run_script([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny", "--out", str(out)],
+                        600, run_environment(None))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {row["check"]: row for row in report["rows"]}
+    assert [name for name, row in rows.items() if row["ok"] is False] == []
+    expected = ["losses, fsdp2 against fsdp", "fsdp 32-true", "fsdp2 32-true", "activation checkpointing",
+                "resume from the async save", "convert_to_hf.py", "chunked loss / own loss", "supervised, packed, sdpa"]
+    for part in expected:
+        assert any(part in name for name in rows), (part, list(rows))
+    assert rows["convert_to_hf.py"]["result"].startswith("logits verified")
+    assert report["machine"]["torch"] and report["machine"]["tiny"] is True
+    assert "| check | result | expected | |" in result.stdout
