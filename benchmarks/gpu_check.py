@@ -184,14 +184,19 @@ def prepare_text(work: Path, block_size: int, name: str, tokenizer: Optional[Pat
     return out
 
 
-def prepare_supervised(check: Check, tokenizer: Path) -> Optional[Path]:
+def prepare_supervised(check: Check, tokenizer: Path) -> Path:
+    """The standard library's code -> summary pairs (`make sft-demo`'s task), packed with the default chat template."""
+    from app.prepare import PrepareArgs, prepare
+    from app.prepare.corpus import quiet_progress
+    from app.prepare.stdlib_tasks import code_summary_pairs, write_pairs
+
     pairs, out = check.work / "pairs.jsonl", check.work / "sft-data"
-    made = check.script("-m", "app.prepare.stdlib_tasks", "--output", str(pairs))
-    prepared = made.returncode == 0 and check.script(
-        "prepare_data.py", "--input", str(pairs), "--prompt_field", "code", "--response_field", "summary",
-        "--tokenizer", str(tokenizer), "--block_size", str(check.scale.block_size), "--val_fraction", "0.1",
-        "--output_dir", str(out)).returncode == 0
-    return out if prepared else None
+    write_pairs(code_summary_pairs(), pairs)
+    with quiet_progress():
+        prepare(PrepareArgs(input=[str(pairs)], prompt_field="code", response_field="summary",
+                            tokenizer=str(tokenizer), block_size=check.scale.block_size, val_fraction=0.1,
+                            output_dir=str(out)))
+    return out
 
 
 def check_strategies(check: Check, model: Path, data: Path) -> Optional[dict]:
@@ -277,9 +282,6 @@ def check_conversion(check: Check) -> None:
 def check_supervised(check: Check, model: Path, tokenizer: Path) -> None:
     data = prepare_supervised(check, tokenizer)
     attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") and torch.cuda.is_available() else "sdpa"
-    if data is None:
-        check.add(Row("supervised, packed", "preparing the pairs failed", ok=False))
-        return
     summary = check.train("supervised", model, data, "--precision", check.scale.precisions["bf16-mixed"],
                           "--attn_implementation", attention)
     if summary:

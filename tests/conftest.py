@@ -40,6 +40,7 @@ LONGEST_FILES_FIRST = (
     "test_training.py",  # 132 s
     "test_memory_plan.py",  # 118 s
     "test_hybrid_shard.py",  # 109 s
+    "test_gpu_check.py",  # 104 s alone (one test: about 10 processes)
     "test_convert.py",  # 86 s
     "test_seq2seq.py",  # 79 s
     "test_model_loading.py",  # 75 s

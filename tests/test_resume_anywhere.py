@@ -27,6 +27,8 @@ from app.checkpoint.rng import decode_generator_state
 from app.checkpoint.state import ADAMW_STATE
 from app.model.build import meta_model
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
+from app.training.preflight import preflight
+from arguments import parse_config
 from tests.conftest import ROOT, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
@@ -113,13 +115,15 @@ def test_fsdp2_trains_like_fsdp_and_converts_with_identical_logits(tiny, straigh
 
 
 @pytest.mark.slow
-def test_a_global_batch_that_the_new_layout_cannot_split_is_refused_before_any_work(tiny, two_steps) -> None:
+def test_a_global_batch_that_the_new_layout_cannot_split_is_refused_before_any_work(tiny, two_steps, capsys) -> None:
+    """train.py's preflight, in this process (the command line's one-line refusal is test_preflight's)."""
     before = {path: path.stat().st_mtime_ns for path in two_steps.rglob("*")}
-    result = run_train(link_args(tiny, two_steps, "ddp", "full", 2, 3, max_step=4))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == ("error: --resume: the checkpoint's global batch of 16 sequences does not split "
-                                     "into --micro_batch_size 3 on 2 ranks; choose a micro batch and device count "
-                                     "that divide it, or give --global_batch_size")
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(link_args(tiny, two_steps, "ddp", "full", 2, 3, max_step=4)))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --resume: the checkpoint's global batch of 16 sequences does not split into --micro_batch_size 3 on "
+        "2 ranks; choose a micro batch and device count that divide it, or give --global_batch_size")
     assert {path: path.stat().st_mtime_ns for path in two_steps.rglob("*")} == before
 
 
