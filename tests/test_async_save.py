@@ -118,6 +118,7 @@ def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_ch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from app.data import Batch, Step
+    from app.model.loss import LossPath
     from app.training.loop import train_step
     from app.optimization.optimizer import GradientPolicy
     from app.reliability.signals import StopRequest
@@ -138,7 +139,7 @@ def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_ch
 
     train_step(fabric, model, optimizer, step, lr=1e-2, stop=StopRequest(),
                gradients=GradientPolicy(max_norm=1.0, replicas=1, scaled=False, defer_sync=False),
-               before_update=before_update)
+               before_update=before_update, loss_path=LossPath())
     assert seen == [(True, True)], "once, with the gradients computed and the weights not yet changed"
     assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "then the step changed them"
 

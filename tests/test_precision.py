@@ -212,8 +212,10 @@ def test_16_mixed_trains_with_loss_scaling_under_fsdp_and_resumes_exactly(tiny, 
 
 @pytest.mark.slow
 def test_16_mixed_trains_under_ddp(tiny, tmp_path) -> None:
-    assert_succeeded(run_train(train_args(tiny, tmp_path, strategy="ddp", precision="16-mixed", max_step=4,
-                                          save_step_interval=4, eval_step_interval=4)))
+    result = run_train(train_args(tiny, tmp_path, strategy="ddp", precision="16-mixed", max_step=4,
+                                  save_step_interval=4, eval_step_interval=4))
+    assert_succeeded(result)
+    assert "--chunked_loss: --precision 16-mixed keeps the model's own loss" in result.stdout
     metrics = read_metrics(tmp_path)
     assert metrics[4]["train_loss"] < metrics[1]["train_loss"]
     checkpoint = read_checkpoint(tmp_path / "checkpoints/step-00000004.ckpt")

@@ -46,7 +46,7 @@ def micro_batch_loss(model, loss_path: LossPath, batch: Batch, step_tokens: int,
 
 def train_step(fabric: Fabric, model, optimizer, step: Step, lr: float, stop: StopRequest,
                gradients: GradientPolicy, before_update: Callable[[], None],
-               loss_path: LossPath = LossPath()) -> tuple[torch.Tensor, StepVerdict]:
+               loss_path: LossPath) -> tuple[torch.Tensor, StepVerdict]:
     """One optimizer step over the micro-batches; returns this rank's part of the loss x world size (their mean
     over ranks is the step's loss, on the device) and the ranks' verdict.
 

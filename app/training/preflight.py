@@ -198,8 +198,14 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
 
 
 def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
-    """--chunked_loss where the run's model class gives the same loss through it (app/model/loss.py's probe)."""
+    """--chunked_loss where the run's model class gives the same loss through it (app/model/loss.py's probe), and
+    not in fp16: the chunked loss computes its gradients before backward's loss scaling, and fp16 products of
+    unscaled gradients lose the small ones (rare tokens' rows of the output weight) that the scaler exists to keep."""
     if not cfg.chunked_loss:
+        return False
+    if cfg.precision.startswith("16"):
+        note(f"--chunked_loss: --precision {cfg.precision} keeps the model's own loss (fp16 gradients need the loss "
+             "scaling that the chunked loss would come before); its logits are materialised")
         return False
     try:
         if probe_chunked_loss(model_config, cfg.attn_implementation, cfg.trust_remote_code):
