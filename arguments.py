@@ -252,12 +252,42 @@ class ReliabilityArgs:
     """End the run (exit 5) when the ranks of all nodes have not joined the process group this long after launch."""
 
 
+@dataclass
+class SpikeArgs:
+    """Loss spikes (docs/reliability.md)"""
+
+    spike_guard: Literal["off", "detect", "skip", "rollback"] = "skip"
+    """What a loss or gradient-norm spike does: detect reports it; skip also leaves the step's update out and sets
+    aside the train rows that caused it (out_dir/quarantine.jsonl; they train nothing from then on, after resumes too);
+    rollback also reloads the last good checkpoint in place when spikes without rows to blame repeat, and goes on
+    after the data that led there; off judges nothing."""
+    spike_z: float = 6.0
+    """A loss spike lies this many standard deviations of the loss's step-to-step noise above the median of the last
+    10 steps."""
+    spike_grad_norm_z: Optional[float] = None
+    """Also judge the gradient norm (by its logarithm), with this many standard deviations; off by default: on small
+    batches the norm varies by factors from one ordinary step to the next."""
+    spike_window: int = 100
+    """Steps whose loss and gradient norm make the statistics a step is judged against."""
+    spike_warmup: int = 50
+    """Steps accepted before any is judged (the loss falls steeply at first); at most --spike_window."""
+    spike_incident: int = 3
+    """Spikes without rows to blame within --spike_incident_steps steps that make an incident: rollback (or stop,
+    exit 6, under skip and once --spike_max_rollbacks are spent)."""
+    spike_incident_steps: int = 50
+    """The stretch of steps within which spikes count together."""
+    spike_max_rollbacks: int = 3
+    """Rollbacks a run makes at most; the next incident stops it (exit 6)."""
+    spike_rewarm_steps: int = 0
+    """After a rollback, warm the learning rate up again over this many steps (0: at once)."""
+
+
 GROUPS = (DeviceArgs, DataArgs, ModelArgs, FSDPArgs, CheckpointArgs, TrainingArgs, EvalArgs, SaveArgs, LoggingArgs,
-          PlannerArgs, ReliabilityArgs)
+          PlannerArgs, ReliabilityArgs, SpikeArgs)
 
 
 @dataclass
-class Config(ReliabilityArgs, PlannerArgs, LoggingArgs, SaveArgs, EvalArgs, TrainingArgs, CheckpointArgs, FSDPArgs,
+class Config(SpikeArgs, ReliabilityArgs, PlannerArgs, LoggingArgs, SaveArgs, EvalArgs, TrainingArgs, CheckpointArgs, FSDPArgs,
              ModelArgs, DataArgs, DeviceArgs):
     """All options of one run, flat as on the command line (`cfg.lr`, `cfg.devices`)."""
 
@@ -373,6 +403,16 @@ def validate_config(cfg: Config) -> list[str]:
     for name in ("process_group_timeout_min", "rendezvous_timeout_min"):
         require(getattr(cfg, name) > 0, f"--{name} must be positive, got {getattr(cfg, name)}")
     require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")
+    for name in ("spike_z", "spike_grad_norm_z"):
+        value = getattr(cfg, name)
+        require(value is None or value > 0, f"--{name} must be positive, got {value}")
+    for name in ("spike_incident", "spike_incident_steps"):
+        require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("spike_max_rollbacks", "spike_rewarm_steps"):
+        require(getattr(cfg, name) >= 0, f"--{name} must be 0 or more, got {getattr(cfg, name)}")
+    require(3 <= cfg.spike_warmup <= cfg.spike_window,
+            f"--spike_warmup ({cfg.spike_warmup}) must be at least 3 and at most --spike_window ({cfg.spike_window}): "
+            "the statistics hold the last --spike_window steps")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
     require(0 <= cfg.min_lr <= cfg.lr, f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}")
     require(cfg.weight_decay >= 0, f"--weight_decay must be 0 or more, got {cfg.weight_decay}")

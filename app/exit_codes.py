@@ -23,6 +23,10 @@ do that."""
 EXIT_RENDEZVOUS_TIMEOUT = 5
 """The ranks did not all meet within --rendezvous_timeout_min at start-up (a node that never started, or wrong
 MASTER_ADDR/MASTER_PORT/NODE_RANK); nothing was trained. The Slurm scripts requeue, as a node may have failed."""
+EXIT_SPIKES = 6
+"""Loss spikes kept coming (--spike_guard): spikes without rows to blame repeated under skip, or after the last
+rollback, or with no checkpoint to roll back to; the step was not applied and nothing was saved from it. Not
+requeued: resume from the last checkpoint with a lower --lr (out_dir/quarantine.jsonl lists the rows set aside)."""
 EXIT_PREEMPTED = 75
 """SIGTERM/SIGUSR1 stopped the run after a checkpoint of the current step (EX_TEMPFAIL): rerun with --resume true."""
 EXIT_INTERRUPTED = 130

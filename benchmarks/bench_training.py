@@ -470,6 +470,15 @@ def bench_loss(data: Path, work_dir: Path, options: argparse.Namespace) -> list[
     return [memory, step.row(times, regime)]
 
 
+def bench_spike_guard(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
+    """Step time with the spike guard judging every step (after a 3-step warm-up) against the guard switched off:
+    its numbers ride on the all_reduce every step makes (target: within 1%)."""
+    contenders = {"guard": app_contender(data, work_dir, "guard", spike_guard="skip", spike_warmup=3),
+                  "off": app_contender(data, work_dir, "off", spike_guard="off")}
+    comparisons = [Comparison("step time: --spike_guard skip / off", "guard", "off", target=1.01)]
+    return compare_step_times(contenders, {regime: comparisons for regime in REGIMES}, options)
+
+
 def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met: bool | None = None,
         spread: tuple[float, float] | None = None) -> str:
     verdict = "" if met is None else (" met" if met else " **missed**")
@@ -478,7 +487,8 @@ def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met
 
 
 PARTS = {"overhead": bench_overhead, "trainer": bench_trainer, "fsdp2": bench_fsdp2, "memory": bench_memory,
-         "checkpoint": bench_checkpoint, "async_save": bench_async_save, "loss": bench_loss}
+         "checkpoint": bench_checkpoint, "async_save": bench_async_save, "loss": bench_loss,
+         "spike_guard": bench_spike_guard}
 
 
 def main() -> None:

@@ -119,7 +119,7 @@ def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_ch
 
     from app.data import Batch, Step
     from app.model.loss import LossPath
-    from app.training.loop import train_step
+    from app.training.loop import train_step, update_weights
     from app.optimization.optimizer import GradientPolicy
     from app.reliability.signals import StopRequest
 
@@ -129,7 +129,7 @@ def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_ch
                                          num_attention_heads=2, num_key_value_heads=2))
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     tokens = torch.randint(0, 64, (2, 16))
-    step = Step([Batch({"input_ids": tokens, "labels": tokens}, trained_tokens=30)], trained_tokens=30)
+    step = Step([Batch({"input_ids": tokens, "labels": tokens}, trained_tokens=30)], trained_tokens=30, rows=[0, 1])
     before = [parameter.detach().clone() for parameter in model.parameters()]
     seen = []
 
@@ -137,9 +137,10 @@ def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_ch
         seen.append((all(torch.equal(p, b) for p, b in zip(model.parameters(), before)),
                      all(p.grad is not None for p in model.parameters())))
 
-    train_step(fabric, model, optimizer, step, lr=1e-2, stop=StopRequest(),
-               gradients=GradientPolicy(max_norm=1.0, replicas=1, scaled=False, defer_sync=False),
-               before_update=before_update, loss_path=LossPath())
+    gradients = GradientPolicy(max_norm=1.0, replicas=1, scaled=False, defer_sync=False)
+    _, verdict = train_step(fabric, model, step, StopRequest(), gradients, optimizer, LossPath())
+    assert seen == [], "the forward and backward change nothing"
+    update_weights(optimizer, verdict, 1e-2, gradients, before_update)
     assert seen == [(True, True)], "once, with the gradients computed and the weights not yet changed"
     assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "then the step changed them"
 

@@ -183,3 +183,30 @@ def test_workers_start_without_importing_the_training_stack(tmp_path: Path) -> N
     result = run_probe(FIRST_BATCH_OF_MODULES_IN_THE_WORKER, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "heavy modules imported 0" in result.stdout, result.stdout
+
+
+def test_rows_set_aside_keep_their_place_in_the_order_but_train_no_token() -> None:
+    import torch
+    from datasets import Dataset
+
+    from app.data import DataFormat, TrainingData, train_steps
+    from app.data.formats import with_trained_tokens
+
+    class OneRank:
+        global_rank, device = 0, torch.device("cpu")
+
+        def setup_dataloaders(self, loader, **options):
+            return loader
+
+    text = DataFormat("text", 0)
+    split, counts = with_trained_tokens(Dataset.from_dict({"input_ids": [[row] * 5 for row in range(8)]}), text)
+    data = TrainingData(text, split, split, counts)
+    data.quarantine([3, 5])
+    plan = make_plan(train_rows=8, block_size=5, world_size=1, micro_batch_size=8, accumulation=1, number_epochs=1,
+                     max_step=None)
+    step = next(train_steps(OneRank(), data, plan, seed=0, epoch=0, position=0, num_workers=0))
+    inputs = step.micro_batches[0].inputs
+    assert inputs["input_ids"][:, 0].tolist() == step.rows, "every row in its place"
+    assert [bool((labels == -100).all()) for labels in inputs["labels"]] == [row in (3, 5) for row in step.rows]
+    assert step.trained_tokens == step.micro_batches[0].trained_tokens == 6 * 4
+    assert data.row_batch(3).trained_tokens == 0 and data.row_batch(4).trained_tokens == 4

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from app.checkpoint import legacy
-from app.checkpoint.files import remove_leftovers, temporary_path
+from app.checkpoint.files import list_checkpoints, remove_leftovers, temporary_path
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX, CheckpointMismatch, check_fits
 from app.checkpoint.state_dicts import local_state
@@ -71,6 +71,17 @@ def load_checkpoint(path: Path, model: Any, optimizer: Any) -> dict[str, Any]:
     except CheckpointMismatch as error:
         raise CheckpointError(str(error)) from None
     return read_metadata(path)
+
+
+def last_good_checkpoint(out_dir: str | Path, before_step: int) -> Optional[Path]:
+    """Where a rollback returns to (spike guard): the latest checkpoint saved before `before_step` whose validation
+    loss, where it records one, is no higher than the lowest of theirs: a checkpoint from a stretch where the loss
+    had begun to rise is passed over for an earlier one."""
+    candidates = {step: path for step, path in list_checkpoints(out_dir).items() if step < before_step}
+    losses = {step: read_metadata(path).get("val_loss") for step, path in candidates.items()}
+    known = [loss for loss in losses.values() if loss is not None]
+    good = [step for step, loss in losses.items() if loss is None or loss <= min(known)]
+    return candidates[max(good)] if good else None
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -194,6 +194,14 @@ def _sample(example: PackedExample) -> Sample:
     return Sample(prompt=example.input_ids[:start], reference=example.input_ids[start:end])
 
 
+def without_training(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The row with every label IGNORE_INDEX and no trained token: it still goes through the model (every rank runs
+    the same batches) but adds nothing to the loss or the gradients."""
+    row["labels"] = row.get("labels", row["input_ids"]).clone().fill_(IGNORE_INDEX)
+    row[TRAINED_TOKENS] = 0
+    return row
+
+
 def with_trained_tokens(split: Dataset, data_format: DataFormat) -> tuple[Dataset, np.ndarray]:
     """The split yielding int64 tensors of the format's columns and each row's trained tokens, and those counts."""
     counts = data_format.trained_tokens(split)

@@ -234,6 +234,10 @@ class StepClock:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
+    def rewind(self, steps: int) -> None:
+        """The step counter went back `steps` (a rollback): the steps done since the start still count."""
+        self.start_step -= steps
+
     def tick(self, step: int) -> dict[str, float]:
         """Record a finished step; returns throughput once a full window of steps has been timed."""
         self._update(step, flops=self.flops_per_step)
@@ -292,6 +296,10 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         if "tflops_per_sec_per_device" in s:
             speed += f", {s['tflops_per_sec_per_device']:.2f} TFLOP/s per device"
         lines.append(speed + (f", MFU {s['mfu']:.1%}" if "mfu" in s else ""))
+    if "spike_guard" in s:
+        guard = s["spike_guard"]
+        lines.append(f"  spike guard: {guard['spikes']} spikes, {guard['skipped_steps']} steps not applied, "
+                     f"{guard['rollbacks']} rollbacks, {guard['quarantined_rows']} train rows set aside")
     for rank, memory in enumerate(s["ranks"]):
         lines.append(f"  rank {rank} memory: " + ", ".join(f"{k.removesuffix('_gb').replace('_', ' ')} "
                                                           f"{format_gb(v)}" for k, v in memory.items()))

@@ -105,7 +105,11 @@ class StepVerdict:
     stop_requested: bool
     non_finite: bool
     grad_norm: torch.Tensor
-    """The norm of the whole gradient in fp32, on the device (read only when it is logged)."""
+    """The norm of the whole gradient in fp32, on the device (for clipping)."""
+    loss: float
+    """The step's loss over all ranks (the mean of the ranks' parts), the same number on every rank."""
+    grad_norm_value: float
+    """`grad_norm` on the host: these two are what the spike guard judges (spikes.py), on every rank alike."""
 
 
 def all_reduce_sum(fabric: Fabric, tensor: torch.Tensor) -> torch.Tensor:
@@ -121,21 +125,24 @@ def all_reduce_sum(fabric: Fabric, tensor: torch.Tensor) -> torch.Tensor:
 
 def step_verdict(fabric: Fabric, loss: torch.Tensor, grad_square_sum: torch.Tensor, stop: StopRequest, *,
                  replicas: int, scaled: bool) -> StepVerdict:
-    """ONE all_reduce (sum) of [this rank's squared gradient norm, it saw a stop signal, its loss is not finite].
+    """ONE all_reduce (sum) of [this rank's squared gradient norm, it saw a stop signal, its loss is not finite,
+    its part of the loss].
 
     The loss is the sum over the step's micro-batches, so a NaN in any of them shows here without a sync per
-    micro-batch; the `.tolist()` is the step's single device-to-host synchronisation. Non-finite gradients stop the
-    run, except under a gradient scaler (16-mixed), which skips such steps and lowers its scale by design.
+    micro-batch; the `.tolist()` is the step's single device-to-host synchronisation, and brings the step's loss
+    and gradient norm to every rank's host with the flags. Non-finite gradients stop the run, except under a
+    gradient scaler (16-mixed), which skips such steps and lowers its scale by design.
     """
     device = grad_square_sum.device
     local = torch.stack([grad_square_sum.float(), torch.tensor(float(stop.requested), device=device),
-                         (~torch.isfinite(loss)).float().to(device)])
+                         (~torch.isfinite(loss)).float().to(device), loss.float().to(device)])
     totals = all_reduce_sum(fabric, local)
     grad_norm = (totals[0] / replicas).sqrt()
-    flags = torch.stack([totals[1], totals[2], (~torch.isfinite(grad_norm)).float()])
-    stop_requested, bad_loss, bad_gradient = flags.tolist()
+    on_host = torch.stack([totals[1], totals[2], (~torch.isfinite(grad_norm)).float(), totals[3] / fabric.world_size,
+                           grad_norm])
+    stop_requested, bad_loss, bad_gradient, step_loss, norm = on_host.tolist()
     return StepVerdict(stop_requested=stop_requested > 0, non_finite=bad_loss > 0 or (bad_gradient > 0 and not scaled),
-                       grad_norm=grad_norm)
+                       grad_norm=grad_norm, loss=step_loss, grad_norm_value=norm)
 
 
 def requeues_itself(requeue_on_signal: bool, signum: Optional[int]) -> bool:

@@ -8,14 +8,15 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
 
 import torch
 from lightning_fabric import Fabric
 
-from app.checkpoint import CheckpointSaver, checkpoint_path, mark_if_best, prune_checkpoints, rng_of_every_rank
+from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, load_checkpoint, mark_if_best,
+                            prune_checkpoints, rng_of_every_rank)
 from app.data import Batch, Step, TrainingData, train_steps
-from app.evaluation.validation import perplexity, validation_loss
+from app.evaluation.validation import perplexity, row_losses, validation_loss
 from app.metrics.console import Console
 from app.model.loss import LossPath
 from app.metrics.loggers import should_upload_checkpoint, upload_checkpoint
@@ -25,13 +26,14 @@ from app.evaluation.samples import SampleEvaluator
 from app.optimization.optimizer import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
 from app.optimization.schedule import TrainingPlan, learning_rate
 from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict
+from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits, write_quarantine
 from app.reliability.watchdog import StallWatchdog
 
 if TYPE_CHECKING:
     from arguments import Config
 
 
-Outcome = Literal["finished", "preempted", "interrupted", "non_finite"]
+Outcome = Literal["finished", "preempted", "interrupted", "non_finite", "spikes"]
 
 
 def micro_batch_loss(model, loss_path: LossPath, batch: Batch, step_tokens: int, world_size: int) -> torch.Tensor:
@@ -44,16 +46,14 @@ def micro_batch_loss(model, loss_path: LossPath, batch: Batch, step_tokens: int,
     return loss_path.summed_loss(model, batch) * (world_size / max(step_tokens, 1))
 
 
-def train_step(fabric: Fabric, model, optimizer, step: Step, lr: float, stop: StopRequest,
-               gradients: GradientPolicy, before_update: Callable[[], None],
-               loss_path: LossPath) -> tuple[torch.Tensor, StepVerdict]:
-    """One optimizer step over the micro-batches; returns this rank's part of the loss x world size (their mean
-    over ranks is the step's loss, on the device) and the ranks' verdict.
+def train_step(fabric: Fabric, model, step: Step, stop: StopRequest, gradients: GradientPolicy,
+               optimizer, loss_path: LossPath) -> tuple[torch.Tensor, StepVerdict]:
+    """Forward and backward over one optimizer step's micro-batches; returns this rank's part of the loss x world
+    size (their mean over ranks is the step's loss, on the device) and the ranks' verdict on it.
 
     Gradients are synchronised after every micro-batch, or only after the last one when `gradients.defer_sync`
     (DDP's no_sync costs no memory; FSDP's keeps the whole unsharded gradient on every rank). The gradient norm is
-    measured even when clipping is off so that a non-finite gradient is caught: then the weights are left as they
-    were. `before_update` runs just before the weights change (a background save copies them until then).
+    measured even when clipping is off so that a non-finite gradient is caught.
     """
     accumulation = len(step.micro_batches)
     loss_sum = torch.zeros((), device=fabric.device)
@@ -68,14 +68,18 @@ def train_step(fabric: Fabric, model, optimizer, step: Step, lr: float, stop: St
         fabric.strategy.precision.unscale_gradients(optimizer.optimizer)
     verdict = step_verdict(fabric, loss_sum, gradient_square_sum(optimizer, fabric.device), stop,
                            replicas=gradients.replicas, scaled=gradients.scaled)
-    if not verdict.non_finite:
-        if gradients.max_norm > 0:
-            clip_gradients(optimizer, verdict.grad_norm, gradients.max_norm)
-        set_learning_rate(optimizer, lr)
-        before_update()
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return loss_sum, verdict
+
+
+def update_weights(optimizer, verdict: StepVerdict, lr: float, gradients: GradientPolicy,
+                   before_update: Callable[[], None]) -> None:
+    """Clip and apply the step's gradients. `before_update` runs just before the weights change (a background save
+    copies them until then)."""
+    if gradients.max_norm > 0:
+        clip_gradients(optimizer, verdict.grad_norm, gradients.max_norm)
+    set_learning_rate(optimizer, lr)
+    before_update()
+    optimizer.step()
 
 
 def advance_position(state: dict[str, Any], plan: TrainingPlan) -> bool:
@@ -105,6 +109,7 @@ class Loop:
     watchdog: StallWatchdog
     saver: CheckpointSaver
     loss_path: LossPath
+    guard: SpikeGuard
     samples: Optional[SampleEvaluator] = None
     resumed_from: Optional[Path] = None
     data_wait: Stopwatch = field(default_factory=Stopwatch)
@@ -117,8 +122,7 @@ class Loop:
     def fit(self) -> Outcome:
         """Train until max_step; returns early after saving when a stop signal arrived, or when numbers went bad."""
         state, plan, cfg = self.state, self.plan, self.cfg
-        steps = train_steps(self.fabric, self.data, plan, seed=cfg.seed, epoch=state["epoch"],
-                            position=state["position"], num_workers=cfg.num_workers)
+        steps = self.steps()
         self.state_memory.watch(state["model"], state["optimizer"])
         if state["step"] == 0 and cfg.initial_validation and len(self.data.validation):
             self.fabric.log_dict(self.evaluate(), step=0)
@@ -126,17 +130,28 @@ class Loop:
         self.stop.begin_training()
         while state["step"] < plan.max_step:
             lr = learning_rate(state["step"] + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                               max_step=plan.max_step, decay=cfg.lr_decay)
+                               max_step=plan.max_step, decay=cfg.lr_decay) * self.guard.lr_factor(state["step"] + 1)
             with self.data_wait.measure():
                 step_batches = next(steps)
-            loss, verdict = train_step(self.fabric, state["model"], state["optimizer"], step_batches, lr, self.stop,
-                                       self.gradients, self.saver.before_update, self.loss_path)
+            loss, verdict = train_step(self.fabric, state["model"], step_batches, self.stop, self.gradients,
+                                       state["optimizer"], self.loss_path)
             if verdict.non_finite:
                 self.report_non_finite(loss, verdict.grad_norm)
                 return "non_finite"
+            action = self.judge(step_batches, verdict)
+            if action == "apply":
+                update_weights(state["optimizer"], verdict, lr, self.gradients, self.saver.before_update)
+            state["optimizer"].zero_grad(set_to_none=True)
+            if action == "stop":
+                return "spikes"
             losses.append(loss)
             self.watchdog.beat(arm=True)
             epoch_ended = advance_position(state, plan)
+            if action == "rollback":
+                if not self.roll_back():
+                    return "spikes"
+                steps, losses = self.steps(), []
+                continue
             throughput = self.clock.tick(state["step"])
             self.console.advance()
             step, last = state["step"], state["step"] == plan.max_step
@@ -157,6 +172,63 @@ class Loop:
                 return "interrupted" if self.stop.interrupted else "preempted"
         return "finished"
 
+    def steps(self) -> Iterator[Step]:
+        """The training steps from the state's epoch and position on."""
+        return train_steps(self.fabric, self.data, self.plan, seed=self.cfg.seed, epoch=self.state["epoch"],
+                           position=self.state["position"], num_workers=self.cfg.num_workers)
+
+    def judge(self, step: Step, verdict: StepVerdict) -> Action:
+        """The spike guard's decision on this step, the same on every rank (spikes.py); what it found is printed, and
+        the rows it blames are set aside."""
+        number, guard = self.state["step"] + 1, self.guard
+        spike = guard.judge(number, verdict.loss, verdict.grad_norm_value)
+        if spike is None:
+            guard.accept(verdict.loss, verdict.grad_norm_value)
+            return "apply"
+        blamed = culprits(row_losses(self.fabric, self.state["model"], self.loss_path, self.data, step.rows), spike,
+                          guard.rules.floor)
+        action = guard.respond(spike, explained=bool(blamed))
+        rows = ", ".join(f"{row} (loss {loss:.2f})" for row, loss, _ in blamed[:10]) + (" ..." if len(blamed) > 10
+                                                                                        else "")
+        if blamed and guard.sets_aside:
+            guard.set_aside(number, blamed)
+            self.data.quarantine(row for row, *_ in blamed)
+            if self.fabric.is_global_zero:
+                write_quarantine(Path(self.cfg.out_dir), str(self.cfg.train_data_dir), guard.history.quarantine)
+        self.console.print(f"step {number}: loss spike, {spike.describe()}: " + {
+            "apply": f"applied (--spike_guard detect){'; rows standing out: ' + rows if rows else ''}",
+            "skip": "not applied; " + (f"train rows set aside in quarantine.jsonl: {rows}" if rows else
+                                        "no row stands out"),
+            "rollback": "not applied; loss spikes without rows to blame repeat: rolling back",
+            "stop": "not applied; loss spikes without rows to blame repeat and no rollback is left: stopped without "
+                    "saving. Resume from the last checkpoint with a lower --lr (rows set aside so far are in "
+                    f"{Path(self.cfg.out_dir) / QUARANTINE_FILE})"}[action])
+        return action
+
+    def roll_back(self) -> bool:
+        """Reload, in place, the last good checkpoint from before the incident; the data goes on after the
+        incident's stretch, which is skipped. False, with a message, when no checkpoint precedes the incident."""
+        state, fabric = self.state, self.fabric
+        self.saver.before_update()
+        self.saver.wait()
+        began = self.guard.incident_began()
+        path = fabric.broadcast(last_good_checkpoint(self.cfg.out_dir, began) if fabric.is_global_zero else None)
+        if path is None:
+            self.console.print(f"step {state['step']}: no checkpoint from before step {began} to roll back to; "
+                               "stopped without saving. Resume from the last checkpoint with a lower --lr")
+            return False
+        saved = load_checkpoint(path, state["model"], state["optimizer"])
+        back = state["step"] - saved["step"]
+        state |= {"step": saved["step"], "val_loss": saved["val_loss"]}
+        if saved.get("grad_scaler"):
+            fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
+        self.guard.rolled_back(saved["step"], saved.get("spike_guard"))
+        self.clock.rewind(back)
+        self.console.print(f"step {saved['step'] + back}: rolled back to {path} (step {saved['step']}, rollback "
+                           f"{self.guard.history.rollbacks} of {self.guard.rules.max_rollbacks}); training goes on "
+                           f"from sample {state['position']} of epoch {state['epoch']}, after the data that led here")
+        return True
+
     def gather_rank_stats(self, local_values: torch.Tensor) -> tuple[torch.Tensor, list[RankStats]]:
         """One all_gather of `local_values` and of this rank's RankStats: rows of the values, and every rank's stats."""
         stats = RankStats.of_this_rank(self.fabric.device, self.data_wait, self.saving, self.state_memory)
@@ -176,7 +248,7 @@ class Loop:
         step = self.state["step"]
         metrics = {"epoch": self.state["epoch"], "train_loss": mean_losses.mean().item(), "lr": lr,
                    "grad_norm": grad_norm.item(), "elapsed_sec": elapsed, "data_wait_pct": 100 * waited / interval,
-                   **throughput}
+                   **throughput, **self.guard.metrics()}
         metrics |= {name: largest(ranks, name) for name in PEAK_MEMORY if not math.isnan(largest(ranks, name))}
         self.console.report(step, self.plan.max_step, metrics, self.clock.eta(step))
         return metrics
@@ -184,8 +256,9 @@ class Loop:
     def summarize(self) -> dict[str, Any]:
         """The run summary; every rank takes part (one all_gather of the ranks' numbers)."""
         _, ranks = self.gather_rank_stats(torch.zeros(0))
-        return run_summary(clock=self.clock, step=self.state["step"], evaluation=self.evaluation, saving=self.saving,
-                           ranks=ranks, val_loss=self.state["val_loss"])
+        summary = run_summary(clock=self.clock, step=self.state["step"], evaluation=self.evaluation,
+                              saving=self.saving, ranks=ranks, val_loss=self.state["val_loss"])
+        return summary | ({"spike_guard": self.guard.metrics()} if self.guard.active else {})
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss (and generation samples) on every rank; nothing when the data has no validation split."""
@@ -221,6 +294,7 @@ class Loop:
         with self.saving.measure():
             self.state["rng"] = rng_of_every_rank(self.fabric.world_size)
             self.state["grad_scaler"] = self.fabric.strategy.precision.state_dict()
+            self.state["spike_guard"] = self.guard.history.to_dict()
             self.saver.save(path, self.state, published)
         self.watchdog.beat()
         if self.saver.background:

@@ -19,7 +19,8 @@ from app.distributed.host_memory import tune_cpu_heap
 from app.distributed.precision import float32_matmul_precision, uses_grad_scaler
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
 from app.evaluation.samples import SampleEvaluator, decoding_for
-from app.exit_codes import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED
+from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
+                            EXIT_SPIKES)
 from app.metrics.console import Console
 from app.metrics.loggers import make_loggers, report_summary
 from app.metrics.memory_plan import ModelShape, memory_report, setup_of
@@ -27,6 +28,7 @@ from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, pea
 from app.model.build import DeferredInit, deferred_init, setup_model
 from app.optimization.optimizer import GradientPolicy, build_optimizer
 from app.reliability.signals import StopRequest, requeue_slurm_job, requeues_itself, run_and_exit
+from app.reliability.spikes import QUARANTINE_FILE, SpikeGuard, SpikeHistory, SpikeRules, write_quarantine
 from app.reliability.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
 from app.reliability.workers import start_worker_server
 from app.training.loop import Loop
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from arguments import Config
 
 EXIT_CODES = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED,
-              "non_finite": EXIT_NON_FINITE}
+              "non_finite": EXIT_NON_FINITE, "spikes": EXIT_SPIKES}
 
 
 def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
@@ -98,6 +100,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "val_loss": None,
         "rng": None,
         "grad_scaler": {},
+        "spike_guard": None,
         "config": cfg.to_dict(),
         "model_config": inputs.model_config.to_dict(),
         "tokenizer": inputs.tokenizer,
@@ -110,6 +113,7 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any]) -> No
     with loading.measure():
         saved = load_checkpoint(path, state["model"], state["optimizer"])
     state |= {key: saved[key] for key in ("step", "epoch", "position", "val_loss")}
+    state["spike_guard"] = saved.get("spike_guard")
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
     if saved.get("grad_scaler"):
         fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
@@ -150,6 +154,23 @@ def set_matmul_precision(fabric: Fabric, cfg: Config) -> None:
     kernel."""
     capability = torch.cuda.get_device_capability(fabric.device) if fabric.device.type == "cuda" else None
     torch.set_float32_matmul_precision(float32_matmul_precision(cfg.precision, cfg.tf32, capability))
+
+
+def spike_guard(fabric: Fabric, cfg: Config, state: dict[str, Any], data: TrainingData) -> SpikeGuard:
+    """The guard with what the run (or the checkpoint it resumes) knows; the rows it set aside train nothing."""
+    guard = SpikeGuard(SpikeRules(mode=cfg.spike_guard, z=cfg.spike_z, grad_norm_z=cfg.spike_grad_norm_z,
+                                  window=cfg.spike_window,
+                                  warmup=cfg.spike_warmup, incident_spikes=cfg.spike_incident,
+                                  incident_steps=cfg.spike_incident_steps, max_rollbacks=cfg.spike_max_rollbacks,
+                                  rewarm_steps=cfg.spike_rewarm_steps),
+                       SpikeHistory.from_dict(state["spike_guard"]))
+    if guard.sets_aside and guard.history.quarantine:
+        data.quarantine(guard.history.quarantined_rows())
+        if fabric.is_global_zero:
+            write_quarantine(Path(cfg.out_dir), str(cfg.train_data_dir), guard.history.quarantine)
+        fabric.print(f"{len(guard.history.quarantine)} train rows set aside by the spike guard train nothing "
+                     f"({Path(cfg.out_dir) / QUARANTINE_FILE})")
+    return guard
 
 
 def sample_evaluator(cfg: Config, inputs: RunInputs, data: TrainingData) -> Optional[SampleEvaluator]:
@@ -194,7 +215,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                 samples=sample_evaluator(cfg, inputs, data), watchdog=stall_watchdog(fabric, cfg),
                 saver=CheckpointSaver(fabric, state, sharded=cfg.state_dict_type == "sharded",
                                       background=cfg.async_save),
-                resumed_from=inputs.resume_from)
+                guard=spike_guard(fabric, cfg, state, data), resumed_from=inputs.resume_from)
     outcome = loop.fit()
     loop.saver.close()
     loop.watchdog.disarm()

@@ -1,0 +1,134 @@
+"""The spike guard's decisions as pure functions: what a spike is, which rows explain it, when to roll back or stop."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from app.reliability.spikes import Spike, SpikeGuard, SpikeHistory, SpikeRules, culprits, outlier_limit, upper_limit
+
+
+def loss_spike(limit: float) -> Spike:
+    return Spike(step=41, loss=9.0, grad_norm=1.0, loss_limit=limit, grad_norm_limit=2.0)
+
+
+def norm_spike(limit: float) -> Spike:
+    return Spike(step=41, loss=3.0, grad_norm=9.0, loss_limit=limit, grad_norm_limit=2.0)
+
+
+def noisy(count: int, centre: float, spread: float, seed: int = 0) -> list[float]:
+    generator = random.Random(seed)
+    return [generator.gauss(centre, spread) for _ in range(count)]
+
+
+def warmed_guard(mode: str = "skip", **rules: object) -> SpikeGuard:
+    guard = SpikeGuard(SpikeRules(mode=mode, warmup=20, window=50, **rules))
+    for loss, norm in zip(noisy(40, 3.0, 0.05), noisy(40, 1.0, 0.1, seed=1)):
+        guard.accept(loss, norm)
+    return guard
+
+
+def test_the_limit_follows_a_falling_loss_and_measures_its_noise_not_its_fall() -> None:
+    falling = [6.0 - 0.1 * step + (0.02 if step % 2 else -0.02) for step in range(30)]
+    limit = upper_limit(falling, z=6.0, floor=0.0)
+    recent_median = sorted(falling[-10:])[4:6]
+    assert sum(recent_median) / 2 < limit < sum(recent_median) / 2 + 6 * 0.14 * 1.05, (
+        "the centre is the recent median; the noise comes from the step-to-step changes (0.06 and 0.14 here), "
+        "not from the 3.0 the loss fell over the window")
+    assert upper_limit([5.0] * 10, z=6.0, floor=0.01) == pytest.approx(5.0 + 6.0 * 0.05), "a plateau keeps a floor"
+
+
+def test_an_outlier_is_the_median_plus_z_robust_deviations() -> None:
+    assert outlier_limit([1.0, 2.0, 3.0, 4.0, 100.0], z=2.0, floor=0.0) == pytest.approx(3.0 + 2.0 * 1.4826 * 1.0)
+
+
+def test_nothing_is_judged_while_warming_up_or_when_off() -> None:
+    guard = SpikeGuard(SpikeRules(warmup=20, window=50))
+    for loss in noisy(19, 3.0, 0.05):
+        guard.accept(loss, 1.0)
+    assert guard.judge(20, 50.0, 1.0) is None
+    off = warmed_guard("off")
+    assert off.judge(41, 50.0, 100.0) is None and off.history.losses == [] and off.metrics() == {}
+
+
+def test_a_spike_is_a_loss_or_gradient_norm_far_above_recent_steps_and_only_above() -> None:
+    guard = warmed_guard()
+    assert guard.judge(41, 3.05, 1.1) is None, "ordinary noise"
+    assert guard.judge(41, 1.0, 0.2) is None, "a loss falling fast is learning, not a spike"
+    by_loss = guard.judge(41, 4.0, 1.0)
+    assert by_loss is not None and by_loss.by_loss and "loss 4.0000 above" in by_loss.describe()
+    assert guard.judge(41, 3.0, 5.0) is None, "the gradient norm is judged only when asked"
+    by_norm = warmed_guard(grad_norm_z=6.0).judge(41, 3.0, 5.0)
+    assert by_norm is not None and not by_norm.by_loss and "gradient norm 5 above" in by_norm.describe()
+
+
+def test_spikes_that_rows_explain_or_in_the_gradient_norm_alone_are_skipped_however_many() -> None:
+    guard = warmed_guard("rollback", grad_norm_z=6.0)
+    actions = [guard.respond(guard.judge(41 + i, 9.0, 1.0), explained=True) for i in range(10)]
+    actions += [guard.respond(guard.judge(51 + i, 3.0, 9.0), explained=False) for i in range(10)]
+    assert actions == ["skip"] * 20 and guard.history.skipped_steps == 20 and guard.history.recent_spikes == []
+
+
+def test_unexplained_spikes_that_repeat_roll_back_then_stop_when_no_rollback_is_left() -> None:
+    guard = warmed_guard("rollback", incident_spikes=3, incident_steps=50, max_rollbacks=1)
+    at_checkpoint = guard.history.to_dict()
+    assert [guard.respond(guard.judge(step, 9.0, 1.0), explained=False) for step in (41, 60, 80)] == [
+        "skip", "skip", "rollback"]
+    assert guard.incident_began() == 41
+    guard.rolled_back(32, at_checkpoint)
+    assert guard.history.rollbacks == 1 and guard.history.recent_spikes == []
+    assert [guard.respond(guard.judge(step, 9.0, 1.0), explained=False) for step in (41, 42, 43)] == [
+        "skip", "skip", "stop"]
+
+
+def test_spikes_further_apart_than_the_incident_window_do_not_add_up() -> None:
+    guard = warmed_guard("skip", incident_spikes=2, incident_steps=10)
+    assert [guard.respond(guard.judge(step, 9.0, 1.0), explained=False) for step in (41, 60, 80, 85)] == [
+        "skip", "skip", "skip", "stop"], "under skip, an incident stops the run"
+
+
+def test_detect_applies_every_step_and_counts() -> None:
+    guard = warmed_guard("detect")
+    assert guard.respond(guard.judge(41, 9.0, 1.0), explained=False) == "apply"
+    assert guard.metrics() == {"spikes": 1, "skipped_steps": 0, "rollbacks": 0, "quarantined_rows": 0}
+    assert not guard.sets_aside
+
+
+def test_culprits_are_the_outlying_rows_without_which_the_step_is_no_spike() -> None:
+    clean = [(row, 32 * loss, 32) for row, loss in enumerate(noisy(14, 3.0, 0.3))]
+    poisoned = [(100, 32 * 6.5, 32), (101, 32 * 6.0, 32)]
+    step_loss = sum(total for _, total, _ in clean + poisoned) / (32 * 16)
+    assert step_loss > 3.3
+    found = culprits(clean + poisoned, loss_spike(3.3), floor=0.01)
+    assert [(row, round(mean, 2), tokens) for row, mean, tokens in found] == [(100, 6.5, 32), (101, 6.0, 32)]
+
+
+def test_a_spike_in_the_gradient_norm_blames_the_rows_whose_loss_stands_out() -> None:
+    clean = [(row, 32 * loss, 32) for row, loss in enumerate(noisy(14, 3.0, 0.3))]
+    assert [row for row, *_ in culprits(clean + [(100, 32 * 6.0, 32)], norm_spike(4.0), floor=0.01)] == [100]
+    assert culprits(clean, norm_spike(4.0), floor=0.01) == []
+
+
+def test_a_whole_batch_gone_high_blames_no_row() -> None:
+    high = [(row, 32 * loss, 32) for row, loss in enumerate(noisy(16, 6.0, 0.3))]
+    assert culprits(high, loss_spike(3.3), floor=0.01) == [], "the model, not the data"
+    assert culprits(high[:2], loss_spike(3.3), floor=0.01) == [], "too few rows to tell"
+
+
+def test_rows_without_trained_tokens_are_never_blamed() -> None:
+    clean = [(row, 32 * loss, 32) for row, loss in enumerate(noisy(14, 3.0, 0.3))]
+    found = culprits(clean + [(100, 32 * 7.0, 32), (101, 0.0, 0)], loss_spike(3.2), floor=0.01)
+    assert [row for row, *_ in found] == [100]
+
+
+def test_the_history_survives_a_checkpoint_as_json_and_a_rollback_keeps_the_quarantine() -> None:
+    guard = warmed_guard("rollback", rewarm_steps=10)
+    guard.set_aside(41, [(7, 6.5, 32)])
+    saved = json.loads(json.dumps(guard.history.to_dict()))
+    assert SpikeHistory.from_dict(saved) == guard.history and SpikeHistory.from_dict(saved).quarantined_rows() == {7}
+    before = SpikeHistory.from_dict({**saved, "quarantine": []})
+    guard.rolled_back(32, before.to_dict())
+    assert guard.history.quarantined_rows() == {7} and guard.history.losses == before.losses
+    assert [guard.lr_factor(step) for step in (33, 37, 42, 50)] == [pytest.approx(0.1), pytest.approx(0.5), 1.0, 1.0]
