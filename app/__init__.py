@@ -6,7 +6,7 @@ import against its order):
 | exit_codes.py, choices.py, cli.py | what every part shares: exit statuses, option sets, how a command line meets a shell |
 | distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py: devices |
 | optimization/ | optimizer.py, schedule.py: AdamW's groups and clipping, batch arithmetic and lr(step) |
-| reliability/ | signals.py, watchdog.py, workers.py, torchrun.py: keeping a run alive and ending it well |
+| reliability/ | signals.py, watchdog.py, workers.py, torchrun.py, spikes.py: keeping a run alive, ending it well, loss spikes |
 | prepare/ | prepare_data.py's pipeline: records, chat templates, masks, packing, the folder it writes |
 | data/ | formats.py, order.py, loader.py: the prepared folder read as steps and batches |
 | model/ | build.py, isolation.py, loss.py: the Hugging Face model on every rank; packed examples kept apart; the loss without full logits |
