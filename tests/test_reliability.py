@@ -91,21 +91,22 @@ def test_sigterm_to_the_launcher_saves_and_resume_matches_a_straight_run_exactly
 
 
 @pytest.mark.slow
-def test_three_sigkills_resume_at_the_next_step_then_sigusr1_to_all_saves(tiny: TinySetup, tmp_path: Path):
-    """SIGKILL to the whole process group at seeded random moments (mid-step, mid-save, mid-eval), three times."""
+def test_two_sigkills_resume_at_the_next_step_then_sigusr1_to_all_saves(tiny: TinySetup, tmp_path: Path):
+    """SIGKILL to the whole process group at seeded random moments (mid-step, mid-save, mid-eval), twice, each
+    followed by a resume (a third kill and resume cost the suite about 40 s for the same path once more)."""
     out = tmp_path / "run"
     args = train_args(tiny, out, micro_batch_size=4, max_step=200, save_step_interval=2, eval_step_interval=4,
                       keep_last_n=2, num_workers=2)
     moments = random.Random(20261105)
     latest = 0
-    for attempt in range(4):
+    for attempt in range(3):
         run = launch(args + (["--resume", "true"] if attempt else []), tmp_path / f"attempt{attempt}.log")
         run.wait_for_step(latest + moments.randint(2, 6))
         assert first_logged_step(run.output()) == latest + 1, run.output()
         if attempt:
             assert f"resumed from {out / 'checkpoints' / f'step-{latest:08d}.ckpt'}" in run.output()
         time.sleep(moments.uniform(0, 0.5))
-        if attempt == 3:
+        if attempt == 2:
             break
         os.killpg(run.process.pid, signal.SIGKILL)
         run.finish()

@@ -132,3 +132,10 @@ def test_the_history_survives_a_checkpoint_as_json_and_a_rollback_keeps_the_quar
     guard.rolled_back(32, before.to_dict())
     assert guard.history.quarantined_rows() == {7} and guard.history.losses == before.losses
     assert [guard.lr_factor(step) for step in (33, 37, 42, 50)] == [pytest.approx(0.1), pytest.approx(0.5), 1.0, 1.0]
+
+
+def test_an_overflowed_gradient_is_left_to_the_gradient_scaler() -> None:
+    guard = warmed_guard(grad_norm_z=6.0)
+    assert guard.judge(41, 3.0, float("inf")) is None, "16-mixed skips such a step and lowers its scale itself"
+    guard.accept(3.0, float("inf"))
+    assert all(norm < 2.0 for norm in guard.history.grad_norms)

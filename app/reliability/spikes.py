@@ -160,6 +160,8 @@ class SpikeGuard:
         history = self.history
         if not self.active or len(history.losses) < self.rules.warmup:
             return None
+        if not math.isfinite(grad_norm):  # overflowed under a gradient scaler, which skips the step itself
+            grad_norm = 0.0
         grad_norm_z = self.rules.grad_norm_z
         spike = Spike(step, loss, grad_norm, upper_limit(history.losses, self.rules.z, self.rules.floor),
                       math.inf if grad_norm_z is None else
@@ -169,7 +171,7 @@ class SpikeGuard:
 
     def accept(self, loss: float, grad_norm: float) -> None:
         """A step that was no spike joins the statistics."""
-        if not self.active:
+        if not self.active or not math.isfinite(grad_norm):
             return
         window = self.rules.window
         self.history.losses = (self.history.losses + [loss])[-window:]
