@@ -259,7 +259,7 @@ class SpikeArgs:
     spike_guard: Literal["off", "detect", "skip", "rollback"] = "skip"
     """What a loss or gradient-norm spike does: detect reports it; skip also leaves the step's update out and sets
     aside the train rows that caused it (out_dir/quarantine.jsonl; they train nothing from then on, after resumes too);
-    rollback also reloads the last good checkpoint in place when spikes without rows to blame repeat, and goes on
+    rollback also reloads the last good checkpoint in place when loss spikes without rows to blame repeat, and goes on
     after the data that led there; off judges nothing."""
     spike_z: float = 6.0
     """A loss spike lies this many standard deviations of the loss's step-to-step noise above the median of the last
