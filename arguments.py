@@ -51,9 +51,14 @@ class DataArgs:
     """Data"""
 
     train_data_dir: Optional[str] = None
-    """Folder written by prepare_data.py (datasets save_to_disk): splits train and validation, column input_ids."""
+    """Folder written by prepare_data.py (datasets save_to_disk): splits train and validation, column input_ids. A
+    weighted mixture of such folders (one format, one tokenizer): `wiki-es:0.7,wiki-en:0.3`, each `[name=]folder:weight`;
+    every step holds each folder's share of rows (docs/training.md#data-mixtures)."""
     num_workers: int = 2
     """Data loader worker processes per rank."""
+    record_rows: bool = False
+    """Write out_dir/rows.jsonl: the train rows of every step by folder, `{"step": 5, "rows": {"wiki-es": [...]}}`,
+    to audit what the model saw (a mixture's shares, a spike's data)."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.data.order import EpochBatches, epoch_permutation, eval_plan, rank_micro_batches
+from app.data.order import epoch_permutation, eval_plan, rank_micro_batches
 from app.optimization.schedule import make_plan
 from tests.conftest import ROOT
 
@@ -24,7 +24,7 @@ def plan_for(world_size: int, micro_batch_size: int, accumulation: int, train_ro
 def steps(plan, *, epoch: int = 0, position: int = 0, seed: int = 5) -> list[set[int]]:
     """The samples of each optimizer step, over all ranks and micro-batches."""
     order = epoch_permutation(plan.train_rows, seed=seed, epoch=epoch)
-    per_rank = [EpochBatches(order, plan, rank=r, position=position).batches for r in range(plan.world_size)]
+    per_rank = [rank_micro_batches(order, plan, rank=r, position=position) for r in range(plan.world_size)]
     return [{row for rank in per_rank for batch in rank[i:i + plan.accumulation] for row in batch}
             for i in range(0, len(per_rank[0]), plan.accumulation)]
 

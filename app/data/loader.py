@@ -9,20 +9,30 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
-from datasets import Dataset, load_from_disk
+from datasets import Dataset, DatasetDict, concatenate_datasets, load_from_disk
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from app.data.formats import Batch, DataFormat, Layout, with_trained_tokens, without_training
-from app.data.order import EpochBatches, epoch_permutation, eval_plan, step_rows
+from app.data.mixture import Position, Source, mixture_steps, parse_sources
+from app.data.order import StepBatches, epoch_permutation, epochs_of_steps, eval_plan
 from app.optimization.schedule import TrainingPlan
 from app.reliability.workers import worker_options
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """Where one folder's rows sit in the joined splits (a mixture's; a single folder's are the whole splits)."""
+
+    source: Source
+    train: range
+    validation: range
 
 
 @dataclass
@@ -34,6 +44,12 @@ class TrainingData:
     """Each train row's trained tokens: a step's total is known on every rank without a collective."""
     set_aside: set[int] = field(default_factory=set)
     """Train rows in quarantine (the spike guard's): read as every other row, trained on by no token."""
+    sources: list[SourceRows] = field(default_factory=list)
+    """The folders read, in order: more than one make a mixture."""
+
+    @property
+    def mixture(self) -> bool:
+        return len(self.sources) > 1
 
     def quarantine(self, rows: Iterable[int]) -> None:
         """From the next step on (and in the loaders made after this call) `rows` train nothing."""
@@ -44,6 +60,31 @@ class TrainingData:
     def row_batch(self, row: int) -> Batch:
         """One train row alone as a batch, on the host."""
         return self.format.collate(WithoutRows(self.train, self.set_aside).__getitems__([row]))
+
+    def locate(self, row: int) -> tuple[str, int]:
+        """The folder of a train row and its row there."""
+        part = next(part for part in self.sources if row in part.train)
+        return part.source.path, row - part.train.start
+
+    def tokens_by_source(self, rows: list[int]) -> list[int]:
+        """The trained tokens of `rows` (a step's) from each folder of the mixture."""
+        starts = [part.train.start for part in self.sources]
+        folder = np.searchsorted(starts, rows, side="right") - 1
+        return np.bincount(folder, weights=self.train_trained_tokens[rows], minlength=len(starts)).astype(int).tolist()
+
+    def rows_by_source(self, rows: list[int]) -> dict[str, list[int]]:
+        """`rows` (a step's) as each folder's own row numbers, by folder name, in the step's order."""
+        found: dict[str, list[int]] = {part.source.name: [] for part in self.sources}
+        for row in rows:
+            part = next(part for part in self.sources if row in part.train)
+            found[part.source.name].append(row - part.train.start)
+        return found
+
+    def validation_splits(self) -> dict[str, Dataset]:
+        """The validation split of each folder of a mixture by name; of a single folder, under the name ''."""
+        if not self.mixture:
+            return {"": self.validation}
+        return {part.source.name: self.validation.select(part.validation) for part in self.sources}
 
 
 class WithoutRows(TorchDataset):
@@ -60,13 +101,26 @@ class WithoutRows(TorchDataset):
         return [without_training(item) if row in self.excluded else item for row, item in zip(rows, found)]
 
 
-def load_data(data_dir: str | Path, layout: Layout = "position_ids") -> TrainingData:
-    """The folder's splits; packed rows reach the model in `layout` (the one the preflight's probe chose)."""
-    data_format = replace(DataFormat.of(data_dir), layout=layout)
-    splits = load_from_disk(str(data_dir))
+def load_data(train_data_dir: str | Path, layout: Layout = "position_ids") -> TrainingData:
+    """The folder's splits, or a mixture's (`--train_data_dir`, mixture.py) joined folder after folder; packed rows
+    reach the model in `layout` (the one the preflight's probe chose)."""
+    sources = parse_sources(str(train_data_dir))
+    data_format = replace(DataFormat.of(sources[0].path), layout=layout)
+    folders = [load_from_disk(source.path) for source in sources]
+    splits = {name: concatenate_datasets([folder[name].select_columns(data_format.columns) for folder in folders])
+              if len(folders) > 1 else folders[0][name] for name in ("train", "validation")}
     train, counts = with_trained_tokens(splits["train"], data_format)
     validation, _ = with_trained_tokens(splits["validation"], data_format)
-    return TrainingData(data_format, train, validation, counts)
+    return TrainingData(data_format, train, validation, counts, sources=joined(sources, folders))
+
+
+def joined(sources: list[Source], folders: list[DatasetDict]) -> list[SourceRows]:
+    parts, train, validation = [], 0, 0
+    for source, folder in zip(sources, folders):
+        rows, held_out = len(folder["train"]), len(folder["validation"])
+        parts.append(SourceRows(source, range(train, train + rows), range(validation, validation + held_out)))
+        train, validation = train + rows, validation + held_out
+    return parts
 
 
 @dataclass
@@ -77,32 +131,47 @@ class Step:
     trained_tokens: int
     rows: list[int]
     """The rows of the whole step, all ranks' (order.step_rows)."""
+    mixture: Optional[dict[str, Any]] = None
+    """A mixture's position after this step (state["mixture"])."""
+
+
+def step_sequence(data: TrainingData, plan: TrainingPlan, *, seed: int, epoch: int, position: int,
+                  mixture: Optional[dict[str, Any]]) -> Iterator[tuple[list[int], Optional[dict[str, Any]]]]:
+    """The rows of every step from the state's position on (all ranks'), with a mixture's position after each."""
+    if not data.mixture:
+        return ((rows, None) for rows in epochs_of_steps(len(data.train), plan, seed=seed, epoch=epoch,
+                                                          position=position))
+    sources = [part.source for part in data.sources]
+    steps = mixture_steps(sources, [len(part.train) for part in data.sources],
+                          [part.train.start for part in data.sources], plan.global_batch_size,
+                          Position.from_dict(mixture, sources), epoch_permutation, seed)
+    return ((rows, after.to_dict(sources)) for rows, after in steps)
 
 
 def train_steps(fabric: Fabric, data: TrainingData, plan: TrainingPlan, *, seed: int, epoch: int, position: int,
-                num_workers: int) -> Iterator[Step]:
-    """Steps from (epoch, position) onwards, epoch after epoch, without end."""
-    while True:
-        order = epoch_permutation(len(data.train), seed=seed, epoch=epoch)
-        sampler = EpochBatches(order, plan, rank=fabric.global_rank, position=position)
-        split = WithoutRows(data.train, set(data.set_aside)) if data.set_aside else data.train
-        loader = DataLoader(split, batch_sampler=sampler, collate_fn=data.format.collate,
-                            num_workers=num_workers, pin_memory=fabric.device.type == "cuda",
-                            **worker_options(num_workers))
-        micro_batches = iter(fabric.setup_dataloaders(loader, use_distributed_sampler=False, move_to_device=True))
-        for rows in step_rows(order, plan, position):
-            yield Step([next(micro_batches) for _ in range(plan.accumulation)],
-                       int(data.train_trained_tokens[rows].sum()), rows)
-        epoch, position = epoch + 1, 0
+                num_workers: int, mixture: Optional[dict[str, Any]] = None) -> Iterator[Step]:
+    """Steps from the state's position (epoch, position and a mixture's) onwards, without end. The loader's sampler
+    and the steps read two copies of the same sequence: the loader's workers may run ahead of the steps."""
+    where = dict(seed=seed, epoch=epoch, position=position, mixture=mixture)
+    sampler = StepBatches((rows for rows, _ in step_sequence(data, plan, **where)), plan, rank=fabric.global_rank)
+    split = WithoutRows(data.train, set(data.set_aside)) if data.set_aside else data.train
+    loader = DataLoader(split, batch_sampler=sampler, collate_fn=data.format.collate, num_workers=num_workers,
+                        pin_memory=fabric.device.type == "cuda", **worker_options(num_workers))
+    micro_batches = iter(fabric.setup_dataloaders(loader, use_distributed_sampler=False, move_to_device=True))
+    for rows, after in step_sequence(data, plan, **where):
+        yield Step([next(micro_batches) for _ in range(plan.accumulation)],
+                   int(data.train_trained_tokens[rows].sum()), rows, after)
 
 
-def eval_batches(fabric: Fabric, data: TrainingData, *, batch_size: int, max_batches: int) -> Iterator[Batch]:
-    """This rank's validation batches; padding rows (a rank past the end of the split) have no trained tokens."""
-    for planned in eval_plan(len(data.validation), batch_size=batch_size, rank=fabric.global_rank,
+def eval_batches(fabric: Fabric, data_format: DataFormat, split: Dataset, *, batch_size: int,
+                 max_batches: int) -> Iterator[Batch]:
+    """This rank's batches of a validation split; padding rows (a rank past the end of the split) have no trained
+    tokens."""
+    for planned in eval_plan(len(split), batch_size=batch_size, rank=fabric.global_rank,
                              world_size=fabric.world_size, max_batches=max_batches):
-        rows = data.validation.__getitems__(planned.rows)
+        rows = split.__getitems__(planned.rows)
         for row in rows[planned.real_rows:]:
             without_training(row)
-        batch = data.format.collate(rows)
+        batch = data_format.collate(rows)
         batch.inputs = fabric.to_device(batch.inputs)
         yield batch

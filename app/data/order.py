@@ -1,7 +1,7 @@
 """Which rows each rank reads, as a pure function of the state: the same answer on every rank, nothing read to know it.
 
 Training: each epoch is one seeded permutation of the train split, the same on every rank; it depends on
-(seed, epoch) only. Optimizer step after step takes the next `global_batch_size` samples of it, and splits them
+(seed, epoch) only (a mixture of folders orders its rows as mixture.py says, and is split among ranks alike). Optimizer step after step takes the next `global_batch_size` samples of it, and splits them
 into the micro-batches of every rank. `position` counts the samples of the epoch already trained on, so a run
 resumed on another number of ranks or with another micro batch continues at the same sample of the same order;
 the batches before it are skipped by index, not read. A tail too short for a whole step is left out.
@@ -32,28 +32,38 @@ def step_rows(order: list[int], plan: TrainingPlan, position: int) -> Iterator[l
         yield order[start:start + plan.global_batch_size]
 
 
-def rank_micro_batches(order: list[int], plan: TrainingPlan, *, rank: int, position: int) -> list[list[int]]:
-    """This rank's micro-batches for every whole step from sample `position` of `order` on.
+def epochs_of_steps(num_rows: int, plan: TrainingPlan, *, seed: int, epoch: int,
+                    position: int) -> Iterator[list[int]]:
+    """The rows of every step from sample `position` of epoch `epoch` on, epoch after epoch, without end."""
+    while True:
+        yield from step_rows(epoch_permutation(num_rows, seed=seed, epoch=epoch), plan, position)
+        epoch, position = epoch + 1, 0
+
+
+def rank_share(rows: list[int], plan: TrainingPlan, rank: int) -> list[list[int]]:
+    """This rank's micro-batches of one step's rows (all ranks').
 
     Micro-batch m of a step holds the step's samples [m x world x micro, (m + 1) x world x micro), rank r its
     r-th slice of `micro` samples: every layout of the same global batch trains on the same samples.
     """
     size, world = plan.micro_batch_size, plan.world_size
-    return [rows[(micro * world + rank) * size:(micro * world + rank + 1) * size]
-            for rows in step_rows(order, plan, position) for micro in range(plan.accumulation)]
+    return [rows[(micro * world + rank) * size:(micro * world + rank + 1) * size] for micro in range(plan.accumulation)]
 
 
-class EpochBatches(Sampler[list[int]]):
-    """Micro-batches of row indices for one rank and one epoch, from sample `position` of the epoch on."""
+def rank_micro_batches(order: list[int], plan: TrainingPlan, *, rank: int, position: int) -> list[list[int]]:
+    """This rank's micro-batches for every whole step from sample `position` of `order` on."""
+    return [batch for rows in step_rows(order, plan, position) for batch in rank_share(rows, plan, rank)]
 
-    def __init__(self, order: list[int], plan: TrainingPlan, *, rank: int, position: int = 0) -> None:
-        self.batches = rank_micro_batches(order, plan, rank=rank, position=position)
+
+class StepBatches(Sampler[list[int]]):
+    """Micro-batches of row indices for one rank, from an iterator of steps' rows (all ranks'), as they come."""
+
+    def __init__(self, steps: Iterator[list[int]], plan: TrainingPlan, *, rank: int) -> None:
+        self.steps, self.plan, self.rank = steps, plan, rank
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
+        for rows in self.steps:
+            yield from rank_share(rows, self.plan, self.rank)
 
 
 @dataclass(frozen=True)

@@ -8,33 +8,38 @@ import torch
 from lightning_fabric import Fabric
 from torch.nn import Module
 
-from app.data import TrainingData, eval_batches
+from app.data import TrainingData
+from app.data.loader import eval_batches
 from app.metrics.observe import gather_rows
 from app.model.loss import LossPath
 
 
 @torch.no_grad()
-def validation_loss(fabric: Fabric, model: Module, loss_path: LossPath, data: TrainingData, *, batch_size: int,
-                    max_batches: int) -> float:
-    """Token-weighted mean loss over up to max_batches batches per rank, reduced over all ranks.
+def validation_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: TrainingData, *, batch_size: int,
+                      max_batches: int) -> dict[str, float]:
+    """Token-weighted mean loss over up to max_batches batches per rank, reduced over all ranks: {"": the loss}, and
+    for a mixture also each folder's by name (up to max_batches batches of each), "" being their token-weighted mean.
 
     Every rank runs the same number of forward passes (FSDP gathers parameters collectively). Batches' summed
     token losses are added up and divided by their trained tokens (counted on the host), so batches and ranks with
-    more trained tokens weigh more, and nothing synchronises until the final reduction. The loss is asked for as
+    more trained tokens weigh more, and nothing synchronises until the one final reduction. The loss is asked for as
     training asks (`loss_path`): chunked, it never holds a batch's full logits.
     """
     model.eval()
-    loss_sum = torch.zeros((), device=fabric.device, dtype=torch.float64)
-    token_count = 0
-    for batch in eval_batches(fabric, data, batch_size=batch_size, max_batches=max_batches):
-        loss = loss_path.summed_loss(model, batch)  # on every rank, trained tokens or not
-        if batch.trained_tokens:
-            loss_sum += loss.double()
-            token_count += batch.trained_tokens
+    splits = {name: split for name, split in data.validation_splits().items() if len(split)}
+    totals = torch.zeros(len(splits), 2, device=fabric.device, dtype=torch.float64)
+    for index, split in enumerate(splits.values()):
+        token_count = 0
+        for batch in eval_batches(fabric, data.format, split, batch_size=batch_size, max_batches=max_batches):
+            loss = loss_path.summed_loss(model, batch)  # on every rank, trained tokens or not
+            if batch.trained_tokens:
+                totals[index, 0] += loss.double()
+                token_count += batch.trained_tokens
+        totals[index, 1] = token_count
     model.train()
-    totals = torch.stack([loss_sum, torch.tensor(float(token_count), device=fabric.device, dtype=torch.float64)])
-    totals = fabric.all_reduce(totals, reduce_op="sum")
-    return (totals[0] / totals[1]).item()
+    totals = fabric.all_reduce(totals, reduce_op="sum").tolist()
+    losses = {name: loss_sum / tokens for name, (loss_sum, tokens) in zip(splits, totals) if tokens}
+    return losses | {"": sum(loss_sum for loss_sum, _ in totals) / sum(tokens for _, tokens in totals)}
 
 
 @torch.no_grad()

@@ -178,7 +178,9 @@ def resolve_model_config(args: Args, metadata: dict[str, Any]) -> PretrainedConf
 def resolve_tokenizer(args: Args, metadata: dict[str, Any]) -> str:
     """--tokenizer, else what the run recorded, else the data folder's tokenizer/, else the trained model's."""
     run = metadata.get("config") or {}
-    bundled = Path(run["train_data_dir"]) / "tokenizer" if run.get("train_data_dir") else None
+    from app.data.mixture import first_folder  # not at the top: app.data imports datasets, which conversion needs not
+
+    bundled = Path(first_folder(run["train_data_dir"])) / "tokenizer" if run.get("train_data_dir") else None
     candidates = [args.tokenizer, metadata.get("tokenizer"),
                   str(bundled) if bundled and bundled.is_dir() else None, run.get("model_name")]
     name = next((c for c in candidates if c), None)
@@ -349,7 +351,9 @@ def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
 
 def block_size_of(run: dict[str, Any]) -> Optional[int]:
     """The training block size, read from the data folder's train split when it is still there."""
-    data = run.get("train_data_dir")
+    from app.data.mixture import first_folder
+
+    data = first_folder(run["train_data_dir"]) if run.get("train_data_dir") else None
     if not data or not Path(data).is_dir():
         return None
     from datasets import load_from_disk

@@ -12,6 +12,7 @@ from lightning_fabric.loggers import Logger
 from lightning_fabric.loggers.logger import rank_zero_experiment
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 
+from app.data.mixture import parse_sources
 from app.metrics.console import Console
 from app.metrics.observe import summary_lines
 
@@ -35,9 +36,11 @@ class CSVMetrics(Logger):
     one continuous run.
     """
 
-    def __init__(self, out_dir: str | Path, resume_step: Optional[int] = None) -> None:
+    def __init__(self, out_dir: str | Path, resume_step: Optional[int] = None, sources: tuple[str, ...] = ()) -> None:
         self.path = Path(out_dir) / "metrics.csv"
         self._resume_step = resume_step
+        self.columns = COLUMNS + [f"{metric}/{name}" for metric in ("val_loss", "tokens") for name in sources]
+        """With a mixture's folders (`sources`), their validation losses and trained tokens."""
 
     @property
     def name(self) -> str:
@@ -56,17 +59,39 @@ class CSVMetrics(Logger):
             with open(self.path, newline="") as handle:
                 kept = [row for row in csv.DictReader(handle) if int(row["step"]) <= self._resume_step]
         with open(self.path, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+            writer = csv.DictWriter(handle, fieldnames=self.columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(kept)
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        unknown = set(metrics) - set(COLUMNS)
+        unknown = set(metrics) - set(self.columns)
         if unknown:
             raise KeyError(f"metrics without a metrics.csv column: {sorted(unknown)}")
         with open(self.path, "a", newline="") as handle:
-            csv.DictWriter(handle, fieldnames=COLUMNS).writerow({**metrics, "step": step})
+            csv.DictWriter(handle, fieldnames=self.columns).writerow({**metrics, "step": step})
+
+
+class RowRecord:
+    """`out_dir/rows.jsonl` (--record_rows): one line per step with its train rows by folder, written by rank 0 as
+    the step ends. A resumed run keeps the lines up to its checkpoint's step, as metrics.csv does, so the file reads
+    as the rows of one continuous run."""
+
+    def __init__(self, out_dir: str | Path, resume_step: int) -> None:
+        path = Path(out_dir) / "rows.jsonl"
+        kept = []
+        if resume_step and path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if line.endswith("\n") and json.loads(line)["step"] <= resume_step]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(kept))
+        self.file = open(path, "a", buffering=1)  # a line per step, on disk before the next step
+
+    def write(self, step: int, rows: dict[str, list[int]]) -> None:
+        self.file.write(json.dumps({"step": step, "rows": rows}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class WandbMetrics(Logger):
@@ -130,7 +155,9 @@ class WandbMetrics(Logger):
 
 
 def make_loggers(cfg: Config, resume_step: Optional[int]) -> list[Logger]:
-    loggers: list[Logger] = [CSVMetrics(cfg.out_dir, resume_step)]
+    sources = parse_sources(cfg.train_data_dir) if cfg.train_data_dir else []
+    loggers: list[Logger] = [CSVMetrics(cfg.out_dir, resume_step,
+                                        tuple(source.name for source in sources) if len(sources) > 1 else ())]
     if cfg.wandb_mode != "disabled":
         loggers.append(WandbMetrics(cfg, resuming=bool(resume_step)))
     return loggers

@@ -300,6 +300,11 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         guard = s["spike_guard"]
         lines.append(f"  spike guard: {guard['spikes']} spikes, {guard['skipped_steps']} steps not applied, "
                      f"{guard['rollbacks']} rollbacks, {guard['quarantined_rows']} train rows set aside")
+    if "tokens_by_source" in s:
+        total = sum(s["tokens_by_source"].values()) or 1
+        lines.append("  trained tokens by source: " + ", ".join(
+            f"{name.removeprefix('tokens/')} {tokens:,} ({tokens / total:.1%})"
+            for name, tokens in s["tokens_by_source"].items()))
     for rank, memory in enumerate(s["ranks"]):
         lines.append(f"  rank {rank} memory: " + ", ".join(f"{k.removesuffix('_gb').replace('_', ' ')} "
                                                           f"{format_gb(v)}" for k, v in memory.items()))

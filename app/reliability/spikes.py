@@ -33,7 +33,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 SpikeMode = Literal["off", "detect", "skip", "rollback"]
 Action = Literal["apply", "skip", "rollback", "stop"]
@@ -250,10 +250,14 @@ def culprits(rows: Sequence[tuple[int, float, int]], spike: Spike, floor: float)
     return standing_out
 
 
-def write_quarantine(out_dir: Path, data_dir: str, entries: list[dict]) -> None:
-    """`out_dir/quarantine.jsonl`: one line per row set aside, with the data folder and split to find it in,
-    rewritten whole (atomically) from the run's state, so that it always says what the run skips."""
-    lines = [json.dumps({"data_dir": data_dir, "split": "train"} | entry) + "\n" for entry in entries]
+def write_quarantine(out_dir: Path, entries: list[dict], locate: Callable[[int], tuple[str, int]]) -> None:
+    """`out_dir/quarantine.jsonl`: one line per row set aside, with the data folder, split and row to find it in
+    (`locate`: the folder of a mixture holding the run's row), rewritten whole (atomically) from the run's state, so
+    that it always says what the run skips."""
+    lines = []
+    for entry in entries:
+        data_dir, row = locate(entry["row"])
+        lines.append(json.dumps({"data_dir": data_dir, "split": "train"} | entry | {"row": row}) + "\n")
     temporary = out_dir / f".{QUARANTINE_FILE}.partial"
     temporary.write_text("".join(lines))
     os.replace(temporary, out_dir / QUARANTINE_FILE)

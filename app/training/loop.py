@@ -16,10 +16,10 @@ from lightning_fabric import Fabric
 from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, load_checkpoint, mark_if_best,
                             prune_checkpoints, rng_of_every_rank)
 from app.data import Batch, Step, TrainingData, train_steps
-from app.evaluation.validation import perplexity, row_losses, validation_loss
+from app.evaluation.validation import perplexity, row_losses, validation_losses
 from app.metrics.console import Console
 from app.model.loss import LossPath
-from app.metrics.loggers import should_upload_checkpoint, upload_checkpoint
+from app.metrics.loggers import RowRecord, should_upload_checkpoint, upload_checkpoint
 from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, gather_rows, largest,
                          run_summary)
 from app.evaluation.samples import SampleEvaluator
@@ -82,9 +82,15 @@ def update_weights(optimizer, verdict: StepVerdict, lr: float, gradients: Gradie
     optimizer.step()
 
 
-def advance_position(state: dict[str, Any], plan: TrainingPlan) -> bool:
-    """Count one optimizer step in the state; returns True when it finished an epoch (no whole step left in it)."""
+def advance_position(state: dict[str, Any], plan: TrainingPlan, step: Optional[Step] = None,
+                     data: Optional[TrainingData] = None) -> bool:
+    """Count one optimizer step (`step`, read from `data`) in the state; returns True when it finished an epoch (no
+    whole step left in it; a mixture's epoch is the rows of its plan, mixture.epoch_rows)."""
     state["step"] += 1
+    if step is not None and step.mixture is not None:
+        state["mixture"] = step.mixture
+        for part, tokens in zip(data.sources, data.tokens_by_source(step.rows)):
+            state["source_tokens"][part.source.name] = state["source_tokens"].get(part.source.name, 0) + tokens
     state["position"] += plan.global_batch_size
     if state["position"] + plan.global_batch_size <= plan.train_rows:
         return False
@@ -111,6 +117,7 @@ class Loop:
     loss_path: LossPath
     guard: SpikeGuard
     samples: Optional[SampleEvaluator] = None
+    rows_record: Optional[RowRecord] = None
     resumed_from: Optional[Path] = None
     data_wait: Stopwatch = field(default_factory=Stopwatch)
     evaluation: Stopwatch = field(default_factory=Stopwatch)
@@ -138,6 +145,7 @@ class Loop:
             if verdict.non_finite:
                 self.report_non_finite(loss, verdict.grad_norm)
                 return "non_finite"
+            quarantined = len(self.data.set_aside)
             action = self.judge(step_batches, verdict)
             if action == "apply":
                 update_weights(state["optimizer"], verdict, lr, self.gradients, self.saver.before_update)
@@ -146,12 +154,16 @@ class Loop:
                 return "spikes"
             losses.append(loss)
             self.watchdog.beat(arm=True)
-            epoch_ended = advance_position(state, plan)
+            epoch_ended = advance_position(state, plan, step_batches, self.data)
+            if self.rows_record:
+                self.rows_record.write(state["step"], self.data.rows_by_source(step_batches.rows))
             if action == "rollback":
                 if not self.roll_back():
                     return "spikes"
                 steps, losses = self.steps(), []
                 continue
+            if len(self.data.set_aside) != quarantined:  # read again from here: the loader's rows train nothing
+                steps = self.steps()
             throughput = self.clock.tick(state["step"])
             self.console.advance()
             step, last = state["step"], state["step"] == plan.max_step
@@ -175,7 +187,8 @@ class Loop:
     def steps(self) -> Iterator[Step]:
         """The training steps from the state's epoch and position on."""
         return train_steps(self.fabric, self.data, self.plan, seed=self.cfg.seed, epoch=self.state["epoch"],
-                           position=self.state["position"], num_workers=self.cfg.num_workers)
+                           position=self.state["position"], num_workers=self.cfg.num_workers,
+                           mixture=self.state.get("mixture"))
 
     def judge(self, step: Step, verdict: StepVerdict) -> Action:
         """The spike guard's decision on this step, the same on every rank (spikes.py); what it found is printed, and
@@ -194,7 +207,7 @@ class Loop:
             guard.set_aside(number, blamed)
             self.data.quarantine(row for row, *_ in blamed)
             if self.fabric.is_global_zero:
-                write_quarantine(Path(self.cfg.out_dir), str(self.cfg.train_data_dir), guard.history.quarantine)
+                write_quarantine(Path(self.cfg.out_dir), guard.history.quarantine, self.data.locate)
         self.console.print(f"step {number}: loss spike, {spike.describe()}: " + {
             "apply": f"applied (--spike_guard detect){'; rows standing out: ' + rows if rows else ''}",
             "skip": "not applied; " + (f"train rows set aside in quarantine.jsonl: {rows}" if rows else
@@ -248,7 +261,7 @@ class Loop:
         step = self.state["step"]
         metrics = {"epoch": self.state["epoch"], "train_loss": mean_losses.mean().item(), "lr": lr,
                    "grad_norm": grad_norm.item(), "elapsed_sec": elapsed, "data_wait_pct": 100 * waited / interval,
-                   **throughput, **self.guard.metrics()}
+                   **throughput, **self.guard.metrics(), **self.source_tokens()}
         metrics |= {name: largest(ranks, name) for name in PEAK_MEMORY if not math.isnan(largest(ranks, name))}
         self.console.report(step, self.plan.max_step, metrics, self.clock.eta(step))
         return metrics
@@ -258,7 +271,15 @@ class Loop:
         _, ranks = self.gather_rank_stats(torch.zeros(0))
         summary = run_summary(clock=self.clock, step=self.state["step"], evaluation=self.evaluation,
                               saving=self.saving, ranks=ranks, val_loss=self.state["val_loss"])
-        return summary | ({"spike_guard": self.guard.metrics()} if self.guard.active else {})
+        return (summary | ({"spike_guard": self.guard.metrics()} if self.guard.active else {})
+                | ({"tokens_by_source": self.source_tokens()} if self.data.mixture else {}))
+
+    def source_tokens(self) -> dict[str, int]:
+        """A mixture's trained tokens read so far from each folder (`tokens/<name>`)."""
+        if not self.data.mixture:
+            return {}
+        return {f"tokens/{name}": self.state["source_tokens"].get(name, 0)
+                for name in (part.source.name for part in self.data.sources)}
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss (and generation samples) on every rank; nothing when the data has no validation split."""
@@ -266,9 +287,12 @@ class Loop:
         if not len(self.data.validation):
             return {}
         with self.evaluation.measure():
-            loss = validation_loss(self.fabric, self.state["model"], self.loss_path, self.data,
-                                   batch_size=cfg.eval_batch_size or cfg.micro_batch_size, max_batches=cfg.eval_iters)
-            metrics = {"val_loss": loss, "val_ppl": perplexity(loss)}
+            losses = validation_losses(self.fabric, self.state["model"], self.loss_path, self.data,
+                                       batch_size=cfg.eval_batch_size or cfg.micro_batch_size,
+                                       max_batches=cfg.eval_iters)
+            loss = losses.pop("")
+            metrics = {"val_loss": loss, "val_ppl": perplexity(loss)} | {f"val_loss/{name}": value
+                                                                         for name, value in losses.items()}
             if self.samples:
                 metrics |= self.samples.evaluate(self.fabric, self.state["model"], self.state["step"])
         self.state["val_loss"] = loss

@@ -27,6 +27,7 @@ from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
 from app.data.formats import Layout
+from app.data.mixture import Source, describe, epoch_rows, first_folder, parse_sources
 from app.distributed.precision import bf16_support_problem, fp32_modules_problem, weights_dtype
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.exit_codes import EXIT_BAD_INPUT
@@ -59,6 +60,8 @@ class RunInputs:
     """How packed examples reach the model so that they stay apart (app/model/isolation.py)."""
     chunked_loss: bool = False
     """Whether the loss is computed in chunks without the full logits (app/model/loss.py)."""
+    mixture: str = ""
+    """A mixture's folders, one line each (app/data/mixture.py describe); empty for one folder."""
 
 
 @dataclass
@@ -80,6 +83,9 @@ class DataFacts:
     mean_target_tokens: float
     """Of seq2seq data's targets; 0 for the other formats, whose labels are their inputs."""
     max_token_id: int
+    sources: Optional[list[Source]] = None
+    """A mixture's folders (app/data/mixture.py), with `source_rows` their train rows; None for one folder."""
+    source_rows: Optional[list[int]] = None
 
 
 def launching_process() -> bool:
@@ -100,7 +106,66 @@ def world_size(cfg: Config) -> int:
 
 
 def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
-    path = Path(cfg.train_data_dir)
+    """The facts of --train_data_dir's folder, or of a mixture's folders together (app/data/mixture.py)."""
+    try:
+        sources = parse_sources(cfg.train_data_dir)
+    except ValueError as error:
+        problems.append(str(error))
+        return None
+    facts = [check_folder(Path(source.path), problems) for source in sources]
+    if any(fact is None for fact in facts):
+        return None
+    return mixture_facts(sources, facts, problems) if len(sources) > 1 else facts[0]
+
+
+def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[str]) -> Optional[DataFacts]:
+    """One format, one block length (rows of blocks are stacked into one tensor) and one tokenizer for every folder
+    of a mixture; the facts of the mixture: the rows of its epoch (mixture.epoch_rows), rows of the weighted mean."""
+    def differ(what: str, values: list) -> bool:
+        if len(set(values)) > 1:
+            listed = ", ".join(f"{source.name}: {value}" for source, value in zip(sources, values))
+            problems.append(f"--train_data_dir: a mixture's folders must hold one {what} ({listed}); prepare them "
+                            "alike")
+        return len(set(values)) > 1
+
+    if differ("format", [fact.format.name for fact in facts]):
+        return None
+    if not facts[0].format.padded and differ("block length", [fact.block_size for fact in facts]):
+        return None
+    first = AutoTokenizer.from_pretrained(str(Path(sources[0].path) / "tokenizer"))
+    for source in sources[1:]:
+        difference = tokenizer_difference(AutoTokenizer.from_pretrained(str(Path(source.path) / "tokenizer")), first)
+        if difference:
+            problems.append(f"--train_data_dir: {source.path} was prepared with another tokenizer than "
+                            f"{sources[0].path} ({difference}); prepare every folder of a mixture with one tokenizer")
+            return None
+    weights = [float(source.weight) for source in sources]
+    return DataFacts(format=facts[0].format, train_rows=epoch_rows([s.weight for s in sources],
+                                                                   [fact.train_rows for fact in facts]),
+                     validation_rows=sum(fact.validation_rows for fact in facts),
+                     block_size=max(fact.block_size for fact in facts),
+                     mean_row_tokens=sum(w * fact.mean_row_tokens for w, fact in zip(weights, facts)),
+                     mean_target_tokens=sum(w * fact.mean_target_tokens for w, fact in zip(weights, facts)),
+                     max_token_id=max(fact.max_token_id for fact in facts), sources=sources,
+                     source_rows=[fact.train_rows for fact in facts])
+
+
+def check_mixture_resume(cfg: Config, resume: Optional[Resume], problems: list[str]) -> None:
+    """A resumed mixture keeps the checkpoint's folders in their order (its quarantined rows and positions are
+    numbered by them); weights may change and folders may be added at the end."""
+    saved = (resume.metadata.get("config") or {}).get("train_data_dir") if resume else None
+    if not saved or not cfg.train_data_dir:
+        return
+    try:
+        before, now = [s.path for s in parse_sources(saved)], [s.path for s in parse_sources(cfg.train_data_dir)]
+    except ValueError:
+        return
+    if now[:len(before)] != before:
+        problems.append(f"--train_data_dir: the checkpoint was trained on {', '.join(before)}; a resumed run keeps "
+                        "those folders in that order (weights may change, folders may be added after them)")
+
+
+def check_folder(path: Path, problems: list[str]) -> Optional[DataFacts]:
     flag = f"--train_data_dir {path}"
     if not path.is_dir():
         problems.append(f"{flag}: no such folder; create it with prepare_data.py")
@@ -236,7 +301,7 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     Training reads token ids and needs no tokenizer: one that is only a default and does not load is left out
     (the converter then asks for --tokenizer); one given with --tokenizer must load.
     """
-    bundled = Path(cfg.train_data_dir or "") / "tokenizer"
+    bundled = Path(first_folder(cfg.train_data_dir) if cfg.train_data_dir else "") / "tokenizer"
     name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else cfg.model_name)
     if name is None:
         return None
@@ -505,6 +570,7 @@ def preflight(cfg: Config) -> RunInputs:
         packed_layout = check_packed_isolation(cfg, model_config, data, problems)
     chunked_loss = check_chunked_loss(cfg, model_config) if model_config is not None else False
     resume = resolve_resume(cfg, model_config, problems)
+    check_mixture_resume(cfg, resume, problems)
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
     if data is not None:
@@ -520,4 +586,5 @@ def preflight(cfg: Config) -> RunInputs:
         sys.exit(EXIT_BAD_INPUT)
     return RunInputs(config=resolve_learning_rates(cfg, plan), model_config=model_config, wrap_classes=wrap_classes,
                      plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
-                     packed_layout=packed_layout, chunked_loss=chunked_loss)
+                     packed_layout=packed_layout, chunked_loss=chunked_loss,
+                     mixture=describe(data.sources, data.source_rows) if data and data.sources else "")

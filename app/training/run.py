@@ -22,7 +22,7 @@ from app.evaluation.samples import SampleEvaluator, decoding_for
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_SPIKES)
 from app.metrics.console import Console
-from app.metrics.loggers import make_loggers, report_summary
+from app.metrics.loggers import RowRecord, make_loggers, report_summary
 from app.metrics.memory_plan import ModelShape, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.model.build import DeferredInit, deferred_init, setup_model
@@ -57,7 +57,7 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
         block_size = cfg.block_size or inputs.plan.block_size
         report, fits = memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, block_size,
                                                           inputs.plan.accumulation, inputs.chunked_loss))
-        print(report)
+        print(report + (f"\ndata: a mixture of\n{inputs.mixture}" if inputs.mixture else ""))
         if not fits:  # a script planning runs reads the answer from the exit code
             sys.exit(EXIT_BAD_INPUT)
         return
@@ -101,6 +101,8 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "rng": None,
         "grad_scaler": {},
         "spike_guard": None,
+        "mixture": None,
+        "source_tokens": {},
         "config": cfg.to_dict(),
         "model_config": inputs.model_config.to_dict(),
         "tokenizer": inputs.tokenizer,
@@ -113,7 +115,8 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any]) -> No
     with loading.measure():
         saved = load_checkpoint(path, state["model"], state["optimizer"])
     state |= {key: saved[key] for key in ("step", "epoch", "position", "val_loss")}
-    state["spike_guard"] = saved.get("spike_guard")
+    state |= {"spike_guard": saved.get("spike_guard"), "mixture": saved.get("mixture"),
+              "source_tokens": saved.get("source_tokens") or {}}
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
     if saved.get("grad_scaler"):
         fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
@@ -167,7 +170,7 @@ def spike_guard(fabric: Fabric, cfg: Config, state: dict[str, Any], data: Traini
     if guard.sets_aside and guard.history.quarantine:
         data.quarantine(guard.history.quarantined_rows())
         if fabric.is_global_zero:
-            write_quarantine(Path(cfg.out_dir), str(cfg.train_data_dir), guard.history.quarantine)
+            write_quarantine(Path(cfg.out_dir), guard.history.quarantine, data.locate)
         fabric.print(f"{len(guard.history.quarantine)} train rows set aside by the spike guard train nothing "
                      f"({Path(cfg.out_dir) / QUARANTINE_FILE})")
     return guard
@@ -215,8 +218,12 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                 samples=sample_evaluator(cfg, inputs, data), watchdog=stall_watchdog(fabric, cfg),
                 saver=CheckpointSaver(fabric, state, sharded=cfg.state_dict_type == "sharded",
                                       background=cfg.async_save),
-                guard=spike_guard(fabric, cfg, state, data), resumed_from=inputs.resume_from)
+                guard=spike_guard(fabric, cfg, state, data), resumed_from=inputs.resume_from,
+                rows_record=RowRecord(cfg.out_dir, state["step"]) if cfg.record_rows and fabric.is_global_zero
+                else None)
     outcome = loop.fit()
+    if loop.rows_record:
+        loop.rows_record.close()
     loop.saver.close()
     loop.watchdog.disarm()
     console.close()

@@ -1,0 +1,188 @@
+"""Weighted mixtures of prepared folders (`--train_data_dir wiki-es:0.7,wiki-en:0.2,code:0.1`), as pure functions.
+
+A mixture is a source of rows for the order (order.py), not a data format: its folders hold one format and one
+tokenizer (the preflight refuses others), their train splits are read as one split whose rows are numbered folder
+after folder, and only which rows make each step changes.
+
+**Shares.** Every global batch of G rows holds each source's share as exactly as integers allow: source i gets
+floor(G x w_i) rows, and the R rows left over (R = G - sum of the floors) go to the R sources whose share is most
+behind: their credit (the rows they were due over the steps so far, minus the rows they got) plus this step's
+fraction, ties to the earlier source. Each step therefore holds the floor or the ceiling of every share, and a
+source's rows over any number of steps from the start stay within one row of its exact share (checked for random
+weights in tests/test_mixture.py). The sequence is a function of the weights and the global batch: no coin flips,
+so a 3:1 mixture with a global batch of 16 takes 12 and 4 rows at every step.
+
+**Rows.** Each source is read as its own stream of epochs: a seeded permutation of its rows per epoch (order.py's,
+with a seed salted by the source's name), so a source smaller than its share repeats, epoch after epoch in a new
+order, and none of its rows comes again before all of them came. A step's rows of each source are spread evenly over
+the step, so every micro-batch mixes the sources alike.
+
+**Position.** Per source, the rows taken so far and the credit: that is the mixture's position, kept in the
+checkpoint (state["mixture"]); with it a run resumed on any number of ranks or micro batch continues the same
+sequence of rows. The weights may change at a resume (an annealing phase), and folders may be added at the end.
+
+Why by hand: LitData's CombinedStreamingDataset and datasets' interleave_datasets draw each row's source at random
+(a batch's shares vary from step to step) and resume by replaying their sampler; Megatron's blends are exact but
+index whole preprocessed corpora ahead of time. Neither fits an order that is a pure function of the state.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable
+
+NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One folder of a mixture: the name its metrics carry, its path and its weight (normalised over the mixture)."""
+
+    name: str
+    path: str
+    weight: Fraction
+
+
+def parse_sources(spec: str) -> list[Source]:
+    """`--train_data_dir`: one folder, or `[name=]folder:weight,...`. Raises ValueError with one line naming the flag.
+
+    A name defaults to the folder's own name; weights are any positive numbers (3:1 is 0.75:0.25) and are normalised.
+    A single folder with a weight is a single folder.
+    """
+    items = [item.strip() for item in spec.split(",")]
+    if any(not item for item in items):
+        raise ValueError(f"--train_data_dir {spec!r}: an empty entry; write folder:weight,folder:weight")
+    parsed = [_parse_item(item) for item in items]
+    if len(parsed) > 1 and any(weight is None for _, _, weight in parsed):
+        unweighted = next(path for _, path, weight in parsed if weight is None)
+        raise ValueError(f"--train_data_dir: {unweighted} has no weight; give every folder of a mixture one "
+                         "(folder:weight,folder:weight)")
+    names = [name for name, _, _ in parsed]
+    odd = next((path for name, path, _ in parsed if not NAME.fullmatch(name)), None) if len(parsed) > 1 else None
+    if odd:
+        raise ValueError(f"--train_data_dir: {odd} needs a name of letters, digits, '.', '_' or '-' for its metrics; "
+                         "write name=folder:weight")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--train_data_dir: two folders are named {repeated[0]}; name them (name=folder:weight)")
+    weights = [weight or Fraction(1) for _, _, weight in parsed]
+    total = sum(weights)
+    return [Source(name, path, weight / total) for (name, path, _), weight in zip(parsed, weights)]
+
+
+def _parse_item(item: str) -> tuple[str, str, Fraction | None]:
+    name, path = (item.split("=", 1) if "=" in item and NAME.fullmatch(item.split("=", 1)[0]) else (None, item))
+    weight = None
+    if ":" in path:
+        folder, text = path.rsplit(":", 1)
+        try:
+            weight = Fraction(text)
+        except ValueError:
+            folder = path  # a colon inside the folder's own name
+        else:
+            path = folder
+            if weight <= 0:
+                raise ValueError(f"--train_data_dir: the weight of {folder} must be positive, got {text}")
+    return name or Path(path.rstrip("/")).name, path, weight
+
+
+def first_folder(spec: str) -> str:
+    """The first folder of `--train_data_dir` (the one whose tokenizer/ the run records); the text itself when it
+    does not parse (the preflight says why)."""
+    try:
+        return parse_sources(spec)[0].path
+    except ValueError:
+        return spec
+
+
+def describe(sources: list[Source], rows: list[int]) -> str:
+    """One line per source, for --print_config and --estimate_memory."""
+    return "\n".join(f"{source.name}: {float(source.weight):.1%} of every step, {count:,} train rows ({source.path})"
+                     for source, count in zip(sources, rows))
+
+
+def epoch_rows(weights: list[Fraction], rows: list[int]) -> int:
+    """The rows of a mixture's epoch: the steps in which the source that lasts longest is met once (a tail shorter
+    than its share is left to the next epoch) times the global batch, whatever the global batch:
+    floor(floor(N / w) / G) = floor(N / (w G))."""
+    return max(math.floor(count / weight) for count, weight in zip(rows, weights))
+
+
+def step_counts(weights: list[Fraction], global_batch: int,
+                credits: list[Fraction]) -> tuple[list[int], list[Fraction]]:
+    """Each source's rows in the next step, and the credits after it (see the module docstring)."""
+    due = [credit + global_batch * weight for credit, weight in zip(credits, weights)]
+    counts = [math.floor(global_batch * weight) for weight in weights]
+    left = global_batch - sum(counts)
+    behind = sorted(range(len(weights)), key=lambda i: (counts[i] - due[i], i))[:left]
+    for i in behind:
+        counts[i] += 1
+    return counts, [owed - count for owed, count in zip(due, counts)]
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a mixture stands: per source, the rows taken so far and the credit."""
+
+    taken: tuple[int, ...]
+    credits: tuple[Fraction, ...]
+
+    @classmethod
+    def start(cls, sources: int) -> "Position":
+        return cls((0,) * sources, (Fraction(0),) * sources)
+
+    def to_dict(self, sources: list[Source]) -> dict[str, Any]:
+        """The state's plain-data form (the checkpoint's JSON), fractions exact."""
+        return {source.name: {"weight": str(source.weight), "taken": taken, "credit": str(credit)}
+                for source, taken, credit in zip(sources, self.taken, self.credits)}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any] | None, sources: list[Source]) -> "Position":
+        """The position saved for these sources: a source the checkpoint did not read starts at its first row; when
+        the folders or weights changed, the credits start again from zero (the shares follow the new weights)."""
+        saved = saved or {}
+        taken = tuple(int(saved.get(source.name, {}).get("taken", 0)) for source in sources)
+        same = {name: entry.get("weight") for name, entry in saved.items()} == {
+            source.name: str(source.weight) for source in sources}
+        credits = tuple(Fraction(saved[source.name]["credit"]) if same else Fraction(0) for source in sources)
+        return cls(taken, credits)
+
+
+def source_seed(seed: int, name: str) -> int:
+    """The seed of a source's permutations: the run's, salted by the source's name (not its place in the list)."""
+    return seed * 65_537 + zlib.crc32(name.encode())
+
+
+def interleave(per_source: list[list[int]]) -> list[int]:
+    """The step's rows, each source's spread evenly over the step (its j-th of n rows at (j + 1/2) / n)."""
+    keyed = [((j + 0.5) / len(rows), i, row) for i, rows in enumerate(per_source) for j, row in enumerate(rows)]
+    return [row for *_, row in sorted(keyed)]
+
+
+def mixture_steps(sources: list[Source], rows: list[int], offsets: list[int], global_batch: int, position: Position,
+                  permutation: Callable[..., list[int]], seed: int) -> Iterator[tuple[list[int], Position]]:
+    """The rows of every step from `position` on (numbered as in the joined split: a source's rows from its offset),
+    each with the position after it. `permutation(num_rows, seed=, epoch=)` is order.epoch_permutation."""
+    weights = [source.weight for source in sources]
+    orders: dict[tuple[int, int], list[int]] = {}
+
+    def row_of(i: int, index: int) -> int:
+        epoch = index // rows[i]
+        if (i, epoch) not in orders:
+            if len(orders) > 2 * len(sources):  # past epochs are not read again
+                orders.clear()
+            orders[(i, epoch)] = permutation(rows[i], seed=source_seed(seed, sources[i].name), epoch=epoch)
+        return offsets[i] + orders[(i, epoch)][index % rows[i]]
+
+    taken, credits = list(position.taken), list(position.credits)
+    while True:
+        counts, credits = step_counts(weights, global_batch, credits)
+        step = [[row_of(i, taken[i] + j) for j in range(count)] for i, count in enumerate(counts)]
+        taken = [before + count for before, count in zip(taken, counts)]
+        yield interleave(step), Position(tuple(taken), tuple(credits))

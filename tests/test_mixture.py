@@ -1,0 +1,239 @@
+"""Weighted mixtures of prepared folders: the shares of every step, each folder's own epochs, the position a resume
+continues from (pure), the joined data, the preflight's refusals, and real runs that resume on 1 and 4 processes
+with the rows of a straight run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import shutil
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from datasets import DatasetDict, load_from_disk
+
+from app.data.mixture import (Position, Source, epoch_rows, interleave, mixture_steps, parse_sources, step_counts)
+from app.data.order import epoch_permutation, epochs_of_steps, step_rows
+from app.optimization.schedule import make_plan
+from conftest import BLOCK_SIZE, TinySetup, run_train, train_args
+
+
+def weights_of(*raw: int) -> list[Fraction]:
+    return [Fraction(value, sum(raw)) for value in raw]
+
+
+def test_the_command_line_names_folders_weights_and_refuses_what_it_cannot_read_in_one_line() -> None:
+    sources = parse_sources("/data/wiki-es:0.7,/data/wiki-en:0.2,code=/data/the-stack/:0.1")
+    assert sources == [Source("wiki-es", "/data/wiki-es", Fraction(7, 10)),
+                       Source("wiki-en", "/data/wiki-en", Fraction(2, 10)),
+                       Source("code", "/data/the-stack/", Fraction(1, 10))]
+    assert [s.weight for s in parse_sources("a:3,b:1")] == weights_of(3, 1), "weights are normalised"
+    assert parse_sources("/runs/x:y") == [Source("x:y", "/runs/x:y", Fraction(1))], "a colon inside a folder's name"
+    assert len(parse_sources("/data/one:0.5")) == 1
+    for spec, message in (("a:3,b", "b has no weight"), ("a:1,/x/a:1", "two folders are named a"),
+                          ("a:0,b:1", "must be positive"), ("a:1,,b:1", "an empty entry")):
+        with pytest.raises(ValueError, match=message):
+            parse_sources(spec)
+
+
+def test_every_step_holds_each_share_as_exactly_as_integers_allow() -> None:
+    credits = [Fraction(0)] * 2
+    for _ in range(100):
+        counts, credits = step_counts(weights_of(3, 1), 16, credits)
+        assert counts == [12, 4]
+    rng = random.Random(0)
+    for _ in range(100):
+        weights = weights_of(*(rng.randint(1, 100) for _ in range(rng.randint(2, 6))))
+        batch = rng.choice([1, 3, 16, 64])
+        credits, taken = [Fraction(0)] * len(weights), [0] * len(weights)
+        for step in range(1, 200):
+            counts, credits = step_counts(weights, batch, credits)
+            assert sum(counts) == batch
+            for i, (count, weight) in enumerate(zip(counts, weights)):
+                assert count in (int(batch * weight), -int(-batch * weight // 1)), "the floor or the ceiling"
+                taken[i] += count
+                assert abs(taken[i] - step * batch * weight) < 1, "within one row of the exact share"
+
+
+def steps_of(weights: list[Fraction], rows: list[int], position: Position, count: int, batch: int = 16):
+    sources = [Source(f"s{i}", f"/s{i}", weight) for i, weight in enumerate(weights)]
+    offsets = [sum(rows[:i]) for i in range(len(rows))]
+    steps = mixture_steps(sources, rows, offsets, batch, position, epoch_permutation, seed=7)
+    return [next(steps) for _ in range(count)], sources
+
+
+def test_a_small_source_repeats_only_after_all_its_rows_and_a_resume_continues_the_same_rows() -> None:
+    rows = [500, 30]
+    straight, sources = steps_of(weights_of(3, 1), rows, Position.start(2), 100)
+    small = [row - 500 for step, _ in straight for row in step if row >= 500]
+    assert len(small) == 400
+    for epoch in range(len(small) // 30):
+        assert sorted(small[epoch * 30:(epoch + 1) * 30]) == list(range(30)), f"epoch {epoch} of the small source"
+    assert small[:30] != small[30:60], "each epoch in its own order"
+    assert all(sum(row < 500 for row in step) == 12 for step, _ in straight)
+    for k in (1, 37, 99):
+        saved = json.loads(json.dumps(straight[k - 1][1].to_dict(sources)))  # through the checkpoint's JSON
+        resumed, _ = steps_of(weights_of(3, 1), rows, Position.from_dict(saved, sources), 100 - k)
+        assert [step for step, _ in resumed] == [step for step, _ in straight[k:]], f"resumed after step {k}"
+
+
+def test_changed_weights_at_a_resume_start_the_credits_again_and_keep_the_rows_taken() -> None:
+    sources = [Source("a", "/a", Fraction(3, 4)), Source("b", "/b", Fraction(1, 4))]
+    saved = Position((120, 40), (Fraction(1, 3), Fraction(-1, 3))).to_dict(sources)
+    assert Position.from_dict(saved, sources) == Position((120, 40), (Fraction(1, 3), Fraction(-1, 3)))
+    annealed = [Source("a", "/a", Fraction(1, 2)), Source("b", "/b", Fraction(1, 2)), Source("c", "/c", Fraction(0))]
+    assert Position.from_dict(saved, annealed) == Position((120, 40, 0), (Fraction(0),) * 3)
+
+
+def test_a_step_spreads_each_source_over_its_micro_batches_and_an_epoch_meets_the_longest_lasting_source() -> None:
+    assert interleave([[0, 1, 2], [10]]) == [0, 1, 10, 2]
+    mixed = interleave([list(range(12)), list(range(100, 104))])
+    assert [sum(row >= 100 for row in mixed[i:i + 4]) for i in range(0, 16, 4)] == [1, 1, 1, 1]
+    assert epoch_rows(weights_of(3, 1), [500, 30]) == 666, "500 rows at 3/4 of every step"
+    assert epoch_rows(weights_of(1, 1), [10, 300]) == 600
+
+
+def test_the_order_of_one_folder_crosses_epochs_as_epoch_by_epoch() -> None:
+    plan = make_plan(train_rows=100, block_size=8, world_size=2, micro_batch_size=3, accumulation=2,
+                     number_epochs=1, max_step=None)
+    by_epoch = [rows for epoch in (3, 4, 5) for rows in step_rows(epoch_permutation(100, seed=5, epoch=epoch), plan,
+                                                                     24 if epoch == 3 else 0)]
+    crossing = epochs_of_steps(100, plan, seed=5, epoch=3, position=24)
+    assert [next(crossing) for _ in by_epoch] == by_epoch
+
+
+# --- the joined data, the preflight, and real runs ---------------------------------------------------------------
+
+SMALL_TRAIN, SMALL_VALIDATION = 40, 24
+
+
+@pytest.fixture(scope="module")
+def small(tiny: TinySetup, tmp_path_factory) -> Path:
+    """A second folder of the tiny setup's format and tokenizer: 40 train and 24 validation rows of its own."""
+    splits = load_from_disk(str(tiny.data))
+    target = tmp_path_factory.mktemp("mixture") / "small"
+    DatasetDict(train=splits["train"].select(range(SMALL_TRAIN)),
+                validation=splits["validation"].select(range(SMALL_VALIDATION))).save_to_disk(str(target))
+    shutil.copy(tiny.data / "stats.json", target / "stats.json")
+    shutil.copytree(tiny.data / "tokenizer", target / "tokenizer")
+    return target
+
+
+def test_the_folders_are_read_as_one_split_numbered_folder_after_folder(tiny, small) -> None:
+    from app.data import load_data
+
+    alone, mixed = load_data(tiny.data), load_data(f"big={tiny.data}:3,{small}:1")
+    big_rows = len(alone.train)
+    assert len(mixed.train) == big_rows + SMALL_TRAIN and mixed.mixture and not alone.mixture
+    assert mixed.train[big_rows + 5]["input_ids"].tolist() == load_from_disk(str(small))["train"][5]["input_ids"]
+    assert mixed.locate(big_rows + 5) == (str(small), 5) and mixed.locate(3) == (str(tiny.data), 3)
+    assert mixed.rows_by_source([3, big_rows + 5, 9]) == {"big": [3, 9], "small": [5]}
+    assert mixed.tokens_by_source([3, big_rows + 5, 9]) == [2 * (BLOCK_SIZE - 1), BLOCK_SIZE - 1]
+    assert {name: len(split) for name, split in mixed.validation_splits().items()} == {
+        "big": len(alone.validation), "small": SMALL_VALIDATION}
+    one = load_data(f"{tiny.data}:1")
+    assert not one.mixture and one.train.data.equals(alone.train.data), "a mixture of one is the folder"
+
+
+def test_folders_that_cannot_be_mixed_are_refused_before_any_work(tiny, small, long_blocks, tmp_path, capsys) -> None:
+    from app.training.preflight import preflight
+    from arguments import parse_config
+
+    for spec, message in ((f"{tiny.data}:3,long={long_blocks}:1", "must hold one block length (data: 32, long: 1024)"),
+                          (f"{tiny.data}:3,{small}", f"{small} has no weight"),
+                          (f"{tiny.data}:3,{tmp_path / 'absent'}:1", "absent: no such folder")):
+        with pytest.raises(SystemExit) as exit_info:
+            preflight(parse_config(train_args(tiny, tmp_path / "out", train_data_dir=spec)))
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, spec
+    assert not (tmp_path / "out").exists()
+
+
+def test_print_config_and_the_memory_plan_show_the_mixture(tiny, small, tmp_path, capfd) -> None:
+    from app.training.run import run
+    from arguments import parse_config
+
+    mixture = f"{tiny.data}:3,{small}:1"
+    run(parse_config(train_args(tiny, tmp_path / "out", train_data_dir=mixture, print_config=True, max_step=None)))
+    printed = capfd.readouterr().out
+    train_rows = len(load_from_disk(str(tiny.data))["train"])
+    assert f"#     data: 75.0% of every step, {train_rows:,} train rows ({tiny.data})" in printed
+    assert f"#     small: 25.0% of every step, {SMALL_TRAIN} train rows ({small})" in printed
+    epoch_steps = int(train_rows / Fraction(3, 4)) // 16
+    assert f"optimizer steps: {epoch_steps} (--number_epochs 1; {epoch_steps} steps per epoch" in printed
+    run(parse_config(train_args(tiny, tmp_path / "out", train_data_dir=mixture, estimate_memory=True)))
+    assert "data: a mixture of\ndata: 75.0% of every step" in capfd.readouterr().out
+
+
+def metrics_of(out_dir: Path) -> dict[int, dict[str, str]]:
+    with open(out_dir / "metrics.csv", newline="") as handle:
+        rows: dict[int, dict[str, str]] = {}
+        for row in csv.DictReader(handle):
+            rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v != ""})
+        return rows
+
+
+def rows_of(out_dir: Path) -> dict[int, dict[str, list[int]]]:
+    lines = [json.loads(line) for line in (out_dir / "rows.jsonl").read_text().splitlines()]
+    return {line["step"]: line["rows"] for line in lines}
+
+
+MIXTURE_RUN = dict(max_step=100, eval_step_interval=25, eval_iters=2, save_step_interval=20, record_rows=True,
+                   warmup_steps=10, log_interval=10)
+
+
+@pytest.fixture(scope="module")
+def straight(tiny, small, tmp_path_factory) -> Path:
+    """3:1 of the tiny setup's rows and the small folder's, a global batch of 16 on 2 processes with loader workers,
+    100 steps: the small folder's 40 rows go round 10 times."""
+    out_dir = tmp_path_factory.mktemp("mixture-runs") / "straight"
+    result = run_train(train_args(tiny, out_dir, train_data_dir=f"{tiny.data}:3,{small}:1", num_workers=2,
+                                  **MIXTURE_RUN))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out_dir
+
+
+def test_every_step_holds_12_and_4_rows_and_the_small_folder_repeats_only_after_all_its_rows(straight) -> None:
+    steps = rows_of(straight)
+    assert sorted(steps) == list(range(1, 101))
+    assert all(len(rows["data"]) == 12 and len(rows["small"]) == 4 for rows in steps.values())
+    small = [row for step in range(1, 101) for row in steps[step]["small"]]
+    assert [sorted(small[i:i + SMALL_TRAIN]) for i in range(0, 400, SMALL_TRAIN)] == [list(range(SMALL_TRAIN))] * 10
+    big = [row for step in range(1, 101) for row in steps[step]["data"]]
+    assert len(set(big[:600])) == 600, "no row of the large folder comes twice within its epoch"
+    metrics = metrics_of(straight)
+    assert int(metrics[100]["tokens/data"]) == 100 * 12 * (BLOCK_SIZE - 1)
+    assert int(metrics[100]["tokens/small"]) == 100 * 4 * (BLOCK_SIZE - 1)
+
+
+def test_each_folder_is_validated_and_the_loss_is_their_token_weighted_mean(straight) -> None:
+    metrics = metrics_of(straight)
+    evaluated = [step for step, row in metrics.items() if "val_loss" in row]
+    assert evaluated == [0, 25, 50, 53, 75, 100], "and at the end of the epoch: 862 rows / 16"
+    for step in evaluated:  # 2 batches of 4 rows on each of 2 ranks from each folder: 16 rows of 31 targets each
+        row = {name: float(metrics[step][name]) for name in ("val_loss", "val_loss/data", "val_loss/small")}
+        assert row["val_loss"] == pytest.approx((row["val_loss/data"] + row["val_loss/small"]) / 2, rel=1e-6)
+    assert float(metrics[100]["val_loss/small"]) < float(metrics[0]["val_loss/small"])
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["tokens_by_source"] == {"tokens/data": 37200, "tokens/small": 12400}
+
+
+@pytest.mark.parametrize("devices, micro_batch_size, from_step", [(1, 8, 60), (4, 2, 80)])
+def test_a_resume_on_another_number_of_processes_continues_the_same_rows(tiny, small, straight, tmp_path, devices,
+                                                                         micro_batch_size, from_step) -> None:
+    out_dir = tmp_path / "resumed"
+    checkpoint = straight / "checkpoints" / f"step-{from_step:08d}.ckpt"
+    result = run_train(train_args(tiny, out_dir, train_data_dir=f"{tiny.data}:3,{small}:1", devices=devices,
+                                  micro_batch_size=micro_batch_size, resume=True, checkpoint=checkpoint,
+                                  **MIXTURE_RUN))
+    assert result.returncode == 0, result.stdout + result.stderr
+    resumed, expected = rows_of(out_dir), rows_of(straight)
+    assert sorted(resumed) == list(range(from_step + 1, 101))
+    assert all(resumed[step] == expected[step] for step in resumed), "the same rows, step by step"
+    metrics, reference = metrics_of(out_dir), metrics_of(straight)
+    for step in (from_step + 10, 100):
+        assert float(metrics[step]["train_loss"]) == pytest.approx(float(reference[step]["train_loss"]), rel=1e-4)
+    assert float(metrics[100]["val_loss/small"]) == pytest.approx(float(reference[100]["val_loss/small"]), rel=1e-4)
+    assert int(metrics[100]["tokens/small"]) == int(reference[100]["tokens/small"]), "counted on from the checkpoint"
