@@ -38,8 +38,10 @@ LONGEST_FILES_FIRST = (
     "test_precision.py",  # 225 s
     "test_async_save.py",  # 223 s
     "test_training.py",  # 132 s
+    "test_spike_guard.py",  # 123 s (one test: three runs)
     "test_memory_plan.py",  # 118 s
     "test_hybrid_shard.py",  # 109 s
+    "test_mixture.py",  # about 100 s: a 100-step run, resumed on 1 and on 4 processes
     "test_gpu_check.py",  # 104 s alone (one test: about 10 processes)
     "test_convert.py",  # 86 s
     "test_seq2seq.py",  # 79 s

@@ -108,10 +108,11 @@ def describe(sources: list[Source], rows: list[int]) -> str:
 
 
 def epoch_rows(weights: list[Fraction], rows: list[int]) -> int:
-    """The rows of a mixture's epoch: the steps in which the source that lasts longest is met once (a tail shorter
-    than its share is left to the next epoch) times the global batch, whatever the global batch:
-    floor(floor(N / w) / G) = floor(N / (w G))."""
-    return max(math.floor(count / weight) for count, weight in zip(rows, weights))
+    """The rows of a mixture's epoch: one pass over its first folder (the data the run is for, listed first; the
+    folders replayed beside it may be far larger), as rows of the mixture. Its steps are floor(N / (w G)) for any
+    global batch G, as floor(floor(N / w) / G) is; the first folder's tail shorter than its share of a step is read in
+    the next epoch."""
+    return math.floor(rows[0] / weights[0])
 
 
 def step_counts(weights: list[Fraction], global_batch: int,

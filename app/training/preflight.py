@@ -120,7 +120,8 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
 
 def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[str]) -> Optional[DataFacts]:
     """One format, one block length (rows of blocks are stacked into one tensor) and one tokenizer for every folder
-    of a mixture; the facts of the mixture: the rows of its epoch (mixture.epoch_rows), rows of the weighted mean."""
+    of a mixture; the facts of the mixture: the rows of its epoch (one pass over its first folder), rows of the
+    weighted mean."""
     def differ(what: str, values: list) -> bool:
         if len(set(values)) > 1:
             listed = ", ".join(f"{source.name}: {value}" for source, value in zip(sources, values))

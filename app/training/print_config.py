@@ -58,8 +58,7 @@ def resolved_run(given: Config, inputs: RunInputs, sources: dict[str, str]) -> s
         + (f"cosine decay to {resolved.min_lr:.3g} at step {plan.max_step}" if resolved.lr_decay else "then constant"),
     ]
     if inputs.mixture:
-        lines += ["#   mixture (rows of every step by weight; an epoch meets every row of the folder that lasts "
-                  "longest):"] + [f"#     {line}" for line in inputs.mixture.splitlines()]
+        lines += ["#   mixture (rows of every step by weight; an epoch is one pass over the first folder):"] + [f"#     {line}" for line in inputs.mixture.splitlines()]
     if inputs.resume_from:
         lines.append(f"#   resumes from: {inputs.resume_from}")
     if inputs.packed_layout != "position_ids":
