@@ -12,17 +12,14 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	touch $@
 
 # Three workers on two cores: a test's processes often wait (for the other rank's start-up, a signal, a timeout),
-# and a third worker fills that time (two: 882 s against 864 s for three); a fourth only adds contention (1,124 s
-# against 996 s for three, minutes apart). Whole files per worker, so that a file's module fixtures (its shared
-# runs) are made once, the longest files first (tests/conftest.py): the last worker then ends about 35 s after an
-# even split of the tests' time instead of 85 s. The suite is CPU-bound (vmstat: 1% idle), three quarters of it the
-# imports of torch, transformers and datasets in each of its ~300 processes (transformers alone reads its ~3,300
-# model files for their `__all__` on import), so runs that repeat a pairing another test covers are merged and
-# refusals run in process: 806-950 s in fresh clones on 2026-11-27 (this machine's speed varies by a fifth from hour
-# to hour), against 875-1,141 s before; later that day, with about 40 more tests, 645-798 s
-# (797.6 s in the last fresh clone); with the Slurm scenarios (tests/test_slurm.py: 10 job starts on a real
-# one-node cluster) and the compiled runs of test_fsdp2 on one rank each, 844-885 s in this clone and 880-887 s in
-# fresh clones: close to the 15-minute limit, so new tests must come with an equal cut.
+# and a third worker fills that time. Whole files per worker, so that a file's module fixtures (its shared runs) are
+# made once, the longest files first (tests/conftest.py). The suite is CPU-bound (vmstat: 0% idle), and most of its
+# CPU went to importing torch, Lightning Fabric (with torch._dynamo), transformers and datasets, ~6 CPU-s in each of
+# its ~250 train.py processes: tests/forkserver.py now forks those processes from one that imported them already
+# (test runs that measure a fresh process's peak RSS, or set variables read on import, still start from scratch).
+# On 2026-11-28 in this clone, within the hour: 1,143 s before; 901 s with the fork server for single-node runs
+# (and accelerate, which transformers imported in every process, moved to benchmarks/requirements.txt); 814 s with
+# it for the multi-node, compiled and GPU-check runs too. New tests must come with an equal cut.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 

@@ -131,11 +131,68 @@ def train_args(tiny: TinySetup, out_dir: Path, **overrides: object) -> list[str]
 
 
 def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None = None,
-              nodes: int = 1) -> subprocess.CompletedProcess:
+              nodes: int = 1, fresh: bool = False) -> subprocess.CompletedProcess:
     """train.py in real processes, as a user runs it (with extra environment variables `env`); with `nodes` > 1,
-    once per node, all on this machine, as users start each node by hand (with `--num_nodes` among `args`)."""
-    command = [sys.executable, str(ROOT / "train.py"), *args]
-    return run_script(command if nodes == 1 else on_nodes(command, nodes), timeout, run_environment(env))
+    once per node, all on this machine, as users start each node by hand (with `--num_nodes` among `args`).
+
+    Its processes are forked by tests/forkserver.py, past the imports (about 6 CPU-s per process); `fresh` asks for
+    processes started from scratch: for runs whose peak RSS is measured, and for variables in `env` that a library
+    reads when it is imported (HF_HUB_OFFLINE, PYTHONPATH) rather than when it is used."""
+    python, variables = interpreter(fresh)
+    command = [python, str(ROOT / "train.py"), *args]
+    return run_script(command if nodes == 1 else on_nodes(command, nodes), timeout,
+                      run_environment(variables | (env or {})))
+
+
+def interpreter(fresh: bool = False) -> tuple[str, dict[str, str]]:
+    """The Python to run train.py (or benchmarks/gpu_check.py) with, and the variables it needs: the fork server's
+    client unless `fresh` or the server is unavailable."""
+    if not fresh and FORK_SERVER.available():
+        return FORK_SERVER.shim, FORK_SERVER.variables()
+    return sys.executable, {}
+
+
+class ForkServer:
+    """This test process's tests/forkserver.py server, started at the first run that uses it, stopped at exit.
+    FORKSERVER=0 in the environment starts every run from scratch."""
+
+    shim = str(ROOT / "tests" / "forkserver-python")
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.socket = ""
+        self.failed = os.environ.get("FORKSERVER") == "0"
+
+    def available(self) -> bool:
+        if self.process is None and not self.failed:
+            self.start()
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> None:
+        import atexit
+        import tempfile
+
+        self.socket = os.path.join(tempfile.mkdtemp(prefix="fs"), "socket")
+        self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve", self.socket],
+                                        env=run_environment(None), stdout=subprocess.PIPE, text=True,
+                                        start_new_session=True)
+        atexit.register(self.stop)
+        if self.process.stdout.readline().strip() != "ready":  # it said why on stderr
+            self.stop()
+            self.failed = True
+
+    def stop(self) -> None:
+        if self.process is not None:
+            with suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+    def variables(self) -> dict[str, str]:
+        return {"FORKSERVER_SOCKET": self.socket, "FORKSERVER_PYTHON": sys.executable}
+
+
+FORK_SERVER = ForkServer()
 
 
 def run_environment(env: dict[str, str] | None) -> dict[str, str]:

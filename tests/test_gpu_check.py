@@ -4,16 +4,16 @@ prepared command a lent GPU gets minutes for cannot rot between the times one is
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from tests.conftest import ROOT, run_environment, run_script
+from tests.conftest import ROOT, interpreter, run_environment, run_script
 
 
 def test_the_gpu_check_runs_every_check_in_its_tiny_mode(tmp_path: Path) -> None:
     out = tmp_path / "gpu-check.json"
-    result = run_script([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny", "--out", str(out)],
-                        600, run_environment(None))
+    python, variables = interpreter()  # its train.py runs are forked by the fork server too
+    result = run_script([python, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny", "--out", str(out)], 600,
+                        run_environment(variables))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {row["check"]: row for row in report["rows"]}

@@ -73,7 +73,7 @@ def test_every_rank_of_a_cpu_run_tunes_its_heap(tiny, tmp_path: Path):
     (tmp_path / "site" / "sitecustomize.py").write_text(REPORT_AT_EXIT)
     args = train_args(tiny, tmp_path / "out", strategy="fsdp2", max_step=2, warmup_steps=1, save_step_interval=100,
                       eval_step_interval=100)
-    result = run_train(args, env={"PYTHONPATH": str(tmp_path / "site")})
+    result = run_train(args, env={"PYTHONPATH": str(tmp_path / "site")}, fresh=True)  # read at start-up
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(line) for line in re.findall(r"heap behaviour: (.*)", result.stderr)]
     assert len(reports) == 2, result.stderr[-3000:]

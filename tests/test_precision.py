@@ -236,7 +236,7 @@ def test_activation_checkpointing_keeps_the_losses_and_lowers_peak_memory(tiny, 
         assert_succeeded(run_train(train_args(tiny, out_dir, model_config=wide, train_data_dir=long_blocks, devices=1,
                                               gradient_checkpointing=checkpointing, max_step=2, warmup_steps=1,
                                               gradient_accumulation_steps=1, initial_validation=False, eval_iters=1,
-                                              eval_batch_size=1)))
+                                              eval_batch_size=1), fresh=True))  # its peak RSS is measured
         runs[checkpointing] = read_metrics(out_dir)
     for step in (1, 2):
         assert runs[True][step]["train_loss"] == pytest.approx(runs[False][step]["train_loss"], rel=1e-5)

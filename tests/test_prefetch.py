@@ -279,7 +279,7 @@ def test_train_tells_how_to_prefetch_a_model_missing_offline(tiny, tmp_path):
 
     args = train_args(tiny, tmp_path / "run", model_config=None, model_name="nobody/missing-model")
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    result = run_train(args, env=env)
+    result = run_train(args, env=env, fresh=True)  # huggingface_hub reads HF_HUB_OFFLINE on import
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "python prefetch.py --model nobody/missing-model" in result.stderr
     assert not (tmp_path / "run").exists()

@@ -1,0 +1,68 @@
+"""The suite's fork server (tests/forkserver.py) runs a train.py as `python train.py` would: its arguments, folder,
+environment and streams, its exit status or the signal it died of, signals relayed, and the processes it starts with
+sys.executable forked in turn, already past the imports."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from tests.conftest import FORK_SERVER, run_environment
+
+PROGRAM = '''
+import os, signal, subprocess, sys, time
+print("imported before the first line:", "torch" in sys.modules, "app.training.run" in sys.modules, flush=True)
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "variable", os.environ.get("FORKED_VARIABLE"), flush=True)
+print("stdin", sys.stdin.readline().strip(), flush=True)
+if sys.argv[1] == "child":
+    sys.exit(subprocess.run([sys.executable, __file__, "exit", "5"], stdin=subprocess.DEVNULL).returncode + 1)
+if sys.argv[1] == "wait":
+    signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM received", flush=True), sys.exit(143)))
+    print("waiting", flush=True)
+    time.sleep(60)
+if sys.argv[1] == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(int(sys.argv[2]))
+'''
+
+
+@pytest.fixture
+def program(tmp_path):
+    if not FORK_SERVER.available():
+        pytest.skip("the fork server did not start")
+    script = tmp_path / "train.py"  # forked by its name
+    script.write_text(PROGRAM)
+    return script
+
+
+def start(program, *arguments: str, **options) -> subprocess.Popen:
+    env = run_environment(FORK_SERVER.variables() | {"FORKED_VARIABLE": "passed"})
+    return subprocess.Popen([FORK_SERVER.shim, str(program), *arguments], cwd=program.parent, env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **options)
+
+
+def test_a_forked_program_gets_what_a_started_one_would_and_ends_the_same(program) -> None:
+    out, err = start(program, "exit", "3").communicate("a line\n", timeout=60)
+    assert "imported before the first line: True True" in out, out + err
+    assert f"argv ['exit', '3'] cwd {program.parent} variable passed" in out
+    assert "stdin a line" in out
+    child = start(program, "child")
+    out, err = child.communicate("\n", timeout=60)
+    assert child.returncode == 6 and out.count("imported before the first line: True True") == 2, out + err
+    died = start(program, "die")
+    died.communicate("\n", timeout=60)
+    assert died.returncode == -signal.SIGKILL
+
+
+def test_signals_reach_the_program_through_its_client(program) -> None:
+    waiting = start(program, "wait")
+    assert waiting.stdin and waiting.stdout
+    waiting.stdin.write("\n")
+    waiting.stdin.flush()
+    while "waiting" not in waiting.stdout.readline():
+        pass
+    waiting.send_signal(signal.SIGTERM)
+    out, _ = waiting.communicate(timeout=60)
+    assert "SIGTERM received" in out and waiting.returncode == 143
