@@ -241,3 +241,21 @@ def test_a_resume_on_another_number_of_processes_continues_the_same_rows(tiny, s
         assert float(metrics[step]["train_loss"]) == pytest.approx(float(reference[step]["train_loss"]), rel=1e-4)
     assert float(metrics[100]["val_loss/small"]) == pytest.approx(float(reference[100]["val_loss/small"]), rel=1e-4)
     assert int(metrics[100]["tokens/small"]) == int(reference[100]["tokens/small"]), "counted on from the checkpoint"
+
+
+def test_a_resume_may_change_the_weights_but_not_drop_or_reorder_the_folders(tiny, small, straight, tmp_path,
+                                                                              capfd) -> None:
+    from app.training.preflight import preflight
+    from arguments import parse_config
+
+    checkpoint = straight / "checkpoints" / "step-00000060.ckpt"
+
+    def resumed(spec: str) -> list[str]:
+        return train_args(tiny, tmp_path / "out", train_data_dir=spec, resume=True, checkpoint=checkpoint)
+
+    annealed = preflight(parse_config(resumed(f"{tiny.data}/:1,{small}:1")))  # the same folders, new weights
+    assert annealed.mixture and "50.0% of every step" in annealed.mixture
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(resumed(f"{small}:1,{tiny.data}:3")))
+    assert exit_info.value.code == 2
+    assert "a resumed run keeps those folders in that order" in capfd.readouterr().err

@@ -158,11 +158,12 @@ def check_mixture_resume(cfg: Config, resume: Optional[Resume], problems: list[s
     if not saved or not cfg.train_data_dir:
         return
     try:
-        before, now = [s.path for s in parse_sources(saved)], [s.path for s in parse_sources(cfg.train_data_dir)]
+        before, now = ([Path(source.path).resolve() for source in parse_sources(spec)]
+                       for spec in (saved, cfg.train_data_dir))
     except ValueError:
         return
     if now[:len(before)] != before:
-        problems.append(f"--train_data_dir: the checkpoint was trained on {', '.join(before)}; a resumed run keeps "
+        problems.append(f"--train_data_dir: the checkpoint was trained on {', '.join(map(str, before))}; a resumed run keeps "
                         "those folders in that order (weights may change, folders may be added after them)")
 
 
