@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.data.order import epoch_permutation, eval_plan, rank_micro_batches
+from app.data.order import StepBatches, epoch_permutation, eval_plan, step_rows
 from app.optimization.schedule import make_plan
 from tests.conftest import ROOT
 
@@ -19,6 +19,11 @@ from tests.conftest import ROOT
 def plan_for(world_size: int, micro_batch_size: int, accumulation: int, train_rows: int = 100):
     return make_plan(train_rows=train_rows, block_size=8, world_size=world_size, micro_batch_size=micro_batch_size,
                      accumulation=accumulation, number_epochs=1, max_step=None)
+
+
+def rank_micro_batches(order: list[int], plan, *, rank: int, position: int) -> list[list[int]]:
+    """The micro-batches the loader's sampler gives `rank` for every whole step from sample `position` on."""
+    return list(StepBatches(step_rows(order, plan, position), plan, rank=rank))
 
 
 def steps(plan, *, epoch: int = 0, position: int = 0, seed: int = 5) -> list[set[int]]:

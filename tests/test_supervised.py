@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Falcon
 
 from app.data import IGNORE_INDEX, load_data
 from app.data.formats import Sample, packed_examples
-from app.data.order import epoch_permutation, rank_micro_batches
+from app.data.order import StepBatches, epoch_permutation, step_rows
 from app.evaluation.samples import CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, sample_metrics, write_samples
 from app.model.isolation import probe_isolation
 from app.optimization.schedule import make_plan
@@ -165,7 +165,7 @@ def test_micro_batches_of_a_step_hold_different_numbers_of_trained_tokens(padded
                      number_epochs=1, max_step=None)
     order = epoch_permutation(len(data.train), seed=7, epoch=0)
     counts = {int(data.train_trained_tokens[rows].sum()) for rank in (0, 1)
-              for rows in rank_micro_batches(order, plan, rank=rank, position=0)[:2]}
+              for rows in list(StepBatches(step_rows(order, plan, 0), plan, rank=rank))[:2]}
     assert len(counts) == 4, counts
 
 

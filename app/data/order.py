@@ -50,11 +50,6 @@ def rank_share(rows: list[int], plan: TrainingPlan, rank: int) -> list[list[int]
     return [rows[(micro * world + rank) * size:(micro * world + rank + 1) * size] for micro in range(plan.accumulation)]
 
 
-def rank_micro_batches(order: list[int], plan: TrainingPlan, *, rank: int, position: int) -> list[list[int]]:
-    """This rank's micro-batches for every whole step from sample `position` of `order` on."""
-    return [batch for rows in step_rows(order, plan, position) for batch in rank_share(rows, plan, rank)]
-
-
 class StepBatches(Sampler[list[int]]):
     """Micro-batches of row indices for one rank, from an iterator of steps' rows (all ranks'), as they come."""
 
