@@ -15,7 +15,9 @@
 6. the training time one save costs with --async_save against a synchronous save (target: <= 0.20x);
 7. the chunked loss against the model's own (`--chunked_loss false`) on a 128K-token vocabulary at 1 x 4096 tokens
    per rank: peak RSS of the largest rank (target: at least one fp32 copy of the logits, 2.1 GB, less) and step
-   time (target: <= 1.05x).
+   time (target: <= 1.05x);
+8. the memory planner: what `--estimate_memory` plans against the largest rank's peak RSS in a run of the same
+   options, for the Llama, GPT-2 and T5 demo shapes at two micro batches and the 170M model (target: within 10%).
 
 Every contender runs in 2 processes on this machine's CPU with the same threads per process, started by torchrun
 unless a row says otherwise. A step time is the difference of the training time of a long and a short run divided
@@ -24,7 +26,7 @@ save cancel out. The contenders of a row run back to back, `--repeats` times in 
 median of the repeats' ratios, and its range is printed next to it, because this machine's speed drifts by +-10%
 over tens of minutes. Prints a Markdown table (the one in docs/performance.md). All parts take about an hour.
 
-Run: python benchmarks/bench_training.py [--parts overhead trainer fsdp2 memory checkpoint async_save loss]
+Run: python benchmarks/bench_training.py [--parts overhead trainer fsdp2 memory checkpoint async_save loss planner]
 [--repeats 5]
 """
 
@@ -54,6 +56,7 @@ import torch
 from app.checkpoint import read_tensors
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 from app.prepare.corpus import quiet_progress
+from app.prepare.stdlib_tasks import code_summary_pairs
 from benchmarks.baselines import Workload
 
 CORPUS = ("asyncio", "email", "json", "logging", "http", "unittest")
@@ -67,6 +70,11 @@ parameters (Llama-3-8B's 2.4), so fsdp and fsdp2 give them units of their own.""
 VOCABULARY_128K_MODEL = ROOT / "configs" / "bench-128k"
 """Llama-3's 128,256-token vocabulary on 2 layers 512 wide (138M parameters, 95% of them embeddings): the logits
 of 4096 tokens (2.1 GB in fp32) dominate a step's memory and time."""
+
+
+GPT2_MODEL = ROOT / "configs" / "gpt2-demo"
+"""GPT-2's architecture (LayerNorm, GELU, learned positions, dropout 0.1) at the demo's size."""
+T5_MODEL = ROOT / "configs" / "t5-demo"
 
 
 def child_environment() -> dict[str, str]:
@@ -481,6 +489,40 @@ def bench_spike_guard(data: Path, work_dir: Path, options: argparse.Namespace) -
     return compare_step_times(contenders, {regime: comparisons for regime in REGIMES}, options)
 
 
+PLANNER_TOLERANCE = 0.10
+
+
+def planned_total_gb(printed: str) -> float:
+    """The total of --estimate_memory's report (console.format_gb: GB, or MB below 0.1 GB)."""
+    value, unit = re.search(r"^\s+total\s+([\d.]+) (GB|MB)$", printed, re.MULTILINE).groups()
+    return float(value) / (1024 if unit == "MB" else 1)
+
+
+def bench_planner(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
+    """--estimate_memory against the largest rank's peak RSS while training with the same options (`python
+    train.py --devices 2`, 6 steps), for each architecture's demo shape: Llama and GPT-2 on the text blocks, T5 on
+    the standard library's code -> summary pairs (sources of up to 256 tokens, targets of up to 48)."""
+    pairs = work_dir / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(pair) + "\n" for pair in code_summary_pairs()))
+    seq2seq = work_dir / "data-seq2seq"
+    prepare(PrepareArgs(input=[str(pairs)], output_dir=str(seq2seq), source_field="code", target_field="summary",
+                        max_source_length=256, max_target_length=48, vocab_size=2000, val_fraction=0.1, seed=0))
+    rows = []
+    for name, model, folder, micro_batches in (("Llama", STEP_MODEL, data, (4, 16)), ("GPT-2", GPT2_MODEL, data, (4, 16)),
+                                               ("T5", T5_MODEL, seq2seq, (4, 16)), ("170M Llama", STATE_MODEL, data, (2,))):
+        for micro in micro_batches:
+            work = Workload(model_config=str(model), data=str(folder), out_dir=str(work_dir / f"plan-{model.name}-{micro}"),
+                            steps=6, micro_batch_size=micro, warmup_steps=1, log_interval=1)
+            planned = planned_total_gb(train_app(work, launcher="python", estimate_memory=True))
+            train_app(work, launcher="python")
+            measured = peak_rss_while_training(work.out_dir)
+            print(f"  {name}, micro batch {micro}: planned {planned:.2f} GB, measured {measured:.2f} GB", flush=True)
+            rows.append(row(f"peak RSS, largest rank: `--estimate_memory` / measured, {name} ({model.name}), micro "
+                            f"batch {micro}", f"{planned:.2f} GB", f"{measured:.2f} GB", planned / measured,
+                            f"within {PLANNER_TOLERANCE:.0%}", abs(planned / measured - 1) <= PLANNER_TOLERANCE))
+    return rows
+
+
 def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met: bool | None = None,
         spread: tuple[float, float] | None = None) -> str:
     verdict = "" if met is None else (" met" if met else " **missed**")
@@ -490,7 +532,7 @@ def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met
 
 PARTS = {"overhead": bench_overhead, "trainer": bench_trainer, "fsdp2": bench_fsdp2, "memory": bench_memory,
          "checkpoint": bench_checkpoint, "async_save": bench_async_save, "loss": bench_loss,
-         "spike_guard": bench_spike_guard}
+         "spike_guard": bench_spike_guard, "planner": bench_planner}
 
 
 def main() -> None:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
+import torch
 from transformers import AutoConfig, BartConfig, GPT2Config, LlamaConfig, T5Config
 
 from app.exit_codes import EXIT_BAD_INPUT
+from app.metrics.activations import kept_for_backward
 from app.metrics.memory_plan import ModelShape, Setup, estimate_memory, largest_micro_batch, memory_report
 from app.metrics.observe import GB
-from app.model.build import resolve_wrap_classes
+from app.model.build import meta_model, model_class, resolve_wrap_classes
 from app.training.run import run
 from arguments import parse_config, read_config
 from tests.conftest import ROOT, run_train, train_args
@@ -34,7 +37,7 @@ def test_llama_3_8b_shape_is_read_from_the_config(llama_3_8b) -> None:
     assert llama_3_8b.parameters == 8_030_261_248
     assert llama_3_8b.root_parameters == 2 * 128256 * 4096 + 4096, "embeddings, head and final norm"
     assert llama_3_8b.layer_parameters * 32 + llama_3_8b.root_parameters == llama_3_8b.parameters
-    assert llama_3_8b.kv_size == 1024
+    assert llama_3_8b.largest_unit == 128256 * 4096 + 4096, "the head with the final norm"
 
 
 def test_model_state_is_divided_by_the_ranks_that_shard_it(llama_3_8b) -> None:
@@ -59,7 +62,10 @@ def test_large_input_embeddings_are_not_held_gathered_with_the_root(llama_3_8b) 
     fsdp = estimate_memory(llama_3_8b, EIGHT_GPUS)
     fsdp2 = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, strategy="fsdp2"))
     layers = 2 * llama_3_8b.layer_parameters
-    assert fsdp.working == fsdp2.working == (128256 * 4096 + 4096 + layers) * 2 + GB, "bf16: head, norm, 2 layers"
+    reduced = (128256 * 4096 + 4096) * 4
+    assert fsdp.working == fsdp2.working == (128256 * 4096 + 4096 + layers) * 2 + reduced + GB, \
+        "bf16: head, norm, 2 layers; the largest unit's gradient in fp32 to reduce it"
+    assert estimate_memory(llama_3_8b, replace(EIGHT_GPUS, reduce_dtype=torch.bfloat16)).working == fsdp.working - reduced
     kept = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, strategy="fsdp2", sharding_strategy="SHARD_GRAD_OP"))
     assert kept.working == estimate_memory(llama_3_8b, replace(EIGHT_GPUS, sharding_strategy="SHARD_GRAD_OP")).working
     mistral = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -98,21 +104,44 @@ def test_llama_3_8b_on_eight_80gb_gpus_fits_as_users_run_it(llama_3_8b) -> None:
     assert largest_micro_batch(one_gpu, 80 * GB) == 0, "8B with AdamW in fp32 needs 128 GB of model state alone"
 
 
-@pytest.mark.parametrize("config, layers, feed_forward", [
-    (T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_decoder_layers=3, num_heads=4), 5, 256),
-    (BartConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=192,
-                decoder_ffn_dim=192, encoder_attention_heads=4, decoder_attention_heads=4), 4, 192),
-    (GPT2Config(vocab_size=1000, n_embd=64, n_layer=3, n_head=4), 3, 256),
-], ids=["t5", "bart", "gpt2"])
-def test_every_architecture_the_project_trains_is_planned(config, layers, feed_forward) -> None:
+T5 = T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_decoder_layers=3, num_heads=4)
+BART = BartConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=192,
+                  decoder_ffn_dim=192, encoder_attention_heads=4, decoder_attention_heads=4)
+GPT2 = GPT2Config(vocab_size=1000, n_embd=64, n_layer=3, n_head=4)
+TINY_LLAMA = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000)
+
+
+@pytest.mark.parametrize("config, layers", [(T5, 5), (BART, 4), (GPT2, 3)], ids=["t5", "bart", "gpt2"])
+def test_every_architecture_the_project_trains_is_planned(config, layers) -> None:
     """T5, BART and GPT-2 name their sizes otherwise than Llama (`d_ff`, `encoder_ffn_dim`, `n_inner` = None): the
-    planner crashed on them with AttributeError."""
+    planner crashed on them with AttributeError; an encoder-decoder's decoder runs at the target length."""
     shape = ModelShape.of(config, resolve_wrap_classes(config, None))
-    assert (shape.layers, shape.intermediate_size, shape.hidden_size) == (layers, feed_forward, 64)
+    assert (shape.layers, shape.hidden_size) == (layers, 64)
     assert shape.layer_parameters * layers + shape.root_parameters >= shape.parameters
     report, fits = memory_report(read_config(["--model_config", "unused", "--train_data_dir", "unused"]), shape,
                                  replace(EIGHT_GPUS, block_size=128), device=(80 * GB, "test"))
     assert fits and "largest micro batch that fits" in report
+    if config.is_encoder_decoder:
+        short_targets = estimate_memory(shape, replace(EIGHT_GPUS, block_size=128, target_block_size=16))
+        assert short_targets.activations < estimate_memory(shape, replace(EIGHT_GPUS, block_size=128)).activations
+
+
+@pytest.mark.parametrize("config, dtype, tokens, target_tokens", [
+    (TINY_LLAMA, torch.float32, 48, 0), (TINY_LLAMA, torch.bfloat16, 48, 0), (GPT2, torch.float32, 48, 0),
+    (T5, torch.float32, 48, 16), (BART, torch.float32, 48, 16)], ids=["llama", "llama-bf16", "gpt2", "t5", "bart"])
+def test_what_backward_keeps_is_measured_on_the_meta_device_as_a_real_forward_keeps_it(config, dtype, tokens,
+                                                                                        target_tokens) -> None:
+    """The planner's activations come from a forward of the weightless model, with a stand-in for the fused
+    attention kernel: byte for byte what a real forward on CPU keeps, layer by layer (its flash kernel where there is
+    no dropout, the math path for GPT-2's and T5's attention dropout and T5's learned position bias)."""
+    wrap_classes = resolve_wrap_classes(config, None)
+    planned = kept_for_backward(meta_model(config), wrap_classes, tokens, target_tokens, dtype, "sdpa", gpu=False)
+    torch.manual_seed(0)
+    real = kept_for_backward(model_class(config).from_config(config), wrap_classes, tokens, target_tokens, dtype,
+                             "sdpa", gpu=False)
+    assert planned == real
+    assert len(planned.layers) == len(planned.layer_inputs) > 0 and min(planned.layers) > 0
 
 
 @pytest.mark.parametrize("sharding_strategy, precision, fsdp_no_sync", [
@@ -120,10 +149,13 @@ def test_every_architecture_the_project_trains_is_planned(config, layers, feed_f
 def test_estimate_matches_the_parameters_gradients_and_optimizer_state_of_a_run(tiny, tmp_path, sharding_strategy,
                                                                                precision, fsdp_no_sync) -> None:
     """A real 2-process FSDP run with 2 micro-batches per step measures the storage of its tensors during the first
-    step (summary.json): gradients between the micro-batches are a shard, the whole gradient with --fsdp_no_sync."""
+    step (summary.json): gradients between the micro-batches are a shard, the whole gradient with --fsdp_no_sync.
+    Under FULL_SHARD the whole plan is compared with the ranks' peak RSS, all processes started afresh (a process
+    forked from the tests' fork server has not yet touched the libraries' pages)."""
+    whole = sharding_strategy == "FULL_SHARD" and not fsdp_no_sync
     result = run_train(train_args(tiny, tmp_path, max_step=4, eval_iters=1, sharding_strategy=sharding_strategy,
                                   precision=precision, save_step_interval=100, initial_validation=False,
-                                  fsdp_no_sync=fsdp_no_sync))
+                                  fsdp_no_sync=fsdp_no_sync), fresh=whole)
     assert result.returncode == 0, result.stderr[-3000:]
     config = AutoConfig.from_pretrained(tiny.model_config)
     setup = replace(EIGHT_GPUS, sharding_strategy=sharding_strategy, precision=precision, world_size=2,
@@ -135,6 +167,13 @@ def test_estimate_matches_the_parameters_gradients_and_optimizer_state_of_a_run(
     for measured in ranks:
         for name in ("parameters", "gradients", "optimizer"):
             assert measured[f"{name}_gb"] * GB == pytest.approx(getattr(estimate, name), rel=0.10), name
+    if whole:
+        planned = run_train(train_args(tiny, tmp_path / "plan", max_step=4, sharding_strategy=sharding_strategy,
+                                       precision=precision, estimate_memory=True), fresh=True)
+        assert planned.returncode == 0, planned.stderr[-3000:]
+        total = float(re.search(r"^\s+total\s+([\d.]+) GB$", planned.stdout, re.MULTILINE).group(1))
+        peak = max(measured["peak_rss_gb"] for measured in ranks)
+        assert total == pytest.approx(peak, rel=0.10), "on CPU the plan is the ranks' peak RSS within 10%"
 
 
 def test_estimate_memory_prints_the_plan_and_trains_nothing(tiny, tmp_path, capfd) -> None:

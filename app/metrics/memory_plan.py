@@ -10,21 +10,26 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
 - optimizer state: AdamW's two moments in the parameters' dtype, / S except for NO_SHARD and DDP;
 - working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
   head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; less input embeddings that are a unit of
-  their own, resharded after forward), DDP's gradient buckets (a second copy of the gradients), the chunked loss's
-  buffers (one chunk's logits, the output weight's fp32 gradient and its compute-dtype product), and about 1 GiB per
-  process for the runtime (CUDA context and kernels, or the Python process itself on a CPU) measured before any
-  tensor exists;
-- activations: per sequence, what backward keeps of each decoder layer (with activation checkpointing only the
-  layer inputs, plus one layer recomputed at a time), and of the loss: the hidden states' gradient with the chunked
-  loss, else the logits with their fp32 loss copies.
+  their own, resharded after forward), under *-mixed the fp32 copy of the largest unit's gradient that FSDP and
+  FSDP2 make to reduce it (FSDP1 `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py`), DDP's gradient buckets (a
+  second copy of the gradients), the chunked loss's buffers (one chunk's logits, the output weight's fp32 gradient
+  and its compute-dtype product), and the runtime: on a GPU 1 GiB for the CUDA context, kernels and NCCL's buffers
+  (to be measured per card); on CPU processes this planning process's own resident memory (the same interpreter,
+  libraries and model code a rank imports) plus the free space glibc's heap keeps (app/distributed/host_memory.py);
+- activations: per sequence, what backward keeps of the model's body, measured on the weightless model
+  (app/metrics/activations.py), and of the loss: the hidden states' gradient with the chunked loss, else the logits
+  with their fp32 loss copies.
 With --cpu_offload the parameters, gradients and optimizer state live in host RAM, not on the device.
 Parameters, gradients and optimizer state are exact up to FSDP's padding (tests compare them with the tensors a
-real run holds); activations are an estimate from the layer shapes, so 10% of the device is kept free.
+real run holds); activations are measured on the meta device with a stand-in for fused attention kernels, and the
+CPU total is compared with real runs' peak RSS (benchmarks/bench_training.py --parts planner); 10% of the device is
+kept free.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import psutil
@@ -33,7 +38,10 @@ from torch.nn import Module
 
 from app.choices import SHARDED_STRATEGIES
 from app.distributed.fsdp2 import parameter_count, separate_embeddings
-from app.distributed.precision import compute_dtype, weights_dtype
+from app.distributed.host_memory import CPU_HEAP_SETTINGS
+from app.distributed.precision import compute_dtype, reduce_dtype, weights_dtype
+from app.distributed.strategy import resolve_accelerator
+from app.metrics.activations import KeptForBackward, kept_for_backward
 from app.metrics.console import format_gb
 from app.metrics.observe import GB
 from app.model.build import meta_model
@@ -62,9 +70,12 @@ class ModelShape:
     (`app.distributed.fsdp2.separate_embeddings`), else 0."""
     layers: int
     hidden_size: int
-    kv_size: int
-    intermediate_size: int
     vocab_size: int
+    model_config: PretrainedConfig = field(compare=False, repr=False)
+    wrap_classes: set[type[Module]] = field(compare=False, repr=False)
+    trust_remote_code: bool = False
+    measured: dict[tuple, KeptForBackward] = field(default_factory=dict, compare=False, repr=False)
+    """What backward keeps of one sequence, by (tokens, target tokens, dtype, attention, gpu): measured once each."""
 
     @classmethod
     def of(cls, model_config: PretrainedConfig, wrap_classes: set[type[Module]],
@@ -74,26 +85,24 @@ class ModelShape:
         total = parameter_count(model)
         per_layer = [parameter_count(layer) for layer in layers] or [0]
         _, input_embeddings = separate_embeddings(model, layers)
-        heads = model_config.num_attention_heads
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
         return cls(parameters=total, root_parameters=total - sum(per_layer), layer_parameters=max(per_layer),
                    input_embedding_unit=parameter_count(input_embeddings) if input_embeddings else 0,
                    layers=len(layers) or model_config.num_hidden_layers, hidden_size=model_config.hidden_size,
-                   kv_size=head_dim * getattr(model_config, "num_key_value_heads", heads),
-                   intermediate_size=feed_forward_size(model_config), vocab_size=model_config.vocab_size)
+                   vocab_size=model_config.vocab_size, model_config=model_config, wrap_classes=wrap_classes,
+                   trust_remote_code=trust_remote_code)
 
+    @property
+    def largest_unit(self) -> int:
+        """Parameters of FSDP's largest unit: a layer, the input embeddings or the rest of the root."""
+        return max(self.layer_parameters, self.input_embedding_unit, self.root_parameters - self.input_embedding_unit)
 
-FEED_FORWARD_NAMES = ("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "n_inner")
-"""The MLP's inner width in the configs of Llama, Mistral and Qwen; T5; OPT; BART; GPT-2 (where None means 4 x hidden).
-transformers' attribute maps give every config `hidden_size`, `num_attention_heads` and `num_hidden_layers`, but
-not this."""
-
-
-def feed_forward_size(model_config: PretrainedConfig) -> int:
-    for name in FEED_FORWARD_NAMES:
-        if getattr(model_config, name, None):
-            return getattr(model_config, name)
-    return 4 * model_config.hidden_size
+    def kept_for_backward(self, tokens: int, target_tokens: int, dtype: torch.dtype, attention: str,
+                          gpu: bool) -> KeptForBackward:
+        key = (tokens, target_tokens, dtype, attention, gpu)
+        if key not in self.measured:
+            self.measured[key] = kept_for_backward(meta_model(self.model_config, self.trust_remote_code),
+                                                   self.wrap_classes, *key)
+        return self.measured[key]
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,18 @@ class Setup:
     """--fsdp_no_sync with more than one micro-batch per step."""
     chunked_loss: bool = False
     """The loss computed in chunks without the full logits (app/model/loss.py)."""
+    target_block_size: int = 0
+    """An encoder-decoder's longest target (its decoder's tokens); 0 for causal models."""
+    attention: str = "sdpa"
+    """--attn_implementation: eager keeps the attention matrix, the fused kernels do not."""
+    reduce_dtype: Optional[torch.dtype] = None
+    """The dtype gradients are reduced in (--reduce_dtype); default: fp32 under *-mixed, else the weights'."""
+    gpu: bool = True
+    """Whether the run is on GPUs, whose fused attention kernels also take dropout (app/metrics/activations.py)."""
+    runtime: float = RUNTIME_BYTES
+    """A process's own memory before any tensor (`runtime_bytes`)."""
+    heap_kept_free: float = 0.0
+    """On CPU, the most free space glibc's heap keeps at its top (MALLOC_TRIM_THRESHOLD_); 0 on GPUs."""
 
     @property
     def shards(self) -> int:
@@ -143,24 +164,35 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def activation_bytes_per_sequence(shape: ModelShape, setup: Setup) -> float:
-    """What backward keeps for one sequence of block_size tokens, in the compute dtype unless noted.
-
-    Per decoder layer and token (SDPA keeps no attention matrix): the normalised inputs of attention and MLP (2h),
-    queries and keys before and after rotary embedding (2(h + kv)), values (kv), the attention output and its
-    projection input (2h), the MLP's gate, up, activation and product (4i), and each RMSNorm's fp32 input and
-    normalised value (4h in fp32). The loss: chunked, the hidden states' gradient (computed in forward); else the
-    compute-dtype logits, their fp32 copy, log-softmax and its gradient.
-    """
-    h, kv, i = shape.hidden_size, shape.kv_size, shape.intermediate_size
-    size = dtype_bytes(compute_dtype(setup.precision))
-    layer = size * (4 * h + 2 * (h + kv) + kv + 4 * i) + 4 * (4 * h)
+    """What the body keeps for one sequence at the peak of backward (measured, app/metrics/activations.py), and the
+    loss: chunked, the hidden states' gradient (computed in forward); else the compute-dtype logits, their fp32
+    copy, log-softmax and its gradient. An encoder-decoder's loss is over its target tokens."""
+    dtype = compute_dtype(setup.precision)
+    size = dtype_bytes(dtype)
+    target_tokens = setup.target_block_size or setup.block_size
+    body = shape.kept_for_backward(setup.block_size, target_tokens, dtype, setup.attention, setup.gpu)
     fp32_copy = 0 if size == 4 else 4
-    logits = size * h if setup.chunked_loss else shape.vocab_size * (size + fp32_copy + 4 + 4)
-    if setup.gradient_checkpointing:
-        layers = shape.layers * size * h + layer
-    else:
-        layers = shape.layers * layer
-    return setup.block_size * (layers + logits)
+    loss = size * shape.hidden_size if setup.chunked_loss else shape.vocab_size * (size + fp32_copy + 4 + 4)
+    return body.peak(setup.gradient_checkpointing) + target_tokens * loss
+
+
+def runtime_bytes(cfg: Config) -> tuple[float, float]:
+    """A process's memory before any tensor, and what its heap keeps free. A GPU's CUDA context, kernels and NCCL
+    buffers: a flat 1 GiB until measured per card. A CPU process: this one's resident memory, which has imported
+    what a rank imports; its heap keeps up to MALLOC_TRIM_THRESHOLD_ of what a step freed (app/distributed/
+    host_memory.py), which `estimate_memory` bounds by the step's activations."""
+    if resolve_accelerator(cfg) != "cpu":
+        return RUNTIME_BYTES, 0.0
+    kept_free = int(os.environ.get("MALLOC_TRIM_THRESHOLD_", CPU_HEAP_SETTINGS["MALLOC_TRIM_THRESHOLD_"][1]))
+    return psutil.Process().memory_info().rss, kept_free
+
+
+def gradient_reduce_bytes(shape: ModelShape, setup: Setup) -> float:
+    """FSDP and FSDP2 reduce a unit's gradient in the reduce dtype: under *-mixed, an fp32 copy of the largest."""
+    if setup.strategy not in SHARDED_STRATEGIES:
+        return 0.0
+    reduced = setup.reduce_dtype or reduce_dtype(setup.precision, None)
+    return shape.largest_unit * dtype_bytes(reduced) if reduced != compute_dtype(setup.precision) else 0.0
 
 
 def chunked_loss_bytes(shape: ModelShape, setup: Setup) -> float:
@@ -191,10 +223,12 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         working = shape.parameters * computed
     else:
         working = (shape.root_parameters - shape.input_embedding_unit + 2 * shape.layer_parameters) * computed
-    working += chunked_loss_bytes(shape, setup)
+    working += chunked_loss_bytes(shape, setup) + gradient_reduce_bytes(shape, setup)
     per_sequence = activation_bytes_per_sequence(shape, setup)
+    activations = per_sequence * setup.micro_batch_size
+    runtime = setup.runtime + min(setup.heap_kept_free, activations)
     return MemoryEstimate(parameters=parameters, gradients=gradients, optimizer=optimizer,
-                          working=working + RUNTIME_BYTES, activations=per_sequence * setup.micro_batch_size,
+                          working=working + runtime, activations=activations,
                           activations_per_sequence=per_sequence)
 
 
@@ -214,12 +248,16 @@ def device_memory_bytes(cfg: Config, devices_per_node: int) -> tuple[float, str]
     return psutil.virtual_memory().total / devices_per_node, f"host RAM / {devices_per_node} processes"
 
 
-def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int, chunked_loss: bool) -> Setup:
+def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int, chunked_loss: bool,
+             target_block_size: int = 0) -> Setup:
+    runtime, heap_kept_free = runtime_bytes(cfg)
     return Setup(strategy=cfg.strategy, sharding_strategy=cfg.sharding_strategy, precision=cfg.precision,
                  world_size=world_size, devices_per_node=world_size // cfg.num_nodes,
                  micro_batch_size=cfg.micro_batch_size, block_size=block_size,
                  gradient_checkpointing=cfg.gradient_checkpointing, cpu_offload=cfg.cpu_offload,
-                 chunked_loss=chunked_loss,
+                 chunked_loss=chunked_loss, target_block_size=target_block_size, attention=cfg.attn_implementation,
+                 reduce_dtype=reduce_dtype(cfg.precision, cfg.reduce_dtype), gpu=resolve_accelerator(cfg) != "cpu",
+                 runtime=runtime, heap_kept_free=heap_kept_free,
                  unsharded_accumulation=cfg.strategy in SHARDED_STRATEGIES and cfg.fsdp_no_sync and accumulation > 1)
 
 

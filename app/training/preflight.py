@@ -62,6 +62,8 @@ class RunInputs:
     """Whether the loss is computed in chunks without the full logits (app/model/loss.py)."""
     mixture: str = ""
     """A mixture's folders, one line each (app/data/mixture.py describe); empty for one folder."""
+    target_block_size: int = 0
+    """Seq2seq data's longest target, for the memory planner; 0 for the other formats."""
 
 
 @dataclass
@@ -83,6 +85,8 @@ class DataFacts:
     mean_target_tokens: float
     """Of seq2seq data's targets; 0 for the other formats, whose labels are their inputs."""
     max_token_id: int
+    target_block_size: int = 0
+    """Seq2seq data's longest target; 0 for the other formats."""
     sources: Optional[list[Source]] = None
     """A mixture's folders (app/data/mixture.py), with `source_rows` their train rows; None for one folder."""
     source_rows: Optional[list[int]] = None
@@ -147,7 +151,8 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
                      block_size=max(fact.block_size for fact in facts),
                      mean_row_tokens=sum(w * fact.mean_row_tokens for w, fact in zip(weights, facts)),
                      mean_target_tokens=sum(w * fact.mean_target_tokens for w, fact in zip(weights, facts)),
-                     max_token_id=max(fact.max_token_id for fact in facts), sources=sources,
+                     max_token_id=max(fact.max_token_id for fact in facts),
+                     target_block_size=max(fact.target_block_size for fact in facts), sources=sources,
                      source_rows=[fact.train_rows for fact in facts])
 
 
@@ -206,7 +211,9 @@ def check_folder(path: Path, problems: list[str]) -> Optional[DataFacts]:
                      validation_rows=len(splits["validation"]), block_size=max(lengths),
                      mean_row_tokens=mean_tokens["input_ids"],
                      mean_target_tokens=mean_tokens["labels"] if data_format.encoder_decoder else 0.0,
-                     max_token_id=max(max_ids))
+                     max_token_id=max(max_ids),
+                     target_block_size=pc.max(pc.list_value_length(train.column("labels"))).as_py()
+                     if data_format.encoder_decoder else 0)
 
 
 def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
@@ -589,4 +596,5 @@ def preflight(cfg: Config) -> RunInputs:
     return RunInputs(config=resolve_learning_rates(cfg, plan), model_config=model_config, wrap_classes=wrap_classes,
                      plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
                      packed_layout=packed_layout, chunked_loss=chunked_loss,
-                     mixture=describe(data.sources, data.source_rows) if data and data.sources else "")
+                     mixture=describe(data.sources, data.source_rows) if data and data.sources else "",
+                     target_block_size=data.target_block_size if data else 0)

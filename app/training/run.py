@@ -56,7 +56,8 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
         shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
         block_size = cfg.block_size or inputs.plan.block_size
         report, fits = memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, block_size,
-                                                          inputs.plan.accumulation, inputs.chunked_loss))
+                                                          inputs.plan.accumulation, inputs.chunked_loss,
+                                                          inputs.target_block_size))
         print(report + (f"\ndata: a mixture of\n{inputs.mixture}" if inputs.mixture else ""))
         if not fits:  # a script planning runs reads the answer from the exit code
             sys.exit(EXIT_BAD_INPUT)

@@ -1,0 +1,175 @@
+"""What backward keeps of one sequence, measured on the weightless model: the memory planner's activations.
+
+A forward of the run's model on the meta device (shapes and dtypes only: no memory, no arithmetic) under autograd's
+saved-tensor hooks adds up the bytes of every storage autograd keeps for backward, parameters excluded, and notes
+which wrapped layer kept it and what each layer was given. Measured rather than written down per architecture:
+Llama's gated MLP and its RMSNorms in fp32, GPT-2's GELU and LayerNorm, T5's and BART's encoders at the source
+length and decoders at the target length with their cross-attention, dropout masks, rotary copies: each model's own
+code says what it keeps, and a model added later is planned without a new formula. The output layer and the loss are
+the loss path's (app/model/loss.py), counted by the planner.
+
+The peak comes early in backward: what forward kept, plus the gradients of one layer's activations while that layer
+is differentiated (as large as what the layer kept, at most). With activation checkpointing forward keeps each
+layer's inputs, and backward recomputes one layer at a time before differentiating it.
+
+One stand-in: on the meta device SDPA always takes its math path, which keeps the attention matrix. Where the run's
+kernel is fused (FlashAttention or memory-efficient attention on GPUs, the flash kernel on CPU), it keeps queries,
+keys, values, the output (laid out tokens before heads, so the output projection's input is the same storage) and
+one fp32 log-sum-exp per head and query, and `FusedAttention` stands for it. A kernel is fused unless the mask needs
+gradients (T5's relative position bias) or, on CPU, attention dropout is on (GPT-2's and T5's 0.1 by default): then
+SDPA takes the math path in the run as here. With --attn_implementation eager the model computes the matrix itself,
+as measured.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import Module
+from torch.overrides import TorchFunctionMode
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+
+PLANNED_SDPA = "planned_sdpa"
+"""transformers' SDPA attention without a mask: causal attention then runs SDPA with is_causal, as a training run's
+unpadded rows do; transformers' own masks look at values, which meta tensors do not have."""
+AttentionInterface.register(PLANNED_SDPA, sdpa_attention_forward)
+AttentionMaskInterface.register(PLANNED_SDPA, lambda *args, **kwargs: None)
+
+
+@dataclass(frozen=True)
+class KeptForBackward:
+    """Bytes of one sequence's activations that backward needs, by where forward kept them."""
+
+    layers: tuple[int, ...]
+    """Kept inside each wrapped layer (decoder layers, T5's and BART's encoder and decoder blocks), in order."""
+    layer_inputs: tuple[int, ...]
+    """What each wrapped layer is given (inputs shared by layers counted once): all activation checkpointing keeps
+    of a layer."""
+    outside: int
+    """Kept outside the wrapped layers: embeddings, positions, final norms."""
+
+    def peak(self, checkpointed: bool) -> int:
+        """At the peak of backward: what forward kept, the largest layer recomputed (with activation checkpointing)
+        and the gradients of its activations."""
+        largest = max(self.layers, default=0)
+        if checkpointed:
+            return sum(self.layer_inputs) + self.outside + 2 * largest
+        return sum(self.layers) + self.outside + largest
+
+
+def kept_for_backward(model: Module, wrap_classes: set[type[Module]], tokens: int, target_tokens: int,
+                      dtype: torch.dtype, attention: str, gpu: bool) -> KeptForBackward:
+    """One sequence of `tokens` (a seq2seq model's source; `target_tokens` its target) through `model`, changed in
+    place: cast to the compute `dtype`, in training mode, its attention as a `gpu` or a CPU computes it. A meta
+    model for the planner; on a real device (the tests) the same count runs the real kernels."""
+    model.to(dtype).train()
+    device = next(model.parameters()).device
+    model.set_attn_implementation("eager" if attention == "eager" else PLANNED_SDPA)
+    tally = _Tally({_storage(parameter) for parameter in model.parameters()})
+    layers = [module for module in model.modules() if type(module) in wrap_classes]
+    handles = [handle for index, layer in enumerate(layers) for handle in tally.watch(layer, index)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(tally.pack, _unpack), \
+                FusedAttention(gpu) if attention != "eager" and device.type == "meta" else nullcontext():
+            _forward(model, tokens, target_tokens, device)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return KeptForBackward(layers=tuple(tally.kept.get(index, 0) for index in range(len(layers))),
+                           layer_inputs=tuple(tally.inputs.get(index, 0) for index in range(len(layers))),
+                           outside=tally.kept.get(None, 0))
+
+
+def _forward(model: Module, tokens: int, target_tokens: int, device: torch.device) -> None:
+    """Up to the last hidden states. With the model's key-value cache (no memory on the meta device) transformers
+    does not look for packed sequences in the positions' values, which meta tensors do not have."""
+    source = torch.zeros(1, tokens, dtype=torch.long, device=device)
+    if not model.config.is_encoder_decoder:
+        model.base_model(input_ids=source, use_cache=True)
+        return
+    encoded = model.get_encoder()(input_ids=source).last_hidden_state
+    target = torch.zeros(1, target_tokens, dtype=torch.long, device=device)
+    model.get_decoder()(input_ids=target, encoder_hidden_states=encoded, use_cache=True)
+
+
+def _storage(tensor: Tensor) -> int:
+    """The identity of the storage behind a tensor (its views share it); meta tensors have no data pointer."""
+    return tensor.untyped_storage()._cdata
+
+
+def _unpack(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+class _Tally:
+    """Bytes of the distinct storages autograd keeps, credited to the wrapped layer running (None: outside)."""
+
+    def __init__(self, parameters: set[int]) -> None:
+        self.kept_storages = set(parameters)
+        self.given_storages: set[int] = set()
+        self.kept: dict[Optional[int], int] = {}
+        self.inputs: dict[int, int] = {}
+        self.current: Optional[int] = None
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        key = _storage(tensor)
+        if key not in self.kept_storages:
+            self.kept_storages.add(key)
+            self.kept[self.current] = self.kept.get(self.current, 0) + tensor.untyped_storage().nbytes()
+        return tensor
+
+    def watch(self, layer: Module, index: int) -> list[Any]:
+        def enter(_: Module, args: tuple, kwargs: dict) -> None:
+            self.current = index
+            given = {_storage(t): t.untyped_storage().nbytes() for t in (*args, *kwargs.values())
+                     if isinstance(t, Tensor)}
+            self.inputs[index] = sum(size for key, size in given.items() if key not in self.given_storages)
+            self.given_storages |= given.keys()
+
+        def leave(*_: Any) -> None:
+            self.current = None
+
+        return [layer.register_forward_pre_hook(enter, with_kwargs=True), layer.register_forward_hook(leave)]
+
+
+class _FusedAttentionFunction(torch.autograd.Function):
+    """What a fused attention kernel keeps for backward: its inputs, its output and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        batch, heads, tokens, _ = query.shape
+        output = query.new_empty((batch, tokens, heads, value.shape[-1])).transpose(1, 2)
+        log_sum_exp = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, output, log_sum_exp)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+class FusedAttention(TorchFunctionMode):
+    """SDPA as the run's fused kernel computes it, where one applies (see the module's docstring)."""
+
+    def __init__(self, gpu: bool) -> None:
+        super().__init__()
+        self.gpu = gpu
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            query, key, value = (*args, *(kwargs[name] for name in ("query", "key", "value") if name in kwargs))[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            if (mask is None or not mask.requires_grad) and (self.gpu or not dropout):
+                return _FusedAttentionFunction.apply(query, key, value)
+        return func(*args, **kwargs)
