@@ -117,7 +117,7 @@ def test_every_architecture_the_project_trains_is_planned(config, layers) -> Non
     """T5, BART and GPT-2 name their sizes otherwise than Llama (`d_ff`, `encoder_ffn_dim`, `n_inner` = None): the
     planner crashed on them with AttributeError; an encoder-decoder's decoder runs at the target length."""
     shape = ModelShape.of(config, resolve_wrap_classes(config, None))
-    assert (shape.layers, shape.hidden_size) == (layers, 64)
+    assert len(shape.kept_for_backward(128, 16, torch.float32, "sdpa", gpu=True).layers) == layers
     assert shape.layer_parameters * layers + shape.root_parameters >= shape.parameters
     report, fits = memory_report(read_config(["--model_config", "unused", "--train_data_dir", "unused"]), shape,
                                  replace(EIGHT_GPUS, block_size=128), device=(80 * GB, "test"))

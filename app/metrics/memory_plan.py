@@ -68,7 +68,6 @@ class ModelShape:
     input_embedding_unit: int
     """Parameters of the input embeddings when they are a unit of their own
     (`app.distributed.fsdp2.separate_embeddings`), else 0."""
-    layers: int
     hidden_size: int
     vocab_size: int
     model_config: PretrainedConfig = field(compare=False, repr=False)
@@ -87,7 +86,7 @@ class ModelShape:
         _, input_embeddings = separate_embeddings(model, layers)
         return cls(parameters=total, root_parameters=total - sum(per_layer), layer_parameters=max(per_layer),
                    input_embedding_unit=parameter_count(input_embeddings) if input_embeddings else 0,
-                   layers=len(layers) or model_config.num_hidden_layers, hidden_size=model_config.hidden_size,
+                   hidden_size=model_config.hidden_size,
                    vocab_size=model_config.vocab_size, model_config=model_config, wrap_classes=wrap_classes,
                    trust_remote_code=trust_remote_code)
 
