@@ -11,7 +11,7 @@ import against its order):
 | data/ | formats.py, order.py, mixture.py, loader.py: the prepared folder (or a weighted mixture of folders) read as steps and batches |
 | model/ | build.py, isolation.py, loss.py: the Hugging Face model on every rank; packed examples kept apart; the loss without full logits |
 | checkpoint/ | saving, loading and reading checkpoints in either format, now or in the background |
-| metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, memory_plan.py: measuring a run |
+| metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, memory_plan.py, activations.py: measuring a run and planning its memory |
 | evaluation/ | validation.py, samples.py, show.py: validation loss and generation samples, and show_samples.py |
 | huggingface/ | convert.py, upload.py, generate.py, prefetch.py: to and from Hugging Face |
 | training/ | preflight.py, print_config.py, run.py, loop.py: one run, top to bottom |
