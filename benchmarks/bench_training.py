@@ -17,7 +17,8 @@
    per rank: peak RSS of the largest rank (target: at least one fp32 copy of the logits, 2.1 GB, less) and step
    time (target: <= 1.05x);
 8. the memory planner: what `--estimate_memory` plans against the largest rank's peak RSS in a run of the same
-   options, for the Llama, GPT-2 and T5 demo shapes at two micro batches and the 170M model (target: within 10%).
+   options, for the Llama, GPT-2 and T5 demo shapes at two micro batches, Llama under bf16-mixed, and the 170M
+   model without and with activation checkpointing (target: within 10%).
 
 Every contender runs in 2 processes on this machine's CPU with the same threads per process, started by torchrun
 unless a row says otherwise. A step time is the difference of the training time of a long and a short run divided
@@ -500,26 +501,31 @@ def planned_total_gb(printed: str) -> float:
 
 def bench_planner(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
     """--estimate_memory against the largest rank's peak RSS while training with the same options (`python
-    train.py --devices 2`, 6 steps), for each architecture's demo shape: Llama and GPT-2 on the text blocks, T5 on
-    the standard library's code -> summary pairs (sources of up to 256 tokens, targets of up to 48)."""
+    train.py --devices 2`, 6 steps, fsdp FULL_SHARD, 32-true unless a row says otherwise), for each architecture's
+    demo shape: Llama and GPT-2 on the text blocks, T5 on the standard library's code -> summary pairs (sources of up
+    to 256 tokens, targets of up to 48); then the 170M model."""
     pairs = work_dir / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(pair) + "\n" for pair in code_summary_pairs()))
     seq2seq = work_dir / "data-seq2seq"
     prepare(PrepareArgs(input=[str(pairs)], output_dir=str(seq2seq), source_field="code", target_field="summary",
                         max_source_length=256, max_target_length=48, vocab_size=2000, val_fraction=0.1, seed=0))
     rows = []
-    for name, model, folder, micro_batches in (("Llama", STEP_MODEL, data, (4, 16)), ("GPT-2", GPT2_MODEL, data, (4, 16)),
-                                               ("T5", T5_MODEL, seq2seq, (4, 16)), ("170M Llama", STATE_MODEL, data, (2,))):
-        for micro in micro_batches:
-            work = Workload(model_config=str(model), data=str(folder), out_dir=str(work_dir / f"plan-{model.name}-{micro}"),
-                            steps=6, micro_batch_size=micro, warmup_steps=1, log_interval=1)
-            planned = planned_total_gb(train_app(work, launcher="python", estimate_memory=True))
-            train_app(work, launcher="python")
-            measured = peak_rss_while_training(work.out_dir)
-            print(f"  {name}, micro batch {micro}: planned {planned:.2f} GB, measured {measured:.2f} GB", flush=True)
-            rows.append(row(f"peak RSS, largest rank: `--estimate_memory` / measured, {name} ({model.name}), micro "
-                            f"batch {micro}", f"{planned:.2f} GB", f"{measured:.2f} GB", planned / measured,
-                            f"within {PLANNER_TOLERANCE:.0%}", abs(planned / measured - 1) <= PLANNER_TOLERANCE))
+    for index, (name, model, folder, micro, options) in enumerate((
+            ("Llama", STEP_MODEL, data, 4, {}), ("Llama", STEP_MODEL, data, 16, {}),
+            ("Llama, bf16-mixed", STEP_MODEL, data, 16, {"precision": "bf16-mixed"}),
+            ("GPT-2", GPT2_MODEL, data, 4, {}), ("GPT-2", GPT2_MODEL, data, 16, {}),
+            ("T5", T5_MODEL, seq2seq, 4, {}), ("T5", T5_MODEL, seq2seq, 16, {}),
+            ("170M Llama", STATE_MODEL, data, 2, {}),
+            ("170M Llama, activation checkpointing", STATE_MODEL, data, 8, {"gradient_checkpointing": True}))):
+        work = Workload(model_config=str(model), data=str(folder), out_dir=str(work_dir / f"plan-{index}"), steps=6,
+                        micro_batch_size=micro, warmup_steps=1, log_interval=1)
+        planned = planned_total_gb(train_app(work, launcher="python", estimate_memory=True, **options))
+        train_app(work, launcher="python", **options)
+        measured = peak_rss_while_training(work.out_dir)
+        print(f"  {name}, micro batch {micro}: planned {planned:.2f} GB, measured {measured:.2f} GB", flush=True)
+        rows.append(row(f"peak RSS, largest rank: `--estimate_memory` / measured, {name} ({model.name}), micro "
+                        f"batch {micro}", f"{planned:.2f} GB", f"{measured:.2f} GB", planned / measured,
+                        f"within {PLANNER_TOLERANCE:.0%}", abs(planned / measured - 1) <= PLANNER_TOLERANCE))
     return rows
 
 

@@ -127,19 +127,21 @@ def test_every_architecture_the_project_trains_is_planned(config, layers) -> Non
         assert short_targets.activations < estimate_memory(shape, replace(EIGHT_GPUS, block_size=128)).activations
 
 
-@pytest.mark.parametrize("config, dtype, tokens, target_tokens", [
-    (TINY_LLAMA, torch.float32, 48, 0), (TINY_LLAMA, torch.bfloat16, 48, 0), (GPT2, torch.float32, 48, 0),
-    (T5, torch.float32, 48, 16), (BART, torch.float32, 48, 16)], ids=["llama", "llama-bf16", "gpt2", "t5", "bart"])
-def test_what_backward_keeps_is_measured_on_the_meta_device_as_a_real_forward_keeps_it(config, dtype, tokens,
+@pytest.mark.parametrize("config, dtype, attention, tokens, target_tokens", [
+    (TINY_LLAMA, torch.float32, "sdpa", 48, 0), (TINY_LLAMA, torch.bfloat16, "sdpa", 48, 0),
+    (TINY_LLAMA, torch.float32, "eager", 48, 0), (GPT2, torch.float32, "sdpa", 48, 0),
+    (T5, torch.float32, "sdpa", 48, 16), (BART, torch.float32, "sdpa", 48, 16)],
+    ids=["llama", "llama-bf16", "llama-eager", "gpt2", "t5", "bart"])
+def test_what_backward_keeps_is_measured_on_the_meta_device_as_a_real_forward_keeps_it(config, dtype, attention, tokens,
                                                                                         target_tokens) -> None:
     """The planner's activations come from a forward of the weightless model, with a stand-in for the fused
     attention kernel: byte for byte what a real forward on CPU keeps, layer by layer (its flash kernel where there is
     no dropout, the math path for GPT-2's and T5's attention dropout and T5's learned position bias)."""
     wrap_classes = resolve_wrap_classes(config, None)
-    planned = kept_for_backward(meta_model(config), wrap_classes, tokens, target_tokens, dtype, "sdpa", gpu=False)
+    planned = kept_for_backward(meta_model(config), wrap_classes, tokens, target_tokens, dtype, attention, gpu=False)
     torch.manual_seed(0)
     real = kept_for_backward(model_class(config).from_config(config), wrap_classes, tokens, target_tokens, dtype,
-                             "sdpa", gpu=False)
+                             attention, gpu=False)
     assert planned == real
     assert len(planned.layers) == len(planned.layer_inputs) > 0 and min(planned.layers) > 0
 
