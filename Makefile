@@ -34,14 +34,31 @@ DEMO_HARDWARE = $(shell $(PY) -c "import torch; n = torch.cuda.device_count(); \
 # such an image lacks into .whl/, which gpu-check installs beside that Python before it runs.
 GPU_WHEELS := jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 datasets==5.2.0 dill==0.4.1 \
 	multiprocess==0.70.19 lightning-fabric==2.6.6
-.PHONY: gpu-wheels gpu-check
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?= --out gpu-check.json
+.PHONY: gpu-wheels gpu-check gpu-rehearsal
 gpu-wheels:
 	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 gpu-check:
-	if [ -d .whl ]; then python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+	if [ -d .whl ]; then $(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
 		--upgrade --target /tmp/gpu-check-site .whl/*.whl; fi
-	PYTHONPATH=/tmp/gpu-check-site PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out gpu-check.json
+	PYTHONPATH=/tmp/gpu-check-site PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The GPU check rehearsed here, on CPU, against the GPU machine's image before a lent GPU's minutes are spent on it:
+# .gpu-image/ holds the versions that image holds (Python 3.12, torch 2.11's CUDA wheel, transformers 5.17, which
+# requires huggingface_hub 1.x; the device tool's package list of 2026-11) and not this project's pure-Python
+# packages, which come from .whl/ as on the GPU machine; then `gpu_check.py --tiny`. The first build downloads
+# about 4 GB (torch and CUDA's libraries, which import without a GPU).
+GPU_IMAGE_PYTHON ?= python3.12
+GPU_IMAGE_PACKAGES := torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0 tokenizers==0.23.2 \
+	safetensors==0.8.0 numpy==2.5.2 sentencepiece==0.2.2 tiktoken==0.14.0 accelerate==1.15.0 \
+	pytorch-lightning==2.6.6 lightning==2.6.6 protobuf psutil tqdm matplotlib pyarrow pandas xxhash fsspec pyyaml
+gpu-rehearsal:
+	test -x .gpu-image/bin/python || ($(GPU_IMAGE_PYTHON) -m venv .gpu-image && \
+		.gpu-image/bin/pip install --quiet $(GPU_IMAGE_PACKAGES))
+	$(MAKE) gpu-wheels
+	$(MAKE) gpu-check GPU_PYTHON=.gpu-image/bin/python GPU_CHECK_ARGS="--tiny --out gpu-rehearsal.json"
 
 .PHONY: demo
 demo: $(VENV)/.installed

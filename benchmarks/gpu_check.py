@@ -57,6 +57,8 @@ class Scale:
     block_size: int
     long_block_size: int
     steps: int
+    lr: float
+    """Large enough for the loss to fall visibly within `steps` steps of one micro-batch."""
     hardware: list[str]
     precisions: dict[str, Optional[str]]
     """The row name -> the --precision it runs with (None: not run at this scale)."""
@@ -70,7 +72,7 @@ GPU = Scale(model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_laye
                        num_key_value_heads=8, vocab_size=128256),
             vocabulary_model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-            block_size=2048, long_block_size=8192, steps=12,
+            block_size=2048, long_block_size=8192, steps=12, lr=3e-4,
             hardware=["--accelerator", "gpu", "--devices", "1"],
             precisions={"bf16-mixed": "bf16-mixed"},
             variants=[("fsdp bf16-true", ["--precision", "bf16-true"]), ("fsdp 16-mixed", ["--precision", "16-mixed"]),
@@ -82,7 +84,7 @@ TINY = Scale(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers
                         num_key_value_heads=2, vocab_size=2000),
              vocabulary_model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=8192),
-             block_size=64, long_block_size=256, steps=6,
+             block_size=64, long_block_size=256, steps=6, lr=3e-3,
              hardware=["--accelerator", "cpu", "--devices", "1"],
              precisions={"bf16-mixed": "32-true"},
              variants=[("fsdp bf16-true, activation checkpointing",
@@ -126,7 +128,7 @@ class Check:
                              "--out_dir", str(out), "--max_step", str(self.scale.steps), "--micro_batch_size", "1",
                              "--log_interval", "1", "--eval_iters", "2", "--eval_step_interval", "1000",
                              "--save_step_interval", "1000", "--initial_validation", "false", "--warmup_steps", "2",
-                             "--lr", "3e-4", "--wandb_mode", "disabled", "--num_workers", "0",
+                             "--lr", str(self.scale.lr), "--wandb_mode", "disabled", "--num_workers", "0",
                              *self.scale.hardware, *options)
         if result.returncode != 0:
             self.add(Row(name, f"train.py exited {result.returncode}: {last_line(result.stderr)}", ok=False))
@@ -229,8 +231,9 @@ def check_variants(check: Check, model: Path, data: Path) -> None:
         summary = check.train(re.sub(r"\W+", "-", name), model, data, *options)
         if summary:
             losses = summary["losses"]
-            learns = losses[max(losses)] < losses[min(losses)]
-            check.add(Row(name, throughput(summary), "the loss falls", learns,
+            first, last = losses[min(losses)], losses[max(losses)]
+            check.add(Row(name, f"loss {first:.3f} -> {last:.3f}, {throughput(summary)}", "the loss falls",
+                          last < first,
                           {k: summary.get(k) for k in ("tokens_per_sec", "mfu")} | {"peak_gb": peak_gb(summary)}))
 
 
@@ -326,11 +329,12 @@ def main() -> int:
         long_data = prepare_text(check.work, scale.long_block_size, "long-data", data / "tokenizer")
         check_chunked_loss(check, check.model("vocabulary-model", scale.vocabulary_model), long_data)
         check_supervised(check, model, data / "tokenizer")
-    found = machine() | {"minutes": (time.monotonic() - started) / 60, "tiny": options.tiny}
+    found = machine() | {"minutes": round((time.monotonic() - started) / 60, 1), "tiny": options.tiny}
     print("\n" + ", ".join(f"{k} {v}" for k, v in found.items() if k != "tiny"))
     print("\n| check | result | expected | |\n| --- | --- | --- | --- |")
     for row in check.rows:
-        print(f"| {row.check} | {row.result} | {row.expected} | {'' if row.ok is None else 'ok' if row.ok else 'FAILED'} |")
+        verdict = "" if row.ok is None else "ok" if row.ok else "FAILED"
+        print(f"| {row.check} | {row.result} | {row.expected} | {verdict} |")
     Path(options.out).write_text(json.dumps({"machine": found, "rows": [asdict(r) for r in check.rows]}, indent=1))
     return 0 if all(row.ok is not False for row in check.rows) else 1
 

@@ -5,12 +5,14 @@ tree listing, HEAD and GET of a file), from folders the test writes; nothing lea
 """
 
 import hashlib
+import importlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -283,3 +285,15 @@ def test_train_tells_how_to_prefetch_a_model_missing_offline(tiny, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "python prefetch.py --model nobody/missing-model" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_huggingface_hub_1_http_errors_are_caught_too(monkeypatch):
+    """The GPU image's transformers 5.17 requires huggingface_hub < 2, which speaks HTTP through httpx, not httpx2:
+    train.py (whose preflight imports prefetch.py) failed there with `No module named 'httpx2'`."""
+    httpx = types.ModuleType("httpx")
+    httpx.TransportError = type("TransportError", (Exception,), {})
+    monkeypatch.setitem(sys.modules, "httpx", httpx)
+    monkeypatch.setitem(sys.modules, "httpx2", None)  # importing it raises ImportError, as where it is not installed
+    monkeypatch.delitem(sys.modules, "app.huggingface.prefetch")
+    prefetch = importlib.import_module("app.huggingface.prefetch")
+    assert httpx.TransportError in prefetch.HUB_ERRORS

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
-import httpx2
 from huggingface_hub import DatasetCard, HfApi, constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -21,6 +20,11 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+
+try:  # huggingface_hub 2 speaks HTTP through httpx2, 1.x (which transformers 5.17-5.22 require) through httpx
+    from httpx2 import TransportError
+except ImportError:
+    from httpx import TransportError
 
 from app import cli
 from app.cli import UsageError
@@ -93,7 +97,7 @@ class Download:
     allow_patterns: Optional[list[str]]
 
 
-HUB_ERRORS = (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, httpx2.TransportError)
+HUB_ERRORS = (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, TransportError)
 
 
 def describe_hub_error(flag: str, name: str, error: Exception) -> str:
