@@ -200,7 +200,8 @@ class SaveArgs:
     """Save"""
 
     save_step_interval: int = 1000
-    """Write a checkpoint every this many optimizer steps (and at the end of training)."""
+    """Write a checkpoint every this many optimizer steps (and at the end of training). 0: none, for benchmarks and
+    smoke tests (a run stopped by a signal still saves, so that it can resume)."""
 
 
 @dataclass
@@ -389,7 +390,7 @@ def validate_config(cfg: Config) -> list[str]:
             problems.append(message)
 
     for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "eval_step_interval",
-                 "save_step_interval", "log_interval", "eval_max_new_tokens"):
+                 "log_interval", "eval_max_new_tokens"):
         require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")
     for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "eval_batch_size",
                  "keep_last_n", "reference_batch_size"):
@@ -400,6 +401,10 @@ def validate_config(cfg: Config) -> list[str]:
         require(value is None or value > 0, f"--{name} must be positive, got {value}")
     require(cfg.num_workers >= 0, f"--num_workers must be 0 or more, got {cfg.num_workers}")
     require(cfg.eval_samples >= 0, f"--eval_samples must be 0 or more, got {cfg.eval_samples}")
+    require(cfg.save_step_interval >= 0, f"--save_step_interval must be 0 (no checkpoints) or more, got "
+            f"{cfg.save_step_interval}")
+    require(cfg.save_step_interval > 0 or cfg.spike_guard != "rollback" and not cfg.log_model,
+            "--save_step_interval 0 writes no checkpoint, which --spike_guard rollback and --log_model need")
     require(cfg.stall_timeout_min >= 0, f"--stall_timeout_min must be 0 (off) or positive, got {cfg.stall_timeout_min}")
     require(cfg.stall_timeout_min < cfg.process_group_timeout_min,
             f"--stall_timeout_min ({cfg.stall_timeout_min:g}) must be below --process_group_timeout_min "

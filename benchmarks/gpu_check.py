@@ -122,12 +122,14 @@ class Check:
         return folder
 
     def train(self, name: str, model: Path, data: Path, *options: str) -> Optional[dict]:
-        """A run of --steps steps logging every step; its summary with the per-step losses, None if it failed."""
+        """A run of --steps steps logging every step; its summary with the per-step losses, None if it failed. It
+        writes no checkpoint unless `options` ask for one: the GPU model's training state is 18 GB, and the GPU
+        machine's disk holds 64 GB."""
         out = self.work / name
         result = self.script("train.py", "--model_config", str(model), "--train_data_dir", str(data),
                              "--out_dir", str(out), "--max_step", str(self.scale.steps), "--micro_batch_size", "1",
                              "--log_interval", "1", "--eval_iters", "2", "--eval_step_interval", "1000",
-                             "--save_step_interval", "1000", "--initial_validation", "false", "--warmup_steps", "2",
+                             "--save_step_interval", "0", "--initial_validation", "false", "--warmup_steps", "2",
                              "--lr", str(self.scale.lr), "--wandb_mode", "disabled", "--num_workers", "0",
                              *self.scale.hardware, *options)
         if result.returncode != 0:
@@ -202,12 +204,14 @@ def prepare_supervised(check: Check, tokenizer: Path) -> Path:
 
 
 def check_strategies(check: Check, model: Path, data: Path) -> Optional[dict]:
-    """fsdp against fsdp2 under the mixed precision users train in, and each run's speed and memory."""
-    precision = check.scale.precisions["bf16-mixed"]
+    """fsdp against fsdp2 under the mixed precision users train in, and each run's speed and memory. The fsdp run
+    also saves in the background half-way, for the resume check (its final checkpoint is deleted at once)."""
+    precision, steps = check.scale.precisions["bf16-mixed"], check.scale.steps
+    saves = {"fsdp": ["--save_step_interval", str(steps // 2), "--async_save", "true"], "fsdp2": []}
     runs = {strategy: check.train(f"{strategy}-{precision}", model, data, "--strategy", strategy,
-                                  "--precision", precision, "--save_step_interval", str(check.scale.steps // 2),
-                                  "--async_save", "true")
+                                  "--precision", precision, *saves[strategy])
             for strategy in ("fsdp", "fsdp2")}
+    delete_checkpoints(check.work / f"fsdp-{precision}", keep=steps // 2)
     if not all(runs.values()):
         return runs["fsdp"]
     difference = largest_difference(runs["fsdp2"]["losses"], runs["fsdp"]["losses"])
@@ -253,6 +257,15 @@ def check_chunked_loss(check: Check, model: Path, data: Path) -> None:
                        "tokens_per_sec": [chunked["tokens_per_sec"], full["tokens_per_sec"]]}))
 
 
+def delete_checkpoints(run: Path, keep: Optional[int]) -> None:
+    """A run's checkpoints but the one of step `keep`, once no check needs them."""
+    from app.checkpoint import list_checkpoints
+
+    for step, path in list_checkpoints(run).items():
+        if step != keep:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def check_resume(check: Check, model: Path, data: Path, straight: dict) -> None:
     """Resume the fsdp run from its half-way background save, in a new folder: the same losses."""
     from app.checkpoint import list_checkpoints
@@ -263,7 +276,9 @@ def check_resume(check: Check, model: Path, data: Path, straight: dict) -> None:
         check.add(Row("resume", f"no checkpoint of step {middle} was written", ok=False))
         return
     resumed = check.train("resumed", model, data, "--strategy", "fsdp", "--precision",
-                          check.scale.precisions["bf16-mixed"], "--resume", "true", "--checkpoint", str(saved))
+                          check.scale.precisions["bf16-mixed"], "--resume", "true", "--checkpoint", str(saved),
+                          "--save_step_interval", str(check.scale.steps))  # the last step's, for the conversion
+    delete_checkpoints(saved.parents[1], keep=None)
     if resumed:
         first = middle + 1
         exact = abs(resumed["losses"][first] - straight["losses"][first]) <= 1e-6 * abs(straight["losses"][first])

@@ -62,6 +62,9 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     (["--rendezvous_timeout_min", "0"], "--rendezvous_timeout_min must be positive"),
     (["--process_group_timeout_min", "0"], "--process_group_timeout_min must be positive"),
     (["--process_group_timeout_min", "10"], "--stall_timeout_min (20) must be below --process_group_timeout_min (10)"),
+    (["--save_step_interval", "-1"], "--save_step_interval must be 0 (no checkpoints) or more"),
+    (["--save_step_interval", "0", "--spike_guard", "rollback"], "--save_step_interval 0 writes no checkpoint"),
+    (["--save_step_interval", "0", "--log_model"], "--save_step_interval 0 writes no checkpoint"),
 ])
 def test_invalid_values_are_named(argv, message) -> None:
     cfg = read_config(REQUIRED + argv)

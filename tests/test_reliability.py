@@ -55,18 +55,19 @@ def files_under(folder: Path) -> list[Path]:
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_and_resume_matches_a_straight_run_exactly(tiny: TinySetup, tmp_path: Path):
-    """Straight 14 steps vs SIGTERM at step k < 10 then --resume true to 14: epoch boundary and accumulation inside."""
+    """Straight 14 steps vs SIGTERM at step k < 10 then --resume true to 14: epoch boundary and accumulation inside.
+    The stopped run writes no checkpoint of its own (--save_step_interval 0) but the one the signal asks for."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     straight_run = launch(train_args(tiny, straight, **EXACT, wandb_mode="offline"), tmp_path / "straight.log",
                           env=FAKE_SECRETS)
-    stopped_run = launch(train_args(tiny, stopped, **EXACT), tmp_path / "stopped.log")
+    stopped_run = launch(train_args(tiny, stopped, **EXACT | {"save_step_interval": 0}), tmp_path / "stopped.log")
     stopped_run.wait_for_step(2)
     sent = time.monotonic()
     stopped_run.process.send_signal(signal.SIGTERM)  # the launcher only (rank 0); rank 1 learns it by all_reduce
     assert stopped_run.finish() == EXIT_PREEMPTED, stopped_run.output()
     seconds_to_exit = time.monotonic() - sent
     stop_step = int(re.search(r"step (\d+): stopped by a signal", stopped_run.output()).group(1))
-    assert 2 <= stop_step < 10 and stop_step in list_checkpoints(stopped), stopped_run.output()
+    assert 2 <= stop_step < 10 and list(list_checkpoints(stopped)) == [stop_step], stopped_run.output()
     assert straight_run.finish() == 0, straight_run.output()
 
     resumed = run_train(train_args(tiny, stopped, **EXACT, resume=True))

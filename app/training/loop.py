@@ -82,6 +82,11 @@ def update_weights(optimizer, verdict: StepVerdict, lr: float, gradients: Gradie
     optimizer.step()
 
 
+def is_save_step(step: int, last: bool, interval: int) -> bool:
+    """Every `interval` optimizer steps and at the last one; never with --save_step_interval 0."""
+    return interval > 0 and (step % interval == 0 or last)
+
+
 def advance_position(state: dict[str, Any], plan: TrainingPlan, step: Optional[Step] = None,
                      data: Optional[TrainingData] = None) -> bool:
     """Count one optimizer step (`step`, read from `data`) in the state; returns True when it finished an epoch (no
@@ -174,7 +179,7 @@ class Loop:
             evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
             if evaluated:
                 metrics |= self.evaluate()
-            if step % cfg.save_step_interval == 0 or last or verdict.stop_requested:
+            if is_save_step(step, last, cfg.save_step_interval) or verdict.stop_requested:
                 metrics |= self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
             if metrics:
                 self.fabric.log_dict(metrics, step=step)

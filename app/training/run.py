@@ -209,7 +209,9 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     write_run_files(fabric, cfg)
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} tokens "
-                 f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)")
+                 f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)"
+                 + ("; no checkpoints (--save_step_interval 0) unless a signal stops it" if not cfg.save_step_interval
+                    else ""))
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
     loop = Loop(fabric=fabric, cfg=cfg, plan=plan, data=data, state=state, stop=stop, loss_path=loss_path,
                 clock=step_clock(fabric, cfg, inputs, state["step"]), console=console,
