@@ -102,15 +102,22 @@ class Row:
 
 
 class Check:
-    """The work folder, the scale and the rows found so far."""
+    """The work folder, the scale and the rows found so far, written to `out` as each is found (a check cut off by
+    the GPU machine's time limit still leaves what it found)."""
 
-    def __init__(self, scale: Scale, work: Path) -> None:
-        self.scale, self.work, self.rows = scale, work, []
+    def __init__(self, scale: Scale, work: Path, out: Path, tiny: bool) -> None:
+        self.scale, self.work, self.out, self.rows = scale, work, out, []
+        self.machine, self.started = machine() | {"tiny": tiny}, time.monotonic()
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
         verdict = "" if row.ok is None else (" ok" if row.ok else " FAILED")
         print(f"  {row.check}: {row.result}{verdict}", flush=True)
+        self.write()
+
+    def write(self) -> None:
+        self.machine["minutes"] = round((time.monotonic() - self.started) / 60, 1)
+        self.out.write_text(json.dumps({"machine": self.machine, "rows": [asdict(r) for r in self.rows]}, indent=1))
 
     def script(self, *arguments: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True)
@@ -331,9 +338,8 @@ def main() -> int:
     if not options.tiny and not torch.cuda.is_available():
         print("gpu_check.py: error: no GPU here; run it on a GPU machine, or --tiny on CPU", file=sys.stderr)
         return 2
-    started = time.monotonic()
     with tempfile.TemporaryDirectory() as folder:
-        check = Check(scale, Path(folder))
+        check = Check(scale, Path(folder), Path(options.out), options.tiny)
         data = prepare_text(check.work, scale.block_size, "data")
         model = check.model("model", scale.model)
         straight = check_strategies(check, model, data)
@@ -344,13 +350,12 @@ def main() -> int:
         long_data = prepare_text(check.work, scale.long_block_size, "long-data", data / "tokenizer")
         check_chunked_loss(check, check.model("vocabulary-model", scale.vocabulary_model), long_data)
         check_supervised(check, model, data / "tokenizer")
-    found = machine() | {"minutes": round((time.monotonic() - started) / 60, 1), "tiny": options.tiny}
-    print("\n" + ", ".join(f"{k} {v}" for k, v in found.items() if k != "tiny"))
+    check.write()
+    print("\n" + ", ".join(f"{k} {v}" for k, v in check.machine.items() if k != "tiny"))
     print("\n| check | result | expected | |\n| --- | --- | --- | --- |")
     for row in check.rows:
         verdict = "" if row.ok is None else "ok" if row.ok else "FAILED"
         print(f"| {row.check} | {row.result} | {row.expected} | {verdict} |")
-    Path(options.out).write_text(json.dumps({"machine": found, "rows": [asdict(r) for r in check.rows]}, indent=1))
     return 0 if all(row.ok is not False for row in check.rows) else 1
 
 
