@@ -130,3 +130,15 @@ def test_plain_route_refuses_a_folder_whose_weights_do_not_fit(tiny, pretrained,
                        "--precision", "32-true"])
     with pytest.raises(RuntimeError, match=r"missing \(model.layers.1"):
         build_model(Fabric(accelerator="cpu", devices=1), cfg, AutoConfig.from_pretrained(folder), None)
+
+
+def test_a_pretrained_model_trains_with_its_dropout_from_the_first_step(tiny, pretrained) -> None:
+    """from_pretrained returns a model in eval mode; dropout stayed off until the first evaluation called train()."""
+    from lightning_fabric import Fabric
+
+    from app.model.build import build_model
+
+    cfg = read_config(["--train_data_dir", str(tiny.data), "--model_name", str(pretrained), "--strategy", "ddp",
+                       "--precision", "32-true"])
+    model = build_model(Fabric(accelerator="cpu", devices=1), cfg, AutoConfig.from_pretrained(pretrained), None)
+    assert all(module.training for module in model.modules())

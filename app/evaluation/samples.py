@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from app.data.formats import Sample
-from app.model.build import strategy_module
+from app.model.build import evaluation_mode, strategy_module
 from app.prepare.chat_template import end_of_turn_id
 
 if TYPE_CHECKING:
@@ -98,11 +98,9 @@ def generate_samples(fabric: Fabric, model: torch.nn.Module, samples: list[Sampl
     """The generated tokens of every sample, on every rank; each rank generates every world-size-th one."""
     mine = samples[fabric.global_rank::fabric.world_size]
     rounds = -(-len(samples) // fabric.world_size)
-    was_training = model.training
-    model.eval()
-    outputs = [generate_in_lockstep(fabric, model, mine[i].prompt if i < len(mine) else [], decoding=decoding,
-                                    max_new_tokens=max_new_tokens, stop_ids=stop_ids) for i in range(rounds)]
-    model.train(was_training)
+    with evaluation_mode(model):
+        outputs = [generate_in_lockstep(fabric, model, mine[i].prompt if i < len(mine) else [], decoding=decoding,
+                                        max_new_tokens=max_new_tokens, stop_ids=stop_ids) for i in range(rounds)]
     gathered = [outputs]
     if fabric.world_size > 1:
         gathered = [None] * fabric.world_size

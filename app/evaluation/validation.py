@@ -11,6 +11,7 @@ from torch.nn import Module
 from app.data import TrainingData
 from app.data.loader import eval_batches
 from app.metrics.observe import gather_rows
+from app.model.build import evaluation_mode
 from app.model.loss import LossPath
 
 
@@ -25,18 +26,17 @@ def validation_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: 
     more trained tokens weigh more, and nothing synchronises until the one final reduction. The loss is asked for as
     training asks (`loss_path`): chunked, it never holds a batch's full logits.
     """
-    model.eval()
     splits = {name: split for name, split in data.validation_splits().items() if len(split)}
     totals = torch.zeros(len(splits), 2, device=fabric.device, dtype=torch.float64)
-    for index, split in enumerate(splits.values()):
-        token_count = 0
-        for batch in eval_batches(fabric, data.format, split, batch_size=batch_size, max_batches=max_batches):
-            loss = loss_path.summed_loss(model, batch)  # on every rank, trained tokens or not
-            if batch.trained_tokens:
-                totals[index, 0] += loss.double()
-                token_count += batch.trained_tokens
-        totals[index, 1] = token_count
-    model.train()
+    with evaluation_mode(model):
+        for index, split in enumerate(splits.values()):
+            token_count = 0
+            for batch in eval_batches(fabric, data.format, split, batch_size=batch_size, max_batches=max_batches):
+                loss = loss_path.summed_loss(model, batch)  # on every rank, trained tokens or not
+                if batch.trained_tokens:
+                    totals[index, 0] += loss.double()
+                    token_count += batch.trained_tokens
+            totals[index, 1] = token_count
     totals = fabric.all_reduce(totals, reduce_op="sum").tolist()
     losses = {name: loss_sum / tokens for name, (loss_sum, tokens) in zip(splits, totals) if tokens}
     return losses | {"": sum(loss_sum for loss_sum, _ in totals) / sum(tokens for _, tokens in totals)}
@@ -50,16 +50,15 @@ def row_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: Trainin
     every rank. For the spike guard, to name the rows that made a spike (spikes.culprits)."""
     share = len(rows) // fabric.world_size
     mine = rows[fabric.global_rank * share:(fabric.global_rank + 1) * share]
-    model.eval()
     scored = []
-    for row in mine:
-        batch = data.row_batch(row)
-        batch.inputs = fabric.to_device(batch.inputs)
-        scored.append(torch.stack([torch.tensor(float(row), dtype=torch.float64, device=fabric.device),
-                                   loss_path.summed_loss(model, batch).double(),
-                                   torch.tensor(float(batch.trained_tokens), dtype=torch.float64,
-                                                device=fabric.device)]))
-    model.train()
+    with evaluation_mode(model):
+        for row in mine:
+            batch = data.row_batch(row)
+            batch.inputs = fabric.to_device(batch.inputs)
+            scored.append(torch.stack([torch.tensor(float(row), dtype=torch.float64, device=fabric.device),
+                                       loss_path.summed_loss(model, batch).double(),
+                                       torch.tensor(float(batch.trained_tokens), dtype=torch.float64,
+                                                    device=fabric.device)]))
     every_rank = gather_rows(torch.stack(scored).reshape(-1)).reshape(-1, 3).tolist()
     return [(int(row), loss, int(tokens)) for row, loss, tokens in every_rank]
 

@@ -15,11 +15,11 @@ model on each device anyway and take the plain route too.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -137,6 +137,7 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
         else:
             model = model_class(model_config).from_config(model_config, **common)
     model.config.use_cache = False
+    model.train()  # from_pretrained returns it in eval mode: dropout would stay off until the first evaluation
     if cfg.gradient_checkpointing and cfg.strategy != "fsdp":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -182,6 +183,17 @@ def strategy_module(model: Module) -> Module:
     wrappers: the object whose state dict has the model's own names."""
     module = getattr(model, "_forward_module", model)
     return getattr(module, "_orig_mod", module)
+
+
+@contextmanager
+def evaluation_mode(model: Module) -> Iterator[None]:
+    """Dropout off inside the block, then the mode the model was in (training, as build_model leaves it)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def hugging_face_model(module: Module) -> PreTrainedModel:
