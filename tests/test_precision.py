@@ -66,6 +66,23 @@ def test_16_mixed_gets_an_enabled_fp16_scaler_on_cpu_too() -> None:
     assert precision_plugin("bf16-mixed", "fsdp", device_type="cpu").scaler is None
 
 
+def test_a_step_the_spike_guard_does_not_apply_closes_the_scalers_step() -> None:
+    """16-mixed with the default --spike_guard skip failed on the step after a skipped one: `unscale_() has already
+    been called on this optimizer since the last update()`."""
+    from app.optimization.optimizer import GradientPolicy
+    from app.training.loop import skip_update
+
+    plugin = precision_plugin("16-mixed", "ddp", device_type="cpu")  # FSDP's scaler is the same but all-reduces
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = GradientPolicy(max_norm=1.0, replicas=1, scaled=True, defer_sync=False)
+    for _ in range(2):  # two steps in a row not applied
+        plugin.scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        plugin.unscale_gradients(optimizer)
+        skip_update(plugin, policy)
+        optimizer.zero_grad()
+
+
 @pytest.mark.parametrize("name, bf16, fp32", [
     ("NVIDIA H200", 989.4, 67.0), ("NVIDIA H200 NVL", 835.5, 60.0), ("NVIDIA H100 80GB HBM3", 989.4, 66.9),
     ("NVIDIA H100 NVL", 835.5, 60.0), ("NVIDIA H100 PCIe", 756.0, 51.2), ("NVIDIA A100-SXM4-80GB", 312.0, 19.5),

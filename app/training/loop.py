@@ -30,6 +30,8 @@ from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits
 from app.reliability.watchdog import StallWatchdog
 
 if TYPE_CHECKING:
+    from lightning_fabric.plugins import Precision
+
     from arguments import Config
 
 
@@ -80,6 +82,13 @@ def update_weights(optimizer, verdict: StepVerdict, lr: float, gradients: Gradie
     set_learning_rate(optimizer, lr)
     before_update()
     optimizer.step()
+
+
+def skip_update(precision: Precision, gradients: GradientPolicy) -> None:
+    """A step whose gradients are not applied (the spike guard's verdict): a gradient scaler that unscaled them
+    still closes the step, as optimizer.step() would, or the next step's unscale fails."""
+    if gradients.scaled:
+        precision.scaler.update()
 
 
 def is_save_step(step: int, last: bool, interval: int) -> bool:
@@ -154,6 +163,8 @@ class Loop:
             action = self.judge(step_batches, verdict)
             if action == "apply":
                 update_weights(state["optimizer"], verdict, lr, self.gradients, self.saver.before_update)
+            else:
+                skip_update(self.fabric.strategy.precision, self.gradients)
             state["optimizer"].zero_grad(set_to_none=True)
             if action == "stop":
                 return "spikes"
