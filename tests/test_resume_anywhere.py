@@ -184,3 +184,33 @@ def test_resuming_a_full_checkpoint_under_fsdp_costs_about_the_optimizer_state(t
     print(f"\nresume memory: ranks rose by {measured['rises_gb']} GB for a {measured['checkpoint_gb']:.2f} GB "
           f"checkpoint: {measured['ratio']:.2f}x")
     assert measured["ratio"] < 0.9
+
+
+def recorded_rows(out_dir: Path) -> dict[int, list[int]]:
+    lines = (out_dir / "rows.jsonl").read_text().splitlines()
+    return {record["step"]: sorted(row for rows in record["rows"].values() for row in rows)
+            for record in map(json.loads, lines)}
+
+
+def test_a_resume_at_a_larger_global_batch_trains_the_epochs_left_and_resumes_again_at_the_same_rows(
+        tiny, tmp_path) -> None:
+    """Saved at step 30 of 16 rows (sample 480 of 647), resumed at 256 rows a step for 2 epochs: no whole step is
+    left in epoch 0, so 2 steps of epoch 1 (the run used to end at once: 647 // 256 x 2 = 4 steps < 30); resumed
+    again from its first step's checkpoint, it reads the rows it read then (its position was a step behind them)."""
+    one = dict(devices=1, strategy="single_device", gradient_accumulation_steps=None, warmup_steps=0,
+               eval_step_interval=100, record_rows=True)
+    first, larger, again = tmp_path / "first", tmp_path / "larger", tmp_path / "again"
+    assert_succeeded(run_train(train_args(tiny, first, **one, micro_batch_size=16, global_batch_size=16, max_step=30,
+                                          save_step_interval=30)))
+    shutil.copytree(first / "checkpoints", larger / "checkpoints")
+    resumed = run_train(train_args(tiny, larger, **one, micro_batch_size=64, global_batch_size=256, max_step=None,
+                                   number_epochs=2, save_step_interval=1, resume=True))
+    assert_succeeded(resumed)
+    assert "training 32 steps of 256 sequences" in resumed.stdout, resumed.stdout
+    assert sorted(list_checkpoints(larger)) == [30, 31, 32]
+    assert read_metadata(list_checkpoints(larger)[31])["epoch"] == 1
+    shutil.copytree(larger / "checkpoints", again / "checkpoints")
+    (again / "checkpoints" / "step-00000032.ckpt").unlink()
+    assert_succeeded(run_train(train_args(tiny, again, **one, micro_batch_size=64, global_batch_size=256,
+                                          max_step=None, number_epochs=2, save_step_interval=1, resume=True)))
+    assert recorded_rows(again)[32] == recorded_rows(larger)[32]

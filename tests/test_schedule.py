@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from app.optimization.schedule import accumulation_steps, learning_rate, make_plan
+from app.optimization.schedule import (accumulation_steps, continuing_position, learning_rate, make_plan,
+                                      steps_to_finish)
 
 
 def lr_at(step: int, **overrides: object) -> float:
@@ -67,6 +68,30 @@ def test_plan_derives_max_step_from_epochs_and_drops_the_partial_step() -> None:
     assert plan.global_batch_size == 24 and plan.tokens_per_step == 24 * 128
     assert make_plan(train_rows=1000, block_size=128, world_size=2, micro_batch_size=4, accumulation=3,
                      number_epochs=2, max_step=7).max_step == 7
+
+
+def test_a_resume_at_another_global_batch_counts_the_steps_left_from_its_samples() -> None:
+    """A 1-epoch run of 64 rows at 8 a step, saved at step 4 (sample 32): at 16 a step, 2 steps are left (it ended at
+    once, at step 8 = 64 // 16 x 1 epoch, with half the epoch untrained); at 4 a step, 8 (it trained past the epoch)."""
+    def plan(global_batch: int):
+        return make_plan(train_rows=64, block_size=8, world_size=1, micro_batch_size=global_batch, accumulation=1,
+                         number_epochs=1, max_step=None)
+
+    assert steps_to_finish(plan(8), epoch=0, position=32, number_epochs=1) == 4, "the same batch: as planned"
+    assert steps_to_finish(plan(16), epoch=0, position=32, number_epochs=1) == 2
+    assert steps_to_finish(plan(4), epoch=0, position=32, number_epochs=1) == 8
+    assert steps_to_finish(plan(16), epoch=0, position=32, number_epochs=3) == 2 + 2 * 4
+    assert steps_to_finish(plan(8), epoch=1, position=0, number_epochs=1) == 0
+
+
+def test_a_resume_whose_epoch_has_no_whole_step_left_reads_on_from_the_next_epoch() -> None:
+    """The data order skips an epoch's tail that does not fill a step; the saved position must too, or every later
+    position (and resume) stays a step behind the rows read, which are then read again."""
+    plan = make_plan(train_rows=64, block_size=8, world_size=1, micro_batch_size=32, accumulation=1,
+                     number_epochs=3, max_step=None)
+    assert continuing_position(0, 48, plan) == (1, 0), "16 rows left, fewer than the new step's 32"
+    assert continuing_position(0, 32, plan) == (0, 32)
+    assert steps_to_finish(plan, epoch=0, position=48, number_epochs=3) == 2 * 2
 
 
 def test_plan_refuses_data_smaller_than_one_step() -> None:

@@ -82,6 +82,23 @@ class TrainingPlan:
         return round(self.global_batch_size * (self.row_tokens + self.target_tokens))
 
 
+def continuing_position(epoch: int, position: int, plan: TrainingPlan) -> tuple[int, int]:
+    """Where a resumed run reads on: a checkpoint's position with no whole step of this run's global batch left in
+    its epoch (the global batch grew) is the next epoch's start, as the data order has it (order.step_rows)."""
+    if position + plan.global_batch_size > plan.train_rows:
+        return epoch + 1, 0
+    return epoch, position
+
+
+def steps_to_finish(plan: TrainingPlan, *, epoch: int, position: int, number_epochs: int) -> int:
+    """Optimizer steps from a resumed position to the end of --number_epochs, at this run's global batch (a
+    checkpoint's step count was made at its own)."""
+    epoch, position = continuing_position(epoch, position, plan)
+    if epoch >= number_epochs:
+        return 0
+    return (plan.train_rows - position) // plan.global_batch_size + (number_epochs - 1 - epoch) * plan.steps_per_epoch
+
+
 def make_plan(
     *,
     train_rows: int,

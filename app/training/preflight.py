@@ -36,7 +36,7 @@ from app.model.build import load_model_config, meta_model, model_source, resolve
 from app.model.isolation import probe_isolation
 from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
-from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch
+from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -383,8 +383,22 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
                         "batch and device count that divide it, or give --global_batch_size" if kept else str(error))
         return None
     if resume is not None:
+        plan = plan_from_checkpoint(cfg, data, resume.metadata, plan)
         note_what_changed(cfg, resume.metadata, plan)
+    if cfg.warmup_steps > plan.max_step:
+        problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {plan.max_step} optimizer steps "
+                        f"(--number_epochs {cfg.number_epochs} at {plan.global_batch_size} sequences per step): "
+                        "lower it, or give --max_step")
     return plan
+
+
+def plan_from_checkpoint(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> TrainingPlan:
+    """A resumed run that ends after --number_epochs counts the steps left from the checkpoint's position at its
+    own global batch: the checkpoint's step count, made at another global batch, would end it early or late."""
+    if cfg.max_step is not None or data.sources is not None:
+        return plan
+    left = steps_to_finish(plan, epoch=saved["epoch"], position=saved["position"], number_epochs=cfg.number_epochs)
+    return replace(plan, max_step=saved["step"] + left)
 
 
 def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:

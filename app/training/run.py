@@ -27,6 +27,7 @@ from app.metrics.memory_plan import ModelShape, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.model.build import DeferredInit, deferred_init, setup_model
 from app.optimization.optimizer import GradientPolicy, build_optimizer
+from app.optimization.schedule import TrainingPlan, continuing_position
 from app.reliability.signals import StopRequest, requeue_slurm_job, requeues_itself, run_and_exit
 from app.reliability.spikes import QUARANTINE_FILE, SpikeGuard, SpikeHistory, SpikeRules, write_quarantine
 from app.reliability.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
@@ -110,7 +111,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
     }
 
 
-def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any]) -> None:
+def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan: TrainingPlan) -> None:
     """Load the checkpoint into the model and optimizer, then continue its counters, random states and scaler."""
     loading = Stopwatch()
     with loading.measure():
@@ -118,6 +119,8 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any]) -> No
     state |= {key: saved[key] for key in ("step", "epoch", "position", "val_loss")}
     state |= {"spike_guard": saved.get("spike_guard"), "mixture": saved.get("mixture"),
               "source_tokens": saved.get("source_tokens") or {}}
+    if state["mixture"] is None:
+        state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
     if saved.get("grad_scaler"):
         fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
@@ -205,7 +208,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)
     if inputs.resume_from:
-        resume(fabric, cfg, inputs.resume_from, state)
+        resume(fabric, cfg, inputs.resume_from, state, inputs.plan)
     write_run_files(fabric, cfg)
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} tokens "
