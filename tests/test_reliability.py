@@ -21,7 +21,8 @@ import psutil
 import pytest
 import torch
 
-from app.checkpoint import list_checkpoints, mark_if_best, prune_checkpoints, read_best
+from app.checkpoint import (latest_checkpoint, list_checkpoints, mark_if_best, prune_checkpoints, read_best,
+                            set_aside_newer)
 from app.exit_codes import (EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
                             EXIT_STALLED)
 from app.reliability import signals
@@ -340,3 +341,21 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     assert [p.name for p in deleted] == ["step-00000006.ckpt"]
     assert sorted(list_checkpoints(tmp_path)) == [2, 4, 8, 10]
     assert prune_checkpoints(tmp_path, None, set()) == []
+
+
+def test_a_rollback_moves_the_checkpoints_of_the_abandoned_stretch_where_resume_does_not_look(tmp_path: Path):
+    """A rollback may pass over checkpoints whose validation loss had begun to rise; left in place, the newest of them
+    was what --resume true continued from after a crash, undoing the rollback."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for step in (2, 4, 8):
+        (folder / f"step-{step:08d}.ckpt").write_bytes(b"x")
+    (folder / "step-00000006.ckpt").mkdir()  # a sharded one
+    (folder / "step-00000006.ckpt" / "__0_0.distcp").write_bytes(b"x")
+    moved = set_aside_newer(tmp_path, 4)
+    assert [path.name for path in moved] == ["step-00000006.ckpt", "step-00000008.ckpt"]
+    assert sorted(list_checkpoints(tmp_path)) == [2, 4] and latest_checkpoint(tmp_path).name == "step-00000004.ckpt"
+    assert (folder / "rolled-back" / "step-00000006.ckpt" / "__0_0.distcp").is_file()
+    (folder / "step-00000008.ckpt").write_bytes(b"again")  # the same step saved again, and rolled back again
+    set_aside_newer(tmp_path, 4)
+    assert (folder / "rolled-back" / "step-00000008.ckpt").read_bytes() == b"again"

@@ -6,7 +6,8 @@ never a partial file that resume would take; the next save removes what an inter
 
 After publishing, rank 0 records the checkpoint with the lowest validation loss in `checkpoints/best.json` (only
 checkpoints evaluated at their own step compete) and, with --keep_last_n, deletes older checkpoints except that
-best one and the one the run resumed from.
+best one and the one the run resumed from. A spike guard's rollback moves the checkpoints newer than the one it
+returns to into `checkpoints/rolled-back/`, where resume and conversion never look.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Optional
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.ckpt$")
 LEFTOVER_NAME = re.compile(r"^\.step-\d+\.ckpt\.(partial|replaced)$")
 BEST_FILE = "best.json"
+ROLLED_BACK_DIR = "rolled-back"
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
@@ -115,3 +117,18 @@ def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected
     for path in deleted:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return deleted
+
+
+def set_aside_newer(out_dir: str | Path, step: int) -> list[Path]:
+    """Move the checkpoints newer than `step` (those of the stretch a rollback abandons) into checkpoints/rolled-back/:
+    left in place, the latest of them would be what --resume true continues from after a crash. Kept, not deleted."""
+    moved = []
+    for newer, path in sorted(list_checkpoints(out_dir).items()):
+        if newer > step:
+            target = checkpoint_dir(out_dir) / ROLLED_BACK_DIR / path.name
+            target.parent.mkdir(exist_ok=True)
+            if target.exists():  # rolled back over the same step twice: the older copy goes
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+            path.rename(target)
+            moved.append(target)
+    return moved

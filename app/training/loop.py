@@ -14,7 +14,7 @@ import torch
 from lightning_fabric import Fabric
 
 from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, load_checkpoint, mark_if_best,
-                            prune_checkpoints, rng_of_every_rank)
+                            prune_checkpoints, rng_of_every_rank, set_aside_newer)
 from app.data import Batch, Step, TrainingData, train_steps
 from app.evaluation.validation import perplexity, row_losses, validation_losses
 from app.metrics.console import Console
@@ -247,6 +247,9 @@ class Loop:
                                "stopped without saving. Resume from the last checkpoint with a lower --lr")
             return False
         saved = load_checkpoint(path, state["model"], state["optimizer"])
+        if fabric.is_global_zero:
+            for moved in set_aside_newer(self.cfg.out_dir, saved["step"]):
+                self.console.print(f"step {state['step']}: moved {moved.name}, of the stretch rolled back, to {moved}")
         back = state["step"] - saved["step"]
         state |= {"step": saved["step"], "val_loss": saved["val_loss"]}
         if saved.get("grad_scaler"):
