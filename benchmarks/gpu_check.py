@@ -30,6 +30,7 @@ import json
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,9 +145,9 @@ class Check:
             return None
         summary = json.loads((out / "summary.json").read_text())
         with open(out / "metrics.csv") as file:
-            summary["losses"] = {int(r["step"]): float(r["train_loss"]) for r in csv.DictReader(file)
-                                 if r.get("train_loss")}
-        return summary
+            logged = [r for r in csv.DictReader(file) if r.get("train_loss")]
+        summary["losses"] = {int(r["step"]): float(r["train_loss"]) for r in logged}
+        return summary | steady_throughput(logged)
 
     def estimate_gb(self, model: Path, strategy: str, precision: str) -> float:
         """What --estimate_memory plans for one device of this check's runs (app/metrics/memory_plan.py)."""
@@ -170,6 +171,14 @@ def peak_gb(summary: dict) -> float:
     """The device's peak: reserved by CUDA's allocator on a GPU (what the card must hold), RSS on a CPU."""
     rank = summary["ranks"][0]
     return rank.get("peak_reserved_gb", rank.get("peak_rss_gb", float("nan")))
+
+
+def steady_throughput(logged: list[dict]) -> dict:
+    """tokens/s and MFU of the steps' second half, each step's as logged (--log_interval 1), their median: the run's
+    mean would count CUDA's warm-up and --compile's compilation in the first steps."""
+    second_half = logged[len(logged) // 2:]
+    return {name: statistics.median(float(r[name]) for r in second_half)
+            for name in ("tokens_per_sec", "mfu") if second_half and all(r.get(name) for r in second_half)}
 
 
 def throughput(summary: dict) -> str:
