@@ -58,6 +58,9 @@ class Scale:
     block_size: int
     long_block_size: int
     steps: int
+    micro_batch_size: int
+    """Of the 1.5B model's runs: 4 x 2048 tokens, as torchtitan's 8K tokens per GPU (the 128K-vocabulary model at
+    8K tokens runs 1)."""
     lr: float
     """Large enough for the loss to fall visibly within `steps` steps of one micro-batch."""
     hardware: list[str]
@@ -73,7 +76,7 @@ GPU = Scale(model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_laye
                        num_key_value_heads=8, vocab_size=128256),
             vocabulary_model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-            block_size=2048, long_block_size=8192, steps=12, lr=3e-4,
+            block_size=2048, long_block_size=8192, steps=12, micro_batch_size=4, lr=3e-4,
             hardware=["--accelerator", "gpu", "--devices", "1"],
             precisions={"bf16-mixed": "bf16-mixed"},
             variants=[("fsdp bf16-true", ["--precision", "bf16-true"]), ("fsdp 16-mixed", ["--precision", "16-mixed"]),
@@ -85,7 +88,7 @@ TINY = Scale(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers
                         num_key_value_heads=2, vocab_size=2000),
              vocabulary_model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=8192),
-             block_size=64, long_block_size=256, steps=6, lr=3e-3,
+             block_size=64, long_block_size=256, steps=6, micro_batch_size=1, lr=3e-3,
              hardware=["--accelerator", "cpu", "--devices", "1"],
              precisions={"bf16-mixed": "32-true"},
              variants=[("fsdp bf16-true, activation checkpointing",
@@ -135,7 +138,8 @@ class Check:
         machine's disk holds 64 GB."""
         out = self.work / name
         result = self.script("train.py", "--model_config", str(model), "--train_data_dir", str(data),
-                             "--out_dir", str(out), "--max_step", str(self.scale.steps), "--micro_batch_size", "1",
+                             "--out_dir", str(out), "--max_step", str(self.scale.steps),
+                             "--micro_batch_size", str(self.scale.micro_batch_size),
                              "--log_interval", "1", "--eval_iters", "2", "--eval_step_interval", "1000",
                              "--save_step_interval", "0", "--initial_validation", "false", "--warmup_steps", "2",
                              "--lr", str(self.scale.lr), "--wandb_mode", "disabled", "--num_workers", "0",
@@ -157,7 +161,8 @@ class Check:
         config = LlamaConfig.from_pretrained(model)
         shape = ModelShape.of(config, resolve_wrap_classes(config, None))
         setup = Setup(strategy=strategy, sharding_strategy="NO_SHARD" if strategy == "fsdp" else "FULL_SHARD",
-                      precision=precision, world_size=1, devices_per_node=1, micro_batch_size=1,
+                      precision=precision, world_size=1, devices_per_node=1,
+                      micro_batch_size=self.scale.micro_batch_size,
                       block_size=self.scale.block_size, gradient_checkpointing=False, cpu_offload=False,
                       chunked_loss=True)
         return estimate_memory(shape, setup).total / 2**30
