@@ -265,7 +265,7 @@ def check_variants(check: Check, model: Path, data: Path) -> None:
 def check_chunked_loss(check: Check, model: Path, data: Path) -> None:
     mixed = check.scale.precisions["bf16-mixed"]
     runs = {chunked: check.train(f"vocabulary-chunked-{chunked}", model, data, "--precision", mixed,
-                                 "--chunked_loss", chunked) for chunked in ("true", "false")}
+                                 "--chunked_loss", chunked, "--micro_batch_size", "1") for chunked in ("true", "false")}
     if all(runs.values()):
         chunked, full = runs["true"], runs["false"]
         on_gpu = torch.cuda.is_available()  # the tiny model's logits are too small to show
