@@ -86,6 +86,29 @@ def test_meta_device_route_only_where_it_is_exact(tiny) -> None:
     assert route(tiny, config_changes={"tie_word_embeddings": True}) is None
 
 
+def test_the_meta_route_initialises_like_transformers_or_is_not_taken(tiny) -> None:
+    """FSDP materialises a unit's modules parent first: GPT-2's attention rescaled its c_proj before the Conv1D's own
+    init undid it (residual projections 4.9 x too large at 12 layers). Apertus sets its activation's constants in
+    its constructor, which no init repeats: on the meta route they were whatever memory held."""
+    from transformers import GPT2Config
+
+    from app.distributed.fsdp2 import wrap_units
+    from app.model.build import materializes_like_from_config, materialize_module, meta_model, resolve_wrap_classes
+
+    gpt2 = GPT2Config(vocab_size=300, n_embd=64, n_layer=12, n_head=4, tie_word_embeddings=False)
+    model = meta_model(gpt2)
+    for unit in [*wrap_units(model, resolve_wrap_classes(gpt2, None)), model]:  # FSDP's order: layers, then the root
+        materialize_module(unit, init_weights=model._init_weights, accelerator="cpu")
+    residual = model.transformer.h[0].attn.c_proj.weight.std().item()
+    assert residual == pytest.approx(0.02 / (2 * 12) ** 0.5, rel=0.15)
+    assert materializes_like_from_config(gpt2, False, pretrained=False)
+    apertus = AutoConfig.for_model("apertus", vocab_size=512, hidden_size=512, intermediate_size=1024,
+                                   num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False)
+    assert not materializes_like_from_config(apertus, False, pretrained=False)
+    assert materializes_like_from_config(apertus, False, pretrained=True), "its weight files hold the constants"
+    assert route(tiny) is not None
+
+
 def test_pretrained_folder_whose_keys_differ_takes_the_plain_route(tiny, pretrained, tmp_path) -> None:
     folder = tmp_path / "renamed"
     folder.mkdir()

@@ -152,6 +152,28 @@ def probe(tiny, tmp_path: Path, **overrides: object) -> dict:
     return json.loads(report.read_text())
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "olmo3"])
+def test_rotary_frequencies_named_per_layer_type_are_recomputed_in_fp32_too(model_type) -> None:
+    """Gemma-3 and OLMo-3 keep one inv_freq per layer type (`full_attention_inv_freq`, ...): under bf16-true they
+    stayed in bf16 (0.01-0.04 of logit difference at 4K tokens against transformers' own bf16 model)."""
+    from transformers import AutoConfig
+
+    from app.model.build import keep_rotary_in_fp32
+
+    config = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  **({} if model_type == "llama" else
+                                     {"layer_types": ["sliding_attention", "full_attention"]}))
+    reference = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    keep_rotary_in_fp32(model)
+    expected = {name: buffer for name, buffer in reference.named_buffers() if name.endswith("inv_freq")}
+    assert len(expected) >= (4 if model_type != "llama" else 2)
+    got = dict(model.named_buffers())
+    for name, buffer in expected.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], buffer), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16-true"), ("fsdp", "bf16-mixed"), ("fsdp2", "bf16-mixed")])
 def test_rotary_frequencies_stay_fp32_and_exact_under_fsdp(tiny, tmp_path, strategy, precision) -> None:

@@ -97,11 +97,59 @@ def safetensors_keys(files: list[Path]) -> set[str]:
     return keys
 
 
+def holds_meta(module: Module, recurse: bool) -> bool:
+    return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
+
+
+def children_first(module: Module) -> Iterator[Module]:
+    for child in module.children():
+        yield from children_first(child)
+    yield module
+
+
 def materialize_module(module: Module, *, init_weights: Callable[[Module], None], accelerator: str) -> None:
-    """FSDP's param_init_fn: real memory for one module's own tensors on this rank's device, then the model's init."""
+    """FSDP's param_init_fn, which FSDP1 and fsdp2 call on a unit's modules parent before child: the first call gives
+    every module of the subtree still on the meta device real memory on this rank's device, then initialises them
+    and their parents children first, as transformers' `apply` does (GPT-2's attention rescales its c_proj after the
+    Conv1D's own init: parent first, the residual projections started 2 x n_layer ** 0.5 too large); the later calls
+    find nothing left."""
     device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
-    module.to_empty(device=device, recurse=False)
-    init_weights(module)
+    pending = [part for part in children_first(module) if holds_meta(part, recurse=True)]
+    for part in pending:
+        if holds_meta(part, recurse=False):
+            part.to_empty(device=device, recurse=False)
+    for part in pending:
+        init_weights(part)
+
+
+def materializes_like_from_config(model_config: PretrainedConfig, trust_remote_code: bool, pretrained: bool) -> bool:
+    """Whether the meta route gives the model from_config gives, tried on the config's small twin materialised unit by
+    unit as FSDP does: every constant tensor (norms, buffers, an activation's constants) equal, every random one of
+    the same spread (where it has enough values to tell). A model that sets values in its constructor that its
+    _init_weights does not set again fails (Apertus's xIELU activation kept whatever memory it got). With
+    `pretrained` weights to read, only what they do not hold counts: the non-persistent buffers."""
+    from app.distributed.fsdp2 import wrap_units
+    from app.model.isolation import small_twin  # which imports this module
+
+    config = small_twin(model_config)
+    reference = model_class(config).from_config(config, trust_remote_code=trust_remote_code)
+    twin = meta_model(config, trust_remote_code)
+    for unit in [*wrap_units(twin, resolve_wrap_classes(config, None, trust_remote_code)), twin]:
+        materialize_module(unit, init_weights=twin._init_weights, accelerator="cpu")
+    built = dict(twin.named_parameters()) | dict(twin.named_buffers())
+    loaded = set(reference.state_dict()) if pretrained else set()
+    for name, expected in [*reference.named_parameters(), *reference.named_buffers()]:
+        got = built[name].detach()
+        if name in loaded:
+            continue
+        if got.is_meta or got.shape != expected.shape:
+            return False
+        if expected.numel() < 2 or not expected.is_floating_point() or expected.std() == 0:
+            if not torch.equal(got, expected):
+                return False
+        elif expected.numel() >= 256 and not 0.8 < got.float().std() / expected.float().std() < 1.25:
+            return False
+    return True
 
 
 @dataclass
@@ -119,6 +167,8 @@ def deferred_init(cfg: Config, model_config: PretrainedConfig) -> Optional[Defer
     twin = meta_model(model_config, cfg.trust_remote_code)
     files = pretrained_weight_files(cfg.model_name) if cfg.model_name else []
     if cfg.model_name and (not files or safetensors_keys(files) != set(twin.state_dict())):
+        return None
+    if not materializes_like_from_config(model_config, cfg.trust_remote_code, pretrained=bool(cfg.model_name)):
         return None
     init = partial(materialize_module, init_weights=twin._init_weights, accelerator=resolve_accelerator(cfg))
     return DeferredInit(param_init_fn=init, weight_files=files)
@@ -206,16 +256,24 @@ def keep_rotary_in_fp32(module: Module) -> None:
     app/distributed/precision.py).
 
     The modules are the ones transformers' own initialisation recognises as rotary embeddings; it computes their
-    buffers in fp32 into whatever tensor they hold, so they are given fp32 tensors first.
+    buffers (`inv_freq`, `original_inv_freq`, and per layer type, `full_attention_inv_freq` in Gemma-3 and OLMo-3)
+    in fp32 into whatever tensor they hold, so they are given fp32 tensors first. A buffer that the init does not
+    compute again (its value, rounded to the training dtype, is not what it was) keeps the value it had.
     """
     model = hugging_face_model(module)
     for rotary in model.modules():
-        if "RotaryEmbedding" in type(rotary).__name__ and hasattr(rotary, "original_inv_freq"):
-            for name in ("inv_freq", "original_inv_freq"):
-                buffer = getattr(rotary, name)
-                rotary.register_buffer(name, torch.empty(buffer.shape, dtype=torch.float32, device=buffer.device),
-                                       persistent=False)
+        if "RotaryEmbedding" not in type(rotary).__name__:
+            continue
+        cast = {name: buffer for name, buffer in rotary.named_buffers(recurse=False)
+                if name.endswith("inv_freq") and buffer.is_floating_point() and buffer.dtype != torch.float32}
+        for name, buffer in cast.items():
+            rotary.register_buffer(name, torch.empty(buffer.shape, dtype=torch.float32, device=buffer.device),
+                                   persistent=False)
+        if cast:
             model._init_weights(rotary)
+        for name, before in cast.items():
+            if not torch.equal(getattr(rotary, name).to(before.dtype), before):
+                rotary.register_buffer(name, before.float(), persistent=False)
 
 
 def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, deferred: Optional[DeferredInit],
