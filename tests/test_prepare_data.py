@@ -18,7 +18,10 @@ from transformers import AutoTokenizer
 
 from app.prepare import PrepareArgs, UsageError, prepare, stdlib_corpus_paths
 from app.prepare.cli import main
+from app.prepare.corpus import Documents
+from app.prepare.output import write_atomically
 from app.prepare.pack import pack
+from app.prepare.split import split_by_document
 
 REPO = Path(__file__).resolve().parents[1]
 ROUND_TRIP_SAMPLES = [
@@ -261,6 +264,23 @@ def test_same_seed_same_output_other_seed_other_split(tmp_path, code_documents):
     assert first[0] != other[0]
 
 
+def test_identical_records_are_held_out_together_the_same_way_for_a_seed():
+    """Half of the examples twice, as in scraped data: a duplicate must never be trained on and evaluated."""
+    records = [{"source": f"def f{i}(): pass", "target": f"Function {i}."} for i in range(40)]
+    pool = Dataset.from_list(records + records[:20])
+
+    def split(pool: Dataset, seed: int) -> tuple[list[tuple], list[tuple]]:
+        splits, _ = split_by_document(Documents(pool, None, None, ["pairs.jsonl"]), 0.2, seed, 1, "example")
+        return [tuple(row.values()) for row in splits["train"]], [tuple(row.values()) for row in splits["validation"]]
+
+    train, validation = split(pool, seed=3)
+    assert not set(train) & set(validation) and len(train) + len(validation) == 60
+    assert 12 <= len(validation) <= 13, "ceil(0.2 * 60) records, one more when the last group held out is a pair"
+    assert split(pool, seed=3) == (train, validation)
+    assert set(split(pool.shuffle(seed=0), seed=3)[1]) == set(validation), "the input's order does not matter"
+    assert set(split(pool, seed=4)[1]) != set(validation)
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [
@@ -277,9 +297,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_output_alone(argv, flag, tmp_pa
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t, "id": 1}) + "\n" for t in code_documents))
     (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
     argv = [a.format(docs=tmp_path / "docs.jsonl", empty=tmp_path / "empty.jsonl") for a in argv]
-    output = tmp_path / "out"
-    output.mkdir()
-    (output / "keep.txt").write_text("precious")
+    output = make_earlier_output(tmp_path / "out")
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--output_dir", str(output), "--overwrite"])
     assert exit_info.value.code == 2
@@ -288,17 +306,30 @@ def test_bad_input_is_one_line_exit_2_and_leaves_output_alone(argv, flag, tmp_pa
     assert_untouched(output, tmp_path)
 
 
+EARLIER_OUTPUT = {"dataset_dict.json": '{"splits": ["train", "validation"]}', "stats.json": '{"format": "text"}'}
+"""The files by which --overwrite knows an earlier output of prepare_data.py (the only folder it may replace)."""
+
+
+def make_earlier_output(output: Path) -> Path:
+    output.mkdir()
+    for name, text in EARLIER_OUTPUT.items():
+        (output / name).write_text(text)
+    return output
+
+
+def assert_earlier_output(output: Path) -> None:
+    assert {p.name: p.read_text() for p in output.iterdir()} == EARLIER_OUTPUT, "output touched"
+
+
 def assert_untouched(output: Path, tmp_path: Path) -> None:
-    assert [p.name for p in output.iterdir()] == ["keep.txt"] and (output / "keep.txt").read_text() == "precious"
+    assert_earlier_output(output)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "empty.jsonl", "out"], "no leftovers"
 
 
 def test_block_size_larger_than_the_text_is_refused_after_tokenizing_before_writing(tmp_path, capsys, issue_run):
     (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n"}) + "\n" + json.dumps({"text": "y"}) + "\n")
     (tmp_path / "empty.jsonl").write_text("")
-    output = tmp_path / "out"
-    output.mkdir()
-    (output / "keep.txt").write_text("precious")
+    output = make_earlier_output(tmp_path / "out")
     argv = ["--input", str(tmp_path / "docs.jsonl"), "--tokenizer", str(issue_run / "tokenizer"), "--block_size", "64"]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--output_dir", str(output), "--overwrite"])
@@ -311,8 +342,7 @@ def test_block_size_larger_than_the_text_is_refused_after_tokenizing_before_writ
 
 def make_refusable_folder(tmp_path: Path) -> None:
     (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n", "id": 1}) + "\n")
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("precious")
+    make_earlier_output(tmp_path / "out")
 
 
 @pytest.mark.parametrize(
@@ -330,7 +360,7 @@ def test_refusals_name_the_flag_in_one_line_and_leave_the_output_alone(argv, fla
         main([*argv, "--output_dir", "out"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and flag in lines[0], lines
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    assert_earlier_output(tmp_path / "out")
 
 
 def test_real_cli_refuses_a_dataset_it_cannot_find_with_one_line(tmp_path):
@@ -341,14 +371,12 @@ def test_real_cli_refuses_a_dataset_it_cannot_find_with_one_line(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--input no-such-dataset-here" in lines[0] and "Traceback" not in result.stderr, lines
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    assert_earlier_output(tmp_path / "out")
 
 
 def test_overwrite_replaces_only_after_the_new_output_is_complete(tmp_path, issue_run, code_documents):
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents))
-    output = tmp_path / "out"
-    output.mkdir()
-    (output / "old.txt").write_text("old")
+    output = make_earlier_output(tmp_path / "out")
     args = {"input": [str(tmp_path / "docs.jsonl")], "tokenizer": str(issue_run / "tokenizer"), "block_size": 64}
     with pytest.raises(UsageError, match="--output_dir .* already holds data"):
         prepare(PrepareArgs(**args, output_dir=str(output)))
@@ -363,6 +391,33 @@ def test_overwrite_replaces_only_after_the_new_output_is_complete(tmp_path, issu
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "out"], "staging folders left behind"
     with pytest.raises(UsageError, match="overlaps --input"):
         prepare(PrepareArgs(**{**args, "input": [str(tmp_path)]}, output_dir=str(output), overwrite=True))
+
+
+def test_overwrite_refuses_a_folder_that_is_not_an_earlier_output_and_touches_nothing(tmp_path, issue_run,
+                                                                                      code_documents):
+    """--overwrite replaces --output_dir whole: a project folder named by mistake must survive, also when it changes
+    into one while the data is prepared."""
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents[:3]))
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "model.py").write_text("precious")
+    (project / "stats.json").write_text("{}")  # one of the two files is not enough
+    args = {"input": [str(tmp_path / "docs.jsonl")], "tokenizer": str(issue_run / "tokenizer"), "block_size": 64,
+            "val_fraction": 0, "output_dir": str(project), "overwrite": True}
+    with pytest.raises(UsageError) as refusal:
+        prepare(PrepareArgs(**args))
+    assert str(refusal.value) == (
+        f"--output_dir {project}: --overwrite replaces only an empty folder or an earlier prepare_data.py output "
+        "(with stats.json and dataset_dict.json), and this is neither; choose another folder")
+    assert (project / "src" / "model.py").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "project"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write = lambda folder: (empty / "notes.txt").write_text("written meanwhile")  # noqa: E731
+    with pytest.raises(UsageError, match="--overwrite replaces only"):
+        write_atomically(empty, write)
+    assert [p.name for p in empty.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "empty", "project"], "staging left behind"
 
 
 def test_val_fraction_0_writes_an_empty_validation_split_that_loads(tmp_path, issue_run, code_documents):

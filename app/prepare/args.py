@@ -44,7 +44,8 @@ class PrepareArgs:
     num_proc: int = 1
     """Worker processes for tokenizing and packing."""
     overwrite: bool = False
-    """Replace an existing output folder (only after the new one is completely written)."""
+    """Replace an earlier output (a folder with stats.json and dataset_dict.json), only after the new one is
+    completely written; any other folder that is not empty is refused, not deleted."""
     trust_remote_code: bool = False
     """Allow a --tokenizer whose repository ships Python code to run it. Only for repositories you trust."""
     prompt_field: str | None = None
@@ -200,16 +201,31 @@ def check_input_path(path: str) -> None:
 
 
 def check_output_dir(output_dir: Path, overwrite: bool, local_inputs: list[Path]) -> None:
-    """Never write over data unless asked, and never over (or inside) the inputs themselves."""
+    """Never write over data unless asked, never replace a folder that is not an earlier output (--overwrite would
+    delete it whole), and never write over (or inside) the inputs themselves."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"--output_dir {output_dir}: exists and is not a folder")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise UsageError(f"--output_dir {output_dir}: already holds data; choose another folder or add --overwrite")
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        if not overwrite:
+            raise UsageError(f"--output_dir {output_dir}: already holds data; choose another folder or add --overwrite")
+        check_replaceable(output_dir)
     target = output_dir.resolve()
     for source in local_inputs:
         source = source.resolve()
         if target == source or target in source.parents or source in target.parents:
             raise UsageError(f"--output_dir {output_dir} overlaps --input {source}; write the output elsewhere")
+
+
+PREPARED_FILES = ("stats.json", "dataset_dict.json")
+"""What every folder prepare_data.py writes holds: --overwrite replaces only such a folder (or an empty one)."""
+
+
+def check_replaceable(output_dir: Path) -> None:
+    """Refuse to replace a folder that holds something other than an earlier prepare_data.py output."""
+    if any(output_dir.iterdir()) and not all((output_dir / name).is_file() for name in PREPARED_FILES):
+        raise UsageError(f"--output_dir {output_dir}: --overwrite replaces only an empty folder or an earlier "
+                         f"prepare_data.py output (with {' and '.join(PREPARED_FILES)}), and this is neither; "
+                         "choose another folder")
 
 
 def useful_processes(rows: int, num_proc: int) -> int | None:

@@ -2,14 +2,16 @@
 
 A pair becomes `[system?] + [user: prompt (+ "\\n\\n" + input)] + [assistant: response]`, so that both shapes go
 through the same chat template and the same masking (`chat_template.py`). Every row is checked as it is read, and a
-bad one is refused in one line naming the option, the row and the input: an empty response, a chat without an
-assistant message, or a value that is not text.
+bad one is refused in one line naming the option, the row and the input: an empty (or blank, or missing) prompt or
+response, an empty user or assistant message, a chat without an assistant message, a message the chat template does
+not render, or a value that is not text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
+from typing import Optional
 
 from datasets import Dataset, Features, List, Value
 
@@ -20,10 +22,13 @@ MESSAGES = Features({"messages": List({"role": Value("string"), "content": Value
 PAIR_OPTIONS = ("prompt_field", "response_field", "input_field", "system_field")
 
 
-def chat_records(args: PrepareArgs) -> ToRecords:
-    """What turns one input's rows into `messages` records, for --messages_field or --prompt_field/--response_field."""
+def chat_records(args: PrepareArgs, rendered: Optional[Callable[[list[dict[str, str]]], Optional[str]]] = None
+                 ) -> ToRecords:
+    """What turns one input's rows into `messages` records, for --messages_field or --prompt_field/--response_field;
+    `rendered` gives a chat's text as the chat template renders it (or None), to refuse messages it leaves out."""
     if args.messages_field is not None:
-        return partial(_records, fields={"messages_field": args.messages_field}, to_messages=chat_messages)
+        to_messages = partial(chat_messages, rendered=rendered)
+        return partial(_records, fields={"messages_field": args.messages_field}, to_messages=to_messages)
     fields = {option: getattr(args, option) for option in PAIR_OPTIONS if getattr(args, option) is not None}
     return partial(_records, fields=fields, to_messages=pair_messages)
 
@@ -45,8 +50,11 @@ def _records(
 
 
 def pair_messages(values: dict, row: Row) -> list[dict[str, str]]:
-    """A prompt/response row as a chat; an empty or missing response is refused, empty system or input skipped."""
+    """A prompt/response row as a chat; an empty, blank or missing prompt or response is refused (the response would
+    be trained without a question, or there is nothing to train), an empty system or input skipped."""
     prompt, response, extra, system = (row.text(option, values.get(option)) for option in PAIR_OPTIONS)
+    if not prompt.strip():
+        raise row.error("prompt_field", "is empty; every example needs a prompt to answer")
     if not response.strip():
         raise row.error("response_field", "is empty; every example needs a response to train on")
     user = f"{prompt}\n\n{extra}" if extra else prompt
@@ -54,9 +62,12 @@ def pair_messages(values: dict, row: Row) -> list[dict[str, str]]:
     return [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": response}]
 
 
-def chat_messages(values: dict, row: Row) -> list[dict[str, str]]:
+def chat_messages(
+    values: dict, row: Row, rendered: Optional[Callable[[list[dict[str, str]]], Optional[str]]] = None
+) -> list[dict[str, str]]:
     """A chat as {role, content} messages; it must start with a system or user message and have an assistant one,
-    and no assistant message may be empty."""
+    no user or assistant message may be empty or blank, and the chat template must render every message
+    (`rendered`)."""
     chat = values["messages_field"]
     if not isinstance(chat, list) or not chat or not all(_is_message(m) for m in chat):
         raise row.error("messages_field", "is not a list of {role, content} messages with text content")
@@ -66,9 +77,26 @@ def chat_messages(values: dict, row: Row) -> list[dict[str, str]]:
         raise row.error("messages_field", "has no assistant message to train on")
     if roles[0] == "assistant":
         raise row.error("messages_field", "starts with an assistant message; a chat starts with system or user")
-    if any(not m["content"].strip() for m in messages if m["role"] == "assistant"):
-        raise row.error("messages_field", "has an empty assistant message")
+    for role in ("user", "assistant"):
+        if any(not m["content"].strip() for m in messages if m["role"] == role):
+            raise row.error("messages_field", f"has an empty {role} message")
+    if rendered is not None:
+        check_rendered(messages, rendered(messages), row)
     return messages
+
+
+def check_rendered(messages: list[dict[str, str]], text: Optional[str], row: Row) -> None:
+    """Refuse a message whose content is not in the chat's rendered `text`: a template that renders only the roles it
+    knows (Qwen's skips "human") drops it silently, and the response would be trained without its prompt. One
+    render per chat; the template's own failures (text None) are the encoder's to report."""
+    if text is None:
+        return
+    for message in messages:
+        content = message["content"].strip()
+        if content and content not in text:
+            raise row.error("messages_field", f"has a message of role {message['role']!r} that the chat template "
+                            "does not render; use the roles system, user and assistant, or give a template that "
+                            "renders it with --chat_template FILE")
 
 
 def _is_message(message: object) -> bool:

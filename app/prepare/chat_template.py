@@ -34,6 +34,7 @@ from typing import Optional
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from app.prepare.args import PrepareArgs, UsageError
 from app.prepare.examples import IGNORE_INDEX, Example, causal_advice, dropped, encode_examples, fit_to_block
@@ -76,16 +77,47 @@ class ChatTemplate:
     """The tokenizer already holds it (with any other named templates it has): nothing to add before saving."""
 
 
-def choose_template(tokenizer: PreTrainedTokenizerBase, args: PrepareArgs) -> ChatTemplate:
-    """--chat_template FILE, else the tokenizer's own template, else the default one."""
+def choose_template(tokenizer: Optional[PreTrainedTokenizerBase], args: PrepareArgs) -> ChatTemplate:
+    """--chat_template FILE, else the tokenizer's own template, else the default one (also for the tokenizer that
+    --vocab_size trains, None until the training split is read)."""
     if args.chat_template is not None:
         text = Path(args.chat_template).read_text(encoding="utf-8")
         if not text.strip():
             raise UsageError(f"--chat_template {args.chat_template} is empty; give a Jinja chat template")
         return ChatTemplate(text, f"--chat_template {args.chat_template}")
-    if tokenizer.chat_template:
+    if tokenizer is not None and tokenizer.chat_template:
         return ChatTemplate(tokenizer.get_chat_template(), f"the chat template of --tokenizer {args.tokenizer}", True)
     return ChatTemplate(DEFAULT_CHAT_TEMPLATE, "the default chat template")
+
+
+@dataclass(frozen=True)
+class ChatText:
+    """The text a template renders a chat to, as `apply_chat_template` renders it (the tokenizer's special tokens as
+    variables), so that records can be checked against it as they are read, before the (trained) tokenizer exists."""
+
+    template: str
+    variables: dict[str, str]
+
+    def __call__(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> Optional[str]:
+        """The rendered chat; None when the template fails on it (the encoder refuses that, with the template's
+        error)."""
+        try:
+            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.template,
+                                                add_generation_prompt=generation_prompt, **self.variables)
+        except Exception:  # noqa: BLE001 (reported by ChatEncoder.tokens, which renders every chat again)
+            return None
+        return rendered[0]
+
+
+def chat_text(tokenizer: Optional[PreTrainedTokenizerBase], args: PrepareArgs) -> ChatText:
+    """What renders chats to text with the template `supervised_rows` will use; the trained tokenizer's special
+    tokens (`train_tokenizer`) before it exists."""
+    variables = dict(tokenizer.special_tokens_map) if tokenizer is not None else TRAINED_SPECIAL_TOKENS
+    return ChatText(choose_template(tokenizer, args).text, variables)
+
+
+TRAINED_SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+"""The special tokens of the tokenizer that --vocab_size trains (SentencePiece's, as Llama's)."""
 
 
 class ChatEncoder:
@@ -156,9 +188,26 @@ def check_template(encoder: ChatEncoder) -> None:
     example = encoder.encode(PROBE_CHAT)
     if example.dropped:
         raise UsageError(template_problem(encoder.template, example.dropped))
+    check_generation_prompt(encoder)
     encoded = {"input_ids": example.input_ids, "labels": example.labels, "dropped": ""}
     probe = audit([PROBE_CHAT], [encoded], encoder.tokenizer, encoder.template.text)
     check_audit(probe, encoder.template.origin, encoder.train_on_prompt, "a two-turn chat")
+
+
+def check_generation_prompt(encoder: ChatEncoder) -> None:
+    """Refuse a template that ignores add_generation_prompt but writes a header in front of each assistant message
+    (ChatML without its generation branch): the header would fall inside the trained turn, and the model would learn
+    to write it. A template whose prompt already ends with the answer's cue (Llama 2's "[/INST]") needs none."""
+    text = ChatText(encoder.template.text, dict(encoder.tokenizer.special_tokens_map))
+    prompt = text(PROBE_CHAT[:1], generation_prompt=True)
+    if prompt is None or prompt != text(PROBE_CHAT[:1]):
+        return  # it writes a generation prompt (or fails, which encode() has reported)
+    turn = (text(PROBE_CHAT[:2]) or "")[len(prompt):]
+    header = turn.split(PROBE_CHAT[1]["content"], 1)[0].strip()
+    if header:
+        raise UsageError(f"{encoder.template.origin} renders no generation prompt (add_generation_prompt changes "
+                         f"nothing), so the assistant header {header!r} would be trained; give a template with an "
+                         "add_generation_prompt branch that writes the header, with --chat_template FILE")
 
 
 TEMPLATE_PROBLEMS = {

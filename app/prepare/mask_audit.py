@@ -7,10 +7,13 @@ shows what training will learn from, per role; a template whose prefixes mislead
 users' messages or almost none of the assistant's, is refused before anything is written (the trap other trainers'
 users meet only after training: all-zero assistant masks with stock Llama-3.1 and Qwen3 templates).
 
+Each message's content is searched for after the render of the messages before it (with the generation prompt
+before an assistant message), never inside a header: an answer "A" is not the "A" of "### Assistant:".
+
 The first `AUDITED_EXAMPLES` examples of each split are audited, as they were written (cut to --block_size): shares
-to the percent at a fixed cost (one more render and one tokenization with character offsets per example, which
-would add half again to encoding every example). An example whose tokens the offsets do not reproduce (a message
-holding special-token text, or a tokenizer without offsets) is not audited, and counted as such.
+to the percent at a fixed cost (one more render per message and one tokenization with character offsets per
+example, which would add half again to encoding every example). An example whose tokens the offsets do not
+reproduce (a message holding special-token text, or a tokenizer without offsets) is not audited, and counted as such.
 """
 
 from __future__ import annotations
@@ -56,15 +59,31 @@ def token_roles(tokenizer: PreTrainedTokenizerBase, template: str, messages: lis
         return None
     owner = ["template"] * len(text)
     cursor = 0
-    for message in messages:
+    for k, message in enumerate(messages):
         content = message["content"].strip()
-        start = text.find(content, cursor) if content else -1
+        start = text.find(content, max(cursor, _prefix_end(tokenizer, template, messages, k, text))) if content else -1
         if start < 0:
             continue  # a template that rewrites the content: its characters stay template text
         role = message["role"] if message["role"] in ROLES[:3] else "other"
         owner[start:start + len(content)] = [role] * len(content)
         cursor = start + len(content)
     return [owner[a] if a < len(owner) else "template" for a, _ in encoded["offset_mapping"][: len(written)]]
+
+
+def _prefix_end(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, str]], k: int,
+                text: str) -> int:
+    """Where message k can start in the chat's `text`: after the render of the messages before it (with the
+    generation prompt before an assistant message), so that its content is never found in a header ("A" in
+    "### Assistant:"); 0 when that render is not a prefix of the text or fails (the search starts after the previous
+    message anyway)."""
+    if k == 0:
+        return 0
+    try:
+        prefix = tokenizer.apply_chat_template(messages[:k], chat_template=template, tokenize=False,
+                                               add_generation_prompt=messages[k]["role"] == "assistant")
+    except Exception:  # noqa: BLE001 (a template that needs the whole chat: the cursor alone bounds the search)
+        return 0
+    return len(prefix) if text.startswith(prefix) else 0
 
 
 def audit_split(records: Dataset, encoded: Dataset, tokenizer: PreTrainedTokenizerBase,

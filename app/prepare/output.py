@@ -12,17 +12,22 @@ from pathlib import Path
 from datasets import DatasetDict
 from transformers import PreTrainedTokenizerBase
 
+from app.prepare.args import check_replaceable
+
 TOKENIZER_FOLDER = "tokenizer"
 STATS_FILE = "stats.json"
 
 
 def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:
-    """Write into a new folder beside `output_dir`, then swap it in; an old output is removed only after the swap."""
+    """Write into a new folder beside `output_dir`, then swap it in; an old output is removed only after the swap,
+    and only if it is an earlier output or empty (checked again: it may have changed while the data was prepared)."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = output_dir.with_name(f".{output_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
         write(staging)
+        if output_dir.exists():
+            check_replaceable(output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

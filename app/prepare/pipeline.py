@@ -8,15 +8,16 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Optional
 
 from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
 from app.prepare.args import PrepareArgs, RecordShape, UsageError, check_args, data_format, record_shape
 from app.prepare.chat import chat_records, chat_texts
-from app.prepare.chat_template import (ChatEncoder, chat_advice, check_template, choose_template, encode_chats,
-                                       end_of_turn_id)
-from app.prepare.corpus import document_texts, quiet_progress, read_documents
+from app.prepare.chat_template import (ChatEncoder, chat_advice, chat_text, check_template, choose_template,
+                                       encode_chats, end_of_turn_id)
+from app.prepare.corpus import ToRecords, document_texts, quiet_progress, read_documents
 from app.prepare.examples import ExampleCounts, examples_to_rows, one_example_per_row
 from app.prepare.mask_audit import audit_split, check_audit, describe_audit
 from app.prepare.output import TOKENIZER_FOLDER, save_prepared, write_atomically
@@ -50,7 +51,7 @@ def prepare_folder(args: PrepareArgs) -> dict:
     check_args(args)
     shape = record_shape(args)
     tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code) if args.tokenizer else None
-    documents = read_documents(args, RECORDS[shape](args) if shape in RECORDS else None)
+    documents = read_documents(args, to_records(shape, args, tokenizer))
     unit = "document" if shape == "text" else "example"
     splits, empty_documents = split_by_document(documents, args.val_fraction, args.seed, args.num_proc, unit)
     log(f"read {', '.join(documents.description)}: {len(splits['train']):,} training and "
@@ -67,6 +68,15 @@ def prepare_folder(args: PrepareArgs) -> dict:
     log(f"writing {args.output_dir}")
     write_atomically(Path(args.output_dir), lambda folder: save_prepared(folder, rows, tokenizer, stats))
     return stats
+
+
+def to_records(shape: RecordShape, args: PrepareArgs, tokenizer: Optional[PreTrainedTokenizerBase]
+               ) -> Optional[ToRecords]:
+    """What turns each input's rows into records of the shape (None for raw text); chats are checked against the text
+    their chat template renders."""
+    if shape in ("prompt/response", "messages"):
+        return chat_records(args, chat_text(tokenizer, args))
+    return pair_records(args) if shape == "source/target" else None
 
 
 def log(message: str) -> None:
@@ -146,7 +156,6 @@ def seq2seq_rows(
     return rows, counts, options
 
 
-RECORDS = {"prompt/response": chat_records, "messages": chat_records, "source/target": pair_records}
 TEXTS: dict[RecordShape, Callable[[Dataset], Iterable[str]]] = {
     "text": document_texts,
     "prompt/response": chat_texts,

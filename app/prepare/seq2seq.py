@@ -1,10 +1,11 @@
 """Source→target records for encoder-decoder models: `input_ids` is the source, `labels` the target.
 
 Both are encoded as the tokenizer encodes a document (its own BOS where it adds one; literal special-token text
-stays text) and end with exactly one EOS, the T5 convention. Rows stay unpadded: training pads per batch, with -100
-in the labels, and builds attention masks from the lengths. A sequence longer than its limit
-(--max_source_length, --max_target_length) is cut before its end and keeps its EOS (--too_long truncate), or
-the example is dropped (--too_long drop).
+stays text) and end with exactly one EOS, the T5 convention. The target is encoded as a target (`text_target`):
+Marian has a SentencePiece model of its own for the target language, mBART and NLLB put its language code in front.
+Rows stay unpadded: training pads per batch, with -100 in the labels, and builds attention masks from the lengths.
+A sequence longer than its limit (--max_source_length, --max_target_length) is cut before its end and keeps its EOS
+(--too_long truncate), or the example is dropped (--too_long drop).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def pair_texts(records: Dataset) -> Iterator[str]:
 
 def check_room(tokenizer: PreTrainedTokenizerBase, args: PrepareArgs) -> None:
     """A limit must leave room for one token of text between the tokenizer's BOS (if any) and the EOS."""
-    least = 2 + adds_bos(tokenizer)
-    for option in ("max_source_length", "max_target_length"):
+    for option, target in (("max_source_length", False), ("max_target_length", True)):
+        least = 2 + adds_bos(tokenizer, target)
         if getattr(args, option) < least:
             raise UsageError(f"--{option} {getattr(args, option)} leaves no room for text: use at least {least}")
 
@@ -85,11 +86,11 @@ def fit_pair(source: list[int], target: list[int], args: PrepareArgs, eos_id: in
 
 def encode_pairs(records: Dataset, tokenizer: PreTrainedTokenizerBase, args: PrepareArgs, desc: str) -> Dataset:
     """Every pair's source and target ids, each ending with EOS, fitted to the limits (rows of `EXAMPLE_FEATURES`)."""
-    suffix = document_suffix(tokenizer)
+    source_suffix, target_suffix = document_suffix(tokenizer), document_suffix(tokenizer, target=True)
 
     def encode(batch: dict) -> list[Example]:
-        sources = encode_texts(tokenizer, batch["source"], suffix)
-        targets = encode_texts(tokenizer, batch["target"], suffix)
+        sources = encode_texts(tokenizer, batch["source"], source_suffix)
+        targets = encode_texts(tokenizer, batch["target"], target_suffix, target=True)
         pairs = zip(sources, targets, strict=True)
         return [fit_pair(source, target, args, tokenizer.eos_token_id) for source, target in pairs]
 

@@ -1,6 +1,11 @@
-"""Hold out validation by whole documents (or examples), so that none is seen in both splits."""
+"""Hold out validation by whole documents (or examples), so that none is seen in both splits: identical records
+(duplicates in the input) stay together on one side."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import math
 
 import datasets
 from datasets import Dataset, DatasetDict
@@ -32,17 +37,39 @@ def split_by_document(
 
 
 def _hold_out(pool: Dataset, val_fraction: float, seed: int, unit: str) -> tuple[Dataset, Dataset]:
-    """Shuffle records with `seed` and hold out `ceil(val_fraction * records)` of them."""
+    """Hold out about `ceil(val_fraction * records)` records, identical records always on the same side.
+
+    Records are ordered by a hash of their content salted with `seed` (a shuffle that is the same for a seed, whatever
+    the order of the input) and taken into validation a group of identical records at a time: a duplicated example
+    (common in scraped data) is never both trained on and evaluated.
+    """
     if val_fraction == 0:
         return pool, pool.select([])
-    if len(pool) < 2:
+    groups = _identical_records(pool, seed)
+    if len(groups) < 2:
         more = "documents (or --split_lines for .txt)" if unit == "document" else "examples"
         raise UsageError(
-            f"--val_fraction {val_fraction}: the input has {len(pool)} {unit} and validation is held out by "
-            f"{unit}; give more {more}, or --val_fraction 0"
+            f"--val_fraction {val_fraction}: the input has {len(groups)} distinct {unit} and validation is held out "
+            f"by {unit}; give more {more}, or --val_fraction 0"
         )
-    parts = pool.train_test_split(test_size=val_fraction, seed=seed)
-    return parts["train"], parts["test"]
+    ordered = [groups[digest] for digest in sorted(groups)]
+    wanted, validation = math.ceil(val_fraction * len(pool)), []
+    while len(validation) < wanted and len(ordered) > 1:  # the last group always trains
+        validation.extend(ordered.pop())
+    return pool.select([i for group in ordered for i in group]), pool.select(validation)
+
+
+def _identical_records(pool: Dataset, seed: int) -> dict[bytes, list[int]]:
+    """The indices of the records, grouped by a hash of their content (every column) salted with `seed`."""
+    groups: dict[bytes, list[int]] = {}
+    salt = seed.to_bytes(16, "little", signed=True)
+    index = 0
+    for batch in pool.iter(batch_size=1000):
+        for values in zip(*(batch[column] for column in pool.column_names)):
+            content = json.dumps(values, ensure_ascii=False, sort_keys=True).encode()
+            groups.setdefault(hashlib.blake2b(content, digest_size=16, salt=salt).digest(), []).append(index)
+            index += 1
+    return groups
 
 
 def _drop_empty(documents: Dataset | None, num_proc: int) -> tuple[Dataset | None, int]:

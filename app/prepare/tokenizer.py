@@ -72,28 +72,40 @@ def _lines(texts: Iterable[str]) -> Iterator[str]:
         yield from (line for line in text.split("\n") if line)
 
 
-def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str], suffix: list[int]) -> list[list[int]]:
+def encode_texts(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], suffix: list[int], target: bool = False
+) -> list[list[int]]:
     """Each text as the tokenizer encodes a document (with its own BOS or EOS), then `suffix`.
 
     split_special_tokens: a literal "</s>" or "<|end_of_text|>" in the text is text, not a document boundary.
+    target: encoded as a seq2seq target (`text_target`), which some tokenizers encode differently from a source:
+    Marian with its own target SentencePiece model, mBART and NLLB with the target language's code.
     """
-    encoded = tokenizer(texts, split_special_tokens=True, verbose=False)["input_ids"]
+    side = {"text_target": texts} if target else {"text": texts}
+    encoded = tokenizer(**side, split_special_tokens=True, verbose=False)["input_ids"]
     return [ids + suffix for ids in encoded]
 
 
-def document_suffix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """What to append to each encoded document so that it ends with exactly one EOS token.
+def _probe(tokenizer: PreTrainedTokenizerBase, target: bool) -> list[int]:
+    """How the tokenizer encodes the document "a", as a source (or plain text) or as a seq2seq target."""
+    side = {"text_target": "a"} if target else {"text": "a"}
+    return tokenizer(**side, add_special_tokens=True)["input_ids"]
+
+
+def document_suffix(tokenizer: PreTrainedTokenizerBase, target: bool = False) -> list[int]:
+    """What to append to each encoded document (a seq2seq target when `target`) so that it ends with exactly one EOS.
 
     Transformers 5 does not keep `add_bos_token`/`add_eos_token` in the saved config (the post-processor in
     tokenizer.json decides), so we look at what the tokenizer really does to a probe instead of trusting the flags.
     """
-    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+    probe = _probe(tokenizer, target)
     return [] if probe and probe[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id]
 
 
-def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether encoding a document puts BOS in front of it (Llama 2/3, CodeLlama and our trained tokenizer do)."""
-    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+def adds_bos(tokenizer: PreTrainedTokenizerBase, target: bool = False) -> bool:
+    """Whether encoding a document (a seq2seq target when `target`) puts BOS in front of it (Llama 2/3, CodeLlama
+    and our trained tokenizer do)."""
+    probe = _probe(tokenizer, target)
     return tokenizer.bos_token_id is not None and bool(probe) and probe[0] == tokenizer.bos_token_id
 
 
