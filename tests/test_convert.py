@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 from huggingface_hub import HfApi
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
+import app.huggingface.convert as converter
 from app.huggingface.convert import main as convert_main
 from app.huggingface.generate import GenerateArgs, generate
 from tests.conftest import ROOT, read_checkpoint, run_train, train_args
@@ -36,6 +38,31 @@ def full_run(tiny, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sharded_run(tiny, tmp_path_factory) -> Path:
     return trained(tiny, tmp_path_factory.mktemp("sharded"), state_dict_type="sharded")
+
+
+def earlier_checkpoint(run: Path, model: torch.nn.Module, step: int = 3, **metadata: object) -> Path:
+    """A run folder holding one checkpoint of `model` in an earlier version's torch.save form, which conversion
+    reads as it reads today's: any model and metadata in a second, without a train.py run."""
+    path = run / "checkpoints" / f"step-{step:08d}.ckpt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "step": step, "epoch": 0, "model_config": model.config.to_dict(),
+                "config": {}} | metadata, path)
+    return run
+
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=64)
+
+
+def trained_like(model_type: str, vocab_size: int) -> torch.nn.Module:
+    """A tiny model whose every weight is far from what its initialisation draws (as training leaves them)."""
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **SMALL)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for seed, parameter in enumerate(model.parameters()):
+            parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(seed)) / 4)
+    return model
 
 
 def convert(*argv: object) -> None:
@@ -93,6 +120,40 @@ def test_the_generation_config_is_the_base_models_own_or_stops_at_the_tokenizers
     assert (kept["eos_token_id"], kept["do_sample"], kept["temperature"], kept["top_p"]) == ([7, eos], True, 0.6, 0.9)
 
 
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
+def test_gemma_weights_come_through_unchanged(tiny, tmp_path, model_type) -> None:
+    """Gemma's embedding owns a buffer no state dict holds (embed_scale); restoring it must not re-initialise the
+    embedding (nor the lm_head tied to it)."""
+    model = trained_like(model_type, len(AutoTokenizer.from_pretrained(tiny.tokenizer)))
+    run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer))
+    convert("--checkpoint", run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    written = load_file(tmp_path / "hf" / "model.safetensors")
+    trained = model.state_dict()
+    assert written and all(torch.equal(tensor, trained[name]) for name, tensor in written.items())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=probe()).logits, model(input_ids=probe()).logits)
+
+
+def test_a_weight_changed_while_building_the_model_fails_verification(tiny, tmp_path, monkeypatch, capsys) -> None:
+    """The logits reference is the model built from the checkpoint, so a weight changed while building it (here:
+    the buffers restored by re-initialising their whole module, as conversion once did) changes both logits; the
+    written tensors are compared with the checkpoint's own and the conversion fails, leaving no folder."""
+    model = trained_like("gemma", len(AutoTokenizer.from_pretrained(tiny.tokenizer)))
+    run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer))
+
+    def on_the_module_itself(model: torch.nn.Module, module: torch.nn.Module, names: list[str]) -> None:
+        for name in names:
+            module.register_buffer(name, torch.empty_like(module.get_buffer(name), device="cpu"), persistent=False)
+        model._init_weights(module)
+
+    monkeypatch.setattr(converter, "initialise_buffers", on_the_module_itself)
+    with pytest.raises(SystemExit) as exit_info:
+        convert("--checkpoint", run, "--output_dir", tmp_path / "hf", "--dtype", "bfloat16")
+    assert exit_info.value.code == 1 and not (tmp_path / "hf").exists()
+    assert "embed_tokens.weight differs from the checkpoint's" in capsys.readouterr().err
+
+
 def test_generate_stops_at_an_end_of_turn_that_only_the_generation_config_names(tiny, tmp_path) -> None:
     """A chat model whose config's EOS is </s> and whose turns end with <|eot_id|>, named only in
     generation_config.json; its greedy answer reaches <|eot_id|> as its third token or so (two rows of its output
@@ -147,6 +208,43 @@ def test_model_card_records_origin_and_training(full_run, tmp_path) -> None:
     assert "| lr | 0.003 |" in card and "trained from scratch" in card and "| Block size (tokens) | 32 |" in card
 
 
+def test_a_relative_base_model_is_read_where_training_ran_or_a_note_says_it_was_not(tiny, tmp_path, monkeypatch,
+                                                                                     capsys) -> None:
+    """A run records --model_name as typed: `base`, relative to where training ran. When the checkpoint records that
+    folder (cwd), the base's generation config is read from there; when not, a note says what was used instead,
+    and the card never names a path as a Hub model (base_model: is for owner/name ids)."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    base = tmp_path / "where-training-ran" / "base"
+    AutoConfig.from_pretrained(tiny.model_config).save_pretrained(base)
+    GenerationConfig(eos_token_id=[7], do_sample=True, temperature=0.6).save_pretrained(base)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    eos = AutoTokenizer.from_pretrained(tiny.tokenizer).eos_token_id
+    monkeypatch.chdir(tmp_path)
+    run = earlier_checkpoint(tmp_path / "recorded", model, tokenizer=str(tiny.tokenizer),
+                             config={"model_name": "base"}, cwd=str(base.parent))
+    convert("--checkpoint", run, "--output_dir", "recorded-hf", "--dtype", "float32")
+    assert json.loads((tmp_path / "recorded-hf" / "generation_config.json").read_text())["eos_token_id"] == [7, eos]
+    card = (tmp_path / "recorded-hf" / "README.md").read_text()
+    assert f"| Base model | {base} (local folder) |" in card and "base_model:" not in card
+    capsys.readouterr()
+    run = earlier_checkpoint(tmp_path / "unrecorded", model, tokenizer=str(tiny.tokenizer),
+                             config={"model_name": "base"})
+    convert("--checkpoint", run, "--output_dir", "unrecorded-hf", "--dtype", "float32")
+    assert "note: the generation config of the base model base could not be read" in capsys.readouterr().out
+    assert json.loads((tmp_path / "unrecorded-hf" / "generation_config.json").read_text())["eos_token_id"] == eos
+    card = (tmp_path / "unrecorded-hf" / "README.md").read_text()
+    assert "| Base model | base (not found from here" in card and "base_model:" not in card
+    assert (converter.hub_id("me/base"), converter.hub_id("base"), converter.hub_id("../models/x")) == ("me/base",
+                                                                                                       None, None)
+
+
+def test_the_card_reports_the_checkpoints_global_batch() -> None:
+    """After a resume with another layout the run's config and the checkpoint disagree: the checkpoint's counts."""
+    run = {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "devices": 2, "num_nodes": 1}
+    assert dict(converter.hyperparameters(run, 32))["batch (sequences per step)"] == 32
+    assert dict(converter.hyperparameters(run))["batch (sequences per step)"].startswith("4 per device")
+
+
 def test_all_converts_every_checkpoint_of_a_run(full_run, tmp_path) -> None:
     convert("--checkpoint", full_run / "checkpoints", "--all", "true", "--output_dir", tmp_path / "all",
             "--dtype", "float32")
@@ -185,6 +283,55 @@ def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, tiny, tm
     assert "is not empty" in refused(capsys, "--checkpoint", good, "--output_dir", existing)
     assert "--dtype" in refused(capsys, "--checkpoint", good, "--output_dir", out, "--dtype", "int8")
     assert folder_digest(existing) == before and not out.exists()
+
+
+def test_an_output_dir_over_the_checkpoint_or_its_run_is_refused_even_with_overwrite(tiny, tmp_path, monkeypatch,
+                                                                                    capsys) -> None:
+    """--overwrite replaces --output_dir, so one that is or holds the checkpoint or its run folder, or lies inside
+    the checkpoint or checkpoints/, would delete them: refused, compared as resolved paths (relative, through a
+    link), and nothing is touched. A folder inside the run folder beside checkpoints/ deletes nothing: accepted."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    run = earlier_checkpoint(tmp_path / "runs" / "x", model, tokenizer=str(tiny.tokenizer))
+    checkpoint = run / "checkpoints" / "step-00000003.ckpt"
+    (tmp_path / "link").symlink_to(run)
+    before = folder_digest(tmp_path / "runs")
+    monkeypatch.chdir(run)
+    cases = {".": "is the run folder", tmp_path / "link": "is the run folder", "checkpoints": "holds the checkpoint",
+             tmp_path / "runs": "holds the checkpoint", "checkpoints/hf": "lies inside the run's checkpoints folder",
+             checkpoint: "is the checkpoint", tmp_path / "link" / "checkpoints" / "step-00000003.ckpt" / "hf":
+             "lies inside the checkpoint"}
+    for output, relation in cases.items():
+        assert relation in refused(capsys, "--checkpoint", checkpoint, "--output_dir", output, "--overwrite", "true")
+    message = refused(capsys, "--checkpoint", run, "--all", "true", "--output_dir", "checkpoints",
+                      "--overwrite", "true")
+    assert "step-00000003 lies inside the run's checkpoints folder" in message
+    assert folder_digest(tmp_path / "runs") == before
+    convert("--checkpoint", checkpoint, "--output_dir", "hf", "--dtype", "float32")
+    assert (run / "hf" / "model.safetensors").is_file() and checkpoint.is_file()
+
+
+def test_an_architecture_given_at_conversion_must_be_the_one_trained(tiny, tmp_path, capsys) -> None:
+    """Shapes fitting is not enough: a tie would replace the trained lm_head with the embedding, another rope_theta
+    or rms_norm_eps changes the model, and the logits check, run on the model so built, cannot tell. Fields that
+    change neither weights nor logits (generation's token ids) may change."""
+    model = trained_like("llama", len(AutoTokenizer.from_pretrained(tiny.tokenizer)))
+    run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer))
+    configs = {}
+    rope = {"rope_type": "default", "rope_theta": 5e5}
+    for name, change in {"tied": dict(tie_word_embeddings=True), "eos": dict(eos_token_id=5),
+                         "rope": dict(rms_norm_eps=1e-5, rope_parameters=rope)}.items():
+        configs[name] = tmp_path / name
+        AutoConfig.for_model(**(model.config.to_dict() | change)).save_pretrained(configs[name])
+    out = tmp_path / "hf"
+    message = refused(capsys, "--checkpoint", run, "--output_dir", out, "--model_config", configs["tied"])
+    assert "in tie_word_embeddings (False -> True): it would change the trained model" in message
+    message = refused(capsys, "--checkpoint", run, "--output_dir", out, "--model_name", configs["rope"])
+    assert "rms_norm_eps (1e-06 -> 1e-05), rope_parameters (" in message and "drop --model_name" in message
+    unrecorded = earlier_checkpoint(tmp_path / "unrecorded", model, tokenizer=str(tiny.tokenizer), model_config=None)
+    message = refused(capsys, "--checkpoint", unrecorded, "--output_dir", out, "--model_config", configs["tied"])
+    assert "ties lm_head.weight and model.embed_tokens.weight, but --checkpoint" in message and not out.exists()
+    convert("--checkpoint", run, "--output_dir", out, "--model_config", configs["eos"], "--dtype", "float32")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 5
 
 
 def test_cli_refusal_has_no_traceback(tmp_path) -> None:

@@ -2,10 +2,13 @@
 reloading it.
 
 Memory: the model is built on the meta device and the checkpoint's model tensors are read (never its optimizer
-state) into one copy that is assigned into it, so at most one copy of the weights exists; it is cast to --dtype tensor by tensor. Logits on a fixed input are taken from that model in the
-checkpoint's dtype, the model is written and freed, and the folder is reloaded with `from_pretrained` and must
-reproduce them (exactly when the dtype is unchanged). The folder is written under a hidden temporary name and
-only renamed into place after that check, so a failed conversion never leaves or replaces an output folder.
+state) into one copy that is assigned into it, so at most one copy of the weights exists; it is cast to --dtype
+tensor by tensor. Logits on a fixed input are taken from that model in the checkpoint's dtype, the model is written
+and freed, and the folder is reloaded with `from_pretrained` and must reproduce them (exactly when the dtype is
+unchanged). Every written tensor must also equal the checkpoint's own, read again tensor by tensor and cast to
+--dtype: the logits cannot see a weight changed while the model was built, since their reference is that model.
+The folder is written under a hidden temporary name and only renamed into place after these checks, so a failed
+conversion never leaves or replaces an output folder.
 
 generation_config.json is the base model's own when it has one (its sampling defaults and stop tokens: Gemma's
 instruction models and Phi-3 keep their end-of-turn there only), else made from the model config; either way it
@@ -14,22 +17,28 @@ stops at the tokenizer's EOS and at the chat template's end-of-turn, where train
 
 from __future__ import annotations
 
+import copy
 import gc
+import json
+import re
 import shutil
 import sys
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
 from jsonargparse import ArgumentParser
+from safetensors import safe_open
 from torch.nn import Module
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints,
                             read_metadata as read_checkpoint_metadata, read_model_weights, stored_tensor_shapes)
 from app.checkpoint.files import publish
+from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, command_parser, parse, run_command
 from app.huggingface.upload import HubArgs, describe_upload, login_problem, push_folder
@@ -37,10 +46,20 @@ from app.model.build import meta_model, model_class
 from app.prepare.chat_template import end_of_turn_id
 
 EXIT_VERIFY_FAILED = 1
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name: what the card may name as base_model
+REPO_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # owner/name or an early Hub model's bare name (gpt2)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Largest logit difference accepted after a cast, relative to the largest reference logit (|logit|): bf16 keeps
 # 8 mantissa bits (relative rounding 2^-9 per weight), fp16 keeps 11; errors accumulate over layers.
 CAST_TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+# Model config fields a --model_config / --model_name at conversion may change: they change neither the weights nor
+# the logits (where the file came from, outputs and caching, dtype of loading, label names, the token ids that
+# generation starts, pads and stops at). Any other difference from the config the run recorded is refused.
+HARMLESS_FIELDS = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache", "return_dict",
+    "output_attentions", "output_hidden_states", "id2label", "label2id", "problem_type", "finetuning_task",
+    "task_specific_params", "tokenizer_class", "prefix", "bos_token_id", "eos_token_id", "pad_token_id",
+    "sep_token_id", "decoder_start_token_id"})
 
 
 @dataclass
@@ -189,6 +208,21 @@ def resolve_tokenizer(args: Args, metadata: dict[str, Any]) -> str:
     return name
 
 
+def recorded_base_model(metadata: dict[str, Any]) -> Optional[str]:
+    """The run's --model_name; a relative path that is not there from here is taken from where training ran, when
+    the checkpoint records it (`cwd`), so the base model's generation config and name are found."""
+    base = (metadata.get("config") or {}).get("model_name")
+    if not base or Path(base).is_absolute() or Path(base).exists():
+        return base
+    where = metadata.get("cwd") or (metadata.get("config") or {}).get("cwd")
+    return str(Path(where) / base) if where and (Path(where) / base).exists() else base
+
+
+def hub_id(base: Optional[str]) -> Optional[str]:
+    """`base` when it names a Hub repository (owner/name, no such local path), for the card's base_model: field."""
+    return base if base and HUB_ID.fullmatch(base) and not Path(base).exists() else None
+
+
 def first_mismatch(expected: dict[str, torch.Size], stored: dict[str, tuple[torch.Size, torch.dtype]]) -> Optional[str]:
     """The first key the checkpoint lacks, has with another shape, or has in excess; None when they fit."""
     for name, shape in expected.items():
@@ -200,12 +234,64 @@ def first_mismatch(expected: dict[str, torch.Size], stored: dict[str, tuple[torc
     return f"has {extra}, which the config does not have" if extra else None
 
 
+def tied_names(config: PretrainedConfig) -> dict[str, list[str]]:
+    """Name -> the other names of the same tensor (the lm_head tied to the embedding): save_pretrained writes one."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in meta_model(config).named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    return {name: [other for other in names if other != name] for names in groups.values() for name in names}
+
+
 def check_weights_fit(path: Path, config: PretrainedConfig, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
     expected = {name: tensor.shape for name, tensor in meta_model(config).state_dict().items()}
     problem = first_mismatch(expected, shapes)
     if problem:
         raise BadInput(f"--checkpoint {path} does not fit the model config: it {problem}; "
                        "give the --model_config or --model_name it was trained with")
+
+
+def override_flag(args: Args) -> str:
+    return f"--model_config {args.model_config}" if args.model_config else f"--model_name {args.model_name}"
+
+
+def changed_fields(recorded: dict[str, Any], config: PretrainedConfig) -> list[str]:
+    """`field (recorded -> given)` for every field other than HARMLESS_FIELDS that the two configs set differently."""
+    before, after = config_from_dict(recorded).to_dict(), config.to_dict()
+    return [f"{name} ({before.get(name)!r} -> {after.get(name)!r})" for name in sorted(before.keys() | after.keys())
+            if name not in HARMLESS_FIELDS and before.get(name) != after.get(name)]
+
+
+def check_override(args: Args, metadata: dict[str, Any], config: PretrainedConfig) -> None:
+    """An architecture given at conversion must be the one the run trained: the shapes fitting is not enough (another
+    rope_theta, norm epsilon or a tie would change the model, and the logits check, run on that model, would pass).
+    A checkpoint that records no loadable config is what the flags are for: nothing to compare with."""
+    try:
+        changes = changed_fields(metadata["model_config"], config)
+    except (KeyError, ValueError, TypeError):
+        return
+    if changes:
+        flag = override_flag(args)
+        raise BadInput(f"{flag} differs from the config the run recorded in its checkpoint in {', '.join(changes)}: "
+                       f"it would change the trained model; drop {flag.split()[0]} to convert with the recorded one "
+                       "(edit the written config.json afterwards to change a field on purpose)")
+
+
+def check_ties_keep_weights(args: Args, path: Path, config: PretrainedConfig,
+                            shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+    """A config that ties the lm_head to the embedding keeps only the embedding: refused when the checkpoint holds
+    the two as different tensors (an untied run), whose trained lm_head would silently be replaced."""
+    groups = {tuple(sorted([name, *others])) for name, others in tied_names(config).items() if others}
+    with open_source(path) as source:
+        for names in groups:
+            stored = [n for n in names if n in shapes]
+            tensors = []
+            for name in stored:
+                tensors.append(torch.empty(shapes[name][0], dtype=shapes[name][1]))
+                source.read_elements_into(MODEL_PREFIX + name, 0, tensors[-1])
+            if any(not torch.equal(tensors[0], other) for other in tensors[1:]):
+                raise BadInput(f"{override_flag(args)} ties {' and '.join(stored)}, but --checkpoint {path} holds "
+                               "them as different tensors (an untied run): the trained one would be replaced; give "
+                               "a config with tie_word_embeddings false")
 
 
 def check_tokenizer(name: str, config: PretrainedConfig) -> None:
@@ -227,6 +313,25 @@ def check_output_dir(output: Path, overwrite: bool) -> None:
                        "(it is replaced only after the new model is verified)")
 
 
+def check_apart_from_checkpoint(output: Path, checkpoint: Path) -> None:
+    """Refuse an output folder that is or holds the checkpoint or its run folder, or lies inside the checkpoint or
+    the run's checkpoints/ (paths resolved): --overwrite replaces the output folder, so it would delete them. A
+    folder inside the run folder but not under checkpoints/ (`<run>/hf`) deletes nothing and is accepted."""
+    checkpoint = checkpoint.resolve()
+    guarded = [("the checkpoint", checkpoint, ("is", "holds", "lies inside"))]
+    if checkpoint.parent.name == checkpoint_dir(".").name:
+        guarded += [("the run folder", checkpoint.parent.parent, ("is", "holds")),
+                    ("the run's checkpoints folder", checkpoint.parent, ("lies inside",))]
+    target = output.resolve()
+    relations = {"is": lambda path: target == path, "holds": lambda path: path.is_relative_to(target),
+                 "lies inside": lambda path: target.is_relative_to(path)}
+    for relation, applies in relations.items():
+        for what, path, guarded_against in guarded:
+            if relation in guarded_against and applies(path):
+                raise BadInput(f"--output_dir {output} {relation} {what} {path}; choose a folder apart from it "
+                               "(--overwrite true would delete it)")
+
+
 def plan(args: Args) -> list[Job]:
     """Resolve and check every checkpoint to convert; raises BadInput before anything is written."""
     problem = login_problem(args)
@@ -237,14 +342,18 @@ def plan(args: Args) -> list[Job]:
         raise BadInput("--push_to_hub uploads one model: drop --all, or push each step's folder separately")
     jobs = []
     for checkpoint, output in pairs:
+        check_apart_from_checkpoint(output, checkpoint)
         check_output_dir(output, args.overwrite)
         metadata = read_metadata(checkpoint)
         config = resolve_model_config(args, metadata)
         shapes = stored_shapes(checkpoint)
         check_weights_fit(checkpoint, config, shapes)
+        if args.model_config or args.model_name:
+            check_override(args, metadata, config)
+            check_ties_keep_weights(args, checkpoint, config, shapes)
         tokenizer = resolve_tokenizer(args, metadata)
         check_tokenizer(tokenizer, config)
-        base_model = args.model_name or (metadata.get("config") or {}).get("model_name")
+        base_model = args.model_name or recorded_base_model(metadata)
         jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes, base_model))
     return jobs
 
@@ -257,20 +366,35 @@ def load_weights(job: Job) -> dict[str, torch.Tensor]:
 
 
 def restore_non_persistent_buffers(model: PreTrainedModel) -> None:
-    """Recompute buffers no state dict holds (rotary inv_freq) with transformers' own initialisation of them."""
-    owners = set()
-    for name, buffer in list(model.named_buffers()):
+    """Recompute buffers no state dict holds (rotary inv_freq, Gemma's embed_scale) with transformers' own
+    initialisation of them. Never on the module itself: `_init_weights` initialises the whole module, and Gemma's
+    embedding owns embed_scale, so its trained weight (and the lm_head tied to it) would be drawn afresh."""
+    missing: dict[Module, list[str]] = {}
+    for name, buffer in model.named_buffers():
         module_name, _, buffer_name = name.rpartition(".")
         module = model.get_submodule(module_name)
         if buffer.is_meta and buffer_name in module._non_persistent_buffers_set:
-            module.register_buffer(buffer_name, torch.empty_like(buffer, device="cpu"), persistent=False)
-            owners.add(module)
-    for module in owners:
-        model._init_weights(module)
+            missing.setdefault(module, []).append(buffer_name)
+    for module, names in missing.items():
+        initialise_buffers(model, module, names)
     still_meta = [name for name, tensor in model.state_dict(keep_vars=True).items() if tensor.is_meta]
     still_meta += [name for name, buffer in model.named_buffers() if buffer.is_meta]
     if still_meta:
         raise RuntimeError(f"{still_meta[0]} was not restored from the checkpoint")
+
+
+def initialise_buffers(model: PreTrainedModel, module: Module, names: list[str]) -> None:
+    """Run `_init_weights` on a stand-in of `module` whose parameters and other buffers are on the meta device (no
+    memory, nothing to overwrite), then take only the buffers `names` from it."""
+    stand_in = copy.copy(module)
+    stand_in._parameters = {name: None if p is None else torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                                                             p.requires_grad)
+                            for name, p in module._parameters.items()}
+    stand_in._buffers = {name: None if b is None else torch.empty_like(b, device="cpu" if name in names else "meta")
+                         for name, b in module._buffers.items()}
+    model._init_weights(stand_in)
+    for name in names:
+        module.register_buffer(name, stand_in._buffers[name], persistent=False)
 
 
 def model_from_checkpoint(job: Job) -> PreTrainedModel:
@@ -314,26 +438,38 @@ def checkpoint_dtype(job: Job) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
-def hyperparameters(run: dict[str, Any]) -> list[tuple[str, Any]]:
-    batch = run.get("global_batch_size") or (
+def hyperparameters(run: dict[str, Any], global_batch_size: Optional[int] = None) -> list[tuple[str, Any]]:
+    """The card's training settings; the batch is the checkpoint's own global batch (a resume may have changed the
+    layout the run's config records), else what that config gives."""
+    batch = global_batch_size or run.get("global_batch_size") or (
         f"{run.get('micro_batch_size')} per device x {run.get('gradient_accumulation_steps') or 1} accumulation "
         f"x {run.get('devices')} devices x {run.get('num_nodes', 1)} nodes")
     names = ("lr", "min_lr", "warmup_steps", "weight_decay", "max_step", "precision", "seed")
     return [("batch (sequences per step)", batch)] + [(n, run.get(n)) for n in names]
 
 
+def base_model_row(base: Optional[str], run: dict[str, Any]) -> str:
+    if not base:
+        return f"none: trained from scratch from {run.get('model_config')}"
+    if hub_id(base):
+        return base
+    if Path(base).exists():
+        return f"{base} (local folder)"
+    return f"{base} (not found from here; not an owner/name Hub id)"
+
+
 def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
     """README.md of the output folder: where the model comes from and how it was trained."""
     run = job.metadata.get("config") or {}
-    base = run.get("model_name")
+    base = recorded_base_model(job.metadata)
     val_loss = job.metadata.get("val_loss")
     lines = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
-    lines += [f"base_model: {base}"] if base and not Path(base).exists() else []
+    lines += [f"base_model: {hub_id(base)}"] if hub_id(base) else []
     lines += ["tags:", "- fsdp-trainer", "---", "", f"# {job.output_dir.name}", "",
               f"Trained with fsdp-trainer (Lightning Fabric + FSDP) and converted from `{job.checkpoint.name}` "
               f"at optimizer step {job.step}.", "",
               "| | |", "|---|---|",
-              f"| Base model | {base or 'none: trained from scratch from ' + str(run.get('model_config'))} |",
+              f"| Base model | {base_model_row(base, run)} |",
               f"| Architecture | {job.model_config.model_type}, {sum(s.numel() for s, _ in job.shapes.values()):,} "
               "parameters |",
               f"| Training data | {run.get('train_data_dir')} |",
@@ -341,7 +477,7 @@ def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
               f"| Step | {job.step} (epoch {job.metadata.get('epoch')}) |",
               f"| Final validation loss | {'%.4f' % val_loss if val_loss is not None else 'not evaluated'} |",
               f"| Weights dtype | {dtype} |"]
-    lines += [f"| {name} | {value} |" for name, value in hyperparameters(run)]
+    lines += [f"| {name} | {value} |" for name, value in hyperparameters(run, job.metadata.get("global_batch_size"))]
     auto_class = model_class(job.model_config).__name__
     lines += ["", "## Usage", "", "```python", f"from transformers import {auto_class}, AutoTokenizer", "",
               'tokenizer = AutoTokenizer.from_pretrained("<this folder or repo>")',
@@ -367,12 +503,17 @@ def block_size_of(run: dict[str, Any]) -> Optional[int]:
 def generation_config(job: Job, tokenizer: Any) -> GenerationConfig:
     """The base model's generation config (its sampling defaults, its stop tokens) when it has one, else one made
     from the model config; its eos_token_id also lists the tokenizer's EOS and the chat template's end-of-turn."""
-    config = None
-    if job.base_model:
+    config, problem = None, None
+    if job.base_model and not Path(job.base_model).exists() and not REPO_NAME.fullmatch(job.base_model):
+        problem = "no such folder from here, and not a Hub id"
+    elif job.base_model:
         try:
             config = GenerationConfig.from_pretrained(job.base_model)
-        except (OSError, ValueError):  # none in the folder or repo, or the Hub out of reach: made below
-            config = None
+        except (OSError, ValueError) as error:  # none in the folder or repo, no such folder, the Hub out of reach
+            problem = str(error).splitlines()[0][:160]
+    if problem:
+        print(f"convert_to_hf.py: note: the generation config of the base model {job.base_model} could not be read "
+              f"({problem}); generation_config.json is made from the model config", flush=True)
     config = config or GenerationConfig.from_model_config(job.model_config)
     own = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     stops = [i for i in dict.fromkeys([*own, tokenizer.eos_token_id, end_of_turn_id(tokenizer)]) if i is not None]
@@ -399,12 +540,55 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     return reference, logits_of(reloaded, ids)
 
 
+def written_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of the folder that holds it (one file, or several with an index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    with safe_open(folder / "model.safetensors", "pt") as handle:
+        return {name: folder / "model.safetensors" for name in handle.keys()}
+
+
+def first_weight_difference(job: Job, folder: Path) -> Optional[str]:
+    """The first checkpoint tensor the folder does not hold as stored, cast to the written dtype (exactly when it is
+    the stored one, else to its rounding); None when every one is there and nothing else is. Read tensor by tensor.
+    The logits cannot tell: their reference is the model built here, so a weight changed while building it (a buffer
+    restored by re-initialising its module, a tie that replaced a trained lm_head) changes both sides."""
+    written, aliases = written_files(folder), tied_names(job.model_config)
+    seen = set()
+    with open_source(job.checkpoint) as source, ExitStack() as files:
+        handles: dict[Path, Any] = {}
+        for key, (dtype, shape) in source.shapes().items():
+            if not key.startswith(MODEL_PREFIX):
+                continue
+            name = key.removeprefix(MODEL_PREFIX)
+            held = next((n for n in [name, *aliases.get(name, [])] if n in written), None)
+            if held is None:
+                return f"the checkpoint's {name} is not in it"
+            seen.add(held)
+            stored = torch.empty(shape, dtype=dtype)
+            source.read_elements_into(key, 0, stored)
+            if written[held] not in handles:
+                handles[written[held]] = files.enter_context(safe_open(written[held], "pt"))
+            tensor = handles[written[held]].get_tensor(held)
+            if tensor.shape != stored.shape or not torch.equal(tensor, stored.to(tensor.dtype)):
+                where = name if held == name else f"{held} (tied to {name})"
+                return f"its {where} differs from the checkpoint's {name}"
+    extra = next((name for name in written if name not in seen), None)
+    return f"it holds {extra}, which the checkpoint does not" if extra else None
+
+
 def convert(job: Job, dtype: str, max_shard_size: str) -> float:
-    """Write and verify one model folder; return the logits difference. Exit 1 (folder untouched) if it fails."""
+    """Write and verify one model folder (every tensor against the checkpoint's, then the logits); return the logits
+    difference. Exit 1 (folder untouched) if it fails."""
     job.output_dir.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".{job.output_dir.name}.", suffix=".partial", dir=job.output_dir.parent))
     try:
         reference, reloaded = write_model(job, dtype, max_shard_size, temporary)
+        problem = first_weight_difference(job, temporary)
+        if problem:
+            raise VerificationFailed(f"verification failed: {job.output_dir} would not hold the weights of "
+                                     f"{job.checkpoint}: {problem}; nothing was written")
         difference, allowed = logits_difference(reference, reloaded), tolerance(checkpoint_dtype(job), DTYPES[dtype])
         if not difference <= allowed:
             raise VerificationFailed(f"verification failed: {job.output_dir} reproduces the logits of "
@@ -426,7 +610,7 @@ def run(args: Args) -> None:
     for job in jobs:
         difference = convert(job, args.dtype, args.max_shard_size)
         print(f"{job.checkpoint} (step {job.step}) -> {job.output_dir} [{args.dtype}], "
-              f"logits verified (max relative difference {difference:.1e})", flush=True)
+              f"weights and logits verified (max relative difference {difference:.1e})", flush=True)
     if args.push_to_hub:
         folder = jobs[0].output_dir
         if args.dry_run:
