@@ -97,6 +97,7 @@ def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:
     assert {k: v.shape for k, v in checkpoint["model"].items()} == {k: v.shape for k, v in reference.items()}
     assert checkpoint["step"] == 16 and isinstance(checkpoint["step"], int)
     assert checkpoint["config"]["lr"] == 3e-3 and checkpoint["tokenizer"] == str(tiny.tokenizer)
+    assert Path(checkpoint["cwd"]).is_dir(), "where the config's relative paths lead, for convert_to_hf.py"
     assert checkpoint["model_config"]["hidden_size"] == 64
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from contextlib import nullcontext, redirect_stdout
@@ -106,6 +107,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "mixture": None,
         "source_tokens": {},
         "config": cfg.to_dict(),
+        "cwd": os.getcwd(),  # where the config's relative paths (--model_name) lead: convert_to_hf.py reads from it
         "model_config": inputs.model_config.to_dict(),
         "tokenizer": inputs.tokenizer,
     }
