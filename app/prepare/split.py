@@ -8,6 +8,7 @@ import json
 import math
 
 import datasets
+import numpy as np
 from datasets import Dataset, DatasetDict
 
 from app.prepare.args import UsageError, useful_processes
@@ -37,39 +38,36 @@ def split_by_document(
 
 
 def _hold_out(pool: Dataset, val_fraction: float, seed: int, unit: str) -> tuple[Dataset, Dataset]:
-    """Hold out about `ceil(val_fraction * records)` records, identical records always on the same side.
-
-    Records are ordered by a hash of their content salted with `seed` (a shuffle that is the same for a seed, whatever
-    the order of the input) and taken into validation a group of identical records at a time: a duplicated example
-    (common in scraped data) is never both trained on and evaluated.
-    """
+    """Hold out `ceil(val_fraction * records)` records of a shuffle with `seed` (datasets' train_test_split), and
+    with them every record identical to one of them: a duplicated example (common in scraped data) is never both
+    trained on and evaluated. Without duplicates the split is train_test_split's, record for record."""
     if val_fraction == 0:
         return pool, pool.select([])
-    groups = _identical_records(pool, seed)
-    if len(groups) < 2:
+    content = _content_keys(pool)
+    distinct = len(set(content))
+    if distinct < 2:
         more = "documents (or --split_lines for .txt)" if unit == "document" else "examples"
         raise UsageError(
-            f"--val_fraction {val_fraction}: the input has {len(groups)} distinct {unit} and validation is held out "
+            f"--val_fraction {val_fraction}: the input has {distinct} distinct {unit} and validation is held out "
             f"by {unit}; give more {more}, or --val_fraction 0"
         )
-    ordered = [groups[digest] for digest in sorted(groups)]
-    wanted, validation = math.ceil(val_fraction * len(pool)), []
-    while len(validation) < wanted and len(ordered) > 1:  # the last group always trains
-        validation.extend(ordered.pop())
-    return pool.select([i for group in ordered for i in group]), pool.select(validation)
+    order = np.random.default_rng(seed).permutation(len(pool)).tolist()
+    wanted = math.ceil(val_fraction * len(pool))
+    held = {content[i] for i in order[:wanted]}
+    if len(held) == distinct:  # something must train
+        held.discard(content[order[wanted - 1]])
+    return (pool.select([i for i in order if content[i] not in held]),
+            pool.select([i for i in order if content[i] in held]))
 
 
-def _identical_records(pool: Dataset, seed: int) -> dict[bytes, list[int]]:
-    """The indices of the records, grouped by a hash of their content (every column) salted with `seed`."""
-    groups: dict[bytes, list[int]] = {}
-    salt = seed.to_bytes(16, "little", signed=True)
-    index = 0
+def _content_keys(pool: Dataset) -> list[bytes]:
+    """A hash of each record's content (every column): identical records, identical keys."""
+    keys = []
     for batch in pool.iter(batch_size=1000):
         for values in zip(*(batch[column] for column in pool.column_names)):
             content = json.dumps(values, ensure_ascii=False, sort_keys=True).encode()
-            groups.setdefault(hashlib.blake2b(content, digest_size=16, salt=salt).digest(), []).append(index)
-            index += 1
-    return groups
+            keys.append(hashlib.blake2b(content, digest_size=16).digest())
+    return keys
 
 
 def _drop_empty(documents: Dataset | None, num_proc: int) -> tuple[Dataset | None, int]:
