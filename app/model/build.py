@@ -101,25 +101,40 @@ def holds_meta(module: Module, recurse: bool) -> bool:
     return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
 
 
-def children_first(module: Module) -> Iterator[Module]:
+def breadth_first(module: Module) -> Iterator[Module]:
+    """The order FSDP hands a unit's modules to param_init_fn (app/distributed/fsdp2.py modules_to_materialize)."""
+    queue = [module]
+    while queue:
+        part = queue.pop(0)
+        yield part
+        queue.extend(part.children())
+
+
+def initialise_parents_again(module: Module, materialised: set[int], init_weights: Callable[[Module], None]) -> bool:
+    """Children first, initialise again every module holding others that has a module just materialised below it
+    (transformers' `apply` initialises a parent after its children); True when `module`'s subtree has one."""
+    below = False
     for child in module.children():
-        yield from children_first(child)
-    yield module
+        below |= initialise_parents_again(child, materialised, init_weights)
+    if below:
+        init_weights(module)
+    return below or id(module) in materialised
 
 
 def materialize_module(module: Module, *, init_weights: Callable[[Module], None], accelerator: str) -> None:
-    """FSDP's param_init_fn, which FSDP1 and fsdp2 call on a unit's modules parent before child: the first call gives
-    every module of the subtree still on the meta device real memory on this rank's device, then initialises them
-    and their parents children first, as transformers' `apply` does (GPT-2's attention rescales its c_proj after the
-    Conv1D's own init: parent first, the residual projections started 2 x n_layer ** 0.5 too large); the later calls
-    find nothing left."""
+    """FSDP's param_init_fn, which FSDP1 and fsdp2 call on a unit's modules parent before child: the first call
+    gives every module of the subtree still on the meta device real memory on this rank's device and initialises it,
+    in that order, then initialises the parents again (GPT-2's attention rescales its c_proj, which the Conv1D's own
+    init, run after it, had undone: the residual projections started 2 x n_layer ** 0.5 too large). Parents that
+    hold no tensors of their own draw nothing, so most models get the values they got before. Later calls find
+    nothing left."""
     device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
-    pending = [part for part in children_first(module) if holds_meta(part, recurse=True)]
+    pending = [part for part in breadth_first(module) if holds_meta(part, recurse=False)]
     for part in pending:
-        if holds_meta(part, recurse=False):
-            part.to_empty(device=device, recurse=False)
-    for part in pending:
+        part.to_empty(device=device, recurse=False)
         init_weights(part)
+    if pending:
+        initialise_parents_again(module, {id(part) for part in pending}, init_weights)
 
 
 def materializes_like_from_config(model_config: PretrainedConfig, trust_remote_code: bool, pretrained: bool) -> bool:
