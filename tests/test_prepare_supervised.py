@@ -252,7 +252,6 @@ def test_packing_false_writes_one_unpadded_example_per_row(work):
 
 
 def test_too_long_examples_are_truncated_or_dropped_and_counted(work):
-    # seed 3: a split in which validation, too, has examples to truncate (3 of its 12)
     truncated_rows, truncated, _ = sft(work, "truncate", block_size=96, packing=False)
     dropped = sft(work, "drop", block_size=96, packing=False, too_long="drop").stats
     for split in ("train", "validation"):
