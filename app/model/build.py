@@ -147,16 +147,21 @@ def materializes_like_from_config(model_config: PretrainedConfig, trust_remote_c
     from app.model.isolation import small_twin  # which imports this module
 
     config = small_twin(model_config)
-    reference = model_class(config).from_config(config, trust_remote_code=trust_remote_code)
-    twin = meta_model(config, trust_remote_code)
-    for unit in [*wrap_units(twin, resolve_wrap_classes(config, None, trust_remote_code)), twin]:
-        materialize_module(unit, init_weights=twin._init_weights, accelerator="cpu")
+    try:
+        reference = model_class(config).from_config(config, trust_remote_code=trust_remote_code)
+        twin = meta_model(config, trust_remote_code)
+        for unit in [*wrap_units(twin, resolve_wrap_classes(config, None, trust_remote_code)), twin]:
+            materialize_module(unit, init_weights=twin._init_weights, accelerator="cpu")
+    except Exception:  # noqa: BLE001 (a twin this architecture cannot be made at: the plain route, which is exact)
+        return False
     built = dict(twin.named_parameters()) | dict(twin.named_buffers())
     loaded = set(reference.state_dict()) if pretrained else set()
     for name, expected in [*reference.named_parameters(), *reference.named_buffers()]:
-        got = built[name].detach()
         if name in loaded:
             continue
+        if name not in built:
+            return False
+        got = built[name].detach()
         if got.is_meta or got.shape != expected.shape:
             return False
         if expected.numel() < 2 or not expected.is_floating_point() or expected.std() == 0:
