@@ -17,9 +17,10 @@ from datasets import load_from_disk
 from lightning_fabric.plugins import FSDPPrecision, MixedPrecision
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from app.distributed.precision import (bf16_support_problem, float32_matmul_precision, fsdp_mixed_precision,
-                                       precision_plugin, reduce_dtype)
+from app.distributed.precision import (bf16_support_problem, float32_matmul_precision, fp32_modules_problem,
+                                       fsdp_mixed_precision, precision_plugin, reduce_dtype)
 from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
+from app.model.build import meta_model
 from app.optimization.optimizer import clip_gradients, gradient_square_sum
 from tests.conftest import ROOT, read_checkpoint, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
@@ -38,6 +39,24 @@ def test_bf16_is_refused_on_gpus_without_it_with_a_hint_to_16_mixed(name, capabi
             assert f"--precision {precision}" in problem and "--precision 16-mixed" in problem and name in problem
     assert bf16_support_problem("16-mixed", "Tesla T4", (7, 5)) is None
     assert bf16_support_problem("32-true", "Tesla T4", (7, 5)) is None
+
+
+@pytest.mark.parametrize("model_type, refused", [("deepseek_v3", {"bf16-true", "16-mixed", "16-true"}),
+                                                ("glm4_moe", {"bf16-true", "16-mixed", "16-true"}),
+                                                ("llama", set()), ("mixtral", set())])
+def test_modules_transformers_keeps_in_fp32_under_bfloat16_refuse_bf16_true(model_type, refused) -> None:
+    """transformers' bf16 DeepSeek-V3 keeps its router bias in float32 (`_keep_in_fp32_modules_strict`); bf16-true
+    would round it and route tokens elsewhere, while bf16-mixed keeps every weight in float32."""
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=256)
+    model = meta_model(config, False)
+    for precision in ("bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true"):
+        problem = fp32_modules_problem(precision, model)
+        assert (problem is not None) == (precision in refused), (precision, problem)
+    if "bf16-true" in refused:
+        assert fp32_modules_problem("bf16-true", model).startswith(
+            f"--precision bf16-true: {type(model).__name__} keeps e_score_correction_bias in float32 also under "
+            "bfloat16") and fp32_modules_problem("bf16-true", model).endswith("use --precision bf16-mixed")
 
 
 def test_tf32_only_for_fp32_matmuls_on_ampere_and_newer_unless_turned_off() -> None:

@@ -94,16 +94,26 @@ def float32_matmul_precision(precision: str, tf32: bool, capability: Optional[tu
 
 
 def fp32_modules_problem(precision: str, model: torch.nn.Module) -> Optional[str]:
-    """Models that name modules to keep in float32 under fp16 (T5's feed-forward output `wo`: transformers'
-    `_keep_in_fp32_modules`) overflow when 16-bit training casts those modules down, as 16-mixed's autocast and
-    16-true's weights both do: the run would stop at its first non-finite loss."""
-    kept = set(getattr(model, "_keep_in_fp32_modules", None) or []) | set(
-        getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-    if precision not in ("16-mixed", "16-true") or not kept:
-        return None
-    return (f"--precision {precision}: {type(model).__name__} keeps {', '.join(sorted(kept))} in float32 under "
-            "float16 (transformers' _keep_in_fp32_modules), which 16-bit training would cast down and overflow; use "
-            "--precision 32-true, or bf16-mixed on a GPU with bfloat16 (Ampere or newer)")
+    """Modules transformers keeps in float32 when it loads a model in 16 bits, which this run would cast down.
+
+    Under fp16 both its lists count (T5's feed-forward output `wo`, `_keep_in_fp32_modules`): 16-mixed's autocast and
+    16-true's weights overflow there, and the run would stop at its first non-finite loss. Under bf16-true only the
+    strict list counts (`_keep_in_fp32_modules_strict`, kept in float32 under bfloat16 too: DeepSeek-V3's and GLM-4's
+    router bias `e_score_correction_bias`, Ernie's gate): rounded to bfloat16 they route tokens to other experts than
+    the model was trained with, with no error to show it. FSDP1 flattens a unit's parameters into one tensor of one
+    dtype, so they cannot stay float32 beside bf16 weights; bf16-mixed keeps every weight in float32."""
+    strict = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if precision in ("16-mixed", "16-true"):
+        kept = set(getattr(model, "_keep_in_fp32_modules", None) or []) | strict
+        if kept:
+            return (f"--precision {precision}: {type(model).__name__} keeps {', '.join(sorted(kept))} in float32 "
+                    "under float16 (transformers' _keep_in_fp32_modules), which 16-bit training would cast down and "
+                    "overflow; use --precision 32-true, or bf16-mixed on a GPU with bfloat16 (Ampere or newer)")
+    if precision == "bf16-true" and strict:
+        return (f"--precision bf16-true: {type(model).__name__} keeps {', '.join(sorted(strict))} in float32 also "
+                "under bfloat16 (transformers' _keep_in_fp32_modules_strict), which bf16-true would round to "
+                "bfloat16 (a rounded router bias sends tokens to other experts); use --precision bf16-mixed")
+    return None
 
 
 def bf16_support_problem(precision: str, device_name: str, capability: tuple[int, int]) -> Optional[str]:
