@@ -229,6 +229,22 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
           "(--rendezvous_timeout_min 0.1, start-up included)")
 
 
+@pytest.mark.slow
+def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too(tiny: TinySetup, tmp_path: Path):
+    """`kill PID`, GNU timeout or a supervisor signal the launching process only. While it waits in the rendezvous,
+    the rank it started used to be left waiting for it until --rendezvous_timeout_min (10 minutes by default)."""
+    with launched(train_args(tiny, tmp_path / "run"), tmp_path / "run.log") as run:
+        deadline = time.monotonic() + 60
+        while not [child for child in psutil.Process(run.process.pid).children()
+                   if "train.py" in " ".join(child.cmdline())]:
+            assert time.monotonic() < deadline and run.process.poll() is None, run.output()
+            time.sleep(0.05)
+        run.process.send_signal(signal.SIGTERM)
+        assert run.finish(timeout=30) == 128 + signal.SIGTERM, run.output()
+        assert "Traceback" not in run.output(), run.output()
+        run.assert_nothing_left(timeout=10)
+
+
 def test_a_run_that_outlives_its_timeout_fails_with_where_its_processes_were_and_leaves_none_running() -> None:
     """The tests' harness (conftest.run_script) as CI met it: the launching process had exited and a rank it
     started hung, holding the output pipes open."""

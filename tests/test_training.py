@@ -101,13 +101,19 @@ def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:
     assert checkpoint["model_config"]["hidden_size"] == 64
 
 
-def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run, tiny) -> None:
+def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run, tiny, tmp_path) -> None:
+    """From a checkpoint copied under a name of the user's (the step is read from it), older than the run's newest:
+    that one is set aside, else the next --resume true would continue from it and undo this run."""
     straight = read_metrics(fsdp_run)
-    checkpoint = fsdp_run / "checkpoints" / "step-00000016.ckpt"
+    checkpoint = tmp_path / "chosen.ckpt"
+    shutil.copy(fsdp_run / "checkpoints" / "step-00000016.ckpt", checkpoint)
     result = run_train(train_args(tiny, fsdp_run, resume=True, checkpoint=checkpoint))
     assert_succeeded(result)
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert progress[0].startswith("step 17/24"), progress[:2]
+    set_aside = fsdp_run / "checkpoints" / "rolled-back" / "step-00000024.ckpt"
+    assert f"moved step-00000024.ckpt, newer than the checkpoint resumed from, to {set_aside}" in result.stdout
+    assert set_aside.is_file() and (fsdp_run / "checkpoints" / "step-00000024.ckpt").is_file()
     resumed = read_metrics(fsdp_run)
     assert sorted(resumed) == list(range(0, 25))
     for step in range(17, 25):

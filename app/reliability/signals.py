@@ -45,6 +45,37 @@ def _leave_to_the_thread(signum: int, frame: Optional[FrameType]) -> None:
     """A Python-level handler that does nothing: it keeps Python's C-level handler, which feeds the wakeup pipe."""
 
 
+def signals_to_a_pipe() -> int:
+    """Route SIGTERM, SIGUSR1 and SIGINT to a new pipe and return its read end, for a thread to act on them (see
+    StopRequest). The pipe this replaces is closed, so that the thread reading it ends."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    replaced = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    for handled in (*STOP_SIGNALS, signal.SIGINT):
+        signal.signal(handled, _leave_to_the_thread)
+    if replaced != -1:
+        os.close(replaced)
+    return read_end
+
+
+def end_ranks_on_signal_until_training() -> None:
+    """Until StopRequest takes over on the ranks, a stop signal or Ctrl-C ends this process and every process it
+    started (exit 128 + the signal's number).
+
+    The launching process waits in the rendezvous while the ranks it started import and check their inputs. A
+    signal sent to it alone (`kill PID`, GNU timeout, a supervisor) would end it by default and leave those ranks
+    waiting for it until --rendezvous_timeout_min, holding their devices; and Python's own handlers never run while
+    the main thread waits there."""
+    read_end = signals_to_a_pipe()
+
+    def end_on_first_signal() -> None:
+        received = os.read(read_end, 1)
+        if received:
+            end_process_tree(128 + received[0], stacks=False)
+
+    threading.Thread(target=end_on_first_signal, name="start-up-signals", daemon=True).start()
+
+
 class StopRequest:
     """Remembers the first stop signal this process received, and quits at once on Ctrl-C when that is due.
 
@@ -64,11 +95,7 @@ class StopRequest:
     def install(self, announce: bool = False) -> None:
         """Take over SIGTERM, SIGUSR1 and SIGINT; `announce` in the one process that tells the user about Ctrl-C."""
         self.announce = announce
-        read_end, write_end = os.pipe()
-        os.set_blocking(write_end, False)
-        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-        for handled in (*STOP_SIGNALS, signal.SIGINT):
-            signal.signal(handled, _leave_to_the_thread)
+        read_end = signals_to_a_pipe()
         # blocked while the ranks started (app/training/run.py)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         threading.Thread(target=self._receive, args=(read_end,), name="stop-signals", daemon=True).start()
@@ -78,8 +105,8 @@ class StopRequest:
         self.training = True
 
     def _receive(self, read_end: int) -> None:
-        while True:
-            for signum in os.read(read_end, 64):
+        while received := os.read(read_end, 64):
+            for signum in received:
                 if signum in STOP_SIGNALS:
                     self.signal = self.signal or signum
                 elif signum == signal.SIGINT:

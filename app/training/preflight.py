@@ -56,6 +56,8 @@ class RunInputs:
     plan: TrainingPlan
     tokenizer: Optional[str]
     resume_from: Optional[Path]
+    resume_step: Optional[int] = None
+    """The step the checkpoint resumed from holds (its metadata's; a copied checkpoint's name may say nothing)."""
     packed_layout: Layout = "position_ids"
     """How packed examples reach the model so that they stay apart (app/model/isolation.py)."""
     chunked_loss: bool = False
@@ -609,6 +611,7 @@ def preflight(cfg: Config) -> RunInputs:
         sys.exit(EXIT_BAD_INPUT)
     return RunInputs(config=resolve_learning_rates(cfg, plan), model_config=model_config, wrap_classes=wrap_classes,
                      plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
+                     resume_step=resume.metadata["step"] if resume else None,
                      packed_layout=packed_layout, chunked_loss=chunked_loss,
                      mixture=describe(data.sources, data.source_rows) if data and data.sources else "",
                      target_block_size=data.target_block_size if data else 0)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from lightning_fabric import Fabric
 
-from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng
+from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng, set_aside_newer
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
 from app.distributed.device_memory import expandable_segments
@@ -29,7 +29,8 @@ from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, pea
 from app.model.build import DeferredInit, deferred_init, setup_model
 from app.optimization.optimizer import GradientPolicy, build_optimizer
 from app.optimization.schedule import TrainingPlan, continuing_position
-from app.reliability.signals import StopRequest, requeue_slurm_job, requeues_itself, run_and_exit
+from app.reliability.signals import (StopRequest, end_ranks_on_signal_until_training, requeue_slurm_job,
+                                     requeues_itself, run_and_exit)
 from app.reliability.spikes import QUARANTINE_FILE, SpikeGuard, SpikeHistory, SpikeRules, write_quarantine
 from app.reliability.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
 from app.reliability.workers import start_worker_server
@@ -68,26 +69,26 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
         tune_cpu_heap()
     elif resolve_accelerator(cfg) == "cuda":
         expandable_segments()
-    resume_step = int(inputs.resume_from.name.split("-")[1].split(".")[0]) if inputs.resume_from else None
     deferred = deferred_init(cfg, inputs.model_config)
     param_init_fn = deferred.param_init_fn if deferred else None
     if cfg.num_workers:
         start_worker_server()
-    fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, make_loggers(cfg, resume_step),
+    fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, make_loggers(cfg, inputs.resume_step),
                           param_init_fn)
     bound_rendezvous(cfg, fabric, inputs.plan.world_size)
     fabric.launch(run_and_exit, main, cfg, inputs, deferred)
 
 
 def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:
-    """Start the rendezvous deadline (for torch.distributed: XLA's ranks meet otherwise), and block SIGINT in this
-    thread until StopRequest unblocks it: the ranks Lightning's launcher starts inherit the mask, so that a Ctrl-C
-    while their interpreter starts cannot print a KeyboardInterrupt; here the deadline's thread takes it meanwhile
-    (SIGINT's default action ends the process)."""
+    """Start the rendezvous deadline (for torch.distributed: XLA's ranks meet otherwise); until StopRequest takes
+    over, a stop signal or Ctrl-C ends this process with the ranks it starts; and block SIGINT in this thread until
+    StopRequest unblocks it: the ranks Lightning's launcher starts inherit the mask, so that a Ctrl-C while their
+    interpreter starts cannot print a KeyboardInterrupt (here the signals' thread takes it meanwhile)."""
     if world_size == 1 or resolve_accelerator(cfg) == "tpu":
         return
     RendezvousDeadline(cfg.rendezvous_timeout_min * 60, nodes=cfg.num_nodes, world_size=world_size,
                        node_rank=fabric.node_rank, local_rank=fabric.local_rank).start()
+    end_ranks_on_signal_until_training()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
@@ -128,6 +129,9 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
         fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
     fabric.print(f"resumed from {path} at step {state['step']} (epoch {state['epoch']}, sample {state['position']} "
                  f"of the epoch) in {loading.last:.1f} s")
+    if fabric.is_global_zero:  # resumed from an older checkpoint: the next --resume true must not take a newer one
+        for moved in set_aside_newer(cfg.out_dir, state["step"]):
+            fabric.print(f"moved {moved.name}, newer than the checkpoint resumed from, to {moved}")
     if not own_rng:
         print(f"rank {fabric.global_rank}: no random state saved for this rank; seeded from --seed and the step",
               flush=True)
