@@ -332,11 +332,13 @@ def test_lightning_detects_slurm_and_derives_every_rank_from_the_sbatch_layout()
 
 @pytest.fixture
 def fake_slurm(tmp_path):
-    """`srun` exiting with $FAKE_STATUS (what train.py returned), and `scontrol` recording what it was asked to do."""
+    """`srun` exiting with $FAKE_STATUS (what train.py returned), `squeue` printing the job's comment $FAKE_COMMENT,
+    and `scontrol` recording what it was asked to do."""
     bin_dir = tmp_path / "slurm-bin"
     bin_dir.mkdir()
     record = tmp_path / "scontrol.log"
     (bin_dir / "srun").write_text('#!/bin/bash\nexit "$FAKE_STATUS"\n')
+    (bin_dir / "squeue").write_text('#!/bin/bash\necho "$FAKE_COMMENT"\n')
     (bin_dir / "scontrol").write_text(
         f'#!/bin/bash\nif [ "$1" = show ]; then echo gpu-node01; else echo "$@" >> {record}; fi\n'
     )
@@ -346,26 +348,30 @@ def fake_slurm(tmp_path):
 
 
 @pytest.mark.parametrize("script", [SBATCH, SBATCH_TORCHRUN], ids=lambda p: p.name)
-@pytest.mark.parametrize("status, restarts, requeued", [
-    (4, 0, True),     # stalled: requeue and resume
-    (5, 2, True),     # rendezvous timeout: requeue (a node may have failed)
-    (4, 3, False),    # after MAX_REQUEUES (3) requeues, a run that keeps stalling is left alone
-    (75, 0, False),   # preempted: Slurm's own --requeue
-    (130, 0, False),  # Ctrl-C: the user stopped it
-    (2, 0, False),    # bad input
-    (0, 0, False),
+@pytest.mark.parametrize("status, restarts, comment, requeued_as", [
+    (4, 0, "(null)", "stall-requeues=1"),      # stalled: requeue and resume
+    (5, 2, "stall-requeues=2", "stall-requeues=3"),  # rendezvous timeout: requeue (a node may have failed)
+    (4, 5, "mine", "mine stall-requeues=1"),   # five preemptions before are no stalls; the user's comment stays
+    (4, 3, "stall-requeues=3", None),          # after MAX_REQUEUES (3) stall requeues, a run that keeps stalling is left
+    (75, 0, "(null)", None),                   # preempted: Slurm's own --requeue
+    (130, 0, "(null)", None),                  # Ctrl-C: the user stopped it
+    (2, 0, "(null)", None),                    # bad input
+    (0, 0, "(null)", None),
 ])
-def test_batch_scripts_requeue_a_stalled_run_a_bounded_number_of_times(script, status, restarts, requeued,
+def test_batch_scripts_requeue_a_stalled_run_a_bounded_number_of_times(script, status, restarts, comment, requeued_as,
                                                                         fake_slurm, tmp_path):
+    """Counted in the job's comment: SLURM_RESTART_COUNT also counts preemptions, and with it a job preempted three
+    times was not requeued after its first stall."""
     bin_dir, record = fake_slurm
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2",
            "SLURM_GPUS_PER_NODE": "8", "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "8",
-           "SLURM_JOB_NODELIST": "gpu-node[01-02]",
-           "SLURM_RESTART_COUNT": str(restarts), "FAKE_STATUS": str(status)}
+           "SLURM_JOB_NODELIST": "gpu-node[01-02]", "SLURM_RESTART_COUNT": str(restarts),
+           "FAKE_STATUS": str(status), "FAKE_COMMENT": comment}
     result = subprocess.run(["bash", str(script), "--out_dir", "/outputs/run"], env=env, capture_output=True,
                             text=True, cwd=tmp_path)
     assert result.returncode == status, result.stderr
-    assert (record.read_text().split() if record.exists() else []) == (["requeue", "4242"] if requeued else [])
+    asked = record.read_text().splitlines() if record.exists() else []
+    assert asked == ([f"update JobId=4242 Comment={requeued_as}", "requeue 4242"] if requeued_as else []), asked
 
 
 @pytest.mark.slow

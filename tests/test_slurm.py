@@ -199,21 +199,27 @@ def test_a_time_limit_warning_without_requeue_on_signal_ends_the_job_with_75_and
 def test_a_frozen_task_ends_with_the_watchdogs_4_then_the_requeued_job_completes(
         cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path) -> None:
     """Task 1 stopped (SIGSTOP) mid-run: task 0's watchdog prints its stacks and exits 4, srun ends the frozen task
-    (--kill-on-bad-exit; without it the job stayed RUNNING for as long as anyone waited), the script requeues."""
-    job = submit(cluster, "train.sbatch", CPU_TASKS, tiny, tmp_path / "run", stall_timeout_min=0.1,
-                 save_step_interval=2)
-    job.wait_for_step(5)
+    (--kill-on-bad-exit; without it the job stayed RUNNING for as long as anyone waited), the script requeues. The job
+    was preempted first, with MAX_REQUEUES=1: a preemption is no stall, so the stall is still requeued (counting
+    Slurm's restarts, the script gave up on it)."""
+    job = submit(cluster, "train.sbatch", CPU_TASKS + ["--export", "ALL,MAX_REQUEUES=1"], tiny, tmp_path / "run",
+                 stall_timeout_min=0.1, save_step_interval=2)
+    job.wait_for_step(3)
+    cluster.command("scontrol", "requeue", job.id)
+    job.wait_for(r"resumed from")
+    job.wait_for_step(stop_steps(job)[0] + 2)
     job.task_process(1).suspend()
     frozen = time.monotonic()
     cluster.wait_for_state(job.id, ("PENDING", "REQUEUED"), timeout=60)
     seconds = time.monotonic() - frozen
     job.end()
-    assert_completed(job, restarts=1)
+    assert_completed(job, restarts=2)
     output = job.output()
     assert "rank 0: stalled: no optimizer step, evaluation or save finished in 0.1 min" in output
     assert re.search(rf"srun: error: \S+: task 0: Exited with exit code {EXIT_STALLED}", output), job.describe()
-    assert f"train.py exited with {EXIT_STALLED}: requeueing job {job.id}" in output
-    assert re.search(r"resumed from \S+ at step [1-9]", output), job.describe()
+    assert f"train.py exited with {EXIT_STALLED}: requeueing job {job.id} to resume from the latest checkpoint " \
+        "(stall requeue 1 of 1)" in output, job.describe()
+    assert len(re.findall(r"resumed from \S+ at step [1-9]", output)) == 2, job.describe()
     print(f"\nfrozen task: job requeued {seconds:.1f} s after SIGSTOP (--stall_timeout_min 0.1)")
 
 
