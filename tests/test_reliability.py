@@ -57,11 +57,13 @@ def files_under(folder: Path) -> list[Path]:
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_and_resume_matches_a_straight_run_exactly(tiny: TinySetup, tmp_path: Path):
     """Straight 14 steps vs SIGTERM at step k < 10 then --resume true to 14: epoch boundary and accumulation inside.
-    The stopped run writes no checkpoint of its own (--save_step_interval 0) but the one the signal asks for."""
+    The stopped run writes no checkpoint of its own (--save_step_interval 0) but the one the signal asks for, and its
+    resumed part logs into the same W&B run."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     straight_run = launch(train_args(tiny, straight, **EXACT, wandb_mode="offline"), tmp_path / "straight.log",
                           env=FAKE_SECRETS)
-    stopped_run = launch(train_args(tiny, stopped, **EXACT | {"save_step_interval": 0}), tmp_path / "stopped.log")
+    stopped_run = launch(train_args(tiny, stopped, **EXACT | {"save_step_interval": 0, "wandb_mode": "offline"}),
+                         tmp_path / "stopped.log")
     stopped_run.wait_for_step(2)
     sent = time.monotonic()
     stopped_run.process.send_signal(signal.SIGTERM)  # the launcher only (rank 0); rank 1 learns it by all_reduce
@@ -71,9 +73,12 @@ def test_sigterm_to_the_launcher_saves_and_resume_matches_a_straight_run_exactly
     assert 2 <= stop_step < 10 and list(list_checkpoints(stopped)) == [stop_step], stopped_run.output()
     assert straight_run.finish() == 0, straight_run.output()
 
-    resumed = run_train(train_args(tiny, stopped, **EXACT, resume=True))
+    resumed = run_train(train_args(tiny, stopped, **EXACT, resume=True, wandb_mode="offline"))
     assert resumed.returncode == 0, resumed.stderr
     assert first_logged_step(resumed.stdout) == stop_step + 1
+    wandb_runs = sorted(path.name for path in (stopped / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and len({name.rsplit("-", 1)[1] for name in wandb_runs}) == 1, \
+        f"the resumed run continues the W&B run: {wandb_runs}"
 
     expected, got = logged_losses(straight), logged_losses(stopped)
     assert sorted(got) == list(range(1, 15))

@@ -26,6 +26,7 @@ COLUMNS = ["step", "epoch", "train_loss", "val_loss", "val_ppl", "sample_exact_m
            "samples_per_sec", "tokens_per_sec_per_device", "tflops_per_sec_per_device", "mfu", "data_wait_pct",
            "peak_rss_gb", "peak_allocated_gb", "peak_reserved_gb", "save_sec", "elapsed_sec", "spikes",
            "skipped_steps", "rollbacks", "quarantined_rows"]
+RUN_ID_FILE = "wandb_run_id"
 
 
 class CSVMetrics(Logger):
@@ -100,11 +101,18 @@ class WandbMetrics(Logger):
     The Fabric package has no W&B logger (Lightning's comes with its Trainer, whose import, torchmetrics included, adds
     about 2 s to the start of every rank, and wandb's Fabric integration imports that), and a run needs four of wandb's
     calls. Metrics are plotted against `trainer/global_step`, as Lightning's logger does, so that resumed runs line up.
+
+    A resumed run continues the W&B run it resumes (its history, its model artifacts): the run's id is kept in
+    `out_dir/wandb_run_id` (not a secret), unless WANDB_RUN_ID names one. Without an id wandb starts a new run.
     """
 
     def __init__(self, cfg: Config, resuming: bool) -> None:
+        self._id_file = Path(cfg.out_dir) / RUN_ID_FILE
+        run_id = None
+        if resuming and not os.environ.get("WANDB_RUN_ID") and self._id_file.is_file():
+            run_id = self._id_file.read_text().strip() or None
         self._init = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name or Path(cfg.out_dir).resolve().name,
-                          dir=os.environ.get("WANDB_DIR") or cfg.out_dir, mode=cfg.wandb_mode,
+                          dir=os.environ.get("WANDB_DIR") or cfg.out_dir, mode=cfg.wandb_mode, id=run_id,
                           resume="allow" if resuming else None)
         self._run: Any = None
 
@@ -124,6 +132,7 @@ class WandbMetrics(Logger):
 
             Path(self._init["dir"]).mkdir(parents=True, exist_ok=True)
             self._run = wandb.init(**self._init)
+            self._id_file.write_text(self._run.id + "\n")
             self._run.define_metric("trainer/global_step")
             self._run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
         return self._run
