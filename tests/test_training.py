@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from app.metrics import observe
 from app.metrics.console import Console
+from app.metrics.observe import StepClock, Stopwatch
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 from tests.conftest import BLOCK_SIZE, read_checkpoint, run_train, train_args
 
@@ -87,6 +89,25 @@ def test_run_reports_throughput_flops_memory_and_time_lost(fsdp_run, tiny) -> No
     assert summary["val_loss"] == pytest.approx(metrics[24]["val_loss"])
     assert [sorted(rank) for rank in summary["ranks"]] == [
         ["gradients_gb", "optimizer_gb", "parameters_gb", "peak_rss_gb"]] * 2
+
+
+def test_logged_throughput_leaves_out_evaluation_and_saving_as_the_summary_does(monkeypatch) -> None:
+    """Steps of 0.1 s with 1,024 tokens, an evaluation of 1 s after step 5: every interval logs 10,240 tokens/s (it
+    logged 3,413 for the interval holding the evaluation, while summary.json said 10,240)."""
+    now = [0.0]
+    monkeypatch.setattr(observe.time, "perf_counter", lambda: now[0])
+    evaluation = Stopwatch()
+    clock = StepClock(start_step=0, max_step=10, window=5, world_size=1, samples_per_step=8, tokens_per_step=1024,
+                      started=0.0, between_steps=(evaluation, Stopwatch()))
+    logged = {}
+    for step in range(1, 11):
+        now[0] += 0.1
+        logged[step] = clock.tick(step).get("tokens_per_sec")
+        if step == 5:
+            with evaluation.measure():
+                now[0] += 1.0
+    assert logged[5] == pytest.approx(10240) and logged[10] == pytest.approx(10240)
+    assert clock.training_time() == pytest.approx(1.0) and clock.elapsed() == pytest.approx(2.0)
 
 
 def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:

@@ -218,6 +218,9 @@ class StepClock:
     """FLOPs of one optimizer step on one device; None when they could not be counted."""
     available_flops: Optional[int] = None
     started: float = field(default_factory=time.perf_counter)
+    between_steps: tuple[Stopwatch, ...] = ()
+    """What runs between steps and is no training (evaluation, saving): throughput leaves its time out, as the run
+    summary does, so that a log interval holding an evaluation does not show a slower training."""
 
     def __post_init__(self) -> None:
         self.throughput = Throughput(available_flops=self.available_flops, world_size=self.world_size,
@@ -227,12 +230,15 @@ class StepClock:
     def _update(self, step: int, flops: Optional[int]) -> None:
         done = step - self.start_step
         per_device = self.samples_per_step // self.world_size
-        self.throughput.update(time=self.elapsed(), batches=done, samples=done * per_device,
+        self.throughput.update(time=self.training_time(), batches=done, samples=done * per_device,
                                lengths=done * per_device * (self.tokens_per_step // self.samples_per_step),
                                flops=flops)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
+
+    def training_time(self) -> float:
+        return self.elapsed() - sum(watch.total for watch in self.between_steps)
 
     def rewind(self, steps: int) -> None:
         """The step counter went back `steps` (a rollback): the steps done since the start still count."""

@@ -138,7 +138,10 @@ class Loop:
     saving: Stopwatch = field(default_factory=Stopwatch)
     state_memory: ModelStateMemory = field(default_factory=ModelStateMemory)
     ranks_at_last_log: Optional[list[RankStats]] = None
-    elapsed_at_last_log: float = 0.0
+    trained_at_last_log: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.clock.between_steps = (self.evaluation, self.saving)
 
     def fit(self) -> Outcome:
         """Train until max_step; returns early after saving when a stop signal arrived, or when numbers went bad."""
@@ -274,9 +277,9 @@ class Loop:
         mean_losses, ranks = self.gather_rank_stats(torch.stack(losses).mean().reshape(1))
         previous = self.ranks_at_last_log or [RankStats() for _ in ranks]
         waited = max(now.data_wait_sec - before.data_wait_sec for now, before in zip(ranks, previous))
-        elapsed = self.clock.elapsed()
-        interval = elapsed - self.elapsed_at_last_log
-        self.ranks_at_last_log, self.elapsed_at_last_log = ranks, elapsed
+        elapsed, trained = self.clock.elapsed(), self.clock.training_time()
+        interval = trained - self.trained_at_last_log
+        self.ranks_at_last_log, self.trained_at_last_log = ranks, trained
         step = self.state["step"]
         metrics = {"epoch": self.state["epoch"], "train_loss": mean_losses.mean().item(), "lr": lr,
                    "grad_norm": grad_norm.item(), "elapsed_sec": elapsed, "data_wait_pct": 100 * waited / interval,
