@@ -291,6 +291,22 @@ def test_greedy_samples_under_fsdp_equal_transformers_generate_and_ranks_stop_at
     assert generate_through_the_application(tiny, packed, pretrained, stop_id, 4, 10, tmp_path) == expected
 
 
+def test_a_mixture_keeps_where_responses_lie_and_takes_a_folder_without_validation(tiny, pairs, tmp_path) -> None:
+    """Samples of data whose prompts are trained come from the response spans prepare_data.py recorded; a mixture
+    dropped them (an empty prompt, the whole example as the reference). And a last folder prepared with
+    --val_fraction 0 ended the run at its first evaluation (IndexError)."""
+    common = dict(input=[str(pairs)], prompt_field="code", response_field="summary", tokenizer=str(tiny.tokenizer),
+                  block_size=BLOCK)
+    prepare(PrepareArgs(**common, train_on_prompt=True, output_dir=str(tmp_path / "trained-prompts")))
+    prepare(PrepareArgs(**common, val_fraction=0.0, output_dir=str(tmp_path / "replay")))
+    alone = load_data(tmp_path / "trained-prompts")
+    mixed = load_data(f"{tmp_path / 'trained-prompts'}:1,{tmp_path / 'replay'}:1")
+    expected = alone.format.samples(alone.validation, 3)
+    assert all(sample.prompt for sample in expected)
+    assert mixed.format.samples(mixed.validation, 3) == expected
+    assert list(mixed.validation_splits()) == ["trained-prompts"]
+
+
 def test_show_samples_prints_the_last_evaluations_samples_next_to_their_references(tmp_path) -> None:
     for step, answer in ((10, "an early answer"), (20, "Return the header.")):
         write_samples(tmp_path / "samples" / f"step-{step:08d}.jsonl", ["def parse_header(\n    line):"],

@@ -79,6 +79,11 @@ class DataFormat:
         return COLUMNS[self.name]
 
     @property
+    def sample_columns(self) -> list[str]:
+        """Columns beyond `columns` that `samples` reads: where each example's response lies."""
+        return ["response_spans"] if self.supervised and not self.encoder_decoder else []
+
+    @property
     def encoder_decoder(self) -> bool:
         return self.name == "seq2seq"
 

@@ -84,7 +84,8 @@ class TrainingData:
         """The validation split of each folder of a mixture by name; of a single folder, under the name ''."""
         if not self.mixture:
             return {"": self.validation}
-        return {part.source.name: self.validation.select(part.validation) for part in self.sources}
+        return {part.source.name: self.validation.select(part.validation) for part in self.sources
+                if len(part.validation)}  # a folder prepared with --val_fraction 0 has none
 
 
 class WithoutRows(TorchDataset):
@@ -107,11 +108,19 @@ def load_data(train_data_dir: str | Path, layout: Layout = "position_ids") -> Tr
     sources = parse_sources(str(train_data_dir))
     data_format = replace(DataFormat.of(sources[0].path), layout=layout)
     folders = [load_from_disk(source.path) for source in sources]
-    splits = {name: concatenate_datasets([folder[name].select_columns(data_format.columns) for folder in folders])
+    splits = {name: concatenate_datasets([folder[name].select_columns(shared_columns(folders, name, data_format))
+                                          for folder in folders])
               if len(folders) > 1 else folders[0][name] for name in ("train", "validation")}
     train, counts = with_trained_tokens(splits["train"], data_format)
     validation, _ = with_trained_tokens(splits["validation"], data_format)
     return TrainingData(data_format, train, validation, counts, sources=joined(sources, folders))
+
+
+def shared_columns(folders: list[DatasetDict], split: str, data_format: DataFormat) -> list[str]:
+    """The columns a mixture's joined split keeps: the format's, and those its samples read where every folder has
+    them (without `response_spans` a sample's prompt is found from the labels, wrong where prompts were trained)."""
+    return data_format.columns + [column for column in data_format.sample_columns
+                                  if all(column in folder[split].column_names for folder in folders)]
 
 
 def joined(sources: list[Source], folders: list[DatasetDict]) -> list[SourceRows]:
