@@ -334,8 +334,8 @@ def option_sources(argv: list[str]) -> dict[str, str]:
     for index, argument in enumerate(arguments):
         if argument == "--config" and index + 1 < len(arguments) or argument.startswith("--config="):
             path = argument.split("=", 1)[1] if "=" in argument else arguments[index + 1]
-            values = yaml.safe_load(Path(path).read_text()) or {}
-            sources |= {key: f"config {path}" for key in values}
+            values = yaml.safe_load(Path(path).read_text() if Path(path).is_file() else path) or {}  # or YAML itself
+            sources |= {key: f"config {path}" for key in values} if isinstance(values, dict) else {}
         elif argument.startswith("--") and argument != "--config":
             sources[argument[2:].split("=", 1)[0]] = "flag"
     return sources

@@ -39,7 +39,7 @@ def command_parser(prog: str, description: str, groups: Iterable[type], *, confi
     """The parser of one command: a --config file (unless `config` is False) and each dataclass as a help group."""
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, default_env=False,
-                            print_config=None)
+                            print_config=None, allow_abbrev=False)  # `--conf F` would escape config_files_first
     if config:
         parser.add_argument(CONFIG_FLAG, action=ActionConfigFile,
                             help="YAML file with any subset of the options below; the command line wins over it.")

@@ -37,6 +37,12 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
     assert option_sources(["--devices", "8", "--config", str(config)]) == {
         "devices": "flag", "lr": f"config {config}", "micro_batch_size": f"config {config}",
         "precision": f"config {config}"}
+    with pytest.raises(SystemExit) as refused:  # an abbreviation escaped the reordering: the file won over the flag
+        parse_config(["--micro_batch_size", "2", *REQUIRED, "--conf", str(config)])
+    assert refused.value.code == 2
+    inline = parse_config(REQUIRED + ["--config", "{micro_batch_size: 3}"])  # jsonargparse takes YAML itself too
+    assert inline.micro_batch_size == 3
+    assert option_sources(["--config", "{micro_batch_size: 3}"]) == {"micro_batch_size": "config {micro_batch_size: 3}"}
 
 
 def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
