@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
+import torch
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_from_disk
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
@@ -164,8 +165,11 @@ def train_steps(fabric: Fabric, data: TrainingData, plan: TrainingPlan, *, seed:
     where = dict(seed=seed, epoch=epoch, position=position, mixture=mixture)
     sampler = StepBatches((rows for rows, _ in step_sequence(data, plan, **where)), plan, rank=fabric.global_rank)
     split = WithoutRows(data.train, set(data.set_aside)) if data.set_aside else data.train
+    # A generator of its own: without one, starting the loader draws its workers' base seed from torch's global
+    # generator, which a resumed run restored just before, and every dropout mask after a resume would differ.
     loader = DataLoader(split, batch_sampler=sampler, collate_fn=data.format.collate, num_workers=num_workers,
-                        pin_memory=fabric.device.type == "cuda", **worker_options(num_workers))
+                        pin_memory=fabric.device.type == "cuda", generator=torch.Generator().manual_seed(seed),
+                        **worker_options(num_workers))
     micro_batches = iter(fabric.setup_dataloaders(loader, use_distributed_sampler=False, move_to_device=True))
     for rows, after in step_sequence(data, plan, **where):
         yield Step([next(micro_batches) for _ in range(plan.accumulation)],
