@@ -78,6 +78,12 @@ CASES = {
     "out_dir is a file": (dict(out_dir="{a_file}"), "is a file; give a folder"),
     "checkpoints without resume": (dict(out_dir="{run}"), "already holds checkpoints; add --resume true"),
     "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),
+    "checkpoints uploaded to a disabled W&B": (dict(log_model=True), "--log_model true uploads checkpoints to Weights"),
+    "model folder without weights": (dict(model_config=None, model_name="{wider}"),
+                                     "the folder holds no weights (*.safetensors or *.bin); to train from its"),
+    "FlashAttention without its kernels": (dict(attn_implementation="flash_attention_2"),
+                                           "flash_attention_2 needs the flash-attn package and a CUDA GPU"),
+    "a GPU asked for where there is none": (dict(accelerator="gpu"), "--accelerator gpu: no CUDA GPU is visible here"),
     "negative lr": (dict(lr=-1.0), "--lr must be positive"),
     "fsdp option with ddp": (dict(strategy="ddp", sharding_strategy="NO_SHARD"), "only apply to --strategy fsdp"),
 }

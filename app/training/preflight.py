@@ -21,6 +21,7 @@ from lightning_fabric.plugins.environments import (LSFEnvironment, MPIEnvironmen
                                                    TorchElasticEnvironment)
 from torch.nn import Module
 from transformers import AutoTokenizer, PretrainedConfig
+from transformers.utils import is_flash_attn_2_available
 
 from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, stored_tensor_shapes
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
@@ -229,6 +230,25 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
         return None
 
 
+def check_runs_here(cfg: Config, problems: list[str]) -> None:
+    """What the ranks would otherwise find only after the launch, each with a traceback: no GPU for --accelerator
+    gpu, no FlashAttention for --attn_implementation flash_attention_2, a --model_name folder without weights.
+    Planning (--estimate_memory) needs none of them, so a GPU run can be planned on a laptop."""
+    if cfg.estimate_memory:
+        return
+    if resolve_accelerator(cfg) == "cuda" and not torch.cuda.is_available():
+        problems.append(f"--accelerator {cfg.accelerator}: no CUDA GPU is visible here (torch.cuda.is_available() is "
+                        "False); run on a machine with GPUs, or use --accelerator cpu")
+    if cfg.attn_implementation == "flash_attention_2" and not is_flash_attn_2_available():
+        problems.append("--attn_implementation flash_attention_2 needs the flash-attn package and a CUDA GPU, and "
+                        "transformers finds them not both here; install flash-attn on a GPU machine, or use "
+                        "--attn_implementation sdpa (FlashAttention kernels on GPUs as well)")
+    folder = Path(cfg.model_name) if cfg.model_name else None
+    if folder and folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin")):
+        problems.append(f"--model_name {folder}: the folder holds no weights (*.safetensors or *.bin); to train "
+                        f"from its config.json alone, give it as --model_config {folder}")
+
+
 def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
     if data.format.encoder_decoder != bool(model_config.is_encoder_decoder):
         kind = "an encoder-decoder model" if model_config.is_encoder_decoder else "a causal LM"
@@ -387,7 +407,7 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
     if resume is not None:
         plan = plan_from_checkpoint(cfg, data, resume.metadata, plan)
         note_what_changed(cfg, resume.metadata, plan)
-    if cfg.warmup_steps > plan.max_step:
+    if cfg.warmup_steps > plan.max_step and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
         problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {plan.max_step} optimizer steps "
                         f"(--number_epochs {cfg.number_epochs} at {plan.global_batch_size} sequences per step): "
                         "lower it, or give --max_step")
@@ -575,6 +595,9 @@ def check_wandb(cfg: Config, problems: list[str]) -> None:
     logged_in = "WANDB_API_KEY" in os.environ or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
     if cfg.wandb_mode == "online" and not logged_in:
         problems.append("--wandb_mode online needs WANDB_API_KEY or `wandb login`; or use --wandb_mode offline")
+    if cfg.log_model and cfg.wandb_mode == "disabled":
+        problems.append(f"--log_model {str(cfg.log_model).lower()} uploads checkpoints to Weights & Biases, which this "
+                        "run does not use; give --wandb_mode online (or offline, synced later), or drop --log_model")
 
 
 def preflight(cfg: Config) -> RunInputs:
@@ -583,6 +606,7 @@ def preflight(cfg: Config) -> RunInputs:
     cfg = resolve_wandb(cfg, problems)
     data = check_data(cfg, problems) if cfg.train_data_dir else None
     model_config = check_model(cfg, problems)
+    check_runs_here(cfg, problems)
     wrap_classes: set[type[Module]] = set()
     if model_config is not None and (cfg.strategy in SHARDED_STRATEGIES or cfg.tpu):
         try:
@@ -604,7 +628,8 @@ def preflight(cfg: Config) -> RunInputs:
         check_out_dir(cfg, model_config, problems)
     check_precision(cfg, model_config, problems)
     check_offload(cfg, problems)
-    check_wandb(cfg, problems)
+    if not cfg.estimate_memory:  # planning logs nothing
+        check_wandb(cfg, problems)
     check_launcher(cfg, problems)
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
