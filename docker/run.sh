@@ -9,8 +9,9 @@
 #   DATA_DIR   host folder mounted read-only at /data (default: ./data)
 #   OUT_DIR    host folder mounted at /outputs        (default: ./outputs)
 #   HF_CACHE   host folder or volume name for /cache/huggingface (default: the named volume hf-cache)
-#   HF_TOKEN, WANDB_API_KEY, HF_HUB_OFFLINE, WANDB_MODE are passed through by name: their values never appear
-#   on the command line, in the image or in `docker inspect` of the image.
+#   HF_TOKEN, WANDB_API_KEY, HF_HUB_OFFLINE, WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME and WANDB_RUN_ID
+#   are passed through by name: their values never appear on the command line, in the image or in `docker inspect`
+#   of the image (train.py reads the W&B ones where no flag is given).
 set -euo pipefail
 
 IMAGE="${IMAGE:-fsdp-trainer:latest}"
@@ -45,4 +46,8 @@ exec docker run --rm --init \
     --env WANDB_API_KEY \
     --env HF_HUB_OFFLINE \
     --env WANDB_MODE \
+    --env WANDB_PROJECT \
+    --env WANDB_ENTITY \
+    --env WANDB_NAME \
+    --env WANDB_RUN_ID \
     "$IMAGE" "$@"

@@ -204,7 +204,7 @@ def test_run_script_gives_gpus_shared_memory_volumes_and_tokens_by_name_only(tmp
     assert f"{tmp_path / 'outputs'}:/outputs" in volumes
     assert "hf-cache:/cache/huggingface" in volumes
     passed = [args[i + 1] for i, word in enumerate(args) if word == "--env"]
-    assert {"HF_TOKEN", "WANDB_API_KEY"} <= set(passed)
+    assert {"HF_TOKEN", "WANDB_API_KEY", "WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_NAME"} <= set(passed)
     assert env["HF_TOKEN"] not in joined and env["WANDB_API_KEY"] not in joined
     assert (tmp_path / "outputs").is_dir()
 
