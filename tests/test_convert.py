@@ -356,6 +356,27 @@ def test_push_uploads_through_huggingface_hub_without_leaking_the_token(full_run
     assert all(token.encode() not in p.read_bytes() for p in (tmp_path / "hf").iterdir())
 
 
+def test_an_upload_that_fails_keeps_the_verified_folder_and_says_how_to_push_it(full_run, tmp_path, monkeypatch,
+                                                                                capsys) -> None:
+    """The Hub unreachable after the conversion: one line and exit 1, not a traceback that hides the verified folder."""
+    from app.huggingface.prefetch import TransportError
+
+    def unreachable(self, repo_id, **kw):
+        raise TransportError("[Errno -2] Name or service not known")
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secretTOKEN1234567890")
+    monkeypatch.setattr(HfApi, "create_repo", unreachable)
+    with pytest.raises(SystemExit) as exit_info:
+        convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "float32", "--push_to_hub", "me/tiny")
+    assert exit_info.value.code == 1
+    errors = capsys.readouterr().err
+    (line,) = [line for line in errors.splitlines() if "error" in line.lower()]
+    assert "Traceback" not in errors and line.startswith("convert_to_hf.py: error: --push_to_hub me/tiny: cannot reach") and \
+        line.endswith(f"The verified folder {tmp_path / 'hf'} is kept: push it without converting again with "
+                      f"`hf upload me/tiny {tmp_path / 'hf'}`"), line
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 def test_dry_run_lists_the_files_and_sends_nothing(full_run, tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: pytest.fail("dry run uploaded"))

@@ -41,6 +41,7 @@ from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, command_parser, parse, run_command
+from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import HubArgs, describe_upload, login_problem, push_folder
 from app.model.build import meta_model, model_class
 from app.prepare.chat_template import end_of_turn_id
@@ -605,6 +606,10 @@ class VerificationFailed(Exception):
     """The written folder does not reproduce the checkpoint's logits: exit status 1."""
 
 
+class PushFailed(Exception):
+    """The Hub could not be reached or refused the upload, after a verified conversion: exit status 1."""
+
+
 def run(args: Args) -> None:
     jobs = plan(args)
     for job in jobs:
@@ -616,14 +621,19 @@ def run(args: Args) -> None:
         if args.dry_run:
             print(describe_upload(folder, args))
         else:
-            url = push_folder(folder, args, default_message=f"Upload {folder.name} (step {jobs[0].step})")
+            try:
+                with reported_as("--push_to_hub", args.push_to_hub):
+                    url = push_folder(folder, args, default_message=f"Upload {folder.name} (step {jobs[0].step})")
+            except PrefetchError as error:
+                raise PushFailed(f"{error}. The verified folder {folder} is kept: push it without converting again "
+                                 f"with `hf upload {args.push_to_hub} {folder}`") from None
             print(f"pushed {folder} to {args.push_to_hub}: {url}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Entry point: one line on stderr and exit 2 for bad input, exit 1 when verification fails."""
+    """Entry point: one line on stderr and exit 2 for bad input, exit 1 when verification or the upload fails."""
     try:
         run_command("convert_to_hf.py", lambda: run(parse_args(argv)))
-    except VerificationFailed as error:
+    except (VerificationFailed, PushFailed) as error:
         print(f"convert_to_hf.py: error: {error}", file=sys.stderr)
         sys.exit(EXIT_VERIFY_FAILED)
