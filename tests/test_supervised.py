@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Falcon
 from app.data import IGNORE_INDEX, load_data
 from app.data.formats import Sample, packed_examples
 from app.data.order import StepBatches, epoch_permutation, step_rows
-from app.evaluation.samples import CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, sample_metrics, write_samples
+from app.evaluation.samples import (CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, fit_to_context, sample_metrics,
+                                    write_samples)
 from app.model.isolation import probe_isolation
 from app.optimization.schedule import make_plan
 from app.prepare import PrepareArgs, prepare
@@ -305,6 +306,17 @@ def test_a_mixture_keeps_where_responses_lie_and_takes_a_folder_without_validati
     assert all(sample.prompt for sample in expected)
     assert mixed.format.samples(mixed.validation, 3) == expected
     assert list(mixed.validation_splits()) == ["trained-prompts"]
+
+
+def test_prompts_are_cut_from_the_left_so_that_prompt_and_answer_fit_the_models_positions() -> None:
+    """GPT-2's learned positions end at n_positions: a prompt of 502 tokens and 16 new ones in 512 positions ended the
+    run at its evaluation. Encoder-decoders read their source whole."""
+    from transformers import GPT2Config, T5Config
+
+    samples = [Sample(prompt=list(range(502)), reference=[7]), Sample(prompt=[1, 2, 3], reference=[8])]
+    cut = fit_to_context(samples, GPT2Config(n_positions=512), max_new_tokens=16)
+    assert cut == [Sample(prompt=list(range(6, 502)), reference=[7]), samples[1]]
+    assert fit_to_context(samples, T5Config(), max_new_tokens=16) == samples
 
 
 def test_show_samples_prints_the_last_evaluations_samples_next_to_their_references(tmp_path) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -60,6 +60,19 @@ def seq2seq_decoding(start_token_id: int) -> Decoding:
 
 def decoding_for(model_config: PretrainedConfig) -> Decoding:
     return seq2seq_decoding(model_config.decoder_start_token_id) if model_config.is_encoder_decoder else CAUSAL
+
+
+def fit_to_context(samples: list[Sample], model_config: PretrainedConfig, max_new_tokens: int) -> list[Sample]:
+    """Causal prompts cut from the left so that prompt and answer fit the model's positions
+    (`max_position_embeddings`), as text-generation pipelines truncate: GPT-2's learned positions end at 1024, and a
+    prompt of nearly a block plus --eval_max_new_tokens new tokens ended the run at an evaluation (IndexError on a
+    CPU, a device-side assert on a GPU). An encoder-decoder reads its source whole; its positions are checked with
+    the data."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if model_config.is_encoder_decoder or not limit:
+        return samples
+    keep = limit - max_new_tokens
+    return [replace(sample, prompt=sample.prompt[-keep:]) if len(sample.prompt) > keep else sample for sample in samples]
 
 
 def all_done(fabric: Fabric, done: bool) -> bool:

@@ -367,7 +367,12 @@ def tokenizer_difference(given, prepared) -> Optional[str]:
     return None
 
 
-def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], problems: list[str]) -> None:
+def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], problems: list[str],
+                  model_config: Optional[PretrainedConfig] = None) -> None:
+    positions = getattr(model_config, "max_position_embeddings", None) if model_config is not None else None
+    if cfg.eval_samples and positions and cfg.eval_max_new_tokens >= positions:
+        problems.append(f"--eval_max_new_tokens {cfg.eval_max_new_tokens} leaves no room for a prompt in the "
+                        f"model's {positions} positions (max_position_embeddings); lower it")
     if cfg.eval_samples and not data.format.supervised:
         problems.append(f"--eval_samples {cfg.eval_samples} needs prompts and references (supervised or seq2seq data), "
                         f"but --train_data_dir {cfg.train_data_dir} holds raw text; drop it or prepare pairs")
@@ -623,7 +628,7 @@ def preflight(cfg: Config) -> RunInputs:
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
     if data is not None:
-        check_samples(cfg, data, tokenizer, problems)
+        check_samples(cfg, data, tokenizer, problems, model_config)
     if not cfg.estimate_memory:  # planning writes nothing
         check_out_dir(cfg, model_config, problems)
     check_precision(cfg, model_config, problems)

@@ -19,7 +19,7 @@ from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
 from app.distributed.precision import float32_matmul_precision, uses_grad_scaler
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
-from app.evaluation.samples import SampleEvaluator, decoding_for
+from app.evaluation.samples import SampleEvaluator, decoding_for, fit_to_context
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_SPIKES)
 from app.metrics.console import Console
@@ -192,7 +192,9 @@ def sample_evaluator(cfg: Config, inputs: RunInputs, data: TrainingData) -> Opti
         return None
     from transformers import AutoTokenizer
 
-    return SampleEvaluator(samples=data.format.samples(data.validation, cfg.eval_samples),
+    samples = fit_to_context(data.format.samples(data.validation, cfg.eval_samples), inputs.model_config,
+                             cfg.eval_max_new_tokens)
+    return SampleEvaluator(samples=samples,
                            tokenizer=AutoTokenizer.from_pretrained(inputs.tokenizer),
                            decoding=decoding_for(inputs.model_config),
                            max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
