@@ -25,6 +25,8 @@ from app.checkpoint import (latest_checkpoint, list_checkpoints, mark_if_best, p
                             set_aside_newer)
 from app.exit_codes import (EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
                             EXIT_STALLED)
+from app.evaluation.samples import set_aside_samples_after, write_samples
+from app.evaluation.show import latest_samples
 from app.reliability import signals
 from app.reliability.signals import INTERRUPT_MESSAGE
 from app.reliability.watchdog import collect_stacks
@@ -378,5 +380,12 @@ def test_a_rollback_moves_the_checkpoints_of_the_abandoned_stretch_where_resume_
     assert sorted(list_checkpoints(tmp_path)) == [2, 4] and latest_checkpoint(tmp_path).name == "step-00000004.ckpt"
     assert (folder / "rolled-back" / "step-00000006.ckpt" / "__0_0.distcp").is_file()
     (folder / "step-00000008.ckpt").write_bytes(b"again")  # the same step saved again, and rolled back again
+    mark_if_best(folder / "step-00000008.ckpt", 8, 2.0)
+    samples = tmp_path / "samples"
+    for step in (4, 6, 8):
+        write_samples(samples / f"step-{step:08d}.jsonl", ["prompt"], ["reference"], [f"at step {step}"])
     set_aside_newer(tmp_path, 4)
     assert (folder / "rolled-back" / "step-00000008.ckpt").read_bytes() == b"again"
+    assert read_best(tmp_path) is None, "best.json named a checkpoint set aside"
+    assert [path.name for path in set_aside_samples_after(tmp_path, 4)] == ["step-00000006.jsonl", "step-00000008.jsonl"]
+    assert latest_samples(tmp_path).name == "step-00000004.jsonl", "show_samples.py shows the run it continues"

@@ -120,15 +120,24 @@ def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected
 
 
 def set_aside_newer(out_dir: str | Path, step: int) -> list[Path]:
-    """Move the checkpoints newer than `step` (those of the stretch a rollback abandons) into checkpoints/rolled-back/:
-    left in place, the latest of them would be what --resume true continues from after a crash. Kept, not deleted."""
+    """Move the checkpoints newer than `step` (those of the stretch a rollback or a resume from an older checkpoint
+    abandons) into checkpoints/rolled-back/, with best.json when it names one of them: left in place, the latest of
+    them would be what --resume true continues from after a crash. Kept, not deleted."""
     moved = []
+    best = read_best(out_dir)
     for newer, path in sorted(list_checkpoints(out_dir).items()):
         if newer > step:
-            target = checkpoint_dir(out_dir) / ROLLED_BACK_DIR / path.name
-            target.parent.mkdir(exist_ok=True)
-            if target.exists():  # rolled back over the same step twice: the older copy goes
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-            path.rename(target)
-            moved.append(target)
+            moved.append(move_aside(path))
+    if best is not None and best["step"] > step:  # it named one of them: the next evaluation marks the best again
+        moved.append(move_aside(checkpoint_dir(out_dir) / BEST_FILE))
     return moved
+
+
+def move_aside(path: Path) -> Path:
+    """Move `path` into the rolled-back/ folder beside it (replacing what an earlier rollback put there)."""
+    target = path.parent / ROLLED_BACK_DIR / path.name
+    target.parent.mkdir(exist_ok=True)
+    if target.exists():  # rolled back over the same step twice: the older copy goes
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    path.rename(target)
+    return target

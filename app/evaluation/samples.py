@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from app.checkpoint.files import move_aside
 from app.data.formats import Sample
 from app.model.build import evaluation_mode, strategy_module
 from app.prepare.chat_template import end_of_turn_id
@@ -151,6 +152,13 @@ def sample_metrics(generated: list[str], references: list[str], lengths: list[in
     metrics = {f"sample_{key}": sum(score[key].fmeasure for score in scores) / len(scores) for key in ROUGE_KEYS}
     exact = sum(g.strip() == r.strip() for g, r in zip(generated, references)) / len(references)
     return metrics | {"sample_exact_match": exact, "sample_length": sum(lengths) / len(lengths)}
+
+
+def set_aside_samples_after(out_dir: Path, step: int) -> list[Path]:
+    """Move the samples written after `step` (by a stretch a rollback or a resume from an older checkpoint abandons)
+    into samples/rolled-back/, as their checkpoints go: show_samples.py shows the latest file."""
+    return [move_aside(path) for path in sorted((out_dir / "samples").glob("step-*.jsonl"))
+            if int(path.stem.split("-")[1]) > step]
 
 
 def write_samples(path: Path, prompts: list[str], references: list[str], generated: list[str]) -> None:

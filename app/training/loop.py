@@ -22,7 +22,7 @@ from app.model.loss import LossPath
 from app.metrics.loggers import RowRecord, should_upload_checkpoint, upload_checkpoint
 from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, gather_rows, largest,
                          run_summary)
-from app.evaluation.samples import SampleEvaluator
+from app.evaluation.samples import SampleEvaluator, set_aside_samples_after
 from app.optimization.optimizer import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
 from app.optimization.schedule import TrainingPlan, learning_rate
 from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict
@@ -251,7 +251,8 @@ class Loop:
             return False
         saved = load_checkpoint(path, state["model"], state["optimizer"])
         if fabric.is_global_zero:
-            for moved in set_aside_newer(self.cfg.out_dir, saved["step"]):
+            for moved in set_aside_newer(self.cfg.out_dir, saved["step"]) + set_aside_samples_after(
+                    Path(self.cfg.out_dir), saved["step"]):
                 self.console.print(f"step {state['step']}: moved {moved.name}, of the stretch rolled back, to {moved}")
         back = state["step"] - saved["step"]
         state |= {"step": saved["step"], "val_loss": saved["val_loss"]}

@@ -19,7 +19,7 @@ from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
 from app.distributed.precision import float32_matmul_precision, uses_grad_scaler
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
-from app.evaluation.samples import SampleEvaluator, decoding_for, fit_to_context
+from app.evaluation.samples import SampleEvaluator, decoding_for, fit_to_context, set_aside_samples_after
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_SPIKES)
 from app.metrics.console import Console
@@ -132,6 +132,9 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     if fabric.is_global_zero:  # resumed from an older checkpoint: the next --resume true must not take a newer one
         for moved in set_aside_newer(cfg.out_dir, state["step"]):
             fabric.print(f"moved {moved.name}, newer than the checkpoint resumed from, to {moved}")
+        samples = set_aside_samples_after(Path(cfg.out_dir), state["step"])
+        if samples:
+            fabric.print(f"moved {len(samples)} samples files written after step {state['step']} to {samples[0].parent}")
     if not own_rng:
         print(f"rank {fabric.global_rank}: no random state saved for this rank; seeded from --seed and the step",
               flush=True)
