@@ -19,6 +19,7 @@ import re
 import sys
 import typing
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import jsonargparse
@@ -84,10 +85,31 @@ def config_files_first(argv: list[str]) -> list[str]:
     return files + rest
 
 
+def check_config_files(parser: ArgumentParser, argv: list[str]) -> None:
+    """What jsonargparse reports without naming the file: an empty config file ("Unexpected config"), and a list
+    option written as a plain string ("'str' object does not support item assignment")."""
+    lists = [action.dest for action in parser._actions if getattr(action, "bracketed_too", False)]
+    for flag, path in zip(argv, argv[1:]):
+        if flag != CONFIG_FLAG or not Path(path).is_file():
+            continue
+        try:
+            values = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as error:
+            raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+        if values is None:
+            raise UsageError(f"{CONFIG_FLAG} {path}: the file sets no option; add options to it or drop it")
+        for name in lists:
+            if isinstance(values, dict) and isinstance(values.get(name), str):
+                raise UsageError(f"{CONFIG_FLAG} {path}: {name} is a list; write it as [{values[name]}]")
+
+
 def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namespace:
     """The parsed command line; a bad one raises UsageError with a one-line message."""
+    arguments = config_files_first(sys.argv[1:] if argv is None else list(argv))
+    check_config_files(parser, [part for word in arguments
+                                for part in (word.split("=", 1) if word.startswith(CONFIG_FLAG + "=") else [word])])
     try:
-        namespace = parser.parse_args(config_files_first(sys.argv[1:] if argv is None else list(argv)))
+        namespace = parser.parse_args(arguments)
     except jsonargparse.ArgumentError as error:
         raise UsageError(one_line(parser, str(error))) from None
     for action in parser._actions:

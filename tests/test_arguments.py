@@ -40,6 +40,15 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
     with pytest.raises(SystemExit) as refused:  # an abbreviation escaped the reordering: the file won over the flag
         parse_config(["--micro_batch_size", "2", *REQUIRED, "--conf", str(config)])
     assert refused.value.code == 2
+    for text, message in (("# nothing\n", "the file sets no option; add options to it or drop it"),
+                          ("auto_wrap_policy: LlamaDecoderLayer\n", "auto_wrap_policy is a list; write it as "
+                                                                     "[LlamaDecoderLayer]"),
+                          ("lr: [1\n", "not valid YAML")):
+        config.write_text(text)  # jsonargparse said "Unexpected config" and "'str' object does not support item ..."
+        result = subprocess.run([sys.executable, "train.py", *REQUIRED, f"--config={config}"], cwd=ROOT,
+                                capture_output=True, text=True)
+        assert result.returncode == 2 and result.stderr.startswith(f"train.py: error: --config {config}: {message}"), \
+            result.stderr
     inline = parse_config(REQUIRED + ["--config", "{micro_batch_size: 3}"])  # jsonargparse takes YAML itself too
     assert inline.micro_batch_size == 3
     assert option_sources(["--config", "{micro_batch_size: 3}"]) == {"micro_batch_size": "config {micro_batch_size: 3}"}
