@@ -113,6 +113,30 @@ def test_a_background_save_of_pieces_on_a_gpu_holds_its_steps_state_even_when_th
     update_and_check(saver, path, state)
 
 
+def test_a_background_write_that_failed_ends_the_run_at_the_next_step(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk during a background write used to show only at the next save (or the end of the run): every step
+    in between was trained for nothing."""
+    import errno
+
+    from lightning_fabric import Fabric
+
+    from app.checkpoint import CheckpointSaver, saver as saver_module
+
+    def full_disk(path: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(saver_module, "make_durable", full_disk)
+    state = linear_state()
+    saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=False, background=True)
+    saver.save(tmp_path / "step-00000001.ckpt", state, lambda: None)
+    while not saver.pending.done():
+        threading.Event().wait(0.01)
+    with pytest.raises(OSError, match="No space left on device"):
+        saver.before_update()
+    assert not (tmp_path / "step-00000001.ckpt").exists()
+
+
 def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_change() -> None:
     from lightning_fabric import Fabric
     from transformers import LlamaConfig, LlamaForCausalLM

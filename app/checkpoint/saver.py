@@ -72,7 +72,11 @@ class CheckpointSaver:
         self.pending = self.writer.submit(lambda: write_and_publish(copy.result()))
 
     def before_update(self) -> None:
-        """Until the background save no longer reads the state that the optimizer step about to run changes."""
+        """Until the background save no longer reads the state that the optimizer step about to run changes; and a
+        background write that failed (a full disk) ends the run at this step, not at the next save, which may be
+        hours of training later."""
+        if self.pending is not None and self.pending.done():
+            self.wait()
         if self.staging_copy is not None:
             copy, self.staging_copy = self.staging_copy, None
             copy.result()
