@@ -214,8 +214,10 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     if setup.unsharded_accumulation:
         gradients = shape.parameters * computed
     optimizer = on_device * 2 * shape.parameters * stored / setup.shards
-    if setup.strategy not in SHARDED_STRATEGIES:
+    if setup.strategy == "ddp":
         working = gradients
+    elif setup.strategy not in SHARDED_STRATEGIES:  # one device: no buckets to reduce in
+        working = 0.0
     elif setup.sharding_strategy == "NO_SHARD":
         working = 0.0
     elif setup.sharding_strategy == "SHARD_GRAD_OP":
