@@ -21,7 +21,7 @@ from app.distributed.precision import (bf16_support_problem, float32_matmul_prec
                                        fsdp_mixed_precision, precision_plugin, reduce_dtype)
 from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
 from app.model.build import meta_model
-from app.optimization.optimizer import clip_gradients, gradient_square_sum
+from app.optimization.optimizer import clip_gradients, gradient_square_sum, no_decay_names
 from tests.conftest import ROOT, read_checkpoint, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
@@ -138,6 +138,17 @@ def gradients_of(dtype: torch.dtype) -> tuple[torch.nn.Module, torch.optim.Optim
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(dtype)
     model(torch.randn(16, 64, dtype=dtype)).square().sum().backward()
     return model, torch.optim.AdamW(model.parameters())
+
+
+def test_weight_decay_spares_norms_and_biases_of_every_shape_as_the_hugging_face_trainer_does() -> None:
+    """T5's relative_attention_bias is a 2-D table of attention biases: it was decayed."""
+    t5 = meta_model(AutoConfig.for_model("t5", d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=64), False)
+    exempt = no_decay_names(t5)
+    assert "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in exempt
+    assert "encoder.block.0.layer.0.layer_norm.weight" in exempt and "shared.weight" not in exempt
+    assert "encoder.block.0.layer.0.SelfAttention.q.weight" not in exempt
+    gpt2 = meta_model(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64), False)
+    assert no_decay_names(gpt2) == {name for name, p in gpt2.named_parameters() if p.ndim == 1}
 
 
 def test_gradient_norm_and_clipping_match_torch_in_fp32() -> None:

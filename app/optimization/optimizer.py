@@ -33,8 +33,10 @@ def canonical_name(name: str) -> str:
 
 
 def no_decay_names(model: Module) -> set[str]:
-    """Norm weights and biases (the 1-D parameters), read before wrapping: FSDP flattens every shard to 1-D."""
-    return {name for name, p in model.named_parameters() if p.ndim < 2}
+    """Norm weights and biases, read before wrapping (FSDP flattens every shard to 1-D): the 1-D parameters, and those
+    named as biases whatever their shape (T5's `relative_attention_bias`, a table of attention biases), as the
+    Hugging Face Trainer exempts them."""
+    return {name for name, p in model.named_parameters() if p.ndim < 2 or "bias" in name}
 
 
 def grouped_parameter_names(model: Module, no_decay: set[str]) -> tuple[list[str], list[str]]:
