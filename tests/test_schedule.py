@@ -108,3 +108,35 @@ def test_learning_rate_scales_with_the_global_batch_as_seed_003_computes_it() ->
     assert scale_for_batch(1e-5, rule="sqrt", global_batch_size=40, reference_batch_size=10) == pytest.approx(2e-5)
     assert scale_for_batch(1e-5, rule="linear", global_batch_size=40, reference_batch_size=10) == pytest.approx(4e-5)
     assert scale_for_batch(1e-5, rule="none", global_batch_size=40, reference_batch_size=None) == 1e-5
+
+
+def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_without_a_jump() -> None:
+    """647 rows, 2 epochs at 16 a step (80 steps), saved at step 40 and resumed at 32 a step (20 steps left): the
+    rate was recounted over 60 steps and fell 45% at once; now each resumed step moves the schedule by two of the
+    checkpoint's steps, as it trains two steps' data, and reaches --min_lr at the run's last step. A later resume
+    of that run continues the same way; one at the checkpoint's own batch counts in steps as before."""
+    from types import SimpleNamespace
+
+    from app.training.preflight import plan_from_checkpoint
+
+    def plan(global_batch_size: int):
+        return make_plan(train_rows=647, block_size=32, world_size=1, micro_batch_size=global_batch_size,
+                         accumulation=1, number_epochs=2, max_step=None)
+
+    cfg, data = SimpleNamespace(max_step=None, number_epochs=2), SimpleNamespace(sources=None)
+    saved = {"step": 40, "epoch": 1, "position": 0, "global_batch_size": 16,
+             "config": {"max_step": None, "number_epochs": 2}}
+    straight = dict(lr=3e-3, min_lr=3e-4, warmup_steps=2, max_step=80)
+    resumed = plan_from_checkpoint(cfg, data, saved, plan(32))
+    assert resumed.max_step == 60
+    lr = [learning_rate(resumed.schedule_step(step), lr=3e-3, min_lr=3e-4, warmup_steps=2,
+                        max_step=resumed.schedule_length) for step in range(41, 61)]
+    assert lr[0] == pytest.approx(learning_rate(42, **straight)) and lr[-1] == pytest.approx(3e-4)
+    assert all(a > b for a, b in zip(lr, lr[1:]))
+    again = plan_from_checkpoint(cfg, data, saved | {"step": 50, "epoch": 1, "position": 320, "global_batch_size": 32,
+                                                     "schedule": {"step": 60, "length": 80}}, plan(32))
+    assert again.schedule_step(51) == pytest.approx(62) and again.schedule_step(60) == pytest.approx(80)
+    same = plan_from_checkpoint(cfg, data, saved, plan(16))
+    assert same.resumed_schedule is None and same.schedule_step(41) == 41 and same.schedule_length == 80
+    longer = plan_from_checkpoint(SimpleNamespace(max_step=None, number_epochs=3), data, saved, plan(32))
+    assert longer.resumed_schedule is None, "a run given more epochs recounts its schedule to its new end"

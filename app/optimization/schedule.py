@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_step: int, decay: bool = True) -> float:
+def learning_rate(step: float, *, lr: float, min_lr: float, warmup_steps: int, max_step: float,
+                  decay: bool = True) -> float:
     """LR for optimizer step `step` (1-based): linear warmup from 0 to lr, then cosine decay to min_lr at max_step.
 
     Past max_step the LR stays at min_lr; with decay off it stays at lr after warmup.
@@ -67,6 +68,27 @@ class TrainingPlan:
     """Tokens in an average train row: `block_size` for block formats; the source for seq2seq."""
     target_tokens: float = 0.0
     """Tokens in an average target (seq2seq data), which the decoder reads."""
+    resumed_schedule: Optional[tuple[int, float, float]] = None
+    """(step, schedule step, schedule length) of a checkpoint whose learning-rate schedule this run finishes over
+    its own remaining steps: a run resumed at another global batch takes another number of steps for the same
+    epochs (see `schedule_step`). None: the schedule is this plan's steps."""
+
+    def schedule_step(self, step: int) -> float:
+        """Where optimizer step `step` stands in the learning-rate schedule (of `schedule_length` steps).
+
+        Counted in this plan's steps, except after a resume at another global batch for the same epochs: the
+        cosine was counted in the checkpoint's steps, and recounting it in this run's would move the rate at once
+        (45% down at a doubled batch half-way); what is left of it is spread over this run's steps left instead."""
+        if self.resumed_schedule is None:
+            return step
+        start, position, length = self.resumed_schedule
+        if self.max_step <= start:
+            return length
+        return position + (step - start) * (length - position) / (self.max_step - start)
+
+    @property
+    def schedule_length(self) -> float:
+        return self.resumed_schedule[2] if self.resumed_schedule is not None else self.max_step
 
     @property
     def steps_per_epoch(self) -> int:

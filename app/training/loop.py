@@ -153,8 +153,9 @@ class Loop:
         losses: list[torch.Tensor] = []
         self.stop.begin_training()
         while state["step"] < plan.max_step:
-            lr = learning_rate(state["step"] + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                               max_step=plan.max_step, decay=cfg.lr_decay) * self.guard.lr_factor(state["step"] + 1)
+            lr = learning_rate(plan.schedule_step(state["step"] + 1), lr=cfg.lr, min_lr=cfg.min_lr,
+                               warmup_steps=cfg.warmup_steps, max_step=plan.schedule_length,
+                               decay=cfg.lr_decay) * self.guard.lr_factor(state["step"] + 1)
             with self.data_wait.measure():
                 step_batches = next(steps)
             loss, verdict = train_step(self.fabric, state["model"], step_batches, self.stop, self.gradients,
@@ -342,6 +343,7 @@ class Loop:
             self.state["rng"] = rng_of_every_rank(self.fabric.world_size)
             self.state["grad_scaler"] = self.fabric.strategy.precision.state_dict()
             self.state["spike_guard"] = self.guard.history.to_dict()
+            self.state["schedule"] = {"step": self.plan.schedule_step(step), "length": self.plan.schedule_length}
             self.saver.save(path, self.state, published)
         self.watchdog.beat()
         if self.saver.background:

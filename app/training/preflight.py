@@ -421,11 +421,21 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
 
 def plan_from_checkpoint(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> TrainingPlan:
     """A resumed run that ends after --number_epochs counts the steps left from the checkpoint's position at its
-    own global batch: the checkpoint's step count, made at another global batch, would end it early or late."""
+    own global batch: the checkpoint's step count, made at another global batch, would end it early or late. For the
+    same epochs it finishes the checkpoint's learning-rate schedule over those steps (TrainingPlan.schedule_step)."""
     if cfg.max_step is not None or data.sources is not None:
         return plan
     left = steps_to_finish(plan, epoch=saved["epoch"], position=saved["position"], number_epochs=cfg.number_epochs)
-    return replace(plan, max_step=saved["step"] + left)
+    resumed = replace(plan, max_step=saved["step"] + left)
+    before = saved.get("config") or {}
+    if before.get("max_step") is not None or before.get("number_epochs") != cfg.number_epochs:
+        return resumed  # a run given another end recounts its schedule to that end
+    schedule = saved.get("schedule") or {"step": saved["step"], "length": saved["step"] + steps_to_finish(
+        replace(plan, micro_batch_size=saved["global_batch_size"], world_size=1, accumulation=1),
+        epoch=saved["epoch"], position=saved["position"], number_epochs=cfg.number_epochs)}
+    if (schedule["step"], schedule["length"]) == (saved["step"], resumed.max_step):
+        return resumed
+    return replace(resumed, resumed_schedule=(saved["step"], schedule["step"], schedule["length"]))
 
 
 def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:

@@ -105,6 +105,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "rng": None,
         "grad_scaler": {},
         "spike_guard": None,
+        "schedule": None,  # where the learning-rate schedule stands (TrainingPlan.schedule_step), set when saving
         "mixture": None,
         "source_tokens": {},
         "config": cfg.to_dict(),
