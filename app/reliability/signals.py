@@ -45,16 +45,21 @@ def _leave_to_the_thread(signum: int, frame: Optional[FrameType]) -> None:
     """A Python-level handler that does nothing: it keeps Python's C-level handler, which feeds the wakeup pipe."""
 
 
+_OUR_WRITE_ENDS: set[int] = set()
+
+
 def signals_to_a_pipe() -> int:
     """Route SIGTERM, SIGUSR1 and SIGINT to a new pipe and return its read end, for a thread to act on them (see
-    StopRequest). The pipe this replaces is closed, so that the thread reading it ends."""
+    StopRequest). A pipe of ours that this replaces is closed, so that the thread reading it ends."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     replaced = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     for handled in (*STOP_SIGNALS, signal.SIGINT):
         signal.signal(handled, _leave_to_the_thread)
-    if replaced != -1:
+    if replaced in _OUR_WRITE_ENDS:
+        _OUR_WRITE_ENDS.discard(replaced)
         os.close(replaced)
+    _OUR_WRITE_ENDS.add(write_end)
     return read_end
 
 
@@ -72,6 +77,7 @@ def end_ranks_on_signal_until_training() -> None:
         received = os.read(read_end, 1)
         if received:
             end_process_tree(128 + received[0], stacks=False)
+        os.close(read_end)  # StopRequest took over
 
     threading.Thread(target=end_on_first_signal, name="start-up-signals", daemon=True).start()
 
