@@ -206,7 +206,9 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
                                      set(loading["unexpected_keys"]))
         else:
             model = model_class(model_config).from_config(model_config, **common)
-    model.config.use_cache = False
+    for module in model.modules():  # T5's encoder and decoder stacks read copies of the config of their own
+        if isinstance(getattr(module, "config", None), PretrainedConfig):
+            module.config.use_cache = False  # else T5's decoder kept a key/value cache in training
     model.train()  # from_pretrained returns it in eval mode: dropout would stay off until the first evaluation
     if cfg.gradient_checkpointing and cfg.strategy != "fsdp":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
