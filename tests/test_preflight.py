@@ -39,6 +39,8 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     for name, changes in {"short_positions": {"max_position_embeddings": 16}, "small_vocab": {"vocab_size": 100},
                           "wider": {"hidden_size": 96}}.items():
         AutoConfig.from_pretrained(tiny.model_config, **changes).save_pretrained(root / name)
+    AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=512).save_pretrained(root / "gemma2")
     (root / "corrupt.ckpt").write_bytes(b"\x80\x04 not a checkpoint")
     torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(root / "wider").to_dict()},
                root / "other_model.ckpt")
@@ -79,6 +81,8 @@ CASES = {
     "checkpoints without resume": (dict(out_dir="{run}"), "already holds checkpoints; add --resume true"),
     "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),
     "checkpoints uploaded to a disabled W&B": (dict(log_model=True), "--log_model true uploads checkpoints to Weights"),
+    "an attention the model has not": (dict(model_config="{gemma2}"),
+                                       "--attn_implementation sdpa: a gemma2 model does not support it ("),
     "model folder without weights": (dict(model_config=None, model_name="{wider}"),
                                      "the folder holds no weights (*.safetensors or *.bin); to train from its"),
     "FlashAttention without its kernels": (dict(attn_implementation="flash_attention_2"),

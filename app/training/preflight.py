@@ -33,8 +33,8 @@ from app.distributed.precision import bf16_support_problem, fp32_modules_problem
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.exit_codes import EXIT_BAD_INPUT
 from app.huggingface.prefetch import offline_hint
-from app.model.build import load_model_config, meta_model, model_source, resolve_wrap_classes
-from app.model.isolation import probe_isolation
+from app.model.build import load_model_config, meta_model, model_class, model_source, resolve_wrap_classes
+from app.model.isolation import probe_isolation, small_twin
 from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
@@ -247,6 +247,24 @@ def check_runs_here(cfg: Config, problems: list[str]) -> None:
     if folder and folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin")):
         problems.append(f"--model_name {folder}: the folder holds no weights (*.safetensors or *.bin); to train "
                         f"from its config.json alone, give it as --model_config {folder}")
+
+
+def check_attention_supported(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> bool:
+    """Whether the model class takes --attn_implementation at all (Gemma-2 has no SDPA path in transformers): built
+    weightless, as the ranks would build it, where every rank would otherwise end in a ValueError traceback.
+    FlashAttention's own availability is check_runs_here's."""
+    if cfg.attn_implementation == "flash_attention_2":
+        return True
+    try:
+        with torch.device("meta"):
+            model_class(model_config).from_config(small_twin(model_config), attn_implementation=cfg.attn_implementation,
+                                                  trust_remote_code=cfg.trust_remote_code)
+    except ValueError as error:
+        others = [other for other in ("sdpa", "eager") if other != cfg.attn_implementation]
+        problems.append(f"--attn_implementation {cfg.attn_implementation}: a {model_config.model_type} model does "
+                        f"not support it ({first_line(error)}); use --attn_implementation {others[0]}")
+        return False
+    return True
 
 
 def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
@@ -629,10 +647,12 @@ def preflight(cfg: Config) -> RunInputs:
         except ValueError as error:
             problems.append(str(error))
     packed_layout: Layout = "position_ids"
+    attention_works = model_config is not None and check_attention_supported(cfg, model_config, problems)
     if model_config is not None and data is not None:
         check_model_fits_data(cfg, model_config, data, problems)
-        packed_layout = check_packed_isolation(cfg, model_config, data, problems)
-    chunked_loss = check_chunked_loss(cfg, model_config) if model_config is not None else False
+        if attention_works:
+            packed_layout = check_packed_isolation(cfg, model_config, data, problems)
+    chunked_loss = check_chunked_loss(cfg, model_config) if attention_works else False
     resume = resolve_resume(cfg, model_config, problems)
     check_mixture_resume(cfg, resume, problems)
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
