@@ -119,7 +119,7 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
     except ValueError as error:
         problems.append(str(error))
         return None
-    facts = [check_folder(Path(source.path), problems) for source in sources]
+    facts = [check_folder(Path(source.path), problems, mixed=len(sources) > 1) for source in sources]
     if any(fact is None for fact in facts):
         return None
     return mixture_facts(sources, facts, problems) if len(sources) > 1 else facts[0]
@@ -175,7 +175,7 @@ def check_mixture_resume(cfg: Config, resume: Optional[Resume], problems: list[s
                         "those folders in that order (weights may change, folders may be added after them)")
 
 
-def check_folder(path: Path, problems: list[str]) -> Optional[DataFacts]:
+def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Optional[DataFacts]:
     flag = f"--train_data_dir {path}"
     if not path.is_dir():
         problems.append(f"{flag}: no such folder; create it with prepare_data.py")
@@ -199,7 +199,8 @@ def check_folder(path: Path, problems: list[str]) -> Optional[DataFacts]:
                             f"({data_format.name} data; columns: {split.column_names}); prepare it again")
             return None
         if len(split) == 0:
-            note(f"{flag} has no validation rows (prepared with --val_fraction 0): the run trains without evaluating")
+            note(f"{flag} has no validation rows (prepared with --val_fraction 0): "
+                 + ("it is not validated on its own" if mixed else "the run trains without evaluating"))
             continue
         row_lengths = pc.list_value_length(split.data.column("input_ids"))
         lengths |= {pc.min(row_lengths).as_py(), pc.max(row_lengths).as_py()}
