@@ -7,6 +7,7 @@ meets a shell (the command line wins over --config, bare boolean flags, one-line
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -334,7 +335,7 @@ def option_sources(argv: list[str]) -> dict[str, str]:
     for index, argument in enumerate(arguments):
         if argument == "--config" and index + 1 < len(arguments) or argument.startswith("--config="):
             path = argument.split("=", 1)[1] if "=" in argument else arguments[index + 1]
-            values = yaml.safe_load(Path(path).read_text() if Path(path).is_file() else path) or {}  # or YAML itself
+            values = yaml.safe_load(Path(path).read_text() if os.path.isfile(path) else path) or {}  # or YAML itself
             sources |= {key: f"config {path}" for key in values} if isinstance(values, dict) else {}
         elif argument.startswith("--") and argument != "--config":
             sources[argument[2:].split("=", 1)[0]] = "flag"

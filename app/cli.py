@@ -15,6 +15,7 @@ jsonargparse does the typed parsing; this module only shapes how it meets a shel
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import typing
@@ -90,7 +91,7 @@ def check_config_files(parser: ArgumentParser, argv: list[str]) -> None:
     option written as a plain string ("'str' object does not support item assignment")."""
     lists = [action.dest for action in parser._actions if getattr(action, "bracketed_too", False)]
     for flag, path in zip(argv, argv[1:]):
-        if flag != CONFIG_FLAG or not Path(path).is_file():
+        if flag != CONFIG_FLAG or not os.path.isfile(path):  # YAML text too (pathlib raises on a long one)
             continue
         try:
             values = yaml.safe_load(Path(path).read_text())

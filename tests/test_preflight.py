@@ -39,6 +39,9 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     for name, changes in {"short_positions": {"max_position_embeddings": 16}, "small_vocab": {"vocab_size": 100},
                           "wider": {"hidden_size": 96}}.items():
         AutoConfig.from_pretrained(tiny.model_config, **changes).save_pretrained(root / name)
+    AutoConfig.for_model("bart", d_model=768, encoder_attention_heads=12, decoder_attention_heads=12, encoder_layers=1,
+                         decoder_layers=1, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=512,
+                         max_position_embeddings=64).save_pretrained(root / "bart_base_heads")
     AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=512).save_pretrained(root / "gemma2")
     (root / "corrupt.ckpt").write_bytes(b"\x80\x04 not a checkpoint")
@@ -110,6 +113,28 @@ def test_bad_input_is_refused_with_one_line_naming_it(case, tiny, bad, tmp_path,
     assert all(line.startswith("error: ") for line in errors)
     assert digest(bad["run"]) == before
     assert not (tmp_path / "out").exists()
+
+
+def test_the_attention_check_refuses_only_an_attention_the_model_class_lacks(bad) -> None:
+    """Built from the run's own config: a twin with 4 heads made BART-base's 12 decoder heads fail to divide its
+    width (refused under both attentions), and Mamba's twin could not be made at all (a traceback)."""
+    from types import SimpleNamespace
+
+    from transformers import MambaConfig
+
+    from app.training.preflight import check_attention_supported
+
+    for config in (AutoConfig.from_pretrained(bad["bart_base_heads"]),
+                   MambaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2)):
+        problems: list[str] = []
+        assert check_attention_supported(SimpleNamespace(attn_implementation="eager", trust_remote_code=False), config,
+                                         problems) and not problems, (config.model_type, problems)
+    problems = []
+    assert not check_attention_supported(SimpleNamespace(attn_implementation="sdpa", trust_remote_code=False),
+                                         AutoConfig.from_pretrained(bad["gemma2"]), problems)
+    assert problems == ["--attn_implementation sdpa: a gemma2 model does not support it (Gemma2ForCausalLM does not "
+                        "support an attention implementation through torch.nn.functional.scaled_dot_product_attention "
+                        "yet); use --attn_implementation eager"]
 
 
 def test_every_problem_is_reported_at_once_by_the_cli_without_traceback(tiny, bad, tmp_path) -> None:

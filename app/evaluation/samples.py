@@ -157,8 +157,8 @@ def sample_metrics(generated: list[str], references: list[str], lengths: list[in
 def set_aside_samples_after(out_dir: Path, step: int) -> list[Path]:
     """Move the samples written after `step` (by a stretch a rollback or a resume from an older checkpoint abandons)
     into samples/rolled-back/, as their checkpoints go: show_samples.py shows the latest file."""
-    return [move_aside(path) for path in sorted((out_dir / "samples").glob("step-*.jsonl"))
-            if int(path.stem.split("-")[1]) > step]
+    written = {path: re.fullmatch(r"step-(\d+)", path.stem) for path in (out_dir / "samples").glob("step-*.jsonl")}
+    return [move_aside(path) for path, name in sorted(written.items()) if name and int(name.group(1)) > step]
 
 
 def write_samples(path: Path, prompts: list[str], references: list[str], generated: list[str]) -> None:

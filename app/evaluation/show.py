@@ -5,6 +5,7 @@ answers, or refuses a bad command line, at once."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,7 +18,7 @@ PROG = "show_samples.py"
 
 def latest_samples(out_dir: Path) -> Path:
     """The samples file of a run's last evaluation."""
-    files = sorted((out_dir / "samples").glob("step-*.jsonl"))
+    files = sorted(path for path in (out_dir / "samples").glob("step-*.jsonl") if re.fullmatch(r"step-\d+", path.stem))
     if not files:
         raise UsageError(f"RUN {out_dir}: no samples/ in it; give a train.py --out_dir that ran with --eval_samples N")
     return files[-1]

@@ -21,6 +21,7 @@ import copy
 import gc
 import json
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -610,6 +611,18 @@ class PushFailed(Exception):
     """The Hub could not be reached or refused the upload, after a verified conversion: exit status 1."""
 
 
+def upload_command(folder: Path, args: Args) -> str:
+    """The `hf upload` command that pushes `folder` as --push_to_hub would have: private, to its branch, with its
+    message (without --private, `hf upload` may create a public repository)."""
+    words = ["hf", "upload", args.push_to_hub, str(folder)]
+    if args.private:
+        words.append("--private")
+    if args.revision:
+        words += ["--revision", args.revision]
+    words += ["--commit-message", args.commit_message or f"Upload {folder.name}"]
+    return shlex.join(words)
+
+
 def run(args: Args) -> None:
     jobs = plan(args)
     for job in jobs:
@@ -626,7 +639,7 @@ def run(args: Args) -> None:
                     url = push_folder(folder, args, default_message=f"Upload {folder.name} (step {jobs[0].step})")
             except PrefetchError as error:
                 raise PushFailed(f"{error}. The verified folder {folder} is kept: push it without converting again "
-                                 f"with `hf upload {args.push_to_hub} {folder}`") from None
+                                 f"with `{upload_command(folder, args)}`") from None
             print(f"pushed {folder} to {args.push_to_hub}: {url}")
 
 

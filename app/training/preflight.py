@@ -7,6 +7,7 @@ checkpoint to resume from) is returned, so the workers never re-derive it differ
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import sys
@@ -34,7 +35,7 @@ from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.exit_codes import EXIT_BAD_INPUT
 from app.huggingface.prefetch import offline_hint
 from app.model.build import load_model_config, meta_model, model_class, model_source, resolve_wrap_classes
-from app.model.isolation import probe_isolation, small_twin
+from app.model.isolation import probe_isolation
 from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
@@ -252,18 +253,21 @@ def check_runs_here(cfg: Config, problems: list[str]) -> None:
 
 def check_attention_supported(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> bool:
     """Whether the model class takes --attn_implementation at all (Gemma-2 has no SDPA path in transformers): built
-    weightless, as the ranks would build it, where every rank would otherwise end in a ValueError traceback.
-    FlashAttention's own availability is check_runs_here's."""
+    weightless from the run's own config, as the ranks would build it, where every rank would otherwise end in a
+    ValueError traceback. FlashAttention's own availability is check_runs_here's."""
     if cfg.attn_implementation == "flash_attention_2":
         return True
     try:
         with torch.device("meta"):
-            model_class(model_config).from_config(small_twin(model_config), attn_implementation=cfg.attn_implementation,
+            model_class(model_config).from_config(copy.deepcopy(model_config),  # it records the attention it was asked
+                                                  attn_implementation=cfg.attn_implementation,
                                                   trust_remote_code=cfg.trust_remote_code)
-    except ValueError as error:
+    except Exception as error:  # noqa: BLE001 (only an attention the class lacks is this check's to refuse)
+        if not (isinstance(error, ValueError) and "attention implementation" in str(error)):
+            return True
         others = [other for other in ("sdpa", "eager") if other != cfg.attn_implementation]
         problems.append(f"--attn_implementation {cfg.attn_implementation}: a {model_config.model_type} model does "
-                        f"not support it ({first_line(error)}); use --attn_implementation {others[0]}")
+                        f"not support it ({first_line(error).split('. ')[0]}); use --attn_implementation {others[0]}")
         return False
     return True
 
