@@ -372,7 +372,8 @@ def test_an_upload_that_fails_keeps_the_verified_folder_and_says_how_to_push_it(
     assert exit_info.value.code == 1
     errors = capsys.readouterr().err
     (line,) = [line for line in errors.splitlines() if "error" in line.lower()]
-    assert "Traceback" not in errors and line.startswith("convert_to_hf.py: error: --push_to_hub me/tiny: cannot reach") and \
+    assert "Traceback" not in errors
+    assert line.startswith("convert_to_hf.py: error: --push_to_hub me/tiny: cannot reach") and \
         line.endswith(f"The verified folder {tmp_path / 'hf'} is kept: push it without converting again with "
                       f"`hf upload me/tiny {tmp_path / 'hf'} --private --revision dev --commit-message "
                       f"'Upload hf'`"), line  # as asked: without --private, hf upload may make a public repository

@@ -352,7 +352,7 @@ def fake_slurm(tmp_path):
     (4, 0, "(null)", "stall-requeues=1"),      # stalled: requeue and resume
     (5, 2, "stall-requeues=2", "stall-requeues=3"),  # rendezvous timeout: requeue (a node may have failed)
     (4, 5, "mine", "mine stall-requeues=1"),   # five preemptions before are no stalls; the user's comment stays
-    (4, 3, "stall-requeues=3", None),          # after MAX_REQUEUES (3) stall requeues, a run that keeps stalling is left
+    (4, 3, "stall-requeues=3", None),          # after MAX_REQUEUES (3) stall requeues, a run that keeps stalling
     (75, 0, "(null)", None),                   # preempted: Slurm's own --requeue
     (130, 0, "(null)", None),                  # Ctrl-C: the user stopped it
     (2, 0, "(null)", None),                    # bad input

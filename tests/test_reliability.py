@@ -388,5 +388,6 @@ def test_a_rollback_moves_the_checkpoints_of_the_abandoned_stretch_where_resume_
     set_aside_newer(tmp_path, 4)
     assert (folder / "rolled-back" / "step-00000008.ckpt").read_bytes() == b"again"
     assert read_best(tmp_path) is None, "best.json named a checkpoint set aside"
-    assert [path.name for path in set_aside_samples_after(tmp_path, 4)] == ["step-00000006.jsonl", "step-00000008.jsonl"]
+    moved = set_aside_samples_after(tmp_path, 4)
+    assert [path.name for path in moved] == ["step-00000006.jsonl", "step-00000008.jsonl"]
     assert latest_samples(tmp_path).name == "step-00000004.jsonl", "show_samples.py shows the run it continues"

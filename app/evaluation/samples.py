@@ -73,7 +73,8 @@ def fit_to_context(samples: list[Sample], model_config: PretrainedConfig, max_ne
     if model_config.is_encoder_decoder or not limit:
         return samples
     keep = limit - max_new_tokens
-    return [replace(sample, prompt=sample.prompt[-keep:]) if len(sample.prompt) > keep else sample for sample in samples]
+    return [replace(sample, prompt=sample.prompt[-keep:]) if len(sample.prompt) > keep else sample
+            for sample in samples]
 
 
 def all_done(fabric: Fabric, done: bool) -> bool:

@@ -135,7 +135,8 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
             fabric.print(f"moved {moved.name}, newer than the checkpoint resumed from, to {moved}")
         samples = set_aside_samples_after(Path(cfg.out_dir), state["step"])
         if samples:
-            fabric.print(f"moved {len(samples)} samples files written after step {state['step']} to {samples[0].parent}")
+            fabric.print(f"moved {len(samples)} samples files written after step {state['step']} to "
+                         f"{samples[0].parent}")
     if not own_rng:
         print(f"rank {fabric.global_rank}: no random state saved for this rank; seeded from --seed and the step",
               flush=True)
