@@ -190,53 +190,51 @@ def test_workers_start_without_importing_the_training_stack(tmp_path: Path) -> N
     assert "heavy modules imported 0" in result.stdout, result.stdout
 
 
+def eight_rows_on_one_rank():
+    """Eight text rows of 5 tokens (row i holds token i) as train and validation, and what train_steps uses of
+    Fabric on one CPU rank."""
+    import torch
+    from datasets import Dataset
+
+    from app.data import DataFormat, TrainingData
+    from app.data.formats import with_trained_tokens
+
+    class OneRank:
+        global_rank, device = 0, torch.device("cpu")
+
+        def setup_dataloaders(self, loader, **options):
+            return loader
+
+    text = DataFormat("text", 0)
+    split, counts = with_trained_tokens(Dataset.from_dict({"input_ids": [[row] * 5 for row in range(8)]}), text)
+    return TrainingData(text, split, split, counts), OneRank()
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_starting_the_steps_draws_nothing_from_torchs_generator_which_a_resume_restored(num_workers) -> None:
     """A DataLoader without a generator draws its workers' base seed from torch's global generator as it starts: a
     resumed run restored that generator just before, so every dropout mask after a resume differed from the
     straight run's (T5 and BART train with dropout)."""
     import torch
-    from datasets import Dataset
 
-    from app.data import DataFormat, TrainingData, train_steps
-    from app.data.formats import with_trained_tokens
+    from app.data import train_steps
 
-    class OneRank:
-        global_rank, device = 0, torch.device("cpu")
-
-        def setup_dataloaders(self, loader, **options):
-            return loader
-
-    text = DataFormat("text", 0)
-    split, counts = with_trained_tokens(Dataset.from_dict({"input_ids": [[row] * 5 for row in range(8)]}), text)
+    data, rank = eight_rows_on_one_rank()
     plan = make_plan(train_rows=8, block_size=5, world_size=1, micro_batch_size=4, accumulation=1, number_epochs=1,
                      max_step=None)
     before = torch.get_rng_state()
-    next(train_steps(OneRank(), TrainingData(text, split, split, counts), plan, seed=0, epoch=0, position=0,
-                     num_workers=num_workers))
+    next(train_steps(rank, data, plan, seed=0, epoch=0, position=0, num_workers=num_workers))
     assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_rows_set_aside_keep_their_place_in_the_order_but_train_no_token() -> None:
-    import torch
-    from datasets import Dataset
+    from app.data import train_steps
 
-    from app.data import DataFormat, TrainingData, train_steps
-    from app.data.formats import with_trained_tokens
-
-    class OneRank:
-        global_rank, device = 0, torch.device("cpu")
-
-        def setup_dataloaders(self, loader, **options):
-            return loader
-
-    text = DataFormat("text", 0)
-    split, counts = with_trained_tokens(Dataset.from_dict({"input_ids": [[row] * 5 for row in range(8)]}), text)
-    data = TrainingData(text, split, split, counts)
+    data, rank = eight_rows_on_one_rank()
     data.quarantine([3, 5])
     plan = make_plan(train_rows=8, block_size=5, world_size=1, micro_batch_size=8, accumulation=1, number_epochs=1,
                      max_step=None)
-    step = next(train_steps(OneRank(), data, plan, seed=0, epoch=0, position=0, num_workers=0))
+    step = next(train_steps(rank, data, plan, seed=0, epoch=0, position=0, num_workers=0))
     inputs = step.micro_batches[0].inputs
     assert inputs["input_ids"][:, 0].tolist() == step.rows, "every row in its place"
     assert [bool((labels == -100).all()) for labels in inputs["labels"]] == [row in (3, 5) for row in step.rows]
