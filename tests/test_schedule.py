@@ -126,11 +126,13 @@ def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_with
     cfg, data = SimpleNamespace(max_step=None, number_epochs=2), SimpleNamespace(sources=None)
     saved = {"step": 40, "epoch": 1, "position": 0, "global_batch_size": 16,
              "config": {"max_step": None, "number_epochs": 2}}
-    straight = dict(lr=3e-3, min_lr=3e-4, warmup_steps=2, max_step=80)
+    straight = dict(lr=3e-3, min_lr=3e-4, warmup_steps=0, max_step=80)
     resumed = plan_from_checkpoint(cfg, data, saved, plan(32))
     assert resumed.max_step == 60
-    lr = [learning_rate(resumed.schedule_step(step), lr=3e-3, min_lr=3e-4, warmup_steps=2,
+    lr = [learning_rate(resumed.schedule_step(step), lr=3e-3, min_lr=3e-4, warmup_steps=0,
                         max_step=resumed.schedule_length) for step in range(41, 61)]
+    assert learning_rate(40, **straight) == pytest.approx(1.65e-3)
+    assert learning_rate(41, **straight | {"max_step": 60}) == pytest.approx(0.92e-3, abs=1e-5), "recounted: 45% down"
     assert lr[0] == pytest.approx(learning_rate(42, **straight)) and lr[-1] == pytest.approx(3e-4)
     assert all(a > b for a, b in zip(lr, lr[1:]))
     again = plan_from_checkpoint(cfg, data, saved | {"step": 50, "epoch": 1, "position": 320, "global_batch_size": 32,
