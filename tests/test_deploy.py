@@ -332,15 +332,20 @@ def test_lightning_detects_slurm_and_derives_every_rank_from_the_sbatch_layout()
 
 @pytest.fixture
 def fake_slurm(tmp_path):
-    """`srun` exiting with $FAKE_STATUS (what train.py returned), `squeue` printing the job's comment $FAKE_COMMENT,
-    and `scontrol` recording what it was asked to do."""
+    """`srun` exiting with $FAKE_STATUS (what train.py returned), `squeue` printing the job's comment $FAKE_COMMENT
+    (or failing where it is "squeue fails"), and `scontrol` recording what it was asked to do (an update failing where
+    $FAKE_UPDATE_FAILS is set)."""
     bin_dir = tmp_path / "slurm-bin"
     bin_dir.mkdir()
     record = tmp_path / "scontrol.log"
     (bin_dir / "srun").write_text('#!/bin/bash\nexit "$FAKE_STATUS"\n')
-    (bin_dir / "squeue").write_text('#!/bin/bash\necho "$FAKE_COMMENT"\n')
+    (bin_dir / "squeue").write_text(
+        '#!/bin/bash\nif [ "$FAKE_COMMENT" = "squeue fails" ]; then exit 1; fi\necho "$FAKE_COMMENT"\n'
+    )
     (bin_dir / "scontrol").write_text(
-        f'#!/bin/bash\nif [ "$1" = show ]; then echo gpu-node01; else echo "$@" >> {record}; fi\n'
+        '#!/bin/bash\nif [ "$1" = show ]; then echo gpu-node01; exit; fi\n'
+        'if [ "$1" = update ] && [ -n "$FAKE_UPDATE_FAILS" ]; then exit 1; fi\n'
+        f'echo "$@" >> {record}\n'
     )
     for program in bin_dir.iterdir():
         program.chmod(program.stat().st_mode | stat.S_IEXEC)
@@ -372,6 +377,29 @@ def test_batch_scripts_requeue_a_stalled_run_a_bounded_number_of_times(script, s
     assert result.returncode == status, result.stderr
     asked = record.read_text().splitlines() if record.exists() else []
     assert asked == ([f"update JobId=4242 Comment={requeued_as}", "requeue 4242"] if requeued_as else []), asked
+
+
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_TORCHRUN], ids=lambda p: p.name)
+@pytest.mark.parametrize("restarts, comment, update_fails, requeued", [
+    (1, "squeue fails", False, True),       # the count unknown: the restarts stand in for it
+    (3, "squeue fails", False, False),      # ... and bound it, rather than reading 0 stall requeues every time
+    (0, "(null)", True, True),              # the count could not be written: the restarts decide
+    (3, "stall-requeues=1", True, False),   # ... so that a count never written cannot requeue for ever
+])
+def test_batch_scripts_bound_the_requeues_when_slurm_cannot_keep_the_count(script, restarts, comment, update_fails,
+                                                                           requeued, fake_slurm, tmp_path):
+    bin_dir, record = fake_slurm
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1",
+           "SLURM_GPUS_PER_NODE": "8", "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "8",
+           "SLURM_JOB_NODELIST": "gpu-node01", "SLURM_RESTART_COUNT": str(restarts), "FAKE_STATUS": "4",
+           "FAKE_COMMENT": comment, "FAKE_UPDATE_FAILS": "1" if update_fails else ""}
+    result = subprocess.run(["bash", str(script), "--out_dir", "/outputs/run"], env=env, capture_output=True,
+                            text=True, cwd=tmp_path)
+    assert result.returncode == 4, result.stderr
+    assert f"counting the job's {restarts} restarts" in result.stdout or f"counting its {restarts} restarts" \
+        in result.stdout, result.stdout
+    asked = record.read_text().splitlines() if record.exists() else []
+    assert asked == (["requeue 4242"] if requeued else []), asked
 
 
 @pytest.mark.slow
