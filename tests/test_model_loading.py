@@ -62,10 +62,17 @@ def test_pretrained_model_is_loaded_shard_by_shard_with_its_exact_weights(tiny, 
     assert logged_val_loss(result) == pytest.approx(transformers_loss(reference, tiny.data), rel=1e-5)
 
 
-def test_model_from_config_is_initialised_like_transformers_including_rotary_buffers(tiny, tmp_path) -> None:
-    result = run_train(train_args(tiny, tmp_path, **STILL))
+def test_model_from_config_is_initialised_like_transformers_and_alike_on_one_device(tiny, tmp_path) -> None:
+    """The same --seed gives the same initial weights under fsdp and on one device (both from the meta device, in
+    FSDP's order; one device drew them otherwise until it did)."""
+    result = run_train(train_args(tiny, tmp_path / "fsdp", **STILL))
     assert result.returncode == 0, result.stderr[-3000:]
-    saved = read_checkpoint(tmp_path / "checkpoints" / "step-00000001.ckpt")["model"]
+    saved = read_checkpoint(tmp_path / "fsdp" / "checkpoints" / "step-00000001.ckpt")["model"]
+    one = run_train(train_args(tiny, tmp_path / "one", devices=1, strategy="single_device", **STILL))
+    assert one.returncode == 0, one.stderr[-3000:]
+    on_one_device = read_checkpoint(tmp_path / "one" / "checkpoints" / "step-00000001.ckpt")["model"]
+    assert saved.keys() == on_one_device.keys()
+    assert all(torch.equal(saved[name], on_one_device[name]) for name in saved)
     assert torch.equal(saved["model.norm.weight"], torch.ones(64))
     assert saved["model.layers.1.mlp.up_proj.weight"].std().item() == pytest.approx(0.02, rel=0.1)
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
@@ -82,7 +89,8 @@ def route(tiny, *extra: str, config_changes: dict | None = None):
 
 def test_meta_device_route_only_where_it_is_exact(tiny) -> None:
     assert route(tiny) is not None
-    assert route(tiny, "--strategy", "ddp") is None
+    assert route(tiny, "--strategy", "ddp") is not None, "from a config: materialised at once, as FSDP would"
+    assert route(tiny, "--strategy", "ddp", "--model_config", "", "--model_name", str(tiny.model_config)) is None
     assert route(tiny, config_changes={"tie_word_embeddings": True}) is None
 
 

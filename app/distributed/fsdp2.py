@@ -96,13 +96,21 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
             use_point_to_point_collectives(module)
 
     layers = wrap_units(model, wrap_classes)
-    output, embedding = separate_embeddings(model, layers)
-    for unit in wrap_units(model, wrap_classes, also={output, embedding} - {None}):
+    output, _ = separate_embeddings(model, layers)
+    *units, root = sharding_units(model, wrap_classes)
+    for unit in units:
         # the last layer forward runs is the first one backward needs, and lm_head's gradient is reduced as soon as
         # backward has it: resharding either would only gather it again
         shard(unit, reshard and unit is not layers[-1] and unit is not output)
-    shard(model, reshard_after_forward=False)  # the root's remaining parameters are used from first to last
+    shard(root, reshard_after_forward=False)  # the root's remaining parameters are used from first to last
     return model
+
+
+def sharding_units(model: Module, wrap_classes: set[type[Module]]) -> list[Module]:
+    """Every unit fsdp and fsdp2 shard, in the order they materialise and shard them: the layers and the embeddings
+    `separate_embeddings` chooses, children first, then the root."""
+    embeddings = set(separate_embeddings(model, wrap_units(model, wrap_classes))) - {None}
+    return [*wrap_units(model, wrap_classes, also=embeddings), model]
 
 
 def separate_embeddings(model: Module, layers: list[Module]) -> tuple[Optional[Module], Optional[Module]]:

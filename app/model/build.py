@@ -10,7 +10,8 @@ on the rank's device, keeping only the rank's shard (`DeferredInit`):
 Models with tied input/output embeddings, weights that are not safetensors, or checkpoint keys that differ from
 the model's (architectures that transformers converts while loading) take the plain route: every rank loads the
 whole model with `from_pretrained` in host RAM before FSDP shards it. DDP and single-device runs need the whole
-model on each device anyway and take the plain route too.
+model on each device anyway: they read pretrained weights by the plain route, and materialise a model built from
+a config from the meta device at once, in FSDP's order, so that a --seed gives the same initial weights everywhere.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.nn import Module
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 
 from app.choices import SHARDED_STRATEGIES
-from app.distributed.fsdp2 import shard_like
+from app.distributed.fsdp2 import shard_like, sharding_units
 from app.distributed.precision import weights_dtype
 from app.distributed.strategy import resolve_accelerator
 from app.model.loss import LossPath, install_loss_head
@@ -143,15 +144,14 @@ def materializes_like_from_config(model_config: PretrainedConfig, trust_remote_c
     the same spread (where it has enough values to tell). A model that sets values in its constructor that its
     _init_weights does not set again fails (Apertus's xIELU activation kept whatever memory it got). With
     `pretrained` weights to read, only what they do not hold counts: the non-persistent buffers."""
-    from app.distributed.fsdp2 import wrap_units
     from app.model.isolation import small_twin  # which imports this module
 
     config = small_twin(model_config)
     try:
         reference = model_class(config).from_config(config, trust_remote_code=trust_remote_code)
         twin = meta_model(config, trust_remote_code)
-        for unit in [*wrap_units(twin, resolve_wrap_classes(config, None, trust_remote_code)), twin]:
-            materialize_module(unit, init_weights=twin._init_weights, accelerator="cpu")
+        materialize_in_sharding_order(twin, resolve_wrap_classes(config, None, trust_remote_code),
+                                      partial(materialize_module, init_weights=twin._init_weights, accelerator="cpu"))
     except Exception:  # noqa: BLE001 (a twin this architecture cannot be made at: the plain route, which is exact)
         return False
     built = dict(twin.named_parameters()) | dict(twin.named_buffers())
@@ -172,17 +172,31 @@ def materializes_like_from_config(model_config: PretrainedConfig, trust_remote_c
     return True
 
 
+def materialize_in_sharding_order(model: Module, wrap_classes: set[type[Module]],
+                                  param_init_fn: Callable[[Module], None]) -> None:
+    """A meta model materialised unit by unit as fsdp and fsdp2 do it: drawn in this order, the same --seed gives the
+    same initial weights under every strategy."""
+    for unit in sharding_units(model, wrap_classes):
+        param_init_fn(unit)
+
+
 @dataclass
 class DeferredInit:
-    """How FSDP materialises a model created on the meta device, and the weight files to read into it afterwards."""
+    """How FSDP materialises a model created on the meta device, and the weight files to read into it afterwards.
+    Under ddp and on one device the model is materialised as soon as it is built, in the same order
+    (`wrap_classes`, the default units, as FSDP's)."""
 
     param_init_fn: Callable[[Module], None]
     weight_files: list[Path]
+    wrap_classes: set[type[Module]]
 
 
 def deferred_init(cfg: Config, model_config: PretrainedConfig) -> Optional[DeferredInit]:
-    """The meta-device route when it gives exactly the model transformers would build; None for the plain route."""
-    if cfg.strategy not in SHARDED_STRATEGIES or cfg.tpu or model_config.tie_word_embeddings:
+    """The meta-device route when it gives exactly the model transformers would build; None for the plain route.
+    Under ddp and on one device only for a model built from a config, whose initial weights then match fsdp's;
+    pretrained weights are read whole there anyway."""
+    sharded = cfg.strategy in SHARDED_STRATEGIES
+    if cfg.tpu or model_config.tie_word_embeddings or (cfg.model_name and not sharded):
         return None
     twin = meta_model(model_config, cfg.trust_remote_code)
     files = pretrained_weight_files(cfg.model_name) if cfg.model_name else []
@@ -191,14 +205,18 @@ def deferred_init(cfg: Config, model_config: PretrainedConfig) -> Optional[Defer
     if not materializes_like_from_config(model_config, cfg.trust_remote_code, pretrained=bool(cfg.model_name)):
         return None
     init = partial(materialize_module, init_weights=twin._init_weights, accelerator=resolve_accelerator(cfg))
-    return DeferredInit(param_init_fn=init, weight_files=files)
+    return DeferredInit(param_init_fn=init, weight_files=files,
+                        wrap_classes=resolve_wrap_classes(model_config, None, cfg.trust_remote_code))
 
 
 def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, deferred: Optional[DeferredInit]) -> Module:
-    """Create the model on this rank, ready for fabric.setup_module: on the meta device when `deferred`."""
+    """Create the model on this rank, ready for fabric.setup_module: on the meta device when `deferred` (materialised
+    at once under ddp and on one device)."""
     dtype = weights_dtype(cfg.precision)
     common = dict(attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
-    with fabric.init_module(empty_init=deferred is not None):
+    materialize_here = deferred is not None and cfg.strategy not in SHARDED_STRATEGIES
+    on_meta = torch.device("meta") if materialize_here else nullcontext()  # FSDP's empty init is on meta already
+    with fabric.init_module(empty_init=deferred is not None), on_meta:
         if cfg.model_name and deferred is None:
             model, loading = model_class(model_config).from_pretrained(cfg.model_name, config=model_config,
                                                                        output_loading_info=True, **common)
@@ -206,6 +224,8 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
                                      set(loading["unexpected_keys"]))
         else:
             model = model_class(model_config).from_config(model_config, **common)
+    if materialize_here:
+        materialize_in_sharding_order(model, deferred.wrap_classes, deferred.param_init_fn)
     for module in model.modules():  # T5's encoder and decoder stacks read copies of the config of their own
         if isinstance(getattr(module, "config", None), PretrainedConfig):
             module.config.use_cache = False  # else T5's decoder kept a key/value cache in training
