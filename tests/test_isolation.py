@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (FalconConfig, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
-                          PretrainedConfig, Qwen2Config)
+from transformers import (AutoModelForCausalLM, FalconConfig, Gemma2Config, Gemma3TextConfig, GPT2Config,
+                          GptOssConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, PretrainedConfig,
+                          Qwen2Config)
 
 from app.data.formats import arrange, block_causal
-from app.model.isolation import probe_isolation, small_twin
+from app.model.isolation import EXAMPLE_LENGTHS, probe_isolation, small_twin
 from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
 
 WIDTH = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
@@ -86,3 +87,36 @@ def test_the_probes_twin_keeps_the_class_and_the_attention_grouping_at_a_fractio
     falcon7b = FalconConfig(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
                             multi_query=True)
     assert probe_isolation(falcon7b, "sdpa").layout == "boolean_mask"
+
+
+WINDOWED: dict[str, tuple[PretrainedConfig, str, object]] = {  # config, attention, layout expected
+    "gpt_oss": (GptOssConfig(**LLAMA_LIKE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+                             layer_types=["sliding_attention", "full_attention"]), "eager", None),
+    "mistral": (MistralConfig(**LLAMA_LIKE, sliding_window=128), "sdpa", "position_ids"),
+    "gemma2": (Gemma2Config(**LLAMA_LIKE, head_dim=16, sliding_window=128), "eager", "position_ids"),
+    "gemma3": (Gemma3TextConfig(**LLAMA_LIKE, head_dim=16, sliding_window=128,
+                                layer_types=["sliding_attention", "full_attention"]), "sdpa", "position_ids"),
+}
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_a_layout_that_drops_the_sliding_window_is_never_chosen(name: str) -> None:
+    """A block-diagonal 4D mask replaces the model's own masks in every layer, sliding-window layers included: it
+    keeps examples apart only while they are shorter than the window (GPT-OSS: 128 tokens, far shorter than a block).
+    The twin's window is shorter than the probe's examples, so GPT-OSS with eager attention (whose masks read no
+    position restarts) is refused instead of trained with full attention where it slides; models whose masks apply
+    the window and the restarts together keep the rows as prepared."""
+    config, attention, expected = WINDOWED[name]
+    assert probe_isolation(config, attention).layout == expected
+    assert small_twin(config).sliding_window < max(map(max, EXAMPLE_LENGTHS)) and config.sliding_window == 128
+    if expected is None:  # what the probe chose before: the mask, which loses the window past it
+        model = AutoModelForCausalLM.from_config(small_twin(config), attn_implementation=attention).eval()
+        lengths = (7, 10, 5, 12)
+        examples = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+        inputs = {"input_ids": torch.stack([torch.cat(examples[:2]), torch.cat(examples[2:])]),
+                  "position_ids": torch.stack([torch.cat([torch.arange(n) for n in lengths[:2]]),
+                                               torch.cat([torch.arange(n) for n in lengths[2:]])])}
+        with torch.no_grad():
+            packed = model(**arrange("additive_mask", inputs)).logits.reshape(-1, 300).split(lengths)
+            alone = [model(input_ids=ids[None]).logits[0] for ids in examples]
+        assert not all(torch.allclose(p, a, atol=1e-4) for p, a in zip(packed, alone))

@@ -47,6 +47,8 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     (root / "corrupt.ckpt").write_bytes(b"\x80\x04 not a checkpoint")
     torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(root / "wider").to_dict()},
                root / "other_model.ckpt")
+    torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config, hidden_act="gelu").to_dict()},
+               root / "other_activation.ckpt")
     run = root / "run" / "checkpoints"
     run.mkdir(parents=True)
     torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config).to_dict()},
@@ -76,6 +78,8 @@ CASES = {
     "missing checkpoint": (dict(resume=True, checkpoint="/nonexistent.ckpt"), "--checkpoint /nonexistent.ckpt"),
     "corrupt checkpoint": (dict(resume=True, checkpoint="{corrupt}"), "not a readable checkpoint"),
     "other model's checkpoint": (dict(resume=True, checkpoint="{other_model}"), "is from a different model"),
+    "checkpoint of another config of the same shapes": (dict(resume=True, checkpoint="{other_activation}"),
+                                                        "was trained with another config than --model_config "),
     "sharded folder that would run code": (dict(resume=True, checkpoint="{unsafe_folder}"),
                                            "os.system is not what a checkpoint's metadata holds; pick another one"),
     "sharded folder cut short": (dict(resume=True, checkpoint="{truncated_folder}"),

@@ -43,6 +43,11 @@ MLP_WIDTH_NAMES = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size",
                    "shared_expert_intermediate_size")
 EXPERT_COUNT_NAMES = ("num_local_experts", "num_experts", "n_routed_experts")
 PROBE_VOCAB = 512
+LOCAL_ATTENTION_NAMES = ("sliding_window", "attention_chunk_size")
+PROBE_WINDOW = 4
+"""The twin's local-attention window: shorter than most of the probe's examples, so that a layout that loses the
+window (a 4D mask replaces the model's own sliding-window masks in every layer) leaks in the probe as in training,
+where examples are longer than the window (GPT-OSS: 128 tokens)."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +111,9 @@ def probe_device(attn_implementation: str) -> tuple[torch.device, torch.dtype]:
 
 def small_twin(config: PretrainedConfig) -> PretrainedConfig:
     """The config with 2 layers (one of each kind where layers differ), at most 4 attention heads of the same
-    width in the same grouping, narrow feed-forward layers, at most 4 experts and a small vocabulary: the same
-    classes and attention code, a few million weights (Llama-3-8B's twin: 5 million).
+    width in the same grouping, narrow feed-forward layers, at most 4 experts, a sliding window (or attention
+    chunk) of PROBE_WINDOW tokens and a small vocabulary: the same classes and attention code, a few million
+    weights (Llama-3-8B's twin: 5 million).
 
     Attribute names go through the config's own attribute_map (GPT-2's n_layer, n_head, n_embd)."""
     twin = copy.deepcopy(config)
@@ -141,6 +147,10 @@ def small_twin(config: PretrainedConfig) -> PretrainedConfig:
             setattr(twin, name, 4)
     if isinstance(getattr(config, "num_experts_per_tok", None), int):
         twin.num_experts_per_tok = min(config.num_experts_per_tok, 2)
+    for name in LOCAL_ATTENTION_NAMES:
+        window = getattr(config, name, None)
+        if isinstance(window, int) and window > PROBE_WINDOW:
+            setattr(twin, name, PROBE_WINDOW)
     if config.vocab_size > PROBE_VOCAB:
         twin.vocab_size = PROBE_VOCAB
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):

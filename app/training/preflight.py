@@ -33,6 +33,7 @@ from app.data.mixture import Source, describe, epoch_rows, first_folder, parse_s
 from app.distributed.precision import bf16_support_problem, fp32_modules_problem, weights_dtype
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.exit_codes import EXIT_BAD_INPUT
+from app.huggingface.convert import changed_fields
 from app.huggingface.prefetch import offline_hint
 from app.model.build import load_model_config, meta_model, model_class, model_source, resolve_wrap_classes
 from app.model.isolation import probe_isolation
@@ -540,6 +541,16 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
         k = differing[0]
         problems.append(f"{flag} is from a different model ({k} {saved.get(k)} != {current.get(k)}); "
                         "resume with the model it was trained with")
+        return None
+    try:
+        changes = changed_fields(saved, model_config)
+    except (KeyError, ValueError, TypeError):  # a recorded config that no longer loads: the shapes decide
+        changes = []
+    if changes:
+        source = "--model_name" if cfg.model_name else "--model_config"
+        problems.append(f"{flag} was trained with another config than {source} {model_source(cfg)} gives: "
+                        f"{', '.join(changes[:3])}{' and more' if len(changes) > 3 else ''}; the resumed steps "
+                        "would train another model; resume with the config it was trained with")
         return None
     model = meta_model(model_config, cfg.trust_remote_code)
     decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
