@@ -20,7 +20,7 @@ from app.choices import FSDP1_ONLY_OPTIONS, SHARDED_STRATEGIES
 from app.cli import UsageError, command_parser, config_files_first, parse, refuse
 from app.exit_codes import EXIT_BAD_INPUT
 
-Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "16-true", "32-true"]
+Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "32-true"]
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 
 
@@ -39,7 +39,8 @@ class DeviceArgs:
     fully_shard (DTensors); ddp replicates the model (the --no_fsdp case)."""
     precision: Precision = "bf16-true"
     """bf16-true keeps weights and optimizer state in bf16 (least memory); bf16-mixed keeps fp32 master weights;
-    16-mixed (fp16 with loss scaling) is for GPUs without bf16 (V100, T4)."""
+    16-mixed (fp16 with loss scaling) is for GPUs without bf16 (V100, T4). (No 16-true: AdamW's state in fp16 loses
+    the squared gradients of most weights, and the run diverges.)"""
     tf32: bool = True
     """With 32-true on Ampere or newer GPUs, run fp32 matmuls on TF32 tensor cores (10-bit mantissa, several times
     faster); false keeps full fp32."""

@@ -29,5 +29,4 @@ def test_unknown_wrap_class_lists_the_models_layers(tiny) -> None:
 
 def test_true_precisions_store_half_weights_and_mixed_keep_fp32() -> None:
     assert weights_dtype("bf16-true") == torch.bfloat16
-    assert weights_dtype("16-true") == torch.float16
     assert weights_dtype("bf16-mixed") == weights_dtype("32-true") == torch.float32

@@ -9,7 +9,10 @@ What each precision means here:
 | bf16-mixed | fp32 | bf16 | fp32 (--reduce_dtype bfloat16 halves the traffic) | no |
 | bf16-true | bf16 | bf16 | bf16 | no |
 | 16-mixed | fp32 | fp16 | fp32 | yes: loss scaling, AdamW not fused |
-| 16-true | fp16 | fp16 | fp16 | no |
+
+16-true (weights and AdamW state in fp16) is not offered: AdamW's second moment, the squared gradient, is 0 in fp16
+for every gradient below ~2.4e-4, most of an LLM's, and the bias correction then grows those updates with the square
+root of the step (a 2-layer Llama's loss rose 6.0 -> 21.6 in 4 steps, nothing non-finite to stop it).
 
 Buffers keep the dtype the model gives them (FSDP's `buffer_dtype` is left unset), and the rotary frequencies are
 recomputed in fp32 after set-up (`app.model.build.keep_rotary_in_fp32`): in bf16 their ~0.3% error becomes radians of
@@ -25,9 +28,8 @@ import torch
 from lightning_fabric.plugins import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 
-WEIGHT_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
-COMPUTE_DTYPES = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16,
-                  "16-mixed": torch.float16}
+WEIGHT_DTYPES = {"bf16-true": torch.bfloat16}
+COMPUTE_DTYPES = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AMPERE = (8, 0)
 
@@ -96,14 +98,14 @@ def float32_matmul_precision(precision: str, tf32: bool, capability: Optional[tu
 def fp32_modules_problem(precision: str, model: torch.nn.Module) -> Optional[str]:
     """Modules transformers keeps in float32 when it loads a model in 16 bits, which this run would cast down.
 
-    Under fp16 both its lists count (T5's feed-forward output `wo`, `_keep_in_fp32_modules`): 16-mixed's autocast and
-    16-true's weights overflow there, and the run would stop at its first non-finite loss. Under bf16-true only the
+    Under fp16 both its lists count (T5's feed-forward output `wo`, `_keep_in_fp32_modules`): 16-mixed's autocast
+    overflows there, and the run would stop at its first non-finite loss. Under bf16-true only the
     strict list counts (`_keep_in_fp32_modules_strict`, kept in float32 under bfloat16 too: DeepSeek-V3's and GLM-4's
     router bias `e_score_correction_bias`, Ernie's gate): rounded to bfloat16 they route tokens to other experts than
     the model was trained with, with no error to show it. FSDP1 flattens a unit's parameters into one tensor of one
     dtype, so they cannot stay float32 beside bf16 weights; bf16-mixed keeps every weight in float32."""
     strict = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-    if precision in ("16-mixed", "16-true"):
+    if precision == "16-mixed":
         kept = set(getattr(model, "_keep_in_fp32_modules", None) or []) | strict
         if kept:
             return (f"--precision {precision}: {type(model).__name__} keeps {', '.join(sorted(kept))} in float32 "
