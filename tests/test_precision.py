@@ -8,6 +8,7 @@ everything else runs for real in 2 CPU processes.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -15,8 +16,11 @@ import pytest
 import torch
 from datasets import load_from_disk
 from lightning_fabric.plugins import FSDPPrecision, MixedPrecision
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from app.checkpoint.writers import METADATA_KEY
 from app.distributed.precision import (bf16_support_problem, float32_matmul_precision, fp32_modules_problem,
                                        fsdp_mixed_precision, precision_plugin, reduce_dtype)
 from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
@@ -282,9 +286,12 @@ def test_long_context_loss_of_a_pretrained_model_in_bf16_matches_transformers(ti
 
 
 @pytest.mark.slow
-def test_16_mixed_trains_with_loss_scaling_under_fsdp_and_resumes_exactly(tiny, tmp_path) -> None:
+def test_16_mixed_trains_with_loss_scaling_under_fsdp_resumes_exactly_and_reports_the_steps_its_scaler_skips(
+        tiny, tmp_path) -> None:
     """fp16 with a gradient scaler: Lightning refuses to clip with fused AdamW, so 16-mixed uses foreach AdamW; the
-    scaler's state is part of the checkpoint, so a resumed run scales, skips and grows exactly like a straight one."""
+    scaler's state is part of the checkpoint, so a resumed run scales, skips and grows exactly like a straight one.
+    A step the scaler skips (overflowed fp16 gradients) spends its data and learning rate without changing a weight:
+    the run says so at that step and counts them in its summary (it used to say "0 steps not applied")."""
     options = dict(precision="16-mixed", max_step=8, save_step_interval=4, eval_step_interval=8)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert_succeeded(run_train(train_args(tiny, straight, **options)))
@@ -296,6 +303,22 @@ def test_16_mixed_trains_with_loss_scaling_under_fsdp_and_resumes_exactly(tiny, 
         assert got[step]["train_loss"] == pytest.approx(expected[step]["train_loss"], rel=1e-5)
     scaler = read_checkpoint(resumed / "checkpoints/step-00000008.ckpt")["grad_scaler"]
     assert scaler["scale"] == 2.0 ** 16 and scaler["_growth_tracker"] == 8, "eight scaled steps, none overflowed"
+    overflowing = tmp_path / "overflowing" / "checkpoints"
+    overflowing.mkdir(parents=True)
+    with safe_open(straight / "checkpoints/step-00000004.ckpt", "pt") as file:  # a full checkpoint's layout
+        tensors, metadata = {name: file.get_tensor(name) for name in file.keys()}, file.metadata()
+    state = json.loads(metadata[METADATA_KEY])
+    state["grad_scaler"]["scale"] = 2.0 ** 60  # the next fp16 gradients overflow, as they do at a run's start
+    save_file(tensors, overflowing / "step-00000004.ckpt", metadata | {METADATA_KEY: json.dumps(state)})
+    result = run_train(train_args(tiny, overflowing.parent, **options | dict(max_step=6), resume=True))
+    assert_succeeded(result)
+    skipped = [step for step, row in read_metrics(overflowing.parent).items() if not math.isfinite(row["grad_norm"])]
+    assert skipped and skipped[0] == 5, read_metrics(overflowing.parent)
+    for step in skipped:
+        assert f"step {step}: fp16 gradients overflowed: the gradient scaler did not apply this step" in result.stdout
+    assert f"gradient scaler: {len(skipped)} of the steps not applied" in result.stdout
+    assert json.loads((overflowing.parent / "summary.json").read_text())["scaler_skipped_steps"] == len(skipped)
+    assert read_checkpoint(overflowing / "step-00000006.ckpt")["scaler_skipped_steps"] == len(skipped)
 
 
 @pytest.mark.slow

@@ -306,6 +306,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         guard = s["spike_guard"]
         lines.append(f"  spike guard: {guard['spikes']} spikes, {guard['skipped_steps']} steps not applied, "
                      f"{guard['rollbacks']} rollbacks, {guard['quarantined_rows']} train rows set aside")
+    if s.get("scaler_skipped_steps"):
+        lines.append(f"  gradient scaler: {s['scaler_skipped_steps']} of the steps not applied (fp16 gradients "
+                     "overflowed; their data and learning rate were spent)")
     if "tokens_by_source" in s:
         total = sum(s["tokens_by_source"].values()) or 1
         lines.append("  trained tokens by source: " + ", ".join(

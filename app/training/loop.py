@@ -167,6 +167,8 @@ class Loop:
             action = self.judge(step_batches, verdict)
             if action == "apply":
                 update_weights(state["optimizer"], verdict, lr, self.gradients, self.saver.before_update)
+                if self.gradients.scaled and not math.isfinite(verdict.grad_norm_value):
+                    self.report_scaler_skip(state["step"] + 1)
             else:
                 skip_update(self.fabric.strategy.precision, self.gradients)
             state["optimizer"].zero_grad(set_to_none=True)
@@ -296,6 +298,8 @@ class Loop:
         summary = run_summary(clock=self.clock, step=self.state["step"], evaluation=self.evaluation,
                               saving=self.saving, ranks=ranks, val_loss=self.state["val_loss"])
         return (summary | ({"spike_guard": self.guard.metrics()} if self.guard.active else {})
+                | ({"scaler_skipped_steps": self.state["scaler_skipped_steps"]} if self.gradients.scaled
+                   else {})
                 | ({"tokens_by_source": self.source_tokens()} if self.data.mixture else {}))
 
     def source_tokens(self) -> dict[str, int]:
@@ -324,6 +328,15 @@ class Loop:
         self.console.print(f"step {self.state['step']}: " + " | ".join(f"{name} {value:.4f}"
                                                                      for name, value in metrics.items()))
         return metrics
+
+    def report_scaler_skip(self, number: int) -> None:
+        """The gradient scaler (16-mixed) found overflowed gradients and did not apply this step: it still counts as a
+        step (its data and learning rate are spent), so say so, and count it in the summary."""
+        self.state["scaler_skipped_steps"] = self.state.get("scaler_skipped_steps", 0) + 1
+        scale = self.fabric.strategy.precision.scaler.get_scale()
+        self.console.print(f"step {number}: fp16 gradients overflowed: the gradient scaler did not apply this step "
+                           f"(scale lowered to {scale:g}; {self.state['scaler_skipped_steps']} steps not applied by "
+                           "the scaler so far)")
 
     def report_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.console.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()} on rank 0, gradient "

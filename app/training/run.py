@@ -104,6 +104,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "val_loss": None,
         "rng": None,
         "grad_scaler": {},
+        "scaler_skipped_steps": 0,  # steps whose overflowed fp16 gradients the scaler did not apply (16-mixed)
         "spike_guard": None,
         "schedule": None,  # where the learning-rate schedule stands (TrainingPlan.schedule_step), set when saving
         "mixture": None,
@@ -122,7 +123,8 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
         saved = load_checkpoint(path, state["model"], state["optimizer"])
     state |= {key: saved[key] for key in ("step", "epoch", "position", "val_loss")}
     state |= {"spike_guard": saved.get("spike_guard"), "mixture": saved.get("mixture"),
-              "source_tokens": saved.get("source_tokens") or {}}
+              "source_tokens": saved.get("source_tokens") or {},
+              "scaler_skipped_steps": saved.get("scaler_skipped_steps", 0)}
     if state["mixture"] is None:
         state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
