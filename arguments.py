@@ -107,10 +107,12 @@ class FSDPArgs:
     fsdp_no_sync: bool = False
     """With gradient accumulation, keep gradients unsharded until the last micro-batch (FSDP's no_sync): one
     reduce-scatter per step instead of one per micro-batch, but every rank holds the whole model's gradient
-    (+16 GB per GPU for Llama-3-8B in bf16). Default: reduce-scatter after every micro-batch."""
+    (+16 GB per GPU for Llama-3-8B in bf16), summed over the micro-batches in the compute dtype (bf16 under
+    bf16-mixed) rather than reduced in fp32 after each. Default: reduce-scatter after every micro-batch."""
     reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     """dtype FSDP reduce-scatters gradients in; default float32 under *-mixed precision (as torchtitan), the
-    weights' dtype under *-true. bfloat16 halves the gradient traffic of bf16-mixed at some accuracy."""
+    weights' dtype under *-true. bfloat16 halves the gradient traffic of bf16-mixed at some accuracy; float16 only
+    under 16-mixed (its loss scaling keeps small gradients within float16's range)."""
 
 
 @dataclass
@@ -457,6 +459,9 @@ def validate_config(cfg: Config) -> list[str]:
                              f"not {cfg.strategy}: drop them or use --strategy fsdp")
     require(cfg.strategy != "fsdp2" or cfg.precision != "16-mixed",
             "--precision 16-mixed needs FSDP1's sharded gradient scaler: use --strategy fsdp, or --precision bf16-mixed")
+    require(cfg.reduce_dtype != "float16" or cfg.precision == "16-mixed",
+            f"--reduce_dtype float16 only with --precision 16-mixed, whose loss scaling lifts small gradients into "
+            f"float16's range; under {cfg.precision} gradients below 6e-8 would be summed as 0: use float32 or bfloat16")
     return problems
 
 

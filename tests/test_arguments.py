@@ -73,6 +73,7 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     (["--strategy", "ddp", "--sharding_strategy", "NO_SHARD"], "--sharding_strategy only apply to --strategy fsdp"),
     (["--strategy", "single_device", "--devices", "2"], "--strategy single_device runs one process"),
     (["--tpu", "true", "--accelerator", "cpu"], "--tpu true contradicts --accelerator cpu"),
+    (["--reduce_dtype", "float16", "--precision", "bf16-mixed"], "--reduce_dtype float16 only with --precision 16-mixed"),
     (["--stall_timeout_min", "-1"], "--stall_timeout_min must be 0 (off) or positive"),
     (["--rendezvous_timeout_min", "0"], "--rendezvous_timeout_min must be positive"),
     (["--process_group_timeout_min", "0"], "--process_group_timeout_min must be positive"),
