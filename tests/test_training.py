@@ -220,3 +220,61 @@ def test_on_a_terminal_every_log_interval_stays_in_the_scrollback_and_the_bar_ha
                      "step 4/4 | loss 1.2500 | lr 1.00e-03 | eta 26.0s"]
     bar = output.replace("\r", "\n").splitlines()[-1]
     assert bar.count("eta") == 1 and "eta 26.0s" in bar and "<" not in bar, bar
+
+
+def test_a_micro_batch_graph_is_gone_before_the_next_micro_batch_forward() -> None:
+    """Backward frees a graph's saved tensors but not its nodes, which the loss keeps: the previous micro-batch's
+    nodes, spread over the heap among its activations, left the next forward's activations less room (peak RSS of the
+    largest rank 0.83 against 0.79 GB on configs/demo-llama, 4 micro-batches of 16 under fsdp). What a node holds
+    besides saved tensors lives exactly as long as the node."""
+    import weakref
+
+    import torch
+    from lightning_fabric import Fabric
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.data import Batch, Step
+    from app.model.loss import LossPath
+    from app.optimization.optimizer import GradientPolicy
+    from app.reliability.signals import StopRequest
+    from app.training.loop import train_step
+
+    class Marker:
+        """Held by the loss's last node, as a node holds its attributes."""
+
+    class HeldByTheNode(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, loss, marker):
+            ctx.marker = marker
+            return loss.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    class WatchedLoss(LossPath):
+        def __init__(self) -> None:
+            super().__init__()
+            self.previous = None
+            self.previous_alive = []
+
+        def summed_loss(self, model, batch):
+            self.previous_alive.append(self.previous is not None and self.previous() is not None)
+            marker = Marker()
+            self.previous = weakref.ref(marker)
+            return HeldByTheNode.apply(super().summed_loss(model, batch), marker)
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    tokens = torch.randint(0, 64, (2, 16))
+    step = Step([Batch({"input_ids": tokens, "labels": tokens}, trained_tokens=30)] * 3, trained_tokens=90, rows=[0, 1])
+    for defer_sync in (False, True):
+        loss_path = WatchedLoss()
+        train_step(fabric, model, step, StopRequest(), GradientPolicy(max_norm=1.0, replicas=1, scaled=False,
+                                                                      defer_sync=defer_sync), optimizer, loss_path)
+        assert loss_path.previous_alive == [False, False, False]
+        assert loss_path.previous() is None, "nor after the step"
+        optimizer.zero_grad(set_to_none=True)

@@ -66,6 +66,10 @@ def train_step(fabric: Fabric, model, step: Step, stop: StopRequest, gradients: 
             loss = micro_batch_loss(model, loss_path, batch, step.trained_tokens, fabric.world_size)
             fabric.backward(loss)
         loss_sum += loss.detach()
+        # Backward frees the graph's saved tensors, not its nodes: a `loss` left alive into the next micro-batch keeps
+        # every node of its forward, scattered over the heap where its activations were, and the next forward's
+        # activations no longer fit there (demo-llama, micro batch 16, 4 micro-batches: peak RSS 36 MB higher)
+        del loss
     if gradients.scaled:
         fabric.strategy.precision.unscale_gradients(optimizer.optimizer)
     verdict = step_verdict(fabric, loss_sum, gradient_square_sum(optimizer, fabric.device), stop,
