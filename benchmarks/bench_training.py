@@ -513,6 +513,9 @@ def bench_planner(data: Path, work_dir: Path, options: argparse.Namespace) -> li
     for index, (name, model, folder, micro, options) in enumerate((
             ("Llama", STEP_MODEL, data, 4, {}), ("Llama", STEP_MODEL, data, 16, {}),
             ("Llama, bf16-mixed", STEP_MODEL, data, 16, {"precision": "bf16-mixed"}),
+            ("Llama, 4 micro-batches per step", STEP_MODEL, data, 16, {"gradient_accumulation_steps": 4}),
+            ("Llama, 4 micro-batches per step, `--fsdp_no_sync`", STEP_MODEL, data, 16,
+             {"gradient_accumulation_steps": 4, "fsdp_no_sync": True}),
             ("GPT-2", GPT2_MODEL, data, 4, {}), ("GPT-2", GPT2_MODEL, data, 16, {}),
             ("T5", T5_MODEL, seq2seq, 4, {}), ("T5", T5_MODEL, seq2seq, 16, {}),
             ("170M Llama", STATE_MODEL, data, 2, {}),
