@@ -242,7 +242,8 @@ def test_plans_without_a_data_folder_from_block_size(tmp_path, capfd) -> None:
 
 def test_the_shipped_config_plans_without_data_a_gpu_or_a_wandb_login(tmp_path, capfd, monkeypatch) -> None:
     """The README's planning line with configs/llama3-8b-continual.yaml: its warmup, W&B online mode and GPU
-    accelerator concern the run, not its plan (the warmup was compared with the one step the stand-in data holds)."""
+    accelerator concern the run, not its plan (the warmup was compared with the one step the stand-in data holds);
+    so does a launcher for other nodes (a 2-node HYBRID_SHARD plan was refused on the laptop planning it)."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
     LLAMA_3_8B.save_pretrained(tmp_path / "llama-3-8b")  # a config without weights, in place of the Hub's
@@ -251,3 +252,8 @@ def test_the_shipped_config_plans_without_data_a_gpu_or_a_wandb_login(tmp_path, 
                       "--device_memory_gb", "80"]))
     captured = capfd.readouterr()
     assert "FULL_SHARD over 4 device(s), bf16-true" in captured.out and "error" not in captured.err, captured
+    run(parse_config(["--config", str(ROOT / "configs" / "llama3-8b-continual.yaml"), "--model_name",
+                      str(tmp_path / "llama-3-8b"), "--estimate_memory", "true", "--block_size", "8192",
+                      "--device_memory_gb", "80", "--sharding_strategy", "HYBRID_SHARD", "--num_nodes", "2"]))
+    captured = capfd.readouterr()
+    assert "HYBRID_SHARD over 8 device(s)" in captured.out and "error" not in captured.err, captured

@@ -679,9 +679,9 @@ def preflight(cfg: Config) -> RunInputs:
         check_out_dir(cfg, model_config, problems)
     check_precision(cfg, model_config, problems)
     check_offload(cfg, problems)
-    if not cfg.estimate_memory:  # planning logs nothing
+    if not cfg.estimate_memory:  # planning logs nothing and starts no node: it plans a cluster from a laptop
         check_wandb(cfg, problems)
-    check_launcher(cfg, problems)
+        check_launcher(cfg, problems)
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
