@@ -38,7 +38,8 @@ class DeviceArgs:
     """fsdp shards parameters, gradients and optimizer state (FSDP1); fsdp2 does the same per parameter with torch's
     fully_shard (DTensors); ddp replicates the model (the --no_fsdp case)."""
     precision: Precision = "bf16-true"
-    """bf16-true keeps weights and optimizer state in bf16 (least memory); bf16-mixed keeps fp32 master weights;
+    """bf16-true keeps weights and optimizer state in bf16 (least memory; steps much smaller than a weight, as at a
+    fine-tune's lr of 2e-5, are rounded away); bf16-mixed keeps fp32 master weights (for pre-training, long runs);
     16-mixed (fp16 with loss scaling) is for GPUs without bf16 (V100, T4). (No 16-true: AdamW's state in fp16 loses
     the squared gradients of most weights, and the run diverges.)"""
     tf32: bool = True

@@ -251,7 +251,7 @@ def test_the_shipped_config_plans_without_data_a_gpu_or_a_wandb_login(tmp_path, 
                       str(tmp_path / "llama-3-8b"), "--estimate_memory", "true", "--block_size", "8192",
                       "--device_memory_gb", "80"]))
     captured = capfd.readouterr()
-    assert "FULL_SHARD over 4 device(s), bf16-true" in captured.out and "error" not in captured.err, captured
+    assert "FULL_SHARD over 4 device(s), bf16-mixed" in captured.out and "error" not in captured.err, captured
     run(parse_config(["--config", str(ROOT / "configs" / "llama3-8b-continual.yaml"), "--model_name",
                       str(tmp_path / "llama-3-8b"), "--estimate_memory", "true", "--block_size", "8192",
                       "--device_memory_gb", "80", "--sharding_strategy", "HYBRID_SHARD", "--num_nodes", "2"]))

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from app.checkpoint.writers import METADATA_KEY
-from app.distributed.precision import (bf16_support_problem, float32_matmul_precision, fp32_modules_problem,
+from app.distributed.precision import (bf16_rounding_note, bf16_support_problem, float32_matmul_precision, fp32_modules_problem,
                                        fsdp_mixed_precision, precision_plugin, reduce_dtype)
 from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
 from app.model.build import meta_model
@@ -80,6 +80,19 @@ def test_no_16_true_because_adamw_state_in_float16_loses_the_squared_gradients(c
         parse_config(["--train_data_dir", "data", "--model_config", "cfg", "--precision", "16-true"])
     assert refused.value.code == 2
     assert "--precision: expected one of bf16-true, bf16-mixed, 16-mixed, 32-true" in capsys.readouterr().err
+
+
+def test_bf16_true_says_when_adamw_steps_of_the_size_of_lr_are_rounded_away() -> None:
+    """bf16-true has no fp32 master weights: a step of 2e-5 leaves a weight of 0.0102 as it was (half a bf16 spacing
+    there is 3.1e-5), while one of 0.005 still moves; the note names the magnitude above which steps are lost."""
+    step = torch.tensor(2e-5, dtype=torch.bfloat16)
+    for weight, moves in ((0.0102, False), (0.02, False), (0.005, True)):
+        w = torch.tensor(weight, dtype=torch.bfloat16)
+        assert bool(w + step != w) == moves, weight
+    note = bf16_rounding_note("bf16-true", 2e-5)
+    assert note.startswith("note: --precision bf16-true with --lr 2e-05: AdamW's steps of about lr are rounded away on "
+                           "every weight above 1.0e-02 in magnitude")
+    assert bf16_rounding_note("bf16-mixed", 2e-5) is None and bf16_rounding_note("bf16-true", 3e-3) is None
 
 
 def test_tf32_only_for_fp32_matmuls_on_ampere_and_newer_unless_turned_off() -> None:

@@ -118,6 +118,27 @@ def fp32_modules_problem(precision: str, model: torch.nn.Module) -> Optional[str
     return None
 
 
+BF16_LOST_BELOW = 2.0 ** -9
+"""bf16 keeps 8 significant bits: an update below half the spacing of bf16 numbers at a weight, |w| x 2^-9 at
+least, is rounded away."""
+TYPICAL_WEIGHT = 0.02
+"""The spread LLMs are initialised with (Llama, GPT-2, T5's `initializer_range`); trained weights stay near it."""
+
+
+def bf16_rounding_note(precision: str, lr: float) -> Optional[str]:
+    """Under bf16-true the weights themselves are bf16, with no fp32 master copy: AdamW moves a weight by about lr per
+    step, which is rounded away on every weight above lr x 2^9 in magnitude. At a fine-tune's lr of 2e-5 that is every
+    weight above 0.01, most of an LLM's: they stop learning with nothing to show it but a loss that plateaus early.
+    A note, not a refusal: it is a trade of accuracy for memory users make knowingly (seed 001's default)."""
+    threshold = lr / BF16_LOST_BELOW
+    if precision != "bf16-true" or threshold >= TYPICAL_WEIGHT:
+        return None
+    return (f"note: --precision bf16-true with --lr {lr:g}: AdamW's steps of about lr are rounded away on every weight "
+            f"above {threshold:.1e} in magnitude (bf16 keeps 8 significant bits; LLM weights are ~{TYPICAL_WEIGHT:g}), "
+            "more as lr decays; --precision bf16-mixed keeps fp32 master weights (twice the training state: "
+            "--estimate_memory true shows whether it fits)")
+
+
 def bf16_support_problem(precision: str, device_name: str, capability: tuple[int, int]) -> Optional[str]:
     """Seed 002's readiness check: bf16 needs Ampere (compute capability 8.0) or newer; V100 and T4 only emulate it."""
     if "bf16" not in precision or capability >= AMPERE:

@@ -30,7 +30,7 @@ from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
 from app.data.formats import Layout
 from app.data.mixture import Source, describe, epoch_rows, first_folder, parse_sources
-from app.distributed.precision import bf16_support_problem, fp32_modules_problem, weights_dtype
+from app.distributed.precision import bf16_rounding_note, bf16_support_problem, fp32_modules_problem, weights_dtype
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.exit_codes import EXIT_BAD_INPUT
 from app.huggingface.convert import changed_fields
@@ -685,7 +685,11 @@ def preflight(cfg: Config) -> RunInputs:
     if problems:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    return RunInputs(config=resolve_learning_rates(cfg, plan), model_config=model_config, wrap_classes=wrap_classes,
+    cfg = resolve_learning_rates(cfg, plan)
+    rounding = bf16_rounding_note(cfg.precision, cfg.lr)
+    if rounding:
+        note(rounding)
+    return RunInputs(config=cfg, model_config=model_config, wrap_classes=wrap_classes,
                      plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
                      resume_step=resume.metadata["step"] if resume else None,
                      packed_layout=packed_layout, chunked_loss=chunked_loss,
