@@ -76,7 +76,8 @@ class ModelArgs:
     tokenizer: Optional[str] = None
     """Tokenizer recorded with the run for conversion; default: the data folder's tokenizer/, else the model's."""
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
-    """Attention kernel: PyTorch SDPA (flash/memory-efficient on GPUs), flash_attention_2 (needs flash-attn)."""
+    """Attention kernel: PyTorch SDPA (flash/memory-efficient on GPUs), flash_attention_2 (needs flash-attn), or
+    eager (transformers' own matmuls; the models without an SDPA path, e.g. Gemma-2)."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run; off unless you trust its authors."""
     compile: bool = False

@@ -86,9 +86,18 @@ def test_run_reports_throughput_flops_memory_and_time_lost(fsdp_run, tiny) -> No
     assert summary["steps"] == 24 and summary["checkpoints_saved"] == 3
     assert summary["tokens_per_sec"] == pytest.approx(16 * 32 * 24 / summary["train_sec"])
     assert summary["train_sec"] + summary["eval_sec"] + summary["save_sec"] == pytest.approx(summary["elapsed_sec"])
-    assert summary["val_loss"] == pytest.approx(metrics[24]["val_loss"])
+    assert summary["val_loss"] == pytest.approx(metrics[24]["val_loss"]) and summary["val_loss_step"] == 24
     assert [sorted(rank) for rank in summary["ranks"]] == [
         ["gradients_gb", "optimizer_gb", "parameters_gb", "peak_rss_gb"]] * 2
+
+
+def test_the_summary_names_the_step_its_validation_loss_is_from() -> None:
+    """A run stopped by SIGTERM at step 25 said "final val_loss 6.0345": step 0's, before any training."""
+    from app.metrics.observe import summary_lines
+
+    summary = {"steps": 0, "elapsed_sec": 1.0, "train_sec": 1.0, "eval_sec": 0.0, "save_sec": 0.0,
+               "checkpoints_saved": 1, "val_loss": 6.0345, "val_loss_step": 0, "ranks": []}
+    assert summary_lines(summary)[0].endswith("for 1 saved), val_loss 6.0345 at step 0")
 
 
 def test_logged_throughput_leaves_out_evaluation_and_saving_as_the_summary_does(monkeypatch) -> None:

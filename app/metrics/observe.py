@@ -268,14 +268,14 @@ class StepClock:
 
 
 def run_summary(*, clock: StepClock, step: int, evaluation: Stopwatch, saving: Stopwatch, ranks: list[RankStats],
-                val_loss: Optional[float]) -> dict[str, Any]:
+                val_loss: Optional[float], val_loss_step: Optional[int]) -> dict[str, Any]:
     """The numbers of one run (this attempt, when resumed). Throughput counts training time only: evaluation and
     checkpoint saves are reported separately, so that the figures compare across eval and save intervals."""
     steps, elapsed = step - clock.start_step, clock.elapsed()
     train_sec = elapsed - evaluation.total - saving.total
     summary: dict[str, Any] = {"steps": steps, "last_step": step, "elapsed_sec": elapsed, "train_sec": train_sec,
                                "eval_sec": evaluation.total, "checkpoints_saved": saving.count,
-                               "save_sec": saving.total, "val_loss": val_loss}
+                               "save_sec": saving.total, "val_loss": val_loss, "val_loss_step": val_loss_step}
     if steps:
         tokens_per_sec = clock.tokens_per_step * steps / train_sec
         summary |= {"step_sec": train_sec / steps, "tokens_per_sec": tokens_per_sec,
@@ -295,7 +295,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     lines = [f"summary: {s['steps']} steps in {format_duration(s['elapsed_sec'])} (training "
              f"{format_duration(s['train_sec'])}, evaluation {format_duration(s['eval_sec'])}, "
              f"checkpoints {format_duration(s['save_sec'])} for {s['checkpoints_saved']} saved)"
-             + (f", final val_loss {s['val_loss']:.4f}" if s["val_loss"] is not None else "")]
+             + (f", val_loss {s['val_loss']:.4f} at step {s['val_loss_step']}" if s["val_loss"] is not None else "")]
     if s["steps"]:
         speed = (f"  throughput: {s['tokens_per_sec']:,.0f} tokens/s ({s['tokens_per_sec_per_device']:,.0f} per "
                  f"device), {s['step_sec']:.3f} s per step, data wait {s['data_wait_pct']:.1f}% of training time")

@@ -262,7 +262,7 @@ class Loop:
                     Path(self.cfg.out_dir), saved["step"]):
                 self.console.print(f"step {state['step']}: moved {moved.name}, of the stretch rolled back, to {moved}")
         back = state["step"] - saved["step"]
-        state |= {"step": saved["step"], "val_loss": saved["val_loss"]}
+        state |= {"step": saved["step"], "val_loss": saved["val_loss"], "val_loss_step": saved.get("val_loss_step")}
         if saved.get("grad_scaler"):
             fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
         self.guard.rolled_back(saved["step"], saved.get("spike_guard"))
@@ -300,7 +300,8 @@ class Loop:
         """The run summary; every rank takes part (one all_gather of the ranks' numbers)."""
         _, ranks = self.gather_rank_stats(torch.zeros(0))
         summary = run_summary(clock=self.clock, step=self.state["step"], evaluation=self.evaluation,
-                              saving=self.saving, ranks=ranks, val_loss=self.state["val_loss"])
+                              saving=self.saving, ranks=ranks, val_loss=self.state["val_loss"],
+                              val_loss_step=self.state["val_loss_step"])
         return (summary | ({"spike_guard": self.guard.metrics()} if self.guard.active else {})
                 | ({"scaler_skipped_steps": self.state["scaler_skipped_steps"]} if self.gradients.scaled
                    else {})
@@ -327,7 +328,7 @@ class Loop:
                                                                          for name, value in losses.items()}
             if self.samples:
                 metrics |= self.samples.evaluate(self.fabric, self.state["model"], self.state["step"])
-        self.state["val_loss"] = loss
+        self.state["val_loss"], self.state["val_loss_step"] = loss, self.state["step"]
         self.watchdog.beat()
         self.console.print(f"step {self.state['step']}: " + " | ".join(f"{name} {value:.4f}"
                                                                      for name, value in metrics.items()))

@@ -102,6 +102,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "position": 0,
         "global_batch_size": inputs.plan.global_batch_size,
         "val_loss": None,
+        "val_loss_step": None,  # the step val_loss was measured at (a stopped run's last one may be long ago)
         "rng": None,
         "grad_scaler": {},
         "scaler_skipped_steps": 0,  # steps whose overflowed fp16 gradients the scaler did not apply (16-mixed)
@@ -121,7 +122,8 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     loading = Stopwatch()
     with loading.measure():
         saved = load_checkpoint(path, state["model"], state["optimizer"])
-    state |= {key: saved[key] for key in ("step", "epoch", "position", "val_loss")}
+    state |= {key: saved[key] for key in ("step", "epoch", "position", "val_loss")} | {
+        "val_loss_step": saved.get("val_loss_step")}
     state |= {"spike_guard": saved.get("spike_guard"), "mixture": saved.get("mixture"),
               "source_tokens": saved.get("source_tokens") or {},
               "scaler_skipped_steps": saved.get("scaler_skipped_steps", 0)}
