@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -112,6 +113,31 @@ def long_blocks(tiny: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Pa
     prepare(PrepareArgs(input=stdlib_corpus_paths(("json",)), output_dir=str(data), tokenizer=str(tiny.tokenizer),
                         block_size=LONG_BLOCK_SIZE, val_fraction=0.15, seed=0))
     return data
+
+
+@dataclass(frozen=True)
+class MovedRun:
+    data: Path
+    out_dir: Path
+    trained_on: Path
+    """Where the data folder was when the run trained on it (gone now)."""
+
+
+ONE_PROCESS = dict(devices=1, strategy="single_device", gradient_accumulation_steps=None, warmup_steps=0,
+                   eval_step_interval=2, save_step_interval=2)
+
+
+@pytest.fixture(scope="session")
+def moved_run(tiny: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> MovedRun:
+    """A 2-step run on a copy of the data with the tokenizer it was prepared with (no --tokenizer), then its folder
+    and its data moved together, as to another node, mount or working directory: the data's old path is gone."""
+    root = tmp_path_factory.mktemp("moved")
+    shutil.copytree(tiny.data, root / "node-a" / "data")
+    result = run_train(train_args(tiny, root / "node-a" / "run", train_data_dir=root / "node-a" / "data",
+                                  tokenizer=None, max_step=2, **ONE_PROCESS))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (root / "node-a").rename(root / "node-b")
+    return MovedRun(data=root / "node-b" / "data", out_dir=root / "node-b" / "run", trained_on=root / "node-a" / "data")
 
 
 def train_args(tiny: TinySetup, out_dir: Path, **overrides: object) -> list[str]:

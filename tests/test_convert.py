@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -387,3 +388,38 @@ def test_dry_run_lists_the_files_and_sends_nothing(full_run, tmp_path, monkeypat
             "--push_to_hub", "me/tiny", "--dry_run", "true")
     listing = capsys.readouterr().out
     assert "would upload to me/tiny" in listing and "model.safetensors" in listing and "config.json" in listing
+
+
+def test_a_run_converts_on_its_own_once_its_data_folder_moved(tiny, moved_run, tmp_path, capsys) -> None:
+    """The checkpoint records the tokenizer's path only; the run keeps a copy in out_dir/tokenizer/, which the
+    converter takes once that path is gone. It failed with "--tokenizer .../node-a/data/tokenizer: cannot load it",
+    blaming a flag the user never gave."""
+    assert read_checkpoint(moved_run.out_dir / "checkpoints" / "step-00000002.ckpt")["tokenizer"] == str(
+        moved_run.trained_on / "tokenizer")
+    run = tmp_path / "run"
+    shutil.copytree(moved_run.out_dir, run)
+    convert("--checkpoint", run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    written, prepared = (AutoTokenizer.from_pretrained(path) for path in (tmp_path / "hf", tiny.tokenizer))
+    assert written.get_vocab() == prepared.get_vocab()
+    capsys.readouterr()
+    shutil.rmtree(run / "tokenizer")
+    assert refused(capsys, "--checkpoint", run, "--output_dir", tmp_path / "hf2").endswith(
+        f"the run's tokenizer {moved_run.trained_on / 'tokenizer'} no longer exists and {run / 'tokenizer'} has "
+        "none; give --tokenizer PATH; see convert_to_hf.py --help")
+
+
+def test_a_tokenizer_already_in_out_dir_is_never_replaced_by_another(tiny, moved_run, tmp_path, capfd) -> None:
+    from app.training.preflight import preflight
+    from arguments import parse_config
+
+    run = tmp_path / "run"
+    shutil.copytree(moved_run.out_dir, run)
+    other = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    other.add_special_tokens({"additional_special_tokens": ["<|other|>"]})
+    shutil.rmtree(run / "tokenizer")
+    other.save_pretrained(run / "tokenizer")
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, run, train_data_dir=moved_run.data, tokenizer=None, resume=True)))
+    assert exit_info.value.code == 2
+    assert f"{run / 'tokenizer'} is not the run's tokenizer" in capfd.readouterr().err
+    assert "<|other|>" in AutoTokenizer.from_pretrained(run / "tokenizer").get_vocab(), "left as it was"

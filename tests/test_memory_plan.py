@@ -240,6 +240,24 @@ def test_plans_without_a_data_folder_from_block_size(tmp_path, capfd) -> None:
     assert "--block_size 8192: only for --estimate_memory true" in capfd.readouterr().err
 
 
+def test_a_config_naming_data_not_prepared_yet_plans_from_block_size(tiny, tmp_path, capfd) -> None:
+    """configs/demo.yaml before `make demo`: its train_data_dir does not exist yet, and --block_size says all the
+    plan needs of data. It was refused: "--train_data_dir demo/data: no such folder". A run still needs the folder."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_config: {tiny.model_config}\ntrain_data_dir: {tmp_path / 'not-yet'}\n"
+                      f"out_dir: {tmp_path / 'run'}\naccelerator: cpu\ndevices: 1\nstrategy: single_device\n"
+                      "wandb_mode: disabled\n")
+    run(parse_config(["--config", str(config), "--estimate_memory", "true", "--block_size", "64",
+                      "--device_memory_gb", "80"]))
+    captured = capfd.readouterr()
+    assert "activations (1 x 64 tokens)" in captured.out and "error" not in captured.err, captured
+    assert f"without --train_data_dir ({tmp_path / 'not-yet'}: not prepared yet)" in captured.out
+    with pytest.raises(SystemExit) as exit_info:
+        run(parse_config(["--config", str(config)]))
+    assert exit_info.value.code == EXIT_BAD_INPUT
+    assert f"--train_data_dir {tmp_path / 'not-yet'}: no such folder" in capfd.readouterr().err
+
+
 def test_the_shipped_config_plans_without_data_a_gpu_or_a_wandb_login(tmp_path, capfd, monkeypatch) -> None:
     """The README's planning line with configs/llama3-8b-continual.yaml: its warmup, W&B online mode and GPU
     accelerator concern the run, not its plan (the warmup was compared with the one step the stand-in data holds);

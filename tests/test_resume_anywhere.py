@@ -214,3 +214,72 @@ def test_a_resume_at_a_larger_global_batch_trains_the_epochs_left_and_resumes_ag
     assert_succeeded(run_train(train_args(tiny, again, **one, micro_batch_size=64, global_batch_size=256,
                                           max_step=None, number_epochs=2, save_step_interval=1, resume=True)))
     assert recorded_rows(again)[32] == recorded_rows(larger)[32]
+
+
+def test_a_run_resumes_where_its_data_and_out_dir_moved_to(tiny, moved_run, tmp_path) -> None:
+    """Preempted, then resumed on another node where the mount differs: the data folder (renamed too) and the run
+    folder lie elsewhere. The folder is known by what it holds (stats.json, rows), not by its path; it was refused:
+    "the checkpoint was trained on .../node-a/data; a resumed run keeps those folders in that order"."""
+    shutil.copytree(moved_run.data, tmp_path / "corpus")
+    shutil.copytree(moved_run.out_dir, tmp_path / "run")
+    resumed = run_train(train_args(tiny, tmp_path / "run", train_data_dir=tmp_path / "corpus", tokenizer=None,
+                                   max_step=4, resume=True, devices=1, strategy="single_device",
+                                   gradient_accumulation_steps=None, warmup_steps=0, eval_step_interval=2,
+                                   save_step_interval=2))
+    assert_succeeded(resumed)
+    assert "at step 2" in resumed.stdout + resumed.stderr
+    recorded = read_metadata(list_checkpoints(tmp_path / "run")[4])["data_folders"]
+    assert [folder["path"] for folder in recorded] == [str(tmp_path / "corpus")], "the next resume compares these"
+
+
+def resumed_data_problems(tiny, moved_run, spec: str, metadata: dict) -> list[str]:
+    """What the preflight's resume check says of --train_data_dir `spec` against a checkpoint's `metadata`."""
+    from app.training.preflight import Resume, check_data, check_data_resume
+
+    problems: list[str] = []
+    data = check_data(parse_config(train_args(tiny, moved_run.out_dir, train_data_dir=spec)), problems)
+    check_data_resume(data, Resume(Path("step-00000002.ckpt"), metadata), problems)
+    return problems
+
+
+def test_a_resumed_folder_must_hold_the_checkpoints_data_wherever_it_lies(tiny, moved_run, tmp_path) -> None:
+    saved = read_metadata(list_checkpoints(moved_run.out_dir)[2])
+    assert saved["data_folders"][0]["path"] == str(moved_run.trained_on)
+    assert resumed_data_problems(tiny, moved_run, str(moved_run.data), saved) == []
+    other = tmp_path / "data"
+    shutil.copytree(moved_run.data, other)
+    stats = json.loads((other / "stats.json").read_text())
+    (other / "stats.json").write_text(json.dumps(stats | {"input": ["other.txt"]}))
+    problems = resumed_data_problems(tiny, moved_run, str(other), saved)
+    assert len(problems) == 1 and f"{other} is not folder 1 the checkpoint was trained on" in problems[0]
+    assert "its stats.json differs" in problems[0], problems
+
+
+def test_a_checkpoint_that_records_only_paths_resumes_on_a_folder_of_that_name_once_the_path_is_gone(
+        tiny, moved_run, tmp_path) -> None:
+    """Checkpoints written before data_folders: their --train_data_dir, relative to where they were trained."""
+    saved = read_metadata(list_checkpoints(moved_run.out_dir)[2])
+    earlier = {key: value for key, value in saved.items() if key != "data_folders"}
+    earlier["config"] = earlier["config"] | {"train_data_dir": "node-a/data"}
+    earlier["cwd"] = str(moved_run.trained_on.parent.parent)
+    assert resumed_data_problems(tiny, moved_run, str(moved_run.data), earlier) == []
+    shutil.copytree(moved_run.data, tmp_path / "corpus")
+    problems = resumed_data_problems(tiny, moved_run, str(tmp_path / "corpus"), earlier)
+    assert len(problems) == 1 and "records paths only" in problems[0], problems
+
+
+def test_a_moved_mixture_keeps_its_folders_names_and_order(tiny, moved_run, tmp_path) -> None:
+    """A mixture's positions and seeds are kept per folder name: a moved folder of another name must be named as
+    before; new weights and a folder added at the end are fine, another order is not."""
+    shutil.copytree(moved_run.data, tmp_path / "small")
+    saved = read_metadata(list_checkpoints(moved_run.out_dir)[2])
+    mixture = saved | {"data_folders": [
+        saved["data_folders"][0] | {"name": "data"}, saved["data_folders"][0] | {"name": "small"}]}
+    assert resumed_data_problems(tiny, moved_run, f"{moved_run.data}:1,{tmp_path / 'small'}:1", mixture) == []
+    assert resumed_data_problems(tiny, moved_run, f"{moved_run.data}:3,{tmp_path / 'small'}:1,"
+                                                  f"extra={moved_run.data}:1", mixture) == []
+    renamed = tmp_path / "corpus"
+    shutil.copytree(moved_run.data, renamed)
+    problems = resumed_data_problems(tiny, moved_run, f"{renamed}:1,{tmp_path / 'small'}:1", mixture)
+    assert len(problems) == 1 and "name it: data=FOLDER:WEIGHT" in problems[0], problems
+    assert resumed_data_problems(tiny, moved_run, f"{tmp_path / 'small'}:1,{moved_run.data}:1", mixture)

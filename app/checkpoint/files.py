@@ -29,6 +29,20 @@ def checkpoint_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
+def run_tokenizer_dir(out_dir: str | Path) -> Path:
+    """The copy of its tokenizer a run keeps beside its checkpoints, so that it converts without its data folder."""
+    return Path(out_dir) / "tokenizer"
+
+
+def run_folder_of(checkpoint: Path) -> Optional[Path]:
+    """The run folder (out_dir) a checkpoint lies in: `<run>/checkpoints/step-N.ckpt`, also under rolled-back/; None
+    for a checkpoint copied elsewhere."""
+    for folder in checkpoint.absolute().parents:
+        if folder.name == checkpoint_dir(".").name:
+            return folder.parent
+    return None
+
+
 def checkpoint_path(out_dir: str | Path, step: int) -> Path:
     return checkpoint_dir(out_dir) / f"step-{step:08d}.ckpt"
 

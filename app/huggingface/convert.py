@@ -37,7 +37,8 @@ from torch.nn import Module
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints,
-                            read_metadata as read_checkpoint_metadata, read_model_weights, stored_tensor_shapes)
+                            read_metadata as read_checkpoint_metadata, read_model_weights, run_folder_of,
+                            run_tokenizer_dir, stored_tensor_shapes)
 from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
@@ -196,28 +197,58 @@ def resolve_model_config(args: Args, metadata: dict[str, Any]) -> PretrainedConf
     return config
 
 
-def resolve_tokenizer(args: Args, metadata: dict[str, Any]) -> str:
-    """--tokenizer, else what the run recorded, else the data folder's tokenizer/, else the trained model's."""
+def resolve_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) -> str:
+    """--tokenizer; else the run's: the first that loads of the copy train.py keeps in the run folder
+    (`<run>/tokenizer`: the one it trained with, even after the data folder was prepared again, moved or deleted),
+    what it recorded (a path or hub id), the data folder's tokenizer/, the trained model's."""
+    if args.tokenizer:
+        return args.tokenizer
     run = metadata.get("config") or {}
     from app.data.mixture import first_folder  # not at the top: app.data imports datasets, which conversion needs not
 
+    recorded = from_where_trained(metadata, metadata.get("tokenizer"))
+    folder = run_folder_of(checkpoint)
+    kept = run_tokenizer_dir(folder) if folder else None
     bundled = Path(first_folder(run["train_data_dir"])) / "tokenizer" if run.get("train_data_dir") else None
-    candidates = [args.tokenizer, metadata.get("tokenizer"),
+    candidates = [str(kept) if kept and kept.is_dir() else None, recorded,
                   str(bundled) if bundled and bundled.is_dir() else None, run.get("model_name")]
-    name = next((c for c in candidates if c), None)
-    if name is None:
+    names = list(dict.fromkeys(c for c in candidates if c))
+    if not names:
         raise BadInput(f"--checkpoint {args.checkpoint} records no tokenizer; give --tokenizer")
-    return name
+    found = next((name for name in names if tokenizer_problem(name) is None), None)
+    if found:
+        return found
+    if not recorded:
+        return names[0]  # check_tokenizer says why it does not load
+    state = ("no longer exists" if not Path(recorded).exists() and not HUB_ID.fullmatch(recorded)
+             else f"does not load ({tokenizer_problem(recorded)})")
+    where = f"{kept} has none" if kept else "the checkpoint lies in no run folder (<run>/checkpoints/)"
+    raise BadInput(f"--checkpoint {args.checkpoint}: the run's tokenizer {recorded} {state} and {where}; give "
+                   "--tokenizer PATH")
+
+
+def tokenizer_problem(name: str) -> Optional[str]:
+    """Why the tokenizer `name` does not load; None when it does."""
+    try:
+        AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def from_where_trained(metadata: dict[str, Any], path: Optional[str]) -> Optional[str]:
+    """A relative path the run recorded that is not there from here, taken from where training ran when the
+    checkpoint records it (`cwd`)."""
+    if not path or Path(path).is_absolute() or Path(path).exists():
+        return path
+    where = metadata.get("cwd") or (metadata.get("config") or {}).get("cwd")
+    return str(Path(where) / path) if where and (Path(where) / path).exists() else path
 
 
 def recorded_base_model(metadata: dict[str, Any]) -> Optional[str]:
     """The run's --model_name; a relative path that is not there from here is taken from where training ran, when
     the checkpoint records it (`cwd`), so the base model's generation config and name are found."""
-    base = (metadata.get("config") or {}).get("model_name")
-    if not base or Path(base).is_absolute() or Path(base).exists():
-        return base
-    where = metadata.get("cwd") or (metadata.get("config") or {}).get("cwd")
-    return str(Path(where) / base) if where and (Path(where) / base).exists() else base
+    return from_where_trained(metadata, (metadata.get("config") or {}).get("model_name"))
 
 
 def hub_id(base: Optional[str]) -> Optional[str]:
@@ -353,7 +384,7 @@ def plan(args: Args) -> list[Job]:
         if args.model_config or args.model_name:
             check_override(args, metadata, config)
             check_ties_keep_weights(args, checkpoint, config, shapes)
-        tokenizer = resolve_tokenizer(args, metadata)
+        tokenizer = resolve_tokenizer(args, metadata, checkpoint)
         check_tokenizer(tokenizer, config)
         base_model = args.model_name or recorded_base_model(metadata)
         jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes, base_model))

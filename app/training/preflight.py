@@ -11,7 +11,7 @@ import copy
 import os
 import shutil
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -24,11 +24,13 @@ from torch.nn import Module
 from transformers import AutoTokenizer, PretrainedConfig
 from transformers.utils import is_flash_attn_2_available
 
-from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, stored_tensor_shapes
+from app.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, run_tokenizer_dir,
+                            stored_tensor_shapes)
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
 from app.data.formats import Layout
+from app.data.identity import folder_identity, identity_difference, same_folder_by_path
 from app.data.mixture import Source, describe, epoch_rows, first_folder, parse_sources
 from app.distributed.precision import bf16_rounding_note, bf16_support_problem, fp32_modules_problem, weights_dtype
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
@@ -69,6 +71,8 @@ class RunInputs:
     """A mixture's folders, one line each (app/data/mixture.py describe); empty for one folder."""
     target_block_size: int = 0
     """Seq2seq data's longest target, for the memory planner; 0 for the other formats."""
+    data_folders: list[dict] = field(default_factory=list)
+    """What identifies each data folder (app/data/identity.py), recorded by every checkpoint for a resume anywhere."""
 
 
 @dataclass
@@ -95,6 +99,8 @@ class DataFacts:
     sources: Optional[list[Source]] = None
     """A mixture's folders (app/data/mixture.py), with `source_rows` their train rows; None for one folder."""
     source_rows: Optional[list[int]] = None
+    identities: list[dict] = field(default_factory=list)
+    """Each folder's identity (app/data/identity.py), in the order of --train_data_dir."""
 
 
 def launching_process() -> bool:
@@ -124,7 +130,28 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
     facts = [check_folder(Path(source.path), problems, mixed=len(sources) > 1) for source in sources]
     if any(fact is None for fact in facts):
         return None
-    return mixture_facts(sources, facts, problems) if len(sources) > 1 else facts[0]
+    together = mixture_facts(sources, facts, problems) if len(sources) > 1 else facts[0]
+    identities = [folder_identity(source.name, source.path, fact.train_rows, fact.validation_rows)
+                  for source, fact in zip(sources, facts)]
+    return replace(together, identities=identities) if together is not None else None
+
+
+def reads_data(cfg: Config) -> bool:
+    """Whether the preflight reads --train_data_dir: always for a run; for a plan with --block_size only when its
+    folders are there. That plan takes its blocks from --block_size, so a config naming a folder not prepared yet
+    (configs/demo.yaml before `make demo`) must not stop it; a folder that is there still gives its rows."""
+    if not cfg.train_data_dir:
+        return False
+    if not (cfg.estimate_memory and cfg.block_size):
+        return True
+    try:
+        missing = [source.path for source in parse_sources(cfg.train_data_dir) if not Path(source.path).is_dir()]
+    except ValueError:
+        return True  # check_data says why
+    if missing:
+        note(f"--estimate_memory: planning blocks of --block_size {cfg.block_size} tokens without --train_data_dir "
+             f"({', '.join(missing)}: not prepared yet)")
+    return not missing
 
 
 def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[str]) -> Optional[DataFacts]:
@@ -161,20 +188,55 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
                      source_rows=[fact.train_rows for fact in facts])
 
 
-def check_mixture_resume(cfg: Config, resume: Optional[Resume], problems: list[str]) -> None:
-    """A resumed mixture keeps the checkpoint's folders in their order (its quarantined rows and positions are
-    numbered by them); weights may change and folders may be added at the end."""
-    saved = (resume.metadata.get("config") or {}).get("train_data_dir") if resume else None
-    if not saved or not cfg.train_data_dir:
+def check_data_resume(data: Optional[DataFacts], resume: Optional[Resume], problems: list[str]) -> None:
+    """A resumed run reads the checkpoint's folders in their order: its position counts rows of that order, a
+    mixture's positions and seeds are kept per folder name and its quarantined rows are numbered folder after folder.
+    Weights may change and folders may be added at the end. Folders are compared by what they hold
+    (app/data/identity.py), not by path: a preempted run resumes on another node, mount or working directory."""
+    if resume is None or data is None:
         return
+    before = recorded_folders(resume.metadata)
+    if not before:
+        return
+    now = data.identities
+    listed = ", ".join(folder["path"] for folder in before)
+    keep = "a resumed run keeps those folders in that order, wherever they lie (weights may change, folders may be " \
+           "added after them)"
+    if len(now) < len(before):
+        problems.append(f"--train_data_dir: the checkpoint was trained on {listed}; {keep}")
+        return
+    for place, (saved, given) in enumerate(zip(before, now), start=1):
+        why = folder_mismatch(saved, given, mixture=len(before) > 1)
+        if why:
+            problems.append(f"--train_data_dir: {given['path']} is not folder {place} the checkpoint was trained on "
+                            f"({saved['path']}): {why}; {keep}")
+            return
+
+
+def recorded_folders(metadata: dict) -> list[dict]:
+    """The checkpoint's folders: their identities, or for a checkpoint that records none (before data_folders) their
+    names and paths from its --train_data_dir, relative ones taken from where it was trained (`cwd`)."""
+    if metadata.get("data_folders"):
+        return metadata["data_folders"]
+    spec = (metadata.get("config") or {}).get("train_data_dir")
     try:
-        before, now = ([Path(source.path).resolve() for source in parse_sources(spec)]
-                       for spec in (saved, cfg.train_data_dir))
+        sources = parse_sources(spec) if spec else []
     except ValueError:
-        return
-    if now[:len(before)] != before:
-        problems.append(f"--train_data_dir: the checkpoint was trained on {', '.join(map(str, before))}; a resumed run keeps "
-                        "those folders in that order (weights may change, folders may be added after them)")
+        return []
+    trained_in = Path(metadata.get("cwd") or ".")
+    return [{"name": source.name, "path": str(trained_in / source.path)} for source in sources]
+
+
+def folder_mismatch(saved: dict, given: dict, mixture: bool) -> Optional[str]:
+    """Why `given` cannot stand for the checkpoint's folder `saved`; None when it can."""
+    if mixture and saved["name"] != given["name"]:
+        return (f"the mixture keeps its position and seeds per name and this one was named {saved['name']} (name it: "
+                f"{saved['name']}=FOLDER:WEIGHT)")
+    if "stats_sha256" in saved:
+        return identity_difference(saved, given)
+    if not same_folder_by_path(Path(saved["path"]), Path(given["path"])):
+        return "another folder (this checkpoint records paths only: give that folder, or one of its name if it moved)"
+    return None
 
 
 def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Optional[DataFacts]:
@@ -377,6 +439,23 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
             problems.append(f"--tokenizer {name} is not the tokenizer --train_data_dir was prepared with ({bundled}): "
                             f"{difference}; drop --tokenizer (the run records the data's), or prepare the data with it")
     return name
+
+
+def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[str]) -> None:
+    """The run keeps a copy of its tokenizer in out_dir/tokenizer/ (run.py keep_tokenizer_with_run); one already
+    there (a resumed run's, or an earlier attempt's) must be the same tokenizer: it is never replaced."""
+    kept = run_tokenizer_dir(cfg.out_dir)
+    if tokenizer is None or not kept.exists():
+        return
+    try:
+        difference = tokenizer_difference(AutoTokenizer.from_pretrained(str(kept)),
+                                          AutoTokenizer.from_pretrained(tokenizer,
+                                                                        trust_remote_code=cfg.trust_remote_code))
+    except (OSError, ValueError) as error:
+        difference = f"it does not load ({str(error).splitlines()[0]})"
+    if difference:
+        problems.append(f"--out_dir {cfg.out_dir}: {kept} is not the run's tokenizer {tokenizer} ({difference}); "
+                        "move it away (it is never replaced), or choose another --out_dir")
 
 
 def tokenizer_difference(given, prepared) -> Optional[str]:
@@ -653,7 +732,7 @@ def preflight(cfg: Config) -> RunInputs:
     """Check everything; exit with status 2 and one line per problem, or return what the run needs."""
     problems: list[str] = []
     cfg = resolve_wandb(cfg, problems)
-    data = check_data(cfg, problems) if cfg.train_data_dir else None
+    data = check_data(cfg, problems) if reads_data(cfg) else None
     model_config = check_model(cfg, problems)
     check_runs_here(cfg, problems)
     wrap_classes: set[type[Module]] = set()
@@ -670,13 +749,14 @@ def preflight(cfg: Config) -> RunInputs:
             packed_layout = check_packed_isolation(cfg, model_config, data, problems)
     chunked_loss = check_chunked_loss(cfg, model_config) if attention_works else False
     resume = resolve_resume(cfg, model_config, problems)
-    check_mixture_resume(cfg, resume, problems)
+    check_data_resume(data, resume, problems)
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
     if data is not None:
         check_samples(cfg, data, tokenizer, problems, model_config)
     if not cfg.estimate_memory:  # planning writes nothing
         check_out_dir(cfg, model_config, problems)
+        check_run_tokenizer(cfg, tokenizer, problems)
     check_precision(cfg, model_config, problems)
     check_offload(cfg, problems)
     if not cfg.estimate_memory:  # planning logs nothing and starts no node: it plans a cluster from a laptop
@@ -694,4 +774,5 @@ def preflight(cfg: Config) -> RunInputs:
                      resume_step=resume.metadata["step"] if resume else None,
                      packed_layout=packed_layout, chunked_loss=chunked_loss,
                      mixture=describe(data.sources, data.source_rows) if data and data.sources else "",
-                     target_block_size=data.target_block_size if data else 0)
+                     target_block_size=data.target_block_size if data else 0,
+                     data_folders=data.identities if data else [])

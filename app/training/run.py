@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 from contextlib import nullcontext, redirect_stdout
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from lightning_fabric import Fabric
 
-from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng, set_aside_newer
+from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng, run_tokenizer_dir, set_aside_newer
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
 from app.distributed.device_memory import expandable_segments
@@ -113,7 +114,8 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "config": cfg.to_dict(),
         "cwd": os.getcwd(),  # where the config's relative paths (--model_name) lead: convert_to_hf.py reads from it
         "model_config": inputs.model_config.to_dict(),
-        "tokenizer": inputs.tokenizer,
+        "tokenizer": inputs.tokenizer,  # as given; out_dir/tokenizer/ holds a copy (keep_tokenizer_with_run)
+        "data_folders": inputs.data_folders,  # what identifies each data folder, for a resume from anywhere
     }
 
 
@@ -146,14 +148,33 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
               flush=True)
 
 
-def write_run_files(fabric: Fabric, cfg: Config) -> None:
+def write_run_files(fabric: Fabric, cfg: Config, tokenizer: Optional[str]) -> None:
     from arguments import config_to_yaml
 
     if fabric.is_global_zero:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.yaml").write_text(config_to_yaml(cfg))
+        keep_tokenizer_with_run(Path(cfg.out_dir), tokenizer, cfg.trust_remote_code)
     for logger in fabric.loggers:
         logger.log_hyperparams(cfg.to_dict())
+
+
+def keep_tokenizer_with_run(out_dir: Path, tokenizer: Optional[str], trust_remote_code: bool) -> None:
+    """A copy of the run's tokenizer in out_dir/tokenizer/, so that the run converts on its own after its data folder
+    moved or was deleted (the checkpoint records only the tokenizer's path or hub id). Written once, under a temporary
+    name renamed into place; one already there is the same tokenizer (the preflight refuses another) and is kept."""
+    kept = run_tokenizer_dir(out_dir)
+    if tokenizer is None or kept.exists():
+        return
+    staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    if Path(tokenizer).is_dir():  # its files as prepare_data.py saved them
+        shutil.copytree(tokenizer, staging)
+    else:  # a hub id: what transformers loads from it
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code).save_pretrained(str(staging))
+    staging.rename(kept)
 
 
 def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, start_step: int) -> StepClock:
@@ -226,7 +247,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     state = initial_state(model, optimizer, cfg, inputs)
     if inputs.resume_from:
         resume(fabric, cfg, inputs.resume_from, state, inputs.plan)
-    write_run_files(fabric, cfg)
+    write_run_files(fabric, cfg, inputs.tokenizer)
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} tokens "
                  f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)"
