@@ -9,6 +9,7 @@ plot_metrics.py, generate.py and show_samples.py.
   (`--input a.jsonl b.jsonl`, `--auto_wrap_policy LlamaDecoderLayer`); the YAML/bracket forms still work.
 - A bad command line is one line on stderr ending with "see <prog> --help", exit status 2: no usage dump, no
   traceback, nothing written.
+- Progress bars of the libraries only on a terminal (`bars_only_on_a_terminal`): in a log they are noise.
 
 jsonargparse does the typed parsing; this module only shapes how it meets a shell and what a refusal looks like.
 """
@@ -19,7 +20,8 @@ import os
 import re
 import sys
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -163,3 +165,22 @@ def run_command(prog: str, work: Callable[[], Any]) -> Any:
         return work()
     except UsageError as error:
         refuse(prog, str(error))
+
+
+@contextmanager
+def bars_only_on_a_terminal() -> Iterator[None]:
+    """transformers' and huggingface_hub's progress bars ("Loading weights", "Writing model shards") off when stderr
+    is no terminal: in a log (Slurm, CI, `2> file`) their carriage returns make unreadable lines. Imported here, not
+    at the top: a command's --help and refusals need no transformers."""
+    if sys.stderr.isatty():
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()

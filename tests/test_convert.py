@@ -19,6 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 import app.huggingface.convert as converter
 from app.huggingface.convert import main as convert_main
 from app.huggingface.generate import GenerateArgs, generate
+from app.huggingface.generate import main as generate_main
+from app.huggingface.prefetch import main as prefetch_main
 from tests.conftest import ROOT, read_checkpoint, run_train, train_args
 from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS
 
@@ -378,7 +380,9 @@ def test_an_upload_that_fails_keeps_the_verified_folder_and_says_how_to_push_it(
         line.endswith(f"The verified folder {tmp_path / 'hf'} is kept: push it without converting again with "
                       f"`hf upload me/tiny {tmp_path / 'hf'} --private --revision dev --commit-message "
                       f"'Upload hf'`"), line  # as asked: without --private, hf upload may make a public repository
+    assert "prefetch.py" not in line, "prefetch.py downloads: nothing to do with an upload"
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert "Writing model shards" not in errors and "Loading weights" not in errors, "progress bars in a log"
 
 
 def test_dry_run_lists_the_files_and_sends_nothing(full_run, tmp_path, monkeypatch, capsys) -> None:
@@ -423,3 +427,26 @@ def test_a_tokenizer_already_in_out_dir_is_never_replaced_by_another(tiny, moved
     assert exit_info.value.code == 2
     assert f"{run / 'tokenizer'} is not the run's tokenizer" in capfd.readouterr().err
     assert "<|other|>" in AutoTokenizer.from_pretrained(run / "tokenizer").get_vocab(), "left as it was"
+
+
+def test_generate_refuses_chat_for_a_model_without_a_chat_template_in_one_line(tiny, tmp_path, capsys) -> None:
+    """`generate.py MODEL --chat true` on a model whose tokenizer has no chat template ended in transformers'
+    ValueError traceback, exit 1."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    model.save_pretrained(tmp_path / "plain")
+    AutoTokenizer.from_pretrained(tiny.tokenizer).save_pretrained(tmp_path / "plain")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(tmp_path / "plain"), "--chat", "true"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"generate.py: error: MODEL {tmp_path / 'plain'} has no chat template; drop --chat; see generate.py --help"]
+
+
+@pytest.mark.parametrize("main, heading", [(generate_main, "Generation:"), (prefetch_main, "Repositories:")])
+def test_help_groups_are_named_like_the_other_commands(main, heading, capsys) -> None:
+    """A dataclass without a docstring showed its generated signature as the help group's heading."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert exit_info.value.code == 0 and f"\n{heading}\n" in help_text and "Args(" not in help_text, help_text

@@ -12,14 +12,17 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+import huggingface_hub.constants
 import pytest
 
-from app.huggingface.prefetch import dataset_config_patterns, model_file_patterns, offline_hint
+from app.hub import offline_hint
+from app.huggingface.prefetch import dataset_config_patterns, model_file_patterns
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-org/tiny-llama"
@@ -297,3 +300,67 @@ def test_huggingface_hub_1_http_errors_are_caught_too(monkeypatch):
     monkeypatch.delitem(sys.modules, "app.huggingface.prefetch")
     prefetch = importlib.import_module("app.huggingface.prefetch")
     assert httpx.TransportError in prefetch.HUB_ERRORS
+
+
+@pytest.fixture
+def hub_asked_afresh(monkeypatch):
+    """app.hub asks the Hub once per process: each test asks anew, with the Hub and the cache it sets."""
+    from app import hub
+
+    hub.hub_reachable.cache_clear()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    yield hub
+    hub.hub_reachable.cache_clear()
+
+
+def test_a_hub_that_does_not_answer_is_given_up_on_after_the_short_timeout(hub_asked_afresh, monkeypatch):
+    """A name lookup can hang past any socket timeout: the probe runs in a thread with a deadline."""
+    monkeypatch.setattr(hub_asked_afresh, "PROBE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(hub_asked_afresh, "ask_hub", lambda: time.sleep(30))
+    start = time.monotonic()
+    assert hub_asked_afresh.hub_reachable() is False
+    assert time.monotonic() - start < 5
+
+
+def test_train_without_the_hub_refuses_an_uncached_model_at_once_naming_prefetch(tiny, tmp_path, capsys, monkeypatch,
+                                                                                 hub_asked_afresh):
+    """No network and no HF_HUB_OFFLINE: huggingface_hub retried each file for over a minute, logging each retry; then
+    "check the name" without the prefetch.py command, and a false note that the model has no tokenizer. A missing
+    local folder (demo/hf-model before `make demo`) was looked up on the Hub the same way: the line says both."""
+    from app.training.preflight import preflight
+    from arguments import parse_config
+    from tests.conftest import train_args
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    args = train_args(tiny, tmp_path / "out", model_config=None, model_name="demo/hf-model", tokenizer=None,
+                      train_data_dir=None, estimate_memory=True, block_size=32)
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(args))
+    output = capsys.readouterr()
+    assert exit_info.value.code == 2 and time.monotonic() - start < 20
+    assert output.err.strip().splitlines() == [
+        f"error: --model_name demo/hf-model: no folder demo/hf-model in {tmp_path}, and no Hub model of that name in "
+        "the Hugging Face cache, while http://127.0.0.1:9 cannot be reached: for a Hub model, run `python prefetch.py "
+        "--model demo/hf-model` on a machine with internet access using the same HF_HOME, then set HF_HUB_OFFLINE=1"]
+    assert "tokenizer" not in output.out
+
+
+def test_preflight_says_a_model_folder_without_a_tokenizer_has_none_and_a_broken_one_does_not_load(tiny, tmp_path,
+                                                                                                   capsys):
+    """"has none" only where it is true: a tokenizer that is there but does not load says why."""
+    from types import SimpleNamespace
+
+    from app.training.preflight import resolve_tokenizer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    cfg = SimpleNamespace(tokenizer=None, train_data_dir=None, model_name=str(folder), trust_remote_code=False)
+    assert resolve_tokenizer(cfg, None, []) is None
+    assert capsys.readouterr().out.strip() == f"no tokenizer recorded with this run: {folder} has none"
+    (folder / "tokenizer_config.json").write_text("{not json")
+    assert resolve_tokenizer(cfg, None, []) is None
+    note = capsys.readouterr().out.strip()
+    assert note.startswith(f"no tokenizer recorded with this run: {folder}'s tokenizer does not load ("), note

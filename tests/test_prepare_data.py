@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -451,3 +452,36 @@ def test_a_list_of_strings_field_becomes_one_document_joined_by_spaces(tmp_path,
         pieces, tail, _ = recover_documents(tmp_path / "out", split)
         recovered += pieces + ([tokenizer.decode(tail, skip_special_tokens=True)] if tail else [])
     assert sorted(recovered) == sorted(" ".join(game["Moves"]) for game in games)
+
+
+def test_a_hub_tokenizer_without_the_hub_is_refused_at_once_naming_prefetch(tmp_path):
+    """No network and no HF_HUB_OFFLINE: huggingface_hub retried for over a minute, logging each retry, and the line
+    gave no way forward; the Hub is asked once, briefly, and the line names the prefetch.py command."""
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "x = 1\n"}) + "\n")
+    env = {**cli_env(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
+           "HF_HUB_CACHE": str(tmp_path / "hub")}
+    result = subprocess.run([sys.executable, str(REPO / "prepare_data.py"), "--input", "docs.jsonl", "--tokenizer",
+                             "nobody/missing-tokenizer", "--output_dir", "out"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("prepare_data.py: error: --tokenizer nobody/missing-tokenizer: no folder "), lines
+    assert "run `python prefetch.py --model nobody/missing-tokenizer`" in lines[0]
+    assert "Retry" not in result.stdout + result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_vocabulary_too_small_for_the_characters_says_how_large_it_must_be(tmp_path, capsys):
+    """SentencePiece needs a piece for every distinct character (and its byte and special pieces): the refusal said
+    the text was too small, when it was too varied for --vocab_size; it says the size that is enough."""
+    alphabet = "".join(chr(c) for c in range(0xC0, 0x180))
+    texts = [f"def f{i}(x):\n    return '{alphabet[i:] + alphabet[:i]}'\n" for i in range(100)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    argv = ["--input", str(tmp_path / "docs.jsonl"), "--block_size", "8", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--vocab_size", "300"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(error) == 1, error
+    enough = re.search(r"--vocab_size 300: the vocabulary must hold every distinct character of the training text, "
+                       r"and its byte and special pieces; raise --vocab_size to at least (\d+);", error[0])
+    assert enough and int(enough.group(1)) > 300, error
+    assert main([*argv, "--vocab_size", enough.group(1)])["vocab_size"] == int(enough.group(1))

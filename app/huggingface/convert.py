@@ -42,7 +42,7 @@ from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list
 from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
-from app.cli import UsageError, command_parser, parse, run_command
+from app.cli import UsageError, bars_only_on_a_terminal, command_parser, parse, run_command
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import HubArgs, describe_upload, login_problem, push_folder
 from app.model.build import meta_model, model_class
@@ -666,7 +666,7 @@ def run(args: Args) -> None:
             print(describe_upload(folder, args))
         else:
             try:
-                with reported_as("--push_to_hub", args.push_to_hub):
+                with reported_as("--push_to_hub", args.push_to_hub, upload=True):
                     url = push_folder(folder, args, default_message=f"Upload {folder.name} (step {jobs[0].step})")
             except PrefetchError as error:
                 raise PushFailed(f"{error}. The verified folder {folder} is kept: push it without converting again "
@@ -677,7 +677,8 @@ def run(args: Args) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: one line on stderr and exit 2 for bad input, exit 1 when verification or the upload fails."""
     try:
-        run_command("convert_to_hf.py", lambda: run(parse_args(argv)))
+        with bars_only_on_a_terminal():
+            run_command("convert_to_hf.py", lambda: run(parse_args(argv)))
     except (VerificationFailed, PushFailed) as error:
         print(f"convert_to_hf.py: error: {error}", file=sys.stderr)
         sys.exit(EXIT_VERIFY_FAILED)

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from app import cli
+from app.hub import quiet_hub, unreachable_problem
 from app.model.build import model_class
 
 PROG = "generate.py"
@@ -20,6 +21,8 @@ PROG = "generate.py"
 
 @dataclass
 class GenerateArgs:
+    """Generation"""
+
     model: str
     """Folder written by convert_to_hf.py (or any Hugging Face causal LM or encoder-decoder)."""
     prompt: str = "def "
@@ -55,12 +58,9 @@ def sampling(args: GenerateArgs, own_config: Any) -> dict[str, Any]:
 def generate(args: GenerateArgs) -> str:
     """What the model writes: a plain prompt and its continuation, or a chat message (a source) and the answer,
     then how many tokens it wrote and why it stopped (a stop token of its generation config, or the limit)."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        config = AutoConfig.from_pretrained(args.model)
-    except (OSError, ValueError) as error:
-        raise cli.UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load "
-                             f"({str(error).strip().splitlines()[0]}); give a folder written by convert_to_hf.py")
+    tokenizer, config = load_tokenizer_and_config(args)
+    if args.chat and not tokenizer.chat_template:
+        raise cli.UsageError(f"MODEL {args.model} has no chat template; drop --chat")
     model = model_class(config).from_pretrained(args.model).eval()
     inputs = model_input(tokenizer, args)
     torch.manual_seed(args.seed)
@@ -72,6 +72,20 @@ def generate(args: GenerateArgs) -> str:
     text = f"{args.prompt}\n--> {written}" if answers else args.prompt + written
     ending = why_it_stopped(new_tokens.tolist(), model.generation_config, tokenizer)
     return f"{text}\n({len(new_tokens)} new tokens, {ending})"
+
+
+def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
+    """The folder's (or Hub model's) tokenizer and config, before any weights are read; an uncached Hub id without the
+    Hub is refused at once (app/hub.py), not after a minute of retries."""
+    unreachable = unreachable_problem("MODEL", args.model)
+    if unreachable:
+        raise cli.UsageError(unreachable)
+    try:
+        with quiet_hub():
+            return AutoTokenizer.from_pretrained(args.model), AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as error:
+        raise cli.UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load "
+                             f"({str(error).strip().splitlines()[0]}); give a folder written by convert_to_hf.py")
 
 
 def why_it_stopped(new_tokens: list[int], own_config: Any, tokenizer: Any) -> str:
@@ -89,4 +103,5 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    print(cli.run_command(PROG, lambda: generate(parse_args(argv))))
+    with cli.bars_only_on_a_terminal():
+        print(cli.run_command(PROG, lambda: generate(parse_args(argv))))

@@ -28,6 +28,7 @@ except ImportError:
 
 from app import cli
 from app.cli import UsageError
+from app.hub import quiet_hub
 
 # Config, generation config, weight index, tokenizer.json / tokenizer_config.json, SentencePiece and tiktoken
 # models, BPE merges and vocabularies.
@@ -38,6 +39,8 @@ IGNORED_PATTERNS = ["original/*"]
 
 @dataclass
 class PrefetchArgs:
+    """Repositories"""
+
     model: str
     """Hub id of the model to cache, e.g. meta-llama/Meta-Llama-3-8B (config, tokenizer and weights)."""
     tokenizer: Optional[str] = None
@@ -54,14 +57,6 @@ class PrefetchArgs:
 
 class PrefetchError(UsageError):
     """A problem the user can fix, reported as one line."""
-
-
-def offline_hint(name: str) -> str:
-    """The advice train.py prints when `name` is missing from the cache of an offline machine."""
-    return (
-        f"{name} is not in the Hugging Face cache: run `python prefetch.py --model {name}` on a machine with "
-        "internet access using the same HF_HOME, then set HF_HUB_OFFLINE=1"
-    )
 
 
 def model_file_patterns(repo_files: list[str]) -> list[str]:
@@ -100,8 +95,9 @@ class Download:
 HUB_ERRORS = (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, TransportError)
 
 
-def describe_hub_error(flag: str, name: str, error: Exception) -> str:
-    """One line naming the flag and what to do; never includes the exception's text, which may hold URLs."""
+def describe_hub_error(flag: str, name: str, error: Exception, upload: bool = False) -> str:
+    """One line naming the flag and what to do; never includes the exception's text, which may hold URLs. prefetch.py
+    fills the cache for downloads: an upload (`upload`) has nothing to gain from it."""
     if isinstance(error, GatedRepoError):
         return f"{flag} {name}: gated repository: accept its licence on the Hub, then export HF_TOKEN"
     if isinstance(error, RepositoryNotFoundError):
@@ -112,16 +108,19 @@ def describe_hub_error(flag: str, name: str, error: Exception) -> str:
         return f"{flag} {name}: not a Hub id; expected owner/name"
     if isinstance(error, HfHubHTTPError):
         return f"{flag} {name}: the Hub answered HTTP {error.response.status_code}; try again later"
-    return f"{flag} {name}: cannot reach {constants.ENDPOINT}; run prefetch.py on a machine with internet access"
+    unreachable = f"{flag} {name}: cannot reach {constants.ENDPOINT}"
+    return unreachable if upload else f"{unreachable}; run prefetch.py on a machine with internet access"
 
 
 @contextmanager
-def reported_as(flag: str, name: str) -> Iterator[None]:
-    """Turn a Hub or network failure while handling `flag` into a one-line PrefetchError."""
+def reported_as(flag: str, name: str, upload: bool = False) -> Iterator[None]:
+    """Turn a Hub or network failure while handling `flag` into a one-line PrefetchError (huggingface_hub's retries
+    unlogged: the line says it all)."""
     try:
-        yield
+        with quiet_hub():
+            yield
     except HUB_ERRORS as error:
-        raise PrefetchError(describe_hub_error(flag, name, error)) from None
+        raise PrefetchError(describe_hub_error(flag, name, error, upload)) from None
 
 
 def repo_files(name: str, repo_type: str, revision: Optional[str] = None) -> list[str]:

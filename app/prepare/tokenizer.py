@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import sentencepiece
 from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
+from app.hub import quiet_hub, unreachable_problem
 from app.prepare.args import UsageError
 
 SENTENCEPIECE_OPTIONS = {
@@ -33,9 +35,14 @@ SENTENCEPIECE_OPTIONS = {
 
 
 def load_tokenizer(name_or_dir: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-    """The tokenizer of the model to be trained, from the Hub (or its cache) or a local folder."""
+    """The tokenizer of the model to be trained, from the Hub (or its cache) or a local folder; an uncached Hub id
+    without the Hub is refused at once with the prefetch.py command (app/hub.py)."""
+    unreachable = unreachable_problem("--tokenizer", name_or_dir)
+    if unreachable:
+        raise UsageError(unreachable)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=trust_remote_code)
+        with quiet_hub():
+            tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=trust_remote_code)
     except Exception as error:  # missing, gated, offline, remote code refused: each is the user's to fix
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UsageError(f"--tokenizer {name_or_dir}: could not load it: {message}") from error
@@ -58,12 +65,23 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, seed: int) -> PreTrai
             **SENTENCEPIECE_OPTIONS,
         )
     except RuntimeError as error:  # "INTERNAL: trainer_interface.cc(744) [...] Vocabulary size too high (600). ..."
-        reason = str(error).strip().splitlines()[-1].split("] ", 1)[-1]
-        raise UsageError(f"--vocab_size {vocab_size}: {reason} (the training text is too small for it)") from error
+        raise UsageError(f"--vocab_size {vocab_size}: {vocab_size_problem(str(error))}") from error
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "tokenizer.model").write_bytes(model.getvalue())
         # LlamaTokenizer(vocab_file=...) silently encodes to nothing in transformers 5; from_pretrained converts.
         return LlamaTokenizer.from_pretrained(folder, add_prefix_space=False, add_bos_token=True, add_eos_token=False)
+
+
+def vocab_size_problem(message: str) -> str:
+    """What to do about SentencePiece's refusal. "Vocabulary size is smaller than required_chars. 300 vs 545": every
+    distinct character of the text (all but the rarest 0.05%) plus the byte and special pieces must fit, so the text
+    is too varied, not too small; "Vocabulary size too high": the text has too few distinct merges for the size."""
+    reason = message.strip().splitlines()[-1].split("] ", 1)[-1]
+    required = re.search(r"smaller than required_chars\. \d+ vs (\d+)", reason)
+    if required:
+        return (f"the vocabulary must hold every distinct character of the training text, and its byte and special "
+                f"pieces; raise --vocab_size to at least {required.group(1)}")
+    return f"{reason} (the training text is too small for it)"
 
 
 def _lines(texts: Iterable[str]) -> Iterator[str]:

@@ -35,8 +35,8 @@ from app.data.mixture import Source, describe, epoch_rows, first_folder, parse_s
 from app.distributed.precision import bf16_rounding_note, bf16_support_problem, fp32_modules_problem, weights_dtype
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.exit_codes import EXIT_BAD_INPUT
+from app.hub import quiet_hub, unreachable_problem
 from app.huggingface.convert import changed_fields
-from app.huggingface.prefetch import offline_hint
 from app.model.build import load_model_config, meta_model, model_class, model_source, resolve_wrap_classes
 from app.model.isolation import probe_isolation
 from app.model.loss import probe_chunked_loss
@@ -285,13 +285,19 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
 
 
 def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
+    """The model's config; a Hub id that is neither cached nor reachable is refused at once, with the prefetch.py
+    command, instead of after a minute of huggingface_hub's retries."""
     flag = "--model_name" if cfg.model_name else "--model_config"
+    unreachable = unreachable_problem(flag, model_source(cfg))
+    if unreachable:
+        problems.append(unreachable)
+        return None
     try:
-        return load_model_config(cfg)
+        with quiet_hub():
+            return load_model_config(cfg)
     except (OSError, ValueError) as error:
-        hint = (offline_hint(model_source(cfg)) if os.environ.get("HF_HUB_OFFLINE") == "1"
-                else "check the name, or log in for gated models")
-        problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({str(error).splitlines()[0]}); {hint}")
+        problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({str(error).splitlines()[0]}); "
+                        "check the name, or log in for gated models")
         return None
 
 
@@ -422,11 +428,17 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else cfg.model_name)
     if name is None:
         return None
+    unreachable = unreachable_problem("--tokenizer" if cfg.tokenizer else "--model_name", name)
+    if unreachable:
+        if name != cfg.model_name:  # the model's own is check_model's line already
+            problems.append(unreachable)
+        return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+        with quiet_hub():
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as error:
         if cfg.tokenizer is None:
-            note(f"no tokenizer recorded with this run: {name} has none")
+            note(f"no tokenizer recorded with this run: {missing_tokenizer(name, error)}")
             return None
         problems.append(f"--tokenizer {name}: cannot load it ({str(error).splitlines()[0]}); give a tokenizer folder or hub id")
         return None
@@ -456,6 +468,18 @@ def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[st
     if difference:
         problems.append(f"--out_dir {cfg.out_dir}: {kept} is not the run's tokenizer {tokenizer} ({difference}); "
                         "move it away (it is never replaced), or choose another --out_dir")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def missing_tokenizer(name: str, error: Exception) -> str:
+    """Why the model's tokenizer is not recorded, as it is: a folder without tokenizer files has none; anything else
+    (a Hub model, files that do not load) has one that did not load, and the reason is worth reading."""
+    folder = Path(name)
+    if folder.is_dir() and not any((folder / file).exists() for file in TOKENIZER_FILES):
+        return f"{name} has none"
+    return f"{name}'s tokenizer does not load ({str(error).strip().splitlines()[0]})"
 
 
 def tokenizer_difference(given, prepared) -> Optional[str]:

@@ -1,0 +1,106 @@
+"""Whether a name given as a model or tokenizer can be loaded from here, found out once and quickly.
+
+transformers asks the Hub for a name that is no local folder, and without network huggingface_hub retries each file
+for over a minute, logging every retry, before an error that blames the name ("check the name"). The commands ask
+here first: a local folder or a repository in the Hugging Face cache needs no network; otherwise one request with a
+short timeout tells whether the Hub answers, and when it does not, the refusal is one line naming the prefetch.py
+command (docs/deployment.md, offline clusters).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from huggingface_hub import constants, get_session, try_to_load_from_cache
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+PROBE_TIMEOUT_S = 3.0
+"""How long the one request that tells whether the Hub answers may take (huggingface_hub's own is 10 s a try)."""
+CACHED_FILES = ("config.json", "tokenizer_config.json")
+"""A model repository in the cache holds the first; a tokenizer-only repository the second."""
+
+
+def prefetch_advice(name: str) -> str:
+    """How a machine without the Hub gets `name`: docs/deployment.md, offline clusters."""
+    return (f"run `python prefetch.py --model {name}` on a machine with internet access using the same HF_HOME, "
+            "then set HF_HUB_OFFLINE=1")
+
+
+def offline_hint(name: str) -> str:
+    """The advice given when `name` is missing from the cache of a machine that cannot reach the Hub."""
+    return f"{name} is not in the Hugging Face cache: {prefetch_advice(name)}"
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether transformers would ask the Hub for `name`: no local path of that name, and an owner/name id."""
+    if Path(name).exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def in_cache(name: str) -> bool:
+    """Whether the Hugging Face cache holds the repository's config or tokenizer (as prefetch.py leaves it)."""
+    return any(isinstance(try_to_load_from_cache(name, filename), str) for filename in CACHED_FILES)
+
+
+def ask_hub() -> None:
+    """One request to the Hub's endpoint through huggingface_hub's own client (its proxies and headers); any HTTP
+    answer proves it reachable, a connection failure raises."""
+    get_session().head(constants.ENDPOINT, timeout=PROBE_TIMEOUT_S)
+
+
+@lru_cache(maxsize=1)
+def hub_reachable() -> bool:
+    """Asked once per process. In a thread with a deadline: a name lookup that hangs has no timeout of its own."""
+    if constants.HF_HUB_OFFLINE:
+        return False
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            ask_hub()
+            answered.append(True)
+        except Exception:  # noqa: BLE001 (whatever the failure, the Hub did not answer)
+            pass
+
+    thread = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(PROBE_TIMEOUT_S + 1)
+    return bool(answered)
+
+
+def why_unreachable() -> str:
+    return "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{constants.ENDPOINT} cannot be reached"
+
+
+def unreachable_problem(flag: str, name: str) -> Optional[str]:
+    """One line when `name` is neither a folder here nor cached, and the Hub cannot be asked for it; else None.
+
+    A missing local folder (demo/hf-model before `make demo`) and an uncached Hub id look alike: the line says both."""
+    if not is_hub_id(name) or in_cache(name) or hub_reachable():
+        return None
+    return (f"{flag} {name}: no folder {name} in {Path.cwd()}, and no Hub model of that name in the Hugging Face "
+            f"cache, while {why_unreachable()}: for a Hub model, {prefetch_advice(name)}")
+
+
+@contextmanager
+def quiet_hub() -> Iterator[None]:
+    """huggingface_hub's warnings (a line per retry, each with its URL) kept out of the user's terminal while our code
+    calls it: its failure reaches the user as our one line."""
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(level)
