@@ -147,6 +147,26 @@ def test_a_model_that_cannot_keep_packed_examples_apart_is_refused_in_one_line(t
            "other" in errors[0] and errors[0].endswith("prepare the data with --packing false"), errors
 
 
+def test_a_model_whose_sliding_window_a_block_mask_would_drop_is_refused_in_one_line(tiny, packed, tmp_path,
+                                                                                     capsys) -> None:
+    """GPT-OSS's eager masks read no position restarts, and a block-diagonal mask replaces its sliding-window masks:
+    packed examples longer than the window (128 tokens) trained with full attention where the model slides."""
+    from transformers import GptOssConfig
+
+    GptOssConfig(vocab_size=len(AutoTokenizer.from_pretrained(tiny.tokenizer)), hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                 num_experts_per_tok=2, sliding_window=128, max_position_embeddings=2 * BLOCK,
+                 layer_types=["sliding_attention", "full_attention"]).save_pretrained(tmp_path / "gpt-oss")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=tmp_path / "gpt-oss",
+                                          attn_implementation="eager", train_data_dir=packed, tokenizer=None)))
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(errors) == 1, errors
+    assert "but a gpt_oss model with --attn_implementation eager lets them attend to each other" in errors[0] and \
+        "takes no mask that stops it while keeping its sliding window" in errors[0], errors
+
+
 def test_a_tokenizer_other_than_the_datas_is_refused(tiny, packed, pretrained, tmp_path, capsys) -> None:
     """The data was prepared with the default chat template saved in its tokenizer/; the tiny tokenizer given with
     --tokenizer has none, and the converted model would carry it: prompts rendered unlike training."""

@@ -38,7 +38,7 @@ from app.exit_codes import EXIT_BAD_INPUT
 from app.hub import quiet_hub, unreachable_problem
 from app.huggingface.convert import changed_fields
 from app.model.build import load_model_config, meta_model, model_class, model_source, resolve_wrap_classes
-from app.model.isolation import probe_isolation
+from app.model.isolation import LOCAL_ATTENTION_NAMES, probe_isolation
 from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
@@ -357,6 +357,12 @@ def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: Dat
                         f"{model_config.vocab_size}; tokenize with the model's tokenizer")
 
 
+def windowed(model_config: PretrainedConfig) -> bool:
+    """Whether some layers attend within a window (Mistral, GPT-OSS, Gemma-2/3): a block mask given in its place would
+    drop the window."""
+    return any(isinstance(getattr(model_config, name, None), int) for name in LOCAL_ATTENTION_NAMES)
+
+
 def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: DataFacts,
                            problems: list[str]) -> Layout:
     """Packed examples must never attend to each other: the layout that keeps them apart in the run's own model
@@ -376,7 +382,8 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
         instead = f"use --attn_implementation {others[0]}, or " if others else ""
         problems.append(f"--train_data_dir {cfg.train_data_dir} holds packed examples, but a {kind} model with "
                         f"--attn_implementation {attention} lets them attend to each other (probed: an example's "
-                        f"logits change by {found.leak:.0%} when packed) and takes no mask that stops it; "
+                        f"logits change by {found.leak:.0%} when packed) and takes no mask that stops it"
+                        f"{' while keeping its sliding window' if windowed(model_config) else ''}; "
                         f"{instead}prepare the data with --packing false")
     elif found.layout != "position_ids":
         note(f"packed examples: a {kind} model with --attn_implementation {attention} would let them attend to each "
