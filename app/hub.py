@@ -54,9 +54,11 @@ def in_cache(name: str) -> bool:
 
 
 def ask_hub() -> None:
-    """One request to the Hub's endpoint through huggingface_hub's own client (its proxies and headers); any HTTP
-    answer proves it reachable, a connection failure raises."""
-    get_session().head(constants.ENDPOINT, timeout=PROBE_TIMEOUT_S)
+    """One request to the Hub's endpoint through huggingface_hub's own client (its proxies and headers); raises unless
+    it answers as the Hub does (a proxy answering 404, 407 or 5xx in its place is no Hub)."""
+    response = get_session().head(constants.ENDPOINT, timeout=PROBE_TIMEOUT_S)
+    if response.status_code >= 400:
+        raise ConnectionError(f"{constants.ENDPOINT} answered {response.status_code}")
 
 
 @lru_cache(maxsize=1)

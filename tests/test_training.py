@@ -287,3 +287,41 @@ def test_a_micro_batch_graph_is_gone_before_the_next_micro_batch_forward() -> No
         assert loss_path.previous_alive == [False, False, False]
         assert loss_path.previous() is None, "nor after the step"
         optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_resumed_checkpoint_that_records_no_val_loss_step_names_none_in_the_summary() -> None:
+    """A checkpoint written before val_loss_step holds a val_loss but no step: the summary of a resumed run stopped
+    before its first evaluation said "val_loss 5.9791 at step None"."""
+    from app.metrics.observe import summary_lines
+
+    summary = {"steps": 0, "elapsed_sec": 1.0, "train_sec": 1.0, "eval_sec": 0.0, "save_sec": 0.0,
+               "checkpoints_saved": 1, "val_loss": 5.9791, "val_loss_step": None, "ranks": []}
+    assert "None" not in summary_lines(summary)[0]
+
+
+def test_the_run_keeps_only_the_tokenizer_of_a_model_folder_given_as_tokenizer(tiny, tmp_path) -> None:
+    """--tokenizer (or --model_name without a data folder tokenizer) naming a model folder: out_dir/tokenizer got a
+    copy of the whole folder, weights included (16 GB for Llama-3-8B, copied by rank 0 before the first step)."""
+    from transformers import AutoTokenizer
+
+    from app.training.run import keep_tokenizer_with_run
+
+    model = tmp_path / "model"
+    AutoTokenizer.from_pretrained(tiny.tokenizer).save_pretrained(model)
+    (model / "model.safetensors").write_bytes(b"\0" * 1_000_000)
+    keep_tokenizer_with_run(tmp_path / "run", str(model), trust_remote_code=False)
+    kept = tmp_path / "run" / "tokenizer"
+    assert not (kept / "model.safetensors").exists()
+    assert AutoTokenizer.from_pretrained(kept).get_vocab() == AutoTokenizer.from_pretrained(tiny.tokenizer).get_vocab()
+
+
+def test_a_tokenizer_the_run_cannot_copy_is_a_note_not_the_end_of_rank_0(tmp_path, capsys) -> None:
+    """Rank 0 copies the tokenizer alone, before the first step: an exception there would leave the other ranks
+    waiting in their first collective until a timeout."""
+    from app.training.run import keep_tokenizer_with_run
+
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer_config.json").write_text("{ not json")
+    keep_tokenizer_with_run(tmp_path / "run", str(tmp_path / "broken"), trust_remote_code=False)
+    assert "note: the run's tokenizer was not copied to" in capsys.readouterr().out
+    assert not list(tmp_path.glob("run/*")) and not list(tmp_path.glob("run/.*")), "no copy, nothing half-written"

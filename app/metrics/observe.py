@@ -290,12 +290,21 @@ def run_summary(*, clock: StepClock, step: int, evaluation: Stopwatch, saving: S
     return summary | {"ranks": memory}
 
 
+def validation_part(s: dict[str, Any]) -> str:
+    """The last validation loss and the step it is from (a stopped run's may be long ago; a checkpoint written before
+    val_loss_step records none)."""
+    if s["val_loss"] is None:
+        return ""
+    at = f" at step {s['val_loss_step']}" if s.get("val_loss_step") is not None else " (the step is not recorded)"
+    return f", val_loss {s['val_loss']:.4f}{at}"
+
+
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     s = summary
     lines = [f"summary: {s['steps']} steps in {format_duration(s['elapsed_sec'])} (training "
              f"{format_duration(s['train_sec'])}, evaluation {format_duration(s['eval_sec'])}, "
              f"checkpoints {format_duration(s['save_sec'])} for {s['checkpoints_saved']} saved)"
-             + (f", val_loss {s['val_loss']:.4f} at step {s['val_loss_step']}" if s["val_loss"] is not None else "")]
+             + validation_part(s)]
     if s["steps"]:
         speed = (f"  throughput: {s['tokens_per_sec']:,.0f} tokens/s ({s['tokens_per_sec_per_device']:,.0f} per "
                  f"device), {s['step_sec']:.3f} s per step, data wait {s['data_wait_pct']:.1f}% of training time")

@@ -168,13 +168,17 @@ def keep_tokenizer_with_run(out_dir: Path, tokenizer: Optional[str], trust_remot
         return
     staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    if Path(tokenizer).is_dir():  # its files as prepare_data.py saved them
-        shutil.copytree(tokenizer, staging)
-    else:  # a hub id: what transformers loads from it
-        from transformers import AutoTokenizer
+    # The tokenizer as transformers loads and saves it, from a folder or a hub id: never the folder's other files (a
+    # --tokenizer or --model_name that is a model folder holds its weights, gigabytes copied before the first step)
+    from transformers import AutoTokenizer
 
+    try:
         AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code).save_pretrained(str(staging))
-    staging.rename(kept)
+        staging.rename(kept)
+    except (OSError, ValueError) as error:  # a convenience: rank 0 must not end the run (the others would wait)
+        shutil.rmtree(staging, ignore_errors=True)
+        print(f"note: the run's tokenizer was not copied to {kept} ({str(error).splitlines()[0]}); convert_to_hf.py "
+              "will need --tokenizer if its recorded path moves", flush=True)
 
 
 def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, start_step: int) -> StepClock:
