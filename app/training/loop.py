@@ -337,7 +337,7 @@ class Loop:
     def report_scaler_skip(self, number: int) -> None:
         """The gradient scaler (16-mixed) found overflowed gradients and did not apply this step: it still counts as a
         step (its data and learning rate are spent), so say so, and count it in the summary."""
-        self.state["scaler_skipped_steps"] = self.state.get("scaler_skipped_steps", 0) + 1
+        self.state["scaler_skipped_steps"] += 1
         scale = self.fabric.strategy.precision.scaler.get_scale()
         self.console.print(f"step {number}: fp16 gradients overflowed: the gradient scaler did not apply this step "
                            f"(scale lowered to {scale:g}; {self.state['scaler_skipped_steps']} steps not applied by "
