@@ -156,6 +156,26 @@ def train_args(tiny: TinySetup, out_dir: Path, **overrides: object) -> list[str]
     return args
 
 
+def one_process_llama(micro_batches: int):
+    """A 1-layer Llama set up by Fabric on one CPU process with its AdamW, and one optimizer step of `micro_batches`
+    identical micro-batches of 2 x 16 tokens: train_step and update_weights without any launcher."""
+    import torch
+    from lightning_fabric import Fabric
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.data import Batch, Step
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    tokens = torch.randint(0, 64, (2, 16))
+    step = Step([Batch({"input_ids": tokens, "labels": tokens}, trained_tokens=30)] * micro_batches,
+                trained_tokens=30 * micro_batches, rows=[0, 1])
+    return fabric, model, optimizer, step
+
+
 def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None = None,
               nodes: int = 1, fresh: bool = False) -> subprocess.CompletedProcess:
     """train.py in real processes, as a user runs it (with extra environment variables `env`); with `nodes` > 1,

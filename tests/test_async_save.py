@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from app.checkpoint import list_checkpoints
-from conftest import TinySetup, launched, read_checkpoint, run_train, train_args
+from conftest import TinySetup, launched, one_process_llama, read_checkpoint, run_train, train_args
 
 
 def linear_state() -> dict:
@@ -138,22 +138,12 @@ def test_a_background_write_that_failed_ends_the_run_at_the_next_step(tmp_path: 
 
 
 def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_change() -> None:
-    from lightning_fabric import Fabric
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from app.data import Batch, Step
     from app.model.loss import LossPath
     from app.training.loop import train_step, update_weights
     from app.optimization.optimizer import GradientPolicy
     from app.reliability.signals import StopRequest
 
-    fabric = Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    tokens = torch.randint(0, 64, (2, 16))
-    step = Step([Batch({"input_ids": tokens, "labels": tokens}, trained_tokens=30)], trained_tokens=30, rows=[0, 1])
+    fabric, model, optimizer, step = one_process_llama(micro_batches=1)
     before = [parameter.detach().clone() for parameter in model.parameters()]
     seen = []
 

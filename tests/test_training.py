@@ -16,7 +16,7 @@ from app.metrics import observe
 from app.metrics.console import Console
 from app.metrics.observe import StepClock, Stopwatch
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
-from tests.conftest import BLOCK_SIZE, read_checkpoint, run_train, train_args
+from tests.conftest import BLOCK_SIZE, one_process_llama, read_checkpoint, run_train, train_args
 
 
 def read_metrics(out_dir: Path) -> dict[int, dict[str, float]]:
@@ -239,10 +239,7 @@ def test_a_micro_batch_graph_is_gone_before_the_next_micro_batch_forward() -> No
     import weakref
 
     import torch
-    from lightning_fabric import Fabric
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from app.data import Batch, Step
     from app.model.loss import LossPath
     from app.optimization.optimizer import GradientPolicy
     from app.reliability.signals import StopRequest
@@ -273,13 +270,7 @@ def test_a_micro_batch_graph_is_gone_before_the_next_micro_batch_forward() -> No
             self.previous = weakref.ref(marker)
             return HeldByTheNode.apply(super().summed_loss(model, batch), marker)
 
-    fabric = Fabric(accelerator="cpu", devices=1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
-    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    tokens = torch.randint(0, 64, (2, 16))
-    step = Step([Batch({"input_ids": tokens, "labels": tokens}, trained_tokens=30)] * 3, trained_tokens=90, rows=[0, 1])
+    fabric, model, optimizer, step = one_process_llama(micro_batches=3)
     for defer_sync in (False, True):
         loss_path = WatchedLoss()
         train_step(fabric, model, step, StopRequest(), GradientPolicy(max_norm=1.0, replicas=1, scaled=False,
