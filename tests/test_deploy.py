@@ -400,6 +400,8 @@ def test_batch_scripts_bound_the_requeues_when_slurm_cannot_keep_the_count(scrip
         in result.stdout, result.stdout
     asked = record.read_text().splitlines() if record.exists() else []
     assert asked == (["requeue 4242"] if requeued else []), asked
+    if not requeued:  # the last line names what it counted
+        assert f"after {restarts} restarts (MAX_REQUEUES=3)" in result.stdout, result.stdout
 
 
 @pytest.mark.slow
