@@ -85,10 +85,22 @@ def why_unreachable() -> str:
     return "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{constants.ENDPOINT} cannot be reached"
 
 
-def unreachable_problem(flag: str, name: str) -> Optional[str]:
-    """One line when `name` is neither a folder here nor cached, and the Hub cannot be asked for it; else None.
+def missing_folder_problem(flag: str, name: str) -> Optional[str]:
+    """One line when `name` is no path here and cannot be a Hub id either (`/models/llama`, `./out`): without it,
+    transformers hands such a path to the Hub, whose answer is a rule about repository names."""
+    if Path(name).exists() or is_hub_id(name):
+        return None
+    return f"{flag} {name}: no such folder (nor a Hub id of the form owner/name)"
 
-    A missing local folder (demo/hf-model before `make demo`) and an uncached Hub id look alike: the line says both."""
+
+def missing_model_problem(flag: str, name: str) -> Optional[str]:
+    """One line when `name` is neither a folder here nor a model that can be had (cached, or the Hub asked); else None.
+
+    A missing local folder named like a Hub id (demo/hf-model before `make demo`) and an uncached Hub id look alike:
+    the line says both."""
+    missing_folder = missing_folder_problem(flag, name)
+    if missing_folder:
+        return missing_folder
     if not is_hub_id(name) or in_cache(name) or hub_reachable():
         return None
     return (f"{flag} {name}: no folder {name} in {Path.cwd()}, and no Hub model of that name in the Hugging Face "

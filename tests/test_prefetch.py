@@ -348,6 +348,22 @@ def test_train_without_the_hub_refuses_an_uncached_model_at_once_naming_prefetch
     assert "tokenizer" not in output.out
 
 
+@pytest.mark.parametrize("script, args", [
+    ("train.py", ["--model_name", "{missing}", "--train_data_dir", "{tmp}", "--out_dir", "{tmp}/out"]),
+    ("generate.py", ["{missing}"]),
+    ("prepare_data.py", ["--input", "README.md", "--tokenizer", "{missing}", "--output_dir", "{tmp}/data"]),
+])
+def test_a_missing_folder_path_is_said_to_be_missing_not_an_invalid_repo_id(script, args, tmp_path):
+    """A path that cannot be a Hub id (/models/llama, ./out) was handed to the Hub and came back as huggingface_hub's
+    "Repo id must use alphanumeric chars ..." rule."""
+    missing = str(tmp_path / "llama")
+    argv = [a.format(missing=missing, tmp=tmp_path) for a in args]
+    result = subprocess.run([sys.executable, script, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"{missing}: no such folder (nor a Hub id of the form owner/name)" in result.stderr, result.stderr
+    assert "Repo id" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_preflight_says_a_model_folder_without_a_tokenizer_has_none_and_a_broken_one_does_not_load(tiny, tmp_path,
                                                                                                    capsys):
     """"has none" only where it is true: a tokenizer that is there but does not load says why."""

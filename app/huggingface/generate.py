@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from app import cli
-from app.hub import quiet_hub, unreachable_problem
+from app.hub import missing_model_problem, quiet_hub
 from app.model.build import model_class
 
 PROG = "generate.py"
@@ -77,9 +77,9 @@ def generate(args: GenerateArgs) -> str:
 def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
     """The folder's (or Hub model's) tokenizer and config, before any weights are read; an uncached Hub id without the
     Hub is refused at once (app/hub.py), not after a minute of retries."""
-    unreachable = unreachable_problem("MODEL", args.model)
-    if unreachable:
-        raise cli.UsageError(unreachable)
+    missing = missing_model_problem("MODEL", args.model)
+    if missing:
+        raise cli.UsageError(missing)
     try:
         with quiet_hub():
             return AutoTokenizer.from_pretrained(args.model), AutoConfig.from_pretrained(args.model)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from app.cli import UsageError  # noqa: F401 (app/prepare raises it from here)
+from app.hub import missing_folder_problem
 
 
 @dataclass
@@ -156,8 +157,9 @@ def check_args(args: PrepareArgs) -> None:
         raise UsageError(f"--num_proc {args.num_proc} must be at least 1")
     for path in args.input:
         check_input_path(path)
-    if args.tokenizer and args.tokenizer.startswith(("/", ".", "~")) and not Path(args.tokenizer).is_dir():
-        raise UsageError(f"--tokenizer {args.tokenizer}: no such folder")
+    missing = args.tokenizer and missing_folder_problem("--tokenizer", args.tokenizer)
+    if missing:
+        raise UsageError(missing)
     check_output_dir(Path(args.output_dir), args.overwrite, [Path(p) for p in args.input if Path(p).exists()])
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import sentencepiece
 from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
-from app.hub import quiet_hub, unreachable_problem
+from app.hub import missing_model_problem, quiet_hub
 from app.prepare.args import UsageError
 
 SENTENCEPIECE_OPTIONS = {
@@ -37,9 +37,9 @@ SENTENCEPIECE_OPTIONS = {
 def load_tokenizer(name_or_dir: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     """The tokenizer of the model to be trained, from the Hub (or its cache) or a local folder; an uncached Hub id
     without the Hub is refused at once with the prefetch.py command (app/hub.py)."""
-    unreachable = unreachable_problem("--tokenizer", name_or_dir)
-    if unreachable:
-        raise UsageError(unreachable)
+    missing = missing_model_problem("--tokenizer", name_or_dir)
+    if missing:
+        raise UsageError(missing)
     try:
         with quiet_hub():
             tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=trust_remote_code)

@@ -35,7 +35,7 @@ from app.data.mixture import Source, describe, epoch_rows, first_folder, parse_s
 from app.distributed.precision import bf16_rounding_note, bf16_support_problem, fp32_modules_problem, weights_dtype
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.exit_codes import EXIT_BAD_INPUT
-from app.hub import quiet_hub, unreachable_problem
+from app.hub import missing_model_problem, quiet_hub
 from app.huggingface.convert import changed_fields
 from app.model.build import load_model_config, meta_model, model_class, model_source, resolve_wrap_classes
 from app.model.isolation import LOCAL_ATTENTION_NAMES, probe_isolation
@@ -288,9 +288,9 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
     """The model's config; a Hub id that is neither cached nor reachable is refused at once, with the prefetch.py
     command, instead of after a minute of huggingface_hub's retries."""
     flag = "--model_name" if cfg.model_name else "--model_config"
-    unreachable = unreachable_problem(flag, model_source(cfg))
-    if unreachable:
-        problems.append(unreachable)
+    missing = missing_model_problem(flag, model_source(cfg))
+    if missing:
+        problems.append(missing)
         return None
     try:
         with quiet_hub():
@@ -435,10 +435,10 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else cfg.model_name)
     if name is None:
         return None
-    unreachable = unreachable_problem("--tokenizer" if cfg.tokenizer else "--model_name", name)
-    if unreachable:
+    missing = missing_model_problem("--tokenizer" if cfg.tokenizer else "--model_name", name)
+    if missing:
         if name != cfg.model_name:  # the model's own is check_model's line already
-            problems.append(unreachable)
+            problems.append(missing)
         return None
     try:
         with quiet_hub():
