@@ -6,15 +6,18 @@ Data: the standard library's code -> docstring summary pairs as source -> target
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM, T5Config
+from datasets import load_from_disk
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5Config
 
 from app.data import load_data
+from app.huggingface.generate import GenerateArgs, model_input
 from app.prepare import PrepareArgs, prepare
 from app.training.preflight import preflight
 from arguments import parse_config
@@ -85,6 +88,22 @@ def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, tm
                                 "--max_new_tokens", "5", "--temperature", "0"], cwd=ROOT, capture_output=True,
                                text=True, timeout=300)
     assert generated.returncode == 0 and "-->" in generated.stdout, generated.stderr[-2000:]
+
+
+def test_generate_reads_a_source_as_training_read_it(tiny, t5_config, tmp_path) -> None:
+    """generate.py gave an encoder-decoder its source as the tokenizer alone encodes it: without the EOS that ends
+    every prepared source (the trained SentencePiece tokenizer adds none), and 30 of 60 greedy summaries of a T5
+    trained for 250 steps changed."""
+    source = "def f(x):\n    return x"
+    (tmp_path / "pair.jsonl").write_text(json.dumps({"code": source, "summary": "Return x."}) + "\n")
+    prepare(PrepareArgs(input=[str(tmp_path / "pair.jsonl")], source_field="code", target_field="summary",
+                        tokenizer=str(tiny.tokenizer), max_source_length=128, max_target_length=32, val_fraction=0,
+                        output_dir=str(tmp_path / "data")))
+    prepared = load_from_disk(tmp_path / "data")["train"][0]["input_ids"]
+    inputs = model_input(AutoTokenizer.from_pretrained(tiny.tokenizer), GenerateArgs(str(tmp_path), prompt=source),
+                         T5Config.from_pretrained(t5_config))
+    assert inputs["input_ids"].tolist() == [prepared]
+    assert inputs["attention_mask"].tolist() == [[1] * len(prepared)]
 
 
 def test_padding_never_counts_in_the_loss(summaries, t5_config) -> None:
