@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import load_from_disk
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5Config
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, BartConfig, T5Config
 
 from app.data import load_data
 from app.huggingface.generate import GenerateArgs, model_input
@@ -167,3 +167,20 @@ def test_data_for_another_kind_of_model_is_refused_naming_the_options_that_prepa
         "field or --messages_field (raw text: --text_field)" in causal, causal
     (line,) = refusals(tiny, tmp_path, capsys, model_config=t5_config)
     assert "holds text data but" in line and "prepare the data with --source_field/--target_field" in line, line
+
+
+def test_sources_and_targets_beyond_learned_positions_are_refused_naming_their_lengths(tiny, summaries, tmp_path,
+                                                                                       capsys) -> None:
+    """BART's decoder reads the targets from position 0 of its learned positions: targets longer than them ended
+    the run at its first batch with an IndexError on every rank (only the sources were checked, and the refusal
+    named --block_size, which seq2seq data does not have)."""
+    vocab = len(AutoTokenizer.from_pretrained(tiny.tokenizer))
+    BartConfig(vocab_size=vocab, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+               decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16,
+               bos_token_id=1, eos_token_id=2, pad_token_id=2, decoder_start_token_id=2,
+               forced_bos_token_id=None).save_pretrained(tmp_path / "bart")
+    lines = refusals(tiny, tmp_path / "run", capsys, model_config=tmp_path / "bart", train_data_dir=summaries)
+    assert [line.split(" tokens exceed ")[0] for line in lines] == [
+        "error: --train_data_dir sources of 128", "error: --train_data_dir targets of 32"], lines
+    assert lines[0].endswith("(16); prepare the data with --max_source_length 16 or less"), lines
+    assert lines[1].endswith("(16); prepare the data with --max_target_length 16 or less"), lines

@@ -280,8 +280,12 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
                      mean_row_tokens=mean_tokens["input_ids"],
                      mean_target_tokens=mean_tokens["labels"] if data_format.encoder_decoder else 0.0,
                      max_token_id=max(max_ids),
-                     target_block_size=pc.max(pc.list_value_length(train.column("labels"))).as_py()
-                     if data_format.encoder_decoder else 0)
+                     target_block_size=longest_target(splits) if data_format.encoder_decoder else 0)
+
+
+def longest_target(splits: DatasetDict) -> int:
+    """Seq2seq data's longest target (labels), in either split: both go through the decoder."""
+    return max(pc.max(pc.list_value_length(split.data.column("labels"))).as_py() or 0 for split in splits.values())
 
 
 def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
@@ -349,12 +353,24 @@ def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: Dat
         problems.append(f"--train_data_dir holds {data.format.name} data but {model_source(cfg)} is {kind}; "
                         f"prepare the data with {wanted}, or train a matching model")
     max_positions = getattr(model_config, "max_position_embeddings", None)
-    if max_positions and data.block_size > max_positions:
-        problems.append(f"--train_data_dir blocks of {data.block_size} tokens exceed the model's "
-                        f"max_position_embeddings ({max_positions}); prepare the data with a smaller --block_size")
+    if max_positions:
+        problems += positions_problems(data, max_positions)
     if data.max_token_id >= model_config.vocab_size:
         problems.append(f"--train_data_dir holds token id {data.max_token_id} but the model's vocab_size is "
                         f"{model_config.vocab_size}; tokenize with the model's tokenizer")
+
+
+def positions_problems(data: DataFacts, max_positions: int) -> list[str]:
+    """Rows longer than a model's learned positions end the run at the first batch (IndexError on every rank). An
+    encoder-decoder's (BART's) encoder reads the sources and its decoder the targets, each from position 0: both
+    must fit, and prepare_data.py cuts them with --max_source_length and --max_target_length, not --block_size."""
+    if not data.format.encoder_decoder:
+        lengths = [("blocks", data.block_size, "a smaller --block_size")]
+    else:
+        lengths = [("sources", data.block_size, f"--max_source_length {max_positions} or less"),
+                   ("targets", data.target_block_size, f"--max_target_length {max_positions} or less")]
+    return [f"--train_data_dir {what} of {length} tokens exceed the model's max_position_embeddings ({max_positions}); "
+            f"prepare the data with {advice}" for what, length, advice in lengths if length > max_positions]
 
 
 def windowed(model_config: PretrainedConfig) -> bool:
