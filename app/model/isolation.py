@@ -18,6 +18,9 @@ refused before any worker starts.
 | one_row: the micro batch flattened into one row | FlashAttention-2 with micro batches of several rows |
 | boolean_mask: a block-diagonal causal mask of booleans | SDPA in models that ignore position restarts |
 | additive_mask: the same mask as 0 / -inf added to the scores | eager attention in those models |
+
+The same kind of probe asks an encoder-decoder's class whether its decoder tells its positions apart
+(`decoder_tells_positions_apart`): T5's cannot when it reads one token at its first two.
 """
 
 from __future__ import annotations
@@ -81,6 +84,23 @@ def probe_isolation(model_config: PretrainedConfig, attn_implementation: str,
             if leak <= TOLERANCE[dtype]:
                 return Isolation(layout, as_prepared)
     return Isolation(None, as_prepared)
+
+
+def decoder_tells_positions_apart(model_config: PretrainedConfig, attn_implementation: str,
+                                  trust_remote_code: bool = False) -> bool:
+    """Whether an encoder-decoder's decoder writes differently at its first two positions when it reads one token at
+    both, probed on a small twin of the model. Without absolute positions (T5's are relative) its attention averages
+    equal values there, and it cannot: a decoder that starts from the token every target begins with must write
+    that token after it and the target's next token after the same input, learns the first, and generates nothing.
+    BART's learned positions tell them apart."""
+    device, dtype = probe_device(attn_implementation)
+    model = model_class(model_config).from_config(small_twin(model_config), attn_implementation=attn_implementation,
+                                                  trust_remote_code=trust_remote_code, dtype=dtype)
+    model.to(device).eval()
+    source = probe_examples(((8,),), model.config.vocab_size)[0][0][None].to(device)
+    with torch.no_grad():
+        logits = model(input_ids=source, decoder_input_ids=torch.full((1, 2), 3, device=device)).logits[0].float()
+    return float((logits[0] - logits[1]).abs().max() / logits.abs().max().clamp_min(1e-12)) > TOLERANCE[dtype]
 
 
 def packed_difference(model: torch.nn.Module, layout: Layout, examples: list[list[torch.Tensor]],

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from datasets import DatasetDict, load_from_disk
@@ -38,7 +39,7 @@ from app.exit_codes import EXIT_BAD_INPUT
 from app.hub import missing_model_problem, quiet_hub
 from app.huggingface.convert import changed_fields
 from app.model.build import load_model_config, meta_model, model_class, model_source, resolve_wrap_classes
-from app.model.isolation import LOCAL_ATTENTION_NAMES, probe_isolation
+from app.model.isolation import LOCAL_ATTENTION_NAMES, decoder_tells_positions_apart, probe_isolation
 from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
@@ -96,6 +97,8 @@ class DataFacts:
     max_token_id: int
     target_block_size: int = 0
     """Seq2seq data's longest target; 0 for the other formats."""
+    target_start: Optional[int] = None
+    """The token every train target of seq2seq data begins with (a BOS the tokenizer adds); None when they differ."""
     sources: Optional[list[Source]] = None
     """A mixture's folders (app/data/mixture.py), with `source_rows` their train rows; None for one folder."""
     source_rows: Optional[list[int]] = None
@@ -184,7 +187,9 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
                      mean_row_tokens=sum(w * fact.mean_row_tokens for w, fact in zip(weights, facts)),
                      mean_target_tokens=sum(w * fact.mean_target_tokens for w, fact in zip(weights, facts)),
                      max_token_id=max(fact.max_token_id for fact in facts),
-                     target_block_size=max(fact.target_block_size for fact in facts), sources=sources,
+                     target_block_size=max(fact.target_block_size for fact in facts),
+                     target_start=facts[0].target_start if len({f.target_start for f in facts}) == 1 else None,
+                     sources=sources,
                      source_rows=[fact.train_rows for fact in facts])
 
 
@@ -280,7 +285,14 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
                      mean_row_tokens=mean_tokens["input_ids"],
                      mean_target_tokens=mean_tokens["labels"] if data_format.encoder_decoder else 0.0,
                      max_token_id=max(max_ids),
-                     target_block_size=longest_target(splits) if data_format.encoder_decoder else 0)
+                     target_block_size=longest_target(splits) if data_format.encoder_decoder else 0,
+                     target_start=common_first_target(train) if data_format.encoder_decoder else None)
+
+
+def common_first_target(train: pa.Table) -> Optional[int]:
+    """The token every target (labels) of the train split begins with; None when they begin with different ones."""
+    first = pc.unique(pc.list_element(train.column("labels"), 0))
+    return first[0].as_py() if len(first) == 1 else None
 
 
 def longest_target(splits: DatasetDict) -> int:
@@ -427,6 +439,24 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
     note(f"--chunked_loss: a {model_config.model_type} model keeps its own loss ({reason}); its logits are "
          "materialised")
     return False
+
+
+def check_decoder_start(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
+    """A decoder without absolute positions (T5) that starts from the token every target begins with (the BOS of
+    a tokenizer that adds one) trains to a normal-looking validation loss but generates nothing (ROUGE 0): refused.
+    A model the probe cannot build or run here is not refused."""
+    start = getattr(model_config, "decoder_start_token_id", None)
+    if not data.format.encoder_decoder or start is None or data.target_start != start:
+        return
+    try:
+        if decoder_tells_positions_apart(model_config, cfg.attn_implementation, cfg.trust_remote_code):
+            return
+    except Exception:  # noqa: BLE001 (not this check's to refuse)
+        return
+    problems.append(f"--train_data_dir: every target begins with token {start}, the decoder_start_token_id of "
+                    f"{model_source(cfg)}: a {model_config.model_type} decoder reads it at its first two positions "
+                    f"and cannot tell them apart, so it learns to write it for ever and generates nothing; set "
+                    f"decoder_start_token_id to the pad token ({data.format.pad_token_id}) in the model's config")
 
 
 def isolates(model_config: PretrainedConfig, attention: str, cfg: Config) -> bool:
@@ -794,6 +824,7 @@ def preflight(cfg: Config) -> RunInputs:
         check_model_fits_data(cfg, model_config, data, problems)
         if attention_works:
             packed_layout = check_packed_isolation(cfg, model_config, data, problems)
+            check_decoder_start(cfg, model_config, data, problems)
     chunked_loss = check_chunked_loss(cfg, model_config) if attention_works else False
     resume = resolve_resume(cfg, model_config, problems)
     check_data_resume(data, resume, problems)
