@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import load_from_disk
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, BartConfig, T5Config
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, BartConfig, MBartConfig, T5Config
 
 from app.data import load_data
 from app.huggingface.generate import GenerateArgs, model_input
@@ -200,3 +200,26 @@ def test_a_t5_decoder_starting_from_the_token_every_target_begins_with_is_refuse
     (line,) = refusals(tiny, tmp_path / "run", capsys, model_config=tmp_path / "t5", train_data_dir=summaries)
     assert line.startswith("error: --train_data_dir: every target begins with token 1, the decoder_start_token_id of")
     assert line.endswith("set decoder_start_token_id to the pad token (2) in the model's config"), line
+
+
+def test_an_encoder_decoder_config_without_a_decoder_start_is_refused_where_it_is_needed(tiny, summaries, tmp_path,
+                                                                                         capsys) -> None:
+    """T5Config() names no decoder_start_token_id: every rank ended in an AttributeError after the launch. mBART builds
+    its decoder's inputs from the labels alone and trains, but generation samples need the token to start from (a
+    TypeError at the first evaluation)."""
+    vocab = len(AutoTokenizer.from_pretrained(tiny.tokenizer))
+    T5Config(vocab_size=vocab, d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4, eos_token_id=2,
+             pad_token_id=2).save_pretrained(tmp_path / "t5")
+    MBartConfig(vocab_size=vocab, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, bos_token_id=1, eos_token_id=2,
+                pad_token_id=2).save_pretrained(tmp_path / "mbart")
+    (t5,) = refusals(tiny, tmp_path / "run", capsys, model_config=tmp_path / "t5", train_data_dir=summaries)
+    assert t5 == (f"error: --model_config {tmp_path / 't5'}: its config names no decoder_start_token_id, the token the "
+                  "t5 decoder starts from, which training needs; add it to the model's config.json (T5 starts from "
+                  "its pad token, BART from </s>)")
+    (mbart,) = refusals(tiny, tmp_path / "run", capsys, model_config=tmp_path / "mbart", train_data_dir=summaries,
+                        eval_samples=2)
+    assert "the mbart decoder starts from, which --eval_samples 2 needs;" in mbart, mbart
+    capsys.readouterr()
+    preflight(parse_config(train_args(tiny, tmp_path / "run", model_config=tmp_path / "mbart",
+                                      train_data_dir=summaries)))  # trains without samples

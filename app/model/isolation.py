@@ -20,7 +20,8 @@ refused before any worker starts.
 | additive_mask: the same mask as 0 / -inf added to the scores | eager attention in those models |
 
 The same kind of probe asks an encoder-decoder's class whether its decoder tells its positions apart
-(`decoder_tells_positions_apart`): T5's cannot when it reads one token at its first two.
+(`decoder_tells_positions_apart`): T5's cannot when it reads one token at its first two; and whether it builds its
+decoder's inputs from the labels at all (`decoder_inputs_error`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,18 @@ def decoder_tells_positions_apart(model_config: PretrainedConfig, attn_implement
     with torch.no_grad():
         logits = model(input_ids=source, decoder_input_ids=torch.full((1, 2), 3, device=device)).logits[0].float()
     return float((logits[0] - logits[1]).abs().max() / logits.abs().max().clamp_min(1e-12)) > TOLERANCE[dtype]
+
+
+def decoder_inputs_error(model_config: PretrainedConfig, trust_remote_code: bool = False) -> Optional[str]:
+    """What the model class raises when it builds its decoder's inputs from a batch's labels (T5 without a
+    decoder_start_token_id in its config), on the meta device; None when it builds them."""
+    with torch.device("meta"):
+        model = model_class(model_config).from_config(small_twin(model_config), trust_remote_code=trust_remote_code)
+    try:
+        model.prepare_decoder_input_ids_from_labels(torch.tensor([[5, 6, 2, -100]]))
+    except Exception as error:  # noqa: BLE001 (whatever it raises is the answer)
+        return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return None
 
 
 def packed_difference(model: torch.nn.Module, layout: Layout, examples: list[list[torch.Tensor]],

@@ -39,7 +39,8 @@ from app.exit_codes import EXIT_BAD_INPUT
 from app.hub import missing_model_problem, quiet_hub
 from app.huggingface.convert import changed_fields
 from app.model.build import load_model_config, meta_model, model_class, model_source, resolve_wrap_classes
-from app.model.isolation import LOCAL_ATTENTION_NAMES, decoder_tells_positions_apart, probe_isolation
+from app.model.isolation import (LOCAL_ATTENTION_NAMES, decoder_inputs_error, decoder_tells_positions_apart,
+                                 probe_isolation)
 from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
@@ -442,11 +443,18 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
 
 
 def check_decoder_start(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
-    """A decoder without absolute positions (T5) that starts from the token every target begins with (the BOS of
-    a tokenizer that adds one) trains to a normal-looking validation loss but generates nothing (ROUGE 0): refused.
+    """The token an encoder-decoder's decoder starts from. Without one in the config, a T5 cannot build its decoder's
+    inputs and generation samples cannot start: each rank ended in a traceback after the launch; refused here. A
+    decoder without absolute positions (T5) that starts from the token every target begins with (the BOS of a
+    tokenizer that adds one) trains to a normal-looking validation loss but generates nothing (ROUGE 0): refused.
     A model the probe cannot build or run here is not refused."""
+    if not model_config.is_encoder_decoder:
+        return
     start = getattr(model_config, "decoder_start_token_id", None)
-    if not data.format.encoder_decoder or start is None or data.target_start != start:
+    if start is None:
+        problems += missing_decoder_start(cfg, model_config)
+        return
+    if not data.format.encoder_decoder or data.target_start != start:
         return
     try:
         if decoder_tells_positions_apart(model_config, cfg.attn_implementation, cfg.trust_remote_code):
@@ -457,6 +465,24 @@ def check_decoder_start(cfg: Config, model_config: PretrainedConfig, data: DataF
                     f"{model_source(cfg)}: a {model_config.model_type} decoder reads it at its first two positions "
                     f"and cannot tell them apart, so it learns to write it for ever and generates nothing; set "
                     f"decoder_start_token_id to the pad token ({data.format.pad_token_id}) in the model's config")
+
+
+def missing_decoder_start(cfg: Config, model_config: PretrainedConfig) -> list[str]:
+    """The refusal of a config without decoder_start_token_id, when training (the model class cannot build its
+    decoder's inputs without it) or --eval_samples needs it. mBART builds them from the labels alone."""
+    try:
+        error = decoder_inputs_error(model_config, cfg.trust_remote_code)
+    except Exception:  # noqa: BLE001 (a model the probe cannot build here: not this check's to refuse)
+        error = None
+    needed_by = [what for what, needs in (("training", error), (f"--eval_samples {cfg.eval_samples}", cfg.eval_samples))
+                 if needs]
+    if not needed_by:
+        return []
+    flag = "--model_name" if cfg.model_name else "--model_config"
+    return [f"{flag} {model_source(cfg)}: its config names no decoder_start_token_id, the token the "
+            f"{model_config.model_type} decoder starts from, which {' and '.join(needed_by)} "
+            f"{'need' if len(needed_by) > 1 else 'needs'}; add it to the "
+            "model's config.json (T5 starts from its pad token, BART from </s>)"]
 
 
 def isolates(model_config: PretrainedConfig, attention: str, cfg: Config) -> bool:
