@@ -44,6 +44,9 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
                          max_position_embeddings=64).save_pretrained(root / "bart_base_heads")
     AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=512).save_pretrained(root / "gemma2")
+    AutoConfig.for_model("jetmoe", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
+                         kv_channels=16, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=64,
+                         vocab_size=512).save_pretrained(root / "jetmoe")
     (root / "corrupt.ckpt").write_bytes(b"\x80\x04 not a checkpoint")
     torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(root / "wider").to_dict()},
                root / "other_model.ckpt")
@@ -90,6 +93,10 @@ CASES = {
     "checkpoints uploaded to a disabled W&B": (dict(log_model=True), "--log_model true uploads checkpoints to Weights"),
     "an attention the model has not": (dict(model_config="{gemma2}"),
                                        "--attn_implementation sdpa: a gemma2 model does not support it ("),
+    "activation checkpointing the model class has not": (
+        dict(model_config="{jetmoe}", strategy="ddp", gradient_checkpointing=True),
+        "--gradient_checkpointing true: a jetmoe model has no activation checkpointing of its own, which --strategy "
+        "ddp uses (JetMoeForCausalLM does not support activation checkpointing); use --strategy fsdp"),
     "model folder without weights": (dict(model_config=None, model_name="{wider}"),
                                      "the folder holds no weights (*.safetensors or *.bin); to train from its"),
     "FlashAttention without its kernels": (dict(attn_implementation="flash_attention_2"),
@@ -139,6 +146,30 @@ def test_the_attention_check_refuses_only_an_attention_the_model_class_lacks(bad
     assert problems == ["--attn_implementation sdpa: a gemma2 model does not support it (Gemma2ForCausalLM does not "
                         "support an attention implementation through torch.nn.functional.scaled_dot_product_attention "
                         "yet); use --attn_implementation eager"]
+
+
+def test_activation_checkpointing_is_refused_only_where_the_strategy_needs_the_models_own(tiny, bad) -> None:
+    """ddp, fsdp2 and one device ask transformers, which JetMoE and CTRL lack; FSDP1's wrapper takes any layer class,
+    so it is named where it can wrap the model (CTRL has no _no_split_modules to wrap by default)."""
+    from types import SimpleNamespace
+
+    from transformers import CTRLConfig
+
+    from app.training.preflight import check_activation_checkpointing
+
+    def problems(config, strategy: str, checkpointing: bool = True) -> list[str]:
+        found: list[str] = []
+        check_activation_checkpointing(SimpleNamespace(gradient_checkpointing=checkpointing, strategy=strategy,
+                                                       trust_remote_code=False, auto_wrap_policy=None), config, found)
+        return found
+
+    jetmoe, ctrl = AutoConfig.from_pretrained(bad["jetmoe"]), CTRLConfig(n_embd=64, dff=128, n_layer=2, n_head=4)
+    assert problems(jetmoe, "fsdp") == [] and problems(jetmoe, "ddp", checkpointing=False) == []
+    assert problems(AutoConfig.from_pretrained(tiny.model_config), "fsdp2") == []
+    assert "use --strategy fsdp (its checkpoint wrapper" in problems(jetmoe, "single_device")[0]
+    assert problems(ctrl, "fsdp2") == ["--gradient_checkpointing true: a ctrl model has no activation checkpointing "
+                                       "of its own, which --strategy fsdp2 uses (CTRLLMHeadModel does not support "
+                                       "activation checkpointing); use --gradient_checkpointing false"]
 
 
 def test_every_problem_is_reported_at_once_by_the_cli_without_traceback(tiny, bad, tmp_path) -> None:

@@ -17,7 +17,7 @@ what is left. How the FSDP options map onto it:
 
 Mixed precision is FSDP2's `MixedPrecisionPolicy` (parameters gathered in the compute dtype, gradients reduced in
 `app.distributed.precision.reduce_dtype`), not autocast; activation checkpointing is the model's own (transformers'
-`gradient_checkpointing_enable`, as for DDP), which keeps the parameter names unchanged. On CPU processes every
+`activation_checkpointing_enable`, as for DDP), which keeps the parameter names unchanged. On CPU processes every
 unit gathers and reduces point to point (app/distributed/cpu_collectives.py) rather than through gloo's temporaries.
 
 A model built on the meta device is materialised one unit at a time just before that unit is sharded, by the same

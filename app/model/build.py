@@ -230,9 +230,21 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
         if isinstance(getattr(module, "config", None), PretrainedConfig):
             module.config.use_cache = False  # else T5's decoder kept a key/value cache in training
     model.train()  # from_pretrained returns it in eval mode: dropout would stay off until the first evaluation
-    if cfg.gradient_checkpointing and cfg.strategy != "fsdp":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpoints_through_transformers(cfg):
+        enable_activation_checkpointing(model)
     return model
+
+
+def checkpoints_through_transformers(cfg: Config) -> bool:
+    """Whether --gradient_checkpointing is transformers' own (ddp, fsdp2, one device), which some model classes lack;
+    FSDP1 wraps each unit in torch's checkpoint wrapper instead (app/distributed/strategy.py), whatever its class."""
+    return cfg.gradient_checkpointing and cfg.strategy != "fsdp"
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Each layer's activations recomputed in backward, non-reentrant (the variant that composes with DDP, FSDP2 and
+    torch.compile). ValueError for a model class without it (CTRL, JetMoE): the preflight refuses those."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def check_all_weights_loaded(source: str, missing: set[str], unexpected: set[str]) -> None:

@@ -38,7 +38,8 @@ from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.exit_codes import EXIT_BAD_INPUT
 from app.hub import missing_model_problem, quiet_hub
 from app.huggingface.convert import changed_fields
-from app.model.build import load_model_config, meta_model, model_class, model_source, resolve_wrap_classes
+from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
+                             meta_model, model_class, model_source, resolve_wrap_classes)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, decoder_inputs_error, decoder_tells_positions_apart,
                                  probe_isolation)
 from app.model.loss import probe_chunked_loss
@@ -356,6 +357,30 @@ def check_attention_supported(cfg: Config, model_config: PretrainedConfig, probl
                         f"not support it ({first_line(error).split('. ')[0]}); use --attn_implementation {others[0]}")
         return False
     return True
+
+
+def check_activation_checkpointing(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> None:
+    """--gradient_checkpointing where it is transformers' own (app/model/build.py), tried on the model built weightless
+    from the run's config: a class without it (CTRL, JetMoE) ended every rank in a ValueError traceback after the
+    launch. FSDP1's checkpoint wrapper takes any layer class, so --strategy fsdp is named where it can wrap this one."""
+    if not checkpoints_through_transformers(cfg):
+        return
+    try:
+        model = meta_model(model_config, cfg.trust_remote_code)
+    except Exception:  # noqa: BLE001 (a model that cannot be built is another check's to refuse)
+        return
+    try:
+        enable_activation_checkpointing(model)
+    except ValueError as error:
+        try:
+            resolve_wrap_classes(model_config, cfg.auto_wrap_policy, cfg.trust_remote_code)
+            instead = "--strategy fsdp (its checkpoint wrapper takes every layer class), or "
+        except ValueError:
+            instead = ""
+        reason = first_line(error).rstrip(".")
+        problems.append(f"--gradient_checkpointing true: a {model_config.model_type} model has no activation "
+                        f"checkpointing of its own, which --strategy {cfg.strategy} uses ({reason}); use {instead}"
+                        "--gradient_checkpointing false")
 
 
 def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
@@ -846,6 +871,8 @@ def preflight(cfg: Config) -> RunInputs:
             problems.append(str(error))
     packed_layout: Layout = "position_ids"
     attention_works = model_config is not None and check_attention_supported(cfg, model_config, problems)
+    if attention_works:
+        check_activation_checkpointing(cfg, model_config, problems)
     if model_config is not None and data is not None:
         check_model_fits_data(cfg, model_config, data, problems)
         if attention_works:
