@@ -172,6 +172,20 @@ def test_activation_checkpointing_is_refused_only_where_the_strategy_needs_the_m
                                        "activation checkpointing); use --gradient_checkpointing false"]
 
 
+def test_compile_on_cpu_without_a_cpp_compiler_is_refused_in_one_line(tiny, tmp_path, capsys, monkeypatch) -> None:
+    """Inductor's own search for the compiler it builds CPU kernels with; every rank ended in an InductorError."""
+    from torch._inductor import config
+
+    monkeypatch.setattr(config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, tmp_path / "out", compile=True)))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --compile true on CPU builds its kernels with a C++ compiler, and torch finds none here (No working "
+        f"C++ compiler found in torch._inductor.config.cpp.cxx: (None, '{tmp_path / 'no-such-g++'}')); install g++ "
+        "(or set CXX to a compiler), or use --compile false"]
+
+
 def test_every_problem_is_reported_at_once_by_the_cli_without_traceback(tiny, bad, tmp_path) -> None:
     args = train_args(tiny, bad["run"], model_config=bad["small_vocab"], tokenizer="/nonexistent/tokenizer",
                       auto_wrap_policy="[GPT2Block]")

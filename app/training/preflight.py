@@ -321,7 +321,8 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
 
 def check_runs_here(cfg: Config, problems: list[str]) -> None:
     """What the ranks would otherwise find only after the launch, each with a traceback: no GPU for --accelerator
-    gpu, no FlashAttention for --attn_implementation flash_attention_2, a --model_name folder without weights.
+    gpu, no FlashAttention for --attn_implementation flash_attention_2, no C++ compiler for --compile on CPU, a
+    --model_name folder without weights.
     Planning (--estimate_memory) needs none of them, so a GPU run can be planned on a laptop."""
     if cfg.estimate_memory:
         return
@@ -332,10 +333,29 @@ def check_runs_here(cfg: Config, problems: list[str]) -> None:
         problems.append("--attn_implementation flash_attention_2 needs the flash-attn package and a CUDA GPU, and "
                         "transformers finds them not both here; install flash-attn on a GPU machine, or use "
                         "--attn_implementation sdpa (FlashAttention kernels on GPUs as well)")
+    if cfg.compile and resolve_accelerator(cfg) == "cpu":
+        missing = missing_cpp_compiler()
+        if missing:
+            problems.append(f"--compile true on CPU builds its kernels with a C++ compiler, and torch finds none here "
+                            f"({missing}); install g++ (or set CXX to a compiler), or use --compile false")
     folder = Path(cfg.model_name) if cfg.model_name else None
     if folder and folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin")):
         problems.append(f"--model_name {folder}: the folder holds no weights (*.safetensors or *.bin); to train "
                         f"from its config.json alone, give it as --model_config {folder}")
+
+
+def missing_cpp_compiler() -> Optional[str]:
+    """Why torch.compile's CPU kernels could not be built here, by inductor's own search ($CXX, else g++), or None:
+    without a compiler every rank ended in a 100-line InductorError traceback at its first forward. Imported only
+    for --compile (2 s)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler as error:
+        return first_line(error)
+    return None
 
 
 def check_attention_supported(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> bool:
