@@ -148,6 +148,25 @@ def test_the_attention_check_refuses_only_an_attention_the_model_class_lacks(bad
                         "yet); use --attn_implementation eager"]
 
 
+def test_flash_attention_is_refused_for_a_model_class_without_it(tiny) -> None:
+    """T5 has no FlashAttention path: on GPUs with flash-attn every rank ended in a ValueError traceback. Asked of
+    the class, not built with it (that needs the kernels), so it is said on any machine."""
+    from types import SimpleNamespace
+
+    from transformers import T5Config
+
+    from app.training.preflight import check_attention_supported
+
+    flash = SimpleNamespace(attn_implementation="flash_attention_2", trust_remote_code=False)
+    problems: list[str] = []
+    assert check_attention_supported(flash, AutoConfig.from_pretrained(tiny.model_config), problems) and not problems
+    t5 = T5Config(vocab_size=512, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    assert not check_attention_supported(flash, t5, problems)
+    assert problems == ["--attn_implementation flash_attention_2: a t5 model does not support it "
+                        "(T5ForConditionalGeneration has no FlashAttention path in transformers); use "
+                        "--attn_implementation sdpa"]
+
+
 def test_activation_checkpointing_is_refused_only_where_the_strategy_needs_the_models_own(tiny, bad) -> None:
     """ddp, fsdp2 and one device ask transformers, which JetMoE and CTRL lack; FSDP1's wrapper takes any layer class,
     so it is named where it can wrap the model (CTRL has no _no_split_modules to wrap by default)."""

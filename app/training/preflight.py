@@ -361,20 +361,25 @@ def missing_cpp_compiler() -> Optional[str]:
 def check_attention_supported(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> bool:
     """Whether the model class takes --attn_implementation at all (Gemma-2 has no SDPA path in transformers): built
     weightless from the run's own config, as the ranks would build it, where every rank would otherwise end in a
-    ValueError traceback. FlashAttention's own availability is check_runs_here's."""
-    if cfg.attn_implementation == "flash_attention_2":
-        return True
+    ValueError traceback. FlashAttention is asked of the class only (T5 has none): building with it needs its
+    kernels, and whether they are here is check_runs_here's."""
+    flash = cfg.attn_implementation == "flash_attention_2"
     try:
-        with torch.device("meta"):
-            model_class(model_config).from_config(copy.deepcopy(model_config),  # it records the attention it was asked
-                                                  attn_implementation=cfg.attn_implementation,
-                                                  trust_remote_code=cfg.trust_remote_code)
+        asked = None if flash else cfg.attn_implementation
+        with torch.device("meta"):  # a copy of the config: the model records the attention it was asked for
+            model = model_class(model_config).from_config(copy.deepcopy(model_config), attn_implementation=asked,
+                                                          trust_remote_code=cfg.trust_remote_code)
     except Exception as error:  # noqa: BLE001 (only an attention the class lacks is this check's to refuse)
-        if not (isinstance(error, ValueError) and "attention implementation" in str(error)):
+        if flash or not (isinstance(error, ValueError) and "attention implementation" in str(error)):
             return True
         others = [other for other in ("sdpa", "eager") if other != cfg.attn_implementation]
         problems.append(f"--attn_implementation {cfg.attn_implementation}: a {model_config.model_type} model does "
                         f"not support it ({first_line(error).split('. ')[0]}); use --attn_implementation {others[0]}")
+        return False
+    if flash and not model._supports_flash_attn:  # what transformers checks first when asked for it
+        problems.append(f"--attn_implementation flash_attention_2: a {model_config.model_type} model does not support "
+                        f"it ({type(model).__name__} has no FlashAttention path in transformers); use "
+                        f"--attn_implementation {model.config._attn_implementation}")
         return False
     return True
 
