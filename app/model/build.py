@@ -243,8 +243,14 @@ def checkpoints_through_transformers(cfg: Config) -> bool:
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Each layer's activations recomputed in backward, non-reentrant (the variant that composes with DDP, FSDP2 and
-    torch.compile). ValueError for a model class without it (CTRL, JetMoE): the preflight refuses those."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    torch.compile). ValueError for a model class without it (CTRL, JetMoE): the preflight refuses those.
+
+    transformers 5.23 renamed gradient_checkpointing_enable (deprecated there, with a warning at every start); the
+    5.17 of the GPU image (benchmarks/gpu_check.py) has only the old name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def check_all_weights_loaded(source: str, missing: set[str], unexpected: set[str]) -> None:
