@@ -368,3 +368,24 @@ def test_activation_checkpointing_keeps_the_losses_and_lowers_peak_memory(tiny, 
     print(f"\nactivation checkpointing: peak RSS {runs[False][2]['peak_rss_gb']:.2f} -> "
           f"{runs[True][2]['peak_rss_gb']:.2f} GB")
     assert saved > 0.15, saved
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_tpu_runs_checkpoint_their_layers_when_asked(checkpointing, monkeypatch) -> None:
+    """--tpu takes Lightning's XLA FSDP strategy, which was given no checkpointing policy, while transformers' own
+    checkpointing is only asked for under ddp, fsdp2 and one device: --gradient_checkpointing was dropped, and the
+    memory plan still counted it. (torch_xla is not installed here: the strategy is built as far as its arguments.)"""
+    from types import SimpleNamespace
+
+    import lightning_fabric.plugins.environments.xla as xla_environment
+    import lightning_fabric.strategies.xla_fsdp as xla_fsdp
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from app.distributed.strategy import build_strategy
+
+    for module in (xla_fsdp, xla_environment):
+        monkeypatch.setattr(module, "_XLA_AVAILABLE", True)
+    cfg = SimpleNamespace(tpu=True, accelerator="auto", strategy="fsdp", state_dict_type="sharded",
+                          gradient_checkpointing=checkpointing)
+    strategy = build_strategy(cfg, world_size=8, wrap_classes={LlamaDecoderLayer})
+    assert strategy._activation_checkpointing_policy == ({LlamaDecoderLayer} if checkpointing else None)

@@ -74,8 +74,9 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
                    param_init_fn: Optional[Callable] = None) -> Any:
     """The Lightning strategy object for --strategy and the FSDP flags; param_init_fn materialises meta modules."""
     accelerator = resolve_accelerator(cfg)
-    if accelerator == "tpu":
-        return XLAFSDPStrategy(auto_wrap_policy=wrap_classes, state_dict_type=cfg.state_dict_type)
+    if accelerator == "tpu":  # its own checkpoint wrapper, as FSDP1's below: transformers' is not asked (build.py)
+        return XLAFSDPStrategy(auto_wrap_policy=wrap_classes, state_dict_type=cfg.state_dict_type,
+                               activation_checkpointing_policy=wrap_classes if cfg.gradient_checkpointing else None)
     if cfg.strategy == "single_device":
         return SingleDeviceStrategy(device=torch.device("cuda", 0) if accelerator == "cuda" else torch.device(accelerator))
     timeout = timedelta(minutes=cfg.process_group_timeout_min)
