@@ -205,6 +205,24 @@ def test_compile_on_cpu_without_a_cpp_compiler_is_refused_in_one_line(tiny, tmp_
         "(or set CXX to a compiler), or use --compile false"]
 
 
+def test_compile_on_gpus_without_a_c_compiler_for_triton_is_refused(tiny, tmp_path, monkeypatch) -> None:
+    """Triton builds each kernel's launcher with $CC, else gcc, else clang (triton/runtime/build.py): without one
+    (PyTorch's CUDA runtime images) every rank ended in "Failed to find C compiler" at its first compiled forward."""
+    from app.training import preflight as checks
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    monkeypatch.setattr(checks, "resolve_accelerator", lambda cfg: "cuda")
+    problems: list[str] = []
+    checks.check_runs_here(parse_config(train_args(tiny, tmp_path / "out", compile=True)), problems)
+    assert any(p.startswith("--compile true on GPUs builds Triton's kernel launchers with a C compiler") for p in
+               problems), problems
+    monkeypatch.setenv("CC", "/usr/bin/cc")
+    problems.clear()
+    checks.check_runs_here(parse_config(train_args(tiny, tmp_path / "out", compile=True)), problems)
+    assert not any("--compile" in p for p in problems), problems
+
+
 def test_every_problem_is_reported_at_once_by_the_cli_without_traceback(tiny, bad, tmp_path) -> None:
     args = train_args(tiny, bad["run"], model_config=bad["small_vocab"], tokenizer="/nonexistent/tokenizer",
                       auto_wrap_policy="[GPT2Block]")

@@ -338,6 +338,10 @@ def check_runs_here(cfg: Config, problems: list[str]) -> None:
         if missing:
             problems.append(f"--compile true on CPU builds its kernels with a C++ compiler, and torch finds none here "
                             f"({missing}); install g++ (or set CXX to a compiler), or use --compile false")
+    if cfg.compile and resolve_accelerator(cfg) == "cuda" and not triton_c_compiler():
+        problems.append("--compile true on GPUs builds Triton's kernel launchers with a C compiler, and there is "
+                        "none here ($CC, gcc or clang; PyTorch's CUDA runtime Docker images long had none); install "
+                        "gcc, or use --compile false")
     folder = Path(cfg.model_name) if cfg.model_name else None
     if folder and folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin")):
         problems.append(f"--model_name {folder}: the folder holds no weights (*.safetensors or *.bin); to train "
@@ -356,6 +360,12 @@ def missing_cpp_compiler() -> Optional[str]:
     except InvalidCxxCompiler as error:
         return first_line(error)
     return None
+
+
+def triton_c_compiler() -> Optional[str]:
+    """The C compiler Triton builds each kernel's launcher with, found as triton/runtime/build.py finds it ($CC, else
+    gcc, else clang): without one every rank ended in "Failed to find C compiler" at its first compiled forward."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
 
 
 def check_attention_supported(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> bool:
