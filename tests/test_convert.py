@@ -184,6 +184,21 @@ def test_generate_stops_at_an_end_of_turn_that_only_the_generation_config_names(
     assert written.endswith(f"({at + 1} new tokens, stopped at <|eot_id|>)"), written
 
 
+def test_a_stop_token_forced_at_the_limit_is_the_limit_not_a_stop() -> None:
+    """BART's generation config forces </s> into the last place --max_new_tokens leaves: generate.py said
+    "stopped at </s>" for a model that never chose to stop."""
+    from types import SimpleNamespace
+
+    from app.huggingface.generate import why_it_stopped
+
+    tokenizer = SimpleNamespace(convert_ids_to_tokens=lambda token: {2: "</s>"}[token])
+    bart, llama = SimpleNamespace(eos_token_id=2, forced_eos_token_id=2), SimpleNamespace(eos_token_id=[2, 9])
+    assert why_it_stopped([5, 6, 7, 2], bart, tokenizer, max_new_tokens=4) == "--max_new_tokens reached"
+    assert why_it_stopped([5, 6, 2], bart, tokenizer, max_new_tokens=4) == "stopped at </s>"
+    assert why_it_stopped([5, 6, 7, 2], llama, tokenizer, max_new_tokens=4) == "stopped at </s>"
+    assert why_it_stopped([5, 6, 7, 8], llama, tokenizer, max_new_tokens=4) == "--max_new_tokens reached"
+
+
 def test_bfloat16_conversion_is_within_tolerance(tiny, full_run, tmp_path) -> None:
     convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "bfloat16")
     assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.bfloat16}

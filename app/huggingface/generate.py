@@ -82,7 +82,7 @@ def generate(args: GenerateArgs) -> str:
     written = tokenizer.decode(new_tokens, skip_special_tokens=True)
     answers = args.chat or config.is_encoder_decoder
     text = f"{args.prompt}\n--> {written}" if answers else args.prompt + written
-    ending = why_it_stopped(new_tokens.tolist(), model.generation_config, tokenizer)
+    ending = why_it_stopped(new_tokens.tolist(), model.generation_config, tokenizer, args.max_new_tokens)
     return f"{text}\n({len(new_tokens)} new tokens, {ending})"
 
 
@@ -100,9 +100,12 @@ def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
                              f"({str(error).strip().splitlines()[0]}); give a folder written by convert_to_hf.py")
 
 
-def why_it_stopped(new_tokens: list[int], own_config: Any, tokenizer: Any) -> str:
+def why_it_stopped(new_tokens: list[int], own_config: Any, tokenizer: Any, max_new_tokens: int) -> str:
+    """A stop token the model wrote, or the limit: a generation config's forced_eos_token_id (BART's) puts the stop
+    token in the last place the limit leaves, which the model did not choose."""
     stops = own_config.eos_token_id if isinstance(own_config.eos_token_id, list) else [own_config.eos_token_id]
-    if new_tokens and new_tokens[-1] in stops:
+    forced = getattr(own_config, "forced_eos_token_id", None) is not None and len(new_tokens) >= max_new_tokens
+    if new_tokens and new_tokens[-1] in stops and not forced:
         return f"stopped at {tokenizer.convert_ids_to_tokens(new_tokens[-1])}"
     return "--max_new_tokens reached"
 
