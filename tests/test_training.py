@@ -68,6 +68,22 @@ def test_a_run_prints_no_library_warning(fsdp_run) -> None:
     assert not re.search(r"\.py:\d+: ", stderr), stderr
 
 
+@pytest.mark.parametrize("model_type", ["bart", "t5"])
+def test_flops_of_encoder_decoders_are_counted_with_their_decoders_share(model_type) -> None:
+    """Counted on the meta device: BART's SDPA mask read tensor values there ("Tensor.item() cannot be called on
+    meta tensors"), and its runs reported no MFU. A longer target adds the decoder's matrix products."""
+    from transformers import AutoConfig
+
+    from app.metrics.observe import flops_per_micro_batch
+
+    small = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64) if model_type == "bart" else \
+        dict(d_model=32, d_ff=64, d_kv=16, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    config = AutoConfig.for_model(model_type, vocab_size=400, **small)
+    short, long = (flops_per_micro_batch(config, 1, 64, targets) for targets in (8, 16))
+    assert 0 < short < long
+
+
 def test_run_reports_throughput_flops_memory_and_time_lost(fsdp_run, tiny) -> None:
     """metrics.csv at every log interval, and summary.json with every rank's memory (before the resume test)."""
     metrics = read_metrics(fsdp_run)

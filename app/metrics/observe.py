@@ -40,9 +40,10 @@ def flops_per_micro_batch(model_config: PretrainedConfig, micro_batch_size: int,
 
     Counted without activation checkpointing, so that the recomputation does not count as useful work (MFU, not
     hardware FLOPs utilisation). The KV cache (no FLOPs) makes transformers skip its packed-sequence check, which
-    reads tensor values that the meta device does not have.
+    reads tensor values that the meta device does not have; so does SDPA's mask in BART's decoder, so the count runs
+    eager attention, whose matrix products are the ones SDPA's formula counts (the same totals for Llama, GPT-2, T5).
     """
-    model = meta_model(model_config, trust_remote_code)
+    model = meta_model(model_config, trust_remote_code, attn_implementation="eager")
     input_ids = torch.zeros((micro_batch_size, tokens), dtype=torch.long, device="meta")
     labels = (torch.zeros((micro_batch_size, target_tokens), dtype=torch.long, device="meta") if target_tokens
               else input_ids)

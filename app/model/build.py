@@ -16,6 +16,7 @@ a config from the meta device at once, in FSDP's order, so that a --seed gives t
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -57,10 +58,15 @@ def model_class(model_config: PretrainedConfig) -> type:
     return AutoModelForSeq2SeqLM if model_config.is_encoder_decoder else AutoModelForCausalLM
 
 
-def meta_model(model_config: PretrainedConfig, trust_remote_code: bool = False) -> Module:
-    """A weightless instance: its classes, parameter names and shapes, and its own init function."""
+def meta_model(model_config: PretrainedConfig, trust_remote_code: bool = False,
+               attn_implementation: Optional[str] = None) -> Module:
+    """A weightless instance: its classes, parameter names and shapes, and its own init function. With an
+    `attn_implementation`, built from a copy of the config (the model records the attention it is given there)."""
+    if attn_implementation:
+        model_config = copy.deepcopy(model_config)
     with torch.device("meta"):
-        return model_class(model_config).from_config(model_config, trust_remote_code=trust_remote_code)
+        return model_class(model_config).from_config(model_config, trust_remote_code=trust_remote_code,
+                                                     attn_implementation=attn_implementation)
 
 
 def resolve_wrap_classes(
