@@ -57,6 +57,9 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config).to_dict()},
                run / "step-00000004.ckpt")
     (root / "a_file").write_text("not a folder")
+    (root / "earlier_run" / "samples").mkdir(parents=True)  # a run that saved no checkpoint, or a user's folder
+    for name in ("config.yaml", "metrics.csv", "samples/step-00000004.jsonl"):
+        (root / "earlier_run" / name).write_text("kept\n")
     metadata = json.dumps({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config).to_dict()})
     for name, pickled in {"unsafe_folder": b"cos\nsystem\n(S'true'\ntR.", "truncated_folder": b"\x80\x04\x95"}.items():
         (root / name).mkdir()
@@ -89,6 +92,8 @@ CASES = {
                                  ".metadata: not readable (UnpicklingError): the folder is incomplete; pick another"),
     "out_dir is a file": (dict(out_dir="{a_file}"), "is a file; give a folder"),
     "checkpoints without resume": (dict(out_dir="{run}"), "already holds checkpoints; add --resume true"),
+    "an earlier run's files without resume": (dict(out_dir="{earlier_run}"), "earlier_run already holds config.yaml, "
+                                              "metrics.csv, samples/step-00000004.jsonl (of an earlier run, or yours)"),
     "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),
     "checkpoints uploaded to a disabled W&B": (dict(log_model=True), "--log_model true uploads checkpoints to Weights"),
     "an attention the model has not": (dict(model_config="{gemma2}"),

@@ -23,6 +23,8 @@ CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.ckpt$")
 LEFTOVER_NAME = re.compile(r"^\.step-\d+\.ckpt\.(partial|replaced)$")
 BEST_FILE = "best.json"
 ROLLED_BACK_DIR = "rolled-back"
+RUN_CONFIG_FILE = "config.yaml"
+"""The run's options as YAML, in out_dir (written by every start of the run)."""
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from lightning_fabric import Fabric
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+SAMPLES_DIR = "samples"
+"""Where a run writes the generated samples of each evaluation, in out_dir."""
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 WRITTEN_WITHOUT_SPACES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff"
 """Kana and CJK ideographs: scripts whose words are not separated by spaces."""
@@ -158,8 +160,13 @@ def sample_metrics(generated: list[str], references: list[str], lengths: list[in
 def set_aside_samples_after(out_dir: Path, step: int) -> list[Path]:
     """Move the samples written after `step` (by a stretch a rollback or a resume from an older checkpoint abandons)
     into samples/rolled-back/, as their checkpoints go: show_samples.py shows the latest file."""
-    written = {path: re.fullmatch(r"step-(\d+)", path.stem) for path in (out_dir / "samples").glob("step-*.jsonl")}
+    written = {path: re.fullmatch(r"step-(\d+)", path.stem) for path in samples_written(out_dir)}
     return [move_aside(path) for path, name in sorted(written.items()) if name and int(name.group(1)) > step]
+
+
+def samples_written(out_dir: Path) -> list[Path]:
+    """The samples files a run wrote into `out_dir` (samples/step-N.jsonl), in no particular order."""
+    return list((out_dir / SAMPLES_DIR).glob("step-*.jsonl"))
 
 
 def write_samples(path: Path, prompts: list[str], references: list[str], generated: list[str]) -> None:
@@ -192,7 +199,7 @@ class SampleEvaluator:
             return {}
         generated = [self.text(ids) for ids in tokens]
         references = [self.text(sample.reference) for sample in self.samples]
-        write_samples(self.out_dir / "samples" / f"step-{step:08d}.jsonl",
+        write_samples(self.out_dir / SAMPLES_DIR / f"step-{step:08d}.jsonl",
                       [self.text(sample.prompt) for sample in self.samples], references, generated)
         return sample_metrics(generated, references, [len(ids) for ids in tokens])
 

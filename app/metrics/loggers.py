@@ -27,6 +27,9 @@ COLUMNS = ["step", "epoch", "train_loss", "val_loss", "val_ppl", "sample_exact_m
            "peak_rss_gb", "peak_allocated_gb", "peak_reserved_gb", "save_sec", "elapsed_sec", "spikes",
            "skipped_steps", "rollbacks", "quarantined_rows"]
 RUN_ID_FILE = "wandb_run_id"
+METRICS_FILE = "metrics.csv"
+SUMMARY_FILE = "summary.json"
+ROWS_FILE = "rows.jsonl"
 
 
 class CSVMetrics(Logger):
@@ -38,7 +41,7 @@ class CSVMetrics(Logger):
     """
 
     def __init__(self, out_dir: str | Path, resume_step: Optional[int] = None, sources: tuple[str, ...] = ()) -> None:
-        self.path = Path(out_dir) / "metrics.csv"
+        self.path = Path(out_dir) / METRICS_FILE
         self._resume_step = resume_step
         self.columns = COLUMNS + [f"{metric}/{name}" for metric in ("val_loss", "tokens") for name in sources]
         """With a mixture's folders (`sources`), their validation losses and trained tokens."""
@@ -79,7 +82,7 @@ class RowRecord:
     as the rows of one continuous run."""
 
     def __init__(self, out_dir: str | Path, resume_step: int) -> None:
-        path = Path(out_dir) / "rows.jsonl"
+        path = Path(out_dir) / ROWS_FILE
         kept = []
         if resume_step and path.exists():
             kept = [line for line in path.read_text().splitlines(keepends=True)
@@ -187,7 +190,7 @@ def report_summary(fabric: Fabric, out_dir: str | Path, summary: dict[str, Any],
     """The end-of-run summary: printed, written to <out_dir>/summary.json, and set as the W&B run summary."""
     if not fabric.is_global_zero:
         return
-    path = Path(out_dir) / "summary.json"
+    path = Path(out_dir) / SUMMARY_FILE
     path.write_text(json.dumps(summary, indent=2) + "\n")
     for line in summary_lines(summary):
         console.print(line)

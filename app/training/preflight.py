@@ -27,6 +27,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from app.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, run_tokenizer_dir,
                             stored_tensor_shapes)
+from app.checkpoint.files import RUN_CONFIG_FILE
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
@@ -35,6 +36,7 @@ from app.data.identity import folder_identity, identity_difference, same_folder_
 from app.data.mixture import Source, describe, epoch_rows, first_folder, parse_sources
 from app.distributed.precision import bf16_rounding_note, bf16_support_problem, fp32_modules_problem, weights_dtype
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
+from app.evaluation.samples import samples_written
 from app.exit_codes import EXIT_BAD_INPUT
 from app.hub import missing_model_problem, quiet_hub
 from app.huggingface.convert import changed_fields
@@ -42,9 +44,11 @@ from app.model.build import (checkpoints_through_transformers, enable_activation
                              meta_model, model_class, model_source, resolve_wrap_classes)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, decoder_inputs_error, decoder_tells_positions_apart,
                                  probe_isolation)
+from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
 from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
+from app.reliability.spikes import QUARANTINE_FILE
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -761,6 +765,23 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
         if free < needed:
             problems.append(f"--out_dir {out_dir}: {free / 1e9:.1f} GB free, one checkpoint needs about "
                             f"{needed / 1e9:.1f} GB; free space or choose another folder")
+    written = files_a_new_run_replaces(out_dir)
+    if written and not cfg.resume and not latest_checkpoint(out_dir):  # with checkpoints: resolve_resume's line
+        problems.append(f"--out_dir {out_dir} already holds {', '.join(written)} (of an earlier run, or yours), which "
+                        "a new run would overwrite; add --resume true to continue that run, or choose another "
+                        "--out_dir (nothing is overwritten)")
+
+
+def files_a_new_run_replaces(out_dir: Path) -> list[str]:
+    """The files in `out_dir` that a run starting there writes over: those of an earlier run that saved no checkpoint
+    (--save_step_interval 0, or stopped before its first save), or a user's of the same names. Only a run asked to
+    continue (--resume true) takes them over: metrics.csv keeps its rows up to the step resumed from."""
+    if not out_dir.is_dir():
+        return []
+    names = [name for name in (RUN_CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, ROWS_FILE, QUARANTINE_FILE, RUN_ID_FILE)
+             if (out_dir / name).exists()]
+    samples = samples_written(out_dir)
+    return names + ([f"{samples[0].parent.name}/{samples[0].name}"] if samples else [])
 
 
 def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[PretrainedConfig],

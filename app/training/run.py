@@ -14,6 +14,7 @@ import torch
 from lightning_fabric import Fabric
 
 from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng, run_tokenizer_dir, set_aside_newer
+from app.checkpoint.files import RUN_CONFIG_FILE
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
 from app.distributed.device_memory import expandable_segments
@@ -153,7 +154,7 @@ def write_run_files(fabric: Fabric, cfg: Config, tokenizer: Optional[str]) -> No
 
     if fabric.is_global_zero:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out_dir) / "config.yaml").write_text(config_to_yaml(cfg))
+        (Path(cfg.out_dir) / RUN_CONFIG_FILE).write_text(config_to_yaml(cfg))
         keep_tokenizer_with_run(Path(cfg.out_dir), tokenizer, cfg.trust_remote_code)
     for logger in fabric.loggers:
         logger.log_hyperparams(cfg.to_dict())
