@@ -269,6 +269,13 @@ def test_all_converts_every_checkpoint_of_a_run(full_run, tmp_path) -> None:
     assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["step-00000004", "step-00000008"]
 
 
+def test_overwrite_replaces_an_earlier_conversion(full_run, tmp_path) -> None:
+    """What --overwrite true is for: converting again into the same model folder (other folders are refused)."""
+    convert("--checkpoint", full_run / "checkpoints" / "step-00000004.ckpt", "--output_dir", tmp_path / "hf")
+    convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--overwrite", "true")
+    assert "step-00000008.ckpt" in (tmp_path / "hf" / "README.md").read_text()
+
+
 def folder_digest(folder: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(folder.rglob("*")):
@@ -299,6 +306,11 @@ def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, tiny, tm
     message = refused(capsys, "--checkpoint", good, "--output_dir", out, "--model_config", wider)
     assert "model.embed_tokens.weight of shape (400, 64)" in message and "(400, 96)" in message
     assert "is not empty" in refused(capsys, "--checkpoint", good, "--output_dir", existing)
+    data_before = folder_digest(tiny.data)
+    for folder in (existing, tiny.data):  # a folder of the user's, a data folder: --overwrite would delete them
+        assert "--overwrite true replaces only an empty folder or a model folder" in refused(
+            capsys, "--checkpoint", good, "--output_dir", folder, "--overwrite", "true")
+    assert folder_digest(tiny.data) == data_before
     assert "--dtype" in refused(capsys, "--checkpoint", good, "--output_dir", out, "--dtype", "int8")
     assert folder_digest(existing) == before and not out.exists()
 

@@ -339,11 +339,28 @@ def check_tokenizer(name: str, config: PretrainedConfig) -> None:
 
 
 def check_output_dir(output: Path, overwrite: bool) -> None:
+    """An output folder that exists must be empty, or with --overwrite a model folder: --overwrite replaces the whole
+    folder, so a data folder, another run or a folder of the user's named by mistake would be deleted with it."""
     if output.exists() and not output.is_dir():
         raise BadInput(f"--output_dir {output} is a file; give a folder")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
+    if not output.is_dir() or not any(output.iterdir()):
+        return
+    if not overwrite:
         raise BadInput(f"--output_dir {output} is not empty; choose another folder or add --overwrite true "
                        "(it is replaced only after the new model is verified)")
+    if not is_model_folder(output):
+        raise BadInput(f"--output_dir {output}: --overwrite true replaces only an empty folder or a model folder "
+                       f"(with {MODEL_CONFIG_FILE} and {' or '.join(WEIGHT_FILES)} weights), and this is neither; "
+                       "choose another folder")
+
+
+MODEL_CONFIG_FILE = "config.json"
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+
+
+def is_model_folder(folder: Path) -> bool:
+    """A Hugging Face model folder, such as an earlier conversion wrote: its config and weights."""
+    return (folder / MODEL_CONFIG_FILE).is_file() and any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES)
 
 
 def check_apart_from_checkpoint(output: Path, checkpoint: Path) -> None:
