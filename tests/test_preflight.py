@@ -91,6 +91,7 @@ CASES = {
     "sharded folder cut short": (dict(resume=True, checkpoint="{truncated_folder}"),
                                  ".metadata: not readable (UnpicklingError): the folder is incomplete; pick another"),
     "out_dir is a file": (dict(out_dir="{a_file}"), "is a file; give a folder"),
+    "out_dir inside a file": (dict(out_dir="{a_file}/run"), "/run: {a_file} is a file; give a folder"),
     "checkpoints without resume": (dict(out_dir="{run}"), "already holds checkpoints; add --resume true"),
     "an earlier run's files without resume": (dict(out_dir="{earlier_run}"), "earlier_run already holds config.yaml, "
                                               "metrics.csv, samples/step-00000004.jsonl (of an earlier run, or yours)"),
@@ -117,8 +118,8 @@ def test_bad_input_is_refused_with_one_line_naming_it(case, tiny, bad, tmp_path,
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
     overrides, expected = CASES[case]
-    overrides = {k: v.format(**{n: p for n, p in bad.items()}) if isinstance(v, str) else v
-                 for k, v in overrides.items()}
+    overrides = {k: v.format(**bad) if isinstance(v, str) else v for k, v in overrides.items()}
+    expected = expected.format(**bad)
     out_dir = Path(overrides.pop("out_dir", tmp_path / "out"))
     before = digest(bad["run"])
     with pytest.raises(SystemExit) as exit_info:

@@ -753,10 +753,11 @@ def estimated_checkpoint_bytes(model_config: PretrainedConfig, cfg: Config) -> i
 
 def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> None:
     out_dir = Path(cfg.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        problems.append(f"--out_dir {out_dir} is a file; give a folder")
-        return
     ancestor = existing_ancestor(out_dir)
+    if not ancestor.is_dir():  # the folder, or one it would be made in (else the first rank fails to create it)
+        where = "" if ancestor == out_dir.absolute() else f": {ancestor}"
+        problems.append(f"--out_dir {out_dir}{where} is a file; give a folder")
+        return
     if not os.access(ancestor, os.W_OK):
         problems.append(f"--out_dir {out_dir}: {ancestor} is not writable; choose a folder you can write to")
         return
