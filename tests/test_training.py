@@ -332,3 +332,35 @@ def test_a_tokenizer_the_run_cannot_copy_is_a_note_not_the_end_of_rank_0(tmp_pat
     keep_tokenizer_with_run(tmp_path / "run", str(tmp_path / "broken"), trust_remote_code=False)
     assert "note: the run's tokenizer was not copied to" in capsys.readouterr().out
     assert not list(tmp_path.glob("run/*")) and not list(tmp_path.glob("run/.*")), "no copy, nothing half-written"
+
+
+def test_a_resume_that_cannot_rewrite_metrics_csv_leaves_its_history(tmp_path, monkeypatch) -> None:
+    """A resumed run rewrites metrics.csv with the rows up to its step. A full disk (ENOSPC) while writing used to
+    leave it truncated, the run's whole history lost; it is written beside and renamed into place."""
+    import builtins
+    import errno
+
+    from app.metrics.loggers import CSVMetrics
+
+    CSVMetrics(tmp_path).log_hyperparams({})
+    for step in (1, 2, 3):
+        CSVMetrics(tmp_path).log_metrics({"train_loss": 5.0 - step}, step=step)
+    before = (tmp_path / "metrics.csv").read_text()
+    real_open = builtins.open
+
+    def no_space(text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        if "w" in mode:
+            handle.write = no_space
+        return handle
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    with pytest.raises(OSError):
+        CSVMetrics(tmp_path, resume_step=2).log_hyperparams({})
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.csv").read_text() == before and os.listdir(tmp_path) == ["metrics.csv"]
+    CSVMetrics(tmp_path, resume_step=2).log_hyperparams({})
+    assert list(read_metrics(tmp_path)) == [1, 2]

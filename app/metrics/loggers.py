@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from pathlib import Path
@@ -30,6 +31,19 @@ RUN_ID_FILE = "wandb_run_id"
 METRICS_FILE = "metrics.csv"
 SUMMARY_FILE = "summary.json"
 ROWS_FILE = "rows.jsonl"
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write `path` under a temporary name and rename it into place: a resumed run rewrites metrics.csv with the rows
+    it keeps, and a full disk (ENOSPC) or a kill while writing must leave the old file, not a truncated history."""
+    temporary = path.with_name(f".{path.name}.partial")
+    try:
+        with open(temporary, "w", newline="") as handle:
+            handle.write(text)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    os.replace(temporary, path)
 
 
 class CSVMetrics(Logger):
@@ -62,10 +76,11 @@ class CSVMetrics(Logger):
         if self._resume_step is not None and self.path.exists():
             with open(self.path, newline="") as handle:
                 kept = [row for row in csv.DictReader(handle) if int(row["step"]) <= self._resume_step]
-        with open(self.path, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=self.columns, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(kept)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(kept)
+        replace_file(self.path, text.getvalue())
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
@@ -88,7 +103,7 @@ class RowRecord:
             kept = [line for line in path.read_text().splitlines(keepends=True)
                     if line.endswith("\n") and json.loads(line)["step"] <= resume_step]
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(kept))
+        replace_file(path, "".join(kept))
         self.file = open(path, "a", buffering=1)  # a line per step, on disk before the next step
 
     def write(self, step: int, rows: dict[str, list[int]]) -> None:
@@ -191,7 +206,7 @@ def report_summary(fabric: Fabric, out_dir: str | Path, summary: dict[str, Any],
     if not fabric.is_global_zero:
         return
     path = Path(out_dir) / SUMMARY_FILE
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    replace_file(path, json.dumps(summary, indent=2) + "\n")
     for line in summary_lines(summary):
         console.print(line)
     console.print(f"  written to {path}")
