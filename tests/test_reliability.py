@@ -366,6 +366,22 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     assert prune_checkpoints(tmp_path, None, set()) == []
 
 
+def test_keep_last_n_removes_a_linked_checkpoint_but_not_what_it_links_to(tmp_path: Path):
+    """A checkpoint of another run linked into checkpoints/ to resume from it: pruning it used to end the run with
+    'OSError: Cannot call rmtree on a symbolic link' (a sharded folder), and must not delete the other run's."""
+    other = tmp_path / "other" / "step-00000002.ckpt"
+    other.mkdir(parents=True)
+    (other / "__0_0.distcp").write_bytes(b"x")
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / other.name).symlink_to(other)
+    for step in (4, 6):
+        (folder / f"step-{step:08d}.ckpt").write_bytes(b"x")
+    deleted = prune_checkpoints(tmp_path / "run", 1, protected=set())
+    assert [path.name for path in deleted] == ["step-00000002.ckpt", "step-00000004.ckpt"]
+    assert sorted(list_checkpoints(tmp_path / "run")) == [6] and (other / "__0_0.distcp").is_file()
+
+
 def test_a_rollback_moves_the_checkpoints_of_the_abandoned_stretch_where_resume_does_not_look(tmp_path: Path):
     """A rollback may pass over checkpoints whose validation loss had begun to rise; left in place, the newest of them
     was what --resume true continued from after a crash, undoing the rollback."""

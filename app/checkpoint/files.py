@@ -101,7 +101,17 @@ def remove_leftovers(folder: Path) -> None:
     """Delete what interrupted saves left behind (hidden `.partial` / `.replaced` names, never a checkpoint)."""
     for path in folder.iterdir() if folder.is_dir() else ():
         if LEFTOVER_NAME.match(path.name):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            remove(path)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint file or folder; a link is removed, never what it points to: a checkpoint linked in from
+    another run (to resume from it) stays there, and shutil.rmtree refuses a link to a folder with an OSError,
+    which ended the run at the save whose --keep_last_n pruned it."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def read_best(out_dir: str | Path) -> Optional[dict[str, Any]]:
@@ -131,7 +141,7 @@ def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected
         keep.add((checkpoint_dir(out_dir) / best["checkpoint"]).resolve())
     deleted = [path for step, path in sorted(checkpoints.items()) if path.resolve() not in keep]
     for path in deleted:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        remove(path)
     return deleted
 
 
@@ -153,7 +163,7 @@ def move_aside(path: Path) -> Path:
     """Move `path` into the rolled-back/ folder beside it (replacing what an earlier rollback put there)."""
     target = path.parent / ROLLED_BACK_DIR / path.name
     target.parent.mkdir(exist_ok=True)
-    if target.exists():  # rolled back over the same step twice: the older copy goes
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    if target.exists() or target.is_symlink():  # rolled back over the same step twice: the older copy goes
+        remove(target)
     path.rename(target)
     return target
