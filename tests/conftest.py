@@ -177,16 +177,18 @@ def one_process_llama(micro_batches: int):
 
 
 def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None = None,
-              nodes: int = 1, fresh: bool = False) -> subprocess.CompletedProcess:
+              nodes: int = 1, fresh: bool = False,
+              node_args: dict[int, list[str]] | None = None) -> subprocess.CompletedProcess:
     """train.py in real processes, as a user runs it (with extra environment variables `env`); with `nodes` > 1,
     once per node, all on this machine, as users start each node by hand (with `--num_nodes` among `args`).
 
     Its processes are forked by tests/forkserver.py, past the imports (about 6 CPU-s per process); `fresh` asks for
     processes started from scratch: for runs whose peak RSS is measured, and for variables in `env` that a library
-    reads when it is imported (HF_HUB_OFFLINE, PYTHONPATH) rather than when it is used."""
+    reads when it is imported (HF_HUB_OFFLINE, PYTHONPATH) rather than when it is used. `node_args` adds options
+    to some nodes' command lines (a node given another folder)."""
     python, variables = interpreter(fresh)
     command = [python, str(ROOT / "train.py"), *args]
-    return run_script(command if nodes == 1 else on_nodes(command, nodes), timeout,
+    return run_script(command if nodes == 1 else on_nodes(command, nodes, node_args), timeout,
                       run_environment(variables | (env or {})))
 
 
@@ -246,11 +248,12 @@ def run_environment(env: dict[str, str] | None) -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
 
 
-def on_nodes(command: list[str], nodes: int) -> list[str]:
-    """A shell that starts `command` as every node of a job (Lightning's MASTER_ADDR, MASTER_PORT and NODE_RANK),
-    node 0 in the foreground, and fails if any node failed."""
+def on_nodes(command: list[str], nodes: int, node_args: dict[int, list[str]] | None = None) -> list[str]:
+    """A shell that starts `command` (plus `node_args` of the node) as every node of a job (Lightning's MASTER_ADDR,
+    MASTER_PORT and NODE_RANK), node 0 in the foreground, and fails if any node failed."""
     port = free_port()
-    starts = [f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} NODE_RANK={node} {shlex.join(command)}" for node in range(nodes)]
+    starts = [f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} NODE_RANK={node} "
+              f"{shlex.join(command + (node_args or {}).get(node, []))}" for node in range(nodes)]
     others = "".join(f"{start} & pids+=($!); " for start in starts[1:])
     return ["bash", "-c", f'pids=(); {others}{starts[0]}; status=$?; '
                           f'for pid in "${{pids[@]}}"; do wait $pid || status=1; done; exit $status']

@@ -232,6 +232,24 @@ def test_a_run_resumes_where_its_data_and_out_dir_moved_to(tiny, moved_run, tmp_
     assert [folder["path"] for folder in recorded] == [str(tmp_path / "corpus")], "the next resume compares these"
 
 
+def test_nodes_that_would_resume_from_different_checkpoints_are_refused(tiny, moved_run, tmp_path) -> None:
+    """Each node's preflight picks the checkpoint to resume from: a node given another --out_dir, or whose view of
+    the shared folder lags, picked another one (here none), and the ranks trained one model from the shards of
+    different steps until a collective failed. They now compare their choices first: one line, exit 2, nothing
+    written."""
+    shutil.copytree(moved_run.out_dir, tmp_path / "run")
+    before = sorted(path.name for path in (tmp_path / "run").rglob("*"))
+    result = run_train(train_args(tiny, tmp_path / "run", train_data_dir=moved_run.data, tokenizer=None, resume=True,
+                                  devices=1, num_nodes=2, micro_batch_size=2, gradient_accumulation_steps=None),
+                       nodes=2, node_args={1: ["--out_dir", str(tmp_path / "lagging")]})
+    assert result.returncode != 0, result.stdout[-3000:] + result.stderr[-3000:]  # node 0's 2, or 1: another failed
+    assert (f"error: --resume: the nodes would not continue from the same checkpoint: node 0 from {tmp_path / 'run'}"
+            "/checkpoints/step-00000002.ckpt (step 2); node 1 at step 0, without a checkpoint; give every node"
+            in result.stderr), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "lagging").exists()
+    assert sorted(path.name for path in (tmp_path / "run").rglob("*")) == before
+
+
 def resumed_data_problems(tiny, moved_run, spec: str, metadata: dict) -> list[str]:
     """What the preflight's resume check says of --train_data_dir `spec` against a checkpoint's `metadata`."""
     from app.training.preflight import Resume, check_data, check_data_resume

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning_fabric import Fabric
 
 from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng, run_tokenizer_dir, set_aside_newer
@@ -149,6 +150,24 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
               flush=True)
 
 
+def resume_disagreement(fabric: Fabric, inputs: RunInputs) -> Optional[str]:
+    """Each node's launching process chose the checkpoint to resume from on its own, in its preflight: nodes given
+    another --out_dir or --checkpoint, or whose view of a shared folder lags (an NFS client's cached listing misses
+    the newest checkpoint), would resume at different steps and train one model from shards of different steps.
+    A line naming each node's choice when they differ, the same on every rank; None when they agree."""
+    if fabric.world_size == 1:
+        return None
+    chosen: list = [None] * fabric.world_size
+    dist.all_gather_object(chosen, (fabric.node_rank, inputs.resume_step, str(inputs.resume_from)))
+    if len({step for _, step, _ in chosen}) == 1:
+        return None
+    by_node = {node: (f"from {path} (step {step})" if step is not None else "at step 0, without a checkpoint")
+               for node, step, path in chosen}
+    return ("--resume: the nodes would not continue from the same checkpoint: " + "; ".join(
+        f"node {node} {choice}" for node, choice in sorted(by_node.items())) + "; give every node the same --out_dir "
+        "and --resume, or the same --checkpoint (a lagging view of a shared folder misses the newest one)")
+
+
 def write_run_files(fabric: Fabric, cfg: Config, tokenizer: Optional[str]) -> None:
     from arguments import config_to_yaml
 
@@ -244,6 +263,10 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     """One rank's run, from setting up the model to the summary; its exit code."""
     stop = StopRequest()
     stop.install(announce=fabric.is_global_zero)
+    disagreement = resume_disagreement(fabric, inputs)
+    if disagreement:
+        fabric.print(f"error: {disagreement}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     fabric.seed_everything(cfg.seed, verbose=False)
     set_matmul_precision(fabric, cfg)
     data = load_data(cfg.train_data_dir, inputs.packed_layout)
