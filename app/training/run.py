@@ -155,7 +155,7 @@ def resume_disagreement(fabric: Fabric, inputs: RunInputs) -> Optional[str]:
     another --out_dir or --checkpoint, or whose view of a shared folder lags (an NFS client's cached listing misses
     the newest checkpoint), would resume at different steps and train one model from shards of different steps.
     A line naming each node's choice when they differ, the same on every rank; None when they agree."""
-    if fabric.world_size == 1:
+    if fabric.world_size == 1 or not dist.is_initialized():  # one process, or XLA's ranks (no torch.distributed)
         return None
     chosen: list = [None] * fabric.world_size
     dist.all_gather_object(chosen, (fabric.node_rank, inputs.resume_step, str(inputs.resume_from)))
