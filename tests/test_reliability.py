@@ -23,7 +23,7 @@ import torch
 
 from app.checkpoint import (latest_checkpoint, list_checkpoints, mark_if_best, prune_checkpoints, read_best,
                             set_aside_newer)
-from app.exit_codes import (EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
+from app.exit_codes import (EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT,
                             EXIT_STALLED)
 from app.evaluation.samples import set_aside_samples_after, write_samples
 from app.evaluation.show import latest_samples
@@ -336,6 +336,22 @@ def test_leaving_skips_the_interpreters_teardown_but_not_what_it_owes() -> None:
     result = subprocess.run([sys.executable, "-c", leaving], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 9, result.stderr
     assert result.stdout == "pool idle\nbuffered thread finished\nexit handler ran\n"
+
+
+@pytest.mark.slow
+def test_a_second_run_in_the_same_out_dir_is_refused_while_the_first_runs(tiny: TinySetup, tmp_path: Path):
+    """The same job submitted twice, both with --resume true as the Slurm scripts pass it: the second resumed from a
+    checkpoint the first was deleting (--keep_last_n) and ended with a traceback (CheckpointError: ...
+    FileNotFoundError), or wrote the same checkpoint names. Refused in one line now; the first goes on."""
+    out = tmp_path / "run"
+    args = train_args(tiny, out, devices=1, strategy="single_device", gradient_accumulation_steps=None, max_step=300,
+                      save_step_interval=1, keep_last_n=1, eval_step_interval=100, resume=True)
+    with launched(args, tmp_path / "first.log") as first:
+        first.wait_for_step(2)
+        second = run_train(args)
+        assert second.returncode == EXIT_BAD_INPUT, second.stdout[-3000:] + second.stderr[-3000:]
+        assert f"error: --out_dir {out} is in use by another run (pid {first.process.pid} on " in second.stderr
+        assert "Traceback" not in second.stderr and first.process.poll() is None, first.output()
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import torch
 from transformers import AutoConfig, LlamaConfig
 
 from app.checkpoint import list_checkpoints, read_metadata, read_tensors
+from app.checkpoint.files import LOCK_FILE
 from app.checkpoint.rng import decode_generator_state
 from app.checkpoint.state import ADAMW_STATE
 from app.model.build import meta_model
@@ -238,7 +239,7 @@ def test_nodes_that_would_resume_from_different_checkpoints_are_refused(tiny, mo
     different steps until a collective failed. They now compare their choices first: one line, exit 2, nothing
     written."""
     shutil.copytree(moved_run.out_dir, tmp_path / "run")
-    before = sorted(path.name for path in (tmp_path / "run").rglob("*"))
+    before = run_files(tmp_path / "run")
     result = run_train(train_args(tiny, tmp_path / "run", train_data_dir=moved_run.data, tokenizer=None, resume=True,
                                   devices=1, num_nodes=2, micro_batch_size=2, gradient_accumulation_steps=None),
                        nodes=2, node_args={1: ["--out_dir", str(tmp_path / "lagging")]})
@@ -247,7 +248,12 @@ def test_nodes_that_would_resume_from_different_checkpoints_are_refused(tiny, mo
             "/checkpoints/step-00000002.ckpt (step 2); node 1 at step 0, without a checkpoint; give every node"
             in result.stderr), result.stderr[-3000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "lagging").exists()
-    assert sorted(path.name for path in (tmp_path / "run").rglob("*")) == before
+    assert run_files(tmp_path / "run") == before
+
+
+def run_files(folder: Path) -> list[str]:
+    """The files of a run folder, but for the lock its rank 0 takes as it starts (LOCK_FILE)."""
+    return sorted(path.name for path in folder.rglob("*") if path.name != LOCK_FILE)
 
 
 def resumed_data_problems(tiny, moved_run, spec: str, metadata: dict) -> list[str]:

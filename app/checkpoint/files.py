@@ -12,10 +12,12 @@ returns to into `checkpoints/rolled-back/`, where resume and conversion never lo
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,6 +27,9 @@ BEST_FILE = "best.json"
 ROLLED_BACK_DIR = "rolled-back"
 RUN_CONFIG_FILE = "config.yaml"
 """The run's options as YAML, in out_dir (written by every start of the run)."""
+LOCK_FILE = ".lock"
+HELD_LOCKS: list[int] = []
+"""The descriptors of the run folders this process claimed: open until it ends, however it ends."""
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
@@ -34,6 +39,29 @@ def checkpoint_dir(out_dir: str | Path) -> Path:
 def run_tokenizer_dir(out_dir: str | Path) -> Path:
     """The copy of its tokenizer a run keeps beside its checkpoints, so that it converts without its data folder."""
     return Path(out_dir) / "tokenizer"
+
+
+def claim_run_folder(out_dir: Path) -> Optional[str]:
+    """Lock `out_dir` for this process's lifetime (rank 0 of a run). A second run started in the same folder (the
+    same job submitted twice, a Slurm script started by hand beside its job) resumed from the checkpoints the first
+    was writing and deleting (--keep_last_n) and wrote the same names. None once held (or where the filesystem
+    has no locks); a line naming the holder otherwise. The kernel releases the lock when the process ends."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(descriptor, 200).decode(errors="replace").strip() or "a process"
+        os.close(descriptor)
+        return (f"--out_dir {out_dir} is in use by another run ({holder}); wait for it to end, or choose another "
+                "--out_dir")
+    except OSError:  # ENOLCK, EOPNOTSUPP: a filesystem without locks; go on unguarded, as before
+        os.close(descriptor)
+        return None
+    os.ftruncate(descriptor, 0)
+    os.write(descriptor, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    HELD_LOCKS.append(descriptor)
+    return None
 
 
 def run_folder_of(checkpoint: Path) -> Optional[Path]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng, run_tokenizer_dir, set_aside_newer
-from app.checkpoint.files import RUN_CONFIG_FILE
+from app.checkpoint.files import RUN_CONFIG_FILE, claim_run_folder
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
 from app.distributed.device_memory import expandable_segments
@@ -150,15 +150,22 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
               flush=True)
 
 
-def resume_disagreement(fabric: Fabric, inputs: RunInputs) -> Optional[str]:
+def refusal_at_start(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional[str]:
+    """What the ranks find wrong once they have met, before anything is read or written, the same line on every rank
+    (None: go on): out_dir in use by another run (rank 0 locks it), or nodes that chose different checkpoints."""
+    in_use = claim_run_folder(Path(cfg.out_dir)) if fabric.is_global_zero else None
+    if fabric.world_size == 1 or not dist.is_initialized():  # one process, or XLA's ranks (no torch.distributed)
+        return in_use
+    chosen: list = [None] * fabric.world_size
+    dist.all_gather_object(chosen, (fabric.node_rank, inputs.resume_step, str(inputs.resume_from), in_use))
+    return chosen[0][3] or resume_disagreement([choice[:3] for choice in chosen])
+
+
+def resume_disagreement(chosen: list[tuple[int, Optional[int], str]]) -> Optional[str]:
     """Each node's launching process chose the checkpoint to resume from on its own, in its preflight: nodes given
     another --out_dir or --checkpoint, or whose view of a shared folder lags (an NFS client's cached listing misses
     the newest checkpoint), would resume at different steps and train one model from shards of different steps.
-    A line naming each node's choice when they differ, the same on every rank; None when they agree."""
-    if fabric.world_size == 1 or not dist.is_initialized():  # one process, or XLA's ranks (no torch.distributed)
-        return None
-    chosen: list = [None] * fabric.world_size
-    dist.all_gather_object(chosen, (fabric.node_rank, inputs.resume_step, str(inputs.resume_from)))
+    `chosen` holds every rank's (node, step, checkpoint); a line naming each node's choice when they differ."""
     if len({step for _, step, _ in chosen}) == 1:
         return None
     by_node = {node: (f"from {path} (step {step})" if step is not None else "at step 0, without a checkpoint")
@@ -263,9 +270,9 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     """One rank's run, from setting up the model to the summary; its exit code."""
     stop = StopRequest()
     stop.install(announce=fabric.is_global_zero)
-    disagreement = resume_disagreement(fabric, inputs)
-    if disagreement:
-        fabric.print(f"error: {disagreement}", file=sys.stderr)
+    refusal = refusal_at_start(fabric, cfg, inputs)
+    if refusal:
+        fabric.print(f"error: {refusal}", file=sys.stderr)
         return EXIT_BAD_INPUT
     fabric.seed_everything(cfg.seed, verbose=False)
     set_matmul_precision(fabric, cfg)
