@@ -368,6 +368,22 @@ def test_refusals_name_the_flag_in_one_line_and_leave_the_output_alone(argv, fla
     assert_earlier_output(tmp_path / "out")
 
 
+def test_overwrite_refuses_an_earlier_output_holding_more_than_it_wrote(tmp_path, capsys, monkeypatch):
+    """A train.py run given the data folder as --out_dir, or notes kept beside the data: --overwrite replaced the
+    whole folder and deleted them with it."""
+    make_refusable_folder(tmp_path)
+    run = tmp_path / "out" / "checkpoints"
+    run.mkdir()
+    (run / "step-00000002.ckpt").write_text("a run's")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--input", "docs.jsonl", "--vocab_size", "600", "--overwrite", "--output_dir", "out"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert "--output_dir out: --overwrite would also delete checkpoints, which prepare_data.py did not write" in lines[0]
+    assert (run / "step-00000002.ckpt").read_text() == "a run's"
+
+
 def test_real_cli_refuses_a_dataset_it_cannot_find_with_one_line(tmp_path):
     """`python prepare_data.py` itself, offline: the Hub is asked, and its error becomes one line."""
     make_refusable_folder(tmp_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,14 +221,31 @@ def check_output_dir(output_dir: Path, overwrite: bool, local_inputs: list[Path]
 
 PREPARED_FILES = ("stats.json", "dataset_dict.json")
 """What every folder prepare_data.py writes holds: --overwrite replaces only such a folder (or an empty one)."""
+TOKENIZER_FOLDER = "tokenizer"
 
 
 def check_replaceable(output_dir: Path) -> None:
-    """Refuse to replace a folder that holds something other than an earlier prepare_data.py output."""
+    """Refuse to replace a folder that holds something other than an earlier prepare_data.py output, or more than
+    it: --overwrite replaces the whole folder, and a train.py run given it as --out_dir (its checkpoints), or the
+    user's notes beside the data, went with it."""
     if any(output_dir.iterdir()) and not all((output_dir / name).is_file() for name in PREPARED_FILES):
         raise UsageError(f"--output_dir {output_dir}: --overwrite replaces only an empty folder or an earlier "
                          f"prepare_data.py output (with {' and '.join(PREPARED_FILES)}), and this is neither; "
                          "choose another folder")
+    others = sorted(path.name for path in output_dir.iterdir() if path.name not in prepared_entries(output_dir))
+    if others:
+        raise UsageError(f"--output_dir {output_dir}: --overwrite would also delete {', '.join(others[:5])}"
+                         f"{' and more' if len(others) > 5 else ''}, which prepare_data.py did not write; move "
+                         "them out of it, or choose another folder")
+
+
+def prepared_entries(output_dir: Path) -> set[str]:
+    """The names prepare_data.py writes into its output: its files, the tokenizer and a folder per split."""
+    try:
+        splits = json.loads((output_dir / "dataset_dict.json").read_text())["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        splits = []
+    return {*PREPARED_FILES, TOKENIZER_FOLDER, *map(str, splits)}
 
 
 def useful_processes(rows: int, num_proc: int) -> int | None:

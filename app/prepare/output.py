@@ -12,9 +12,8 @@ from pathlib import Path
 from datasets import DatasetDict
 from transformers import PreTrainedTokenizerBase
 
-from app.prepare.args import check_replaceable
+from app.prepare.args import TOKENIZER_FOLDER, check_replaceable
 
-TOKENIZER_FOLDER = "tokenizer"
 STATS_FILE = "stats.json"
 
 
