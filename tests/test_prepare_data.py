@@ -380,7 +380,7 @@ def test_overwrite_refuses_an_earlier_output_holding_more_than_it_wrote(tmp_path
         main(["--input", "docs.jsonl", "--vocab_size", "600", "--overwrite", "--output_dir", "out"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1, lines
-    assert "--output_dir out: --overwrite would also delete checkpoints, which prepare_data.py did not write" in lines[0]
+    assert "--output_dir out: --overwrite would also delete checkpoints, which prepare_data.py did not" in lines[0]
     assert (run / "step-00000002.ckpt").read_text() == "a run's"
 
 
