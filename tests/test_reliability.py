@@ -338,6 +338,37 @@ def test_leaving_skips_the_interpreters_teardown_but_not_what_it_owes() -> None:
     assert result.stdout == "pool idle\nbuffered thread finished\nexit handler ran\n"
 
 
+@pytest.mark.parametrize("holder_host", ["here", "elsewhere"])
+def test_a_folder_locked_here_is_refused_at_once_and_one_locked_from_another_machine_after_a_wait(holder_host,
+                                                                                                  tmp_path):
+    """A run on this machine holds its lock as long as it lives; one from another machine may have crashed, its lock
+    held by a network filesystem until the lease ends while Slurm requeues the run elsewhere: waited for, then
+    refused. A lock released during the wait is taken."""
+    import fcntl
+    import socket
+    import threading
+
+    from app.checkpoint.files import HELD_LOCKS, LOCK_FILE, claim_run_folder
+
+    tmp_path.joinpath(LOCK_FILE).write_text("")
+    holder = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    host = socket.gethostname() if holder_host == "here" else "node-that-crashed"
+    os.write(holder, f"pid 4242 on {host}\n".encode())
+    said: list[str] = []
+    start = time.monotonic()
+    refusal = claim_run_folder(tmp_path, said.append, wait_s=0.6, poll_s=0.1)
+    assert refusal == f"--out_dir {tmp_path} is in use by another run (pid 4242 on {host}); wait for it to end, " \
+                      "or choose another --out_dir"
+    assert (time.monotonic() - start < 0.5) == (holder_host == "here") and len(said) == (holder_host != "here")
+    if holder_host == "here":
+        os.close(holder)
+        return
+    threading.Timer(0.3, os.close, [holder]).start()
+    assert claim_run_folder(tmp_path, said.append, wait_s=30, poll_s=0.1) is None
+    os.close(HELD_LOCKS.pop())
+
+
 @pytest.mark.slow
 def test_a_second_run_in_the_same_out_dir_is_refused_while_the_first_runs(tiny: TinySetup, tmp_path: Path):
     """The same job submitted twice, both with --resume true as the Slurm scripts pass it: the second resumed from a

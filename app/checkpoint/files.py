@@ -18,8 +18,9 @@ import os
 import re
 import shutil
 import socket
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.ckpt$")
 LEFTOVER_NAME = re.compile(r"^\.step-\d+\.ckpt\.(partial|replaced)$")
@@ -30,6 +31,9 @@ RUN_CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
 HELD_LOCKS: list[int] = []
 """The descriptors of the run folders this process claimed: open until it ends, however it ends."""
+LOCK_WAIT_S = 150.0
+"""How long a run waits for a folder locked from another machine: a crashed node's lock on a network filesystem
+lasts until its lease runs out (90 s in NFSv4), and Slurm can requeue the run onto other nodes sooner."""
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
@@ -41,25 +45,36 @@ def run_tokenizer_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "tokenizer"
 
 
-def claim_run_folder(out_dir: Path) -> Optional[str]:
+def claim_run_folder(out_dir: Path, say: Callable[[str], None] = print, wait_s: float = LOCK_WAIT_S,
+                     poll_s: float = 5.0) -> Optional[str]:
     """Lock `out_dir` for this process's lifetime (rank 0 of a run). A second run started in the same folder (the
     same job submitted twice, a Slurm script started by hand beside its job) resumed from the checkpoints the first
     was writing and deleting (--keep_last_n) and wrote the same names. None once held (or where the filesystem
-    has no locks); a line naming the holder otherwise. The kernel releases the lock when the process ends."""
+    has no locks); a line naming the holder otherwise. The kernel releases the lock when the process ends; a lock
+    held from another machine is waited for (LOCK_WAIT_S), as that machine may have crashed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     descriptor = os.open(out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(descriptor, 200).decode(errors="replace").strip() or "a process"
-        os.close(descriptor)
-        return (f"--out_dir {out_dir} is in use by another run ({holder}); wait for it to end, or choose another "
-                "--out_dir")
-    except OSError:  # ENOLCK, EOPNOTSUPP: a filesystem without locks; go on unguarded, as before
-        os.close(descriptor)
-        return None
+    deadline, waited = time.monotonic() + wait_s, False
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip() or "a process"
+            if holder.endswith(f" on {socket.gethostname()}") or time.monotonic() >= deadline:
+                os.close(descriptor)
+                return (f"--out_dir {out_dir} is in use by another run ({holder}); wait for it to end, or choose "
+                        "another --out_dir")
+            if not waited:
+                say(f"--out_dir {out_dir} is locked by {holder}: waiting up to {wait_s:.0f} s for it (the lock of "
+                    "a machine that crashed lasts until its network filesystem's lease ends)")
+            waited = True
+            time.sleep(poll_s)
+        except OSError:  # ENOLCK, EOPNOTSUPP: a filesystem without locks; go on unguarded, as before
+            os.close(descriptor)
+            return None
     os.ftruncate(descriptor, 0)
-    os.write(descriptor, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     HELD_LOCKS.append(descriptor)
     return None
 

@@ -40,11 +40,11 @@ from app.evaluation.samples import samples_written
 from app.exit_codes import EXIT_BAD_INPUT
 from app.hub import missing_model_problem, quiet_hub
 from app.huggingface.convert import changed_fields
+from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
                              meta_model, model_class, model_source, resolve_wrap_classes)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, decoder_inputs_error, decoder_tells_positions_apart,
                                  probe_isolation)
-from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
 from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish

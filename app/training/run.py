@@ -153,7 +153,7 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
 def refusal_at_start(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional[str]:
     """What the ranks find wrong once they have met, before anything is read or written, the same line on every rank
     (None: go on): out_dir in use by another run (rank 0 locks it), or nodes that chose different checkpoints."""
-    in_use = claim_run_folder(Path(cfg.out_dir)) if fabric.is_global_zero else None
+    in_use = claim_run_folder(Path(cfg.out_dir), fabric.print) if fabric.is_global_zero else None
     if fabric.world_size == 1 or not dist.is_initialized():  # one process, or XLA's ranks (no torch.distributed)
         return in_use
     chosen: list = [None] * fabric.world_size
