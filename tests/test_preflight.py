@@ -93,6 +93,8 @@ CASES = {
     "out_dir is a file": (dict(out_dir="{a_file}"), "is a file; give a folder"),
     "out_dir inside a file": (dict(out_dir="{a_file}/run"), "/run: {a_file} is a file; give a folder"),
     "checkpoints without resume": (dict(out_dir="{run}"), "already holds checkpoints; add --resume true"),
+    "out_dir in the data folder": (dict(out_dir="{ragged}/run", train_data_dir="{ragged}"),
+                                   "--out_dir {ragged}/run lies in the data folder {ragged}: the run would write"),
     "an earlier run's files without resume": (dict(out_dir="{earlier_run}"), "earlier_run already holds config.yaml, "
                                               "metrics.csv, samples/step-00000004.jsonl (of an earlier run, or yours)"),
     "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),

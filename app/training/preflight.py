@@ -766,11 +766,26 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
         if free < needed:
             problems.append(f"--out_dir {out_dir}: {free / 1e9:.1f} GB free, one checkpoint needs about "
                             f"{needed / 1e9:.1f} GB; free space or choose another folder")
+    data_folder = data_folder_holding(cfg, out_dir)
+    if data_folder:
+        problems.append(f"--out_dir {out_dir} lies in the data folder {data_folder}: the run would write its "
+                        "checkpoints among the data (and prepare_data.py --overwrite refuses such a folder); choose "
+                        "a folder outside it")
     written = files_a_new_run_replaces(out_dir)
     if written and not cfg.resume and not latest_checkpoint(out_dir):  # with checkpoints: resolve_resume's line
         problems.append(f"--out_dir {out_dir} already holds {', '.join(written)} (of an earlier run, or yours), which "
                         "a new run would overwrite; add --resume true to continue that run, or choose another "
                         "--out_dir (nothing is overwritten)")
+
+
+def data_folder_holding(cfg: Config, out_dir: Path) -> Optional[Path]:
+    """The --train_data_dir folder that is `out_dir` or holds it, if any."""
+    try:
+        folders = [Path(source.path).resolve() for source in parse_sources(cfg.train_data_dir or "")]
+    except ValueError:  # check_data's line
+        return None
+    out_dir = out_dir.resolve()
+    return next((folder for folder in folders if folder == out_dir or folder in out_dir.parents), None)
 
 
 def files_a_new_run_replaces(out_dir: Path) -> list[str]:
