@@ -109,8 +109,8 @@ REFUSED_COMMANDS = {
     "prefetch.py": (["prefetch.py", "--unknown"], "prefetch.py: error: unrecognized arguments: --unknown"),
     "plot_metrics.py": (["plot_metrics.py", "/nonexistent/run"], "plot_metrics.py: error: --run /nonexistent/run: no "
                                                                   "such file or folder"),
-    "generate.py": (["generate.py", "/nonexistent/model"], "generate.py: error: MODEL /nonexistent/model: not a "
-                                                          "model folder"),
+    "generate.py": (["generate.py", "/nonexistent/model"], "generate.py: error: MODEL /nonexistent/model: no such "
+                                                          "folder"),
     "show_samples.py": (["show_samples.py", "/nonexistent/run"], "show_samples.py: error: RUN /nonexistent/run: no "
                                                                 "samples/ in it"),
     "show_samples.py count": (["show_samples.py", "run", "four"], "show_samples.py: error: N: expected an integer, "
