@@ -348,20 +348,28 @@ def test_train_without_the_hub_refuses_an_uncached_model_at_once_naming_prefetch
     assert "tokenizer" not in output.out
 
 
-@pytest.mark.parametrize("script, args", [
-    ("train.py", ["--model_name", "{missing}", "--train_data_dir", "{tmp}", "--out_dir", "{tmp}/out"]),
-    ("generate.py", ["{missing}"]),
-    ("prepare_data.py", ["--input", "README.md", "--tokenizer", "{missing}", "--output_dir", "{tmp}/data"]),
-])
-def test_a_missing_folder_path_is_said_to_be_missing_not_an_invalid_repo_id(script, args, tmp_path):
+def test_a_missing_folder_path_is_said_to_be_missing_not_an_invalid_repo_id(tiny, tmp_path, capsys) -> None:
     """A path that cannot be a Hub id (/models/llama, ./out) was handed to the Hub and came back as huggingface_hub's
-    "Repo id must use alphanumeric chars ..." rule."""
-    missing = str(tmp_path / "llama")
-    argv = [a.format(missing=missing, tmp=tmp_path) for a in args]
-    result = subprocess.run([sys.executable, script, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert f"{missing}: no such folder (nor a Hub id of the form owner/name)" in result.stderr, result.stderr
-    assert "Repo id" not in result.stderr and "Traceback" not in result.stderr
+    "Repo id must use alphanumeric chars ..." rule, in train.py, generate.py and prepare_data.py alike."""
+    from app.huggingface.generate import main as generate_main
+    from app.prepare.cli import main as prepare_main
+    from app.training.preflight import preflight
+    from arguments import parse_config
+    from tests.conftest import train_args
+
+    missing = tmp_path / "llama"
+    attempts = [lambda: preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None,
+                                                          model_name=str(missing)))),
+                lambda: generate_main([str(missing)]),
+                lambda: prepare_main(["--input", str(ROOT / "README.md"), "--tokenizer", str(missing),
+                                      "--output_dir", str(tmp_path / "data")])]
+    for attempt in attempts:
+        with pytest.raises(SystemExit) as exit_info:
+            attempt()
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2
+        assert f"{missing}: no such folder (nor a Hub id of the form owner/name)" in err, err
+        assert "Repo id" not in err and "Traceback" not in err
 
 
 def test_preflight_says_a_model_folder_without_a_tokenizer_has_none_and_a_broken_one_does_not_load(tiny, tmp_path,
