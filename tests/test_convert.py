@@ -226,6 +226,20 @@ def test_model_card_records_origin_and_training(full_run, tmp_path) -> None:
     assert "| lr | 0.003 |" in card and "trained from scratch" in card and "| Block size (tokens) | 32 |" in card
 
 
+def test_the_base_model_folder_is_never_the_output_even_with_overwrite(tiny, tmp_path, capsys) -> None:
+    """--overwrite true replaces a model folder, and the pretrained folder a run started from is one: converting
+    into it by mistake deleted the base model."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    model.save_pretrained(tmp_path / "base")
+    before = folder_digest(tmp_path / "base")
+    run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer),
+                             config={"model_name": str(tmp_path / "base")})
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert "is the base model folder the run started from" in refused(
+        capsys, "--checkpoint", run, "--output_dir", tmp_path / "base", "--overwrite", "true")
+    assert folder_digest(tmp_path / "base") == before
+
+
 def test_a_relative_base_model_is_read_where_training_ran_or_a_note_says_it_was_not(tiny, tmp_path, monkeypatch,
                                                                                      capsys) -> None:
     """A run records --model_name as typed: `base`, relative to where training ran. When the checkpoint records that

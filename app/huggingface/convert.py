@@ -358,6 +358,13 @@ MODEL_CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("*.safetensors", "*.bin")
 
 
+def check_not_the_base_model(output: Path, base_model: Optional[str]) -> None:
+    """The pretrained folder the run started from is a model folder, which --overwrite true would replace: refused."""
+    if base_model and Path(base_model).is_dir() and output.resolve() == Path(base_model).resolve():
+        raise BadInput(f"--output_dir {output} is the base model folder the run started from (--model_name); "
+                       "choose another folder (--overwrite true would replace it)")
+
+
 def is_model_folder(folder: Path) -> bool:
     """A Hugging Face model folder, such as an earlier conversion wrote: its config and weights."""
     return (folder / MODEL_CONFIG_FILE).is_file() and any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES)
@@ -404,6 +411,7 @@ def plan(args: Args) -> list[Job]:
         tokenizer = resolve_tokenizer(args, metadata, checkpoint)
         check_tokenizer(tokenizer, config)
         base_model = args.model_name or recorded_base_model(metadata)
+        check_not_the_base_model(output, base_model)
         jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes, base_model))
     return jobs
 
