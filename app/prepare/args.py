@@ -232,7 +232,8 @@ def check_replaceable(output_dir: Path) -> None:
         raise UsageError(f"--output_dir {output_dir}: --overwrite replaces only an empty folder or an earlier "
                          f"prepare_data.py output (with {' and '.join(PREPARED_FILES)}), and this is neither; "
                          "choose another folder")
-    others = sorted(path.name for path in output_dir.iterdir() if path.name not in prepared_entries(output_dir))
+    prepared = prepared_entries(output_dir)
+    others = sorted(path.name for path in output_dir.iterdir() if path.name not in prepared)
     if others:
         raise UsageError(f"--output_dir {output_dir}: --overwrite would also delete {', '.join(others[:5])}"
                          f"{' and more' if len(others) > 5 else ''}, which prepare_data.py did not write; move "
