@@ -46,6 +46,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
+from app.metrics.memory_plan import RUNTIME_BYTES, ModelShape, Setup, estimate_memory  # noqa: E402
+
 CORPUS = ("asyncio", "email", "json", "logging", "http", "unittest")
 
 
@@ -109,9 +111,17 @@ class Check:
     """The work folder, the scale and the rows found so far, written to `out` as each is found (a check cut off by
     the GPU machine's time limit still leaves what it found)."""
 
-    def __init__(self, scale: Scale, work: Path, out: Path, tiny: bool) -> None:
-        self.scale, self.work, self.out, self.rows = scale, work, out, []
+    def __init__(self, scale: Scale, work: Path, out: Path, tiny: bool, minutes: Optional[float] = None) -> None:
+        self.scale, self.work, self.out, self.rows, self.minutes = scale, work, out, [], minutes
         self.machine, self.started = machine() | {"tiny": tiny}, time.monotonic()
+
+    def time_left(self, name: str) -> bool:
+        """Whether `name` may start within --minutes; if not, a row says it was not run (the GPU machine's time
+        is counted, and the checks run in the order of what they prove)."""
+        if self.minutes is None or time.monotonic() - self.started < self.minutes * 60:
+            return True
+        self.add(Row(name, f"not run: the --minutes {self.minutes:g} budget was spent"))
+        return False
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
@@ -145,7 +155,8 @@ class Check:
                              "--lr", str(self.scale.lr), "--wandb_mode", "disabled", "--num_workers", "0",
                              *self.scale.hardware, *options)
         if result.returncode != 0:
-            self.add(Row(name, f"train.py exited {result.returncode}: {last_line(result.stderr)}", ok=False))
+            self.add(Row(name, f"train.py exited {result.returncode}: {last_line(result.stderr)}", ok=False,
+                         numbers={"output": (result.stdout + result.stderr).splitlines()[-40:]}))
             return None
         summary = json.loads((out / "summary.json").read_text())
         with open(out / "metrics.csv") as file:
@@ -154,8 +165,9 @@ class Check:
         return summary | steady_throughput(logged)
 
     def estimate_gb(self, model: Path, strategy: str, precision: str) -> float:
-        """What --estimate_memory plans for one device of this check's runs (app/metrics/memory_plan.py)."""
-        from app.metrics.memory_plan import ModelShape, Setup, estimate_memory
+        """What --estimate_memory plans for one device of this check's runs (app/metrics/memory_plan.py), less the
+        runtime it adds (the CUDA context, kernels and NCCL's buffers, which CUDA's allocator does not hold and
+        `runtime_row` measures)."""
         from app.model.build import resolve_wrap_classes
 
         config = LlamaConfig.from_pretrained(model)
@@ -165,7 +177,7 @@ class Check:
                       micro_batch_size=self.scale.micro_batch_size,
                       block_size=self.scale.block_size, gradient_checkpointing=False, cpu_offload=False,
                       chunked_loss=True)
-        return estimate_memory(shape, setup).total / 2**30
+        return (estimate_memory(shape, setup).total - setup.runtime) / 2**30
 
 
 def last_line(text: str) -> str:
@@ -224,6 +236,68 @@ def prepare_supervised(check: Check, tokenizer: Path) -> Path:
     return out
 
 
+RUNTIME_PROBE = """
+import json, os, torch, torch.distributed as dist
+torch.cuda.set_device(0)
+free, total = torch.cuda.mem_get_info()
+context = total - free - torch.cuda.memory_reserved()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+x = torch.ones(2**20, device="cuda", dtype=torch.bfloat16)
+dist.all_reduce(x)
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+(torch.nn.functional.scaled_dot_product_attention(a[None, None], a[None, None], a[None, None]) + a @ a).sum().item()
+torch.cuda.synchronize()
+free, total = torch.cuda.mem_get_info()
+print(json.dumps({"context": context, "runtime": total - free - torch.cuda.memory_reserved()}))
+dist.destroy_process_group()
+"""
+
+
+def check_runtime(check: Check) -> None:
+    """The card's memory that no tensor holds: the CUDA context alone, then with NCCL's communicator (one rank),
+    cuBLAS's and the attention kernels' workspaces loaded, against the planner's flat RUNTIME_BYTES."""
+    if not torch.cuda.is_available():
+        return
+    result = check.script("-c", RUNTIME_PROBE)
+    if result.returncode != 0:
+        check.add(Row("CUDA context, kernels and NCCL", f"probe exited {result.returncode}: "
+                      f"{last_line(result.stderr)}", ok=False))
+        return
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    check.add(Row("CUDA context, kernels and NCCL (1 rank), outside the allocator",
+                  f"context {measured['context'] / 2**30:.2f} GB, with NCCL and kernels "
+                  f"{measured['runtime'] / 2**30:.2f} GB; planned {RUNTIME_BYTES / 2**30:.2f} GB",
+                  "within the plan", measured["runtime"] <= RUNTIME_BYTES, measured))
+
+
+LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+
+
+def check_llama_3_8b_plan(check: Check) -> None:
+    """What --estimate_memory plans for Llama-3-8B at 8K tokens per GPU on one node of 8 such cards (FULL_SHARD,
+    bf16-mixed, chunked loss; weightless, nothing downloaded), with and without activation checkpointing: with it
+    (as torchtitan trains this model on H100s), it must fit the card. On CPU, against an H100's 80 GB."""
+    from app.model.build import resolve_wrap_classes
+
+    config = LlamaConfig(**LLAMA_3_8B)
+    shape = ModelShape.of(config, resolve_wrap_classes(config, None))
+    card = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80e9
+    planned = {}
+    for checkpointing in (False, True):
+        setup = Setup(strategy="fsdp", sharding_strategy="FULL_SHARD", precision="bf16-mixed", world_size=8,
+                      devices_per_node=8, micro_batch_size=1, block_size=8192,
+                      gradient_checkpointing=checkpointing, cpu_offload=False, chunked_loss=True)
+        planned[checkpointing] = estimate_memory(shape, setup).total
+    check.add(Row(f"Llama-3-8B ({shape.parameters / 1e9:.2f}B), 1 x 8192 tokens per GPU, fsdp FULL_SHARD over 8, "
+                  "bf16-mixed: planned", f"{planned[False] / 2**30:.1f} GB, {planned[True] / 2**30:.1f} GB with "
+                  f"activation checkpointing, of the card's {card / 2**30:.1f} GB",
+                  "fits with 10% free (with checkpointing)", planned[True] <= 0.9 * card,
+                  {"planned_gb": planned[False] / 2**30, "checkpointing_gb": planned[True] / 2**30,
+                   "card_gb": card / 2**30}))
+
+
 def check_strategies(check: Check, model: Path, data: Path) -> Optional[dict]:
     """fsdp against fsdp2 under the mixed precision users train in, and each run's speed and memory. The fsdp run
     also saves in the background half-way, for the resume check (its final checkpoint is deleted at once)."""
@@ -239,20 +313,23 @@ def check_strategies(check: Check, model: Path, data: Path) -> Optional[dict]:
     check.add(Row(f"losses, fsdp2 against fsdp, {precision}, {check.scale.steps} steps",
                   f"largest relative difference {difference:.1e}", f"<= {check.scale.loss_tolerance:g}",
                   difference <= check.scale.loss_tolerance, {"difference": difference}))
+    on_gpu = torch.cuda.is_available()  # on CPU the peak is the process's RSS, not its tensors
     for strategy, summary in runs.items():
         planned = check.estimate_gb(model, strategy, precision)
         ratio = peak_gb(summary) / planned
-        check.add(Row(f"{strategy} {precision}", f"{throughput(summary)}; planned {planned:.2f} GB ({ratio:.2f}x)",
-                      "peak within 10% of the plan" if torch.cuda.is_available() else "",
-                      abs(ratio - 1) <= 0.10 if torch.cuda.is_available() else None,
+        check.add(Row(f"{strategy} {precision}", f"{throughput(summary)}; planned {planned:.2f} GB of tensors"
+                      + (f" ({ratio:.2f}x)" if on_gpu else ""), "peak within 10% of the plan" if on_gpu else "",
+                      abs(ratio - 1) <= 0.10 if on_gpu else None,
                       {k: summary.get(k) for k in ("tokens_per_sec", "mfu")} | {"peak_gb": peak_gb(summary),
                                                                                  "planned_gb": planned}))
     return runs["fsdp"]
 
 
-def check_variants(check: Check, model: Path, data: Path) -> None:
+def check_variants(check: Check, model: Path, data: Path, variants: list[tuple[str, list[str]]]) -> None:
     """The other precisions, --compile and activation checkpointing: each trains, with its speed and memory."""
-    for name, options in check.scale.variants:
+    for name, options in variants:
+        if not check.time_left(name):
+            continue
         summary = check.train(re.sub(r"\W+", "-", name), model, data, *options)
         if summary:
             losses = summary["losses"]
@@ -329,6 +406,29 @@ def check_supervised(check: Check, model: Path, tokenizer: Path) -> None:
                       all(loss == loss and abs(loss) != float("inf") for loss in losses.values())))
 
 
+def run_checks(check: Check, scale: Scale) -> None:
+    """In the order of what each proves, so that a run cut short by --minutes or the machine's limit has the
+    most: the runtime and the 8B plan (seconds), fsdp against fsdp2, --compile's MFU, the chunked loss at 128K x 8K,
+    the resume and conversion, then the other precisions, activation checkpointing and the supervised step."""
+    check_runtime(check)
+    check_llama_3_8b_plan(check)
+    data = prepare_text(check.work, scale.block_size, "data")
+    model = check.model("model", scale.model)
+    straight = check_strategies(check, model, data)
+    compiled = [variant for variant in scale.variants if "--compile" in variant[1]]
+    check_variants(check, model, data, compiled)
+    if check.time_left("chunked loss"):
+        long_data = prepare_text(check.work, scale.long_block_size, "long-data", data / "tokenizer")
+        check_chunked_loss(check, check.model("vocabulary-model", scale.vocabulary_model), long_data)
+    if straight and check.time_left("resume"):
+        check_resume(check, model, data, straight)
+        if check.time_left("convert_to_hf.py"):
+            check_conversion(check)
+    check_variants(check, model, data, [variant for variant in scale.variants if variant not in compiled])
+    if check.time_left("supervised"):
+        check_supervised(check, model, data / "tokenizer")
+
+
 def machine() -> dict:
     found = {"python": platform.python_version(), "torch": torch.__version__,
              "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
@@ -347,23 +447,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the CPU mode the test suite runs")
     parser.add_argument("--out", default="gpu-check.json", help="the table as JSON")
+    parser.add_argument("--minutes", type=float, help="start no check after this many minutes (each not run gets a "
+                        "row saying so): the GPU machine's time is counted")
     options = parser.parse_args()
     scale = TINY if options.tiny else GPU
     if not options.tiny and not torch.cuda.is_available():
         print("gpu_check.py: error: no GPU here; run it on a GPU machine, or --tiny on CPU", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as folder:
-        check = Check(scale, Path(folder), Path(options.out), options.tiny)
-        data = prepare_text(check.work, scale.block_size, "data")
-        model = check.model("model", scale.model)
-        straight = check_strategies(check, model, data)
-        check_variants(check, model, data)
-        if straight:
-            check_resume(check, model, data, straight)
-            check_conversion(check)
-        long_data = prepare_text(check.work, scale.long_block_size, "long-data", data / "tokenizer")
-        check_chunked_loss(check, check.model("vocabulary-model", scale.vocabulary_model), long_data)
-        check_supervised(check, model, data / "tokenizer")
+        check = Check(scale, Path(folder), Path(options.out), options.tiny, options.minutes)
+        run_checks(check, scale)
     check.write()
     print("\n" + ", ".join(f"{k} {v}" for k, v in check.machine.items() if k != "tiny"))
     print("\n| check | result | expected | |\n| --- | --- | --- | --- |")
