@@ -4,6 +4,8 @@ architectures the project trains, and the probe that decides which models take i
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartConfi
                           PretrainedConfig, T5Config)
 
 from app.data.formats import IGNORE_INDEX, Batch, arrange
-from app.model.loss import LossHead, LossPath, chunked_cross_entropy, install_loss_head, probe_chunked_loss
+from app.model.loss import (LossHead, LossPath, accumulate_product, chunked_cross_entropy, install_loss_head,
+                            probe_chunked_loss)
+from tests.conftest import ROOT
 
 LLAMA = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
@@ -154,3 +158,29 @@ def test_the_probe_keeps_the_models_own_loss_where_its_output_is_changed_after_t
         config: PretrainedConfig, expected: bool) -> None:
     """BART adds final_logits_bias to the output layer's result: its own loss is kept."""
     assert probe_chunked_loss(config, "sdpa") is expected
+
+
+def test_weight_gradients_of_bf16_chunks_are_summed_in_fp32() -> None:
+    """`accumulate_product` adds each chunk's bf16 product into the fp32 total (on CPU after the product; on CUDA
+    inside the GEMM, which benchmarks/bench_loss.py compares on a GPU): the total of many small products keeps
+    what a bf16 sum would round away."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 16, generator=generator).bfloat16()
+    b = torch.randn(16, 4, generator=generator).bfloat16()
+    total = torch.full((8, 4), 1000.0)
+    for _ in range(3):
+        accumulate_product(total, a, b)
+    assert torch.allclose(total, 1000.0 + 3 * (a @ b).float(), rtol=0, atol=1e-3)
+
+
+def test_the_loss_benchmark_runs_and_its_chunked_rows_equal_the_materialising_path() -> None:
+    """benchmarks/bench_loss.py --tiny (fp32 on CPU, chunks that do and do not divide the tokens): each row's loss
+    and gradients against the materialising path's, as it prints them."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_loss.py"), "--tiny"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| chunked")]
+    assert len(rows) == 3, result.stdout
+    for row in rows:
+        differences = [float(d) for d in row.strip("| ").split("|")[-1].split(",")]
+        assert max(differences) < 1e-5, row

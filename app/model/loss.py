@@ -37,6 +37,9 @@ from app.data.formats import IGNORE_INDEX, Batch
 
 CHUNK_LOGITS = 2**27
 """fp32 logits per chunk (512 MiB): 1,046 tokens of Llama-3's vocabulary, 4,194 of Llama-2's."""
+FUSED_ACCUMULATION = True
+"""Whether CUDA sums each chunk's weight gradient into the fp32 total in its GEMM (`accumulate_product`); the
+benchmark turns it off to measure what it saves."""
 PROBE_TOLERANCE = 1e-5
 """Largest relative difference between the twin's chunked loss and transformers' own that counts as equal."""
 
@@ -110,11 +113,20 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
         if grad_hidden is not None:
             grad_hidden[start:start + chunk] = d_logits @ weight
         if grad_weight is not None:
-            if d_logits.dtype == torch.float32:
-                grad_weight.addmm_(d_logits.t(), h)
-            else:  # the product in the compute dtype (as the materialising path's backward), summed in fp32
-                grad_weight += d_logits.t() @ h
+            accumulate_product(grad_weight, d_logits.t(), h)
     return loss, grad_hidden, grad_weight, grad_bias
+
+
+def accumulate_product(total: Tensor, a: Tensor, b: Tensor) -> None:
+    """total (fp32) += a @ b. On CUDA one GEMM that reads bf16/fp16 operands and adds in fp32 (`out_dtype`, torch
+    2.8 and newer); elsewhere the product in the operands' dtype (as the materialising path's backward computes it),
+    then summed in fp32: a second pass over a weight-sized product per chunk (benchmarks/bench_loss.py)."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    elif total.is_cuda and FUSED_ACCUMULATION:
+        torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+    else:
+        total += a @ b
 
 
 class LossHead(Linear):

@@ -1,0 +1,109 @@
+"""The loss head alone on one device: the chunked cross-entropy (app/model/loss.py) against the path that
+materialises the logits (`F.linear`, the fp32 upcast transformers makes, `F.cross_entropy`), forward and backward,
+at Llama-3's vocabulary and 8K tokens: time and the peak memory above the inputs, for several chunk sizes and with
+the fp32 accumulation of the weight's gradient inside the GEMM (CUDA) or after it; and each one's loss and
+gradients (hidden states, output weight) against the materialising path's.
+
+The training runs of `gpu_check.py` show the whole step; this isolates the head, where the two paths differ, so
+that a choice of chunk size is a measurement. On CPU (`--tiny`) a small shape checks that it runs.
+
+Run: python benchmarks/bench_loss.py [--tokens 8192 --hidden 2048 --vocab 128256] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.model import loss as loss_module  # noqa: E402
+from app.model.loss import IGNORE_INDEX, chunk_tokens, chunked_cross_entropy  # noqa: E402
+
+
+def materialised(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def measure(step: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> tuple[float, float]:
+    """Median seconds of forward + backward, and the peak bytes allocated above what existed before."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        step().backward()
+    synchronize()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step().backward()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else float("nan")
+    return statistics.median(times), peak
+
+
+def results(step: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The loss and the inputs' gradients of one forward + backward."""
+    for tensor in inputs:
+        tensor.grad = None
+    loss = step()
+    loss.backward()
+    return [loss.detach().float()] + [tensor.grad.float() for tensor in inputs]
+
+
+def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="a small shape on CPU in fp32")
+    options = parser.parse_args()
+    if options.tiny:
+        options.tokens, options.hidden, options.vocab, options.repeats = 256, 64, 2048, 2
+    device = torch.device("cuda" if torch.cuda.is_available() and not options.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(options.tokens, options.hidden, device=device, dtype=dtype, generator=generator,
+                         requires_grad=True)
+    weight = (torch.randn(options.vocab, options.hidden, device=device, dtype=dtype, generator=generator) * 0.02
+              ).requires_grad_()
+    targets = torch.randint(0, options.vocab, (options.tokens,), device=device, generator=generator)
+    default = chunk_tokens(options.vocab)
+    rows = [("materialised logits", lambda: materialised(hidden, weight, targets), True)]
+    chunks = [37, 64, default] if options.tiny else [default // 256 * 256, default, 2 * default, 4 * default]
+    for chunk in chunks:
+        for fused in (True, False) if device.type == "cuda" else (True,):
+            label = f"chunked, {chunk} tokens{' (default)' if chunk == default else ''}" + (
+                "" if device.type != "cuda" else ", fp32 sum in the GEMM" if fused else ", fp32 sum after it")
+            rows.append((label, lambda c=chunk: chunked_cross_entropy(hidden, weight, None, targets, c), fused))
+    print(f"{device.type}, {dtype}, {options.tokens} tokens x {options.hidden} hidden -> {options.vocab} "
+          f"vocabulary, forward + backward, median of {options.repeats}")
+    print("| path | ms | peak above inputs (GB) | loss, gradients: largest relative difference |\n"
+          "| --- | --- | --- | --- |")
+    reference = results(rows[0][1], [hidden, weight])
+    for label, step, fused in rows:
+        loss_module.FUSED_ACCUMULATION = fused
+        differences = [relative_difference(a, b) for a, b in zip(results(step, [hidden, weight]), reference)]
+        seconds, peak = measure(step, device, options.repeats)
+        hidden.grad = weight.grad = None
+        print(f"| {label} | {seconds * 1e3:.2f} | {peak / 2**30:.2f} | "
+              f"{', '.join(f'{d:.1e}' for d in differences)} |", flush=True)
+    loss_module.FUSED_ACCUMULATION = True
+
+
+if __name__ == "__main__":
+    main()
