@@ -13,9 +13,11 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
   their own, resharded after forward), under *-mixed the fp32 copy of the largest unit's gradient that FSDP and
   FSDP2 make to reduce it (FSDP1 `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py`), DDP's gradient buckets (a
   second copy of the gradients), the chunked loss's buffers (one chunk's logits, the output weight's fp32 gradient
-  and its compute-dtype product), and the runtime: on a GPU 1 GiB for the CUDA context, kernels and NCCL's buffers
-  (to be measured per card); on CPU processes this planning process's own resident memory (the same interpreter,
-  libraries and model code a rank imports) plus the free space glibc's heap keeps (app/distributed/host_memory.py);
+  and, on CPU, its compute-dtype product), under *-mixed with NO_SHARD every unit's compute-dtype copy (held from
+  forward to backward), and the runtime: on a GPU 1.25 GiB for the CUDA context, kernels and NCCL's buffers
+  (measured on an H200 with one rank, `RUNTIME_BYTES`); on CPU processes this planning process's own resident
+  memory (the same interpreter, libraries and model code a rank imports) plus the free space glibc's heap keeps
+  (app/distributed/host_memory.py);
 - activations: per sequence, what backward keeps of the model's body, measured on the weightless model
   (app/metrics/activations.py), and of the loss: the hidden states' gradient with the chunked loss, else the logits
   with their fp32 loss copies.
@@ -52,7 +54,10 @@ if TYPE_CHECKING:
 
     from arguments import Config
 
-RUNTIME_BYTES = 1 * GB
+RUNTIME_BYTES = int(1.25 * GB)
+"""A GPU process's memory outside CUDA's allocator: measured by benchmarks/gpu_check.py on an H200 (torch 2.11,
+CUDA 13, one rank) as 0.51 GiB of CUDA context and 1.21 GiB once NCCL's communicator and the cuBLAS and attention
+kernels are loaded."""
 USABLE_FRACTION = 0.9
 
 
@@ -177,7 +182,7 @@ def activation_bytes_per_sequence(shape: ModelShape, setup: Setup) -> float:
 
 def runtime_bytes(cfg: Config) -> tuple[float, float]:
     """A process's memory before any tensor, and what its heap keeps free. A GPU's CUDA context, kernels and NCCL
-    buffers: a flat 1 GiB until measured per card. A CPU process: this one's resident memory, which has imported
+    buffers: `RUNTIME_BYTES`, as measured on an H200. A CPU process: this one's resident memory, which has imported
     what a rank imports; its heap keeps up to MALLOC_TRIM_THRESHOLD_ of what a step freed (app/distributed/
     host_memory.py), which `estimate_memory` bounds by the step's activations."""
     if resolve_accelerator(cfg) != "cpu":
@@ -196,13 +201,15 @@ def gradient_reduce_bytes(shape: ModelShape, setup: Setup) -> float:
 
 def chunked_loss_bytes(shape: ModelShape, setup: Setup) -> float:
     """The chunked loss's buffers, whatever the micro batch: one chunk's logits in the compute dtype and in fp32,
-    the output weight's gradient summed in fp32 and, below fp32, each chunk's product in the compute dtype."""
+    the output weight's gradient summed in fp32 and, below fp32 on CPU, each chunk's product in the compute dtype
+    (a GPU adds it inside the GEMM: `app.model.loss.accumulate_product`)."""
     if not setup.chunked_loss:
         return 0.0
     size = dtype_bytes(compute_dtype(setup.precision))
     tokens = min(chunk_tokens(shape.vocab_size), setup.micro_batch_size * setup.block_size)
     weight = shape.vocab_size * shape.hidden_size
-    return tokens * shape.vocab_size * (size + (4 if size != 4 else 0)) + weight * (4 + (size if size != 4 else 0))
+    product = size if size != 4 and not setup.gpu else 0
+    return tokens * shape.vocab_size * (size + (4 if size != 4 else 0)) + weight * (4 + product)
 
 
 def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
@@ -218,8 +225,8 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         working = gradients
     elif setup.strategy not in SHARDED_STRATEGIES:  # one device: no buckets to reduce in
         working = 0.0
-    elif setup.sharding_strategy == "NO_SHARD":
-        working = 0.0
+    elif setup.sharding_strategy == "NO_SHARD":  # under *-mixed every unit's compute-dtype copy, forward to backward
+        working = shape.parameters * computed if computed != stored else 0.0
     elif setup.sharding_strategy == "SHARD_GRAD_OP":
         working = shape.parameters * computed
     else:
