@@ -200,6 +200,13 @@ def interpreter(fresh: bool = False) -> tuple[str, dict[str, str]]:
     return sys.executable, {}
 
 
+def run_entry(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """One of the repository's scripts (`convert_to_hf.py ...`) run from the repository as a user runs it, forked by
+    the fork server where it can be (tests/forkserver.py's FORKED): the same process, without its imports."""
+    python, variables = interpreter()
+    return run_script([python, *argv], timeout, run_environment(variables))
+
+
 class ForkServer:
     """This test process's tests/forkserver.py server, started at the first run that uses it, stopped at exit.
     FORKSERVER=0 in the environment starts every run from scratch."""

@@ -34,8 +34,9 @@ import sys
 
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 SOCKET_VARIABLE, PYTHON_VARIABLE = "FORKSERVER_SOCKET", "FORKSERVER_PYTHON"
-FORKED = ("train.py", "gpu_check.py")
-"""Scripts whose processes are forked (by file name)."""
+FORKED = ("train.py", "gpu_check.py", "convert_to_hf.py", "prepare_data.py", "generate.py", "bench_loss.py")
+"""Scripts whose processes are forked (by file name): what the suite starts most, each importing what the server
+has imported."""
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver-python")
 """The executable a forked program sees as sys.executable: `forkserver.py client` under the real interpreter."""
 

@@ -10,7 +10,7 @@ import pytest
 from app.training.run import run
 from arguments import (OPTIONS_BEGIN, OPTIONS_END, Config, build_parser, option_sources, options_markdown,
                        parse_config, read_config, validate_config, with_options, write_options_doc)
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_entry
 
 REQUIRED = ["--train_data_dir", "data", "--model_config", "cfg"]
 
@@ -124,7 +124,7 @@ def test_every_entry_point_refuses_a_bad_command_line_in_one_line(case) -> None:
     traceback (train.py's wrong types printed about 45 lines of usage first)."""
     argv, expected = REFUSED_COMMANDS[case]
     prog = argv[0]
-    result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
+    result = run_entry(argv)
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()
     assert line.startswith(expected) and line.endswith(f"; see {prog} --help"), line

@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -21,7 +19,7 @@ from app.huggingface.convert import main as convert_main
 from app.huggingface.generate import GenerateArgs, generate
 from app.huggingface.generate import main as generate_main
 from app.huggingface.prefetch import main as prefetch_main
-from tests.conftest import ROOT, read_checkpoint, run_train, train_args
+from tests.conftest import read_checkpoint, run_entry, run_train, train_args
 from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS
 
 SHORT = dict(max_step=8, warmup_steps=2, eval_step_interval=4, save_step_interval=4)
@@ -379,8 +377,8 @@ def test_an_architecture_given_at_conversion_must_be_the_one_trained(tiny, tmp_p
 
 
 def test_cli_refusal_has_no_traceback(tmp_path) -> None:
-    result = subprocess.run([sys.executable, "convert_to_hf.py", "--checkpoint", str(tmp_path / "none"),
-                             "--output_dir", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
+    result = run_entry(["convert_to_hf.py", "--checkpoint", str(tmp_path / "none"), "--output_dir",
+                        str(tmp_path / "out")])
     assert result.returncode == 2 and "Traceback" not in result.stderr and "--checkpoint" in result.stderr
 
 

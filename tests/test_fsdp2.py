@@ -28,7 +28,7 @@ from app.distributed.precision import precision_plugin
 from app.model.build import meta_model
 from app.training.preflight import preflight
 from arguments import parse_config, read_config, validate_config
-from tests.conftest import ROOT, read_checkpoint, run_train, train_args
+from tests.conftest import ROOT, read_checkpoint, run_entry, run_train, train_args
 from tests.test_model_loading import pretrained_wide_vocabulary, transformers_loss  # noqa: F401 (fixture)
 from tests.test_training import assert_succeeded, read_metrics
 
@@ -211,7 +211,7 @@ def test_embeddings_with_units_of_their_own_train_like_fsdp_resume_exactly_and_c
     reference, resumed = read_metrics(tmp_path / "fsdp"), read_metrics(fsdp2)
     for step in range(1, 5):
         assert resumed[step]["train_loss"] == pytest.approx(reference[step]["train_loss"], rel=1e-4), step
-    converted = subprocess.run([sys.executable, "convert_to_hf.py", "--checkpoint", str(fsdp2), "--output_dir",
-                                str(tmp_path / "hf"), "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True)
+    converted = run_entry(["convert_to_hf.py", "--checkpoint", str(fsdp2), "--output_dir", str(tmp_path / "hf"),
+                           "--dtype", "float32"])
     assert converted.returncode == 0, converted.stderr[-3000:]
     assert "logits verified (max relative difference 0.0e+00)" in converted.stdout + converted.stderr

@@ -4,8 +4,6 @@ architectures the project trains, and the probe that decides which models take i
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartConfi
 from app.data.formats import IGNORE_INDEX, Batch, arrange
 from app.model.loss import (LossHead, LossPath, accumulate_product, chunked_cross_entropy, install_loss_head,
                             probe_chunked_loss)
-from tests.conftest import ROOT
+from tests.conftest import run_entry
 
 LLAMA = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
@@ -176,8 +174,7 @@ def test_weight_gradients_of_bf16_chunks_are_summed_in_fp32() -> None:
 def test_the_loss_benchmark_runs_and_its_chunked_rows_equal_the_materialising_path() -> None:
     """benchmarks/bench_loss.py --tiny (fp32 on CPU, chunks that do and do not divide the tokens): each row's loss
     and gradients against the materialising path's, as it prints them."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_loss.py"), "--tiny"],
-                            capture_output=True, text=True, timeout=300)
+    result = run_entry(["benchmarks/bench_loss.py", "--tiny"])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| chunked")]
     assert len(rows) == 3, result.stdout

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from app.model.build import meta_model
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.training.preflight import preflight
 from arguments import parse_config
-from tests.conftest import ROOT, run_script, run_train, train_args
+from tests.conftest import ROOT, run_entry, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=2, save_step_interval=100, eval_batch_size=16,
@@ -109,8 +108,8 @@ def test_fsdp2_trains_like_fsdp_and_converts_with_identical_logits(tiny, straigh
     worst = max(abs(fsdp2[s]["train_loss"] - straight[s]["train_loss"]) / straight[s]["train_loss"] for s in straight if s)
     print(f"\nfsdp2 vs fsdp over {STEPS} steps: max relative loss difference {worst:.1e}")
     assert worst < 1e-4
-    converted = subprocess.run([sys.executable, "convert_to_hf.py", "--checkpoint", str(tmp_path), "--output_dir",
-                                str(tmp_path / "hf"), "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True)
+    converted = run_entry(["convert_to_hf.py", "--checkpoint", str(tmp_path), "--output_dir", str(tmp_path / "hf"),
+                           "--dtype", "float32"])
     assert converted.returncode == 0, converted.stderr[-3000:]
     assert "logits verified (max relative difference 0.0e+00)" in converted.stdout + converted.stderr
 

@@ -7,8 +7,6 @@ Data: the standard library's code -> docstring summary pairs as source -> target
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,8 @@ from app.huggingface.generate import GenerateArgs, model_input
 from app.prepare import PrepareArgs, prepare
 from app.training.preflight import preflight
 from arguments import parse_config
-from tests.conftest import ROOT, generate_through_the_application, run_train, stop_where_lengths_differ, train_args
+from tests.conftest import (generate_through_the_application, run_entry, run_train, stop_where_lengths_differ,
+                            train_args)
 from tests.test_training import assert_succeeded, read_metrics
 
 
@@ -83,15 +82,13 @@ def test_t5_trains_with_activation_checkpointing_under_fsdp_with_the_same_losses
 @pytest.mark.slow
 def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, tmp_path) -> None:
     folder = tmp_path / "hf"
-    result = subprocess.run([sys.executable, str(ROOT / "convert_to_hf.py"), "--checkpoint", str(t5_run),
-                             "--output_dir", str(folder), "--dtype", "float32"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = run_entry(["convert_to_hf.py", "--checkpoint", str(t5_run), "--output_dir", str(folder), "--dtype",
+                        "float32"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "logits verified (max relative difference 0.0e+00)" in result.stdout
     assert "AutoModelForSeq2SeqLM.from_pretrained" in (folder / "README.md").read_text()
-    generated = subprocess.run([sys.executable, "generate.py", str(folder), "--prompt", "def f(x):\n    return x",
-                                "--max_new_tokens", "5", "--temperature", "0"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=300)
+    generated = run_entry(["generate.py", str(folder), "--prompt", "def f(x):\n    return x", "--max_new_tokens", "5",
+                           "--temperature", "0"])
     assert generated.returncode == 0 and "-->" in generated.stdout, generated.stderr[-2000:]
 
 
