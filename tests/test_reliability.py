@@ -369,6 +369,27 @@ def test_a_folder_locked_here_is_refused_at_once_and_one_locked_from_another_mac
     os.close(HELD_LOCKS.pop())
 
 
+def test_a_node_sees_the_lock_only_in_the_folder_rank_0_holds(tmp_path):
+    """What each node's first rank looks for in its --out_dir: rank 0's own line. Another process's line answers at
+    once; a missing lock only after the wait (an NFS client may still hold the folder's older listing), and it is
+    taken when it appears meanwhile."""
+    import threading
+
+    from app.checkpoint.files import HELD_LOCKS, LOCK_FILE, claim_run_folder, holder_line, sees_lock
+
+    shared, other, missing = tmp_path / "shared", tmp_path / "other", tmp_path / "missing"
+    assert claim_run_folder(shared) is None
+    other.mkdir()
+    (other / LOCK_FILE).write_text("pid 4242 on another-node\n")
+    start = time.monotonic()
+    assert sees_lock(shared, holder_line(), wait_s=5) and not sees_lock(other, holder_line(), wait_s=5)
+    assert time.monotonic() - start < 1
+    assert not sees_lock(missing, holder_line(), wait_s=0.3, poll_s=0.1) and not missing.exists()
+    threading.Timer(0.3, lambda: (missing.mkdir(), (missing / LOCK_FILE).write_text(holder_line()))).start()
+    assert sees_lock(missing, holder_line(), wait_s=10, poll_s=0.1)
+    os.close(HELD_LOCKS.pop())
+
+
 @pytest.mark.slow
 def test_a_second_run_in_the_same_out_dir_is_refused_while_the_first_runs(tiny: TinySetup, tmp_path: Path):
     """The same job submitted twice, both with --resume true as the Slurm scripts pass it: the second resumed from a

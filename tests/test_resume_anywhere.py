@@ -250,6 +250,25 @@ def test_nodes_that_would_resume_from_different_checkpoints_are_refused(tiny, mo
     assert run_files(tmp_path / "run") == before
 
 
+def test_nodes_that_do_not_share_out_dir_are_refused_before_training(tiny, moved_run, tmp_path) -> None:
+    """A fresh run whose node 1 writes to a folder of its own disk (here another --out_dir, holding the lock an
+    earlier run on that node left): each rank would have written its part of every checkpoint where no other node
+    reads it, and no node could have resumed. Node 1 does not see the lock rank 0 holds: one line, exit 2, no step
+    trained, nothing written on node 1."""
+    local = tmp_path / "node-1-disk"
+    local.mkdir()
+    (local / LOCK_FILE).write_text("pid 4242 on node-1\n")
+    result = run_train(train_args(tiny, tmp_path / "run", train_data_dir=moved_run.data, tokenizer=None, devices=1,
+                                  num_nodes=2, micro_batch_size=2, gradient_accumulation_steps=None),
+                       nodes=2, node_args={1: ["--out_dir", str(local)]})
+    assert result.returncode != 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (f"error: --out_dir: the lock node 0 holds in {tmp_path / 'run'} is not seen by every node (node 1 "
+            f"looked in {local}); every node must write and read the same --out_dir" in result.stderr), \
+        result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "step 1/" not in result.stdout
+    assert [path.name for path in local.iterdir()] == [LOCK_FILE] and not (tmp_path / "run" / "checkpoints").exists()
+
+
 def run_files(folder: Path) -> list[str]:
     """The files of a run folder, but for the lock its rank 0 takes as it starts (LOCK_FILE)."""
     return sorted(path.name for path in folder.rglob("*") if path.name != LOCK_FILE)

@@ -34,6 +34,9 @@ HELD_LOCKS: list[int] = []
 LOCK_WAIT_S = 150.0
 """How long a run waits for a folder locked from another machine: a crashed node's lock on a network filesystem
 lasts until its lease runs out (90 s in NFSv4), and Slurm can requeue the run onto other nodes sooner."""
+SHARED_VIEW_WAIT_S = 60.0
+"""How long a node waits to see the lock rank 0 wrote: an NFS client caches a folder's listing, and the absence of
+a file, for up to acdirmax (60 s by default)."""
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
@@ -71,12 +74,43 @@ def claim_run_folder(out_dir: Path, say: Callable[[str], None] = print, wait_s: 
             waited = True
             time.sleep(poll_s)
         except OSError:  # ENOLCK, EOPNOTSUPP: a filesystem without locks; go on unguarded, as before
+            write_holder(descriptor)  # what the other nodes look for
             os.close(descriptor)
             return None
-    os.ftruncate(descriptor, 0)
-    os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    write_holder(descriptor)
     HELD_LOCKS.append(descriptor)
     return None
+
+
+def write_holder(descriptor: int) -> None:
+    """This process's `holder_line` as the lock's content, on the disk (the other nodes read it while this process
+    keeps the file open: an NFS client sends what it wrote on fsync or close)."""
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, f"{holder_line()}\n".encode(), 0)
+    os.fsync(descriptor)
+
+
+def holder_line() -> str:
+    """What a run's rank 0 writes into the lock it holds: this process, on this machine."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def sees_lock(out_dir: Path, holder: str, wait_s: float = SHARED_VIEW_WAIT_S, poll_s: float = 2.0) -> bool:
+    """Whether this machine sees `holder` (rank 0's `holder_line`) in `out_dir`'s lock: a node whose --out_dir is
+    another folder, or on a disk of its own, does not. A lock naming another process answers at once (opening a
+    file on NFS fetches its current content); a missing one is looked for again for `wait_s`, as the client may
+    have cached the folder's listing. Reads only; creates nothing."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            found = (out_dir / LOCK_FILE).read_text().strip()
+        except OSError:
+            found = ""
+        if found:
+            return found == holder
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
 
 
 def run_folder_of(checkpoint: Path) -> Optional[Path]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng, run_tokenizer_dir, set_aside_newer
-from app.checkpoint.files import RUN_CONFIG_FILE, claim_run_folder
+from app.checkpoint.files import RUN_CONFIG_FILE, claim_run_folder, holder_line, sees_lock
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
 from app.distributed.device_memory import expandable_segments
@@ -152,13 +152,35 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
 
 def refusal_at_start(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional[str]:
     """What the ranks find wrong once they have met, before anything is read or written, the same line on every rank
-    (None: go on): out_dir in use by another run (rank 0 locks it), or nodes that chose different checkpoints."""
+    (None: go on): out_dir in use by another run (rank 0 locks it), nodes that chose different checkpoints, or nodes
+    that do not share out_dir."""
     in_use = claim_run_folder(Path(cfg.out_dir), fabric.print) if fabric.is_global_zero else None
     if fabric.world_size == 1 or not dist.is_initialized():  # one process, or XLA's ranks (no torch.distributed)
         return in_use
     chosen: list = [None] * fabric.world_size
     dist.all_gather_object(chosen, (fabric.node_rank, inputs.resume_step, str(inputs.resume_from), in_use))
-    return chosen[0][3] or resume_disagreement([choice[:3] for choice in chosen])
+    refusal = chosen[0][3] or resume_disagreement([choice[:3] for choice in chosen])
+    if refusal or cfg.num_nodes == 1:
+        return refusal
+    return unshared_out_dir(fabric, Path(cfg.out_dir))
+
+
+def unshared_out_dir(fabric: Fabric, out_dir: Path) -> Optional[str]:
+    """Every rank writes its part of each checkpoint into out_dir and every node reads them back to resume: a node
+    whose --out_dir is another folder, or a disk of its own, trained as if nothing were wrong and left checkpoints
+    that no node could read whole. Each node's first rank looks for the lock rank 0 holds (`sees_lock`)."""
+    holder = [holder_line() if fabric.is_global_zero else None]
+    dist.broadcast_object_list(holder, src=0)
+    seen: list = [None] * fabric.world_size
+    sees = fabric.local_rank != 0 or sees_lock(out_dir, holder[0])
+    dist.all_gather_object(seen, (fabric.node_rank, sees, str(out_dir)))
+    blind = {node: folder for node, sees, folder in seen if not sees}
+    if not blind:
+        return None
+    return (f"--out_dir: the lock node 0 holds in {seen[0][2]} is not seen by every node ("
+            + "; ".join(f"node {node} looked in {folder}" for node, folder in sorted(blind.items()))
+            + "); every node must write and read the same --out_dir, on a filesystem they share (each rank writes "
+            "its part of every checkpoint, and each node reads them back to resume)")
 
 
 def resume_disagreement(chosen: list[tuple[int, Optional[int], str]]) -> Optional[str]:
