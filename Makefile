@@ -21,7 +21,9 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # (and accelerate, which transformers imported in every process, moved to benchmarks/requirements.txt); 814 s with
 # it for the multi-node, compiled and GPU-check runs too. New tests must come with an equal cut. On 2026-11-28, in a
 # fresh clone, after the audit's fixes and their tests: 737 s (1,057 s in an earlier run the same morning: this
-# machine's speed varies). On 2026-11-28, after a second audit's 24 new tests: 778 s (545 tests).
+# machine's speed varies). On 2026-11-28, after a second audit's 24 new tests: 778 s (545 tests). Later that day, in
+# fresh clones: 984 s and 1,005 s (609 tests), 929 s in place (612), 1,060 s (614) with `make demo`'s 300 steps
+# taking 3m18s against 2m26s on the 737 s day: the same work, a slower machine.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
