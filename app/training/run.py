@@ -167,14 +167,15 @@ def refusal_at_start(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional
 
 def unshared_out_dir(fabric: Fabric, out_dir: Path) -> Optional[str]:
     """Every rank writes its part of each checkpoint into out_dir and every node reads them back to resume: a node
-    whose --out_dir is another folder, or a disk of its own, trained as if nothing were wrong and left checkpoints
-    that no node could read whole. Each node's first rank looks for the lock rank 0 holds (`sees_lock`)."""
+    whose --out_dir is another folder, or a disk of its own, split each checkpoint across folders that no node reads
+    whole (the two-node test ended in a traceback from a collective). Each node's first rank looks for the lock rank
+    0 holds (`sees_lock`)."""
     holder = [holder_line() if fabric.is_global_zero else None]
     dist.broadcast_object_list(holder, src=0)
     seen: list = [None] * fabric.world_size
     sees = fabric.local_rank != 0 or sees_lock(out_dir, holder[0])
     dist.all_gather_object(seen, (fabric.node_rank, sees, str(out_dir)))
-    blind = {node: folder for node, sees, folder in seen if not sees}
+    blind = {node: folder for node, saw, folder in seen if not saw}
     if not blind:
         return None
     return (f"--out_dir: the lock node 0 holds in {seen[0][2]} is not seen by every node ("
