@@ -173,7 +173,7 @@ class Check:
     def estimate_gb(self, model: Path, strategy: str, precision: str) -> float:
         """What --estimate_memory plans for one device of this check's runs (app/metrics/memory_plan.py), less the
         runtime it adds (the CUDA context, kernels and NCCL's buffers, which CUDA's allocator does not hold and
-        `runtime_row` measures)."""
+        `check_runtime` measures)."""
         from app.model.build import resolve_wrap_classes
 
         config = LlamaConfig.from_pretrained(model)

@@ -14,7 +14,8 @@ from transformers import AutoConfig, BartConfig, GPT2Config, LlamaConfig, T5Conf
 
 from app.exit_codes import EXIT_BAD_INPUT
 from app.metrics.activations import kept_for_backward
-from app.metrics.memory_plan import RUNTIME_BYTES, ModelShape, Setup, estimate_memory, largest_micro_batch, memory_report
+from app.metrics.memory_plan import (RUNTIME_BYTES, ModelShape, Setup, estimate_memory, largest_micro_batch,
+                                     memory_report)
 from app.metrics.observe import GB
 from app.model.build import meta_model, model_class, resolve_wrap_classes
 from app.training.run import run
