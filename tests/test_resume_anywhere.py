@@ -232,6 +232,41 @@ def test_a_run_resumes_where_its_data_and_out_dir_moved_to(tiny, moved_run, tmp_
     assert [folder["path"] for folder in recorded] == [str(tmp_path / "corpus")], "the next resume compares these"
 
 
+def test_a_checkpoint_deleted_while_the_preflight_reads_it_gives_way_to_the_newest(tiny, moved_run, tmp_path,
+                                                                                    monkeypatch) -> None:
+    """A run still writing --out_dir deletes its older checkpoints as it saves (--keep_last_n): the same job
+    submitted twice ended in a FileNotFoundError from the middle of the second one's preflight (seen in CI) instead of
+    the lock's line. A checkpoint that vanishes while it is read is passed over for the newest."""
+    import app.training.preflight as preflight_module
+    from app.training.preflight import VANISHED_READS, resolve_resume
+
+    out = tmp_path / "run"
+    shutil.copytree(moved_run.out_dir, out)
+    checkpoints = out / "checkpoints"
+    for step in (3, 4):
+        shutil.copy(checkpoints / "step-00000002.ckpt", checkpoints / f"step-0000000{step}.ckpt")
+    reads: list[str] = []
+
+    def pruned_while_read(path: Path) -> dict:
+        reads.append(path.name)
+        if path.name != "step-00000002.ckpt":  # the other run saved again and deleted it
+            path.unlink()
+        return read_metadata(path)
+
+    monkeypatch.setattr(preflight_module, "read_metadata", pruned_while_read)
+    cfg = parse_config(train_args(tiny, out, train_data_dir=str(moved_run.data), resume=True))
+    problems: list[str] = []
+    resume = resolve_resume(cfg, AutoConfig.from_pretrained(tiny.model_config), problems)
+    assert problems == [] and reads == ["step-00000004.ckpt", "step-00000003.ckpt", "step-00000002.ckpt"]
+    assert resume.path == checkpoints / "step-00000002.ckpt" and resume.metadata["step"] == 2
+    for step in range(3, 4 + VANISHED_READS):
+        shutil.copy(checkpoints / "step-00000002.ckpt", checkpoints / f"step-{step:08d}.ckpt")
+    monkeypatch.setattr(preflight_module, "read_metadata", lambda path: (path.unlink(), read_metadata(path)))
+    assert resolve_resume(cfg, AutoConfig.from_pretrained(tiny.model_config), problems) is None
+    assert problems == [f"--resume true: {VANISHED_READS} checkpoints in {checkpoints} were deleted while they were "
+                        f"read; another run is writing --out_dir: wait for it to end, or choose another --out_dir"]
+
+
 def test_nodes_that_would_resume_from_different_checkpoints_are_refused(tiny, moved_run, tmp_path) -> None:
     """Each node's preflight picks the checkpoint to resume from: a node given another --out_dir, or whose view of
     the shared folder lags, picked another one (here none), and the ranks trained one model from the shards of

@@ -856,15 +856,43 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
             problems.append(f"--out_dir {cfg.out_dir} already holds checkpoints; add --resume true to continue that "
                             "run, or choose another --out_dir (nothing is overwritten)")
         return None
-    path = Path(cfg.checkpoint) if cfg.checkpoint else latest_checkpoint(cfg.out_dir)
-    if path is None:
-        note(f"--resume true: no checkpoint in {checkpoint_dir(cfg.out_dir)} yet, starting from step 0")
-        return None
+    if not cfg.checkpoint:
+        return resolve_latest(cfg, model_config, problems)
+    path = Path(cfg.checkpoint)
     if not path.exists():
         problems.append(f"--checkpoint {path}: no such file or folder")
         return None
     metadata = check_checkpoint_matches(cfg, path, model_config, problems)
     return Resume(path, metadata) if metadata is not None else None
+
+
+VANISHED_READS = 5
+"""How many checkpoints in a row may vanish while the preflight reads them before it gives up."""
+
+
+def resolve_latest(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
+    """The newest checkpoint in out_dir, checked. A run still writing that folder (the same job submitted twice; the
+    lock refuses the second once its ranks start) deletes its older checkpoints as it saves (--keep_last_n): one
+    that vanished while it was read is taken as gone and the newest is read again, so that the second run ends in
+    the lock's line instead of a FileNotFoundError from the middle of a read (seen in CI)."""
+    for _ in range(VANISHED_READS):
+        path = latest_checkpoint(cfg.out_dir)
+        if path is None:
+            note(f"--resume true: no checkpoint in {checkpoint_dir(cfg.out_dir)} yet, starting from step 0")
+            return None
+        found: list[str] = []
+        try:
+            metadata = check_checkpoint_matches(cfg, path, model_config, found)
+        except Exception:  # FileNotFoundError, or a sharded folder's reader meeting a missing piece
+            if path.exists():
+                raise
+            continue
+        if path.exists():
+            problems.extend(found)
+            return Resume(path, metadata) if metadata is not None else None
+    problems.append(f"--resume true: {VANISHED_READS} checkpoints in {checkpoint_dir(cfg.out_dir)} were deleted while "
+                    "they were read; another run is writing --out_dir: wait for it to end, or choose another --out_dir")
+    return None
 
 
 def check_precision(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> None:
