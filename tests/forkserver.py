@@ -49,9 +49,10 @@ def preload(root: str) -> None:
     from transformers import LlamaForCausalLM, T5ForConditionalGeneration  # noqa: F401
 
     import app.training.run  # noqa: F401
-    import arguments  # noqa: F401
+    import arguments
 
     transformers.AutoModelForCausalLM  # noqa: B018  transformers' lazy module reads its model files on first use
+    arguments.build_parser()  # cached: the forked ranks parse their command lines without building it again
     sys.path.remove(root)
 
 
