@@ -31,7 +31,7 @@ from test_reliability import logged_losses
 CPU_TASKS = ["--nodes", "1", "--ntasks-per-node", "2", "--cpus-per-task", "1", "--gpus-per-node", "0"]
 CPU_TORCHRUN = ["--nodes", "1", "--ntasks-per-node", "1", "--cpus-per-task", "2", "--gpus-per-node", "0",
                 "--export", "ALL,PROCS_PER_NODE=2"]
-MAX_STEP = 60
+MAX_STEP = 30
 END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 JOB_SEC = 240
 """The longest a job may take here, requeues included (each requeue waits about 25 s for Slurm's credentials)."""
