@@ -1,6 +1,6 @@
 """Convert a train.py checkpoint into a verified Hugging Face model folder: `python convert_to_hf.py --help`."""
 
-from app.huggingface.convert import main
+from app.huggingface.convert_cli import main
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Print what a Hugging Face model folder writes (a converted checkpoint): `python generate.py --help`."""
 
-from app.huggingface.generate import main
+from app.huggingface.generate_cli import main
 
 if __name__ == "__main__":
     main()

@@ -167,6 +167,19 @@ def test_print_config_shows_the_resolved_run_with_where_each_value_came_from(tin
     assert result.returncode == 2 and result.stdout == "" and "--devices must be at least 1, got 0" in result.stderr
 
 
+@pytest.mark.parametrize("script", ["train.py", "convert_to_hf.py", "generate.py", "prepare_data.py"])
+def test_a_mistyped_flag_is_refused_before_torch_is_imported(script: str) -> None:
+    """A typo costs the parse, not the 5-8 s that importing torch and transformers took convert_to_hf.py, generate.py
+    and prepare_data.py before they parsed their command lines."""
+    probe = ("import atexit, runpy, sys; "
+             "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)); "
+             f"sys.argv = [{script!r}, '--no_such_flag']; runpy.run_path({script!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr == f"{script}: error: unrecognized arguments: --no_such_flag; see {script} --help\n" \
+                            "torch imported: False\n"
+
+
 def test_docs_list_every_option_as_the_parser_defines_it() -> None:
     document = (ROOT / "docs" / "options.md").read_text()
     assert OPTIONS_BEGIN in document and OPTIONS_END in document

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 import app.huggingface.convert as converter
-from app.huggingface.convert import main as convert_main
+from app.huggingface.convert_cli import main as convert_main
 from app.huggingface.generate import GenerateArgs, generate
-from app.huggingface.generate import main as generate_main
+from app.huggingface.generate_cli import main as generate_main
 from app.huggingface.prefetch import main as prefetch_main
 from tests.conftest import read_checkpoint, run_entry, run_train, train_args
 from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS

@@ -351,7 +351,7 @@ def test_train_without_the_hub_refuses_an_uncached_model_at_once_naming_prefetch
 def test_a_missing_folder_path_is_said_to_be_missing_not_an_invalid_repo_id(tiny, tmp_path, capsys) -> None:
     """A path that cannot be a Hub id (/models/llama, ./out) was handed to the Hub and came back as huggingface_hub's
     "Repo id must use alphanumeric chars ..." rule, in train.py, generate.py and prepare_data.py alike."""
-    from app.huggingface.generate import main as generate_main
+    from app.huggingface.generate_cli import main as generate_main
     from app.prepare.cli import main as prepare_main
     from app.training.preflight import preflight
     from arguments import parse_config

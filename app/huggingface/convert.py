@@ -23,15 +23,13 @@ import json
 import re
 import shlex
 import shutil
-import sys
 import tempfile
 from contextlib import ExitStack
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
-from jsonargparse import ArgumentParser
 from safetensors import safe_open
 from torch.nn import Module
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
@@ -42,9 +40,10 @@ from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list
 from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
-from app.cli import UsageError, bars_only_on_a_terminal, command_parser, parse, run_command
+from app.cli import UsageError
+from app.huggingface.convert_cli import Args
 from app.huggingface.prefetch import PrefetchError, reported_as
-from app.huggingface.upload import HubArgs, describe_upload, login_problem, push_folder
+from app.huggingface.upload import describe_upload, login_problem, push_folder
 from app.model.build import meta_model, model_class
 from app.prepare.chat_template import end_of_turn_id
 
@@ -63,35 +62,6 @@ HARMLESS_FIELDS = frozenset({
     "output_attentions", "output_hidden_states", "id2label", "label2id", "problem_type", "finetuning_task",
     "task_specific_params", "tokenizer_class", "prefix", "bos_token_id", "eos_token_id", "pad_token_id",
     "sep_token_id", "decoder_start_token_id"})
-
-
-@dataclass
-class ConvertArgs:
-    """Conversion"""
-
-    checkpoint: str
-    """A checkpoint file, a sharded checkpoint folder, a checkpoints/ folder or a run folder (its latest checkpoint)."""
-    output_dir: str
-    """Folder to write the Hugging Face model to (with --all: one step-NNNNNNNN subfolder per checkpoint)."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """dtype of the written weights."""
-    all: bool = False
-    """Convert every checkpoint of the folder given as --checkpoint, not only the latest."""
-    overwrite: bool = False
-    """Replace a non-empty --output_dir (only after the new folder has been written and verified)."""
-    max_shard_size: str = "5GB"
-    """Largest safetensors file; bigger models are split into several with an index."""
-    model_name: Optional[str] = None
-    """Take the architecture from this hub id or folder instead of the checkpoint's recorded config."""
-    model_config: Optional[str] = None
-    """Take the architecture from this config.json (or folder holding one) instead of the checkpoint's."""
-    tokenizer: Optional[str] = None
-    """Tokenizer to save with the model; default: the one the run recorded (--tokenizer, data folder, model)."""
-
-
-@dataclass
-class Args(HubArgs, ConvertArgs):
-    """Every option of convert_to_hf.py, flat."""
 
 
 @dataclass
@@ -114,16 +84,6 @@ class Job:
 
 class BadInput(UsageError):
     """A user error, reported as one line with exit status 2."""
-
-
-def build_parser() -> ArgumentParser:
-    return command_parser("convert_to_hf.py", "Convert a train.py checkpoint into a Hugging Face model folder, verify "
-                                              "it, and optionally push it to the Hub.", [ConvertArgs, HubArgs])
-
-
-def parse_args(argv: Optional[list[str]] = None) -> Args:
-    namespace = parse(build_parser(), argv)
-    return Args(**{f.name: namespace[f.name] for f in fields(Args)})
 
 
 # ---- finding checkpoints -------------------------------------------------------------------------------------
@@ -697,13 +657,3 @@ def run(args: Args) -> None:
                 raise PushFailed(f"{error}. The verified folder {folder} is kept: push it without converting again "
                                  f"with `{upload_command(folder, args)}`") from None
             print(f"pushed {folder} to {args.push_to_hub}: {url}")
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """Entry point: one line on stderr and exit 2 for bad input, exit 1 when verification or the upload fails."""
-    try:
-        with bars_only_on_a_terminal():
-            run_command("convert_to_hf.py", lambda: run(parse_args(argv)))
-    except (VerificationFailed, PushFailed) as error:
-        print(f"convert_to_hf.py: error: {error}", file=sys.stderr)
-        sys.exit(EXIT_VERIFY_FAILED)

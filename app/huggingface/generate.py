@@ -6,37 +6,16 @@ python generate.py demo/sft-model --chat true --prompt "def add(a, b):\\n    ret
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from app import cli
+from app.cli import UsageError
 from app.hub import missing_model_problem, quiet_hub
+from app.huggingface.generate_cli import GenerateArgs
 from app.model.build import model_class
 from app.prepare.tokenizer import document_suffix, encode_texts
-
-PROG = "generate.py"
-
-
-@dataclass
-class GenerateArgs:
-    """Generation"""
-
-    model: str
-    """Folder written by convert_to_hf.py (or any Hugging Face causal LM or encoder-decoder)."""
-    prompt: str = "def "
-    """Text to continue; with --chat, the user's message; for an encoder-decoder, the source."""
-    chat: bool = False
-    """Wrap the prompt in the tokenizer's chat template, as a user message followed by the assistant's turn."""
-    max_new_tokens: int = 80
-    """Tokens to generate."""
-    temperature: Optional[float] = None
-    """Sampling temperature; 0 for greedy decoding; default: the sampling of the model's generation_config.json,
-    or 0.8 with top-k 50 when it does not sample."""
-    seed: int = 0
-    """Sampling seed."""
 
 
 def model_input(tokenizer, args: GenerateArgs, config: Any) -> dict[str, torch.Tensor]:
@@ -72,7 +51,7 @@ def generate(args: GenerateArgs) -> str:
     then how many tokens it wrote and why it stopped (a stop token of its generation config, or the limit)."""
     tokenizer, config = load_tokenizer_and_config(args)
     if args.chat and not tokenizer.chat_template:
-        raise cli.UsageError(f"MODEL {args.model} has no chat template; drop --chat")
+        raise UsageError(f"MODEL {args.model} has no chat template; drop --chat")
     model = model_class(config).from_pretrained(args.model).eval()
     inputs = model_input(tokenizer, args, config)
     torch.manual_seed(args.seed)
@@ -91,12 +70,12 @@ def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
     Hub is refused at once (app/hub.py), not after a minute of retries."""
     missing = missing_model_problem("MODEL", args.model)
     if missing:
-        raise cli.UsageError(missing)
+        raise UsageError(missing)
     try:
         with quiet_hub():
             return AutoTokenizer.from_pretrained(args.model), AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as error:
-        raise cli.UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load "
+        raise UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load "
                              f"({str(error).strip().splitlines()[0]}); give a folder written by convert_to_hf.py")
 
 
@@ -108,15 +87,3 @@ def why_it_stopped(new_tokens: list[int], own_config: Any, tokenizer: Any, max_n
     if new_tokens and new_tokens[-1] in stops and not forced:
         return f"stopped at {tokenizer.convert_ids_to_tokens(new_tokens[-1])}"
     return "--max_new_tokens reached"
-
-
-def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
-    parser = cli.command_parser(PROG, __doc__.splitlines()[0], [GenerateArgs], config=False, skip={"model"})
-    parser.add_argument("model", metavar="MODEL", help="Folder written by convert_to_hf.py (or any Hugging Face "
-                                                       "causal LM or encoder-decoder).")
-    return GenerateArgs(**cli.parse(parser, argv).as_dict())
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    with cli.bars_only_on_a_terminal():
-        print(cli.run_command(PROG, lambda: generate(parse_args(argv))))

@@ -30,10 +30,11 @@ def run_command(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run prepare() from the command line, and say what it wrote."""
+    """Run prepare() from the command line, and say what it wrote. The command line is parsed before the pipeline
+    (datasets, transformers, torch: 3 s) is imported: a mistyped flag is refused at once."""
+    args = cli.run_command("prepare_data.py", lambda: parse_args(argv))
     from app.prepare.pipeline import prepare, summary
 
-    args = cli.run_command("prepare_data.py", lambda: parse_args(argv))
     stats = cli.run_command("prepare_data.py", lambda: prepare(args))
     print(summary(stats, args.output_dir), flush=True)
     return stats

@@ -1,0 +1,47 @@
+"""The `generate.py` command line: its options, and `main`, which parses them before it imports the generation
+(app/huggingface/generate.py: torch and transformers, 5 s), so that a mistyped flag is refused at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from app import cli
+
+PROG = "generate.py"
+DESCRIPTION = ("Print what a Hugging Face model folder writes: the last step of the demos, and a quick check of a "
+               "conversion.")
+
+
+@dataclass
+class GenerateArgs:
+    """Generation"""
+
+    model: str
+    """Folder written by convert_to_hf.py (or any Hugging Face causal LM or encoder-decoder)."""
+    prompt: str = "def "
+    """Text to continue; with --chat, the user's message; for an encoder-decoder, the source."""
+    chat: bool = False
+    """Wrap the prompt in the tokenizer's chat template, as a user message followed by the assistant's turn."""
+    max_new_tokens: int = 80
+    """Tokens to generate."""
+    temperature: Optional[float] = None
+    """Sampling temperature; 0 for greedy decoding; default: the sampling of the model's generation_config.json,
+    or 0.8 with top-k 50 when it does not sample."""
+    seed: int = 0
+    """Sampling seed."""
+
+
+def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
+    parser = cli.command_parser(PROG, DESCRIPTION, [GenerateArgs], config=False, skip={"model"})
+    parser.add_argument("model", metavar="MODEL", help="Folder written by convert_to_hf.py (or any Hugging Face "
+                                                       "causal LM or encoder-decoder).")
+    return GenerateArgs(**cli.parse(parser, argv).as_dict())
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = cli.run_command(PROG, lambda: parse_args(argv))
+    from app.huggingface.generate import generate
+
+    with cli.bars_only_on_a_terminal():
+        print(cli.run_command(PROG, lambda: generate(args)))
