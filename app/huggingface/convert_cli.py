@@ -42,7 +42,6 @@ class Args(HubArgs, ConvertArgs):
     """Every option of convert_to_hf.py, flat."""
 
 
-
 def build_parser() -> ArgumentParser:
     return command_parser("convert_to_hf.py", "Convert a train.py checkpoint into a Hugging Face model folder, verify "
                                               "it, and optionally push it to the Hub.", [ConvertArgs, HubArgs])

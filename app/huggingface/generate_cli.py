@@ -40,6 +40,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point: one line on stderr and exit 2 for bad input; else what the model writes."""
     args = cli.run_command(PROG, lambda: parse_args(argv))
     from app.huggingface.generate import generate
 
