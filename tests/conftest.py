@@ -23,6 +23,14 @@ from typing import Callable, Iterator
 import psutil
 import pytest
 
+# One OpenMP thread per process, set before anything imports torch (the fork server and every process the suite
+# starts inherit it): on 2 cores, 3 workers and their runs are already more processes than cores, and a
+# single-process run's second thread (Lightning gives each rank cores // ranks) mostly spun. On 2026-11-28, fresh
+# clones: 1,647 busy CPU-s and 834 s before; 1,504 CPU-s and 759 s with this line and tests/test_slurm.py's jobs
+# halved. The files of single-process runs fell most: test_resume_anywhere.py 117 to 78 CPU-s, test_mixture.py 84
+# to 45 (tests under a sampler of every process's CPU).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 32
 
