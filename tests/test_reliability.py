@@ -434,6 +434,30 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     assert prune_checkpoints(tmp_path, None, set()) == []
 
 
+def test_a_pruned_checkpoint_folder_is_never_seen_half_deleted(tmp_path: Path, monkeypatch):
+    """A sharded checkpoint is a folder, deleted file by file: it leaves its name first (renamed to the hidden name
+    remove_leftovers knows), so that a reader in that moment finds it whole or gone."""
+    import shutil
+
+    import app.checkpoint.files as files
+
+    folder = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (folder / f"step-{step:08d}.ckpt").mkdir(parents=True)
+        (folder / f"step-{step:08d}.ckpt" / "__0_0.distcp").write_bytes(b"x")
+    seen_while_deleting = []
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        seen_while_deleting.append((Path(path).name, sorted(list_checkpoints(tmp_path))))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(files.shutil, "rmtree", rmtree)
+    assert [path.name for path in prune_checkpoints(tmp_path, 1, protected=set())] == ["step-00000002.ckpt"]
+    assert seen_while_deleting == [(".step-00000002.ckpt.replaced", [4])]
+    assert sorted(path.name for path in folder.iterdir()) == ["step-00000004.ckpt"]
+
+
 def test_keep_last_n_removes_a_linked_checkpoint_but_not_what_it_links_to(tmp_path: Path):
     """A checkpoint of another run linked into checkpoints/ to resume from it: pruning it used to end the run with
     'OSError: Cannot call rmtree on a symbolic link' (a sharded folder), and must not delete the other run's."""

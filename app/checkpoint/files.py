@@ -184,11 +184,19 @@ def remove_leftovers(folder: Path) -> None:
 def remove(path: Path) -> None:
     """Delete a checkpoint file or folder; a link is removed, never what it points to: a checkpoint linked in from
     another run (to resume from it) stays there, and shutil.rmtree refuses a link to a folder with an OSError,
-    which ended the run at the save whose --keep_last_n pruned it."""
+    which ended the run at the save whose --keep_last_n pruned it. A checkpoint folder is first renamed to its
+    hidden `.replaced` name (what remove_leftovers deletes after a crash): whoever reads it meanwhile (a second run's
+    preflight, convert_to_hf.py on the running run's folder) finds it whole or not at all, never half deleted."""
     if path.is_symlink() or not path.is_dir():
         path.unlink()
-    else:
-        shutil.rmtree(path)
+        return
+    if CHECKPOINT_NAME.match(path.name):
+        hidden = path.with_name(f".{path.name}.replaced")
+        if hidden.exists():
+            shutil.rmtree(hidden)
+        os.rename(path, hidden)
+        path = hidden
+    shutil.rmtree(path)
 
 
 def read_best(out_dir: str | Path) -> Optional[dict[str, Any]]:
