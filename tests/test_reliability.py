@@ -236,6 +236,53 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
           "(--rendezvous_timeout_min 0.1, start-up included)")
 
 
+A_RANK_STARTS_DURING_THE_KILL = """
+import subprocess, sys
+import app.reliability.watchdog as watchdog
+
+MARKER, real_send, started = sys.argv[1], watchdog.send, []
+
+
+def rank(n):
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", MARKER, str(n)])
+
+
+def send_while_a_rank_starts(processes, signum):
+    real_send(processes, signum)
+    if not started:  # the main thread's fork of the next rank completes just after the look
+        started.append(rank(2))
+
+
+watchdog.send = send_while_a_rank_starts
+rank(1)
+watchdog.end_process_tree(3, stacks=False)
+"""
+
+
+def test_ending_the_tree_also_kills_a_rank_started_while_it_kills(tmp_path: Path) -> None:
+    """end_process_tree runs in a thread while the launcher's main thread may be forking the ranks: one forked just
+    after its single look was left behind, waiting in the rendezvous for 10 minutes (CI: a Ctrl-C to the process
+    group just as the launcher printed that it waits for the other nodes)."""
+    marker = f"rank-of-{tmp_path.name}"
+    result = subprocess.run([sys.executable, "-c", A_RANK_STARTS_DURING_THE_KILL, marker], cwd=ROOT, timeout=60)
+    assert result.returncode == 3
+
+    def left() -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter(["cmdline", "status"]):
+            if marker in (process.info["cmdline"] or []) and process.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        return found
+
+    deadline = time.monotonic() + 5
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = left()
+    for process in survivors:
+        process.kill()
+    assert survivors == []
+
+
 @pytest.mark.slow
 def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too(tiny: TinySetup, tmp_path: Path):
     """`kill PID`, GNU timeout or a supervisor signal the launching process only. While it waits in the rendezvous,

@@ -69,13 +69,35 @@ def collect_stacks(processes: list[psutil.Process]) -> None:
         time.sleep(STACKS_WAIT_SEC)
 
 
+END_TREE_WAIT_S = 5.0
+"""How long end_process_tree keeps looking for processes started while it kills."""
+
+
 def end_process_tree(code: int, stacks: bool) -> NoReturn:
-    """Kill every process this one started (after collecting their stacks), then exit at once with `code`."""
-    descendants = psutil.Process().children(recursive=True)
+    """Kill every process this one started (after collecting their stacks), then exit at once with `code`. Looked
+    for again until a look finds none alive: this runs in a thread while the main thread may be starting the ranks
+    (Lightning's launcher forks them), and a rank forked just after a single look was left waiting in the rendezvous
+    for --rendezvous_timeout_min (a Ctrl-C just as a run started; seen in CI)."""
     if stacks:
-        collect_stacks(descendants)
-    send(descendants, signal.SIGKILL)
+        collect_stacks(psutil.Process().children(recursive=True))
+    deadline = time.monotonic() + END_TREE_WAIT_S
+    while time.monotonic() < deadline:
+        alive = live_descendants()
+        if not alive:
+            break
+        send(alive, signal.SIGKILL)
+        time.sleep(0.05)
     os._exit(code)
+
+
+def live_descendants() -> list[psutil.Process]:
+    """This process's descendants but the dead ones not yet reaped (nothing reaps them once this process exits)."""
+    alive = []
+    for process in psutil.Process().children(recursive=True):
+        with suppress(psutil.NoSuchProcess):
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+    return alive
 
 
 def send(processes: list[psutil.Process], signum: int) -> None:
