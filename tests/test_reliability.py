@@ -283,6 +283,34 @@ def test_ending_the_tree_also_kills_a_rank_started_while_it_kills(tmp_path: Path
     assert survivors == []
 
 
+THE_MAIN_THREAD_FAILS_DURING_THE_KILL = """
+import subprocess, sys, threading, time
+import app.reliability.watchdog as watchdog
+
+real_send, killing = watchdog.send, threading.Event()
+
+
+def slow_send(processes, signum):
+    real_send(processes, signum)
+    killing.set()
+    time.sleep(0.5)  # the main thread's collective fails meanwhile: its peer is gone
+
+
+watchdog.send = slow_send
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+threading.Thread(target=watchdog.end_process_tree, args=(4, False)).start()  # the stall watchdog
+killing.wait()
+watchdog.end_process_tree(1, stacks=False)  # run_and_exit, after the failed collective
+"""
+
+
+def test_the_first_thread_to_end_the_tree_chooses_the_exit_code() -> None:
+    """The stall watchdog kills the ranks it started; the main thread's collective then fails and ends the tree too.
+    Its exit 1 (CI) replaced the watchdog's 4, which the Slurm script requeues."""
+    result = subprocess.run([sys.executable, "-c", THE_MAIN_THREAD_FAILS_DURING_THE_KILL], cwd=ROOT, timeout=60)
+    assert result.returncode == 4
+
+
 @pytest.mark.slow
 def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too(tiny: TinySetup, tmp_path: Path):
     """`kill PID`, GNU timeout or a supervisor signal the launching process only. While it waits in the rendezvous,

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from app.exit_codes import EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED
-from app.reliability.watchdog import end_process_tree, print_own_stacks, say
+from app.reliability.watchdog import end_process_tree, print_own_stacks, process_ending, say
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -216,6 +216,8 @@ def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoR
     try:
         code = work(fabric, *args)
     except Exception as error:
+        if process_ending():  # this process's watchdog or signal thread is ending the run: its line says why
+            end_process_tree(EXIT_CRASHED, stacks=False)  # waits for that exit, with that thread's code
         if peer_ended(error):  # the process that ended first printed why; a traceback here would only hide it
             say(f"rank {fabric.global_rank}: another process of the run ended first ({str(error).splitlines()[0]})\n")
         else:

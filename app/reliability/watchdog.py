@@ -71,13 +71,24 @@ def collect_stacks(processes: list[psutil.Process]) -> None:
 
 END_TREE_WAIT_S = 5.0
 """How long end_process_tree keeps looking for processes started while it kills."""
+_ENDING = threading.Lock()
+"""Held by the first thread that ends the process tree: it alone chooses the exit code."""
+
+
+def process_ending() -> bool:
+    """Whether a thread of this process is ending it (end_process_tree), with its own code and words."""
+    return _ENDING.locked()
 
 
 def end_process_tree(code: int, stacks: bool) -> NoReturn:
     """Kill every process this one started (after collecting their stacks), then exit at once with `code`. Looked
     for again until a look finds none alive: this runs in a thread while the main thread may be starting the ranks
     (Lightning's launcher forks them), and a rank forked just after a single look was left waiting in the rendezvous
-    for --rendezvous_timeout_min (a Ctrl-C just as a run started; seen in CI)."""
+    for --rendezvous_timeout_min (a Ctrl-C just as a run started; seen in CI). Only the first call ends the process:
+    another thread calling it meanwhile (the main thread, whose collective failed because the first call killed its
+    peer) waits for that exit, which keeps the first call's code (the stall watchdog's 4, which Slurm requeues)."""
+    if not _ENDING.acquire(blocking=False):
+        threading.Event().wait()  # never set: the first call exits the process
     if stacks:
         collect_stacks(psutil.Process().children(recursive=True))
     deadline = time.monotonic() + END_TREE_WAIT_S
