@@ -311,6 +311,38 @@ def test_the_first_thread_to_end_the_tree_chooses_the_exit_code() -> None:
     assert result.returncode == 4
 
 
+def fake_scontrol(folder: Path, body: str) -> Path:
+    folder.mkdir()
+    (folder / "scontrol").write_text(f"#!/bin/sh\n{body}\n")
+    (folder / "scontrol").chmod(0o755)
+    return folder
+
+
+def test_the_job_requeueing_itself_is_not_undone_by_the_sigterm_its_requeue_sends(tmp_path: Path, monkeypatch,
+                                                                                  capsys) -> None:
+    """The requeue makes Slurm signal every process of the job's step, scontrol included. Where that SIGTERM came
+    before the controller's answer (CI, a loaded node), the run said "requeue failed" for a job that was requeued."""
+    bin_dir = fake_scontrol(tmp_path / "bin", 'kill -TERM $$; echo "$@" > "$(dirname "$0")/asked"')
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    signals.requeue_slurm_job()
+    assert capsys.readouterr().out == "Slurm job 7 requeued\n"
+    assert (bin_dir / "asked").read_text() == "requeue 7\n"
+
+
+def test_a_failed_requeue_says_what_scontrol_said_or_what_ended_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    refused = fake_scontrol(tmp_path / "refused",
+                            'echo "Requested operation is presently disabled for job $2" >&2; exit 1')
+    killed = fake_scontrol(tmp_path / "killed", "kill -KILL $$")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    for bin_dir in (refused, killed):
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+        signals.requeue_slurm_job()
+    assert capsys.readouterr().out.splitlines() == [
+        "Slurm job 7 requeue failed (scontrol exit 1): Requested operation is presently disabled for job 7",
+        "Slurm job 7 requeue failed (scontrol killed by SIGKILL)"]
+
+
 @pytest.mark.slow
 def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too(tiny: TinySetup, tmp_path: Path):
     """`kill PID`, GNU timeout or a supervisor signal the launching process only. While it waits in the rendezvous,

@@ -195,12 +195,28 @@ def how_to_continue(requeue_on_signal: bool, signum: Optional[int]) -> str:
     return "continue with --resume true"
 
 
+REQUEUE_IGNORING_SIGTERM = 'trap "" TERM; exec scontrol requeue "$1"'
+"""scontrol with SIGTERM ignored (kept across exec): it runs inside the job's step, and the requeue it asks for makes
+Slurm send SIGTERM to every process of the step, itself included. On a loaded node that signal could reach it
+before the controller's answer did: once in CI the run reported a requeue that failed, with no word from scontrol, for
+a job that Slurm had requeued."""
+
+
 def requeue_slurm_job() -> None:
-    """`scontrol requeue $SLURM_JOB_ID`: Slurm puts the job back in the queue; its next start resumes (--resume true)."""
+    """`scontrol requeue $SLURM_JOB_ID`: Slurm puts the job back in the queue; its next start resumes
+    (--resume true)."""
     job_id = os.environ["SLURM_JOB_ID"]
-    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-    outcome = "requeued" if result.returncode == 0 else f"requeue failed: {result.stderr.strip()}"
-    print(f"Slurm job {job_id} {outcome}", flush=True)
+    result = subprocess.run(["sh", "-c", REQUEUE_IGNORING_SIGTERM, "sh", job_id], capture_output=True, text=True)
+    print(f"Slurm job {job_id} {requeue_outcome(result)}", flush=True)
+
+
+def requeue_outcome(result: subprocess.CompletedProcess[str]) -> str:
+    if result.returncode == 0:
+        return "requeued"
+    said = (result.stderr.strip() or result.stdout.strip()).replace("\n", "; ")
+    how = (f"killed by {signal.Signals(-result.returncode).name}" if result.returncode < 0
+           else f"exit {result.returncode}")
+    return f"requeue failed (scontrol {how}){': ' + said if said else ''}"
 
 
 def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoReturn:
