@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import json
 import os
 import random
 import re
@@ -171,6 +172,7 @@ def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySet
         run.wait_for_step(first_stop + 2)
         second_stop, _ = stop_gracefully(run, signal.SIGINT, EXIT_INTERRUPTED, out)
         assert second_stop > first_stop and run.output().count(INTERRUPT_MESSAGE) == 1, run.output()
+        assert json.loads((out / "summary.json").read_text())["last_step"] == second_stop
 
     with launched(args + ["--resume", "true"], tmp_path / "ctrl-c-twice.log") as run:
         run.wait_for_step(second_stop + 2)
@@ -185,6 +187,7 @@ def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySet
         seconds_to_quit = time.monotonic() - sent
         assert "Traceback" not in run.output() and "KeyboardInterrupt" not in run.output(), run.output()
         assert max(list_checkpoints(out)) == second_stop
+        assert not (out / "summary.json").exists(), "the summary of the start before, as if it were this one's"
         run.assert_nothing_left()
     print(f"\nSIGTERM to every process: checkpoint of step {first_stop} written and announced "
           f"{seconds_to_checkpoint:.1f} s after the signal; a second Ctrl-C quit in {seconds_to_quit:.1f} s")

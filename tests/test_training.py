@@ -322,6 +322,25 @@ def test_the_run_keeps_only_the_tokenizer_of_a_model_folder_given_as_tokenizer(t
     assert AutoTokenizer.from_pretrained(kept).get_vocab() == AutoTokenizer.from_pretrained(tiny.tokenizer).get_vocab()
 
 
+def test_the_kept_tokenizer_is_made_durable_before_its_name_appears(tiny, tmp_path, monkeypatch) -> None:
+    """A crash after the rename could leave out_dir/tokenizer/ with files the page cache never wrote: a run that
+    converts without its data folder had an empty tokenizer.json. What a killed start left is replaced."""
+    from app.training.run import keep_tokenizer_with_run
+
+    synced: list[str] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd)))
+    leftover = tmp_path / "run" / ".tokenizer.partial"
+    leftover.mkdir(parents=True)
+    (leftover / "tokenizer.json").write_text("{ half")
+    keep_tokenizer_with_run(tmp_path / "run", tiny.tokenizer, trust_remote_code=False)
+    kept = tmp_path / "run" / "tokenizer"
+    assert not leftover.exists() and (kept / "tokenizer.json").stat().st_size > 100
+    staged = {Path(path).name for path in synced if "/.tokenizer.partial/" in path}
+    assert staged == {path.name for path in kept.iterdir()}, "every file fsynced under its temporary name"
+    assert str(kept.parent) in synced, "and the folder that holds the new name"
+
+
 def test_a_tokenizer_the_run_cannot_copy_is_a_note_not_the_end_of_rank_0(tmp_path, capsys) -> None:
     """Rank 0 copies the tokenizer alone, before the first step: an exception there would leave the other ranks
     waiting in their first collective until a timeout."""

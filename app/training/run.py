@@ -15,7 +15,8 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng, run_tokenizer_dir, set_aside_newer
-from app.checkpoint.files import RUN_CONFIG_FILE, claim_run_folder, holder_line, sees_lock
+from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, publish, sees_lock,
+                                  temporary_path)
 from app.choices import SHARDED_STRATEGIES
 from app.data import TrainingData, load_data
 from app.distributed.device_memory import expandable_segments
@@ -26,7 +27,7 @@ from app.evaluation.samples import SampleEvaluator, decoding_for, fit_to_context
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_SPIKES)
 from app.metrics.console import Console
-from app.metrics.loggers import RowRecord, make_loggers, report_summary
+from app.metrics.loggers import SUMMARY_FILE, RowRecord, make_loggers, replace_file, report_summary
 from app.metrics.memory_plan import ModelShape, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.model.build import DeferredInit, deferred_init, setup_model
@@ -202,9 +203,13 @@ def write_run_files(fabric: Fabric, cfg: Config, tokenizer: Optional[str]) -> No
     from arguments import config_to_yaml
 
     if fabric.is_global_zero:
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out_dir) / RUN_CONFIG_FILE).write_text(config_to_yaml(cfg))
-        keep_tokenizer_with_run(Path(cfg.out_dir), tokenizer, cfg.trust_remote_code)
+        out_dir = Path(cfg.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        replace_file(out_dir / RUN_CONFIG_FILE, config_to_yaml(cfg))
+        # The summary of an earlier start of the run: this start writes its own at its end, and a crash before
+        # that left the earlier one there as if it were the run's last word
+        (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
+        keep_tokenizer_with_run(out_dir, tokenizer, cfg.trust_remote_code)
     for logger in fabric.loggers:
         logger.log_hyperparams(cfg.to_dict())
 
@@ -212,11 +217,12 @@ def write_run_files(fabric: Fabric, cfg: Config, tokenizer: Optional[str]) -> No
 def keep_tokenizer_with_run(out_dir: Path, tokenizer: Optional[str], trust_remote_code: bool) -> None:
     """A copy of the run's tokenizer in out_dir/tokenizer/, so that the run converts on its own after its data folder
     moved or was deleted (the checkpoint records only the tokenizer's path or hub id). Written once, under a temporary
-    name renamed into place; one already there is the same tokenizer (the preflight refuses another) and is kept."""
+    name made durable and renamed into place (what a killed start left there is deleted by the next); one already
+    there is the same tokenizer (the preflight refuses another) and is kept."""
     kept = run_tokenizer_dir(out_dir)
     if tokenizer is None or kept.exists():
         return
-    staging = kept.with_name(f".{kept.name}.partial-{os.getpid()}")
+    staging = temporary_path(kept)
     shutil.rmtree(staging, ignore_errors=True)
     # The tokenizer as transformers loads and saves it, from a folder or a hub id: never the folder's other files (a
     # --tokenizer or --model_name that is a model folder holds its weights, gigabytes copied before the first step)
@@ -224,7 +230,8 @@ def keep_tokenizer_with_run(out_dir: Path, tokenizer: Optional[str], trust_remot
 
     try:
         AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code).save_pretrained(str(staging))
-        staging.rename(kept)
+        make_durable(staging)
+        publish(staging, kept)
     except (OSError, ValueError) as error:  # a convenience: rank 0 must not end the run (the others would wait)
         shutil.rmtree(staging, ignore_errors=True)
         print(f"note: the run's tokenizer was not copied to {kept} ({str(error).splitlines()[0]}); convert_to_hf.py "
