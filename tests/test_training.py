@@ -135,6 +135,23 @@ def test_logged_throughput_leaves_out_evaluation_and_saving_as_the_summary_does(
     assert clock.training_time() == pytest.approx(1.0) and clock.elapsed() == pytest.approx(2.0)
 
 
+def test_the_eta_leaves_out_what_only_the_start_pays(monkeypatch) -> None:
+    """A first step of 60 s (--compile), then steps of 0.5 s: at step 11 of 100 the ETA said 526 s for 44.5."""
+    now = [0.0]
+    monkeypatch.setattr(observe.time, "perf_counter", lambda: now[0])
+    clock = StepClock(start_step=0, max_step=100, window=5, world_size=1, samples_per_step=8, tokens_per_step=1024,
+                      started=0.0)
+    now[0] += 60.0
+    clock.tick(1)
+    assert clock.eta(1) == pytest.approx(60.0 * 99), "one step: all there is to go by"
+    for step in range(2, 12):
+        now[0] += 0.5
+        clock.tick(step)
+    assert clock.eta(11) == pytest.approx(0.5 * 89)
+    clock.rewind(5)  # a rollback of 5 steps: the 10 steps since the first still took 0.5 s each
+    assert clock.eta(6) == pytest.approx(0.5 * 94)
+
+
 def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:
     names = sorted(p.name for p in (fsdp_run / "checkpoints").iterdir())
     assert names == ["best.json", "step-00000008.ckpt", "step-00000016.ckpt", "step-00000024.ckpt"]

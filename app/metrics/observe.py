@@ -223,6 +223,9 @@ class StepClock:
     """What runs between steps and is no training (evaluation, saving): throughput leaves its time out, as the run
     summary does, so that a log interval holding an evaluation does not show a slower training."""
 
+    first_step: Optional[tuple[int, float]] = None
+    """The step the clock first ticked for and the seconds elapsed then: the ETA counts from there."""
+
     def __post_init__(self) -> None:
         self.throughput = Throughput(available_flops=self.available_flops, world_size=self.world_size,
                                      window_size=self.window + 1)
@@ -244,10 +247,14 @@ class StepClock:
     def rewind(self, steps: int) -> None:
         """The step counter went back `steps` (a rollback): the steps done since the start still count."""
         self.start_step -= steps
+        if self.first_step is not None:
+            self.first_step = (self.first_step[0] - steps, self.first_step[1])
 
     def tick(self, step: int) -> dict[str, float]:
         """Record a finished step; returns throughput once a full window of steps has been timed."""
         self._update(step, flops=self.flops_per_step)
+        if self.first_step is None:
+            self.first_step = (step, self.elapsed())
         measured = self.throughput.compute()
         if "device/items_per_sec" not in measured:
             return {}
@@ -264,6 +271,12 @@ class StepClock:
         return metrics
 
     def eta(self, step: int) -> float:
+        """The seconds left at the pace since the first step: what only the start pays (compiling the model, the
+        initial validation, the loader's first rows, CUDA's autotuning) is left out, as with --compile it made the
+        early ETAs many times too long. Evaluations and saves recur, so their time stays in."""
+        if self.first_step is not None and step > self.first_step[0]:
+            first, at = self.first_step
+            return (self.elapsed() - at) / (step - first) * (self.max_step - step)
         done = step - self.start_step
         return self.elapsed() / done * (self.max_step - step) if done else math.nan
 
