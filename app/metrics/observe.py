@@ -20,11 +20,13 @@ import torch.distributed as dist
 from lightning_fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from app.distributed.precision import compute_dtype
 from app.metrics.console import format_duration, format_gb
 from app.metrics.peaks import peak_tflops
 from app.model.build import meta_model
+from app.model.isolation import EXPERT_COUNT_NAMES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -43,12 +45,31 @@ def flops_per_micro_batch(model_config: PretrainedConfig, micro_batch_size: int,
     reads tensor values that the meta device does not have; so does SDPA's mask in BART's decoder, so the count runs
     eager attention, whose matrix products are the ones SDPA's formula counts (the same totals for Llama, GPT-2, T5).
     """
-    model = meta_model(model_config, trust_remote_code, attn_implementation="eager")
+    # Experts run through torch's grouped_mm, which on the meta device takes bfloat16 only
+    dtype = torch.bfloat16 if has_experts(model_config) else None
+    model = meta_model(model_config, trust_remote_code, attn_implementation="eager", dtype=dtype)
     input_ids = torch.zeros((micro_batch_size, tokens), dtype=torch.long, device="meta")
     labels = (torch.zeros((micro_batch_size, target_tokens), dtype=torch.long, device="meta") if target_tokens
               else input_ids)
     return measure_flops(model, lambda: model(input_ids=input_ids, labels=labels, use_cache=True),
                          lambda output: output.loss)
+
+
+def has_experts(model_config: PretrainedConfig) -> bool:
+    return any(isinstance(getattr(model_config, name, None), int) and getattr(model_config, name) > 1
+               for name in EXPERT_COUNT_NAMES)
+
+
+def grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args: object, **kwargs: object) -> int:
+    """FLOPs of torch's grouped matrix product (the experts of a mixture of experts, transformers' default for
+    them), which torch's FlopCounter does not count: without it an MoE model's count failed and its runs had no
+    MFU. Every row of `a` meets one group's matrix: a (tokens, in) x b (experts, in, out) in forward and for the
+    input's gradient, a (in, tokens) x b (tokens, out) for the weights' gradient, batched 3-D x 3-D alike."""
+    return 2 * math.prod(a_shape) * b_shape[-1]
+
+
+if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in flop_registry:
+    register_flop_formula(torch.ops.aten._grouped_mm)(grouped_mm_flops)
 
 
 def peak_flops(device: torch.device, precision: str, override_tflops: Optional[float] = None) -> Optional[int]:

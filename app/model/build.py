@@ -59,14 +59,15 @@ def model_class(model_config: PretrainedConfig) -> type:
 
 
 def meta_model(model_config: PretrainedConfig, trust_remote_code: bool = False,
-               attn_implementation: Optional[str] = None) -> Module:
+               attn_implementation: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Module:
     """A weightless instance: its classes, parameter names and shapes, and its own init function. With an
     `attn_implementation`, built from a copy of the config (the model records the attention it is given there)."""
     if attn_implementation:
         model_config = copy.deepcopy(model_config)
     with torch.device("meta"):
         return model_class(model_config).from_config(model_config, trust_remote_code=trust_remote_code,
-                                                     attn_implementation=attn_implementation)
+                                                     attn_implementation=attn_implementation,
+                                                     **({"dtype": dtype} if dtype else {}))
 
 
 def resolve_wrap_classes(
