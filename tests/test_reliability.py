@@ -12,6 +12,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ import torch
 
 from app.checkpoint import (latest_checkpoint, list_checkpoints, mark_if_best, prune_checkpoints, read_best,
                             set_aside_newer)
+from app.checkpoint.files import publish, staging_folder
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED)
 from app.evaluation.samples import set_aside_samples_after, write_samples
@@ -566,6 +568,37 @@ def test_a_pruned_checkpoint_folder_is_never_seen_half_deleted(tmp_path: Path, m
     assert [path.name for path in prune_checkpoints(tmp_path, 1, protected=set())] == ["step-00000002.ckpt"]
     assert seen_while_deleting == [(".step-00000002.ckpt.replaced", [4])]
     assert sorted(path.name for path in folder.iterdir()) == ["step-00000004.ckpt"]
+
+
+def test_a_killed_writers_half_written_folder_is_removed_by_the_next_writer_on_its_machine(tmp_path: Path):
+    """prepare_data.py and convert_to_hf.py write their folder under a hidden name beside it: one killed (SIGKILL,
+    an out-of-memory kill, a node's end) left that half-written dataset or model there for good."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host = socket.gethostname()
+    names = {"killed": f".data.partial-{host}-{ended.pid}-0a1b2c3d", "retired": f".data.replaced-{host}-{ended.pid}-0",
+             "live": f".data.partial-{host}-{os.getppid()}-0a1b2c3d", "elsewhere": f".data.partial-other-{ended.pid}-0",
+             "another output": f".data2.partial-{host}-{ended.pid}-0"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shard").write_bytes(b"x")
+    staging = staging_folder(tmp_path / "data")
+    assert staging.name.startswith(f".data.partial-{host}-{os.getpid()}-") and not staging.exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        names[kept] for kept in ("live", "elsewhere", "another output"))
+
+
+def test_a_folder_replaced_again_after_a_crash_mid_swap_is_published(tmp_path: Path):
+    """A crash between the swap and the removal leaves the old folder as `.model.replaced`: the next conversion to
+    the same folder failed to rename the current one onto it (Directory not empty)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / ".model.replaced").mkdir()
+    (tmp_path / ".model.replaced" / "model.safetensors").write_bytes(b"old")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "model.safetensors").write_bytes(b"new")
+    publish(tmp_path / "new", tmp_path / "model")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == b"new"
 
 
 def test_keep_last_n_removes_a_linked_checkpoint_but_not_what_it_links_to(tmp_path: Path):

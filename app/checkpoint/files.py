@@ -159,9 +159,12 @@ def make_durable(path: Path) -> None:
 
 def publish(temporary: Path, final: Path) -> None:
     """Rename `temporary` to `final` atomically (an existing folder is swapped out, then removed) and fsync the
-    parent folder, so that the new name itself survives a crash."""
+    parent folder, so that the new name itself survives a crash (one that came between the swap and the removal left
+    the old folder under its `.replaced` name: removed first, as renaming onto it fails)."""
     if final.is_dir():
         stale = final.with_name(f".{final.name}.replaced")
+        if stale.exists():
+            shutil.rmtree(stale)
         os.rename(final, stale)
         os.rename(temporary, final)
         shutil.rmtree(stale)
@@ -172,6 +175,30 @@ def publish(temporary: Path, final: Path) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def staging_folder(final: Path, kind: str = "partial") -> Path:
+    """A new hidden folder beside `final` to write it in (`kind` "partial") or to retire the old one to ("replaced"),
+    named for this machine and process: `.NAME.partial-HOST-PID-XXXXXXXX`. What a killed writer of the same
+    `final` on this machine left there (its process gone) is deleted first: a prepared dataset or a converted
+    model half written, gigabytes nothing would ever read. Another machine's, or a live process's, is left alone."""
+    host = socket.gethostname()
+    leftover = re.compile(rf"^\.{re.escape(final.name)}\.(partial|replaced)-{re.escape(host)}-(\d+)-")
+    for path in final.parent.iterdir() if final.parent.is_dir() else ():
+        match = leftover.match(path.name)
+        if match and not process_alive(int(match.group(2))):
+            shutil.rmtree(path, ignore_errors=True)
+    return final.with_name(f".{final.name}.{kind}-{host}-{os.getpid()}-{os.urandom(4).hex()}")
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def remove_leftovers(folder: Path) -> None:
@@ -221,7 +248,8 @@ def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected
         return []
     checkpoints = list_checkpoints(out_dir)
     best = read_best(out_dir)
-    keep = {path.resolve() for path in protected} | {checkpoints[step].resolve() for step in sorted(checkpoints)[-keep_last_n:]}
+    newest = sorted(checkpoints)[-keep_last_n:]
+    keep = {path.resolve() for path in protected} | {checkpoints[step].resolve() for step in newest}
     if best is not None:
         keep.add((checkpoint_dir(out_dir) / best["checkpoint"]).resolve())
     deleted = [path for step, path in sorted(checkpoints.items()) if path.resolve() not in keep]

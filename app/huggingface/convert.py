@@ -23,7 +23,6 @@ import json
 import re
 import shlex
 import shutil
-import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints,
                             read_metadata as read_checkpoint_metadata, read_model_weights, run_folder_of,
                             run_tokenizer_dir, stored_tensor_shapes)
-from app.checkpoint.files import publish
+from app.checkpoint.files import publish, staging_folder
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError
@@ -600,7 +599,8 @@ def convert(job: Job, dtype: str, max_shard_size: str) -> float:
     """Write and verify one model folder (every tensor against the checkpoint's, then the logits); return the logits
     difference. Exit 1 (folder untouched) if it fails."""
     job.output_dir.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(prefix=f".{job.output_dir.name}.", suffix=".partial", dir=job.output_dir.parent))
+    temporary = staging_folder(job.output_dir)
+    temporary.mkdir()
     try:
         reference, reloaded = write_model(job, dtype, max_shard_size, temporary)
         problem = first_weight_difference(job, temporary)

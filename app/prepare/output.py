@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from datasets import DatasetDict
 from transformers import PreTrainedTokenizerBase
 
+from app.checkpoint.files import staging_folder
 from app.prepare.args import TOKENIZER_FOLDER, check_replaceable
 
 STATS_FILE = "stats.json"
@@ -21,7 +20,7 @@ def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:
     """Write into a new folder beside `output_dir`, then swap it in; an old output is removed only after the swap,
     and only if it is an earlier output or empty (checked again: it may have changed while the data was prepared)."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = output_dir.with_name(f".{output_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    staging = staging_folder(output_dir)
     staging.mkdir()
     try:
         write(staging)
@@ -33,7 +32,7 @@ def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:
     if not output_dir.exists():
         staging.rename(output_dir)
         return
-    retired = output_dir.with_name(f".{output_dir.name}.replaced-{os.getpid()}")
+    retired = staging_folder(output_dir, "replaced")
     output_dir.rename(retired)
     staging.rename(output_dir)
     shutil.rmtree(retired)
