@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import psutil
+
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.ckpt$")
 LEFTOVER_NAME = re.compile(r"^\.step-\d+\.ckpt\.(partial|replaced)$")
 BEST_FILE = "best.json"
@@ -186,19 +188,9 @@ def staging_folder(final: Path, kind: str = "partial") -> Path:
     leftover = re.compile(rf"^\.{re.escape(final.name)}\.(partial|replaced)-{re.escape(host)}-(\d+)-")
     for path in final.parent.iterdir() if final.parent.is_dir() else ():
         match = leftover.match(path.name)
-        if match and not process_alive(int(match.group(2))):
+        if match and not psutil.pid_exists(int(match.group(2))):
             shutil.rmtree(path, ignore_errors=True)
     return final.with_name(f".{final.name}.{kind}-{host}-{os.getpid()}-{os.urandom(4).hex()}")
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def remove_leftovers(folder: Path) -> None:
