@@ -123,11 +123,11 @@ def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_with
         return make_plan(train_rows=647, block_size=32, world_size=1, micro_batch_size=global_batch_size,
                          accumulation=1, number_epochs=2, max_step=None)
 
-    cfg, data = SimpleNamespace(max_step=None, number_epochs=2), SimpleNamespace(sources=None)
+    cfg = SimpleNamespace(max_step=None, number_epochs=2)
     saved = {"step": 40, "epoch": 1, "position": 0, "global_batch_size": 16,
              "config": {"max_step": None, "number_epochs": 2}}
     straight = dict(lr=3e-3, min_lr=3e-4, warmup_steps=0, max_step=80)
-    resumed = plan_from_checkpoint(cfg, data, saved, plan(32))
+    resumed = plan_from_checkpoint(cfg, saved, plan(32))
     assert resumed.max_step == 60
     lr = [learning_rate(resumed.schedule_step(step), lr=3e-3, min_lr=3e-4, warmup_steps=0,
                         max_step=resumed.schedule_length) for step in range(41, 61)]
@@ -135,10 +135,48 @@ def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_with
     assert learning_rate(41, **straight | {"max_step": 60}) == pytest.approx(0.92e-3, abs=1e-5), "recounted: 45% down"
     assert lr[0] == pytest.approx(learning_rate(42, **straight)) and lr[-1] == pytest.approx(3e-4)
     assert all(a > b for a, b in zip(lr, lr[1:]))
-    again = plan_from_checkpoint(cfg, data, saved | {"step": 50, "epoch": 1, "position": 320, "global_batch_size": 32,
+    again = plan_from_checkpoint(cfg, saved | {"step": 50, "epoch": 1, "position": 320, "global_batch_size": 32,
                                                      "schedule": {"step": 60, "length": 80}}, plan(32))
     assert again.schedule_step(51) == pytest.approx(62) and again.schedule_step(60) == pytest.approx(80)
-    same = plan_from_checkpoint(cfg, data, saved, plan(16))
+    same = plan_from_checkpoint(cfg, saved, plan(16))
     assert same.resumed_schedule is None and same.schedule_step(41) == 41 and same.schedule_length == 80
-    longer = plan_from_checkpoint(SimpleNamespace(max_step=None, number_epochs=3), data, saved, plan(32))
+    longer = plan_from_checkpoint(SimpleNamespace(max_step=None, number_epochs=3), saved, plan(32))
     assert longer.resumed_schedule is None, "a run given more epochs recounts its schedule to its new end"
+
+
+def test_a_mixture_resumed_at_another_global_batch_counts_the_steps_left_from_its_position() -> None:
+    """A mixture's epoch of 1,600 rows at 16 a step, saved at step 50: resumed at 32 a step it ended at once at step 50
+    (its step count recounted from the start), at 8 a step it trained 1.25 epochs; like a single folder's now."""
+    from types import SimpleNamespace
+
+    from app.training.preflight import plan_from_checkpoint
+
+    def plan(global_batch_size: int):
+        return make_plan(train_rows=1600, block_size=32, world_size=1, micro_batch_size=global_batch_size,
+                         accumulation=1, number_epochs=1, max_step=None)
+
+    saved = {"step": 50, "epoch": 0, "position": 800, "global_batch_size": 16,
+             "config": {"max_step": None, "number_epochs": 1, "train_data_dir": "a:3,b:1"}}
+    cfg = SimpleNamespace(max_step=None, number_epochs=1)
+    assert plan_from_checkpoint(cfg, saved, plan(32)).max_step == 75
+    assert plan_from_checkpoint(cfg, saved, plan(8)).max_step == 150
+
+
+def test_a_mixture_resumed_with_another_weight_for_its_first_folder_needs_max_step() -> None:
+    """Its epochs are passes over the first folder in rows of the mixture at that folder's weight: 75% -> 50% made
+    the resumed run read that folder 1.3 times for one epoch, its learning rate jumping from 0.09 to 0.49."""
+    from types import SimpleNamespace
+
+    from app.data.mixture import parse_sources
+    from app.training.preflight import changed_epochs
+
+    saved = {"config": {"train_data_dir": "a:3,b:1"}}
+    problems: list[str] = []
+    for spec, max_step in (("a:3,b:1", None), ("a:0.75,b:0.1,c:0.15", None), ("a:1,b:1", 200)):
+        assert not changed_epochs(SimpleNamespace(max_step=max_step), SimpleNamespace(sources=parse_sources(spec)),
+                                  saved, problems)
+    assert changed_epochs(SimpleNamespace(max_step=None), SimpleNamespace(sources=parse_sources("a:1,b:1")), saved,
+                          problems)
+    assert problems == ["--train_data_dir: the first folder (a) was 75.0% of every step and is 50.0% at this resume, "
+                        "and --number_epochs counts passes over it at the checkpoint's share; give --max_step to say "
+                        "where the resumed run ends"]

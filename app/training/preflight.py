@@ -686,7 +686,9 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
                         "batch and device count that divide it, or give --global_batch_size" if kept else str(error))
         return None
     if resume is not None:
-        plan = plan_from_checkpoint(cfg, data, resume.metadata, plan)
+        if changed_epochs(cfg, data, resume.metadata, problems):
+            return None
+        plan = plan_from_checkpoint(cfg, resume.metadata, plan)
         note_what_changed(cfg, resume.metadata, plan)
     if cfg.warmup_steps > plan.max_step and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
         problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {plan.max_step} optimizer steps "
@@ -695,11 +697,13 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
     return plan
 
 
-def plan_from_checkpoint(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> TrainingPlan:
+def plan_from_checkpoint(cfg: Config, saved: dict, plan: TrainingPlan) -> TrainingPlan:
     """A resumed run that ends after --number_epochs counts the steps left from the checkpoint's position at its
     own global batch: the checkpoint's step count, made at another global batch, would end it early or late. For the
-    same epochs it finishes the checkpoint's learning-rate schedule over those steps (TrainingPlan.schedule_step)."""
-    if cfg.max_step is not None or data.sources is not None:
+    same epochs it finishes the checkpoint's learning-rate schedule over those steps (TrainingPlan.schedule_step).
+    A mixture's epoch and position count its rows alike (the first folder's weight is the checkpoint's: see
+    changed_epochs)."""
+    if cfg.max_step is not None:
         return plan
     left = steps_to_finish(plan, epoch=saved["epoch"], position=saved["position"], number_epochs=cfg.number_epochs)
     resumed = replace(plan, max_step=saved["step"] + left)
@@ -712,6 +716,26 @@ def plan_from_checkpoint(cfg: Config, data: DataFacts, saved: dict, plan: Traini
     if (schedule["step"], schedule["length"]) == (saved["step"], resumed.max_step):
         return resumed
     return replace(resumed, resumed_schedule=(saved["step"], schedule["step"], schedule["length"]))
+
+
+def changed_epochs(cfg: Config, data: DataFacts, saved: dict, problems: list[str]) -> bool:
+    """A mixture's epoch is a pass over its first folder, counted in rows of the mixture at that folder's weight
+    (mixture.epoch_rows): resumed with another weight for it, the checkpoint's epoch and position count other rows,
+    and the run would end after more or fewer passes than --number_epochs says, its schedule jumping at the resume.
+    Refused unless --max_step says where the run ends."""
+    if cfg.max_step is not None or data.sources is None:
+        return False
+    try:
+        before = parse_sources((saved.get("config") or {}).get("train_data_dir") or "")[0].weight
+    except ValueError:
+        return False
+    now = data.sources[0].weight
+    if before == now:
+        return False
+    problems.append(f"--train_data_dir: the first folder ({data.sources[0].name}) was {float(before):.1%} of every "
+                    f"step and is {float(now):.1%} at this resume, and --number_epochs counts passes over it at the "
+                    "checkpoint's share; give --max_step to say where the resumed run ends")
+    return True
 
 
 def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
