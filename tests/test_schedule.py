@@ -180,3 +180,23 @@ def test_a_mixture_resumed_with_another_weight_for_its_first_folder_needs_max_st
     assert problems == ["--train_data_dir: the first folder (a) was 75.0% of every step and is 50.0% at this resume, "
                         "and --number_epochs counts passes over it at the checkpoint's share; give --max_step to say "
                         "where the resumed run ends"]
+
+
+def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_same(capsys) -> None:
+    """--eval_iters counts batches per rank: 100 batches of 4 on 8 ranks read 3,200 rows, on 4 ranks 1,600; the
+    val_loss curve moved at the resume, and best.json compared losses of other rows, without a word."""
+    from types import SimpleNamespace
+
+    from app.training.preflight import note_validation_rows
+
+    saved = {"config": {"eval_iters": 100, "eval_batch_size": None, "micro_batch_size": 4}, "rng": [None] * 8}
+    cfg, plan = SimpleNamespace(eval_iters=100, eval_batch_size=None, micro_batch_size=4), SimpleNamespace(world_size=4)
+    for validation_rows in (10_000, 2_000, 1_000):
+        note_validation_rows(cfg, SimpleNamespace(validation_rows=validation_rows), saved, plan)
+    assert capsys.readouterr().out.splitlines() == [
+        "--resume: validation reads 1,600 rows (100 batches of 4 on each of 4 ranks), the checkpoint's run read "
+        "3,200: val_loss moves at this resume for that alone, and best.json compares it with losses of the other "
+        "rows; --eval_iters 200 reads the same rows",
+        "--resume: validation reads 1,600 rows (100 batches of 4 on each of 4 ranks), the checkpoint's run read "
+        "2,000: val_loss moves at this resume for that alone, and best.json compares it with losses of the other "
+        "rows; --eval_iters 125 reads the same rows"], "1,000 rows: all of them, before and now"

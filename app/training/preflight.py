@@ -690,6 +690,7 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
             return None
         plan = plan_from_checkpoint(cfg, resume.metadata, plan)
         note_what_changed(cfg, resume.metadata, plan)
+        note_validation_rows(cfg, data, resume.metadata, plan)
     if cfg.warmup_steps > plan.max_step and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
         problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {plan.max_step} optimizer steps "
                         f"(--number_epochs {cfg.number_epochs} at {plan.global_batch_size} sequences per step): "
@@ -754,6 +755,27 @@ def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
     if cfg.gradient_accumulation_steps not in (None, plan.accumulation) and cfg.global_batch_size is None:
         note(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is not used: the checkpoint's global "
              f"batch of {plan.global_batch_size} is kept (give --global_batch_size to change it)")
+
+
+def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> None:
+    """--eval_iters counts batches per rank, so a resume on other ranks or another evaluation batch reads other
+    validation rows: val_loss moves at the resume for that alone, and best.json compares losses of other rows."""
+    before, saved_world = saved.get("config") or {}, len(saved.get("rng") or [])
+    if not (before.get("eval_iters") and saved_world and data.validation_rows):
+        return
+    batch_then = before.get("eval_batch_size") or before.get("micro_batch_size") or 0
+    batch_now = cfg.eval_batch_size or cfg.micro_batch_size
+    then = min(data.validation_rows, before["eval_iters"] * batch_then * saved_world)
+    now = min(data.validation_rows, cfg.eval_iters * batch_now * plan.world_size)
+    if then == now:
+        return
+    per_batch = batch_now * plan.world_size
+    same = (-(-then // per_batch) if then == data.validation_rows  # all of them
+            else then // per_batch if then % per_batch == 0 else None)
+    note(f"--resume: validation reads {now:,} rows ({cfg.eval_iters} batches of {batch_now} on each of "
+         f"{plan.world_size} ranks), the checkpoint's run read {then:,}: val_loss moves at this resume for that alone, "
+         "and best.json compares it with losses of the other rows"
+         + (f"; --eval_iters {same} reads the same rows" if same else ""))
 
 
 def resolve_learning_rates(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
