@@ -16,6 +16,7 @@ jsonargparse does the typed parsing; this module only shapes how it meets a shel
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -23,7 +24,7 @@ import typing
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import jsonargparse
 import yaml
@@ -89,9 +90,10 @@ def config_files_first(argv: list[str]) -> list[str]:
 
 
 def check_config_files(parser: ArgumentParser, argv: list[str]) -> None:
-    """What jsonargparse reports without naming the file: an empty config file ("Unexpected config"), and a list
-    option written as a plain string ("'str' object does not support item assignment")."""
-    lists = [action.dest for action in parser._actions if getattr(action, "bracketed_too", False)]
+    """What jsonargparse reports without naming the file, or not at all: an empty config file or one that is not
+    `option: value` lines ("Unexpected config"), an option the command has not (with several files, which one?), an
+    option left without a value (`lr:`: None reached the checks, a TypeError traceback), and a list option written
+    as a plain string ("'str' object does not support item assignment")."""
     for flag, path in zip(argv, argv[1:]):
         if flag != CONFIG_FLAG or not os.path.isfile(path):  # YAML text too (pathlib raises on a long one)
             continue
@@ -101,9 +103,26 @@ def check_config_files(parser: ArgumentParser, argv: list[str]) -> None:
             raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
         if values is None:
             raise UsageError(f"{CONFIG_FLAG} {path}: the file sets no option; add options to it or drop it")
-        for name in lists:
-            if isinstance(values, dict) and isinstance(values.get(name), str):
-                raise UsageError(f"{CONFIG_FLAG} {path}: {name} is a list; write it as [{values[name]}]")
+        if not isinstance(values, dict):
+            raise UsageError(f"{CONFIG_FLAG} {path}: expected lines of `option: value`, got a {type(values).__name__}")
+        problems = [problem for name, value in values.items()
+                    if (problem := config_value_problem(parser, str(name), value))]
+        if problems:
+            raise UsageError(f"{CONFIG_FLAG} {path}: {'; '.join(problems)}")
+
+
+def config_value_problem(parser: ArgumentParser, name: str, value: object) -> Optional[str]:
+    action = next((action for action in parser._actions if action.dest == name and action.option_strings), None)
+    if action is None:
+        close = difflib.get_close_matches(name, [action.dest for action in parser._actions if action.option_strings],
+                                          n=1)
+        return f"{name} is not an option of {parser.prog}" + (f" (did you mean {close[0]}?)" if close else "")
+    hint = getattr(action, "_typehint", None)
+    if value is None and action.default is not None and hint is not None and type(None) not in get_args(hint):
+        return f"{name} has no value; give it one, or drop the line for its default ({action.default})"
+    if getattr(action, "bracketed_too", False) and isinstance(value, str):
+        return f"{name} is a list; write it as [{value}]"
+    return None
 
 
 def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namespace:

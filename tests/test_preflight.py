@@ -97,6 +97,15 @@ CASES = {
                                    "--out_dir {ragged}/run lies in the data folder {ragged}: the run would write"),
     "an earlier run's files without resume": (dict(out_dir="{earlier_run}"), "earlier_run already holds config.yaml, "
                                               "metrics.csv, samples/step-00000004.jsonl (of an earlier run, or yours)"),
+    "another run's checkpoint into a run with checkpoints": (
+        dict(out_dir="{run}", resume=True, checkpoint="{corrupt}"),
+        "--checkpoint {corrupt} is not of the run in --out_dir {run}, which holds checkpoints up to step 4: to continue "
+        "that run, resume without --checkpoint (its newest is taken); to continue this checkpoint, give a new or "
+        "empty --out_dir"),
+    "another run's checkpoint into an earlier run's files": (
+        dict(out_dir="{earlier_run}", resume=True, checkpoint="{corrupt}"),
+        "which holds config.yaml, metrics.csv, samples/step-00000004.jsonl of another run: resuming it there would "
+        "replace them"),
     "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),
     "checkpoints uploaded to a disabled W&B": (dict(log_model=True), "--log_model true uploads checkpoints to Weights"),
     "an attention the model has not": (dict(model_config="{gemma2}"),
@@ -132,6 +141,27 @@ def test_bad_input_is_refused_with_one_line_naming_it(case, tiny, bad, tmp_path,
     assert all(line.startswith("error: ") for line in errors)
     assert digest(bad["run"]) == before
     assert not (tmp_path / "out").exists()
+
+
+def test_a_resume_from_another_runs_checkpoint_takes_over_only_what_its_own_earlier_start_left(tmp_path) -> None:
+    """A job that continues another run's checkpoint and was preempted before its first save starts again with the
+    same command: its config.yaml names that checkpoint. A checkpoint of the run in --out_dir is its own."""
+    from types import SimpleNamespace
+
+    from app.training.preflight import holds_another_run
+
+    checkpoint, out_dir = tmp_path / "base" / "checkpoints" / "step-00000004.ckpt", tmp_path / "run"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"x")
+    out_dir.mkdir()
+    (out_dir / "metrics.csv").write_text("step\n")
+    problems: list[str] = []
+    (out_dir / "config.yaml").write_text(f"checkpoint: {checkpoint}\nlr: 0.001\n")
+    assert not holds_another_run(SimpleNamespace(out_dir=str(out_dir)), checkpoint, problems)
+    (out_dir / "config.yaml").write_text(f"checkpoint: {tmp_path / 'other.ckpt'}\n")
+    assert holds_another_run(SimpleNamespace(out_dir=str(out_dir)), checkpoint, problems)
+    own = SimpleNamespace(out_dir=str(tmp_path / "base"))
+    assert not holds_another_run(own, checkpoint, problems) and len(problems) == 1
 
 
 def test_the_attention_check_refuses_only_an_attention_the_model_class_lacks(bad) -> None:

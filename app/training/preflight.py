@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
+import yaml
 from datasets import DatasetDict, load_from_disk
 from lightning_fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
                                                    TorchElasticEnvironment)
@@ -27,7 +28,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from app.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, run_tokenizer_dir,
                             stored_tensor_shapes)
-from app.checkpoint.files import RUN_CONFIG_FILE
+from app.checkpoint.files import RUN_CONFIG_FILE, list_checkpoints, run_folder_of
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
@@ -826,8 +827,9 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
     written = files_a_new_run_replaces(out_dir)
     if written and not cfg.resume and not latest_checkpoint(out_dir):  # with checkpoints: resolve_resume's line
         problems.append(f"--out_dir {out_dir} already holds {', '.join(written)} (of an earlier run, or yours), which "
-                        "a new run would overwrite; add --resume true to continue that run, or choose another "
-                        "--out_dir (nothing is overwritten)")
+                        "a new run would overwrite; it holds no checkpoint, so nothing of that run can be continued: "
+                        "choose another --out_dir, or add --resume true to start that run again from step 0 there, "
+                        "replacing those files (nothing is overwritten)")
 
 
 def data_folder_holding(cfg: Config, out_dir: Path) -> Optional[Path]:
@@ -908,8 +910,42 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
     if not path.exists():
         problems.append(f"--checkpoint {path}: no such file or folder")
         return None
+    if holds_another_run(cfg, path, problems):
+        return None
     metadata = check_checkpoint_matches(cfg, path, model_config, problems)
     return Resume(path, metadata) if metadata is not None else None
+
+
+def holds_another_run(cfg: Config, checkpoint: Path, problems: list[str]) -> bool:
+    """A checkpoint of another run (or copied out of one) resumed into an --out_dir that holds a run of its own:
+    the resumed run would set that run's checkpoints aside and rewrite its metrics.csv and config.yaml, one mistyped
+    path making two runs one, and a job script that names --checkpoint would go back to it at every requeue. An
+    earlier start of the same command that saved nothing (preempted before its first save) is taken over."""
+    out_dir = Path(cfg.out_dir)
+    home = run_folder_of(checkpoint)
+    if home is not None and out_dir.exists() and home.resolve() == out_dir.resolve():
+        return False
+    if latest_checkpoint(out_dir):
+        problems.append(f"--checkpoint {checkpoint} is not of the run in --out_dir {out_dir}, which holds checkpoints "
+                        f"up to step {max(list_checkpoints(out_dir))}: to continue that run, resume without "
+                        "--checkpoint (its newest is taken); to continue this checkpoint, give a new or empty --out_dir")
+        return True
+    written = files_a_new_run_replaces(out_dir)
+    if not written or started_from(out_dir) == checkpoint.resolve():
+        return False
+    problems.append(f"--checkpoint {checkpoint} is not of the run in --out_dir {out_dir}, which holds "
+                    f"{', '.join(written[:3])} of another run: resuming it there would replace them; give a new or "
+                    "empty --out_dir")
+    return True
+
+
+def started_from(out_dir: Path) -> Optional[Path]:
+    """The --checkpoint the run in `out_dir` was started with, as its config.yaml records it."""
+    try:
+        recorded = yaml.safe_load((out_dir / RUN_CONFIG_FILE).read_text()).get("checkpoint")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return Path(recorded).resolve() if recorded else None
 
 
 VANISHED_READS = 5
