@@ -456,6 +456,17 @@ def validate_config(cfg: Config) -> list[str]:
             "give exactly one of --model_name (fine-tune a pretrained model) and --model_config (train from scratch)")
     require(cfg.checkpoint is None or cfg.resume,
             "--checkpoint is only read when resuming: add --resume true, or drop --checkpoint")
+    require(cfg.reference_batch_size is None or cfg.lr_scaling != "none",
+            "--reference_batch_size is only read with --lr_scaling linear or sqrt: add one, or drop it")
+    require(cfg.device_memory_gb is None or cfg.estimate_memory,
+            "--device_memory_gb is only read by --estimate_memory true: add it, or drop --device_memory_gb")
+    require(cfg.eval_samples or cfg.eval_max_new_tokens == EvalArgs.eval_max_new_tokens,
+            "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens")
+    if cfg.spike_guard == "off":
+        unread = [f"--{f.name}" for f in fields(SpikeArgs)
+                  if f.name != "spike_guard" and getattr(cfg, f.name) != f.default]
+        require(not unread, f"{', '.join(unread)}: only read by the spike guard, which --spike_guard off turns off: "
+                            "choose detect, skip or rollback, or drop them")
     require(not cfg.tpu or cfg.accelerator in ("auto", "tpu"),
             f"--tpu true contradicts --accelerator {cfg.accelerator}: drop one of them")
     require(cfg.strategy != "single_device" or cfg.devices in (1, "auto") and cfg.num_nodes == 1,
