@@ -97,15 +97,6 @@ CASES = {
                                    "--out_dir {ragged}/run lies in the data folder {ragged}: the run would write"),
     "an earlier run's files without resume": (dict(out_dir="{earlier_run}"), "earlier_run already holds config.yaml, "
                                               "metrics.csv, samples/step-00000004.jsonl (of an earlier run, or yours)"),
-    "another run's checkpoint into a run with checkpoints": (
-        dict(out_dir="{run}", resume=True, checkpoint="{corrupt}"),
-        "--checkpoint {corrupt} is not of the run in --out_dir {run}, which holds checkpoints up to step 4: to continue "
-        "that run, resume without --checkpoint (its newest is taken); to continue this checkpoint, give a new or "
-        "empty --out_dir"),
-    "another run's checkpoint into an earlier run's files": (
-        dict(out_dir="{earlier_run}", resume=True, checkpoint="{corrupt}"),
-        "which holds config.yaml, metrics.csv, samples/step-00000004.jsonl of another run: resuming it there would "
-        "replace them"),
     "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),
     "checkpoints uploaded to a disabled W&B": (dict(log_model=True), "--log_model true uploads checkpoints to Weights"),
     "an attention the model has not": (dict(model_config="{gemma2}"),
@@ -143,25 +134,41 @@ def test_bad_input_is_refused_with_one_line_naming_it(case, tiny, bad, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
-def test_a_resume_from_another_runs_checkpoint_takes_over_only_what_its_own_earlier_start_left(tmp_path) -> None:
-    """A job that continues another run's checkpoint and was preempted before its first save starts again with the
-    same command: its config.yaml names that checkpoint. A checkpoint of the run in --out_dir is its own."""
+def test_a_checkpoint_of_another_run_is_refused_where_out_dir_holds_a_run_of_its_own(tmp_path) -> None:
+    """Resumed there, the run set that run's newer checkpoints aside and rewrote its metrics.csv and config.yaml. A
+    job that continues another run's checkpoint and was preempted before its first save starts again with the same
+    command (its config.yaml names that checkpoint); a copy of the run's own checkpoint names its out_dir."""
     from types import SimpleNamespace
 
     from app.training.preflight import holds_another_run
 
-    checkpoint, out_dir = tmp_path / "base" / "checkpoints" / "step-00000004.ckpt", tmp_path / "run"
+    base, run = tmp_path / "base", tmp_path / "run"
+    checkpoint = base / "checkpoints" / "step-00000004.ckpt"
     checkpoint.parent.mkdir(parents=True)
     checkpoint.write_bytes(b"x")
-    out_dir.mkdir()
-    (out_dir / "metrics.csv").write_text("step\n")
+    saved_in_base = {"config": {"out_dir": "base"}, "cwd": str(tmp_path)}
+    run.mkdir()
+    (run / "metrics.csv").write_text("step\n")
     problems: list[str] = []
-    (out_dir / "config.yaml").write_text(f"checkpoint: {checkpoint}\nlr: 0.001\n")
-    assert not holds_another_run(SimpleNamespace(out_dir=str(out_dir)), checkpoint, problems)
-    (out_dir / "config.yaml").write_text(f"checkpoint: {tmp_path / 'other.ckpt'}\n")
-    assert holds_another_run(SimpleNamespace(out_dir=str(out_dir)), checkpoint, problems)
-    own = SimpleNamespace(out_dir=str(tmp_path / "base"))
-    assert not holds_another_run(own, checkpoint, problems) and len(problems) == 1
+
+    def refused(out_dir: Path, path: Path = checkpoint, metadata: dict = saved_in_base) -> bool:
+        return holds_another_run(SimpleNamespace(out_dir=str(out_dir)), path, metadata, problems)
+
+    (run / "config.yaml").write_text(f"checkpoint: {checkpoint}\nlr: 0.001\n")
+    assert not refused(run), "an earlier start of the same command"
+    (run / "config.yaml").write_text(f"checkpoint: {tmp_path / 'other.ckpt'}\n")
+    assert refused(run)
+    assert not refused(base) and not refused(tmp_path / "new") and not refused(run, metadata=saved_in_base | {
+        "config": {"out_dir": str(run)}}), "its own, a new folder, a copy of the run's own checkpoint"
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "step-00000008.ckpt").write_bytes(b"x")
+    assert refused(run)
+    assert problems == [
+        f"--checkpoint {checkpoint} is not of the run in --out_dir {run}, which holds config.yaml, metrics.csv of "
+        "another run: resuming it there would replace them; give a new or empty --out_dir",
+        f"--checkpoint {checkpoint} is not of the run in --out_dir {run}, which holds checkpoints up to step 8: to "
+        "continue that run, resume without --checkpoint (its newest is taken); to continue this checkpoint, give a "
+        "new or empty --out_dir"]
 
 
 def test_the_attention_check_refuses_only_an_attention_the_model_class_lacks(bad) -> None:

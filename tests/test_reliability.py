@@ -25,7 +25,8 @@ import torch
 
 from app.checkpoint import (latest_checkpoint, list_checkpoints, mark_if_best, prune_checkpoints, read_best,
                             set_aside_newer)
-from app.checkpoint.files import publish, staging_folder
+from app.checkpoint.files import publish
+from app.folders import staging_folder
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED)
 from app.evaluation.samples import set_aside_samples_after, write_samples

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import psutil
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.ckpt$")
 LEFTOVER_NAME = re.compile(r"^\.step-\d+\.ckpt\.(partial|replaced)$")
@@ -177,20 +176,6 @@ def publish(temporary: Path, final: Path) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
-
-
-def staging_folder(final: Path, kind: str = "partial") -> Path:
-    """A new hidden folder beside `final` to write it in (`kind` "partial") or to retire the old one to ("replaced"),
-    named for this machine and process: `.NAME.partial-HOST-PID-XXXXXXXX`. What a killed writer of the same
-    `final` on this machine left there (its process gone) is deleted first: a prepared dataset or a converted
-    model half written, gigabytes nothing would ever read. Another machine's, or a live process's, is left alone."""
-    host = socket.gethostname()
-    leftover = re.compile(rf"^\.{re.escape(final.name)}\.(partial|replaced)-{re.escape(host)}-(\d+)-")
-    for path in final.parent.iterdir() if final.parent.is_dir() else ():
-        match = leftover.match(path.name)
-        if match and not psutil.pid_exists(int(match.group(2))):
-            shutil.rmtree(path, ignore_errors=True)
-    return final.with_name(f".{final.name}.{kind}-{host}-{os.getpid()}-{os.urandom(4).hex()}")
 
 
 def remove_leftovers(folder: Path) -> None:

@@ -36,7 +36,8 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints,
                             read_metadata as read_checkpoint_metadata, read_model_weights, run_folder_of,
                             run_tokenizer_dir, stored_tensor_shapes)
-from app.checkpoint.files import publish, staging_folder
+from app.checkpoint.files import publish
+from app.folders import staging_folder
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError

@@ -10,7 +10,7 @@ from pathlib import Path
 from datasets import DatasetDict
 from transformers import PreTrainedTokenizerBase
 
-from app.checkpoint.files import staging_folder
+from app.folders import staging_folder
 from app.prepare.args import TOKENIZER_FOLDER, check_replaceable
 
 STATS_FILE = "stats.json"

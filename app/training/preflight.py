@@ -910,20 +910,22 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
     if not path.exists():
         problems.append(f"--checkpoint {path}: no such file or folder")
         return None
-    if holds_another_run(cfg, path, problems):
-        return None
     metadata = check_checkpoint_matches(cfg, path, model_config, problems)
-    return Resume(path, metadata) if metadata is not None else None
+    if metadata is None or holds_another_run(cfg, path, metadata, problems):
+        return None
+    return Resume(path, metadata)
 
 
-def holds_another_run(cfg: Config, checkpoint: Path, problems: list[str]) -> bool:
-    """A checkpoint of another run (or copied out of one) resumed into an --out_dir that holds a run of its own:
-    the resumed run would set that run's checkpoints aside and rewrite its metrics.csv and config.yaml, one mistyped
-    path making two runs one, and a job script that names --checkpoint would go back to it at every requeue. An
-    earlier start of the same command that saved nothing (preempted before its first save) is taken over."""
+def holds_another_run(cfg: Config, checkpoint: Path, metadata: dict, problems: list[str]) -> bool:
+    """A checkpoint of another run resumed into an --out_dir that holds a run of its own: the resumed run would set
+    that run's checkpoints aside and rewrite its metrics.csv and config.yaml, one mistyped path making two runs one,
+    and a job script that names --checkpoint would go back to it at every requeue. A checkpoint is the run's own
+    where it lies in out_dir/checkpoints or was saved by a run in out_dir (a copy elsewhere, under a name of the
+    user's); an earlier start of the same command that saved nothing (preempted before its first save) is taken
+    over."""
     out_dir = Path(cfg.out_dir)
-    home = run_folder_of(checkpoint)
-    if home is not None and out_dir.exists() and home.resolve() == out_dir.resolve():
+    if not out_dir.exists() or any(folder is not None and folder.resolve() == out_dir.resolve()
+                                   for folder in (run_folder_of(checkpoint), saved_out_dir(metadata))):
         return False
     if latest_checkpoint(out_dir):
         problems.append(f"--checkpoint {checkpoint} is not of the run in --out_dir {out_dir}, which holds checkpoints "
@@ -937,6 +939,12 @@ def holds_another_run(cfg: Config, checkpoint: Path, problems: list[str]) -> boo
                     f"{', '.join(written[:3])} of another run: resuming it there would replace them; give a new or "
                     "empty --out_dir")
     return True
+
+
+def saved_out_dir(metadata: dict) -> Optional[Path]:
+    """The --out_dir of the run that saved a checkpoint, as its options record it."""
+    recorded = (metadata.get("config") or {}).get("out_dir")
+    return Path(metadata.get("cwd") or ".") / recorded if recorded else None
 
 
 def started_from(out_dir: Path) -> Optional[Path]:

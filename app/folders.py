@@ -1,0 +1,27 @@
+"""Folders written whole: a command writes its output under a hidden name beside it and renames it into place, so
+that a crash or a kill leaves the old folder or the new one, never half of one; and what a killed writer left
+beside it is cleaned up by the next. Shared by prepare_data.py's dataset and convert_to_hf.py's model folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import psutil
+
+
+def staging_folder(final: Path, kind: str = "partial") -> Path:
+    """A new hidden folder beside `final` to write it in (`kind` "partial") or to retire the old one to ("replaced"),
+    named for this machine and process: `.NAME.partial-HOST-PID-XXXXXXXX`. What a killed writer of the same
+    `final` on this machine left there (its process gone) is deleted first: a prepared dataset or a converted
+    model half written, gigabytes nothing would ever read. Another machine's, or a live process's, is left alone."""
+    host = socket.gethostname()
+    leftover = re.compile(rf"^\.{re.escape(final.name)}\.(partial|replaced)-{re.escape(host)}-(\d+)-")
+    for path in final.parent.iterdir() if final.parent.is_dir() else ():
+        match = leftover.match(path.name)
+        if match and not psutil.pid_exists(int(match.group(2))):
+            shutil.rmtree(path, ignore_errors=True)
+    return final.with_name(f".{final.name}.{kind}-{host}-{os.getpid()}-{os.urandom(4).hex()}")
