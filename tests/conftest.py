@@ -250,6 +250,7 @@ class ForkServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
             self.process = None
+            shutil.rmtree(os.path.dirname(self.socket), ignore_errors=True)
 
     def variables(self) -> dict[str, str]:
         return {"FORKSERVER_SOCKET": self.socket, "FORKSERVER_PYTHON": sys.executable}
