@@ -70,6 +70,8 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
 
 CASES = {
     "missing data": (dict(train_data_dir="/nonexistent/data"), "--train_data_dir /nonexistent/data: no such folder"),
+    "a weight that is no number": (dict(train_data_dir="{ragged}:abc"), "--train_data_dir {ragged}:abc: no such "
+                                   "folder; create it with prepare_data.py (a weight is a number: 'abc' is not one)"),
     "no validation split": (dict(train_data_dir="{no_validation}"), "missing split(s) validation"),
     "no input_ids": (dict(train_data_dir="{no_input_ids}"), "has no rows of input_ids (text data; columns: ['text'])"),
     "ragged rows": (dict(train_data_dir="{ragged}"), "rows have different lengths"),

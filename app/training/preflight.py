@@ -254,7 +254,10 @@ def folder_mismatch(saved: dict, given: dict, mixture: bool) -> Optional[str]:
 def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Optional[DataFacts]:
     flag = f"--train_data_dir {path}"
     if not path.is_dir():
-        problems.append(f"{flag}: no such folder; create it with prepare_data.py")
+        weight = path.name.rpartition(":")[2] if ":" in path.name else ""
+        problems.append(f"{flag}: no such folder; create it with prepare_data.py"
+                        + (f" (a weight is a number: {weight!r} is not one)" if weight and path.parent.joinpath(
+                            path.name.rpartition(":")[0]).is_dir() else ""))
         return None
     try:
         splits = load_from_disk(str(path))
