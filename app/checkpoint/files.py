@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.ckpt$")
 LEFTOVER_NAME = re.compile(r"^\.step-\d+\.ckpt\.(partial|replaced)$")
 BEST_FILE = "best.json"

@@ -37,10 +37,10 @@ from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list
                             read_metadata as read_checkpoint_metadata, read_model_weights, run_folder_of,
                             run_tokenizer_dir, stored_tensor_shapes)
 from app.checkpoint.files import publish
-from app.folders import staging_folder
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError
+from app.folders import staging_folder
 from app.huggingface.convert_cli import Args
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import describe_upload, login_problem, push_folder
