@@ -192,11 +192,15 @@ def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_s
     saved = {"config": {"eval_iters": 100, "eval_batch_size": None, "micro_batch_size": 4}, "rng": [None] * 8}
     cfg, plan = SimpleNamespace(eval_iters=100, eval_batch_size=None, micro_batch_size=4), SimpleNamespace(world_size=4)
     for validation_rows in (10_000, 2_000, 1_000):
-        note_validation_rows(cfg, SimpleNamespace(validation_rows=validation_rows), saved, plan)
+        note_validation_rows(cfg, SimpleNamespace(validation_rows=validation_rows, sources=None), saved, plan)
+    note_validation_rows(cfg, SimpleNamespace(validation_rows=10_000, sources=["a", "b"]), saved, plan)
     assert capsys.readouterr().out.splitlines() == [
         "--resume: validation reads 1,600 rows (100 batches of 4 on each of 4 ranks), the checkpoint's run read "
         "3,200: val_loss moves at this resume for that alone, and best.json compares it with losses of the other "
         "rows; --eval_iters 200 reads the same rows",
         "--resume: validation reads 1,600 rows (100 batches of 4 on each of 4 ranks), the checkpoint's run read "
         "2,000: val_loss moves at this resume for that alone, and best.json compares it with losses of the other "
-        "rows; --eval_iters 125 reads the same rows"], "1,000 rows: all of them, before and now"
+        "rows; --eval_iters 125 reads the same rows",
+        "--resume: validation reads up to 1,600 rows of each folder (100 batches of 4 on each of 4 ranks), the "
+        "checkpoint's run read 3,200: val_loss moves at this resume for that alone, and best.json compares it with "
+        "losses of the other rows; --eval_iters 200 reads the same rows"], "1,000 rows: all of them, before and now"

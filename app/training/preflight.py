@@ -763,22 +763,28 @@ def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
 
 def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> None:
     """--eval_iters counts batches per rank, so a resume on other ranks or another evaluation batch reads other
-    validation rows: val_loss moves at the resume for that alone, and best.json compares losses of other rows."""
+    validation rows: val_loss moves at the resume for that alone, and best.json compares losses of other rows. A
+    mixture reads up to that many rows of each folder (its folders' own counts are not at hand: their sum bounds
+    each)."""
     before, saved_world = saved.get("config") or {}, len(saved.get("rng") or [])
     if not (before.get("eval_iters") and saved_world and data.validation_rows):
         return
     batch_then = before.get("eval_batch_size") or before.get("micro_batch_size") or 0
     batch_now = cfg.eval_batch_size or cfg.micro_batch_size
-    then = min(data.validation_rows, before["eval_iters"] * batch_then * saved_world)
-    now = min(data.validation_rows, cfg.eval_iters * batch_now * plan.world_size)
-    if then == now:
+    limit_then = before["eval_iters"] * batch_then * saved_world
+    limit_now = cfg.eval_iters * batch_now * plan.world_size
+    if limit_then == limit_now or data.validation_rows <= min(limit_then, limit_now):
         return
+    mixture = data.sources is not None
+    then, now = (limit_then, limit_now) if mixture else (min(data.validation_rows, limit)
+                                                          for limit in (limit_then, limit_now))
     per_batch = batch_now * plan.world_size
     same = (-(-then // per_batch) if then == data.validation_rows  # all of them
             else then // per_batch if then % per_batch == 0 else None)
-    note(f"--resume: validation reads {now:,} rows ({cfg.eval_iters} batches of {batch_now} on each of "
-         f"{plan.world_size} ranks), the checkpoint's run read {then:,}: val_loss moves at this resume for that alone, "
-         "and best.json compares it with losses of the other rows"
+    rows = "rows of each folder" if mixture else "rows"
+    note(f"--resume: validation reads {'up to ' if mixture else ''}{now:,} {rows} ({cfg.eval_iters} batches of "
+         f"{batch_now} on each of {plan.world_size} ranks), the checkpoint's run read {then:,}: val_loss moves at "
+         "this resume for that alone, and best.json compares it with losses of the other rows"
          + (f"; --eval_iters {same} reads the same rows" if same else ""))
 
 
