@@ -15,6 +15,7 @@ from datasets import load_from_disk
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, BartConfig, MBartConfig, T5Config
 
 from app.data import load_data
+from app.evaluation.samples import decoding_for
 from app.huggingface.generate import GenerateArgs, model_input
 from app.prepare import PrepareArgs, prepare
 from app.training.preflight import preflight
@@ -202,21 +203,36 @@ def test_a_t5_decoder_starting_from_the_token_every_target_begins_with_is_refuse
 def test_an_encoder_decoder_config_without_a_decoder_start_is_refused_where_it_is_needed(tiny, summaries, tmp_path,
                                                                                          capsys) -> None:
     """T5Config() names no decoder_start_token_id: every rank ended in an AttributeError after the launch. mBART builds
-    its decoder's inputs from the labels alone and trains, but generation samples need the token to start from (a
-    TypeError at the first evaluation)."""
+    its decoder's inputs from the labels alone, in training and in generation samples: it is not refused."""
     vocab = len(AutoTokenizer.from_pretrained(tiny.tokenizer))
     T5Config(vocab_size=vocab, d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4, eos_token_id=2,
              pad_token_id=2).save_pretrained(tmp_path / "t5")
-    MBartConfig(vocab_size=vocab, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, bos_token_id=1, eos_token_id=2,
-                pad_token_id=2).save_pretrained(tmp_path / "mbart")
+    tiny_mbart(vocab).save_pretrained(tmp_path / "mbart")
     (t5,) = refusals(tiny, tmp_path / "run", capsys, model_config=tmp_path / "t5", train_data_dir=summaries)
     assert t5 == (f"error: --model_config {tmp_path / 't5'}: its config names no decoder_start_token_id, the token the "
                   "t5 decoder starts from, which training needs; add it to the model's config.json (T5 starts from "
                   "its pad token, BART from </s>)")
-    (mbart,) = refusals(tiny, tmp_path / "run", capsys, model_config=tmp_path / "mbart", train_data_dir=summaries,
-                        eval_samples=2)
-    assert "the mbart decoder starts from, which --eval_samples 2 needs;" in mbart, mbart
-    capsys.readouterr()
     preflight(parse_config(train_args(tiny, tmp_path / "run", model_config=tmp_path / "mbart",
-                                      train_data_dir=summaries)))  # trains without samples
+                                      train_data_dir=summaries, eval_samples=2)))
+
+
+def tiny_mbart(vocab: int, pad_token_id: int = 2, **overrides) -> MBartConfig:
+    return MBartConfig(vocab_size=vocab, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                       decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, bos_token_id=0,
+                       eos_token_id=2, pad_token_id=pad_token_id, **overrides)
+
+
+@pytest.mark.parametrize("model_config, start", [
+    (T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4, decoder_start_token_id=0, pad_token_id=0), 0),
+    (BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                encoder_ffn_dim=64, decoder_ffn_dim=64, decoder_start_token_id=2, pad_token_id=1), 2),
+    (tiny_mbart(100, pad_token_id=1, decoder_start_token_id=2), 40),
+], ids=["t5", "bart", "mbart"])
+def test_generation_samples_start_the_decoder_where_its_training_inputs_start(model_config, start) -> None:
+    """mbart-large-cc25's targets end with the target language's code, and its decoder's inputs in training start
+    with it (the labels shifted right behind their last token); samples started from decoder_start_token_id
+    instead, and the model wrote in no language it was trained for. T5 and BART start from decoder_start_token_id."""
+    reference = [5, 6, 7, 2, 40]  # "words </s> ro_RO" for mBART
+    first = decoding_for(model_config).first(torch.tensor([[9, 8, 2]]), torch.tensor([reference]))
+    assert first["decoder_input_ids"].tolist() == [[start]]
+    assert first["input_ids"].tolist() == [[9, 8, 2]]

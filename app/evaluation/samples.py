@@ -15,7 +15,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from app.checkpoint.files import move_aside
 from app.data.formats import Sample
 from app.model.build import evaluation_mode, strategy_module
+from app.model.isolation import decoder_inputs_from_labels
 from app.prepare.chat_template import end_of_turn_id
 
 if TYPE_CHECKING:
@@ -40,29 +41,35 @@ STEMMED = re.compile("[a-z0-9]{4,}")
 
 @dataclass(frozen=True)
 class Decoding:
-    """How one model kind is stepped: the inputs of the first forward (the prompt), and of every next one."""
+    """How one model kind is stepped: the inputs of the first forward, and of every next one."""
 
-    first: Callable[[torch.Tensor], dict[str, Any]]
+    first: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]]
+    """(prompt, reference) -> the inputs of the first forward."""
     next: Callable[[torch.Tensor, Any], dict[str, Any]]
     """(last token, previous model output) -> the inputs of the next forward."""
 
 
-CAUSAL = Decoding(first=lambda prompt: {"input_ids": prompt},
+CAUSAL = Decoding(first=lambda prompt, reference: {"input_ids": prompt},
                   next=lambda token, output: {"input_ids": token, "past_key_values": output.past_key_values})
 
 
-def seq2seq_decoding(start_token_id: int) -> Decoding:
-    """An encoder-decoder reads the source once; its decoder starts from `start_token_id` and then reads its own
-    tokens, with the encoder's output and its cache passed back in."""
+def seq2seq_decoding(decoder_inputs: Callable[[torch.Tensor], torch.Tensor]) -> Decoding:
+    """An encoder-decoder reads the source once; its decoder starts from the token its inputs started with in
+    training, `decoder_inputs` built from the reference (the model's own shift of the labels: T5's and BART's
+    decoder_start_token_id, mBART's target-language code, which its labels end with; a fixed start token made an
+    mBART write in no language it was trained for), then reads its own tokens, with the encoder's output and its
+    cache passed back in."""
     return Decoding(
-        first=lambda source: {"input_ids": source,
-                              "decoder_input_ids": torch.full((1, 1), start_token_id, device=source.device)},
+        first=lambda source, reference: {"input_ids": source,
+                                         "decoder_input_ids": decoder_inputs(reference)[:, :1].to(source.device)},
         next=lambda token, output: {"encoder_outputs": (output.encoder_last_hidden_state,),
                                     "decoder_input_ids": token, "past_key_values": output.past_key_values})
 
 
-def decoding_for(model_config: PretrainedConfig) -> Decoding:
-    return seq2seq_decoding(model_config.decoder_start_token_id) if model_config.is_encoder_decoder else CAUSAL
+def decoding_for(model_config: PretrainedConfig, trust_remote_code: bool = False) -> Decoding:
+    if not model_config.is_encoder_decoder:
+        return CAUSAL
+    return seq2seq_decoding(decoder_inputs_from_labels(model_config, trust_remote_code))
 
 
 def fit_to_context(samples: list[Sample], model_config: PretrainedConfig, max_new_tokens: int) -> list[Sample]:
@@ -89,14 +96,15 @@ def all_done(fabric: Fabric, done: bool) -> bool:
 
 
 @torch.no_grad()
-def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, prompt: list[int], *, decoding: Decoding,
+def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, sample: Optional[Sample], *, decoding: Decoding,
                          max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """Greedy tokens after `prompt` (empty for a placeholder prompt), until a stop token or `max_new_tokens`."""
+    """Greedy tokens after the sample's prompt (None: a placeholder), until a stop token or `max_new_tokens`."""
     module = strategy_module(model)
-    placeholder = not prompt
-    inputs = decoding.first(torch.tensor([prompt or [next(iter(stop_ids))]], device=fabric.device))
+    done = sample is None
+    placeholder = [next(iter(stop_ids))]
+    sample = sample or Sample(prompt=placeholder, reference=placeholder)
+    inputs = decoding.first(torch.tensor([sample.prompt], device=fabric.device), torch.tensor([sample.reference]))
     generated: list[int] = []
-    done = placeholder
     for _ in range(max_new_tokens):
         with fabric.autocast():
             output = module(**inputs, use_cache=True)
@@ -116,7 +124,7 @@ def generate_samples(fabric: Fabric, model: torch.nn.Module, samples: list[Sampl
     mine = samples[fabric.global_rank::fabric.world_size]
     rounds = -(-len(samples) // fabric.world_size)
     with evaluation_mode(model):
-        outputs = [generate_in_lockstep(fabric, model, mine[i].prompt if i < len(mine) else [], decoding=decoding,
+        outputs = [generate_in_lockstep(fabric, model, mine[i] if i < len(mine) else None, decoding=decoding,
                                         max_new_tokens=max_new_tokens, stop_ids=stop_ids) for i in range(rounds)]
     gathered = [outputs]
     if fabric.world_size > 1:

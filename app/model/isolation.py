@@ -21,7 +21,8 @@ refused before any worker starts.
 
 The same kind of probe asks an encoder-decoder's class whether its decoder tells its positions apart
 (`decoder_tells_positions_apart`): T5's cannot when it reads one token at its first two; and whether it builds its
-decoder's inputs from the labels at all (`decoder_inputs_error`).
+decoder's inputs from the labels at all (`decoder_inputs_error`), and how (`decoder_inputs_from_labels`: where
+generation samples start).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from transformers import PretrainedConfig
@@ -104,13 +105,22 @@ def decoder_tells_positions_apart(model_config: PretrainedConfig, attn_implement
     return float((logits[0] - logits[1]).abs().max() / logits.abs().max().clamp_min(1e-12)) > TOLERANCE[dtype]
 
 
-def decoder_inputs_error(model_config: PretrainedConfig, trust_remote_code: bool = False) -> Optional[str]:
-    """What the model class raises when it builds its decoder's inputs from a batch's labels (T5 without a
-    decoder_start_token_id in its config), on the meta device; None when it builds them."""
+def decoder_inputs_from_labels(model_config: PretrainedConfig,
+                               trust_remote_code: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model class's own way to build its decoder's inputs from labels, as its forward does in training: T5
+    and BART shift the labels right behind decoder_start_token_id, mBART behind the labels' last token (the target
+    language's code). It reads only the config; the model it belongs to is weightless, on the meta device."""
     with torch.device("meta"):
         model = model_class(model_config).from_config(small_twin(model_config), trust_remote_code=trust_remote_code)
+    return model.prepare_decoder_input_ids_from_labels
+
+
+def decoder_inputs_error(model_config: PretrainedConfig, trust_remote_code: bool = False) -> Optional[str]:
+    """What the model class raises when it builds its decoder's inputs from a batch's labels (T5 without a
+    decoder_start_token_id in its config); None when it builds them."""
+    build = decoder_inputs_from_labels(model_config, trust_remote_code)
     try:
-        model.prepare_decoder_input_ids_from_labels(torch.tensor([[5, 6, 2, -100]]))
+        build(torch.tensor([[5, 6, 2, -100]]))
     except Exception as error:  # noqa: BLE001 (whatever it raises is the answer)
         return (str(error).strip().splitlines() or [type(error).__name__])[0]
     return None

@@ -542,21 +542,18 @@ def check_decoder_start(cfg: Config, model_config: PretrainedConfig, data: DataF
 
 
 def missing_decoder_start(cfg: Config, model_config: PretrainedConfig) -> list[str]:
-    """The refusal of a config without decoder_start_token_id, when training (the model class cannot build its
-    decoder's inputs without it) or --eval_samples needs it. mBART builds them from the labels alone."""
+    """The refusal of a config without decoder_start_token_id where the model class needs one to build its
+    decoder's inputs from the labels, in training and generation alike (mBART builds them from the labels alone)."""
     try:
         error = decoder_inputs_error(model_config, cfg.trust_remote_code)
     except Exception:  # noqa: BLE001 (a model the probe cannot build here: not this check's to refuse)
         error = None
-    needed_by = [what for what, needs in (("training", error), (f"--eval_samples {cfg.eval_samples}", cfg.eval_samples))
-                 if needs]
-    if not needed_by:
+    if not error:
         return []
     flag = "--model_name" if cfg.model_name else "--model_config"
     return [f"{flag} {model_source(cfg)}: its config names no decoder_start_token_id, the token the "
-            f"{model_config.model_type} decoder starts from, which {' and '.join(needed_by)} "
-            f"{'need' if len(needed_by) > 1 else 'needs'}; add it to the "
-            "model's config.json (T5 starts from its pad token, BART from </s>)"]
+            f"{model_config.model_type} decoder starts from, which training needs; add it to the model's config.json "
+            "(T5 starts from its pad token, BART from </s>)"]
 
 
 def isolates(model_config: PretrainedConfig, attention: str, cfg: Config) -> bool:

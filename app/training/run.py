@@ -287,7 +287,7 @@ def sample_evaluator(cfg: Config, inputs: RunInputs, data: TrainingData) -> Opti
                              cfg.eval_max_new_tokens)
     return SampleEvaluator(samples=samples,
                            tokenizer=AutoTokenizer.from_pretrained(inputs.tokenizer),
-                           decoding=decoding_for(inputs.model_config),
+                           decoding=decoding_for(inputs.model_config, cfg.trust_remote_code),
                            max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
 
 

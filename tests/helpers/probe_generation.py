@@ -27,8 +27,9 @@ def probe(fabric, cfg, inputs, deferred, report: str, stop_id: int, count: int, 
     model, _, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
     data = load_data(cfg.train_data_dir)
     samples = data.format.samples(data.validation, count)
-    generated = generate_samples(fabric, model, samples, decoding=decoding_for(inputs.model_config),
-                                 max_new_tokens=max_new_tokens, stop_ids={stop_id})
+    decoding = decoding_for(inputs.model_config, cfg.trust_remote_code)
+    generated = generate_samples(fabric, model, samples, decoding=decoding, max_new_tokens=max_new_tokens,
+                                 stop_ids={stop_id})
     if fabric.is_global_zero:
         Path(report).write_text(json.dumps(generated))
     return EXIT_FINISHED
