@@ -24,6 +24,8 @@ PROBE_TIMEOUT_S = 3.0
 """How long the one request that tells whether the Hub answers may take (huggingface_hub's own is 10 s a try)."""
 CACHED_FILES = ("config.json", "tokenizer_config.json")
 """A model repository in the cache holds the first; a tokenizer-only repository the second."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+TOKENIZER_ADVICE = "give a folder with tokenizer files (a prepared data folder's tokenizer/) or a hub id"
 
 
 def prefetch_advice(name: str) -> str:
@@ -118,3 +120,12 @@ def quiet_hub() -> Iterator[None]:
         yield
     finally:
         hub_logger.setLevel(level)
+
+
+def unloadable_tokenizer(name: str, error: Exception) -> str:
+    """Why tokenizer `name` did not load, as it is: a folder without tokenizer files has none; anything else (a Hub
+    model, files that do not load) has one that did not load, and the reason is worth reading."""
+    folder = Path(name)
+    if folder.is_dir() and not any((folder / file).exists() for file in TOKENIZER_FILES):
+        return f"{name} has none (no {', '.join(TOKENIZER_FILES)})"
+    return f"{name}'s tokenizer does not load ({str(error).strip().splitlines()[0]})"

@@ -383,7 +383,13 @@ def test_preflight_says_a_model_folder_without_a_tokenizer_has_none_and_a_broken
     folder.mkdir()
     cfg = SimpleNamespace(tokenizer=None, train_data_dir=None, model_name=str(folder), trust_remote_code=False)
     assert resolve_tokenizer(cfg, None, []) is None
-    assert capsys.readouterr().out.strip() == f"no tokenizer recorded with this run: {folder} has none"
+    assert capsys.readouterr().out.strip().startswith(f"no tokenizer recorded with this run: {folder} has none (no "
+                                                      "tokenizer.json, tokenizer_config.json,")
+    problems: list[str] = []
+    assert resolve_tokenizer(SimpleNamespace(**vars(cfg) | {"tokenizer": str(folder)}), None, problems) is None
+    assert problems == [f"--tokenizer {folder} has none (no tokenizer.json, tokenizer_config.json, tokenizer.model, "
+                        "vocab.json, tiktoken.model); give a folder with tokenizer files (a prepared data folder's "
+                        "tokenizer/) or a hub id"]
     (folder / "tokenizer_config.json").write_text("{not json")
     assert resolve_tokenizer(cfg, None, []) is None
     note = capsys.readouterr().out.strip()

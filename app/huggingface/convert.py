@@ -41,6 +41,7 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError
 from app.folders import staging_folder
+from app.hub import TOKENIZER_ADVICE, unloadable_tokenizer
 from app.huggingface.convert_cli import Args
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import describe_upload, login_problem, push_folder
@@ -291,8 +292,7 @@ def check_tokenizer(name: str, config: PretrainedConfig) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as error:
-        raise BadInput(f"--tokenizer {name}: cannot load it ({str(error).splitlines()[0]}); "
-                       "give a tokenizer folder or hub id") from None
+        raise BadInput(f"--tokenizer {unloadable_tokenizer(name, error)}; {TOKENIZER_ADVICE}") from None
     if len(tokenizer) > config.vocab_size:
         raise BadInput(f"--tokenizer {name} has {len(tokenizer)} tokens, more than the model's vocab_size "
                        f"{config.vocab_size}; give the tokenizer the model was trained with")

@@ -39,7 +39,7 @@ from app.distributed.precision import bf16_rounding_note, bf16_support_problem, 
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.evaluation.samples import samples_written
 from app.exit_codes import EXIT_BAD_INPUT
-from app.hub import missing_model_problem, quiet_hub
+from app.hub import TOKENIZER_ADVICE, missing_model_problem, quiet_hub, unloadable_tokenizer
 from app.huggingface.convert import changed_fields
 from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
@@ -588,9 +588,9 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
             tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as error:
         if cfg.tokenizer is None:
-            note(f"no tokenizer recorded with this run: {missing_tokenizer(name, error)}")
+            note(f"no tokenizer recorded with this run: {unloadable_tokenizer(name, error)}")
             return None
-        problems.append(f"--tokenizer {name}: cannot load it ({str(error).splitlines()[0]}); give a tokenizer folder or hub id")
+        problems.append(f"--tokenizer {unloadable_tokenizer(name, error)}; {TOKENIZER_ADVICE}")
         return None
     if model_config is not None and len(tokenizer) > model_config.vocab_size:
         problems.append(f"--tokenizer {name} has {len(tokenizer)} tokens, more than the model's vocab_size "
@@ -618,18 +618,6 @@ def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[st
     if difference:
         problems.append(f"--out_dir {cfg.out_dir}: {kept} is not the run's tokenizer {tokenizer} ({difference}); "
                         "move it away (it is never replaced), or choose another --out_dir")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
-
-
-def missing_tokenizer(name: str, error: Exception) -> str:
-    """Why the model's tokenizer is not recorded, as it is: a folder without tokenizer files has none; anything else
-    (a Hub model, files that do not load) has one that did not load, and the reason is worth reading."""
-    folder = Path(name)
-    if folder.is_dir() and not any((folder / file).exists() for file in TOKENIZER_FILES):
-        return f"{name} has none"
-    return f"{name}'s tokenizer does not load ({str(error).strip().splitlines()[0]})"
 
 
 def tokenizer_difference(given, prepared) -> Optional[str]:
