@@ -18,7 +18,7 @@ import yaml
 from jsonargparse import ArgumentParser
 
 from app.choices import FSDP1_ONLY_OPTIONS, SHARDED_STRATEGIES
-from app.cli import UsageError, command_parser, config_files_first, parse, refuse
+from app.cli import UsageError, command_parser, config_files_first, nested_config_files, parse, refuse
 from app.exit_codes import EXIT_BAD_INPUT
 
 Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "32-true"]
@@ -341,16 +341,29 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
 
 def option_sources(argv: list[str]) -> dict[str, str]:
     """Where each option given on this command line or in its config files comes from: `flag`, or `config FILE`
-    (the last file that sets it); options absent from both are defaults (or the environment, where one is read)."""
+    (the last file that sets it, a file another names included); options absent from both are defaults (or the
+    environment, where one is read)."""
     sources: dict[str, str] = {}
     arguments = config_files_first(argv)
     for index, argument in enumerate(arguments):
         if argument == "--config" and index + 1 < len(arguments) or argument.startswith("--config="):
-            path = argument.split("=", 1)[1] if "=" in argument else arguments[index + 1]
-            values = yaml.safe_load(Path(path).read_text() if os.path.isfile(path) else path) or {}  # or YAML itself
-            sources |= {key: f"config {path}" for key in values} if isinstance(values, dict) else {}
+            sources |= config_sources(argument.split("=", 1)[1] if "=" in argument else arguments[index + 1])
         elif argument.startswith("--") and argument != "--config":
             sources[argument[2:].split("=", 1)[0]] = "flag"
+    return sources
+
+
+def config_sources(path: str) -> dict[str, str]:
+    """The options config file `path` (or YAML text) sets, in the order they apply: a file it names where its line
+    stands."""
+    values = yaml.safe_load(Path(path).read_text() if os.path.isfile(path) else path) or {}
+    sources: dict[str, str] = {}
+    for key in values if isinstance(values, dict) else {}:
+        if key == "config":
+            for nested in nested_config_files(path, values):
+                sources |= config_sources(nested)
+        else:
+            sources[key] = f"config {path}"
     return sources
 
 

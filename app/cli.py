@@ -93,22 +93,36 @@ def check_config_files(parser: ArgumentParser, argv: list[str]) -> None:
     """What jsonargparse reports without naming the file, or not at all: an empty config file or one that is not
     `option: value` lines ("Unexpected config"), an option the command has not (with several files, which one?), an
     option left without a value (`lr:`: None reached the checks, a TypeError traceback), and a list option written
-    as a plain string ("'str' object does not support item assignment")."""
+    as a plain string ("'str' object does not support item assignment"); in the files given and the files they
+    name in turn (`config: base.yaml`)."""
     for flag, path in zip(argv, argv[1:]):
-        if flag != CONFIG_FLAG or not os.path.isfile(path):  # YAML text too (pathlib raises on a long one)
-            continue
-        try:
-            values = yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as error:
-            raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
-        if values is None:
-            raise UsageError(f"{CONFIG_FLAG} {path}: the file sets no option; add options to it or drop it")
-        if not isinstance(values, dict):
-            raise UsageError(f"{CONFIG_FLAG} {path}: expected lines of `option: value`, got a {type(values).__name__}")
-        problems = [problem for name, value in values.items()
-                    if (problem := config_value_problem(parser, str(name), value))]
-        if problems:
-            raise UsageError(f"{CONFIG_FLAG} {path}: {'; '.join(problems)}")
+        if flag == CONFIG_FLAG and os.path.isfile(path):  # YAML text too (pathlib raises on a long one)
+            check_config_file(parser, path)
+
+
+def check_config_file(parser: ArgumentParser, path: str) -> None:
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as error:
+        raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    if values is None:
+        raise UsageError(f"{CONFIG_FLAG} {path}: the file sets no option; add options to it or drop it")
+    if not isinstance(values, dict):
+        raise UsageError(f"{CONFIG_FLAG} {path}: expected lines of `option: value`, got a {type(values).__name__}")
+    problems = [problem for name, value in values.items() if (problem := config_value_problem(parser, str(name), value))]
+    if problems:
+        raise UsageError(f"{CONFIG_FLAG} {path}: {'; '.join(problems)}")
+    for nested in nested_config_files(path, values):
+        if os.path.isfile(nested):
+            check_config_file(parser, nested)
+
+
+def nested_config_files(path: str, values: dict) -> list[str]:
+    """The config files that config file `path` names itself (`config: base.yaml`), each read where the line stands,
+    from the folder of `path` when relative, as jsonargparse reads them."""
+    named = values.get("config")
+    names = named if isinstance(named, list) else [named] if isinstance(named, str) else []
+    return [str(Path(path).parent / name) for name in names]
 
 
 def config_value_problem(parser: ArgumentParser, name: str, value: object) -> Optional[str]:

@@ -58,6 +58,27 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
     assert option_sources(["--config", "{micro_batch_size: 3}"]) == {"micro_batch_size": "config {micro_batch_size: 3}"}
 
 
+def test_a_config_file_that_names_another_is_read_checked_and_labelled_where_its_lines_stand(tmp_path) -> None:
+    """`config: base.yaml` inside a file: jsonargparse reads it from the file's folder where the line stands. Its
+    values were labelled as defaults in --print_config, and its bad lines were "Unexpected config" naming no file."""
+    (tmp_path / "base").mkdir()
+    base = tmp_path / "base" / "base.yaml"
+    base.write_text("lr: 0.5\nmicro_batch_size: 3\n")
+    run = tmp_path / "run.yaml"
+    run.write_text("config: base/base.yaml\nlr: 0.1\n")
+    cfg = parse_config(REQUIRED + ["--config", str(run)])
+    assert (cfg.lr, cfg.micro_batch_size) == (0.1, 3)
+    assert option_sources(["--config", str(run)]) == {"micro_batch_size": f"config {base}", "lr": f"config {run}"}
+    run.write_text("lr: 0.1\nconfig: base/base.yaml\n")  # the named file comes after: its lr wins
+    assert parse_config(REQUIRED + ["--config", str(run)]).lr == 0.5
+    assert option_sources(["--config", str(run)])["lr"] == f"config {base}"
+    base.write_text("micro_batch_size:\n")
+    result = subprocess.run([sys.executable, "train.py", *REQUIRED, "--config", str(run)], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith(
+        f"train.py: error: --config {base}: micro_batch_size has no value; give it one"), result.stderr
+
+
 def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     cfg = parse_config(REQUIRED + ["--resume", "--auto_wrap_policy", "LlamaDecoderLayer", "LlamaMLP", "--log_model"])
     assert cfg.resume is True and cfg.auto_wrap_policy == ["LlamaDecoderLayer", "LlamaMLP"] and cfg.log_model is True
