@@ -25,3 +25,10 @@ def staging_folder(final: Path, kind: str = "partial") -> Path:
         if match and not psutil.pid_exists(int(match.group(2))):
             shutil.rmtree(path, ignore_errors=True)
     return final.with_name(f".{final.name}.{kind}-{host}-{os.getpid()}-{os.urandom(4).hex()}")
+
+
+def real_folder(final: Path) -> Path:
+    """The folder to write when `final` is asked for: a link's target, so that a data or model folder linked to
+    other storage stays linked and is replaced where it lives (renaming the link itself left a plain folder in its
+    place, the old data behind, and a traceback), and `.` or `..` by their real names, beside which it is staged."""
+    return final.resolve() if final.is_symlink() or final.name in ("", ".", "..") else final

@@ -286,6 +286,11 @@ def test_overwrite_replaces_an_earlier_conversion(full_run, tmp_path) -> None:
     convert("--checkpoint", full_run / "checkpoints" / "step-00000004.ckpt", "--output_dir", tmp_path / "hf")
     convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--overwrite", "true")
     assert "step-00000008.ckpt" in (tmp_path / "hf" / "README.md").read_text()
+    (tmp_path / "linked").symlink_to(tmp_path / "hf")  # a model folder linked to other storage stays linked
+    convert("--checkpoint", full_run / "checkpoints" / "step-00000004.ckpt", "--output_dir", tmp_path / "linked",
+            "--overwrite", "true")
+    assert (tmp_path / "linked").is_symlink() and "step-00000004.ckpt" in (tmp_path / "hf" / "README.md").read_text()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf", "linked"], "staging folders left behind"
 
 
 def folder_digest(folder: Path) -> str:

@@ -414,6 +414,27 @@ def test_overwrite_replaces_only_after_the_new_output_is_complete(tmp_path, issu
         prepare(PrepareArgs(**{**args, "input": [str(tmp_path)]}, output_dir=str(output), overwrite=True))
 
 
+def test_overwrite_of_a_linked_output_replaces_the_data_where_the_link_points_and_the_current_folder_works(
+        tmp_path, issue_run, code_documents, monkeypatch):
+    """A data folder linked to scratch storage: the link itself was renamed, the new data went beside it onto the
+    other disk, the old data stayed, and the run ended in a traceback. `--output_dir .` failed after all the work."""
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents[:3]))
+    args = {"input": [str(tmp_path / "docs.jsonl")], "tokenizer": str(issue_run / "tokenizer"), "block_size": 64,
+            "val_fraction": 0}
+    scratch = tmp_path / "scratch" / "data"
+    prepare(PrepareArgs(**args, output_dir=str(scratch)))
+    (tmp_path / "data").symlink_to(scratch)
+    prepare(PrepareArgs(**args | {"block_size": 32}, output_dir=str(tmp_path / "data"), overwrite=True))
+    assert (tmp_path / "data").is_symlink() and (tmp_path / "data").resolve() == scratch
+    assert json.loads((scratch / "stats.json").read_text())["block_size"] == 32
+    assert sorted(p.name for p in scratch.parent.iterdir()) == ["data"], "staging folders left behind"
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    prepare(PrepareArgs(**args, output_dir="."))
+    assert json.loads((tmp_path / "here" / "stats.json").read_text())["block_size"] == 64
+
+
 def test_overwrite_refuses_a_folder_that_is_not_an_earlier_output_and_touches_nothing(tmp_path, issue_run,
                                                                                       code_documents):
     """--overwrite replaces --output_dir whole: a project folder named by mistake must survive, also when it changes

@@ -40,7 +40,7 @@ from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError
-from app.folders import staging_folder
+from app.folders import real_folder, staging_folder
 from app.hub import TOKENIZER_ADVICE, unloadable_tokenizer
 from app.huggingface.convert_cli import Args
 from app.huggingface.prefetch import PrefetchError, reported_as
@@ -599,8 +599,9 @@ def first_weight_difference(job: Job, folder: Path) -> Optional[str]:
 def convert(job: Job, dtype: str, max_shard_size: str) -> float:
     """Write and verify one model folder (every tensor against the checkpoint's, then the logits); return the logits
     difference. Exit 1 (folder untouched) if it fails."""
-    job.output_dir.parent.mkdir(parents=True, exist_ok=True)
-    temporary = staging_folder(job.output_dir)
+    output_dir = real_folder(job.output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    temporary = staging_folder(output_dir)
     temporary.mkdir()
     try:
         reference, reloaded = write_model(job, dtype, max_shard_size, temporary)
@@ -613,7 +614,7 @@ def convert(job: Job, dtype: str, max_shard_size: str) -> float:
             raise VerificationFailed(f"verification failed: {job.output_dir} reproduces the logits of "
                                      f"{job.checkpoint} only to {difference:.2e} (allowed {allowed:.0e}); "
                                      "nothing was written")
-        publish(temporary, job.output_dir)
+        publish(temporary, output_dir)
         return difference
     finally:
         if temporary.exists():

@@ -10,7 +10,7 @@ from pathlib import Path
 from datasets import DatasetDict
 from transformers import PreTrainedTokenizerBase
 
-from app.folders import staging_folder
+from app.folders import real_folder, staging_folder
 from app.prepare.args import TOKENIZER_FOLDER, check_replaceable
 
 STATS_FILE = "stats.json"
@@ -19,6 +19,7 @@ STATS_FILE = "stats.json"
 def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:
     """Write into a new folder beside `output_dir`, then swap it in; an old output is removed only after the swap,
     and only if it is an earlier output or empty (checked again: it may have changed while the data was prepared)."""
+    output_dir = real_folder(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_folder(output_dir)
     staging.mkdir()
