@@ -13,8 +13,9 @@ import pytest
 import sentencepiece
 import torch
 from datasets import Dataset, DatasetDict
-from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MarianTokenizer,
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MarianTokenizer, MBartTokenizer,
                           PreTrainedTokenizerBase)
+from transformers.models.mbart.modeling_mbart import shift_tokens_right
 
 from app.data import DataFormat
 from app.prepare import PrepareArgs, prepare
@@ -450,6 +451,33 @@ def test_seq2seq_targets_are_encoded_as_targets(work, pairs):
     targets = [tokenizer(text_target=p["summary"])["input_ids"] for p in pairs]
     assert targets != [tokenizer(p["summary"])["input_ids"] for p in pairs], "the two sides must differ to test this"
     assert rows["train"]["labels"] == targets
+
+
+def test_mbart_targets_end_with_the_language_code_its_decoder_starts_from_also_when_truncated(work, pairs):
+    """mbart-large-cc25 encodes "X </s> ro_RO" and its decoder reads the labels' last token first. An EOS was
+    appended after the language code ("X </s> ro_RO </s>"), so the decoder started from </s>, and truncation cut
+    the code off."""
+    folder = work / "mbart"
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.replace("\n", " ") for p in pairs for text in p.values()), model_writer=model,
+        vocab_size=400, minloglevel=2)
+    folder.mkdir()
+    (folder / "sentencepiece.model").write_bytes(model.getvalue())
+    MBartTokenizer(vocab_file=str(folder / "sentencepiece.model"), src_lang="en_XX", tgt_lang="ro_RO").save_pretrained(
+        folder)
+    args = {"prompt_field": None, "response_field": None, "source_field": "code", "target_field": "summary"}
+    rows, _, tokenizer = sft(work, "s2s_mbart", **args, max_source_length=64, max_target_length=8, block_size=2048,
+                             val_fraction=0.0, tokenizer=str(folder))
+    eos, source_code, target_code = (tokenizer.convert_tokens_to_ids(t) for t in ("</s>", "en_XX", "ro_RO"))
+    targets = [tokenizer(text_target=p["summary"])["input_ids"] for p in pairs]
+    assert targets[0][-2:] == [eos, target_code], "the tokenizer's own frame"
+    for source, target, full in zip(rows["train"]["input_ids"], rows["train"]["labels"], targets):
+        assert source[-2:] == [eos, source_code] and target[-2:] == [eos, target_code]
+        assert target == (full if len(full) <= 8 else full[:6] + full[-2:])
+    assert any(len(full) > 8 for full in targets), "some targets must be cut to test this"
+    decoder_inputs = shift_tokens_right(torch.tensor(rows["train"]["labels"][:1]), tokenizer.pad_token_id)
+    assert decoder_inputs[0, 0] == target_code, "the decoder starts from the language code, as mBART trains"
 
 
 def test_best_fit_decreasing_is_deterministic_and_fills_rows():

@@ -1,11 +1,12 @@
 """Source→target records for encoder-decoder models: `input_ids` is the source, `labels` the target.
 
 Both are encoded as the tokenizer encodes a document (its own BOS where it adds one; literal special-token text
-stays text) and end with exactly one EOS, the T5 convention. The target is encoded as a target (`text_target`):
-Marian has a SentencePiece model of its own for the target language, mBART and NLLB put its language code in front.
+stays text) and hold exactly one EOS, appended where the tokenizer adds none (the T5 convention). The target is
+encoded as a target (`text_target`): Marian has a SentencePiece model of its own for the target language, NLLB puts
+its language code in front, mbart-large-cc25 after the EOS, where its decoder reads it from first.
 Rows stay unpadded: training pads per batch, with -100 in the labels, and builds attention masks from the lengths.
 A sequence longer than its limit (--max_source_length, --max_target_length) is cut before its end and keeps its EOS
-(--too_long truncate), or the example is dropped (--too_long drop).
+and whatever the tokenizer puts after it (--too_long truncate), or the example is dropped (--too_long drop).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from app.prepare.args import PrepareArgs, UsageError
 from app.prepare.corpus import Row, ToRecords, quiet_progress, require_fields
 from app.prepare.examples import Example, dropped, encode_examples, length_advice
-from app.prepare.tokenizer import adds_bos, document_suffix, encode_texts
+from app.prepare.tokenizer import document_frame, encode_texts
 
 PAIRS = Features({"source": Value("string"), "target": Value("string")})
 SOURCE_TOO_LONG = "source_too_long"
@@ -60,39 +61,42 @@ def pair_texts(records: Dataset) -> Iterator[str]:
 
 
 def check_room(tokenizer: PreTrainedTokenizerBase, args: PrepareArgs) -> None:
-    """A limit must leave room for one token of text between the tokenizer's BOS (if any) and the EOS."""
+    """A limit must leave room for one token of text inside the document's frame (BOS, EOS, a language code)."""
     for option, target in (("max_source_length", False), ("max_target_length", True)):
-        least = 2 + adds_bos(tokenizer, target)
+        frame = document_frame(tokenizer, target)
+        least = len(frame.prefix) + 1 + frame.tail
         if getattr(args, option) < least:
             raise UsageError(f"--{option} {getattr(args, option)} leaves no room for text: use at least {least}")
 
 
-def fit(ids: list[int], max_length: int, eos_id: int) -> list[int]:
-    """`ids` (which end with EOS) cut to `max_length` tokens by dropping text before the EOS, which is kept."""
-    return ids if len(ids) <= max_length else [*ids[: max_length - 1], eos_id]
+def fit(ids: list[int], max_length: int, tail: int) -> list[int]:
+    """`ids` cut to `max_length` tokens by dropping text before their last `tail` tokens (the EOS, mBART's
+    language code after it), which are kept."""
+    return ids if len(ids) <= max_length else [*ids[: max_length - tail], *ids[-tail:]]
 
 
-def fit_pair(source: list[int], target: list[int], args: PrepareArgs, eos_id: int) -> Example:
+def fit_pair(source: list[int], target: list[int], args: PrepareArgs, tails: tuple[int, int]) -> Example:
     """The pair within --max_source_length/--max_target_length, truncated or dropped as --too_long says."""
     too_long_source, too_long_target = len(source) > args.max_source_length, len(target) > args.max_target_length
     if args.too_long == "drop" and (too_long_source or too_long_target):
         return dropped(SOURCE_TOO_LONG if too_long_source else TARGET_TOO_LONG)
     return Example(
-        fit(source, args.max_source_length, eos_id),
-        fit(target, args.max_target_length, eos_id),
+        fit(source, args.max_source_length, tails[0]),
+        fit(target, args.max_target_length, tails[1]),
         truncated=too_long_source or too_long_target,
     )
 
 
 def encode_pairs(records: Dataset, tokenizer: PreTrainedTokenizerBase, args: PrepareArgs, desc: str) -> Dataset:
-    """Every pair's source and target ids, each ending with EOS, fitted to the limits (rows of `EXAMPLE_FEATURES`)."""
-    source_suffix, target_suffix = document_suffix(tokenizer), document_suffix(tokenizer, target=True)
+    """Every pair's source and target ids, each framed as the tokenizer frames a document with exactly one EOS,
+    fitted to the limits (rows of `EXAMPLE_FEATURES`)."""
+    source, target = document_frame(tokenizer), document_frame(tokenizer, target=True)
 
     def encode(batch: dict) -> list[Example]:
-        sources = encode_texts(tokenizer, batch["source"], source_suffix)
-        targets = encode_texts(tokenizer, batch["target"], target_suffix, target=True)
+        sources = encode_texts(tokenizer, batch["source"], source.appended)
+        targets = encode_texts(tokenizer, batch["target"], target.appended, target=True)
         pairs = zip(sources, targets, strict=True)
-        return [fit_pair(source, target, args, tokenizer.eos_token_id) for source, target in pairs]
+        return [fit_pair(*pair, args, (source.tail, target.tail)) for pair in pairs]
 
     return encode_examples(records, encode, args.num_proc, desc)
 

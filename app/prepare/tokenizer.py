@@ -7,6 +7,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import sentencepiece
@@ -104,20 +105,46 @@ def encode_texts(
     return [ids + suffix for ids in encoded]
 
 
-def _probe(tokenizer: PreTrainedTokenizerBase, target: bool) -> list[int]:
+def _probe(tokenizer: PreTrainedTokenizerBase, target: bool, special: bool = True) -> list[int]:
     """How the tokenizer encodes the document "a", as a source (or plain text) or as a seq2seq target."""
     side = {"text_target": "a"} if target else {"text": "a"}
-    return tokenizer(**side, add_special_tokens=True)["input_ids"]
+    return tokenizer(**side, add_special_tokens=special)["input_ids"]
+
+
+@dataclass(frozen=True)
+class DocumentFrame:
+    """The special tokens around a document's text: those the tokenizer puts before it (Llama's BOS, NLLB's language
+    code) and after it (T5's EOS; mBART's EOS then the language code), and the EOS appended where the tokenizer's
+    own end holds none, so that every document holds exactly one. Truncation cuts text only: the frame stays."""
+
+    prefix: list[int]
+    suffix: list[int]
+    appended: list[int]
+
+    @property
+    def tail(self) -> int:
+        """How many tokens end every encoded document whatever its text."""
+        return len(self.suffix) + len(self.appended)
+
+
+def document_frame(tokenizer: PreTrainedTokenizerBase, target: bool = False) -> DocumentFrame:
+    """The frame of a document (a seq2seq target when `target`), found in how the tokenizer encodes a probe with its
+    special tokens and without them. Transformers 5 does not keep `add_bos_token`/`add_eos_token` in the saved
+    config (the post-processor in tokenizer.json decides), so what the tokenizer does is asked, not its flags; an
+    EOS was once appended after mBART's language code ("X </s> ro_RO </s>"), and its decoder, which starts from the
+    labels' last token, started from </s>."""
+    framed, text = _probe(tokenizer, target), _probe(tokenizer, target, special=False)
+    start = next((i for i in range(len(framed) - len(text) + 1) if framed[i:i + len(text)] == text), None)
+    if start is None:  # a tokenizer that encodes the text otherwise once framed: only a final EOS is recognised
+        prefix, suffix = [], framed[-1:] if framed[-1:] == [tokenizer.eos_token_id] else []
+    else:
+        prefix, suffix = framed[:start], framed[start + len(text):]
+    return DocumentFrame(prefix, suffix, [] if tokenizer.eos_token_id in suffix else [tokenizer.eos_token_id])
 
 
 def document_suffix(tokenizer: PreTrainedTokenizerBase, target: bool = False) -> list[int]:
-    """What to append to each encoded document (a seq2seq target when `target`) so that it ends with exactly one EOS.
-
-    Transformers 5 does not keep `add_bos_token`/`add_eos_token` in the saved config (the post-processor in
-    tokenizer.json decides), so we look at what the tokenizer really does to a probe instead of trusting the flags.
-    """
-    probe = _probe(tokenizer, target)
-    return [] if probe and probe[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id]
+    """What to append to each encoded document (a seq2seq target when `target`) so that it holds exactly one EOS."""
+    return document_frame(tokenizer, target).appended
 
 
 def adds_bos(tokenizer: PreTrainedTokenizerBase, target: bool = False) -> bool:
