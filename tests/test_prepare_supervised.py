@@ -282,6 +282,15 @@ def test_train_on_prompt_trains_every_token_but_the_first_of_each_example(work, 
     assert all(packed_run.tokenizer.decode(s.prompt).endswith("### Assistant:\n") for s in on_prompt)
 
 
+def test_train_on_prompt_drops_the_examples_whose_cut_left_no_response_token(work):
+    """--train_on_prompt trains the prompt too, so a cut that left only the prompt still had trained tokens and the
+    example was kept: 81 of 118 examples trained their code as if it were the answer, with no answer."""
+    counts = {on: sft(work, f"cut_on_prompt_{on}", block_size=96, packing=False, val_fraction=0.0,
+                      train_on_prompt=on).stats["splits"]["train"] for on in (False, True)}
+    assert counts[True]["dropped"] == counts[False]["dropped"] and counts[True]["dropped"]["prompt_fills_block"] > 0
+    assert counts[True]["kept"] == counts[False]["kept"]
+
+
 def test_multi_turn_chats_with_a_llama3_template_train_every_assistant_turn_through_eot(work, pairs):
     rows, stats, tokenizer = sft(
         work, "chats", input=[str(work / "chats.jsonl")], prompt_field=None, response_field=None,

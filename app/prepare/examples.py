@@ -40,7 +40,7 @@ RESPONSE_SPANS = "response_spans"
 TOO_LONG = "too_long"
 """Longer than --block_size with --too_long drop."""
 PROMPT_FILLS_BLOCK = "prompt_fills_block"
-"""Truncated to --block_size, nothing trained was left."""
+"""Truncated to --block_size, nothing trained or no response token was left."""
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,15 @@ def causal_advice(block_size: int) -> dict[str, str]:
 
 def fit_to_block(example: Example, block_size: int, too_long: str) -> Example:
     """A causal example cut to `block_size` tokens (its end is lost, EOS included: the model is not taught to stop
-    early), or dropped; an example whose cut leaves nothing to train is dropped too."""
+    early), or dropped; an example whose cut leaves nothing to train, or no token of its first response, is dropped
+    too (under --train_on_prompt its prompt alone was kept: the prompt trained as if it were the answer)."""
     if example.dropped or len(example.input_ids) <= block_size:
         return example
     if too_long == "drop":
         return dropped(TOO_LONG)
     labels = example.labels[:block_size]
-    if all(label == IGNORE_INDEX for label in labels):
+    no_response = example.response_start < example.response_end and example.response_start >= block_size
+    if no_response or all(label == IGNORE_INDEX for label in labels):
         return dropped(PROMPT_FILLS_BLOCK)
     return Example(example.input_ids[:block_size], labels, min(example.response_start, block_size),
                    min(example.response_end, block_size), truncated=True)
