@@ -244,6 +244,31 @@ def test_saved_dataset_brings_its_own_validation_split(tmp_path, issue_run, code
     assert set(validation) <= set(code_documents[-2:]) and validation
 
 
+def test_split_of_a_saved_dataset_is_read_as_from_the_hub_and_refused_where_there_is_none(tmp_path, issue_run,
+                                                                                           code_documents):
+    """`--split train[:10%]`, the help's own example, was refused as "not in --input" for a saved DatasetDict, and
+    --split was silently ignored for a saved Dataset: every row was prepared."""
+    texts = [text for document in code_documents for text in document.split("\n\n") if text.strip()][:30]
+    DatasetDict(train=Dataset.from_dict({"text": texts[:20]}),
+                test=Dataset.from_dict({"text": texts[20:]})).save_to_disk(str(tmp_path / "saved"))
+    Dataset.from_dict({"text": texts[:20]}).save_to_disk(str(tmp_path / "single"))
+    args = {"input": [str(tmp_path / "saved")], "tokenizer": str(issue_run / "tokenizer"), "block_size": 8,
+            "val_fraction": 0}
+    for spec, documents in (("train[:10%]", 2), ("train[5:8]+test[:2]", 5), ("test", 10)):
+        stats = prepare(PrepareArgs(**args, split=spec, output_dir=str(tmp_path / "out"), overwrite=True))
+        assert stats["splits"]["train"]["documents"] == documents, spec
+        assert stats["inputs"] == [f"{tmp_path / 'saved'} ({spec}: {documents} rows)"]
+    with pytest.raises(UsageError, match=r"^--split validation: Unknown split \"validation\".* \(--input .* has "
+                                         r"train, test\)$"):
+        prepare(PrepareArgs(**args, split="validation", output_dir=str(tmp_path / "refused")))
+    with pytest.raises(UsageError) as refusal:
+        prepare(PrepareArgs(**args | {"input": [str(tmp_path / "single")]}, split="train[:10%]",
+                            output_dir=str(tmp_path / "refused")))
+    assert str(refusal.value) == (f"--split train[:10%]: --input {tmp_path / 'single'} is a saved dataset without "
+                                  "splits (20 rows); drop --split")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_same_seed_same_output_other_seed_other_split(tmp_path, code_documents):
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents))
 

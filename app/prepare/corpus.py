@@ -76,7 +76,7 @@ def read_source(source: str, args: PrepareArgs, to_records: ToRecords) -> tuple[
     """One --input as (records, its own validation records or None, a description for stats.json)."""
     path = Path(source)
     if not path.exists():
-        return _from_dataset(_load_hub(source, args), source, args, to_records)
+        return _from_dataset(_load_hub(source, args), source, args, to_records, split_applied=args.split is not None)
     with quiet_progress():
         if path.is_dir() and _is_saved_dataset(path):
             return _from_dataset(datasets.load_from_disk(str(path)), source, args, to_records)
@@ -164,15 +164,19 @@ def _load_hub(name: str, args: PrepareArgs) -> Dataset | DatasetDict:
 
 
 def _from_dataset(
-    loaded: Dataset | DatasetDict, source: str, args: PrepareArgs, to_records: ToRecords
+    loaded: Dataset | DatasetDict, source: str, args: PrepareArgs, to_records: ToRecords, split_applied: bool = False
 ) -> tuple[Dataset, Dataset | None, str]:
-    """Take `train` (or --split) and, without --split, the dataset's own validation split when it has one."""
+    """Take `train` (or --split) and, without --split, the dataset's own validation split when it has one. A Hub
+    dataset comes with --split applied by `load_dataset`; a saved one (`load_from_disk`) gets it here (a saved
+    Dataset without splits took none: --split was silently ignored)."""
     if isinstance(loaded, Dataset):
-        return to_records(loaded, source), None, f"{source} ({len(loaded)} rows)"
+        if args.split is not None and not split_applied:
+            raise UsageError(f"--split {args.split}: --input {source} is a saved dataset without splits "
+                             f"({len(loaded)} rows); drop --split")
+        taken = f"{args.split}: " if split_applied else ""
+        return to_records(loaded, source), None, f"{source} ({taken}{len(loaded)} rows)"
     if args.split is not None:
-        if args.split not in loaded:
-            raise UsageError(f"--split {args.split}: not in --input {source}; it has {', '.join(loaded)}")
-        return _from_dataset(loaded[args.split], source, args, to_records)
+        return _from_dataset(saved_split(loaded, args.split, source), source, args, to_records, split_applied=True)
     if "train" not in loaded:
         raise UsageError(f"--input {source} has no train split (it has {', '.join(loaded)}); choose one with --split")
     validation = next((loaded[name] for name in VALIDATION_SPLIT_NAMES if name in loaded), None)
@@ -181,6 +185,16 @@ def _from_dataset(
         return train, None, f"{source} (train: {len(train)} rows)"
     validation = to_records(validation, f"{source} (validation split)")
     return train, validation, f"{source} (train: {len(train)} rows, own validation: {len(validation)} rows)"
+
+
+def saved_split(loaded: DatasetDict, spec: str, source: str) -> Dataset:
+    """--split of a saved dataset, read as `load_dataset` reads it from the Hub: `train`, `train[:10%]`,
+    `train[100:200]+test[:50]`."""
+    try:
+        parts = datasets.ReadInstruction.from_spec(spec).to_absolute({name: len(split) for name, split in loaded.items()})
+    except (ValueError, KeyError, AssertionError) as error:
+        raise UsageError(f"--split {spec}: {_first_line(error)} (--input {source} has {', '.join(loaded)})") from None
+    return datasets.concatenate_datasets([loaded[part.splitname].select(range(part.from_, part.to)) for part in parts])
 
 
 def require_fields(dataset: Dataset, fields: dict[str, str], source: str) -> None:
