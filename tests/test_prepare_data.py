@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
@@ -514,6 +515,12 @@ def test_a_list_of_strings_field_becomes_one_document_joined_by_spaces(tmp_path,
         pieces, tail, _ = recover_documents(tmp_path / "out", split)
         recovered += pieces + ([tokenizer.decode(tail, skip_special_tokens=True)] if tail else [])
     assert sorted(recovered) == sorted(" ".join(game["Moves"]) for game in games)
+    games[3]["Moves"][1] = None  # a TypeError traceback
+    (tmp_path / "games.jsonl").write_text("".join(json.dumps(game) + "\n" for game in games))
+    with pytest.raises(UsageError) as refusal:
+        prepare(replace(args, output_dir=str(tmp_path / "refused")))
+    assert str(refusal.value) == (f"--text_field Moves: row 4 of --input {tmp_path / 'games.jsonl'} holds a null item "
+                                  "in its list; remove or fill it")
 
 
 def test_a_hub_tokenizer_without_the_hub_is_refused_at_once_naming_prefetch(tmp_path):

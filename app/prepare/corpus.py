@@ -191,7 +191,8 @@ def saved_split(loaded: DatasetDict, spec: str, source: str) -> Dataset:
     """--split of a saved dataset, read as `load_dataset` reads it from the Hub: `train`, `train[:10%]`,
     `train[100:200]+test[:50]`."""
     try:
-        parts = datasets.ReadInstruction.from_spec(spec).to_absolute({name: len(split) for name, split in loaded.items()})
+        rows = {name: len(split) for name, split in loaded.items()}
+        parts = datasets.ReadInstruction.from_spec(spec).to_absolute(rows)
     except (ValueError, KeyError, AssertionError) as error:
         raise UsageError(f"--split {spec}: {_first_line(error)} (--input {source} has {', '.join(loaded)})") from None
     return datasets.concatenate_datasets([loaded[part.splitname].select(range(part.from_, part.to)) for part in parts])
@@ -231,15 +232,27 @@ def _text_column(dataset: Dataset, field: str, source: str) -> Dataset:
     feature = dataset.features[field]
     dataset = dataset.select_columns([field])
     if _is_list_of_text(feature):  # e.g. the chess games' `Moves`: one game = the moves joined by spaces
+        def join(batch: dict, indices: list[int]) -> dict:
+            rows = (Row({"text_field": field}, i, source) for i in indices)
+            return {field: [joined(items, row) for items, row in zip(batch[field], rows)]}
+
         dataset = dataset.map(
-            lambda batch: {field: [" ".join(items or []) for items in batch[field]]},
+            join,
             batched=True,
+            with_indices=True,
             features=datasets.Features({field: datasets.Value("string")}),
             desc=f"Joining {field}",
         )
     elif getattr(feature, "dtype", None) not in ("string", "large_string"):
         raise UsageError(f"--text_field {field} in --input {source} holds {feature}, not text; pick a text field")
     return dataset.rename_column(field, "text") if field != "text" else dataset
+
+
+def joined(items: list[str | None] | None, row: Row) -> str:
+    """A list-of-text value as one text, its items joined by spaces; a null item is refused, never dropped."""
+    if any(item is None for item in items or []):
+        raise row.error("text_field", "holds a null item in its list; remove or fill it")
+    return " ".join(items or [])
 
 
 def _is_list_of_text(feature: object) -> bool:
