@@ -456,6 +456,20 @@ def test_a_run_converts_on_its_own_once_its_data_folder_moved(tiny, moved_run, t
         "none; give --tokenizer PATH; see convert_to_hf.py --help")
 
 
+def test_a_copied_checkpoint_whose_run_tokenizer_is_gone_is_refused_not_given_the_base_models(tiny, tmp_path) -> None:
+    """A checkpoint copied out of its run, its data folder gone: the base model's tokenizer was taken without a word,
+    and a chat run's converted model lost its chat template and the end of turn it stops at. The base model's is
+    the run's own only when the run recorded no other."""
+    copied = tmp_path / "step-00000002.ckpt"
+    gone = tmp_path / "gone" / "tokenizer"
+    run = {"model_name": str(tiny.tokenizer), "train_data_dir": str(tmp_path / "gone")}
+    args = converter.Args(checkpoint=str(copied), output_dir=str(tmp_path / "hf"))
+    with pytest.raises(converter.BadInput, match=f"the run's tokenizer {gone} no longer exists and the checkpoint "
+                                                  "lies in no run folder"):
+        converter.resolve_tokenizer(args, {"tokenizer": str(gone), "config": run}, copied)
+    assert converter.resolve_tokenizer(args, {"tokenizer": None, "config": run}, copied) == str(tiny.tokenizer)
+
+
 def test_a_tokenizer_already_in_out_dir_is_never_replaced_by_another(tiny, moved_run, tmp_path, capfd) -> None:
     from app.training.preflight import preflight
     from arguments import parse_config

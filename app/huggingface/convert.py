@@ -161,7 +161,9 @@ def resolve_model_config(args: Args, metadata: dict[str, Any]) -> PretrainedConf
 def resolve_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) -> str:
     """--tokenizer; else the run's: the first that loads of the copy train.py keeps in the run folder
     (`<run>/tokenizer`: the one it trained with, even after the data folder was prepared again, moved or deleted),
-    what it recorded (a path or hub id), the data folder's tokenizer/, the trained model's."""
+    what it recorded (a path or hub id), the data folder's tokenizer/, and the trained model's only when the run
+    recorded no other: a checkpoint copied away from its run whose data folder was gone took the base model's
+    tokenizer without a word, and the converted chat model lost its chat template and the end of turn it stops at."""
     if args.tokenizer:
         return args.tokenizer
     run = metadata.get("config") or {}
@@ -172,7 +174,8 @@ def resolve_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) ->
     kept = run_tokenizer_dir(folder) if folder else None
     bundled = Path(first_folder(run["train_data_dir"])) / "tokenizer" if run.get("train_data_dir") else None
     candidates = [str(kept) if kept and kept.is_dir() else None, recorded,
-                  str(bundled) if bundled and bundled.is_dir() else None, run.get("model_name")]
+                  str(bundled) if bundled and bundled.is_dir() else None,
+                  run.get("model_name") if recorded in (None, run.get("model_name")) else None]
     names = list(dict.fromkeys(c for c in candidates if c))
     if not names:
         raise BadInput(f"--checkpoint {args.checkpoint} records no tokenizer; give --tokenizer")
