@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import shutil
@@ -398,6 +399,12 @@ def test_push_uploads_through_huggingface_hub_without_leaking_the_token(full_run
     assert calls["create"] == ("me/tiny", {"private": True, "exist_ok": True})
     assert calls["upload"]["repo_id"] == "me/tiny" and Path(calls["upload"]["folder_path"]) == tmp_path / "hf"
     assert calls["upload"]["commit_message"] == "first"
+    deleted = calls["upload"]["delete_patterns"]  # an earlier push's weights in another sharding were what loaded
+    stale = [name for name in ("model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                               "pytorch_model.bin", "chat_template.jinja", "notes.md", ".gitattributes")
+             if any(fnmatch.fnmatch(name, pattern) for pattern in deleted)]
+    assert stale == ["model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                     "pytorch_model.bin", "chat_template.jinja"], "model files go; a user's own files stay"
     output = capsys.readouterr()
     assert token not in output.out + output.err
     assert all(token.encode() not in p.read_bytes() for p in (tmp_path / "hf").iterdir())
@@ -423,7 +430,9 @@ def test_an_upload_that_fails_keeps_the_verified_folder_and_says_how_to_push_it(
     assert line.startswith("convert_to_hf.py: error: --push_to_hub me/tiny: cannot reach") and \
         line.endswith(f"The verified folder {tmp_path / 'hf'} is kept: push it without converting again with "
                       f"`hf upload me/tiny {tmp_path / 'hf'} --private --revision dev --commit-message "
-                      f"'Upload hf'`"), line  # as asked: without --private, hf upload may make a public repository
+                      "'Upload hf' --delete '*.safetensors' --delete '*.safetensors.index.json' --delete '*.bin' "
+                      "--delete '*.bin.index.json' --delete 'chat_template.*'`"), line  # as asked: without --private,
+    # hf upload may make a public repository; the model files of an earlier push go as they would have
     assert "prefetch.py" not in line, "prefetch.py downloads: nothing to do with an upload"
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert "Writing model shards" not in errors and "Loading weights" not in errors, "progress bars in a log"

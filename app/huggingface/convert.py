@@ -44,7 +44,7 @@ from app.folders import real_folder, staging_folder
 from app.hub import TOKENIZER_ADVICE, unloadable_tokenizer
 from app.huggingface.convert_cli import Args
 from app.huggingface.prefetch import PrefetchError, reported_as
-from app.huggingface.upload import describe_upload, login_problem, push_folder
+from app.huggingface.upload import REPLACED_FILES, describe_upload, login_problem, push_folder
 from app.model.build import meta_model, model_class
 from app.prepare.chat_template import end_of_turn_id
 
@@ -634,14 +634,14 @@ class PushFailed(Exception):
 
 def upload_command(folder: Path, args: Args) -> str:
     """The `hf upload` command that pushes `folder` as --push_to_hub would have: private, to its branch, with its
-    message (without --private, `hf upload` may create a public repository)."""
+    message (without --private, `hf upload` may create a public repository), deleting the same stale files."""
     words = ["hf", "upload", args.push_to_hub, str(folder)]
     if args.private:
         words.append("--private")
     if args.revision:
         words += ["--revision", args.revision]
     words += ["--commit-message", args.commit_message or f"Upload {folder.name}"]
-    return shlex.join(words)
+    return shlex.join(words + [word for pattern in REPLACED_FILES for word in ("--delete", pattern)])
 
 
 def run(args: Args) -> None:

@@ -14,6 +14,12 @@ from typing import Optional
 from huggingface_hub import HfApi, get_token
 
 
+REPLACED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "chat_template.*")
+"""What an upload deletes from the repository unless the folder holds it again: weights left by an earlier push in
+another sharding (`model.safetensors` beside a new `model-00001-of-00003.safetensors`) were what `from_pretrained`
+loaded, and a chat template left by an earlier run was what the new model's prompts were rendered with."""
+
+
 @dataclass
 class HubArgs:
     """Hugging Face Hub"""
@@ -50,11 +56,13 @@ def describe_upload(folder: Path, args: HubArgs) -> str:
 
 
 def push_folder(folder: Path, args: HubArgs, default_message: str) -> str:
-    """Create the repository (and branch) if needed and upload the folder in one commit; return the commit url."""
+    """Create the repository (and branch) if needed and upload the folder in one commit that also deletes the
+    model files the folder no longer holds (`REPLACED_FILES`); return the commit url."""
     api = HfApi()
     api.create_repo(args.push_to_hub, private=args.private, exist_ok=True)
     if args.revision:
         api.create_branch(args.push_to_hub, branch=args.revision, exist_ok=True)
     commit = api.upload_folder(repo_id=args.push_to_hub, folder_path=folder, revision=args.revision,
-                               commit_message=args.commit_message or default_message)
+                               commit_message=args.commit_message or default_message,
+                               delete_patterns=list(REPLACED_FILES))
     return str(commit)
