@@ -301,6 +301,24 @@ def folder_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
+def test_a_truncated_checkpoint_or_a_missing_rank_file_is_one_line_and_writes_nothing(full_run, sharded_run, tmp_path,
+                                                                                     capsys) -> None:
+    """Their headers read well: the tensors' bytes are first read while writing the model, where a ValueError or a
+    FileNotFoundError ended the conversion in a traceback (exit 1)."""
+    truncated = tmp_path / "step-00000008.ckpt"
+    data = (full_run / "checkpoints" / "step-00000008.ckpt").read_bytes()
+    truncated.write_bytes(data[:len(data) // 5])  # the model comes first, then the optimizer state
+    assert refused(capsys, "--checkpoint", truncated, "--output_dir", tmp_path / "hf").startswith(
+        f"convert_to_hf.py: error: --checkpoint {truncated} ended early: the checkpoint is truncated; pick another")
+    incomplete = tmp_path / "sharded" / "step-00000008.ckpt"
+    shutil.copytree(sharded_run / "checkpoints" / "step-00000008.ckpt", incomplete)
+    rank_file = incomplete / "__1_0.distcp"  # the second rank's pieces
+    rank_file.unlink()
+    assert refused(capsys, "--checkpoint", incomplete, "--output_dir", tmp_path / "hf").startswith(
+        f"convert_to_hf.py: error: --checkpoint {rank_file} is missing: the checkpoint is incomplete; pick another")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["sharded", "step-00000008.ckpt"]
+
+
 def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, tiny, tmp_path, capsys) -> None:
     existing = tmp_path / "existing"
     existing.mkdir()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from app.checkpoint import legacy
 from app.checkpoint.files import list_checkpoints, remove_leftovers, temporary_path
-from app.checkpoint.sources import open_source
+from app.checkpoint.sources import CheckpointError, open_source
 from app.checkpoint.state import MODEL_PREFIX, CheckpointMismatch, check_fits
 from app.checkpoint.state_dicts import local_state
 from app.checkpoint.tensor_file import read_header
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
 
 FORMAT = "fsdp-trainer/2"
 TENSORS = ("model", "optimizer")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be read, or holds another model's state: one line for the user."""
 
 
 def metadata_of(state: dict[str, Any]) -> dict[str, Any]:

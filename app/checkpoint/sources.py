@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Optional, Protocol
+from typing import Any, BinaryIO, Iterator, NoReturn, Optional, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -31,6 +31,11 @@ from app.checkpoint import legacy
 from app.checkpoint.direct_io import BOUNCE_BYTES, DirectReader
 from app.checkpoint.state import flat_range
 from app.checkpoint.tensor_file import read_header
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be read, or holds another model's state: one line for the user."""
+
 
 Shapes = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -79,7 +84,7 @@ class RawSource:
                           buffer[begin - first:end - first])
                 covered += end - begin
         if covered != buffer.numel():
-            raise ValueError(f"{name}: elements {first} to {stop} are not all stored: the checkpoint is incomplete")
+            raise CheckpointError(f"{name}: elements {first} to {stop} are not all stored: the checkpoint is incomplete")
         if not direct:
             target.copy_(buffer.view(target.shape))
 
@@ -91,16 +96,16 @@ class RawSource:
         if self.bounce is None:
             self.bounce = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned; made once for every file of the checkpoint
         if path not in self.readers:
-            self.readers[path] = DirectReader(path, self.bounce)
+            self.readers[path] = DirectReader(path, self.bounce) if path.is_file() else missing_file(path)
         view = memoryview(target.view(torch.uint8).numpy())
         if self.readers[path].read_into(offset, view) != len(view):
-            raise ValueError(f"{path} ended early: the checkpoint is truncated")
+            raise CheckpointError(f"{path} ended early: the checkpoint is truncated")
 
     def handle(self, path: Path) -> BinaryIO:
         """The open file for the small reads that locate tensor bytes (no read-ahead of the bytes around them, which
         `read` reads past the page cache)."""
         if path not in self.handles:
-            self.handles[path] = open(path, "rb")
+            self.handles[path] = open(path, "rb") if path.is_file() else missing_file(path)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self.handles[path].fileno(), 0, 0, os.POSIX_FADV_RANDOM)
         return self.handles[path]
@@ -169,6 +174,10 @@ class MetadataUnpickler(pickle.Unpickler):
         if name not in METADATA_CLASSES.get(module, ()):
             raise ValueError(f"{module}.{name} is not what a checkpoint's metadata holds")
         return super().find_class(module, name)
+
+
+def missing_file(path: Path) -> NoReturn:
+    raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
 
 
 def read_dcp_metadata(folder: Path) -> Metadata:

@@ -601,7 +601,7 @@ def first_weight_difference(job: Job, folder: Path) -> Optional[str]:
 
 def convert(job: Job, dtype: str, max_shard_size: str) -> float:
     """Write and verify one model folder (every tensor against the checkpoint's, then the logits); return the logits
-    difference. Exit 1 (folder untouched) if it fails."""
+    difference. Exit 1 (folder untouched) if it fails, 2 if the checkpoint's tensors cannot be read."""
     output_dir = real_folder(job.output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     temporary = staging_folder(output_dir)
@@ -619,6 +619,8 @@ def convert(job: Job, dtype: str, max_shard_size: str) -> float:
                                      "nothing was written")
         publish(temporary, output_dir)
         return difference
+    except CheckpointError as error:  # the tensors' bytes are first read here: a truncated file, a rank's missing
+        raise BadInput(f"--checkpoint {error}; pick another one") from None
     finally:
         if temporary.exists():
             shutil.rmtree(temporary)
