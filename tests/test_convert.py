@@ -319,7 +319,7 @@ def test_a_truncated_checkpoint_or_a_missing_rank_file_is_one_line_and_writes_no
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sharded", "step-00000008.ckpt"]
 
 
-def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, tiny, tmp_path, capsys) -> None:
+def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, sharded_run, tiny, tmp_path, capsys) -> None:
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
@@ -348,6 +348,14 @@ def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, tiny, tm
             capsys, "--checkpoint", good, "--output_dir", folder, "--overwrite", "true")
     assert folder_digest(tiny.data) == data_before
     assert "--dtype" in refused(capsys, "--checkpoint", good, "--output_dir", out, "--dtype", "int8")
+    assert refused(capsys, "--checkpoint", good, "--output_dir", out, "--max_shard_size", "5G").startswith(
+        "convert_to_hf.py: error: --max_shard_size 5G: not a size in TB, GB, MB or KB")  # was: after the whole work
+    no_config = tmp_path / "no-config" / "step-00000008.ckpt"  # one that recorded none: a TypeError traceback
+    shutil.copytree(sharded_run / "checkpoints" / "step-00000008.ckpt", no_config)
+    training = json.loads((no_config / "training.json").read_text())
+    (no_config / "training.json").write_text(json.dumps(training | {"model_config": None}))
+    assert refused(capsys, "--checkpoint", no_config, "--output_dir", out).startswith(
+        f"convert_to_hf.py: error: --checkpoint {no_config}: its model_config cannot be loaded")
     assert folder_digest(existing) == before and not out.exists()
 
 
@@ -454,6 +462,15 @@ def test_an_upload_that_fails_keeps_the_verified_folder_and_says_how_to_push_it(
     assert "prefetch.py" not in line, "prefetch.py downloads: nothing to do with an upload"
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert "Writing model shards" not in errors and "Loading weights" not in errors, "progress bars in a log"
+
+
+def test_a_push_with_hf_hub_offline_is_refused_before_the_conversion(full_run, tmp_path, monkeypatch, capsys) -> None:
+    """Compute nodes are told to set HF_HUB_OFFLINE=1: the push failed in a traceback after the whole conversion."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secretTOKEN1234567890")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert refused(capsys, "--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--push_to_hub", "me/tiny") \
+        .startswith("convert_to_hf.py: error: --push_to_hub me/tiny: HF_HUB_OFFLINE is set, so nothing can be uploaded")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_dry_run_lists_the_files_and_sends_nothing(full_run, tmp_path, monkeypatch, capsys) -> None:

@@ -150,7 +150,7 @@ def resolve_model_config(args: Args, metadata: dict[str, Any]) -> PretrainedConf
     source = args.model_config or args.model_name
     try:
         config = AutoConfig.from_pretrained(source) if source else config_from_dict(metadata["model_config"])
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a checkpoint that recorded none
         flag = f"--model_config {args.model_config}" if args.model_config else f"--model_name {args.model_name}"
         where = flag if source else f"--checkpoint {args.checkpoint}: its model_config"
         raise BadInput(f"{where} cannot be loaded ({str(error).splitlines()[0]}); give --model_config") from None
@@ -352,9 +352,20 @@ def check_apart_from_checkpoint(output: Path, checkpoint: Path) -> None:
                                "(--overwrite true would delete it)")
 
 
+def shard_size_problem(max_shard_size: str) -> Optional[str]:
+    """A --max_shard_size that save_pretrained would refuse only after the model was loaded and verified."""
+    from huggingface_hub.serialization._base import parse_size_to_int  # what save_pretrained's sharding reads it with
+
+    try:
+        parse_size_to_int(max_shard_size)
+    except ValueError:
+        return f"--max_shard_size {max_shard_size}: not a size in TB, GB, MB or KB (e.g. 5GB, 500MB)"
+    return None
+
+
 def plan(args: Args) -> list[Job]:
     """Resolve and check every checkpoint to convert; raises BadInput before anything is written."""
-    problem = login_problem(args)
+    problem = login_problem(args) or shard_size_problem(args.max_shard_size)
     if problem:
         raise BadInput(problem)
     pairs = select_checkpoints(args)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from huggingface_hub import HfApi, get_token
+from huggingface_hub import HfApi, constants, get_token
 
 
 REPLACED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "chat_template.*")
@@ -38,7 +38,13 @@ class HubArgs:
 
 def login_problem(args: HubArgs) -> Optional[str]:
     """Why an upload cannot start, checked before the conversion; None when it can (or nothing is pushed)."""
-    if args.push_to_hub and not args.dry_run and get_token() is None:
+    if not args.push_to_hub or args.dry_run:
+        return None
+    if constants.HF_HUB_OFFLINE:  # as compute nodes are told to set it: the upload failed after the conversion
+        return (f"--push_to_hub {args.push_to_hub}: HF_HUB_OFFLINE is set, so nothing can be uploaded from here; "
+                "unset it for this command, or convert without --push_to_hub and upload the folder from a machine "
+                "with internet access (`hf upload`)")
+    if get_token() is None:
         return (f"--push_to_hub {args.push_to_hub} needs a Hugging Face token: set HF_TOKEN or run `hf auth login`, "
                 "or add --dry_run true")
     return None
