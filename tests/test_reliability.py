@@ -540,11 +540,34 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
         path = folder / f"step-{step:08d}.ckpt"
         path.write_bytes(b"x")
         mark_if_best(path, step, val_loss)
-    assert read_best(tmp_path) == {"checkpoint": "step-00000004.ckpt", "step": 4, "val_loss": 2.5}
+    assert read_best(tmp_path) == {"checkpoint": "step-00000004.ckpt", "step": 4, "val_loss": 2.5, "evaluated": {
+        "step-00000002.ckpt": 3.0, "step-00000004.ckpt": 2.5, "step-00000006.ckpt": 2.9, "step-00000008.ckpt": 2.7,
+        "step-00000010.ckpt": 2.8}}
     deleted = prune_checkpoints(tmp_path, 2, protected={folder / "step-00000002.ckpt"})
     assert [p.name for p in deleted] == ["step-00000006.ckpt"]
     assert sorted(list_checkpoints(tmp_path)) == [2, 4, 8, 10]
     assert prune_checkpoints(tmp_path, None, set()) == []
+
+
+def test_a_resume_from_an_older_checkpoint_keeps_the_best_of_the_checkpoints_left(tmp_path: Path):
+    """best.json named a checkpoint the resume set aside: the next evaluation was marked best whatever its loss, and
+    --keep_last_n then deleted the better checkpoints left (a resumed run's val_loss 36.7 replaced 5.58's)."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for step, val_loss in [(2, 3.0), (4, 2.5), (6, 2.9), (8, 2.0)]:
+        (folder / f"step-{step:08d}.ckpt").write_bytes(b"x")
+        mark_if_best(folder / f"step-{step:08d}.ckpt", step, val_loss)
+    set_aside_newer(tmp_path, 6)
+    assert read_best(tmp_path)["checkpoint"] == "step-00000004.ckpt"
+    assert json.loads((folder / "rolled-back" / "best.json").read_text())["checkpoint"] == "step-00000008.ckpt"
+    (folder / "step-00000008.ckpt").write_bytes(b"again")
+    mark_if_best(folder / "step-00000008.ckpt", 8, 36.7)
+    assert read_best(tmp_path)["checkpoint"] == "step-00000004.ckpt"
+    assert [p.name for p in prune_checkpoints(tmp_path, 1, protected=set())] == ["step-00000002.ckpt",
+                                                                                 "step-00000006.ckpt"]
+    (folder / "best.json").write_text(json.dumps({"checkpoint": "step-00000004.ckpt", "step": 4, "val_loss": 2.5}))
+    mark_if_best(folder / "step-00000008.ckpt", 8, 2.4)  # a best.json of an earlier version, without `evaluated`
+    assert read_best(tmp_path)["evaluated"] == {"step-00000004.ckpt": 2.5, "step-00000008.ckpt": 2.4}
 
 
 def test_a_pruned_checkpoint_folder_is_never_seen_half_deleted(tmp_path: Path, monkeypatch):

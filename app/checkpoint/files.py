@@ -203,19 +203,29 @@ def remove(path: Path) -> None:
 
 
 def read_best(out_dir: str | Path) -> Optional[dict[str, Any]]:
-    """`{"checkpoint": "step-00000016.ckpt", "step": 16, "val_loss": 2.31}`, or None when nothing was marked yet."""
+    """`{"checkpoint": "step-00000016.ckpt", "step": 16, "val_loss": 2.31, "evaluated": {name: val_loss, ...}}`, or
+    None when nothing was marked yet. `evaluated` holds every checkpoint saved at an evaluation that is still there
+    (absent from files of earlier versions)."""
     path = checkpoint_dir(out_dir) / BEST_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
 
 def mark_if_best(path: Path, step: int, val_loss: float) -> None:
-    """Point best.json at `path` when its validation loss beats the marked one (written atomically)."""
-    best = read_best(path.parent.parent)
-    if best is not None and (path.parent / best["checkpoint"]).exists() and best["val_loss"] <= val_loss:
-        return
-    temporary = path.parent / f".{BEST_FILE}.partial"
-    temporary.write_text(json.dumps({"checkpoint": path.name, "step": step, "val_loss": val_loss}) + "\n")
-    os.replace(temporary, path.parent / BEST_FILE)
+    """Record `path`'s validation loss and point best.json at the lowest of those still there (the earlier on a
+    tie)."""
+    best = read_best(path.parent.parent) or {}
+    evaluated = best.get("evaluated", {best["checkpoint"]: best["val_loss"]} if best else {})
+    write_best(path.parent, {name: loss for name, loss in evaluated.items() if (path.parent / name).exists()}
+               | {path.name: val_loss})
+
+
+def write_best(folder: Path, evaluated: dict[str, float]) -> None:
+    """best.json for the checkpoints of `folder` evaluated with these losses (written atomically)."""
+    name = min(evaluated, key=evaluated.__getitem__)
+    temporary = folder / f".{BEST_FILE}.partial"
+    temporary.write_text(json.dumps({"checkpoint": name, "step": int(CHECKPOINT_NAME.match(name).group(1)),
+                                     "val_loss": evaluated[name], "evaluated": evaluated}) + "\n")
+    os.replace(temporary, folder / BEST_FILE)
 
 
 def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected: set[Path]) -> list[Path]:
@@ -237,14 +247,20 @@ def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected
 def set_aside_newer(out_dir: str | Path, step: int) -> list[Path]:
     """Move the checkpoints newer than `step` (those of the stretch a rollback or a resume from an older checkpoint
     abandons) into checkpoints/rolled-back/, with best.json when it names one of them: left in place, the latest of
-    them would be what --resume true continues from after a crash. Kept, not deleted."""
+    them would be what --resume true continues from after a crash. Kept, not deleted. A best.json moved aside is
+    written again for the best of the evaluated checkpoints left (once, the next evaluation was marked best whatever
+    its loss, and --keep_last_n then deleted the better checkpoints that were left)."""
     moved = []
     best = read_best(out_dir)
     for newer, path in sorted(list_checkpoints(out_dir).items()):
         if newer > step:
             moved.append(move_aside(path))
-    if best is not None and best["step"] > step:  # it named one of them: the next evaluation marks the best again
+    if best is not None and best["step"] > step:
         moved.append(move_aside(checkpoint_dir(out_dir) / BEST_FILE))
+        folder = checkpoint_dir(out_dir)
+        left = {name: loss for name, loss in best.get("evaluated", {}).items() if (folder / name).exists()}
+        if left:
+            write_best(folder, left)
     return moved
 
 
