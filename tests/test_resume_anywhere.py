@@ -309,14 +309,25 @@ def run_files(folder: Path) -> list[str]:
     return sorted(path.name for path in folder.rglob("*") if path.name != LOCK_FILE)
 
 
-def resumed_data_problems(tiny, moved_run, spec: str, metadata: dict) -> list[str]:
+def resumed_data_problems(tiny, moved_run, spec: str, metadata: dict, **options) -> list[str]:
     """What the preflight's resume check says of --train_data_dir `spec` against a checkpoint's `metadata`."""
     from app.training.preflight import Resume, check_data, check_data_resume
 
     problems: list[str] = []
-    data = check_data(parse_config(train_args(tiny, moved_run.out_dir, train_data_dir=spec)), problems)
-    check_data_resume(data, Resume(Path("step-00000002.ckpt"), metadata), problems)
+    cfg = parse_config(train_args(tiny, moved_run.out_dir, train_data_dir=spec, **options))
+    check_data_resume(cfg, check_data(cfg, problems), Resume(Path("step-00000002.ckpt"), metadata), problems)
     return problems
+
+
+def test_a_resume_keeps_the_seed_its_data_order_was_drawn_from(tiny, moved_run) -> None:
+    """Resumed with another --seed (a requeue whose config dropped it), the rest of the epoch was drawn from another
+    permutation: 38 of 160 rows trained twice, as many never, without a word."""
+    saved = read_metadata(list_checkpoints(moved_run.out_dir)[2])
+    assert resumed_data_problems(tiny, moved_run, str(moved_run.data), saved, seed=saved["config"]["seed"]) == []
+    assert resumed_data_problems(tiny, moved_run, str(moved_run.data), saved, seed=saved["config"]["seed"] + 1) == [
+        f"--seed {saved['config']['seed'] + 1}: the checkpoint's run orders its data by --seed "
+        f"{saved['config']['seed']}, which a resume continues (another seed repeats rows it trained and skips "
+        f"others); give --seed {saved['config']['seed']}"]
 
 
 def test_a_resumed_folder_must_hold_the_checkpoints_data_wherever_it_lies(tiny, moved_run, tmp_path) -> None:

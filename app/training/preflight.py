@@ -200,13 +200,19 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
                      source_rows=[fact.train_rows for fact in facts])
 
 
-def check_data_resume(data: Optional[DataFacts], resume: Optional[Resume], problems: list[str]) -> None:
+def check_data_resume(cfg: Config, data: Optional[DataFacts], resume: Optional[Resume], problems: list[str]) -> None:
     """A resumed run reads the checkpoint's folders in their order: its position counts rows of that order, a
     mixture's positions and seeds are kept per folder name and its quarantined rows are numbered folder after folder.
     Weights may change and folders may be added at the end. Folders are compared by what they hold
-    (app/data/identity.py), not by path: a preempted run resumes on another node, mount or working directory."""
+    (app/data/identity.py), not by path: a preempted run resumes on another node, mount or working directory. The
+    order is drawn from --seed: resumed with another, the rest of the epoch repeated rows it had trained and skipped
+    others, without a word."""
     if resume is None or data is None:
         return
+    seed = (resume.metadata.get("config") or {}).get("seed")
+    if seed is not None and seed != cfg.seed:
+        problems.append(f"--seed {cfg.seed}: the checkpoint's run orders its data by --seed {seed}, which a resume "
+                        f"continues (another seed repeats rows it trained and skips others); give --seed {seed}")
     before = recorded_folders(resume.metadata)
     if not before:
         return
@@ -1070,7 +1076,7 @@ def preflight(cfg: Config) -> RunInputs:
             check_decoder_start(cfg, model_config, data, problems)
     chunked_loss = check_chunked_loss(cfg, model_config) if attention_works else False
     resume = resolve_resume(cfg, model_config, problems)
-    check_data_resume(data, resume, problems)
+    check_data_resume(cfg, data, resume, problems)
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
     if data is not None:
