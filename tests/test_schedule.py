@@ -70,6 +70,21 @@ def test_plan_derives_max_step_from_epochs_and_drops_the_partial_step() -> None:
                      number_epochs=2, max_step=7).max_step == 7
 
 
+def test_the_rows_an_epoch_leaves_out_are_said_when_they_are_5_percent_or_more(capsys) -> None:
+    """49 chats at 32 a step: one step an epoch, 17 rows (35%) never trained in a one-epoch run, without a word."""
+    from app.training.preflight import note_rows_left_out
+
+    def said(train_rows: int, global_batch: int) -> str:
+        note_rows_left_out(make_plan(train_rows=train_rows, block_size=8, world_size=1, micro_batch_size=global_batch,
+                                     accumulation=1, number_epochs=1, max_step=None))
+        return capsys.readouterr().out.strip()
+
+    assert said(49, 32) == ("each epoch trains 32 of its 49 rows: the other 17 (35%) fill no whole step of 32 "
+                            "sequences (other rows each epoch); a global batch that divides 49 trains them all")
+    assert said(647, 16) == "", "7 rows (1%) are not worth a line"
+    assert said(64, 16) == ""
+
+
 def test_a_resume_at_another_global_batch_counts_the_steps_left_from_its_samples() -> None:
     """A 1-epoch run of 64 rows at 8 a step, saved at step 4 (sample 32): at 16 a step, 2 steps are left (it ended at
     once, at step 8 = 64 // 16 x 1 epoch, with half the epoch untrained); at 4 a step, 8 (it trained past the epoch)."""
