@@ -475,6 +475,8 @@ def validate_config(cfg: Config) -> list[str]:
             "--device_memory_gb is only read by --estimate_memory true: add it, or drop --device_memory_gb")
     require(cfg.eval_samples or cfg.eval_max_new_tokens == EvalArgs.eval_max_new_tokens,
             "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens")
+    require(cfg.lr_decay or cfg.min_lr == TrainingArgs.min_lr,
+            "--min_lr is only read by the cosine decay, which --lr_decay false turns off: drop one of them")
     if cfg.spike_guard == "off":
         unread = [f"--{f.name}" for f in fields(SpikeArgs)
                   if f.name != "spike_guard" and getattr(cfg, f.name) != f.default]

@@ -97,6 +97,7 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     (["--reference_batch_size", "64"], "--reference_batch_size is only read with --lr_scaling linear or sqrt"),
     (["--device_memory_gb", "80"], "--device_memory_gb is only read by --estimate_memory true"),
     (["--eval_max_new_tokens", "16"], "--eval_max_new_tokens is only read with --eval_samples N"),
+    (["--lr_decay", "false", "--min_lr", "1e-6"], "--min_lr is only read by the cosine decay, which --lr_decay false"),
     (["--spike_guard", "off", "--spike_z", "3", "--spike_window", "20"],
      "--spike_z, --spike_window: only read by the spike guard, which --spike_guard off turns off"),
     (["--model_name", "m"], "give exactly one of --model_name"),
