@@ -29,7 +29,7 @@ from app.model.build import meta_model
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.training.preflight import preflight
 from arguments import parse_config
-from tests.conftest import ROOT, run_entry, run_script, run_train, train_args
+from tests.conftest import ONE_PROCESS, ROOT, run_entry, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=2, save_step_interval=100, eval_batch_size=16,
@@ -317,6 +317,18 @@ def resumed_data_problems(tiny, moved_run, spec: str, metadata: dict, **options)
     cfg = parse_config(train_args(tiny, moved_run.out_dir, train_data_dir=spec, **options))
     check_data_resume(cfg, check_data(cfg, problems), Resume(Path("step-00000002.ckpt"), metadata), problems)
     return problems
+
+
+def test_a_resume_to_a_max_step_before_the_checkpoints_is_refused(tiny, moved_run, capsys) -> None:
+    """It printed "training 1 steps", trained nothing, exited 0 and replaced summary.json with a summary of 0 steps."""
+    from app.training.preflight import preflight
+
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, moved_run.out_dir, train_data_dir=moved_run.data, tokenizer=None,
+                                          resume=True, **ONE_PROCESS | {"max_step": 1})))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: --max_step 1: the checkpoint is at step 2 already; give a "
+                                               "larger --max_step to train on, or convert the checkpoint as it is")
 
 
 def test_a_resume_keeps_the_seed_its_data_order_was_drawn_from(tiny, moved_run) -> None:

@@ -683,6 +683,10 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
     if resume is not None:
         if changed_epochs(cfg, data, resume.metadata, problems):
             return None
+        if cfg.max_step is not None and cfg.max_step < resume.metadata["step"]:
+            problems.append(f"--max_step {cfg.max_step}: the checkpoint is at step {resume.metadata['step']} "
+                            "already; give a larger --max_step to train on, or convert the checkpoint as it is")
+            return None
         plan = plan_from_checkpoint(cfg, resume.metadata, plan)
         note_what_changed(cfg, resume.metadata, plan)
         note_validation_rows(cfg, data, resume.metadata, plan)
