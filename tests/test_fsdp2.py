@@ -202,7 +202,7 @@ def test_embeddings_with_units_of_their_own_train_like_fsdp_resume_exactly_and_c
                                                                                        tmp_path) -> None:
     """FSDP2 with the embeddings as units starts from FSDP1's weights (initialised in FSDP1's order), takes its
     steps, resumes exactly from its sharded checkpoint, and converts with identical logits."""
-    constant = dict(lr_decay=False, warmup_steps=0, eval_step_interval=100, save_step_interval=2)
+    constant = dict(lr_decay=False, min_lr=None, warmup_steps=0, eval_step_interval=100, save_step_interval=2)
     assert_succeeded(run_train(train_args(wide_vocabulary, tmp_path / "fsdp", max_step=4, **constant)))
     fsdp2 = tmp_path / "fsdp2"
     for max_step in (2, 4):

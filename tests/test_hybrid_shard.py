@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import ROOT, free_port, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
-CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=100, micro_batch_size=2,
+CONSTANT_LR = dict(lr_decay=False, min_lr=None, warmup_steps=0, eval_step_interval=100, micro_batch_size=2,
                    gradient_accumulation_steps=1, state_dict_type="sharded")
 
 

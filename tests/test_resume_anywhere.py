@@ -32,8 +32,8 @@ from arguments import parse_config
 from tests.conftest import ONE_PROCESS, ROOT, run_entry, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
-CONSTANT_LR = dict(lr_decay=False, warmup_steps=0, eval_step_interval=2, save_step_interval=100, eval_batch_size=16,
-                   eval_iters=100)  # the whole validation split, whatever the number of ranks
+CONSTANT_LR = dict(lr_decay=False, min_lr=None, warmup_steps=0, eval_step_interval=2, save_step_interval=100,
+                   eval_batch_size=16, eval_iters=100)  # the whole validation split, whatever the number of ranks
 STRAIGHT = dict(strategy="fsdp", state_dict_type="full", devices=2, micro_batch_size=4, gradient_accumulation_steps=2)
 CHAIN = [  # (strategy, format, ranks, micro batch): what each link resumes with, after the first link (two_steps)
     ("fsdp2", "full", 4, 2),  # loads fsdp/full: 2 -> 4 ranks, micro batch 4 -> 2
