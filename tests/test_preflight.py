@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
@@ -14,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from app.training.preflight import preflight
+from app.training.preflight import preflight, world_size
 from arguments import parse_config
 from tests.conftest import ROOT, TinySetup, train_args
 
@@ -320,6 +321,47 @@ def test_several_nodes_without_a_launcher_are_refused_in_one_line(tiny, tmp_path
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # Lightning's own multi-node variables: started by hand
     monkeypatch.setenv("NODE_RANK", "0")
     assert preflight(parse_config(args)).plan.world_size == 4
+
+
+def test_a_launcher_that_started_another_number_of_processes_is_refused_in_one_line(tiny, tmp_path, capsys,
+                                                                                    monkeypatch) -> None:
+    """torchrun with 2 processes and --devices 1 (auto on CPUs): an IndexError on every rank; srun with 2 tasks: a
+    ValueError under ddp, one rank waiting under fsdp; a stale NODE_RANK=1: every rank waited 10 minutes."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+    def refusal(**options) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            preflight(parse_config(train_args(tiny, tmp_path / "out", **options)))
+        assert exit_info.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        return line
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert refusal(devices=1) == ("error: --devices 1 --num_nodes 1: 1 ranks, but torchrun (WORLD_SIZE) started 2 "
+                                  "processes; give --devices (processes per node) and --num_nodes whose product is 2")
+    assert preflight(parse_config(train_args(tiny, tmp_path / "out", devices=2))).plan.world_size == 2
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    assert "but srun (SLURM_NTASKS) started 4 processes" in refusal(devices=2)
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NODE_RANK", "1")
+    assert refusal(devices=2) == ("error: NODE_RANK=1 is set, but --num_nodes 1 has no node 1: unset NODE_RANK, or "
+                                  "give the run's --num_nodes")
+
+
+def test_single_device_plans_one_rank_whatever_gpus_are_visible(tiny, tmp_path, monkeypatch) -> None:
+    """--strategy single_device --devices auto on a node of 4 GPUs planned 4 ranks for its one process: each step
+    trained a quarter of its rows and divided the loss by the tokens of all four."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cfg = parse_config(train_args(tiny, tmp_path / "out", strategy="single_device", devices="auto",
+                                  accelerator="auto", gradient_accumulation_steps=1))
+    assert world_size(cfg) == 1
+    assert world_size(replace(cfg, strategy="fsdp")) == 4
 
 
 def test_wandb_follows_its_environment_unless_a_flag_says_otherwise(tiny, tmp_path, capsys, monkeypatch) -> None:

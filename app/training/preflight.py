@@ -124,6 +124,10 @@ def note(message: str) -> None:
 
 
 def world_size(cfg: Config) -> int:
+    """The run's ranks: --devices x --num_nodes; `auto` counts the visible GPUs (one process for single_device,
+    whose plan once counted every GPU of the node and trained a 1/N share of each step)."""
+    if cfg.strategy == "single_device":
+        return 1
     if cfg.devices != "auto":
         return cfg.devices * cfg.num_nodes
     gpus = torch.cuda.device_count() if cfg.accelerator in ("auto", "gpu", "cuda") else 0
@@ -1034,11 +1038,35 @@ def launched_on_every_node() -> bool:
 
 
 def check_launcher(cfg: Config, problems: list[str]) -> None:
-    """Without a launcher for the other nodes, a multi-node run would wait for them until the rendezvous timeout."""
+    """Without a launcher for the other nodes, a multi-node run would wait for them until the rendezvous timeout. A
+    launcher that started another number of processes than --devices x --num_nodes ended every rank in a traceback
+    (an IndexError, Lightning's ValueError) or left one waiting for the others; a NODE_RANK beyond --num_nodes left
+    every rank waiting until --rendezvous_timeout_min."""
     if cfg.num_nodes > 1 and not launched_on_every_node():
         problems.append(f"--num_nodes {cfg.num_nodes}: nothing starts the other nodes here; run train.py on every "
                         "node with srun (slurm/train.sbatch), torchrun --nnodes (slurm/train-torchrun.sbatch), or "
                         "by hand with MASTER_ADDR, MASTER_PORT and each node's NODE_RANK set; or use --num_nodes 1")
+    started = launcher_processes()
+    if started and started[1] != world_size(cfg):
+        launcher, processes = started
+        problems.append(f"--devices {cfg.devices} --num_nodes {cfg.num_nodes}: {world_size(cfg)} ranks, but {launcher} "
+                        f"started {processes} processes; give --devices (processes per node) and --num_nodes whose "
+                        f"product is {processes}")
+    node_rank = os.environ.get("NODE_RANK", "0")
+    if node_rank.isdigit() and int(node_rank) >= cfg.num_nodes:
+        problems.append(f"NODE_RANK={node_rank} is set, but --num_nodes {cfg.num_nodes} has no node {node_rank}: "
+                        "unset NODE_RANK, or give the run's --num_nodes")
+
+
+def launcher_processes() -> Optional[tuple[str, int]]:
+    """The launcher Lightning will take the ranks from (torchrun first: it may run inside a Slurm job) and how many
+    processes it started; None without one."""
+    with without_srun_hint():
+        if TorchElasticEnvironment.detect():
+            return "torchrun (WORLD_SIZE)", TorchElasticEnvironment().world_size()
+        if SLURMEnvironment.detect():
+            return "srun (SLURM_NTASKS)", SLURMEnvironment().world_size()
+    return None
 
 
 WANDB_MODES = ("online", "offline", "disabled")
