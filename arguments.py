@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -311,6 +311,9 @@ class Config(SpikeArgs, ReliabilityArgs, PlannerArgs, LoggingArgs, SaveArgs, Eva
         return asdict(self)
 
 
+MINUTES_PER_YEAR = 525_600
+
+
 @cache
 def build_parser() -> ArgumentParser:
     """Built once per process (0.2 s of jsonargparse reading the groups' docstrings), then reused: every rank parses
@@ -323,7 +326,8 @@ def build_parser() -> ArgumentParser:
 def read_config(argv: Optional[list[str]] = None) -> Config:
     """Parse argv (default: sys.argv) without checking values; raises UsageError (one line) on a bad command line."""
     namespace = parse(build_parser(), argv)
-    return Config(**{f.name: namespace[f.name] for f in fields(Config)})
+    cfg = Config(**{f.name: namespace[f.name] for f in fields(Config)})
+    return replace(cfg, tpu=True) if cfg.accelerator == "tpu" else cfg  # one switch: --tpu is its alias
 
 
 def parse_config(argv: Optional[list[str]] = None) -> Config:
@@ -431,13 +435,16 @@ def validate_config(cfg: Config) -> list[str]:
             f"{cfg.save_step_interval}")
     require(cfg.save_step_interval > 0 or cfg.spike_guard != "rollback" and not cfg.log_model,
             "--save_step_interval 0 writes no checkpoint, which --spike_guard rollback and --log_model need")
+    require(cfg.save_step_interval > 0 or cfg.keep_last_n is None,
+            "--keep_last_n is only read when checkpoints are saved, which --save_step_interval 0 turns off: drop one")
     require(cfg.stall_timeout_min >= 0, f"--stall_timeout_min must be 0 (off) or positive, got {cfg.stall_timeout_min}")
     require(cfg.stall_timeout_min < cfg.process_group_timeout_min,
             f"--stall_timeout_min ({cfg.stall_timeout_min:g}) must be below --process_group_timeout_min "
             f"({cfg.process_group_timeout_min:g}): the watchdog prints every rank's stacks and exits with 4, which the "
             "Slurm scripts requeue; a collective that times out first ends the run without either")
-    for name in ("process_group_timeout_min", "rendezvous_timeout_min"):
-        require(getattr(cfg, name) > 0, f"--{name} must be positive, got {getattr(cfg, name)}")
+    for name in ("process_group_timeout_min", "rendezvous_timeout_min"):  # a timedelta overflows past a year or so
+        require(0 < getattr(cfg, name) <= MINUTES_PER_YEAR,
+                f"--{name} must be positive and at most a year ({MINUTES_PER_YEAR}), got {getattr(cfg, name)}")
     require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")
     for name in ("spike_z", "spike_grad_norm_z"):
         value = getattr(cfg, name)
@@ -477,6 +484,11 @@ def validate_config(cfg: Config) -> list[str]:
             "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens")
     require(cfg.lr_decay or cfg.min_lr == TrainingArgs.min_lr,
             "--min_lr is only read by the cosine decay, which --lr_decay false turns off: drop one of them")
+    rollback_only = [f"--{name}" for name in ("spike_max_rollbacks", "spike_rewarm_steps")
+                     if getattr(cfg, name) != getattr(SpikeArgs, name)]
+    require(cfg.spike_guard in ("rollback", "off") or not rollback_only,
+            f"{', '.join(rollback_only)}: only read by --spike_guard rollback, not {cfg.spike_guard}: use rollback, "
+            "or drop them")
     if cfg.spike_guard == "off":
         unread = [f"--{f.name}" for f in fields(SpikeArgs)
                   if f.name != "spike_guard" and getattr(cfg, f.name) != f.default]
@@ -484,6 +496,12 @@ def validate_config(cfg: Config) -> list[str]:
                             "choose detect, skip or rollback, or drop them")
     require(not cfg.tpu or cfg.accelerator in ("auto", "tpu"),
             f"--tpu true contradicts --accelerator {cfg.accelerator}: drop one of them")
+    if cfg.tpu:  # Lightning's XLA FSDP, whatever --strategy says: what it does not read would be dropped silently
+        require(cfg.strategy == "fsdp", f"--strategy {cfg.strategy}: TPUs train with Lightning's XLA FSDP only; "
+                                        "drop --strategy")
+        unread = [f"--{f.name}" for f in fields(FSDPArgs) if getattr(cfg, f.name) != f.default
+                  and f.name not in ("auto_wrap_policy", "gradient_checkpointing")]
+        require(not unread, f"{', '.join(unread)}: not read by Lightning's XLA FSDP, which TPUs train with; drop them")
     require(cfg.strategy != "single_device" or cfg.devices in (1, "auto") and cfg.num_nodes == 1,
             "--strategy single_device runs one process: use --devices 1 --num_nodes 1, or --strategy fsdp/ddp")
     fsdp1_only = FSDP1_ONLY_OPTIONS if cfg.strategy == "fsdp2" else ()

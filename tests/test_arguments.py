@@ -98,6 +98,9 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     (["--device_memory_gb", "80"], "--device_memory_gb is only read by --estimate_memory true"),
     (["--eval_max_new_tokens", "16"], "--eval_max_new_tokens is only read with --eval_samples N"),
     (["--lr_decay", "false", "--min_lr", "1e-6"], "--min_lr is only read by the cosine decay, which --lr_decay false"),
+    (["--accelerator", "tpu", "--strategy", "ddp"], "--strategy ddp: TPUs train with Lightning's XLA FSDP only"),
+    (["--tpu", "--sharding_strategy", "NO_SHARD", "--cpu_offload", "true"],
+     "--sharding_strategy, --cpu_offload: not read by Lightning's XLA FSDP"),
     (["--spike_guard", "off", "--spike_z", "3", "--spike_window", "20"],
      "--spike_z, --spike_window: only read by the spike guard, which --spike_guard off turns off"),
     (["--model_name", "m"], "give exactly one of --model_name"),
@@ -112,6 +115,11 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     (["--save_step_interval", "-1"], "--save_step_interval must be 0 (no checkpoints) or more"),
     (["--save_step_interval", "0", "--spike_guard", "rollback"], "--save_step_interval 0 writes no checkpoint"),
     (["--save_step_interval", "0", "--log_model"], "--save_step_interval 0 writes no checkpoint"),
+    (["--save_step_interval", "0", "--keep_last_n", "2"], "--keep_last_n is only read when checkpoints are saved"),
+    (["--spike_guard", "skip", "--spike_rewarm_steps", "5"],
+     "--spike_rewarm_steps: only read by --spike_guard rollback"),
+    (["--process_group_timeout_min", "1e15", "--stall_timeout_min", "0"],  # an OverflowError in every rank
+     "--process_group_timeout_min must be positive and at most a year (525600)"),
 ])
 def test_invalid_values_are_named(argv, message) -> None:
     cfg = read_config(REQUIRED + argv)

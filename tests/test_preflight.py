@@ -354,6 +354,16 @@ def test_a_launcher_that_started_another_number_of_processes_is_refused_in_one_l
                                   "give the run's --num_nodes")
 
 
+def test_a_tpu_run_without_torch_xla_is_refused_before_any_rank_starts(tiny, tmp_path, capsys) -> None:
+    """`--accelerator tpu` passed every check and ended each rank in a ModuleNotFoundError; it also left out the
+    layer classes --tpu wraps, as the two spellings were read apart."""
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, tmp_path / "out", accelerator="tpu", devices=1)))
+    assert exit_info.value.code == 2
+    assert "error: --accelerator tpu needs torch_xla, which this Python lacks" in capsys.readouterr().err
+    assert parse_config(train_args(tiny, tmp_path / "out", accelerator="tpu")).tpu is True
+
+
 def test_single_device_plans_one_rank_whatever_gpus_are_visible(tiny, tmp_path, monkeypatch) -> None:
     """--strategy single_device --devices auto on a node of 4 GPUs planned 4 ranks for its one process: each step
     trained a quarter of its rows and divided the loss by the tokens of all four."""

@@ -8,6 +8,7 @@ checkpoint to resume from) is returned, so the workers never re-derive it differ
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import shutil
 import sys
@@ -1020,12 +1021,16 @@ def check_precision(cfg: Config, model_config: Optional[PretrainedConfig], probl
             problems.append(problem)
 
 
-def check_offload(cfg: Config, problems: list[str]) -> None:
-    """FSDP2's CPUOffloadPolicy moves shards from an accelerator to the host; on CPU processes there is nowhere to
-    offload from, and torch fails inside every rank."""
-    if cfg.cpu_offload and cfg.strategy == "fsdp2" and resolve_accelerator(cfg) == "cpu":
-        problems.append("--cpu_offload true with --strategy fsdp2 needs GPUs: on CPU processes the shards already "
-                        "live in host memory; drop --cpu_offload")
+def check_devices(cfg: Config, problems: list[str]) -> None:
+    """CPU offloading moves shards from an accelerator to the host; on CPU processes there is nowhere to offload
+    from, and torch failed inside every rank (FSDP1 pinning memory, FSDP2's policy) after the run had written its
+    files. TPUs need torch_xla, which Lightning asks for only inside every rank."""
+    if cfg.cpu_offload and resolve_accelerator(cfg) == "cpu":
+        problems.append(f"--cpu_offload true with --strategy {cfg.strategy} needs GPUs: on CPU processes the shards "
+                        "already live in host memory; drop --cpu_offload")
+    if cfg.tpu and importlib.util.find_spec("torch_xla") is None:
+        problems.append(f"--accelerator tpu needs torch_xla, which this Python lacks: install the torch_xla release "
+                        f"of torch {torch.__version__.split('+')[0]}")
 
 
 def launched_on_every_node() -> bool:
@@ -1131,7 +1136,7 @@ def preflight(cfg: Config) -> RunInputs:
         check_out_dir(cfg, model_config, problems)
         check_run_tokenizer(cfg, tokenizer, problems)
     check_precision(cfg, model_config, problems)
-    check_offload(cfg, problems)
+    check_devices(cfg, problems)
     if not cfg.estimate_memory:  # planning logs nothing and starts no node: it plans a cluster from a laptop
         check_wandb(cfg, problems)
         check_launcher(cfg, problems)
