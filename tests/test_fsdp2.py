@@ -145,6 +145,27 @@ def test_cpu_offload_on_cpu_processes_is_refused_before_any_work(tiny, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_fsdp1_cpu_offload_with_accumulation_outside_no_sync_is_refused(tiny, tmp_path) -> None:
+    """FSDP1 copies each micro-batch's reduced gradient over the offloaded one instead of adding it (torch documents
+    it unsupported; `prepare_gradient_for_backward` leaves an offloaded gradient out of the sum): on GPUs every step
+    trained on its last micro-batch alone. On CPU processes offloading is refused before; the check is asked here."""
+    from app.optimization.schedule import make_plan
+    from app.training.preflight import check_offloaded_accumulation
+
+    def problems(accumulation: int, **options) -> list[str]:
+        cfg = parse_config(train_args(tiny, tmp_path / "out", cpu_offload=True, **options))
+        plan = make_plan(train_rows=100, block_size=32, world_size=2, micro_batch_size=4, accumulation=accumulation,
+                         number_epochs=1, max_step=None)
+        found: list[str] = []
+        check_offloaded_accumulation(cfg, plan, found)
+        return found
+
+    assert problems(2) == ["--cpu_offload true with 2 micro-batches per step: FSDP1 keeps only the last one's offloaded "
+                           "gradient; add --fsdp_no_sync true (gradients add up unsharded until the last "
+                           "micro-batch), or use --strategy fsdp2"]
+    assert problems(2, fsdp_no_sync=True) == problems(1) == problems(2, strategy="fsdp2") == []
+
+
 ONE_RANK = dict(devices=1, gradient_accumulation_steps=4, eval_iters=8)
 COMPILED_RUNS = {
     "fsdp compiled, 1 rank": dict(strategy="fsdp", compile=True, **ONE_RANK),

@@ -1033,6 +1033,17 @@ def check_devices(cfg: Config, problems: list[str]) -> None:
                         f"of torch {torch.__version__.split('+')[0]}")
 
 
+def check_offloaded_accumulation(cfg: Config, plan: TrainingPlan, problems: list[str]) -> None:
+    """FSDP1 with CPU offloading does not add a micro-batch's reduced gradient to the offloaded one: it copies it over
+    (torch's FSDP documents gradient accumulation outside no_sync() with CPU offloading as unsupported;
+    `FlatParamHandle.prepare_gradient_for_backward` leaves an offloaded gradient out of the sum), so every step would
+    train on its last micro-batch alone. Inside no_sync (--fsdp_no_sync) the gradients add up unsharded."""
+    if cfg.cpu_offload and cfg.strategy == "fsdp" and plan.accumulation > 1 and not cfg.fsdp_no_sync:
+        problems.append(f"--cpu_offload true with {plan.accumulation} micro-batches per step: FSDP1 keeps only the "
+                        "last one's offloaded gradient; add --fsdp_no_sync true (gradients add up unsharded until the "
+                        "last micro-batch), or use --strategy fsdp2")
+
+
 def launched_on_every_node() -> bool:
     """True when something starts the ranks of every node: a launcher Lightning detects (Slurm's srun, torchrun,
     LSF's jsrun, MPI), or Lightning's manual multi-node variables (MASTER_ADDR and NODE_RANK set on each node)."""
@@ -1129,6 +1140,8 @@ def preflight(cfg: Config) -> RunInputs:
     resume = resolve_resume(cfg, model_config, problems)
     check_data_resume(cfg, data, resume, problems)
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
+    if plan is not None:
+        check_offloaded_accumulation(cfg, plan, problems)
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
     if data is not None:
         check_samples(cfg, data, tokenizer, problems, model_config)
