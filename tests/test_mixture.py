@@ -251,7 +251,8 @@ def test_a_resume_may_change_the_weights_but_not_drop_or_reorder_the_folders(tin
     checkpoint = straight / "checkpoints" / "step-00000060.ckpt"
 
     def resumed(spec: str) -> list[str]:
-        return train_args(tiny, tmp_path / "out", train_data_dir=spec, resume=True, checkpoint=checkpoint)
+        return train_args(tiny, tmp_path / "out", train_data_dir=spec, resume=True, checkpoint=checkpoint,
+                          max_step=80)
 
     annealed = preflight(parse_config(resumed(f"{tiny.data}/:1,{small}:1")))  # the same folders, new weights
     assert annealed.mixture and "50.0% of every step" in annealed.mixture
