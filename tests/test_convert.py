@@ -545,6 +545,48 @@ def test_generate_refuses_chat_for_a_model_without_a_chat_template_in_one_line(t
         f"generate.py: error: MODEL {tmp_path / 'plain'} has no chat template; drop --chat; see generate.py --help"]
 
 
+def test_generate_keeps_special_token_text_in_a_prompt_as_text_as_training_did(tiny) -> None:
+    """`x = "</s>"` in a prompt became an end of sequence in its middle, which no training example holds
+    (prepare_data.py splits special-token text, and sanitises it in chats): the answers changed."""
+    from app.huggingface.generate import model_input
+    from app.prepare.tokenizer import encode_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    prompt = 'x = "</s>"'
+    plain = model_input(tokenizer, GenerateArgs("model", prompt=prompt), config)["input_ids"][0].tolist()
+    assert plain == encode_texts(tokenizer, [prompt], [])[0] and tokenizer.eos_token_id not in plain
+    chat = model_input(tokenizer, GenerateArgs("model", prompt=prompt, chat=True), config)["input_ids"][0].tolist()
+    assert tokenizer.eos_token_id not in chat
+
+
+def test_generate_says_what_to_do_with_a_run_a_checkpoint_or_a_data_folder(full_run, tiny, capsys) -> None:
+    """transformers' reasons ("Couldn't instantiate the backend tokenizer", "not a valid JSON file") said nothing
+    of converting first."""
+    checkpoint = full_run / "checkpoints" / "step-00000008.ckpt"
+    for given in (full_run, checkpoint):
+        with pytest.raises(SystemExit):
+            generate_main([str(given)])
+        assert capsys.readouterr().err.startswith(
+            f"generate.py: error: MODEL {given} is a train.py checkpoint or run folder: convert it first (python "
+            f"convert_to_hf.py --checkpoint {given} --output_dir DIR), then give DIR")
+    with pytest.raises(SystemExit):
+        generate_main([str(tiny.data)])
+    assert f"MODEL {tiny.data} is a prepared data folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--max_new_tokens", "0", "--max_new_tokens must be at least 1, got 0"),
+    ("--temperature", "-1", "--temperature must be 0 (greedy) or positive, got -1.0"),
+])
+def test_generate_refuses_numbers_generate_cannot_take_in_one_line(tmp_path, capsys, option, value, message) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(tmp_path), option, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"generate.py: error: {message}; see generate.py --help"
+
+
 @pytest.mark.parametrize("main, heading", [(generate_main, "Generation:"), (prefetch_main, "Repositories:")])
 def test_help_groups_are_named_like_the_other_commands(main, heading, capsys) -> None:
     """A dataclass without a docstring showed its generated signature as the help group's heading."""

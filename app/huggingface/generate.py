@@ -6,7 +6,8 @@ python generate.py demo/sft-model --chat true --prompt "def add(a, b):\\n    ret
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -19,12 +20,15 @@ from app.prepare.tokenizer import document_suffix, encode_texts
 
 
 def model_input(tokenizer, args: GenerateArgs, config: Any) -> dict[str, torch.Tensor]:
+    """The prompt encoded as prepare_data.py encodes training text: special-token text in it ("</s>",
+    "<|eot_id|>" in code about tokenizers) stays text, where the tokenizer alone made it an end of sequence in the
+    middle of the prompt, which the model never saw in training."""
     if args.chat:
         return tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)
+                                             return_tensors="pt", return_dict=True, sanitize_control_tokens=True)
     if config.is_encoder_decoder:
         return source_input(tokenizer, args.prompt)
-    return tokenizer(args.prompt, return_tensors="pt")
+    return tokenizer(args.prompt, return_tensors="pt", split_special_tokens=True)
 
 
 def source_input(tokenizer, text: str) -> dict[str, torch.Tensor]:
@@ -68,7 +72,7 @@ def generate(args: GenerateArgs) -> str:
 def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
     """The folder's (or Hub model's) tokenizer and config, before any weights are read; an uncached Hub id without the
     Hub is refused at once (app/hub.py), not after a minute of retries."""
-    missing = missing_model_problem("MODEL", args.model)
+    missing = missing_model_problem("MODEL", args.model) or training_folder_problem(Path(args.model))
     if missing:
         raise UsageError(missing)
     try:
@@ -77,6 +81,17 @@ def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
     except (OSError, ValueError) as error:
         raise UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load "
                              f"({str(error).strip().splitlines()[0]}); give a folder written by convert_to_hf.py")
+
+
+def training_folder_problem(path: Path) -> Optional[str]:
+    """A run folder, a checkpoint or a prepared data folder given for MODEL, said as such: transformers' own reason
+    ("Couldn't instantiate the backend tokenizer", "not a valid JSON file") did not say what to do."""
+    if path.name.startswith("step-") and path.exists() or (path / "checkpoints").is_dir():
+        return (f"MODEL {path} is a train.py checkpoint or run folder: convert it first (python convert_to_hf.py "
+                f"--checkpoint {path} --output_dir DIR), then give DIR")
+    if (path / "dataset_dict.json").is_file():
+        return f"MODEL {path} is a prepared data folder; give a folder written by convert_to_hf.py"
+    return None
 
 
 def why_it_stopped(new_tokens: list[int], own_config: Any, tokenizer: Any, max_new_tokens: int) -> str:

@@ -36,7 +36,12 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
     parser = cli.command_parser(PROG, DESCRIPTION, [GenerateArgs], config=False, skip={"model"})
     parser.add_argument("model", metavar="MODEL", help="Folder written by convert_to_hf.py (or any Hugging Face "
                                                        "causal LM or encoder-decoder).")
-    return GenerateArgs(**cli.parse(parser, argv).as_dict())
+    args = GenerateArgs(**cli.parse(parser, argv).as_dict())
+    if args.max_new_tokens < 1:
+        raise cli.UsageError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    if args.temperature is not None and args.temperature < 0:
+        raise cli.UsageError(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> None:
