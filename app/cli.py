@@ -6,7 +6,8 @@ plot_metrics.py, generate.py and show_samples.py.
   `--devices 8 --config run.yaml` trains on 8 devices, as `--config run.yaml --devices 8` does (jsonargparse applies
   a file where it stands, so a flag before it was silently overridden).
 - Shell forms: a bare boolean flag means true (`--resume` as `--resume true`), lists take their items plainly
-  (`--input a.jsonl b.jsonl`, `--auto_wrap_policy LlamaDecoderLayer`); the YAML/bracket forms still work.
+  (`--input a.jsonl b.jsonl`, `--auto_wrap_policy LlamaDecoderLayer`); the YAML/bracket forms still work; a list
+  option given twice is refused (only its last values would count).
 - A bad command line is one line on stderr ending with "see <prog> --help", exit status 2: no usage dump, no
   traceback, nothing written.
 - Progress bars of the libraries only on a terminal (`bars_only_on_a_terminal`): in a log they are noise.
@@ -144,6 +145,7 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
     arguments = config_files_first(sys.argv[1:] if argv is None else list(argv))
     check_config_files(parser, [part for word in arguments
                                 for part in (word.split("=", 1) if word.startswith(CONFIG_FLAG + "=") else [word])])
+    check_lists_given_once(parser, arguments)
     try:
         namespace = parser.parse_args(arguments)
     except jsonargparse.ArgumentError as error:
@@ -153,6 +155,18 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
         if isinstance(value, list) and len(value) == 1 and value[0].strip().startswith("["):
             namespace[action.dest] = [str(item) for item in yaml.safe_load(value[0]) or []]  # `--input '[a, b]'`
     return namespace
+
+
+def check_lists_given_once(parser: ArgumentParser, arguments: list[str]) -> None:
+    """A list option given twice (`--input a.jsonl --input b.jsonl`, `--run A --run B`) kept only its last values:
+    one input prepared, one run plotted, without a word."""
+    flags = [word.split("=", 1)[0] for word in arguments if word.startswith("--")]
+    for action in parser._actions:
+        if getattr(action, "bracketed_too", False):
+            given = [flag for flag in flags if flag in action.option_strings]
+            if len(given) > 1:
+                raise UsageError(f"{given[0]} is given {len(given)} times, and only the last would count; give all "
+                                 f"its values after one {given[0]} ({given[0]} A B)")
 
 
 def one_line(parser: ArgumentParser, message: str) -> str:

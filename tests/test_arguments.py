@@ -87,6 +87,18 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     assert cfg.resume is False and cfg.auto_wrap_policy == ["LlamaDecoderLayer"] and cfg.log_model == "all"
 
 
+def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_values() -> None:
+    """`prepare_data.py --input a.jsonl --input b.jsonl` prepared b alone, `plot_metrics.py --run A --run B` plotted B
+    alone, without a word."""
+    for command, flag in (("prepare_data.py", "--input"), ("plot_metrics.py", "--run"), ("train.py",
+                                                                                         "--auto_wrap_policy")):
+        result = subprocess.run([sys.executable, command, flag, "a", flag, "b"], cwd=ROOT, capture_output=True,
+                                text=True)
+        assert result.returncode == 2 and result.stderr.startswith(
+            f"{command}: error: {flag} is given 2 times, and only the last would count; give all its values after "
+            f"one {flag} ({flag} A B)"), result.stderr
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--lr", "0"], "--lr must be positive"),
     (["--min_lr", "1", "--lr", "0.1"], "--min_lr must be between 0 and --lr"),
