@@ -3,7 +3,7 @@ import against its order):
 
 | where | what it holds |
 | --- | --- |
-| exit_codes.py, choices.py, cli.py, hub.py, folders.py | what every part shares: exit statuses, option sets, how a command line meets a shell, whether a Hub name loads from here, folders written whole |
+| exit_codes.py, choices.py, cli.py, hub.py, folders.py | what every part shares: exit statuses, option sets, how a command line meets a shell, whether a Hub name loads from here, folders and files written whole |
 | distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py: devices |
 | optimization/ | optimizer.py, schedule.py: AdamW's groups and clipping, batch arithmetic and lr(step) |
 | reliability/ | signals.py, watchdog.py, workers.py, torchrun.py, spikes.py: keeping a run alive, ending it well, loss spikes |

@@ -1,6 +1,7 @@
-"""Folders written whole: a command writes its output under a hidden name beside it and renames it into place, so
-that a crash or a kill leaves the old folder or the new one, never half of one; and what a killed writer left
-beside it is cleaned up by the next. Shared by prepare_data.py's dataset and convert_to_hf.py's model folder."""
+"""Folders and files written whole: a command writes its output under a hidden name beside it and renames it into
+place, so that a crash or a kill leaves the old one or the new one, never half of one; and what a killed writer left
+beside a folder is cleaned up by the next. Shared by prepare_data.py's dataset, convert_to_hf.py's model folder, and
+the files a run rewrites (metrics.csv, the generation samples)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,16 @@ def real_folder(final: Path) -> Path:
     other storage stays linked and is replaced where it lives (renaming the link itself left a plain folder in its
     place, the old data behind, and a traceback), and `.` or `..` by their real names, beside which it is staged."""
     return final.resolve() if final.is_symlink() or final.name in ("", ".", "..") else final
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write `path` under a temporary name and rename it into place: a resumed run rewrites metrics.csv with the rows
+    it keeps, and a full disk (ENOSPC) or a kill while writing must leave the old file, not a truncated history."""
+    temporary = path.with_name(f".{path.name}.partial")
+    try:
+        with open(temporary, "w", newline="") as handle:
+            handle.write(text)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    os.replace(temporary, path)

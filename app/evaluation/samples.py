@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from app.checkpoint.files import move_aside
 from app.data.formats import Sample
+from app.folders import replace_file
 from app.model.build import evaluation_mode, strategy_module
 from app.model.isolation import decoder_inputs_from_labels
 from app.prepare.chat_template import end_of_turn_id
@@ -178,10 +179,10 @@ def samples_written(out_dir: Path) -> list[Path]:
 
 
 def write_samples(path: Path, prompts: list[str], references: list[str], generated: list[str]) -> None:
+    """Written whole (show_samples.py may read it meanwhile; a kill must not leave half of it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        for prompt, reference, text in zip(prompts, references, generated):
-            handle.write(json.dumps({"prompt": prompt, "reference": reference, "generated": text}) + "\n")
+    replace_file(path, "".join(json.dumps({"prompt": prompt, "reference": reference, "generated": text}) + "\n"
+                               for prompt, reference, text in zip(prompts, references, generated)))
 
 
 @dataclass

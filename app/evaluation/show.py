@@ -28,10 +28,22 @@ def show(out_dir: Path, count: int) -> str:
     """The start of each prompt (whitespace collapsed), its reference and what the model wrote."""
     path = latest_samples(out_dir)
     lines = [f"{path}:"]
-    for record in map(json.loads, path.read_text().splitlines()[:count]):
+    for record in samples_in(path)[:count]:
         lines += [f"  prompt     {' '.join(record['prompt'].split())[:110]}", f"  reference  {record['reference']}",
                   f"  generated  {record['generated']}", ""]
     return "\n".join(lines)
+
+
+def samples_in(path: Path) -> list[dict[str, str]]:
+    """The records of a samples file; one that is not what train.py writes is one line, not a traceback."""
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{path}: not readable as train.py's samples ({error})") from None
+    if not records or not all(isinstance(r, dict) and {"prompt", "reference", "generated"} <= r.keys()
+                              for r in records):
+        raise UsageError(f"{path}: not train.py's samples (each line a prompt, a reference and what was generated)")
+    return records
 
 
 @dataclass

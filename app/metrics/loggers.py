@@ -14,6 +14,7 @@ from lightning_fabric.loggers.logger import rank_zero_experiment
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 from app.data.mixture import parse_sources
+from app.folders import replace_file
 from app.metrics.console import Console
 from app.metrics.observe import summary_lines
 
@@ -31,19 +32,6 @@ RUN_ID_FILE = "wandb_run_id"
 METRICS_FILE = "metrics.csv"
 SUMMARY_FILE = "summary.json"
 ROWS_FILE = "rows.jsonl"
-
-
-def replace_file(path: Path, text: str) -> None:
-    """Write `path` under a temporary name and rename it into place: a resumed run rewrites metrics.csv with the rows
-    it keeps, and a full disk (ENOSPC) or a kill while writing must leave the old file, not a truncated history."""
-    temporary = path.with_name(f".{path.name}.partial")
-    try:
-        with open(temporary, "w", newline="") as handle:
-            handle.write(text)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    os.replace(temporary, path)
 
 
 class CSVMetrics(Logger):

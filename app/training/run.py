@@ -26,8 +26,9 @@ from app.distributed.strategy import build_fabric, gradient_replicas, resolve_ac
 from app.evaluation.samples import SampleEvaluator, decoding_for, fit_to_context, set_aside_samples_after
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_SPIKES)
+from app.folders import replace_file
 from app.metrics.console import Console
-from app.metrics.loggers import SUMMARY_FILE, RowRecord, make_loggers, replace_file, report_summary
+from app.metrics.loggers import SUMMARY_FILE, RowRecord, make_loggers, report_summary
 from app.metrics.memory_plan import ModelShape, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.model.build import DeferredInit, deferred_init, setup_model
