@@ -12,7 +12,7 @@ import pytest
 from matplotlib.image import imread
 
 from app.metrics.loggers import COLUMNS
-from app.metrics.plot import main, metric_series
+from app.metrics.plot import distinct_labels, main, metric_series
 from tests.conftest import ROOT, run_train, train_args
 
 HEADER = ",".join(COLUMNS)
@@ -112,6 +112,8 @@ def test_overlays_runs_and_accepts_a_csv_path(two_runs, tmp_path) -> None:
     svg = tmp_path / "both.svg"
     assert plot(real, "--run", shifted, "--output", svg).returncode == 0
     assert "shifted-run" in svg.read_text() and "real-run" in svg.read_text(), "each line is named after its run"
+    assert distinct_labels([Path("/a/x/run"), Path("/b/x/run"), Path("/c/other")]) == ["a/x/run", "b/x/run", "c/other"]
+    assert distinct_labels([Path("/a/run"), Path("/b/sft")]) == ["run", "sft"]  # two runs named `run` looked alike
 
 
 def test_mfu_gets_its_own_axis_and_a_panel_without_values_says_no_data(tmp_path) -> None:

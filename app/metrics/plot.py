@@ -94,6 +94,17 @@ def load_run(path: Path) -> Run:
     return Run(csv_path.resolve().parent.name, series)
 
 
+def distinct_labels(folders: list[Path]) -> list[str]:
+    """Each run's folder name, or as many of its last path parts as tell it from the others: two runs both named
+    `run` were labelled alike in the title and the legend."""
+    names = [folder.parts[1:] if folder.is_absolute() else folder.parts for folder in folders]
+    for depth in range(1, max(map(len, names)) + 1):
+        labels = ["/".join(parts[-depth:]) for parts in names]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(folder) for folder in folders]  # the same folder twice
+
+
 def output_path(output: str | None, first_run: Path) -> Path:
     """Where the picture goes; its format follows the suffix, so an unknown suffix is refused up front."""
     if output is None:
@@ -183,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> tuple[list[Run], Path]:
         args = parse_args(argv)
-        return [load_run(Path(path)) for path in args.run], output_path(args.output, Path(args.run[0]))
+        runs = [load_run(Path(path)) for path in args.run]
+        labels = distinct_labels([metrics_csv(Path(path)).resolve().parent for path in args.run])
+        return [Run(label, run.series) for label, run in zip(labels, runs)], output_path(args.output, Path(args.run[0]))
 
     runs, output = cli.run_command("plot_metrics.py", load)
     draw(runs, output)
