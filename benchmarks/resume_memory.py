@@ -58,6 +58,8 @@ def measure(fabric, cfg, inputs, deferred, checkpoint: Path, report: str) -> int
 
 
 def main() -> None:
+    if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+        sys.exit(__doc__)
     report, checkpoint, cfg = sys.argv[1], Path(sys.argv[2]), parse_config(sys.argv[3:])
     inputs = preflight(cfg)
     deferred = deferred_init(cfg, inputs.model_config)
