@@ -64,11 +64,15 @@ def test_a_spike_is_a_loss_or_gradient_norm_far_above_recent_steps_and_only_abov
     assert by_norm is not None and not by_norm.by_loss and "gradient norm 5 above" in by_norm.describe()
 
 
-def test_spikes_that_rows_explain_or_in_the_gradient_norm_alone_are_skipped_however_many() -> None:
-    guard = warmed_guard("rollback", grad_norm_z=6.0)
+def test_spikes_that_rows_explain_are_skipped_however_many_and_unexplained_norm_spikes_escalate() -> None:
+    """Spikes in the gradient norm alone were skipped however many: a norm that moved up for good left 37 steps in a
+    row unapplied, and the run ended as finished without training."""
+    guard = warmed_guard("rollback", grad_norm_z=6.0, incident_spikes=3, incident_steps=50, max_rollbacks=1)
     actions = [guard.respond(guard.judge(41 + i, 9.0, 1.0), explained=True) for i in range(10)]
-    actions += [guard.respond(guard.judge(51 + i, 3.0, 9.0), explained=False) for i in range(10)]
+    actions += [guard.respond(guard.judge(41 + i, 3.0, 9.0), explained=True) for i in range(10)]
     assert actions == ["skip"] * 20 and guard.history.skipped_steps == 20 and guard.history.recent_spikes == []
+    assert [guard.respond(guard.judge(60 + i, 3.0, 9.0), explained=False) for i in range(3)] == [
+        "skip", "skip", "rollback"]
 
 
 def test_unexplained_spikes_that_repeat_roll_back_then_stop_when_no_rollback_is_left() -> None:

@@ -179,15 +179,16 @@ class SpikeGuard:
 
     def respond(self, spike: Spike, explained: bool) -> Action:
         """What to do with this spike; counts it. A spike that rows explain (`culprits`) is bad data: skipped, the
-        rows set aside; so is one in the gradient norm alone. Unexplained spikes in the loss (the whole batch
-        high: the model, not the data) escalate when they repeat: rollback under `rollback` while rollbacks are
-        left, else stop."""
+        rows set aside. Unexplained spikes, in the loss or the gradient norm (the whole batch high: the model, not the
+        data), escalate when they repeat: rollback under `rollback` while rollbacks are left, else stop. (Spikes in
+        the gradient norm alone were skipped however many: a norm that moved up for good, which the statistics of
+        accepted steps never learn, left every later step unapplied and the run "finished" without training.)"""
         rules, history = self.rules, self.history
         history.spikes += 1
         if rules.mode == "detect":
             return "apply"
         history.skipped_steps += 1
-        if explained or not spike.by_loss:
+        if explained:
             return "skip"
         history.recent_spikes = [s for s in history.recent_spikes if s > spike.step - rules.incident_steps]
         history.recent_spikes.append(spike.step)
