@@ -262,19 +262,24 @@ def set_matmul_precision(fabric: Fabric, cfg: Config) -> None:
 
 
 def spike_guard(fabric: Fabric, cfg: Config, state: dict[str, Any], data: TrainingData) -> SpikeGuard:
-    """The guard with what the run (or the checkpoint it resumes) knows; the rows it set aside train nothing."""
+    """The guard with what the run (or the checkpoint it resumes) knows; the rows it set aside train nothing, also
+    resumed under `detect` (which sets none aside itself: they trained again while the summary counted them set
+    aside); under `off`, they train again, and the run says so."""
     guard = SpikeGuard(SpikeRules(mode=cfg.spike_guard, z=cfg.spike_z, grad_norm_z=cfg.spike_grad_norm_z,
                                   window=cfg.spike_window,
                                   warmup=cfg.spike_warmup, incident_spikes=cfg.spike_incident,
                                   incident_steps=cfg.spike_incident_steps, max_rollbacks=cfg.spike_max_rollbacks,
                                   rewarm_steps=cfg.spike_rewarm_steps),
                        SpikeHistory.from_dict(state["spike_guard"]))
-    if guard.sets_aside and guard.history.quarantine:
+    if guard.active and guard.history.quarantine:
         data.quarantine(guard.history.quarantined_rows())
         if fabric.is_global_zero:
             write_quarantine(Path(cfg.out_dir), guard.history.quarantine, data.locate)
         fabric.print(f"{len(guard.history.quarantine)} train rows set aside by the spike guard train nothing "
                      f"({Path(cfg.out_dir) / QUARANTINE_FILE})")
+    elif guard.history.quarantine:
+        fabric.print(f"{len(guard.history.quarantine)} train rows the spike guard had set aside train again "
+                     "(--spike_guard off)")
     return guard
 
 
