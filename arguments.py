@@ -489,6 +489,11 @@ def validate_config(cfg: Config) -> list[str]:
     require(cfg.spike_guard in ("rollback", "off") or not rollback_only,
             f"{', '.join(rollback_only)}: only read by --spike_guard rollback, not {cfg.spike_guard}: use rollback, "
             "or drop them")
+    acting_only = [f"--{name}" for name in ("spike_incident", "spike_incident_steps")
+                   if getattr(cfg, name) != getattr(SpikeArgs, name)]
+    require(cfg.spike_guard != "detect" or not acting_only,
+            f"{', '.join(acting_only)}: not read by --spike_guard detect, which only reports spikes: use skip or "
+            "rollback, or drop them")
     if cfg.spike_guard == "off":
         unread = [f"--{f.name}" for f in fields(SpikeArgs)
                   if f.name != "spike_guard" and getattr(cfg, f.name) != f.default]

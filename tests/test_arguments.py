@@ -130,6 +130,7 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--save_step_interval", "0", "--keep_last_n", "2"], "--keep_last_n is only read when checkpoints are saved"),
     (["--spike_guard", "skip", "--spike_rewarm_steps", "5"],
      "--spike_rewarm_steps: only read by --spike_guard rollback"),
+    (["--spike_guard", "detect", "--spike_incident", "1"], "--spike_incident: not read by --spike_guard detect"),
     (["--process_group_timeout_min", "1e15", "--stall_timeout_min", "0"],  # an OverflowError in every rank
      "--process_group_timeout_min must be positive and at most a year (525600)"),
 ])
