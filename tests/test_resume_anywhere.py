@@ -368,12 +368,23 @@ def test_a_checkpoint_that_records_only_paths_resumes_on_a_folder_of_that_name_o
     assert len(problems) == 1 and "records paths only" in problems[0], problems
 
 
+def test_a_run_of_one_folder_is_not_resumed_as_a_mixture(tiny, moved_run, tmp_path) -> None:
+    """A mixture draws each folder's rows in an order of its own: resumed with a folder added, a run of one folder
+    read its folder again from the start (34 of 120 rows trained twice) and lost its token count, without a word."""
+    shutil.copytree(moved_run.data, tmp_path / "small")
+    saved = read_metadata(list_checkpoints(moved_run.out_dir)[2])
+    (problem,) = resumed_data_problems(tiny, moved_run, f"{moved_run.data}:3,{tmp_path / 'small'}:1", saved)
+    assert problem.startswith(f"--train_data_dir: the checkpoint was trained on {moved_run.trained_on} alone, in an "
+                              "order a mixture does not continue"), problem
+    assert resumed_data_problems(tiny, moved_run, str(moved_run.data), saved) == []
+
+
 def test_a_moved_mixture_keeps_its_folders_names_and_order(tiny, moved_run, tmp_path) -> None:
     """A mixture's positions and seeds are kept per folder name: a moved folder of another name must be named as
     before; new weights and a folder added at the end are fine, another order is not."""
     shutil.copytree(moved_run.data, tmp_path / "small")
     saved = read_metadata(list_checkpoints(moved_run.out_dir)[2])
-    mixture = saved | {"data_folders": [
+    mixture = saved | {"mixture": {}, "data_folders": [  # a mixture's positions: not read by this check
         saved["data_folders"][0] | {"name": "data"}, saved["data_folders"][0] | {"name": "small"}]}
     assert resumed_data_problems(tiny, moved_run, f"{moved_run.data}:1,{tmp_path / 'small'}:1", mixture) == []
     assert resumed_data_problems(tiny, moved_run, f"{moved_run.data}:3,{tmp_path / 'small'}:1,"

@@ -208,7 +208,8 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
 def check_data_resume(cfg: Config, data: Optional[DataFacts], resume: Optional[Resume], problems: list[str]) -> None:
     """A resumed run reads the checkpoint's folders in their order: its position counts rows of that order, a
     mixture's positions and seeds are kept per folder name and its quarantined rows are numbered folder after folder.
-    Weights may change and folders may be added at the end. Folders are compared by what they hold
+    Weights may change and folders may be added at the end of a mixture's (not to a run of one folder, whose position
+    counts rows of another order: its rows were read again from the start). Folders are compared by what they hold
     (app/data/identity.py), not by path: a preempted run resumes on another node, mount or working directory. The
     order is drawn from --seed: resumed with another, the rest of the epoch repeated rows it had trained and skipped
     others, without a word."""
@@ -227,6 +228,12 @@ def check_data_resume(cfg: Config, data: Optional[DataFacts], resume: Optional[R
            "added after them)"
     if len(now) < len(before):
         problems.append(f"--train_data_dir: the checkpoint was trained on {listed}; {keep}")
+        return
+    if len(now) > 1 and resume.metadata.get("mixture") is None:  # a run of one folder, resumed as a mixture
+        problems.append(f"--train_data_dir: the checkpoint was trained on {listed} alone, in an order a mixture does "
+                        "not continue (a mixture draws each folder's rows in an order of its own): the resumed run "
+                        "would read that folder again from its start; resume on that folder alone, or start the "
+                        "mixture as a new run from the checkpoint's weights (convert_to_hf.py, then --model_name)")
         return
     for place, (saved, given) in enumerate(zip(before, now), start=1):
         why = folder_mismatch(saved, given, mixture=len(before) > 1)
