@@ -218,7 +218,8 @@ class LoggingArgs:
     """Logging"""
 
     log_interval: int = 10
-    """Print and log training metrics every this many optimizer steps."""
+    """Print and log training metrics every this many optimizer steps, and at each checkpoint (so that a resumed
+    run's averages cover the steps a run that was not stopped averaged)."""
     entity: Optional[str] = None
     """Weights & Biases entity (user or team); default: $WANDB_ENTITY, else your default entity."""
     project: Optional[str] = None

@@ -319,6 +319,22 @@ def resumed_data_problems(tiny, moved_run, spec: str, metadata: dict, **options)
     return problems
 
 
+def test_a_resumed_run_logs_the_same_train_losses_as_a_run_that_was_not_stopped(tiny, tmp_path) -> None:
+    """With --log_interval 3 and a checkpoint at step 4, a resume's first logged loss averaged steps 5-6 where the
+    straight run's averaged 4-6, and step 4's loss was logged nowhere: each checkpoint is now a log point."""
+    options = ONE_PROCESS | dict(max_step=10, log_interval=3, save_step_interval=4, eval_step_interval=100)
+    run_train(train_args(tiny, tmp_path / "straight", **options)).check_returncode()
+    resumed = run_train(train_args(tiny, tmp_path / "resumed", resume=True, **options,
+                                   checkpoint=tmp_path / "straight" / "checkpoints" / "step-00000004.ckpt"))
+    resumed.check_returncode()
+    straight, continued = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    logged = sorted(step for step, row in straight.items() if "train_loss" in row)
+    assert logged == [3, 4, 6, 8, 9, 10]
+    assert sorted(step for step, row in continued.items() if "train_loss" in row) == [6, 8, 9, 10]
+    for step in (6, 8, 9, 10):
+        assert continued[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-6), step
+
+
 def test_a_resume_to_a_max_step_before_the_checkpoints_is_refused(tiny, moved_run, capsys) -> None:
     """It printed "training 1 steps", trained nothing, exited 0 and replaced summary.json with a summary of 0 steps."""
     from app.training.preflight import preflight

@@ -193,14 +193,15 @@ class Loop:
             throughput = self.clock.tick(state["step"])
             self.console.advance()
             step, last = state["step"], state["step"] == plan.max_step
+            saving = is_save_step(step, last, cfg.save_step_interval) or verdict.stop_requested
             metrics: dict[str, float] = {}
-            if step % cfg.log_interval == 0 or last:
+            if step % cfg.log_interval == 0 or last or saving:  # a resume then logs the steps a straight run logs
                 metrics |= self.training_metrics(losses, verdict.grad_norm, lr, throughput)
                 losses = []
             evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
             if evaluated:
                 metrics |= self.evaluate()
-            if is_save_step(step, last, cfg.save_step_interval) or verdict.stop_requested:
+            if saving:
                 metrics |= self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
             if metrics:
                 self.fabric.log_dict(metrics, step=step)
