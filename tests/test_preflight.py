@@ -374,6 +374,16 @@ def test_single_device_plans_one_rank_whatever_gpus_are_visible(tiny, tmp_path, 
     assert world_size(replace(cfg, strategy="fsdp")) == 4
 
 
+def test_a_tpu_run_with_devices_auto_plans_the_tpu_cores_not_the_gpus(tiny, tmp_path, monkeypatch) -> None:
+    """`--accelerator tpu --devices auto` counted CUDA GPUs (none on a TPU host): one rank planned for the eight
+    processes Lightning's XLA launcher starts, so every batch and loss normalisation was planned for one rank."""
+    from lightning_fabric.accelerators import XLAAccelerator
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(XLAAccelerator, "auto_device_count", staticmethod(lambda: 8))
+    cfg = parse_config(train_args(tiny, tmp_path / "out", accelerator="tpu", devices="auto", num_nodes=2))
+    assert world_size(cfg) == 16
+
+
 def test_wandb_follows_its_environment_unless_a_flag_says_otherwise(tiny, tmp_path, capsys, monkeypatch) -> None:
     """docker/run.sh forwards WANDB_MODE; the project's own default used to override it (offline, always)."""
     for name in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_NAME"):

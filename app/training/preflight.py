@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import torch
 import yaml
 from datasets import DatasetDict, load_from_disk
+from lightning_fabric.accelerators import XLAAccelerator
 from lightning_fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
                                                    TorchElasticEnvironment)
 from torch.nn import Module
@@ -125,14 +126,18 @@ def note(message: str) -> None:
 
 
 def world_size(cfg: Config) -> int:
-    """The run's ranks: --devices x --num_nodes; `auto` counts the visible GPUs (one process for single_device,
-    whose plan once counted every GPU of the node and trained a 1/N share of each step)."""
+    """The run's ranks: --devices x --num_nodes; `auto` counts the visible GPUs, or the TPU cores under --tpu as
+    Lightning's XLA launcher does (one process for single_device, whose plan once counted every GPU of the node and
+    trained a 1/N share of each step)."""
     if cfg.strategy == "single_device":
         return 1
     if cfg.devices != "auto":
         return cfg.devices * cfg.num_nodes
-    gpus = torch.cuda.device_count() if cfg.accelerator in ("auto", "gpu", "cuda") else 0
-    return max(gpus, 1) * cfg.num_nodes
+    if cfg.tpu:
+        local = XLAAccelerator.auto_device_count()
+    else:
+        local = torch.cuda.device_count() if cfg.accelerator in ("auto", "gpu", "cuda") else 0
+    return max(local, 1) * cfg.num_nodes
 
 
 def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
