@@ -129,7 +129,9 @@ def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_with
     """647 rows, 2 epochs at 16 a step (80 steps), saved at step 40 and resumed at 32 a step (20 steps left): the
     rate was recounted over 60 steps and fell 45% at once; now each resumed step moves the schedule by two of the
     checkpoint's steps, as it trains two steps' data, and reaches --min_lr at the run's last step. A later resume
-    of that run continues the same way; one at the checkpoint's own batch counts in steps as before."""
+    of that run continues the same way; one at the checkpoint's own batch counts in steps as before. Given one more
+    epoch as well, the schedule was recounted to the new end from the checkpoint's step count: half-way after a
+    third of the data."""
     from types import SimpleNamespace
 
     from app.training.preflight import plan_from_checkpoint
@@ -155,8 +157,14 @@ def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_with
     assert again.schedule_step(51) == pytest.approx(62) and again.schedule_step(60) == pytest.approx(80)
     same = plan_from_checkpoint(cfg, saved, plan(16))
     assert same.resumed_schedule is None and same.schedule_step(41) == 41 and same.schedule_length == 80
-    longer = plan_from_checkpoint(SimpleNamespace(max_step=None, number_epochs=3), saved, plan(32))
-    assert longer.resumed_schedule is None, "a run given more epochs recounts its schedule to its new end"
+    three_epochs = SimpleNamespace(max_step=None, number_epochs=3)
+    longer = plan_from_checkpoint(three_epochs, saved, plan(16))
+    assert longer.resumed_schedule is None and longer.max_step == 120, "more epochs: the schedule's new end"
+    longer_and_larger = plan_from_checkpoint(three_epochs, saved, plan(32))
+    assert longer_and_larger.max_step == 80
+    assert longer_and_larger.schedule_step(40) == 20 and longer_and_larger.schedule_length == 60, \
+        "one epoch of three trained: a third of the way, not at step 40 of 80"
+    assert longer_and_larger.schedule_step(80) == 60
 
 
 def test_a_mixture_resumed_at_another_global_batch_counts_the_steps_left_from_its_position() -> None:
