@@ -347,6 +347,19 @@ def test_a_resume_to_a_max_step_before_the_checkpoints_is_refused(tiny, moved_ru
                                                "larger --max_step to train on, or convert the checkpoint as it is")
 
 
+def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_files(tiny, moved_run, tmp_path) -> None:
+    """A relaunch of a run that had reached its --max_step (a re-run of its command, a requeue) printed "training 2
+    steps", exited 0 and replaced its summary.json with a summary of 0 steps, and its config.yaml."""
+    shutil.copytree(moved_run.out_dir, tmp_path / "run")
+    before = {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()}
+    result = run_train(train_args(tiny, tmp_path / "run", train_data_dir=moved_run.data, tokenizer=None,
+                                  resume=True, **ONE_PROCESS | {"max_step": 2}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("--resume: the checkpoint at step 2 is where this run ends: nothing to train, nothing written"
+            in result.stdout), result.stdout
+    assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == before
+
+
 def test_a_resume_keeps_the_seed_its_data_order_was_drawn_from(tiny, moved_run) -> None:
     """Resumed with another --seed (a requeue whose config dropped it), the rest of the epoch was drawn from another
     permutation: 38 of 160 rows trained twice, as many never, without a word."""

@@ -40,7 +40,7 @@ from app.reliability.spikes import QUARANTINE_FILE, SpikeGuard, SpikeHistory, Sp
 from app.reliability.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
 from app.reliability.workers import start_worker_server
 from app.training.loop import Loop
-from app.training.preflight import RunInputs, preflight
+from app.training.preflight import RunInputs, note, preflight
 from app.training.print_config import resolved_run
 
 if TYPE_CHECKING:
@@ -70,6 +70,10 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
         if not fits:  # a script planning runs reads the answer from the exit code
             sys.exit(EXIT_BAD_INPUT)
         return
+    if inputs.resume_step is not None and inputs.resume_step >= inputs.plan.max_step:
+        note(f"--resume: the checkpoint at step {inputs.resume_step} is where this run ends: nothing to train, "
+             "nothing written (give a larger --max_step or --number_epochs to train on)")
+        return  # a relaunch of a finished run replaced its summary.json with one of 0 steps
     if resolve_accelerator(cfg) == "cpu":
         tune_cpu_heap()
     elif resolve_accelerator(cfg) == "cuda":
