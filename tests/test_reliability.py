@@ -661,7 +661,8 @@ def test_a_rollback_moves_the_checkpoints_of_the_abandoned_stretch_where_resume_
         write_samples(samples / f"step-{step:08d}.jsonl", ["prompt"], ["reference"], [f"at step {step}"])
     (samples / "step-00000008 (copy).jsonl").write_text("a user's copy\n")  # not the run's: left where it is
     set_aside_newer(tmp_path, 4)
-    assert (folder / "rolled-back" / "step-00000008.ckpt").read_bytes() == b"again"
+    assert (folder / "rolled-back" / "step-00000008.ckpt").read_bytes() == b"x", "the first copy is kept"
+    assert (folder / "rolled-back" / "step-00000008-2.ckpt").read_bytes() == b"again"
     assert read_best(tmp_path) is None, "best.json named a checkpoint set aside"
     moved = set_aside_samples_after(tmp_path, 4)
     assert [path.name for path in moved] == ["step-00000006.jsonl", "step-00000008.jsonl"]

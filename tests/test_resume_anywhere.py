@@ -360,6 +360,25 @@ def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_files(tiny, mov
     assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == before
 
 
+def test_relaunching_a_rollback_continues_from_its_newest_checkpoint(tiny, tmp_path) -> None:
+    """A run rolled back with --checkpoint step-2 and trained on to step 6; the same command again (a Slurm requeue,
+    or --config out_dir/config.yaml, which records --checkpoint) went back to step 2 each time, set steps 4-6 aside
+    and deleted the original stretch's step 4 that the first rollback had kept."""
+    run = tmp_path / "run"
+    run_train(train_args(tiny, run, **ONE_PROCESS | {"max_step": 4})).check_returncode()
+    original = (run / "checkpoints" / "step-00000004.ckpt").read_bytes()
+    rollback = dict(resume=True, checkpoint=run / "checkpoints" / "step-00000002.ckpt")
+    run_train(train_args(tiny, run, **ONE_PROCESS | rollback | {"max_step": 6})).check_returncode()
+    relaunched = run_train(["--config", str(run / "config.yaml"), "--max_step", "8"])
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    assert (f"--checkpoint {rollback['checkpoint']}: this run started from it and has saved up to step 6 since; "
+            "continuing from step 6" in relaunched.stdout), relaunched.stdout
+    assert sorted(list_checkpoints(run)) == [2, 4, 6, 8]
+    assert sorted(path.name for path in (run / "checkpoints" / "rolled-back").iterdir()) == ["best.json",
+                                                                                          "step-00000004.ckpt"]
+    assert (run / "checkpoints" / "rolled-back" / "step-00000004.ckpt").read_bytes() == original
+
+
 def test_a_resume_keeps_the_seed_its_data_order_was_drawn_from(tiny, moved_run) -> None:
     """Resumed with another --seed (a requeue whose config dropped it), the rest of the epoch was drawn from another
     permutation: 38 of 160 rows trained twice, as many never, without a word."""

@@ -265,10 +265,13 @@ def set_aside_newer(out_dir: str | Path, step: int) -> list[Path]:
 
 
 def move_aside(path: Path) -> Path:
-    """Move `path` into the rolled-back/ folder beside it (replacing what an earlier rollback put there)."""
-    target = path.parent / ROLLED_BACK_DIR / path.name
-    target.parent.mkdir(exist_ok=True)
-    if target.exists() or target.is_symlink():  # rolled back over the same step twice: the older copy goes
-        remove(target)
+    """Move `path` into the rolled-back/ folder beside it. Rolled back over the same step again, the newer copy is
+    numbered (step-00000008-2.ckpt): replacing the older one deleted the only copy of a stretch a user had kept."""
+    folder = path.parent / ROLLED_BACK_DIR
+    folder.mkdir(exist_ok=True)
+    target, copy = folder / path.name, 1
+    while target.exists() or target.is_symlink():
+        copy += 1
+        target = folder / f"{path.name.removesuffix(''.join(path.suffixes))}-{copy}{''.join(path.suffixes)}"
     path.rename(target)
     return target

@@ -954,7 +954,22 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
     metadata = check_checkpoint_matches(cfg, path, model_config, problems)
     if metadata is None or holds_another_run(cfg, path, metadata, problems):
         return None
+    if relaunched_after(cfg, path, metadata):
+        return resolve_latest(cfg, model_config, problems)
     return Resume(path, metadata)
+
+
+def relaunched_after(cfg: Config, checkpoint: Path, metadata: dict) -> bool:
+    """The run in out_dir was started from this --checkpoint (its config.yaml says so) and has saved newer
+    checkpoints since: this is that start's command again (a Slurm requeue, or --config out_dir/config.yaml), and it
+    continues from the newest. Taken literally, every relaunch went back to the checkpoint, set the newer ones aside
+    and replaced the rolled-back copies of the same steps an earlier rollback had kept."""
+    newest = max(list_checkpoints(cfg.out_dir), default=0)
+    if started_from(Path(cfg.out_dir)) != checkpoint.resolve() or newest <= metadata["step"]:
+        return False
+    note(f"--checkpoint {checkpoint}: this run started from it and has saved up to step {newest} since; continuing "
+         f"from step {newest} (to go back to it again, give a copy of it under another name)")
+    return True
 
 
 def holds_another_run(cfg: Config, checkpoint: Path, metadata: dict, problems: list[str]) -> bool:

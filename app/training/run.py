@@ -146,7 +146,7 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
                  f"of the epoch) in {loading.last:.1f} s")
     if fabric.is_global_zero:  # resumed from an older checkpoint: the next --resume true must not take a newer one
         for moved in set_aside_newer(cfg.out_dir, state["step"]):
-            fabric.print(f"moved {moved.name}, newer than the checkpoint resumed from, to {moved}")
+            fabric.print(f"set aside, newer than the checkpoint resumed from: {moved}")
         samples = set_aside_samples_after(Path(cfg.out_dir), state["step"])
         if samples:
             fabric.print(f"moved {len(samples)} samples files written after step {state['step']} to "
