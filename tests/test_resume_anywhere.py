@@ -363,7 +363,8 @@ def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_files(tiny, mov
 def test_relaunching_a_rollback_continues_from_its_newest_checkpoint(tiny, tmp_path) -> None:
     """A run rolled back with --checkpoint step-2 and trained on to step 6; the same command again (a Slurm requeue,
     or --config out_dir/config.yaml, which records --checkpoint) went back to step 2 each time, set steps 4-6 aside
-    and deleted the original stretch's step 4 that the first rollback had kept."""
+    and deleted the original stretch's step 4 that the first rollback had kept. Resumed from that copy, the run left
+    the rollback's own step 4 in checkpoints/, where a crash would resume the other stretch."""
     run = tmp_path / "run"
     run_train(train_args(tiny, run, **ONE_PROCESS | {"max_step": 4})).check_returncode()
     original = (run / "checkpoints" / "step-00000004.ckpt").read_bytes()
@@ -377,6 +378,13 @@ def test_relaunching_a_rollback_continues_from_its_newest_checkpoint(tiny, tmp_p
     assert sorted(path.name for path in (run / "checkpoints" / "rolled-back").iterdir()) == ["best.json",
                                                                                           "step-00000004.ckpt"]
     assert (run / "checkpoints" / "rolled-back" / "step-00000004.ckpt").read_bytes() == original
+    # Back to the original stretch's step 4, from rolled-back/: the rollback's own step 4 left checkpoints/ too
+    branch = dict(resume=True, checkpoint=run / "checkpoints" / "rolled-back" / "step-00000004.ckpt")
+    run_train(train_args(tiny, run, **ONE_PROCESS | branch | {"max_step": 6})).check_returncode()
+    assert sorted(list_checkpoints(run)) == [2, 6], "the other stretch's step 4 stood among this one's"
+    assert sorted(path.name for path in (run / "checkpoints" / "rolled-back").iterdir()) == [
+        "best-2.json", "best.json", "step-00000004-2.ckpt", "step-00000004.ckpt", "step-00000006.ckpt",
+        "step-00000008.ckpt"]
 
 
 def test_a_resume_keeps_the_seed_its_data_order_was_drawn_from(tiny, moved_run) -> None:

@@ -191,7 +191,7 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert progress[0].startswith("step 17/24"), progress[:2]
     set_aside = fsdp_run / "checkpoints" / "rolled-back" / "step-00000024.ckpt"
-    assert f"set aside, newer than the checkpoint resumed from: {set_aside}" in result.stdout
+    assert f"set aside, of the stretch this resume abandons: {set_aside}" in result.stdout
     assert set_aside.is_file() and (fsdp_run / "checkpoints" / "step-00000024.ckpt").is_file()
     resumed = read_metrics(fsdp_run)
     assert sorted(resumed) == list(range(0, 25))

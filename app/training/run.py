@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
-from app.checkpoint import CheckpointSaver, load_checkpoint, resume_rng, run_tokenizer_dir, set_aside_newer
+from app.checkpoint import (CheckpointError, CheckpointSaver, list_checkpoints, load_checkpoint, read_metadata,
+                            resume_rng, run_tokenizer_dir, set_aside_newer)
 from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, publish, sees_lock,
                                   temporary_path)
 from app.choices import SHARDED_STRATEGIES
@@ -145,15 +146,28 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     fabric.print(f"resumed from {path} at step {state['step']} (epoch {state['epoch']}, sample {state['position']} "
                  f"of the epoch) in {loading.last:.1f} s")
     if fabric.is_global_zero:  # resumed from an older checkpoint: the next --resume true must not take a newer one
-        for moved in set_aside_newer(cfg.out_dir, state["step"]):
-            fabric.print(f"set aside, newer than the checkpoint resumed from: {moved}")
-        samples = set_aside_samples_after(Path(cfg.out_dir), state["step"])
+        kept = state["step"] - 1 if another_branch_at(cfg.out_dir, state["step"], path, saved) else state["step"]
+        for moved in set_aside_newer(cfg.out_dir, kept):
+            fabric.print(f"set aside, of the stretch this resume abandons: {moved}")
+        samples = set_aside_samples_after(Path(cfg.out_dir), kept)
         if samples:
-            fabric.print(f"moved {len(samples)} samples files written after step {state['step']} to "
-                         f"{samples[0].parent}")
+            fabric.print(f"moved {len(samples)} samples files written after step {kept} to {samples[0].parent}")
     if not own_rng:
         print(f"rank {fabric.global_rank}: no random state saved for this rank; seeded from --seed and the step",
               flush=True)
+
+
+def another_branch_at(out_dir: str, step: int, resumed_from: Path, saved: dict[str, Any]) -> bool:
+    """Whether out_dir/checkpoints holds a checkpoint of `step` other than the one resumed (nor a copy of it): one
+    saved after another resume from an earlier step (a rollback resumed from rolled-back/). Left in place, it stood
+    among this run's checkpoints, best.json could name it, and a crash resumed the other stretch from it."""
+    same_step = list_checkpoints(out_dir).get(step)
+    if same_step is None or same_step.resolve() == resumed_from.resolve():
+        return False
+    try:
+        return read_metadata(same_step) != saved
+    except CheckpointError:
+        return True
 
 
 def refusal_at_start(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional[str]:
