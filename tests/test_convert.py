@@ -301,10 +301,11 @@ def folder_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def test_a_truncated_checkpoint_or_a_missing_rank_file_is_one_line_and_writes_nothing(full_run, sharded_run, tmp_path,
-                                                                                     capsys) -> None:
+def test_a_truncated_checkpoint_or_a_missing_rank_file_is_one_line_and_writes_nothing(full_run, sharded_run, tiny,
+                                                                                     tmp_path, capsys) -> None:
     """Their headers read well: the tensors' bytes are first read while writing the model, where a ValueError or a
-    FileNotFoundError ended the conversion in a traceback (exit 1)."""
+    FileNotFoundError ended the conversion in a traceback (exit 1). A resume from them started every rank, which
+    each ended in that traceback: the preflight now refuses them from the files' sizes."""
     truncated = tmp_path / "step-00000008.ckpt"
     data = (full_run / "checkpoints" / "step-00000008.ckpt").read_bytes()
     truncated.write_bytes(data[:len(data) // 5])  # the model comes first, then the optimizer state
@@ -317,6 +318,12 @@ def test_a_truncated_checkpoint_or_a_missing_rank_file_is_one_line_and_writes_no
     assert refused(capsys, "--checkpoint", incomplete, "--output_dir", tmp_path / "hf").startswith(
         f"convert_to_hf.py: error: --checkpoint {rank_file} is missing: the checkpoint is incomplete; pick another")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sharded", "step-00000008.ckpt"]
+    for checkpoint, problem in [(truncated, "step-00000008.ckpt ended early: the checkpoint is truncated"),
+                                (incomplete, "step-00000008.ckpt/__1_0.distcp is missing: the checkpoint is incomplete")]:
+        resumed = run_train(train_args(tiny, tmp_path / "resumed", **SHORT | {"max_step": 12}, resume=True,
+                                       checkpoint=checkpoint))  # every rank read to that piece, then a traceback
+        assert (resumed.returncode, resumed.stderr.strip()) == (
+            2, f"error: --checkpoint {checkpoint}: {problem}; pick another one"), resumed.stderr[-2000:]
 
 
 def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, sharded_run, tiny, tmp_path, capsys) -> None:

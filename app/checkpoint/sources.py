@@ -254,6 +254,30 @@ class MemorySource:
         self.tensors.clear()
 
 
+def check_complete(path: Path) -> None:
+    """Raise CheckpointError when a file the checkpoint's index names is missing or shorter than the bytes it records
+    there (a copy cut short, a rank's file lost), from the index and file sizes alone: a resume found it only once
+    every rank had started and was reading, and ended in a traceback on each."""
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            return  # an earlier version's folder: its reader says what is missing
+        ends: dict[Path, int] = {}
+        for stored in read_dcp_metadata(path).storage_data.values():
+            file = path / stored.relative_path
+            ends[file] = max(ends.get(file, 0), stored.offset + stored.length)
+    elif legacy.is_torch_save_file(path):
+        return
+    else:
+        entries, _ = read_header(path)
+        ends = {path: max((entry.begin + prod(entry.shape) * entry.dtype.itemsize for entry in entries.values()),
+                          default=0)}
+    for file, end in ends.items():
+        if not file.is_file():
+            missing_file(file)
+        if file.stat().st_size < end:
+            raise CheckpointError(f"{file} ended early: the checkpoint is truncated")
+
+
 @contextmanager
 def open_source(path: Path, parameter_order: Optional[list[str]] = None) -> Iterator[TensorSource]:
     """The tensors of any checkpoint: a sharded folder, a full file, or an earlier version's torch.save file (whose

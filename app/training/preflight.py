@@ -31,6 +31,7 @@ from transformers.utils import is_flash_attn_2_available
 from app.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, run_tokenizer_dir,
                             stored_tensor_shapes)
 from app.checkpoint.files import RUN_CONFIG_FILE, list_checkpoints, run_folder_of
+from app.checkpoint.sources import check_complete
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.choices import SHARDED_STRATEGIES
 from app.data import DataFormat
@@ -903,6 +904,11 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
         metadata = read_metadata(path)
     except CheckpointError as error:
         problems.append(f"{flag}: {str(error).split(': ', 1)[1]}; pick another one")
+        return None
+    try:
+        check_complete(path)
+    except (CheckpointError, ValueError) as error:
+        problems.append(f"{flag}: {str(error).replace(str(path.parent) + os.sep, '')}; pick another one")
         return None
     if not isinstance(metadata.get("step"), int) or "model_config" not in metadata:
         problems.append(f"{flag}: not a checkpoint written by train.py (no step/model_config); pick another one")
