@@ -387,6 +387,18 @@ def test_relaunching_a_rollback_continues_from_its_newest_checkpoint(tiny, tmp_p
         "step-00000008.ckpt"]
 
 
+def test_a_resume_says_which_training_options_it_changes(tiny, moved_run, capsys) -> None:
+    """A new --lr took effect at the resumed step (the rate went from 1.65e-3 to 8.33e-3 at once) with only the usual
+    resume lines; the same options as the checkpoint's are not listed."""
+    resumed = dict(train_data_dir=moved_run.data, tokenizer=None, resume=True)
+    preflight(parse_config(train_args(tiny, moved_run.out_dir, **resumed, **ONE_PROCESS | {"max_step": 2})))
+    assert "changed since the checkpoint" not in capsys.readouterr().out
+    preflight(parse_config(train_args(tiny, moved_run.out_dir, **resumed, **ONE_PROCESS | {"max_step": 4},
+                                      lr=1e-2, precision="bf16-true")))
+    assert ("--resume: changed since the checkpoint: precision 32-true -> bf16-true, lr 0.003 -> 0.01, max_step 2 -> "
+            "4; the steps after step 2 train with the new values") in capsys.readouterr().out
+
+
 def test_a_resume_keeps_the_seed_its_data_order_was_drawn_from(tiny, moved_run) -> None:
     """Resumed with another --seed (a requeue whose config dropped it), the rest of the epoch was drawn from another
     permutation: 38 of 160 rows trained twice, as many never, without a word."""

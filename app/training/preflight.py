@@ -794,6 +794,23 @@ def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
              f"batch of {plan.global_batch_size} is kept (give --global_batch_size to change it)")
 
 
+TRAINING_OPTIONS = ("precision", "reduce_dtype", "lr", "min_lr", "lr_decay", "warmup_steps", "weight_decay", "beta1",
+                    "beta2", "grad_clip", "max_step", "number_epochs", "spike_guard")
+"""The options whose change at a resume changes how the steps after it train (the batch is said apart)."""
+
+
+def note_changed_options(cfg: Config, saved: dict) -> None:
+    """Say which of TRAINING_OPTIONS the resume changes: a new --lr or --warmup_steps took effect at the resumed step
+    (the rate went from 1.65e-3 to 8.33e-3 at once) and another --precision stored the weights and moments in bf16
+    from then on, with only the usual resume lines."""
+    before = saved.get("config") or {}
+    changes = [f"{name} {before[name]} -> {getattr(cfg, name)}" for name in TRAINING_OPTIONS
+               if name in before and before[name] != getattr(cfg, name)]
+    if changes:
+        note(f"--resume: changed since the checkpoint: {', '.join(changes)}; the steps after step {saved['step']} "
+             "train with the new values")
+
+
 def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> None:
     """--eval_iters counts batches per rank, so a resume on other ranks or another evaluation batch reads other
     validation rows: val_loss moves at the resume for that alone, and best.json compares losses of other rows. A
@@ -1196,6 +1213,8 @@ def preflight(cfg: Config) -> RunInputs:
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     cfg = resolve_learning_rates(cfg, plan)
+    if resume is not None:
+        note_changed_options(cfg, resume.metadata)
     rounding = bf16_rounding_note(cfg.precision, cfg.lr)
     if rounding:
         note(rounding)
