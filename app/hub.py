@@ -128,4 +128,13 @@ def unloadable_tokenizer(name: str, error: Exception) -> str:
     folder = Path(name)
     if folder.is_dir() and not any((folder / file).exists() for file in TOKENIZER_FILES):
         return f"{name} has none (no {', '.join(TOKENIZER_FILES)})"
-    return f"{name}'s tokenizer does not load ({str(error).strip().splitlines()[0]})"
+    return f"{name}'s tokenizer does not load ({load_problem(error)})"
+
+
+def load_problem(error: Exception) -> str:
+    """The first line of transformers' reason, or, for code a folder or repository ships, what allows it: its own
+    reason ends with `trust_remote_code=True`, a Python argument, on a line the one-line message leaves out."""
+    return REMOTE_CODE if "contains custom code" in str(error) else str(error).strip().splitlines()[0]
+
+
+REMOTE_CODE = "it ships Python code of its own, which runs only with --trust_remote_code true: read it first"

@@ -8,6 +8,7 @@ Data: the standard library's code -> docstring summary pairs, prepared by prepar
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ from app.optimization.schedule import make_plan
 from app.prepare import PrepareArgs, prepare
 from app.training.preflight import preflight
 from arguments import parse_config
-from tests.conftest import ROOT, generate_through_the_application, run_train, stop_where_lengths_differ, train_args
+from tests.conftest import (ONE_PROCESS, ROOT, generate_through_the_application, run_environment, run_script, run_train,
+                            stop_where_lengths_differ, train_args)
 from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
 from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS
 from tests.test_training import assert_succeeded, read_metrics
@@ -245,6 +247,43 @@ def test_generation_samples_are_written_and_scored_at_each_evaluation(two_ranks)
         assert json.loads(lines[0])["prompt"].startswith("### User:\n") and json.loads(lines[0])["reference"]
         assert {"sample_exact_match", "sample_rougeL", "sample_length"} <= set(metrics[step])
         assert 0 <= metrics[step]["sample_rougeL"] <= 1 and 1 <= metrics[step]["sample_length"] <= 8
+
+
+def test_samples_load_a_tokenizer_with_custom_code_under_trust_remote_code(tiny, padded, pretrained, tmp_path) -> None:
+    """The preflight and the model loaded it with --trust_remote_code, the samples' evaluator without: every rank
+    asked "Do you wish to run the custom code? [y/N]" and ended in a traceback (at once under Slurm, with no stdin).
+    convert_to_hf.py and generate.py had no --trust_remote_code: such a run could not be converted."""
+    custom = tmp_path / "tokenizer"
+    shutil.copytree(padded / "tokenizer", custom)
+    (custom / "custom_tokenizer.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass CustomTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n")
+    modules = {"HF_MODULES_CACHE": str(tmp_path / "modules")}  # where transformers copies the code it imports
+    settings = json.loads((custom / "tokenizer_config.json").read_text())
+    settings |= {"tokenizer_class": "CustomTokenizer",
+                 "auto_map": {"AutoTokenizer": [None, "custom_tokenizer.CustomTokenizer"]}}
+    (custom / "tokenizer_config.json").write_text(json.dumps(settings))
+    result = run_train(train_args(tiny, tmp_path / "run", model_config=None, model_name=pretrained,
+                                  train_data_dir=padded, tokenizer=custom, trust_remote_code=True, max_step=1,
+                                  eval_samples=1, eval_max_new_tokens=2, **ONE_PROCESS),
+                       env=modules, fresh=True)
+    assert_succeeded(result)
+    assert (tmp_path / "run" / "samples" / "step-00000000.jsonl").is_file()
+
+    def script(*argv: object) -> subprocess.CompletedProcess:
+        return run_script([sys.executable, *map(str, argv)], 120, run_environment(modules))
+
+    refused = script("convert_to_hf.py", "--checkpoint", tmp_path / "run", "--output_dir", tmp_path / "hf")
+    assert (refused.returncode, refused.stderr.strip()) == (2, (
+        f"convert_to_hf.py: error: --checkpoint {tmp_path / 'run'}: the run's tokenizer {tmp_path / 'run' / 'tokenizer'}"
+        " does not load (it ships Python code of its own, which runs only with --trust_remote_code true: read it "
+        "first); see convert_to_hf.py --help")), "the data folder's plain tokenizer was taken in its place"
+    converted = script("convert_to_hf.py", "--checkpoint", tmp_path / "run", "--output_dir", tmp_path / "hf",
+                       "--trust_remote_code", "true")
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    assert (tmp_path / "hf" / "custom_tokenizer.py").is_file(), "the folder loads on its own"
+    written = script("generate.py", tmp_path / "hf", "--max_new_tokens", 2, "--trust_remote_code", "true")
+    assert written.returncode == 0 and "2 new tokens" in written.stdout, written.stderr[-3000:]
 
 
 def test_sample_scores_are_the_mean_over_samples_of_rouge_f_measures() -> None:

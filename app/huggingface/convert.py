@@ -41,7 +41,7 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError
 from app.folders import real_folder, staging_folder
-from app.hub import TOKENIZER_ADVICE, unloadable_tokenizer
+from app.hub import REMOTE_CODE, TOKENIZER_ADVICE, load_problem, unloadable_tokenizer
 from app.huggingface.convert_cli import Args
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import REPLACED_FILES, describe_upload, login_problem, push_folder
@@ -77,6 +77,7 @@ class Job:
     shapes: dict[str, tuple[torch.Size, torch.dtype]] = field(repr=False)
     base_model: Optional[str] = None
     """The model training started from (--model_name of the run, or of this command): its generation config."""
+    trust_remote_code: bool = False
 
     @property
     def step(self) -> int:
@@ -179,24 +180,27 @@ def resolve_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) ->
     names = list(dict.fromkeys(c for c in candidates if c))
     if not names:
         raise BadInput(f"--checkpoint {args.checkpoint} records no tokenizer; give --tokenizer")
-    found = next((name for name in names if tokenizer_problem(name) is None), None)
-    if found:
-        return found
+    for name in names:  # the first that loads; one that needs its own code stops here, not at the next candidate
+        problem = tokenizer_problem(name, args.trust_remote_code)
+        if problem is None:
+            return name
+        if problem == REMOTE_CODE:
+            raise BadInput(f"--checkpoint {args.checkpoint}: the run's tokenizer {name} does not load ({problem})")
     if not recorded:
         return names[0]  # check_tokenizer says why it does not load
     state = ("no longer exists" if not Path(recorded).exists() and not HUB_ID.fullmatch(recorded)
-             else f"does not load ({tokenizer_problem(recorded)})")
+             else f"does not load ({tokenizer_problem(recorded, args.trust_remote_code)})")
     where = f"{kept} has none" if kept else "the checkpoint lies in no run folder (<run>/checkpoints/)"
     raise BadInput(f"--checkpoint {args.checkpoint}: the run's tokenizer {recorded} {state} and {where}; give "
                    "--tokenizer PATH")
 
 
-def tokenizer_problem(name: str) -> Optional[str]:
+def tokenizer_problem(name: str, trust_remote_code: bool) -> Optional[str]:
     """Why the tokenizer `name` does not load; None when it does."""
     try:
-        AutoTokenizer.from_pretrained(name)
+        AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        return str(error).splitlines()[0]
+        return load_problem(error)
     return None
 
 
@@ -291,9 +295,9 @@ def check_ties_keep_weights(args: Args, path: Path, config: PretrainedConfig,
                                "a config with tie_word_embeddings false")
 
 
-def check_tokenizer(name: str, config: PretrainedConfig) -> None:
+def check_tokenizer(name: str, config: PretrainedConfig, trust_remote_code: bool) -> None:
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise BadInput(f"--tokenizer {unloadable_tokenizer(name, error)}; {TOKENIZER_ADVICE}") from None
     if len(tokenizer) > config.vocab_size:
@@ -383,10 +387,10 @@ def plan(args: Args) -> list[Job]:
             check_override(args, metadata, config)
             check_ties_keep_weights(args, checkpoint, config, shapes)
         tokenizer = resolve_tokenizer(args, metadata, checkpoint)
-        check_tokenizer(tokenizer, config)
+        check_tokenizer(tokenizer, config, args.trust_remote_code)
         base_model = args.model_name or recorded_base_model(metadata)
         check_not_the_base_model(output, base_model)
-        jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes, base_model))
+        jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes, base_model, args.trust_remote_code))
     return jobs
 
 
@@ -561,7 +565,7 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     ids = probe_ids(job.model_config)
     reference = logits_of(model, ids)
     model.to(DTYPES[dtype])
-    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer, trust_remote_code=job.trust_remote_code)
     model.generation_config = generation_config(job, tokenizer)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     del model

@@ -35,6 +35,9 @@ class ConvertArgs:
     """Take the architecture from this config.json (or folder holding one) instead of the checkpoint's."""
     tokenizer: Optional[str] = None
     """Tokenizer to save with the model; default: the one the run recorded (--tokenizer, data folder, model)."""
+    trust_remote_code: bool = False
+    """Run the Python code a tokenizer's folder or Hub repository ships (its tokenizer class), as train.py
+    --trust_remote_code does; off by default: that code runs on this machine."""
 
 
 @dataclass

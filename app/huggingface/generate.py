@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from app.cli import UsageError
-from app.hub import missing_model_problem, quiet_hub
+from app.hub import load_problem, missing_model_problem, quiet_hub
 from app.huggingface.generate_cli import GenerateArgs
 from app.model.build import model_class
 from app.prepare.tokenizer import document_suffix, encode_texts
@@ -56,7 +56,7 @@ def generate(args: GenerateArgs) -> str:
     tokenizer, config = load_tokenizer_and_config(args)
     if args.chat and not tokenizer.chat_template:
         raise UsageError(f"MODEL {args.model} has no chat template; drop --chat")
-    model = model_class(config).from_pretrained(args.model).eval()
+    model = model_class(config).from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
     inputs = model_input(tokenizer, args, config)
     torch.manual_seed(args.seed)
     output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id,
@@ -77,10 +77,11 @@ def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
         raise UsageError(missing)
     try:
         with quiet_hub():
-            return AutoTokenizer.from_pretrained(args.model), AutoConfig.from_pretrained(args.model)
+            return (AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code),
+                    AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code))
     except (OSError, ValueError) as error:
-        raise UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load "
-                             f"({str(error).strip().splitlines()[0]}); give a folder written by convert_to_hf.py")
+        raise UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load ({load_problem(error)}); "
+                         "give a folder written by convert_to_hf.py")
 
 
 def training_folder_problem(path: Path) -> Optional[str]:

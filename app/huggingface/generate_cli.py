@@ -30,6 +30,9 @@ class GenerateArgs:
     or 0.8 with top-k 50 when it does not sample."""
     seed: int = 0
     """Sampling seed."""
+    trust_remote_code: bool = False
+    """Run the Python code MODEL's folder or Hub repository ships (its tokenizer or model classes); off by default:
+    that code runs on this machine."""
 
 
 def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:

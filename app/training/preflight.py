@@ -25,7 +25,7 @@ from lightning_fabric.accelerators import XLAAccelerator
 from lightning_fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
                                                    TorchElasticEnvironment)
 from torch.nn import Module
-from transformers import AutoTokenizer, PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.utils import is_flash_attn_2_available
 
 from app.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, run_tokenizer_dir,
@@ -151,7 +151,7 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
     facts = [check_folder(Path(source.path), problems, mixed=len(sources) > 1) for source in sources]
     if any(fact is None for fact in facts):
         return None
-    together = mixture_facts(sources, facts, problems) if len(sources) > 1 else facts[0]
+    together = mixture_facts(sources, facts, problems, cfg.trust_remote_code) if len(sources) > 1 else facts[0]
     identities = [folder_identity(source.name, source.path, fact.train_rows, fact.validation_rows)
                   for source, fact in zip(sources, facts)]
     return replace(together, identities=identities) if together is not None else None
@@ -175,7 +175,8 @@ def reads_data(cfg: Config) -> bool:
     return not missing
 
 
-def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[str]) -> Optional[DataFacts]:
+def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[str],
+                  trust_remote_code: bool = False) -> Optional[DataFacts]:
     """One format, one block length (rows of blocks are stacked into one tensor) and one tokenizer for every folder
     of a mixture; the facts of the mixture: the rows of its epoch (one pass over its first folder), rows of the
     weighted mean."""
@@ -190,9 +191,12 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
         return None
     if not facts[0].format.padded and differ("block length", [fact.block_size for fact in facts]):
         return None
-    first = AutoTokenizer.from_pretrained(str(Path(sources[0].path) / "tokenizer"))
+    def bundled(source: Source) -> PreTrainedTokenizerBase:
+        return AutoTokenizer.from_pretrained(str(Path(source.path) / "tokenizer"), trust_remote_code=trust_remote_code)
+
+    first = bundled(sources[0])
     for source in sources[1:]:
-        difference = tokenizer_difference(AutoTokenizer.from_pretrained(str(Path(source.path) / "tokenizer")), first)
+        difference = tokenizer_difference(bundled(source), first)
         if difference:
             problems.append(f"--train_data_dir: {source.path} was prepared with another tokenizer than "
                             f"{sources[0].path} ({difference}); prepare every folder of a mixture with one tokenizer")
@@ -620,7 +624,8 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
         problems.append(f"--tokenizer {name} has {len(tokenizer)} tokens, more than the model's vocab_size "
                         f"{model_config.vocab_size}; use the tokenizer the data was prepared with")
     if cfg.tokenizer and bundled.is_dir():
-        difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(bundled))
+        difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(
+            bundled, trust_remote_code=cfg.trust_remote_code))
         if difference:
             problems.append(f"--tokenizer {name} is not the tokenizer --train_data_dir was prepared with ({bundled}): "
                             f"{difference}; drop --tokenizer (the run records the data's), or prepare the data with it")
@@ -634,7 +639,8 @@ def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[st
     if tokenizer is None or not kept.exists():
         return
     try:
-        difference = tokenizer_difference(AutoTokenizer.from_pretrained(str(kept)),
+        difference = tokenizer_difference(AutoTokenizer.from_pretrained(str(kept),
+                                                                        trust_remote_code=cfg.trust_remote_code),
                                           AutoTokenizer.from_pretrained(tokenizer,
                                                                         trust_remote_code=cfg.trust_remote_code))
     except (OSError, ValueError) as error:

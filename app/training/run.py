@@ -310,7 +310,8 @@ def sample_evaluator(cfg: Config, inputs: RunInputs, data: TrainingData) -> Opti
     samples = fit_to_context(data.format.samples(data.validation, cfg.eval_samples), inputs.model_config,
                              cfg.eval_max_new_tokens)
     return SampleEvaluator(samples=samples,
-                           tokenizer=AutoTokenizer.from_pretrained(inputs.tokenizer),
+                           tokenizer=AutoTokenizer.from_pretrained(inputs.tokenizer,
+                                                                   trust_remote_code=cfg.trust_remote_code),
                            decoding=decoding_for(inputs.model_config, cfg.trust_remote_code),
                            max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
 
