@@ -275,8 +275,8 @@ def test_samples_load_a_tokenizer_with_custom_code_under_trust_remote_code(tiny,
 
     refused = script("convert_to_hf.py", "--checkpoint", tmp_path / "run", "--output_dir", tmp_path / "hf")
     assert (refused.returncode, refused.stderr.strip()) == (2, (
-        f"convert_to_hf.py: error: --checkpoint {tmp_path / 'run'}: the run's tokenizer {tmp_path / 'run' / 'tokenizer'}"
-        " does not load (it ships Python code of its own, which runs only with --trust_remote_code true: read it "
+        f"convert_to_hf.py: error: --checkpoint {tmp_path / 'run'}: the run's tokenizer "
+        f"{tmp_path / 'run' / 'tokenizer'} does not load (it ships Python code of its own, which runs only with --trust_remote_code true: read it "
         "first); see convert_to_hf.py --help")), "the data folder's plain tokenizer was taken in its place"
     converted = script("convert_to_hf.py", "--checkpoint", tmp_path / "run", "--output_dir", tmp_path / "hf",
                        "--trust_remote_code", "true")
