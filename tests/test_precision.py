@@ -21,8 +21,9 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from app.checkpoint.writers import METADATA_KEY
-from app.distributed.precision import (bf16_rounding_note, bf16_support_problem, float32_matmul_precision, fp32_modules_problem,
-                                       fsdp_mixed_precision, precision_plugin, reduce_dtype)
+from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, bf16_support_problem,
+                                       float32_matmul_precision, fp32_modules_problem, fsdp_mixed_precision,
+                                       precision_plugin, reduce_dtype)
 from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
 from app.model.build import meta_model
 from app.optimization.optimizer import clip_gradients, gradient_square_sum, no_decay_names
@@ -90,9 +91,34 @@ def test_bf16_true_says_when_adamw_steps_of_the_size_of_lr_are_rounded_away() ->
         w = torch.tensor(weight, dtype=torch.bfloat16)
         assert bool(w + step != w) == moves, weight
     note = bf16_rounding_note("bf16-true", 2e-5)
-    assert note.startswith("note: --precision bf16-true with --lr 2e-05: AdamW's steps of about lr are rounded away on "
-                           "every weight above 1.0e-02 in magnitude")
+    assert note.startswith("note: --precision bf16-true with --lr 2e-05: bf16 keeps 8 significant bits, and AdamW's "
+                           "steps are rounded away on every weight above 1.0e-02 in magnitude")
     assert bf16_rounding_note("bf16-mixed", 2e-5) is None and bf16_rounding_note("bf16-true", 3e-3) is None
+
+
+def test_bf16_true_says_that_norm_gains_and_weight_decay_stand_still_at_a_pre_training_lr() -> None:
+    """At lr 1e-3 the note said nothing, while a norm gain of 1.0 never moved (half a bf16 spacing there is 2^-8)
+    and decay by lr x weight_decay of a weight is rounded away at any usual lr."""
+    gain, step = torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(1e-3, dtype=torch.bfloat16)
+    assert gain - step == gain and gain * (1 - 1e-3 * 0.1) == gain
+    assert bf16_rounding_note("bf16-true", 1e-3, 0.1) == (
+        "note: --precision bf16-true with --lr 0.001: bf16 keeps 8 significant bits, and AdamW's steps are rounded "
+        "away on the norm layers' gains (~1; every weight above 5.1e-01) and on --weight_decay 0.1 (a relative "
+        "shrink of 1e-04 per step), more as lr decays; --precision bf16-mixed keeps fp32 master weights (twice the "
+        "training state: --estimate_memory true shows whether it fits)")
+    assert bf16_rounding_note("bf16-true", 3e-3, 0.0) is None
+
+
+def test_bf16_true_refuses_a_beta2_whose_second_moment_could_never_decrease() -> None:
+    """AdamW keeps its moments in the weights' dtype: 0.999 x v rounds back to v in bf16, so after a large gradient
+    v stays high and that weight's steps stay small for good; 0.99 still decays."""
+    v = torch.tensor(0.0198, dtype=torch.bfloat16)
+    assert v * 0.999 + 0.001 * 1e-4 == v and v * 0.99 + 0.01 * 1e-4 < v
+    assert bf16_moment_problem("bf16-true", 0.999) == (
+        "--beta2 0.999 under --precision bf16-true: AdamW's second moment is stored in bf16, where 0.999 x v rounds "
+        "back to v, so it can never decrease after a large gradient; use --beta2 0.99 or lower (0.95, the default), "
+        "or --precision bf16-mixed")
+    assert bf16_moment_problem("bf16-true", 0.99) is None and bf16_moment_problem("bf16-mixed", 0.999) is None
 
 
 def test_tf32_only_for_fp32_matmuls_on_ampere_and_newer_unless_turned_off() -> None:

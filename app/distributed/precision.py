@@ -123,20 +123,49 @@ BF16_LOST_BELOW = 2.0 ** -9
 least, is rounded away."""
 TYPICAL_WEIGHT = 0.02
 """The spread LLMs are initialised with (Llama, GPT-2, T5's `initializer_range`); trained weights stay near it."""
+NORM_GAIN = 1.0
+"""What RMSNorm and LayerNorm gains start at, and stay near."""
+BF16_MOMENT_DECAY = 2.0 ** -8
+"""The smallest relative decrease bf16 keeps for every value (the spacing is 2^-8 to 2^-7 of a value, half of it is
+rounded away)."""
 
 
-def bf16_rounding_note(precision: str, lr: float) -> Optional[str]:
+def bf16_rounding_note(precision: str, lr: float, weight_decay: float = 0.0) -> Optional[str]:
     """Under bf16-true the weights themselves are bf16, with no fp32 master copy: AdamW moves a weight by about lr per
     step, which is rounded away on every weight above lr x 2^9 in magnitude. At a fine-tune's lr of 2e-5 that is every
     weight above 0.01, most of an LLM's: they stop learning with nothing to show it but a loss that plateaus early.
-    A note, not a refusal: it is a trade of accuracy for memory users make knowingly (seed 001's default)."""
-    threshold = lr / BF16_LOST_BELOW
-    if precision != "bf16-true" or threshold >= TYPICAL_WEIGHT:
+    Below lr 2e-3 the norm layers' gains (1.0 at the start) never move at all (100% of them unchanged after 4 steps
+    at lr 1e-3, measured), and weight decay shrinks a weight by lr x weight_decay of itself, below bf16's
+    resolution at any usual lr. A note, not a refusal: it is a trade of accuracy for memory users make knowingly
+    (seed 001's default)."""
+    if precision != "bf16-true":
         return None
-    return (f"note: --precision bf16-true with --lr {lr:g}: AdamW's steps of about lr are rounded away on every weight "
-            f"above {threshold:.1e} in magnitude (bf16 keeps 8 significant bits; LLM weights are ~{TYPICAL_WEIGHT:g}), "
-            "more as lr decays; --precision bf16-mixed keeps fp32 master weights (twice the training state: "
-            "--estimate_memory true shows whether it fits)")
+    threshold = lr / BF16_LOST_BELOW
+    lost = []
+    if threshold < TYPICAL_WEIGHT:
+        lost.append(f"every weight above {threshold:.1e} in magnitude (LLM weights are ~{TYPICAL_WEIGHT:g})")
+    elif threshold < NORM_GAIN:
+        lost.append(f"the norm layers' gains (~{NORM_GAIN:g}; every weight above {threshold:.1e})")
+    if weight_decay and lr * weight_decay < BF16_LOST_BELOW:
+        lost.append(f"--weight_decay {weight_decay:g} (a relative shrink of {lr * weight_decay:.0e} per step)")
+    if not lost:
+        return None
+    return (f"note: --precision bf16-true with --lr {lr:g}: bf16 keeps 8 significant bits, and AdamW's steps are "
+            f"rounded away on {' and on '.join(lost)}, more as lr decays; --precision bf16-mixed keeps fp32 master "
+            "weights (twice the training state: --estimate_memory true shows whether it fits)")
+
+
+def bf16_moment_problem(precision: str, beta2: float) -> Optional[str]:
+    """AdamW's second moment is kept in the weights' dtype: under bf16-true, beta2 x v differs from v by (1 - beta2) of
+    it, and below about 2^-8 that is rounded away: v can grow but never decrease, so after a burst of large
+    gradients (the first steps, a spike) the steps of those weights stay small for good (14x too small after 20
+    steps of gradient 1 then 0.01 at --beta2 0.999, measured with this project's optimizer). Refused, not noted:
+    0.999 is torch's and transformers' default, which users copy."""
+    if precision != "bf16-true" or 1 - beta2 >= BF16_MOMENT_DECAY:
+        return None
+    return (f"--beta2 {beta2:g} under --precision bf16-true: AdamW's second moment is stored in bf16, where "
+            f"{beta2:g} x v rounds back to v, so it can never decrease after a large gradient; use --beta2 0.99 or "
+            "lower (0.95, the default), or --precision bf16-mixed")
 
 
 def bf16_support_problem(precision: str, device_name: str, capability: tuple[int, int]) -> Optional[str]:

@@ -38,7 +38,8 @@ from app.data import DataFormat
 from app.data.formats import Layout
 from app.data.identity import folder_identity, identity_difference, same_folder_by_path
 from app.data.mixture import Source, describe, epoch_rows, first_folder, parse_sources
-from app.distributed.precision import bf16_rounding_note, bf16_support_problem, fp32_modules_problem, weights_dtype
+from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, bf16_support_problem, fp32_modules_problem,
+                                      weights_dtype)
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.evaluation.samples import samples_written
 from app.exit_codes import EXIT_BAD_INPUT
@@ -1077,6 +1078,9 @@ def check_precision(cfg: Config, model_config: Optional[PretrainedConfig], probl
         problem = fp32_modules_problem(cfg.precision, meta_model(model_config, cfg.trust_remote_code))
         if problem:
             problems.append(problem)
+    moment = bf16_moment_problem(cfg.precision, cfg.beta2)
+    if moment:
+        problems.append(moment)
     if resolve_accelerator(cfg) == "cuda" and torch.cuda.is_available():
         problem = bf16_support_problem(cfg.precision, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
         if problem:
@@ -1221,7 +1225,7 @@ def preflight(cfg: Config) -> RunInputs:
     cfg = resolve_learning_rates(cfg, plan)
     if resume is not None:
         note_changed_options(cfg, resume.metadata)
-    rounding = bf16_rounding_note(cfg.precision, cfg.lr)
+    rounding = bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay)
     if rounding:
         note(rounding)
     return RunInputs(config=cfg, model_config=model_config, wrap_classes=wrap_classes,
