@@ -38,8 +38,8 @@ from app.data import DataFormat
 from app.data.formats import Layout
 from app.data.identity import folder_identity, identity_difference, same_folder_by_path
 from app.data.mixture import Source, describe, epoch_rows, first_folder, parse_sources
-from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, bf16_support_problem, fp32_modules_problem,
-                                      weights_dtype)
+from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, bf16_support_problem,
+                                      fp32_modules_problem, weights_dtype)
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.evaluation.samples import samples_written
 from app.exit_codes import EXIT_BAD_INPUT
