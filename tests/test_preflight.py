@@ -84,6 +84,7 @@ CASES = {
     "global batch": (dict(global_batch_size=12, gradient_accumulation_steps=None), "--global_batch_size 12"),
     "data below one step": (dict(micro_batch_size=400), "fewer than one optimizer step"),
     "warmup beyond the epochs": (dict(max_step=None, warmup_steps=10000), "--warmup_steps (10000) exceeds the run's"),
+    "warmup filling the epochs": (dict(max_step=None, warmup_steps=40), "--warmup_steps (40) fills the run's 40 "),
     "missing checkpoint": (dict(resume=True, checkpoint="/nonexistent.ckpt"), "--checkpoint /nonexistent.ckpt"),
     "corrupt checkpoint": (dict(resume=True, checkpoint="{corrupt}"), "not a readable checkpoint"),
     "other model's checkpoint": (dict(resume=True, checkpoint="{other_model}"), "is from a different model"),
