@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, FalconConfig, Gemma2Config, Gemma3TextConfig, GPT2Config,
-                          GptOssConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, PretrainedConfig,
-                          Qwen2Config)
+                          GptOssConfig, JambaConfig, LlamaConfig, Mamba2Config, MistralConfig, OPTConfig, Phi3Config,
+                          PretrainedConfig, Qwen2Config)
 
 from app.data.formats import arrange, block_causal
-from app.model.isolation import EXAMPLE_LENGTHS, probe_isolation, small_twin
+from app.model.build import materializes_like_from_config
+from app.model.isolation import EXAMPLE_LENGTHS, TwinUnavailable, probe_isolation, small_twin
 from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
 
 WIDTH = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
@@ -87,6 +88,22 @@ def test_the_probes_twin_keeps_the_class_and_the_attention_grouping_at_a_fractio
     falcon7b = FalconConfig(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
                             multi_query=True)
     assert probe_isolation(falcon7b, "sdpa").layout == "boolean_mask"
+
+
+def test_a_hybrid_models_twin_keeps_every_layer_kind_and_a_state_space_models_is_refused() -> None:
+    """Jamba, Mamba-2 and Bamba compute their layer kinds in properties without a setter: the twin's assignment raised
+    AttributeError, which ended every run of such a model built from a config (packed or not) after its preflight.
+    Built at full width instead, Mamba-2's twin (no attention heads to narrow) ran the machine out of memory."""
+    jamba = JambaConfig()  # attention every 8th layer from the 4th: the twin needs 5 layers to hold one
+    twin = small_twin(jamba)
+    assert (twin.num_hidden_layers, set(twin.layer_types), jamba.num_hidden_layers) == (5, set(jamba.layer_types), 32)
+    with pytest.raises(TwinUnavailable, match="a mamba2 config has no attention heads to narrow it by"):
+        small_twin(Mamba2Config())
+    tiny_jamba = JambaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, num_experts=2, attn_layer_period=2,
+                             attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4,
+                             mamba_dt_rank=8, use_mamba_kernels=False)
+    assert materializes_like_from_config(tiny_jamba, trust_remote_code=False, pretrained=False) in (True, False)
 
 
 WINDOWED: dict[str, tuple[PretrainedConfig, str, object]] = {  # config, attention, layout expected

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from rouge_score.tokenizers import DefaultTokenizer
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, FalconConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, FalconConfig, Mamba2Config
 
 from app.data import IGNORE_INDEX, load_data
 from app.data.formats import Sample, packed_examples
@@ -147,6 +147,22 @@ def test_a_model_that_cannot_keep_packed_examples_apart_is_refused_in_one_line(t
     assert exit_info.value.code == 2 and len(errors) == 1, errors
     assert "holds packed examples, but a falcon model with --attn_implementation sdpa lets them attend to each " \
            "other" in errors[0] and errors[0].endswith("prepare the data with --packing false"), errors
+
+
+def test_a_state_space_model_whose_isolation_cannot_be_probed_is_refused_naming_packing(tiny, packed, tmp_path,
+                                                                                        capsys) -> None:
+    """Mamba-2 has no attention heads to make the probe's small twin of: the probe's failure was reported as an
+    attention implementation that does not run here, with advice that went in a circle (use sdpa; use eager)."""
+    Mamba2Config(vocab_size=512).save_pretrained(tmp_path / "mamba2")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=tmp_path / "mamba2",
+                                          attn_implementation="eager", train_data_dir=packed, tokenizer=None)))
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and errors[:1] == [  # then: its 8B weights would not fit this disk
+        f"error: --train_data_dir {packed} holds packed examples, but whether a mamba2 model keeps them apart cannot "
+        "be probed (a mamba2 config has no attention heads to narrow it by, and its small twin would be 4096 wide); "
+        "prepare the data with --packing false"], errors
 
 
 def test_a_model_whose_sliding_window_a_block_mask_would_drop_is_refused_in_one_line(tiny, packed, tmp_path,

@@ -153,8 +153,8 @@ def materializes_like_from_config(model_config: PretrainedConfig, trust_remote_c
     `pretrained` weights to read, only what they do not hold counts: the non-persistent buffers."""
     from app.model.isolation import small_twin  # which imports this module
 
-    config = small_twin(model_config)
     try:
+        config = small_twin(model_config)
         reference = model_class(config).from_config(config, trust_remote_code=trust_remote_code)
         twin = meta_model(config, trust_remote_code)
         materialize_in_sharding_order(twin, resolve_wrap_classes(config, None, trust_remote_code),

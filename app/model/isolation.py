@@ -161,7 +161,9 @@ def small_twin(config: PretrainedConfig) -> PretrainedConfig:
     Attribute names go through the config's own attribute_map (GPT-2's n_layer, n_head, n_embd)."""
     twin = copy.deepcopy(config)
     layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list) and layer_types:
+    if not writable(config, "layer_types"):  # kinds computed from other fields (Jamba, Mamba-2, Bamba)
+        twin.num_hidden_layers = fewest_layers_of_every_kind(twin)
+    elif isinstance(layer_types, list) and layer_types:
         kinds = list(dict.fromkeys(layer_types))
         twin.layer_types = kinds if len(kinds) > 1 else kinds * 2
         twin.num_hidden_layers = len(twin.layer_types)
@@ -194,12 +196,44 @@ def small_twin(config: PretrainedConfig) -> PretrainedConfig:
         window = getattr(config, name, None)
         if isinstance(window, int) and window > PROBE_WINDOW:
             setattr(twin, name, PROBE_WINDOW)
+    if twin.hidden_size > MAX_TWIN_WIDTH:
+        raise TwinUnavailable(f"a {config.model_type} config has no attention heads to narrow it by, and its small "
+                              f"twin would be {twin.hidden_size} wide")
     if config.vocab_size > PROBE_VOCAB:
         twin.vocab_size = PROBE_VOCAB
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             if _beyond(getattr(twin, name, None), PROBE_VOCAB):
                 setattr(twin, name, None)
     return twin
+
+
+class TwinUnavailable(ValueError):
+    """The probes' small twin cannot be made of this config (a state-space model's width follows from fields they
+    do not know): building the model at full size instead ran a 24 GB machine out of memory on Mamba-2."""
+
+
+MAX_TWIN_WIDTH = 1024
+"""The widest a twin may be: 4 heads of 256 (Gemma's head_dim)."""
+
+
+def fewest_layers_of_every_kind(config: PretrainedConfig) -> int:
+    """The fewest layers whose computed kinds include every kind of the full model's (Jamba: attention every 8th
+    layer from the 4th, 5 layers)."""
+    kinds = set(config.layer_types or [])
+    full = config.num_hidden_layers
+    for layers in range(2, full):
+        config.num_hidden_layers = layers
+        if set(config.layer_types or []) >= kinds:
+            return layers
+    return full
+
+
+def writable(config: PretrainedConfig, name: str) -> bool:
+    """Whether the config's attribute `name` (through its attribute_map) can be set: state-space and hybrid
+    configs compute their layer kinds in a property without a setter, and assigning them raised AttributeError,
+    which ended every such run (packed or not) after its preflight."""
+    attribute = getattr(type(config), config.attribute_map.get(name, name), None)
+    return not (isinstance(attribute, property) and attribute.fset is None)
 
 
 def _beyond(token_id: object, vocab_size: int) -> bool:

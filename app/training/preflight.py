@@ -48,8 +48,8 @@ from app.huggingface.convert import changed_fields
 from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
                              meta_model, model_class, model_source, resolve_wrap_classes)
-from app.model.isolation import (LOCAL_ATTENTION_NAMES, decoder_inputs_error, decoder_tells_positions_apart,
-                                 probe_isolation)
+from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder_inputs_error,
+                                 decoder_tells_positions_apart, probe_isolation)
 from app.model.loss import probe_chunked_loss
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
@@ -498,6 +498,10 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
     attention, kind = cfg.attn_implementation, model_config.model_type
     try:
         found = probe_isolation(model_config, attention, cfg.trust_remote_code)
+    except TwinUnavailable as error:
+        problems.append(f"--train_data_dir {cfg.train_data_dir} holds packed examples, but whether a {kind} model "
+                        f"keeps them apart cannot be probed ({error}); prepare the data with --packing false")
+        return "position_ids"
     except Exception as error:  # the implementation does not run here (FlashAttention without a GPU) or at all
         problems.append(f"--attn_implementation {attention}: a {kind} model cannot run with it here, so packed "
                         f"examples cannot be checked to stay apart ({first_line(error)}); use --attn_implementation "
