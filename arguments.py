@@ -465,9 +465,6 @@ def validate_config(cfg: Config) -> list[str]:
         require(0 <= getattr(cfg, name) < 1, f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
     require(cfg.max_step is None or cfg.warmup_steps <= cfg.max_step,
             f"--warmup_steps ({cfg.warmup_steps}) exceeds --max_step ({cfg.max_step}): lower one of them")
-    require(cfg.max_step is None or not cfg.lr_decay or cfg.warmup_steps != cfg.max_step,
-            f"--warmup_steps ({cfg.warmup_steps}) fills --max_step ({cfg.max_step}): no step is left for the decay to "
-            f"--min_lr; lower --warmup_steps, or give --lr_decay false")
     require(cfg.lr_scaling == "none" or cfg.reference_batch_size is not None,
             f"--lr_scaling {cfg.lr_scaling} needs --reference_batch_size: the global batch --lr was tuned at")
     require(cfg.train_data_dir is not None or (cfg.estimate_memory and cfg.block_size is not None),

@@ -105,8 +105,6 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--beta1", "1.0"], "--beta1 must be in [0, 1)"),
     (["--micro_batch_size", "0"], "--micro_batch_size must be at least 1"),
     (["--warmup_steps", "10", "--max_step", "5"], "--warmup_steps (10) exceeds --max_step (5)"),
-    (["--warmup_steps", "5", "--max_step", "5"], "--warmup_steps (5) fills --max_step (5): no step is left for the "
-                                                 "decay to --min_lr"),
     (["--checkpoint", "x.ckpt"], "--checkpoint is only read when resuming"),
     (["--reference_batch_size", "64"], "--reference_batch_size is only read with --lr_scaling linear or sqrt"),
     (["--device_memory_gb", "80"], "--device_memory_gb is only read by --estimate_memory true"),

@@ -84,7 +84,6 @@ CASES = {
     "global batch": (dict(global_batch_size=12, gradient_accumulation_steps=None), "--global_batch_size 12"),
     "data below one step": (dict(micro_batch_size=400), "fewer than one optimizer step"),
     "warmup beyond the epochs": (dict(max_step=None, warmup_steps=10000), "--warmup_steps (10000) exceeds the run's"),
-    "warmup filling the epochs": (dict(max_step=None, warmup_steps=40), "--warmup_steps (40) fills the run's 40 "),
     "missing checkpoint": (dict(resume=True, checkpoint="/nonexistent.ckpt"), "--checkpoint /nonexistent.ckpt"),
     "corrupt checkpoint": (dict(resume=True, checkpoint="{corrupt}"), "not a readable checkpoint"),
     "other model's checkpoint": (dict(resume=True, checkpoint="{other_model}"), "is from a different model"),
@@ -363,6 +362,14 @@ def test_a_tpu_run_without_torch_xla_is_refused_before_any_rank_starts(tiny, tmp
     assert exit_info.value.code == 2
     assert "error: --accelerator tpu needs torch_xla, which this Python lacks" in capsys.readouterr().err
     assert parse_config(train_args(tiny, tmp_path / "out", accelerator="tpu")).tpu is True
+
+
+def test_a_warmup_that_fills_the_run_says_that_the_rate_never_decays(tiny, tmp_path, capsys) -> None:
+    """40 warmup steps of a 40-step run: --min_lr went unused, and --print_config described a cosine decay that
+    never happened."""
+    preflight(parse_config(train_args(tiny, tmp_path / "out", max_step=None, warmup_steps=40)))
+    assert ("--warmup_steps 40 fills the run's 40 steps: the rate rises to --lr and ends there, never decaying to "
+            "--min_lr") in capsys.readouterr().out
 
 
 def test_single_device_plans_one_rank_whatever_gpus_are_visible(tiny, tmp_path, monkeypatch) -> None:

@@ -719,12 +719,13 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
         plan = plan_from_checkpoint(cfg, resume.metadata, plan)
         note_what_changed(cfg, resume.metadata, plan)
         note_validation_rows(cfg, data, resume.metadata, plan)
-    leaves_decay = cfg.warmup_steps < plan.max_step or not cfg.lr_decay and cfg.warmup_steps == plan.max_step
-    if not leaves_decay and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
-        problems.append(f"--warmup_steps ({cfg.warmup_steps}) "
-                        f"{'fills' if cfg.warmup_steps == plan.max_step else 'exceeds'} the run's {plan.max_step} "
-                        f"optimizer steps (--number_epochs {cfg.number_epochs} at {plan.global_batch_size} sequences "
-                        "per step): lower it, or give --max_step")
+    if cfg.warmup_steps > plan.max_step and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
+        problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {plan.max_step} optimizer steps "
+                        f"(--number_epochs {cfg.number_epochs} at {plan.global_batch_size} sequences per step): "
+                        "lower it, or give --max_step")
+    elif cfg.warmup_steps == plan.max_step and cfg.lr_decay and not cfg.estimate_memory:
+        note(f"--warmup_steps {cfg.warmup_steps} fills the run's {plan.max_step} steps: the rate rises to --lr and "
+             "ends there, never decaying to --min_lr (fewer warmup steps leave some for the decay)")
     if not cfg.estimate_memory:
         note_rows_left_out(plan)
     return plan
