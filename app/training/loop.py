@@ -154,7 +154,7 @@ class Loop:
         self.state_memory.watch(state["model"], state["optimizer"])
         if state["step"] == 0 and cfg.initial_validation and len(self.data.validation):
             self.fabric.log_dict(self.evaluate(), step=0)
-        losses: list[torch.Tensor] = []
+        losses = self.unlogged_losses()
         self.stop.begin_training()
         while state["step"] < plan.max_step:
             lr = learning_rate(plan.schedule_step(state["step"] + 1), lr=cfg.lr, min_lr=cfg.min_lr,
@@ -186,7 +186,7 @@ class Loop:
             if action == "rollback":
                 if not self.roll_back():
                     return "spikes"
-                steps, losses = self.steps(), []
+                steps, losses = self.steps(), self.unlogged_losses()
                 continue
             if len(self.data.set_aside) != quarantined:  # read again from here: the loader's rows train nothing
                 steps = self.steps()
@@ -195,13 +195,14 @@ class Loop:
             step, last = state["step"], state["step"] == plan.max_step
             saving = is_save_step(step, last, cfg.save_step_interval) or verdict.stop_requested
             metrics: dict[str, float] = {}
-            if step % cfg.log_interval == 0 or last or saving:  # a resume then logs the steps a straight run logs
+            if step % cfg.log_interval == 0 or last:
                 metrics |= self.training_metrics(losses, verdict.grad_norm, lr, throughput)
                 losses = []
             evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
             if evaluated:
                 metrics |= self.evaluate()
             if saving:
+                state["log_window"] = self.window_to_save(losses)
                 metrics |= self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
             if metrics:
                 self.fabric.log_dict(metrics, step=step)
@@ -210,6 +211,19 @@ class Loop:
                                    f"{how_to_continue(cfg.requeue_on_signal, self.stop.signal)}")
                 return "interrupted" if self.stop.interrupted else "preempted"
         return "finished"
+
+    def unlogged_losses(self) -> list[torch.Tensor]:
+        """The losses of the steps since the last log point that the checkpoint resumed from saved (its
+        log_window): a resume, a stop or a rollback then logs the train_loss a straight run logs (the window was
+        lost at a stop, and the first row after the resume averaged only the steps since it)."""
+        return [torch.tensor(loss, dtype=torch.float32, device=self.fabric.device) for loss in self.state["log_window"]]
+
+    def window_to_save(self, losses: list[torch.Tensor]) -> list[float]:
+        """The unlogged steps' losses, each the mean over the ranks (what the log would average), for the
+        checkpoint; one collective at a save, and none when the step was logged. Every rank takes part."""
+        if not losses:
+            return []
+        return self.fabric.all_reduce(torch.stack(losses).float(), reduce_op="mean").tolist()
 
     def steps(self) -> Iterator[Step]:
         """The training steps from the state's epoch and position on."""
@@ -263,7 +277,8 @@ class Loop:
                     Path(self.cfg.out_dir), saved["step"]):
                 self.console.print(f"step {state['step']}: moved {moved.name}, of the stretch rolled back, to {moved}")
         back = state["step"] - saved["step"]
-        state |= {"step": saved["step"], "val_loss": saved["val_loss"], "val_loss_step": saved.get("val_loss_step")}
+        state |= {"step": saved["step"], "val_loss": saved["val_loss"], "val_loss_step": saved.get("val_loss_step"),
+                  "log_window": saved.get("log_window") or []}
         if saved.get("grad_scaler"):
             fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
         self.guard.rolled_back(saved["step"], saved.get("spike_guard"))

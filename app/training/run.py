@@ -120,6 +120,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "schedule": None,  # where the learning-rate schedule stands (TrainingPlan.schedule_step), set when saving
         "mixture": None,
         "source_tokens": {},
+        "log_window": [],  # the losses of the steps since the last log point, set when saving (Loop.unlogged_losses)
         "config": cfg.to_dict(),
         "cwd": os.getcwd(),  # where the config's relative paths (--model_name) lead: convert_to_hf.py reads from it
         "model_config": inputs.model_config.to_dict(),
@@ -136,7 +137,7 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     state |= {key: saved[key] for key in ("step", "epoch", "position", "val_loss")} | {
         "val_loss_step": saved.get("val_loss_step")}
     state |= {"spike_guard": saved.get("spike_guard"), "mixture": saved.get("mixture"),
-              "source_tokens": saved.get("source_tokens") or {},
+              "source_tokens": saved.get("source_tokens") or {}, "log_window": saved.get("log_window") or [],
               "scaler_skipped_steps": saved.get("scaler_skipped_steps", 0)}
     if state["mixture"] is None:
         state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
