@@ -345,6 +345,7 @@ def fake_slurm(tmp_path):
     (bin_dir / "scontrol").write_text(
         '#!/bin/bash\nif [ "$1" = show ]; then echo gpu-node01; exit; fi\n'
         'if [ "$1" = update ] && [ -n "$FAKE_UPDATE_FAILS" ]; then exit 1; fi\n'
+        'if [ "$1" = requeue ] && [ -n "$FAKE_REQUEUE_FAILS" ]; then exit 1; fi\n'
         f'echo "$@" >> {record}\n'
     )
     for program in bin_dir.iterdir():
@@ -402,6 +403,21 @@ def test_batch_scripts_bound_the_requeues_when_slurm_cannot_keep_the_count(scrip
     assert asked == (["requeue 4242"] if requeued else []), asked
     if not requeued:  # the last line names what it counted
         assert f"after {restarts} restarts (MAX_REQUEUES=3)" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_TORCHRUN], ids=lambda p: p.name)
+def test_a_stall_the_job_cannot_be_requeued_after_keeps_its_exit_code(script, fake_slurm, tmp_path):
+    """Submitted with --no-requeue (the header's opt-out), `scontrol requeue` fails, and `set -e` ended the script
+    there: the job ended FAILED with 1 (an exception, in the docs' table) instead of the stall's 4."""
+    bin_dir, _ = fake_slurm
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1",
+           "SLURM_GPUS_PER_NODE": "8", "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "8",
+           "SLURM_JOB_NODELIST": "gpu-node01", "SLURM_RESTART_COUNT": "0", "FAKE_STATUS": "4",
+           "FAKE_COMMENT": "(null)", "FAKE_REQUEUE_FAILS": "1"}
+    result = subprocess.run(["bash", str(script), "--out_dir", "/outputs/run"], env=env, capture_output=True,
+                            text=True, cwd=tmp_path)
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "scontrol could not requeue job 4242: resubmit it with the same arguments" in result.stdout
 
 
 @pytest.mark.slow
