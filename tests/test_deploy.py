@@ -12,10 +12,12 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -429,3 +431,28 @@ def test_torchrun_wrapper_exits_with_the_failed_workers_own_code(tmp_path):
                              str(worker)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 4, result.stderr[-2000:]
     assert "exitcode  : 4" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_sigterm, code, line", [
+    ("sys.exit(75)", 75, "SIGTERM handed to the workers, which stopped; exit 75"),  # saved, as train.py does
+    (None, 143, "SIGTERM handed to the workers; one exited with 143, not 75: exit 143"),  # killed before it could
+])
+def test_torchrun_wrapper_after_a_signal_exits_with_the_workers_code(on_sigterm, code, line, tmp_path):
+    """It exited 75 ("stopped after saving a checkpoint") from the signal alone, also when the workers were killed
+    while they started and saved nothing."""
+    ready = tmp_path / "ready"
+    worker = tmp_path / "worker.py"
+    worker.write_text("import signal, sys, time\n"
+                      + (f"signal.signal(signal.SIGTERM, lambda *_: {on_sigterm})\n" if on_sigterm else "")
+                      + f"open({str(ready)!r}, 'w').close()\ntime.sleep(120)\n")
+    with subprocess.Popen([sys.executable, "-m", "app.reliability.torchrun", "--standalone", "--nproc_per_node", "1",
+                           str(worker)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as wrapper:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        wrapper.send_signal(signal.SIGTERM)
+        _, stderr = wrapper.communicate(timeout=60)
+    assert wrapper.returncode == code, stderr[-2000:]
+    assert f"torchrun: {line}" in stderr

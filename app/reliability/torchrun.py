@@ -6,15 +6,21 @@ torchrun's arguments instead. A worker killed by a signal gives 128 + its number
 
 A stop signal to torchrun itself (Slurm's preemption or scancel, SIGTERM to every task; `--signal=USR1`, with
 `--signals_to_handle`) is handed to the workers, which save and exit (app/reliability/signals.py); torchrun then
-raises with a traceback and exits 1. Here it exits with the code train.py's workers exit with for that signal (75
-after SIGTERM or SIGUSR1, 130 after SIGINT, 128 + the number otherwise), after one line, as train.sbatch's srun does.
+raises with a traceback and exits 1. Here it exits with the code the workers exited with, after one line, as
+train.sbatch's srun does: 75 after SIGTERM or SIGUSR1 when every worker saved, 130 after SIGINT; a worker that
+stopped otherwise (killed while it started, before it could save; killed after --shutdown_timeout; failed) gives its
+own code, so 75 never says "saved" for a run that saved nothing. torchrun keeps the workers' codes in its agent's
+process context, which it closes without returning them: LocalElasticAgent._shutdown is wrapped to read them (where a
+torch release lacks it, the code expected for the signal is used, and the line says so).
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+from typing import Any, Optional
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
@@ -26,21 +32,56 @@ CODE_AFTER_SIGNAL = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGUSR1: EXIT_PREEMP
 
 def first_exit_code(failure: ChildFailedError) -> int:
     _, first = failure.get_first_failure()
-    return first.exitcode if first.exitcode >= 0 else 128 - first.exitcode
+    return shell_code(first.exitcode)
 
 
 def code_after_signal(signum: int) -> int:
     return CODE_AFTER_SIGNAL.get(signum, 128 + signum)
 
 
+def shell_code(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def exit_after_signal(signum: int, worker_codes: Optional[list[int]]) -> tuple[int, str]:
+    """The wrapper's exit code after stop signal `signum` and what the line says: the expected code when every
+    worker exited with it, else the first other code a worker exited with."""
+    name, expected = signal.Signals(signum).name, code_after_signal(signum)
+    if worker_codes is None:
+        return expected, f"{name} handed to the workers; their exit codes are unknown, exit {expected}"
+    other = next((code for code in worker_codes if code != expected), None)
+    if other is None:
+        return expected, f"{name} handed to the workers, which stopped; exit {expected}"
+    return other, f"{name} handed to the workers; one exited with {other}, not {expected}: exit {other}"
+
+
+WORKER_CODES: list[Optional[list[int]]] = [None]
+"""The workers' exit codes once the agent has closed them (read by the wrapped _shutdown)."""
+
+
+def keep_worker_codes() -> None:
+    shutdown = getattr(LocalElasticAgent, "_shutdown", None)
+    if shutdown is None:
+        return
+
+    def shutdown_keeping_codes(agent: LocalElasticAgent, *args: Any, **kwargs: Any) -> None:
+        shutdown(agent, *args, **kwargs)
+        handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None) or {}
+        codes = [handler.proc.poll() for _, handler in sorted(handlers.items())]
+        if codes and None not in codes:
+            WORKER_CODES[0] = [shell_code(code) for code in codes]
+
+    LocalElasticAgent._shutdown = shutdown_keeping_codes
+
+
 if __name__ == "__main__":
+    keep_worker_codes()
     try:
         main()
     except ChildFailedError as failure:
         print(failure, file=sys.stderr)
         sys.exit(first_exit_code(failure))
     except SignalException as stopped:
-        code = code_after_signal(stopped.sigval)
-        print(f"torchrun: {signal.Signals(stopped.sigval).name} handed to the workers, which stopped; exit {code}",
-              file=sys.stderr)
+        code, line = exit_after_signal(stopped.sigval, WORKER_CODES[0])
+        print(f"torchrun: {line}", file=sys.stderr)
         sys.exit(code)
