@@ -149,6 +149,8 @@ def stop_gracefully(run: Launched, signum: int, code: int, out_dir: Path) -> tup
     assert run.finish() == code, run.output()
     step = int(re.search(r"step (\d+): stopped by a signal", run.output()).group(1))
     assert step in list_checkpoints(out_dir) and "Traceback" not in run.output(), run.output()
+    saved = run.output().find(f"step {step}: saved ")  # a background write is published before the line says so
+    assert -1 < saved < run.output().find(f"step {step}: stopped by a signal"), run.output()
     assert "resource_tracker" not in run.output(), run.output()  # multiprocessing's helper outlived the signal
     run.assert_nothing_left()
     return step, seconds
@@ -158,8 +160,8 @@ def stop_gracefully(run: Launched, signum: int, code: int, out_dir: Path) -> tup
 def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySetup, tmp_path: Path):
     """SIGUSR2 (stacks) to each process, then SIGTERM to the whole process group, data loader workers included
     (Slurm's scancel and time limit, `kill -TERM -- -PGID`); then Ctrl-C (SIGINT to the group, as a terminal sends
-    it) once on the resumed run; then twice on the next one while rank 1 waits for ever on its workers and rank 0 on
-    the collective."""
+    it) once on the resumed run, which saves in the background; then twice on the next one while rank 1 waits for
+    ever on its workers and rank 0 on the collective."""
     out = tmp_path / "run"
     args = train_args(tiny, out, num_workers=2, max_step=300, save_step_interval=100, eval_step_interval=100)
     with launched(args, tmp_path / "sigterm.log") as run:
@@ -171,7 +173,7 @@ def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySet
         run.wait_for_step(3)
         first_stop, seconds_to_checkpoint = stop_gracefully(run, signal.SIGTERM, EXIT_PREEMPTED, out)
 
-    with launched(args + ["--resume", "true"], tmp_path / "ctrl-c.log") as run:
+    with launched(args + ["--resume", "true", "--async_save", "true"], tmp_path / "ctrl-c.log") as run:
         run.wait_for_step(first_stop + 2)
         second_stop, _ = stop_gracefully(run, signal.SIGINT, EXIT_INTERRUPTED, out)
         assert second_stop > first_stop and run.output().count(INTERRUPT_MESSAGE) == 1, run.output()

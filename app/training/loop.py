@@ -207,6 +207,7 @@ class Loop:
             if metrics:
                 self.fabric.log_dict(metrics, step=step)
             if verdict.stop_requested and not last:
+                self.saver.wait()  # a background write is published (or has failed) before the line says "saved"
                 self.console.print(f"step {step}: stopped by a signal after saving; "
                                    f"{how_to_continue(cfg.requeue_on_signal, self.stop.signal)}")
                 return "interrupted" if self.stop.interrupted else "preempted"
