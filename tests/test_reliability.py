@@ -199,6 +199,20 @@ def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySet
 
 
 @pytest.mark.slow
+def test_a_rank_killed_by_sigkill_is_named_by_the_process_that_started_it(tiny: TinySetup, tmp_path: Path):
+    """The out-of-memory killer's SIGKILL leaves the killed rank no last word: the launching process said only
+    "another process of the run ended first (... Connection reset by peer)"."""
+    args = train_args(tiny, tmp_path / "run", max_step=300, save_step_interval=0, eval_step_interval=1000)
+    with launched(args, tmp_path / "sigkill.log") as run:
+        run.wait_for_step(2)
+        victim = run.other_rank()
+        victim.kill()
+        assert run.finish(timeout=60) == EXIT_CRASHED, run.output()
+        assert f"local rank 1 (pid {victim.pid}) was killed by SIGKILL (out of memory?)" in run.output(), run.output()
+        run.assert_nothing_left()
+
+
+@pytest.mark.slow
 def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: TinySetup, tmp_path: Path):
     """Rank 1's data loader worker stops (SIGSTOP): rank 1 waits on it, rank 0 on the next collective."""
     with launched(train_args(tiny, tmp_path / "run", num_workers=1, max_step=300, save_step_interval=100,

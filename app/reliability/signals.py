@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from contextlib import suppress
 from dataclasses import dataclass
@@ -235,13 +236,27 @@ def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoR
         if process_ending():  # this process's watchdog or signal thread is ending the run: its line says why
             end_process_tree(EXIT_CRASHED, stacks=False)  # waits for that exit, with that thread's code
         if peer_ended(error):  # the process that ended first printed why; a traceback here would only hide it
-            say(f"rank {fabric.global_rank}: another process of the run ended first ({str(error).splitlines()[0]})\n")
+            killed = "".join(f"; {line}" for line in killed_children(fabric))
+            say(f"rank {fabric.global_rank}: another process of the run ended first ({str(error).splitlines()[0]})"
+                f"{killed}\n")
         else:
             traceback.print_exc()
             sys.stderr.flush()
         end_process_tree(EXIT_CRASHED, stacks=False)
     gc.collect()  # the model, if reference cycles hold it
     exit_run(fabric, code)
+
+
+def killed_children(fabric: Fabric, wait_sec: float = 1.0) -> list[str]:
+    """The ranks that Lightning's launcher started from this process and that a signal killed: a rank killed by
+    SIGKILL (the out-of-memory killer) prints nothing, and the others' only line was a connection reset by peer."""
+    children = getattr(getattr(fabric.strategy, "launcher", None), "procs", None) or []
+    deadline = time.monotonic() + wait_sec
+    while children and all(child.poll() is None for child in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [f"local rank {rank} (pid {child.pid}) was killed by {signal.Signals(-child.returncode).name}"
+            + (" (out of memory?)" if child.returncode == -signal.SIGKILL else "")
+            for rank, child in enumerate(children, start=1) if child.returncode is not None and child.returncode < 0]
 
 
 PEER_ENDED = ("Connection closed by peer", "Connection reset by peer",  # gloo
