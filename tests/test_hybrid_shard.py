@@ -57,6 +57,20 @@ def test_hybrid_shard_on_two_nodes_takes_full_shards_steps_and_resumes_under_the
         assert steps[step]["train_loss"] == pytest.approx(reference[step]["train_loss"], rel=1e-5), step
 
 
+@pytest.mark.slow
+def test_hybrid_shard_with_one_device_per_node_synchronises_across_the_nodes(tiny, full_shard, tmp_path) -> None:
+    """Shard groups of one rank: FSDP1 switched to NO_SHARD within each and never all-reduced across the nodes,
+    each node training its own replica on its own rows (grad_norm 0.52 where FULL_SHARD's is 1.12)."""
+    options = CONSTANT_LR | {"gradient_accumulation_steps": 2}
+    hybrid = run_train(train_args(tiny, tmp_path, sharding_strategy="HYBRID_SHARD", devices=1, num_nodes=2,
+                                  max_step=2, **options), nodes=2)
+    assert_succeeded(hybrid)
+    steps, reference = read_metrics(tmp_path), read_metrics(full_shard)
+    for step in (1, 2):
+        for name in ("train_loss", "grad_norm"):
+            assert steps[step][name] == pytest.approx(reference[step][name], rel=1e-5), (step, name)
+
+
 def test_every_process_group_a_run_creates_times_out_after_process_group_timeout_min() -> None:
     """Lightning's default group, the device meshes of HYBRID_SHARD under fsdp and fsdp2 and the checkpoint writer's
     gloo group: all 7 min as asked (the mesh and writer groups were 30 min, torch's default; NCCL's is 10)."""
