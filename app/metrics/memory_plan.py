@@ -11,8 +11,8 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
 - working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
   head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; less input embeddings that are a unit of
   their own, resharded after forward), under *-mixed the fp32 copy of the largest unit's gradient that FSDP and
-  FSDP2 make to reduce it (FSDP1 `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py`), DDP's gradient buckets (a
-  second copy of the gradients), the chunked loss's buffers (one chunk's logits, the output weight's fp32 gradient
+  FSDP2 make to reduce it (FSDP1 `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py`; DDP's gradients are views of
+  its buckets, `gradient_as_bucket_view`, so its buckets add nothing), the chunked loss's buffers (one chunk's logits, the output weight's fp32 gradient
   and, on CPU, its compute-dtype product), under *-mixed with NO_SHARD every unit's compute-dtype copy (held from
   forward to backward), and the runtime: on a GPU 1.25 GiB for the CUDA context, kernels and NCCL's buffers
   (measured on an H200 with one rank, `RUNTIME_BYTES`); on CPU processes this planning process's own resident
@@ -221,9 +221,7 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     if setup.unsharded_accumulation:
         gradients = shape.parameters * computed
     optimizer = on_device * 2 * shape.parameters * stored / setup.shards
-    if setup.strategy == "ddp":
-        working = gradients
-    elif setup.strategy not in SHARDED_STRATEGIES:  # one device: no buckets to reduce in
+    if setup.strategy not in SHARDED_STRATEGIES:  # one device, or DDP, whose gradients are its buckets' views
         working = 0.0
     elif setup.sharding_strategy == "NO_SHARD":  # under *-mixed every unit's compute-dtype copy, forward to backward
         working = shape.parameters * computed if computed != stored else 0.0
