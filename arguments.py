@@ -96,7 +96,8 @@ class FSDPArgs:
     """FSDP"""
 
     auto_wrap_policy: Optional[list[str]] = None
-    """Layer class names that become FSDP units, e.g. [LlamaDecoderLayer]; default: the model's _no_split_modules."""
+    """Layer class names that become FSDP units, e.g. [LlamaDecoderLayer]; default: the model's _no_split_modules.
+    Another policy draws a model built from a config in another order: other initial weights for the same --seed."""
     sharding_strategy: ShardingStrategy = "FULL_SHARD"
     """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), HYBRID_SHARD (shard in a node, replicate across), NO_SHARD."""
     limit_all_gathers: bool = True
