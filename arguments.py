@@ -515,8 +515,11 @@ def validate_config(cfg: Config) -> list[str]:
     if cfg.strategy != "fsdp":
         changed = [f.name for f in fields(FSDPArgs) if getattr(cfg, f.name) != f.default
                    and f.name != "gradient_checkpointing" and (cfg.strategy not in SHARDED_STRATEGIES or f.name in fsdp1_only)]
-        require(not changed, f"{', '.join('--' + n for n in changed)} only apply to --strategy fsdp, "
-                             f"not {cfg.strategy}: drop them or use --strategy fsdp")
+        fsdp1 = cfg.strategy == "fsdp2" or all(n in FSDP1_ONLY_OPTIONS for n in changed)
+        allowed = "fsdp" if fsdp1 else "fsdp or fsdp2"
+        require(not changed, f"{', '.join('--' + n for n in changed)} {'applies' if len(changed) == 1 else 'apply'} "
+                             f"only to --strategy {allowed}, not {cfg.strategy}: drop "
+                             f"{'it' if len(changed) == 1 else 'them'} or use --strategy {allowed.split()[0]}")
     require(cfg.strategy != "fsdp2" or cfg.precision != "16-mixed",
             "--precision 16-mixed needs FSDP1's sharded gradient scaler: use --strategy fsdp, or --precision bf16-mixed")
     require(cfg.reduce_dtype != "float16" or cfg.precision == "16-mixed",

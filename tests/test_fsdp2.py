@@ -49,7 +49,7 @@ def test_mixed_precision_is_fsdp2s_policy_and_not_autocast() -> None:
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--backward_prefetch", "BACKWARD_POST"], "--backward_prefetch only apply to --strategy fsdp, not fsdp2"),
+    (["--backward_prefetch", "BACKWARD_POST"], "--backward_prefetch applies only to --strategy fsdp, not fsdp2"),
     (["--precision", "16-mixed"], "--precision 16-mixed needs FSDP1's sharded gradient scaler"),
 ])
 def test_options_fsdp2_has_no_use_for_are_refused(options, message) -> None:

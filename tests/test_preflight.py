@@ -114,7 +114,8 @@ CASES = {
                                            "flash_attention_2 needs the flash-attn package and a CUDA GPU"),
     "a GPU asked for where there is none": (dict(accelerator="gpu"), "--accelerator gpu: no CUDA GPU is visible here"),
     "negative lr": (dict(lr=-1.0), "--lr must be positive"),
-    "fsdp option with ddp": (dict(strategy="ddp", sharding_strategy="NO_SHARD"), "only apply to --strategy fsdp"),
+    "fsdp option with ddp": (dict(strategy="ddp", sharding_strategy="NO_SHARD"),
+                             "applies only to --strategy fsdp or fsdp2"),
 }
 
 
@@ -370,6 +371,12 @@ def test_a_warmup_that_fills_the_run_says_that_the_rate_never_decays(tiny, tmp_p
     preflight(parse_config(train_args(tiny, tmp_path / "out", max_step=None, warmup_steps=40)))
     assert ("--warmup_steps 40 fills the run's 40 steps: the rate rises to --lr and ends there, never decaying to "
             "--min_lr") in capsys.readouterr().out
+
+
+def test_fsdp_no_sync_without_accumulation_says_it_is_not_used(tiny, tmp_path, capsys) -> None:
+    """Accepted and ignored without a word, as no other option that nothing reads is."""
+    preflight(parse_config(train_args(tiny, tmp_path / "out", fsdp_no_sync=True, gradient_accumulation_steps=1)))
+    assert "--fsdp_no_sync true is not used: each step is one micro-batch per rank" in capsys.readouterr().out
 
 
 def test_single_device_plans_one_rank_whatever_gpus_are_visible(tiny, tmp_path, monkeypatch) -> None:

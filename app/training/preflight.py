@@ -1215,6 +1215,8 @@ def preflight(cfg: Config) -> RunInputs:
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
     if plan is not None:
         check_offloaded_accumulation(cfg, plan, problems)
+        if cfg.fsdp_no_sync and plan.accumulation == 1 and not cfg.estimate_memory:
+            note("--fsdp_no_sync true is not used: each step is one micro-batch per rank, with nothing to accumulate")
     tokenizer = resolve_tokenizer(cfg, model_config, problems)
     if data is not None:
         check_samples(cfg, data, tokenizer, problems, model_config)
