@@ -433,6 +433,19 @@ def test_torchrun_wrapper_exits_with_the_failed_workers_own_code(tmp_path):
     assert "exitcode  : 4" in result.stderr
 
 
+def test_torchrun_wrapper_reads_the_reporting_workers_code_past_the_others_zeros() -> None:
+    """train.py's ranks that do not report exit 0 (app/reliability/signals.py exit_run): a preempted run's 75 is
+    rank 0's, with 0 from the others; taken for a failure, it ended a real Slurm job with 0."""
+    from app.reliability.torchrun import exit_after_signal
+
+    assert exit_after_signal(signal.SIGTERM, [75, 0])[0] == 75
+    assert exit_after_signal(signal.SIGINT, [130, 0])[0] == 130
+    assert exit_after_signal(signal.SIGTERM, [0, 0])[0] == 0, "finished before the signal took effect"
+    assert exit_after_signal(signal.SIGTERM, [75, 137]) == (
+        137, "SIGTERM handed to the workers; one exited with 137, not 75: exit 137")
+    assert exit_after_signal(signal.SIGTERM, None)[0] == 75
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("on_sigterm, code, line", [
     ("sys.exit(75)", 75, "SIGTERM handed to the workers, which stopped; exit 75"),  # saved, as train.py does

@@ -44,15 +44,18 @@ def shell_code(returncode: int) -> int:
 
 
 def exit_after_signal(signum: int, worker_codes: Optional[list[int]]) -> tuple[int, str]:
-    """The wrapper's exit code after stop signal `signum` and what the line says: the expected code when every
-    worker exited with it, else the first other code a worker exited with."""
+    """The wrapper's exit code after stop signal `signum` and what the line says. train.py's ranks that do not
+    report exit 0 and the node's reporting one the run's code (app/reliability/signals.py exit_run): the first code
+    that is neither 0 nor the one expected is a worker that did not stop as asked; else the expected one where a
+    worker gave it, else 0 (the run had finished)."""
     name, expected = signal.Signals(signum).name, code_after_signal(signum)
     if worker_codes is None:
         return expected, f"{name} handed to the workers; their exit codes are unknown, exit {expected}"
-    other = next((code for code in worker_codes if code != expected), None)
-    if other is None:
-        return expected, f"{name} handed to the workers, which stopped; exit {expected}"
-    return other, f"{name} handed to the workers; one exited with {other}, not {expected}: exit {other}"
+    other = next((code for code in worker_codes if code not in (0, expected)), None)
+    if other is not None:
+        return other, f"{name} handed to the workers; one exited with {other}, not {expected}: exit {other}"
+    code = expected if expected in worker_codes else 0
+    return code, f"{name} handed to the workers, which stopped; exit {code}"
 
 
 WORKER_CODES: list[Optional[list[int]]] = [None]
