@@ -464,7 +464,7 @@ def validate_config(cfg: Config) -> list[str]:
     require(cfg.grad_clip >= 0, f"--grad_clip must be 0 (off) or positive, got {cfg.grad_clip}")
     for name in ("beta1", "beta2"):
         require(0 <= getattr(cfg, name) < 1, f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
-    require(cfg.max_step is None or cfg.warmup_steps <= cfg.max_step,
+    require(cfg.max_step is None or cfg.max_step < 1 or cfg.warmup_steps <= cfg.max_step,  # else said above
             f"--warmup_steps ({cfg.warmup_steps}) exceeds --max_step ({cfg.max_step}): lower one of them")
     require(cfg.lr_scaling == "none" or cfg.reference_batch_size is not None,
             f"--lr_scaling {cfg.lr_scaling} needs --reference_batch_size: the global batch --lr was tuned at")

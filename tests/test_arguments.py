@@ -140,6 +140,11 @@ def test_invalid_values_are_named(argv, message) -> None:
     assert any(message in problem for problem in validate_config(cfg)), validate_config(cfg)
 
 
+def test_a_max_step_below_one_is_said_once() -> None:
+    """It also printed "--warmup_steps (0) exceeds --max_step (-1)", which is false."""
+    assert validate_config(read_config(REQUIRED + ["--max_step", "-1"])) == ["--max_step must be at least 1, got -1"]
+
+
 def test_cli_reports_every_problem_in_one_go_without_traceback() -> None:
     result = subprocess.run([sys.executable, "train.py", "--lr", "-1", "--beta2", "2", "--micro_batch_size", "0"],
                             cwd=ROOT, capture_output=True, text=True)
