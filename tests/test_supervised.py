@@ -347,6 +347,22 @@ def test_samples_stop_at_eos_or_the_templates_end_of_turn_never_at_a_cut_referen
     assert evaluator.stop_ids == {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot_id|>")}
 
 
+def test_sample_prompts_keep_a_templates_role_markers_and_texts_scored_do_not(tiny) -> None:
+    """Llama-3's role markers are special tokens: decoded without them, the samples' prompts ran the roles into the
+    text ("code.user def ..."); the generated text and the references, which ROUGE scores, stay without."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "def f(): pass"}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    evaluator = SampleEvaluator([Sample(prompt=ids, reference=ids)], tokenizer, CAUSAL, max_new_tokens=4,
+                                out_dir=Path("unused"))
+    assert evaluator.text(ids, special=True) == (
+        "<|start_header_id|>user<|end_header_id|>\n\ndef f(): pass<|eot_id|><|start_header_id|>assistant"
+        "<|end_header_id|>\n\n")
+    assert "<|" not in evaluator.text(ids) and tokenizer.bos_token not in evaluator.text(ids, special=True)
+
+
 def test_learning_rate_scaling_is_resolved_and_recorded(tiny, two_ranks) -> None:
     """sqrt(16 / 4) x 3e-3: the configuration records the value the run used."""
     config = yaml.safe_load((two_ranks / "config.yaml").read_text())

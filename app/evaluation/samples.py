@@ -209,8 +209,13 @@ class SampleEvaluator:
         generated = [self.text(ids) for ids in tokens]
         references = [self.text(sample.reference) for sample in self.samples]
         write_samples(self.out_dir / SAMPLES_DIR / f"step-{step:08d}.jsonl",
-                      [self.text(sample.prompt) for sample in self.samples], references, generated)
+                      [self.text(sample.prompt, special=True) for sample in self.samples], references, generated)
         return sample_metrics(generated, references, [len(ids) for ids in tokens])
 
-    def text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def text(self, ids: list[int], special: bool = False) -> str:
+        """Generated text and references without special tokens (what ROUGE scores); prompts with them but for the
+        BOS, where a chat template's role markers are special tokens (Llama-3's `<|start_header_id|>user
+        <|end_header_id|>`): without them the roles ran into the text ("code.user def ...")."""
+        if not special:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode([i for i in ids if i != self.tokenizer.bos_token_id], skip_special_tokens=False)

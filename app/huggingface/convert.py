@@ -494,6 +494,16 @@ def base_model_row(base: Optional[str], run: dict[str, Any]) -> str:
     return f"{base} (not found from here; not an owner/name Hub id)"
 
 
+def validation_row(val_loss: Optional[float], measured_at: Optional[int], step: int) -> str:
+    """The checkpoint's last validation loss, with the step it was measured at when that is not the checkpoint's
+    (a stop, or saves between evaluations): a card once gave the base model's step-0 loss as the fine-tuned one's."""
+    if val_loss is None:
+        return "not evaluated"
+    if measured_at is not None and measured_at != step:
+        return f"{val_loss:.4f} at step {measured_at} (not evaluated at step {step})"
+    return f"{val_loss:.4f}"
+
+
 def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
     """README.md of the output folder: where the model comes from and how it was trained."""
     run = job.metadata.get("config") or {}
@@ -511,7 +521,7 @@ def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
               f"| Training data | {run.get('train_data_dir')} |",
               f"| Block size (tokens) | {block_size} |",
               f"| Step | {job.step} (epoch {job.metadata.get('epoch')}) |",
-              f"| Final validation loss | {'%.4f' % val_loss if val_loss is not None else 'not evaluated'} |",
+              f"| Validation loss | {validation_row(val_loss, job.metadata.get('val_loss_step'), job.step)} |",
               f"| Weights dtype | {dtype} |"]
     lines += [f"| {name} | {value} |" for name, value in hyperparameters(run, job.metadata.get("global_batch_size"))]
     auto_class = model_class(job.model_config).__name__

@@ -902,7 +902,7 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
         problems.append(f"--out_dir {out_dir} already holds {', '.join(written)} (of an earlier run, or yours), which "
                         "a new run would overwrite; it holds no checkpoint, so nothing of that run can be continued: "
                         "choose another --out_dir, or add --resume true to start that run again from step 0 there, "
-                        "replacing those files (nothing is overwritten)")
+                        "replacing those files (this refusal changed nothing)")
 
 
 def data_folder_holding(cfg: Config, out_dir: Path) -> Optional[Path]:
