@@ -305,7 +305,8 @@ def test_the_model_card_gives_the_step_its_validation_loss_was_measured_at() -> 
     """A checkpoint saved at a stop (or between evaluations) carries the last loss measured, once the base model's
     step-0 loss, shown as the fine-tuned model's."""
     assert converter.validation_row(6.41398, 0, 9) == "6.4140 at step 0 (not evaluated at step 9)"
-    assert converter.validation_row(3.2, 8, 8) == "3.2000" and converter.validation_row(None, None, 8) == "not evaluated"
+    assert converter.validation_row(3.2, 8, 8) == "3.2000"
+    assert converter.validation_row(None, None, 8) == "not evaluated"
 
 
 def test_a_truncated_checkpoint_or_a_missing_rank_file_is_one_line_and_writes_nothing(full_run, sharded_run, tiny,
