@@ -253,6 +253,7 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
         os.killpg(run.process.pid, signal.SIGINT)
         assert run.finish(timeout=30) in (EXIT_INTERRUPTED, -signal.SIGINT), run.output()
         assert time.monotonic() - sent < 10 and "Traceback" not in run.output(), run.output()
+        assert "SIGINT before training began: nothing to save yet, quitting (exit 130)" in run.output()
         run.assert_nothing_left()
     print(f"\nrendezvous without the second node: exit {EXIT_RENDEZVOUS_TIMEOUT} after {seconds:.1f} s in all "
           "(--rendezvous_timeout_min 0.1, start-up included)")
@@ -378,6 +379,7 @@ def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too
         run.process.send_signal(signal.SIGTERM)
         assert run.finish(timeout=30) == 128 + signal.SIGTERM, run.output()
         assert "Traceback" not in run.output(), run.output()
+        assert "SIGTERM before training began: nothing to save yet, quitting (exit 143)" in run.output()
         run.assert_nothing_left(timeout=10)
 
 
@@ -393,6 +395,28 @@ def test_a_run_that_outlives_its_timeout_fails_with_where_its_processes_were_and
     assert "exited" in str(failure.value) and "Thread" in str(failure.value), str(failure.value)
     assert not [p for p in psutil.process_iter(["cmdline"]) if rank in " ".join(p.info["cmdline"] or [])]
     assert time.monotonic() - started < 60
+
+
+def test_ctrl_c_before_the_first_step_says_that_it_quits(monkeypatch) -> None:
+    """During the initial validation (or the model's loading) Ctrl-C quits at once, as documented, but the user saw
+    exit 130 and no line at all; during training it stops after the step, with its own line."""
+    said = []
+    monkeypatch.setattr(signals, "say", said.append)
+
+    def end_process_tree(code: int, stacks: bool) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(signals, "end_process_tree", end_process_tree)
+    stop = signals.StopRequest()
+    stop.announce = True
+    with pytest.raises(SystemExit) as ended:
+        stop._interrupt()
+    assert ended.value.code == EXIT_INTERRUPTED
+    assert said == [f"\nCtrl-C before the first step: nothing to save yet, quitting (exit {EXIT_INTERRUPTED})\n"]
+    training = signals.StopRequest()
+    training.announce, training.training = True, True
+    training._interrupt()
+    assert said[-1] == f"\n{INTERRUPT_MESSAGE}\n" and training.interrupted
 
 
 def test_what_a_run_made_is_released_before_its_teardown_begins(monkeypatch) -> None:

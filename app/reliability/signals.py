@@ -77,6 +77,9 @@ def end_ranks_on_signal_until_training() -> None:
     def end_on_first_signal() -> None:
         received = os.read(read_end, 1)
         if received:
+            if (os.environ.get("LOCAL_RANK") or "0") == "0":  # the process that reports: the user saw nothing
+                say(f"{signal.Signals(received[0]).name} before training began: nothing to save yet, quitting "
+                    f"(exit {128 + received[0]})\n")
             end_process_tree(128 + received[0], stacks=False)
         os.close(read_end)  # StopRequest took over
 
@@ -120,6 +123,8 @@ class StopRequest:
                     self._interrupt()
 
     def _interrupt(self) -> None:
+        if not self.interrupted and not self.training and self.announce:  # else the Ctrl-C went without a word
+            say(f"\nCtrl-C before the first step: nothing to save yet, quitting (exit {EXIT_INTERRUPTED})\n")
         if self.interrupted or not self.training:
             end_process_tree(EXIT_INTERRUPTED, stacks=False)
         self.interrupted = True
