@@ -251,9 +251,11 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
     with launched(train_args(tiny, tmp_path / "run", num_nodes=2), tmp_path / "ctrl-c.log", env=by_hand) as run:
         sent = run.wait_for(r"node 0: waiting for the ranks of 2 nodes \(4 in all\) to join")
         os.killpg(run.process.pid, signal.SIGINT)
-        assert run.finish(timeout=30) in (EXIT_INTERRUPTED, -signal.SIGINT), run.output()
+        code = run.finish(timeout=30)
+        assert code in (EXIT_INTERRUPTED, -signal.SIGINT), run.output()
         assert time.monotonic() - sent < 10 and "Traceback" not in run.output(), run.output()
-        assert "SIGINT before training began: nothing to save yet, quitting (exit 130)" in run.output()
+        if code == EXIT_INTERRUPTED:  # else SIGINT itself ended it, before its handler was in place
+            assert "SIGINT before training began: nothing to save yet, quitting (exit 130)" in run.output()
         run.assert_nothing_left()
     print(f"\nrendezvous without the second node: exit {EXIT_RENDEZVOUS_TIMEOUT} after {seconds:.1f} s in all "
           "(--rendezvous_timeout_min 0.1, start-up included)")
