@@ -91,13 +91,12 @@ def end_process_tree(code: int, stacks: bool) -> NoReturn:
         threading.Event().wait()  # never set: the first call exits the process
     if stacks:
         collect_stacks(psutil.Process().children(recursive=True))
-    deadline = time.monotonic() + END_TREE_WAIT_S
-    while time.monotonic() < deadline:
+    deadline, empty_looks = time.monotonic() + END_TREE_WAIT_S, 0
+    while time.monotonic() < deadline and empty_looks < 2:  # two looks apart: a fork under way at the first
         alive = live_descendants()
-        if not alive:
-            break
+        empty_looks = 0 if alive else empty_looks + 1
         send(alive, signal.SIGKILL)
-        time.sleep(0.05)
+        time.sleep(0.1 if not alive else 0.05)
     os._exit(code)
 
 

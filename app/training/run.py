@@ -96,10 +96,10 @@ def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:
     interpreter starts cannot print a KeyboardInterrupt (here the signals' thread takes it meanwhile)."""
     if world_size == 1 or resolve_accelerator(cfg) == "tpu":
         return
-    end_ranks_on_signal_until_training()  # first: once the deadline's line says it waits, a Ctrl-C is taken here
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     RendezvousDeadline(cfg.rendezvous_timeout_min * 60, nodes=cfg.num_nodes, world_size=world_size,
                        node_rank=fabric.node_rank, local_rank=fabric.local_rank).start()
+    end_ranks_on_signal_until_training()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) -> dict[str, Any]:
