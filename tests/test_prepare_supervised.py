@@ -566,6 +566,12 @@ REFUSED = [
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{blank_prompt}"],
      "--prompt_field code: row 2 of --input {blank_prompt} is empty"),
     (["--messages_field", "messages", "--input", "{blank_user}"], "row 1 of --input {blank_user} has an empty user"),
+    (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_line}"],
+     "could not read it as json: {bad_line} line 3, column 25: Expecting value"),
+    (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_document}"],
+     "could not read it as json: {bad_document} line 2, column 15: Expecting ',' delimiter"),
+    (["--prompt_field", "code", "--response_field", "summary", "--input", "{not_objects}"],
+     "{not_objects} line 2 is a JSON list, not an object"),
 ]
 
 
@@ -590,6 +596,9 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "no_prompt": write_jsonl(tmp_path / "p.jsonl", [{"code": "x = 1", "summary": "Set x."}, {"summary": "Set y."}]),
         "blank_prompt": write_jsonl(tmp_path / "q.jsonl", [{"code": "x = 1", "summary": "Set x."},
                                                            {"code": " \n ", "summary": "Set y."}]),
+        "bad_line": tmp_path / "line.jsonl",  # the reader of `datasets` names only a byte position in a block
+        "bad_document": tmp_path / "document.json",
+        "not_objects": tmp_path / "lists.jsonl",
         "blank_user": write_jsonl(tmp_path / "u.jsonl", [{"messages": [{"role": "user", "content": "  "},
                                                                        {"role": "assistant", "content": "Hi."}]}]),
     }
@@ -616,6 +625,10 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
     )
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "notes.txt").write_text("plain text")
+    good = '{"code": "x = 1", "summary": "Set x."}'
+    files["bad_line"].write_text(f'{good}\n{good}\n{{"code": "y", "summary":\n{good}\n')
+    files["bad_document"].write_text(f'[{good},\n {{"code": "y" "summary": "Set y."}}]\n')
+    files["not_objects"].write_text(f'{good}\n["y", "Set y."]\n')
     argv = [a.format(**files) for a in argv]
     for name, path in files.items():  # not format(): "{role, content}" is in a message
         expected = expected.replace(f"{{{name}}}", str(path))

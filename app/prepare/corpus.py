@@ -6,6 +6,7 @@ turned into their records by their own module, which validates every row of an i
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -149,8 +150,41 @@ def _read_files(
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
-        raise UsageError(f"--input {source}: could not read it as {name}: {_first_line(error)}") from error
+        where = _bad_json_line(files) if name == "json" else None
+        raise UsageError(f"--input {source}: could not read it as {name}: {where or _first_line(error)}") from error
     return _text_column(dataset, "text", source) if name == "text" else to_records(dataset, source)
+
+
+def _bad_json_line(files: list[str]) -> str | None:
+    """The file, line and reason of the first record that is not a JSON object, found again after `datasets` failed:
+    its reader names only a byte position in a block ("Expected object or value at position 25")."""
+    for file in files:
+        lines = Path(file).read_text(encoding="utf-8", errors="replace").splitlines()
+        if file.lower().endswith(".json") and not _starts_json_lines(lines):
+            try:
+                json.loads("\n".join(lines))
+                continue  # one JSON document: its shape, not its syntax, is what `datasets` refused
+            except json.JSONDecodeError as error:
+                return f"{file} line {error.lineno}, column {error.colno}: {error.msg}"
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                return f"{file} line {number}, column {error.colno}: {error.msg}"
+            if not isinstance(record, dict):
+                return f"{file} line {number} is a JSON {type(record).__name__}, not an object"
+    return None
+
+
+def _starts_json_lines(lines: list[str]) -> bool:
+    """A .json file may hold JSON Lines, as `datasets` accepts: its first line is then a whole object."""
+    first = next((line for line in lines if line.strip()), "")
+    try:
+        return isinstance(json.loads(first), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _load_hub(name: str, args: PrepareArgs) -> Dataset | DatasetDict:
