@@ -414,9 +414,14 @@ def test_wandb_follows_its_environment_unless_a_flag_says_otherwise(tiny, tmp_pa
     monkeypatch.setenv("WANDB_NAME", "run-7")
     resolved = preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None))).config
     assert (resolved.wandb_mode, resolved.project, resolved.run_name) == ("offline", "theirs", "run-7")
+    capsys.readouterr()
     flagged = preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode="disabled", project="mine"))).config
     assert (flagged.wandb_mode, flagged.project) == ("disabled", "mine")
-    assert "Weights & Biases" not in capsys.readouterr().out, "a choice was made: nothing to say"
+    out = capsys.readouterr().out
+    assert "Weights & Biases" not in out, "a choice was made: nothing to say"
+    assert "WANDB_MODE=offline is not used: --wandb_mode disabled (a flag or a config file) decides" in out, (
+        "a config's wandb_mode silenced the environment's without a word (every demo config had one)")
+    assert "WANDB_PROJECT=theirs is not used: --project mine" in out and "WANDB_NAME" not in out
     monkeypatch.setenv("WANDB_MODE", "sometimes")
     with pytest.raises(SystemExit):
         preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None)))

@@ -198,6 +198,9 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
     for step in range(17, 25):
         assert resumed[step]["lr"] == straight[step]["lr"]
         assert resumed[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=1e-5)
+    elapsed = [resumed[step]["elapsed_sec"] for step in range(1, 25)]
+    assert elapsed == sorted(elapsed), "the run's time continues from the checkpoint's (it began again at 0)"
+    assert resumed[17]["elapsed_sec"] > straight[16]["elapsed_sec"] == resumed[16]["elapsed_sec"]
 
 
 def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:
@@ -236,6 +239,14 @@ def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny
     assert b"val_loss" in recorded and b"train_loss" in recorded and b"trainer/global_step" in recorded
     assert b"step-00000003.ckpt" in recorded and b"step-00000006.ckpt" in recorded
     assert b"train_sec" in recorded, "the run summary, written when W&B finishes the run as the process leaves"
+    again = run_train(train_args(tiny, tmp_path, max_step=6, eval_step_interval=6, save_step_interval=3,
+                                 warmup_steps=1, strategy="single_device", devices=1, wandb_mode=None, resume=True,
+                                 checkpoint=tmp_path / "checkpoints" / "step-00000003.ckpt"),
+                      env={"WANDB_MODE": "offline"})
+    assert_succeeded(again)
+    assert ("--resume: the Weights & Biases run keeps steps 4-6, logged after step 3 by the stretch this resume "
+            "abandons") in again.stdout, "W&B cannot cut a run's history: the resume says what it keeps twice"
+    assert len({log.name.split("-")[-1] for log in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
 
 
 def test_a_one_process_run_without_validation_prints_only_what_a_user_can_act_on(tiny, tmp_path) -> None:

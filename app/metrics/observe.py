@@ -246,6 +246,9 @@ class StepClock:
 
     first_step: Optional[tuple[int, float]] = None
     """The step the clock first ticked for and the seconds elapsed then: the ETA counts from there."""
+    elapsed_before: float = 0.0
+    """The run's seconds up to the checkpoint this attempt resumed from (the abandoned stretch after it not counted,
+    as metrics.csv drops its rows): the logged elapsed_sec continues from there instead of starting again at 0."""
 
     def __post_init__(self) -> None:
         self.throughput = Throughput(available_flops=self.available_flops, world_size=self.world_size,
@@ -260,7 +263,12 @@ class StepClock:
                                flops=flops)
 
     def elapsed(self) -> float:
+        """This attempt's seconds."""
         return time.perf_counter() - self.started
+
+    def run_elapsed(self) -> float:
+        """The run's seconds, over every attempt that led to this one."""
+        return self.elapsed_before + self.elapsed()
 
     def training_time(self) -> float:
         return self.elapsed() - sum(watch.total for watch in self.between_steps)

@@ -302,12 +302,12 @@ class Loop:
         mean_losses, ranks = self.gather_rank_stats(torch.stack(losses).mean().reshape(1))
         previous = self.ranks_at_last_log or [RankStats() for _ in ranks]
         waited = max(now.data_wait_sec - before.data_wait_sec for now, before in zip(ranks, previous))
-        elapsed, trained = self.clock.elapsed(), self.clock.training_time()
+        trained = self.clock.training_time()
         interval = trained - self.trained_at_last_log
         self.ranks_at_last_log, self.trained_at_last_log = ranks, trained
         step = self.state["step"]
         metrics = {"epoch": self.state["epoch"], "train_loss": mean_losses.mean().item(), "lr": lr,
-                   "grad_norm": grad_norm.item(), "elapsed_sec": elapsed, "data_wait_pct": 100 * waited / interval,
+                   "grad_norm": grad_norm.item(), "elapsed_sec": self.clock.run_elapsed(), "data_wait_pct": 100 * waited / interval,
                    **throughput, **self.guard.metrics(), **self.source_tokens()}
         metrics |= {name: largest(ranks, name) for name in PEAK_MEMORY if not math.isnan(largest(ranks, name))}
         self.console.report(step, self.plan.max_step, metrics, self.clock.eta(step))
@@ -378,6 +378,7 @@ class Loop:
             self.state["rng"] = rng_of_every_rank(self.fabric.world_size)
             self.state["grad_scaler"] = self.fabric.strategy.precision.state_dict()
             self.state["spike_guard"] = self.guard.history.to_dict()
+            self.state["elapsed_sec"] = self.clock.run_elapsed()
             self.state["schedule"] = {"step": self.plan.schedule_step(step), "length": self.plan.schedule_length}
             self.saver.save(path, self.state, published)
         self.watchdog.beat()

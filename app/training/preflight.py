@@ -8,6 +8,7 @@ checkpoint to resume from) is returned, so the workers never re-derive it differ
 from __future__ import annotations
 
 import copy
+import csv
 import importlib.util
 import os
 import shutil
@@ -1165,8 +1166,9 @@ def resolve_wandb(cfg: Config, problems: list[str]) -> Config:
     """--wandb_mode, --project, --entity and --run_name when given, else WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY and
     WANDB_NAME (what docker/run.sh forwards and wandb's users set), else disabled: a run without a choice writes
     nothing to out_dir/wandb, and says so in one line."""
+    note_unused_wandb_variables(cfg)
     mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or "disabled"
-    mode = {"dryrun": "offline", "run": "online"}.get(mode, mode)  # wandb's older names
+    mode = wandb_mode_name(mode)
     if mode not in WANDB_MODES:
         problems.append(f"WANDB_MODE={mode} is not one of {', '.join(WANDB_MODES)}; set one, or give --wandb_mode")
         mode = "disabled"
@@ -1175,6 +1177,41 @@ def resolve_wandb(cfg: Config, problems: list[str]) -> Config:
     return replace(cfg, wandb_mode=mode, project=cfg.project or os.environ.get("WANDB_PROJECT") or "fsdp-trainer",
                    entity=cfg.entity or os.environ.get("WANDB_ENTITY"),
                    run_name=cfg.run_name or os.environ.get("WANDB_NAME"))
+
+
+def wandb_mode_name(mode: str) -> str:
+    return {"dryrun": "offline", "run": "online"}.get(mode, mode)  # wandb's older names
+
+
+WANDB_VARIABLES = {"wandb_mode": "WANDB_MODE", "project": "WANDB_PROJECT", "entity": "WANDB_ENTITY",
+                   "run_name": "WANDB_NAME"}
+
+
+def note_unused_wandb_variables(cfg: Config) -> None:
+    """An option (a flag or a config file: every demo config said `wandb_mode: disabled`) wins over the variable of
+    the environment; say so where they differ, or `WANDB_MODE=offline` on a node without network goes unheard."""
+    for option, variable in WANDB_VARIABLES.items():
+        given, environment = getattr(cfg, option), os.environ.get(variable)
+        if given and environment and wandb_mode_name(str(given)) != wandb_mode_name(environment):
+            note(f"{variable}={environment} is not used: --{option} {given} (a flag or a config file) decides")
+
+
+def note_wandb_history(cfg: Config, resume_step: int) -> None:
+    """A resume from an older checkpoint logs its steps again. metrics.csv drops the abandoned rows; the W&B run it
+    continues keeps them (W&B cannot cut a run's history: its rewind is a private preview), so say which."""
+    out_dir, continued = Path(cfg.out_dir), os.environ.get("WANDB_RUN_ID")
+    if cfg.wandb_mode == "disabled" or not (continued or (out_dir / RUN_ID_FILE).is_file()):
+        return
+    try:
+        with open(out_dir / METRICS_FILE, newline="") as handle:
+            logged = [int(row["step"]) for row in csv.DictReader(handle) if (row.get("step") or "").isdigit()]
+    except (OSError, KeyError, csv.Error):
+        return
+    abandoned = sorted(step for step in logged if step > resume_step)
+    if abandoned:
+        note(f"--resume: the Weights & Biases run keeps steps {abandoned[0]}-{abandoned[-1]}, logged after step "
+             f"{resume_step} by the stretch this resume abandons, beside the ones logged again (W&B cannot cut a "
+             "run's history); metrics.csv drops them")
 
 
 def check_wandb(cfg: Config, problems: list[str]) -> None:
@@ -1234,6 +1271,7 @@ def preflight(cfg: Config) -> RunInputs:
     cfg = resolve_learning_rates(cfg, plan)
     if resume is not None:
         note_changed_options(cfg, resume.metadata)
+        note_wandb_history(cfg, resume.metadata["step"])
     rounding = bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay)
     if rounding:
         note(rounding)

@@ -121,6 +121,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "mixture": None,
         "source_tokens": {},
         "log_window": [],  # the losses of the steps since the last log point, set when saving (Loop.unlogged_losses)
+        "elapsed_sec": 0.0,  # the run's seconds at the save, over every attempt (StepClock.run_elapsed)
         "config": cfg.to_dict(),
         "cwd": os.getcwd(),  # where the config's relative paths (--model_name) lead: convert_to_hf.py reads from it
         "model_config": inputs.model_config.to_dict(),
@@ -138,7 +139,8 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
         "val_loss_step": saved.get("val_loss_step")}
     state |= {"spike_guard": saved.get("spike_guard"), "mixture": saved.get("mixture"),
               "source_tokens": saved.get("source_tokens") or {}, "log_window": saved.get("log_window") or [],
-              "scaler_skipped_steps": saved.get("scaler_skipped_steps", 0)}
+              "scaler_skipped_steps": saved.get("scaler_skipped_steps", 0),
+              "elapsed_sec": saved.get("elapsed_sec", 0.0)}
     if state["mixture"] is None:
         state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
@@ -258,7 +260,7 @@ def keep_tokenizer_with_run(out_dir: Path, tokenizer: Optional[str], trust_remot
               "will need --tokenizer if its recorded path moves", flush=True)
 
 
-def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, start_step: int) -> StepClock:
+def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, state: dict[str, Any]) -> StepClock:
     """Throughput from the step counts; FLOP/s and MFU when the model's FLOPs can be counted and the chip is known."""
     plan = inputs.plan
     try:
@@ -267,7 +269,7 @@ def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, start_step: int) 
     except Exception as error:  # an architecture FlopCounter cannot trace on the meta device: throughput only
         fabric.print(f"FLOP/s and MFU are not reported: counting the model's FLOPs failed ({error})")
         flops = None
-    return StepClock(start_step=start_step, max_step=plan.max_step, window=cfg.log_interval,
+    return StepClock(start_step=state["step"], elapsed_before=state["elapsed_sec"], max_step=plan.max_step, window=cfg.log_interval,
                      world_size=plan.world_size, samples_per_step=plan.global_batch_size,
                      tokens_per_step=plan.tokens_per_step, flops_per_step=flops,
                      available_flops=peak_flops(fabric.device, cfg.precision, cfg.peak_tflops))
@@ -346,7 +348,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                     else ""))
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
     loop = Loop(fabric=fabric, cfg=cfg, plan=plan, data=data, state=state, stop=stop, loss_path=loss_path,
-                clock=step_clock(fabric, cfg, inputs, state["step"]), console=console,
+                clock=step_clock(fabric, cfg, inputs, state), console=console,
                 gradients=GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
                                   scaled=uses_grad_scaler(cfg.precision),
                                   defer_sync=cfg.strategy not in SHARDED_STRATEGIES or cfg.fsdp_no_sync),
