@@ -307,7 +307,8 @@ class Loop:
         self.ranks_at_last_log, self.trained_at_last_log = ranks, trained
         step = self.state["step"]
         metrics = {"epoch": self.state["epoch"], "train_loss": mean_losses.mean().item(), "lr": lr,
-                   "grad_norm": grad_norm.item(), "elapsed_sec": self.clock.run_elapsed(), "data_wait_pct": 100 * waited / interval,
+                   "grad_norm": grad_norm.item(), "elapsed_sec": self.clock.run_elapsed(),
+                   "data_wait_pct": 100 * waited / interval,
                    **throughput, **self.guard.metrics(), **self.source_tokens()}
         metrics |= {name: largest(ranks, name) for name in PEAK_MEMORY if not math.isnan(largest(ranks, name))}
         self.console.report(step, self.plan.max_step, metrics, self.clock.eta(step))
