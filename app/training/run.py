@@ -270,8 +270,7 @@ def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, state: dict[str, 
         fabric.print(f"FLOP/s and MFU are not reported: counting the model's FLOPs failed ({error})")
         flops = None
     return StepClock(start_step=state["step"], elapsed_before=state["elapsed_sec"], max_step=plan.max_step,
-                     window=cfg.log_interval,
-                     world_size=plan.world_size, samples_per_step=plan.global_batch_size,
+                     window=cfg.log_interval, world_size=plan.world_size, samples_per_step=plan.global_batch_size,
                      tokens_per_step=plan.tokens_per_step, flops_per_step=flops,
                      available_flops=peak_flops(fabric.device, cfg.precision, cfg.peak_tflops))
 
