@@ -22,7 +22,7 @@ import huggingface_hub.constants
 import pytest
 
 from app.hub import offline_hint
-from app.huggingface.prefetch import dataset_config_patterns, model_file_patterns
+from app.huggingface.prefetch import CONFIG_AND_TOKENIZER_PATTERNS, dataset_config_patterns, model_file_patterns
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-org/tiny-llama"
@@ -40,6 +40,9 @@ configs:
 ---
 # tiny-text
 """
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
 
 
 class LocalHub(BaseHTTPRequestHandler):
@@ -120,8 +123,11 @@ def write_repos(root: Path) -> None:
     model_dir = root / "models" / MODEL
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    LlamaForCausalLM(config).save_pretrained(model_dir)
+    LlamaForCausalLM(config).save_pretrained(model_dir, max_shard_size="10KB")  # shards and their index
+    assert (model_dir / "model.safetensors.index.json").is_file()
     (model_dir / "pytorch_model.bin").write_bytes(b"duplicate weights")
+    (model_dir / "consolidated.safetensors").write_bytes(b"duplicate weights, as Mistral's repos hold")
+    (model_dir / "configuration_tiny.py").write_text("# the code of a --trust_remote_code model\n")
     (model_dir / "original").mkdir()
     (model_dir / "original" / "consolidated.00.pth").write_bytes(b"meta checkpoint")
     (model_dir / "original" / "params.json").write_text("{}")
@@ -131,6 +137,9 @@ def write_repos(root: Path) -> None:
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     tokenizer.save_pretrained(root / "models" / TOKENIZER)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model_dir)  # the model's own tokenizer, its chat template in chat_template.jinja
+    assert (model_dir / "chat_template.jinja").is_file()
     config.save_pretrained(root / "models" / TOKENIZER)  # AutoTokenizer reads the model type from config.json
 
     dataset_dir = root / "datasets" / DATASET
@@ -175,7 +184,7 @@ OFFLINE_PROBE = textwrap.dedent(
     tokenizer = AutoTokenizer.from_pretrained({TOKENIZER!r})
     dataset = load_dataset(sys.argv[1], "en", split="train")
     print(json.dumps([config.hidden_size, sum(p.numel() for p in model.parameters()), tokenizer("abc").input_ids,
-                      list(dataset["text"])]))
+                      list(dataset["text"]), AutoTokenizer.from_pretrained({MODEL!r}).chat_template]))
     """
 )
 
@@ -196,7 +205,10 @@ def test_prefetched_model_tokenizer_and_dataset_load_offline(hub, tmp_path):
 
     downloaded = {path for method, path, _ in requests if method == "GET" and "/resolve/" in path}
     assert not [p for p in downloaded if p.endswith((".bin", ".pth")) or "/original/" in p]
-    assert any(p.endswith("model.safetensors") for p in downloaded)
+    assert not [p for p in downloaded if p.endswith("consolidated.safetensors")], "the second copy of the weights"
+    assert len([p for p in downloaded if p.endswith("-of-00002.safetensors")]) == 2, "the shards the index names"
+    assert [p for p in downloaded if p.endswith("chat_template.jinja")], "trained offline with another template"
+    assert [p for p in downloaded if p.endswith("configuration_tiny.py")], "a remote-code model's code"
     assert not [p for p in downloaded if "/fr/" in p]
     assert {auth for _, _, auth in requests} == {f"Bearer {TOKEN}"}
 
@@ -206,8 +218,8 @@ def test_prefetched_model_tokenizer_and_dataset_load_offline(hub, tmp_path):
         capture_output=True, text=True, timeout=180,
     )
     assert probe.returncode == 0, probe.stderr
-    hidden_size, n_params, ids, texts = json.loads(probe.stdout.strip().splitlines()[-1])
-    assert hidden_size == 16 and n_params > 0
+    hidden_size, n_params, ids, texts, chat_template = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert hidden_size == 16 and n_params > 0 and chat_template == CHAT_TEMPLATE
     assert ids == [3, 4, 5]
     assert texts == [f"en document {i}" for i in range(3)]
 
@@ -254,12 +266,27 @@ def test_prefetch_refuses_to_run_offline(tmp_path):
     assert result.returncode == 2 and "HF_HUB_OFFLINE" in result.stderr
 
 
-def test_one_weight_format_is_fetched_preferring_safetensors():
-    llama3 = ["config.json", "model-00001-of-00004.safetensors", "model.safetensors.index.json",
-              "original/consolidated.00.pth", "tokenizer.json", "tokenizer_config.json"]
-    assert "*.safetensors" in model_file_patterns(llama3) and "*.bin" not in model_file_patterns(llama3)
-    older = ["config.json", "pytorch_model.bin", "tokenizer.model"]
-    assert "*.bin" in model_file_patterns(older)
+def test_one_copy_of_the_weights_is_fetched_preferring_safetensors():
+    mistral = ["config.json", "consolidated.safetensors", "model-00001-of-00002.safetensors",
+               "model-00002-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin.index.json",
+               "pytorch_model-00001-of-00002.bin", "tokenizer.json"]
+    shards = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    weights = [p for p in model_file_patterns(mistral, lambda name: shards) if p not in CONFIG_AND_TOKENIZER_PATTERNS]
+    assert weights == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    single = model_file_patterns(["config.json", "model.safetensors", "pytorch_model.bin"], dict)
+    assert single[-1] == "model.safetensors"
+    assert model_file_patterns(["config.json", "pytorch_model.bin", "tokenizer.model"], dict)[-1] == "pytorch_model.bin"
+    assert model_file_patterns(["config.json", "weights.safetensors"], dict)[-1] == "*.safetensors"
+
+
+def test_a_revision_is_fetched_with_the_folder_to_train_it_from(hub, tmp_path):
+    """A Hub name loads main: offline, a revision cached only under its own ref was reported missing."""
+    endpoint, _ = hub
+    result = run_prefetch(["--model", MODEL, "--revision", "v1"], clean_env(tmp_path / "hf", HF_ENDPOINT=endpoint))
+    assert result.returncode == 0, result.stderr
+    folder = result.stdout.splitlines()[0].split(" -> ")[1]
+    assert f"revision v1: a Hub name loads main; train it with --model_name {folder}" in result.stdout
+    assert (Path(folder) / "config.json").is_file()
 
 
 def test_dataset_config_patterns_accept_every_data_files_form():

@@ -2,13 +2,16 @@
 
 Everything goes through `huggingface_hub.snapshot_download`, so the files land in the standard cache layout that
 `from_pretrained(name)` and `snapshot_download(name)` find offline. Only what training needs is fetched: config,
-tokenizer and one copy of the weights (safetensors when the repo has them, never Meta's `original/` checkpoint).
+tokenizer (its chat template and any remote code too) and the one copy of the weights `from_pretrained` loads
+(safetensors when the repo has them; never Meta's `original/` checkpoint nor Mistral's `consolidated.safetensors`).
 The token comes from HF_TOKEN or a cached `hf auth login`; it is never printed.
 """
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from huggingface_hub import DatasetCard, HfApi, constants, hf_hub_download, snapshot_download
@@ -31,8 +34,12 @@ from app.cli import UsageError
 from app.hub import quiet_hub
 
 # Config, generation config, weight index, tokenizer.json / tokenizer_config.json, SentencePiece and tiktoken
-# models, BPE merges and vocabularies.
-CONFIG_AND_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt"]
+# models, BPE merges and vocabularies, the chat template (transformers 5 saves it as chat_template.jinja) and the
+# code of --trust_remote_code models (configuration_*.py, modeling_*.py, tokenization_*.py).
+CONFIG_AND_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
+WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json",
+                                                                        "pytorch_model.bin"))
+"""What `from_pretrained` loads, in its order of preference: a sharded checkpoint's index, or the single file."""
 # Meta's own consolidated .pth checkpoint and tokenizer duplicate the Hugging Face files and double the download.
 IGNORED_PATTERNS = ["original/*"]
 
@@ -50,7 +57,8 @@ class PrefetchArgs:
     dataset_config: Optional[str] = None
     """Only the data files of this dataset config (as declared in the dataset card), instead of the whole repo."""
     revision: Optional[str] = None
-    """Branch, tag or commit of --model (default: main)."""
+    """Branch, tag or commit of --model (default: main). A model named on the Hub is loaded from main: train on this
+    revision by giving its folder (the line printed for it) as --model_name."""
     cache_dir: Optional[str] = None
     """Hub cache folder (default: $HF_HUB_CACHE, i.e. $HF_HOME/hub). Compute nodes must read the same folder."""
 
@@ -59,11 +67,17 @@ class PrefetchError(UsageError):
     """A problem the user can fix, reported as one line."""
 
 
-def model_file_patterns(repo_files: list[str]) -> list[str]:
-    """Files to fetch from a model repo: one weight format only, safetensors when present."""
-    has_safetensors = any(name.endswith(".safetensors") for name in repo_files)
-    weights = ["*.safetensors"] if has_safetensors else ["*.bin"]
-    return CONFIG_AND_TOKENIZER_PATTERNS + weights
+def model_file_patterns(repo_files: list[str], read_index: Callable[[str], dict]) -> list[str]:
+    """Files to fetch from a model repo: the weights `from_pretrained` loads (the shards its index names, read with
+    `read_index`, or the single file), safetensors when present. Mistral's repos hold a second copy of the weights
+    (`consolidated.safetensors`, 14.5 GB for 7B) that `*.safetensors` fetched too."""
+    for index, single in WEIGHT_FILES:
+        if index in repo_files:
+            return CONFIG_AND_TOKENIZER_PATTERNS + sorted(set(read_index(index)["weight_map"].values()))
+        if single in repo_files:
+            return CONFIG_AND_TOKENIZER_PATTERNS + [single]
+    has_safetensors = any(name.endswith(".safetensors") for name in repo_files)  # a repo of its own naming
+    return CONFIG_AND_TOKENIZER_PATTERNS + (["*.safetensors"] if has_safetensors else ["*.bin"])
 
 
 def dataset_config_patterns(card_data: dict, dataset: str, config_name: str) -> list[str]:
@@ -141,8 +155,12 @@ def dataset_download(args: PrefetchArgs) -> Download:
 
 def plan(args: PrefetchArgs) -> list[Download]:
     """Check every requested repo before downloading any, so a typo in the last flag wastes no download."""
+    def read_index(filename: str) -> dict:
+        index = hf_hub_download(args.model, filename, revision=args.revision, cache_dir=args.cache_dir)
+        return json.loads(Path(index).read_text())
+
     with reported_as("--model", args.model):
-        model_patterns = model_file_patterns(repo_files(args.model, "model", args.revision))
+        model_patterns = model_file_patterns(repo_files(args.model, "model", args.revision), read_index)
     downloads = [Download("--model", args.model, "model", args.revision, model_patterns)]
     if args.tokenizer not in (None, args.model):
         with reported_as("--tokenizer", args.tokenizer):
@@ -168,8 +186,16 @@ def fetch(download: Download, cache_dir: Optional[str]) -> str:
 
 
 def run(args: PrefetchArgs) -> list[str]:
-    """Fetch every requested repo; return one '<flag> <name> -> <folder>' line per repo."""
-    return [f"{d.flag.lstrip('-')} {d.name} -> {fetch(d, args.cache_dir)}" for d in plan(args)]
+    """Fetch every requested repo; return one '<flag> <name> -> <folder>' line per repo. A --revision other than main
+    is kept in the cache under its own name, which `from_pretrained(name)` never reads: the line says to use its
+    folder (offline, a name found only under refs/v1 was reported missing, with the advice to prefetch it)."""
+    lines = []
+    for download in plan(args):
+        folder = fetch(download, args.cache_dir)
+        lines.append(f"{download.flag.lstrip('-')} {download.name} -> {folder}")
+        if download.revision not in (None, "main"):
+            lines.append(f"  revision {download.revision}: a Hub name loads main; train it with --model_name {folder}")
+    return lines
 
 
 def parse_args(argv: Optional[list[str]]) -> PrefetchArgs:
