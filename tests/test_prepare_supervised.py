@@ -204,8 +204,9 @@ def test_the_cli_says_what_it_kept_and_which_roles_it_trains(work, packed_run):
                         f"truncated; dropped: prompt_fills_block 22), {train['rows']:,} rows, {train['tokens']:,} "
                         f"tokens, {train['trained_tokens']:,} trained, {train['padding_fraction']:.1%} padding")
     assert lines[1].startswith(f"  trained tokens by role ({train['kept']} examples audited): user 0% of ")
-    assert lines[2].startswith("validation: ") and len(lines) == 5
-    assert lines[4] == "wrote packed (supervised_packed rows, tokenizer/, stats.json)"
+    assert lines[2].startswith("validation: ") and len(lines) == 6
+    assert lines[4] == f"rendered with {packed_run.stats['chat_template']}", "a template that fell back is seen"
+    assert lines[5] == "wrote packed (supervised_packed rows, tokenizer/, stats.json)"
     assert (work / "packed.stderr").read_text() == ""
     assert progress == [f"prepare_data.py: read pairs.jsonl (1 files): {train['examples']} training and 12 validation "
                         "examples",

@@ -239,6 +239,8 @@ def summary(stats: dict, output_dir: str) -> str:
                      f"{split['trained_tokens']:,} trained, {split['padding_fraction']:.1%} padding")
         if split.get("loss_mask"):
             lines.append(f"  {describe_audit(split['loss_mask'])}")
+    if "chat_template" in stats:  # a tokenizer prefetched without its chat_template.jinja fell back to the default
+        lines.append(f"rendered with {stats['chat_template']}")
     lines.append(f"wrote {output_dir} ({stats['format']} rows, tokenizer/, stats.json)")
     return "\n".join(lines)
 
