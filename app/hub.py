@@ -138,3 +138,15 @@ def load_problem(error: Exception) -> str:
 
 
 REMOTE_CODE = "it ships Python code of its own, which runs only with --trust_remote_code true: read it first"
+
+
+def tokenizer_difference(given, other) -> Optional[str]:
+    """What differs between two tokenizers in what a run records for conversion: the token ids, the special
+    tokens, the chat template (a converted chat model would render prompts unlike its training)."""
+    if given.get_vocab() != other.get_vocab():
+        return "its vocabulary differs"
+    if given.all_special_ids != other.all_special_ids:
+        return "its special tokens differ"
+    if (given.chat_template or None) != (other.chat_template or None):
+        return "its chat template differs"
+    return None

@@ -609,3 +609,27 @@ def test_help_groups_are_named_like_the_other_commands(main, heading, capsys) ->
         main(["--help"])
     help_text = capsys.readouterr().out
     assert exit_info.value.code == 0 and f"\n{heading}\n" in help_text and "Args(" not in help_text, help_text
+
+
+def test_a_tokenizer_that_encodes_otherwise_is_refused_another_chat_template_is_not(full_run, tiny, tmp_path,
+                                                                                       capsys) -> None:
+    """Of the same size as the run's, another vocabulary passed the size check and the logits verified (they do not
+    involve the tokenizer): the converted model generated blank lines. A chat template of the user's is a choice."""
+    good = full_run / "checkpoints" / "step-00000008.ckpt"
+    swapped = tmp_path / "swapped"
+    shutil.copytree(tiny.tokenizer, swapped)
+    spec = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (swapped / "tokenizer.json").write_text(json.dumps(spec))
+    assert len(AutoTokenizer.from_pretrained(swapped)) == len(AutoTokenizer.from_pretrained(tiny.tokenizer))
+    message = refused(capsys, "--checkpoint", good, "--output_dir", tmp_path / "out", "--tokenizer", swapped)
+    assert f"--tokenizer {swapped} is not the tokenizer the run trained with" in message, message
+    assert "(its vocabulary differs)" in message and not (tmp_path / "out").exists()
+    templated = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    templated.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    templated.save_pretrained(tmp_path / "templated")
+    convert("--checkpoint", good, "--output_dir", tmp_path / "out", "--tokenizer", tmp_path / "templated",
+            "--dtype", "float32")
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == templated.chat_template

@@ -31,7 +31,8 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 from torch.nn import Module
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints,
                             read_metadata as read_checkpoint_metadata, read_model_weights, run_folder_of,
@@ -41,7 +42,7 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError
 from app.folders import real_folder, staging_folder
-from app.hub import REMOTE_CODE, TOKENIZER_ADVICE, load_problem, unloadable_tokenizer
+from app.hub import REMOTE_CODE, TOKENIZER_ADVICE, load_problem, tokenizer_difference, unloadable_tokenizer
 from app.huggingface.convert_cli import Args
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import REPLACED_FILES, describe_upload, login_problem, push_folder
@@ -165,8 +166,11 @@ def resolve_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) ->
     what it recorded (a path or hub id), the data folder's tokenizer/, and the trained model's only when the run
     recorded no other: a checkpoint copied away from its run whose data folder was gone took the base model's
     tokenizer without a word, and the converted chat model lost its chat template and the end of turn it stops at."""
-    if args.tokenizer:
-        return args.tokenizer
+    return args.tokenizer or runs_tokenizer(args, metadata, checkpoint)
+
+
+def runs_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) -> str:
+    """The run's tokenizer (resolve_tokenizer without --tokenizer)."""
     run = metadata.get("config") or {}
     from app.data.mixture import first_folder  # not at the top: app.data imports datasets, which conversion needs not
 
@@ -295,7 +299,7 @@ def check_ties_keep_weights(args: Args, path: Path, config: PretrainedConfig,
                                "a config with tie_word_embeddings false")
 
 
-def check_tokenizer(name: str, config: PretrainedConfig, trust_remote_code: bool) -> None:
+def check_tokenizer(name: str, config: PretrainedConfig, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
@@ -303,6 +307,23 @@ def check_tokenizer(name: str, config: PretrainedConfig, trust_remote_code: bool
     if len(tokenizer) > config.vocab_size:
         raise BadInput(f"--tokenizer {name} has {len(tokenizer)} tokens, more than the model's vocab_size "
                        f"{config.vocab_size}; give the tokenizer the model was trained with")
+    return tokenizer
+
+
+def check_given_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path,
+                          given: PreTrainedTokenizerBase) -> None:
+    """--tokenizer must encode as the run's tokenizer did: another vocabulary of the same size passed the size check,
+    the logits verified (they do not involve the tokenizer) and the converted model generated nothing but blank lines.
+    Another chat template is the user's to choose. Without a run's tokenizer to compare with, it is taken as given."""
+    try:
+        runs = runs_tokenizer(args, metadata, checkpoint)
+        trained_with = AutoTokenizer.from_pretrained(runs, trust_remote_code=args.trust_remote_code)
+    except (BadInput, OSError, ValueError):
+        return
+    difference = tokenizer_difference(given, trained_with)
+    if difference and difference != "its chat template differs":
+        raise BadInput(f"--tokenizer {args.tokenizer} is not the tokenizer the run trained with, {runs} "
+                       f"({difference}); drop --tokenizer, or give one that encodes as that one does")
 
 
 def check_output_dir(output: Path, overwrite: bool) -> None:
@@ -387,7 +408,9 @@ def plan(args: Args) -> list[Job]:
             check_override(args, metadata, config)
             check_ties_keep_weights(args, checkpoint, config, shapes)
         tokenizer = resolve_tokenizer(args, metadata, checkpoint)
-        check_tokenizer(tokenizer, config, args.trust_remote_code)
+        loaded = check_tokenizer(tokenizer, config, args.trust_remote_code)
+        if args.tokenizer:
+            check_given_tokenizer(args, metadata, checkpoint, loaded)
         base_model = args.model_name or recorded_base_model(metadata)
         check_not_the_base_model(output, base_model)
         jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes, base_model, args.trust_remote_code))

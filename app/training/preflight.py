@@ -44,7 +44,8 @@ from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, 
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.evaluation.samples import samples_written
 from app.exit_codes import EXIT_BAD_INPUT
-from app.hub import TOKENIZER_ADVICE, missing_model_problem, quiet_hub, unloadable_tokenizer
+from app.hub import (TOKENIZER_ADVICE, missing_model_problem, quiet_hub, tokenizer_difference,
+                     unloadable_tokenizer)
 from app.huggingface.convert import changed_fields
 from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
@@ -654,18 +655,6 @@ def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[st
     if difference:
         problems.append(f"--out_dir {cfg.out_dir}: {kept} is not the run's tokenizer {tokenizer} ({difference}); "
                         "move it away (it is never replaced), or choose another --out_dir")
-
-
-def tokenizer_difference(given, prepared) -> Optional[str]:
-    """What differs between two tokenizers in what the run records for conversion: the token ids, the special
-    tokens, the chat template (a converted chat model would render prompts unlike its training)."""
-    if given.get_vocab() != prepared.get_vocab():
-        return "its vocabulary differs"
-    if given.all_special_ids != prepared.all_special_ids:
-        return "its special tokens differ"
-    if (given.chat_template or None) != (prepared.chat_template or None):
-        return "its chat template differs"
-    return None
 
 
 def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], problems: list[str],
