@@ -280,6 +280,8 @@ def test_all_converts_every_checkpoint_of_a_run(full_run, tmp_path) -> None:
     convert("--checkpoint", full_run / "checkpoints", "--all", "true", "--output_dir", tmp_path / "all",
             "--dtype", "float32")
     assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["step-00000004", "step-00000008"]
+    generate_main([str(tmp_path / "all" / "step-00000008"), "--prompt", "def", "--max_new_tokens", "2"])
+    # it was refused as "a train.py checkpoint or run folder" for its name
 
 
 def test_overwrite_replaces_an_earlier_conversion(full_run, tmp_path) -> None:

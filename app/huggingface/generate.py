@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from app.checkpoint.io import is_checkpoint
 from app.cli import UsageError
 from app.hub import load_problem, missing_model_problem, quiet_hub
 from app.huggingface.generate_cli import GenerateArgs
@@ -87,7 +88,7 @@ def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
 def training_folder_problem(path: Path) -> Optional[str]:
     """A run folder, a checkpoint or a prepared data folder given for MODEL, said as such: transformers' own reason
     ("Couldn't instantiate the backend tokenizer", "not a valid JSON file") did not say what to do."""
-    if path.name.startswith("step-") and path.exists() or (path / "checkpoints").is_dir():
+    if path.name.startswith("step-") and is_checkpoint(path) or (path / "checkpoints").is_dir():  # not --all's
         return (f"MODEL {path} is a train.py checkpoint or run folder: convert it first (python convert_to_hf.py "
                 f"--checkpoint {path} --output_dir DIR), then give DIR")
     if (path / "dataset_dict.json").is_file():
