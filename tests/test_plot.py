@@ -134,6 +134,7 @@ def bad_inputs(two_runs, tmp_path) -> dict[tuple[str, ...], tuple[str, str]]:
     """Command lines a user gets wrong, each with the path its error must name and what the error must say."""
     run, _ = two_runs
     (tmp_path / "empty_folder").mkdir()
+    (tmp_path / "empty_folder.png").mkdir()
     (tmp_path / "empty.csv").write_text("")
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     (tmp_path / "header_only").mkdir()
@@ -145,6 +146,7 @@ def bad_inputs(two_runs, tmp_path) -> dict[tuple[str, ...], tuple[str, str]]:
         (str(tmp_path / "header_only"),): ("header_only", "no rows yet"),
         (str(run), "--output", str(tmp_path / "picture.jpg")): ("picture.jpg", "use a .png, .svg, .pdf file name"),
         (str(run), "--output", str(tmp_path / "no" / "p.png")): ("p.png", "does not exist"),
+        (str(run), "--output", str(tmp_path / "empty_folder.png")): ("empty_folder.png", "is a folder"),  # traceback
         ("--run",): ("--run", "expected at least one argument"),
         (): ("give a run to plot", ""),
     }

@@ -423,9 +423,13 @@ def test_show_samples_prints_the_last_evaluations_samples_next_to_their_referenc
     assert not list((tmp_path / "samples").glob(".*")), "written whole, under a temporary name then renamed"
     latest = tmp_path / "samples" / "step-00000020.jsonl"
     for text, problem in (('{"prompt": "def f(', "not readable as train.py's samples"),  # a JSONDecodeError traceback
-                          ('{"text": "x"}\n', "not train.py's samples"), ("", "not train.py's samples")):
+                          ('{"text": "x"}\n', "not train.py's samples"), ("", "not train.py's samples"),
+                          ('{"prompt": 1, "reference": null, "generated": "c"}\n', "not train.py's samples")):
         latest.write_text(text)
         result = subprocess.run([sys.executable, "show_samples.py", str(tmp_path)], cwd=ROOT, capture_output=True,
                                 text=True, timeout=60)
         assert result.returncode == 2 and result.stderr.startswith(f"show_samples.py: error: {latest}: {problem}"), \
             result.stderr
+    result = subprocess.run([sys.executable, "show_samples.py", str(tmp_path / "nosuch")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"RUN {tmp_path / 'nosuch'}: no such folder" in result.stderr, result.stderr

@@ -18,6 +18,8 @@ PROG = "show_samples.py"
 
 def latest_samples(out_dir: Path) -> Path:
     """The samples file of a run's last evaluation."""
+    if not out_dir.is_dir():
+        raise UsageError(f"RUN {out_dir}: no such folder; give a train.py --out_dir")
     files = sorted(path for path in (out_dir / "samples").glob("step-*.jsonl") if re.fullmatch(r"step-\d+", path.stem))
     if not files:
         raise UsageError(f"RUN {out_dir}: no samples/ in it; give a train.py --out_dir that ran with --eval_samples N")
@@ -41,7 +43,7 @@ def samples_in(path: Path) -> list[dict[str, str]]:
     except (OSError, ValueError) as error:
         raise UsageError(f"{path}: not readable as train.py's samples ({error})") from None
     if not records or not all(isinstance(r, dict) and {"prompt", "reference", "generated"} <= r.keys()
-                              for r in records):
+                              and isinstance(r["prompt"], str) for r in records):
         raise UsageError(f"{path}: not train.py's samples (each line a prompt, a reference and what was generated)")
     return records
 

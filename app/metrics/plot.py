@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,13 +108,15 @@ def distinct_labels(folders: list[Path]) -> list[str]:
 
 def output_path(output: str | None, first_run: Path) -> Path:
     """Where the picture goes; its format follows the suffix, so an unknown suffix is refused up front."""
-    if output is None:
-        return metrics_csv(first_run).parent / "metrics.png"
-    path = Path(output)
+    path = metrics_csv(first_run).parent / "metrics.png" if output is None else Path(output)
     if path.suffix.lower() not in PICTURE_SUFFIXES:
         raise PlotError(f"--output {path}: use a {', '.join(PICTURE_SUFFIXES)} file name")
     if not path.parent.is_dir():
         raise PlotError(f"--output {path}: folder {path.parent} does not exist; create it first")
+    if path.is_dir():
+        raise PlotError(f"--output {path} is a folder; give a picture's file name")
+    if not os.access(path.parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
+        raise PlotError(f"--output {path} cannot be written here; give another with --output")
     return path
 
 
