@@ -42,8 +42,12 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+try:
+    import torch  # noqa: E402
+    import transformers  # noqa: E402
+except ImportError as missing:  # make gpu-check with a python3 that lacks them: say so, no traceback
+    sys.exit(f"gpu_check.py: error: {missing.name} is not installed for {sys.executable}; run it with a Python that "
+             "has torch 2.11+ and transformers 5.17+ (GPU_PYTHON=... make gpu-check)")
 from transformers import LlamaConfig  # noqa: E402
 
 from app.metrics.memory_plan import RUNTIME_BYTES, ModelShape, Setup, estimate_memory  # noqa: E402
