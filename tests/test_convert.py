@@ -635,3 +635,21 @@ def test_a_tokenizer_that_encodes_otherwise_is_refused_another_chat_template_is_
     convert("--checkpoint", good, "--output_dir", tmp_path / "out", "--tokenizer", tmp_path / "templated",
             "--dtype", "float32")
     assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == templated.chat_template
+
+
+def test_a_model_tokenizer_or_config_that_cannot_be_had_is_one_line_at_once(full_run, tmp_path, capsys,
+                                                                              monkeypatch) -> None:
+    """Offline, transformers waited out a minute of the Hub's retries (12 "Retrying in Ns" lines) before the line,
+    and a missing --model_config folder was answered with a rule about repository names."""
+    from app import hub
+
+    hub.hub_reachable.cache_clear()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    good = full_run / "checkpoints" / "step-00000008.ckpt"
+    for flag, name, expected in (("--tokenizer", "meta-llama/Meta-Llama-3-8B", "no Hub model of that name in the "
+                                  "Hugging Face cache, while HF_HUB_OFFLINE is set"),
+                                 ("--model_name", "nosuch/model", "python prefetch.py --model nosuch/model"),
+                                 ("--model_config", str(tmp_path / "nonexistent" / "cfg"), "no such folder")):
+        message = refused(capsys, "--checkpoint", good, "--output_dir", tmp_path / "out", flag, name)
+        assert message.startswith(f"convert_to_hf.py: error: {flag} {name}: ") and expected in message, message
+    hub.hub_reachable.cache_clear()

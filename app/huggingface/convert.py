@@ -42,7 +42,8 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError
 from app.folders import real_folder, staging_folder
-from app.hub import REMOTE_CODE, TOKENIZER_ADVICE, load_problem, tokenizer_difference, unloadable_tokenizer
+from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, load_problem, missing_model_problem, tokenizer_difference,
+                     unloadable_tokenizer)
 from app.huggingface.convert_cli import Args
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import REPLACED_FILES, describe_upload, login_problem, push_folder
@@ -388,9 +389,17 @@ def shard_size_problem(max_shard_size: str) -> Optional[str]:
     return None
 
 
+def given_model_problem(args: Args) -> Optional[str]:
+    """A --model_name, --model_config or --tokenizer that is no folder here nor a Hub model that can be had, in one
+    line at once: offline, transformers waited out a minute of the Hub's retries first, and a missing folder was
+    answered with a rule about repository names."""
+    given = {"--model_name": args.model_name, "--model_config": args.model_config, "--tokenizer": args.tokenizer}
+    return next(filter(None, (missing_model_problem(flag, name) for flag, name in given.items() if name)), None)
+
+
 def plan(args: Args) -> list[Job]:
     """Resolve and check every checkpoint to convert; raises BadInput before anything is written."""
-    problem = login_problem(args) or shard_size_problem(args.max_shard_size)
+    problem = login_problem(args) or shard_size_problem(args.max_shard_size) or given_model_problem(args)
     if problem:
         raise BadInput(problem)
     pairs = select_checkpoints(args)
