@@ -653,3 +653,13 @@ def test_a_model_tokenizer_or_config_that_cannot_be_had_is_one_line_at_once(full
         message = refused(capsys, "--checkpoint", good, "--output_dir", tmp_path / "out", flag, name)
         assert message.startswith(f"convert_to_hf.py: error: {flag} {name}: ") and expected in message, message
     hub.hub_reachable.cache_clear()
+
+
+def test_the_uploads_options_without_push_to_hub_are_refused_not_ignored(full_run, tmp_path, capsys) -> None:
+    """--dry_run without --push_to_hub converted the whole model; --private, --revision, --commit_message did nothing."""
+    good = full_run / "checkpoints" / "step-00000008.ckpt"
+    message = refused(capsys, "--checkpoint", good, "--output_dir", tmp_path / "out", "--dry_run", "true")
+    assert message.startswith("convert_to_hf.py: error: --dry_run applies to an upload: add --push_to_hub REPO_ID")
+    message = refused(capsys, "--checkpoint", good, "--output_dir", tmp_path / "out", "--private", "true",
+                      "--revision", "v2")
+    assert "--private and --revision apply to an upload" in message and not (tmp_path / "out").exists()

@@ -37,8 +37,14 @@ class HubArgs:
 
 
 def login_problem(args: HubArgs) -> Optional[str]:
-    """Why an upload cannot start, checked before the conversion; None when it can (or nothing is pushed)."""
-    if not args.push_to_hub or args.dry_run:
+    """Why an upload cannot start, checked before the conversion; None when it can (or nothing is pushed). The
+    upload's options without --push_to_hub would be ignored: a --dry_run meant to list files converted in full."""
+    if not args.push_to_hub:
+        given = [f"--{name}" for name, unset in (("private", False), ("revision", None), ("commit_message", None),
+                                                 ("dry_run", False)) if getattr(args, name) != unset]
+        return (f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to an upload: add --push_to_hub "
+                "REPO_ID, or drop them") if given else None
+    if args.dry_run:
         return None
     if constants.HF_HUB_OFFLINE:  # as compute nodes are told to set it: the upload failed after the conversion
         return (f"--push_to_hub {args.push_to_hub}: HF_HUB_OFFLINE is set, so nothing can be uploaded from here; "
