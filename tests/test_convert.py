@@ -560,6 +560,12 @@ def test_generate_refuses_chat_for_a_model_without_a_chat_template_in_one_line(t
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"generate.py: error: MODEL {tmp_path / 'plain'} has no chat template; drop --chat; see generate.py --help"]
+    model.save_pretrained(tmp_path / "weights-only")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        generate_main([str(tmp_path / "weights-only")])
+    assert capsys.readouterr().err.startswith(  # was transformers' "Couldn't instantiate the backend tokenizer"
+        f"generate.py: error: MODEL {tmp_path / 'weights-only'} has none (no tokenizer.json")
 
 
 def test_generate_keeps_special_token_text_in_a_prompt_as_text_as_training_did(tiny) -> None:

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from app.checkpoint.io import is_checkpoint
 from app.cli import UsageError
-from app.hub import load_problem, missing_model_problem, quiet_hub
+from app.hub import load_problem, missing_model_problem, quiet_hub, unloadable_tokenizer
 from app.huggingface.generate_cli import GenerateArgs
 from app.model.build import model_class
 from app.prepare.tokenizer import document_suffix, encode_texts
@@ -78,11 +78,16 @@ def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
         raise UsageError(missing)
     try:
         with quiet_hub():
-            return (AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code),
-                    AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code))
+            config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as error:
         raise UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load ({load_problem(error)}); "
                          "give a folder written by convert_to_hf.py")
+    try:
+        with quiet_hub():
+            return AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code), config
+    except (OSError, ValueError) as error:  # "Couldn't instantiate the backend tokenizer" for a folder without one
+        raise UsageError(f"MODEL {unloadable_tokenizer(args.model, error)}; give a folder written by "
+                         "convert_to_hf.py, which saves the run's tokenizer with the model")
 
 
 def training_folder_problem(path: Path) -> Optional[str]:
