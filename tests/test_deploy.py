@@ -139,7 +139,8 @@ def test_build_context_keeps_the_code_and_drops_secrets_data_and_results():
     needed += [name for name in ("train.py", "prepare_data.py", "convert_to_hf.py") if (ROOT / name).exists()]
     assert [path for path in needed if is_ignored(path, patterns)] == []
     unwanted = [".venv/bin/python", ".git/HEAD", "wandb/run-1/x", "runs/a/checkpoints/step-00000004.ckpt",
-                "outputs/model.safetensors", "app/__pycache__/x.pyc", ".cache/huggingface/token", "checkpoints/x"]
+                "outputs/model.safetensors", "app/__pycache__/x.pyc", ".cache/huggingface/token", "checkpoints/x",
+                ".gpu-image/bin/python", ".whl/datasets-5.2.0-py3-none-any.whl", "gpu-check.json"]  # make gpu-*
     assert [path for path in unwanted if not is_ignored(path, patterns)] == []
 
 
