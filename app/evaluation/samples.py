@@ -38,6 +38,9 @@ WRITTEN_WITHOUT_SPACES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U
 """Kana and CJK ideographs: scripts whose words are not separated by spaces."""
 WORD = re.compile(f"[{WRITTEN_WITHOUT_SPACES}]|[^\\W_{WRITTEN_WITHOUT_SPACES}]+")
 STEMMED = re.compile("[a-z0-9]{4,}")
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+"""Where a sentence ends inside a line, for rougeLsum: Hugging Face's run_summarization.py puts each of nltk's
+sentences on its own line first, and a SentencePiece vocabulary like T5's cannot write a newline at all."""
 
 
 @dataclass(frozen=True)
@@ -153,14 +156,21 @@ class RougeWords:
         return [self.stemmer.stem(word) if STEMMED.fullmatch(word) else word for word in WORD.findall(text.lower())]
 
 
+def one_sentence_per_line(text: str) -> str:
+    """The text with each sentence on a line of its own: a line ends one, and so does `.`, `!` or `?` before a space
+    (nltk's punkt, which run_summarization.py uses, also knows abbreviations, but needs data downloaded first)."""
+    return "\n".join(sentence for line in text.splitlines() for sentence in SENTENCE_END.split(line.strip()) if sentence)
+
+
 def sample_metrics(generated: list[str], references: list[str], lengths: list[int]) -> dict[str, float]:
     """Exact match, mean ROUGE-1/2/L/Lsum F-measures (Google's rouge-score, words of every script, stemmed; rougeLsum
-    takes every line as a sentence, as summaries are written one sentence per line) and the mean generated length
-    in tokens."""
+    matches sentence by sentence, as published summarization results do) and the mean generated length in tokens.
+    Splitting into sentences changes only rougeLsum: the other three read the text as one sequence of words."""
     from rouge_score.rouge_scorer import RougeScorer
 
     scorer = RougeScorer(list(ROUGE_KEYS), tokenizer=RougeWords())
-    scores = [scorer.score(target=r, prediction=g) for g, r in zip(generated, references)]
+    scores = [scorer.score(target=one_sentence_per_line(r), prediction=one_sentence_per_line(g))
+              for g, r in zip(generated, references)]
     metrics = {f"sample_{key}": sum(score[key].fmeasure for score in scores) / len(scores) for key in ROUGE_KEYS}
     exact = sum(g.strip() == r.strip() for g, r in zip(generated, references)) / len(references)
     return metrics | {"sample_exact_match": exact, "sample_length": sum(lengths) / len(lengths)}
