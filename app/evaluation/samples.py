@@ -159,7 +159,8 @@ class RougeWords:
 def one_sentence_per_line(text: str) -> str:
     """The text with each sentence on a line of its own: a line ends one, and so does `.`, `!` or `?` before a space
     (nltk's punkt, which run_summarization.py uses, also knows abbreviations, but needs data downloaded first)."""
-    return "\n".join(sentence for line in text.splitlines() for sentence in SENTENCE_END.split(line.strip()) if sentence)
+    sentences = (sentence for line in text.splitlines() for sentence in SENTENCE_END.split(line.strip()))
+    return "\n".join(sentence for sentence in sentences if sentence)
 
 
 def sample_metrics(generated: list[str], references: list[str], lengths: list[int]) -> dict[str, float]:
