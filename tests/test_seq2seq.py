@@ -109,6 +109,32 @@ def test_generate_reads_a_source_as_training_read_it(tiny, t5_config, tmp_path) 
     assert inputs["attention_mask"].tolist() == [[1] * len(prepared)]
 
 
+def test_generate_refuses_a_prompt_or_an_answer_past_the_models_positions_in_one_line(tiny, tmp_path, capsys) -> None:
+    """BART's learned positions: a source longer than the encoder's, or an answer longer than the decoder's, ended
+    in an IndexError traceback; a decoder-only model's prompt and answer share its positions."""
+    from app.huggingface.generate_cli import main as generate_main
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    bart = BartConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=64,
+                      decoder_ffn_dim=64, encoder_attention_heads=2, decoder_attention_heads=2,
+                      max_position_embeddings=32, pad_token_id=tokenizer.eos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.eos_token_id)
+    AutoModelForSeq2SeqLM.from_config(bart).save_pretrained(tmp_path / "bart")
+    tokenizer.save_pretrained(tmp_path / "bart")
+    capsys.readouterr()
+    for argv, expected in (
+            (["--prompt", "def parse(line): return line.split() " * 8], "tokens, more than the 32 the model's encoder "
+                                                                         "reads (max_position_embeddings); shorten it"),
+            (["--prompt", "def f(", "--max_new_tokens", "40"], "--max_new_tokens 40 passes the decoder's 32 "
+                                                               "positions (max_position_embeddings); give at most 31")):
+        with pytest.raises(SystemExit) as exit_info:
+            generate_main([str(tmp_path / "bart"), *argv])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(lines) == 1 and expected in lines[0], lines
+    generate_main([str(tmp_path / "bart"), "--prompt", "def f(", "--max_new_tokens", "31"])  # the most it can write
+    assert " new tokens, " in capsys.readouterr().out
+
+
 def test_padding_never_counts_in_the_loss(summaries, t5_config) -> None:
     """A padded batch's mean loss times its trained tokens equals the sum of each example's own loss x tokens."""
     data = load_data(summaries)

@@ -41,6 +41,24 @@ def source_input(tokenizer, text: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
+def check_positions(config: Any, prompt_tokens: int, max_new_tokens: int) -> None:
+    """The prompt and the answer within the model's positions (max_position_embeddings), before generating: past
+    them BART's and GPT-2's learned positions ended in an IndexError traceback, and rotary ones go where training
+    never went. An encoder-decoder's source fills the encoder's positions, its answer the decoder's."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions:
+        return
+    if config.is_encoder_decoder and prompt_tokens > positions:
+        raise UsageError(f"--prompt is {prompt_tokens} tokens, more than the {positions} the model's encoder reads "
+                         "(max_position_embeddings); shorten it")
+    answer_room = positions - 1 if config.is_encoder_decoder else positions - prompt_tokens
+    if max_new_tokens > answer_room:
+        where = "the decoder's" if config.is_encoder_decoder else f"a prompt of {prompt_tokens} tokens and the model's"
+        raise UsageError(f"--max_new_tokens {max_new_tokens} passes {where} {positions} positions "
+                         f"(max_position_embeddings); give at most {max(answer_room, 0)}"
+                         + ("" if answer_room > 0 else ", with a shorter --prompt"))
+
+
 def sampling(args: GenerateArgs, own_config: Any) -> dict[str, Any]:
     """generate()'s sampling options: --temperature when given, else the model's own generation config when it
     samples, else a temperature of 0.8 among the 50 likeliest tokens."""
@@ -59,6 +77,7 @@ def generate(args: GenerateArgs) -> str:
         raise UsageError(f"MODEL {args.model} has no chat template; drop --chat")
     model = model_class(config).from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
     inputs = model_input(tokenizer, args, config)
+    check_positions(config, inputs["input_ids"].shape[1], args.max_new_tokens)
     torch.manual_seed(args.seed)
     output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id,
                             **sampling(args, model.generation_config))
