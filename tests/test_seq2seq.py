@@ -91,6 +91,9 @@ def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, tm
     generated = run_entry(["generate.py", str(folder), "--prompt", "def f(x):\n    return x", "--max_new_tokens", "5",
                            "--temperature", "0"])
     assert generated.returncode == 0 and "-->" in generated.stdout, generated.stderr[-2000:]
+    tokenizer, config = AutoTokenizer.from_pretrained(folder), T5Config.from_pretrained(folder)
+    assert tokenizer.pad_token_id == config.pad_token_id is not None, "padding=True raised for a batch of sources"
+    assert 0 in tokenizer(["def f(x):", "def g(x, y):\n    return x"], padding=True)["attention_mask"][0]
 
 
 def test_generate_reads_a_source_as_training_read_it(tiny, t5_config, tmp_path) -> None:

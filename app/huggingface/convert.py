@@ -601,6 +601,15 @@ def generation_config(job: Job, tokenizer: Any) -> GenerationConfig:
     return config
 
 
+def give_pad_token(tokenizer: Any, config: PretrainedConfig) -> None:
+    """The model's pad token (an encoder-decoder's padded batches and decoder start) on a tokenizer without one, as
+    prepare_data.py's trained SentencePiece tokenizer is: the converted folder could not pad a batch of sources
+    (`padding=True` raised), for a summarization pipeline or Seq2SeqTrainer alike."""
+    pad = config.pad_token_id
+    if tokenizer.pad_token is None and isinstance(pad, int) and 0 <= pad < len(tokenizer):
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
+
+
 def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the folder; return (logits of the checkpoint's weights, logits of the written folder)."""
     model = model_from_checkpoint(job)
@@ -608,6 +617,7 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     reference = logits_of(model, ids)
     model.to(DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer, trust_remote_code=job.trust_remote_code)
+    give_pad_token(tokenizer, job.model_config)
     model.generation_config = generation_config(job, tokenizer)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     del model
