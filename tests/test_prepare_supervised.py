@@ -422,7 +422,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 def test_seq2seq_drop_and_trained_tokenizer(work):
     args = {"prompt_field": None, "response_field": None, "source_field": "code", "target_field": "summary"}
-    limits = {"max_source_length": 160, "max_target_length": 24, "block_size": 2048}
+    limits = {"max_source_length": 160, "max_target_length": 24, "block_size": None}
     _, stats, tokenizer = sft(work, "s2s_drop", **args, **limits, too_long="drop", tokenizer=None, vocab_size=400)
     assert len(tokenizer) == stats["vocab_size"] == 400 and stats["format"] == "seq2seq"
     train = stats["splits"]["train"]
@@ -455,7 +455,7 @@ def test_seq2seq_targets_are_encoded_as_targets(work, pairs):
     """Marian encodes targets with the target language's SentencePiece model: labels are what it generates."""
     tokenizer_folder = marian_tokenizer(work / "marian", pairs)
     args = {"prompt_field": None, "response_field": None, "source_field": "code", "target_field": "summary"}
-    limits = {"max_source_length": 4096, "max_target_length": 512, "block_size": 2048, "val_fraction": 0.0}
+    limits = {"max_source_length": 4096, "max_target_length": 512, "block_size": None, "val_fraction": 0.0}
     rows, _, tokenizer = sft(work, "s2s_marian", **args, **limits, tokenizer=str(tokenizer_folder))
     assert rows["train"]["input_ids"] == [tokenizer(p["code"])["input_ids"] for p in pairs]
     targets = [tokenizer(text_target=p["summary"])["input_ids"] for p in pairs]
@@ -477,7 +477,7 @@ def test_mbart_targets_end_with_the_language_code_its_decoder_starts_from_also_w
     MBartTokenizer(vocab_file=str(folder / "sentencepiece.model"), src_lang="en_XX", tgt_lang="ro_RO").save_pretrained(
         folder)
     args = {"prompt_field": None, "response_field": None, "source_field": "code", "target_field": "summary"}
-    rows, _, tokenizer = sft(work, "s2s_mbart", **args, max_source_length=64, max_target_length=8, block_size=2048,
+    rows, _, tokenizer = sft(work, "s2s_mbart", **args, max_source_length=64, max_target_length=8, block_size=None,
                              val_fraction=0.0, tokenizer=str(folder))
     eos, source_code, target_code = (tokenizer.convert_tokens_to_ids(t) for t in ("</s>", "en_XX", "ro_RO"))
     targets = [tokenizer(text_target=p["summary"])["input_ids"] for p in pairs]
@@ -545,6 +545,10 @@ REFUSED = [
     (["--source_field", "code", "--target_field", "summary", "--packing", "false"], "--packing applies only"),
     (["--packing", "false"], "--packing applies only"),
     (["--source_field", "code", "--target_field", "summary", "--block_size", "64"], "--block_size applies only"),
+    # copied from a supervised command at the defaults' values, they were accepted without a word:
+    (["--source_field", "code", "--target_field", "summary", "--block_size", "2048"], "--block_size applies only"),
+    (["--source_field", "code", "--target_field", "summary", "--packing", "true"], "--packing applies only"),
+    (["--prompt_field", "code", "--response_field", "summary", "--max_target_length", "128"], "--max_target_length"),
     (["--prompt_field", "code", "--response_field", "summary", "--max_source_length", "64"], "--max_source_length"),
     (["--system_field", "s"], "--system_field applies only"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "no.jinja"], "--chat_template"),

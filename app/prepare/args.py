@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -25,16 +25,16 @@ class PrepareArgs:
     """Hugging Face tokenizer name or local folder (the tokenizer of the model you will train)."""
     vocab_size: int | None = None
     """Instead of --tokenizer: train a byte-fallback SentencePiece BPE tokenizer of this size on the training split."""
-    block_size: int = 2048
-    """Tokens per training row. Raw text: documents are concatenated and cut into blocks of exactly this length.
-    Supervised data: whole examples are packed into blocks of this length; with --packing false, it is the most
-    tokens of one example."""
+    block_size: int | None = None
+    """Tokens per training row (default 2048). Raw text: documents are concatenated and cut into blocks of exactly
+    this length. Supervised data: whole examples are packed into blocks of this length; with --packing false, it is
+    the most tokens of one example."""
     val_fraction: float = 0.05
     """Fraction of documents (or examples) held out for validation, whole, never split. Ignored for inputs that bring
     their own validation split. 0 writes an empty validation split."""
-    text_field: str = "text"
-    """Column holding the text in .jsonl/.json/.parquet/.csv files and in datasets."""
-    split_lines: bool = False
+    text_field: str | None = None
+    """Column holding the text in .jsonl/.json/.parquet/.csv files and in datasets (default `text`)."""
+    split_lines: bool | None = None
     """Treat every line of a .txt file as its own document (default: one document per file)."""
     dataset_config: str | None = None
     """Configuration name of a Hugging Face dataset (the second argument of `load_dataset`)."""
@@ -64,22 +64,24 @@ class PrepareArgs:
     chat_template: str | None = None
     """A Jinja chat template file to render examples with, instead of the tokenizer's own (or the default one for a
     tokenizer without a template). It is saved with the tokenizer."""
-    train_on_prompt: bool = False
-    """Supervised: train on every token (prompts and system messages too), not only on the responses."""
-    packing: bool = True
-    """Supervised: pack whole examples into rows of --block_size (position_ids restart for each example); false
-    writes one unpadded example per row, padded per batch at training time."""
-    too_long: Literal["truncate", "drop"] = "truncate"
+    train_on_prompt: bool | None = None
+    """Supervised: train on every token (prompts and system messages too), not only on the responses (default
+    false)."""
+    packing: bool | None = None
+    """Supervised: pack whole examples into rows of --block_size (position_ids restart for each example; the
+    default); false writes one unpadded example per row, padded per batch at training time."""
+    too_long: Literal["truncate", "drop"] | None = None
     """Supervised and source/target: what to do with an example longer than --block_size (or
-    --max_source_length/--max_target_length): cut its end, or leave it out. Either is counted in stats.json."""
+    --max_source_length/--max_target_length): cut its end (the default), or leave it out. Either is counted in
+    stats.json."""
     source_field: str | None = None
     """Encoder-decoder data: the field holding the source text (the encoder's input); needs --target_field."""
     target_field: str | None = None
     """Encoder-decoder data: the field holding the target text (what the decoder learns to write)."""
-    max_source_length: int = 1024
-    """Encoder-decoder data: most tokens of a source, its EOS included."""
-    max_target_length: int = 128
-    """Encoder-decoder data: most tokens of a target, its EOS included."""
+    max_source_length: int | None = None
+    """Encoder-decoder data: most tokens of a source, its EOS included (default 1024)."""
+    max_target_length: int | None = None
+    """Encoder-decoder data: most tokens of a target, its EOS included (default 128)."""
 
 
 SUPPORTED_SUFFIXES = (".txt", ".py", ".md", ".jsonl", ".json", ".parquet", ".csv")
@@ -115,7 +117,12 @@ OPTION_SHAPES: dict[str, tuple[RecordShape, ...]] = {
     "max_source_length": ("source/target",),
     "max_target_length": ("source/target",),
 }
-"""Options that mean something only for some record shapes: a value other than the default is refused elsewhere."""
+"""Options that mean something only for some record shapes: given for another, they are refused."""
+SHAPE_OPTION_DEFAULTS = {"text_field": "text", "split_lines": False, "block_size": 2048, "train_on_prompt": False,
+                         "packing": True, "too_long": "truncate", "max_source_length": 1024, "max_target_length": 128}
+"""Their values when not given, filled in once they are checked (with_defaults): a default of the dataclass could
+not tell `--packing true --block_size 2048`, copied from a supervised command onto source/target data, from
+nothing given, and it was accepted without a word."""
 
 
 def record_shape(args: PrepareArgs) -> RecordShape:
@@ -136,9 +143,11 @@ def data_format(args: PrepareArgs) -> DataFormat:
     return "seq2seq" if shape == "source/target" else "text"
 
 
-def check_args(args: PrepareArgs) -> None:
-    """Refuse arguments that cannot work, cheaply and before reading any data."""
+def checked_args(args: PrepareArgs) -> PrepareArgs:
+    """Refuse arguments that cannot work, cheaply and before reading any data; the arguments with the defaults of
+    the options left out."""
     check_record_options(args)
+    args = with_defaults(args)
     if not args.input:
         raise UsageError("--input is required: give one or more files, folders or a Hugging Face dataset name")
     if not args.output_dir:
@@ -162,6 +171,12 @@ def check_args(args: PrepareArgs) -> None:
     if missing:
         raise UsageError(missing)
     check_output_dir(Path(args.output_dir), args.overwrite, [Path(p) for p in args.input if Path(p).exists()])
+    return args
+
+
+def with_defaults(args: PrepareArgs) -> PrepareArgs:
+    """The options left out (None) at their defaults."""
+    return replace(args, **{name: value for name, value in SHAPE_OPTION_DEFAULTS.items() if getattr(args, name) is None})
 
 
 def check_record_options(args: PrepareArgs) -> None:
@@ -174,9 +189,8 @@ def check_record_options(args: PrepareArgs) -> None:
     for name in SHAPE_FIELDS.get(shape, ()):
         if not getattr(args, name):
             raise UsageError(f"--{name} is missing: {SHAPE_NAMES[shape]} needs the field that holds it")
-    defaults = PrepareArgs()
     for name, shapes_reading_it in OPTION_SHAPES.items():
-        if shape not in shapes_reading_it and getattr(args, name) != getattr(defaults, name):
+        if shape not in shapes_reading_it and getattr(args, name) is not None:
             readers = ", ".join(SHAPE_NAMES[s] for s in shapes_reading_it)
             raise UsageError(f"--{name} applies only to {readers}, not to {SHAPE_NAMES[shape]}; remove it")
     if args.chat_template is not None and not Path(args.chat_template).is_file():

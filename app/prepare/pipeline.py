@@ -13,7 +13,7 @@ from typing import Optional
 from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
-from app.prepare.args import PrepareArgs, RecordShape, UsageError, check_args, data_format, record_shape
+from app.prepare.args import PrepareArgs, RecordShape, UsageError, checked_args, data_format, record_shape
 from app.prepare.chat import chat_records, chat_texts
 from app.prepare.chat_template import (ChatEncoder, chat_advice, chat_text, check_template, choose_template,
                                        encode_chats, end_of_turn_id)
@@ -48,7 +48,7 @@ def prepare(args: PrepareArgs) -> dict:
 
 
 def prepare_folder(args: PrepareArgs) -> dict:
-    check_args(args)
+    args = checked_args(args)
     shape = record_shape(args)
     tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code) if args.tokenizer else None
     documents = read_documents(args, to_records(shape, args, tokenizer))
