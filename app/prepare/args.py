@@ -176,7 +176,8 @@ def checked_args(args: PrepareArgs) -> PrepareArgs:
 
 def with_defaults(args: PrepareArgs) -> PrepareArgs:
     """The options left out (None) at their defaults."""
-    return replace(args, **{name: value for name, value in SHAPE_OPTION_DEFAULTS.items() if getattr(args, name) is None})
+    left_out = {name: value for name, value in SHAPE_OPTION_DEFAULTS.items() if getattr(args, name) is None}
+    return replace(args, **left_out)
 
 
 def check_record_options(args: PrepareArgs) -> None:
