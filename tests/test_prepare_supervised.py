@@ -396,11 +396,11 @@ def seq2seq_run(work) -> Prepared:
     return prepared_by_the_cli(work, f"{command} {limits}", "seq2seq")
 
 
-def test_seq2seq_rows_are_unpadded_sources_and_targets_ending_with_eos(seq2seq_run, pairs):
+def test_seq2seq_rows_are_unpadded_sources_and_targets_ending_with_eos(seq2seq_run, pairs, work):
     rows, stats, tokenizer = seq2seq_run
     by_source = {tuple(encode(tokenizer, p["code"])): encode(tokenizer, p["summary"]) for p in pairs}
     assert stats["format"] == "seq2seq" and (stats["max_source_length"], stats["max_target_length"]) == (96, 12)
-    truncated = 0
+    truncated = targets_cut = 0
     for split, counts in stats["splits"].items():
         assert rows[split].column_names == ["input_ids", "labels"] and counts["rows"] == len(rows[split])
         for source, target in zip(rows[split]["input_ids"], rows[split]["labels"]):
@@ -412,8 +412,14 @@ def test_seq2seq_rows_are_unpadded_sources_and_targets_ending_with_eos(seq2seq_r
             was_cut = len(full_source) > 96 or len(full_target) > 12
             assert was_cut == (list(full_source) != source or full_target != target)
             truncated += was_cut
+            targets_cut += len(full_target) > 12
         assert counts["trained_tokens"] == sum(map(len, rows[split]["labels"]))
     assert truncated == sum(counts["truncated"] for counts in stats["splits"].values()) > 0
+    assert targets_cut == sum(counts["target_truncated"] for counts in stats["splits"].values()) > 0, (
+        "the references ROUGE scores against are cut: the summary says how many")
+    train = stats["splits"]["train"]
+    assert f"({train['truncated']:,} truncated, {train['target_truncated']:,} of them in the target; " in (
+        work / "seq2seq.stdout").read_text()
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -30,6 +30,7 @@ EXAMPLE_FEATURES = Features(
         "response_start": Value("int32"),
         "response_end": Value("int32"),
         "truncated": Value("bool"),
+        "target_truncated": Value("bool"),
         "dropped": Value("string"),
     }
 )
@@ -52,6 +53,8 @@ class Example:
     response_start: int = 0
     response_end: int = 0
     truncated: bool = False
+    target_truncated: bool = False
+    """Source/target pairs: the target was cut (the references ROUGE scores against are then cut too)."""
     dropped: str = ""
 
 
@@ -122,6 +125,8 @@ class ExampleCounts:
     padding_fraction: float
     loss_mask: Optional[dict] = None
     """Chats only: tokens and trained tokens per role (app/prepare/mask_audit.py)."""
+    target_truncated: Optional[int] = None
+    """Source/target pairs only: of the truncated, those whose target was cut."""
 
 
 def kept_examples(encoded: Dataset) -> Dataset:

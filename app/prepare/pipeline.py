@@ -148,6 +148,8 @@ def seq2seq_rows(
     encoded = {name: encode_pairs(split, tokenizer, args, desc=f"Encoding {name}") for name, split in splits.items()}
     rows, counts = examples_to_rows(encoded, pair_advice(args),
                                     lambda examples, name: examples.select_columns(["input_ids", "labels"]))
+    counts = {name: replace(count, target_truncated=sum(encoded[name]["target_truncated"]))
+              for name, count in counts.items()}
     options = {
         "max_source_length": args.max_source_length,
         "max_target_length": args.max_target_length,
@@ -234,8 +236,11 @@ def summary(stats: dict, output_dir: str) -> str:
                          f"{split['documents']:,} documents ({split['dropped_tokens']:,} tokens left over)")
             continue
         dropped = ", ".join(f"{reason} {count:,}" for reason, count in split["dropped"].items())
+        cut = split.get("target_truncated")
+        targets = "" if cut is None else f", {cut:,} of them in the target"
         lines.append(f"{name}: {split['kept']:,} of {split['examples']:,} examples kept ({split['truncated']:,} "
-                     f"truncated; dropped: {dropped or 'none'}), {split['rows']:,} rows, {split['tokens']:,} tokens, "
+                     f"truncated{targets}; dropped: {dropped or 'none'}), {split['rows']:,} rows, "
+                     f"{split['tokens']:,} tokens, "
                      f"{split['trained_tokens']:,} trained, {split['padding_fraction']:.1%} padding")
         if split.get("loss_mask"):
             lines.append(f"  {describe_audit(split['loss_mask'])}")

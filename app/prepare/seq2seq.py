@@ -84,6 +84,7 @@ def fit_pair(source: list[int], target: list[int], args: PrepareArgs, tails: tup
         fit(source, args.max_source_length, tails[0]),
         fit(target, args.max_target_length, tails[1]),
         truncated=too_long_source or too_long_target,
+        target_truncated=too_long_target,
     )
 
 
