@@ -243,6 +243,11 @@ def test_an_encoder_decoder_config_without_a_decoder_start_is_refused_where_it_i
                   "its pad token, BART from </s>)")
     preflight(parse_config(train_args(tiny, tmp_path / "run", model_config=tmp_path / "mbart",
                                       train_data_dir=summaries, eval_samples=2)))
+    tiny_mbart(vocab, max_position_embeddings=256).save_pretrained(tmp_path / "mbart-256")
+    (long,) = refusals(tiny, tmp_path / "run", capsys, model_config=tmp_path / "mbart-256", train_data_dir=summaries,
+                       eval_samples=2, eval_max_new_tokens=300)
+    assert long == ("error: --eval_max_new_tokens 300 passes the decoder's 256 positions (max_position_embeddings); "
+                    "lower it"), "an encoder-decoder's source is no prompt in the decoder's positions"
 
 
 def tiny_mbart(vocab: int, pad_token_id: int = 2, **overrides) -> MBartConfig:

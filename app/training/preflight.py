@@ -661,8 +661,10 @@ def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], proble
                   model_config: Optional[PretrainedConfig] = None) -> None:
     positions = getattr(model_config, "max_position_embeddings", None) if model_config is not None else None
     if cfg.eval_samples and positions and cfg.eval_max_new_tokens >= positions:
-        problems.append(f"--eval_max_new_tokens {cfg.eval_max_new_tokens} leaves no room for a prompt in the "
-                        f"model's {positions} positions (max_position_embeddings); lower it")
+        room = ("passes the decoder's" if model_config.is_encoder_decoder  # its source has the encoder's own
+                else "leaves no room for a prompt in the model's")
+        problems.append(f"--eval_max_new_tokens {cfg.eval_max_new_tokens} {room} {positions} positions "
+                        "(max_position_embeddings); lower it")
     if cfg.eval_samples and not data.format.supervised:
         problems.append(f"--eval_samples {cfg.eval_samples} needs prompts and references (supervised or seq2seq data), "
                         f"but --train_data_dir {cfg.train_data_dir} holds raw text; drop it or prepare pairs")
