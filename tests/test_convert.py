@@ -669,3 +669,23 @@ def test_the_uploads_options_without_push_to_hub_are_refused_not_ignored(full_ru
     message = refused(capsys, "--checkpoint", good, "--output_dir", tmp_path / "out", "--private", "true",
                       "--revision", "v2")
     assert "--private and --revision apply to an upload" in message and not (tmp_path / "out").exists()
+
+
+def test_a_model_config_that_ships_code_runs_none_of_it_without_trust_remote_code(full_run, tmp_path, capsys,
+                                                                                  monkeypatch) -> None:
+    """AutoConfig was asked without the flag, so transformers asked "Do you wish to run the custom code? [y/N]" and a
+    "y" (typed, or piped by `yes |`) ran the folder's Python."""
+    marker = tmp_path / "ran"
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps({"model_type": "shipped",
+                                                     "auto_map": {"AutoConfig": "configuration_shipped.ShippedConfig"}}))
+    (remote / "configuration_shipped.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nfrom transformers import PretrainedConfig\n\n\n"
+        "class ShippedConfig(PretrainedConfig):\n    model_type = 'shipped'\n")
+    monkeypatch.setattr("builtins.input", lambda *args: "y")  # a user who answers the prompt
+    good = full_run / "checkpoints" / "step-00000008.ckpt"
+    for flag in ("--model_config", "--model_name"):
+        message = refused(capsys, "--checkpoint", good, "--output_dir", tmp_path / "out", flag, remote)
+        assert "runs only with --trust_remote_code true" in message, message
+    assert not marker.exists(), "the folder's code ran"

@@ -152,11 +152,12 @@ def resolve_model_config(args: Args, metadata: dict[str, Any]) -> PretrainedConf
     """--model_config, else --model_name, else the config the run recorded; use_cache back on for generation."""
     source = args.model_config or args.model_name
     try:
-        config = AutoConfig.from_pretrained(source) if source else config_from_dict(metadata["model_config"])
+        config = (AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code) if source  # no prompt
+                  else config_from_dict(metadata["model_config"]))
     except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a checkpoint that recorded none
         flag = f"--model_config {args.model_config}" if args.model_config else f"--model_name {args.model_name}"
         where = flag if source else f"--checkpoint {args.checkpoint}: its model_config"
-        raise BadInput(f"{where} cannot be loaded ({str(error).splitlines()[0]}); give --model_config") from None
+        raise BadInput(f"{where} cannot be loaded ({load_problem(error)}); give --model_config") from None
     config.use_cache = True
     return config
 
@@ -240,16 +241,17 @@ def first_mismatch(expected: dict[str, torch.Size], stored: dict[str, tuple[torc
     return f"has {extra}, which the config does not have" if extra else None
 
 
-def tied_names(config: PretrainedConfig) -> dict[str, list[str]]:
+def tied_names(config: PretrainedConfig, trust_remote_code: bool) -> dict[str, list[str]]:
     """Name -> the other names of the same tensor (the lm_head tied to the embedding): save_pretrained writes one."""
     groups: dict[int, list[str]] = {}
-    for name, parameter in meta_model(config).named_parameters(remove_duplicate=False):
+    for name, parameter in meta_model(config, trust_remote_code).named_parameters(remove_duplicate=False):
         groups.setdefault(id(parameter), []).append(name)
     return {name: [other for other in names if other != name] for names in groups.values() for name in names}
 
 
-def check_weights_fit(path: Path, config: PretrainedConfig, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
-    expected = {name: tensor.shape for name, tensor in meta_model(config).state_dict().items()}
+def check_weights_fit(path: Path, config: PretrainedConfig, shapes: dict[str, tuple[torch.Size, torch.dtype]],
+                      trust_remote_code: bool) -> None:
+    expected = {name: tensor.shape for name, tensor in meta_model(config, trust_remote_code).state_dict().items()}
     problem = first_mismatch(expected, shapes)
     if problem:
         raise BadInput(f"--checkpoint {path} does not fit the model config: it {problem}; "
@@ -286,7 +288,8 @@ def check_ties_keep_weights(args: Args, path: Path, config: PretrainedConfig,
                             shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
     """A config that ties the lm_head to the embedding keeps only the embedding: refused when the checkpoint holds
     the two as different tensors (an untied run), whose trained lm_head would silently be replaced."""
-    groups = {tuple(sorted([name, *others])) for name, others in tied_names(config).items() if others}
+    groups = {tuple(sorted([name, *others])) for name, others in tied_names(config, args.trust_remote_code).items()
+              if others}
     with open_source(path) as source:
         for names in groups:
             stored = [n for n in names if n in shapes]
@@ -412,7 +415,7 @@ def plan(args: Args) -> list[Job]:
         metadata = read_metadata(checkpoint)
         config = resolve_model_config(args, metadata)
         shapes = stored_shapes(checkpoint)
-        check_weights_fit(checkpoint, config, shapes)
+        check_weights_fit(checkpoint, config, shapes, args.trust_remote_code)
         if args.model_config or args.model_name:
             check_override(args, metadata, config)
             check_ties_keep_weights(args, checkpoint, config, shapes)
@@ -467,7 +470,7 @@ def initialise_buffers(model: PreTrainedModel, module: Module, names: list[str])
 
 def model_from_checkpoint(job: Job) -> PreTrainedModel:
     """The model with the checkpoint's tensors assigned in place (no copy), ready to run."""
-    model = meta_model(job.model_config)
+    model = meta_model(job.model_config, job.trust_remote_code)
     model.load_state_dict(load_weights(job), strict=True, assign=True)
     if getattr(job.model_config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -624,7 +627,8 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     gc.collect()
     tokenizer.save_pretrained(folder)
     (folder / "README.md").write_text(model_card(job, dtype, block_size_of(job.metadata.get("config") or {})))
-    reloaded = model_class(job.model_config).from_pretrained(folder, dtype=DTYPES[dtype]).eval()
+    reloaded = model_class(job.model_config).from_pretrained(folder, dtype=DTYPES[dtype],
+                                                             trust_remote_code=job.trust_remote_code).eval()
     return reference, logits_of(reloaded, ids)
 
 
@@ -642,7 +646,7 @@ def first_weight_difference(job: Job, folder: Path) -> Optional[str]:
     the stored one, else to its rounding); None when every one is there and nothing else is. Read tensor by tensor.
     The logits cannot tell: their reference is the model built here, so a weight changed while building it (a buffer
     restored by re-initialising its module, a tie that replaced a trained lm_head) changes both sides."""
-    written, aliases = written_files(folder), tied_names(job.model_config)
+    written, aliases = written_files(folder), tied_names(job.model_config, job.trust_remote_code)
     seen = set()
     with open_source(job.checkpoint) as source, ExitStack() as files:
         handles: dict[Path, Any] = {}
