@@ -678,8 +678,8 @@ def test_a_model_config_that_ships_code_runs_none_of_it_without_trust_remote_cod
     marker = tmp_path / "ran"
     remote = tmp_path / "remote"
     remote.mkdir()
-    (remote / "config.json").write_text(json.dumps({"model_type": "shipped",
-                                                     "auto_map": {"AutoConfig": "configuration_shipped.ShippedConfig"}}))
+    shipped = {"model_type": "shipped", "auto_map": {"AutoConfig": "configuration_shipped.ShippedConfig"}}
+    (remote / "config.json").write_text(json.dumps(shipped))
     (remote / "configuration_shipped.py").write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nfrom transformers import PretrainedConfig\n\n\n"
         "class ShippedConfig(PretrainedConfig):\n    model_type = 'shipped'\n")
