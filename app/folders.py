@@ -37,12 +37,24 @@ def real_folder(final: Path) -> Path:
 
 def replace_file(path: Path, text: str) -> None:
     """Write `path` under a temporary name and rename it into place: a resumed run rewrites metrics.csv with the rows
-    it keeps, and a full disk (ENOSPC) or a kill while writing must leave the old file, not a truncated history."""
+    it keeps, and a full disk (ENOSPC) or a kill while writing must leave the old file, not a truncated history.
+    The temporary name is created new, never opened through what is there: a link placed at `.metrics.csv.partial`
+    had the run overwrite the file it pointed to, and the rename then made metrics.csv itself that link."""
     temporary = path.with_name(f".{path.name}.partial")
+    discard(temporary)
     try:
-        with open(temporary, "w", newline="") as handle:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with open(descriptor, "w", newline="") as handle:
             handle.write(text)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
     os.replace(temporary, path)
+
+
+def discard(path: Path) -> None:
+    """Remove what is at `path` (a leftover file or folder, or a link, itself: never what a link points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)

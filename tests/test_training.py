@@ -427,3 +427,30 @@ def test_a_resume_that_cannot_rewrite_metrics_csv_leaves_its_history(tmp_path, m
     assert (tmp_path / "metrics.csv").read_text() == before and os.listdir(tmp_path) == ["metrics.csv"]
     CSVMetrics(tmp_path, resume_step=2).log_hyperparams({})
     assert list(read_metrics(tmp_path)) == [1, 2]
+
+
+def test_links_placed_at_the_runs_fixed_names_are_never_written_through(tiny, tmp_path) -> None:
+    """A link at `.config.yaml.partial`, `.metrics.csv.partial`, `checkpoints/.best.json.partial` or
+    `.tokenizer.partial` had the run overwrite the file it pointed to (and the folder's tokenizer.json); the renames
+    then made config.yaml and the others links to them. A link at `.lock` would be truncated: the run is refused."""
+    from tests.conftest import ONE_PROCESS
+
+    out_dir, victims = tmp_path / "run", tmp_path / "victims"
+    (victims / "folder").mkdir(parents=True)
+    (out_dir / "checkpoints").mkdir(parents=True)
+    links = {".config.yaml.partial": victims / "config", ".metrics.csv.partial": victims / "metrics",
+             "checkpoints/.best.json.partial": victims / "best", ".tokenizer.partial": victims / "folder"}
+    (victims / "folder" / "tokenizer.json").write_text("mine")
+    for name, target in links.items():
+        if not target.is_dir():
+            target.write_text("mine")
+        (out_dir / name).symlink_to(target)
+    result = run_train(train_args(tiny, out_dir, **(ONE_PROCESS | {"max_step": 2})))
+    assert_succeeded(result)
+    assert [p.read_text() for p in sorted(victims.rglob("*")) if p.is_file()] == ["mine"] * 4
+    assert not any(p.is_symlink() for p in out_dir.rglob("*")), "a fixed name became a link"
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / ".lock").symlink_to(victims / "config")
+    refused = run_train(train_args(tiny, tmp_path / "again", **(ONE_PROCESS | {"max_step": 2})))
+    assert refused.returncode != 0 and ".lock is a symbolic link; remove it" in refused.stdout + refused.stderr
+    assert (victims / "config").read_text() == "mine"

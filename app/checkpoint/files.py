@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from app.folders import replace_file
+
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.ckpt$")
 LEFTOVER_NAME = re.compile(r"^\.step-\d+\.ckpt\.(partial|replaced)$")
 BEST_FILE = "best.json"
@@ -56,7 +58,9 @@ def claim_run_folder(out_dir: Path, say: Callable[[str], None] = print, wait_s: 
     has no locks); a line naming the holder otherwise. The kernel releases the lock when the process ends; a lock
     held from another machine is waited for (LOCK_WAIT_S), as that machine may have crashed."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    if (out_dir / LOCK_FILE).is_symlink():  # the run would truncate and write what it points to
+        return f"--out_dir {out_dir}: {LOCK_FILE} is a symbolic link; remove it (a run's lock is a file of its own)"
+    descriptor = os.open(out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     deadline, waited = time.monotonic() + wait_s, False
     while True:
         try:
@@ -222,10 +226,8 @@ def mark_if_best(path: Path, step: int, val_loss: float) -> None:
 def write_best(folder: Path, evaluated: dict[str, float]) -> None:
     """best.json for the checkpoints of `folder` evaluated with these losses (written atomically)."""
     name = min(evaluated, key=evaluated.__getitem__)
-    temporary = folder / f".{BEST_FILE}.partial"
-    temporary.write_text(json.dumps({"checkpoint": name, "step": int(CHECKPOINT_NAME.match(name).group(1)),
-                                     "val_loss": evaluated[name], "evaluated": evaluated}) + "\n")
-    os.replace(temporary, folder / BEST_FILE)
+    replace_file(folder / BEST_FILE, json.dumps({"checkpoint": name, "step": int(CHECKPOINT_NAME.match(name).group(1)),
+                                                 "val_loss": evaluated[name], "evaluated": evaluated}) + "\n")
 
 
 def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected: set[Path]) -> list[Path]:

@@ -138,7 +138,7 @@ class WandbMetrics(Logger):
 
             Path(self._init["dir"]).mkdir(parents=True, exist_ok=True)
             self._run = wandb.init(**self._init)
-            self._id_file.write_text(self._run.id + "\n")
+            replace_file(self._id_file, self._run.id + "\n")
             self._run.define_metric("trainer/global_step")
             self._run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
         return self._run

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional
+
+from app.folders import replace_file
 
 SpikeMode = Literal["off", "detect", "skip", "rollback"]
 Action = Literal["apply", "skip", "rollback", "stop"]
@@ -259,6 +260,4 @@ def write_quarantine(out_dir: Path, entries: list[dict], locate: Callable[[int],
     for entry in entries:
         data_dir, row = locate(entry["row"])
         lines.append(json.dumps({"data_dir": data_dir, "split": "train"} | entry | {"row": row}) + "\n")
-    temporary = out_dir / f".{QUARANTINE_FILE}.partial"
-    temporary.write_text("".join(lines))
-    os.replace(temporary, out_dir / QUARANTINE_FILE)
+    replace_file(out_dir / QUARANTINE_FILE, "".join(lines))

@@ -27,7 +27,7 @@ from app.distributed.strategy import build_fabric, gradient_replicas, resolve_ac
 from app.evaluation.samples import SampleEvaluator, decoding_for, fit_to_context, set_aside_samples_after
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_SPIKES)
-from app.folders import replace_file
+from app.folders import discard, replace_file
 from app.metrics.console import Console
 from app.metrics.loggers import SUMMARY_FILE, RowRecord, make_loggers, report_summary
 from app.metrics.memory_plan import ModelShape, memory_report, setup_of
@@ -245,7 +245,7 @@ def keep_tokenizer_with_run(out_dir: Path, tokenizer: Optional[str], trust_remot
     if tokenizer is None or kept.exists():
         return
     staging = temporary_path(kept)
-    shutil.rmtree(staging, ignore_errors=True)
+    discard(staging)  # a link there was skipped by rmtree, and the tokenizer written through it
     # The tokenizer as transformers loads and saves it, from a folder or a hub id: never the folder's other files (a
     # --tokenizer or --model_name that is a model folder holds its weights, gigabytes copied before the first step)
     from transformers import AutoTokenizer
