@@ -47,10 +47,13 @@ GPU_CHECK_ARGS ?= --out gpu-check.json
 gpu-wheels:
 	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+# The wheels go into .gpu-check-site/ of this checkout, made afresh: a fixed folder in /tmp could be made first by
+# another user of the machine, with a sitecustomize.py that PYTHONPATH would run.
 gpu-check:
+	rm -rf .gpu-check-site
 	if [ -d .whl ]; then $(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
-		--upgrade --target /tmp/gpu-check-site .whl/*.whl; fi
-	PYTHONPATH=/tmp/gpu-check-site PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+		--upgrade --target .gpu-check-site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR)/.gpu-check-site PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # The GPU check rehearsed here, on CPU, against the GPU machine's image before a lent GPU's minutes are spent on it:
 # .gpu-image/ holds the versions that image holds (Python 3.12, torch 2.11's CUDA wheel, transformers 5.17, which

@@ -140,7 +140,8 @@ def test_build_context_keeps_the_code_and_drops_secrets_data_and_results():
     assert [path for path in needed if is_ignored(path, patterns)] == []
     unwanted = [".venv/bin/python", ".git/HEAD", "wandb/run-1/x", "runs/a/checkpoints/step-00000004.ckpt",
                 "outputs/model.safetensors", "app/__pycache__/x.pyc", ".cache/huggingface/token", "checkpoints/x",
-                ".gpu-image/bin/python", ".whl/datasets-5.2.0-py3-none-any.whl", "gpu-check.json"]  # make gpu-*
+                ".gpu-image/bin/python", ".whl/datasets-5.2.0-py3-none-any.whl", "gpu-check.json",
+                ".gpu-check-site/jsonargparse/__init__.py"]  # make gpu-*
     assert [path for path in unwanted if not is_ignored(path, patterns)] == []
 
 
