@@ -223,6 +223,7 @@ def test_model_card_records_origin_and_training(full_run, tmp_path) -> None:
     checkpoint = read_checkpoint(full_run / "checkpoints" / "step-00000008.ckpt")
     assert "| Step | 8 (epoch 0) |" in card and f"{checkpoint['val_loss']:.4f}" in card
     assert "| lr | 0.003 |" in card and "trained from scratch" in card and "| Block size (tokens) | 32 |" in card
+    assert "| Training data | data |" in card and str(full_run.parent.parent) not in card, "a user's paths, published"
 
 
 def test_the_base_model_folder_is_never_the_output_even_with_overwrite(tiny, tmp_path, capsys) -> None:
@@ -256,7 +257,8 @@ def test_a_relative_base_model_is_read_where_training_ran_or_a_note_says_it_was_
     convert("--checkpoint", run, "--output_dir", "recorded-hf", "--dtype", "float32")
     assert json.loads((tmp_path / "recorded-hf" / "generation_config.json").read_text())["eos_token_id"] == [7, eos]
     card = (tmp_path / "recorded-hf" / "README.md").read_text()
-    assert f"| Base model | {base} (local folder) |" in card and "base_model:" not in card
+    assert "| Base model | base (local folder) |" in card and "base_model:" not in card
+    assert str(tmp_path) not in card, "the card is published: local paths show their last names only"
     capsys.readouterr()
     run = earlier_checkpoint(tmp_path / "unrecorded", model, tokenizer=str(tiny.tokenizer),
                              config={"model_name": "base"})

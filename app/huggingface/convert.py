@@ -521,12 +521,18 @@ def hyperparameters(run: dict[str, Any], global_batch_size: Optional[int] = None
 
 def base_model_row(base: Optional[str], run: dict[str, Any]) -> str:
     if not base:
-        return f"none: trained from scratch from {run.get('model_config')}"
+        return f"none: trained from scratch from {folder_names(str(run.get('model_config')))}"
     if hub_id(base):
         return base
     if Path(base).exists():
-        return f"{base} (local folder)"
-    return f"{base} (not found from here; not an owner/name Hub id)"
+        return f"{folder_names(base)} (local folder)"
+    return f"{folder_names(base)} (not found from here; not an owner/name Hub id)"
+
+
+def folder_names(paths: str) -> str:
+    """Local paths as their last names only: the card is published with --push_to_hub (public unless --private),
+    and `/home/jdoe/projects/...` told the world a user name and a cluster's layout."""
+    return re.sub(r"[^\s,]*/", "", paths)
 
 
 def validation_row(val_loss: Optional[float], measured_at: Optional[int], step: int) -> str:
@@ -553,7 +559,7 @@ def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
               f"| Base model | {base_model_row(base, run)} |",
               f"| Architecture | {job.model_config.model_type}, {sum(s.numel() for s, _ in job.shapes.values()):,} "
               "parameters |",
-              f"| Training data | {run.get('train_data_dir')} |",
+              f"| Training data | {folder_names(str(run.get('train_data_dir')))} |",
               f"| Block size (tokens) | {block_size} |",
               f"| Step | {job.step} (epoch {job.metadata.get('epoch')}) |",
               f"| Validation loss | {validation_row(val_loss, job.metadata.get('val_loss_step'), job.step)} |",
