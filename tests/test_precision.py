@@ -26,7 +26,7 @@ from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, 
                                        precision_plugin, reduce_dtype)
 from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
 from app.model.build import meta_model
-from app.optimization.optimizer import clip_gradients, gradient_square_sum, no_decay_names
+from app.optimization.optimizer import build_optimizer, clip_gradients, gradient_square_sum, no_decay_names
 from tests.conftest import ROOT, read_checkpoint, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
@@ -211,6 +211,20 @@ def test_weight_decay_spares_norms_and_biases_of_every_shape_as_the_hugging_face
     assert "encoder.block.0.layer.0.SelfAttention.q.weight" not in exempt
     gpt2 = meta_model(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64), False)
     assert no_decay_names(gpt2) == {name for name, p in gpt2.named_parameters() if p.ndim == 1}
+
+
+def test_the_built_optimizer_decays_exactly_the_weights_that_are_not_exempt() -> None:
+    """The names above reach AdamW's groups: a group of norms and biases built with --weight_decay decayed them
+    with no test noticing."""
+    from arguments import Config
+
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    exempt = no_decay_names(gpt2)
+    optimizer = build_optimizer(gpt2, Config(weight_decay=0.1), exempt)
+    names = {id(p): name for name, p in gpt2.named_parameters()}
+    decays = {names[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    assert decays == {name: 0.0 if name in exempt else 0.1 for name, _ in gpt2.named_parameters()}
+    assert 0 < len(exempt) < len(decays)
 
 
 def test_gradient_norm_and_clipping_match_torch_in_fp32() -> None:

@@ -454,3 +454,29 @@ def test_links_placed_at_the_runs_fixed_names_are_never_written_through(tiny, tm
     refused = run_train(train_args(tiny, tmp_path / "again", **(ONE_PROCESS | {"max_step": 2})))
     assert refused.returncode != 0 and ".lock is a symbolic link; remove it" in refused.stdout + refused.stderr
     assert (victims / "config").read_text() == "mine"
+
+
+def test_a_step_clips_its_gradients_to_grad_clip_before_the_update() -> None:
+    """clip_gradients is tested alone; its wiring was not: a step that never clipped passed every test (the losses of
+    two runs of the same code agree either way). The weights a step writes equal AdamW's after torch's own
+    clip_grad_norm_, and differ from an unclipped step's."""
+    import torch
+
+    from app.model.loss import LossPath
+    from app.optimization.optimizer import GradientPolicy
+    from app.reliability.signals import StopRequest
+    from app.training.loop import train_step, update_weights
+
+    def weights_after_one_step(max_norm: float, torch_clips: bool = False) -> list[torch.Tensor]:
+        fabric, model, optimizer, step = one_process_llama(micro_batches=2)
+        policy = GradientPolicy(max_norm=0.0 if torch_clips else max_norm, replicas=1, scaled=False, defer_sync=False)
+        _, verdict = train_step(fabric, model, step, StopRequest(), policy, optimizer, LossPath())
+        if torch_clips:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        update_weights(optimizer, verdict, 1e-2, policy, lambda: None)
+        return [p.detach().clone() for p in model.parameters()]
+
+    clipped, by_torch, unclipped = weights_after_one_step(1e-3), weights_after_one_step(1e-3, True), \
+        weights_after_one_step(0.0)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(clipped, by_torch))
+    assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(clipped, unclipped))
