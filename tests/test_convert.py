@@ -691,3 +691,23 @@ def test_a_model_config_that_ships_code_runs_none_of_it_without_trust_remote_cod
         message = refused(capsys, "--checkpoint", good, "--output_dir", tmp_path / "out", flag, remote)
         assert "runs only with --trust_remote_code true" in message, message
     assert not marker.exists(), "the folder's code ran"
+
+
+def test_a_folder_whose_logits_differ_from_the_checkpoints_is_not_written(full_run, tmp_path, monkeypatch,
+                                                                          capsys) -> None:
+    """The logit check is what catches a config that changes the logits with every tensor intact (rope_theta, the
+    attention): switched off, every test still passed. Here the written folder's logits are made to differ."""
+    computed = []
+
+    @torch.no_grad()
+    def second_differs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        computed.append(model)
+        logits = model(input_ids=ids).logits.float()
+        return logits + 1e-3 if len(computed) == 2 else logits
+
+    monkeypatch.setattr(converter, "logits_of", second_differs)
+    with pytest.raises(SystemExit) as exit_info:
+        convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 1 and not (tmp_path / "hf").exists(), error
+    assert f"verification failed: {tmp_path / 'hf'} reproduces the logits of" in error and "(allowed 0e+00)" in error
