@@ -312,6 +312,12 @@ class Config(SpikeArgs, ReliabilityArgs, PlannerArgs, LoggingArgs, SaveArgs, Eva
         """Plain data, for checkpoints and config.yaml."""
         return asdict(self)
 
+    def to_yaml(self) -> str:
+        """config.yaml: what `--config` reads back (a method, so that app/ asks the Config it is given rather than
+        importing this script)."""
+        parser = build_parser()
+        return parser.dump(parser.parse_object(self.to_dict()), skip_none=False)
+
 
 MINUTES_PER_YEAR = 525_600
 
@@ -406,11 +412,6 @@ def write_options_doc(path: Path = OPTIONS_DOC) -> bool:
     if after != before:
         path.write_text(after)
     return after != before
-
-
-def config_to_yaml(cfg: Config) -> str:
-    parser = build_parser()
-    return parser.dump(parser.parse_object(cfg.to_dict()), skip_none=False)
 
 
 def validate_config(cfg: Config) -> list[str]:

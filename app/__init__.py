@@ -17,7 +17,8 @@ import against its order):
 | training/ | preflight.py, print_config.py, run.py, loop.py: one run, top to bottom |
 
 Imports run one way: a part may import the parts above it in this table (within the first row, cli.py imports
-exit_codes.py), never one below it, and nothing in app/ imports the top-level scripts. The scripts (train.py,
+exit_codes.py), never one below it, and nothing in app/ imports the top-level scripts (arguments.py's Config only as
+a type name, under TYPE_CHECKING). The scripts (train.py,
 prepare_data.py, convert_to_hf.py, prefetch.py, plot_metrics.py, generate.py, show_samples.py) are a few lines each.
 """
 

@@ -21,6 +21,7 @@ import difflib
 import os
 import re
 import sys
+import types
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -69,7 +70,8 @@ def shell_friendly(parser: ArgumentParser) -> None:
 
 
 def _members(hint: Any) -> tuple:
-    return get_args(hint) if get_origin(hint) is Union else (hint,)
+    """The types a hint admits: `Optional[int]` and `int | None` alike."""
+    return get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
 
 
 def _is_list_of_str(hint: Any) -> bool:
@@ -188,7 +190,8 @@ def describe(hint: Any) -> str:
     """What a type hint accepts, in words: `a number`, `one of bf16-true, 32-true`, `an integer or auto`."""
     words = {int: "an integer", float: "a number", str: "text", bool: "true or false", type(None): "null"}
     parts = []
-    for member in _members(hint):
+    members = _members(hint)
+    for member in [m for m in members if m is not type(None)] or members:  # null: leaving the option out
         if member in words:
             parts.append(words[member])
         elif get_origin(member) is Literal:

@@ -170,7 +170,7 @@ REFUSED_COMMANDS = {
     "generate.py": (["generate.py", "/nonexistent/model"], "generate.py: error: MODEL /nonexistent/model: no such "
                                                           "folder"),
     "show_samples.py": (["show_samples.py", "/nonexistent/run"], "show_samples.py: error: RUN /nonexistent/run: no "
-                                                                "samples/ in it"),
+                                                                "such folder"),
     "show_samples.py count": (["show_samples.py", "run", "four"], "show_samples.py: error: N: expected an integer, "
                                                                  "got 'four'"),
 }

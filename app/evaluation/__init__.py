@@ -1,5 +1,3 @@
 """Evaluating a run: the validation loss over trained tokens (validation.py), and generation samples under FSDP scored
 with ROUGE and exact match (samples.py, and show_samples.py's command line).
-
-May import: app.cli, app.data, app.model, app.prepare.
 """

@@ -1,6 +1,4 @@
 """The Hugging Face model of a run: its config, the layer classes FSDP wraps, building it on every rank and
 streaming pretrained weights into its shards (build.py); whether packed examples stay apart in its class and
 attention implementation, found by a probe (isolation.py). A new model kind enters here.
-
-May import: app.choices, app.distributed, app.optimization, app.data.
 """

@@ -2,5 +2,5 @@
 resolved run (print_config.py), the launch and each rank's set-up (run.py), and the loop of optimizer steps with its
 evaluation, logging and checkpoints (loop.py).
 
-May import every other package of app/; nothing imports it but the top-level scripts.
+Nothing imports it but the top-level scripts (the map in app/__init__.py says what each part may import).
 """

@@ -222,12 +222,10 @@ def resume_disagreement(chosen: list[tuple[int, Optional[int], str]]) -> Optiona
 
 
 def write_run_files(fabric: Fabric, cfg: Config, tokenizer: Optional[str]) -> None:
-    from arguments import config_to_yaml
-
     if fabric.is_global_zero:
         out_dir = Path(cfg.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        replace_file(out_dir / RUN_CONFIG_FILE, config_to_yaml(cfg))
+        replace_file(out_dir / RUN_CONFIG_FILE, cfg.to_yaml())
         # The summary of an earlier start of the run: this start writes its own at its end, and a crash before
         # that left the earlier one there as if it were the run's last word
         (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
