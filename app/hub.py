@@ -34,11 +34,6 @@ def prefetch_advice(name: str) -> str:
             "then set HF_HUB_OFFLINE=1")
 
 
-def offline_hint(name: str) -> str:
-    """The advice given when `name` is missing from the cache of a machine that cannot reach the Hub."""
-    return f"{name} is not in the Hugging Face cache: {prefetch_advice(name)}"
-
-
 def is_hub_id(name: str) -> bool:
     """Whether transformers would ask the Hub for `name`: no local path of that name, and an owner/name id."""
     if Path(name).exists():

@@ -21,7 +21,6 @@ from urllib.parse import unquote, urlparse
 import huggingface_hub.constants
 import pytest
 
-from app.hub import offline_hint
 from app.huggingface.prefetch import CONFIG_AND_TOKENIZER_PATTERNS, dataset_config_patterns, model_file_patterns
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -298,12 +297,6 @@ def test_dataset_config_patterns_accept_every_data_files_form():
     assert dataset_config_patterns(card, "x/y", "a") == ["README.md", "a/*.parquet"]
     assert dataset_config_patterns(card, "x/y", "b") == ["README.md", "b/1.jsonl", "b/2.jsonl"]
     assert dataset_config_patterns(card, "x/y", "c") == ["README.md", "c/t-*", "c/v"]
-
-
-def test_offline_hint_names_the_command_and_the_setting():
-    hint = offline_hint("meta-llama/Meta-Llama-3-8B")
-    assert "python prefetch.py --model meta-llama/Meta-Llama-3-8B" in hint and "HF_HUB_OFFLINE=1" in hint
-    assert "\n" not in hint
 
 
 def test_train_tells_how_to_prefetch_a_model_missing_offline(tiny, tmp_path):

@@ -581,7 +581,7 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     for step, val_loss in [(2, 3.0), (4, 2.5), (6, 2.9), (8, 2.7), (10, 2.8)]:
         path = folder / f"step-{step:08d}.ckpt"
         path.write_bytes(b"x")
-        mark_if_best(path, step, val_loss)
+        mark_if_best(path, val_loss)
     assert read_best(tmp_path) == {"checkpoint": "step-00000004.ckpt", "step": 4, "val_loss": 2.5, "evaluated": {
         "step-00000002.ckpt": 3.0, "step-00000004.ckpt": 2.5, "step-00000006.ckpt": 2.9, "step-00000008.ckpt": 2.7,
         "step-00000010.ckpt": 2.8}}
@@ -598,17 +598,17 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_best_of_the_checkpoints_lef
     folder.mkdir()
     for step, val_loss in [(2, 3.0), (4, 2.5), (6, 2.9), (8, 2.0)]:
         (folder / f"step-{step:08d}.ckpt").write_bytes(b"x")
-        mark_if_best(folder / f"step-{step:08d}.ckpt", step, val_loss)
+        mark_if_best(folder / f"step-{step:08d}.ckpt", val_loss)
     set_aside_newer(tmp_path, 6)
     assert read_best(tmp_path)["checkpoint"] == "step-00000004.ckpt"
     assert json.loads((folder / "rolled-back" / "best.json").read_text())["checkpoint"] == "step-00000008.ckpt"
     (folder / "step-00000008.ckpt").write_bytes(b"again")
-    mark_if_best(folder / "step-00000008.ckpt", 8, 36.7)
+    mark_if_best(folder / "step-00000008.ckpt", 36.7)
     assert read_best(tmp_path)["checkpoint"] == "step-00000004.ckpt"
     assert [p.name for p in prune_checkpoints(tmp_path, 1, protected=set())] == ["step-00000002.ckpt",
                                                                                  "step-00000006.ckpt"]
     (folder / "best.json").write_text(json.dumps({"checkpoint": "step-00000004.ckpt", "step": 4, "val_loss": 2.5}))
-    mark_if_best(folder / "step-00000008.ckpt", 8, 2.4)  # a best.json of an earlier version, without `evaluated`
+    mark_if_best(folder / "step-00000008.ckpt", 2.4)  # a best.json of an earlier version, without `evaluated`
     assert read_best(tmp_path)["evaluated"] == {"step-00000004.ckpt": 2.5, "step-00000008.ckpt": 2.4}
 
 
@@ -697,7 +697,7 @@ def test_a_rollback_moves_the_checkpoints_of_the_abandoned_stretch_where_resume_
     assert sorted(list_checkpoints(tmp_path)) == [2, 4] and latest_checkpoint(tmp_path).name == "step-00000004.ckpt"
     assert (folder / "rolled-back" / "step-00000006.ckpt" / "__0_0.distcp").is_file()
     (folder / "step-00000008.ckpt").write_bytes(b"again")  # the same step saved again, and rolled back again
-    mark_if_best(folder / "step-00000008.ckpt", 8, 2.0)
+    mark_if_best(folder / "step-00000008.ckpt", 2.0)
     samples = tmp_path / "samples"
     for step in (4, 6, 8):
         write_samples(samples / f"step-{step:08d}.jsonl", ["prompt"], ["reference"], [f"at step {step}"])

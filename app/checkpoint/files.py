@@ -214,7 +214,7 @@ def read_best(out_dir: str | Path) -> Optional[dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def mark_if_best(path: Path, step: int, val_loss: float) -> None:
+def mark_if_best(path: Path, val_loss: float) -> None:
     """Record `path`'s validation loss and point best.json at the lowest of those still there (the earlier on a
     tie)."""
     best = read_best(path.parent.parent) or {}

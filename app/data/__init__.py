@@ -2,6 +2,6 @@
 steps and evaluation batches read from it (loader.py)."""
 
 from app.data.formats import IGNORE_INDEX, Batch, DataFormat
-from app.data.loader import Step, TrainingData, eval_batches, load_data, train_steps
+from app.data.loader import Step, TrainingData, load_data, train_steps
 
-__all__ = ["IGNORE_INDEX", "Batch", "DataFormat", "Step", "TrainingData", "eval_batches", "load_data", "train_steps"]
+__all__ = ["IGNORE_INDEX", "Batch", "DataFormat", "Step", "TrainingData", "load_data", "train_steps"]

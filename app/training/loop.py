@@ -395,7 +395,7 @@ class Loop:
         """On rank 0, when the checkpoint is visible (in the background writer's thread with --async_save)."""
         self.console.print(f"step {step}: saved {path} in {time.monotonic() - started:.1f} s")
         if val_loss is not None:
-            mark_if_best(path, step, val_loss)
+            mark_if_best(path, val_loss)
         protected = {path, self.resumed_from} if self.resumed_from else {path}
         for deleted in prune_checkpoints(self.cfg.out_dir, self.cfg.keep_last_n, protected):
             self.console.print(f"step {step}: deleted {deleted.name} (--keep_last_n {self.cfg.keep_last_n})")
