@@ -178,7 +178,7 @@ class Loop:
             state["optimizer"].zero_grad(set_to_none=True)
             if action == "stop":
                 return "spikes"
-            losses.append(loss)
+            losses.append(verdict.loss)
             self.watchdog.beat(arm=True)
             epoch_ended = advance_position(state, plan, step_batches, self.data)
             if self.rows_record:
@@ -196,13 +196,13 @@ class Loop:
             saving = is_save_step(step, last, cfg.save_step_interval) or verdict.stop_requested
             metrics: dict[str, float] = {}
             if step % cfg.log_interval == 0 or last:
-                metrics |= self.training_metrics(losses, verdict.grad_norm, lr, throughput)
+                metrics |= self.training_metrics(losses, verdict.grad_norm_value, lr, throughput)
                 losses = []
             evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
             if evaluated:
                 metrics |= self.evaluate()
             if saving:
-                state["log_window"] = self.window_to_save(losses)
+                state["log_window"] = list(losses)
                 metrics |= self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
             if metrics:
                 self.fabric.log_dict(metrics, step=step)
@@ -213,18 +213,12 @@ class Loop:
                 return "interrupted" if self.stop.interrupted else "preempted"
         return "finished"
 
-    def unlogged_losses(self) -> list[torch.Tensor]:
+    def unlogged_losses(self) -> list[float]:
         """The losses of the steps since the last log point that the checkpoint resumed from saved (its
         log_window): a resume, a stop or a rollback then logs the train_loss a straight run logs (the window was
-        lost at a stop, and the first row after the resume averaged only the steps since it)."""
-        return [torch.tensor(loss, dtype=torch.float32, device=self.fabric.device) for loss in self.state["log_window"]]
-
-    def window_to_save(self, losses: list[torch.Tensor]) -> list[float]:
-        """The unlogged steps' losses, each the mean over the ranks (what the log would average), for the
-        checkpoint; one collective at a save, and none when the step was logged. Every rank takes part."""
-        if not losses:
-            return []
-        return self.fabric.all_reduce(torch.stack(losses).float(), reduce_op="mean").tolist()
+        lost at a stop, and the first row after the resume averaged only the steps since it). Each is a step's loss
+        over all ranks, as the step's verdict brought it to the host."""
+        return list(self.state["log_window"])
 
     def steps(self) -> Iterator[Step]:
         """The training steps from the state's epoch and position on."""
@@ -289,25 +283,24 @@ class Loop:
                            f"from sample {state['position']} of epoch {state['epoch']}, after the data that led here")
         return True
 
-    def gather_rank_stats(self, local_values: torch.Tensor) -> tuple[torch.Tensor, list[RankStats]]:
-        """One all_gather of `local_values` and of this rank's RankStats: rows of the values, and every rank's stats."""
+    def gather_rank_stats(self) -> list[RankStats]:
+        """Every rank's RankStats (memory, data wait, saving), in one all_gather."""
         stats = RankStats.of_this_rank(self.fabric.device, self.data_wait, self.saving, self.state_memory)
-        local = torch.cat([local_values.double().to(self.fabric.device), stats.to_tensor().to(self.fabric.device)])
-        rows = gather_rows(local).cpu()
-        return rows[:, :local_values.numel()], [RankStats.from_tensor(row[local_values.numel():]) for row in rows]
+        return [RankStats.from_tensor(row) for row in gather_rows(stats.to_tensor().to(self.fabric.device)).cpu()]
 
-    def training_metrics(self, losses: list[torch.Tensor], grad_norm: torch.Tensor, lr: float,
+    def training_metrics(self, losses: list[float], grad_norm: float, lr: float,
                          throughput: dict[str, float]) -> dict[str, float]:
-        """The only place training values leave the device: once per log interval, with every rank's numbers."""
-        mean_losses, ranks = self.gather_rank_stats(torch.stack(losses).mean().reshape(1))
+        """The metrics of a log interval: the steps' losses and the last gradient norm came to the host with each
+        step's verdict (its one synchronisation); what only each rank knows comes in one all_gather here."""
+        ranks = self.gather_rank_stats()
         previous = self.ranks_at_last_log or [RankStats() for _ in ranks]
         waited = max(now.data_wait_sec - before.data_wait_sec for now, before in zip(ranks, previous))
         trained = self.clock.training_time()
         interval = trained - self.trained_at_last_log
         self.ranks_at_last_log, self.trained_at_last_log = ranks, trained
         step = self.state["step"]
-        metrics = {"epoch": self.state["epoch"], "train_loss": mean_losses.mean().item(), "lr": lr,
-                   "grad_norm": grad_norm.item(), "elapsed_sec": self.clock.run_elapsed(),
+        metrics = {"epoch": self.state["epoch"], "train_loss": sum(losses) / len(losses), "lr": lr,
+                   "grad_norm": grad_norm, "elapsed_sec": self.clock.run_elapsed(),
                    "data_wait_pct": 100 * waited / interval,
                    **throughput, **self.guard.metrics(), **self.source_tokens()}
         metrics |= {name: largest(ranks, name) for name in PEAK_MEMORY if not math.isnan(largest(ranks, name))}
@@ -316,7 +309,7 @@ class Loop:
 
     def summarize(self) -> dict[str, Any]:
         """The run summary; every rank takes part (one all_gather of the ranks' numbers)."""
-        _, ranks = self.gather_rank_stats(torch.zeros(0))
+        ranks = self.gather_rank_stats()
         summary = run_summary(clock=self.clock, step=self.state["step"], evaluation=self.evaluation,
                               saving=self.saving, ranks=ranks, val_loss=self.state["val_loss"],
                               val_loss_step=self.state["val_loss_step"])
