@@ -24,7 +24,7 @@ from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepC
                          run_summary)
 from app.evaluation.samples import SampleEvaluator, set_aside_samples_after
 from app.optimization.optimizer import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
-from app.optimization.schedule import TrainingPlan, learning_rate
+from app.optimization.schedule import TrainingPlan, continuing_position, learning_rate
 from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict
 from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits, write_quarantine
 from app.reliability.watchdog import StallWatchdog
@@ -100,21 +100,18 @@ def is_save_step(step: int, last: bool, interval: int) -> bool:
     return interval > 0 and (step % interval == 0 or last)
 
 
-def advance_position(state: dict[str, Any], plan: TrainingPlan, step: Optional[Step] = None,
-                     data: Optional[TrainingData] = None) -> bool:
+def advance_position(state: dict[str, Any], plan: TrainingPlan, step: Step, data: TrainingData) -> bool:
     """Count one optimizer step (`step`, read from `data`) in the state; returns True when it finished an epoch (no
-    whole step left in it; a mixture's epoch is the rows of its plan, mixture.epoch_rows)."""
+    whole step left in it, as continuing_position decides; a mixture's epoch is the rows of its plan,
+    mixture.epoch_rows)."""
     state["step"] += 1
-    if step is not None and step.mixture is not None:
+    if step.mixture is not None:
         state["mixture"] = step.mixture
         for part, tokens in zip(data.sources, data.tokens_by_source(step.rows)):
             state["source_tokens"][part.source.name] = state["source_tokens"].get(part.source.name, 0) + tokens
-    state["position"] += plan.global_batch_size
-    if state["position"] + plan.global_batch_size <= plan.train_rows:
-        return False
-    state["epoch"] += 1
-    state["position"] = 0
-    return True
+    epoch = state["epoch"]
+    state["epoch"], state["position"] = continuing_position(epoch, state["position"] + plan.global_batch_size, plan)
+    return state["epoch"] != epoch
 
 
 @dataclass
