@@ -203,6 +203,12 @@ def describe(hint: Any) -> str:
     return " or ".join(parts)
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's reason in one line, for a message of ours: its first line, or its type when it says nothing
+    (`str(error).splitlines()[0]` raised IndexError on an empty message)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def refuse(prog: str, message: str) -> typing.NoReturn:
     """Print the one line of a bad command line and exit with status 2."""
     print(f"{prog}: error: {message}; see {prog} --help", file=sys.stderr)

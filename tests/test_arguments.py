@@ -260,3 +260,11 @@ def test_python_arguments_py_rewrites_only_the_generated_part(tmp_path) -> None:
 def test_example_configs_parse_and_validate(config) -> None:
     cfg = read_config(["--config", str(config), "--train_data_dir", "data"])
     assert validate_config(cfg) == []
+
+
+def test_an_exceptions_reason_is_one_line_even_when_it_says_nothing() -> None:
+    """`str(error).splitlines()[0]`, written inline in nine messages, raised IndexError on an exception without text."""
+    from app.cli import first_line
+
+    assert (first_line(OSError()), first_line(ValueError("bad\nmore")), first_line(KeyError("  "))) == (
+        "OSError", "bad", "'  '")

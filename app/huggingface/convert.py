@@ -40,7 +40,7 @@ from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list
 from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
-from app.cli import UsageError
+from app.cli import UsageError, first_line
 from app.folders import real_folder, staging_folder
 from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, load_problem, missing_model_problem, tokenizer_difference,
                      unloadable_tokenizer)
@@ -597,7 +597,7 @@ def generation_config(job: Job, tokenizer: Any) -> GenerationConfig:
         try:
             config = GenerationConfig.from_pretrained(job.base_model)
         except (OSError, ValueError) as error:  # none in the folder or repo, no such folder, the Hub out of reach
-            problem = str(error).splitlines()[0][:160]
+            problem = first_line(error)[:160]
     if problem:
         print(f"convert_to_hf.py: note: the generation config of the base model {job.base_model} could not be read "
               f"({problem}); generation_config.json is made from the model config", flush=True)

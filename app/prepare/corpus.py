@@ -16,6 +16,7 @@ from pathlib import Path
 import datasets
 from datasets import Dataset, DatasetDict
 
+from app.cli import first_line
 from app.prepare.args import SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
 
 STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "concurrent", "wsgiref", "collections")
@@ -151,7 +152,7 @@ def _read_files(
         dataset = datasets.load_dataset(name, data_files=files, split="train", **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
         where = _bad_json_line(files) if name == "json" else None
-        raise UsageError(f"--input {source}: could not read it as {name}: {where or _first_line(error)}") from error
+        raise UsageError(f"--input {source}: could not read it as {name}: {where or first_line(error)}") from error
     return _text_column(dataset, "text", source) if name == "text" else to_records(dataset, source)
 
 
@@ -193,7 +194,7 @@ def _load_hub(name: str, args: PrepareArgs) -> Dataset | DatasetDict:
         return datasets.load_dataset(name, args.dataset_config, split=args.split)
     except Exception as error:  # not found, offline, gated, bad config or split: all are the user's to fix
         raise UsageError(
-            f"--input {name}: not a local path, and loading it as a Hugging Face dataset failed: {_first_line(error)}"
+            f"--input {name}: not a local path, and loading it as a Hugging Face dataset failed: {first_line(error)}"
         ) from error
 
 
@@ -228,7 +229,7 @@ def saved_split(loaded: DatasetDict, spec: str, source: str) -> Dataset:
         rows = {name: len(split) for name, split in loaded.items()}
         parts = datasets.ReadInstruction.from_spec(spec).to_absolute(rows)
     except (ValueError, KeyError, AssertionError) as error:
-        raise UsageError(f"--split {spec}: {_first_line(error)} (--input {source} has {', '.join(loaded)})") from None
+        raise UsageError(f"--split {spec}: {first_line(error)} (--input {source} has {', '.join(loaded)})") from None
     return datasets.concatenate_datasets([loaded[part.splitname].select(range(part.from_, part.to)) for part in parts])
 
 
@@ -292,8 +293,3 @@ def joined(items: list[str | None] | None, row: Row) -> str:
 def _is_list_of_text(feature: object) -> bool:
     inner = getattr(feature, "feature", None)
     return isinstance(feature, (datasets.List, datasets.Sequence)) and getattr(inner, "dtype", None) == "string"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]

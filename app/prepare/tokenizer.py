@@ -13,6 +13,7 @@ from pathlib import Path
 import sentencepiece
 from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
+from app.cli import first_line
 from app.hub import missing_model_problem, quiet_hub
 from app.prepare.args import UsageError
 
@@ -45,8 +46,7 @@ def load_tokenizer(name_or_dir: str, trust_remote_code: bool) -> PreTrainedToken
         with quiet_hub():
             tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=trust_remote_code)
     except Exception as error:  # missing, gated, offline, remote code refused: each is the user's to fix
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"--tokenizer {name_or_dir}: could not load it: {message}") from error
+        raise UsageError(f"--tokenizer {name_or_dir}: could not load it: {first_line(error)}") from error
     if tokenizer.eos_token_id is None:
         raise UsageError(f"--tokenizer {name_or_dir} has no EOS token, so documents could not be separated")
     return tokenizer

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from app.cli import first_line
 from app.exit_codes import EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED
 from app.reliability.watchdog import end_process_tree, print_own_stacks, process_ending, say
 
@@ -242,7 +243,7 @@ def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoR
             end_process_tree(EXIT_CRASHED, stacks=False)  # waits for that exit, with that thread's code
         if peer_ended(error):  # the process that ended first printed why; a traceback here would only hide it
             killed = "".join(f"; {line}" for line in killed_children(fabric))
-            say(f"rank {fabric.global_rank}: another process of the run ended first ({str(error).splitlines()[0]})"
+            say(f"rank {fabric.global_rank}: another process of the run ended first ({first_line(error)})"
                 f"{killed}\n")
         else:
             traceback.print_exc()

@@ -35,6 +35,7 @@ from app.checkpoint.files import RUN_CONFIG_FILE, list_checkpoints, run_folder_o
 from app.checkpoint.sources import check_complete
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.choices import SHARDED_STRATEGIES
+from app.cli import first_line
 from app.data import DataFormat
 from app.data.formats import Layout
 from app.data.identity import folder_identity, identity_difference, same_folder_by_path
@@ -353,7 +354,7 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
         with quiet_hub():
             return load_model_config(cfg)
     except (OSError, ValueError) as error:
-        problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({str(error).splitlines()[0]}); "
+        problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({first_line(error)}); "
                         "check the name, or log in for gated models")
         return None
 
@@ -599,10 +600,6 @@ def isolates(model_config: PretrainedConfig, attention: str, cfg: Config) -> boo
         return False
 
 
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
 def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[str]:
     """--tokenizer, else the data folder's tokenizer/, else the pretrained model's; checked to load and to fit.
 
@@ -651,7 +648,7 @@ def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[st
                                           AutoTokenizer.from_pretrained(tokenizer,
                                                                         trust_remote_code=cfg.trust_remote_code))
     except (OSError, ValueError) as error:
-        difference = f"it does not load ({str(error).splitlines()[0]})"
+        difference = f"it does not load ({first_line(error)})"
     if difference:
         problems.append(f"--out_dir {cfg.out_dir}: {kept} is not the run's tokenizer {tokenizer} ({difference}); "
                         "move it away (it is never replaced), or choose another --out_dir")

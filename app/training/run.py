@@ -19,6 +19,7 @@ from app.checkpoint import (CheckpointError, CheckpointSaver, list_checkpoints, 
 from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, publish, sees_lock,
                                   temporary_path)
 from app.choices import SHARDED_STRATEGIES
+from app.cli import first_line
 from app.data import TrainingData, load_data
 from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
@@ -254,7 +255,7 @@ def keep_tokenizer_with_run(out_dir: Path, tokenizer: Optional[str], trust_remot
         publish(staging, kept)
     except (OSError, ValueError) as error:  # a convenience: rank 0 must not end the run (the others would wait)
         shutil.rmtree(staging, ignore_errors=True)
-        print(f"note: the run's tokenizer was not copied to {kept} ({str(error).splitlines()[0]}); convert_to_hf.py "
+        print(f"note: the run's tokenizer was not copied to {kept} ({first_line(error)}); convert_to_hf.py "
               "will need --tokenizer if its recorded path moves", flush=True)
 
 
