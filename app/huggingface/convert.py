@@ -34,9 +34,8 @@ from torch.nn import Module
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints,
-                            read_metadata as read_checkpoint_metadata, read_model_weights, run_folder_of,
-                            run_tokenizer_dir, stored_tensor_shapes)
+from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints, read_metadata,
+                            read_model_weights, run_folder_of, run_tokenizer_dir, stored_tensor_shapes)
 from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
@@ -118,9 +117,10 @@ def select_checkpoints(args: Args) -> list[tuple[Path, Path]]:
 
 # ---- reading what a checkpoint holds --------------------------------------------------------------------------
 
-def read_metadata(path: Path) -> dict[str, Any]:
+def checked_metadata(path: Path) -> dict[str, Any]:
+    """The checkpoint's metadata (app.checkpoint's read_metadata), refused in one line when it is none of train.py's."""
     try:
-        metadata = read_checkpoint_metadata(path)
+        metadata = read_metadata(path)
     except CheckpointError as error:
         raise BadInput(f"--checkpoint {error}; pick another one") from None
     if not isinstance(metadata, dict) or not isinstance(metadata.get("step"), int):
@@ -412,7 +412,7 @@ def plan(args: Args) -> list[Job]:
     for checkpoint, output in pairs:
         check_apart_from_checkpoint(output, checkpoint)
         check_output_dir(output, args.overwrite)
-        metadata = read_metadata(checkpoint)
+        metadata = checked_metadata(checkpoint)
         config = resolve_model_config(args, metadata)
         shapes = stored_shapes(checkpoint)
         check_weights_fit(checkpoint, config, shapes, args.trust_remote_code)
