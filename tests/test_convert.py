@@ -664,7 +664,8 @@ def test_a_model_tokenizer_or_config_that_cannot_be_had_is_one_line_at_once(full
 
 
 def test_the_uploads_options_without_push_to_hub_are_refused_not_ignored(full_run, tmp_path, capsys) -> None:
-    """--dry_run without --push_to_hub converted the whole model; --private, --revision, --commit_message did nothing."""
+    """--dry_run without --push_to_hub converted the whole model; --private, --revision and --commit_message did
+    nothing."""
     good = full_run / "checkpoints" / "step-00000008.ckpt"
     message = refused(capsys, "--checkpoint", good, "--output_dir", tmp_path / "out", "--dry_run", "true")
     assert message.startswith("convert_to_hf.py: error: --dry_run applies to an upload: add --push_to_hub REPO_ID")
