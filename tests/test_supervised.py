@@ -438,3 +438,15 @@ def test_show_samples_prints_the_last_evaluations_samples_next_to_their_referenc
     result = subprocess.run([sys.executable, "show_samples.py", str(tmp_path / "nosuch")], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and f"RUN {tmp_path / 'nosuch'}: no such folder" in result.stderr, result.stderr
+
+
+def test_references_longer_than_the_generation_limit_are_named() -> None:
+    """Their generations stop before they could match: ROUGE stays low for that alone, which nothing said."""
+    from app.data.formats import Sample
+    from app.evaluation.samples import references_past
+
+    samples = [Sample(prompt=[1, 2], reference=list(range(n))) for n in (5, 13, 21, 12)]
+    assert references_past(samples, 12) == (
+        "note: 2 of the 4 sample references are longer than --eval_max_new_tokens 12 (the longest 21 tokens): their "
+        "generations stop before they could match; raise it for scores that can reach them")
+    assert references_past(samples, 21) is None

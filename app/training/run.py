@@ -25,7 +25,8 @@ from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
 from app.distributed.precision import float32_matmul_precision, uses_grad_scaler
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
-from app.evaluation.samples import SampleEvaluator, decoding_for, fit_to_context, set_aside_samples_after
+from app.evaluation.samples import (SampleEvaluator, decoding_for, fit_to_context, references_past,
+                                    set_aside_samples_after)
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_SPIKES)
 from app.folders import discard, replace_file
@@ -303,7 +304,7 @@ def spike_guard(fabric: Fabric, cfg: Config, state: dict[str, Any], data: Traini
     return guard
 
 
-def sample_evaluator(cfg: Config, inputs: RunInputs, data: TrainingData) -> Optional[SampleEvaluator]:
+def sample_evaluator(fabric: Fabric, cfg: Config, inputs: RunInputs, data: TrainingData) -> Optional[SampleEvaluator]:
     """--eval_samples: the first N examples of the validation split, generated at every evaluation."""
     if not cfg.eval_samples:
         return None
@@ -311,6 +312,9 @@ def sample_evaluator(cfg: Config, inputs: RunInputs, data: TrainingData) -> Opti
 
     samples = fit_to_context(data.format.samples(data.validation, cfg.eval_samples), inputs.model_config,
                              cfg.eval_max_new_tokens)
+    note = references_past(samples, cfg.eval_max_new_tokens)
+    if note:
+        fabric.print(note)
     return SampleEvaluator(samples=samples,
                            tokenizer=AutoTokenizer.from_pretrained(inputs.tokenizer,
                                                                    trust_remote_code=cfg.trust_remote_code),
@@ -351,7 +355,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                 gradients=GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
                                   scaled=uses_grad_scaler(cfg.precision),
                                   defer_sync=cfg.strategy not in SHARDED_STRATEGIES or cfg.fsdp_no_sync),
-                samples=sample_evaluator(cfg, inputs, data), watchdog=stall_watchdog(fabric, cfg),
+                samples=sample_evaluator(fabric, cfg, inputs, data), watchdog=stall_watchdog(fabric, cfg),
                 saver=CheckpointSaver(fabric, state, sharded=cfg.state_dict_type == "sharded",
                                       background=cfg.async_save),
                 guard=spike_guard(fabric, cfg, state, data), resumed_from=inputs.resume_from,
