@@ -143,3 +143,12 @@ def test_an_overflowed_gradient_is_left_to_the_gradient_scaler() -> None:
     assert guard.judge(41, 3.0, float("inf")) is None, "16-mixed skips such a step and lowers its scale itself"
     guard.accept(3.0, float("inf"))
     assert all(norm < 2.0 for norm in guard.history.grad_norms)
+
+
+def test_the_guards_defaults_are_the_options_defaults() -> None:
+    """SpikeRules (the guard's, which these tests build) and SpikeArgs (the command line's) each write the defaults:
+    one changed without the other would test a guard no run uses."""
+    from app.training.run import spike_rules
+    from arguments import Config
+
+    assert spike_rules(Config()) == SpikeRules()

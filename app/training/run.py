@@ -282,16 +282,20 @@ def set_matmul_precision(fabric: Fabric, cfg: Config) -> None:
     torch.set_float32_matmul_precision(float32_matmul_precision(cfg.precision, cfg.tf32, capability))
 
 
+def spike_rules(cfg: Config) -> SpikeRules:
+    """The guard's options from the run's (tests/test_spikes.py checks that SpikeRules' defaults are the options'
+    defaults, which are written twice)."""
+    return SpikeRules(mode=cfg.spike_guard, z=cfg.spike_z, grad_norm_z=cfg.spike_grad_norm_z, window=cfg.spike_window,
+                      warmup=cfg.spike_warmup, incident_spikes=cfg.spike_incident,
+                      incident_steps=cfg.spike_incident_steps, max_rollbacks=cfg.spike_max_rollbacks,
+                      rewarm_steps=cfg.spike_rewarm_steps)
+
+
 def spike_guard(fabric: Fabric, cfg: Config, state: dict[str, Any], data: TrainingData) -> SpikeGuard:
     """The guard with what the run (or the checkpoint it resumes) knows; the rows it set aside train nothing, also
     resumed under `detect` (which sets none aside itself: they trained again while the summary counted them set
     aside); under `off`, they train again, and the run says so."""
-    guard = SpikeGuard(SpikeRules(mode=cfg.spike_guard, z=cfg.spike_z, grad_norm_z=cfg.spike_grad_norm_z,
-                                  window=cfg.spike_window,
-                                  warmup=cfg.spike_warmup, incident_spikes=cfg.spike_incident,
-                                  incident_steps=cfg.spike_incident_steps, max_rollbacks=cfg.spike_max_rollbacks,
-                                  rewarm_steps=cfg.spike_rewarm_steps),
-                       SpikeHistory.from_dict(state["spike_guard"]))
+    guard = SpikeGuard(spike_rules(cfg), SpikeHistory.from_dict(state["spike_guard"]))
     if guard.active and guard.history.quarantine:
         data.quarantine(guard.history.quarantined_rows())
         if fabric.is_global_zero:
