@@ -308,6 +308,34 @@ def test_ending_the_tree_also_kills_a_rank_started_while_it_kills(tmp_path: Path
     assert survivors == []
 
 
+LIGHTNINGS_OBSERVER_LOOKS_DURING_THE_KILL = """
+import subprocess, sys, time
+from lightning_fabric.strategies.launchers.subprocess_script import _launch_process_observer
+import app.reliability.watchdog as watchdog
+
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+_launch_process_observer([rank])  # as Lightning's launcher starts it, looking every 5 s
+real_send = watchdog.send
+
+
+def send_then_wait_for_the_observers_look(processes, signum):
+    real_send(processes, signum)
+    if processes:
+        time.sleep(6)  # its next look sees the killed rank (it would SIGKILL this process, exit -9)
+
+
+watchdog.send = send_then_wait_for_the_observers_look
+watchdog.end_process_tree(4, stacks=False)
+"""
+
+
+def test_lightnings_observer_of_the_ranks_does_not_turn_the_watchdogs_exit_into_a_kill() -> None:
+    """CI: a stalled run ended with -9, not 4 (which Slurm requeues): the launcher's observer of its ranks looked
+    between end_process_tree's kill of rank 1 and its exit, and SIGKILLed the launcher itself."""
+    result = subprocess.run([sys.executable, "-c", LIGHTNINGS_OBSERVER_LOOKS_DURING_THE_KILL], cwd=ROOT, timeout=60)
+    assert result.returncode == 4
+
+
 THE_MAIN_THREAD_FAILS_DURING_THE_KILL = """
 import subprocess, sys, threading, time
 import app.reliability.watchdog as watchdog
