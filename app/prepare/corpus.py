@@ -158,32 +158,34 @@ def _read_files(
 
 def _bad_json_line(files: list[str]) -> str | None:
     """The file, line and reason of the first record that is not a JSON object, found again after `datasets` failed:
-    its reader names only a byte position in a block ("Expected object or value at position 25")."""
+    its reader names only a byte position in a block ("Expected object or value at position 25"). JSON Lines are
+    read a line at a time (a corpus may be many gigabytes); a single JSON document is parsed whole, as datasets does."""
     for file in files:
-        lines = Path(file).read_text(encoding="utf-8", errors="replace").splitlines()
-        if file.lower().endswith(".json") and not _starts_json_lines(lines):
+        with open(file, encoding="utf-8", errors="replace") as handle:
+            first = next((line for line in handle if line.strip()), "")
+        if file.lower().endswith(".json") and not _is_json_object(first):
             try:
-                json.loads("\n".join(lines))
+                json.loads(Path(file).read_text(encoding="utf-8", errors="replace"))
                 continue  # one JSON document: its shape, not its syntax, is what `datasets` refused
             except json.JSONDecodeError as error:
                 return f"{file} line {error.lineno}, column {error.colno}: {error.msg}"
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                return f"{file} line {number}, column {error.colno}: {error.msg}"
-            if not isinstance(record, dict):
-                return f"{file} line {number} is a JSON {type(record).__name__}, not an object"
+        with open(file, encoding="utf-8", errors="replace") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as error:
+                    return f"{file} line {number}, column {error.colno}: {error.msg}"
+                if not isinstance(record, dict):
+                    return f"{file} line {number} is a JSON {type(record).__name__}, not an object"
     return None
 
 
-def _starts_json_lines(lines: list[str]) -> bool:
+def _is_json_object(line: str) -> bool:
     """A .json file may hold JSON Lines, as `datasets` accepts: its first line is then a whole object."""
-    first = next((line for line in lines if line.strip()), "")
     try:
-        return isinstance(json.loads(first), dict)
+        return isinstance(json.loads(line), dict)
     except json.JSONDecodeError:
         return False
 
