@@ -28,6 +28,7 @@ import json
 import os
 import select
 import signal
+import shutil
 import socket
 import struct
 import sys
@@ -76,7 +77,8 @@ def serve(path: str) -> None:
     while True:
         if not select.select([listener], [], [], 1.0)[0]:
             if os.getppid() != parent:  # the test process was killed before its atexit could stop this server,
-                os._exit(0)  # which stayed behind with 440 MB of imports (a timeout, a Ctrl-C on xdist workers)
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # which stayed behind with 440 MB of
+                os._exit(0)  # imports (a timeout, a Ctrl-C on xdist workers), and so did its socket's folder
             continue
         connection, _ = listener.accept()
         if os.fork() == 0:

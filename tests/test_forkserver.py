@@ -5,11 +5,12 @@ sys.executable forked in turn, already past the imports."""
 from __future__ import annotations
 
 import signal
+import sys
 import subprocess
 
 import pytest
 
-from tests.conftest import FORK_SERVER, run_environment
+from tests.conftest import FORK_SERVER, ROOT, run_environment
 
 PROGRAM = '''
 import os, signal, subprocess, sys, time
@@ -66,3 +67,23 @@ def test_signals_reach_the_program_through_its_client(program) -> None:
     waiting.send_signal(signal.SIGTERM)
     out, _ = waiting.communicate(timeout=60)
     assert "SIGTERM received" in out and waiting.returncode == 143
+
+
+def test_a_server_whose_test_process_was_killed_leaves_with_its_socket_folder(tmp_path) -> None:
+    """A killed pytest (a timeout, a Ctrl-C on xdist workers) never runs the atexit that stops its server: the server
+    must see it is orphaned and go, or it stays with 440 MB of imports and a folder in /tmp."""
+    import os
+    import time
+
+    import psutil
+
+    started = subprocess.run(
+        [sys.executable, "-c", "import os; from tests.conftest import ForkServer; server = ForkServer(); "
+                               "server.start(); print(server.process.pid, server.socket, flush=True); os._exit(0)"],
+        cwd=ROOT, env=run_environment(None), capture_output=True, text=True, timeout=120)
+    pid, socket = started.stdout.split()
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(int(pid)) and psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the orphaned fork server is still running"
+        time.sleep(0.2)
+    assert not os.path.exists(os.path.dirname(socket))
