@@ -150,7 +150,7 @@ def test_fsdp1_cpu_offload_with_accumulation_outside_no_sync_is_refused(tiny, tm
     it unsupported; `prepare_gradient_for_backward` leaves an offloaded gradient out of the sum): on GPUs every step
     trained on its last micro-batch alone. On CPU processes offloading is refused before; the check is asked here."""
     from app.optimization.schedule import make_plan
-    from app.training.preflight import check_offloaded_accumulation
+    from app.training.preflight.plan import check_offloaded_accumulation
 
     def problems(accumulation: int, **options) -> list[str]:
         cfg = parse_config(train_args(tiny, tmp_path / "out", cpu_offload=True, **options))

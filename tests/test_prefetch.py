@@ -397,7 +397,7 @@ def test_preflight_says_a_model_folder_without_a_tokenizer_has_none_and_a_broken
     """"has none" only where it is true: a tokenizer that is there but does not load says why."""
     from types import SimpleNamespace
 
-    from app.training.preflight import resolve_tokenizer
+    from app.training.preflight.tokenizer import resolve_tokenizer
 
     folder = tmp_path / "model"
     folder.mkdir()

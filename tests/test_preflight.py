@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from app.training.preflight import preflight, world_size
+from app.training.preflight import preflight
+from app.training.preflight.environment import world_size
 from arguments import parse_config
 from tests.conftest import ROOT, TinySetup, train_args
 
@@ -144,7 +145,7 @@ def test_a_checkpoint_of_another_run_is_refused_where_out_dir_holds_a_run_of_its
     command (its config.yaml names that checkpoint); a copy of the run's own checkpoint names its out_dir."""
     from types import SimpleNamespace
 
-    from app.training.preflight import holds_another_run
+    from app.training.preflight.resume import holds_another_run
 
     base, run = tmp_path / "base", tmp_path / "run"
     checkpoint = base / "checkpoints" / "step-00000004.ckpt"
@@ -182,7 +183,7 @@ def test_the_attention_check_refuses_only_an_attention_the_model_class_lacks(bad
 
     from transformers import MambaConfig
 
-    from app.training.preflight import check_attention_supported
+    from app.training.preflight.model import check_attention_supported
 
     for config in (AutoConfig.from_pretrained(bad["bart_base_heads"]),
                    MambaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2)):
@@ -204,7 +205,7 @@ def test_flash_attention_is_refused_for_a_model_class_without_it(tiny) -> None:
 
     from transformers import T5Config
 
-    from app.training.preflight import check_attention_supported
+    from app.training.preflight.model import check_attention_supported
 
     flash = SimpleNamespace(attn_implementation="flash_attention_2", trust_remote_code=False)
     problems: list[str] = []
@@ -223,7 +224,7 @@ def test_activation_checkpointing_is_refused_only_where_the_strategy_needs_the_m
 
     from transformers import CTRLConfig
 
-    from app.training.preflight import check_activation_checkpointing
+    from app.training.preflight.model import check_activation_checkpointing
 
     def problems(config, strategy: str, checkpointing: bool = True) -> list[str]:
         found: list[str] = []
@@ -257,7 +258,7 @@ def test_compile_on_cpu_without_a_cpp_compiler_is_refused_in_one_line(tiny, tmp_
 def test_compile_on_gpus_without_a_c_compiler_for_triton_is_refused(tiny, tmp_path, monkeypatch) -> None:
     """Triton builds each kernel's launcher with $CC, else gcc, else clang (triton/runtime/build.py): without one
     (PyTorch's CUDA runtime images) every rank ended in "Failed to find C compiler" at its first compiled forward."""
-    from app.training import preflight as checks
+    from app.training.preflight import environment as checks
 
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
@@ -277,7 +278,7 @@ def test_compile_on_gpus_takes_the_models_own_loss_unless_the_chunked_one_is_ask
     """Compiled on an H200, transformers' loss fused into the graph gave 41.2% MFU against the chunked loss's 36.3%
     (docs/performance.md): the default follows; an explicit --chunked_loss true is kept, and CPUs keep the chunked
     loss, which the CPU benchmark found faster."""
-    from app.training import preflight as checks
+    from app.training.preflight import model as checks
 
     config = AutoConfig.from_pretrained(tiny.model_config)
     chosen = {}

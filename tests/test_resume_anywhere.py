@@ -237,8 +237,8 @@ def test_a_checkpoint_deleted_while_the_preflight_reads_it_gives_way_to_the_newe
     """A run still writing --out_dir deletes its older checkpoints as it saves (--keep_last_n): the same job
     submitted twice ended in a FileNotFoundError from the middle of the second one's preflight (seen in CI) instead of
     the lock's line. A checkpoint that vanishes while it is read is passed over for the newest."""
-    import app.training.preflight as preflight_module
-    from app.training.preflight import VANISHED_READS, resolve_resume
+    import app.training.preflight.resume as preflight_module
+    from app.training.preflight.resume import VANISHED_READS, resolve_resume
 
     out = tmp_path / "run"
     shutil.copytree(moved_run.out_dir, out)
@@ -311,7 +311,8 @@ def run_files(folder: Path) -> list[str]:
 
 def resumed_data_problems(tiny, moved_run, spec: str, metadata: dict, **options) -> list[str]:
     """What the preflight's resume check says of --train_data_dir `spec` against a checkpoint's `metadata`."""
-    from app.training.preflight import Resume, check_data, check_data_resume
+    from app.training.preflight.data import check_data
+    from app.training.preflight.resume import Resume, check_data_resume
 
     problems: list[str] = []
     cfg = parse_config(train_args(tiny, moved_run.out_dir, train_data_dir=spec, **options))

@@ -72,7 +72,7 @@ def test_plan_derives_max_step_from_epochs_and_drops_the_partial_step() -> None:
 
 def test_the_rows_an_epoch_leaves_out_are_said_when_they_are_5_percent_or_more(capsys) -> None:
     """49 chats at 32 a step: one step an epoch, 17 rows (35%) never trained in a one-epoch run, without a word."""
-    from app.training.preflight import note_rows_left_out
+    from app.training.preflight.plan import note_rows_left_out
 
     def said(train_rows: int, global_batch: int) -> str:
         note_rows_left_out(make_plan(train_rows=train_rows, block_size=8, world_size=1, micro_batch_size=global_batch,
@@ -134,7 +134,7 @@ def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_with
     third of the data."""
     from types import SimpleNamespace
 
-    from app.training.preflight import plan_from_checkpoint
+    from app.training.preflight.plan import plan_from_checkpoint
 
     def plan(global_batch_size: int):
         return make_plan(train_rows=647, block_size=32, world_size=1, micro_batch_size=global_batch_size,
@@ -172,7 +172,7 @@ def test_a_mixture_resumed_at_another_global_batch_counts_the_steps_left_from_it
     (its step count recounted from the start), at 8 a step it trained 1.25 epochs; like a single folder's now."""
     from types import SimpleNamespace
 
-    from app.training.preflight import plan_from_checkpoint
+    from app.training.preflight.plan import plan_from_checkpoint
 
     def plan(global_batch_size: int):
         return make_plan(train_rows=1600, block_size=32, world_size=1, micro_batch_size=global_batch_size,
@@ -191,7 +191,7 @@ def test_a_mixture_resumed_with_another_weight_for_its_first_folder_needs_max_st
     from types import SimpleNamespace
 
     from app.data.mixture import parse_sources
-    from app.training.preflight import changed_epochs
+    from app.training.preflight.plan import changed_epochs
 
     saved = {"config": {"train_data_dir": "a:3,b:1"}}
     problems: list[str] = []
@@ -210,7 +210,7 @@ def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_s
     val_loss curve moved at the resume, and best.json compared losses of other rows, without a word."""
     from types import SimpleNamespace
 
-    from app.training.preflight import note_validation_rows
+    from app.training.preflight.plan import note_validation_rows
 
     saved = {"config": {"eval_iters": 100, "eval_batch_size": None, "micro_batch_size": 4}, "rng": [None] * 8}
     cfg, plan = SimpleNamespace(eval_iters=100, eval_batch_size=None, micro_batch_size=4), SimpleNamespace(world_size=4)

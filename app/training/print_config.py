@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 ENVIRONMENT = {"wandb_mode": "WANDB_MODE", "project": "WANDB_PROJECT", "entity": "WANDB_ENTITY",
                "run_name": "WANDB_NAME"}
-"""Options whose default the environment gives (app/training/preflight.py resolve_wandb)."""
+"""Options whose default the environment gives (app/training/preflight/wandb_options.py resolve_wandb)."""
 COMMENT_COLUMN = 56
 
 

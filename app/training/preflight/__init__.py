@@ -1,0 +1,129 @@
+"""Checks of every input, in the launching process, before any worker starts or any file is written.
+
+Each check appends one line per problem (naming the flag and what to do); all problems are reported together and
+the run exits with status 2. What the checks resolve along the way (the model config, the FSDP layer classes, the
+checkpoint to resume from) is returned, so the workers never re-derive it differently.
+
+One module per concern, in the order `preflight` runs them: wandb_options.py, data.py (--train_data_dir), model.py
+(the model against the options and the data), resume.py (the checkpoint, and the data it was trained on), plan.py
+(batches and schedule), tokenizer.py, out_dir.py, environment.py (this machine and the launcher); notes.py says what
+is resolved without being a problem.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from torch.nn import Module
+from transformers import PretrainedConfig
+
+from app.choices import SHARDED_STRATEGIES
+from app.data.formats import Layout
+from app.data.mixture import describe
+from app.distributed.precision import bf16_rounding_note
+from app.exit_codes import EXIT_BAD_INPUT
+from app.model.build import resolve_wrap_classes
+from app.optimization.schedule import TrainingPlan
+from app.training.preflight.data import check_data, planned_blocks, reads_data
+from app.training.preflight.environment import check_devices, check_launcher, check_precision, check_runs_here
+from app.training.preflight.model import (check_activation_checkpointing, check_attention_supported,
+                                          check_chunked_loss, check_decoder_start, check_model, check_model_fits_data,
+                                          check_packed_isolation)
+from app.training.preflight.notes import note
+from app.training.preflight.out_dir import check_out_dir
+from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
+                                         resolve_learning_rates)
+from app.training.preflight.resume import check_data_resume, resolve_resume
+from app.training.preflight.tokenizer import check_run_tokenizer, check_samples, resolve_tokenizer
+from app.training.preflight.wandb_options import check_wandb, note_wandb_history, resolve_wandb
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+
+@dataclass
+class RunInputs:
+    """What the preflight resolved, passed to every rank."""
+
+    config: Config
+    """The options, with --lr and --min_lr resolved for the global batch (--lr_scaling)."""
+    model_config: PretrainedConfig
+    wrap_classes: set[type[Module]]
+    plan: TrainingPlan
+    tokenizer: Optional[str]
+    resume_from: Optional[Path]
+    resume_step: Optional[int] = None
+    """The step the checkpoint resumed from holds (its metadata's; a copied checkpoint's name may say nothing)."""
+    packed_layout: Layout = "position_ids"
+    """How packed examples reach the model so that they stay apart (app/model/isolation.py)."""
+    chunked_loss: bool = False
+    """Whether the loss is computed in chunks without the full logits (app/model/loss.py)."""
+    mixture: str = ""
+    """A mixture's folders, one line each (app/data/mixture.py describe); empty for one folder."""
+    target_block_size: int = 0
+    """Seq2seq data's longest target, for the memory planner; 0 for the other formats."""
+    data_folders: list[dict] = field(default_factory=list)
+    """What identifies each data folder (app/data/identity.py), recorded by every checkpoint for a resume anywhere."""
+
+
+def preflight(cfg: Config) -> RunInputs:
+    """Check everything; exit with status 2 and one line per problem, or return what the run needs."""
+    problems: list[str] = []
+    cfg = resolve_wandb(cfg, problems)
+    data = check_data(cfg, problems) if reads_data(cfg) else None
+    model_config = check_model(cfg, problems)
+    check_runs_here(cfg, problems)
+    wrap_classes: set[type[Module]] = set()
+    if model_config is not None and (cfg.strategy in SHARDED_STRATEGIES or cfg.tpu):
+        try:
+            wrap_classes = resolve_wrap_classes(model_config, cfg.auto_wrap_policy, cfg.trust_remote_code)
+        except ValueError as error:
+            problems.append(str(error))
+    packed_layout: Layout = "position_ids"
+    attention_works = model_config is not None and check_attention_supported(cfg, model_config, problems)
+    if attention_works:
+        check_activation_checkpointing(cfg, model_config, problems)
+    if model_config is not None and data is not None:
+        check_model_fits_data(cfg, model_config, data, problems)
+        if attention_works:
+            packed_layout = check_packed_isolation(cfg, model_config, data, problems)
+            check_decoder_start(cfg, model_config, data, problems)
+    chunked_loss = check_chunked_loss(cfg, model_config) if attention_works else False
+    resume = resolve_resume(cfg, model_config, problems)
+    check_data_resume(cfg, data, resume, problems)
+    plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
+    if plan is not None:
+        check_offloaded_accumulation(cfg, plan, problems)
+        if cfg.fsdp_no_sync and plan.accumulation == 1 and not cfg.estimate_memory:
+            note("--fsdp_no_sync true is not used: each step is one micro-batch per rank, with nothing to accumulate")
+    tokenizer = resolve_tokenizer(cfg, model_config, problems)
+    if data is not None:
+        check_samples(cfg, data, tokenizer, problems, model_config)
+    if not cfg.estimate_memory:  # planning writes nothing
+        check_out_dir(cfg, model_config, problems)
+        check_run_tokenizer(cfg, tokenizer, problems)
+    check_precision(cfg, model_config, problems)
+    check_devices(cfg, problems)
+    if not cfg.estimate_memory:  # planning logs nothing and starts no node: it plans a cluster from a laptop
+        check_wandb(cfg, problems)
+        check_launcher(cfg, problems)
+    if problems:
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    cfg = resolve_learning_rates(cfg, plan)
+    if resume is not None:
+        note_changed_options(cfg, resume.metadata)
+        note_wandb_history(cfg, resume.metadata["step"])
+    rounding = bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay)
+    if rounding:
+        note(rounding)
+    return RunInputs(config=cfg, model_config=model_config, wrap_classes=wrap_classes,
+                     plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
+                     resume_step=resume.metadata["step"] if resume else None,
+                     packed_layout=packed_layout, chunked_loss=chunked_loss,
+                     mixture=describe(data.sources, data.source_rows) if data and data.sources else "",
+                     target_block_size=data.target_block_size if data else 0,
+                     data_folders=data.identities if data else [])

@@ -1,0 +1,186 @@
+"""The facts of --train_data_dir (one prepared folder, or a mixture's folders together), read from the folders
+without loading a row into Python: format, rows, block length, largest token id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from datasets import DatasetDict, load_from_disk
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from app.data import DataFormat
+from app.data.identity import folder_identity
+from app.data.mixture import Source, epoch_rows, parse_sources
+from app.hub import tokenizer_difference
+from app.training.preflight.environment import world_size
+from app.training.preflight.notes import note
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+
+@dataclass
+class DataFacts:
+    format: DataFormat
+    train_rows: int
+    validation_rows: int
+    block_size: int
+    """The longest row (every row, for block formats)."""
+    mean_row_tokens: float
+    mean_target_tokens: float
+    """Of seq2seq data's targets; 0 for the other formats, whose labels are their inputs."""
+    max_token_id: int
+    target_block_size: int = 0
+    """Seq2seq data's longest target; 0 for the other formats."""
+    target_start: Optional[int] = None
+    """The token every train target of seq2seq data begins with (a BOS the tokenizer adds); None when they differ."""
+    sources: Optional[list[Source]] = None
+    """A mixture's folders (app/data/mixture.py), with `source_rows` their train rows; None for one folder."""
+    source_rows: Optional[list[int]] = None
+    identities: list[dict] = field(default_factory=list)
+    """Each folder's identity (app/data/identity.py), in the order of --train_data_dir."""
+
+
+def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
+    """The facts of --train_data_dir's folder, or of a mixture's folders together (app/data/mixture.py)."""
+    try:
+        sources = parse_sources(cfg.train_data_dir)
+    except ValueError as error:
+        problems.append(str(error))
+        return None
+    facts = [check_folder(Path(source.path), problems, mixed=len(sources) > 1) for source in sources]
+    if any(fact is None for fact in facts):
+        return None
+    together = mixture_facts(sources, facts, problems, cfg.trust_remote_code) if len(sources) > 1 else facts[0]
+    identities = [folder_identity(source.name, source.path, fact.train_rows, fact.validation_rows)
+                  for source, fact in zip(sources, facts)]
+    return replace(together, identities=identities) if together is not None else None
+
+
+def reads_data(cfg: Config) -> bool:
+    """Whether the preflight reads --train_data_dir: always for a run; for a plan with --block_size only when its
+    folders are there. That plan takes its blocks from --block_size, so a config naming a folder not prepared yet
+    (configs/demo.yaml before `make demo`) must not stop it; a folder that is there still gives its rows."""
+    if not cfg.train_data_dir:
+        return False
+    if not (cfg.estimate_memory and cfg.block_size):
+        return True
+    try:
+        missing = [source.path for source in parse_sources(cfg.train_data_dir) if not Path(source.path).is_dir()]
+    except ValueError:
+        return True  # check_data says why
+    if missing:
+        note(f"--estimate_memory: planning blocks of --block_size {cfg.block_size} tokens without --train_data_dir "
+             f"({', '.join(missing)}: not prepared yet)")
+    return not missing
+
+
+def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[str],
+                  trust_remote_code: bool = False) -> Optional[DataFacts]:
+    """One format, one block length (rows of blocks are stacked into one tensor) and one tokenizer for every folder
+    of a mixture; the facts of the mixture: the rows of its epoch (one pass over its first folder), rows of the
+    weighted mean."""
+    def differ(what: str, values: list) -> bool:
+        if len(set(values)) > 1:
+            listed = ", ".join(f"{source.name}: {value}" for source, value in zip(sources, values))
+            problems.append(f"--train_data_dir: a mixture's folders must hold one {what} ({listed}); prepare them "
+                            "alike")
+        return len(set(values)) > 1
+
+    if differ("format", [fact.format.name for fact in facts]):
+        return None
+    if not facts[0].format.padded and differ("block length", [fact.block_size for fact in facts]):
+        return None
+    def bundled(source: Source) -> PreTrainedTokenizerBase:
+        return AutoTokenizer.from_pretrained(str(Path(source.path) / "tokenizer"), trust_remote_code=trust_remote_code)
+
+    first = bundled(sources[0])
+    for source in sources[1:]:
+        difference = tokenizer_difference(bundled(source), first)
+        if difference:
+            problems.append(f"--train_data_dir: {source.path} was prepared with another tokenizer than "
+                            f"{sources[0].path} ({difference}); prepare every folder of a mixture with one tokenizer")
+            return None
+    weights = [float(source.weight) for source in sources]
+    return DataFacts(format=facts[0].format, train_rows=epoch_rows([s.weight for s in sources],
+                                                                   [fact.train_rows for fact in facts]),
+                     validation_rows=sum(fact.validation_rows for fact in facts),
+                     block_size=max(fact.block_size for fact in facts),
+                     mean_row_tokens=sum(w * fact.mean_row_tokens for w, fact in zip(weights, facts)),
+                     mean_target_tokens=sum(w * fact.mean_target_tokens for w, fact in zip(weights, facts)),
+                     max_token_id=max(fact.max_token_id for fact in facts),
+                     target_block_size=max(fact.target_block_size for fact in facts),
+                     target_start=facts[0].target_start if len({f.target_start for f in facts}) == 1 else None,
+                     sources=sources,
+                     source_rows=[fact.train_rows for fact in facts])
+
+
+def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Optional[DataFacts]:
+    flag = f"--train_data_dir {path}"
+    if not path.is_dir():
+        weight = path.name.rpartition(":")[2] if ":" in path.name else ""
+        problems.append(f"{flag}: no such folder; create it with prepare_data.py"
+                        + (f" (a weight is a number: {weight!r} is not one)" if weight and path.parent.joinpath(
+                            path.name.rpartition(":")[0]).is_dir() else ""))
+        return None
+    try:
+        splits = load_from_disk(str(path))
+        data_format = DataFormat.of(path)
+    except (FileNotFoundError, ValueError) as error:
+        problems.append(f"{flag}: not a dataset saved with save_to_disk ({error}); create it with prepare_data.py")
+        return None
+    missing = [s for s in ("train", "validation") if not isinstance(splits, DatasetDict) or s not in splits]
+    if missing:
+        problems.append(f"{flag}: missing split(s) {', '.join(missing)}; prepare_data.py writes train and validation")
+        return None
+    lengths, max_ids = set(), []
+    for name in ("train", "validation"):
+        split = splits[name]
+        absent = [column for column in data_format.columns if column not in split.column_names]
+        if absent or (len(split) == 0 and name == "train"):
+            problems.append(f"{flag}: split {name} has no rows of {', '.join(absent or data_format.columns)} "
+                            f"({data_format.name} data; columns: {split.column_names}); prepare it again")
+            return None
+        if len(split) == 0:
+            note(f"{flag} has no validation rows (prepared with --val_fraction 0): "
+                 + ("it is not validated on its own" if mixed else "the run trains without evaluating"))
+            continue
+        row_lengths = pc.list_value_length(split.data.column("input_ids"))
+        lengths |= {pc.min(row_lengths).as_py(), pc.max(row_lengths).as_py()}
+        max_ids.append(pc.max(pc.list_flatten(split.data.column("input_ids"))).as_py())
+    if len(lengths) != 1 and not data_format.padded:
+        problems.append(f"{flag}: rows have different lengths {sorted(lengths)}; pack them into blocks with prepare_data.py")
+        return None
+    train = splits["train"].data
+    mean_tokens = {column: pc.mean(pc.list_value_length(train.column(column))).as_py()
+                   for column in ("input_ids", "labels") if column in train.column_names}
+    return DataFacts(format=data_format, train_rows=len(splits["train"]),
+                     validation_rows=len(splits["validation"]), block_size=max(lengths),
+                     mean_row_tokens=mean_tokens["input_ids"],
+                     mean_target_tokens=mean_tokens["labels"] if data_format.encoder_decoder else 0.0,
+                     max_token_id=max(max_ids),
+                     target_block_size=longest_target(splits) if data_format.encoder_decoder else 0,
+                     target_start=common_first_target(train) if data_format.encoder_decoder else None)
+
+
+def common_first_target(train: pa.Table) -> Optional[int]:
+    """The token every target (labels) of the train split begins with; None when they begin with different ones."""
+    first = pc.unique(pc.list_element(train.column("labels"), 0))
+    return first[0].as_py() if len(first) == 1 else None
+
+
+def longest_target(splits: DatasetDict) -> int:
+    """Seq2seq data's longest target (labels), in either split: both go through the decoder."""
+    return max(pc.max(pc.list_value_length(split.data.column("labels"))).as_py() or 0 for split in splits.values())
+
+
+def planned_blocks(cfg: Config) -> DataFacts:
+    """Stand-in data for --estimate_memory --block_size without a data folder: blocks of that length, enough rows
+    for one step."""
+    rows = cfg.global_batch_size or world_size(cfg) * cfg.micro_batch_size * (cfg.gradient_accumulation_steps or 1)
+    return DataFacts(format=DataFormat("text", 0), train_rows=rows, validation_rows=0, block_size=cfg.block_size,
+                     mean_row_tokens=cfg.block_size, mean_target_tokens=0.0, max_token_id=0)

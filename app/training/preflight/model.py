@@ -1,0 +1,235 @@
+"""Whether the model trains on this data as asked: its config loads, the attention and activation checkpointing the
+options name exist for its class, the data fits its positions and vocabulary, packed examples stay apart (probed),
+the chunked loss equals its own, an encoder-decoder has a decoder start that can generate."""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from transformers import PretrainedConfig
+
+from app.cli import first_line
+from app.data.formats import Layout
+from app.distributed.strategy import resolve_accelerator
+from app.hub import missing_model_problem, quiet_hub
+from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
+                             meta_model, model_class, model_source, resolve_wrap_classes)
+from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder_inputs_error,
+                                 decoder_tells_positions_apart, probe_isolation)
+from app.model.loss import probe_chunked_loss
+from app.training.preflight.data import DataFacts
+from app.training.preflight.notes import note
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+
+def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
+    """The model's config; a Hub id that is neither cached nor reachable is refused at once, with the prefetch.py
+    command, instead of after a minute of huggingface_hub's retries."""
+    flag = "--model_name" if cfg.model_name else "--model_config"
+    missing = missing_model_problem(flag, model_source(cfg))
+    if missing:
+        problems.append(missing)
+        return None
+    try:
+        with quiet_hub():
+            return load_model_config(cfg)
+    except (OSError, ValueError) as error:
+        problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({first_line(error)}); "
+                        "check the name, or log in for gated models")
+        return None
+
+
+def check_attention_supported(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> bool:
+    """Whether the model class takes --attn_implementation at all (Gemma-2 has no SDPA path in transformers): built
+    weightless from the run's own config, as the ranks would build it, where every rank would otherwise end in a
+    ValueError traceback. FlashAttention is asked of the class only (T5 has none): building with it needs its
+    kernels, and whether they are here is check_runs_here's."""
+    flash = cfg.attn_implementation == "flash_attention_2"
+    try:
+        asked = None if flash else cfg.attn_implementation
+        with torch.device("meta"):  # a copy of the config: the model records the attention it was asked for
+            model = model_class(model_config).from_config(copy.deepcopy(model_config), attn_implementation=asked,
+                                                          trust_remote_code=cfg.trust_remote_code)
+    except Exception as error:  # noqa: BLE001 (only an attention the class lacks is this check's to refuse)
+        if flash or not (isinstance(error, ValueError) and "attention implementation" in str(error)):
+            return True
+        others = [other for other in ("sdpa", "eager") if other != cfg.attn_implementation]
+        problems.append(f"--attn_implementation {cfg.attn_implementation}: a {model_config.model_type} model does "
+                        f"not support it ({first_line(error).split('. ')[0]}); use --attn_implementation {others[0]}")
+        return False
+    if flash and not model._supports_flash_attn:  # what transformers checks first when asked for it
+        problems.append(f"--attn_implementation flash_attention_2: a {model_config.model_type} model does not support "
+                        f"it ({type(model).__name__} has no FlashAttention path in transformers); use "
+                        f"--attn_implementation {model.config._attn_implementation}")
+        return False
+    return True
+
+
+def check_activation_checkpointing(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> None:
+    """--gradient_checkpointing where it is transformers' own (app/model/build.py), tried on the model built weightless
+    from the run's config: a class without it (CTRL, JetMoE) ended every rank in a ValueError traceback after the
+    launch. FSDP1's checkpoint wrapper takes any layer class, so --strategy fsdp is named where it can wrap this one."""
+    if not checkpoints_through_transformers(cfg):
+        return
+    try:
+        model = meta_model(model_config, cfg.trust_remote_code)
+    except Exception:  # noqa: BLE001 (a model that cannot be built is another check's to refuse)
+        return
+    try:
+        enable_activation_checkpointing(model)
+    except ValueError as error:
+        try:
+            resolve_wrap_classes(model_config, cfg.auto_wrap_policy, cfg.trust_remote_code)
+            instead = "--strategy fsdp (its checkpoint wrapper takes every layer class), or "
+        except ValueError:
+            instead = ""
+        reason = first_line(error).rstrip(".")
+        problems.append(f"--gradient_checkpointing true: a {model_config.model_type} model has no activation "
+                        f"checkpointing of its own, which --strategy {cfg.strategy} uses ({reason}); use {instead}"
+                        "--gradient_checkpointing false")
+
+
+def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
+    if data.format.encoder_decoder != bool(model_config.is_encoder_decoder):
+        kind = "an encoder-decoder model" if model_config.is_encoder_decoder else "a causal LM"
+        wanted = ("--source_field/--target_field" if model_config.is_encoder_decoder
+                  else "--prompt_field/--response_field or --messages_field (raw text: --text_field)")
+        problems.append(f"--train_data_dir holds {data.format.name} data but {model_source(cfg)} is {kind}; "
+                        f"prepare the data with {wanted}, or train a matching model")
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    if max_positions:
+        problems += positions_problems(data, max_positions)
+    if data.max_token_id >= model_config.vocab_size:
+        problems.append(f"--train_data_dir holds token id {data.max_token_id} but the model's vocab_size is "
+                        f"{model_config.vocab_size}; tokenize with the model's tokenizer")
+
+
+def positions_problems(data: DataFacts, max_positions: int) -> list[str]:
+    """Rows longer than a model's learned positions end the run at the first batch (IndexError on every rank). An
+    encoder-decoder's (BART's) encoder reads the sources and its decoder the targets, each from position 0: both
+    must fit, and prepare_data.py cuts them with --max_source_length and --max_target_length, not --block_size."""
+    if not data.format.encoder_decoder:
+        lengths = [("blocks", data.block_size, "a smaller --block_size")]
+    else:
+        lengths = [("sources", data.block_size, f"--max_source_length {max_positions} or less"),
+                   ("targets", data.target_block_size, f"--max_target_length {max_positions} or less")]
+    return [f"--train_data_dir {what} of {length} tokens exceed the model's max_position_embeddings ({max_positions}); "
+            f"prepare the data with {advice}" for what, length, advice in lengths if length > max_positions]
+
+
+def windowed(model_config: PretrainedConfig) -> bool:
+    """Whether some layers attend within a window (Mistral, GPT-OSS, Gemma-2/3): a block mask given in its place would
+    drop the window."""
+    return any(isinstance(getattr(model_config, name, None), int) for name in LOCAL_ATTENTION_NAMES)
+
+
+def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: DataFacts,
+                           problems: list[str]) -> Layout:
+    """Packed examples must never attend to each other: the layout that keeps them apart in the run's own model
+    class and attention implementation, found by a probe (app/model/isolation.py); refused when there is none."""
+    if data.format.name != "supervised_packed" or model_config.is_encoder_decoder:  # the latter refused above
+        return "position_ids"
+    attention, kind = cfg.attn_implementation, model_config.model_type
+    try:
+        found = probe_isolation(model_config, attention, cfg.trust_remote_code)
+    except TwinUnavailable as error:
+        problems.append(f"--train_data_dir {cfg.train_data_dir} holds packed examples, but whether a {kind} model "
+                        f"keeps them apart cannot be probed ({error}); prepare the data with --packing false")
+        return "position_ids"
+    except Exception as error:  # the implementation does not run here (FlashAttention without a GPU) or at all
+        problems.append(f"--attn_implementation {attention}: a {kind} model cannot run with it here, so packed "
+                        f"examples cannot be checked to stay apart ({first_line(error)}); use --attn_implementation "
+                        "sdpa, or a machine where it runs")
+        return "position_ids"
+    if found.layout is None:
+        others = [other for other in ("sdpa", "eager") if other != attention and isolates(model_config, other, cfg)]
+        instead = f"use --attn_implementation {others[0]}, or " if others else ""
+        problems.append(f"--train_data_dir {cfg.train_data_dir} holds packed examples, but a {kind} model with "
+                        f"--attn_implementation {attention} lets them attend to each other (probed: an example's "
+                        f"logits change by {found.leak:.0%} when packed) and takes no mask that stops it"
+                        f"{' while keeping its sliding window' if windowed(model_config) else ''}; "
+                        f"{instead}prepare the data with --packing false")
+    elif found.layout != "position_ids":
+        note(f"packed examples: a {kind} model with --attn_implementation {attention} would let them attend to each "
+             f"other as prepared (probed: an example's logits change by {found.leak:.0%} when packed); they are "
+             f"kept apart as {found.layout} (docs/supervised.md#packing)")
+    return found.layout or "position_ids"
+
+
+def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
+    """--chunked_loss where the run's model class gives the same loss through it (app/model/loss.py's probe), and
+    not in fp16: the chunked loss computes its gradients before backward's loss scaling, and fp16 products of
+    unscaled gradients lose the small ones (rare tokens' rows of the output weight) that the scaler exists to keep.
+    Unless asked for, not under --compile on GPUs either: there the compiled model's own loss was faster (41.2%
+    against 36.3% MFU on an H200) and held 2.1 GB more at 8K tokens of a 128K vocabulary."""
+    if cfg.chunked_loss is None and cfg.compile and resolve_accelerator(cfg) == "cuda":
+        note("--chunked_loss: with --compile on GPUs the model's own loss is compiled into its graph, faster than the "
+             "chunked loss for a little more memory; --chunked_loss true keeps it chunked")
+        return False
+    if cfg.chunked_loss is False:
+        return False
+    if cfg.precision.startswith("16"):
+        note(f"--chunked_loss: --precision {cfg.precision} keeps the model's own loss (fp16 gradients need the loss "
+             "scaling that the chunked loss would come before); its logits are materialised")
+        return False
+    try:
+        if probe_chunked_loss(model_config, cfg.attn_implementation, cfg.trust_remote_code):
+            return True
+        reason = "it changes the logits after its output layer"
+    except Exception as error:  # a model the probe cannot build or run here: its own loss is the safe choice
+        reason = f"probing it failed: {first_line(error)}"
+    note(f"--chunked_loss: a {model_config.model_type} model keeps its own loss ({reason}); its logits are "
+         "materialised")
+    return False
+
+
+def check_decoder_start(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
+    """The token an encoder-decoder's decoder starts from. Without one in the config, a T5 cannot build its decoder's
+    inputs and generation samples cannot start: each rank ended in a traceback after the launch; refused here. A
+    decoder without absolute positions (T5) that starts from the token every target begins with (the BOS of a
+    tokenizer that adds one) trains to a normal-looking validation loss but generates nothing (ROUGE 0): refused.
+    A model the probe cannot build or run here is not refused."""
+    if not model_config.is_encoder_decoder:
+        return
+    start = getattr(model_config, "decoder_start_token_id", None)
+    if start is None:
+        problems += missing_decoder_start(cfg, model_config)
+        return
+    if not data.format.encoder_decoder or data.target_start != start:
+        return
+    try:
+        if decoder_tells_positions_apart(model_config, cfg.attn_implementation, cfg.trust_remote_code):
+            return
+    except Exception:  # noqa: BLE001 (not this check's to refuse)
+        return
+    problems.append(f"--train_data_dir: every target begins with token {start}, the decoder_start_token_id of "
+                    f"{model_source(cfg)}: a {model_config.model_type} decoder reads it at its first two positions "
+                    f"and cannot tell them apart, so it learns to write it for ever and generates nothing; set "
+                    f"decoder_start_token_id to the pad token ({data.format.pad_token_id}) in the model's config")
+
+
+def missing_decoder_start(cfg: Config, model_config: PretrainedConfig) -> list[str]:
+    """The refusal of a config without decoder_start_token_id where the model class needs one to build its
+    decoder's inputs from the labels, in training and generation alike (mBART builds them from the labels alone)."""
+    try:
+        error = decoder_inputs_error(model_config, cfg.trust_remote_code)
+    except Exception:  # noqa: BLE001 (a model the probe cannot build here: not this check's to refuse)
+        error = None
+    if not error:
+        return []
+    flag = "--model_name" if cfg.model_name else "--model_config"
+    return [f"{flag} {model_source(cfg)}: its config names no decoder_start_token_id, the token the "
+            f"{model_config.model_type} decoder starts from, which training needs; add it to the model's config.json "
+            "(T5 starts from its pad token, BART from </s>)"]
+
+
+def isolates(model_config: PretrainedConfig, attention: str, cfg: Config) -> bool:
+    """Whether another attention implementation would keep packed examples apart (to name it when refusing)."""
+    try:
+        return probe_isolation(model_config, attention, cfg.trust_remote_code).layout is not None
+    except Exception:
+        return False

@@ -1,0 +1,88 @@
+"""--out_dir: a folder the run can write, with room for a checkpoint, outside the data, and never an earlier run's
+files overwritten by a new run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from transformers import PretrainedConfig
+
+from app.checkpoint import latest_checkpoint
+from app.checkpoint.files import RUN_CONFIG_FILE
+from app.data.mixture import parse_sources
+from app.distributed.precision import weights_dtype
+from app.evaluation.samples import samples_written
+from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
+from app.model.build import meta_model
+from app.reliability.spikes import QUARANTINE_FILE
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+
+def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> None:
+    out_dir = Path(cfg.out_dir)
+    ancestor = existing_ancestor(out_dir)
+    if not ancestor.is_dir():  # the folder, or one it would be made in (else the first rank fails to create it)
+        where = "" if ancestor == out_dir.absolute() else f": {ancestor}"
+        problems.append(f"--out_dir {out_dir}{where} is a file; give a folder")
+        return
+    if not os.access(ancestor, os.W_OK):
+        problems.append(f"--out_dir {out_dir}: {ancestor} is not writable; choose a folder you can write to")
+        return
+    if model_config is not None:
+        needed, free = estimated_checkpoint_bytes(model_config, cfg), shutil.disk_usage(ancestor).free
+        if free < needed:
+            problems.append(f"--out_dir {out_dir}: {free / 1e9:.1f} GB free, one checkpoint needs about "
+                            f"{needed / 1e9:.1f} GB; free space or choose another folder")
+    data_folder = data_folder_holding(cfg, out_dir)
+    if data_folder:
+        problems.append(f"--out_dir {out_dir} lies in the data folder {data_folder}: the run would write its "
+                        "checkpoints among the data (and prepare_data.py --overwrite refuses such a folder); choose "
+                        "a folder outside it")
+    written = files_a_new_run_replaces(out_dir)
+    if written and not cfg.resume and not latest_checkpoint(out_dir):  # with checkpoints: resolve_resume's line
+        problems.append(f"--out_dir {out_dir} already holds {', '.join(written)} (of an earlier run, or yours), which "
+                        "a new run would overwrite; it holds no checkpoint, so nothing of that run can be continued: "
+                        "choose another --out_dir, or add --resume true to start that run again from step 0 there, "
+                        "replacing those files (this refusal changed nothing)")
+
+
+def existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def estimated_checkpoint_bytes(model_config: PretrainedConfig, cfg: Config) -> int:
+    """Weights plus AdamW's two moments, all in the weights' dtype: what one full checkpoint holds."""
+    model = meta_model(model_config, cfg.trust_remote_code)
+    parameters = sum(p.numel() for p in model.parameters())
+    return parameters * 3 * torch.finfo(weights_dtype(cfg.precision)).bits // 8
+
+
+def data_folder_holding(cfg: Config, out_dir: Path) -> Optional[Path]:
+    """The --train_data_dir folder that is `out_dir` or holds it, if any."""
+    try:
+        folders = [Path(source.path).resolve() for source in parse_sources(cfg.train_data_dir or "")]
+    except ValueError:  # check_data's line
+        return None
+    out_dir = out_dir.resolve()
+    return next((folder for folder in folders if folder == out_dir or folder in out_dir.parents), None)
+
+
+def files_a_new_run_replaces(out_dir: Path) -> list[str]:
+    """The files in `out_dir` that a run starting there writes over: those of an earlier run that saved no checkpoint
+    (--save_step_interval 0, or stopped before its first save), or a user's of the same names. Only a run asked to
+    continue (--resume true) takes them over: metrics.csv keeps its rows up to the step resumed from."""
+    if not out_dir.is_dir():
+        return []
+    names = [name for name in (RUN_CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, ROWS_FILE, QUARANTINE_FILE, RUN_ID_FILE)
+             if (out_dir / name).exists()]
+    samples = samples_written(out_dir)
+    return names + ([f"{samples[0].parent.name}/{samples[0].name}"] if samples else [])

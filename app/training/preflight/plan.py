@@ -1,0 +1,200 @@
+"""The batch arithmetic and the learning-rate schedule of a run, and of a resumed one from its checkpoint's position
+(app/optimization/schedule.py holds the maths); what a resume changes is said once."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Optional
+
+from app.data.mixture import parse_sources
+from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
+from app.training.preflight.data import DataFacts
+from app.training.preflight.environment import world_size
+from app.training.preflight.notes import note
+from app.training.preflight.resume import Resume
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+
+def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems: list[str]) -> Optional[TrainingPlan]:
+    """The batch arithmetic. A resumed run keeps its checkpoint's global batch unless --global_batch_size is given:
+    the accumulation follows the devices and micro batch it resumes with."""
+    kept = resume is not None and cfg.global_batch_size is None
+    global_batch_size = resume.metadata["global_batch_size"] if kept else cfg.global_batch_size
+    try:
+        accumulation = accumulation_steps(world_size=world_size(cfg), micro_batch_size=cfg.micro_batch_size,
+                                          gradient_accumulation_steps=None if kept else cfg.gradient_accumulation_steps,
+                                          global_batch_size=global_batch_size)
+        plan = make_plan(train_rows=data.train_rows, block_size=data.block_size, row_tokens=data.mean_row_tokens,
+                         target_tokens=data.mean_target_tokens, world_size=world_size(cfg),
+                         micro_batch_size=cfg.micro_batch_size, accumulation=accumulation,
+                         number_epochs=cfg.number_epochs, max_step=cfg.max_step)
+    except ValueError as error:
+        problems.append(f"--resume: the checkpoint's global batch of {global_batch_size} sequences does not split "
+                        f"into --micro_batch_size {cfg.micro_batch_size} on {world_size(cfg)} ranks; choose a micro "
+                        "batch and device count that divide it, or give --global_batch_size" if kept else str(error))
+        return None
+    if resume is not None:
+        if changed_epochs(cfg, data, resume.metadata, problems):
+            return None
+        if cfg.max_step is not None and cfg.max_step < resume.metadata["step"]:
+            problems.append(f"--max_step {cfg.max_step}: the checkpoint is at step {resume.metadata['step']} "
+                            "already; give a larger --max_step to train on, or convert the checkpoint as it is")
+            return None
+        plan = plan_from_checkpoint(cfg, resume.metadata, plan)
+        note_what_changed(cfg, resume.metadata, plan)
+        note_validation_rows(cfg, data, resume.metadata, plan)
+    if cfg.warmup_steps > plan.max_step and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
+        problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {plan.max_step} optimizer steps "
+                        f"(--number_epochs {cfg.number_epochs} at {plan.global_batch_size} sequences per step): "
+                        "lower it, or give --max_step")
+    elif cfg.warmup_steps == plan.max_step and cfg.lr_decay and not cfg.estimate_memory:
+        note(f"--warmup_steps {cfg.warmup_steps} fills the run's {plan.max_step} steps: the rate rises to --lr and "
+             "ends there, never decaying to --min_lr (fewer warmup steps leave some for the decay)")
+    if not cfg.estimate_memory:
+        note_rows_left_out(plan)
+    return plan
+
+
+def note_rows_left_out(plan: TrainingPlan) -> None:
+    """An epoch is its whole steps: the rows that fill no last step are left out of it (other rows each epoch, as
+    the order is drawn anew). Said when they are 5% of the rows or more: on a small fine-tuning set a third of the
+    data went untrained in a one-epoch run, without a word."""
+    left_out = plan.train_rows - plan.steps_per_epoch * plan.global_batch_size
+    if plan.steps_per_epoch and left_out >= plan.train_rows / 20:
+        note(f"each epoch trains {plan.steps_per_epoch * plan.global_batch_size:,} of its {plan.train_rows:,} rows: "
+             f"the other {left_out:,} ({left_out / plan.train_rows:.0%}) fill no whole step of "
+             f"{plan.global_batch_size} sequences (other rows each epoch); a global batch that divides "
+             f"{plan.train_rows:,} trains them all")
+
+
+def plan_from_checkpoint(cfg: Config, saved: dict, plan: TrainingPlan) -> TrainingPlan:
+    """A resumed run that ends after --number_epochs counts the steps left from the checkpoint's position at its
+    own global batch: the checkpoint's step count, made at another global batch, would end it early or late. For the
+    same epochs it finishes the checkpoint's learning-rate schedule over those steps (TrainingPlan.schedule_step).
+    Given another end, it recounts the schedule to that end in this run's steps, where the data trained so far
+    stands among them: the checkpoint's step count, made at another global batch, put a run at 8x the batch and
+    one more epoch 62% through its cosine after 18% of its data (the rate fell 56% in one step).
+    A mixture's epoch and position count its rows alike (the first folder's weight is the checkpoint's: see
+    changed_epochs)."""
+    if cfg.max_step is not None:
+        return plan
+    left = steps_to_finish(plan, epoch=saved["epoch"], position=saved["position"], number_epochs=cfg.number_epochs)
+    resumed = replace(plan, max_step=saved["step"] + left)
+    before = saved.get("config") or {}
+    if before.get("max_step") is not None or before.get("number_epochs") != cfg.number_epochs:
+        length = steps_to_finish(plan, epoch=0, position=0, number_epochs=cfg.number_epochs)
+        if length - left == saved["step"]:
+            return resumed
+        return replace(resumed, resumed_schedule=(saved["step"], length - left, length))
+    schedule = saved.get("schedule") or {"step": saved["step"], "length": saved["step"] + steps_to_finish(
+        replace(plan, micro_batch_size=saved["global_batch_size"], world_size=1, accumulation=1),
+        epoch=saved["epoch"], position=saved["position"], number_epochs=cfg.number_epochs)}
+    if (schedule["step"], schedule["length"]) == (saved["step"], resumed.max_step):
+        return resumed
+    return replace(resumed, resumed_schedule=(saved["step"], schedule["step"], schedule["length"]))
+
+
+def changed_epochs(cfg: Config, data: DataFacts, saved: dict, problems: list[str]) -> bool:
+    """A mixture's epoch is a pass over its first folder, counted in rows of the mixture at that folder's weight
+    (mixture.epoch_rows): resumed with another weight for it, the checkpoint's epoch and position count other rows,
+    and the run would end after more or fewer passes than --number_epochs says, its schedule jumping at the resume.
+    Refused unless --max_step says where the run ends."""
+    if cfg.max_step is not None or data.sources is None:
+        return False
+    try:
+        before = parse_sources((saved.get("config") or {}).get("train_data_dir") or "")[0].weight
+    except ValueError:
+        return False
+    now = data.sources[0].weight
+    if before == now:
+        return False
+    problems.append(f"--train_data_dir: the first folder ({data.sources[0].name}) was {float(before):.1%} of every "
+                    f"step and is {float(now):.1%} at this resume, and --number_epochs counts passes over it at the "
+                    "checkpoint's share; give --max_step to say where the resumed run ends")
+    return True
+
+
+def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
+    """Say how the resumed run's layout differs from the checkpoint's (the samples it trains on do not)."""
+    before = saved.get("config") or {}
+    saved_world = len(saved.get("rng") or []) or None
+    changes = [f"{name} {old} -> {new}" for name, old, new in (
+        ("ranks", saved_world, plan.world_size), ("micro batch", before.get("micro_batch_size"), plan.micro_batch_size))
+        if old is not None and old != new]
+    if saved["global_batch_size"] != plan.global_batch_size:
+        changes.append(f"global batch {saved['global_batch_size']} -> {plan.global_batch_size} sequences")
+    if changes:
+        note(f"--resume: {', '.join(changes)}; {plan.global_batch_size} sequences per step as {plan.accumulation} "
+             f"accumulation x {plan.micro_batch_size} micro batch x {plan.world_size} ranks, continuing at sample "
+             f"{saved['position']} of epoch {saved['epoch']}")
+    if cfg.gradient_accumulation_steps not in (None, plan.accumulation) and cfg.global_batch_size is None:
+        note(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is not used: the checkpoint's global "
+             f"batch of {plan.global_batch_size} is kept (give --global_batch_size to change it)")
+
+
+TRAINING_OPTIONS = ("precision", "reduce_dtype", "lr", "min_lr", "lr_decay", "warmup_steps", "weight_decay", "beta1",
+                    "beta2", "grad_clip", "max_step", "number_epochs", "spike_guard")
+"""The options whose change at a resume changes how the steps after it train (the batch is said apart)."""
+
+
+def note_changed_options(cfg: Config, saved: dict) -> None:
+    """Say which of TRAINING_OPTIONS the resume changes: a new --lr or --warmup_steps took effect at the resumed step
+    (the rate went from 1.65e-3 to 8.33e-3 at once) and another --precision stored the weights and moments in bf16
+    from then on, with only the usual resume lines."""
+    before = saved.get("config") or {}
+    changes = [f"{name} {before[name]} -> {getattr(cfg, name)}" for name in TRAINING_OPTIONS
+               if name in before and before[name] != getattr(cfg, name)]
+    if changes:
+        note(f"--resume: changed since the checkpoint: {', '.join(changes)}; the steps after step {saved['step']} "
+             "train with the new values")
+
+
+def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> None:
+    """--eval_iters counts batches per rank, so a resume on other ranks or another evaluation batch reads other
+    validation rows: val_loss moves at the resume for that alone, and best.json compares losses of other rows. A
+    mixture reads up to that many rows of each folder (its folders' own counts are not at hand: their sum bounds
+    each)."""
+    before, saved_world = saved.get("config") or {}, len(saved.get("rng") or [])
+    if not (before.get("eval_iters") and saved_world and data.validation_rows):
+        return
+    batch_then = before.get("eval_batch_size") or before.get("micro_batch_size") or 0
+    batch_now = cfg.eval_batch_size or cfg.micro_batch_size
+    limit_then = before["eval_iters"] * batch_then * saved_world
+    limit_now = cfg.eval_iters * batch_now * plan.world_size
+    if limit_then == limit_now or data.validation_rows <= min(limit_then, limit_now):
+        return
+    mixture = data.sources is not None
+    then, now = (limit_then, limit_now) if mixture else (min(data.validation_rows, limit)
+                                                          for limit in (limit_then, limit_now))
+    per_batch = batch_now * plan.world_size
+    same = (-(-then // per_batch) if then == data.validation_rows  # all of them
+            else then // per_batch if then % per_batch == 0 else None)
+    rows = "rows of each folder" if mixture else "rows"
+    note(f"--resume: validation reads {'up to ' if mixture else ''}{now:,} {rows} ({cfg.eval_iters} batches of "
+         f"{batch_now} on each of {plan.world_size} ranks), the checkpoint's run read {then:,}: val_loss moves at "
+         "this resume for that alone, and best.json compares it with losses of the other rows"
+         + (f"; --eval_iters {same} reads the same rows" if same else ""))
+
+
+def resolve_learning_rates(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
+    """--lr and --min_lr moved to the global batch by --lr_scaling, said once; the run uses the resolved values."""
+    if cfg.lr_scaling == "none" or plan is None:
+        return cfg
+    lr, min_lr = (scale_for_batch(value, rule=cfg.lr_scaling, global_batch_size=plan.global_batch_size,
+                                  reference_batch_size=cfg.reference_batch_size) for value in (cfg.lr, cfg.min_lr))
+    note(f"--lr_scaling {cfg.lr_scaling}: lr {cfg.lr:.3g} -> {lr:.3g}, min_lr {cfg.min_lr:.3g} -> {min_lr:.3g} for "
+         f"a global batch of {plan.global_batch_size} (--reference_batch_size {cfg.reference_batch_size})")
+    return replace(cfg, lr=lr, min_lr=min_lr, lr_scaling="none", reference_batch_size=None)
+
+
+def check_offloaded_accumulation(cfg: Config, plan: TrainingPlan, problems: list[str]) -> None:
+    """FSDP1 with CPU offloading does not add a micro-batch's reduced gradient to the offloaded one: it copies it over
+    (torch's FSDP documents gradient accumulation outside no_sync() with CPU offloading as unsupported;
+    `FlatParamHandle.prepare_gradient_for_backward` leaves an offloaded gradient out of the sum), so every step would
+    train on its last micro-batch alone. Inside no_sync (--fsdp_no_sync) the gradients add up unsharded."""
+    if cfg.cpu_offload and cfg.strategy == "fsdp" and plan.accumulation > 1 and not cfg.fsdp_no_sync:
+        problems.append(f"--cpu_offload true with {plan.accumulation} micro-batches per step: FSDP1 keeps only the "
+                        "last one's offloaded gradient; add --fsdp_no_sync true (gradients add up unsharded until the "
+                        "last micro-batch), or use --strategy fsdp2")

@@ -1,0 +1,255 @@
+"""The checkpoint a run continues from: the newest complete one, or --checkpoint when it is this model's and this
+run's, and the data folders and seed it was trained with."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import yaml
+from transformers import PretrainedConfig
+
+from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, stored_tensor_shapes
+from app.checkpoint.files import RUN_CONFIG_FILE, list_checkpoints, run_folder_of
+from app.checkpoint.sources import check_complete
+from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
+from app.data.identity import identity_difference, same_folder_by_path
+from app.data.mixture import parse_sources
+from app.huggingface.convert import changed_fields
+from app.model.build import meta_model, model_source
+from app.optimization.optimizer import grouped_parameter_names, no_decay_names
+from app.training.preflight.data import DataFacts
+from app.training.preflight.notes import note
+from app.training.preflight.out_dir import files_a_new_run_replaces
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from, and what it says about the run that wrote it."""
+
+    path: Path
+    metadata: dict
+
+
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads")
+
+
+def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
+    if not cfg.resume:
+        if latest_checkpoint(cfg.out_dir) and not cfg.estimate_memory:
+            problems.append(f"--out_dir {cfg.out_dir} already holds checkpoints; add --resume true to continue that "
+                            "run, or choose another --out_dir (nothing is overwritten)")
+        return None
+    if not cfg.checkpoint:
+        return resolve_latest(cfg, model_config, problems)
+    path = Path(cfg.checkpoint)
+    if not path.exists():
+        problems.append(f"--checkpoint {path}: no such file or folder")
+        return None
+    metadata = check_checkpoint_matches(cfg, path, model_config, problems)
+    if metadata is None or holds_another_run(cfg, path, metadata, problems):
+        return None
+    if relaunched_after(cfg, path, metadata):
+        return resolve_latest(cfg, model_config, problems)
+    return Resume(path, metadata)
+
+
+def resolve_latest(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
+    """The newest checkpoint in out_dir, checked. A run still writing that folder (the same job submitted twice; the
+    lock refuses the second once its ranks start) deletes its older checkpoints as it saves (--keep_last_n): one
+    that vanished while it was read is taken as gone and the newest is read again, so that the second run ends in
+    the lock's line instead of a FileNotFoundError from the middle of a read (seen in CI)."""
+    for _ in range(VANISHED_READS):
+        path = latest_checkpoint(cfg.out_dir)
+        if path is None:
+            note(f"--resume true: no checkpoint in {checkpoint_dir(cfg.out_dir)} yet, starting from step 0")
+            return None
+        found: list[str] = []
+        try:
+            metadata = check_checkpoint_matches(cfg, path, model_config, found)
+        except Exception:  # FileNotFoundError, or a sharded folder's reader meeting a missing piece
+            if path.exists():
+                raise
+            continue
+        if path.exists():
+            problems.extend(found)
+            return Resume(path, metadata) if metadata is not None else None
+    problems.append(f"--resume true: {VANISHED_READS} checkpoints in {checkpoint_dir(cfg.out_dir)} were deleted while "
+                    "they were read; another run is writing --out_dir: wait for it to end, or choose another --out_dir")
+    return None
+
+
+VANISHED_READS = 5
+"""How many checkpoints in a row may vanish while the preflight reads them before it gives up."""
+
+
+def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[PretrainedConfig],
+                             problems: list[str]) -> Optional[dict]:
+    """The checkpoint's metadata when it is this model's, checked tensor by tensor; None after a problem."""
+    flag = f"--checkpoint {path}"
+    try:
+        metadata = read_metadata(path)
+    except CheckpointError as error:
+        problems.append(f"{flag}: {str(error).split(': ', 1)[1]}; pick another one")
+        return None
+    try:
+        check_complete(path)
+    except (CheckpointError, ValueError) as error:
+        problems.append(f"{flag}: {str(error).replace(str(path.parent) + os.sep, '')}; pick another one")
+        return None
+    if not isinstance(metadata.get("step"), int) or "model_config" not in metadata:
+        problems.append(f"{flag}: not a checkpoint written by train.py (no step/model_config); pick another one")
+        return None
+    if model_config is None:
+        return metadata
+    saved, current = metadata["model_config"], model_config.to_dict()
+    differing = [k for k in SHAPE_KEYS if saved.get(k) != current.get(k)]
+    if differing:
+        k = differing[0]
+        problems.append(f"{flag} is from a different model ({k} {saved.get(k)} != {current.get(k)}); "
+                        "resume with the model it was trained with")
+        return None
+    try:
+        changes = changed_fields(saved, model_config)
+    except (KeyError, ValueError, TypeError):  # a recorded config that no longer loads: the shapes decide
+        changes = []
+    if changes:
+        source = "--model_name" if cfg.model_name else "--model_config"
+        problems.append(f"{flag} was trained with another config than {source} {model_source(cfg)} gives: "
+                        f"{', '.join(changes[:3])}{' and more' if len(changes) > 3 else ''}; the resumed steps "
+                        "would train another model; resume with the config it was trained with")
+        return None
+    model = meta_model(model_config, cfg.trust_remote_code)
+    decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
+    try:
+        check_fits(stored_tensor_shapes(path, decayed + exempt), expected_shapes(model, decayed + exempt), flag)
+    except CheckpointMismatch as error:
+        problems.append(f"{error}; resume with the model it was trained with")
+        return None
+    except ValueError as error:
+        problems.append(f"{flag}: {error}; pick another one")
+        return None
+    return metadata
+
+
+def relaunched_after(cfg: Config, checkpoint: Path, metadata: dict) -> bool:
+    """The run in out_dir was started from this --checkpoint (its config.yaml says so) and has saved newer
+    checkpoints since: this is that start's command again (a Slurm requeue, or --config out_dir/config.yaml), and it
+    continues from the newest. Taken literally, every relaunch went back to the checkpoint, set the newer ones aside
+    and replaced the rolled-back copies of the same steps an earlier rollback had kept."""
+    newest = max(list_checkpoints(cfg.out_dir), default=0)
+    if started_from(Path(cfg.out_dir)) != checkpoint.resolve() or newest <= metadata["step"]:
+        return False
+    note(f"--checkpoint {checkpoint}: this run started from it and has saved up to step {newest} since; continuing "
+         f"from step {newest} (to go back to it again, give a copy of it under another name)")
+    return True
+
+
+def holds_another_run(cfg: Config, checkpoint: Path, metadata: dict, problems: list[str]) -> bool:
+    """A checkpoint of another run resumed into an --out_dir that holds a run of its own: the resumed run would set
+    that run's checkpoints aside and rewrite its metrics.csv and config.yaml, one mistyped path making two runs one,
+    and a job script that names --checkpoint would go back to it at every requeue. A checkpoint is the run's own
+    where it lies in out_dir/checkpoints or was saved by a run in out_dir (a copy elsewhere, under a name of the
+    user's); an earlier start of the same command that saved nothing (preempted before its first save) is taken
+    over."""
+    out_dir = Path(cfg.out_dir)
+    if not out_dir.exists() or any(folder is not None and folder.resolve() == out_dir.resolve()
+                                   for folder in (run_folder_of(checkpoint), saved_out_dir(metadata))):
+        return False
+    if latest_checkpoint(out_dir):
+        problems.append(f"--checkpoint {checkpoint} is not of the run in --out_dir {out_dir}, which holds checkpoints "
+                        f"up to step {max(list_checkpoints(out_dir))}: to continue that run, resume without "
+                        "--checkpoint (its newest is taken); to continue this checkpoint, give a new or empty --out_dir")
+        return True
+    written = files_a_new_run_replaces(out_dir)
+    if not written or started_from(out_dir) == checkpoint.resolve():
+        return False
+    problems.append(f"--checkpoint {checkpoint} is not of the run in --out_dir {out_dir}, which holds "
+                    f"{', '.join(written[:3])} of another run: resuming it there would replace them; give a new or "
+                    "empty --out_dir")
+    return True
+
+
+def saved_out_dir(metadata: dict) -> Optional[Path]:
+    """The --out_dir of the run that saved a checkpoint, as its options record it."""
+    recorded = (metadata.get("config") or {}).get("out_dir")
+    return Path(metadata.get("cwd") or ".") / recorded if recorded else None
+
+
+def started_from(out_dir: Path) -> Optional[Path]:
+    """The --checkpoint the run in `out_dir` was started with, as its config.yaml records it."""
+    try:
+        recorded = yaml.safe_load((out_dir / RUN_CONFIG_FILE).read_text()).get("checkpoint")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return Path(recorded).resolve() if recorded else None
+
+
+def check_data_resume(cfg: Config, data: Optional[DataFacts], resume: Optional[Resume], problems: list[str]) -> None:
+    """A resumed run reads the checkpoint's folders in their order: its position counts rows of that order, a
+    mixture's positions and seeds are kept per folder name and its quarantined rows are numbered folder after folder.
+    Weights may change and folders may be added at the end of a mixture's (not to a run of one folder, whose position
+    counts rows of another order: its rows were read again from the start). Folders are compared by what they hold
+    (app/data/identity.py), not by path: a preempted run resumes on another node, mount or working directory. The
+    order is drawn from --seed: resumed with another, the rest of the epoch repeated rows it had trained and skipped
+    others, without a word."""
+    if resume is None or data is None:
+        return
+    seed = (resume.metadata.get("config") or {}).get("seed")
+    if seed is not None and seed != cfg.seed:
+        problems.append(f"--seed {cfg.seed}: the checkpoint's run orders its data by --seed {seed}, which a resume "
+                        f"continues (another seed repeats rows it trained and skips others); give --seed {seed}")
+    before = recorded_folders(resume.metadata)
+    if not before:
+        return
+    now = data.identities
+    listed = ", ".join(folder["path"] for folder in before)
+    keep = "a resumed run keeps those folders in that order, wherever they lie (weights may change, folders may be " \
+           "added after them)"
+    if len(now) < len(before):
+        problems.append(f"--train_data_dir: the checkpoint was trained on {listed}; {keep}")
+        return
+    if len(now) > 1 and resume.metadata.get("mixture") is None:  # a run of one folder, resumed as a mixture
+        problems.append(f"--train_data_dir: the checkpoint was trained on {listed} alone, in an order a mixture does "
+                        "not continue (a mixture draws each folder's rows in an order of its own): the resumed run "
+                        "would read that folder again from its start; resume on that folder alone, or start the "
+                        "mixture as a new run from the checkpoint's weights (convert_to_hf.py, then --model_name)")
+        return
+    for place, (saved, given) in enumerate(zip(before, now), start=1):
+        why = folder_mismatch(saved, given, mixture=len(before) > 1)
+        if why:
+            problems.append(f"--train_data_dir: {given['path']} is not folder {place} the checkpoint was trained on "
+                            f"({saved['path']}): {why}; {keep}")
+            return
+
+
+def recorded_folders(metadata: dict) -> list[dict]:
+    """The checkpoint's folders: their identities, or for a checkpoint that records none (before data_folders) their
+    names and paths from its --train_data_dir, relative ones taken from where it was trained (`cwd`)."""
+    if metadata.get("data_folders"):
+        return metadata["data_folders"]
+    spec = (metadata.get("config") or {}).get("train_data_dir")
+    try:
+        sources = parse_sources(spec) if spec else []
+    except ValueError:
+        return []
+    trained_in = Path(metadata.get("cwd") or ".")
+    return [{"name": source.name, "path": str(trained_in / source.path)} for source in sources]
+
+
+def folder_mismatch(saved: dict, given: dict, mixture: bool) -> Optional[str]:
+    """Why `given` cannot stand for the checkpoint's folder `saved`; None when it can."""
+    if mixture and saved["name"] != given["name"]:
+        return (f"the mixture keeps its position and seeds per name and this one was named {saved['name']} (name it: "
+                f"{saved['name']}=FOLDER:WEIGHT)")
+    if "stats_sha256" in saved:
+        return identity_difference(saved, given)
+    if not same_folder_by_path(Path(saved["path"]), Path(given["path"])):
+        return "another folder (this checkpoint records paths only: give that folder, or one of its name if it moved)"
+    return None

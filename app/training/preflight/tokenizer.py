@@ -1,0 +1,91 @@
+"""The run's tokenizer: the one given, the data folder's or the model's; that it loads, fits the model, matches the
+data and the copy the run keeps; what generation samples need of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from transformers import AutoTokenizer, PretrainedConfig
+
+from app.checkpoint import run_tokenizer_dir
+from app.cli import first_line
+from app.data.mixture import first_folder
+from app.hub import TOKENIZER_ADVICE, missing_model_problem, quiet_hub, tokenizer_difference, unloadable_tokenizer
+from app.training.preflight.data import DataFacts
+from app.training.preflight.notes import note
+
+if TYPE_CHECKING:
+    from arguments import Config
+
+
+def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[str]:
+    """--tokenizer, else the data folder's tokenizer/, else the pretrained model's; checked to load and to fit.
+
+    Training reads token ids and needs no tokenizer: one that is only a default and does not load is left out
+    (the converter then asks for --tokenizer); one given with --tokenizer must load.
+    """
+    bundled = Path(first_folder(cfg.train_data_dir) if cfg.train_data_dir else "") / "tokenizer"
+    name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else cfg.model_name)
+    if name is None:
+        return None
+    missing = missing_model_problem("--tokenizer" if cfg.tokenizer else "--model_name", name)
+    if missing:
+        if name != cfg.model_name:  # the model's own is check_model's line already
+            problems.append(missing)
+        return None
+    try:
+        with quiet_hub():
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as error:
+        if cfg.tokenizer is None:
+            note(f"no tokenizer recorded with this run: {unloadable_tokenizer(name, error)}")
+            return None
+        problems.append(f"--tokenizer {unloadable_tokenizer(name, error)}; {TOKENIZER_ADVICE}")
+        return None
+    if model_config is not None and len(tokenizer) > model_config.vocab_size:
+        problems.append(f"--tokenizer {name} has {len(tokenizer)} tokens, more than the model's vocab_size "
+                        f"{model_config.vocab_size}; use the tokenizer the data was prepared with")
+    if cfg.tokenizer and bundled.is_dir():
+        difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(
+            bundled, trust_remote_code=cfg.trust_remote_code))
+        if difference:
+            problems.append(f"--tokenizer {name} is not the tokenizer --train_data_dir was prepared with ({bundled}): "
+                            f"{difference}; drop --tokenizer (the run records the data's), or prepare the data with it")
+    return name
+
+
+def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[str]) -> None:
+    """The run keeps a copy of its tokenizer in out_dir/tokenizer/ (run.py keep_tokenizer_with_run); one already
+    there (a resumed run's, or an earlier attempt's) must be the same tokenizer: it is never replaced."""
+    kept = run_tokenizer_dir(cfg.out_dir)
+    if tokenizer is None or not kept.exists():
+        return
+    try:
+        difference = tokenizer_difference(AutoTokenizer.from_pretrained(str(kept),
+                                                                        trust_remote_code=cfg.trust_remote_code),
+                                          AutoTokenizer.from_pretrained(tokenizer,
+                                                                        trust_remote_code=cfg.trust_remote_code))
+    except (OSError, ValueError) as error:
+        difference = f"it does not load ({first_line(error)})"
+    if difference:
+        problems.append(f"--out_dir {cfg.out_dir}: {kept} is not the run's tokenizer {tokenizer} ({difference}); "
+                        "move it away (it is never replaced), or choose another --out_dir")
+
+
+def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], problems: list[str],
+                  model_config: Optional[PretrainedConfig] = None) -> None:
+    positions = getattr(model_config, "max_position_embeddings", None) if model_config is not None else None
+    if cfg.eval_samples and positions and cfg.eval_max_new_tokens >= positions:
+        room = ("passes the decoder's" if model_config.is_encoder_decoder  # its source has the encoder's own
+                else "leaves no room for a prompt in the model's")
+        problems.append(f"--eval_max_new_tokens {cfg.eval_max_new_tokens} {room} {positions} positions "
+                        "(max_position_embeddings); lower it")
+    if cfg.eval_samples and not data.format.supervised:
+        problems.append(f"--eval_samples {cfg.eval_samples} needs prompts and references (supervised or seq2seq data), "
+                        f"but --train_data_dir {cfg.train_data_dir} holds raw text; drop it or prepare pairs")
+    if cfg.eval_samples and not data.validation_rows:
+        problems.append(f"--eval_samples {cfg.eval_samples} takes its prompts from the validation split, but "
+                        f"--train_data_dir {cfg.train_data_dir} has none; drop it or prepare with --val_fraction > 0")
+    if cfg.eval_samples and tokenizer is None:
+        problems.append(f"--eval_samples {cfg.eval_samples} decodes the samples with the run's tokenizer: give --tokenizer")
