@@ -153,7 +153,8 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
         lengths |= {pc.min(row_lengths).as_py(), pc.max(row_lengths).as_py()}
         max_ids.append(pc.max(pc.list_flatten(split.data.column("input_ids"))).as_py())
     if len(lengths) != 1 and not data_format.padded:
-        problems.append(f"{flag}: rows have different lengths {sorted(lengths)}; pack them into blocks with prepare_data.py")
+        problems.append(f"{flag}: rows have different lengths {sorted(lengths)}; pack them into blocks with "
+                        "prepare_data.py")
         return None
     train = splits["train"].data
     mean_tokens = {column: pc.mean(pc.list_value_length(train.column(column))).as_py()

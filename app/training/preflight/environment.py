@@ -100,7 +100,8 @@ def check_precision(cfg: Config, model_config: Optional[PretrainedConfig], probl
     if moment:
         problems.append(moment)
     if resolve_accelerator(cfg) == "cuda" and torch.cuda.is_available():
-        problem = bf16_support_problem(cfg.precision, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+        problem = bf16_support_problem(cfg.precision, torch.cuda.get_device_name(0),
+                                       torch.cuda.get_device_capability(0))
         if problem:
             problems.append(problem)
 

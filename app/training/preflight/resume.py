@@ -165,7 +165,8 @@ def holds_another_run(cfg: Config, checkpoint: Path, metadata: dict, problems: l
     if latest_checkpoint(out_dir):
         problems.append(f"--checkpoint {checkpoint} is not of the run in --out_dir {out_dir}, which holds checkpoints "
                         f"up to step {max(list_checkpoints(out_dir))}: to continue that run, resume without "
-                        "--checkpoint (its newest is taken); to continue this checkpoint, give a new or empty --out_dir")
+                        "--checkpoint (its newest is taken); to continue this checkpoint, give a new or empty "
+                        "--out_dir")
         return True
     written = files_a_new_run_replaces(out_dir)
     if not written or started_from(out_dir) == checkpoint.resolve():

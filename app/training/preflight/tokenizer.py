@@ -88,4 +88,5 @@ def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], proble
         problems.append(f"--eval_samples {cfg.eval_samples} takes its prompts from the validation split, but "
                         f"--train_data_dir {cfg.train_data_dir} has none; drop it or prepare with --val_fraction > 0")
     if cfg.eval_samples and tokenizer is None:
-        problems.append(f"--eval_samples {cfg.eval_samples} decodes the samples with the run's tokenizer: give --tokenizer")
+        problems.append(f"--eval_samples {cfg.eval_samples} decodes the samples with the run's tokenizer: give "
+                        "--tokenizer")
