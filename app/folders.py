@@ -1,7 +1,9 @@
 """Folders and files written whole: a command writes its output under a hidden name beside it and renames it into
 place, so that a crash or a kill leaves the old one or the new one, never half of one; and what a killed writer left
 beside a folder is cleaned up by the next. Shared by prepare_data.py's dataset, convert_to_hf.py's model folder, and
-the files a run rewrites (metrics.csv, the generation samples)."""
+the files a run rewrites (metrics.csv, the generation samples). And the names inside a folder prepare_data.py
+writes, which train.py, convert_to_hf.py and generate.py read (here, not in app/prepare/, whose import brings
+datasets)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,18 @@ import socket
 from pathlib import Path
 
 import psutil
+
+STATS_FILE = "stats.json"
+"""A prepared folder's description: its format, pad token, counts (app/data/formats.py reads it)."""
+DATASET_DICT_FILE = "dataset_dict.json"
+"""What datasets' save_to_disk writes beside the splits."""
+TOKENIZER_FOLDER = "tokenizer"
+"""The tokenizer a prepared folder was tokenized with."""
+
+
+def prepared_tokenizer(data_dir: str | Path) -> Path:
+    """The tokenizer folder inside a prepared data folder."""
+    return Path(data_dir) / TOKENIZER_FOLDER
 
 
 def staging_folder(final: Path, kind: str = "partial") -> Path:

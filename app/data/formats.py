@@ -33,6 +33,8 @@ import torch
 from datasets import Dataset
 from torch.nn.utils.rnn import pad_sequence
 
+from app.folders import STATS_FILE
+
 
 IGNORE_INDEX = -100
 Layout = Literal["position_ids", "one_row", "boolean_mask", "additive_mask"]
@@ -69,7 +71,7 @@ class DataFormat:
     @classmethod
     def of(cls, data_dir: str | Path) -> "DataFormat":
         """From the folder's stats.json; a folder prepared before formats existed holds text blocks."""
-        stats_file = Path(data_dir) / "stats.json"
+        stats_file = Path(data_dir) / STATS_FILE
         stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
         pad = stats.get("pad_token_id")
         return cls(stats.get("format", "text"), pad if pad is not None else stats.get("eos_token_id") or 0)

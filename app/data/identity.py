@@ -13,7 +13,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, Optional
 
-STATS_FILE = "stats.json"
+from app.folders import STATS_FILE
+
 
 
 def folder_identity(name: str, path: str | Path, train_rows: int, validation_rows: int) -> dict[str, Any]:

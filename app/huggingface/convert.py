@@ -40,7 +40,7 @@ from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, first_line
-from app.folders import real_folder, staging_folder
+from app.folders import prepared_tokenizer, real_folder, staging_folder
 from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, load_problem, missing_model_problem, tokenizer_difference,
                      unloadable_tokenizer)
 from app.huggingface.convert_cli import Args
@@ -179,7 +179,7 @@ def runs_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) -> st
     recorded = from_where_trained(metadata, metadata.get("tokenizer"))
     folder = run_folder_of(checkpoint)
     kept = run_tokenizer_dir(folder) if folder else None
-    bundled = Path(first_folder(run["train_data_dir"])) / "tokenizer" if run.get("train_data_dir") else None
+    bundled = prepared_tokenizer(first_folder(run["train_data_dir"])) if run.get("train_data_dir") else None
     candidates = [str(kept) if kept and kept.is_dir() else None, recorded,
                   str(bundled) if bundled and bundled.is_dir() else None,
                   run.get("model_name") if recorded in (None, run.get("model_name")) else None]

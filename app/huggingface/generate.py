@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from app.checkpoint.io import is_checkpoint
 from app.cli import UsageError
+from app.folders import DATASET_DICT_FILE
 from app.hub import load_problem, missing_model_problem, quiet_hub, unloadable_tokenizer
 from app.huggingface.generate_cli import GenerateArgs
 from app.model.build import model_class
@@ -115,7 +116,7 @@ def training_folder_problem(path: Path) -> Optional[str]:
     if path.name.startswith("step-") and is_checkpoint(path) or (path / "checkpoints").is_dir():  # not --all's
         return (f"MODEL {path} is a train.py checkpoint or run folder: convert it first (python convert_to_hf.py "
                 f"--checkpoint {path} --output_dir DIR), then give DIR")
-    if (path / "dataset_dict.json").is_file():
+    if (path / DATASET_DICT_FILE).is_file():
         return f"MODEL {path} is a prepared data folder; give a folder written by convert_to_hf.py"
     return None
 

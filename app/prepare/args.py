@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from app.cli import UsageError  # noqa: F401 (app/prepare raises it from here)
+from app.folders import DATASET_DICT_FILE, STATS_FILE, TOKENIZER_FOLDER
 from app.hub import missing_folder_problem
 
 
@@ -234,9 +235,8 @@ def check_output_dir(output_dir: Path, overwrite: bool, local_inputs: list[Path]
             raise UsageError(f"--output_dir {output_dir} overlaps --input {source}; write the output elsewhere")
 
 
-PREPARED_FILES = ("stats.json", "dataset_dict.json")
+PREPARED_FILES = (STATS_FILE, DATASET_DICT_FILE)
 """What every folder prepare_data.py writes holds: --overwrite replaces only such a folder (or an empty one)."""
-TOKENIZER_FOLDER = "tokenizer"
 
 
 def check_replaceable(output_dir: Path) -> None:
@@ -258,7 +258,7 @@ def check_replaceable(output_dir: Path) -> None:
 def prepared_entries(output_dir: Path) -> set[str]:
     """The names prepare_data.py writes into its output: its files, the tokenizer and a folder per split."""
     try:
-        splits = json.loads((output_dir / "dataset_dict.json").read_text())["splits"]
+        splits = json.loads((output_dir / DATASET_DICT_FILE).read_text())["splits"]
     except (OSError, ValueError, KeyError, TypeError):
         splits = []
     return {*PREPARED_FILES, TOKENIZER_FOLDER, *map(str, splits)}

@@ -17,6 +17,7 @@ import datasets
 from datasets import Dataset, DatasetDict
 
 from app.cli import first_line
+from app.folders import DATASET_DICT_FILE
 from app.prepare.args import SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
 
 STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "concurrent", "wsgiref", "collections")
@@ -105,7 +106,7 @@ def quiet_progress() -> Iterator[None]:
 
 
 def _is_saved_dataset(folder: Path) -> bool:
-    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+    return (folder / DATASET_DICT_FILE).is_file() or (folder / "state.json").is_file()
 
 
 def _supported_files(path: Path) -> list[Path]:

@@ -11,9 +11,9 @@ from datasets import DatasetDict
 from transformers import PreTrainedTokenizerBase
 
 from app.folders import real_folder, staging_folder
-from app.prepare.args import TOKENIZER_FOLDER, check_replaceable
+from app.folders import STATS_FILE, TOKENIZER_FOLDER
+from app.prepare.args import check_replaceable
 
-STATS_FILE = "stats.json"
 
 
 def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:

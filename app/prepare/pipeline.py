@@ -13,6 +13,7 @@ from typing import Optional
 from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
+from app.folders import TOKENIZER_FOLDER
 from app.prepare.args import PrepareArgs, RecordShape, UsageError, checked_args, data_format, record_shape
 from app.prepare.chat import chat_records, chat_texts
 from app.prepare.chat_template import (ChatEncoder, chat_advice, chat_text, check_template, choose_template,
@@ -20,7 +21,7 @@ from app.prepare.chat_template import (ChatEncoder, chat_advice, chat_text, chec
 from app.prepare.corpus import ToRecords, document_texts, quiet_progress, read_documents
 from app.prepare.examples import ExampleCounts, examples_to_rows, one_example_per_row
 from app.prepare.mask_audit import audit_split, check_audit, describe_audit
-from app.prepare.output import TOKENIZER_FOLDER, save_prepared, write_atomically
+from app.prepare.output import save_prepared, write_atomically
 from app.prepare.pack import SplitCounts, count, pack, tokenize
 from app.prepare.pack_examples import pack_examples
 from app.prepare.seq2seq import check_room, encode_pairs, pair_advice, pair_records, pair_texts

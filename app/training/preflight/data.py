@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from app.data import DataFormat
 from app.data.identity import folder_identity
 from app.data.mixture import Source, epoch_rows, parse_sources
+from app.folders import prepared_tokenizer
 from app.hub import tokenizer_difference
 from app.training.preflight.environment import world_size
 from app.training.preflight.notes import note
@@ -96,7 +97,7 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
     if not facts[0].format.padded and differ("block length", [fact.block_size for fact in facts]):
         return None
     def bundled(source: Source) -> PreTrainedTokenizerBase:
-        return AutoTokenizer.from_pretrained(str(Path(source.path) / "tokenizer"), trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(prepared_tokenizer(source.path), trust_remote_code=trust_remote_code)
 
     first = bundled(sources[0])
     for source in sources[1:]:

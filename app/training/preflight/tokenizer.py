@@ -3,7 +3,6 @@ data and the copy the run keeps; what generation samples need of it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from transformers import AutoTokenizer, PretrainedConfig
@@ -11,6 +10,7 @@ from transformers import AutoTokenizer, PretrainedConfig
 from app.checkpoint import run_tokenizer_dir
 from app.cli import first_line
 from app.data.mixture import first_folder
+from app.folders import prepared_tokenizer
 from app.hub import TOKENIZER_ADVICE, missing_model_problem, quiet_hub, tokenizer_difference, unloadable_tokenizer
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
@@ -25,7 +25,7 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     Training reads token ids and needs no tokenizer: one that is only a default and does not load is left out
     (the converter then asks for --tokenizer); one given with --tokenizer must load.
     """
-    bundled = Path(first_folder(cfg.train_data_dir) if cfg.train_data_dir else "") / "tokenizer"
+    bundled = prepared_tokenizer(first_folder(cfg.train_data_dir) if cfg.train_data_dir else "")
     name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else cfg.model_name)
     if name is None:
         return None
