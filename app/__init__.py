@@ -14,7 +14,7 @@ import against its order):
 | metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, memory_plan.py, activations.py: measuring a run and planning its memory |
 | evaluation/ | validation.py, samples.py, show.py: validation loss and generation samples, and show_samples.py |
 | huggingface/ | convert_cli.py, convert.py, upload.py, generate_cli.py, generate.py, prefetch.py: to and from Hugging Face (each command line parsed before torch is imported) |
-| training/ | preflight/, print_config.py, run.py, loop.py: one run, top to bottom |
+| training/ | preflight/, print_config.py, run.py, loop.py, progress.py: one run, top to bottom |
 
 Imports run one way: a part may import the parts above it in this table (within the first row, cli.py imports
 exit_codes.py), never one below it, and nothing in app/ imports the top-level scripts (arguments.py's Config only as

@@ -468,3 +468,23 @@ def test_a_moved_mixture_keeps_its_folders_names_and_order(tiny, moved_run, tmp_
     problems = resumed_data_problems(tiny, moved_run, f"{renamed}:1,{tmp_path / 'small'}:1", mixture)
     assert len(problems) == 1 and "name it: data=FOLDER:WEIGHT" in problems[0], problems
     assert resumed_data_problems(tiny, moved_run, f"{tmp_path / 'small'}:1,{moved_run.data}:1", mixture)
+
+
+def test_every_value_a_checkpoint_holds_is_resumed_restored_by_its_owner_or_describes_the_run() -> None:
+    """A value added to the run's state must be taken back by a resume: resume and rollback copied the keys by hand,
+    and elapsed_sec, added later, restarted at 0 after every resume. Each key is now in one of these groups, and a
+    checkpoint that predates a key resumes it at its step-0 value."""
+    from types import SimpleNamespace
+
+    from app.training.progress import PROGRESS, SAVED_FOR_THE_RANKS, progress_at_start, saved_progress
+    from app.training.run import initial_state
+
+    inputs = SimpleNamespace(plan=SimpleNamespace(global_batch_size=8), model_config=SimpleNamespace(to_dict=dict),
+                             tokenizer=None, data_folders=[])
+    state = initial_state(None, None, SimpleNamespace(to_dict=dict), inputs)
+    describes_the_run = {"global_batch_size", "config", "cwd", "model_config", "tokenizer", "data_folders"}
+    assert set(state) == {"model", "optimizer"} | set(PROGRESS) | set(SAVED_FOR_THE_RANKS) | describes_the_run
+    resumed = saved_progress({"step": 7, "epoch": 1, "position": 24, "val_loss": 2.5, "source_tokens": None})
+    assert resumed == progress_at_start() | {"step": 7, "epoch": 1, "position": 24, "val_loss": 2.5}
+    resumed["log_window"].append(1.0)
+    assert PROGRESS["log_window"] == [], "each resume starts from its own copy"

@@ -28,6 +28,7 @@ from app.optimization.schedule import TrainingPlan, continuing_position, learnin
 from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict
 from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits, write_quarantine
 from app.reliability.watchdog import StallWatchdog
+from app.training.progress import saved_progress
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins import Precision
@@ -269,8 +270,7 @@ class Loop:
                     Path(self.cfg.out_dir), saved["step"]):
                 self.console.print(f"step {state['step']}: moved {moved.name}, of the stretch rolled back, to {moved}")
         back = state["step"] - saved["step"]
-        state |= {"step": saved["step"], "val_loss": saved["val_loss"], "val_loss_step": saved.get("val_loss_step"),
-                  "log_window": saved.get("log_window") or []}
+        state |= saved_progress(saved, ("step", "val_loss", "val_loss_step", "log_window"))  # the data goes on
         if saved.get("grad_scaler"):
             fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
         self.guard.rolled_back(saved["step"], saved.get("spike_guard"))

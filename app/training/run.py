@@ -45,6 +45,7 @@ from app.reliability.workers import start_worker_server
 from app.training.loop import Loop
 from app.training.preflight import RunInputs, note, preflight
 from app.training.print_config import resolved_run
+from app.training.progress import progress_at_start, saved_progress
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -105,25 +106,17 @@ def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:
 
 
 def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) -> dict[str, Any]:
-    """Everything a checkpoint holds and resume restores; values other than model and optimizer are plain data."""
+    """Everything a checkpoint holds: the model and optimizer, where training stands (app/training/progress.py), what
+    the ranks restore for themselves, and what describes the run; values other than model and optimizer are plain
+    data."""
     return {
         "model": model,
         "optimizer": optimizer,
-        "step": 0,
-        "epoch": 0,
-        "position": 0,
-        "global_batch_size": inputs.plan.global_batch_size,
-        "val_loss": None,
-        "val_loss_step": None,  # the step val_loss was measured at (a stopped run's last one may be long ago)
-        "rng": None,
+        **progress_at_start(),
+        "rng": None,  # SAVED_FOR_THE_RANKS: set when saving
         "grad_scaler": {},
-        "scaler_skipped_steps": 0,  # steps whose overflowed fp16 gradients the scaler did not apply (16-mixed)
-        "spike_guard": None,
-        "schedule": None,  # where the learning-rate schedule stands (TrainingPlan.schedule_step), set when saving
-        "mixture": None,
-        "source_tokens": {},
-        "log_window": [],  # the losses of the steps since the last log point, set when saving (Loop.unlogged_losses)
-        "elapsed_sec": 0.0,  # the run's seconds at the save, over every attempt (StepClock.run_elapsed)
+        "schedule": None,  # where the learning-rate schedule stands (TrainingPlan.schedule_step)
+        "global_batch_size": inputs.plan.global_batch_size,
         "config": cfg.to_dict(),
         "cwd": os.getcwd(),  # where the config's relative paths (--model_name) lead: convert_to_hf.py reads from it
         "model_config": inputs.model_config.to_dict(),
@@ -137,12 +130,7 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     loading = Stopwatch()
     with loading.measure():
         saved = load_checkpoint(path, state["model"], state["optimizer"])
-    state |= {key: saved[key] for key in ("step", "epoch", "position", "val_loss")} | {
-        "val_loss_step": saved.get("val_loss_step")}
-    state |= {"spike_guard": saved.get("spike_guard"), "mixture": saved.get("mixture"),
-              "source_tokens": saved.get("source_tokens") or {}, "log_window": saved.get("log_window") or [],
-              "scaler_skipped_steps": saved.get("scaler_skipped_steps", 0),
-              "elapsed_sec": saved.get("elapsed_sec", 0.0)}
+    state |= saved_progress(saved)
     if state["mixture"] is None:
         state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])

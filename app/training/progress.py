@@ -1,0 +1,36 @@
+"""Where training stands: the plain values of a run's `state` that change as it trains, which a checkpoint keeps and a
+resume takes back. One table gives each its value at step 0, which is also the value for a checkpoint written before
+the key existed; copying the keys by hand in each place that restores them was a place to forget one (elapsed_sec
+restarted at 0 after every resume)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+PROGRESS: dict[str, Any] = {
+    "step": 0,
+    "epoch": 0,
+    "position": 0,  # rows of the epoch trained
+    "val_loss": None,
+    "val_loss_step": None,  # the step val_loss was measured at (a stopped run's last one may be long ago)
+    "scaler_skipped_steps": 0,  # steps whose overflowed fp16 gradients the scaler did not apply (16-mixed)
+    "spike_guard": None,  # the spike guard's history (app/reliability/spikes.py), set when saving
+    "mixture": None,  # a mixture's positions and seeds per folder (app/data/mixture.py)
+    "source_tokens": {},  # tokens trained per mixture folder
+    "log_window": [],  # the losses of the steps since the last log point, set when saving (Loop.unlogged_losses)
+    "elapsed_sec": 0.0,  # the run's seconds at the save, over every attempt (StepClock.run_elapsed)
+}
+
+SAVED_FOR_THE_RANKS = ("rng", "grad_scaler", "schedule")
+"""Kept by a checkpoint and restored by their owners: each rank's random state (app/checkpoint/rng.py), the
+gradient scaler's (the precision plugin), where the learning-rate schedule stands (the preflight's plan)."""
+
+
+def progress_at_start() -> dict[str, Any]:
+    return copy.deepcopy(PROGRESS)
+
+
+def saved_progress(saved: dict[str, Any], keys: Iterable[str] = PROGRESS) -> dict[str, Any]:
+    """The values of `keys` a checkpoint holds, each at its step-0 value where the checkpoint predates it."""
+    return {key: saved[key] if saved.get(key) is not None else copy.deepcopy(PROGRESS[key]) for key in keys}
