@@ -414,6 +414,10 @@ def write_options_doc(path: Path = OPTIONS_DOC) -> bool:
     return after != before
 
 
+MAX_SEED = 2**32 - 1
+"""The largest seed numpy takes (Lightning's seed_everything seeds numpy on every rank)."""
+
+
 def validate_config(cfg: Config) -> list[str]:
     """Every problem with the values themselves, one line each (files and models are checked by app/preflight)."""
     problems = []
@@ -433,6 +437,8 @@ def validate_config(cfg: Config) -> list[str]:
         value = getattr(cfg, name)
         require(value is None or value > 0, f"--{name} must be positive, got {value}")
     require(cfg.num_workers >= 0, f"--num_workers must be 0 or more, got {cfg.num_workers}")
+    require(0 <= cfg.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED} (numpy's range, which every rank "
+            f"seeds), got {cfg.seed}")
     require(cfg.eval_samples >= 0, f"--eval_samples must be 0 or more, got {cfg.eval_samples}")
     require(cfg.save_step_interval >= 0, f"--save_step_interval must be 0 (no checkpoints) or more, got "
             f"{cfg.save_step_interval}")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from datasets import DatasetDict, load_from_disk
 
+from app.checkpoint import list_checkpoints, read_metadata
 from app.data.mixture import (Position, Source, epoch_rows, interleave, mixture_steps, parse_sources, step_counts)
 from app.data.order import epoch_permutation, epochs_of_steps, step_rows
 from app.optimization.schedule import make_plan
@@ -57,11 +58,22 @@ def test_every_step_holds_each_share_as_exactly_as_integers_allow() -> None:
                 assert abs(taken[i] - step * batch * weight) < 1, "within one row of the exact share"
 
 
-def steps_of(weights: list[Fraction], rows: list[int], position: Position, count: int, batch: int = 16):
+def steps_of(weights: list[Fraction], rows: list[int], position: Position, count: int, batch: int = 16,
+             seed: int = 7):
     sources = [Source(f"s{i}", f"/s{i}", weight) for i, weight in enumerate(weights)]
     offsets = [sum(rows[:i]) for i in range(len(rows))]
-    steps = mixture_steps(sources, rows, offsets, batch, position, epoch_permutation, seed=7)
+    steps = mixture_steps(sources, rows, offsets, batch, position, epoch_permutation, seed=seed)
     return [next(steps) for _ in range(count)], sources
+
+
+def test_every_seed_a_run_takes_orders_a_mixture_and_the_seeds_that_did_keep_their_order() -> None:
+    """A source's seed is the run's times 65,537 plus its name's checksum, and the permutation multiplies it again:
+    from --seed 281,469,838 on it passed the 64 bits torch's generator takes, and a mixture seeded with the time
+    (--seed $(date +%s)) ended in an OverflowError at its first step."""
+    for seed in (281_469_838, 1_764_400_000, 2**32 - 1):
+        steps, _ = steps_of(weights_of(3, 1), [500, 30], Position.start(2), 3, seed=seed)
+        assert all(len(step) == 16 for step, _ in steps)
+    assert epoch_permutation(10, seed=7, epoch=2) == [4, 7, 5, 8, 6, 1, 3, 2, 9, 0], "the order that seed always had"
 
 
 def test_a_small_source_repeats_only_after_all_its_rows_and_a_resume_continues_the_same_rows() -> None:
@@ -241,6 +253,22 @@ def test_a_resume_on_another_number_of_processes_continues_the_same_rows(tiny, s
         assert float(metrics[step]["train_loss"]) == pytest.approx(float(reference[step]["train_loss"]), rel=1e-4)
     assert float(metrics[100]["val_loss/small"]) == pytest.approx(float(reference[100]["val_loss/small"]), rel=1e-4)
     assert int(metrics[100]["tokens/small"]) == int(reference[100]["tokens/small"]), "counted on from the checkpoint"
+
+
+def test_a_resume_at_a_larger_global_batch_counts_the_epochs_as_its_plan_did(tiny, small, straight, tmp_path) -> None:
+    """At step 30 the mixture stands at sample 480 of its 862-row epoch, and no step of 512 rows fits there: the
+    plan counts one step of epoch 1 to finish 2 epochs. The counters were left behind at the resume (for a mixture
+    only), so its one step finished epoch 0 instead: the run ended at epoch 1 of 2, where a later resume with more
+    epochs would have planned one step too many."""
+    result = run_train(train_args(tiny, tmp_path / "resumed", train_data_dir=f"{tiny.data}:3,{small}:1", devices=1,
+                                  strategy="single_device", micro_batch_size=16, gradient_accumulation_steps=None,
+                                  global_batch_size=512, resume=True,
+                                  checkpoint=straight / "checkpoints" / "step-00000030.ckpt",
+                                  **(MIXTURE_RUN | dict(max_step=None, number_epochs=2, save_step_interval=1))))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "training 31 steps of 512 sequences" in result.stdout, result.stdout
+    saved = read_metadata(list_checkpoints(tmp_path / "resumed")[31])
+    assert (saved["epoch"], saved["position"]) == (2, 0)
 
 
 def test_a_resume_may_change_the_weights_but_not_drop_or_reorder_the_folders(tiny, small, straight, tmp_path,

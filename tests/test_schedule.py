@@ -74,15 +74,19 @@ def test_the_rows_an_epoch_leaves_out_are_said_when_they_are_5_percent_or_more(c
     """49 chats at 32 a step: one step an epoch, 17 rows (35%) never trained in a one-epoch run, without a word."""
     from app.training.preflight.plan import note_rows_left_out
 
-    def said(train_rows: int, global_batch: int) -> str:
+    def said(train_rows: int, global_batch: int, mixture: bool = False) -> str:
         note_rows_left_out(make_plan(train_rows=train_rows, block_size=8, world_size=1, micro_batch_size=global_batch,
-                                     accumulation=1, number_epochs=1, max_step=None))
+                                     accumulation=1, number_epochs=1, max_step=None), mixture)
         return capsys.readouterr().out.strip()
 
     assert said(49, 32) == ("each epoch trains 32 of its 49 rows: the other 17 (35%) fill no whole step of 32 "
                             "sequences (other rows each epoch); a global batch that divides 49 trains them all")
     assert said(647, 16) == "", "7 rows (1%) are not worth a line"
     assert said(64, 16) == ""
+    assert said(4074, 256, mixture=True) == (  # a mixture's epoch is not cut: the next one reads on
+        "each epoch of the mixture counts 15 whole steps of 256 sequences, 3,840 of its 4,074 rows: the other 234 (6%) "
+        "are read at the next epoch's start, and a run that ends with its epochs ends 234 rows per epoch short of "
+        "them; a global batch that divides 4,074 trains them all")
 
 
 def test_a_resume_at_another_global_batch_counts_the_steps_left_from_its_samples() -> None:

@@ -21,8 +21,10 @@ from app.optimization.schedule import TrainingPlan
 
 
 def epoch_permutation(num_rows: int, *, seed: int, epoch: int) -> list[int]:
-    """The order of the train split's rows in one epoch."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    """The order of the train split's rows in one epoch. The seed is taken modulo 2**64, the most torch's generator
+    takes: a mixture's seeds (mixture.source_seed) pass it from --seed 281,469,838 on, which ended a run in an
+    overflow at its first step; every smaller seed keeps the order it had."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
     return torch.randperm(num_rows, generator=generator).tolist()
 
 

@@ -131,8 +131,8 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     with loading.measure():
         saved = load_checkpoint(path, state["model"], state["optimizer"])
     state |= saved_progress(saved)
-    if state["mixture"] is None:
-        state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
+    # a mixture's rows follow state["mixture"]; its epoch and position are counted alike, as the plan counted them
+    state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
     if saved.get("grad_scaler"):
         fabric.strategy.precision.load_state_dict(saved["grad_scaler"])

@@ -53,20 +53,29 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
         note(f"--warmup_steps {cfg.warmup_steps} fills the run's {plan.max_step} steps: the rate rises to --lr and "
              "ends there, never decaying to --min_lr (fewer warmup steps leave some for the decay)")
     if not cfg.estimate_memory:
-        note_rows_left_out(plan)
+        note_rows_left_out(plan, mixture=data.sources is not None)
     return plan
 
 
-def note_rows_left_out(plan: TrainingPlan) -> None:
+def note_rows_left_out(plan: TrainingPlan, mixture: bool = False) -> None:
     """An epoch is its whole steps: the rows that fill no last step are left out of it (other rows each epoch, as
-    the order is drawn anew). Said when they are 5% of the rows or more: on a small fine-tuning set a third of the
-    data went untrained in a one-epoch run, without a word."""
-    left_out = plan.train_rows - plan.steps_per_epoch * plan.global_batch_size
-    if plan.steps_per_epoch and left_out >= plan.train_rows / 20:
-        note(f"each epoch trains {plan.steps_per_epoch * plan.global_batch_size:,} of its {plan.train_rows:,} rows: "
-             f"the other {left_out:,} ({left_out / plan.train_rows:.0%}) fill no whole step of "
-             f"{plan.global_batch_size} sequences (other rows each epoch); a global batch that divides "
-             f"{plan.train_rows:,} trains them all")
+    the order is drawn anew). A mixture reads on into the next epoch instead, so a run that ends with its epochs is
+    that many rows per epoch short of its passes over the first folder. Said when they are 5% of the rows or more: on
+    a small fine-tuning set a third of the data went untrained in a one-epoch run, without a word."""
+    trained = plan.steps_per_epoch * plan.global_batch_size
+    left_out = plan.train_rows - trained
+    if not plan.steps_per_epoch or left_out < plan.train_rows / 20:
+        return
+    share = f"{left_out:,} ({left_out / plan.train_rows:.0%})"
+    if mixture:
+        note(f"each epoch of the mixture counts {plan.steps_per_epoch} whole steps of {plan.global_batch_size} "
+             f"sequences, {trained:,} of its {plan.train_rows:,} rows: the other {share} are read at the next epoch's "
+             f"start, and a run that ends with its epochs ends {left_out:,} rows per epoch short of them; a global "
+             f"batch that divides {plan.train_rows:,} trains them all")
+        return
+    note(f"each epoch trains {trained:,} of its {plan.train_rows:,} rows: the other {share} fill no whole step of "
+         f"{plan.global_batch_size} sequences (other rows each epoch); a global batch that divides "
+         f"{plan.train_rows:,} trains them all")
 
 
 def plan_from_checkpoint(cfg: Config, saved: dict, plan: TrainingPlan) -> TrainingPlan:
