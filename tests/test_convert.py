@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -329,13 +330,38 @@ def test_a_truncated_checkpoint_or_a_missing_rank_file_is_one_line_and_writes_no
     rank_file.unlink()
     assert refused(capsys, "--checkpoint", incomplete, "--output_dir", tmp_path / "hf").startswith(
         f"convert_to_hf.py: error: --checkpoint {rank_file} is missing: the checkpoint is incomplete; pick another")
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["sharded", "step-00000008.ckpt"]
+    cut = tmp_path / "cut" / "step-00000008.ckpt"
+    shutil.copytree(sharded_run / "checkpoints" / "step-00000008.ckpt", cut)
+    os.truncate(cut / "__0_0.distcp", 20_000)  # a BadZipFile traceback from the middle of the conversion
+    assert refused(capsys, "--checkpoint", cut, "--output_dir", tmp_path / "hf").startswith(
+        f"convert_to_hf.py: error: --checkpoint {cut / '__0_0.distcp'} ended early: the checkpoint is truncated")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cut", "sharded", "step-00000008.ckpt"]
     for checkpoint, problem in [(truncated, "step-00000008.ckpt ended early: the checkpoint is truncated"),
                                 (incomplete, "step-00000008.ckpt/__1_0.distcp is missing: the checkpoint is incomplete")]:
         resumed = run_train(train_args(tiny, tmp_path / "resumed", **SHORT | {"max_step": 12}, resume=True,
                                        checkpoint=checkpoint))  # every rank read to that piece, then a traceback
         assert (resumed.returncode, resumed.stderr.strip()) == (
             2, f"error: --checkpoint {checkpoint}: {problem}; pick another one"), resumed.stderr[-2000:]
+
+
+def test_a_resume_passes_over_a_newest_checkpoint_that_does_not_read_whole_and_what_failed_saves_left(
+        sharded_run, tiny, tmp_path) -> None:
+    """Checkpoints are published by a rename once written, so one that does not read whole is the storage's doing:
+    a requeued job stopped at it (exit 2, naming a --checkpoint it was not given). A failed save's leftover (a full
+    disk) stayed until the next save, its space counted as used by the preflight, which refused the resume."""
+    run = tmp_path / "run"
+    shutil.copytree(sharded_run, run)
+    os.truncate(run / "checkpoints" / "step-00000008.ckpt" / "__1_0.distcp", 1_000)
+    leftover = run / "checkpoints" / ".step-00000012.ckpt.partial"
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(bytes(10_000))
+    resumed = run_train(train_args(tiny, run, **SHORT | {"max_step": 5, "save_step_interval": 0}, resume=True,
+                                   state_dict_type="sharded"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ("--resume true: step-00000008.ckpt (step-00000008.ckpt/__1_0.distcp ended early: the checkpoint is "
+            "truncated); continuing from step-00000004.ckpt, the newest checkpoint that reads whole") in resumed.stdout
+    assert (run / "checkpoints" / "rolled-back" / "step-00000008.ckpt").is_dir(), "set aside, not deleted"
+    assert not leftover.exists(), "removed as the run starts, with no save to come"
 
 
 def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, sharded_run, tiny, tmp_path, capsys) -> None:

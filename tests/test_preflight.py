@@ -427,3 +427,28 @@ def test_wandb_follows_its_environment_unless_a_flag_says_otherwise(tiny, tmp_pa
     with pytest.raises(SystemExit):
         preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None)))
     assert "error: WANDB_MODE=sometimes is not one of online, offline, disabled" in capsys.readouterr().err
+
+
+def test_the_space_a_failed_save_left_counts_as_free(tiny, tmp_path, monkeypatch) -> None:
+    """A save that filled the disk left its hidden .partial checkpoint, which the run removes as it starts: counted as
+    used, it made the resume's preflight refuse the folder ("0.0 GB free, one checkpoint needs about 0.0 GB")."""
+    from collections import namedtuple
+
+    from app.training.preflight import out_dir as checks
+
+    cfg = parse_config(train_args(tiny, tmp_path / "out"))
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    needed = checks.estimated_checkpoint_bytes(config, cfg)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checks.shutil, "disk_usage", lambda path: usage(needed * 4, needed * 3, needed - 5_000))
+    problems: list[str] = []
+    checks.check_out_dir(cfg, config, problems)
+    assert problems == [f"--out_dir {cfg.out_dir}: {checks.size(needed - 5_000)} free, one checkpoint needs about "
+                        f"{checks.size(needed)}; free space or choose another folder"]
+    assert checks.size(needed).endswith(" MB"), "a small model's checkpoint is not 0.0 GB"
+    leftover = tmp_path / "out" / "checkpoints" / ".step-00000012.ckpt.partial"
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(bytes(10_000))
+    problems.clear()
+    checks.check_out_dir(cfg, config, problems)
+    assert problems == []

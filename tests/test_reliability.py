@@ -616,6 +616,8 @@ def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     deleted = prune_checkpoints(tmp_path, 2, protected={folder / "step-00000002.ckpt"})
     assert [p.name for p in deleted] == ["step-00000006.ckpt"]
     assert sorted(list_checkpoints(tmp_path)) == [2, 4, 8, 10]
+    assert read_best(tmp_path)["evaluated"] == {"step-00000002.ckpt": 3.0, "step-00000004.ckpt": 2.5,
+                                                "step-00000008.ckpt": 2.7, "step-00000010.ckpt": 2.8}, "still there"
     assert prune_checkpoints(tmp_path, None, set()) == []
 
 

@@ -181,11 +181,24 @@ def publish(temporary: Path, final: Path) -> None:
         os.close(directory)
 
 
+def leftovers(folder: Path) -> list[Path]:
+    """What interrupted or failed saves left behind in a checkpoints folder (hidden `.partial` / `.replaced` names,
+    never a checkpoint)."""
+    return [path for path in folder.iterdir() if LEFTOVER_NAME.match(path.name)] if folder.is_dir() else []
+
+
 def remove_leftovers(folder: Path) -> None:
-    """Delete what interrupted saves left behind (hidden `.partial` / `.replaced` names, never a checkpoint)."""
-    for path in folder.iterdir() if folder.is_dir() else ():
-        if LEFTOVER_NAME.match(path.name):
-            remove(path)
+    for path in leftovers(folder):
+        remove(path)
+
+
+def bytes_on_disk(path: Path) -> int:
+    """A file's or a folder's size (a link counts for nothing: what it points to stays)."""
+    if path.is_symlink():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file() and not file.is_symlink())
 
 
 def remove(path: Path) -> None:
@@ -243,6 +256,9 @@ def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected
     deleted = [path for step, path in sorted(checkpoints.items()) if path.resolve() not in keep]
     for path in deleted:
         remove(path)
+    if best is not None and any(path.name in best.get("evaluated", {}) for path in deleted):
+        folder = checkpoint_dir(out_dir)  # best.json lists the evaluated checkpoints that are still there
+        write_best(folder, {name: loss for name, loss in best["evaluated"].items() if (folder / name).exists()})
     return deleted
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from app.checkpoint import legacy
 from app.checkpoint.files import list_checkpoints, remove_leftovers, temporary_path
-from app.checkpoint.sources import CheckpointError, open_source
+from app.checkpoint.sources import CheckpointError, check_complete, open_source
 from app.checkpoint.state import MODEL_PREFIX, CheckpointMismatch, check_fits
 from app.checkpoint.state_dicts import local_state
 from app.checkpoint.tensor_file import read_header
@@ -103,6 +103,18 @@ def read_metadata(path: Path) -> dict[str, Any]:
         return legacy.metadata(legacy.load_torch_save(path))
     except Exception as error:  # a missing, truncated, foreign or unsafe file is the same user error
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(error).__name__})") from None
+
+
+def broken_checkpoint(path: Path) -> Optional[str]:
+    """Why the checkpoint at `path` cannot be read whole, its path first: its metadata unreadable, or a file its index
+    names missing or shorter than the bytes recorded there (a copy cut short, a rank's file lost, a failing disk).
+    From the index and the files' sizes alone, no tensor read: bytes changed in place go unseen. None when whole."""
+    try:
+        read_metadata(path)
+        check_complete(path)
+    except (CheckpointError, ValueError) as error:
+        return str(error)
+    return None
 
 
 def stored_tensor_shapes(path: Path, parameter_order: Optional[list[str]] = None

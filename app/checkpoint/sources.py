@@ -151,7 +151,11 @@ class FolderSource(RawSource):
         start, numel = flat_range(shape, offsets, sizes)
         stored = self.metadata.storage_data[MetadataIndex(name, torch.Size(offsets))]
         path = self.folder / stored.relative_path
-        data = record_data_offset(self.handle(path), stored.offset, stored.length, numel * dtype.itemsize)
+        try:
+            data = record_data_offset(self.handle(path), stored.offset, stored.length, numel * dtype.itemsize)
+        except (zipfile.BadZipFile, struct.error, EOFError) as error:  # a file cut short or overwritten there
+            raise CheckpointError(f"{path}: the record of {name} at byte {stored.offset} is damaged "
+                                  f"({type(error).__name__}): the checkpoint is corrupt") from None
         return Extent(start, numel, path, data)
 
 

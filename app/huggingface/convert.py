@@ -34,8 +34,8 @@ from torch.nn import Module
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from app.checkpoint import (CheckpointError, checkpoint_dir, is_checkpoint, list_checkpoints, read_metadata,
-                            read_model_weights, run_folder_of, run_tokenizer_dir, stored_tensor_shapes)
+from app.checkpoint import (CheckpointError, broken_checkpoint, checkpoint_dir, is_checkpoint, list_checkpoints,
+                            read_metadata, read_model_weights, run_folder_of, run_tokenizer_dir, stored_tensor_shapes)
 from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
@@ -118,11 +118,12 @@ def select_checkpoints(args: Args) -> list[tuple[Path, Path]]:
 # ---- reading what a checkpoint holds --------------------------------------------------------------------------
 
 def checked_metadata(path: Path) -> dict[str, Any]:
-    """The checkpoint's metadata (app.checkpoint's read_metadata), refused in one line when it is none of train.py's."""
-    try:
-        metadata = read_metadata(path)
-    except CheckpointError as error:
-        raise BadInput(f"--checkpoint {error}; pick another one") from None
+    """The checkpoint's metadata (app.checkpoint's read_metadata), refused in one line when it is none of train.py's
+    or does not read whole (a sharded folder's file cut short ended the conversion in a BadZipFile traceback)."""
+    broken = broken_checkpoint(path)
+    if broken:
+        raise BadInput(f"--checkpoint {broken}; pick another one")
+    metadata = read_metadata(path)
     if not isinstance(metadata, dict) or not isinstance(metadata.get("step"), int):
         raise BadInput(f"--checkpoint {path}: not a checkpoint written by train.py (no step); pick another one")
     return metadata
@@ -135,7 +136,8 @@ def stored_shapes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     except ValueError as error:  # what the readers found wrong, e.g. a sharded folder's metadata
         raise BadInput(f"--checkpoint {path}: {error}; pick another one") from None
     except Exception as error:  # a truncated or foreign file
-        raise BadInput(f"--checkpoint {path}: unreadable checkpoint ({type(error).__name__}); pick another one") from None
+        raise BadInput(f"--checkpoint {path}: unreadable checkpoint ({type(error).__name__}); pick another "
+                       "one") from None
     shapes = {name.removeprefix(MODEL_PREFIX): (torch.Size(shape), dtype) for name, (dtype, shape) in stored.items()
               if name.startswith(MODEL_PREFIX)}
     if not shapes:

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
-from app.checkpoint import (CheckpointError, CheckpointSaver, list_checkpoints, load_checkpoint, read_metadata,
-                            resume_rng, run_tokenizer_dir, set_aside_newer)
-from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, publish, sees_lock,
-                                  temporary_path)
+from app.checkpoint import (CheckpointError, CheckpointSaver, checkpoint_dir, list_checkpoints, load_checkpoint,
+                            read_metadata, resume_rng, run_tokenizer_dir, set_aside_newer)
+from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, publish,
+                                  remove_leftovers, sees_lock, temporary_path)
 from app.choices import SHARDED_STRATEGIES
 from app.cli import first_line
 from app.data import TrainingData, load_data
@@ -327,6 +327,8 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     if refusal:
         fabric.print(f"error: {refusal}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if fabric.is_global_zero:  # the folder is this run's: what an interrupted or failed save left goes now, not at
+        remove_leftovers(checkpoint_dir(cfg.out_dir))  # the first save (a whole checkpoint's size, on a full disk)
     fabric.seed_everything(cfg.seed, verbose=False)
     set_matmul_precision(fabric, cfg)
     data = load_data(cfg.train_data_dir, inputs.packed_layout)

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from transformers import PretrainedConfig
 
-from app.checkpoint import latest_checkpoint
-from app.checkpoint.files import RUN_CONFIG_FILE
+from app.checkpoint import checkpoint_dir, latest_checkpoint
+from app.checkpoint.files import RUN_CONFIG_FILE, bytes_on_disk, leftovers
 from app.data.mixture import parse_sources
 from app.distributed.precision import weights_dtype
 from app.evaluation.samples import samples_written
@@ -35,10 +35,11 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
         problems.append(f"--out_dir {out_dir}: {ancestor} is not writable; choose a folder you can write to")
         return
     if model_config is not None:
-        needed, free = estimated_checkpoint_bytes(model_config, cfg), shutil.disk_usage(ancestor).free
+        left = sum(bytes_on_disk(path) for path in leftovers(checkpoint_dir(out_dir)))  # the run removes them first
+        needed, free = estimated_checkpoint_bytes(model_config, cfg), shutil.disk_usage(ancestor).free + left
         if free < needed:
-            problems.append(f"--out_dir {out_dir}: {free / 1e9:.1f} GB free, one checkpoint needs about "
-                            f"{needed / 1e9:.1f} GB; free space or choose another folder")
+            problems.append(f"--out_dir {out_dir}: {size(free)} free, one checkpoint needs about {size(needed)}; "
+                            "free space or choose another folder")
     data_folder = data_folder_holding(cfg, out_dir)
     if data_folder:
         problems.append(f"--out_dir {out_dir} lies in the data folder {data_folder}: the run would write its "
@@ -64,6 +65,10 @@ def estimated_checkpoint_bytes(model_config: PretrainedConfig, cfg: Config) -> i
     model = meta_model(model_config, cfg.trust_remote_code)
     parameters = sum(p.numel() for p in model.parameters())
     return parameters * 3 * torch.finfo(weights_dtype(cfg.precision)).bits // 8
+
+
+def size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
 def data_folder_holding(cfg: Config, out_dir: Path) -> Optional[Path]:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Optional
 import yaml
 from transformers import PretrainedConfig
 
-from app.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, read_metadata, stored_tensor_shapes
+from app.checkpoint import (broken_checkpoint, checkpoint_dir, latest_checkpoint, read_metadata,
+                            stored_tensor_shapes)
 from app.checkpoint.files import RUN_CONFIG_FILE, list_checkpoints, run_folder_of
-from app.checkpoint.sources import check_complete
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.data.identity import identity_difference, same_folder_by_path
 from app.data.mixture import parse_sources
@@ -40,6 +40,26 @@ SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
               "num_attention_heads", "num_key_value_heads")
 
 
+def why_broken(reason: str, path: Path) -> str:
+    """broken_checkpoint's reason, shown beside the checkpoint's path: from its name on."""
+    return reason.removeprefix(f"{path}: ").replace(str(path.parent) + os.sep, "")
+
+
+def newest_whole_checkpoint(out_dir: Path) -> tuple[Optional[Path], list[str]]:
+    """The newest checkpoint in out_dir that reads whole, and why each newer one does not. Checkpoints are published
+    by a rename once written, so a broken one is the storage's doing (a disk that failed, a copy cut short): a requeued
+    job stopped at it with exit 2 and a line naming --checkpoint, which it was not given. One that vanishes while it
+    is read (another run pruning) is passed over without a word."""
+    skipped = []
+    for _, path in sorted(list_checkpoints(out_dir).items(), reverse=True):
+        broken = broken_checkpoint(path)
+        if broken is None:
+            return path, skipped
+        if path.exists():
+            skipped.append(f"{path.name} ({why_broken(broken, path)})")
+    return None, skipped
+
+
 def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
     if not cfg.resume:
         if latest_checkpoint(cfg.out_dir) and not cfg.estimate_memory:
@@ -61,14 +81,21 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
 
 
 def resolve_latest(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
-    """The newest checkpoint in out_dir, checked. A run still writing that folder (the same job submitted twice; the
-    lock refuses the second once its ranks start) deletes its older checkpoints as it saves (--keep_last_n): one
-    that vanished while it was read is taken as gone and the newest is read again, so that the second run ends in
-    the lock's line instead of a FileNotFoundError from the middle of a read (seen in CI)."""
+    """The newest checkpoint in out_dir that reads whole, checked; newer broken ones are named, and the resume sets
+    them aside as it does every checkpoint newer than the one it continues from. A run still writing that folder
+    (the same job submitted twice; the lock refuses the second once its ranks start) deletes its older checkpoints as
+    it saves (--keep_last_n): one that vanished while it was read is taken as gone and the newest is read again, so
+    that the second run ends in the lock's line instead of a FileNotFoundError from the middle of a read (seen in
+    CI)."""
+    folder = checkpoint_dir(cfg.out_dir)
     for _ in range(VANISHED_READS):
-        path = latest_checkpoint(cfg.out_dir)
+        path, broken = newest_whole_checkpoint(Path(cfg.out_dir))
+        if path is None and broken:
+            problems.append(f"--resume true: no checkpoint in {folder} reads whole: {'; '.join(broken)}; give "
+                            "--checkpoint a copy kept elsewhere, or start again in another --out_dir")
+            return None
         if path is None:
-            note(f"--resume true: no checkpoint in {checkpoint_dir(cfg.out_dir)} yet, starting from step 0")
+            note(f"--resume true: no checkpoint in {folder} yet, starting from step 0")
             return None
         found: list[str] = []
         try:
@@ -79,6 +106,9 @@ def resolve_latest(cfg: Config, model_config: Optional[PretrainedConfig], proble
             continue
         if path.exists():
             problems.extend(found)
+            if metadata is not None and broken:
+                note(f"--resume true: {'; '.join(broken)}; continuing from {path.name}, the newest checkpoint that "
+                     f"reads whole (the resume moves the broken ones to {folder / 'rolled-back'})")
             return Resume(path, metadata) if metadata is not None else None
     problems.append(f"--resume true: {VANISHED_READS} checkpoints in {checkpoint_dir(cfg.out_dir)} were deleted while "
                     "they were read; another run is writing --out_dir: wait for it to end, or choose another --out_dir")
@@ -93,16 +123,11 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
                              problems: list[str]) -> Optional[dict]:
     """The checkpoint's metadata when it is this model's, checked tensor by tensor; None after a problem."""
     flag = f"--checkpoint {path}"
-    try:
-        metadata = read_metadata(path)
-    except CheckpointError as error:
-        problems.append(f"{flag}: {str(error).split(': ', 1)[1]}; pick another one")
+    broken = broken_checkpoint(path)
+    if broken:
+        problems.append(f"{flag}: {why_broken(broken, path)}; pick another one")
         return None
-    try:
-        check_complete(path)
-    except (CheckpointError, ValueError) as error:
-        problems.append(f"{flag}: {str(error).replace(str(path.parent) + os.sep, '')}; pick another one")
-        return None
+    metadata = read_metadata(path)
     if not isinstance(metadata.get("step"), int) or "model_config" not in metadata:
         problems.append(f"{flag}: not a checkpoint written by train.py (no step/model_config); pick another one")
         return None
