@@ -364,6 +364,43 @@ def test_a_resume_passes_over_a_newest_checkpoint_that_does_not_read_whole_and_w
     assert not leftover.exists(), "removed as the run starts, with no save to come"
 
 
+def overwrite_in_place(checkpoint: Path, name: str) -> Path:
+    """Zero 64 bytes of tensor `name`'s data where the checkpoint stores them, its files' sizes unchanged (a failing
+    disk, or a copy tool that sizes its file first and was cut short); returns the file changed."""
+    from app.checkpoint.sources import open_source
+
+    with open_source(checkpoint) as source:
+        source.shapes()
+        extent = source.extents_of(name)[0]
+    with open(extent.path, "r+b") as handle:
+        handle.seek(extent.offset)
+        handle.write(bytes(64))
+    return extent.path
+
+
+def test_bytes_changed_in_place_are_found_by_their_checksums_at_conversion_and_resume(full_run, sharded_run, tiny,
+                                                                                      tmp_path, capsys) -> None:
+    """Sizes say nothing of the bytes: a checkpoint whose embeddings were zeroed resumed at a loss of 5.99 where the
+    run stood at 4.31, and converted with "logits verified" (against itself). Each piece a rank writes is recorded
+    with its checksum, and checked as it is read."""
+    name = "model.model.embed_tokens.weight"
+    for kind, run in (("full", full_run), ("sharded", sharded_run)):
+        copy = tmp_path / kind
+        shutil.copytree(run, copy)
+        changed = overwrite_in_place(copy / "checkpoints" / "step-00000008.ckpt", name)
+        error = refused(capsys, "--checkpoint", copy, "--output_dir", tmp_path / f"hf-{kind}")
+        assert error.startswith(f"convert_to_hf.py: error: --checkpoint {changed}: elements 0 to ") and (
+            f"of {name} are not the bytes that were saved (their checksum differs): the checkpoint is corrupt; "
+            "pick another one") in error, error
+        assert not (tmp_path / f"hf-{kind}").exists()
+    resumed = run_train(train_args(tiny, tmp_path / "sharded", **SHORT | {"max_step": 12}, resume=True,
+                                   state_dict_type="sharded"))
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert resumed.stderr.count("the checkpoint is corrupt") == 1, resumed.stderr[-3000:]
+    assert resumed.stderr.strip().endswith("resume from an earlier checkpoint with --checkpoint (the newest: "
+                                           f"{tmp_path / 'sharded' / 'checkpoints' / 'step-00000004.ckpt'})")
+
+
 def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, sharded_run, tiny, tmp_path, capsys) -> None:
     existing = tmp_path / "existing"
     existing.mkdir()

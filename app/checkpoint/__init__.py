@@ -1,7 +1,7 @@
 """Checkpoints: where they live and which are kept (files.py); what they hold and each rank's part of it (state.py,
 state_dicts.py, fsdp_shards.py); saving and loading (io.py) through writers (writers.py, tensor_file.py,
-dcp_blocks.py, direct_io.py) and readers (sources.py); writing now or in the background (saver.py); random states
-(rng.py); earlier versions (legacy.py)."""
+dcp_blocks.py, direct_io.py) and readers (sources.py), each piece's checksum recorded and checked (checksums.py);
+writing now or in the background (saver.py); random states (rng.py); earlier versions (legacy.py)."""
 
 from app.checkpoint.files import (checkpoint_dir, checkpoint_path, latest_checkpoint, list_checkpoints, mark_if_best,
                                   prune_checkpoints, read_best, run_folder_of, run_tokenizer_dir, set_aside_newer)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from app.checkpoint.checksums import checksum
 from app.checkpoint.direct_io import ALIGN, IN_PLACE_BYTES, DirectStream, address_of
 
 
@@ -77,12 +78,15 @@ def framing(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
     return bytes(recorder.before), bytes(recorder.after)
 
 
-def write_block(stream: io.RawIOBase, block: torch.Tensor) -> None:
-    """The bytes of `torch.save(block)` (with the CRC-32 off), from the block's own memory."""
+def write_block(stream: io.RawIOBase, block: torch.Tensor) -> str:
+    """The bytes of `torch.save(block)` (with the CRC-32 off), from the block's own memory; returns the checksum of
+    its data (checksums.py)."""
     before, after = framing(block.dtype, tuple(block.shape))
+    host = block.detach().cpu().contiguous()
     stream.write(before)
-    stream.write(memoryview(block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    stream.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
     stream.write(after)
+    return checksum(host)
 
 
 def padding(position: int, block: torch.Tensor) -> int:
@@ -106,6 +110,8 @@ class BlocksWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True)
         self.order = {key: position for position, key in enumerate(order)}
         self.reading = reading
+        self.checksums: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}
+        """(name, offsets) -> (numel, checksum) of every block written."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
@@ -115,7 +121,9 @@ class BlocksWriter(FileSystemWriter):
                 with self.reading(item.index.fqn, tuple(item.index.offset)) as block:
                     stream.write(bytes(padding(stream.tell(), block)))
                     begin = stream.tell()
-                    write_block(stream, block)
+                    value = write_block(stream, block)
+                    if block.numel():
+                        self.checksums[(item.index.fqn, tuple(item.index.offset))] = (block.numel(), value)
                 length = stream.tell() - begin
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(file_name, begin, length)))

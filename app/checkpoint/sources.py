@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from app.checkpoint import legacy
+from app.checkpoint.checksums import CHECKSUMS_FILE, CHECKSUMS_KEY, Table, check_pieces, decode
 from app.checkpoint.direct_io import BOUNCE_BYTES, DirectReader
 from app.checkpoint.state import flat_range
 from app.checkpoint.tensor_file import read_header
@@ -61,10 +62,11 @@ class Extent:
 
 
 class RawSource:
-    """Tensors stored as raw bytes, each in one or more extents: plain seeks and reads into the target's memory."""
+    """Tensors stored as raw bytes, each in one or more extents: plain seeks and reads into the target's memory,
+    each recorded piece read whole checked against its checksum (checksums.py; none for earlier checkpoints)."""
 
-    def __init__(self, shapes: Shapes, extents: dict[str, list[Extent]]) -> None:
-        self._shapes, self.extents = shapes, extents
+    def __init__(self, shapes: Shapes, extents: dict[str, list[Extent]], checksums: Optional[Table] = None) -> None:
+        self._shapes, self.extents, self.checksums = shapes, extents, checksums or {}
         self.handles: dict[Path, BinaryIO] = {}
         self.readers: dict[Path, DirectReader] = {}
         self.bounce: Optional[mmap.mmap] = None
@@ -84,7 +86,12 @@ class RawSource:
                           buffer[begin - first:end - first])
                 covered += end - begin
         if covered != buffer.numel():
-            raise CheckpointError(f"{name}: elements {first} to {stop} are not all stored: the checkpoint is incomplete")
+            raise CheckpointError(f"{name}: elements {first} to {stop} are not all stored: the checkpoint is "
+                                  "incomplete")
+        for start, numel in check_pieces(self.checksums, name, first, buffer)[:1]:
+            where = next(e.path for e in self.extents_of(name) if e.start <= start < e.start + e.numel)
+            raise CheckpointError(f"{where}: elements {start} to {start + numel} of {name} are not the bytes that were "
+                                  "saved (their checksum differs): the checkpoint is corrupt")
         if not direct:
             target.copy_(buffer.view(target.shape))
 
@@ -122,10 +129,10 @@ class RawSource:
 
 def file_source(path: Path) -> RawSource:
     """A full checkpoint file: every tensor whole, back to back after the header."""
-    entries, _ = read_header(path)
+    entries, metadata = read_header(path)
     shapes = {name: (entry.dtype, entry.shape) for name, entry in entries.items()}
     extents = {name: [Extent(0, prod(entry.shape), path, entry.begin)] for name, entry in entries.items()}
-    return RawSource(shapes, extents)
+    return RawSource(shapes, extents, decode(metadata[CHECKSUMS_KEY]) if CHECKSUMS_KEY in metadata else None)
 
 
 class FolderSource(RawSource):
@@ -136,7 +143,9 @@ class FolderSource(RawSource):
         self.metadata = read_dcp_metadata(folder)
         entries = {name: entry for name, entry in self.metadata.state_dict_metadata.items()
                    if isinstance(entry, TensorStorageMetadata)}
-        super().__init__({name: (entry.properties.dtype, tuple(entry.size)) for name, entry in entries.items()}, {})
+        checksums = folder / CHECKSUMS_FILE
+        super().__init__({name: (entry.properties.dtype, tuple(entry.size)) for name, entry in entries.items()}, {},
+                         decode(checksums.read_text()) if checksums.is_file() else None)
         self.entries = entries
 
     def extents_of(self, name: str) -> list[Extent]:

@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from app.checkpoint.checksums import (CHECKSUMS_FILE, CHECKSUMS_KEY, Table, checksum, encode, merged,
+                                      unwritten)
 from app.checkpoint.dcp_blocks import BlocksWriter
 from app.checkpoint.direct_io import ALIGN, DirectFile
 from app.checkpoint.handover import Handover
@@ -49,6 +51,9 @@ SHARDED_METADATA = "training.json"
 Writers = dict[str, list[tuple[int, int, int]]]
 """name -> (rank, start, numel) of every distinct piece of the tensor, in order of start."""
 
+Written = dict[tuple[str, int], tuple[int, str]]
+"""(name, start) -> (numel, checksum) of every piece a rank wrote (checksums.py)."""
+
 
 def distributed(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     """(rank, world size) in the checkpoint group; (0, 1) without a process group."""
@@ -60,6 +65,16 @@ def distributed(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
 def barrier(group: Optional[dist.ProcessGroup]) -> None:
     if distributed(group)[1] > 1:
         dist.barrier(group=group)
+
+
+def gathered(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Every rank's `value` on rank 0 (empty on the others). Collective."""
+    rank, world_size = distributed(group)
+    if world_size == 1:
+        return [value]
+    values: list[Any] = [None] * world_size if rank == 0 else []
+    dist.gather_object(value, values if rank == 0 else None, group_dst=0, group=group)
+    return values
 
 
 def lowest_holders(layouts: list[dict[str, list[tuple[int, int]]]], shapes: dict[str, tuple[int, ...]]) -> Writers:
@@ -92,8 +107,9 @@ class WritePlan:
     same_machine: frozenset[int]
     """The ranks on rank 0's machine, which write their pieces of a full file themselves."""
     header: bytes
-    """A full file's header: the tensors, in the order of `writers`, and the metadata. Its length is a multiple of
-    the disk block, so each piece's place within a block is the same at every save, whatever the metadata."""
+    """A full file's header: the tensors, in the order of `writers`, the metadata, and the checksums' table with
+    its place reserved (checksums.py). Its length is a multiple of the disk block, so each piece's place within a
+    block is the same at every save, whatever the metadata."""
 
 
 def agree_plan(state: LocalState, metadata: dict[str, Any], group: Optional[dist.ProcessGroup]) -> WritePlan:
@@ -108,7 +124,8 @@ def agree_plan(state: LocalState, metadata: dict[str, Any], group: Optional[dist
     if rank == 0:
         writers = lowest_holders([layout_of_rank for _, layout_of_rank in reports], state.shapes())
         header = layout(((name, state.parts[name].shape, state.parts[name].dtype) for name in writers),
-                        {METADATA_KEY: json.dumps(metadata)}, data_alignment=ALIGN)
+                        {METADATA_KEY: json.dumps(metadata), CHECKSUMS_KEY: encode(unwritten(writers))},
+                        data_alignment=ALIGN)
         same_machine = frozenset(r for r, (host, _) in enumerate(reports) if host == reports[0][0])
         plan = [WritePlan(writers, same_machine, header)]
     if world_size > 1:
@@ -205,16 +222,31 @@ class Snapshot:
                 handle.write(self.plan.header)
                 handle.truncate(begins[None])
         barrier(self.group)
+        written: Written = {}
         if rank in self.plan.same_machine:
             with DirectFile(path) as file:
-                self.write_pieces(file, begins, rank)
+                written = self.write_pieces(file, begins, rank)
         else:
             for name, pieces in self.plan.writers.items():
                 for writer, start, _ in pieces:
-                    if writer == rank:
+                    if writer == rank:  # rank 0 writes it, and records its checksum
                         with self.piece(name, start) as data:
                             dist.send(data.to("cpu"), group_dst=0, group=self.group)
+        tables = gathered(written, self.group)
+        if rank == 0:
+            self.fill_in_checksums(path, merged(tables, self.plan.writers))
         barrier(self.group)
+
+    def fill_in_checksums(self, path: Path, table: Table) -> None:
+        """Write the checksums into the place the header reserved for them (rank 0, before the file is made
+        durable): the same length, so nothing else moves."""
+        reserved = json.dumps(encode(unwritten(self.plan.writers))).encode()  # as the header's JSON spells it
+        filled = json.dumps(encode(table)).encode()
+        if len(filled) != len(reserved) or self.plan.header.count(reserved) != 1:
+            raise RuntimeError("the checksums do not fit the place the header reserved for them")
+        with open(path, "r+b") as handle:
+            handle.seek(self.plan.header.index(reserved))
+            handle.write(filled)
 
     def tensor_offsets(self) -> dict[Optional[str], int]:
         """Where each tensor's bytes begin in the full file, and (under None) where the file ends."""
@@ -226,18 +258,24 @@ class Snapshot:
         begins[None] = position
         return begins
 
-    def write_pieces(self, file: DirectFile, begins: dict[Optional[str], int], rank: int) -> None:
-        """This rank's pieces at their place; on rank 0 also those of the ranks on other machines, received."""
+    def write_pieces(self, file: DirectFile, begins: dict[Optional[str], int], rank: int) -> Written:
+        """This rank's pieces at their place; on rank 0 also those of the ranks on other machines, received. Returns
+        the checksum of each piece written."""
         received = Receiver(self.group)
+        written: Written = {}
         for name, pieces in self.plan.writers.items():
             dtype = self.parts[name].dtype
             for writer, start, numel in pieces:
                 if writer == rank:
                     with self.piece(name, start) as data:
-                        file.write_at(begins[name] + start * dtype.itemsize, bytes_of(data.to("cpu")))
+                        host = data.to("cpu")
+                        written[(name, start)] = (numel, checksum(host))
+                        file.write_at(begins[name] + start * dtype.itemsize, bytes_of(host))
                 elif rank == 0 and writer not in self.plan.same_machine:
                     data = received.piece(writer, numel, dtype)
+                    written[(name, start)] = (numel, checksum(data))
                     file.write_at(begins[name] + start * dtype.itemsize, bytes_of(data))
+        return written
 
     def layout_key(self) -> str:
         """The same on every rank, and at every save of a run; different for any other tensors, dtypes or writers."""
@@ -276,12 +314,15 @@ class Snapshot:
             with self.piece(name, starts[(name, offsets)]) as data:
                 yield data.view(block.shape)
 
+        writer = BlocksWriter(folder, list(starts), reading)
         with warnings.catch_warnings():  # one process without a group writes alone, as DCP's warning assumes
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            dcp.save({}, storage_writer=BlocksWriter(folder, list(starts), reading),
-                     planner=BlocksPlanner(written, self.layout_key()), process_group=self.group,
-                     no_dist=world_size == 1 and not dist.is_initialized())
+            dcp.save({}, storage_writer=writer, planner=BlocksPlanner(written, self.layout_key()),
+                     process_group=self.group, no_dist=world_size == 1 and not dist.is_initialized())
+        checksums = {(name, starts[(name, offsets)]): value for (name, offsets), value in writer.checksums.items()}
+        tables = gathered(checksums, self.group)
         if rank == 0:
+            (folder / CHECKSUMS_FILE).write_text(encode(merged(tables, self.parts)))
             (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))
 
 

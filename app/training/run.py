@@ -125,11 +125,25 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
     }
 
 
-def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan: TrainingPlan) -> None:
-    """Load the checkpoint into the model and optimizer, then continue its counters, random states and scaler."""
+def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan: TrainingPlan) -> Optional[str]:
+    """Load the checkpoint into the model and optimizer, then continue its counters, random states and scaler.
+    Returns, the same on every rank, why the checkpoint could not be read whole (a piece whose checksum differs: the
+    checkpoint is corrupt); the other ranks would otherwise wait in the first collective for the one that failed."""
     loading = Stopwatch()
     with loading.measure():
-        saved = load_checkpoint(path, state["model"], state["optimizer"])
+        try:
+            saved, unreadable = load_checkpoint(path, state["model"], state["optimizer"]), None
+        except CheckpointError as error:
+            saved, unreadable = {}, str(error)
+    found: list[Optional[str]] = [unreadable]
+    if dist.is_initialized() and fabric.world_size > 1:
+        found = [None] * fabric.world_size
+        dist.all_gather_object(found, unreadable)
+    unreadable = next((problem for problem in found if problem), None)
+    if unreadable:
+        earlier = [step for step in list_checkpoints(cfg.out_dir) if step < read_metadata(path)["step"]]
+        return (f"--checkpoint {unreadable}; resume from an earlier checkpoint with --checkpoint"
+                + (f" (the newest: {list_checkpoints(cfg.out_dir)[max(earlier)]})" if earlier else ""))
     state |= saved_progress(saved)
     # a mixture's rows follow state["mixture"]; its epoch and position are counted alike, as the plan counted them
     state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
@@ -336,7 +350,10 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)
     if inputs.resume_from:
-        resume(fabric, cfg, inputs.resume_from, state, inputs.plan)
+        unreadable = resume(fabric, cfg, inputs.resume_from, state, inputs.plan)
+        if unreadable:
+            fabric.print(f"error: {unreadable}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     write_run_files(fabric, cfg, inputs.tokenizer)
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} tokens "
