@@ -34,7 +34,7 @@ def staging_folder(final: Path, kind: str = "partial") -> Path:
     `final` on this machine left there (its process gone) is deleted first: a prepared dataset or a converted
     model half written, gigabytes nothing would ever read. Another machine's, or a live process's, is left alone."""
     host = socket.gethostname()
-    leftover = re.compile(rf"^\.{re.escape(final.name)}\.(partial|replaced)-{re.escape(host)}-(\d+)-")
+    leftover = re.compile(rf"^\.{re.escape(final.name)}\.(partial|replaced|work)-{re.escape(host)}-(\d+)-")
     for path in final.parent.iterdir() if final.parent.is_dir() else ():
         match = leftover.match(path.name)
         if match and not psutil.pid_exists(int(match.group(2))):

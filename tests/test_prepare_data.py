@@ -232,6 +232,7 @@ def test_saved_dataset_brings_its_own_validation_split(tmp_path, issue_run, code
         validation=Dataset.from_dict({"text": code_documents[-2:]}),
     )
     own.save_to_disk(str(tmp_path / "saved"))
+    saved = sorted(path.relative_to(tmp_path) for path in (tmp_path / "saved").rglob("*"))
     stats = prepare(
         PrepareArgs(
             input=[str(tmp_path / "saved")],
@@ -240,6 +241,9 @@ def test_saved_dataset_brings_its_own_validation_split(tmp_path, issue_run, code
             output_dir=str(tmp_path / "out"),
         )
     )
+    assert sorted(path.relative_to(tmp_path) for path in (tmp_path / "saved").rglob("*")) == saved, (
+        "datasets wrote its cache-*.arrow files into the input folder")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "saved"], "the workspace is gone"
     assert stats["splits"]["validation"]["documents"] == 2
     validation, _, _ = recover_documents(tmp_path / "out", "validation")
     assert set(validation) <= set(code_documents[-2:]) and validation
@@ -268,6 +272,25 @@ def test_split_of_a_saved_dataset_is_read_as_from_the_hub_and_refused_where_ther
     assert str(refusal.value) == (f"--split train[:10%]: --input {tmp_path / 'single'} is a saved dataset without "
                                   "splits (20 rows); drop --split")
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_local_file_rewritten_with_its_time_kept_is_read_anew_and_leaves_no_cache(tmp_path, issue_run):
+    """datasets knows a local file by its path and modification time: rewritten with its time kept (rsync -a, tar
+    --mtime, build tools that fix times), it was read as before, silently. It also left a converted copy and the
+    tokenized rows (2.5 times the input) in the shared cache, kept for ever."""
+    source = tmp_path / "docs.jsonl"
+    arguments = dict(input=[str(source)], tokenizer=str(issue_run / "tokenizer"), block_size=16, val_fraction=0,
+                     output_dir=str(tmp_path / "out"), overwrite=True)
+    cache = Path(datasets.config.HF_DATASETS_CACHE)
+    before = sorted(cache.rglob("*")) if cache.exists() else []
+    source.write_text("".join(json.dumps({"text": f"alpha document {i}"}) + "\n" for i in range(50)))
+    kept = source.stat().st_mtime_ns
+    assert prepare(PrepareArgs(**arguments))["splits"]["train"]["documents"] == 50
+    source.write_text("".join(json.dumps({"text": f"beta document {i}"}) + "\n" for i in range(80)))
+    os.utime(source, ns=(kept, kept))
+    assert prepare(PrepareArgs(**arguments))["splits"]["train"]["documents"] == 80
+    assert (sorted(cache.rglob("*")) if cache.exists() else []) == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["docs.jsonl", "out"]
 
 
 def test_same_seed_same_output_other_seed_other_split(tmp_path, code_documents):

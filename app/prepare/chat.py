@@ -17,6 +17,7 @@ from datasets import Dataset, Features, List, Value
 
 from app.prepare.args import PrepareArgs
 from app.prepare.corpus import Row, ToRecords, quiet_progress, require_fields
+from app.prepare.workspace import arrow_file
 
 MESSAGES = Features({"messages": List({"role": Value("string"), "content": Value("string")})})
 PAIR_OPTIONS = ("prompt_field", "response_field", "input_field", "system_field")
@@ -45,7 +46,8 @@ def _records(
 
     with quiet_progress():
         return table.map(
-            convert, batched=True, with_indices=True, remove_columns=table.column_names, features=MESSAGES
+            convert, batched=True, with_indices=True, remove_columns=table.column_names, features=MESSAGES,
+            **arrow_file("chats"),
         )
 
 

@@ -19,6 +19,7 @@ from datasets import Dataset, DatasetDict
 from app.cli import first_line
 from app.folders import DATASET_DICT_FILE
 from app.prepare.args import SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
+from app.prepare.workspace import arrow_file, cache_dir
 
 STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "concurrent", "wsgiref", "collections")
 """Standard-library packages whose sources (about 1.5 MB of Python) make a corpus every machine already has."""
@@ -150,7 +151,7 @@ def _read_files(
         )
     options = {"sample_by": sample_by} if name == "text" else {}
     try:
-        dataset = datasets.load_dataset(name, data_files=files, split="train", **options)
+        dataset = datasets.load_dataset(name, data_files=files, split="train", cache_dir=cache_dir(), **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
         where = _bad_json_line(files) if name == "json" else None
         raise UsageError(f"--input {source}: could not read it as {name}: {where or first_line(error)}") from error
@@ -280,6 +281,7 @@ def _text_column(dataset: Dataset, field: str, source: str) -> Dataset:
             with_indices=True,
             features=datasets.Features({field: datasets.Value("string")}),
             desc=f"Joining {field}",
+            **arrow_file("joined"),
         )
     elif getattr(feature, "dtype", None) not in ("string", "large_string"):
         raise UsageError(f"--text_field {field} in --input {source} holds {feature}, not text; pick a text field")

@@ -20,6 +20,7 @@ from datasets import Dataset, DatasetDict, Features, List, Value
 
 from app.prepare.args import UsageError, useful_processes
 from app.prepare.pack import empty_rows
+from app.prepare.workspace import arrow_file
 
 IGNORE_INDEX = -100
 """The label of a token that is not trained (PyTorch's and Hugging Face's cross-entropy skip it)."""
@@ -106,6 +107,7 @@ def encode_examples(
         remove_columns=records.column_names,
         features=EXAMPLE_FEATURES,
         desc=desc,
+        **arrow_file("examples"),
     )
 
 
@@ -131,7 +133,8 @@ class ExampleCounts:
 
 def kept_examples(encoded: Dataset) -> Dataset:
     """The examples that were not dropped: `input_ids`, `labels` (unpadded) and where their response is."""
-    kept = encoded.filter(lambda reasons: [not reason for reason in reasons], batched=True, input_columns="dropped")
+    kept = encoded.filter(lambda reasons: [not reason for reason in reasons], batched=True, input_columns="dropped",
+                          **arrow_file("kept"))
     return kept.select_columns(list(ROW_COLUMNS))
 
 
@@ -142,7 +145,8 @@ def one_example_per_row(examples: Dataset) -> Dataset:
         return {RESPONSE_SPANS: [[start, end] for start, end in zip(starts, ends)]}
 
     return examples.map(spans, batched=True, input_columns=["response_start", "response_end"],
-                        remove_columns=["response_start", "response_end"], desc="Recording responses")
+                        remove_columns=["response_start", "response_end"], desc="Recording responses",
+                        **arrow_file("rows"))
 
 
 def count_examples(encoded: Dataset, rows: Dataset) -> ExampleCounts:

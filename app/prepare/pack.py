@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from app.prepare.args import useful_processes
 from app.prepare.tokenizer import encode_texts
+from app.prepare.workspace import arrow_file
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ def tokenize(
         remove_columns=documents.column_names,
         features=Features({"input_ids": List(Value("int32")), "length": Value("int64")}),
         desc=desc,
+        **arrow_file("tokens"),
     )
 
 
@@ -80,6 +82,7 @@ def pack(tokenized: Dataset, block_size: int, num_proc: int, desc: str) -> Datas
         remove_columns=["block"],
         features=features,
         desc=desc,
+        **arrow_file("blocks"),
     )
 
 

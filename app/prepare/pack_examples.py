@@ -20,6 +20,7 @@ from datasets import Dataset, Features, List, Value
 from app.prepare.args import useful_processes
 from app.prepare.examples import IGNORE_INDEX, RESPONSE_SPANS
 from app.prepare.pack import empty_rows
+from app.prepare.workspace import arrow_file
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> list[list[int]]:
@@ -71,6 +72,7 @@ def pack_examples(examples: Dataset, block_size: int, pad_id: int, seed: int, nu
         remove_columns=["examples"],
         features=features,
         desc=desc,
+        **arrow_file("packed"),
     )
 
 

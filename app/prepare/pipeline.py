@@ -27,6 +27,7 @@ from app.prepare.pack_examples import pack_examples
 from app.prepare.seq2seq import check_room, encode_pairs, pair_advice, pair_records, pair_texts
 from app.prepare.split import split_by_document
 from app.prepare.tokenizer import adds_bos, document_suffix, load_tokenizer, pad_token_id, train_tokenizer
+from app.prepare.workspace import workspace
 
 FIELD_OPTIONS = (
     "prompt_field",
@@ -45,11 +46,12 @@ def prepare(args: PrepareArgs) -> dict:
     Progress bars only on a terminal: in a log (Slurm, CI) their carriage returns make one unreadable line, and a
     refusal must stay a single line on stderr; there, a few lines on stdout say which stage is running."""
     with nullcontext() if sys.stderr.isatty() else quiet_progress():
-        return prepare_folder(args)
+        args = checked_args(args)
+        with workspace(Path(args.output_dir)):
+            return prepare_folder(args)
 
 
 def prepare_folder(args: PrepareArgs) -> dict:
-    args = checked_args(args)
     shape = record_shape(args)
     tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code) if args.tokenizer else None
     documents = read_documents(args, to_records(shape, args, tokenizer))

@@ -21,6 +21,7 @@ from app.prepare.args import PrepareArgs, UsageError
 from app.prepare.corpus import Row, ToRecords, quiet_progress, require_fields
 from app.prepare.examples import Example, dropped, encode_examples, length_advice
 from app.prepare.tokenizer import document_frame, encode_texts
+from app.prepare.workspace import arrow_file
 
 PAIRS = Features({"source": Value("string"), "target": Value("string")})
 SOURCE_TOO_LONG = "source_too_long"
@@ -42,7 +43,8 @@ def _records(table: Dataset, source: str, fields: dict[str, str]) -> Dataset:
         return columns
 
     with quiet_progress():
-        return table.map(convert, batched=True, with_indices=True, remove_columns=table.column_names, features=PAIRS)
+        return table.map(convert, batched=True, with_indices=True, remove_columns=table.column_names, features=PAIRS,
+                         **arrow_file("pairs"))
 
 
 def text(row: Row, option: str, value: object) -> str:

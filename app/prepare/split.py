@@ -13,6 +13,7 @@ from datasets import Dataset, DatasetDict
 
 from app.prepare.args import UsageError, useful_processes
 from app.prepare.corpus import Documents, quiet_progress
+from app.prepare.workspace import arrow_file
 
 
 def split_by_document(
@@ -78,6 +79,7 @@ def _drop_empty(documents: Dataset | None, num_proc: int) -> tuple[Dataset | Non
             lambda batch: [bool(text) for text in batch["text"]],
             batched=True,
             num_proc=useful_processes(len(documents), num_proc),
+            **arrow_file("documents"),
         )
     return kept, len(documents) - len(kept)
 
