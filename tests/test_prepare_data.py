@@ -226,6 +226,19 @@ def test_every_input_format_yields_its_documents(kind, tmp_path, issue_run, code
     assert sum(stats["splits"][s]["documents"] for s in ("train", "validation")) == len(documents)
 
 
+def test_a_csv_file_beside_other_raw_text_inputs_is_read_with_them(tmp_path, issue_run):
+    """pandas types a .csv's text as large_string, the JSON and text readers as string: the parts could not be
+    joined, and a .csv beside any other raw-text input (in a folder, or as another --input) ended in a traceback."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "b.jsonl").write_text("".join(json.dumps({"text": f"json {i}"}) + "\n" for i in range(30)))
+    pd.DataFrame({"text": [f"csv {i}" for i in range(20)]}).to_csv(tmp_path / "in" / "c.csv", index=False)
+    (tmp_path / "in" / "d.txt").write_text("one text file")
+    for inputs in ([tmp_path / "in"], [tmp_path / "in" / "c.csv", tmp_path / "in" / "b.jsonl"]):
+        stats = prepare(PrepareArgs(input=[str(path) for path in inputs], tokenizer=str(issue_run / "tokenizer"),
+                                    block_size=4, val_fraction=0, output_dir=str(tmp_path / "out"), overwrite=True))
+        assert stats["splits"]["train"]["documents"] == (51 if len(inputs) == 1 else 50)
+
+
 def test_saved_dataset_brings_its_own_validation_split(tmp_path, issue_run, code_documents):
     own = DatasetDict(
         train=Dataset.from_dict({"text": code_documents[:-2]}),

@@ -73,7 +73,14 @@ def read_documents(args: PrepareArgs, to_records: ToRecords | None = None) -> Do
 
 
 def _concatenate(parts: list[Dataset]) -> Dataset | None:
-    return datasets.concatenate_datasets(parts) if parts else None
+    """The records of several inputs as one dataset; a part whose columns the reader typed otherwise (pandas reads a
+    .csv's text as large_string, the JSON and text readers as string) is cast to the first part's types: they
+    could not be joined, and a .csv beside any other raw-text input ended in a traceback."""
+    if not parts:
+        return None
+    first = parts[0].features
+    return datasets.concatenate_datasets([part if part.features == first else part.cast(first, **arrow_file("cast"))
+                                          for part in parts])
 
 
 def read_source(source: str, args: PrepareArgs, to_records: ToRecords) -> tuple[Dataset, Dataset | None, str]:
@@ -91,7 +98,7 @@ def read_source(source: str, args: PrepareArgs, to_records: ToRecords) -> tuple[
         files = _supported_files(path)
         groups = _group_by_builder(files, args)
         parts = [_read_files(group, builder, source, args, to_records) for builder, group in groups.items()]
-        return datasets.concatenate_datasets(parts), None, f"{source} ({len(files)} files)"
+        return _concatenate(parts), None, f"{source} ({len(files)} files)"
 
 
 @contextmanager
