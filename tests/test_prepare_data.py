@@ -239,6 +239,23 @@ def test_a_csv_file_beside_other_raw_text_inputs_is_read_with_them(tmp_path, iss
         assert stats["splits"]["train"]["documents"] == (51 if len(inputs) == 1 else 50)
 
 
+@pytest.mark.parametrize("name, content", [("b.txt", b"caf\xe9 au lait\n"),
+                                           ("c.jsonl", b'{"text": "caf\xe9"}\n')])
+def test_a_file_that_is_not_utf8_is_named_with_its_byte(name, content, tmp_path, capsys, issue_run):
+    """The text reader said "An error occurred while generating the dataset", naming no file among thousands; the
+    JSON reader let the bytes through to a UnicodeDecodeError traceback at their first use."""
+    (tmp_path / "in" / "deep").mkdir(parents=True)
+    (tmp_path / "in" / "a.txt").write_text("fine text")
+    (tmp_path / "in" / "deep" / name).write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--input", str(tmp_path / "in"), "--tokenizer", str(issue_run / "tokenizer"), "--block_size", "4",
+              "--val_fraction", "0", "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"{tmp_path / 'in' / 'deep' / name} is not UTF-8 text (byte " in error[0], error
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in"]
+
+
 def test_saved_dataset_brings_its_own_validation_split(tmp_path, issue_run, code_documents):
     own = DatasetDict(
         train=Dataset.from_dict({"text": code_documents[:-2]}),

@@ -6,9 +6,10 @@ turned into their records by their own module, which validates every row of an i
 
 from __future__ import annotations
 
+import codecs
 import json
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,9 +161,41 @@ def _read_files(
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", cache_dir=cache_dir(), **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
-        where = _bad_json_line(files) if name == "json" else None
+        where = not_utf8(files) or (_bad_json_line(files) if name == "json" else None)
         raise UsageError(f"--input {source}: could not read it as {name}: {where or first_line(error)}") from error
     return _text_column(dataset, "text", source) if name == "text" else to_records(dataset, source)
+
+
+def not_utf8(files: Iterable[str | Path]) -> str | None:
+    """The first file that is not UTF-8 text, and where (read a MiB at a time; Parquet files hold typed columns and
+    are skipped): the text reader said only "An error occurred while generating the dataset", and the JSON reader
+    let the bytes through to a UnicodeDecodeError traceback at their first use."""
+    for file in files:
+        if str(file).lower().endswith(".parquet"):
+            continue
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(file, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as error:
+                    return (f"{file} is not UTF-8 text (byte {offset + error.start}: {error.reason}); convert it "
+                            "(iconv -f latin1 -t utf-8, for one) or leave it out")
+                offset += len(chunk)
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as error:
+                return (f"{file} is not UTF-8 text (it ends within a character: {error.reason}); convert it or "
+                        "leave it out")
+    return None
+
+
+def local_files(inputs: list[str]) -> Iterator[Path]:
+    """The files of the local --input paths, as they are read (Hub names and saved datasets left out)."""
+    for source in inputs:
+        path = Path(source)
+        if path.is_file() or (path.is_dir() and not _is_saved_dataset(path)):
+            yield from _supported_files(path)
 
 
 def _bad_json_line(files: list[str]) -> str | None:

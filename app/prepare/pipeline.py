@@ -18,7 +18,7 @@ from app.prepare.args import PrepareArgs, RecordShape, UsageError, checked_args,
 from app.prepare.chat import chat_records, chat_texts
 from app.prepare.chat_template import (ChatEncoder, chat_advice, chat_text, check_template, choose_template,
                                        encode_chats, end_of_turn_id)
-from app.prepare.corpus import ToRecords, document_texts, quiet_progress, read_documents
+from app.prepare.corpus import ToRecords, document_texts, local_files, not_utf8, quiet_progress, read_documents
 from app.prepare.examples import ExampleCounts, examples_to_rows, one_example_per_row
 from app.prepare.mask_audit import audit_split, check_audit, describe_audit
 from app.prepare.output import save_prepared, write_atomically
@@ -48,7 +48,10 @@ def prepare(args: PrepareArgs) -> dict:
     with nullcontext() if sys.stderr.isatty() else quiet_progress():
         args = checked_args(args)
         with workspace(Path(args.output_dir)):
-            return prepare_folder(args)
+            try:
+                return prepare_folder(args)
+            except UnicodeDecodeError as error:  # a local file's bytes, let through by the JSON reader
+                raise UsageError(f"--input: {not_utf8(local_files(args.input)) or error}") from error
 
 
 def prepare_folder(args: PrepareArgs) -> dict:
