@@ -224,6 +224,40 @@ def run_command(prog: str, work: Callable[[], Any]) -> Any:
 
 
 @contextmanager
+def stopped_in_one_line(prog: str, nothing_written: str) -> Iterator[None]:
+    """Ctrl-C or SIGTERM as one line and exit 128 + the signal, whatever the work was doing when it came: a
+    KeyboardInterrupt traceback, or with worker processes a TimeoutError from their pool (exit 1). A SIGTERM that
+    only this process gets (`kill PID`, an orchestrator) ends the work as Ctrl-C does, and the pool ends its workers
+    as it unwinds: they were left running, orphaned, holding their memory for ever. A forked worker that inherits
+    this handler ends by the signal at once (raised there, the KeyboardInterrupt was swallowed and the worker waited
+    for work, and the pool for it)."""
+    import signal
+
+    received: list[int] = []
+    owner = os.getpid()
+
+    def stop(number: int, _frame: object) -> None:
+        if os.getpid() != owner:  # a forked worker: end as the signal ends a process
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+            return
+        received.append(number)
+        raise KeyboardInterrupt
+
+    previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except BaseException:
+        if not received:
+            raise
+        print(f"{prog}: stopped by {signal.Signals(received[0]).name}; {nothing_written}", file=sys.stderr)
+        sys.exit(128 + received[0])
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+@contextmanager
 def bars_only_on_a_terminal() -> Iterator[None]:
     """transformers' and huggingface_hub's progress bars ("Loading weights", "Writing model shards") off when stderr
     is no terminal: in a log (Slurm, CI, `2> file`) their carriage returns make unreadable lines. Imported here, not

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -463,6 +464,40 @@ def test_overwrite_refuses_an_earlier_output_holding_more_than_it_wrote(tmp_path
     assert exit_info.value.code == 2 and len(lines) == 1, lines
     assert "--output_dir out: --overwrite would also delete checkpoints, which prepare_data.py did not" in lines[0]
     assert (run / "step-00000002.ckpt").read_text() == "a run's"
+
+
+def test_sigterm_to_prepare_alone_ends_its_workers_and_leaves_nothing(tmp_path, issue_run, code_documents):
+    """`kill PID`, `timeout`, or an orchestrator signalling only the main process: its --num_proc workers were left
+    running, orphaned, 1.25 GB each, for ever (the pool waited for them), and Ctrl-C ended in 63 lines of traceback
+    and exit 1. Now: one line, exit 128 + the signal, no process and no folder left behind."""
+    import signal
+
+    import psutil
+
+    corpus = tmp_path / "corpus.jsonl"  # about 15 MB: tokenizing it outlasts the moment the signal comes
+    with open(corpus, "w") as handle:
+        for copy in range(60):
+            handle.writelines(json.dumps({"text": f"# {copy}\n{text}"}) + "\n" for text in code_documents)
+    started = subprocess.Popen([sys.executable, str(REPO / "prepare_data.py"), "--input", str(corpus), "--tokenizer",
+                                str(issue_run / "tokenizer"), "--block_size", "64", "--num_proc", "2",
+                                "--output_dir", str(tmp_path / "new" / "out")],
+                               cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert started.stdout is not None
+    for line in started.stdout:
+        if "tokenizing" in line:
+            break
+    deadline = time.monotonic() + 30
+    while len(workers := psutil.Process(started.pid).children(recursive=True)) < 2:
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.1)
+    started.send_signal(signal.SIGTERM)
+    _, err = started.communicate(timeout=60)
+    assert (started.returncode, err.strip()) == (143, "prepare_data.py: stopped by SIGTERM; nothing was written "
+                                                      "(the output appears whole, or not at all)")
+    psutil.wait_procs(workers, timeout=10)
+    assert not [worker.pid for worker in workers if worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE]
+    assert not (tmp_path / "new").exists(), "no output, workspace, or folder made for them"
 
 
 def test_real_cli_refuses_a_dataset_it_cannot_find_with_one_line(tmp_path):

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = cli.run_command("prepare_data.py", lambda: parse_args(argv))
     from app.prepare.pipeline import prepare, summary
 
-    stats = cli.run_command("prepare_data.py", lambda: prepare(args))
+    with cli.stopped_in_one_line("prepare_data.py", "nothing was written (the output appears whole, or not at all)"):
+        stats = cli.run_command("prepare_data.py", lambda: prepare(args))
     print(summary(stats, args.output_dir), flush=True)
     return stats
