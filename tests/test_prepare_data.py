@@ -377,7 +377,7 @@ def test_identical_records_are_held_out_together_the_same_way_for_a_seed():
         (["--input", "{docs}", "--vocab_size", "600", "--val_fraction", "1.5"], "--val_fraction"),
         (["--input", "{docs}", "--vocab_size", "600", "--block_size", "oops"], "block_size"),
         (["--input", "{docs}", "--vocab_size", "600", "--seed", "-1"], "--seed -1"),  # numpy's traceback
-        (["--input", "{docs}", "--vocab_size", "600", "--seed", "99999999999"], "--seed 99999999999"),  # SentencePiece's
+        (["--input", "{docs}", "--vocab_size", "600", "--seed", "99999999999"], "--seed 99999999999"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_leaves_output_alone(argv, flag, tmp_path, capsys, code_documents):
