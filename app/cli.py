@@ -24,7 +24,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
@@ -224,16 +224,17 @@ def run_command(prog: str, work: Callable[[], Any]) -> Any:
 
 
 @contextmanager
-def stopped_in_one_line(prog: str, nothing_written: str) -> Iterator[None]:
-    """Ctrl-C or SIGTERM as one line and exit 128 + the signal, whatever the work was doing when it came: a
-    KeyboardInterrupt traceback, or with worker processes a TimeoutError from their pool (exit 1). A SIGTERM that
-    only this process gets (`kill PID`, an orchestrator) ends the work as Ctrl-C does, and the pool ends its workers
-    as it unwinds: they were left running, orphaned, holding their memory for ever. A forked worker that inherits
-    this handler ends by the signal at once (raised there, the KeyboardInterrupt was swallowed and the worker waited
-    for work, and the pool for it)."""
+def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], None]) -> Iterator[None]:
+    """Ctrl-C or SIGTERM as one line and exit 128 + the signal, at once: the work's child processes are killed,
+    `clean_up` removes what the work had begun, and the process exits without unwinding. Unwound, a
+    KeyboardInterrupt printed a traceback, or with a pool of workers a TimeoutError (exit 1); a SIGTERM that only
+    this process got (`kill PID`, an orchestrator) left the workers running, orphaned, holding their memory for
+    ever; and a pool's own cleanup waits for a lock that an idle worker holds while it waits for work, so that a
+    stop could hang for ever (seen in CI). A forked worker that inherits the handler ends by the signal."""
     import signal
 
-    received: list[int] = []
+    import psutil
+
     owner = os.getpid()
 
     def stop(number: int, _frame: object) -> None:
@@ -241,17 +242,16 @@ def stopped_in_one_line(prog: str, nothing_written: str) -> Iterator[None]:
             signal.signal(number, signal.SIG_DFL)
             os.kill(os.getpid(), number)
             return
-        received.append(number)
-        raise KeyboardInterrupt
+        for child in psutil.Process().children(recursive=True):
+            with suppress(psutil.Error):
+                child.kill()
+        clean_up()
+        print(f"{prog}: stopped by {signal.Signals(number).name}; {nothing_written}", file=sys.stderr, flush=True)
+        os._exit(128 + number)
 
     previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
-    except BaseException:
-        if not received:
-            raise
-        print(f"{prog}: stopped by {signal.Signals(received[0]).name}; {nothing_written}", file=sys.stderr)
-        sys.exit(128 + received[0])
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)

@@ -35,7 +35,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = cli.run_command("prepare_data.py", lambda: parse_args(argv))
     from app.prepare.pipeline import prepare, summary
 
-    with cli.stopped_in_one_line("prepare_data.py", "nothing was written (the output appears whole, or not at all)"):
+    from app.prepare.workspace import abandon
+
+    with cli.stopped_in_one_line("prepare_data.py", "nothing was written (the output appears whole, or not at all)",
+                                 abandon):
         stats = cli.run_command("prepare_data.py", lambda: prepare(args))
     print(summary(stats, args.output_dir), flush=True)
     return stats

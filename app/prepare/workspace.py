@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from pathlib import Path
@@ -23,6 +23,8 @@ from app.folders import real_folder, staging_folder
 
 _folder: ContextVar[Optional[Path]] = ContextVar("prepare_workspace", default=None)
 _numbers = itertools.count()
+_unfinished: list[Callable[[], None]] = []
+"""What removes each open workspace and the folders made for its output, for a stop that cannot unwind (abandon)."""
 
 
 @contextmanager
@@ -34,16 +36,28 @@ def workspace(output_dir: Path) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     folder = staging_folder(final, "work")
     folder.mkdir()
-    token, finished = _folder.set(folder), False
-    try:
-        yield folder
-        finished = True
-    finally:
-        _folder.reset(token)
+
+    def discard() -> None:  # a refused input or a stop leaves no folder made for its output
         shutil.rmtree(folder, ignore_errors=True)
-        for parent in [] if finished else made:  # a refused input leaves no folder made for its output
+        for parent in made:
             with suppress(OSError):
                 parent.rmdir()
+
+    token = _folder.set(folder)
+    _unfinished.append(discard)
+    try:
+        yield folder
+        made.clear()  # the output is in them now
+    finally:
+        _folder.reset(token)
+        _unfinished.remove(discard)
+        discard()
+
+
+def abandon() -> None:
+    """Remove every open workspace now: the work stops without unwinding (app/cli.py stopped_in_one_line)."""
+    for discard in reversed(_unfinished):
+        discard()
 
 
 def cache_dir() -> Optional[str]:
