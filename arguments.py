@@ -17,7 +17,7 @@ from typing import Literal, Optional, Union
 import yaml
 from jsonargparse import ArgumentParser
 
-from app.choices import FSDP1_ONLY_OPTIONS, SHARDED_STRATEGIES
+from app.choices import FSDP1_ONLY_OPTIONS, MAX_SEED, SHARDED_STRATEGIES
 from app.cli import UsageError, command_parser, config_files_first, nested_config_files, parse, refuse
 from app.exit_codes import EXIT_BAD_INPUT
 
@@ -412,10 +412,6 @@ def write_options_doc(path: Path = OPTIONS_DOC) -> bool:
     if after != before:
         path.write_text(after)
     return after != before
-
-
-MAX_SEED = 2**32 - 1
-"""The largest seed numpy takes (Lightning's seed_everything seeds numpy on every rank)."""
 
 
 def validate_config(cfg: Config) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from app.cli import UsageError  # noqa: F401 (app/prepare raises it from here)
+from app.choices import MAX_SEED
 from app.folders import DATASET_DICT_FILE, STATS_FILE, TOKENIZER_FOLDER
 from app.hub import missing_folder_problem
 
@@ -166,8 +167,8 @@ def checked_args(args: PrepareArgs) -> PrepareArgs:
         raise UsageError(f"--val_fraction {args.val_fraction} must be in [0, 1)")
     if args.num_proc < 1:
         raise UsageError(f"--num_proc {args.num_proc} must be at least 1")
-    if not 0 <= args.seed < 2**32:  # numpy's split and SentencePiece's training take 32-bit seeds
-        raise UsageError(f"--seed {args.seed} must be between 0 and {2**32 - 1}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed {args.seed} must be between 0 and {MAX_SEED}")
     for path in args.input:
         check_input_path(path)
     missing = args.tokenizer and missing_folder_problem("--tokenizer", args.tokenizer)
