@@ -27,6 +27,10 @@ EXIT_SPIKES = 6
 """Loss spikes kept coming (--spike_guard): spikes without rows to blame repeated under skip, or after the last
 rollback, or with no checkpoint to roll back to; the step was not applied and nothing was saved from it. Not
 requeued: resume from the last checkpoint with a lower --lr (out_dir/quarantine.jsonl lists the rows set aside)."""
+EXIT_SAVE_FAILED = 7
+"""The storage refused a checkpoint (a full disk, a quota, a read-only or vanished mount): every rank stopped at that
+save, one line naming the rank, the error and the file; what the save wrote is removed, the checkpoints before it are
+kept, the steps since the last one are lost. Not requeued (the storage stays full): make room, then resume."""
 EXIT_PREEMPTED = 75
 """SIGTERM/SIGUSR1 stopped the run after a checkpoint of the current step (EX_TEMPFAIL): rerun with --resume true."""
 EXIT_INTERRUPTED = 130

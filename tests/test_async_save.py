@@ -116,12 +116,12 @@ def test_a_background_save_of_pieces_on_a_gpu_holds_its_steps_state_even_when_th
 def test_a_background_write_that_failed_ends_the_run_at_the_next_step(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk during a background write used to show only at the next save (or the end of the run): every step
-    in between was trained for nothing."""
+    in between was trained for nothing. The step's verdict carries `failed()` to every rank; `wait` raises it."""
     import errno
 
     from lightning_fabric import Fabric
 
-    from app.checkpoint import CheckpointSaver, saver as saver_module
+    from app.checkpoint import CheckpointSaver, SaveFailed, saver as saver_module
 
     def full_disk(path: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -132,9 +132,12 @@ def test_a_background_write_that_failed_ends_the_run_at_the_next_step(tmp_path: 
     saver.save(tmp_path / "step-00000001.ckpt", state, lambda: None)
     while not saver.pending.done():
         threading.Event().wait(0.01)
-    with pytest.raises(OSError, match="No space left on device"):
-        saver.before_update()
-    assert not (tmp_path / "step-00000001.ckpt").exists()
+    assert saver.failed()
+    with pytest.raises(SaveFailed, match=r"step-00000001.ckpt was not saved: rank 0 on .*: No space left on device "
+                                         r"\(ENOSPC\) writing .*\.step-00000001\.ckpt\.partial$"):
+        saver.wait()
+    assert not saver.failed()
+    assert list(tmp_path.iterdir()) == [], "nothing published, the partial file removed"
 
 
 def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_change() -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import random
+import socket
 import subprocess
 import sys
 from math import prod
@@ -267,17 +268,36 @@ def test_a_sharded_folder_whose_metadata_would_run_code_is_refused_before_the_co
     assert not marker.exists()
 
 
+def write_pieces_on_two_ranks(folder: Path, *options: str) -> list[str]:
+    """tests/helpers/write_pieces.py on ranks 0 and 1; what each printed."""
+    for attempt in range(3):  # the free port can be taken before rank 0 listens on it (the other test worker)
+        port = str(free_port())
+        ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests/helpers/write_pieces.py"), str(rank), port,
+                                   str(folder), *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in (0, 1)]
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+        if not any("EADDRINUSE" in error for _, error in outputs):
+            break
+    for rank, (_, error) in zip(ranks, outputs):
+        assert rank.returncode == 0, error[-3000:]
+    return [printed for printed, _ in outputs]
+
+
 @pytest.mark.parametrize("machines", ["one machine", "two machines"])
 def test_two_ranks_write_uneven_and_replicated_pieces_that_read_back_whole(tmp_path, machines) -> None:
     """On one machine both ranks write their pieces of a full file themselves; from another machine rank 1's pieces
     travel to rank 0. Replicated tensors are written once, by rank 0."""
-    extra = ["machines"] if machines == "two machines" else []
-    for attempt in range(3):  # the free port can be taken before rank 0 listens on it (the other test worker)
-        port = str(free_port())
-        ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests/helpers/write_pieces.py"), str(rank), port,
-                                   str(tmp_path), *extra], stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-        errors = [rank.communicate(timeout=120)[1] for rank in ranks]
-        if not any("EADDRINUSE" in error for error in errors):
-            break
-    for rank, error in zip(ranks, errors):
-        assert rank.returncode == 0, error[-3000:]
+    write_pieces_on_two_ranks(tmp_path, *(["machines"] if machines == "two machines" else []))
+
+
+@pytest.mark.parametrize("machines, failing", [("two machines", 0), ("one machine", 1)])
+def test_a_rank_whose_disk_is_full_fails_the_save_on_every_rank_alike(tmp_path, machines, failing) -> None:
+    """The failing rank goes on through the save's exchanges (rank 0 still receives rank 1's pieces from another
+    machine), then every rank raises the same error, for both formats; nothing hangs."""
+    two_machines = machines == "two machines"
+    printed = write_pieces_on_two_ranks(tmp_path, f"full-disk-on-rank-{failing}",
+                                        *(["machines"] if two_machines else []))
+    host = f"machine-{failing}" if two_machines else socket.gethostname()
+    expected = "".join(f"{name}: rank {failing} on {host}: No space left on device (ENOSPC) writing "
+                       f"{tmp_path / name}\n" for name in ("full.ckpt", "sharded"))
+    assert printed == [expected, expected]

@@ -23,12 +23,12 @@ import psutil
 import pytest
 import torch
 
-from app.checkpoint import (latest_checkpoint, list_checkpoints, mark_if_best, prune_checkpoints, read_best,
-                            set_aside_newer)
+from app.checkpoint import (checkpoint_dir, latest_checkpoint, list_checkpoints, mark_if_best, prune_checkpoints,
+                            read_best, set_aside_newer)
 from app.checkpoint.files import publish
 from app.folders import staging_folder
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
-                            EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED)
+                            EXIT_RENDEZVOUS_TIMEOUT, EXIT_SAVE_FAILED, EXIT_STALLED)
 from app.evaluation.samples import set_aside_samples_after, write_samples
 from app.evaluation.show import latest_samples
 from app.reliability import signals
@@ -640,6 +640,53 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_best_of_the_checkpoints_lef
     (folder / "best.json").write_text(json.dumps({"checkpoint": "step-00000004.ckpt", "step": 4, "val_loss": 2.5}))
     mark_if_best(folder / "step-00000008.ckpt", 2.4)  # a best.json of an earlier version, without `evaluated`
     assert read_best(tmp_path)["evaluated"] == {"step-00000004.ckpt": 2.5, "step-00000008.ckpt": 2.4}
+
+
+class SmallStorage:
+    """A tmpfs of `kilobytes` mounted at `folder` (root only: CI and the development machines run as root), grown
+    in place."""
+
+    def __init__(self, folder: Path, kilobytes: int) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kilobytes}k", "tmpfs", str(folder)],
+                                 capture_output=True, text=True)
+        if mounted.returncode:
+            pytest.skip(f"a small filesystem needs mount (root): {mounted.stderr.strip()}")
+
+    def grow(self, kilobytes: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={kilobytes}k", str(self.folder)], check=True)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "--lazy", str(self.folder)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, state_dict_type, async_save", [("fsdp", "full", False), ("fsdp2", "sharded", True)])
+def test_a_full_disk_stops_every_rank_at_the_save_in_one_line_and_the_run_resumes_once_there_is_room(
+        tiny: TinySetup, tmp_path: Path, strategy: str, state_dict_type: str, async_save: bool):
+    """ENOSPC during a save ended the run with the writing rank's traceback and the others' "connection closed by
+    peer" (exit 1), and its partial checkpoint stayed on the full disk."""
+    out = tmp_path / "run"
+    storage = SmallStorage(checkpoint_dir(out), kilobytes=2500)  # one checkpoint of the tiny model (1.5 MB), not two
+    try:
+        args = train_args(tiny, out, strategy=strategy, state_dict_type=state_dict_type, async_save=async_save,
+                          max_step=6, save_step_interval=2, eval_step_interval=100)
+        result = run_train(args)
+        assert result.returncode == EXIT_SAVE_FAILED, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr and "ended first" not in result.stderr, result.stderr[-3000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, result.stderr[-3000:]
+        assert "step-00000004.ckpt was not saved: rank " in errors[0]
+        assert "No space left on device (ENOSPC) writing" in errors[0] and "--resume true" in errors[0]
+        assert sorted(path.name for path in checkpoint_dir(out).iterdir()) == ["step-00000002.ckpt"]
+        storage.grow(kilobytes=20_000)
+        resumed = run_train(args + ["--resume", "true"])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert [int(step) for step in STEP_LINE.findall(resumed.stdout)] == [3, 4, 5, 6]
+        assert sorted(list_checkpoints(out)) == [2, 4, 6]
+    finally:
+        storage.unmount()
 
 
 def test_a_pruned_checkpoint_folder_is_never_seen_half_deleted(tmp_path: Path, monkeypatch):

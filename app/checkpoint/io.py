@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from app.checkpoint import legacy
+from app.checkpoint.failures import StorageFailure
 from app.checkpoint.files import list_checkpoints, remove_leftovers, temporary_path
 from app.checkpoint.sources import CheckpointError, check_complete, open_source
 from app.checkpoint.state import MODEL_PREFIX, CheckpointMismatch, check_fits
 from app.checkpoint.state_dicts import local_state
 from app.checkpoint.tensor_file import read_header
-from app.checkpoint.writers import METADATA_KEY, SHARDED_METADATA, Snapshot
-
-if TYPE_CHECKING:
-    from lightning_fabric import Fabric
+from app.checkpoint.writers import METADATA_KEY, SHARDED_METADATA, Snapshot, distributed
 
 FORMAT = "fsdp-trainer/2"
 TENSORS = ("model", "optimizer")
@@ -39,13 +37,20 @@ def metadata_of(state: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT} | {key: value for key, value in state.items() if key not in TENSORS}
 
 
-def begin_save(fabric: Fabric, path: Path) -> Path:
-    """Clear what interrupted saves left; returns the temporary name to write to. Collective."""
-    if fabric.is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(path.parent)
-    fabric.barrier()
+def begin_save(path: Path, group: Optional[dist.ProcessGroup]) -> Path:
+    """Clear what interrupted saves left; returns the temporary name to write to. Collective over `group` (rank 0
+    works, the others wait); SaveFailed on every rank when the storage refuses it."""
+    rank, _ = distributed(group)
+    failure = StorageFailure(rank, path.parent)
+    if rank == 0:
+        failure.attempt(clear_for_saving, path.parent)
+    failure.raise_agreed(group)
     return temporary_path(path)
+
+
+def clear_for_saving(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(folder)
 
 
 def snapshot(state: dict[str, Any], sharded: bool, group: Optional[dist.ProcessGroup]) -> Snapshot:

@@ -13,19 +13,23 @@ differs in two things:
 2. writing, in a background thread: the file or folder, then fsync, the atomic rename and what follows publishing
    (best.json, --keep_last_n) on rank 0.
 The next save, an upload and the end of the run wait for the write; a crash before the rename leaves the previous
-checkpoints and a temporary name that resume never takes (files.py). The exchanges of a save run over a gloo process
+checkpoints and a temporary name that resume never takes (files.py). A write the storage refuses raises SaveFailed on
+every rank alike (failures.py): a synchronous save at once, a background one at the next step (`failed` rides on the
+step's verdict) or at the next `wait`. The exchanges of a save run over a gloo process
 group of their own (made once per run), so that a background write's never interleave with training's collectives.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 
-from app.checkpoint.files import make_durable, publish
+from app.checkpoint.failures import SaveFailed, StorageFailure
+from app.checkpoint.files import make_durable, publish, remove
 from app.checkpoint.handover import Handover
 from app.checkpoint.io import begin_save, snapshot
 from app.checkpoint.writers import Snapshot, StagingArea
@@ -49,34 +53,45 @@ class CheckpointSaver:
             snapshot(state, sharded, self.group).reserve(self.staging)
 
     def save(self, path: Path, state: dict[str, Any], published: Callable[[], None]) -> None:
-        """Save `state` to `path`; `published` runs on rank 0 once the checkpoint is visible. Collective."""
+        """Save `state` to `path`; `published` runs on rank 0 once the checkpoint is visible. Collective; raises
+        SaveFailed on every rank alike when the storage refuses it (what it wrote is removed), here or, for a
+        background write, from `wait`."""
         self.wait()
-        temporary = begin_save(self.fabric, path)
+        temporary = begin_save(path, self.group)
         taken = snapshot(state, self.sharded, self.group)
-        rank0 = self.fabric.is_global_zero
+        rank = self.fabric.global_rank
 
         def write_and_publish(staged: Snapshot) -> None:
-            staged.write(temporary)  # on rank 0 it returns once every rank's part is written
-            if rank0:
-                make_durable(temporary)
-                publish(temporary, path)
-                published()
+            try:
+                staged.write(temporary)
+                failure = StorageFailure(rank, temporary)
+                if rank == 0:
+                    failure.attempt(make_durable, temporary)
+                    failure.attempt(publish, temporary, path)
+                    failure.attempt(published)
+                failure.raise_agreed(self.group)  # every rank returns once the checkpoint is published
+            except SaveFailed as error:
+                if rank == 0 and temporary.exists():
+                    with suppress(OSError):
+                        remove(temporary)
+                raise SaveFailed(f"the checkpoint {path} was not saved: {error}") from None
 
         if self.writer is None:
             write_and_publish(taken)
-            self.fabric.barrier()
             return
         taken = taken.for_background(self.staging)
         self.handover = taken.handover
         copy = self.staging_copy = self.writer.submit(taken.staged, self.staging)
         self.pending = self.writer.submit(lambda: write_and_publish(copy.result()))
 
+    def failed(self) -> bool:
+        """Whether the background write has ended in an error. The step's verdict carries it (the ranks may see
+        it at different steps), and every rank then meets it in `wait`: a write that failed (a full disk) ends the run
+        at the step it is seen, not at the next save, which may be hours of training later."""
+        return self.pending is not None and self.pending.done() and self.pending.exception() is not None
+
     def before_update(self) -> None:
-        """Until the background save no longer reads the state that the optimizer step about to run changes; and a
-        background write that failed (a full disk) ends the run at this step, not at the next save, which may be
-        hours of training later."""
-        if self.pending is not None and self.pending.done():
-            self.wait()
+        """Until the background save no longer reads the state that the optimizer step about to run changes."""
         if self.staging_copy is not None:
             copy, self.staging_copy = self.staging_copy, None
             copy.result()

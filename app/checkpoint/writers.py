@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -41,6 +42,7 @@ from app.checkpoint.checksums import (CHECKSUMS_FILE, CHECKSUMS_KEY, Table, chec
                                       unwritten)
 from app.checkpoint.dcp_blocks import BlocksWriter
 from app.checkpoint.direct_io import ALIGN, DirectFile
+from app.checkpoint.failures import StorageFailure
 from app.checkpoint.handover import Handover
 from app.checkpoint.state import LocalState, Part, Piece, blocks
 from app.checkpoint.tensor_file import layout
@@ -206,36 +208,42 @@ class Snapshot:
                 for name, pieces in self.own.items() for start in pieces}
 
     def write(self, path: Path) -> None:
-        """The checkpoint at `path` (a file, or a folder when sharded). Collective over the group."""
+        """The checkpoint at `path` (a file, or a folder when sharded). Collective over the group; raises SaveFailed
+        on every rank alike, once every rank is through the save's exchanges, when the storage refused any rank's
+        part (failures.py)."""
+        failure = StorageFailure(distributed(self.group)[0], path)
         if self.sharded:
-            self.write_sharded(path)
+            self.write_sharded(path, failure)
         else:
-            self.write_full(path)
+            self.write_full(path, failure)
+        failure.raise_agreed(self.group)
 
-    def write_full(self, path: Path) -> None:
+    def write_full(self, path: Path, failure: StorageFailure) -> None:
         """Rank 0 writes the header and sizes the file, then the ranks of its machine write their pieces into it
         at once, and rank 0 the pieces the other machines send. Collective over the group."""
         rank, _ = distributed(self.group)
         begins = self.tensor_offsets()
         if rank == 0:
-            with open(path, "wb") as handle:
-                handle.write(self.plan.header)
-                handle.truncate(begins[None])
+            failure.attempt(self.write_header, path, begins[None])
         barrier(self.group)
         written: Written = {}
         if rank in self.plan.same_machine:
-            with DirectFile(path) as file:
-                written = self.write_pieces(file, begins, rank)
+            written = self.write_pieces(path, begins, rank, failure)
         else:
             for name, pieces in self.plan.writers.items():
                 for writer, start, _ in pieces:
                     if writer == rank:  # rank 0 writes it, and records its checksum
                         with self.piece(name, start) as data:
                             dist.send(data.to("cpu"), group_dst=0, group=self.group)
-        tables = gathered(written, self.group)
-        if rank == 0:
-            self.fill_in_checksums(path, merged(tables, self.plan.writers))
-        barrier(self.group)
+        tables = gathered((written, failure.message is not None), self.group)
+        if rank == 0 and not any(failed for _, failed in tables):
+            failure.attempt(self.fill_in_checksums, path, merged((table for table, _ in tables), self.plan.writers))
+
+    def write_header(self, path: Path, size: int) -> None:
+        """A new file of `size` bytes that begins with the header (rank 0)."""
+        with open(path, "wb") as handle:
+            handle.write(self.plan.header)
+            handle.truncate(size)
 
     def fill_in_checksums(self, path: Path, table: Table) -> None:
         """Write the checksums into the place the header reserved for them (rank 0, before the file is made
@@ -258,23 +266,34 @@ class Snapshot:
         begins[None] = position
         return begins
 
-    def write_pieces(self, file: DirectFile, begins: dict[Optional[str], int], rank: int) -> Written:
-        """This rank's pieces at their place; on rank 0 also those of the ranks on other machines, received. Returns
-        the checksum of each piece written."""
+    def write_pieces(self, path: Path, begins: dict[Optional[str], int], rank: int,
+                     failure: StorageFailure) -> Written:
+        """This rank's pieces at their place in the file at `path`; on rank 0 also those of the ranks on other
+        machines, received (still received once a write failed: their senders wait for that). Returns the checksum of
+        each piece written."""
         received = Receiver(self.group)
         written: Written = {}
-        for name, pieces in self.plan.writers.items():
-            dtype = self.parts[name].dtype
-            for writer, start, numel in pieces:
-                if writer == rank:
-                    with self.piece(name, start) as data:
-                        host = data.to("cpu")
-                        written[(name, start)] = (numel, checksum(host))
-                        file.write_at(begins[name] + start * dtype.itemsize, bytes_of(host))
-                elif rank == 0 and writer not in self.plan.same_machine:
-                    data = received.piece(writer, numel, dtype)
-                    written[(name, start)] = (numel, checksum(data))
-                    file.write_at(begins[name] + start * dtype.itemsize, bytes_of(data))
+        file = failure.attempt(DirectFile, path)
+        try:
+            for name, pieces in self.plan.writers.items():
+                dtype = self.parts[name].dtype
+                for writer, start, numel in pieces:
+                    if writer == rank and failure.message is None and file is not None:
+                        with self.piece(name, start) as data:
+                            host = data.to("cpu")
+                            written[(name, start)] = (numel, checksum(host))
+                            failure.attempt(file.write_at, begins[name] + start * dtype.itemsize, bytes_of(host))
+                    elif rank == 0 and writer not in self.plan.same_machine:
+                        data = received.piece(writer, numel, dtype)
+                        if failure.message is None and file is not None:
+                            written[(name, start)] = (numel, checksum(data))
+                            failure.attempt(file.write_at, begins[name] + start * dtype.itemsize, bytes_of(data))
+        finally:
+            if file is not None:
+                try:
+                    file.close()
+                except OSError as error:
+                    failure.keep(error)
         return written
 
     def layout_key(self) -> str:
@@ -296,7 +315,7 @@ class Snapshot:
                 found.append((name, 0, (0,) * len(part.shape), torch.empty(part.shape, dtype=part.dtype)))
         return found
 
-    def write_sharded(self, folder: Path) -> None:
+    def write_sharded(self, folder: Path, failure: StorageFailure) -> None:
         """Every rank writes its blocks into its own file, rank 0 the metadata. Collective."""
         rank, world_size = distributed(self.group)
         written: dict[str, TensorBlocks] = {}
@@ -315,15 +334,21 @@ class Snapshot:
                 yield data.view(block.shape)
 
         writer = BlocksWriter(folder, list(starts), reading)
-        with warnings.catch_warnings():  # one process without a group writes alone, as DCP's warning assumes
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            dcp.save({}, storage_writer=writer, planner=BlocksPlanner(written, self.layout_key()),
-                     process_group=self.group, no_dist=world_size == 1 and not dist.is_initialized())
+        try:
+            with warnings.catch_warnings():  # one process without a group writes alone, as DCP's warning assumes
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+                dcp.save({}, storage_writer=writer, planner=BlocksPlanner(written, self.layout_key()),
+                         process_group=self.group, no_dist=world_size == 1 and not dist.is_initialized())
+        except CheckpointException as error:  # raised on every rank alike, with every failed rank's error
+            if not all(isinstance(failed, OSError) for failed, _ in error.failures.values()):
+                raise
+            if rank in error.failures:
+                failure.keep(error.failures[rank][0])
         checksums = {(name, starts[(name, offsets)]): value for (name, offsets), value in writer.checksums.items()}
-        tables = gathered(checksums, self.group)
-        if rank == 0:
-            (folder / CHECKSUMS_FILE).write_text(encode(merged(tables, self.parts)))
-            (folder / SHARDED_METADATA).write_text(json.dumps(self.metadata))
+        tables = gathered((checksums, failure.message is not None), self.group)
+        if rank == 0 and not any(failed for _, failed in tables):
+            failure.attempt((folder / CHECKSUMS_FILE).write_text, encode(merged((t for t, _ in tables), self.parts)))
+            failure.attempt((folder / SHARDED_METADATA).write_text, json.dumps(self.metadata))
 
 
 def lies_as_in_the_file(data: torch.Tensor, phase: int) -> bool:

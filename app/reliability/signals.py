@@ -143,6 +143,8 @@ class StepVerdict:
     """What all ranks agreed on at one optimizer-step boundary."""
 
     stop_requested: bool
+    save_failed: bool
+    """A rank's background checkpoint write has failed (app/checkpoint/failures.py)."""
     non_finite: bool
     grad_norm: torch.Tensor
     """The norm of the whole gradient in fp32, on the device (for clipping)."""
@@ -164,9 +166,9 @@ def all_reduce_sum(fabric: Fabric, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def step_verdict(fabric: Fabric, loss: torch.Tensor, grad_square_sum: torch.Tensor, stop: StopRequest, *,
-                 replicas: int, scaled: bool) -> StepVerdict:
+                 replicas: int, scaled: bool, save_failed: bool = False) -> StepVerdict:
     """ONE all_reduce (sum) of [this rank's squared gradient norm, it saw a stop signal, its loss is not finite,
-    its part of the loss].
+    its part of the loss, its background save failed].
 
     The loss is the sum over the step's micro-batches, so a NaN in any of them shows here without a sync per
     micro-batch; the `.tolist()` is the step's single device-to-host synchronisation, and brings the step's loss
@@ -175,13 +177,15 @@ def step_verdict(fabric: Fabric, loss: torch.Tensor, grad_square_sum: torch.Tens
     """
     device = grad_square_sum.device
     local = torch.stack([grad_square_sum.float(), torch.tensor(float(stop.requested), device=device),
-                         (~torch.isfinite(loss)).float().to(device), loss.float().to(device)])
+                         (~torch.isfinite(loss)).float().to(device), loss.float().to(device),
+                         torch.tensor(float(save_failed), device=device)])
     totals = all_reduce_sum(fabric, local)
     grad_norm = (totals[0] / replicas).sqrt()
     on_host = torch.stack([totals[1], totals[2], (~torch.isfinite(grad_norm)).float(), totals[3] / fabric.world_size,
-                           grad_norm])
-    stop_requested, bad_loss, bad_gradient, step_loss, norm = on_host.tolist()
-    return StepVerdict(stop_requested=stop_requested > 0, non_finite=bad_loss > 0 or (bad_gradient > 0 and not scaled),
+                           grad_norm, totals[4]])
+    stop_requested, bad_loss, bad_gradient, step_loss, norm, failed_saves = on_host.tolist()
+    return StepVerdict(stop_requested=stop_requested > 0, save_failed=failed_saves > 0,
+                       non_finite=bad_loss > 0 or (bad_gradient > 0 and not scaled),
                        grad_norm=grad_norm, loss=step_loss, grad_norm_value=norm)
 
 

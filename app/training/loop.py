@@ -50,7 +50,7 @@ def micro_batch_loss(model, loss_path: LossPath, batch: Batch, step_tokens: int,
 
 
 def train_step(fabric: Fabric, model, step: Step, stop: StopRequest, gradients: GradientPolicy,
-               optimizer, loss_path: LossPath) -> tuple[torch.Tensor, StepVerdict]:
+               optimizer, loss_path: LossPath, save_failed: bool = False) -> tuple[torch.Tensor, StepVerdict]:
     """Forward and backward over one optimizer step's micro-batches; returns this rank's part of the loss x world
     size (their mean over ranks is the step's loss, on the device) and the ranks' verdict on it.
 
@@ -74,7 +74,7 @@ def train_step(fabric: Fabric, model, step: Step, stop: StopRequest, gradients: 
     if gradients.scaled:
         fabric.strategy.precision.unscale_gradients(optimizer.optimizer)
     verdict = step_verdict(fabric, loss_sum, gradient_square_sum(optimizer, fabric.device), stop,
-                           replicas=gradients.replicas, scaled=gradients.scaled)
+                           replicas=gradients.replicas, scaled=gradients.scaled, save_failed=save_failed)
     return loss_sum, verdict
 
 
@@ -161,7 +161,9 @@ class Loop:
             with self.data_wait.measure():
                 step_batches = next(steps)
             loss, verdict = train_step(self.fabric, state["model"], step_batches, self.stop, self.gradients,
-                                       state["optimizer"], self.loss_path)
+                                       state["optimizer"], self.loss_path, save_failed=self.saver.failed())
+            if verdict.save_failed:
+                self.saver.wait()  # raises the failed write's SaveFailed, on every rank alike
             if verdict.non_finite:
                 self.report_non_finite(loss, verdict.grad_norm)
                 return "non_finite"

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
-from app.checkpoint import (CheckpointError, CheckpointSaver, checkpoint_dir, list_checkpoints, load_checkpoint,
-                            read_metadata, resume_rng, run_tokenizer_dir, set_aside_newer)
+from app.checkpoint import (CheckpointError, CheckpointSaver, SaveFailed, checkpoint_dir, list_checkpoints,
+                            load_checkpoint, read_metadata, resume_rng, run_tokenizer_dir, set_aside_newer)
 from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, publish,
                                   remove_leftovers, sees_lock, temporary_path)
 from app.choices import SHARDED_STRATEGIES
@@ -28,7 +28,7 @@ from app.distributed.strategy import build_fabric, gradient_replicas, resolve_ac
 from app.evaluation.samples import (SampleEvaluator, decoding_for, fit_to_context, references_past,
                                     set_aside_samples_after)
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
-                            EXIT_SPIKES)
+                            EXIT_SAVE_FAILED, EXIT_SPIKES)
 from app.folders import discard, replace_file
 from app.metrics.console import Console
 from app.metrics.loggers import SUMMARY_FILE, RowRecord, make_loggers, report_summary
@@ -372,12 +372,20 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                 guard=spike_guard(fabric, cfg, state, data), resumed_from=inputs.resume_from,
                 rows_record=RowRecord(cfg.out_dir, state["step"]) if cfg.record_rows and fabric.is_global_zero
                 else None)
-    outcome = loop.fit()
+    try:
+        outcome: str = loop.fit()
+    except SaveFailed as failure:  # on every rank alike
+        fabric.print(f"error: {failure}. The checkpoints saved before it are kept; the steps since the last one are "
+                     "lost. Make room there (or move the run folder), then continue with --resume true",
+                     file=sys.stderr)
+        outcome = "save_failed"
     if loop.rows_record:
         loop.rows_record.close()
     loop.saver.close()
     loop.watchdog.disarm()
     console.close()
+    if outcome == "save_failed":  # no summary.json either: the storage is full, or gone
+        return EXIT_SAVE_FAILED
     report_summary(fabric, cfg.out_dir, loop.summarize(), console)
     if outcome == "preempted" and requeues_itself(cfg.requeue_on_signal, stop.signal) and fabric.is_global_zero:
         requeue_slurm_job()

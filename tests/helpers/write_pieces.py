@@ -1,14 +1,16 @@
 """Two ranks over gloo write one checkpoint from uneven pieces (as FSDP's flat shards cut them) and replicated
 tensors (as DDP holds them), in both formats; rank 0 reads both back and compares them with the whole tensors.
 
-    python tests/helpers/write_pieces.py RANK PORT FOLDER [machines]
+    python tests/helpers/write_pieces.py RANK PORT FOLDER [machines] [full-disk-on-rank-N]
 
 With `machines`, each rank reports a machine of its own, so that rank 1's pieces of a full file travel to rank 0
-instead of being written by rank 1 itself (what ranks on other nodes do).
+instead of being written by rank 1 itself (what ranks on other nodes do). With `full-disk-on-rank-N`, rank N's disk
+writes fail (ENOSPC): every rank prints the SaveFailed it raised, for each format, instead of reading back.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
 import sys
 from datetime import timedelta
@@ -19,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from app.checkpoint import read_metadata, read_tensors  # noqa: E402
+from app.checkpoint import SaveFailed, read_metadata, read_tensors  # noqa: E402
+from app.checkpoint.direct_io import DirectFile  # noqa: E402
 from app.checkpoint.state import LocalState, Part, Piece  # noqa: E402
 from app.checkpoint.writers import Snapshot, StagingArea  # noqa: E402
 
@@ -48,10 +51,16 @@ def this_ranks_part(rank: int, tensors: dict[str, torch.Tensor]) -> LocalState:
     return LocalState(parts, [])
 
 
+def full_disk(*args: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def main() -> None:
-    rank, port, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-    if sys.argv[4:] == ["machines"]:
+    rank, port, folder, options = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4:]
+    if "machines" in options:
         socket.gethostname = lambda: f"machine-{rank}"
+    if f"full-disk-on-rank-{rank}" in options:
+        DirectFile.write_at = DirectFile.write_blocks = full_disk  # type: ignore[method-assign]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     tensors = whole_tensors()
@@ -61,7 +70,11 @@ def main() -> None:
         if background:  # a background save whose next update came first: written from copies
             taken = taken.for_background(StagingArea())
             taken.handover.freeze()
-        taken.write(path)
+        try:
+            taken.write(path)
+        except SaveFailed as error:
+            print(f"{path.name}: {error}", flush=True)
+            continue
         dist.barrier()
         if rank == 0:
             assert read_metadata(path) == {"step": 3}
