@@ -421,6 +421,20 @@ def read_checkpoint(path: Path) -> dict:
     return read_metadata(path) | {"model": read_model_weights(path)}
 
 
+def overwrite_in_place(checkpoint: Path, name: str) -> Path:
+    """Zero 64 bytes of tensor `name`'s data where the checkpoint stores them, its files' sizes unchanged (a failing
+    disk, or a copy tool that sizes its file first and was cut short); returns the file changed."""
+    from app.checkpoint.sources import open_source
+
+    with open_source(checkpoint) as source:
+        source.shapes()
+        extent = source.extents_of(name)[0]
+    with open(extent.path, "r+b") as handle:
+        handle.seek(extent.offset)
+        handle.write(bytes(64))
+    return extent.path
+
+
 def stop_where_lengths_differ(generated: list[list[int]]) -> tuple[int, list[list[int]]]:
     """A stop token that ends some greedy outputs early and others later, and the outputs cut after it: the case
     where ranks finish generating at different steps and must not wait on each other for ever."""

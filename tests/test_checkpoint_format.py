@@ -34,7 +34,7 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import LocalState, Part, Piece, blocks, flat_range
 from app.checkpoint.tensor_file import read_header
 from app.checkpoint.writers import Snapshot, StagingArea, lowest_holders
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, overwrite_in_place
 
 
 def test_blocks_cover_a_range_in_order_and_each_is_one_range_again() -> None:
@@ -243,6 +243,33 @@ def test_a_folder_torch_distributed_checkpoint_wrote_reads_as_pieces(tensors, tm
     """Sharded checkpoints of earlier versions were written by DCP from torch's state dicts."""
     dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
     assert all(torch.equal(tensor, tensors[name]) for name, tensor in read_tensors(tmp_path).items())
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_rollback_passes_over_a_corrupt_checkpoint_for_the_one_before_it(tmp_path, sharded) -> None:
+    """The spike guard's rollback met a checkpoint whose bytes changed in place with a traceback (on the ranks whose
+    pieces were changed; the others waited for them)."""
+    from lightning_fabric import Fabric
+
+    from app.checkpoint import CheckpointSaver, checkpoint_path, load_last_good_checkpoint
+
+    model = torch.nn.Linear(8, 4)
+    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 0}
+    saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=sharded, background=False)
+    for step in (8, 16, 24):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        state["step"] = step
+        saver.save(checkpoint_path(tmp_path, step), state, lambda: None)
+    changed = overwrite_in_place(checkpoint_path(tmp_path, 16), "model.weight")
+    said: list[str] = []
+    path, saved = load_last_good_checkpoint(tmp_path, 20, model, state["optimizer"], said.append)
+    assert (path, saved["step"]) == (checkpoint_path(tmp_path, 8), 8) and torch.all(model.weight == 8)
+    assert len(said) == 1 and said[0].startswith(f"not rolling back to {changed}: elements 0 to ") and said[0].endswith(
+        "of model.weight are not the bytes that were saved (their checksum differs): the checkpoint is corrupt; "
+        "trying an earlier checkpoint"), said
+    overwrite_in_place(checkpoint_path(tmp_path, 8), "model.weight")
+    assert load_last_good_checkpoint(tmp_path, 20, model, state["optimizer"], said.append) is None
 
 
 def test_a_truncated_file_is_reported(tensors, tmp_path) -> None:

@@ -21,7 +21,7 @@ from app.huggingface.convert_cli import main as convert_main
 from app.huggingface.generate import GenerateArgs, generate
 from app.huggingface.generate_cli import main as generate_main
 from app.huggingface.prefetch import main as prefetch_main
-from tests.conftest import read_checkpoint, run_entry, run_train, train_args
+from tests.conftest import overwrite_in_place, read_checkpoint, run_entry, run_train, train_args
 from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS
 
 SHORT = dict(max_step=8, warmup_steps=2, eval_step_interval=4, save_step_interval=4)
@@ -362,20 +362,6 @@ def test_a_resume_passes_over_a_newest_checkpoint_that_does_not_read_whole_and_w
             "truncated); continuing from step-00000004.ckpt, the newest checkpoint that reads whole") in resumed.stdout
     assert (run / "checkpoints" / "rolled-back" / "step-00000008.ckpt").is_dir(), "set aside, not deleted"
     assert not leftover.exists(), "removed as the run starts, with no save to come"
-
-
-def overwrite_in_place(checkpoint: Path, name: str) -> Path:
-    """Zero 64 bytes of tensor `name`'s data where the checkpoint stores them, its files' sizes unchanged (a failing
-    disk, or a copy tool that sizes its file first and was cut short); returns the file changed."""
-    from app.checkpoint.sources import open_source
-
-    with open_source(checkpoint) as source:
-        source.shapes()
-        extent = source.extents_of(name)[0]
-    with open(extent.path, "r+b") as handle:
-        handle.seek(extent.offset)
-        handle.write(bytes(64))
-    return extent.path
 
 
 def test_bytes_changed_in_place_are_found_by_their_checksums_at_conversion_and_resume(full_run, sharded_run, tiny,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,11 +74,48 @@ def load_checkpoint(path: Path, model: Any, optimizer: Any) -> dict[str, Any]:
     return read_metadata(path)
 
 
-def last_good_checkpoint(out_dir: str | Path, before_step: int) -> Optional[Path]:
+def load_on_every_rank(path: Path, model: Any, optimizer: Any) -> tuple[dict[str, Any], Optional[str]]:
+    """`load_checkpoint` on every rank, and why the checkpoint could not be read whole (a piece whose checksum
+    differs: it is corrupt), the same on every rank: the others would otherwise wait in their next collective for the
+    rank that failed. The metadata is empty when it could not. Collective."""
+    try:
+        saved, unreadable = load_checkpoint(path, model, optimizer), None
+    except CheckpointError as error:
+        saved, unreadable = {}, str(error)
+    found: list[Optional[str]] = [unreadable]
+    if distributed(None)[1] > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, unreadable)
+    return saved, next((problem for problem in found if problem), None)
+
+
+def load_last_good_checkpoint(out_dir: str | Path, before_step: int, model: Any, optimizer: Any,
+                              say: Callable[[str], None]) -> Optional[tuple[Path, dict[str, Any]]]:
+    """The last good checkpoint from before `before_step` (last_good_checkpoint) that every rank reads whole,
+    loaded in place, and its metadata; one that does not (a checksum differs) is passed over for the one before it,
+    with a line (`say`). None when none is left. Collective: rank 0 chooses."""
+    broken: frozenset[Path] = frozenset()
+    while True:
+        chosen = [last_good_checkpoint(out_dir, before_step, broken) if distributed(None)[0] == 0 else None]
+        if distributed(None)[1] > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        path = chosen[0]
+        if path is None:
+            return None
+        saved, unreadable = load_on_every_rank(path, model, optimizer)
+        if unreadable is None:
+            return path, saved
+        say(f"not rolling back to {unreadable}; trying an earlier checkpoint")
+        broken |= {path}
+
+
+def last_good_checkpoint(out_dir: str | Path, before_step: int, passing_over: frozenset[Path] = frozenset()
+                         ) -> Optional[Path]:
     """Where a rollback returns to (spike guard): the latest checkpoint saved before `before_step` whose validation
     loss, where it records one, is no higher than the lowest of theirs: a checkpoint from a stretch where the loss
-    had begun to rise is passed over for an earlier one."""
-    candidates = {step: path for step, path in list_checkpoints(out_dir).items() if step < before_step}
+    had begun to rise is passed over for an earlier one. So are those in `passing_over` (found corrupt)."""
+    candidates = {step: path for step, path in list_checkpoints(out_dir).items()
+                  if step < before_step and path not in passing_over}
     losses = {step: read_metadata(path).get("val_loss") for step, path in candidates.items()}
     known = [loss for loss in losses.values() if loss is not None]
     good = [step for step, loss in losses.items() if loss is None or loss <= min(known)]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
 import torch
 from lightning_fabric import Fabric
 
-from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, load_checkpoint, mark_if_best,
+from app.checkpoint import (CheckpointSaver, checkpoint_path, load_last_good_checkpoint, mark_if_best,
                             prune_checkpoints, rng_of_every_rank, set_aside_newer)
 from app.data import Batch, Step, TrainingData, train_steps
 from app.evaluation.validation import perplexity, row_losses, validation_losses
@@ -261,12 +261,13 @@ class Loop:
         self.saver.before_update()
         self.saver.wait()
         began = self.guard.incident_began()
-        path = fabric.broadcast(last_good_checkpoint(self.cfg.out_dir, began) if fabric.is_global_zero else None)
-        if path is None:
+        loaded = load_last_good_checkpoint(self.cfg.out_dir, began, state["model"], state["optimizer"],
+                                           say=lambda line: self.console.print(f"step {state['step']}: {line}"))
+        if loaded is None:
             self.console.print(f"step {state['step']}: no checkpoint from before step {began} to roll back to; "
                                "stopped without saving. Resume from the last checkpoint with a lower --lr")
             return False
-        saved = load_checkpoint(path, state["model"], state["optimizer"])
+        path, saved = loaded
         if fabric.is_global_zero:
             for moved in set_aside_newer(self.cfg.out_dir, saved["step"]) + set_aside_samples_after(
                     Path(self.cfg.out_dir), saved["step"]):

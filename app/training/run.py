@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 from app.checkpoint import (CheckpointError, CheckpointSaver, SaveFailed, checkpoint_dir, list_checkpoints,
-                            load_checkpoint, read_metadata, resume_rng, run_tokenizer_dir, set_aside_newer)
+                            load_on_every_rank, read_metadata, resume_rng, run_tokenizer_dir, set_aside_newer)
 from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, publish,
                                   remove_leftovers, sees_lock, temporary_path)
 from app.choices import SHARDED_STRATEGIES
@@ -128,18 +128,10 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
 def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan: TrainingPlan) -> Optional[str]:
     """Load the checkpoint into the model and optimizer, then continue its counters, random states and scaler.
     Returns, the same on every rank, why the checkpoint could not be read whole (a piece whose checksum differs: the
-    checkpoint is corrupt); the other ranks would otherwise wait in the first collective for the one that failed."""
+    checkpoint is corrupt)."""
     loading = Stopwatch()
     with loading.measure():
-        try:
-            saved, unreadable = load_checkpoint(path, state["model"], state["optimizer"]), None
-        except CheckpointError as error:
-            saved, unreadable = {}, str(error)
-    found: list[Optional[str]] = [unreadable]
-    if dist.is_initialized() and fabric.world_size > 1:
-        found = [None] * fabric.world_size
-        dist.all_gather_object(found, unreadable)
-    unreadable = next((problem for problem in found if problem), None)
+        saved, unreadable = load_on_every_rank(path, state["model"], state["optimizer"])
     if unreadable:
         earlier = [step for step in list_checkpoints(cfg.out_dir) if step < read_metadata(path)["step"]]
         return (f"--checkpoint {unreadable}; resume from an earlier checkpoint with --checkpoint"
