@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -270,6 +271,25 @@ def test_a_rollback_passes_over_a_corrupt_checkpoint_for_the_one_before_it(tmp_p
         "trying an earlier checkpoint"), said
     overwrite_in_place(checkpoint_path(tmp_path, 8), "model.weight")
     assert load_last_good_checkpoint(tmp_path, 20, model, state["optimizer"], said.append) is None
+
+
+@pytest.mark.parametrize("elsewhere", ["../secret", "/etc/hostname", "sub/__0_0.distcp", ".."])
+def test_a_sharded_folder_whose_metadata_names_a_file_outside_it_is_refused(tensors, tmp_path, elsewhere) -> None:
+    """DCP writes its rank files beside `.metadata`; a downloaded folder whose `.metadata` names another path would
+    have its bytes read as the model's (and a conversion would push them)."""
+    from app.checkpoint import CheckpointError, broken_checkpoint
+
+    folder = tmp_path / "checkpoint"
+    Snapshot.take(uneven_pieces(tensors, {}), {}, group=None, sharded=True).write(folder)
+    (tmp_path / "secret").write_bytes(b"x" * 100_000)
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    for stored in metadata.storage_data.values():
+        stored.relative_path = elsewhere
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    refusal = f"names {elsewhere!r} for a tensor's bytes, outside the folder: not a checkpoint this program wrote"
+    assert refusal in broken_checkpoint(folder)
+    with pytest.raises(CheckpointError, match=re.escape(refusal)):
+        read_tensors(folder)
 
 
 def test_a_truncated_file_is_reported(tensors, tmp_path) -> None:

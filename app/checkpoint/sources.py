@@ -159,7 +159,7 @@ class FolderSource(RawSource):
                sizes: tuple[int, ...]) -> Extent:
         start, numel = flat_range(shape, offsets, sizes)
         stored = self.metadata.storage_data[MetadataIndex(name, torch.Size(offsets))]
-        path = self.folder / stored.relative_path
+        path = stored_file(self.folder, stored.relative_path)
         try:
             data = record_data_offset(self.handle(path), stored.offset, stored.length, numel * dtype.itemsize)
         except (zipfile.BadZipFile, struct.error, EOFError) as error:  # a file cut short or overwritten there
@@ -187,6 +187,16 @@ class MetadataUnpickler(pickle.Unpickler):
         if name not in METADATA_CLASSES.get(module, ()):
             raise ValueError(f"{module}.{name} is not what a checkpoint's metadata holds")
         return super().find_class(module, name)
+
+
+def stored_file(folder: Path, name: str) -> Path:
+    """The rank file a DCP `.metadata` names: a plain file name within the folder, the only kind DCP writes. A name
+    that leads elsewhere (`../x`, `/etc/x`) would read another file's bytes as the checkpoint's, and a conversion
+    would put them into the model it may push to the Hub."""
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise CheckpointError(f"{folder / '.metadata'} names {name!r} for a tensor's bytes, outside the folder: not a "
+                              "checkpoint this program wrote")
+    return folder / name
 
 
 def missing_file(path: Path) -> NoReturn:
@@ -276,7 +286,7 @@ def check_complete(path: Path) -> None:
             return  # an earlier version's folder: its reader says what is missing
         ends: dict[Path, int] = {}
         for stored in read_dcp_metadata(path).storage_data.values():
-            file = path / stored.relative_path
+            file = stored_file(path, stored.relative_path)
             ends[file] = max(ends.get(file, 0), stored.offset + stored.length)
     elif legacy.is_torch_save_file(path):
         return
