@@ -7,11 +7,14 @@ datasets)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 import socket
+import sys
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -64,6 +67,55 @@ def replace_file(path: Path, text: str) -> None:
         temporary.unlink(missing_ok=True)
         raise
     os.replace(temporary, path)
+
+
+def append_whole(path: Path, text: str) -> None:
+    """Append `text` to the file at `path`, or nothing of it: a write the storage refuses part way (a full disk) is
+    cut off again, so that the next line does not begin inside this one."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(descriptor).st_size
+        data = text.encode()
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(descriptor, data[written:])
+        except OSError:
+            os.ftruncate(descriptor, size)
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def storage_error(error: OSError, writing: Path) -> str:
+    """'No space left on device (ENOSPC) writing PATH' from an OSError (os.write leaves it without a path)."""
+    code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+    return f"{error.strerror or error}{code} writing {error.filename or writing}"
+
+
+UNWRITTEN: set[Path] = set()
+"""The files `written_or_warned` could not write last time."""
+
+
+def written_or_warned(path: Path, write: Callable[[], object]) -> bool:
+    """`write()` (which writes `path`), or, when the storage refuses it (a full disk), one warning line, once until it
+    works again: for what rank 0 writes beside the checkpoints (metrics.csv's rows, rows.jsonl, the generation
+    samples, quarantine.jsonl, summary.json). They are written again from the run's state, or from the checkpoint a
+    resume starts at, and the next save meets the same storage: if it is still full, the save stops the run in one
+    line (app/checkpoint/failures.py). Before, rank 0's traceback ended the run, the others' "connection closed by
+    peer". Whether it was written."""
+    try:
+        write()
+    except OSError as error:
+        if path not in UNWRITTEN:
+            UNWRITTEN.add(path)
+            print(f"warning: {storage_error(error, path)}; the run goes on without it until it can be written again",
+                  file=sys.stderr, flush=True)
+        return False
+    if path in UNWRITTEN:
+        UNWRITTEN.discard(path)
+        print(f"{path} is written again", file=sys.stderr, flush=True)
+    return True
 
 
 def discard(path: Path) -> None:

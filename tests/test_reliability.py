@@ -5,6 +5,7 @@ Every run is train.py in 2 real FSDP processes on CPU; signals are real signals 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gc
 import json
@@ -687,6 +688,37 @@ def test_a_full_disk_stops_every_rank_at_the_save_in_one_line_and_the_run_resume
         assert sorted(list_checkpoints(out)) == [2, 4, 6]
     finally:
         storage.unmount()
+
+
+def test_a_side_file_the_disk_refuses_is_one_warning_until_it_is_written_again_and_never_half_a_line(
+        tmp_path: Path, capsys):
+    """metrics.csv's row, rows.jsonl, the samples, quarantine.jsonl and summary.json met a full disk (another job
+    filled it between saves) with rank 0's traceback, the other ranks' "connection closed by peer". Now a row is left
+    out with one warning until the file is written again (the next save meets the full disk and stops the run in one
+    line), and what was cut off part way is cut off whole."""
+    from app.folders import append_whole, written_or_warned
+
+    storage = SmallStorage(tmp_path / "storage", kilobytes=64)
+    try:
+        metrics = storage.folder / "metrics.csv"
+        append_whole(metrics, "step,train_loss\n")
+        filler = storage.folder / "filler"
+        with contextlib.suppress(OSError), open(filler, "wb") as handle:
+            while True:
+                handle.write(bytes(1 << 12))
+                handle.flush()
+        row = "7," + "1" * 20_000 + "\n"  # more than the page the file has: written in part, then refused
+        for _ in range(3):
+            assert not written_or_warned(metrics, lambda: append_whole(metrics, row))
+        assert metrics.read_text() == "step,train_loss\n", "nothing of the rows"
+        filler.unlink()
+        assert written_or_warned(metrics, lambda: append_whole(metrics, row))
+        assert metrics.read_text() == "step,train_loss\n" + row
+    finally:
+        storage.unmount()
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: No space left on device (ENOSPC) writing {metrics}; the run goes on without it until it can be "
+        "written again", f"{metrics} is written again"]
 
 
 def test_a_pruned_checkpoint_folder_is_never_seen_half_deleted(tmp_path: Path, monkeypatch):

@@ -9,24 +9,19 @@ through every exchange of the save without writing, and the ranks then agree: ev
 
 from __future__ import annotations
 
-import errno
 import socket
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
+from app.folders import storage_error
+
 T = TypeVar("T")
 
 
 class SaveFailed(Exception):
     """The storage refused a checkpoint: raised on every rank alike, its message one line."""
-
-
-def describe(error: OSError, writing: Path) -> str:
-    """'No space left on device (ENOSPC) writing /path' from an OSError, which os.pwrite leaves without a path."""
-    code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
-    return f"{error.strerror or error}{code} writing {error.filename or writing}"
 
 
 class StorageFailure:
@@ -47,7 +42,8 @@ class StorageFailure:
 
     def keep(self, error: BaseException) -> None:
         if self.message is None:
-            detail = describe(error, self.writing) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+            detail = (storage_error(error, self.writing) if isinstance(error, OSError)
+                      else f"{type(error).__name__}: {error}")
             self.message = f"rank {self.rank} on {socket.gethostname()}: {detail}"
 
     def raise_agreed(self, group: Optional[dist.ProcessGroup]) -> None:

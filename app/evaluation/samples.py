@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from app.checkpoint.files import move_aside
 from app.data.formats import Sample
-from app.folders import replace_file
+from app.folders import replace_file, written_or_warned
 from app.model.build import evaluation_mode, strategy_module
 from app.model.isolation import decoder_inputs_from_labels
 from app.prepare.chat_template import end_of_turn_id
@@ -230,8 +231,10 @@ class SampleEvaluator:
             return {}
         generated = [self.text(ids) for ids in tokens]
         references = [self.text(sample.reference) for sample in self.samples]
-        write_samples(self.out_dir / SAMPLES_DIR / f"step-{step:08d}.jsonl",
-                      [self.text(sample.prompt, special=True) for sample in self.samples], references, generated)
+        folder = self.out_dir / SAMPLES_DIR
+        written_or_warned(folder, partial(write_samples, folder / f"step-{step:08d}.jsonl",
+                                          [self.text(sample.prompt, special=True) for sample in self.samples],
+                                          references, generated))
         return sample_metrics(generated, references, [len(ids) for ids in tokens])
 
     def text(self, ids: list[int], special: bool = False) -> str:

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -14,7 +15,7 @@ from lightning_fabric.loggers.logger import rank_zero_experiment
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 from app.data.mixture import parse_sources
-from app.folders import replace_file
+from app.folders import append_whole, replace_file, written_or_warned
 from app.metrics.console import Console
 from app.metrics.observe import summary_lines
 
@@ -75,8 +76,9 @@ class CSVMetrics(Logger):
         unknown = set(metrics) - set(self.columns)
         if unknown:
             raise KeyError(f"metrics without a metrics.csv column: {sorted(unknown)}")
-        with open(self.path, "a", newline="") as handle:
-            csv.DictWriter(handle, fieldnames=self.columns).writerow({**metrics, "step": step})
+        row = io.StringIO(newline="")
+        csv.DictWriter(row, fieldnames=self.columns).writerow({**metrics, "step": step})
+        written_or_warned(self.path, partial(append_whole, self.path, row.getvalue()))
 
 
 class RowRecord:
@@ -92,13 +94,12 @@ class RowRecord:
                     if line.endswith("\n") and json.loads(line)["step"] <= resume_step]
         path.parent.mkdir(parents=True, exist_ok=True)
         replace_file(path, "".join(kept))
-        self.file = open(path, "a", buffering=1)  # a line per step, on disk before the next step
+        self.path = path
 
     def write(self, step: int, rows: dict[str, list[int]]) -> None:
-        self.file.write(json.dumps({"step": step, "rows": rows}) + "\n")
-
-    def close(self) -> None:
-        self.file.close()
+        """A line, on disk before the next step."""
+        line = json.dumps({"step": step, "rows": rows}) + "\n"
+        written_or_warned(self.path, partial(append_whole, self.path, line))
 
 
 class WandbMetrics(Logger):
@@ -194,10 +195,11 @@ def report_summary(fabric: Fabric, out_dir: str | Path, summary: dict[str, Any],
     if not fabric.is_global_zero:
         return
     path = Path(out_dir) / SUMMARY_FILE
-    replace_file(path, json.dumps(summary, indent=2) + "\n")
+    written = written_or_warned(path, partial(replace_file, path, json.dumps(summary, indent=2) + "\n"))
     for line in summary_lines(summary):
         console.print(line)
-    console.print(f"  written to {path}")
+    if written:
+        console.print(f"  written to {path}")
     for logger in fabric.loggers:
         if isinstance(logger, WandbMetrics):
             logger.set_summary({k: v for k, v in summary.items() if k != "ranks"})

@@ -31,10 +31,11 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
-from app.folders import replace_file
+from app.folders import replace_file, written_or_warned
 
 SpikeMode = Literal["off", "detect", "skip", "rollback"]
 Action = Literal["apply", "skip", "rollback", "stop"]
@@ -260,4 +261,5 @@ def write_quarantine(out_dir: Path, entries: list[dict], locate: Callable[[int],
     for entry in entries:
         data_dir, row = locate(entry["row"])
         lines.append(json.dumps({"data_dir": data_dir, "split": "train"} | entry | {"row": row}) + "\n")
-    replace_file(out_dir / QUARANTINE_FILE, "".join(lines))
+    path = out_dir / QUARANTINE_FILE
+    written_or_warned(path, partial(replace_file, path, "".join(lines)))

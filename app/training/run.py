@@ -371,8 +371,6 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                      "lost. Make room there (or move the run folder), then continue with --resume true",
                      file=sys.stderr)
         outcome = "save_failed"
-    if loop.rows_record:
-        loop.rows_record.close()
     loop.saver.close()
     loop.watchdog.disarm()
     console.close()
