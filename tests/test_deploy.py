@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 RUN_SCRIPT = ROOT / "docker" / "run.sh"
@@ -433,6 +435,35 @@ def test_torchrun_wrapper_exits_with_the_failed_workers_own_code(tmp_path):
                              str(worker)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 4, result.stderr[-2000:]
     assert "exitcode  : 4" in result.stderr
+
+
+def test_torchrun_wrapper_ends_a_rendezvous_that_a_node_never_joins_with_5_in_one_line(tmp_path):
+    """Under c10d the workers start once every node has joined, so --rendezvous_timeout_min never applied: torchrun's
+    RendezvousTimeoutError, a 30-line traceback and exit 1, which the script does not requeue."""
+    from app.exit_codes import EXIT_RENDEZVOUS_TIMEOUT
+
+    worker = tmp_path / "never.py"
+    worker.write_text("raise SystemExit('a worker started')\n")
+    result = subprocess.run([sys.executable, "-m", "app.reliability.torchrun", "--nnodes", "2", "--nproc_per_node",
+                             "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
+                             "--rdzv_id", "job", "--rdzv_conf", "join_timeout=3", str(worker)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_RENDEZVOUS_TIMEOUT, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "a worker started" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "torchrun: the nodes did not all join the rendezvous in time (")
+
+
+def test_torchrun_sbatch_meets_at_a_port_of_its_own_job_and_bounds_the_wait_for_the_nodes(tmp_path):
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho node1\n")  # `scontrol show hostnames`, without a cluster
+    (tmp_path / "scontrol").chmod(0o755)
+    job = {"SLURM_CPUS_PER_TASK": "8", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "123457",
+           "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    ports = {shell_variable(SBATCH_TORCHRUN, "RDZV_PORT", job | {"SLURM_JOB_ID": job_id}) for job_id in ("7", "8")}
+    assert ports == {"29507", "29508"}
+    words = launch_command(SBATCH_TORCHRUN, "srun")
+    assert flag_value(words, "--rdzv_conf") == "join_timeout=$RDZV_JOIN_TIMEOUT_SEC"
+    assert shell_variable(SBATCH_TORCHRUN, "RDZV_JOIN_TIMEOUT_SEC", job) == "600"
 
 
 def test_torchrun_wrapper_reads_the_reporting_workers_code_past_the_others_zeros() -> None:

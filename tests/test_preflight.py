@@ -332,11 +332,14 @@ def test_a_launcher_that_started_another_number_of_processes_is_refused_in_one_l
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
 
-    def refusal(**options) -> str:
+    def refusals(**options) -> list[str]:
         with pytest.raises(SystemExit) as exit_info:
             preflight(parse_config(train_args(tiny, tmp_path / "out", **options)))
         assert exit_info.value.code == 2
-        (line,) = capsys.readouterr().err.strip().splitlines()
+        return capsys.readouterr().err.strip().splitlines()
+
+    def refusal(**options) -> str:
+        (line,) = refusals(**options)
         return line
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
@@ -344,11 +347,46 @@ def test_a_launcher_that_started_another_number_of_processes_is_refused_in_one_l
     assert refusal(devices=1) == ("error: --devices 1 --num_nodes 1: 1 ranks, but torchrun (WORLD_SIZE) started 2 "
                                   "processes; give --devices (processes per node) and --num_nodes whose product is 2")
     assert preflight(parse_config(train_args(tiny, tmp_path / "out", devices=2))).plan.world_size == 2
+    # The right product split the wrong way: torchrun --nnodes 2 --nproc_per_node 1 given --num_nodes 1 --devices 2
+    # trained with HYBRID_SHARD's "node" spanning both and the shared-out_dir check skipped; --nnodes 2
+    # --nproc_per_node 2 given --num_nodes 4 --devices 1 ended every rank in an IndexError
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert refusals(devices=2) == [
+        "error: --num_nodes 1: torchrun started the run on 2 nodes (GROUP_WORLD_SIZE); give --num_nodes 2",
+        "error: --devices 2: torchrun started 1 processes on each node (LOCAL_WORLD_SIZE); give --devices 1"]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert refusals(devices=1, num_nodes=4) == [
+        "error: --num_nodes 4: torchrun started the run on 2 nodes (GROUP_WORLD_SIZE); give --num_nodes 2",
+        "error: --devices 1: torchrun started 2 processes on each node (LOCAL_WORLD_SIZE); give --devices 2"]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert preflight(parse_config(train_args(tiny, tmp_path / "out", devices=2, num_nodes=2))).plan.world_size == 4
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(name)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
     monkeypatch.setenv("SLURM_JOB_NAME", "train")
-    assert "but srun (SLURM_NTASKS) started 4 processes" in refusal(devices=2)
+    assert refusal(devices=2) == ("error: --devices 2: srun started 4 processes on each node (SLURM_NTASKS_PER_NODE); "
+                                  "give --devices 4")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2,1")
+    monkeypatch.setenv("SLURM_NTASKS", "3")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert refusal(devices=2, num_nodes=2) == (
+        "error: srun started different numbers of processes on the nodes (SLURM_TASKS_PER_NODE=2,1): every node "
+        "needs as many ranks; ask for them per node (--ntasks-per-node)")
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")  # sized with --ntasks alone: Lightning's RuntimeError on every rank
+    assert refusal(devices=2, num_nodes=2) == (
+        "error: srun started 3 tasks of a job sized without --ntasks-per-node, and Lightning (SLURMEnvironment) "
+        "refuses such a job on every rank; submit it with --nodes and --ntasks-per-node (one task per device)")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert preflight(parse_config(train_args(tiny, tmp_path / "out", devices=2, num_nodes=2))).plan.world_size == 4
+    for name in ("SLURM_TASKS_PER_NODE", "SLURM_NNODES", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(name)
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NODE_RANK", "1")

@@ -2,7 +2,10 @@
 
 slurm/train-torchrun.sbatch requeues a run that stalled (exit 4) or timed out at the rendezvous (exit 5), and only
 those: torchrun reports every failed worker as 1, so the script starts `python -m app.reliability.torchrun` with
-torchrun's arguments instead. A worker killed by a signal gives 128 + its number, as a shell does.
+torchrun's arguments instead. A worker killed by a signal gives 128 + its number, as a shell does. Under torchrun's c10d
+rendezvous the workers start only once every node's torchrun has joined, so a node that never joins is torchrun's
+own timeout (`--rdzv_conf join_timeout`, which the script sets), not --rendezvous_timeout_min: torchrun's
+RendezvousTimeoutError (a 30-line traceback, exit 1, not requeued) is one line and exit 5 here.
 
 A stop signal to torchrun itself (Slurm's preemption or scancel, SIGTERM to every task; `--signal=USR1`, with
 `--signals_to_handle`) is handed to the workers, which save and exit (app/reliability/signals.py); torchrun then
@@ -23,9 +26,10 @@ from typing import Any, Optional
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.run import main
 
-from app.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from app.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT
 
 CODE_AFTER_SIGNAL = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGUSR1: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 
@@ -88,3 +92,7 @@ if __name__ == "__main__":
         code, line = exit_after_signal(stopped.sigval, WORKER_CODES[0])
         print(f"torchrun: {line}", file=sys.stderr)
         sys.exit(code)
+    except RendezvousTimeoutError as timeout:
+        print(f"torchrun: the nodes did not all join the rendezvous in time ({timeout}): a node that never started, "
+              f"or another --rdzv_endpoint; nothing was trained (exit {EXIT_RENDEZVOUS_TIMEOUT})", file=sys.stderr)
+        sys.exit(EXIT_RENDEZVOUS_TIMEOUT)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -127,12 +128,13 @@ def check_launcher(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--num_nodes {cfg.num_nodes}: nothing starts the other nodes here; run train.py on every "
                         "node with srun (slurm/train.sbatch), torchrun --nnodes (slurm/train-torchrun.sbatch), or "
                         "by hand with MASTER_ADDR, MASTER_PORT and each node's NODE_RANK set; or use --num_nodes 1")
-    started = launcher_processes()
-    if started and started[1] != world_size(cfg):
-        launcher, processes = started
-        problems.append(f"--devices {cfg.devices} --num_nodes {cfg.num_nodes}: {world_size(cfg)} ranks, but {launcher} "
-                        f"started {processes} processes; give --devices (processes per node) and --num_nodes whose "
-                        f"product is {processes}")
+    layout = launcher_layout()
+    split = layout_problems(cfg, layout) if layout else []
+    problems += split
+    if layout and not split and layout.processes != world_size(cfg):
+        problems.append(f"--devices {cfg.devices} --num_nodes {cfg.num_nodes}: {world_size(cfg)} ranks, but "
+                        f"{layout.launcher} ({layout.processes_variable}) started {layout.processes} processes; give "
+                        f"--devices (processes per node) and --num_nodes whose product is {layout.processes}")
     node_rank = os.environ.get("NODE_RANK", "0")
     if node_rank.isdigit() and int(node_rank) >= cfg.num_nodes:
         problems.append(f"NODE_RANK={node_rank} is set, but --num_nodes {cfg.num_nodes} has no node {node_rank}: "
@@ -148,12 +150,74 @@ def launched_on_every_node() -> bool:
     return detected or {"MASTER_ADDR", "NODE_RANK"} <= os.environ.keys()
 
 
-def launcher_processes() -> Optional[tuple[str, int]]:
-    """The launcher Lightning will take the ranks from (torchrun first: it may run inside a Slurm job) and how many
-    processes it started; None without one."""
+@dataclass(frozen=True)
+class LauncherLayout:
+    """How the launcher Lightning takes the ranks from spread them, where it says so."""
+
+    launcher: str
+    processes: int
+    processes_variable: str
+    per_node: Optional[str]
+    """Processes on each node ("4"), or, when nodes differ, the launcher's own spelling ("4(x2),3")."""
+    per_node_variable: str
+    nodes: Optional[int]
+    nodes_variable: str
+
+
+def launcher_layout() -> Optional[LauncherLayout]:
+    """The launcher Lightning will take the ranks from (torchrun first: it may run inside a Slurm job), how many
+    processes it started, and how many on each of how many nodes; None without one."""
     with without_srun_hint():
         if TorchElasticEnvironment.detect():
-            return "torchrun (WORLD_SIZE)", TorchElasticEnvironment().world_size()
+            return LauncherLayout("torchrun", TorchElasticEnvironment().world_size(), "WORLD_SIZE",
+                                  os.environ.get("LOCAL_WORLD_SIZE"), "LOCAL_WORLD_SIZE",
+                                  int_or_none(os.environ.get("GROUP_WORLD_SIZE")), "GROUP_WORLD_SIZE")
         if SLURMEnvironment.detect():
-            return "srun (SLURM_NTASKS)", SLURMEnvironment().world_size()
+            per_node = first_set("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+            nodes = first_set("SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+            return LauncherLayout("srun", int(os.environ["SLURM_NTASKS"]), "SLURM_NTASKS",
+                                  tasks_on_each_node(per_node[1]), per_node[0], int_or_none(nodes[1]), nodes[0])
     return None
+
+
+def first_set(*names: str) -> tuple[str, Optional[str]]:
+    """The first of the variables `names` that is set, and its value (the last name and None when none is)."""
+    name = next((name for name in names if os.environ.get(name)), names[-1])
+    return name, os.environ.get(name) or None
+
+
+def tasks_on_each_node(spelled: Optional[str]) -> Optional[str]:
+    """Slurm's tasks per node, "4(x2)" or "4,4": "4" when every node has as many; as spelled when they differ."""
+    if not spelled:
+        return None
+    counts = {part.split("(")[0] for part in spelled.split(",")}
+    return counts.pop() if len(counts) == 1 else spelled
+
+
+def int_or_none(value: Optional[str]) -> Optional[int]:
+    return int(value) if value and value.isdigit() else None
+
+
+def layout_problems(cfg: Config, layout: LauncherLayout) -> list[str]:
+    """The product of --devices and --num_nodes may match the launcher's processes and their split not: with
+    --num_nodes 1 on two nodes, HYBRID_SHARD's "within a node" spanned both, and the check that every node sees
+    --out_dir was skipped (the first save on a node-local disk ended in a traceback); with --devices below the
+    processes per node, every rank ended in an IndexError."""
+    if layout.launcher == "srun" and layout.processes > 1 and "SLURM_NTASKS_PER_NODE" not in os.environ:
+        return [f"srun started {layout.processes} tasks of a job sized without --ntasks-per-node, and Lightning "
+                "(SLURMEnvironment) refuses such a job on every rank; submit it with --nodes and --ntasks-per-node "
+                "(one task per device)"]
+    found = []
+    if layout.nodes is not None and layout.nodes != cfg.num_nodes:
+        found.append(f"--num_nodes {cfg.num_nodes}: {layout.launcher} started the run on {layout.nodes} nodes "
+                     f"({layout.nodes_variable}); give --num_nodes {layout.nodes}")
+    per_node = layout.per_node
+    if per_node is not None and not per_node.isdigit():
+        found.append(f"{layout.launcher} started different numbers of processes on the nodes "
+                     f"({layout.per_node_variable}={per_node}): every node needs as many ranks; ask for them per "
+                     "node (--ntasks-per-node)")
+    elif per_node is not None and cfg.devices != "auto" and cfg.strategy != "single_device" \
+            and int(per_node) != cfg.devices:
+        found.append(f"--devices {cfg.devices}: {layout.launcher} started {per_node} processes on each node "
+                     f"({layout.per_node_variable}); give --devices {per_node}")
+    return found
