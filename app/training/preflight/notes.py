@@ -6,7 +6,10 @@ import os
 
 
 def launching_process() -> bool:
-    """True in the process the user started (or local rank 0 under torchrun/srun): the one that reports."""
+    """True in the process the user started (or local rank 0 under torchrun/srun): the one that reports. In a Slurm
+    job, whose log gathers every node's output, only the run's first process: each note came once per node."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return (os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0") == "0"
     return (os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0") == "0"
 
 
