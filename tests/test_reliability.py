@@ -721,6 +721,35 @@ def test_a_side_file_the_disk_refuses_is_one_warning_until_it_is_written_again_a
         "written again", f"{metrics} is written again"]
 
 
+GLOO_WAITER = """
+import sys, time, datetime, torch.distributed as dist
+from app.reliability.signals import collective_timed_out, peer_ended
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=2))
+if rank == 1:
+    time.sleep(8)  # a rank frozen before the first step (a hung filesystem while loading the model)
+else:
+    try:
+        dist.all_gather_object([None, None], "ready")
+    except RuntimeError as error:
+        print(collective_timed_out(error), peer_ended(error))
+"""
+
+
+def test_a_collective_that_waited_out_the_process_group_timeout_is_told_from_a_peer_that_ended() -> None:
+    """Torch's own gloo error for a rank that never came (before the stall watchdog is armed): it was a traceback
+    and exit 1, not requeued; it is a stall now, exit 4."""
+    port = str(free_port())
+    frozen = subprocess.Popen([sys.executable, "-c", GLOO_WAITER, "1", port], cwd=ROOT)
+    try:
+        waiting = subprocess.run([sys.executable, "-c", GLOO_WAITER, "0", port], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=120)
+    finally:
+        frozen.kill()
+    assert waiting.stdout.split() == ["True", "False"], waiting.stdout + waiting.stderr[-2000:]
+
+
 def test_a_pruned_checkpoint_folder_is_never_seen_half_deleted(tmp_path: Path, monkeypatch):
     """A sharded checkpoint is a folder, deleted file by file: it leaves its name first (renamed to the hidden name
     remove_leftovers knows), so that a reader in that moment finds it whole or gone."""

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from app.cli import first_line
-from app.exit_codes import EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED
+from app.exit_codes import EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STALLED
 from app.reliability.watchdog import end_process_tree, print_own_stacks, process_ending, say
 
 if TYPE_CHECKING:
@@ -249,6 +249,10 @@ def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoR
             killed = "".join(f"; {line}" for line in killed_children(fabric))
             say(f"rank {fabric.global_rank}: another process of the run ended first ({first_line(error)})"
                 f"{killed}\n")
+        elif collective_timed_out(error):  # a rank stopped answering where the stall watchdog does not watch yet
+            say(f"rank {fabric.global_rank}: another rank did not answer within --process_group_timeout_min "
+                f"({first_line(error)}); ending the run as stalled (exit {EXIT_STALLED}): resume with --resume true\n")
+            end_process_tree(EXIT_STALLED, stacks=False)
         else:
             traceback.print_exc()
             sys.stderr.flush()
@@ -271,6 +275,17 @@ def killed_children(fabric: Fabric, wait_sec: float = 1.0) -> list[str]:
 
 PEER_ENDED = ("Connection closed by peer", "Connection reset by peer",  # gloo
               "remote process exited or there was a network error")  # NCCL's ncclRemoteError
+
+
+COLLECTIVE_TIMEOUTS = ("Timed out waiting",)  # gloo: "Timed out waiting 1800000ms for recv operation to complete"
+
+
+def collective_timed_out(error: Exception) -> bool:
+    """Whether `error` is a collective that waited --process_group_timeout_min for a rank that never came: a rank
+    frozen between the rendezvous and the first step (a hung filesystem while loading, a stopped process), before the
+    stall watchdog is armed. It was a traceback and exit 1, which the Slurm scripts do not requeue; as a stall it is
+    exit 4, requeued. (NCCL's own watchdog ends such a process itself, with SIGABRT.)"""
+    return any(text in str(error) for text in COLLECTIVE_TIMEOUTS)
 
 
 def peer_ended(error: Exception) -> bool:
