@@ -207,5 +207,6 @@ class RendezvousDeadline:
         return (f"error: node {self.node_rank}, local rank {self.local_rank}: the other ranks did not join within "
                 f"{self.timeout_sec / 60:g} min (--rendezvous_timeout_min) at {address}, expecting {self.world_size} "
                 f"ranks on {self.nodes} nodes; start train.py on every node (srun, torchrun --nnodes, or by hand "
-                f"with the same MASTER_ADDR/MASTER_PORT and each node's NODE_RANK) and check that {address} is "
-                f"reachable from every node; exit code {EXIT_RENDEZVOUS_TIMEOUT}")
+                f"with the same MASTER_ADDR/MASTER_PORT and each node's NODE_RANK, and the same --devices and "
+                f"--num_nodes on every node) and check that {address} is reachable from every node; exit code "
+                f"{EXIT_RENDEZVOUS_TIMEOUT}")
