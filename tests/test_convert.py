@@ -599,6 +599,28 @@ def test_a_tokenizer_already_in_out_dir_is_never_replaced_by_another(tiny, moved
     assert "<|other|>" in AutoTokenizer.from_pretrained(run / "tokenizer").get_vocab(), "left as it was"
 
 
+def test_generate_keeps_the_first_space_of_a_continuation_under_a_tokenizer_that_strips_it(tiny, tmp_path) -> None:
+    """Llama-2's, Mistral's and CodeLlama's tokenizers strip a leading space when decoding: the new tokens decoded
+    alone printed `def parse(is` where the model wrote `def parse( is`. Its greedy first token is made `▁is` (two
+    rows of its output layer swapped)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer, add_prefix_space=True)
+    spaced = tokenizer.convert_tokens_to_ids("▁is")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(tiny.model_config)).eval()
+    prompt = tokenizer("def parse(", return_tensors="pt")
+    first = model.generate(**prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1].item()
+    with torch.no_grad():
+        model.lm_head.weight[[first, spaced]] = model.lm_head.weight[[spaced, first]]
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    output = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[0]
+    assert output[prompt["input_ids"].shape[1]].item() == spaced
+    assert not tokenizer.decode(output[prompt["input_ids"].shape[1]:]).startswith(" "), "the tokenizer strips it"
+    written = generate(GenerateArgs(str(tmp_path / "model"), prompt="def parse(", temperature=0, max_new_tokens=6))
+    assert written.splitlines()[0] == tokenizer.decode(output, skip_special_tokens=True)
+    assert written.startswith("def parse( is")
+
+
 def test_generate_refuses_chat_for_a_model_without_a_chat_template_in_one_line(tiny, tmp_path, capsys) -> None:
     """`generate.py MODEL --chat true` on a model whose tokenizer has no chat template ended in transformers'
     ValueError traceback, exit 1."""
@@ -635,6 +657,34 @@ def test_generate_keeps_special_token_text_in_a_prompt_as_text_as_training_did(t
     assert tokenizer.eos_token_id not in chat
 
 
+def test_generate_refuses_weights_it_cannot_load_an_empty_prompt_and_a_missing_gpu_in_one_line(tiny, tmp_path,
+                                                                                                 capsys) -> None:
+    """A folder whose model.safetensors was cut short (an interrupted copy) or is missing ended in a SafetensorError
+    or OSError traceback; an empty prompt under a tokenizer without BOS in a reshape RuntimeError."""
+    folder = tmp_path / "model"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny.tokenizer, add_bos_token=False).save_pretrained(folder)
+
+    def refusal(*argv: str) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            generate_main([str(folder), *argv])
+        assert exit_info.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        return line
+
+    assert refusal("--prompt", "") == ("generate.py: error: --prompt is empty and the tokenizer adds no BOS token to "
+                                       "begin with: give some text; see generate.py --help")
+    if not torch.cuda.is_available():
+        assert "--device cuda: no CUDA GPU is visible here; give --device cpu" in refusal("--device", "cuda")
+    assert "--device gpu0: not a device; give auto, cpu, cuda or cuda:N" in refusal("--device", "gpu0")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert refusal("--max_new_tokens", "8").startswith(f"generate.py: error: MODEL {folder}: its weights do not load (")
+    weights.unlink()
+    assert refusal("--max_new_tokens", "8").startswith(f"generate.py: error: MODEL {folder}: its weights do not load (")
+
+
 def test_generate_says_what_to_do_with_a_run_a_checkpoint_or_a_data_folder(full_run, tiny, capsys) -> None:
     """transformers' reasons ("Couldn't instantiate the backend tokenizer", "not a valid JSON file") said nothing
     of converting first."""
@@ -653,6 +703,8 @@ def test_generate_says_what_to_do_with_a_run_a_checkpoint_or_a_data_folder(full_
 @pytest.mark.parametrize("option, value, message", [
     ("--max_new_tokens", "0", "--max_new_tokens must be at least 1, got 0"),
     ("--temperature", "-1", "--temperature must be 0 (greedy) or positive, got -1.0"),
+    ("--seed", str(2**64), f"--seed {2**64} must be between 0 and 4294967295"),  # was numpy's OverflowError
+    ("--prompt", "caf\udce9", "--prompt is not UTF-8 text (byte '\\udce9' at character 3); give it in UTF-8"),
 ])
 def test_generate_refuses_numbers_generate_cannot_take_in_one_line(tmp_path, capsys, option, value, message) -> None:
     with pytest.raises(SystemExit) as exit_info:

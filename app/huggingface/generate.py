@@ -1,7 +1,7 @@
 """Print what a Hugging Face model folder writes: the last step of the demos, and a quick check of a conversion.
 
 python generate.py demo/hf-model --prompt "def parse(" --max_new_tokens 80
-python generate.py demo/sft-model --chat true --prompt "def add(a, b):\\n    return a + b" --temperature 0
+python generate.py demo/sft/hf-model --chat true --prompt $'def add(a, b):\\n    return a + b' --temperature 0
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer
 
 from app.checkpoint.io import is_checkpoint
-from app.cli import UsageError
+from app.cli import UsageError, first_line
 from app.folders import DATASET_DICT_FILE
 from app.hub import load_problem, missing_model_problem, quiet_hub, unloadable_tokenizer
 from app.huggingface.generate_cli import GenerateArgs
@@ -76,18 +77,57 @@ def generate(args: GenerateArgs) -> str:
     tokenizer, config = load_tokenizer_and_config(args)
     if args.chat and not tokenizer.chat_template:
         raise UsageError(f"MODEL {args.model} has no chat template; drop --chat")
-    model = model_class(config).from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
+    device = generation_device(args.device)
     inputs = model_input(tokenizer, args, config)
+    if inputs["input_ids"].shape[1] == 0:
+        raise UsageError("--prompt is empty and the tokenizer adds no BOS token to begin with: give some text")
     check_positions(config, inputs["input_ids"].shape[1], args.max_new_tokens)
+    model = load_model(args, config).to(device)
     torch.manual_seed(args.seed)
-    output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id,
-                            **sampling(args, model.generation_config))
-    new_tokens = output[0, 1:] if config.is_encoder_decoder else output[0, inputs["input_ids"].shape[1]:]
-    written = tokenizer.decode(new_tokens, skip_special_tokens=True)
-    answers = args.chat or config.is_encoder_decoder
-    text = f"{args.prompt}\n--> {written}" if answers else args.prompt + written
+    output = model.generate(**{name: value.to(device) for name, value in inputs.items()},
+                            max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id,
+                            **sampling(args, model.generation_config)).cpu()
+    prompt_ids = inputs["input_ids"][0]
+    new_tokens = output[0, 1:] if config.is_encoder_decoder else output[0, len(prompt_ids):]
+    if args.chat or config.is_encoder_decoder:
+        text = f"{args.prompt}\n--> {tokenizer.decode(new_tokens, skip_special_tokens=True)}"
+    else:
+        text = args.prompt + continuation(tokenizer, prompt_ids, output[0])
     ending = why_it_stopped(new_tokens.tolist(), model.generation_config, tokenizer, args.max_new_tokens)
     return f"{text}\n({len(new_tokens)} new tokens, {ending})"
+
+
+def continuation(tokenizer: Any, prompt_ids: torch.Tensor, output_ids: torch.Tensor) -> str:
+    """The text the model wrote after the prompt: the whole sequence decoded, less the decoded prompt, as
+    transformers' text-generation pipeline does. The new tokens decoded alone lost their first space under
+    tokenizers that strip a leading space when decoding (Llama-2's, Mistral's, CodeLlama's): `def parse(` continued
+    with ` is` came out as `def parse(is`."""
+    prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    return tokenizer.decode(output_ids, skip_special_tokens=True)[len(prompt_text):]
+
+
+def generation_device(name: str) -> torch.device:
+    """--device as a torch device: auto is the first GPU where there is one (an 8B model converted on a GPU node
+    generated on its CPU), else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device; give auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: no CUDA GPU is visible here; give --device cpu")
+    return device
+
+
+def load_model(args: GenerateArgs, config: Any) -> Any:
+    """The folder's weights; a folder without them, or with a file cut short (an interrupted copy), in one line."""
+    try:
+        with quiet_hub():
+            return model_class(config).from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
+    except (OSError, ValueError, SafetensorError) as error:
+        raise UsageError(f"MODEL {args.model}: its weights do not load ({first_line(error)}); convert the checkpoint "
+                         "again (convert_to_hf.py) or copy the folder again") from None
 
 
 def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:

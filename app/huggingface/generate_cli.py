@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from app import cli
+from app.choices import MAX_SEED
 
 PROG = "generate.py"
 DESCRIPTION = ("Print what a Hugging Face model folder writes: the last step of the demos, and a quick check of a "
@@ -30,6 +31,8 @@ class GenerateArgs:
     or 0.8 with top-k 50 when it does not sample."""
     seed: int = 0
     """Sampling seed."""
+    device: str = "auto"
+    """Where the model generates: auto (the first GPU when there is one, else the CPU), cpu, cuda, cuda:1, ..."""
     trust_remote_code: bool = False
     """Run the Python code MODEL's folder or Hub repository ships (its tokenizer or model classes); off by default:
     that code runs on this machine."""
@@ -44,6 +47,13 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
         raise cli.UsageError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     if args.temperature is not None and args.temperature < 0:
         raise cli.UsageError(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise cli.UsageError(f"--seed {args.seed} must be between 0 and {MAX_SEED}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as error:  # bytes the shell passed that are not UTF-8 (surrogate-escaped by Python)
+        raise cli.UsageError(f"--prompt is not UTF-8 text (byte {error.object[error.start:error.end]!r} at character "
+                             f"{error.start}); give it in UTF-8") from None
     return args
 
 
