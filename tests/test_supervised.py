@@ -450,3 +450,22 @@ def test_references_longer_than_the_generation_limit_are_named() -> None:
         "note: 2 of the 4 sample references are longer than --eval_max_new_tokens 12 (the longest 21 tokens): their "
         "generations stop before they could match; raise it for scores that can reach them")
     assert references_past(samples, 21) is None
+
+
+def test_samples_whose_references_were_cut_when_prepared_are_passed_over_and_said() -> None:
+    """`--too_long truncate` cuts a response at the block: 7 of 20 validation samples of a code-summary run were
+    scored against references like "E" (one token), and 100 samples asked of a split of 28 scored 28, unsaid."""
+    from app.data.formats import Sample
+    from app.evaluation.samples import sample_notes, whole_samples
+
+    eos = 2
+    candidates = [Sample([1, 5], [7, 8, eos]), Sample([1, 6], [9]), Sample([1, 7], [4, eos]), Sample([1, 8], [3, 3])]
+    assert whole_samples(candidates, 2, {eos}) == ([candidates[0], candidates[2]], 1)
+    assert whole_samples(candidates, 5, {eos}) == ([candidates[0], candidates[2]], 2)
+    assert sample_notes(5, 2, 2) == [
+        "note: --eval_samples passed over 2 validation examples whose references were cut when the data was prepared "
+        "(--too_long truncate, --max_target_length): no generation could match them",
+        "note: --eval_samples 5: the validation split holds 2 examples to score"]
+    # references that end with another turn end than the tokenizer's: nothing is taken for cut
+    assert whole_samples(candidates, 3, {99}) == (candidates[:3], 0)
+    assert sample_notes(3, 3, 0) == []

@@ -23,7 +23,9 @@ knows from these counts without any collective or device synchronisation.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -134,15 +136,15 @@ class DataFormat:
         The response is where prepare_data.py recorded it from the chat's structure (`response_spans`); data
         prepared before it recorded them falls back to the first run of trained tokens, which is the response only
         when the prompt was not trained."""
-        samples: list[Sample] = []
+        return list(islice(self.every_sample(split), count))
+
+    def every_sample(self, split: Dataset) -> Iterator[Sample]:
+        """`samples`, one by one, to the end of the split."""
         for row in split.with_format(None):
             if self.encoder_decoder:
-                samples.append(Sample(prompt=row["input_ids"], reference=row["labels"]))
+                yield Sample(prompt=row["input_ids"], reference=row["labels"])
             else:
-                samples += [sample for sample in map(_sample, packed_examples(row)) if sample.reference]
-            if len(samples) >= count:
-                break
-        return samples[:count]
+                yield from (sample for sample in map(_sample, packed_examples(row)) if sample.reference)
 
 
 def arrange(layout: Layout, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,45 @@ def fit_to_context(samples: list[Sample], model_config: PretrainedConfig, max_ne
     keep = limit - max_new_tokens
     return [replace(sample, prompt=sample.prompt[-keep:]) if len(sample.prompt) > keep else sample
             for sample in samples]
+
+
+def whole_samples(candidates: Iterable[Sample], count: int, stop_ids: set[int]) -> tuple[list[Sample], int]:
+    """The first `count` samples whose reference ends with a stop token, and how many were passed over to find them.
+    A reference that does not was cut when the data was prepared (--too_long truncate, a target past
+    --max_target_length), and generations were scored against its first tokens ("E" for a one-line summary), unsaid.
+    When no reference ends with a stop token, the tokenizer's end of turn is not the one the data's references end
+    with: the first `count` samples are taken, none passed over."""
+    first: list[Sample] = []
+    whole: list[Sample] = []
+    passed_over = 0
+    for sample in candidates:
+        if len(first) < count:
+            first.append(sample)
+        if sample.reference[-1] in stop_ids:
+            whole.append(sample)
+            if len(whole) == count:
+                break
+        else:
+            passed_over += 1
+    return (whole, passed_over) if whole else (first, 0)
+
+
+def sample_notes(count: int, found: int, passed_over: int) -> list[str]:
+    """What --eval_samples scores when it is not the first `count` examples of the validation split."""
+    notes = []
+    if passed_over:
+        notes.append(f"note: --eval_samples passed over {passed_over} validation examples whose references were cut "
+                     "when the data was prepared (--too_long truncate, --max_target_length): no generation could "
+                     "match them")
+    if found < count:
+        notes.append(f"note: --eval_samples {count}: the validation split holds {found} examples to score")
+    return notes
+
+
+def stop_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """EOS, and the token that ends an assistant turn in the tokenizer's chat template (<|eot_id|>, <|im_end|>);
+    never a reference's last token, which is any token when the example was cut to the block."""
+    return {tokenizer.eos_token_id} | ({end_of_turn_id(tokenizer)} - {None})
 
 
 def references_past(samples: list[Sample], max_new_tokens: int) -> Optional[str]:
@@ -220,9 +259,7 @@ class SampleEvaluator:
 
     @property
     def stop_ids(self) -> set[int]:
-        """EOS, and the token that ends an assistant turn in the tokenizer's chat template (<|eot_id|>, <|im_end|>);
-        never a reference's last token, which is any token when the example was cut to the block."""
-        return {self.tokenizer.eos_token_id} | ({end_of_turn_id(self.tokenizer)} - {None})
+        return stop_ids(self.tokenizer)
 
     def evaluate(self, fabric: Fabric, model: torch.nn.Module, step: int) -> dict[str, float]:
         tokens = generate_samples(fabric, model, self.samples, decoding=self.decoding,

@@ -25,8 +25,8 @@ from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
 from app.distributed.precision import float32_matmul_precision, uses_grad_scaler
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
-from app.evaluation.samples import (SampleEvaluator, decoding_for, fit_to_context, references_past,
-                                    set_aside_samples_after)
+from app.evaluation.samples import (SampleEvaluator, decoding_for, fit_to_context, references_past, sample_notes,
+                                    set_aside_samples_after, stop_ids, whole_samples)
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
                             EXIT_SAVE_FAILED, EXIT_SPIKES)
 from app.folders import discard, replace_file
@@ -308,14 +308,15 @@ def sample_evaluator(fabric: Fabric, cfg: Config, inputs: RunInputs, data: Train
         return None
     from transformers import AutoTokenizer
 
-    samples = fit_to_context(data.format.samples(data.validation, cfg.eval_samples), inputs.model_config,
-                             cfg.eval_max_new_tokens)
-    note = references_past(samples, cfg.eval_max_new_tokens)
-    if note:
-        fabric.print(note)
-    return SampleEvaluator(samples=samples,
-                           tokenizer=AutoTokenizer.from_pretrained(inputs.tokenizer,
-                                                                   trust_remote_code=cfg.trust_remote_code),
+    tokenizer = AutoTokenizer.from_pretrained(inputs.tokenizer, trust_remote_code=cfg.trust_remote_code)
+    whole, passed_over = whole_samples(data.format.every_sample(data.validation), cfg.eval_samples,
+                                       stop_ids(tokenizer))
+    samples = fit_to_context(whole, inputs.model_config, cfg.eval_max_new_tokens)
+    for said in sample_notes(cfg.eval_samples, len(samples), passed_over) + [
+            references_past(samples, cfg.eval_max_new_tokens)]:
+        if said:
+            fabric.print(said)
+    return SampleEvaluator(samples=samples, tokenizer=tokenizer,
                            decoding=decoding_for(inputs.model_config, cfg.trust_remote_code),
                            max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
 
