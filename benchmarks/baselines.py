@@ -116,6 +116,9 @@ BASELINES = {"bare_fsdp": bare_fsdp, "hf_trainer": hf_trainer, "hf_trainer_compi
 
 def main() -> None:
     """`torchrun --nproc_per_node 2 baselines.py NAME WORKLOAD_JSON`."""
+    if len(sys.argv) != 3 or sys.argv[1] not in BASELINES:
+        sys.exit(f"usage: torchrun --nproc_per_node 2 benchmarks/baselines.py {{{','.join(BASELINES)}}} WORKLOAD_JSON "
+                 "(bench_training.py starts it)")
     name, workload = sys.argv[1], Workload(**json.loads(sys.argv[2]))
     train_sec = BASELINES[name](workload)
     if int(os.environ.get("RANK", 0)) == 0:

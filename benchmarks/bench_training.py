@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import re
@@ -556,6 +557,9 @@ def main() -> None:
     if not Workload.warmup_steps <= options.short_steps < shortest_long_run:
         parser.error(f"--short_steps must be from {Workload.warmup_steps} (the warmup) to {shortest_long_run - 1} "
                      f"(below the shortest long run), got {options.short_steps}")
+    if "trainer" in options.parts and importlib.util.find_spec("accelerate") is None:  # known now, not an hour on
+        parser.error("--parts trainer runs the Hugging Face Trainer, which needs accelerate: "
+                     "pip install -r benchmarks/requirements.txt")
     with tempfile.TemporaryDirectory() as folder, quiet_progress():
         work_dir = Path(folder)
         data = work_dir / "data"
@@ -564,7 +568,9 @@ def main() -> None:
         rows = []
         for part in options.parts:
             print(f"{part} ...", flush=True)
-            rows += PARTS[part](data, work_dir, options)
+            part_rows = PARTS[part](data, work_dir, options)
+            print("\n".join(part_rows), flush=True)  # kept in the log should a later part fail
+            rows += part_rows
     print(f"\n{os.cpu_count()} CPU cores, 2 processes, torch {torch.__version__}; step times: medians of "
           f"{options.repeats} paired repeats of a {options.short_steps}-step run and a long one, ratio (range)\n")
     print("| measured | application | baseline | ratio | target |\n| --- | --- | --- | --- | --- |")
