@@ -450,6 +450,8 @@ def test_references_longer_than_the_generation_limit_are_named() -> None:
         "note: 2 of the 4 sample references are longer than --eval_max_new_tokens 12 (the longest 21 tokens): their "
         "generations stop before they could match; raise it for scores that can reach them")
     assert references_past(samples, 21) is None
+    closed = [Sample(prompt=[1, 2], reference=[*range(3, 15), 2])]  # 12 tokens of text and EOS
+    assert references_past(closed, 12, stops={2}) is None and references_past(closed, 11, stops={2}) is not None
 
 
 def test_samples_whose_references_were_cut_when_prepared_are_passed_over_and_said() -> None:

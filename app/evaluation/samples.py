@@ -130,10 +130,12 @@ def stop_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     return {tokenizer.eos_token_id} | ({end_of_turn_id(tokenizer)} - {None})
 
 
-def references_past(samples: list[Sample], max_new_tokens: int) -> Optional[str]:
+def references_past(samples: list[Sample], max_new_tokens: int, stops: set[int] = frozenset()) -> Optional[str]:
     """A note when references are longer than --eval_max_new_tokens: their generations are cut before they could
-    match, and ROUGE and exact match stay low for that alone (a BART run scored 2 of its 4 samples so, unsaid)."""
-    longer = [len(sample.reference) for sample in samples if len(sample.reference) > max_new_tokens]
+    match, and ROUGE and exact match stay low for that alone (a BART run scored 2 of its 4 samples so, unsaid). A
+    reference's closing stop token (in `stops`) is not text to match: a generation cut just before it matches."""
+    lengths = [len(sample.reference) - (sample.reference[-1] in stops) for sample in samples]
+    longer = [length for length in lengths if length > max_new_tokens]
     if not longer:
         return None
     return (f"note: {len(longer)} of the {len(samples)} sample references are longer than --eval_max_new_tokens "

@@ -309,11 +309,11 @@ def sample_evaluator(fabric: Fabric, cfg: Config, inputs: RunInputs, data: Train
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(inputs.tokenizer, trust_remote_code=cfg.trust_remote_code)
-    whole, passed_over = whole_samples(data.format.every_sample(data.validation), cfg.eval_samples,
-                                       stop_ids(tokenizer))
+    stops = stop_ids(tokenizer)
+    whole, passed_over = whole_samples(data.format.every_sample(data.validation), cfg.eval_samples, stops)
     samples = fit_to_context(whole, inputs.model_config, cfg.eval_max_new_tokens)
     for said in sample_notes(cfg.eval_samples, len(samples), passed_over) + [
-            references_past(samples, cfg.eval_max_new_tokens)]:
+            references_past(samples, cfg.eval_max_new_tokens, stops)]:
         if said:
             fabric.print(said)
     return SampleEvaluator(samples=samples, tokenizer=tokenizer,
