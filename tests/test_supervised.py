@@ -471,3 +471,14 @@ def test_samples_whose_references_were_cut_when_prepared_are_passed_over_and_sai
     # references that end with another turn end than the tokenizer's: nothing is taken for cut
     assert whole_samples(candidates, 3, {99}) == (candidates[:3], 0)
     assert sample_notes(3, 3, 0) == []
+
+
+def test_show_samples_shows_the_end_of_a_long_prompt_where_a_chat_asks_its_question() -> None:
+    """The first 110 characters of a chat prompt were the template's header, never the question."""
+    from app.evaluation.show import shortened
+
+    prompt = "<|start_header_id|>user<|end_header_id|> " + "x = 1; " * 40 + "what does this do?<|eot_id|>"
+    shown = shortened(prompt)
+    assert len(shown) == 110 and shown.startswith("<|start_header_id|>") and shown.endswith("do?<|eot_id|>")
+    assert shortened("def f(x):") == "def f(x):"
+

@@ -27,13 +27,21 @@ def latest_samples(out_dir: Path) -> Path:
 
 
 def show(out_dir: Path, count: int) -> str:
-    """The start of each prompt (whitespace collapsed), its reference and what the model wrote."""
+    """Each prompt (whitespace collapsed; its start and end when long), its reference and what the model wrote."""
     path = latest_samples(out_dir)
     lines = [f"{path}:"]
     for record in samples_in(path)[:count]:
-        lines += [f"  prompt     {' '.join(record['prompt'].split())[:110]}", f"  reference  {record['reference']}",
-                  f"  generated  {record['generated']}", ""]
+        lines += [f"  prompt     {shortened(' '.join(record['prompt'].split()))}",
+                  f"  reference  {record['reference']}", f"  generated  {record['generated']}", ""]
     return "\n".join(lines)
+
+
+def shortened(text: str, width: int = 110) -> str:
+    """`text`, or its start and its end when longer than `width`: a chat prompt's start is the template's header,
+    its end the question and the turn the model answers."""
+    if len(text) <= width:
+        return text
+    return f"{text[:width // 3]} ... {text[-(width - width // 3 - 5):]}"
 
 
 def samples_in(path: Path) -> list[dict[str, str]]:
