@@ -14,7 +14,7 @@ import shutil
 import socket
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import psutil
 
@@ -52,17 +52,18 @@ def real_folder(final: Path) -> Path:
     return final.resolve() if final.is_symlink() or final.name in ("", ".", "..") else final
 
 
-def replace_file(path: Path, text: str) -> None:
+def replace_file(path: Path, text: str | Iterable[str]) -> None:
     """Write `path` under a temporary name and rename it into place: a resumed run rewrites metrics.csv with the rows
     it keeps, and a full disk (ENOSPC) or a kill while writing must leave the old file, not a truncated history.
     The temporary name is created new, never opened through what is there: a link placed at `.metrics.csv.partial`
-    had the run overwrite the file it pointed to, and the rename then made metrics.csv itself that link."""
+    had the run overwrite the file it pointed to, and the rename then made metrics.csv itself that link. `text` may
+    come in pieces, written as they come (a long run's metrics.csv, read from the old file meanwhile)."""
     temporary = path.with_name(f".{path.name}.partial")
     discard(temporary)
     try:
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with open(descriptor, "w", newline="") as handle:
-            handle.write(text)
+            handle.writelines([text] if isinstance(text, str) else text)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise

@@ -215,9 +215,13 @@ def test_a_rank_killed_by_sigkill_is_named_by_the_process_that_started_it(tiny: 
 
 @pytest.mark.slow
 def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: TinySetup, tmp_path: Path):
-    """Rank 1's data loader worker stops (SIGSTOP): rank 1 waits on it, rank 0 on the next collective."""
+    """Rank 1's data loader worker stops (SIGSTOP): rank 1 waits on it, rank 0 on the next collective. Nothing is
+    left in $TMPDIR (each stall exit left a `pymp-*` folder per rank, and a requeued run stalls again and again)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     with launched(train_args(tiny, tmp_path / "run", num_workers=1, max_step=300, save_step_interval=100,
-                             eval_step_interval=100, stall_timeout_min=0.1), tmp_path / "stall.log") as run:
+                             eval_step_interval=100, stall_timeout_min=0.1), tmp_path / "stall.log",
+                  env={"TMPDIR": str(temporary)}) as run:
         run.wait_for_step(3)
         for worker in run.workers_of(run.other_rank()):
             worker.suspend()
@@ -229,6 +233,7 @@ def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: Ti
         assert "in all_gather" in output and "in _try_get_data" in output, output  # rank 0's stack, rank 1's
         assert "Traceback" not in output
         run.assert_nothing_left()
+    assert list(temporary.iterdir()) == []
     print(f"\nstall watchdog (--stall_timeout_min 0.1): exit {EXIT_STALLED} {seconds:.1f} s after the worker hung")
 
 

@@ -13,13 +13,17 @@ leaves with os._exit and a documented code, skipping clean-up that would wait on
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing.process
+import multiprocessing.util
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
 from contextlib import suppress
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import NoReturn, Optional
 
@@ -92,13 +96,34 @@ def end_process_tree(code: int, stacks: bool) -> NoReturn:
     stop_launcher_observer()
     if stacks:
         collect_stacks(psutil.Process().children(recursive=True))
-    deadline, empty_looks = time.monotonic() + END_TREE_WAIT_S, 0
+    deadline, empty_looks, killed = time.monotonic() + END_TREE_WAIT_S, 0, {os.getpid()}
     while time.monotonic() < deadline and empty_looks < 2:  # two looks apart: a fork under way at the first
         alive = live_descendants()
         empty_looks = 0 if alive else empty_looks + 1
         send(alive, signal.SIGKILL)
+        killed |= {process.pid for process in alive}
         time.sleep(0.1 if not alive else 0.05)
+    remove_multiprocessing_folders(killed)
     os._exit(code)
+
+
+def own_multiprocessing_folder() -> None:
+    """multiprocessing's temporary folder of this process (the data loader's fork server's sockets), made now and
+    named for the process, `pymp-PID-*`: multiprocessing names it `pymp-*` and removes it in its exit handler, which
+    neither os._exit nor a SIGKILL runs, so every stall exit (4, requeued) left one per rank in $TMPDIR."""
+    config = multiprocessing.process.current_process()._config
+    if config.get("tempdir") is None:
+        folder = tempfile.mkdtemp(prefix=f"pymp-{os.getpid()}-")
+        config["tempdir"] = folder
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+
+
+def remove_multiprocessing_folders(pids: set[int]) -> None:
+    """The multiprocessing folders of this process and of the processes it killed (`own_multiprocessing_folder`)."""
+    own = multiprocessing.process.current_process()._config.get("tempdir")
+    for folder in ([own] if own else []) + [path for pid in pids
+                                            for path in Path(tempfile.gettempdir()).glob(f"pymp-{pid}-*")]:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def stop_launcher_observer() -> None:

@@ -32,7 +32,7 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from app.reliability.watchdog import STACKS_SIGNAL, print_stacks_on_signal
+from app.reliability.watchdog import STACKS_SIGNAL, own_multiprocessing_folder, print_stacks_on_signal
 
 RANK_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """The signals a rank handles itself (app/reliability/signals.py) and its workers must leave alone."""
@@ -87,6 +87,7 @@ def kill_workers_left_at_exit() -> None:
 def start_worker_server() -> BaseContext:
     """This rank's forkserver context, its process started now if not running (its imports take seconds: start it
     early, while the rank loads the model)."""
+    own_multiprocessing_folder()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)
     for start in (resource_tracker.ensure_running, forkserver.ensure_running):
