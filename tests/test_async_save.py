@@ -140,6 +140,28 @@ def test_a_background_write_that_failed_ends_the_run_at_the_next_step(tmp_path: 
     assert list(tmp_path.iterdir()) == [], "nothing published, the partial file removed"
 
 
+def test_a_failure_after_the_checkpoint_is_published_says_that_it_was_saved(tmp_path: Path) -> None:
+    """best.json or --keep_last_n failing on a disk the checkpoint just filled was reported as "was not saved", and
+    "the steps since the last one are lost", with the checkpoint whole on disk (found by review)."""
+    import errno
+
+    from lightning_fabric import Fabric
+
+    from app.checkpoint import CheckpointSaver, SaveFailed
+
+    def best_json_on_a_full_disk() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "best.json"))
+
+    state = linear_state()
+    saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=False, background=False)
+    with pytest.raises(SaveFailed) as failed:
+        saver.save(tmp_path / "step-00000001.ckpt", state, best_json_on_a_full_disk)
+    assert failed.value.published and str(failed.value).startswith(
+        f"the checkpoint {tmp_path / 'step-00000001.ckpt'} was saved, but not what follows it (best.json, "
+        "--keep_last_n): rank 0 on ")
+    assert "lost" not in failed.value.advice() and [path.name for path in tmp_path.iterdir()] == ["step-00000001.ckpt"]
+
+
 def test_a_step_calls_before_update_after_its_backward_and_before_its_weights_change() -> None:
     from app.model.loss import LossPath
     from app.training.loop import train_step, update_weights

@@ -677,7 +677,9 @@ def test_generate_refuses_weights_it_cannot_load_an_empty_prompt_and_a_missing_g
                                        "begin with: give some text; see generate.py --help")
     if not torch.cuda.is_available():
         assert "--device cuda: no CUDA GPU is visible here; give --device cpu" in refusal("--device", "cuda")
-    assert "--device gpu0: not a device; give auto, cpu, cuda or cuda:N" in refusal("--device", "gpu0")
+    for device in ("gpu0", "mps", "meta"):  # mps and meta: a RuntimeError traceback
+        assert f"--device {device}: not a device generate.py runs on; give auto, cpu, cuda or cuda:N" in refusal(
+            "--device", device)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     assert refusal("--max_new_tokens", "8").startswith(f"generate.py: error: MODEL {folder}: its weights do not load (")

@@ -451,7 +451,8 @@ def test_torchrun_wrapper_ends_a_rendezvous_that_a_node_never_joins_with_5_in_on
     assert result.returncode == EXIT_RENDEZVOUS_TIMEOUT, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "a worker started" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "torchrun: the nodes did not all join the rendezvous in time (")
+        "torchrun: the nodes did not all join the rendezvous within its join_timeout of 3 s (--rdzv_conf "
+        "join_timeout; RDZV_JOIN_TIMEOUT_SEC in slurm/train-torchrun.sbatch)")
 
 
 def test_torchrun_sbatch_meets_at_a_port_of_its_own_job_and_bounds_the_wait_for_the_nodes(tmp_path):
@@ -461,6 +462,7 @@ def test_torchrun_sbatch_meets_at_a_port_of_its_own_job_and_bounds_the_wait_for_
            "PATH": f"{tmp_path}:/usr/bin:/bin"}
     ports = {shell_variable(SBATCH_TORCHRUN, "RDZV_PORT", job | {"SLURM_JOB_ID": job_id}) for job_id in ("7", "8")}
     assert ports == {"29507", "29508"}
+    assert shell_variable(SBATCH_TORCHRUN, "RDZV_PORT", job | {"SLURM_JOB_ID": "2999"}) == "32499"  # not ephemeral
     words = launch_command(SBATCH_TORCHRUN, "srun")
     assert flag_value(words, "--rdzv_conf") == "join_timeout=$RDZV_JOIN_TIMEOUT_SEC"
     assert shell_variable(SBATCH_TORCHRUN, "RDZV_JOIN_TIMEOUT_SEC", job) == "600"

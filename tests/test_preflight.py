@@ -494,15 +494,17 @@ def test_the_space_a_failed_save_left_counts_as_free(tiny, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("variables, reports", [
     ({}, True), ({"LOCAL_RANK": "1"}, False), ({"LOCAL_RANK": "0", "RANK": "2"}, True),  # by hand: every node's log
-    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}, False),  # srun: one job log for all nodes
-    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, True),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}, False),  # srun: one
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, True),  # log, all nodes
+    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0"}, True),  # python train.py --devices 2 in an allocation (salloc)
+    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "LOCAL_RANK": "1"}, False),  # ... its second rank
     ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "LOCAL_RANK": "0", "RANK": "4"}, False),  # torchrun in a job
     ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "LOCAL_RANK": "0", "RANK": "0"}, True)])
 def test_the_preflights_notes_come_once_per_log(monkeypatch, variables, reports) -> None:
     """A 2-node Slurm job's log held each note twice (once per node's first process)."""
     from app.training.preflight.notes import launching_process
 
-    for name in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "LOCAL_RANK", "RANK"):
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID", "LOCAL_RANK", "RANK"):
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)

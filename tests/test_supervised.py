@@ -467,7 +467,7 @@ def test_samples_whose_references_were_cut_when_prepared_are_passed_over_and_sai
     assert sample_notes(5, 2, 2) == [
         "note: --eval_samples passed over 2 validation examples whose references were cut when the data was prepared "
         "(--too_long truncate, --max_target_length): no generation could match them",
-        "note: --eval_samples 5: the validation split holds 2 examples to score"]
+        "note: --eval_samples 5: the validation split holds 2 whole examples to score"]
     # references that end with another turn end than the tokenizer's: nothing is taken for cut
     assert whole_samples(candidates, 3, {99}) == (candidates[:3], 0)
     assert sample_notes(3, 3, 0) == []

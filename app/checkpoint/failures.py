@@ -21,7 +21,18 @@ T = TypeVar("T")
 
 
 class SaveFailed(Exception):
-    """The storage refused a checkpoint: raised on every rank alike, its message one line."""
+    """The storage refused a checkpoint: raised on every rank alike, its message one line. `published`: the
+    checkpoint itself was written and renamed into place, and what follows it (best.json, --keep_last_n) failed."""
+
+    def __init__(self, message: str, published: bool = False) -> None:
+        super().__init__(message)
+        self.published = published
+
+    def advice(self) -> str:
+        if self.published:
+            return "The run stopped there; make room (or move the run folder), then continue with --resume true"
+        return ("The checkpoints saved before it are kept; the steps since the last one are lost. Make room there "
+                "(or move the run folder), then continue with --resume true")
 
 
 class StorageFailure:
@@ -46,7 +57,7 @@ class StorageFailure:
                       else f"{type(error).__name__}: {error}")
             self.message = f"rank {self.rank} on {socket.gethostname()}: {detail}"
 
-    def raise_agreed(self, group: Optional[dist.ProcessGroup]) -> None:
+    def raise_agreed(self, group: Optional[dist.ProcessGroup], published: bool = False) -> None:
         """SaveFailed on every rank when any rank kept an error (the lowest such rank's). Collective over `group`,
         and a barrier: every rank has finished its part of the save when it returns."""
         messages = [self.message]
@@ -55,4 +66,4 @@ class StorageFailure:
             dist.all_gather_object(messages, self.message, group=group)
         first = next((message for message in messages if message), None)
         if first:
-            raise SaveFailed(first)
+            raise SaveFailed(first, published)

@@ -68,13 +68,20 @@ class CheckpointSaver:
                 if rank == 0:
                     failure.attempt(make_durable, temporary)
                     failure.attempt(publish, temporary, path)
-                    failure.attempt(published)
                 failure.raise_agreed(self.group)  # every rank returns once the checkpoint is published
             except SaveFailed as error:
                 if rank == 0 and temporary.exists():
                     with suppress(OSError):
                         remove(temporary)
                 raise SaveFailed(f"the checkpoint {path} was not saved: {error}") from None
+            after = StorageFailure(rank, path.parent)
+            if rank == 0:
+                after.attempt(published)
+            try:
+                after.raise_agreed(self.group, published=True)
+            except SaveFailed as error:
+                raise SaveFailed(f"the checkpoint {path} was saved, but not what follows it (best.json, "
+                                 f"--keep_last_n): {error}", published=True) from None
 
         if self.writer is None:
             write_and_publish(taken)

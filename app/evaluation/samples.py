@@ -120,7 +120,7 @@ def sample_notes(count: int, found: int, passed_over: int) -> list[str]:
                      "when the data was prepared (--too_long truncate, --max_target_length): no generation could "
                      "match them")
     if found < count:
-        notes.append(f"note: --eval_samples {count}: the validation split holds {found} examples to score")
+        notes.append(f"note: --eval_samples {count}: the validation split holds {found} whole examples to score")
     return notes
 
 

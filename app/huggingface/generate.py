@@ -112,11 +112,16 @@ def generation_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(name)
+        device: Optional[torch.device] = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"--device {name}: not a device; give auto, cpu, cuda or cuda:N") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: not a device generate.py runs on; give auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: no CUDA GPU is visible here; give --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} GPUs (cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1})")
     return device
 
 

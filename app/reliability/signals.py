@@ -277,7 +277,8 @@ PEER_ENDED = ("Connection closed by peer", "Connection reset by peer",  # gloo
               "remote process exited or there was a network error")  # NCCL's ncclRemoteError
 
 
-COLLECTIVE_TIMEOUTS = ("Timed out waiting",)  # gloo: "Timed out waiting 1800000ms for recv operation to complete"
+COLLECTIVE_TIMEOUTS = ("Timed out waiting",  # gloo: "Timed out waiting 1800000ms for recv operation to complete"
+                       "Application timeout caused pair closure")  # gloo, at the collectives after that one
 
 
 def collective_timed_out(error: Exception) -> bool:

@@ -19,6 +19,7 @@ torch release lacks it, the code expected for the signal is used, and the line s
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from typing import Any, Optional
@@ -62,6 +63,12 @@ def exit_after_signal(signum: int, worker_codes: Optional[list[int]]) -> tuple[i
     return code, f"{name} handed to the workers, which stopped; exit {code}"
 
 
+def join_timeout(argv: list[str]) -> str:
+    """The rendezvous's join_timeout as the command line gave it (torch's default, 600 s, otherwise)."""
+    found = re.search(r"join_timeout=(\d+)", " ".join(argv))
+    return f"join_timeout of {found.group(1) if found else 600} s"
+
+
 WORKER_CODES: list[Optional[list[int]]] = [None]
 """The workers' exit codes once the agent has closed them (read by the wrapped _shutdown)."""
 
@@ -92,7 +99,8 @@ if __name__ == "__main__":
         code, line = exit_after_signal(stopped.sigval, WORKER_CODES[0])
         print(f"torchrun: {line}", file=sys.stderr)
         sys.exit(code)
-    except RendezvousTimeoutError as timeout:
-        print(f"torchrun: the nodes did not all join the rendezvous in time ({timeout}): a node that never started, "
-              f"or another --rdzv_endpoint; nothing was trained (exit {EXIT_RENDEZVOUS_TIMEOUT})", file=sys.stderr)
+    except RendezvousTimeoutError:
+        print(f"torchrun: the nodes did not all join the rendezvous within its {join_timeout(sys.argv)} (--rdzv_conf "
+              "join_timeout; RDZV_JOIN_TIMEOUT_SEC in slurm/train-torchrun.sbatch): a node that never started, or "
+              f"another --rdzv_endpoint (exit {EXIT_RENDEZVOUS_TIMEOUT})", file=sys.stderr)
         sys.exit(EXIT_RENDEZVOUS_TIMEOUT)

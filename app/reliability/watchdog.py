@@ -109,21 +109,35 @@ def end_process_tree(code: int, stacks: bool) -> NoReturn:
 
 def own_multiprocessing_folder() -> None:
     """multiprocessing's temporary folder of this process (the data loader's fork server's sockets), made now and
-    named for the process, `pymp-PID-*`: multiprocessing names it `pymp-*` and removes it in its exit handler, which
-    neither os._exit nor a SIGKILL runs, so every stall exit (4, requeued) left one per rank in $TMPDIR."""
+    named for the process, `pymp-PID`: multiprocessing names it `pymp-` and 8 random characters and removes it in its
+    exit handler, which neither os._exit nor a SIGKILL runs, so every stall exit (4, requeued) left one per rank in
+    $TMPDIR. No longer than multiprocessing's own name: a socket's path has at most 107 bytes. A folder of that name
+    left by a process gone (the pid is this one's now) is replaced; where it cannot be, multiprocessing names its
+    own."""
     config = multiprocessing.process.current_process()._config
-    if config.get("tempdir") is None:
-        folder = tempfile.mkdtemp(prefix=f"pymp-{os.getpid()}-")
-        config["tempdir"] = folder
-        multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+    if config.get("tempdir") is not None:
+        return
+    folder = multiprocessing_folder(os.getpid())
+    try:
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder)
+        folder.mkdir(mode=0o700)
+    except OSError:
+        return
+    config["tempdir"] = str(folder)
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(str(folder), True), exitpriority=-100)
+
+
+def multiprocessing_folder(pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"pymp-{pid}"
 
 
 def remove_multiprocessing_folders(pids: set[int]) -> None:
     """The multiprocessing folders of this process and of the processes it killed (`own_multiprocessing_folder`)."""
     own = multiprocessing.process.current_process()._config.get("tempdir")
-    for folder in ([own] if own else []) + [path for pid in pids
-                                            for path in Path(tempfile.gettempdir()).glob(f"pymp-{pid}-*")]:
-        shutil.rmtree(folder, ignore_errors=True)
+    for folder in ([Path(own)] if own else []) + [multiprocessing_folder(pid) for pid in pids]:
+        if not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def stop_launcher_observer() -> None:

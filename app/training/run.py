@@ -367,12 +367,11 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                 else None)
     try:
         outcome: str = loop.fit()
+        loop.saver.close()  # a background write of the last step may fail here
     except SaveFailed as failure:  # on every rank alike
-        fabric.print(f"error: {failure}. The checkpoints saved before it are kept; the steps since the last one are "
-                     "lost. Make room there (or move the run folder), then continue with --resume true",
-                     file=sys.stderr)
+        fabric.print(f"error: {failure}. {failure.advice()}", file=sys.stderr)
         outcome = "save_failed"
-    loop.saver.close()
+        loop.saver.close()
     loop.watchdog.disarm()
     console.close()
     if outcome == "save_failed":  # no summary.json either: the storage is full, or gone
