@@ -96,6 +96,9 @@ def storage_error(error: OSError, writing: Path) -> str:
 
 UNWRITTEN: set[Path] = set()
 """The files `written_or_warned` could not write last time."""
+STORAGE_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+"""The errors of storage that refuses writes for now (full, over quota, remounted read-only, failing), which a run
+can outlast; others (a permission, a folder deleted) say the run is set up wrong, and still end it."""
 
 
 def written_or_warned(path: Path, write: Callable[[], object]) -> bool:
@@ -108,6 +111,8 @@ def written_or_warned(path: Path, write: Callable[[], object]) -> bool:
     try:
         write()
     except OSError as error:
+        if error.errno not in STORAGE_FULL:
+            raise
         if path not in UNWRITTEN:
             UNWRITTEN.add(path)
             print(f"warning: {storage_error(error, path)}; the run goes on without it until it can be written again",

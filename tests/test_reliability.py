@@ -727,6 +727,8 @@ def test_a_side_file_the_disk_refuses_is_one_warning_until_it_is_written_again_a
     assert capsys.readouterr().err.splitlines() == [
         f"warning: No space left on device (ENOSPC) writing {metrics}; the run goes on without it until it can be "
         "written again", f"{metrics} is written again"]
+    with pytest.raises(IsADirectoryError):  # not the storage's state: a run set up wrong still ends
+        written_or_warned(tmp_path, lambda: append_whole(tmp_path, "row\n"))
 
 
 GLOO_WAITER = """

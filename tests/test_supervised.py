@@ -470,6 +470,8 @@ def test_samples_whose_references_were_cut_when_prepared_are_passed_over_and_sai
         "note: --eval_samples 5: the validation split holds 2 whole examples to score"]
     # references that end with another turn end than the tokenizer's: nothing is taken for cut
     assert whole_samples(candidates, 3, {99}) == (candidates[:3], 0)
+    endless = (Sample([1], [5]) for _ in iter(int, 1))  # a split of millions: found out within max(10 N, 1000)
+    assert whole_samples(endless, 3, {eos}) == ([Sample([1], [5])] * 3, 0)
     assert sample_notes(3, 3, 0) == []
 
 

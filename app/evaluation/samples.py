@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import islice
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -96,11 +97,12 @@ def whole_samples(candidates: Iterable[Sample], count: int, stop_ids: set[int]) 
     A reference that does not was cut when the data was prepared (--too_long truncate, a target past
     --max_target_length), and generations were scored against its first tokens ("E" for a one-line summary), unsaid.
     When no reference ends with a stop token, the tokenizer's end of turn is not the one the data's references end
-    with: the first `count` samples are taken, none passed over."""
+    with: the first `count` samples are taken, none passed over. At most `max(10 * count, 1000)` are looked at (a
+    split of millions is not read at every start to find that)."""
     first: list[Sample] = []
     whole: list[Sample] = []
     passed_over = 0
-    for sample in candidates:
+    for sample in islice(candidates, max(10 * count, 1000)):
         if len(first) < count:
             first.append(sample)
         if sample.reference[-1] in stop_ids:
