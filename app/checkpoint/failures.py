@@ -51,11 +51,9 @@ class StorageFailure:
                 self.keep(error)
         return None
 
-    def keep(self, error: BaseException) -> None:
+    def keep(self, error: OSError) -> None:
         if self.message is None:
-            detail = (storage_error(error, self.writing) if isinstance(error, OSError)
-                      else f"{type(error).__name__}: {error}")
-            self.message = f"rank {self.rank} on {socket.gethostname()}: {detail}"
+            self.message = f"rank {self.rank} on {socket.gethostname()}: {storage_error(error, self.writing)}"
 
     def raise_agreed(self, group: Optional[dist.ProcessGroup], published: bool = False) -> None:
         """SaveFailed on every rank when any rank kept an error (the lowest such rank's). Collective over `group`,
