@@ -19,6 +19,7 @@ import subprocess
 import sys
 from math import prod
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -271,6 +272,17 @@ def test_a_rollback_passes_over_a_corrupt_checkpoint_for_the_one_before_it(tmp_p
         "trying an earlier checkpoint"), said
     overwrite_in_place(checkpoint_path(tmp_path, 8), "model.weight")
     assert load_last_good_checkpoint(tmp_path, 20, model, state["optimizer"], said.append) is None
+
+    # The run's line then says why no rollback is left: it once said there was no checkpoint before the incident.
+    from app.training.loop import Loop
+
+    printed: list[str] = []
+    loop = SimpleNamespace(state=state, fabric=None, saver=saver, cfg=SimpleNamespace(out_dir=tmp_path),
+                           guard=SimpleNamespace(incident_began=lambda: 20), console=SimpleNamespace(
+                               print=printed.append))
+    assert Loop.roll_back(loop) is False
+    assert printed[-1] == ("step 24: every checkpoint from before step 20 was passed over (see above); stopped without "
+                           "saving. Resume from the last checkpoint with a lower --lr"), printed
 
 
 @pytest.mark.parametrize("elsewhere", ["../secret", "/etc/hostname", "sub/__0_0.distcp", ".."])

@@ -261,11 +261,18 @@ class Loop:
         self.saver.before_update()
         self.saver.wait()
         began = self.guard.incident_began()
-        loaded = load_last_good_checkpoint(self.cfg.out_dir, began, state["model"], state["optimizer"],
-                                           say=lambda line: self.console.print(f"step {state['step']}: {line}"))
+        passed_over: list[str] = []
+
+        def say(line: str) -> None:
+            passed_over.append(line)
+            self.console.print(f"step {state['step']}: {line}")
+
+        loaded = load_last_good_checkpoint(self.cfg.out_dir, began, state["model"], state["optimizer"], say)
         if loaded is None:
-            self.console.print(f"step {state['step']}: no checkpoint from before step {began} to roll back to; "
-                               "stopped without saving. Resume from the last checkpoint with a lower --lr")
+            none_left = (f"every checkpoint from before step {began} was passed over (see above)" if passed_over
+                         else f"no checkpoint from before step {began} to roll back to")
+            self.console.print(f"step {state['step']}: {none_left}; stopped without saving. Resume from the last "
+                               "checkpoint with a lower --lr")
             return False
         path, saved = loaded
         if fabric.is_global_zero:
