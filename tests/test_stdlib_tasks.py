@@ -47,3 +47,16 @@ def test_cli_writes_json_lines_and_refuses_an_unknown_package_in_one_line(tmp_pa
     assert capsys.readouterr().err.strip().splitlines() == [
         f"{PROG}: error: --packages: not a standard-library package here: nope; see {PROG} --help"
     ]
+
+
+def test_files_that_are_not_python_3_source_are_passed_over(tmp_path, monkeypatch):
+    """lib2to3's test data (Python 2, a byte-order mark) ended the command in a SyntaxError traceback."""
+    import app.prepare.stdlib_tasks as stdlib_tasks
+
+    files = {"bom.py": "\ufeff# coding: utf-8\n", "py2.py": "print 'x'\n", "latin1.py": b"# \xe9\n",
+             "good.py": "def size(self):\n    '''Return the size in bytes.'''\n    return self._size\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    monkeypatch.setattr(stdlib_tasks, "_python_files", lambda packages: sorted(tmp_path.glob("*.py")))
+    assert code_summary_pairs(("any",)) == [{"code": "def size(self):\n    return self._size",
+                                             "summary": "Return the size in bytes."}]

@@ -57,10 +57,15 @@ class StdlibTaskArgs:
 
 
 def code_summary_pairs(packages: tuple[str, ...] = STDLIB_TASK_PACKAGES) -> list[dict[str, str]]:
-    """Every pair the filters keep, from the packages' .py files in sorted order, functions in source order."""
+    """Every pair the filters keep, from the packages' .py files in sorted order, functions in source order. Files
+    that are not Python 3 source (lib2to3's and test suites' data: Python 2, a byte-order mark) are passed over."""
     pairs, seen = [], set()
     for file in _python_files(packages):
-        for pair in file_pairs(file.read_text(encoding="utf-8")):
+        try:
+            source_pairs = file_pairs(file.read_text(encoding="utf-8"))
+        except (SyntaxError, ValueError):  # ValueError: UnicodeDecodeError, or a null byte in the source
+            continue
+        for pair in source_pairs:
             if pair["code"] not in seen:
                 seen.add(pair["code"])
                 pairs.append(pair)
