@@ -651,9 +651,9 @@ def test_generate_keeps_special_token_text_in_a_prompt_as_text_as_training_did(t
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     config = AutoConfig.from_pretrained(tiny.model_config)
     prompt = 'x = "</s>"'
-    plain = model_input(tokenizer, GenerateArgs("model", prompt=prompt), config)["input_ids"][0].tolist()
+    plain = model_input(tokenizer, prompt, False, config)["input_ids"][0].tolist()
     assert plain == encode_texts(tokenizer, [prompt], [])[0] and tokenizer.eos_token_id not in plain
-    chat = model_input(tokenizer, GenerateArgs("model", prompt=prompt, chat=True), config)["input_ids"][0].tolist()
+    chat = model_input(tokenizer, prompt, True, config)["input_ids"][0].tolist()
     assert tokenizer.eos_token_id not in chat
 
 

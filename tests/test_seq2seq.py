@@ -16,7 +16,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, BartConfig, MBart
 
 from app.data import load_data
 from app.evaluation.samples import decoding_for
-from app.huggingface.generate import GenerateArgs, model_input
+from app.huggingface.generate import model_input
 from app.prepare import PrepareArgs, prepare
 from app.training.preflight import preflight
 from arguments import parse_config
@@ -106,7 +106,7 @@ def test_generate_reads_a_source_as_training_read_it(tiny, t5_config, tmp_path) 
                         tokenizer=str(tiny.tokenizer), max_source_length=128, max_target_length=32, val_fraction=0,
                         output_dir=str(tmp_path / "data")))
     prepared = load_from_disk(tmp_path / "data")["train"][0]["input_ids"]
-    inputs = model_input(AutoTokenizer.from_pretrained(tiny.tokenizer), GenerateArgs(str(tmp_path), prompt=source),
+    inputs = model_input(AutoTokenizer.from_pretrained(tiny.tokenizer), source, False,
                          T5Config.from_pretrained(t5_config))
     assert inputs["input_ids"].tolist() == [prepared]
     assert inputs["attention_mask"].tolist() == [[1] * len(prepared)]

@@ -2,10 +2,16 @@
 
 python generate.py demo/hf-model --prompt "def parse(" --max_new_tokens 80
 python generate.py demo/sft/hf-model --chat true --prompt $'def add(a, b):\\n    return a + b' --temperature 0
+python generate.py demo/summarize/hf-model --prompts test.jsonl --prompt_field code --reference_field summary \\
+    --output answers.jsonl
+
+One prompt and a file of them take the same path (`answer_batch`): a prompt answered alone is a batch of one.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,23 +21,36 @@ from transformers import AutoConfig, AutoTokenizer
 
 from app.checkpoint.io import is_checkpoint
 from app.cli import UsageError, first_line
-from app.folders import DATASET_DICT_FILE
+from app.folders import DATASET_DICT_FILE, replace_file
 from app.hub import load_problem, missing_model_problem, quiet_hub, unloadable_tokenizer
 from app.huggingface.generate_cli import GenerateArgs
+from app.huggingface.prompts_file import Answer, answer_record, read_prompts, scores_line
 from app.model.build import model_class
 from app.prepare.tokenizer import document_suffix, encode_texts
 
 
-def model_input(tokenizer, args: GenerateArgs, config: Any) -> dict[str, torch.Tensor]:
-    """The prompt encoded as prepare_data.py encodes training text: special-token text in it ("</s>",
+DEFAULT_PROMPT = "def "
+
+
+def model_input(tokenizer, text: str, chat: bool, config: Any) -> dict[str, torch.Tensor]:
+    """A prompt encoded as prepare_data.py encodes training text: special-token text in it ("</s>",
     "<|eot_id|>" in code about tokenizers) stays text, where the tokenizer alone made it an end of sequence in the
     middle of the prompt, which the model never saw in training."""
-    if args.chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              return_tensors="pt", return_dict=True, sanitize_control_tokens=True)
     if config.is_encoder_decoder:
-        return source_input(tokenizer, args.prompt)
-    return tokenizer(args.prompt, return_tensors="pt", split_special_tokens=True)
+        return source_input(tokenizer, text)
+    return tokenizer(text, return_tensors="pt", split_special_tokens=True)
+
+
+def encoded_prompt(tokenizer, config: Any, text: str, args: GenerateArgs, what: str) -> list[int]:
+    """A prompt's tokens, refused in one line (naming `what`) when empty or past the model's positions."""
+    ids = model_input(tokenizer, text, args.chat, config)["input_ids"][0].tolist()
+    if not ids:
+        raise UsageError(f"{what} is empty and the tokenizer adds no BOS token to begin with: give some text")
+    check_positions(config, len(ids), args.max_new_tokens, what)
+    return ids
 
 
 def source_input(tokenizer, text: str) -> dict[str, torch.Tensor]:
@@ -43,7 +62,7 @@ def source_input(tokenizer, text: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def check_positions(config: Any, prompt_tokens: int, max_new_tokens: int) -> None:
+def check_positions(config: Any, prompt_tokens: int, max_new_tokens: int, what: str = "--prompt") -> None:
     """The prompt and the answer within the model's positions (max_position_embeddings), before generating: past
     them BART's and GPT-2's learned positions ended in an IndexError traceback, and rotary ones go where training
     never went. An encoder-decoder's source fills the encoder's positions, its answer the decoder's."""
@@ -51,14 +70,14 @@ def check_positions(config: Any, prompt_tokens: int, max_new_tokens: int) -> Non
     if not positions:
         return
     if config.is_encoder_decoder and prompt_tokens > positions:
-        raise UsageError(f"--prompt is {prompt_tokens} tokens, more than the {positions} the model's encoder reads "
+        raise UsageError(f"{what} is {prompt_tokens} tokens, more than the {positions} the model's encoder reads "
                          "(max_position_embeddings); shorten it")
     answer_room = positions - 1 if config.is_encoder_decoder else positions - prompt_tokens
     if max_new_tokens > answer_room:
         where = "the decoder's" if config.is_encoder_decoder else f"a prompt of {prompt_tokens} tokens and the model's"
         raise UsageError(f"--max_new_tokens {max_new_tokens} passes {where} {positions} positions "
                          f"(max_position_embeddings); give at most {max(answer_room, 0)}"
-                         + ("" if answer_room > 0 else ", with a shorter --prompt"))
+                         + ("" if answer_room > 0 else f", with a shorter {what}"))
 
 
 def sampling(args: GenerateArgs, own_config: Any) -> dict[str, Any]:
@@ -72,32 +91,104 @@ def sampling(args: GenerateArgs, own_config: Any) -> dict[str, Any]:
 
 
 def generate(args: GenerateArgs) -> str:
-    """What the model writes: a plain prompt and its continuation, or a chat message (a source) and the answer,
-    then how many tokens it wrote and why it stopped (a stop token of its generation config, or the limit)."""
+    """What the model writes for --prompt: see `shown`."""
+    tokenizer, config, device = tokenizer_config_and_device(args)
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    ids = encoded_prompt(tokenizer, config, prompt, args, "--prompt")
+    model = load_model(args, config).to(device)
+    torch.manual_seed(args.seed)
+    (answer,) = answer_batch(model, tokenizer, config, [ids], args, device)
+    return shown(prompt, answer, args.chat or config.is_encoder_decoder)
+
+
+def answer_file(args: GenerateArgs) -> None:
+    """The answers to every prompt of --prompts, in batches of prompts of similar lengths (less padding), printed
+    (`shown`) or written to --output in the file's order; scored against --reference_field when given. Every prompt
+    is checked before the model loads."""
+    tokenizer, config, device = tokenizer_config_and_device(args)
+    rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field)
+    prompts = [encoded_prompt(tokenizer, config, row.prompt, args, f"line {row.line} of --prompts {args.prompts}")
+               for row in rows]
+    model = load_model(args, config).to(device)
+    torch.manual_seed(args.seed)
+    order = sorted(range(len(rows)), key=lambda index: len(prompts[index]))
+    found: dict[int, Answer] = {}
+    for start in range(0, len(order), args.batch_size):
+        batch = order[start:start + args.batch_size]
+        found |= zip(batch, answer_batch(model, tokenizer, config, [prompts[index] for index in batch], args, device))
+        print(f"answered {len(found)} of {len(rows)} prompts", file=sys.stderr, flush=True)
+    answers = [found[index] for index in range(len(rows))]
+    if args.output is None:
+        answered_alone = args.chat or config.is_encoder_decoder
+        print("\n\n".join(shown(row.prompt, answer, answered_alone) for row, answer in zip(rows, answers)))
+    else:
+        replace_file(Path(args.output), (json.dumps(answer_record(row, answer), ensure_ascii=False) + "\n"
+                                          for row, answer in zip(rows, answers)))
+        print(f"wrote {len(answers)} answers to {args.output}")
+    if args.reference_field is not None:
+        print(scores_line(rows, answers, args.reference_field))
+
+
+def shown(prompt: str, answer: Answer, answered_alone: bool) -> str:
+    """A plain prompt and its continuation, or a chat message (a source) and the answer, then how many tokens it
+    wrote and why it stopped (a stop token of its generation config, or the limit)."""
+    text = f"{prompt}\n--> {answer.text}" if answered_alone else prompt + answer.text
+    return f"{text}\n({answer.new_tokens} new tokens, {answer.stopped})"
+
+
+def tokenizer_config_and_device(args: GenerateArgs) -> tuple[Any, Any, torch.device]:
     tokenizer, config = load_tokenizer_and_config(args)
     if args.chat and not tokenizer.chat_template:
         raise UsageError(f"MODEL {args.model} has no chat template; drop --chat")
-    device = generation_device(args.device)
-    inputs = model_input(tokenizer, args, config)
-    if inputs["input_ids"].shape[1] == 0:
-        raise UsageError("--prompt is empty and the tokenizer adds no BOS token to begin with: give some text")
-    check_positions(config, inputs["input_ids"].shape[1], args.max_new_tokens)
-    model = load_model(args, config).to(device)
-    torch.manual_seed(args.seed)
+    return tokenizer, config, generation_device(args.device)
+
+
+def answer_batch(model: Any, tokenizer: Any, config: Any, prompts: list[list[int]], args: GenerateArgs,
+                 device: torch.device) -> list[Answer]:
+    """The answers to a batch of encoded prompts, generated at once. A decoder-only model's prompts are padded on
+    the left, so that every answer follows its prompt directly (generate() derives the positions from the attention
+    mask); an encoder-decoder's sources on the right. Each answer ends at its first stop token: generate() fills a
+    finished one with padding until the batch ends."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    inputs = padded(prompts, pad, left=not config.is_encoder_decoder)
     output = model.generate(**{name: value.to(device) for name, value in inputs.items()},
-                            max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id,
+                            max_new_tokens=args.max_new_tokens, pad_token_id=pad,
                             **sampling(args, model.generation_config)).cpu()
-    prompt_ids = inputs["input_ids"][0]
-    new_tokens = output[0, 1:] if config.is_encoder_decoder else output[0, len(prompt_ids):]
-    if args.chat or config.is_encoder_decoder:
-        text = f"{args.prompt}\n--> {tokenizer.decode(new_tokens, skip_special_tokens=True)}"
-    else:
-        text = args.prompt + continuation(tokenizer, prompt_ids, output[0])
-    ending = why_it_stopped(new_tokens.tolist(), model.generation_config, tokenizer, args.max_new_tokens)
-    return f"{text}\n({len(new_tokens)} new tokens, {ending})"
+    start = 1 if config.is_encoder_decoder else inputs["input_ids"].shape[1]  # after the decoder's start token
+    stops = stop_tokens(model.generation_config)
+    answers = []
+    for prompt, row in zip(prompts, output):
+        new = up_to_first_stop(row[start:].tolist(), stops)
+        text = (tokenizer.decode(new, skip_special_tokens=True) if args.chat or config.is_encoder_decoder
+                else continuation(tokenizer, prompt, prompt + new))
+        answers.append(Answer(text, len(new), why_it_stopped(new, model.generation_config, tokenizer,
+                                                             args.max_new_tokens)))
+    return answers
 
 
-def continuation(tokenizer: Any, prompt_ids: torch.Tensor, output_ids: torch.Tensor) -> str:
+def padded(prompts: list[list[int]], pad: int, left: bool) -> dict[str, torch.Tensor]:
+    """Prompts of different lengths as one batch, with the attention mask that leaves the padding out."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        place = slice(width - len(prompt), width) if left else slice(0, len(prompt))
+        ids[row, place], mask[row, place] = torch.tensor(prompt), 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def stop_tokens(own_config: Any) -> list[Optional[int]]:
+    """The tokens the model's generation config stops at."""
+    return own_config.eos_token_id if isinstance(own_config.eos_token_id, list) else [own_config.eos_token_id]
+
+
+def up_to_first_stop(tokens: list[int], stops: list[Optional[int]]) -> list[int]:
+    """The tokens written up to the first stop token, included: what follows it is the batch's padding."""
+    ends = [index for index, token in enumerate(tokens) if token in stops]
+    return tokens[:ends[0] + 1] if ends else tokens
+
+
+def continuation(tokenizer: Any, prompt_ids: list[int], output_ids: list[int]) -> str:
     """The text the model wrote after the prompt: the whole sequence decoded, less the decoded prompt, as
     transformers' text-generation pipeline does. The new tokens decoded alone lost their first space under
     tokenizers that strip a leading space when decoding (Llama-2's, Mistral's, CodeLlama's): `def parse(` continued
@@ -169,7 +260,7 @@ def training_folder_problem(path: Path) -> Optional[str]:
 def why_it_stopped(new_tokens: list[int], own_config: Any, tokenizer: Any, max_new_tokens: int) -> str:
     """A stop token the model wrote, or the limit: a generation config's forced_eos_token_id (BART's) puts the stop
     token in the last place the limit leaves, which the model did not choose."""
-    stops = own_config.eos_token_id if isinstance(own_config.eos_token_id, list) else [own_config.eos_token_id]
+    stops = stop_tokens(own_config)
     forced = getattr(own_config, "forced_eos_token_id", None) is not None and len(new_tokens) >= max_new_tokens
     if new_tokens and new_tokens[-1] in stops and not forced:
         return f"stopped at {tokenizer.convert_ids_to_tokens(new_tokens[-1])}"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from app import cli
@@ -20,8 +21,22 @@ class GenerateArgs:
 
     model: str
     """Folder written by convert_to_hf.py (or any Hugging Face causal LM or encoder-decoder)."""
-    prompt: str = "def "
-    """Text to continue; with --chat, the user's message; for an encoder-decoder, the source."""
+    prompt: Optional[str] = None
+    """Text to continue (default: "def "); with --chat, the user's message; for an encoder-decoder, the source."""
+    prompts: Optional[str] = None
+    """A JSON lines file of prompts to answer instead of --prompt, one object a line (a held-out test set): the
+    answers are generated in batches, printed or written to --output, and scored with --reference_field."""
+    prompt_field: str = "prompt"
+    """With --prompts: the field of each line holding the prompt (with --chat, the user's message; for an
+    encoder-decoder, the source)."""
+    reference_field: Optional[str] = None
+    """With --prompts: the field holding each expected answer; the answers are then scored as train.py scores its
+    samples (exact match, ROUGE-1/2/L/Lsum, mean length)."""
+    output: Optional[str] = None
+    """With --prompts: a new JSON lines file for the answers, one line per prompt in the file's order (prompt,
+    reference, generated, new_tokens, stopped); an existing file is refused, not overwritten."""
+    batch_size: int = 8
+    """With --prompts: prompts generated at once (left-padded for a decoder-only model)."""
     chat: bool = False
     """Wrap the prompt in the tokenizer's chat template, as a user message followed by the assistant's turn."""
     max_new_tokens: int = 80
@@ -43,6 +58,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
     parser.add_argument("model", metavar="MODEL", help="Folder written by convert_to_hf.py (or any Hugging Face "
                                                        "causal LM or encoder-decoder).")
     args = GenerateArgs(**cli.parse(parser, argv).as_dict())
+    check_prompt_options(args)
     if args.max_new_tokens < 1:
         raise cli.UsageError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     if args.temperature is not None and args.temperature < 0:
@@ -50,17 +66,41 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
     if not 0 <= args.seed <= MAX_SEED:
         raise cli.UsageError(f"--seed {args.seed} must be between 0 and {MAX_SEED}")
     try:
-        args.prompt.encode("utf-8")
+        (args.prompt or "").encode("utf-8")
     except UnicodeEncodeError as error:  # bytes the shell passed that are not UTF-8 (surrogate-escaped by Python)
         raise cli.UsageError(f"--prompt is not UTF-8 text (byte {error.object[error.start:error.end]!r} at character "
                              f"{error.start}); give it in UTF-8") from None
     return args
 
 
+def check_prompt_options(args: GenerateArgs) -> None:
+    """One prompt or a file of them, never both (one would be ignored); the file's options only with the file; an
+    --output that exists is refused before the model loads (a finished test set's answers are never overwritten)."""
+    if args.prompts is None:
+        given = [name for name in ("reference_field", "output") if getattr(args, name) is not None]
+        given += ["prompt_field"] * (args.prompt_field != "prompt") + ["batch_size"] * (args.batch_size != 8)
+        if given:
+            raise cli.UsageError(f"--{given[0]} applies to a file of prompts: give --prompts FILE")
+        return
+    if args.prompt is not None:
+        raise cli.UsageError("--prompt and --prompts: give one prompt or a file of them, not both")
+    if not Path(args.prompts).is_file():
+        raise cli.UsageError(f"--prompts {args.prompts}: no such file; give a JSON lines file, one object a line")
+    if args.batch_size < 1:
+        raise cli.UsageError(f"--batch_size must be at least 1, got {args.batch_size}")
+    if args.output is not None and Path(args.output).exists():
+        raise cli.UsageError(f"--output {args.output} exists; give a new file name (answers are never overwritten)")
+    if args.output is not None and not Path(args.output).parent.is_dir():
+        raise cli.UsageError(f"--output {args.output}: its folder does not exist; create it first")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: one line on stderr and exit 2 for bad input; else what the model writes."""
     args = cli.run_command(PROG, lambda: parse_args(argv))
-    from app.huggingface.generate import generate
+    from app.huggingface.generate import answer_file, generate
 
     with cli.bars_only_on_a_terminal():
-        print(cli.run_command(PROG, lambda: generate(args)))
+        if args.prompts is None:
+            print(cli.run_command(PROG, lambda: generate(args)))
+        else:
+            cli.run_command(PROG, lambda: answer_file(args))

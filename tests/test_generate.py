@@ -1,0 +1,165 @@
+"""generate.py --prompts: a held-out file of prompts answered in batches, written in the file's order and scored.
+
+What a user relies on: an answer does not depend on the prompts batched with it (the padding a batch needs changes
+nothing), the answers line up with the file's lines, and every problem of the file is one line before the model loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, T5Config
+
+from app.huggingface.generate import GenerateArgs, generate, model_input
+from app.huggingface.generate_cli import main as generate_main
+from tests.test_seq2seq import t5_with_decoder_start
+
+PROMPTS = ["def parse(", "import json\nclass Encoder:\n    def default(self, o):", "x = ", "    return",
+           "def loads(s, *, cls=None, object_hook=None, parse_float=None):\n    \"\"\""]
+NEW_TOKENS = 10
+
+
+def model_folder(tiny, folder: Path, kind: str) -> Path:
+    """A tiny decoder-only (Llama) or encoder-decoder (T5) model with the tiny tokenizer, in a folder. The T5's
+    weights are drawn 3 times wider than T5's own initialisation, whose untrained model repeats one token."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    else:
+        t5 = t5_with_decoder_start(tiny, 2)
+        t5.initializer_factor = 3.0
+        model = AutoModelForSeq2SeqLM.from_config(T5Config.from_dict(t5.to_dict()))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny.tokenizer).save_pretrained(folder)
+    return folder
+
+
+def alone(folder: Path, prompt: str) -> tuple[str, str]:
+    """generate.py's answer to one prompt, generated alone (no padding), split into its text and its last line."""
+    written = generate(GenerateArgs(str(folder), prompt=prompt, temperature=0, max_new_tokens=NEW_TOKENS))
+    text, ending = written.rsplit("\n", 1)
+    return text.split("\n--> ", 1)[1] if "\n--> " in text else text[len(prompt):], ending
+
+
+def make_one_answer_stop_early(folder: Path, prompt: str) -> int:
+    """Makes a token that the greedy answer to `prompt` writes half-way the stop token of the model's generation config
+    (instead of EOS, which the untrained T5 writes first), so that this answer ends before the others of its batch
+    (which generate() then pads)."""
+    from transformers import GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder) if (folder / "config.json").read_text().count(
+        '"llama"') else AutoModelForSeq2SeqLM.from_pretrained(folder)
+    inputs = model_input(tokenizer, prompt, False, model.config)  # as generate.py encodes it
+    output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                            pad_token_id=tokenizer.eos_token_id)[0].tolist()
+    new = output[1:] if model.config.is_encoder_decoder else output[inputs["input_ids"].shape[1]:]
+    stop = new[NEW_TOKENS // 2]
+    config = GenerationConfig.from_model_config(model.config)
+    config.eos_token_id = [stop]
+    config.save_pretrained(folder)
+    return stop
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_answers_in_batches_equal_answers_generated_alone_in_the_files_order(tiny, tmp_path, kind, capsys) -> None:
+    """Prompts of 2 to 30 tokens in batches of 3 (left-padded for Llama, right-padded sources for T5), one answer
+    ending at a stop token half-way while the rest of its batch goes on: each line of --output is the answer that
+    prompt gets alone, and the scores count the one reference that equals its answer."""
+    folder = model_folder(tiny, tmp_path / "model", kind)
+    make_one_answer_stop_early(folder, PROMPTS[1])
+    expected = [alone(folder, prompt) for prompt in PROMPTS]
+    assert "stopped at" in expected[1][1] and f"({NEW_TOKENS} new tokens" in expected[0][1], expected
+    references = [expected[0][0]] + ["not the answer"] * (len(PROMPTS) - 1)
+    prompts = tmp_path / "test.jsonl"
+    prompts.write_text("".join(json.dumps({"code": p, "summary": r}) + "\n" for p, r in zip(PROMPTS, references)))
+
+    capsys.readouterr()
+    generate_main([str(folder), "--prompts", str(prompts), "--prompt_field", "code", "--reference_field", "summary",
+                   "--output", str(tmp_path / "answers.jsonl"), "--batch_size", "3", "--temperature", "0",
+                   "--max_new_tokens", str(NEW_TOKENS)])
+    records = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [record["prompt"] for record in records] == PROMPTS
+    assert [record["reference"] for record in records] == references
+    assert [(record["generated"], f"({record['new_tokens']} new tokens, {record['stopped']})")
+            for record in records] == expected
+    out = capsys.readouterr().out
+    assert f"wrote {len(PROMPTS)} answers to {tmp_path / 'answers.jsonl'}" in out
+    assert f"{len(PROMPTS)} answers scored against 'summary': exact match {1 / len(PROMPTS):.4f} | ROUGE-1 " in out
+
+
+def test_without_output_the_answers_are_printed_as_for_one_prompt(tiny, tmp_path, capsys) -> None:
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n\n" for p in PROMPTS[:2]))
+    singles = [generate(GenerateArgs(str(folder), prompt=p, temperature=0, max_new_tokens=4)) for p in PROMPTS[:2]]
+    capsys.readouterr()
+    generate_main([str(folder), "--prompts", str(tmp_path / "test.jsonl"), "--temperature", "0",
+                   "--max_new_tokens", "4"])
+    captured = capsys.readouterr()
+    assert captured.out == "\n\n".join(singles) + "\n"
+    assert "answered 2 of 2 prompts" in captured.err
+
+
+def refusal(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main(argv)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("generate.py: error: ") and line.endswith("; see generate.py --help"), line
+    return line[len("generate.py: error: "):-len("; see generate.py --help")]
+
+
+def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_loads(tiny, tmp_path,
+                                                                                        capsys) -> None:
+    folder = tmp_path / "model"  # a tokenizer and a config, no weights: each refusal comes before they would load
+    folder.mkdir()
+    AutoTokenizer.from_pretrained(tiny.tokenizer).save_pretrained(folder)
+    AutoConfig.from_pretrained(tiny.model_config).save_pretrained(folder)
+    prompts = tmp_path / "test.jsonl"
+
+    def refused_file(text: str, *options: str) -> str:
+        prompts.write_text(text)
+        return refusal([str(folder), "--prompts", str(prompts), *options], capsys)
+
+    good = json.dumps({"prompt": "def f(", "answer": "x"}) + "\n"
+    assert refused_file(good + "{not json\n") == f"--prompts {prompts}: line 2 is not a JSON object; give one object a line"
+    assert refused_file(good + "[1]\n") == f"--prompts {prompts}: line 2 is not a JSON object; give one object a line"
+    assert refused_file(good + json.dumps({"text": "x"}) + "\n") == (
+        f"--prompts {prompts}: line 2 has no field 'prompt' (--prompt_field); its fields: text")
+    assert refused_file(good, "--reference_field", "summary") == (
+        f"--prompts {prompts}: line 1 has no field 'summary' (--reference_field); its fields: prompt, answer")
+    assert refused_file(json.dumps({"prompt": 3}) + "\n") == (
+        f"--prompts {prompts}: line 1 has a int, not text, in 'prompt' (--prompt_field); its fields: prompt")
+    assert refused_file("\n \n") == f"--prompts {prompts}: holds no prompts"
+    assert refused_file(good + json.dumps({"prompt": "def f(x): return x " * 10}) + "\n", "--max_new_tokens",
+                        "40").startswith(f"--max_new_tokens 40 passes a prompt of ")
+    assert f"with a shorter line 2 of --prompts {prompts}" not in refused_file(good, "--max_new_tokens", "70")
+    prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    assert refusal([str(folder), "--prompts", str(prompts)], capsys).startswith(
+        f"--prompts {prompts}: not readable as UTF-8 text (")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--output", "a.jsonl"], "--output applies to a file of prompts: give --prompts FILE"),
+    (["--reference_field", "summary"], "--reference_field applies to a file of prompts: give --prompts FILE"),
+    (["--batch_size", "4"], "--batch_size applies to a file of prompts: give --prompts FILE"),
+    (["--prompts", "{file}", "--prompt", "def "], "--prompt and --prompts: give one prompt or a file of them, not both"),
+    (["--prompts", "{folder}/missing.jsonl"], "--prompts {folder}/missing.jsonl: no such file; give a JSON lines file, "
+                                              "one object a line"),
+    (["--prompts", "{file}", "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+    (["--prompts", "{file}", "--output", "{file}"], "--output {file} exists; give a new file name (answers are never "
+                                                    "overwritten)"),
+    (["--prompts", "{file}", "--output", "{folder}/no/a.jsonl"], "--output {folder}/no/a.jsonl: its folder does not "
+                                                                 "exist; create it first"),
+])
+def test_file_options_that_cannot_apply_are_refused_at_once(tmp_path, capsys, argv, message) -> None:
+    """Before anything loads; an --output that exists is never written over (a finished test set's answers)."""
+    file = tmp_path / "test.jsonl"
+    file.write_text(json.dumps({"prompt": "x"}) + "\n")
+    fill = {"file": str(file), "folder": str(tmp_path)}
+    assert refusal([str(tmp_path), *(item.format(**fill) for item in argv)], capsys) == message.format(**fill)
+    assert file.read_text() == json.dumps({"prompt": "x"}) + "\n"
