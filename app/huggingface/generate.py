@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,6 +31,7 @@ from app.prepare.tokenizer import document_suffix, encode_texts
 
 
 DEFAULT_PROMPT = "def "
+PROGRESS_EVERY_SEC = 10
 
 
 def model_input(tokenizer, text: str, chat: bool, config: Any) -> dict[str, torch.Tensor]:
@@ -113,10 +115,13 @@ def answer_file(args: GenerateArgs) -> None:
     torch.manual_seed(args.seed)
     order = sorted(range(len(rows)), key=lambda index: len(prompts[index]))
     found: dict[int, Answer] = {}
+    said = time.monotonic()
     for start in range(0, len(order), args.batch_size):
         batch = order[start:start + args.batch_size]
         found |= zip(batch, answer_batch(model, tokenizer, config, [prompts[index] for index in batch], args, device))
-        print(f"answered {len(found)} of {len(rows)} prompts", file=sys.stderr, flush=True)
+        if time.monotonic() - said > PROGRESS_EVERY_SEC or len(found) == len(rows):
+            print(f"answered {len(found)} of {len(rows)} prompts", file=sys.stderr, flush=True)
+            said = time.monotonic()
     answers = [found[index] for index in range(len(rows))]
     if args.output is None:
         answered_alone = args.chat or config.is_encoder_decoder
