@@ -37,7 +37,7 @@ class DeviceArgs:
     """Number of machines; the world size is devices x num_nodes."""
     strategy: Literal["fsdp", "fsdp2", "ddp", "single_device"] = "fsdp"
     """fsdp shards parameters, gradients and optimizer state (FSDP1); fsdp2 does the same per parameter with torch's
-    fully_shard (DTensors); ddp replicates the model (the --no_fsdp case)."""
+    fully_shard (DTensors); ddp replicates the model (what the original script's --no_fsdp did)."""
     precision: Precision = "bf16-true"
     """bf16-true keeps weights and optimizer state in bf16 (least memory; steps much smaller than a weight, as at a
     fine-tune's lr of 2e-5, are rounded away); bf16-mixed keeps fp32 master weights (for pre-training, long runs);
