@@ -462,7 +462,9 @@ def validate_config(cfg: Config) -> list[str]:
             f"--spike_warmup ({cfg.spike_warmup}) must be at least 3 and at most --spike_window ({cfg.spike_window}): "
             "the statistics hold the last --spike_window steps")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
-    require(0 <= cfg.min_lr <= cfg.lr, f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}")
+    require(not cfg.lr_decay or 0 <= cfg.min_lr <= cfg.lr,  # without the decay --min_lr is never read
+            f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}"
+            + (" (its default): give a lower --min_lr" if cfg.min_lr == TrainingArgs.min_lr else ""))
     require(cfg.weight_decay >= 0, f"--weight_decay must be 0 or more, got {cfg.weight_decay}")
     require(cfg.grad_clip >= 0, f"--grad_clip must be 0 (off) or positive, got {cfg.grad_clip}")
     for name in ("beta1", "beta2"):

@@ -24,6 +24,13 @@ def test_types_of_the_original_script_are_fixed() -> None:
     assert cfg.devices == 4 and cfg.auto_wrap_policy == ["LlamaDecoderLayer"]
 
 
+def test_a_constant_learning_rate_below_the_default_min_lr_is_accepted() -> None:
+    """--lr 1e-6 --lr_decay false was refused for the unread default --min_lr (2e-6), and --min_lr given lower was
+    refused as unread: no command line trained at a constant rate below 2e-6."""
+    cfg = parse_config(REQUIRED + ["--lr", "1e-6", "--lr_decay", "false"])
+    assert (cfg.lr, cfg.lr_decay) == (1e-6, False)
+
+
 def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_it(tmp_path) -> None:
     """`python train.py --devices 8 --config X.yaml` (the README's resume line, and slurm/train.sbatch's
     `--devices "$GPUS_PER_NODE" "$@"`) used to train on the file's device count."""
@@ -102,6 +109,7 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
 @pytest.mark.parametrize("argv, message", [
     (["--lr", "0"], "--lr must be positive"),
     (["--min_lr", "1", "--lr", "0.1"], "--min_lr must be between 0 and --lr"),
+    (["--lr", "1e-6"], "--min_lr must be between 0 and --lr (1e-06), got 2e-06 (its default): give a lower --min_lr"),
     (["--beta1", "1.0"], "--beta1 must be in [0, 1)"),
     (["--micro_batch_size", "0"], "--micro_batch_size must be at least 1"),
     (["--warmup_steps", "10", "--max_step", "5"], "--warmup_steps (10) exceeds --max_step (5)"),
