@@ -181,3 +181,35 @@ def test_the_loss_benchmark_runs_and_its_chunked_rows_equal_the_materialising_pa
     for row in rows:
         differences = [float(d) for d in row.strip("| ").split("|")[-1].split(",")]
         assert max(differences) < 1e-5, row
+
+
+def test_a_mixture_of_experts_trains_with_its_router_loss_and_reports_the_cross_entropy(tiny, tmp_path) -> None:
+    """A Mixtral with output_router_logits adds its router's auxiliary loss to its own loss, which training keeps
+    (as intended); val_loss, reported as the mean cross-entropy of the trained tokens, included it too (6.078 for
+    6.037 in an audit)."""
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer, MixtralConfig
+
+    from tests.conftest import run_train, train_args
+    from tests.test_training import assert_succeeded, read_metrics
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           output_router_logits=True, router_aux_loss_coef=0.5, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "mixtral")
+    rows = torch.tensor(load_from_disk(str(tiny.data))["validation"]["input_ids"])
+    with torch.no_grad():
+        own = model(input_ids=rows, labels=rows).loss.item()
+        logits = model(input_ids=rows).logits
+    cross_entropy = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten()).item()
+    assert own > cross_entropy * 1.01, "the router's loss shows at this coefficient"
+
+    result = run_train(train_args(tiny, tmp_path / "run", devices=1, model_config=None, model_name=tmp_path / "mixtral",
+                                  max_step=1, warmup_steps=1, eval_iters=1000, eval_batch_size=len(rows),
+                                  save_step_interval=0))
+    assert_succeeded(result)
+    assert "adds its router's auxiliary loss (x 0.5) to the cross-entropy: train_loss includes it" in result.stdout
+    assert read_metrics(tmp_path / "run")[0]["val_loss"] == pytest.approx(cross_entropy, rel=1e-5)

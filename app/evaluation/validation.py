@@ -32,7 +32,7 @@ def validation_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: 
         for index, split in enumerate(splits.values()):
             token_count = 0
             for batch in eval_batches(fabric, data.format, split, batch_size=batch_size, max_batches=max_batches):
-                loss = loss_path.summed_loss(model, batch)  # on every rank, trained tokens or not
+                loss = loss_path.summed_loss(model, batch, auxiliary=False)  # on every rank, trained tokens or not
                 if batch.trained_tokens:
                     totals[index, 0] += loss.double()
                     token_count += batch.trained_tokens
@@ -56,7 +56,7 @@ def row_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: Trainin
             batch = data.row_batch(row)
             batch.inputs = fabric.to_device(batch.inputs)
             scored.append(torch.stack([torch.tensor(float(row), dtype=torch.float64, device=fabric.device),
-                                       loss_path.summed_loss(model, batch).double(),
+                                       loss_path.summed_loss(model, batch, auxiliary=False).double(),
                                        torch.tensor(float(batch.trained_tokens), dtype=torch.float64,
                                                     device=fabric.device)]))
     every_rank = gather_rows(torch.stack(scored).reshape(-1)).reshape(-1, 3).tolist()

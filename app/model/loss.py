@@ -165,12 +165,17 @@ class LossPath:
     """The chunked path when set; else the model's own loss (it materialises the logits)."""
     decoder_inputs: Optional[Callable[[Tensor], Tensor]] = None
     """An encoder-decoder's decoder inputs from the labels (its forward builds them only when given labels)."""
+    router_loss: bool = False
+    """The model's own loss adds its router's auxiliary loss (a mixture of experts with output_router_logits):
+    training minimises it, as intended; evaluation (`auxiliary=False`) asks for the cross-entropy alone, which
+    val_loss and its perplexity are."""
 
-    def summed_loss(self, model: Module, batch: Batch) -> Tensor:
+    def summed_loss(self, model: Module, batch: Batch, auxiliary: bool = True) -> Tensor:
         """The micro-batch's token losses summed (0 with the graph intact when it trains no token: FSDP's
-        collectives need every rank's backward)."""
+        collectives need every rank's backward); without the router's auxiliary loss unless `auxiliary`."""
         if self.head is None:
-            output = model(**batch.inputs)
+            without_router = {"output_router_logits": False} if self.router_loss and not auxiliary else {}
+            output = model(**batch.inputs, **without_router)
             if not batch.trained_tokens:
                 return output.logits.sum() * 0.0
             return output.loss * batch.trained_tokens
