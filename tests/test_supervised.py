@@ -185,6 +185,52 @@ def test_a_model_whose_sliding_window_a_block_mask_would_drop_is_refused_in_one_
         "takes no mask that stops it while keeping its sliding window" in errors[0], errors
 
 
+def phi3_longrope(tiny, folder: Path, original: int) -> Path:
+    """A tiny Phi-3 whose longrope switches to its long factors past `original` positions (Phi-3-mini-128k: 4096)."""
+    from transformers import Phi3Config
+
+    Phi3Config(vocab_size=len(AutoTokenizer.from_pretrained(tiny.tokenizer)), hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * BLOCK,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=original,
+               rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                "long_factor": [4.0] * 8}).save_pretrained(folder)
+    return folder
+
+
+def test_longrope_past_its_original_positions_is_refused_where_a_micro_batch_mixes_lengths(tiny, packed, padded,
+                                                                                          tmp_path, capsys) -> None:
+    """transformers picks a longrope model's factors from the largest position of the whole micro-batch: a short
+    example packed with one past original_max_position_embeddings trained with the long factors, which it never
+    gets alone (the probe's examples are too short to see it). Refused where micro-batches can mix such lengths;
+    blocks no longer than the limit, or examples one per micro-batch, train as they run alone."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(phi3_longrope(tiny, tmp_path / "phi3", 64)))
+    short, long = torch.randint(5, 300, (1, 20)), torch.randint(5, 300, (1, 100))
+    with torch.no_grad():
+        alone = model(input_ids=short).logits
+        packed_with_long = model(input_ids=torch.cat([long, short], 1), position_ids=torch.cat(
+            [torch.arange(100), torch.arange(20)])[None]).logits[:, 100:]
+    assert (alone - packed_with_long).abs().max() > 1e-3, "transformers' longrope: why this is refused"
+
+    def errors(data: Path, original: int, **options: object) -> list[str]:
+        capsys.readouterr()
+        try:
+            preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=phi3_longrope(
+                tiny, tmp_path / f"phi3-{original}", original), train_data_dir=data, tokenizer=None, **options)))
+        except SystemExit:
+            pass
+        return [line for line in capsys.readouterr().err.splitlines() if "longrope" in line]
+
+    (refused,) = errors(packed, 64)
+    assert refused.startswith(f"error: --train_data_dir {packed} packs examples of up to ") and refused.endswith(
+        "past the 64 positions of a phi3 model's longrope (original_max_position_embeddings): transformers then gives "
+        "every example of the micro-batch the long factors, which a short one does not get alone; prepare the data "
+        "with --block_size 64 or less, or with --packing false and train with --micro_batch_size 1 "
+        "--eval_batch_size 1"), refused
+    assert "a short example gets the long factors" in errors(padded, 64)[0]
+    assert errors(padded, 64, micro_batch_size=1, eval_batch_size=1, gradient_accumulation_steps=8) == []
+    assert errors(packed, BLOCK) == [], "examples within the original positions never switch"
+
+
 def test_a_tokenizer_other_than_the_datas_is_refused(tiny, packed, pretrained, tmp_path, capsys) -> None:
     """The data was prepared with the default chat template saved in its tokenizer/; the tiny tokenizer given with
     --tokenizer has none, and the converted model would carry it: prompts rendered unlike training."""

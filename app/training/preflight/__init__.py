@@ -30,8 +30,8 @@ from app.optimization.schedule import TrainingPlan
 from app.training.preflight.data import check_data, planned_blocks, reads_data
 from app.training.preflight.environment import check_devices, check_launcher, check_precision, check_runs_here
 from app.training.preflight.model import (check_activation_checkpointing, check_attention_supported,
-                                          check_chunked_loss, check_decoder_start, check_model, check_model_fits_data,
-                                          check_packed_isolation)
+                                          check_chunked_loss, check_decoder_start, check_length_dependent_rope,
+                                          check_model, check_model_fits_data, check_packed_isolation)
 from app.training.preflight.notes import note
 from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
@@ -90,6 +90,7 @@ def preflight(cfg: Config) -> RunInputs:
         check_model_fits_data(cfg, model_config, data, problems)
         if attention_works:
             packed_layout = check_packed_isolation(cfg, model_config, data, problems)
+            check_length_dependent_rope(cfg, model_config, data, problems)
             check_decoder_start(cfg, model_config, data, problems)
     chunked_loss = check_chunked_loss(cfg, model_config) if attention_works else False
     resume = resolve_resume(cfg, model_config, problems)

@@ -44,6 +44,9 @@ class DataFacts:
     source_rows: Optional[list[int]] = None
     identities: list[dict] = field(default_factory=list)
     """Each folder's identity (app/data/identity.py), in the order of --train_data_dir."""
+    longest_example: int = 0
+    """Packed rows' longest stretch of position_ids (an example, or the padding that ends a row), what transformers
+    reads as a micro-batch's length; else the longest row."""
 
 
 def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
@@ -116,7 +119,7 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
                      max_token_id=max(fact.max_token_id for fact in facts),
                      target_block_size=max(fact.target_block_size for fact in facts),
                      target_start=facts[0].target_start if len({f.target_start for f in facts}) == 1 else None,
-                     sources=sources,
+                     longest_example=max(fact.longest_example for fact in facts), sources=sources,
                      source_rows=[fact.train_rows for fact in facts])
 
 
@@ -138,7 +141,7 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
     if missing:
         problems.append(f"{flag}: missing split(s) {', '.join(missing)}; prepare_data.py writes train and validation")
         return None
-    lengths, max_ids = set(), []
+    lengths, max_ids, max_positions = set(), [], []
     for name in ("train", "validation"):
         split = splits[name]
         absent = [column for column in data_format.columns if column not in split.column_names]
@@ -153,6 +156,8 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
         row_lengths = pc.list_value_length(split.data.column("input_ids"))
         lengths |= {pc.min(row_lengths).as_py(), pc.max(row_lengths).as_py()}
         max_ids.append(pc.max(pc.list_flatten(split.data.column("input_ids"))).as_py())
+        if "position_ids" in split.column_names:
+            max_positions.append(pc.max(pc.list_flatten(split.data.column("position_ids"))).as_py())
     if len(lengths) != 1 and not data_format.padded:
         problems.append(f"{flag}: rows have different lengths {sorted(lengths)}; pack them into blocks with "
                         "prepare_data.py")
@@ -166,7 +171,8 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
                      mean_target_tokens=mean_tokens["labels"] if data_format.encoder_decoder else 0.0,
                      max_token_id=max(max_ids),
                      target_block_size=longest_target(splits) if data_format.encoder_decoder else 0,
-                     target_start=common_first_target(train) if data_format.encoder_decoder else None)
+                     target_start=common_first_target(train) if data_format.encoder_decoder else None,
+                     longest_example=max(max_positions) + 1 if max_positions else max(lengths))
 
 
 def common_first_target(train: pa.Table) -> Optional[int]:

@@ -160,6 +160,40 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
     return found.layout or "position_ids"
 
 
+def check_length_dependent_rope(cfg: Config, model_config: PretrainedConfig, data: DataFacts,
+                                problems: list[str]) -> None:
+    """Phi-3's longrope switches every position of a micro-batch to its long factors once the batch's largest
+    position passes original_max_position_embeddings (transformers' longrope_frequency_update): a short example
+    packed or padded with a longer one trained with factors it never gets alone, nor at inference (an audit: its
+    per-token loss moved by 4e-3). Refused where a micro-batch can mix lengths across that limit; blocks of raw text
+    are all one length, each of them trained as it runs alone."""
+    limit = longrope_limit(model_config)
+    if limit is None:
+        return
+    fix = (f"prepare the data with --block_size {limit} or less, or with --packing false and train with "
+           "--micro_batch_size 1 --eval_batch_size 1")
+    if data.format.name == "supervised_packed" and data.longest_example > limit:
+        problems.append(f"--train_data_dir {cfg.train_data_dir} packs examples of up to {data.longest_example} "
+                        f"tokens with shorter ones, past the {limit} positions of a {model_config.model_type} model's "
+                        "longrope (original_max_position_embeddings): transformers then gives every example of the "
+                        f"micro-batch the long factors, which a short one does not get alone; {fix}")
+    elif data.format.name == "supervised_padded" and data.longest_example > limit and max(
+            cfg.micro_batch_size, cfg.eval_batch_size or cfg.micro_batch_size) > 1:
+        problems.append(f"--train_data_dir {cfg.train_data_dir} holds examples of up to {data.longest_example} "
+                        f"tokens, past the {limit} positions of a {model_config.model_type} model's longrope "
+                        "(original_max_position_embeddings): padded into one micro-batch with them, a short example "
+                        f"gets the long factors, which it does not get alone; train with --micro_batch_size 1 "
+                        "--eval_batch_size 1")
+
+
+def longrope_limit(model_config: PretrainedConfig) -> Optional[int]:
+    """original_max_position_embeddings of a longrope RoPE (of any layer kind), past which it switches factors."""
+    parameters = getattr(model_config, "rope_parameters", None) or {}
+    kinds = list(parameters.values()) if all(isinstance(v, dict) for v in parameters.values()) else [parameters]
+    limits = [kind.get("original_max_position_embeddings") for kind in kinds if kind.get("rope_type") == "longrope"]
+    return min((limit for limit in limits if limit), default=None)
+
+
 def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
     """--chunked_loss where the run's model class gives the same loss through it (app/model/loss.py's probe), and
     not in fp16: the chunked loss computes its gradients before backward's loss scaling, and fp16 products of
