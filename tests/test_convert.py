@@ -138,6 +138,24 @@ def test_gemma_weights_come_through_unchanged(tiny, tmp_path, model_type) -> Non
         assert torch.equal(reloaded(input_ids=probe()).logits, model(input_ids=probe()).logits)
 
 
+@pytest.mark.parametrize("model_type, extra", [("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+                                               ("gpt_neox", dict(rotary_pct=0.25))])
+def test_architectures_that_transformers_writes_under_older_names_convert(tiny, tmp_path, model_type, extra) -> None:
+    """transformers 5 writes Mixtral's fused experts one by one (block_sparse_moe.experts.N.w1) and GPT-NeoX's output
+    layer as embed_out, renaming them back on loading; the weight check looked the checkpoint's names up in the files
+    and refused every such conversion ("the checkpoint's model.layers.0.mlp.gate.weight is not in it")."""
+    config = AutoConfig.for_model(model_type, vocab_size=len(AutoTokenizer.from_pretrained(tiny.tokenizer)),
+                                  **SMALL, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer))
+    convert("--checkpoint", run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert reloaded.state_dict().keys() == model.state_dict().keys()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=probe()).logits, model(input_ids=probe()).logits)
+
+
 def test_a_weight_changed_while_building_the_model_fails_verification(tiny, tmp_path, monkeypatch, capsys) -> None:
     """The logits reference is the model built from the checkpoint, so a weight changed while building it (here:
     the buffers restored by re-initialising their whole module, as conversion once did) changes both logits; the

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import re
 import shlex
 import shutil
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import safe_open
 from torch.nn import Module
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
@@ -621,8 +618,8 @@ def give_pad_token(tokenizer: Any, config: PretrainedConfig) -> None:
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
 
 
-def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write the folder; return (logits of the checkpoint's weights, logits of the written folder)."""
+def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tuple[torch.Tensor, Module]:
+    """Write the folder; return the logits of the checkpoint's weights and the model the folder loads as."""
     model = model_from_checkpoint(job)
     ids = probe_ids(job.model_config)
     reference = logits_of(model, ids)
@@ -637,44 +634,35 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     (folder / "README.md").write_text(model_card(job, dtype, block_size_of(job.metadata.get("config") or {})))
     reloaded = model_class(job.model_config).from_pretrained(folder, dtype=DTYPES[dtype],
                                                              trust_remote_code=job.trust_remote_code).eval()
-    return reference, logits_of(reloaded, ids)
+    return reference, reloaded
 
 
-def written_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file of the folder that holds it (one file, or several with an index)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-    with safe_open(folder / "model.safetensors", "pt") as handle:
-        return {name: folder / "model.safetensors" for name in handle.keys()}
-
-
-def first_weight_difference(job: Job, folder: Path) -> Optional[str]:
-    """The first checkpoint tensor the folder does not hold as stored, cast to the written dtype (exactly when it is
-    the stored one, else to its rounding); None when every one is there and nothing else is. Read tensor by tensor.
-    The logits cannot tell: their reference is the model built here, so a weight changed while building it (a buffer
-    restored by re-initialising its module, a tie that replaced a trained lm_head) changes both sides."""
-    written, aliases = written_files(folder), tied_names(job.model_config, job.trust_remote_code)
+def first_weight_difference(job: Job, reloaded: Module) -> Optional[str]:
+    """The first checkpoint tensor the written folder, loaded as a user loads it (`reloaded`), does not hold as
+    stored, cast to the written dtype (exactly when it is the stored one, else to its rounding); None when every one
+    is there and nothing else is. Compared with the loaded model rather than the files' names: transformers writes
+    some architectures under older names than its modules' (Mixtral's experts one by one, GPT-NeoX's embed_out) and
+    renames them on loading. The logits cannot tell: their reference is the model built here, so a weight changed
+    while building it (a buffer restored by re-initialising its module, a tie that replaced a trained lm_head)
+    changes both sides."""
+    loaded, aliases = reloaded.state_dict(), tied_names(job.model_config, job.trust_remote_code)
     seen = set()
-    with open_source(job.checkpoint) as source, ExitStack() as files:
-        handles: dict[Path, Any] = {}
+    with open_source(job.checkpoint) as source:
         for key, (dtype, shape) in source.shapes().items():
             if not key.startswith(MODEL_PREFIX):
                 continue
             name = key.removeprefix(MODEL_PREFIX)
-            held = next((n for n in [name, *aliases.get(name, [])] if n in written), None)
+            held = next((n for n in [name, *aliases.get(name, [])] if n in loaded), None)
             if held is None:
                 return f"the checkpoint's {name} is not in it"
-            seen.add(held)
+            seen |= {name, *aliases.get(name, [])}
             stored = torch.empty(shape, dtype=dtype)
             source.read_elements_into(key, 0, stored)
-            if written[held] not in handles:
-                handles[written[held]] = files.enter_context(safe_open(written[held], "pt"))
-            tensor = handles[written[held]].get_tensor(held)
+            tensor = loaded[held]
             if tensor.shape != stored.shape or not torch.equal(tensor, stored.to(tensor.dtype)):
                 where = name if held == name else f"{held} (tied to {name})"
                 return f"its {where} differs from the checkpoint's {name}"
-    extra = next((name for name in written if name not in seen), None)
+    extra = next((name for name in loaded if name not in seen), None)
     return f"it holds {extra}, which the checkpoint does not" if extra else None
 
 
@@ -687,11 +675,12 @@ def convert(job: Job, dtype: str, max_shard_size: str) -> float:
     temporary.mkdir()
     try:
         reference, reloaded = write_model(job, dtype, max_shard_size, temporary)
-        problem = first_weight_difference(job, temporary)
+        problem = first_weight_difference(job, reloaded)
         if problem:
             raise VerificationFailed(f"verification failed: {job.output_dir} would not hold the weights of "
                                      f"{job.checkpoint}: {problem}; nothing was written")
-        difference, allowed = logits_difference(reference, reloaded), tolerance(checkpoint_dtype(job), DTYPES[dtype])
+        difference = logits_difference(reference, logits_of(reloaded, probe_ids(job.model_config)))
+        allowed = tolerance(checkpoint_dtype(job), DTYPES[dtype])
         if not difference <= allowed:
             raise VerificationFailed(f"verification failed: {job.output_dir} reproduces the logits of "
                                      f"{job.checkpoint} only to {difference:.2e} (allowed {allowed:.0e}); "
