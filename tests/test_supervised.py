@@ -18,6 +18,7 @@ import torch
 import yaml
 from rouge_score.tokenizers import DefaultTokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, FalconConfig, Mamba2Config
+from transformers.utils import is_flash_attn_2_available
 
 from app.data import IGNORE_INDEX, load_data
 from app.data.formats import Sample, packed_examples
@@ -229,6 +230,23 @@ def test_longrope_past_its_original_positions_is_refused_where_a_micro_batch_mix
     assert "a short example gets the long factors" in errors(padded, 64)[0]
     assert errors(padded, 64, micro_batch_size=1, eval_batch_size=1, gradient_accumulation_steps=8) == []
     assert errors(packed, BLOCK) == [], "examples within the original positions never switch"
+
+
+def test_flash_attention_where_it_is_missing_is_one_line_for_packed_data_and_no_line_for_a_plan(
+        tiny, packed, pretrained, tmp_path, capsys) -> None:
+    """The packing probe could not run it either, and said so in a second line for the same cause; planning a GPU run
+    on a machine without flash-attn was refused for that second reason."""
+    if is_flash_attn_2_available():
+        pytest.skip("flash-attn is installed here")
+    options = dict(model_config=None, model_name=pretrained, train_data_dir=packed, tokenizer=None,
+                   attn_implementation="flash_attention_2")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", **options)))
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and "flash_attention_2 needs the flash-attn package and a CUDA GPU" in errors[0], errors
+    preflight(parse_config(train_args(tiny, tmp_path / "plan", estimate_memory=True, **options)))
+    assert "error" not in capsys.readouterr().err
 
 
 def test_a_tokenizer_other_than_the_datas_is_refused(tiny, packed, pretrained, tmp_path, capsys) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from transformers import PretrainedConfig
+from transformers.utils import is_flash_attn_2_available
 
 from app.cli import first_line
 from app.data.formats import Layout
@@ -134,6 +135,8 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
     if data.format.name != "supervised_packed" or model_config.is_encoder_decoder:  # the latter refused above
         return "position_ids"
     attention, kind = cfg.attn_implementation, model_config.model_type
+    if attention == "flash_attention_2" and not is_flash_attn_2_available():
+        return "one_row"  # a run is refused for it (check_runs_here); a plan made where it is missing needs no probe
     try:
         found = probe_isolation(model_config, attention, cfg.trust_remote_code)
     except TwinUnavailable as error:
