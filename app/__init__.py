@@ -13,7 +13,7 @@ import against its order):
 | checkpoint/ | saving, loading and reading checkpoints in either format, now or in the background |
 | metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, memory_plan.py, activations.py: measuring a run and planning its memory |
 | evaluation/ | validation.py, samples.py, show.py: validation loss and generation samples, and show_samples.py |
-| huggingface/ | convert_cli.py, convert.py, upload.py, generate_cli.py, generate.py, prefetch.py: to and from Hugging Face (each command line parsed before torch is imported) |
+| huggingface/ | convert_cli.py, convert.py, upload.py, generate_cli.py, generate.py, prompts_file.py, prefetch.py: to and from Hugging Face (each command line parsed before torch is imported) |
 | training/ | preflight/, print_config.py, run.py, loop.py, progress.py: one run, top to bottom |
 
 Imports run one way: a part may import the parts above it in this table (within the first row, cli.py imports
