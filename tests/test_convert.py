@@ -156,6 +156,34 @@ def test_architectures_that_transformers_writes_under_older_names_convert(tiny, 
         assert torch.equal(reloaded(input_ids=probe()).logits, model(input_ids=probe()).logits)
 
 
+def test_a_tensor_the_written_files_lack_fails_verification_even_when_loading_would_initialise_it_alike(
+        tiny, tmp_path, monkeypatch, capsys) -> None:
+    """A norm weight still at its initial ones, dropped from the written files: from_pretrained initialises it to
+    ones again, so a check against the loaded model alone saw nothing missing ("weights and logits verified"),
+    while loaders that need every tensor (vLLM, llama.cpp) fail on the folder."""
+    from safetensors.torch import save_file
+    from transformers import PreTrainedModel
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).eval()
+    assert torch.all(model.model.norm.weight == 1)
+    run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer))
+    save_pretrained = PreTrainedModel.save_pretrained
+
+    def losing_the_norm(self, folder, *args, **kwargs):
+        save_pretrained(self, folder, *args, **kwargs)
+        written = load_file(Path(folder) / "model.safetensors")
+        del written["model.norm.weight"]
+        save_file(written, Path(folder) / "model.safetensors", metadata={"format": "pt"})
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", losing_the_norm)
+    with pytest.raises(SystemExit) as exit_info:
+        convert("--checkpoint", run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    assert exit_info.value.code == 1 and not (tmp_path / "hf").exists()
+    assert "loading it initialises model.norm.weight, which its files lack; nothing was written" in \
+        capsys.readouterr().err
+
+
 def test_a_weight_changed_while_building_the_model_fails_verification(tiny, tmp_path, monkeypatch, capsys) -> None:
     """The logits reference is the model built from the checkpoint, so a weight changed while building it (here:
     the buffers restored by re-initialising their whole module, as conversion once did) changes both logits; the

@@ -103,6 +103,18 @@ def test_without_output_the_answers_are_printed_as_for_one_prompt(tiny, tmp_path
     assert "answered 2 of 2 prompts" in captured.err
 
 
+def test_a_tokenizer_without_pad_or_eos_still_generates(tiny, tmp_path) -> None:
+    """The batch's padding fell back to the tokenizer's EOS only: without one, a single --prompt ended in a
+    TypeError traceback (it generated before --prompts came)."""
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(folder)
+    assert AutoTokenizer.from_pretrained(folder).eos_token_id is None
+    written = generate(GenerateArgs(str(folder), prompt="def f(", temperature=0, max_new_tokens=3))
+    assert written.startswith("def f(") and written.endswith("(3 new tokens, --max_new_tokens reached)")
+
+
 def refusal(argv: list[str], capsys) -> str:
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -135,9 +147,13 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
     assert refused_file(json.dumps({"prompt": 3}) + "\n") == (
         f"--prompts {prompts}: line 1 has a int, not text, in 'prompt' (--prompt_field); its fields: prompt")
     assert refused_file("\n \n") == f"--prompts {prompts}: holds no prompts"
-    assert refused_file(good + json.dumps({"prompt": "def f(x): return x " * 10}) + "\n", "--max_new_tokens",
-                        "40").startswith(f"--max_new_tokens 40 passes a prompt of ")
-    assert f"with a shorter line 2 of --prompts {prompts}" not in refused_file(good, "--max_new_tokens", "70")
+    too_long = refused_file(good + json.dumps({"prompt": "def f(x): return x " * 2}) + "\n" + good,
+                            "--max_new_tokens", "40")  # checked on the longest prompt: its limit fits every line
+    assert too_long.startswith("--max_new_tokens 40 passes a prompt of ") and too_long.endswith(
+        f" tokens (line 2 of --prompts {prompts}, the longest) and the model's 64 positions (max_position_embeddings); "
+        f"give at most {64 - int(too_long.split(' tokens (')[0].rsplit(' ', 1)[1])}"), too_long
+    assert refused_file(good + json.dumps({"prompt": "def f(x): return x " * 10}) + "\n").endswith(
+        "give at most 0; shorten that prompt")
     prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')
     assert refusal([str(folder), "--prompts", str(prompts)], capsys).startswith(
         f"--prompts {prompts}: not readable as UTF-8 text (")

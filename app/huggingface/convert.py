@@ -618,8 +618,9 @@ def give_pad_token(tokenizer: Any, config: PretrainedConfig) -> None:
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
 
 
-def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tuple[torch.Tensor, Module]:
-    """Write the folder; return the logits of the checkpoint's weights and the model the folder loads as."""
+def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tuple[torch.Tensor, Module, Optional[str]]:
+    """Write the folder; return the logits of the checkpoint's weights, the model the folder loads as, and what
+    loading it found missing or left over (None when nothing)."""
     model = model_from_checkpoint(job)
     ids = probe_ids(job.model_config)
     reference = logits_of(model, ids)
@@ -632,9 +633,22 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     gc.collect()
     tokenizer.save_pretrained(folder)
     (folder / "README.md").write_text(model_card(job, dtype, block_size_of(job.metadata.get("config") or {})))
-    reloaded = model_class(job.model_config).from_pretrained(folder, dtype=DTYPES[dtype],
-                                                             trust_remote_code=job.trust_remote_code).eval()
-    return reference, reloaded
+    reloaded, loading = model_class(job.model_config).from_pretrained(
+        folder, dtype=DTYPES[dtype], trust_remote_code=job.trust_remote_code, output_loading_info=True)
+    return reference, reloaded.eval(), loading_problem(loading)
+
+
+def loading_problem(loading: dict[str, Any]) -> Optional[str]:
+    """What transformers' loading of the written folder reports (after its renaming of older names): a tensor the
+    model needs and the files lack, which it initialises silently (a norm weight of ones would then equal the
+    checkpoint's), or one the files hold and the model does not read."""
+    missing, unexpected = sorted(loading.get("missing_keys") or ()), sorted(loading.get("unexpected_keys") or ())
+    if missing:
+        return f"loading it initialises {missing[0]}, which its files lack" + (
+            f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+    if unexpected:
+        return f"its files hold {unexpected[0]}, which the model does not read"
+    return None
 
 
 def first_weight_difference(job: Job, reloaded: Module) -> Optional[str]:
@@ -674,8 +688,8 @@ def convert(job: Job, dtype: str, max_shard_size: str) -> float:
     temporary = staging_folder(output_dir)
     temporary.mkdir()
     try:
-        reference, reloaded = write_model(job, dtype, max_shard_size, temporary)
-        problem = first_weight_difference(job, reloaded)
+        reference, reloaded, problem = write_model(job, dtype, max_shard_size, temporary)
+        problem = problem or first_weight_difference(job, reloaded)
         if problem:
             raise VerificationFailed(f"verification failed: {job.output_dir} would not hold the weights of "
                                      f"{job.checkpoint}: {problem}; nothing was written")

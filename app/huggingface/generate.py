@@ -25,7 +25,7 @@ from app.cli import UsageError, first_line
 from app.folders import DATASET_DICT_FILE, replace_file
 from app.hub import load_problem, missing_model_problem, quiet_hub, unloadable_tokenizer
 from app.huggingface.generate_cli import GenerateArgs
-from app.huggingface.prompts_file import Answer, answer_record, read_prompts, scores_line
+from app.huggingface.prompts_file import Answer, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
 from app.prepare.tokenizer import document_suffix, encode_texts
 
@@ -47,11 +47,10 @@ def model_input(tokenizer, text: str, chat: bool, config: Any) -> dict[str, torc
 
 
 def encoded_prompt(tokenizer, config: Any, text: str, args: GenerateArgs, what: str) -> list[int]:
-    """A prompt's tokens, refused in one line (naming `what`) when empty or past the model's positions."""
+    """A prompt's tokens, refused in one line (naming `what`) when empty."""
     ids = model_input(tokenizer, text, args.chat, config)["input_ids"][0].tolist()
     if not ids:
         raise UsageError(f"{what} is empty and the tokenizer adds no BOS token to begin with: give some text")
-    check_positions(config, len(ids), args.max_new_tokens, what)
     return ids
 
 
@@ -76,10 +75,13 @@ def check_positions(config: Any, prompt_tokens: int, max_new_tokens: int, what: 
                          "(max_position_embeddings); shorten it")
     answer_room = positions - 1 if config.is_encoder_decoder else positions - prompt_tokens
     if max_new_tokens > answer_room:
-        where = "the decoder's" if config.is_encoder_decoder else f"a prompt of {prompt_tokens} tokens and the model's"
+        named = "" if what == "--prompt" else f" ({what})"
+        where = ("the decoder's" if config.is_encoder_decoder
+                 else f"a prompt of {prompt_tokens} tokens{named} and the model's")
         raise UsageError(f"--max_new_tokens {max_new_tokens} passes {where} {positions} positions "
                          f"(max_position_embeddings); give at most {max(answer_room, 0)}"
-                         + ("" if answer_room > 0 else f", with a shorter {what}"))
+                         + ("" if answer_room > 0 else ", with a shorter --prompt" if what == "--prompt"
+                            else "; shorten that prompt"))
 
 
 def sampling(args: GenerateArgs, own_config: Any) -> dict[str, Any]:
@@ -97,6 +99,7 @@ def generate(args: GenerateArgs) -> str:
     tokenizer, config, device = tokenizer_config_and_device(args)
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     ids = encoded_prompt(tokenizer, config, prompt, args, "--prompt")
+    check_positions(config, len(ids), args.max_new_tokens)
     model = load_model(args, config).to(device)
     torch.manual_seed(args.seed)
     (answer,) = answer_batch(model, tokenizer, config, [ids], args, device)
@@ -109,8 +112,9 @@ def answer_file(args: GenerateArgs) -> None:
     is checked before the model loads."""
     tokenizer, config, device = tokenizer_config_and_device(args)
     rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field)
-    prompts = [encoded_prompt(tokenizer, config, row.prompt, args, f"line {row.line} of --prompts {args.prompts}")
-               for row in rows]
+    prompts = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args)) for row in rows]
+    longest = max(range(len(rows)), key=lambda index: len(prompts[index]))  # what fits it fits every prompt
+    check_positions(config, len(prompts[longest]), args.max_new_tokens, f"{line_of(rows[longest], args)}, the longest")
     model = load_model(args, config).to(device)
     torch.manual_seed(args.seed)
     order = sorted(range(len(rows)), key=lambda index: len(prompts[index]))
@@ -134,6 +138,10 @@ def answer_file(args: GenerateArgs) -> None:
         print(scores_line(rows, answers, args.reference_field))
 
 
+def line_of(row: PromptRow, args: GenerateArgs) -> str:
+    return f"line {row.line} of --prompts {args.prompts}"
+
+
 def shown(prompt: str, answer: Answer, answered_alone: bool) -> str:
     """A plain prompt and its continuation, or a chat message (a source) and the answer, then how many tokens it
     wrote and why it stopped (a stop token of its generation config, or the limit)."""
@@ -154,7 +162,8 @@ def answer_batch(model: Any, tokenizer: Any, config: Any, prompts: list[list[int
     the left, so that every answer follows its prompt directly (generate() derives the positions from the attention
     mask); an encoder-decoder's sources on the right. Each answer ends at its first stop token: generate() fills a
     finished one with padding until the batch ends."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = next((token for token in (tokenizer.pad_token_id, tokenizer.eos_token_id,
+                                     *stop_tokens(model.generation_config)) if token is not None), 0)  # masked out
     inputs = padded(prompts, pad, left=not config.is_encoder_decoder)
     output = model.generate(**{name: value.to(device) for name, value in inputs.items()},
                             max_new_tokens=args.max_new_tokens, pad_token_id=pad,
