@@ -17,6 +17,7 @@ a config from the meta device at once, in FSDP's order, so that a --seed gives t
 from __future__ import annotations
 
 import copy
+import inspect
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -343,14 +344,20 @@ def keep_rotary_in_fp32(module: Module) -> None:
                 rotary.register_buffer(name, before.float(), persistent=False)
 
 
+def adds_router_loss(model: Module) -> bool:
+    """Whether the model's own loss adds its router's auxiliary loss, which a call can turn off
+    (output_router_logits, a parameter of the forward of Mixtral, Qwen-MoE, OLMoE, ...)."""
+    return bool(getattr(model.config, "output_router_logits", False)) and (
+        "output_router_logits" in inspect.signature(type(model).forward).parameters)
+
+
 def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, deferred: Optional[DeferredInit],
                 chunked_loss: bool = False) -> tuple[Module, set[str], LossPath]:
     """Build, wrap (and compile) the model, load pretrained weights into its shards, restore fp32 rotary buffers.
     Returns the Fabric module, the names of the parameters exempt from weight decay (read before wrapping) and how
     to ask it for a loss (chunked, without full logits, when the preflight's probe found that it may)."""
     model = build_model(fabric, cfg, model_config, deferred)
-    loss_path = install_loss_head(model) if chunked_loss else LossPath(
-        router_loss=bool(getattr(model_config, "output_router_logits", False)))
+    loss_path = install_loss_head(model) if chunked_loss else LossPath(router_loss=adds_router_loss(model))
     no_decay = no_decay_names(model)
     expected = set(model.state_dict())
     model = fabric.setup_module(torch.compile(model) if cfg.compile else model)

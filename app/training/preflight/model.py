@@ -216,7 +216,8 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
     if getattr(model_config, "output_router_logits", False):
         note(f"--chunked_loss: a {model_config.model_type} model with output_router_logits keeps its own loss, which "
              f"adds its router's auxiliary loss (x {getattr(model_config, 'router_aux_loss_coef', '?')}) to the "
-             "cross-entropy: train_loss includes it, val_loss is the cross-entropy alone; its logits are materialised")
+             "cross-entropy: train_loss includes it, val_loss leaves it out (where the model's forward takes "
+             "output_router_logits); its logits are materialised")
         return False
     try:
         if probe_chunked_loss(model_config, cfg.attn_implementation, cfg.trust_remote_code):
