@@ -138,8 +138,9 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
         return refusal([str(folder), "--prompts", str(prompts), *options], capsys)
 
     good = json.dumps({"prompt": "def f(", "answer": "x"}) + "\n"
-    assert refused_file(good + "{not json\n") == f"--prompts {prompts}: line 2 is not a JSON object; give one object a line"
-    assert refused_file(good + "[1]\n") == f"--prompts {prompts}: line 2 is not a JSON object; give one object a line"
+    not_an_object = f"--prompts {prompts}: line 2 is not a JSON object; give one object a line"
+    assert refused_file(good + "{not json\n") == not_an_object
+    assert refused_file(good + "[1]\n") == not_an_object
     assert refused_file(good + json.dumps({"text": "x"}) + "\n") == (
         f"--prompts {prompts}: line 2 has no field 'prompt' (--prompt_field); its fields: text")
     assert refused_file(good, "--reference_field", "summary") == (
@@ -163,7 +164,8 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
     (["--output", "a.jsonl"], "--output applies to a file of prompts: give --prompts FILE"),
     (["--reference_field", "summary"], "--reference_field applies to a file of prompts: give --prompts FILE"),
     (["--batch_size", "4"], "--batch_size applies to a file of prompts: give --prompts FILE"),
-    (["--prompts", "{file}", "--prompt", "def "], "--prompt and --prompts: give one prompt or a file of them, not both"),
+    (["--prompts", "{file}", "--prompt", "def "],
+     "--prompt and --prompts: give one prompt or a file of them, not both"),
     (["--prompts", "{folder}/missing.jsonl"], "--prompts {folder}/missing.jsonl: no such file; give a JSON lines file, "
                                               "one object a line"),
     (["--prompts", "{file}", "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
