@@ -115,6 +115,49 @@ def test_a_tokenizer_without_pad_or_eos_still_generates(tiny, tmp_path) -> None:
     assert written.startswith("def f(") and written.endswith("(3 new tokens, --max_new_tokens reached)")
 
 
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant> {% endif %}")
+CHATS = [[{"role": "user", "content": "def f(x): return x"}, {"role": "assistant", "content": "Return x."}],
+         [{"role": "system", "content": "Sum."}, {"role": "user", "content": "def g"},
+          {"role": "assistant", "content": "No."}, {"role": "user", "content": "a + b"},
+          {"role": "assistant", "content": "Add."}]]
+
+
+def test_held_out_chats_are_answered_from_the_messages_before_their_last_and_scored_against_it(tiny, tmp_path,
+                                                                                                capsys) -> None:
+    """A chat test set (prepare_data.py --messages_field's format): the model answers the last assistant message
+    from everything before it, system message and earlier turns included, through the chat template."""
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    expected = []
+    for chat in CHATS:
+        inputs = model_input(tokenizer, chat[:-1], False, model.config)
+        output = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        expected.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS))
+    capsys.readouterr()
+    generate_main([str(folder), "--prompts", str(tmp_path / "chats.jsonl"), "--messages_field", "messages",
+                   "--output", str(tmp_path / "answers.jsonl"), "--temperature", "0", "--max_new_tokens", "4"])
+    records = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["reference"], r["generated"]) for r in records] == [
+        (chat[:-1], chat[-1]["content"], text) for chat, text in zip(CHATS, expected)]
+    assert "2 answers scored against the last assistant message of 'messages': exact match 0.0000" in \
+        capsys.readouterr().out
+
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": CHATS[0][:1]}) + "\n")
+    assert refusal([str(folder), "--prompts", str(tmp_path / "bad.jsonl"), "--messages_field", "messages"],
+                   capsys) == (f"--prompts {tmp_path / 'bad.jsonl'}: line 1: 'messages' does not end with an "
+                               "assistant message after a system or user one; the last assistant message is the "
+                               "answer to score")
+    assert refusal([str(folder), "--prompts", str(tmp_path / "chats.jsonl"), "--messages_field", "messages",
+                    "--reference_field", "x", "--chat"], capsys) == (
+        "--messages_field: a chat is its own prompt (through the chat template) and its last message the reference; "
+        "drop --reference_field, --chat")
+
+
 def refusal(argv: list[str], capsys) -> str:
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -164,6 +207,7 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
     (["--output", "a.jsonl"], "--output applies to a file of prompts: give --prompts FILE"),
     (["--reference_field", "summary"], "--reference_field applies to a file of prompts: give --prompts FILE"),
     (["--batch_size", "4"], "--batch_size applies to a file of prompts: give --prompts FILE"),
+    (["--messages_field", "messages"], "--messages_field applies to a file of prompts: give --prompts FILE"),
     (["--prompts", "{file}", "--prompt", "def "],
      "--prompt and --prompts: give one prompt or a file of them, not both"),
     (["--prompts", "{folder}/missing.jsonl"], "--prompts {folder}/missing.jsonl: no such file; give a JSON lines file, "

@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -25,7 +25,7 @@ from app.cli import UsageError, first_line
 from app.folders import DATASET_DICT_FILE, replace_file
 from app.hub import load_problem, missing_model_problem, quiet_hub, unloadable_tokenizer
 from app.huggingface.generate_cli import GenerateArgs
-from app.huggingface.prompts_file import Answer, PromptRow, answer_record, read_prompts, scores_line
+from app.huggingface.prompts_file import Answer, Messages, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
 from app.prepare.tokenizer import document_suffix, encode_texts
 
@@ -34,19 +34,21 @@ DEFAULT_PROMPT = "def "
 PROGRESS_EVERY_SEC = 10
 
 
-def model_input(tokenizer, text: str, chat: bool, config: Any) -> dict[str, torch.Tensor]:
+def model_input(tokenizer, text: Union[str, Messages], chat: bool, config: Any) -> dict[str, torch.Tensor]:
     """A prompt encoded as prepare_data.py encodes training text: special-token text in it ("</s>",
     "<|eot_id|>" in code about tokenizers) stays text, where the tokenizer alone made it an end of sequence in the
-    middle of the prompt, which the model never saw in training."""
-    if chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True, sanitize_control_tokens=True)
+    middle of the prompt, which the model never saw in training. A chat's messages (or `text` as a user's message,
+    when `chat`) go through the chat template, ending with the assistant's turn."""
+    if chat or not isinstance(text, str):
+        messages = text if not isinstance(text, str) else [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True, sanitize_control_tokens=True)
     if config.is_encoder_decoder:
         return source_input(tokenizer, text)
     return tokenizer(text, return_tensors="pt", split_special_tokens=True)
 
 
-def encoded_prompt(tokenizer, config: Any, text: str, args: GenerateArgs, what: str) -> list[int]:
+def encoded_prompt(tokenizer, config: Any, text: Union[str, Messages], args: GenerateArgs, what: str) -> list[int]:
     """A prompt's tokens, refused in one line (naming `what`) when empty."""
     ids = model_input(tokenizer, text, args.chat, config)["input_ids"][0].tolist()
     if not ids:
@@ -103,7 +105,7 @@ def generate(args: GenerateArgs) -> str:
     model = load_model(args, config).to(device)
     torch.manual_seed(args.seed)
     (answer,) = answer_batch(model, tokenizer, config, [ids], args, device)
-    return shown(prompt, answer, args.chat or config.is_encoder_decoder)
+    return shown(prompt, answer, answered_alone(args, config))
 
 
 def answer_file(args: GenerateArgs) -> None:
@@ -111,7 +113,7 @@ def answer_file(args: GenerateArgs) -> None:
     (`shown`) or written to --output in the file's order; scored against --reference_field when given. Every prompt
     is checked before the model loads."""
     tokenizer, config, device = tokenizer_config_and_device(args)
-    rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field)
+    rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field, args.messages_field)
     prompts = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args)) for row in rows]
     longest = max(range(len(rows)), key=lambda index: len(prompts[index]))  # what fits it fits every prompt
     check_positions(config, len(prompts[longest]), args.max_new_tokens, f"{line_of(rows[longest], args)}, the longest")
@@ -128,31 +130,40 @@ def answer_file(args: GenerateArgs) -> None:
             said = time.monotonic()
     answers = [found[index] for index in range(len(rows))]
     if args.output is None:
-        answered_alone = args.chat or config.is_encoder_decoder
-        print("\n\n".join(shown(row.prompt, answer, answered_alone) for row, answer in zip(rows, answers)))
+        alone = answered_alone(args, config)
+        print("\n\n".join(shown(row.prompt, answer, alone) for row, answer in zip(rows, answers)))
     else:
         replace_file(Path(args.output), (json.dumps(answer_record(row, answer), ensure_ascii=False) + "\n"
                                           for row, answer in zip(rows, answers)))
         print(f"wrote {len(answers)} answers to {args.output}")
     if args.reference_field is not None:
-        print(scores_line(rows, answers, args.reference_field))
+        print(scores_line(rows, answers, repr(args.reference_field)))
+    elif args.messages_field is not None:
+        print(scores_line(rows, answers, f"the last assistant message of {args.messages_field!r}"))
 
 
 def line_of(row: PromptRow, args: GenerateArgs) -> str:
     return f"line {row.line} of --prompts {args.prompts}"
 
 
-def shown(prompt: str, answer: Answer, answered_alone: bool) -> str:
+def answered_alone(args: GenerateArgs, config: Any) -> bool:
+    """Whether the answer is decoded on its own (a chat's, a source's) rather than as the prompt's continuation."""
+    return args.chat or args.messages_field is not None or config.is_encoder_decoder
+
+
+def shown(prompt: Union[str, Messages], answer: Answer, alone: bool) -> str:
     """A plain prompt and its continuation, or a chat message (a source) and the answer, then how many tokens it
-    wrote and why it stopped (a stop token of its generation config, or the limit)."""
-    text = f"{prompt}\n--> {answer.text}" if answered_alone else prompt + answer.text
+    wrote and why it stopped (a stop token of its generation config, or the limit). A chat shows its last message."""
+    prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    text = f"{prompt}\n--> {answer.text}" if alone else prompt + answer.text
     return f"{text}\n({answer.new_tokens} new tokens, {answer.stopped})"
 
 
 def tokenizer_config_and_device(args: GenerateArgs) -> tuple[Any, Any, torch.device]:
     tokenizer, config = load_tokenizer_and_config(args)
-    if args.chat and not tokenizer.chat_template:
-        raise UsageError(f"MODEL {args.model} has no chat template; drop --chat")
+    if (args.chat or args.messages_field) and not tokenizer.chat_template:
+        raise UsageError(f"MODEL {args.model} has no chat template; drop --chat" if args.chat else
+                         f"MODEL {args.model} has no chat template to render the chats of --messages_field with")
     return tokenizer, config, generation_device(args.device)
 
 
@@ -173,7 +184,7 @@ def answer_batch(model: Any, tokenizer: Any, config: Any, prompts: list[list[int
     answers = []
     for prompt, row in zip(prompts, output):
         new = up_to_first_stop(row[start:].tolist(), stops)
-        text = (tokenizer.decode(new, skip_special_tokens=True) if args.chat or config.is_encoder_decoder
+        text = (tokenizer.decode(new, skip_special_tokens=True) if answered_alone(args, config)
                 else continuation(tokenizer, prompt, prompt + new))
         answers.append(Answer(text, len(new), why_it_stopped(new, model.generation_config, tokenizer,
                                                              args.max_new_tokens)))

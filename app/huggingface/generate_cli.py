@@ -32,6 +32,10 @@ class GenerateArgs:
     reference_field: Optional[str] = None
     """With --prompts: the field holding each expected answer; the answers are then scored as train.py scores its
     samples (exact match, ROUGE-1/2/L/Lsum, mean length)."""
+    messages_field: Optional[str] = None
+    """With --prompts, instead of --prompt_field: the field holding a chat ({role, content} messages, as
+    prepare_data.py --messages_field reads them); the model answers its last message, an assistant's, from the
+    messages before it through the chat template, and is scored against it."""
     output: Optional[str] = None
     """With --prompts: a new JSON lines file for the answers, one line per prompt in the file's order (prompt,
     reference, generated, new_tokens, stopped); an existing file is refused, not overwritten."""
@@ -77,7 +81,7 @@ def check_prompt_options(args: GenerateArgs) -> None:
     """One prompt or a file of them, never both (one would be ignored); the file's options only with the file; an
     --output that exists is refused before the model loads (a finished test set's answers are never overwritten)."""
     if args.prompts is None:
-        given = [name for name in ("reference_field", "output") if getattr(args, name) is not None]
+        given = [name for name in ("reference_field", "messages_field", "output") if getattr(args, name) is not None]
         given += ["prompt_field"] * (args.prompt_field != "prompt") + ["batch_size"] * (args.batch_size != 8)
         if given:
             raise cli.UsageError(f"--{given[0]} applies to a file of prompts: give --prompts FILE")
@@ -88,6 +92,12 @@ def check_prompt_options(args: GenerateArgs) -> None:
         raise cli.UsageError(f"--prompts {args.prompts}: no such file; give a JSON lines file, one object a line")
     if args.batch_size < 1:
         raise cli.UsageError(f"--batch_size must be at least 1, got {args.batch_size}")
+    if args.messages_field is not None:
+        given = [f"--{name}" for name, default in (("prompt_field", "prompt"), ("reference_field", None))
+                 if getattr(args, name) != default] + ["--chat"] * args.chat
+        if given:
+            raise cli.UsageError(f"--messages_field: a chat is its own prompt (through the chat template) and its "
+                                 f"last message the reference; drop {', '.join(given)}")
     if args.output is not None and Path(args.output).exists():
         raise cli.UsageError(f"--output {args.output} exists; give a new file name (answers are never overwritten)")
     if args.output is not None and not Path(args.output).parent.is_dir():

@@ -7,17 +7,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from app.cli import UsageError
 
 
+Messages = list[dict[str, str]]
+
+
 @dataclass(frozen=True)
 class PromptRow:
-    """One prompt of the file, with its line number (for messages) and its expected answer, if the file has one."""
+    """One prompt of the file (a text, or a chat's messages before its last), with its line number (for messages)
+    and its expected answer, if the file has one."""
 
     line: int
-    prompt: str
+    prompt: Union[str, Messages]
     reference: Optional[str]
 
 
@@ -31,9 +35,11 @@ class Answer:
     stopped: str
 
 
-def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str]) -> list[PromptRow]:
+def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str],
+                 messages_field: Optional[str] = None) -> list[PromptRow]:
     """Every non-blank line of a JSON lines file, each an object with text in `prompt_field` (and in
-    `reference_field` when given); the first line that is not is refused, with its number and its fields."""
+    `reference_field` when given), or a chat in `messages_field`; the first line that is not is refused, with its
+    number and its fields."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
@@ -48,6 +54,9 @@ def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str]) 
             record = None
         if not isinstance(record, dict):
             raise UsageError(f"--prompts {path}: line {number} is not a JSON object; give one object a line")
+        if messages_field is not None:
+            rows.append(chat_row(path, number, record, messages_field))
+            continue
         values = [text_field(path, number, record, "--prompt_field", prompt_field)]
         values.append(None if reference_field is None else
                       text_field(path, number, record, "--reference_field", reference_field))
@@ -66,6 +75,22 @@ def text_field(path: Path, number: int, record: dict, flag: str, field: str) -> 
     return value
 
 
+def chat_row(path: Path, number: int, record: dict, field: str) -> PromptRow:
+    """A chat whose last message, an assistant's, is the reference, and the messages before it the prompt."""
+    chat = record.get(field)
+    where = f"--prompts {path}: line {number}"
+    if chat is None:
+        raise UsageError(f"{where} has no field {field!r} (--messages_field); its fields: "
+                         f"{', '.join(map(str, record)) or 'none'}")
+    if not isinstance(chat, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                             and isinstance(m.get("content"), str) for m in chat):
+        raise UsageError(f"{where}: {field!r} is not a list of {{role, content}} messages with text content")
+    if len(chat) < 2 or chat[-1]["role"] != "assistant" or chat[0]["role"] == "assistant":
+        raise UsageError(f"{where}: {field!r} does not end with an assistant message after a system or user one; "
+                         "the last assistant message is the answer to score")
+    return PromptRow(number, [{"role": m["role"], "content": m["content"]} for m in chat[:-1]], chat[-1]["content"])
+
+
 def answer_record(row: PromptRow, answer: Answer) -> dict[str, object]:
     """A line of --output: the keys of train.py's samples files, and the answer's length and ending."""
     record: dict[str, object] = {"prompt": row.prompt}
@@ -74,13 +99,13 @@ def answer_record(row: PromptRow, answer: Answer) -> dict[str, object]:
     return record | {"generated": answer.text, "new_tokens": answer.new_tokens, "stopped": answer.stopped}
 
 
-def scores_line(rows: list[PromptRow], answers: list[Answer], reference_field: str) -> str:
+def scores_line(rows: list[PromptRow], answers: list[Answer], against: str) -> str:
     """The answers scored against the references as train.py scores its generation samples."""
     from app.evaluation.samples import sample_metrics
 
     metrics = sample_metrics([answer.text for answer in answers], [row.reference or "" for row in rows],
                              [answer.new_tokens for answer in answers])
-    return (f"{len(answers)} answers scored against {reference_field!r}: exact match "
+    return (f"{len(answers)} answers scored against {against}: exact match "
             f"{metrics['sample_exact_match']:.4f} | ROUGE-1 {metrics['sample_rouge1']:.4f} | ROUGE-2 "
             f"{metrics['sample_rouge2']:.4f} | ROUGE-L {metrics['sample_rougeL']:.4f} | ROUGE-Lsum "
             f"{metrics['sample_rougeLsum']:.4f} | mean length {metrics['sample_length']:.1f} tokens")
