@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, T5Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GPT2Config, T5Config
 
 from app.huggingface.generate import GenerateArgs, generate, model_input
 from app.huggingface.generate_cli import main as generate_main
@@ -28,6 +28,10 @@ def model_folder(tiny, folder: Path, kind: str) -> Path:
     torch.manual_seed(0)
     if kind == "llama":
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    elif kind == "gpt2":  # learned positions: a left-padded prompt must still start at position 0
+        vocab = len(AutoTokenizer.from_pretrained(tiny.tokenizer))
+        model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4,
+                                                            n_positions=64, bos_token_id=1, eos_token_id=2))
     else:
         t5 = t5_with_decoder_start(tiny, 2)
         t5.initializer_factor = 3.0
@@ -51,8 +55,8 @@ def make_one_answer_stop_early(folder: Path, prompt: str) -> int:
     from transformers import GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder) if (folder / "config.json").read_text().count(
-        '"llama"') else AutoModelForSeq2SeqLM.from_pretrained(folder)
+    seq2seq = AutoConfig.from_pretrained(folder).is_encoder_decoder
+    model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(folder)
     inputs = model_input(tokenizer, prompt, False, model.config)  # as generate.py encodes it
     output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                             pad_token_id=tokenizer.eos_token_id)[0].tolist()
@@ -64,11 +68,11 @@ def make_one_answer_stop_early(folder: Path, prompt: str) -> int:
     return stop
 
 
-@pytest.mark.parametrize("kind", ["llama", "t5"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
 def test_answers_in_batches_equal_answers_generated_alone_in_the_files_order(tiny, tmp_path, kind, capsys) -> None:
-    """Prompts of 2 to 30 tokens in batches of 3 (left-padded for Llama, right-padded sources for T5), one answer
-    ending at a stop token half-way while the rest of its batch goes on: each line of --output is the answer that
-    prompt gets alone, and the scores count the one reference that equals its answer."""
+    """Prompts of 2 to 30 tokens in batches of 3 (left-padded for Llama and GPT-2, right-padded sources for T5), one
+    answer ending at a stop token half-way while the rest of its batch goes on: each line of --output is the answer
+    that prompt gets alone, and the scores count the one reference that equals its answer."""
     folder = model_folder(tiny, tmp_path / "model", kind)
     make_one_answer_stop_early(folder, PROMPTS[1])
     expected = [alone(folder, prompt) for prompt in PROMPTS]
