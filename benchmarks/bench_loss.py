@@ -2,12 +2,14 @@
 materialises the logits (`F.linear`, the fp32 upcast transformers makes, `F.cross_entropy`), forward and backward,
 at Llama-3's vocabulary and 8K tokens: time and the peak memory above the inputs, for several chunk sizes and with
 the fp32 accumulation of the weight's gradient inside the GEMM (CUDA) or after it; and each one's loss and
-gradients (hidden states, output weight) against the materialising path's.
+gradients (hidden states, output weight) against the materialising path's. On a GPU, the maintained fused kernels
+too where they are installed (Liger Kernel's fused linear cross-entropy, Apple's Cut Cross-Entropy; Triton, CUDA
+only): the measurement behind app/model/loss.py's choice of its own.
 
 The training runs of `gpu_check.py` show the whole step; this isolates the head, where the two paths differ, so
 that a choice of chunk size is a measurement. On CPU (`--tiny`) a small shape checks that it runs.
 
-Run: python benchmarks/bench_loss.py [--tokens 8192 --hidden 2048 --vocab 128256] [--tiny]
+Run: python benchmarks/bench_loss.py [--tokens 8192 --hidden 2048 --vocab 128256] [--tiny] [--fused_kernels]
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +33,33 @@ from app.model.loss import IGNORE_INDEX, chunk_tokens, chunked_cross_entropy  # 
 
 def materialised(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def liger_kernel() -> Callable:
+    """Liger Kernel's fused linear cross-entropy, the weight's gradient summed in fp32 as the chunked loss's is."""
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    liger = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum", accum_dtype=torch.float32)
+    return lambda hidden, weight, targets: liger(weight, hidden, targets)
+
+
+def cut_cross_entropy() -> Callable:
+    """Cut Cross-Entropy's default implementation (`cce`, its gradient filter at its default)."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    return lambda hidden, weight, targets: linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE_INDEX,
+                                                                reduction="sum")
+
+
+FUSED_KERNELS = {"liger-kernel": liger_kernel, "cut-cross-entropy": cut_cross_entropy}
+"""Each installed distribution's loss of (hidden, weight, targets), made when measured."""
+
+
+def installed_version(distribution: str) -> Optional[str]:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def measure(step: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> tuple[float, float]:
@@ -71,6 +101,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="a small shape on CPU in fp32")
+    parser.add_argument("--fused_kernels", action="store_true",
+                        help="also the fused kernels installed (liger-kernel, cut-cross-entropy; on a GPU)")
     options = parser.parse_args()
     if options.tiny:
         options.tokens, options.hidden, options.vocab, options.repeats = 256, 64, 2048, 2
@@ -95,14 +127,29 @@ def main() -> None:
     print("| path | ms | peak above inputs (GB) | loss, gradients: largest relative difference |\n"
           "| --- | --- | --- | --- |")
     reference = results(rows[0][1], [hidden, weight])
-    for label, step, fused in rows:
-        loss_module.FUSED_ACCUMULATION = fused
+
+    def row(label: str, step: Callable[[], torch.Tensor]) -> str:
         differences = [relative_difference(a, b) for a, b in zip(results(step, [hidden, weight]), reference)]
         seconds, peak = measure(step, device, options.repeats)
         hidden.grad = weight.grad = None
-        print(f"| {label} | {seconds * 1e3:.2f} | {peak / 2**30:.2f} | "
-              f"{', '.join(f'{d:.1e}' for d in differences)} |", flush=True)
+        return f"| {label} | {seconds * 1e3:.2f} | {peak / 2**30:.2f} | {', '.join(f'{d:.1e}' for d in differences)} |"
+
+    for label, step, fused in rows:
+        loss_module.FUSED_ACCUMULATION = fused
+        print(row(label, step), flush=True)
     loss_module.FUSED_ACCUMULATION = True
+    for distribution, make in FUSED_KERNELS.items() if device.type == "cuda" and options.fused_kernels else ():
+        installed = installed_version(distribution)
+        if installed is None:
+            continue
+        label = f"{distribution} {installed}"
+        try:  # another version's API or a kernel that does not build: its row says so, the others stand
+            loss = make()
+            print(row(label, lambda: loss(hidden, weight, targets)), flush=True)
+        except Exception as error:
+            hidden.grad = weight.grad = None
+            message = (str(error).splitlines() or [""])[0][:200]
+            print(f"| {label} | failed | - | {type(error).__name__}: {message} |", flush=True)
 
 
 if __name__ == "__main__":

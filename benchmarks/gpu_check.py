@@ -12,7 +12,8 @@ separate processes on one device, nothing downloaded (models from configs, data 
 4. an `--async_save` half-way, then a resume from it in a new run folder: its losses against the uninterrupted run's
    (the first resumed step's forward reads exactly the saved weights);
 5. `convert_to_hf.py` on the last checkpoint, whose logits it verifies against the training model's;
-6. a supervised step on packed examples under flash_attention_2 where the image has flash-attn, else SDPA.
+6. GPT-2 and T5 under bf16-mixed: what `train.py --estimate_memory` plans for each run against its peak;
+7. a supervised step on packed examples under flash_attention_2 where the image has flash-attn, else SDPA.
 Prints one table (also written as JSON to --out) with the card, driver and versions.
 
 On a GPU machine that lacks this project's pure-Python dependencies, `make gpu-wheels` downloads them (.whl/) and
@@ -79,6 +80,8 @@ class Scale:
     """Runs that show the other precisions and options train, each a row: its name and train.py options."""
     loss_tolerance: float
     """fsdp2 against fsdp, relative, per step."""
+    architectures: list[tuple[str, str, dict, int]]
+    """GPT-2 and T5 (name, model type, config, micro batch): the planner against their peak under bf16-mixed."""
 
 
 GPU = Scale(model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -95,7 +98,11 @@ GPU = Scale(model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_laye
                        ["--precision", "bf16-mixed", "--compile", "true", "--chunked_loss", "true"]),
                       ("fsdp bf16-mixed, activation checkpointing",
                        ["--precision", "bf16-mixed", "--gradient_checkpointing", "true"])],
-            loss_tolerance=1e-2)
+            loss_tolerance=1e-2,
+            architectures=[("GPT-2 (355M)", "gpt2", dict(n_embd=1024, n_layer=24, n_head=16, n_positions=2048,
+                                                         vocab_size=50257), 4),
+                           ("T5 (223M)", "t5", dict(d_model=768, d_ff=3072, d_kv=64, num_layers=12, num_heads=12,
+                                                    vocab_size=32128, pad_token_id=2, decoder_start_token_id=2), 32)])
 TINY = Scale(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=2000),
              vocabulary_model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -105,7 +112,11 @@ TINY = Scale(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers
              precisions={"bf16-mixed": "32-true"},
              variants=[("fsdp bf16-true, activation checkpointing",
                         ["--precision", "bf16-true", "--gradient_checkpointing", "true"])],
-             loss_tolerance=1e-4)
+             loss_tolerance=1e-4,
+             architectures=[("GPT-2", "gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                   vocab_size=2000), 2),
+                            ("T5", "t5", dict(d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4,
+                                              vocab_size=2000, pad_token_id=2, decoder_start_token_id=2), 4)])
 
 
 @dataclass
@@ -152,18 +163,20 @@ class Check:
                     bos_token_id=1, eos_token_id=2).save_pretrained(folder)
         return folder
 
+    def train_arguments(self, model: Path, data: Path, out: Path, *options: str) -> list[str]:
+        """train.py's command line for a run of --steps steps logging every step. It writes no checkpoint unless
+        `options` ask for one: the GPU model's training state is 18 GB, and the GPU machine's disk holds 64 GB."""
+        return ["train.py", "--model_config", str(model), "--train_data_dir", str(data), "--out_dir", str(out),
+                "--max_step", str(self.scale.steps), "--micro_batch_size", str(self.scale.micro_batch_size),
+                "--log_interval", "1", "--eval_iters", "2", "--eval_step_interval", "1000",
+                "--save_step_interval", "0", "--initial_validation", "false", "--warmup_steps", "2",
+                "--lr", str(self.scale.lr), "--wandb_mode", "disabled", "--num_workers", "0",
+                *self.scale.hardware, *options]
+
     def train(self, name: str, model: Path, data: Path, *options: str) -> Optional[dict]:
-        """A run of --steps steps logging every step; its summary with the per-step losses, None if it failed. It
-        writes no checkpoint unless `options` ask for one: the GPU model's training state is 18 GB, and the GPU
-        machine's disk holds 64 GB."""
+        """The run; its summary with the per-step losses, None if it failed."""
         out = self.work / name
-        result = self.script("train.py", "--model_config", str(model), "--train_data_dir", str(data),
-                             "--out_dir", str(out), "--max_step", str(self.scale.steps),
-                             "--micro_batch_size", str(self.scale.micro_batch_size),
-                             "--log_interval", "1", "--eval_iters", "2", "--eval_step_interval", "1000",
-                             "--save_step_interval", "0", "--initial_validation", "false", "--warmup_steps", "2",
-                             "--lr", str(self.scale.lr), "--wandb_mode", "disabled", "--num_workers", "0",
-                             *self.scale.hardware, *options)
+        result = self.script(*self.train_arguments(model, data, out, *options))
         if result.returncode != 0:
             self.add(Row(name, f"train.py exited {result.returncode}: {last_line(result.stderr)}", ok=False,
                          numbers={"output": (result.stdout + result.stderr).splitlines()[-40:]}))
@@ -188,6 +201,18 @@ class Check:
                       block_size=self.scale.block_size, gradient_checkpointing=False, cpu_offload=False,
                       chunked_loss=True)
         return (estimate_memory(shape, setup).total - setup.runtime) / 2**30
+
+
+    def plan_gb(self, name: str, model: Path, data: Path, *options: str) -> Optional[float]:
+        """The total that `train.py ... --estimate_memory true` prints for the run with these options, as a user
+        plans it (GB); None, with a failed row, if it printed none."""
+        result = self.script(*self.train_arguments(model, data, self.work / f"{name}-plan", *options),
+                             "--estimate_memory", "true")
+        total = re.search(r"^\s+total\s+([\d.]+) (GB|MB)$", result.stdout, re.MULTILINE)
+        if total is None:
+            self.add(Row(name, f"--estimate_memory exited {result.returncode}: {last_line(result.stderr)}", ok=False))
+            return None
+        return float(total.group(1)) / (1024 if total.group(2) == "MB" else 1)
 
 
 def last_line(text: str) -> str:
@@ -228,6 +253,21 @@ def prepare_text(work: Path, block_size: int, name: str, tokenizer: Optional[Pat
         prepare(PrepareArgs(input=stdlib_corpus_paths(CORPUS), output_dir=str(out), block_size=block_size,
                             val_fraction=0.05, seed=0, **({"tokenizer": str(tokenizer)} if tokenizer else
                                                           {"vocab_size": 2000})))
+    return out
+
+
+def prepare_seq2seq(check: Check, tokenizer: Path) -> Path:
+    """The standard library's code -> summary pairs as `make summarize-demo` prepares them for T5."""
+    from app.prepare import PrepareArgs, prepare
+    from app.prepare.corpus import quiet_progress
+    from app.prepare.stdlib_tasks import code_summary_pairs, write_pairs
+
+    pairs, out = check.work / "seq2seq-pairs.jsonl", check.work / "seq2seq-data"
+    write_pairs(code_summary_pairs(), pairs)
+    with quiet_progress():
+        prepare(PrepareArgs(input=[str(pairs)], source_field="code", target_field="summary", tokenizer=str(tokenizer),
+                            max_source_length=check.scale.block_size // 4, max_target_length=48, val_fraction=0.1,
+                            seed=0, output_dir=str(out)))
     return out
 
 
@@ -313,12 +353,12 @@ def check_loss_head(check: Check) -> None:
     its time, memory and its loss and gradients against the materialising path's (bf16 on a GPU: the products'
     rounding; fp32 on CPU)."""
     result = check.script("benchmarks/bench_loss.py", *([] if torch.cuda.is_available() else ["--tiny"]))
-    rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    rows = bench_loss_rows(result.stdout)
     if result.returncode != 0 or len(rows) < 2:
         check.add(Row("loss head", f"bench_loss.py exited {result.returncode}: {last_line(result.stderr)}", ok=False))
         return
     table = {row[0]: row[1:] for row in rows}
-    chunked = next(name for name in table if "(default)" in name and "after it" not in name)
+    chunked = default_chunk_row(table)
     (own_ms, own_gb, _), (ms, gb, differences) = table["materialised logits"], table[chunked]
     loss_difference, *gradient_differences = (float(d) for d in differences.split(","))
     tolerance = 5e-2 if torch.cuda.is_available() else 1e-5
@@ -327,6 +367,36 @@ def check_loss_head(check: Check) -> None:
                   f"{max(gradient_differences):.1e}", f"loss within 1e-4, gradients within {tolerance:g}",
                   loss_difference <= 1e-4 and max(gradient_differences) <= tolerance,
                   {"table": result.stdout.splitlines()}))
+
+
+def check_fused_kernels(check: Check) -> None:
+    """The fused kernels installed (Liger Kernel, Cut Cross-Entropy; `make gpu-wheels` brings them) in the same
+    benchmark, for the record: last, since their Triton kernels compile and tune first. Not on CPU."""
+    if not torch.cuda.is_available():
+        return
+    result = check.script("benchmarks/bench_loss.py", "--fused_kernels")
+    table = {row[0]: row[1:] for row in bench_loss_rows(result.stdout)}
+    if result.returncode != 0 or "materialised logits" not in table:
+        check.add(Row("fused kernels", f"bench_loss.py exited {result.returncode}: {last_line(result.stderr)}"))
+        return
+    own_ms, own_gb, _ = table["materialised logits"]
+    chunked_ms, chunked_gb, _ = table[default_chunk_row(table)]
+    for kernel in [name for name in table if not name.startswith(("materialised", "chunked"))]:
+        ms, gb, differences = table[kernel]
+        check.add(Row(f"loss head alone, {kernel} / chunked (default) / materialised logits",
+                      f"{ms} / {chunked_ms} / {own_ms} ms, {gb} / {chunked_gb} / {own_gb} GB; {kernel}'s loss, "
+                      f"gradients within {differences}", numbers={"table": result.stdout.splitlines()}))
+
+
+def default_chunk_row(table: dict[str, list[str]]) -> str:
+    """The chunked loss as training runs it: the default chunk, on a GPU with the fp32 sum in the GEMM."""
+    return next(name for name in table if "(default)" in name and "after it" not in name)
+
+
+def bench_loss_rows(printed: str) -> list[list[str]]:
+    """The rows of bench_loss.py's table, header and rule left out."""
+    return [line.strip("| ").split(" | ") for line in printed.splitlines()
+            if line.startswith("| ") and not line.startswith("| ---")][1:]
 
 
 def check_strategies(check: Check, model: Path, data: Path) -> Optional[dict]:
@@ -429,6 +499,39 @@ def check_conversion(check: Check) -> None:
                   "logits verified", result.returncode == 0 and verified is not None))
 
 
+def check_architectures(check: Check, text_data: Path) -> None:
+    """GPT-2 on the text blocks and T5 on code -> summary pairs, fsdp bf16-mixed: what `--estimate_memory` plans
+    for the very run (its total less the runtime, which CUDA's allocator does not hold) against its peak, with the
+    loss falling, its tokens/s and MFU."""
+    from transformers import AutoConfig
+
+    mixed, seq2seq = check.scale.precisions["bf16-mixed"], None
+    for label, model_type, shape, micro_batch in check.scale.architectures:
+        name = f"{label} {mixed}, micro batch {micro_batch}"
+        if not check.time_left(name):
+            continue
+        config = AutoConfig.for_model(model_type, bos_token_id=1, eos_token_id=2, **shape)  # the tokenizer's
+        if config.is_encoder_decoder:
+            seq2seq = seq2seq or prepare_seq2seq(check, text_data / "tokenizer")
+        model, data = check.work / f"{model_type}-model", seq2seq if config.is_encoder_decoder else text_data
+        config.save_pretrained(model)
+        options = ["--precision", mixed, "--micro_batch_size", str(micro_batch)]
+        planned = check.plan_gb(name, model, data, *options)
+        summary = check.train(f"{model_type}-{mixed}", model, data, *options) if planned is not None else None
+        if summary is None:
+            continue
+        losses, on_gpu = summary["losses"], torch.cuda.is_available()
+        first, last = losses[min(losses)], losses[max(losses)]
+        tensors = planned - RUNTIME_BYTES / 2**30 if on_gpu else planned  # on CPU the peak is the RSS: no verdict
+        ratio = peak_gb(summary) / tensors
+        check.add(Row(name, f"loss {first:.3f} -> {last:.3f}, {throughput(summary)}; planned {tensors:.2f} GB"
+                      + (f" of tensors ({ratio:.2f}x)" if on_gpu else ""),
+                      "the loss falls" + (", peak within 10% of the plan" if on_gpu else ""),
+                      last < first and (abs(ratio - 1) <= 0.10 or not on_gpu),
+                      {k: summary.get(k) for k in ("tokens_per_sec", "mfu")} | {"peak_gb": peak_gb(summary),
+                                                                                 "planned_gb": tensors}))
+
+
 def check_supervised(check: Check, model: Path, tokenizer: Path) -> None:
     data = prepare_supervised(check, tokenizer)
     attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") and torch.cuda.is_available() else "sdpa"
@@ -443,8 +546,8 @@ def check_supervised(check: Check, model: Path, tokenizer: Path) -> None:
 def run_checks(check: Check, scale: Scale) -> None:
     """In the order of what each proves, so that a run cut short by --minutes or the machine's limit has the
     most: the runtime, the 8B plan and the loss head alone (seconds), fsdp against fsdp2, --compile's MFU, the
-    chunked loss at 128K x 8K, the resume and conversion, then the other precisions, activation checkpointing and
-    the supervised step."""
+    chunked loss at 128K x 8K, the resume and conversion, the planner on GPT-2 and T5, then the other precisions,
+    activation checkpointing and the supervised step."""
     check_runtime(check)
     check_llama_3_8b_plan(check)
     check_loss_head(check)
@@ -460,9 +563,12 @@ def run_checks(check: Check, scale: Scale) -> None:
         check_resume(check, model, data, straight)
         if check.time_left("convert_to_hf.py"):
             check_conversion(check)
+    check_architectures(check, data)
     check_variants(check, model, data, [variant for variant in scale.variants if variant not in compiled])
     if check.time_left("supervised"):
         check_supervised(check, model, data / "tokenizer")
+    if check.time_left("fused kernels"):
+        check_fused_kernels(check)
 
 
 def machine() -> dict:
