@@ -234,8 +234,12 @@ def steady_throughput(logged: list[dict]) -> dict:
 
 
 def throughput(summary: dict) -> str:
+    """tokens/s, MFU and the peak; on a GPU also the peak of the tensors themselves (CUDA's allocated memory), so that
+    a plan's shortfall tells tensors it left out from the allocator's fragmentation."""
     mfu = f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""
-    return f"{summary['tokens_per_sec']:,.0f} tokens/s{mfu}, peak {peak_gb(summary):.2f} GB"
+    allocated = summary["ranks"][0].get("peak_allocated_gb")
+    tensors = f" ({allocated:.2f} allocated)" if allocated is not None and allocated == allocated else ""
+    return f"{summary['tokens_per_sec']:,.0f} tokens/s{mfu}, peak {peak_gb(summary):.2f} GB{tensors}"
 
 
 def largest_difference(ours: dict[int, float], theirs: dict[int, float]) -> float:

@@ -142,23 +142,33 @@ def test_every_architecture_the_project_trains_is_planned(config, layers) -> Non
         assert short_targets.activations < estimate_memory(shape, replace(EIGHT_GPUS, block_size=128)).activations
 
 
-@pytest.mark.parametrize("config, dtype, attention, tokens, target_tokens", [
-    (TINY_LLAMA, torch.float32, "sdpa", 48, 0), (TINY_LLAMA, torch.bfloat16, "sdpa", 48, 0),
-    (TINY_LLAMA, torch.float32, "eager", 48, 0), (GPT2, torch.float32, "sdpa", 48, 0),
-    (T5, torch.float32, "sdpa", 48, 16), (BART, torch.float32, "sdpa", 48, 16)],
-    ids=["llama", "llama-bf16", "llama-eager", "gpt2", "t5", "bart"])
+@pytest.mark.parametrize("config, dtype, attention, tokens, target_tokens, autocast", [
+    (TINY_LLAMA, torch.float32, "sdpa", 48, 0, None), (TINY_LLAMA, torch.bfloat16, "sdpa", 48, 0, None),
+    (TINY_LLAMA, torch.float32, "eager", 48, 0, None), (GPT2, torch.float32, "sdpa", 48, 0, None),
+    (T5, torch.float32, "sdpa", 48, 16, None), (BART, torch.float32, "sdpa", 48, 16, None),
+    (TINY_LLAMA, torch.float32, "sdpa", 48, 0, torch.bfloat16), (GPT2, torch.float32, "sdpa", 48, 0, torch.bfloat16),
+    (T5, torch.float32, "sdpa", 48, 16, torch.bfloat16), (BART, torch.float32, "sdpa", 48, 16, torch.bfloat16)],
+    ids=["llama", "llama-bf16", "llama-eager", "gpt2", "t5", "bart", "llama-autocast", "gpt2-autocast", "t5-autocast",
+         "bart-autocast"])
 def test_what_backward_keeps_is_measured_on_the_meta_device_as_a_real_forward_keeps_it(config, dtype, attention, tokens,
-                                                                                        target_tokens) -> None:
+                                                                                        target_tokens, autocast) -> None:
     """The planner's activations come from a forward of the weightless model, with a stand-in for the fused
     attention kernel: byte for byte what a real forward on CPU keeps, layer by layer (its flash kernel where there is
-    no dropout, the math path for GPT-2's and T5's attention dropout and T5's learned position bias)."""
+    no dropout, the math path for GPT-2's and T5's attention dropout and T5's learned position bias). Under autocast
+    (DDP and one device under bf16-mixed) the weightless forward runs on fake CPU tensors through torch's autocast:
+    fp32 weights cast to bf16, GPT-2's LayerNorm and T5's norms in fp32, the attention's inputs cast for SDPA."""
     wrap_classes = resolve_wrap_classes(config, None)
-    planned = kept_for_backward(meta_model(config), wrap_classes, tokens, target_tokens, dtype, attention, gpu=False)
+    planned = kept_for_backward(meta_model(config), wrap_classes, tokens, target_tokens, dtype, attention, gpu=False,
+                                autocast=autocast)
     torch.manual_seed(0)
     real = kept_for_backward(model_class(config).from_config(config), wrap_classes, tokens, target_tokens, dtype,
-                             attention, gpu=False)
+                             attention, gpu=False, autocast=autocast)
     assert planned == real
     assert len(planned.layers) == len(planned.layer_inputs) > 0 and min(planned.layers) > 0
+    if autocast:  # what autocast changes is measured, not the plain forward's figure, and its weight copies apart
+        plain = kept_for_backward(meta_model(config), wrap_classes, tokens, target_tokens, dtype, attention, gpu=False)
+        assert planned.layers != plain.layers
+        assert planned.weight_copies > 0
 
 
 @pytest.mark.parametrize("sharding_strategy, precision, fsdp_no_sync", [

@@ -19,18 +19,28 @@ one fp32 log-sum-exp per head and query, and `FusedAttention` stands for it. A k
 gradients (T5's relative position bias) or, on CPU, attention dropout is on (GPT-2's and T5's 0.1 by default): then
 SDPA takes the math path in the run as here. With --attn_implementation eager the model computes the matrix itself,
 as measured.
+
+A run whose forward runs under autocast (Lightning's precision plugins: FSDP1 under *-mixed on GPUs, DDP and one
+device under *-mixed) keeps what autocast makes: on a GPU LayerNorm's fp32 copy of its input, GPT-2's GELU in fp32
+(`pow` is on CUDA's fp32 list), one-byte dropout masks; with fp32 weights a residual stream in fp32. Meta tensors
+have no autocast, so that forward runs on fake tensors of the run's device (torch's FakeTensorMode: shapes and
+dtypes, no memory), through torch's own autocast kernels. Measured on a GPT-2 of 355M on an H200 (gpu_check.py),
+the plan without it was 1.30x short of CUDA's peak. A fake CUDA device needs a torch built with CUDA (any GPU
+machine's, not necessarily with a GPU); torch's CPU-only build records a CUDA stream for every tensor autograd
+sees and aborts, so there a GPU run's autocast is not measured.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn import Module
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn import Module, Parameter
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -55,6 +65,9 @@ class KeptForBackward:
     of a layer."""
     outside: int
     """Kept outside the wrapped layers: embeddings, positions, final norms."""
+    weight_copies: int = 0
+    """The compute-dtype copies autocast makes of fp32 weights, kept from forward to backward: once, whatever the
+    micro batch."""
 
     def peak(self, checkpointed: bool) -> int:
         """At the peak of backward: what forward kept, the largest layer recomputed (with activation checkpointing)
@@ -66,26 +79,65 @@ class KeptForBackward:
 
 
 def kept_for_backward(model: Module, wrap_classes: set[type[Module]], tokens: int, target_tokens: int,
-                      dtype: torch.dtype, attention: str, gpu: bool) -> KeptForBackward:
+                      dtype: torch.dtype, attention: str, gpu: bool,
+                      autocast: Optional[torch.dtype] = None) -> KeptForBackward:
     """One sequence of `tokens` (a seq2seq model's source; `target_tokens` its target) through `model`, changed in
-    place: cast to the compute `dtype`, in training mode, its attention as a `gpu` or a CPU computes it. A meta
-    model for the planner; on a real device (the tests) the same count runs the real kernels."""
+    place: cast to `dtype` (the weights' during forward), in training mode, its attention as a `gpu` or a CPU
+    computes it, under the device's autocast to `autocast` if given. A meta model for the planner (on fake tensors of
+    the run's device under autocast); on a real device (the tests) the same count runs the real kernels."""
     model.to(dtype).train()
-    device = next(model.parameters()).device
     model.set_attn_implementation("eager" if attention == "eager" else PLANNED_SDPA)
+    weightless = next(model.parameters()).device.type == "meta"
+    device_type = "cuda" if gpu else "cpu"
+    fakes = weightless and autocast is not None and (not gpu or torch.backends.cuda.is_built())
+    fake_device = _on_fake_device(model, device_type) if fakes else nullcontext()
     tally = _Tally({_storage(parameter) for parameter in model.parameters()})
     layers = [module for module in model.modules() if type(module) in wrap_classes]
     handles = [handle for index, layer in enumerate(layers) for handle in tally.watch(layer, index)]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(tally.pack, _unpack), \
-                FusedAttention(gpu) if attention != "eager" and device.type == "meta" else nullcontext():
-            _forward(model, tokens, target_tokens, device)
+        with fake_device, _autocast(device_type, autocast) if autocast else nullcontext(), \
+                torch.autograd.graph.saved_tensors_hooks(tally.pack, _unpack), \
+                FusedAttention(gpu) if attention != "eager" and weightless else nullcontext():
+            _forward(model, tokens, target_tokens, next(model.parameters()).device)
     finally:
         for handle in handles:
             handle.remove()
     return KeptForBackward(layers=tuple(tally.kept.get(index, 0) for index in range(len(layers))),
                            layer_inputs=tuple(tally.inputs.get(index, 0) for index in range(len(layers))),
-                           outside=tally.kept.get(None, 0))
+                           outside=tally.kept.get(None, 0), weight_copies=tally.weight_copies)
+
+
+def _on_fake_device(model: Module, device_type: str) -> FakeTensorMode:
+    """The meta model's parameters and buffers replaced by fake tensors of `device_type`, and the mode their
+    operations run in (new tensors, the inputs, are made fake too)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
+    for module in model.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is not None:
+                module._parameters[name] = Parameter(FakeTensor(mode, parameter.data, device),
+                                                     parameter.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = FakeTensor(mode, buffer, device)
+    return mode
+
+
+@contextmanager
+def _autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    """torch.autocast without its check for a GPU, which turns CUDA's off on a machine without one (the planner's
+    fake CUDA tensors need none)."""
+    enabled, previous = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, previous)
 
 
 def _forward(model: Module, tokens: int, target_tokens: int, device: torch.device) -> None:
@@ -109,11 +161,20 @@ def _unpack(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def _weight_cast(tensor: Tensor) -> bool:
+    """Whether `tensor` is autocast's copy of a weight (a cast whose input is a leaf that learns), or a view of one
+    (F.linear keeps its transpose)."""
+    node = (tensor if tensor._base is None else tensor._base).grad_fn
+    return (node is not None and node.name() == "ToCopyBackward0"
+            and any(type(edge).__name__ == "AccumulateGrad" for edge, _ in node.next_functions if edge is not None))
+
+
 class _Tally:
     """Bytes of the distinct storages autograd keeps, credited to the wrapped layer running (None: outside)."""
 
     def __init__(self, parameters: set[int]) -> None:
         self.kept_storages = set(parameters)
+        self.weight_copies = 0
         self.given_storages: set[int] = set()
         self.kept: dict[Optional[int], int] = {}
         self.inputs: dict[int, int] = {}
@@ -123,7 +184,10 @@ class _Tally:
         key = _storage(tensor)
         if key not in self.kept_storages:
             self.kept_storages.add(key)
-            self.kept[self.current] = self.kept.get(self.current, 0) + tensor.untyped_storage().nbytes()
+            if _weight_cast(tensor):
+                self.weight_copies += tensor.untyped_storage().nbytes()
+            else:
+                self.kept[self.current] = self.kept.get(self.current, 0) + tensor.untyped_storage().nbytes()
         return tensor
 
     def watch(self, layer: Module, index: int) -> list[Any]:
@@ -157,6 +221,16 @@ class _FusedAttentionFunction(torch.autograd.Function):
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+def _autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The inputs as autocast gives them to SDPA (on CUDA's and the CPU's lower-precision lists): this stand-in
+    runs before autocast would cast them."""
+    device_type = tensors[0].device.type
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(tensor.to(dtype) if tensor.is_floating_point() else tensor for tensor in tensors)
+
+
 class FusedAttention(TorchFunctionMode):
     """SDPA as the run's fused kernel computes it, where one applies (see the module's docstring)."""
 
@@ -171,5 +245,5 @@ class FusedAttention(TorchFunctionMode):
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             if (mask is None or not mask.requires_grad) and (self.gpu or not dropout):
-                return _FusedAttentionFunction.apply(query, key, value)
+                return _FusedAttentionFunction.apply(*_autocast_inputs(query, key, value))
         return func(*args, **kwargs)

@@ -19,7 +19,8 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
   memory (the same interpreter, libraries and model code a rank imports) plus the free space glibc's heap keeps
   (app/distributed/host_memory.py);
 - activations: per sequence, what backward keeps of the model's body, measured on the weightless model
-  (app/metrics/activations.py), and of the loss: the hidden states' gradient with the chunked loss, else the logits
+  (app/metrics/activations.py; under autocast, on fake tensors of the run's device through torch's autocast, whose
+  copies of fp32 weights count once, as working memory), and of the loss: the hidden states' gradient with the chunked loss, else the logits
   with their fp32 loss copies.
 With --cpu_offload the parameters, gradients and optimizer state live in host RAM, not on the device.
 Parameters, gradients and optimizer state are exact up to FSDP's padding (tests compare them with the tensors a
@@ -79,7 +80,8 @@ class ModelShape:
     wrap_classes: set[type[Module]] = field(compare=False, repr=False)
     trust_remote_code: bool = False
     measured: dict[tuple, KeptForBackward] = field(default_factory=dict, compare=False, repr=False)
-    """What backward keeps of one sequence, by (tokens, target tokens, dtype, attention, gpu): measured once each."""
+    """What backward keeps of one sequence, by (tokens, target tokens, dtype, attention, gpu, autocast): measured
+    once each."""
 
     @classmethod
     def of(cls, model_config: PretrainedConfig, wrap_classes: set[type[Module]],
@@ -101,8 +103,8 @@ class ModelShape:
         return max(self.layer_parameters, self.input_embedding_unit, self.root_parameters - self.input_embedding_unit)
 
     def kept_for_backward(self, tokens: int, target_tokens: int, dtype: torch.dtype, attention: str,
-                          gpu: bool) -> KeptForBackward:
-        key = (tokens, target_tokens, dtype, attention, gpu)
+                          gpu: bool, autocast: Optional[torch.dtype] = None) -> KeptForBackward:
+        key = (tokens, target_tokens, dtype, attention, gpu, autocast)
         if key not in self.measured:
             self.measured[key] = kept_for_backward(meta_model(self.model_config, self.trust_remote_code),
                                                    self.wrap_classes, *key)
@@ -134,6 +136,9 @@ class Setup:
     """The dtype gradients are reduced in (--reduce_dtype); default: fp32 under *-mixed, else the weights'."""
     gpu: bool = True
     """Whether the run is on GPUs, whose fused attention kernels also take dropout (app/metrics/activations.py)."""
+    autocast: bool = False
+    """Whether forward runs under autocast: Lightning's precision plugins under *-mixed for DDP and one device, and
+    for FSDP1 on GPUs (its `torch.autocast("cuda")` is off on CPU); FSDP2's MixedPrecisionPolicy does not."""
     runtime: float = RUNTIME_BYTES
     """A process's own memory before any tensor (`runtime_bytes`)."""
     heap_kept_free: float = 0.0
@@ -167,17 +172,25 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
 
+def kept_by_body(shape: ModelShape, setup: Setup) -> KeptForBackward:
+    """What the model's body keeps for backward of one sequence (app/metrics/activations.py), its weights in the
+    dtype forward sees them in: gathered in the compute dtype by FSDP, stored ones for DDP and one device (whose
+    autocast casts them)."""
+    computed = compute_dtype(setup.precision)
+    weights = computed if setup.strategy in SHARDED_STRATEGIES else weights_dtype(setup.precision)
+    return shape.kept_for_backward(setup.block_size, setup.target_block_size or setup.block_size, weights,
+                                   setup.attention, setup.gpu, computed if setup.autocast else None)
+
+
 def activation_bytes_per_sequence(shape: ModelShape, setup: Setup) -> float:
-    """What the body keeps for one sequence at the peak of backward (measured, app/metrics/activations.py), and the
-    loss: chunked, the hidden states' gradient (computed in forward); else the compute-dtype logits, their fp32
-    copy, log-softmax and its gradient. An encoder-decoder's loss is over its target tokens."""
-    dtype = compute_dtype(setup.precision)
-    size = dtype_bytes(dtype)
-    target_tokens = setup.target_block_size or setup.block_size
-    body = shape.kept_for_backward(setup.block_size, target_tokens, dtype, setup.attention, setup.gpu)
+    """What the body keeps for one sequence at the peak of backward, and the loss: chunked, the hidden states'
+    gradient (computed in forward); else the compute-dtype logits, their fp32 copy, log-softmax and its gradient. An
+    encoder-decoder's loss is over its target tokens."""
+    size = dtype_bytes(compute_dtype(setup.precision))
     fp32_copy = 0 if size == 4 else 4
     loss = size * shape.hidden_size if setup.chunked_loss else shape.vocab_size * (size + fp32_copy + 4 + 4)
-    return body.peak(setup.gradient_checkpointing) + target_tokens * loss
+    target_tokens = setup.target_block_size or setup.block_size
+    return kept_by_body(shape, setup).peak(setup.gradient_checkpointing) + target_tokens * loss
 
 
 def runtime_bytes(cfg: Config) -> tuple[float, float]:
@@ -229,7 +242,8 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         working = shape.parameters * computed
     else:
         working = (shape.root_parameters - shape.input_embedding_unit + 2 * shape.layer_parameters) * computed
-    working += chunked_loss_bytes(shape, setup) + gradient_reduce_bytes(shape, setup)
+    working += (chunked_loss_bytes(shape, setup) + gradient_reduce_bytes(shape, setup)
+                + kept_by_body(shape, setup).weight_copies)
     per_sequence = activation_bytes_per_sequence(shape, setup)
     activations = per_sequence * setup.micro_batch_size
     runtime = setup.runtime + min(setup.heap_kept_free, activations)
@@ -257,12 +271,14 @@ def device_memory_bytes(cfg: Config, devices_per_node: int) -> tuple[float, str]
 def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int, chunked_loss: bool,
              target_block_size: int = 0) -> Setup:
     runtime, heap_kept_free = runtime_bytes(cfg)
+    gpu = resolve_accelerator(cfg) != "cpu"
+    autocast = "mixed" in cfg.precision and (cfg.strategy not in SHARDED_STRATEGIES or (cfg.strategy == "fsdp" and gpu))
     return Setup(strategy=cfg.strategy, sharding_strategy=cfg.sharding_strategy, precision=cfg.precision,
                  world_size=world_size, devices_per_node=world_size // cfg.num_nodes,
                  micro_batch_size=cfg.micro_batch_size, block_size=block_size,
                  gradient_checkpointing=cfg.gradient_checkpointing, cpu_offload=cfg.cpu_offload,
                  chunked_loss=chunked_loss, target_block_size=target_block_size, attention=cfg.attn_implementation,
-                 reduce_dtype=reduce_dtype(cfg.precision, cfg.reduce_dtype), gpu=resolve_accelerator(cfg) != "cpu",
+                 reduce_dtype=reduce_dtype(cfg.precision, cfg.reduce_dtype), gpu=gpu, autocast=autocast,
                  runtime=runtime, heap_kept_free=heap_kept_free,
                  unsharded_accumulation=cfg.strategy in SHARDED_STRATEGIES and cfg.fsdp_no_sync and accumulation > 1)
 
