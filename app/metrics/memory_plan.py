@@ -20,8 +20,8 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
   (app/distributed/host_memory.py);
 - activations: per sequence, what backward keeps of the model's body, measured on the weightless model
   (app/metrics/activations.py; under autocast, on fake tensors of the run's device through torch's autocast, whose
-  copies of fp32 weights count once, as working memory), and of the loss: the hidden states' gradient with the chunked loss, else the logits
-  with their fp32 loss copies.
+  copies of fp32 weights count once, as working memory), and of the loss: the hidden states' gradient with the
+  chunked loss, else the logits with their fp32 loss copies.
 With --cpu_offload the parameters, gradients and optimizer state live in host RAM, not on the device.
 Parameters, gradients and optimizer state are exact up to FSDP's padding (tests compare them with the tensors a
 real run holds); activations are measured on the meta device with a stand-in for fused attention kernels, and the
