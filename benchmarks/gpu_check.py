@@ -94,8 +94,6 @@ GPU = Scale(model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_laye
             variants=[("fsdp bf16-true", ["--precision", "bf16-true"]), ("fsdp 16-mixed", ["--precision", "16-mixed"]),
                       ("fsdp bf16-mixed --compile (the model's own loss, the default)",
                        ["--precision", "bf16-mixed", "--compile", "true"]),
-                      ("fsdp bf16-mixed --compile --chunked_loss true",
-                       ["--precision", "bf16-mixed", "--compile", "true", "--chunked_loss", "true"]),
                       ("fsdp bf16-mixed, activation checkpointing",
                        ["--precision", "bf16-mixed", "--gradient_checkpointing", "true"])],
             loss_tolerance=1e-2,
@@ -439,7 +437,7 @@ def check_variants(check: Check, model: Path, data: Path, variants: list[tuple[s
         if summary:
             losses = summary["losses"]
             first, last = losses[min(losses)], losses[max(losses)]
-            compiled_default = "--compile" in options and "--chunked_loss" not in options
+            compiled_default = "--compile" in options
             target = MFU_TARGET if torch.cuda.is_available() and compiled_default else None
             check.add(Row(name, f"loss {first:.3f} -> {last:.3f}, {throughput(summary)}", "the loss falls"
                           + (f", MFU >= {target:.0%}" if target else ""),

@@ -15,8 +15,9 @@ from transformers import AutoConfig, BartConfig, GPT2Config, LlamaConfig, T5Conf
 from app.distributed.strategy import DDP_OPTIONS
 from app.exit_codes import EXIT_BAD_INPUT
 from app.metrics.activations import kept_for_backward
-from app.metrics.memory_plan import (RUNTIME_BYTES, ModelShape, Setup, estimate_memory, largest_micro_batch,
-                                     memory_report)
+from app.metrics import memory_plan
+from app.metrics.memory_plan import (RUNTIME_BYTES, ModelShape, Setup, estimate_memory, kept_by_body,
+                                     largest_micro_batch, memory_report)
 from app.metrics.observe import GB
 from app.model.build import meta_model, model_class, resolve_wrap_classes
 from app.training.run import run
@@ -137,6 +138,7 @@ def test_every_architecture_the_project_trains_is_planned(config, layers) -> Non
     report, fits = memory_report(read_config(["--model_config", "unused", "--train_data_dir", "unused"]), shape,
                                  replace(EIGHT_GPUS, block_size=128), device=(80 * GB, "test"))
     assert fits and "largest micro batch that fits" in report
+    assert ("note: a T5's peak on an H200 was 1.30x" in report) == config.is_encoder_decoder  # a GPU plan
     if config.is_encoder_decoder:
         short_targets = estimate_memory(shape, replace(EIGHT_GPUS, block_size=128, target_block_size=16))
         assert short_targets.activations < estimate_memory(shape, replace(EIGHT_GPUS, block_size=128)).activations
@@ -169,6 +171,60 @@ def test_what_backward_keeps_is_measured_on_the_meta_device_as_a_real_forward_ke
         plain = kept_for_backward(meta_model(config), wrap_classes, tokens, target_tokens, dtype, attention, gpu=False)
         assert planned.layers != plain.layers
         assert planned.weight_copies > 0
+
+
+def test_the_autocast_setting_follows_what_lightnings_precision_plugins_do() -> None:
+    """FSDP1's plugin autocasts on CUDA only (`torch.autocast("cuda")`, off on a CPU), DDP's and one device's on
+    either device, FSDP2's MixedPrecisionPolicy never; *-true never."""
+    def autocast(strategy: str, precision: str, accelerator: str) -> bool:
+        cfg = read_config(["--model_config", "unused", "--train_data_dir", "unused", "--strategy", strategy,
+                           "--precision", precision])
+        cfg.accelerator = accelerator  # resolve_accelerator reads it; no GPU is needed to plan for one
+        return memory_plan.setup_of(cfg, 1, 128, 1, chunked_loss=False).autocast
+
+    assert autocast("fsdp", "bf16-mixed", "gpu") and not autocast("fsdp", "bf16-mixed", "cpu")
+    assert autocast("ddp", "bf16-mixed", "cpu") and autocast("single_device", "16-mixed", "gpu")
+    assert not autocast("fsdp2", "bf16-mixed", "gpu") and not autocast("fsdp", "bf16-true", "gpu")
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need a torch built with CUDA (any "
+                    "GPU machine's; `make gpu-rehearsal`'s image here): the CPU-only build aborts on them")
+def test_a_gpu_plan_measures_what_cudas_autocast_keeps() -> None:
+    """Under CUDA's autocast GPT-2 keeps LayerNorm's input and its GELU's intermediates in fp32 (`pow` is on CUDA's
+    fp32 list) and one-byte dropout masks: measured on fake CUDA tensors, without a GPU. On an H200
+    the plan without it was 1.30x short of the peak (docs/performance.md#gpu-check)."""
+    wrap_classes = resolve_wrap_classes(GPT2, None)
+    plain = kept_for_backward(meta_model(GPT2), wrap_classes, 48, 0, torch.bfloat16, "sdpa", gpu=True)
+    cuda = kept_for_backward(meta_model(GPT2), wrap_classes, 48, 0, torch.bfloat16, "sdpa", gpu=True,
+                             autocast=torch.bfloat16)
+    assert sum(cuda.layers) > 1.3 * sum(plain.layers)
+    assert not cuda.autocast_unmeasured
+
+
+def test_a_forward_that_reads_values_is_planned_without_autocast_and_the_report_says_so(monkeypatch) -> None:
+    """A model whose forward reads a tensor's value cannot run on the planner's fake tensors: its activations are
+    measured as before, on the meta device without autocast, and the report says the figure may be short."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    measure = memory_plan.kept_for_backward
+
+    def reads_values(*args):
+        if len(args) > 7 and args[7] is not None:  # autocast asked for
+            raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+        return measure(*args)
+
+    monkeypatch.setattr(memory_plan, "kept_for_backward", reads_values)
+    shape = ModelShape.of(GPT2, resolve_wrap_classes(GPT2, None))
+    setup = replace(EIGHT_GPUS, strategy="ddp", precision="bf16-mixed", block_size=128, gpu=False, autocast=True)
+    body = kept_by_body(shape, setup)
+    assert body.autocast_unmeasured and body.layers == shape.kept_for_backward(128, 128, torch.float32, "sdpa",
+                                                                                gpu=False).layers
+    report, _ = memory_report(read_config(["--model_config", "unused", "--train_data_dir", "unused"]), shape, setup,
+                              device=(80 * GB, "test"))
+    assert "measured without autocast's fp32 operations" in report
+    assert "measured without" not in memory_report(read_config(["--model_config", "unused", "--train_data_dir",
+                                                                "unused"]), shape, replace(setup, autocast=False),
+                                                   device=(80 * GB, "test"))[0]
 
 
 @pytest.mark.parametrize("sharding_strategy, precision, fsdp_no_sync", [

@@ -39,7 +39,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, UnsupportedOperatorException)
 from torch.nn import Module, Parameter
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
@@ -68,6 +69,8 @@ class KeptForBackward:
     weight_copies: int = 0
     """The compute-dtype copies autocast makes of fp32 weights, kept from forward to backward: once, whatever the
     micro batch."""
+    autocast_unmeasured: bool = False
+    """Autocast was asked for, but the model's forward reads values a fake tensor does not have: measured without."""
 
     def peak(self, checkpointed: bool) -> int:
         """At the peak of backward: what forward kept, the largest layer recomputed (with activation checkpointing)
@@ -95,7 +98,8 @@ def kept_for_backward(model: Module, wrap_classes: set[type[Module]], tokens: in
     layers = [module for module in model.modules() if type(module) in wrap_classes]
     handles = [handle for index, layer in enumerate(layers) for handle in tally.watch(layer, index)]
     try:
-        with fake_device, _autocast(device_type, autocast) if autocast else nullcontext(), \
+        with fake_device, _EveryLayerKept() if fakes else nullcontext(), \
+                _autocast(device_type, autocast) if autocast else nullcontext(), \
                 torch.autograd.graph.saved_tensors_hooks(tally.pack, _unpack), \
                 FusedAttention(gpu) if attention != "eager" and weightless else nullcontext():
             _forward(model, tokens, target_tokens, next(model.parameters()).device)
@@ -105,6 +109,10 @@ def kept_for_backward(model: Module, wrap_classes: set[type[Module]], tokens: in
     return KeptForBackward(layers=tuple(tally.kept.get(index, 0) for index in range(len(layers))),
                            layer_inputs=tuple(tally.inputs.get(index, 0) for index in range(len(layers))),
                            outside=tally.kept.get(None, 0), weight_copies=tally.weight_copies)
+
+
+FAKE_TENSOR_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+"""What a forward that reads tensors' values, or an operator without a shape-only kernel, raises on fake tensors."""
 
 
 def _on_fake_device(model: Module, device_type: str) -> FakeTensorMode:
@@ -229,6 +237,16 @@ def _autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(tensor.to(dtype) if tensor.is_floating_point() else tensor for tensor in tensors)
+
+
+class _EveryLayerKept(TorchFunctionMode):
+    """LayerDrop (BART's, OPT's) draws `torch.rand([])` and compares it in Python, which a fake tensor cannot
+    answer: here the draw is 1.0, so no layer is dropped (the planner counts every layer, the most a step keeps)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func is torch.rand and args and isinstance(args[0], (list, tuple)) and len(args[0]) == 0:
+            return 1.0
+        return func(*args, **(kwargs or {}))
 
 
 class FusedAttention(TorchFunctionMode):
