@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AutoConfig, BartConfig, GPT2Config, LlamaConfig, T5Config
+from transformers import (AutoConfig, BartConfig, FalconConfig, GPT2Config, LlamaConfig, MixtralConfig, OPTConfig,
+                          T5Config)
 
 from app.distributed.strategy import DDP_OPTIONS
 from app.exit_codes import EXIT_BAD_INPUT
@@ -138,7 +139,7 @@ def test_every_architecture_the_project_trains_is_planned(config, layers) -> Non
     report, fits = memory_report(read_config(["--model_config", "unused", "--train_data_dir", "unused"]), shape,
                                  replace(EIGHT_GPUS, block_size=128), device=(80 * GB, "test"))
     assert fits and "largest micro batch that fits" in report
-    assert ("note: a T5's peak on an H200 was 1.30x" in report) == config.is_encoder_decoder  # a GPU plan
+    assert ("note: a T5 run on an H200 peaked at 1.30x" in report) == config.is_encoder_decoder  # a GPU plan
     if config.is_encoder_decoder:
         short_targets = estimate_memory(shape, replace(EIGHT_GPUS, block_size=128, target_block_size=16))
         assert short_targets.activations < estimate_memory(shape, replace(EIGHT_GPUS, block_size=128)).activations
@@ -152,8 +153,8 @@ def test_every_architecture_the_project_trains_is_planned(config, layers) -> Non
     (T5, torch.float32, "sdpa", 48, 16, torch.bfloat16), (BART, torch.float32, "sdpa", 48, 16, torch.bfloat16)],
     ids=["llama", "llama-bf16", "llama-eager", "gpt2", "t5", "bart", "llama-autocast", "gpt2-autocast", "t5-autocast",
          "bart-autocast"])
-def test_what_backward_keeps_is_measured_on_the_meta_device_as_a_real_forward_keeps_it(config, dtype, attention, tokens,
-                                                                                        target_tokens, autocast) -> None:
+def test_what_backward_keeps_is_measured_on_the_meta_device_as_a_real_forward_keeps_it(
+        config, dtype, attention, tokens, target_tokens, autocast) -> None:
     """The planner's activations come from a forward of the weightless model, with a stand-in for the fused
     attention kernel: byte for byte what a real forward on CPU keeps, layer by layer (its flash kernel where there is
     no dropout, the math path for GPT-2's and T5's attention dropout and T5's learned position bias). Under autocast
@@ -187,6 +188,55 @@ def test_the_autocast_setting_follows_what_lightnings_precision_plugins_do() -> 
     assert not autocast("fsdp2", "bf16-mixed", "gpu") and not autocast("fsdp", "bf16-true", "gpu")
 
 
+def test_a_gpu_plan_from_a_torch_without_cuda_says_what_it_leaves_out() -> None:
+    """`--accelerator gpu` plans a GPU run from a machine without one; a torch built without CUDA cannot run CUDA's
+    autocast on fake tensors, and the plan says so (a torch built with CUDA measures it, with or without a GPU)."""
+    shape = ModelShape.of(GPT2, resolve_wrap_classes(GPT2, None))
+    setup = replace(EIGHT_GPUS, block_size=128, gpu=True, autocast=True)
+    report, _ = memory_report(read_config(["--model_config", "unused", "--train_data_dir", "unused"]), shape, setup,
+                              device=(80 * GB, "test"))
+    assert ("as this torch is built without CUDA" in report) == (not torch.backends.cuda.is_built())
+
+
+def test_autocasts_copies_of_weights_count_once_also_through_a_transposed_weight() -> None:
+    """Falcon multiplies by `weight.T`, whose autocast copy is a cast of a view: still a weight's copy, counted once
+    (weight_copies) and not with every sequence; the layers keep less under bf16 autocast than in fp32."""
+    config = FalconConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    wrap_classes = resolve_wrap_classes(config, None)
+    plain = kept_for_backward(meta_model(config), wrap_classes, 48, 0, torch.float32, "sdpa", gpu=False)
+    autocast = kept_for_backward(meta_model(config), wrap_classes, 48, 0, torch.float32, "sdpa", gpu=False,
+                                 autocast=torch.bfloat16)
+    matrices = sum(parameter.numel() for layer in meta_model(config).modules() if type(layer) in wrap_classes
+                   for parameter in layer.parameters() if parameter.ndim == 2)
+    assert autocast.weight_copies >= 2 * matrices  # every layer's matrices, in bf16
+    assert sum(autocast.layers) < sum(plain.layers)
+
+
+@pytest.mark.parametrize("precision, strategy", [("16-mixed", "ddp"), ("32-true", "fsdp"), ("bf16-mixed", "fsdp2"),
+                                                 ("bf16-mixed", "ddp")])
+def test_a_mixture_of_experts_is_planned_in_every_precision(precision, strategy) -> None:
+    """torch's shape-only grouped_mm (Mixtral's experts) takes bfloat16 alone: the body is measured in bfloat16 and
+    scaled to the compute dtype's size, where fp16, fp32 or fp32 weights under autocast made the plan fail."""
+    config = MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    shape = ModelShape.of(config, resolve_wrap_classes(config, None))
+    setup = replace(EIGHT_GPUS, strategy=strategy, precision=precision, block_size=64, gpu=False,
+                    autocast="mixed" in precision and strategy == "ddp")
+    bf16 = shape.kept_for_backward(64, 64, torch.bfloat16, "sdpa", gpu=False)
+    assert kept_by_body(shape, setup).layers == tuple(b * (2 if precision == "32-true" else 1) for b in bf16.layers)
+
+
+def test_layer_drop_never_takes_a_layer_out_of_the_count() -> None:
+    """OPT and BART draw `torch.rand([])` per layer to skip it with probability `layerdrop`: the planner counts every
+    layer, the same figure at every measurement."""
+    config = OPTConfig(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, ffn_dim=128,
+                       word_embed_proj_dim=64, layerdrop=0.5)
+    wrap_classes = resolve_wrap_classes(config, None)
+    counts = {kept_for_backward(meta_model(config), wrap_classes, 32, 0, torch.float32, "sdpa", gpu=False).layers
+              for _ in range(4)}
+    assert len(counts) == 1 and min(next(iter(counts))) > 0
+
+
 @pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need a torch built with CUDA (any "
                     "GPU machine's; `make gpu-rehearsal`'s image here): the CPU-only build aborts on them")
 def test_a_gpu_plan_measures_what_cudas_autocast_keeps() -> None:
@@ -217,12 +267,12 @@ def test_a_forward_that_reads_values_is_planned_without_autocast_and_the_report_
     shape = ModelShape.of(GPT2, resolve_wrap_classes(GPT2, None))
     setup = replace(EIGHT_GPUS, strategy="ddp", precision="bf16-mixed", block_size=128, gpu=False, autocast=True)
     body = kept_by_body(shape, setup)
-    assert body.autocast_unmeasured and body.layers == shape.kept_for_backward(128, 128, torch.float32, "sdpa",
-                                                                                gpu=False).layers
+    assert body.autocast_unmeasured.startswith("this model's forward reads values")
+    assert body.layers == shape.kept_for_backward(128, 128, torch.bfloat16, "sdpa", gpu=False).layers
     report, _ = memory_report(read_config(["--model_config", "unused", "--train_data_dir", "unused"]), shape, setup,
                               device=(80 * GB, "test"))
-    assert "measured without autocast's fp32 operations" in report
-    assert "measured without" not in memory_report(read_config(["--model_config", "unused", "--train_data_dir",
+    assert "note: the activations leave out what autocast keeps in fp32" in report
+    assert "leave out" not in memory_report(read_config(["--model_config", "unused", "--train_data_dir",
                                                                 "unused"]), shape, replace(setup, autocast=False),
                                                    device=(80 * GB, "test"))[0]
 

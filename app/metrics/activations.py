@@ -69,8 +69,15 @@ class KeptForBackward:
     weight_copies: int = 0
     """The compute-dtype copies autocast makes of fp32 weights, kept from forward to backward: once, whatever the
     micro batch."""
-    autocast_unmeasured: bool = False
-    """Autocast was asked for, but the model's forward reads values a fake tensor does not have: measured without."""
+    autocast_unmeasured: str = ""
+    """Why autocast, asked for, is not in the figures (measured without it); empty when it is or was not asked."""
+
+    def scaled(self, factor: float) -> "KeptForBackward":
+        """The figures of the same forward in a dtype `factor` times as large."""
+        return KeptForBackward(layers=tuple(round(b * factor) for b in self.layers),
+                               layer_inputs=tuple(round(b * factor) for b in self.layer_inputs),
+                               outside=round(self.outside * factor), weight_copies=round(self.weight_copies * factor),
+                               autocast_unmeasured=self.autocast_unmeasured)
 
     def peak(self, checkpointed: bool) -> int:
         """At the peak of backward: what forward kept, the largest layer recomputed (with activation checkpointing)
@@ -88,17 +95,20 @@ def kept_for_backward(model: Module, wrap_classes: set[type[Module]], tokens: in
     place: cast to `dtype` (the weights' during forward), in training mode, its attention as a `gpu` or a CPU
     computes it, under the device's autocast to `autocast` if given. A meta model for the planner (on fake tensors of
     the run's device under autocast); on a real device (the tests) the same count runs the real kernels."""
+    weightless = next(model.parameters()).device.type == "meta"
+    unmeasured = ""
+    if weightless and autocast is not None and gpu and not torch.backends.cuda.is_built():
+        dtype, autocast, unmeasured = autocast, None, NO_CUDA_TO_MEASURE_WITH  # as FSDP gathers the weights
     model.to(dtype).train()
     model.set_attn_implementation("eager" if attention == "eager" else PLANNED_SDPA)
-    weightless = next(model.parameters()).device.type == "meta"
     device_type = "cuda" if gpu else "cpu"
-    fakes = weightless and autocast is not None and (not gpu or torch.backends.cuda.is_built())
+    fakes = weightless and autocast is not None
     fake_device = _on_fake_device(model, device_type) if fakes else nullcontext()
     tally = _Tally({_storage(parameter) for parameter in model.parameters()})
     layers = [module for module in model.modules() if type(module) in wrap_classes]
     handles = [handle for index, layer in enumerate(layers) for handle in tally.watch(layer, index)]
     try:
-        with fake_device, _EveryLayerKept() if fakes else nullcontext(), \
+        with fake_device, _EveryLayerKept() if weightless else nullcontext(), \
                 _autocast(device_type, autocast) if autocast else nullcontext(), \
                 torch.autograd.graph.saved_tensors_hooks(tally.pack, _unpack), \
                 FusedAttention(gpu) if attention != "eager" and weightless else nullcontext():
@@ -108,9 +118,12 @@ def kept_for_backward(model: Module, wrap_classes: set[type[Module]], tokens: in
             handle.remove()
     return KeptForBackward(layers=tuple(tally.kept.get(index, 0) for index in range(len(layers))),
                            layer_inputs=tuple(tally.inputs.get(index, 0) for index in range(len(layers))),
-                           outside=tally.kept.get(None, 0), weight_copies=tally.weight_copies)
+                           outside=tally.kept.get(None, 0), weight_copies=tally.weight_copies,
+                           autocast_unmeasured=unmeasured)
 
 
+NO_CUDA_TO_MEASURE_WITH = "this torch is built without CUDA, whose autocast the planner runs on fake CUDA tensors"
+READS_VALUES = "this model's forward reads values that the planner's shape-only tensors do not have"
 FAKE_TENSOR_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 """What a forward that reads tensors' values, or an operator without a shape-only kernel, raises on fake tensors."""
 
@@ -169,12 +182,21 @@ def _unpack(tensor: Tensor) -> Tensor:
     return tensor
 
 
+VIEW_NODES = {"TBackward0", "PermuteBackward0", "TransposeBackward0", "ViewBackward0", "ExpandBackward0",
+              "UnsqueezeBackward0", "SqueezeBackward0", "AliasBackward0"}
+"""autograd's nodes of views: one input, the same storage."""
+
+
 def _weight_cast(tensor: Tensor) -> bool:
-    """Whether `tensor` is autocast's copy of a weight (a cast whose input is a leaf that learns), or a view of one
-    (F.linear keeps its transpose)."""
+    """Whether `tensor` is autocast's copy of a weight or of a view of one (Falcon multiplies by `weight.T`), or a
+    view of such a copy (F.linear keeps its transpose): a cast whose input is, through views, a leaf that learns."""
     node = (tensor if tensor._base is None else tensor._base).grad_fn
-    return (node is not None and node.name() == "ToCopyBackward0"
-            and any(type(edge).__name__ == "AccumulateGrad" for edge, _ in node.next_functions if edge is not None))
+    if node is None or node.name() != "ToCopyBackward0":
+        return False
+    source = node.next_functions[0][0]
+    while source is not None and source.name() in VIEW_NODES:
+        source = source.next_functions[0][0]
+    return type(source).__name__ == "AccumulateGrad"
 
 
 class _Tally:
@@ -241,7 +263,8 @@ def _autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 class _EveryLayerKept(TorchFunctionMode):
     """LayerDrop (BART's, OPT's) draws `torch.rand([])` and compares it in Python, which a fake tensor cannot
-    answer: here the draw is 1.0, so no layer is dropped (the planner counts every layer, the most a step keeps)."""
+    answer, and a real draw would drop layers from the count at random: here the draw is 1.0, so no layer is dropped
+    (the planner counts every layer, the most a step keeps)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if func is torch.rand and args and isinstance(args[0], (list, tuple)) and len(args[0]) == 0:
