@@ -82,6 +82,9 @@ class Scale:
     """fsdp2 against fsdp, relative, per step."""
     architectures: list[tuple[str, str, dict, int]]
     """GPT-2 and T5 (name, model type, config, micro batch): the planner against their peak under bf16-mixed."""
+    architecture_run: tuple[str, list[str]] = ("bf16-mixed", ["--precision", "bf16-mixed"])
+    """Their runs' name and options. On CPU, ddp: the CPU's autocast, which the planner measures on CPU as it
+    measures CUDA's for fsdp on a GPU."""
 
 
 GPU = Scale(model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -114,7 +117,8 @@ TINY = Scale(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers
              architectures=[("GPT-2", "gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                                    vocab_size=2000), 2),
                             ("T5", "t5", dict(d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4,
-                                              vocab_size=2000, pad_token_id=2, decoder_start_token_id=2), 4)])
+                                              vocab_size=2000, pad_token_id=2, decoder_start_token_id=2), 4)],
+             architecture_run=("ddp bf16-mixed", ["--strategy", "ddp", "--precision", "bf16-mixed"]))
 
 
 @dataclass
@@ -507,14 +511,14 @@ def check_conversion(check: Check) -> None:
 
 
 def check_architectures(check: Check, text_data: Path) -> None:
-    """GPT-2 on the text blocks and T5 on code -> summary pairs, fsdp bf16-mixed: what `--estimate_memory` plans
+    """GPT-2 on the text blocks and T5 on code -> summary pairs, bf16-mixed: what `--estimate_memory` plans
     for the very run (its total less the runtime, which CUDA's allocator does not hold) against its peak, with the
     loss falling, its tokens/s and MFU."""
     from transformers import AutoConfig
 
-    mixed, seq2seq = check.scale.precisions["bf16-mixed"], None
+    (run, run_options), seq2seq = check.scale.architecture_run, None
     for label, model_type, shape, micro_batch in check.scale.architectures:
-        name = f"{label} {mixed}, micro batch {micro_batch}"
+        name = f"{label} {run}, micro batch {micro_batch}"
         if not check.time_left(name):
             continue
         config = AutoConfig.for_model(model_type, bos_token_id=1, eos_token_id=2, **shape)  # the tokenizer's
@@ -522,9 +526,9 @@ def check_architectures(check: Check, text_data: Path) -> None:
             seq2seq = seq2seq or prepare_seq2seq(check, text_data / "tokenizer")
         model, data = check.work / f"{model_type}-model", seq2seq if config.is_encoder_decoder else text_data
         config.save_pretrained(model)
-        options = ["--precision", mixed, "--micro_batch_size", str(micro_batch)]
+        options = [*run_options, "--micro_batch_size", str(micro_batch)]
         planned = check.plan_gb(name, model, data, *options)
-        summary = check.train(f"{model_type}-{mixed}", model, data, *options) if planned is not None else None
+        summary = check.train(f"{model_type}-architecture", model, data, *options) if planned is not None else None
         if summary is None:
             continue
         losses, on_gpu = summary["losses"], torch.cuda.is_available()
