@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from app.checkpoint import read_tensors
+from app.metrics.memory_plan import report_total_gb
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 from app.prepare.corpus import quiet_progress
 from app.prepare.stdlib_tasks import code_summary_pairs
@@ -494,12 +495,6 @@ def bench_spike_guard(data: Path, work_dir: Path, options: argparse.Namespace) -
 PLANNER_TOLERANCE = 0.10
 
 
-def planned_total_gb(printed: str) -> float:
-    """The total of --estimate_memory's report (console.format_gb: GB, or MB below 0.1 GB)."""
-    value, unit = re.search(r"^\s+total\s+([\d.]+) (GB|MB)$", printed, re.MULTILINE).groups()
-    return float(value) / (1024 if unit == "MB" else 1)
-
-
 def bench_planner(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
     """--estimate_memory against the largest rank's peak RSS while training with the same options (`python
     train.py --devices 2`, 6 steps, fsdp FULL_SHARD, 32-true unless a row says otherwise), for each architecture's
@@ -523,7 +518,7 @@ def bench_planner(data: Path, work_dir: Path, options: argparse.Namespace) -> li
             ("170M Llama, activation checkpointing", STATE_MODEL, data, 8, {"gradient_checkpointing": True}))):
         work = Workload(model_config=str(model), data=str(folder), out_dir=str(work_dir / f"plan-{index}"), steps=6,
                         micro_batch_size=micro, warmup_steps=1, log_interval=1)
-        planned = planned_total_gb(train_app(work, launcher="python", estimate_memory=True, **options))
+        planned = report_total_gb(train_app(work, launcher="python", estimate_memory=True, **options))
         train_app(work, launcher="python", **options)
         measured = peak_rss_while_training(work.out_dir)
         print(f"  {name}, micro batch {micro}: planned {planned:.2f} GB, measured {measured:.2f} GB", flush=True)

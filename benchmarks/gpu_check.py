@@ -51,7 +51,7 @@ except ImportError as missing:  # make gpu-check with a python3 that lacks them:
              "has torch 2.11+ and transformers 5.17+ (GPU_PYTHON=... make gpu-check)")
 from transformers import LlamaConfig  # noqa: E402
 
-from app.metrics.memory_plan import RUNTIME_BYTES, ModelShape, Setup, estimate_memory  # noqa: E402
+from app.metrics.memory_plan import RUNTIME_BYTES, ModelShape, Setup, estimate_memory, report_total_gb  # noqa: E402
 
 MFU_TARGET = 0.40
 """Of the 1.5B model compiled, with the loss that is fastest on a GPU (issue 45; torchtitan publishes 33-39% for
@@ -204,17 +204,15 @@ class Check:
                       chunked_loss=True)
         return (estimate_memory(shape, setup).total - setup.runtime) / 2**30
 
-
     def plan_gb(self, name: str, model: Path, data: Path, *options: str) -> Optional[float]:
         """The total that `train.py ... --estimate_memory true` prints for the run with these options, as a user
         plans it (GB); None, with a failed row, if it printed none."""
         result = self.script(*self.train_arguments(model, data, self.work / f"{name}-plan", *options),
                              "--estimate_memory", "true")
-        total = re.search(r"^\s+total\s+([\d.]+) (GB|MB)$", result.stdout, re.MULTILINE)
+        total = report_total_gb(result.stdout)
         if total is None:
             self.add(Row(name, f"--estimate_memory exited {result.returncode}: {last_line(result.stderr)}", ok=False))
-            return None
-        return float(total.group(1)) / (1024 if total.group(2) == "MB" else 1)
+        return total
 
 
 def last_line(text: str) -> str:

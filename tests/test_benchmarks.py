@@ -9,7 +9,8 @@ from argparse import Namespace
 
 import pytest
 
-from benchmarks.bench_training import Comparison, Regime, planned_total_gb, step_times, time_lost_to_saves
+from app.metrics.memory_plan import report_total_gb
+from benchmarks.bench_training import Comparison, Regime, step_times, time_lost_to_saves
 
 REGIME = Regime("test", micro_batch_size=4, long_steps=30)
 
@@ -61,6 +62,6 @@ def test_the_planners_total_is_read_from_what_estimate_memory_prints(tiny, tmp_p
 
     run(parse_config(train_args(tiny, tmp_path / "run", estimate_memory=True, device_memory_gb=80)))
     printed = capfd.readouterr().out
-    total = planned_total_gb(printed)
+    total = report_total_gb(printed)
     assert 0.05 < total < 2.0, printed
-    assert planned_total_gb("  total          1.25 GB\n") == 1.25 and planned_total_gb("  total  51.2 MB\n") == 0.05
+    assert report_total_gb("  total          1.25 GB\n") == 1.25 and report_total_gb("  total  51.2 MB\n") == 0.05

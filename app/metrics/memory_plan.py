@@ -32,6 +32,7 @@ kept free.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
@@ -305,6 +306,13 @@ ENCODER_DECODER_ON_GPU = ("a T5 run on an H200 peaked at 1.30x what this planner
                           "docs/performance.md#gpu-check), for a reason not yet found: keep that headroom")
 """Said with every GPU plan of an encoder-decoder until measured otherwise (a 1.5B Llama's peak: 1.05x its plan under
 fsdp, 1.01x under fsdp2; a 355M GPT-2's, 1.03x what is planned for it since autocast is measured)."""
+
+
+def report_total_gb(printed: str) -> Optional[float]:
+    """The total in GB that a printed `memory_report` holds (console.format_gb: GB, or MB below 0.1 GB); None if
+    `printed` holds none (benchmarks read their plans from train.py's output)."""
+    total = re.search(r"^\s+total\s+([\d.]+) (GB|MB)$", printed, re.MULTILINE)
+    return None if total is None else float(total.group(1)) / (1024 if total.group(2) == "MB" else 1)
 
 
 def memory_report(cfg: Config, shape: ModelShape, setup: Setup,
