@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import (AutoConfig, BartConfig, FalconConfig, GPT2Config, LlamaConfig, MixtralConfig, OPTConfig,
-                          T5Config)
+from transformers import (AutoConfig, BartConfig, FalconConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig,
+                          OPTConfig, Phi3Config, T5Config)
 
 from app.distributed.strategy import DDP_OPTIONS
 from app.exit_codes import EXIT_BAD_INPUT
@@ -127,6 +127,10 @@ BART = BartConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=
 GPT2 = GPT2Config(vocab_size=1000, n_embd=64, n_layer=3, n_head=4)
 TINY_LLAMA = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1000)
+PHI3 = Phi3Config(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+NEOX = GPTNeoXConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4)
+FALCON = FalconConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 
 
 @pytest.mark.parametrize("config, layers", [(T5, 5), (BART, 4), (GPT2, 3)], ids=["t5", "bart", "gpt2"])
@@ -150,14 +154,19 @@ def test_every_architecture_the_project_trains_is_planned(config, layers) -> Non
     (TINY_LLAMA, torch.float32, "eager", 48, 0, None), (GPT2, torch.float32, "sdpa", 48, 0, None),
     (T5, torch.float32, "sdpa", 48, 16, None), (BART, torch.float32, "sdpa", 48, 16, None),
     (TINY_LLAMA, torch.float32, "sdpa", 48, 0, torch.bfloat16), (GPT2, torch.float32, "sdpa", 48, 0, torch.bfloat16),
-    (T5, torch.float32, "sdpa", 48, 16, torch.bfloat16), (BART, torch.float32, "sdpa", 48, 16, torch.bfloat16)],
+    (T5, torch.float32, "sdpa", 48, 16, torch.bfloat16), (BART, torch.float32, "sdpa", 48, 16, torch.bfloat16),
+    (PHI3, torch.float32, "sdpa", 48, 0, None), (NEOX, torch.float32, "sdpa", 48, 0, None),
+    (FALCON, torch.float32, "sdpa", 48, 0, None)],
     ids=["llama", "llama-bf16", "llama-eager", "gpt2", "t5", "bart", "llama-autocast", "gpt2-autocast", "t5-autocast",
-         "bart-autocast"])
+         "bart-autocast", "phi3", "gpt-neox", "falcon"])
 def test_what_backward_keeps_is_measured_on_the_meta_device_as_a_real_forward_keeps_it(
         config, dtype, attention, tokens, target_tokens, autocast) -> None:
     """The planner's activations come from a forward of the weightless model, with a stand-in for the fused
     attention kernel: byte for byte what a real forward on CPU keeps, layer by layer (its flash kernel where there is
-    no dropout, the math path for GPT-2's and T5's attention dropout and T5's learned position bias). Under autocast
+    no dropout, the math path for GPT-2's and T5's attention dropout, T5's learned position bias and Falcon's one key
+    head for four queries). Its output is laid out as the kernel lays it out: Phi-3's and GPT-NeoX's output projection
+    then keeps a copy of it (their partial rotary embedding concatenates the query heads before tokens), Llama's a
+    view. Under autocast
     (DDP and one device under bf16-mixed) the weightless forward runs on fake CPU tensors through torch's autocast:
     fp32 weights cast to bf16, GPT-2's LayerNorm and T5's norms in fp32, the attention's inputs cast for SDPA."""
     wrap_classes = resolve_wrap_classes(config, None)

@@ -14,9 +14,10 @@ layer's inputs, and backward recomputes one layer at a time before differentiati
 
 One stand-in: on the meta device SDPA always takes its math path, which keeps the attention matrix. Where the run's
 kernel is fused (FlashAttention or memory-efficient attention on GPUs, the flash kernel on CPU), it keeps queries,
-keys, values, the output (laid out tokens before heads, so the output projection's input is the same storage) and
-one fp32 log-sum-exp per head and query, and `FusedAttention` stands for it. A kernel is fused unless the mask needs
-gradients (T5's relative position bias) or, on CPU, attention dropout is on (GPT-2's and T5's 0.1 by default): then
+keys, values, the output (laid out as the kernel lays it out, which decides whether the output projection's input
+is the same storage or a copy) and one fp32 log-sum-exp per head and query, and `FusedAttention` stands for it. A kernel is fused unless the mask needs
+gradients (T5's relative position bias), keys have fewer heads than queries without `enable_gqa` (Falcon's
+multi-query attention broadcasts one) or, on CPU, attention dropout is on (GPT-2's and T5's 0.1 by default): then
 SDPA takes the math path in the run as here. With --attn_implementation eager the model computes the matrix itself,
 as measured.
 
@@ -238,9 +239,8 @@ class _FusedAttentionFunction(torch.autograd.Function):
     """What a fused attention kernel keeps for backward: its inputs, its output and the log-sum-exp."""
 
     @staticmethod
-    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        batch, heads, tokens, _ = query.shape
-        output = query.new_empty((batch, tokens, heads, value.shape[-1])).transpose(1, 2)
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, masked_on_gpu: bool) -> Tensor:
+        output = _fused_attention_output(query, value.shape[-1], masked_on_gpu)
         log_sum_exp = query.new_empty(query.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(query, key, value, output, log_sum_exp)
         return output
@@ -248,7 +248,20 @@ class _FusedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         query, key, value, _, _ = ctx.saved_tensors
-        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), None
+
+
+def _fused_attention_output(query: Tensor, head_size: int, masked_on_gpu: bool) -> Tensor:
+    """The output as the kernel lays it out (torch's own shape functions in torch/_meta_registrations.py): the flash
+    kernels (FlashAttention on a GPU, the CPU's) as the query is laid out, the memory-efficient kernel that a GPU
+    takes for a mask with tokens before heads. A model that transposes the output back and flattens its heads then
+    gives the output projection a view of it, or a copy that backward keeps too: the query of Llama's rotary
+    embedding is laid out tokens before heads, the one Phi-3, GPT-NeoX and Falcon concatenate from a partial rotary
+    embedding heads before tokens."""
+    if head_size == query.shape[-1] and not masked_on_gpu:
+        return torch.empty_like(query)
+    batch, heads, tokens, _ = query.shape
+    return query.new_empty((batch, tokens, heads, head_size)).transpose(1, 2)
 
 
 def _autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -285,6 +298,8 @@ class FusedAttention(TorchFunctionMode):
             query, key, value = (*args, *(kwargs[name] for name in ("query", "key", "value") if name in kwargs))[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-            if (mask is None or not mask.requires_grad) and (self.gpu or not dropout):
-                return _FusedAttentionFunction.apply(*_autocast_inputs(query, key, value))
+            heads_match = key.shape[1] == query.shape[1] or kwargs.get("enable_gqa", False)
+            if heads_match and (mask is None or not mask.requires_grad) and (self.gpu or not dropout):
+                return _FusedAttentionFunction.apply(*_autocast_inputs(query, key, value),
+                                                     self.gpu and mask is not None)
         return func(*args, **kwargs)
