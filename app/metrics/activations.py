@@ -14,12 +14,12 @@ layer's inputs, and backward recomputes one layer at a time before differentiati
 
 One stand-in: on the meta device SDPA always takes its math path, which keeps the attention matrix. Where the run's
 kernel is fused (FlashAttention or memory-efficient attention on GPUs, the flash kernel on CPU), it keeps queries,
-keys, values, the output (laid out as the kernel lays it out, which decides whether the output projection's input
-is the same storage or a copy) and one fp32 log-sum-exp per head and query, and `FusedAttention` stands for it. A kernel is fused unless the mask needs
-gradients (T5's relative position bias), keys have fewer heads than queries without `enable_gqa` (Falcon's
-multi-query attention broadcasts one) or, on CPU, attention dropout is on (GPT-2's and T5's 0.1 by default): then
-SDPA takes the math path in the run as here. With --attn_implementation eager the model computes the matrix itself,
-as measured.
+keys, values, the output (laid out as the kernel lays it out, which decides whether the output projection's input is
+the same storage or a copy) and one fp32 log-sum-exp per head and query, and `FusedAttention` stands for it. A
+kernel is fused unless the mask needs gradients (T5's relative position bias), keys have fewer heads than queries
+without `enable_gqa` (Falcon's multi-query attention broadcasts one) or, on CPU, attention dropout is on (GPT-2's
+and T5's 0.1 by default): then SDPA takes the math path in the run as here. With --attn_implementation eager the
+model computes the matrix itself, as measured.
 
 A run whose forward runs under autocast (Lightning's precision plugins: FSDP1 under *-mixed on GPUs, DDP and one
 device under *-mixed) keeps what autocast makes: on a GPU LayerNorm's fp32 copy of its input, GPT-2's GELU in fp32
