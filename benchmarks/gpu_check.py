@@ -10,7 +10,8 @@ separate processes on one device, nothing downloaded (models from configs, data 
 3. a 128K-vocabulary model at 8K tokens per micro-batch with the chunked loss and with the model's own
    (`--chunked_loss false`): peak memory and tokens/s;
 4. an `--async_save` half-way, then a resume from it in a new run folder: its losses against the uninterrupted run's
-   (the first resumed step's forward reads exactly the saved weights);
+   (the first resumed step's forward reads exactly the saved weights); later, the same from fsdp2's synchronous save
+   (on a GPU copied through pinned memory);
 5. `convert_to_hf.py` on the last checkpoint, whose logits it verifies against the training model's;
 6. GPT-2 and T5 under bf16-mixed: what `train.py --estimate_memory` plans for each run against its peak;
 7. a supervised step on packed examples under flash_attention_2 where the image has flash-attn, else SDPA.
@@ -408,17 +409,19 @@ def bench_loss_rows(printed: str) -> list[list[str]]:
             if line.startswith("| ") and not line.startswith("| ---")][1:]
 
 
-def check_strategies(check: Check, model: Path, data: Path) -> Optional[dict]:
-    """fsdp against fsdp2 under the mixed precision users train in, and each run's speed and memory. The fsdp run
-    also saves in the background half-way, for the resume check (its final checkpoint is deleted at once)."""
+def check_strategies(check: Check, model: Path, data: Path) -> dict[str, Optional[dict]]:
+    """fsdp against fsdp2 under the mixed precision users train in, and each run's speed and memory. Each saves
+    half-way for the resume check, fsdp in the background and fsdp2 synchronously (on a GPU both through the pinned
+    staging arena); their final checkpoints are deleted at once."""
     precision, steps = check.scale.precisions["bf16-mixed"], check.scale.steps
-    saves = {"fsdp": ["--save_step_interval", str(steps // 2), "--async_save", "true"], "fsdp2": []}
+    saves = {"fsdp": ["--async_save", "true"], "fsdp2": []}
     runs = {strategy: check.train(f"{strategy}-{precision}", model, data, "--strategy", strategy,
-                                  "--precision", precision, *saves[strategy])
+                                  "--precision", precision, "--save_step_interval", str(steps // 2), *saves[strategy])
             for strategy in ("fsdp", "fsdp2")}
-    delete_checkpoints(check.work / f"fsdp-{precision}", keep=steps // 2)
+    for strategy in runs:
+        delete_checkpoints(check.work / f"{strategy}-{precision}", keep=steps // 2)
     if not all(runs.values()):
-        return runs["fsdp"]
+        return runs
     difference = largest_difference(runs["fsdp2"]["losses"], runs["fsdp"]["losses"])
     check.add(Row(f"losses, fsdp2 against fsdp, {precision}, {check.scale.steps} steps",
                   f"largest relative difference {difference:.1e}", f"<= {check.scale.loss_tolerance:g}",
@@ -432,7 +435,7 @@ def check_strategies(check: Check, model: Path, data: Path) -> Optional[dict]:
                       abs(ratio - 1) <= 0.10 if on_gpu else None,
                       {k: summary.get(k) for k in ("tokens_per_sec", "mfu")} | {"peak_gb": peak_gb(summary),
                                                                                  "planned_gb": planned}))
-    return runs["fsdp"]
+    return runs
 
 
 def check_variants(check: Check, model: Path, data: Path, variants: list[tuple[str, list[str]]]) -> None:
@@ -477,24 +480,30 @@ def delete_checkpoints(run: Path, keep: Optional[int]) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def check_resume(check: Check, model: Path, data: Path, straight: dict) -> None:
-    """Resume the fsdp run from its half-way background save, in a new folder: the same losses."""
+RESUMED = {"fsdp": ("resumed", "async", True), "fsdp2": ("resumed-fsdp2", "synchronous", False)}
+"""Each straight run's resume: its run folder, the kind of save it resumes from, and whether it saves its last step
+(fsdp's, which the conversion reads)."""
+
+
+def check_resume(check: Check, model: Path, data: Path, straight: dict, strategy: str) -> None:
+    """Resume a straight run from its half-way save, in a new folder: the same losses."""
     from app.checkpoint import list_checkpoints
 
-    middle = check.scale.steps // 2
-    saved = list_checkpoints(check.work / f"fsdp-{check.scale.precisions['bf16-mixed']}").get(middle)
+    middle, precision = check.scale.steps // 2, check.scale.precisions["bf16-mixed"]
+    folder, kind, saves_last_step = RESUMED[strategy]
+    saved = list_checkpoints(check.work / f"{strategy}-{precision}").get(middle)
     if saved is None:
-        check.add(Row("resume", f"no checkpoint of step {middle} was written", ok=False))
+        check.add(Row(f"resume ({strategy})", f"no checkpoint of step {middle} was written", ok=False))
         return
-    resumed = check.train("resumed", model, data, "--strategy", "fsdp", "--precision",
-                          check.scale.precisions["bf16-mixed"], "--resume", "true", "--checkpoint", str(saved),
-                          "--save_step_interval", str(check.scale.steps))  # the last step's, for the conversion
+    resumed = check.train(folder, model, data, "--strategy", strategy, "--precision", precision, "--resume", "true",
+                          "--checkpoint", str(saved), "--save_step_interval",
+                          str(check.scale.steps if saves_last_step else 0))
     delete_checkpoints(saved.parents[1], keep=None)
     if resumed:
         first = middle + 1
         exact = abs(resumed["losses"][first] - straight["losses"][first]) <= 1e-6 * abs(straight["losses"][first])
         rest = largest_difference(resumed["losses"], straight["losses"])
-        check.add(Row(f"resume from the async save of step {middle}", f"step {first} loss "
+        check.add(Row(f"resume from the {kind} save of step {middle} ({strategy})", f"step {first} loss "
                       f"{resumed['losses'][first]:.6f} against {straight['losses'][first]:.6f}; later steps within "
                       f"{rest:.1e}", "the first resumed step's loss identical", exact, {"later": rest}))
 
@@ -568,12 +577,14 @@ def run_checks(check: Check, scale: Scale) -> None:
     if check.time_left("chunked loss"):
         long_data = prepare_text(check.work, scale.long_block_size, "long-data", data / "tokenizer")
         check_chunked_loss(check, check.model("vocabulary-model", scale.vocabulary_model), long_data)
-    if straight and check.time_left("resume"):
-        check_resume(check, model, data, straight)
+    if straight["fsdp"] and check.time_left("resume"):
+        check_resume(check, model, data, straight["fsdp"], "fsdp")
         if check.time_left("convert_to_hf.py"):
             check_conversion(check)
     check_architectures(check, data)
     check_variants(check, model, data, [variant for variant in scale.variants if variant not in compiled])
+    if straight["fsdp2"] and check.time_left("resume (fsdp2)"):
+        check_resume(check, model, data, straight["fsdp2"], "fsdp2")
     if check.time_left("supervised"):
         check_supervised(check, model, data / "tokenizer")
     if check.time_left("fused kernels"):

@@ -9,7 +9,8 @@ differs in two things:
    and those in a GPU's memory) are copied to host memory at once, in the background thread (on a GPU into pinned
    memory, on the default stream after the kernels queued before the save, so the copy reads what the step that
    saved left), and the update waits for that copy. The host memory for these copies is made once, when
-   the run starts, and reused by every save: a machine without it fails at start-up rather than hours later;
+   the run starts, and reused by every save: a machine without it fails at start-up rather than hours later. A
+   synchronous save on a GPU copies its pieces into pinned memory of the same kind, made at its first save;
 2. writing, in a background thread: the file or folder, then fsync, the atomic rename and what follows publishing
    (best.json, --keep_last_n) on rank 0.
 The next save, an upload and the end of the run wait for the write; a crash before the rename leaves the previous
@@ -21,6 +22,7 @@ group of their own (made once per run), so that a background write's never inter
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
@@ -33,6 +35,7 @@ from app.checkpoint.files import make_durable, publish, remove
 from app.checkpoint.handover import Handover
 from app.checkpoint.io import begin_save, snapshot
 from app.checkpoint.writers import Snapshot, StagingArea
+from app.cli import first_line
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -48,8 +51,8 @@ class CheckpointSaver:
         self.handover: Optional[Handover] = None
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if background else None
-        self.staging = StagingArea() if background else None
-        if self.staging is not None:
+        self.staging = StagingArea() if background or fabric.device.type != "cpu" else None
+        if background:
             snapshot(state, sharded, self.group).reserve(self.staging)
 
     def save(self, path: Path, state: dict[str, Any], published: Callable[[], None]) -> None:
@@ -84,12 +87,27 @@ class CheckpointSaver:
                                  f"--keep_last_n): {error}", published=True) from None
 
         if self.writer is None:
-            write_and_publish(taken)
+            write_and_publish(self.staged_on_device(taken))
             return
         taken = taken.for_background(self.staging)
         self.handover = taken.handover
         copy = self.staging_copy = self.writer.submit(taken.staged, self.staging)
         self.pending = self.writer.submit(lambda: write_and_publish(copy.result()))
+
+    def staged_on_device(self, taken: Snapshot) -> Snapshot:
+        """A synchronous save's pieces in a GPU's memory copied into the pinned staging arena, made at the first save
+        (a run that never saves pins nothing) and reused by the next; where the machine cannot pin that much, the
+        save copies piece by piece, as it did before the arena, and says so once."""
+        if self.staging is None:
+            return taken
+        try:
+            return taken.staged(self.staging)
+        except RuntimeError as error:  # the pinned allocation failed (torch.OutOfMemoryError, CUDA's errors)
+            self.staging = None
+            print(f"warning: rank {self.fabric.global_rank} could not pin host memory for its checkpoint pieces "
+                  f"({first_line(error)}); its saves copy them from the GPU piece by piece", file=sys.stderr,
+                  flush=True)
+            return taken
 
     def failed(self) -> bool:
         """Whether the background write has ended in an error. The step's verdict carries it (the ranks may see

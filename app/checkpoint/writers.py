@@ -175,15 +175,22 @@ class Snapshot:
         return replace(self, handover=Handover(live, partial(area.copy, phases=phases)))
 
     def staged(self, area: "StagingArea") -> "Snapshot":
-        """The same snapshot with its other pieces copied into `area`, where they lie as in the file: host memory
-        that training does not change (a disk writes only from host memory; a full file's pieces would otherwise
-        go to the disk through one more copy, direct_io.py)."""
-        away = {key: data for key, data in self.pieces().items()
-                if self.handover is None or key not in self.handover.live}
+        """The same snapshot with the pieces it does not write from the training state copied into `area`, where
+        they lie as in the file: host memory that training does not change (a disk writes only from host memory; a
+        full file's pieces would otherwise go to the disk through one more copy, direct_io.py)."""
+        away = {key: data for key, data in self.pieces().items() if self.copied(key, data)}
         own = {name: dict(pieces) for name, pieces in self.own.items()}
         for (name, start), copy in area.copy(away, self.block_phases()).items():
             own[name][start] = copy
         return replace(self, own=own)
+
+    def copied(self, key: tuple[str, int], data: torch.Tensor) -> bool:
+        """Whether a save copies the piece into host memory of its own before writing it: a background save those
+        it does not hand over (handover.py), a synchronous one those in a GPU's memory (it writes the others from
+        the training state, which waits for it)."""
+        if self.handover is not None:
+            return key not in self.handover.live
+        return data.device.type != "cpu"
 
     def reserve(self, area: "StagingArea") -> None:
         """`area`'s memory for copies of every piece (the pieces of a run are the same at every save)."""
@@ -372,10 +379,12 @@ def block_pieces(shape: tuple[int, ...], piece: Piece) -> list[Piece]:
 
 
 class StagingArea:
-    """Host memory for copies of the pieces this rank writes in the background (those on a GPU, and those in host
+    """Host memory for copies of the pieces this rank writes (those on a GPU; in the background also those in host
     memory that the next update finds unwritten), made once and reused by every save of the run (the pieces are the
     same all run): a copy then goes into memory already in use, not an allocation that the operating system fills
-    page by page (pinned memory on a GPU machine, for fast device-to-host copies).
+    page by page (pinned memory on a GPU machine, for fast device-to-host copies: one copy per piece at the card's
+    bandwidth, where a synchronous save once copied each piece into memory allocated for it, which CUDA copies into
+    through a pinned buffer of its own, and then into the disk's aligned buffer).
     Each piece sits at the place within a memory page that its bytes have within a disk block of the file, so the
     background write sends its whole blocks to the disk from here, with no further copy (direct_io.py).
 
