@@ -1,10 +1,10 @@
-"""The loss head alone on one device: the chunked cross-entropy (app/model/loss.py) against the path that
-materialises the logits (`F.linear`, the fp32 upcast transformers makes, `F.cross_entropy`), forward and backward,
-at Llama-3's vocabulary and 8K tokens: time and the peak memory above the inputs, for several chunk sizes and with
-the fp32 accumulation of the weight's gradient inside the GEMM (CUDA) or after it; and each one's loss and
-gradients (hidden states, output weight) against the materialising path's. On a GPU, the maintained fused kernels
-too where they are installed (Liger Kernel's fused linear cross-entropy, Apple's Cut Cross-Entropy; Triton, CUDA
-only): the measurement behind app/model/loss.py's choice of its own.
+"""The loss head alone on one device: the chunked cross-entropy (app/model/loss.py) against the path that materialises
+the logits (`F.linear`, the fp32 upcast transformers makes, `F.cross_entropy`), forward and backward, at Llama-3's
+vocabulary and 8K tokens: time and the peak memory above the inputs, for several chunk sizes and with the fp32
+accumulation of the weight's gradient inside the GEMM (CUDA) or in an fp32 GEMM of the operands' fp32 copies (as on
+CPU); and each one's loss and gradients (hidden states, output weight) against the materialising path's. On a GPU,
+the maintained fused kernels too where they are installed (Liger Kernel's fused linear cross-entropy, Apple's Cut
+Cross-Entropy; Triton, CUDA only): the measurement behind app/model/loss.py's choice of its own.
 
 The training runs of `gpu_check.py` show the whole step; this isolates the head, where the two paths differ, so
 that a choice of chunk size is a measurement. On CPU (`--tiny`) a small shape checks that it runs.
@@ -120,7 +120,7 @@ def main() -> None:
     for chunk in chunks:
         for fused in (True, False) if device.type == "cuda" else (True,):
             label = f"chunked, {chunk} tokens{' (default)' if chunk == default else ''}" + (
-                "" if device.type != "cuda" else ", fp32 sum in the GEMM" if fused else ", fp32 sum after it")
+                "" if device.type != "cuda" else ", fp32 sum in the GEMM" if fused else ", fp32 GEMM of fp32 copies")
             rows.append((label, lambda c=chunk: chunked_cross_entropy(hidden, weight, None, targets, c), fused))
     print(f"{device.type}, {dtype}, {options.tokens} tokens x {options.hidden} hidden -> {options.vocab} "
           f"vocabulary, forward + backward, median of {options.repeats}")

@@ -12,8 +12,8 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
   head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; less input embeddings that are a unit of
   their own, resharded after forward), under *-mixed the fp32 copy of the largest unit's gradient that FSDP and
   FSDP2 make to reduce it (FSDP1 `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py`; DDP's gradients are views of
-  its buckets, `gradient_as_bucket_view`, so its buckets add nothing), the chunked loss's buffers (one chunk's logits, the output weight's fp32 gradient
-  and, on CPU, its compute-dtype product), under *-mixed with NO_SHARD every unit's compute-dtype copy (held from
+  its buckets, `gradient_as_bucket_view`, so its buckets add nothing), the chunked loss's buffers (one chunk's logits and their
+  gradient, the output weight's fp32 gradient and its compute-dtype copy), under *-mixed with NO_SHARD every unit's compute-dtype copy (held from
   forward to backward), and the runtime: on a GPU 1.25 GiB for the CUDA context, kernels and NCCL's buffers
   (measured on an H200 with one rank, `RUNTIME_BYTES`); on CPU processes this planning process's own resident
   memory (the same interpreter, libraries and model code a rank imports) plus the free space glibc's heap keeps
@@ -231,16 +231,18 @@ def gradient_reduce_bytes(shape: ModelShape, setup: Setup) -> float:
 
 
 def chunked_loss_bytes(shape: ModelShape, setup: Setup) -> float:
-    """The chunked loss's buffers, whatever the micro batch: one chunk's logits in the compute dtype and in fp32,
-    the output weight's gradient summed in fp32 and, below fp32 on CPU, each chunk's product in the compute dtype
-    (a GPU adds it inside the GEMM: `app.model.loss.accumulate_product`)."""
+    """The chunked loss's buffers at their most, whatever the micro batch (app/model/loss.py), the larger of:
+    - in forward, the output weight's gradient summed in fp32, and one chunk's fp32 logits (turned into their
+      gradient in place) and, below fp32, that gradient in the compute dtype (on CPU then an fp32 copy of it for
+      the GEMM that sums into the weight's gradient, made once the fp32 logits are let go: `accumulate_product`);
+    - in backward, the weight's fp32 gradient and, below fp32, its copy in the compute dtype that autograd gets."""
     if not setup.chunked_loss:
         return 0.0
     size = dtype_bytes(compute_dtype(setup.precision))
     tokens = min(chunk_tokens(shape.vocab_size), setup.micro_batch_size * setup.block_size)
     weight = shape.vocab_size * shape.hidden_size
-    product = size if size != 4 and not setup.gpu else 0
-    return tokens * shape.vocab_size * (size + (4 if size != 4 else 0)) + weight * (4 + product)
+    lower = size if size != 4 else 0  # bytes of the compute dtype's copies, below fp32
+    return max(tokens * shape.vocab_size * (4 + lower) + weight * 4, weight * (4 + lower))
 
 
 def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:

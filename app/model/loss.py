@@ -15,9 +15,12 @@ weight-sized gradient. Without labels the head is the plain Linear (generation, 
 
 Written here rather than taken from Liger Kernel or Cut Cross-Entropy: both are Triton kernels for CUDA, and every
 run of this project (CPU processes in the tests, GPUs for users) must take the same loss path. Measured on an H200
-(`benchmarks/bench_loss.py --fused_kernels`, docs/performance.md): Liger's is as fast as this one in less memory,
-Cut Cross-Entropy's 1.27x faster in a fifth of it, its gradient filter looser (1.9e-2 against 4.5e-3 in the hidden
-states' gradient); a GPU-only option for it is not built yet.
+(`benchmarks/bench_loss.py --fused_kernels`, docs/performance.md) at 8K tokens x 2048 -> 128,256: Liger's as fast
+as this one, 1.50 GB above the inputs against 2.76, Cut Cross-Entropy's 1.27x faster in 0.52 GB, its gradient filter
+looser (1.9e-2 against 4.5e-3 in the hidden states' gradient); a GPU-only option for it is not built yet. The 2.76
+GB were backward's second fp32 copy of the weight's gradient and torch.logsumexp's chunk-sized temporary, both gone
+since: 1.86 GB planned (`memory_plan.chunked_loss_bytes`, checked against torch's profiler on CPU), not yet
+measured on a GPU.
 
 Whether a model hands its output layer's result back untouched (BART adds `final_logits_bias`, Gemma-2 soft-caps the
 logits, others scale them) is not listed by name: `probe_chunked_loss` runs a small random twin of the run's config
@@ -81,7 +84,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):
         gradients, dtypes = ctx.gradients, ctx.dtypes
         del ctx.gradients  # freed as soon as autograd has them
-        scaled = [None if gradient is None else (gradient * grad_loss).to(dtype)
+        scaled = [None if gradient is None else gradient.mul_(grad_loss).to(dtype)  # in place: no second fp32 copy
                   for gradient, dtype in zip(gradients, dtypes)]
         return *scaled, None, None
 
@@ -91,8 +94,12 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
     """The summed loss and the gradients `needs` asks for (hidden, weight, bias; None for the others).
 
     Per chunk: logits in the compute dtype, upcast to fp32 as transformers' loss does; loss = logsumexp - target
-    logit; d(loss)/d(logits) = softmax - one-hot, written over the logits in place; then its products with the
-    weight (the hidden states' gradient) and with the hidden states (the weight's, summed in fp32 over chunks)."""
+    logit; d(loss)/d(logits) = softmax - one-hot; then its products with the weight (the hidden states' gradient)
+    and with the hidden states (the weight's, summed in fp32 over chunks). The softmax is computed over the logits
+    in place (torch.logsumexp makes a chunk-sized temporary, and a chunk of Llama-3's fp32 logits is 512 MiB), and
+    the previous chunk's gradient is let go before the next chunk's logits are made: at most one chunk's fp32 logits
+    and their gradient in the compute dtype besides the weight's fp32 gradient (`memory_plan.chunked_loss_bytes`,
+    tests/test_loss.py measures it)."""
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if needs[0] else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
@@ -102,34 +109,41 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
         logits = F.linear(h, weight, bias).float()
         trained = t != IGNORE_INDEX
         safe_targets = torch.where(trained, t, 0)
-        log_normaliser = torch.logsumexp(logits, dim=-1)
         target_logits = logits.gather(1, safe_targets[:, None]).squeeze(1)
+        maxima = logits.amax(dim=-1, keepdim=True)
+        exponentials = logits.sub_(maxima).exp_()  # the logits are not needed any more
+        sums = exponentials.sum(dim=-1, keepdim=True)
+        log_normaliser = (sums.log() + maxima).squeeze(1)
         loss += ((log_normaliser - target_logits) * trained).sum()
         if not any(needs):
             continue
-        probabilities = logits.sub_(log_normaliser[:, None]).exp_()
+        probabilities = exponentials.div_(sums)
         d_logits = probabilities.scatter_add_(1, safe_targets[:, None], -trained[:, None].float())
         d_logits.mul_(trained[:, None])
         if grad_bias is not None:
             grad_bias += d_logits.sum(0)
         d_logits = d_logits.to(h.dtype)
+        del logits, exponentials, probabilities  # the fp32 chunk, unless it is d_logits itself (fp32 training)
         if grad_hidden is not None:
             grad_hidden[start:start + chunk] = d_logits @ weight
         if grad_weight is not None:
             accumulate_product(grad_weight, d_logits.t(), h)
+        del d_logits
     return loss, grad_hidden, grad_weight, grad_bias
 
 
 def accumulate_product(total: Tensor, a: Tensor, b: Tensor) -> None:
-    """total (fp32) += a @ b. On CUDA one GEMM that reads bf16/fp16 operands and adds in fp32 (`out_dtype`, torch
-    2.8 and newer); elsewhere the product in the operands' dtype (as the materialising path's backward computes it),
-    then summed in fp32: a second pass over a weight-sized product per chunk (benchmarks/bench_loss.py)."""
+    """total (fp32) += a @ b of bf16/fp16 operands, the products summed in fp32. On CUDA one GEMM that reads the
+    operands as they are (`out_dtype`, torch 2.8 and newer); elsewhere (and on CUDA for the benchmark's comparison,
+    benchmarks/bench_loss.py) an fp32 GEMM of fp32 copies of the operands, a chunk's size: the same arithmetic. A
+    product in the operands' dtype added afterwards held a weight-sized product and its fp32 copy per chunk, and on
+    CPU its bf16 GEMM took 4x as long (1.23 s against 0.34 s at 1,024 tokens x 32,000 x 1,024 on 2 cores)."""
     if a.dtype == total.dtype:
         total.addmm_(a, b)
     elif total.is_cuda and FUSED_ACCUMULATION:
         torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
     else:
-        total += a @ b
+        total.addmm_(a.to(total.dtype), b.to(total.dtype))
 
 
 class LossHead(Linear):
