@@ -11,13 +11,13 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
 - working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
   head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; less input embeddings that are a unit of
   their own, resharded after forward), under *-mixed the fp32 copy of the largest unit's gradient that FSDP and
-  FSDP2 make to reduce it (FSDP1 `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py`; DDP's gradients are views of
-  its buckets, `gradient_as_bucket_view`, so its buckets add nothing), the chunked loss's buffers (one chunk's logits and their
-  gradient, the output weight's fp32 gradient and its compute-dtype copy), under *-mixed with NO_SHARD every unit's compute-dtype copy (held from
-  forward to backward), and the runtime: on a GPU 1.25 GiB for the CUDA context, kernels and NCCL's buffers
-  (measured on an H200 with one rank, `RUNTIME_BYTES`); on CPU processes this planning process's own resident
-  memory (the same interpreter, libraries and model code a rank imports) plus the free space glibc's heap keeps
-  (app/distributed/host_memory.py);
+  FSDP2 make to reduce it (FSDP1 `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py`; DDP's gradients are views of its
+  buckets, `gradient_as_bucket_view`, so its buckets add nothing), the chunked loss's buffers (one chunk's logits
+  and their gradient, the output weight's fp32 gradient and its compute-dtype copy), under *-mixed with NO_SHARD
+  every unit's compute-dtype copy (held from forward to backward), and the runtime: on a GPU 1.25 GiB for the CUDA
+  context, kernels and NCCL's buffers (measured on an H200 with one rank, `RUNTIME_BYTES`); on CPU processes this
+  planning process's own resident memory (the same interpreter, libraries and model code a rank imports) plus the
+  free space glibc's heap keeps (app/distributed/host_memory.py);
 - activations: per sequence, what backward keeps of the model's body, measured on the weightless model
   (app/metrics/activations.py; under autocast, on fake tensors of the run's device through torch's autocast, whose
   copies of fp32 weights count once, as working memory), and of the loss: the hidden states' gradient with the
