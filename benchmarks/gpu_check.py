@@ -14,7 +14,8 @@ separate processes on one device, nothing downloaded (models from configs, data 
    (on a GPU copied through pinned memory);
 5. `convert_to_hf.py` on the last checkpoint, whose logits it verifies against the training model's;
 6. GPT-2 and T5 under bf16-mixed: what `train.py --estimate_memory` plans for each run against its peak;
-7. a supervised step on packed examples under flash_attention_2 where the image has flash-attn, else SDPA.
+7. a supervised step on packed examples under flash_attention_2 where the image has flash-attn, else SDPA;
+8. on a GPU, the fsdp run again with `--loss_kernel cut_cross_entropy` (Triton: not in the tiny mode).
 Prints one table (also written as JSON to --out) with the card, driver and versions.
 
 On a GPU machine that lacks this project's pure-Python dependencies, `make gpu-wheels` downloads them (.whl/) and
@@ -471,6 +472,23 @@ def check_chunked_loss(check: Check, model: Path, data: Path) -> None:
                        "tokens_per_sec": [chunked["tokens_per_sec"], full["tokens_per_sec"]]}))
 
 
+def check_cut_cross_entropy(check: Check, model: Path, data: Path, straight: dict) -> None:
+    """`--loss_kernel cut_cross_entropy` (GPU only) against the chunked loss of the fsdp run: the same losses (its
+    logits are not rounded to bf16 before the loss, and its gradient filter drops small gradients), its speed and
+    memory."""
+    precision = check.scale.precisions["bf16-mixed"]
+    summary = check.train(f"fsdp-{precision}-cut-cross-entropy", model, data, "--strategy", "fsdp", "--precision",
+                          precision, "--loss_kernel", "cut_cross_entropy")
+    if summary:
+        difference = largest_difference(summary["losses"], straight["losses"])
+        check.add(Row(f"fsdp {precision} --loss_kernel cut_cross_entropy", f"{throughput(summary)}; losses within "
+                      f"{difference:.1e} of the chunked loss's (tokens/s {straight['tokens_per_sec']:,.0f}, peak "
+                      f"{peak_gb(straight):.2f} GB)", f"losses within {check.scale.loss_tolerance:g}",
+                      difference <= check.scale.loss_tolerance,
+                      {k: summary.get(k) for k in ("tokens_per_sec", "mfu")} | {"peak_gb": peak_gb(summary),
+                                                                                 "difference": difference}))
+
+
 def delete_checkpoints(run: Path, keep: Optional[int]) -> None:
     """A run's checkpoints but the one of step `keep`, once no check needs them."""
     from app.checkpoint import list_checkpoints
@@ -565,7 +583,8 @@ def run_checks(check: Check, scale: Scale) -> None:
     """In the order of what each proves, so that a run cut short by --minutes or the machine's limit has the
     most: the runtime, the 8B plan and the loss head alone (seconds), fsdp against fsdp2, --compile's MFU, the
     chunked loss at 128K x 8K, the resume and conversion, the planner on GPT-2 and T5, then the other precisions,
-    activation checkpointing and the supervised step."""
+    activation checkpointing, the resume from a synchronous save, the supervised step, Cut Cross-Entropy in training
+    and the fused kernels on the loss head alone."""
     check_runtime(check)
     check_llama_3_8b_plan(check)
     check_loss_head(check)
@@ -587,6 +606,8 @@ def run_checks(check: Check, scale: Scale) -> None:
         check_resume(check, model, data, straight["fsdp2"], "fsdp2")
     if check.time_left("supervised"):
         check_supervised(check, model, data / "tokenizer")
+    if torch.cuda.is_available() and straight["fsdp"] and check.time_left("--loss_kernel cut_cross_entropy"):
+        check_cut_cross_entropy(check, model, data, straight["fsdp"])
     if check.time_left("fused kernels"):
         check_fused_kernels(check)
 

@@ -76,13 +76,13 @@ def test_bf16_stays_close_to_the_materialising_path() -> None:
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
 
 
-def model_pair(config: PretrainedConfig) -> tuple[torch.nn.Module, torch.nn.Module, LossPath]:
+def model_pair(config: PretrainedConfig, kernel: str = "torch") -> tuple[torch.nn.Module, torch.nn.Module, LossPath]:
     """Two identical models: transformers' loss, and ours with the loss head installed."""
     kind = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     torch.manual_seed(0)
     own = kind.from_config(config, attn_implementation="sdpa")
     ours = copy.deepcopy(own)
-    return own, ours, install_loss_head(ours)
+    return own, ours, install_loss_head(ours, kernel)
 
 
 def compare(own: torch.nn.Module, ours: torch.nn.Module, path: LossPath, batch: Batch) -> None:
@@ -121,6 +121,27 @@ def test_causal_models_train_as_with_their_own_loss(name: str, case: str) -> Non
     own, ours, path = model_pair(CAUSAL[name])
     assert isinstance(path.head, LossHead)
     compare(own, ours, path, causal_batch(case != "text", case == "packed", CAUSAL[name].vocab_size))
+
+
+@pytest.mark.parametrize("case", ["supervised", "packed"])
+def test_cut_cross_entropy_gets_the_heads_hidden_states_weight_and_shifted_targets(case: str, monkeypatch) -> None:
+    """--loss_kernel cut_cross_entropy: its Triton kernel runs on CUDA only, so here a stand-in of the same contract
+    (hidden states x weight -> the summed cross-entropy of the targets, -100 ignored) computed in torch: what the
+    head hands the kernel (flattened tokens, the next token as target, masks and packing kept) trains as
+    transformers' own loss. On a GPU `benchmarks/gpu_check.py` trains with the kernel itself."""
+    given = []
+
+    def stand_in(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        given.append((hidden.shape, targets.clone()))
+        return reference_loss(hidden @ weight.t(), targets)
+
+    monkeypatch.setattr(loss_module, "cut_cross_entropy_loss", stand_in)
+    own, ours, path = model_pair(LLAMA, "cut_cross_entropy")
+    batch = causal_batch(True, case == "packed", LLAMA.vocab_size)
+    compare(own, ours, path, batch)
+    (shape, targets), = given
+    assert shape == (batch.inputs["input_ids"].numel(), LLAMA.hidden_size)
+    assert int((targets != IGNORE_INDEX).sum()) == batch.trained_tokens
 
 
 def test_t5_trains_as_with_its_own_loss() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -114,6 +115,8 @@ CASES = {
     "FlashAttention without its kernels": (dict(attn_implementation="flash_attention_2"),
                                            "flash_attention_2 needs the flash-attn package and a CUDA GPU"),
     "a GPU asked for where there is none": (dict(accelerator="gpu"), "--accelerator gpu: no CUDA GPU is visible here"),
+    "Cut Cross-Entropy on CPU": (dict(loss_kernel="cut_cross_entropy"), "--loss_kernel cut_cross_entropy is a Triton "
+                                 "kernel for CUDA GPUs and this run is on cpu: drop it"),
     "negative lr": (dict(lr=-1.0), "--lr must be positive"),
     "fsdp option with ddp": (dict(strategy="ddp", sharding_strategy="NO_SHARD"),
                              "applies only to --strategy fsdp or fsdp2"),
@@ -290,6 +293,35 @@ def test_compile_on_gpus_takes_the_models_own_loss_unless_the_chunked_one_is_ask
             chosen[accelerator, asked] = checks.check_chunked_loss(cfg, config)
     assert chosen == {("cpu", None): True, ("cpu", True): True, ("cpu", False): False,
                       ("cuda", None): False, ("cuda", True): True, ("cuda", False): False}
+
+
+def test_cut_cross_entropy_on_gpus_needs_its_package_the_chunked_loss_and_a_head_without_bias(tiny, tmp_path,
+                                                                                             monkeypatch) -> None:
+    """Each refused in one line before any rank starts (its import in the first forward ended every rank in a
+    traceback); planning a GPU run needs no package."""
+    from app.training.preflight import model as checks
+
+    monkeypatch.setattr(checks, "resolve_accelerator", lambda cfg: "cuda")
+    installed = importlib.util.find_spec("cut_cross_entropy") is not None and importlib.util.find_spec("triton")
+    llama, codegen = AutoConfig.from_pretrained(tiny.model_config), AutoConfig.for_model(
+        "codegen", vocab_size=300, n_embd=64, n_layer=1, n_head=4, rotary_dim=8)
+
+    def problems(config, chunked_loss: bool, **options) -> list[str]:
+        found: list[str] = []
+        cfg = parse_config(train_args(tiny, tmp_path / "out", loss_kernel="cut_cross_entropy", **options))
+        checks.check_loss_kernel(cfg, config, chunked_loss, found)
+        return found
+
+    assert problems(llama, True) == ([] if installed else [
+        "--loss_kernel cut_cross_entropy needs the cut-cross-entropy package (and Triton, which CUDA builds of torch "
+        "bring): pip install cut-cross-entropy==25.1.1"])
+    assert problems(llama, True, estimate_memory=True) == []
+    assert problems(llama, False, estimate_memory=True) == [
+        "--loss_kernel cut_cross_entropy computes the chunked loss, which this run does not take (see the note "
+        "above): drop it, or take the chunked loss (--chunked_loss true)"]
+    assert problems(codegen, True, estimate_memory=True) == [
+        "--loss_kernel cut_cross_entropy: a codegen model's output layer adds a bias, which Cut Cross-Entropy's "
+        "kernel has no place for: drop it"]
 
 
 def test_every_problem_is_reported_at_once_by_the_cli_without_traceback(tiny, bad, tmp_path) -> None:

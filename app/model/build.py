@@ -357,7 +357,8 @@ def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
     Returns the Fabric module, the names of the parameters exempt from weight decay (read before wrapping) and how
     to ask it for a loss (chunked, without full logits, when the preflight's probe found that it may)."""
     model = build_model(fabric, cfg, model_config, deferred)
-    loss_path = install_loss_head(model) if chunked_loss else LossPath(router_loss=adds_router_loss(model))
+    loss_path = (install_loss_head(model, cfg.loss_kernel) if chunked_loss
+                 else LossPath(router_loss=adds_router_loss(model)))
     no_decay = no_decay_names(model)
     expected = set(model.state_dict())
     model = fabric.setup_module(torch.compile(model) if cfg.compile else model)

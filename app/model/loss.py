@@ -17,7 +17,8 @@ Written here rather than taken from Liger Kernel or Cut Cross-Entropy: both are 
 run of this project (CPU processes in the tests, GPUs for users) must take the same loss path. Measured on an H200
 (`benchmarks/bench_loss.py --fused_kernels`, docs/performance.md) at 8K tokens x 2048 -> 128,256: Liger's as fast
 as this one, 1.50 GB above the inputs against 2.76, Cut Cross-Entropy's 1.27x faster in 0.52 GB, its gradient filter
-looser (1.9e-2 against 4.5e-3 in the hidden states' gradient); a GPU-only option for it is not built yet. The 2.76
+looser (1.9e-2 against 4.5e-3 in the hidden states' gradient): `--loss_kernel cut_cross_entropy` takes it on
+GPUs (`cut_cross_entropy_loss`), opt-in, the head and the loop otherwise the same. The 2.76
 GB were backward's second fp32 copy of the weight's gradient and torch.logsumexp's chunk-sized temporary, both gone
 since: 1.86 GB planned (`memory_plan.chunked_loss_bytes`, checked against torch's profiler on CPU), not yet
 measured on a GPU.
@@ -132,6 +133,16 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
     return loss, grad_hidden, grad_weight, grad_bias
 
 
+@torch.compiler.disable
+def cut_cross_entropy_loss(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """The summed cross-entropy by Cut Cross-Entropy's Triton kernel (CUDA only; the preflight checks that it is
+    installed and that the run is on GPUs), at its default gradient filter. Left out of --compile's graphs, as the
+    chunked loss is."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(hidden.to(weight.dtype), weight, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def accumulate_product(total: Tensor, a: Tensor, b: Tensor) -> None:
     """total (fp32) += a @ b of bf16/fp16 operands, the products summed in fp32. On CUDA one GEMM that reads the
     operands as they are (`out_dtype`, torch 2.8 and newer); elsewhere (and on CUDA for the benchmark's comparison,
@@ -149,7 +160,7 @@ def accumulate_product(total: Tensor, a: Tensor, b: Tensor) -> None:
 class LossHead(Linear):
     """The model's output layer, holding its weight: the plain Linear, or while `scoring` the summed loss."""
 
-    def __init__(self, output_layer: Linear, shift: bool) -> None:
+    def __init__(self, output_layer: Linear, shift: bool, kernel: str = "torch") -> None:
         Module.__init__(self)
         self.in_features, self.out_features = output_layer.in_features, output_layer.out_features
         self.weight = output_layer.weight
@@ -157,6 +168,8 @@ class LossHead(Linear):
         self.shift = shift
         """Causal LMs predict the next token: the target of position t is label t + 1."""
         self.targets: Optional[Tensor] = None
+        self.kernel = kernel
+        """--loss_kernel: "torch" (`chunked_cross_entropy`) or "cut_cross_entropy" (no bias: the preflight checks)."""
 
     @contextmanager
     def scoring(self, labels: Tensor) -> Iterator[None]:
@@ -170,8 +183,10 @@ class LossHead(Linear):
     def forward(self, hidden: Tensor) -> Tensor:
         if self.targets is None:
             return super().forward(hidden)
-        return chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias, self.targets,
-                                     chunk_tokens(self.out_features))
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        if self.kernel == "cut_cross_entropy":
+            return cut_cross_entropy_loss(hidden, self.weight, self.targets)
+        return chunked_cross_entropy(hidden, self.weight, self.bias, self.targets, chunk_tokens(self.out_features))
 
 
 @dataclass
@@ -204,14 +219,14 @@ class LossPath:
             return model(**inputs).logits
 
 
-def install_loss_head(model: Module) -> LossPath:
-    """Replace `model`'s output layer by a LossHead on the same weight (before any wrapping); the model's own loss
-    when its output layer is not a Linear."""
+def install_loss_head(model: Module, kernel: str = "torch") -> LossPath:
+    """Replace `model`'s output layer by a LossHead on the same weight (before any wrapping), its loss computed by
+    `kernel` (--loss_kernel); the model's own loss when its output layer is not a Linear."""
     output_layer = model.get_output_embeddings()
     if type(output_layer) is not Linear:
         return LossPath()
     encoder_decoder = bool(model.config.is_encoder_decoder)
-    head = LossHead(output_layer, shift=not encoder_decoder)
+    head = LossHead(output_layer, shift=not encoder_decoder, kernel=kernel)
     model.set_output_embeddings(head)
     return LossPath(head, model.prepare_decoder_input_ids_from_labels if encoder_decoder else None)
 

@@ -31,7 +31,8 @@ from app.training.preflight.data import check_data, planned_blocks, reads_data
 from app.training.preflight.environment import check_devices, check_launcher, check_precision, check_runs_here
 from app.training.preflight.model import (check_activation_checkpointing, check_attention_supported,
                                           check_chunked_loss, check_decoder_start, check_length_dependent_rope,
-                                          check_model, check_model_fits_data, check_packed_isolation)
+                                          check_loss_kernel, check_model, check_model_fits_data,
+                                          check_packed_isolation)
 from app.training.preflight.notes import note
 from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
@@ -93,6 +94,8 @@ def preflight(cfg: Config) -> RunInputs:
             check_length_dependent_rope(cfg, model_config, data, problems)
             check_decoder_start(cfg, model_config, data, problems)
     chunked_loss = check_chunked_loss(cfg, model_config) if attention_works else False
+    if attention_works:
+        check_loss_kernel(cfg, model_config, chunked_loss, problems)
     resume = resolve_resume(cfg, model_config, problems)
     check_data_resume(cfg, data, resume, problems)
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None

@@ -5,6 +5,7 @@ the chunked loss equals its own, an encoder-decoder has a decoder start that can
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -228,6 +229,28 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
     note(f"--chunked_loss: a {model_config.model_type} model keeps its own loss ({reason}); its logits are "
          "materialised")
     return False
+
+
+def check_loss_kernel(cfg: Config, model_config: PretrainedConfig, chunked_loss: bool, problems: list[str]) -> None:
+    """--loss_kernel cut_cross_entropy: Cut Cross-Entropy's Triton kernel runs on CUDA GPUs, from its package (not
+    needed to plan), in place of the chunked loss (so only where the run takes that) and without a bias over the
+    vocabulary, which the kernel has no place for."""
+    if cfg.loss_kernel == "torch":
+        return
+    flag, accelerator = f"--loss_kernel {cfg.loss_kernel}", resolve_accelerator(cfg)
+    if accelerator != "cuda":
+        problems.append(f"{flag} is a Triton kernel for CUDA GPUs and this run is on {accelerator}: drop it (the "
+                        "default, torch, runs on every device)")
+    elif not cfg.estimate_memory and not all(importlib.util.find_spec(name) for name in ("cut_cross_entropy",
+                                                                                          "triton")):
+        problems.append(f"{flag} needs the cut-cross-entropy package (and Triton, which CUDA builds of torch bring): "
+                        "pip install cut-cross-entropy==25.1.1")
+    if not chunked_loss:
+        problems.append(f"{flag} computes the chunked loss, which this run does not take (see the note above): drop "
+                        "it, or take the chunked loss (--chunked_loss true)")
+    elif meta_model(model_config, cfg.trust_remote_code).get_output_embeddings().bias is not None:
+        problems.append(f"{flag}: a {model_config.model_type} model's output layer adds a bias, which Cut "
+                        "Cross-Entropy's kernel has no place for: drop it")
 
 
 def check_decoder_start(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
