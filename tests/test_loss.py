@@ -4,12 +4,14 @@ architectures the project trains, and the probe that decides which models take i
 from __future__ import annotations
 
 import copy
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartConfig, GPT2Config, LlamaConfig,
-                          PretrainedConfig, T5Config)
+                          MixtralConfig, PretrainedConfig, T5Config)
 
 from app.data.formats import IGNORE_INDEX, Batch, arrange
 from app.metrics.memory_plan import ModelShape, Setup, chunked_loss_bytes
@@ -125,23 +127,28 @@ def test_causal_models_train_as_with_their_own_loss(name: str, case: str) -> Non
 
 @pytest.mark.parametrize("case", ["supervised", "packed"])
 def test_cut_cross_entropy_gets_the_heads_hidden_states_weight_and_shifted_targets(case: str, monkeypatch) -> None:
-    """--loss_kernel cut_cross_entropy: its Triton kernel runs on CUDA only, so here a stand-in of the same contract
-    (hidden states x weight -> the summed cross-entropy of the targets, -100 ignored) computed in torch: what the
-    head hands the kernel (flattened tokens, the next token as target, masks and packing kept) trains as
-    transformers' own loss. On a GPU `benchmarks/gpu_check.py` trains with the kernel itself."""
+    """--loss_kernel cut_cross_entropy: its Triton kernel runs on CUDA only, so here the package is a stand-in of
+    the same call (`linear_cross_entropy(e, c, targets, ignore_index, reduction)`) computed in torch: what the head
+    hands the kernel (flattened tokens, the next token as target, masks and packing kept) trains as transformers'
+    own loss, and under autocast both operands come in autocast's dtype. On a GPU `benchmarks/gpu_check.py` trains
+    with the kernel itself."""
     given = []
 
-    def stand_in(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        given.append((hidden.shape, targets.clone()))
-        return reference_loss(hidden @ weight.t(), targets)
+    def linear_cross_entropy(e, c, targets, ignore_index, reduction):
+        given.append((e.shape, e.dtype, c.dtype, targets.clone()))
+        assert ignore_index == IGNORE_INDEX and reduction == "sum"
+        return reference_loss(e @ c.t(), targets)
 
-    monkeypatch.setattr(loss_module, "cut_cross_entropy_loss", stand_in)
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", SimpleNamespace(linear_cross_entropy=linear_cross_entropy))
     own, ours, path = model_pair(LLAMA, "cut_cross_entropy")
     batch = causal_batch(True, case == "packed", LLAMA.vocab_size)
     compare(own, ours, path, batch)
-    (shape, targets), = given
-    assert shape == (batch.inputs["input_ids"].numel(), LLAMA.hidden_size)
+    (shape, dtype, weight_dtype, targets), = given
+    assert shape == (batch.inputs["input_ids"].numel(), LLAMA.hidden_size) and dtype == weight_dtype == torch.float32
     assert int((targets != IGNORE_INDEX).sum()) == batch.trained_tokens
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        path.summed_loss(ours, batch)
+    assert given[-1][1:3] == (torch.bfloat16, torch.bfloat16)
 
 
 def test_t5_trains_as_with_its_own_loss() -> None:
@@ -250,12 +257,36 @@ def test_the_loss_benchmark_runs_and_its_chunked_rows_equal_the_materialising_pa
         assert max(differences) < 1e-5, row
 
 
+MIXTRAL = MixtralConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        output_router_logits=True, router_aux_loss_coef=0.5)
+
+
+@pytest.mark.parametrize("case", ["text", "packed"])
+def test_a_mixture_of_experts_takes_the_chunked_loss_with_its_router_loss(case: str) -> None:
+    """Mixtral's own loss adds its router's auxiliary loss (x router_aux_loss_coef) to the mean cross-entropy; the
+    chunked path adds it to the sum, times the trained tokens: the same loss and gradients, the router's included.
+    Such models once kept their own loss, materialising the logits; evaluation still asks for the cross-entropy
+    alone."""
+    own, ours, path = model_pair(MIXTRAL)
+    assert isinstance(path.head, LossHead) and path.router_loss == 0.5
+    batch = causal_batch(False, case == "packed", MIXTRAL.vocab_size)
+    compare(own, ours, path, batch)
+    assert all(parameter.grad.abs().sum() > 0 for name, parameter in ours.named_parameters() if "gate" in name)
+    with torch.no_grad():
+        cross_entropy = path.summed_loss(ours, batch, auxiliary=False)
+        logits = own(**{k: v for k, v in batch.inputs.items() if k != "labels"}).logits
+    targets = torch.nn.functional.pad(batch.inputs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+    torch.testing.assert_close(cross_entropy, reference_loss(logits.flatten(0, 1), targets.flatten()), rtol=1e-5,
+                               atol=0)
+
+
 def test_a_mixture_of_experts_trains_with_its_router_loss_and_reports_the_cross_entropy(tiny, tmp_path) -> None:
-    """A Mixtral with output_router_logits adds its router's auxiliary loss to its own loss, which training keeps
+    """A Mixtral with output_router_logits adds its router's auxiliary loss to the loss, which training keeps
     (as intended); val_loss, reported as the mean cross-entropy of the trained tokens, included it too (6.078 for
     6.037 in an audit)."""
     from datasets import load_from_disk
-    from transformers import AutoTokenizer, MixtralConfig
+    from transformers import AutoTokenizer
 
     from tests.conftest import run_train, train_args
     from tests.test_training import assert_succeeded, read_metrics

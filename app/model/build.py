@@ -17,7 +17,6 @@ a config from the meta device at once, in FSDP's order, so that a --seed gives t
 from __future__ import annotations
 
 import copy
-import inspect
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +35,7 @@ from app.choices import SHARDED_STRATEGIES
 from app.distributed.fsdp2 import shard_like, sharding_units
 from app.distributed.precision import weights_dtype
 from app.distributed.strategy import resolve_accelerator
-from app.model.loss import LossPath, install_loss_head
+from app.model.loss import LossPath, adds_router_loss, install_loss_head
 from app.optimization.optimizer import canonical_name, no_decay_names
 
 if TYPE_CHECKING:
@@ -342,13 +341,6 @@ def keep_rotary_in_fp32(module: Module) -> None:
         for name, before in cast.items():
             if not torch.equal(getattr(rotary, name).to(before.dtype), before):
                 rotary.register_buffer(name, before.float(), persistent=False)
-
-
-def adds_router_loss(model: Module) -> bool:
-    """Whether the model's own loss adds its router's auxiliary loss, which a call can turn off
-    (output_router_logits, a parameter of the forward of Mixtral, Qwen-MoE, OLMoE, ...)."""
-    return bool(getattr(model.config, "output_router_logits", False)) and (
-        "output_router_logits" in inspect.signature(type(model).forward).parameters)
 
 
 def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, deferred: Optional[DeferredInit],

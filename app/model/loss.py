@@ -14,14 +14,14 @@ the materialising path, never more than one chunk's logits (`CHUNK_LOGITS` fp32 
 weight-sized gradient. Without labels the head is the plain Linear (generation, conversion).
 
 Written here rather than taken from Liger Kernel or Cut Cross-Entropy: both are Triton kernels for CUDA, and every
-run of this project (CPU processes in the tests, GPUs for users) must take the same loss path. Measured on an H200
-(`benchmarks/bench_loss.py --fused_kernels`, docs/performance.md) at 8K tokens x 2048 -> 128,256: Liger's as fast
-as this one, 1.50 GB above the inputs against 2.76, Cut Cross-Entropy's 1.27x faster in 0.52 GB, its gradient filter
-looser (1.9e-2 against 4.5e-3 in the hidden states' gradient): `--loss_kernel cut_cross_entropy` takes it on
-GPUs (`cut_cross_entropy_loss`), opt-in, the head and the loop otherwise the same. The 2.76
-GB were backward's second fp32 copy of the weight's gradient and torch.logsumexp's chunk-sized temporary, both gone
-since: 1.86 GB planned (`memory_plan.chunked_loss_bytes`, checked against torch's profiler on CPU), not yet
-measured on a GPU.
+run of this project (CPU processes in the tests, GPUs for users) must be able to take the same loss path, the
+default one. Measured on an H200 (`benchmarks/bench_loss.py --fused_kernels`, docs/performance.md) at 8K tokens x
+2048 -> 128,256: Liger's as fast as this one, 1.50 GB above the inputs against 2.76, Cut Cross-Entropy's 1.27x
+faster in 0.52 GB, its gradient filter looser (1.9e-2 against 4.5e-3 in the hidden states' gradient): `--loss_kernel
+cut_cross_entropy` takes it on GPUs (`cut_cross_entropy_loss`), opt-in, the head and the loop otherwise the same.
+The 2.76 GB were backward's second fp32 copy of the weight's gradient and torch.logsumexp's chunk-sized temporary,
+both gone since: 1.86 GB planned (`memory_plan.chunked_loss_bytes`, checked against torch's profiler on CPU), not
+yet measured on a GPU.
 
 Whether a model hands its output layer's result back untouched (BART adds `final_logits_bias`, Gemma-2 soft-caps the
 logits, others scale them) is not listed by name: `probe_chunked_loss` runs a small random twin of the run's config
@@ -30,6 +30,7 @@ and keeps the chunked path only when its loss equals transformers' own. Otherwis
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -136,11 +137,15 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
 @torch.compiler.disable
 def cut_cross_entropy_loss(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     """The summed cross-entropy by Cut Cross-Entropy's Triton kernel (CUDA only; the preflight checks that it is
-    installed and that the run is on GPUs), at its default gradient filter. Left out of --compile's graphs, as the
-    chunked loss is."""
+    installed and that the run is on GPUs), at its default gradient filter. Its operands in the dtype F.linear would
+    compute in: autocast's (DDP's fp32 weights under bf16-mixed), else the weight's. Left out of --compile's graphs,
+    as the chunked loss is."""
     from cut_cross_entropy import linear_cross_entropy
 
-    return linear_cross_entropy(hidden.to(weight.dtype), weight, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, ignore_index=IGNORE_INDEX,
+                                reduction="sum")
 
 
 def accumulate_product(total: Tensor, a: Tensor, b: Tensor) -> None:
@@ -197,16 +202,17 @@ class LossPath:
     """The chunked path when set; else the model's own loss (it materialises the logits)."""
     decoder_inputs: Optional[Callable[[Tensor], Tensor]] = None
     """An encoder-decoder's decoder inputs from the labels (its forward builds them only when given labels)."""
-    router_loss: bool = False
-    """The model's own loss adds its router's auxiliary loss (a mixture of experts with output_router_logits):
-    training minimises it, as intended; evaluation (`auxiliary=False`) asks for the cross-entropy alone, which
-    val_loss and its perplexity are."""
+    router_loss: float = 0.0
+    """A mixture of experts with output_router_logits: the coefficient of its router's auxiliary loss, which its own
+    loss adds to the mean cross-entropy (Mixtral, Qwen-MoE, OLMoE, ...), and the chunked path to the sum, times the
+    trained tokens: the same. Training minimises it, as intended; evaluation (`auxiliary=False`) asks for the
+    cross-entropy alone, which val_loss and its perplexity are."""
 
     def summed_loss(self, model: Module, batch: Batch, auxiliary: bool = True) -> Tensor:
         """The micro-batch's token losses summed (0 with the graph intact when it trains no token: FSDP's
         collectives need every rank's backward); without the router's auxiliary loss unless `auxiliary`."""
+        without_router = {"output_router_logits": False} if self.router_loss and not auxiliary else {}
         if self.head is None:
-            without_router = {"output_router_logits": False} if self.router_loss and not auxiliary else {}
             output = model(**batch.inputs, **without_router)
             if not batch.trained_tokens:
                 return output.logits.sum() * 0.0
@@ -216,7 +222,10 @@ class LossPath:
         if self.decoder_inputs is not None and "decoder_input_ids" not in inputs:
             inputs["decoder_input_ids"] = self.decoder_inputs(labels)
         with self.head.scoring(labels):
-            return model(**inputs).logits
+            output = model(**inputs, **without_router)
+        if self.router_loss and auxiliary:
+            return output.logits + self.router_loss * output.aux_loss * batch.trained_tokens
+        return output.logits
 
 
 def install_loss_head(model: Module, kernel: str = "torch") -> LossPath:
@@ -228,7 +237,17 @@ def install_loss_head(model: Module, kernel: str = "torch") -> LossPath:
     encoder_decoder = bool(model.config.is_encoder_decoder)
     head = LossHead(output_layer, shift=not encoder_decoder, kernel=kernel)
     model.set_output_embeddings(head)
-    return LossPath(head, model.prepare_decoder_input_ids_from_labels if encoder_decoder else None)
+    return LossPath(head, model.prepare_decoder_input_ids_from_labels if encoder_decoder else None,
+                    adds_router_loss(model))
+
+
+def adds_router_loss(model: Module) -> float:
+    """The coefficient of the router's auxiliary loss that the model's own loss adds, where a call can turn it off
+    (output_router_logits, a parameter of the forward of Mixtral, Qwen-MoE, OLMoE, ...); 0.0 where it adds none."""
+    if not (getattr(model.config, "output_router_logits", False)
+            and "output_router_logits" in inspect.signature(type(model).forward).parameters):
+        return 0.0
+    return float(getattr(model.config, "router_aux_loss_coef", 0.0))
 
 
 def probe_chunked_loss(model_config: PretrainedConfig, attn_implementation: str,

@@ -204,6 +204,10 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
     unscaled gradients lose the small ones (rare tokens' rows of the output weight) that the scaler exists to keep.
     Unless asked for, not under --compile on GPUs either: there the compiled model's own loss was faster (41.2%
     against 36.3% MFU on an H200) and held 2.1 GB more at 8K tokens of a 128K vocabulary."""
+    if getattr(model_config, "output_router_logits", False):
+        note(f"a {model_config.model_type} model with output_router_logits adds its router's auxiliary loss "
+             f"(x {getattr(model_config, 'router_aux_loss_coef', '?')}) to the cross-entropy: train_loss includes "
+             "it, val_loss leaves it out (where the model's forward takes output_router_logits)")
     if cfg.chunked_loss is None and cfg.compile and resolve_accelerator(cfg) == "cuda":
         note("--chunked_loss: with --compile on GPUs the model's own loss is compiled into its graph, faster than the "
              "chunked loss for a little more memory; --chunked_loss true keeps it chunked")
@@ -213,12 +217,6 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
     if cfg.precision.startswith("16"):
         note(f"--chunked_loss: --precision {cfg.precision} keeps the model's own loss (fp16 gradients need the loss "
              "scaling that the chunked loss would come before); its logits are materialised")
-        return False
-    if getattr(model_config, "output_router_logits", False):
-        note(f"--chunked_loss: a {model_config.model_type} model with output_router_logits keeps its own loss, which "
-             f"adds its router's auxiliary loss (x {getattr(model_config, 'router_aux_loss_coef', '?')}) to the "
-             "cross-entropy: train_loss includes it, val_loss leaves it out (where the model's forward takes "
-             "output_router_logits); its logits are materialised")
         return False
     try:
         if probe_chunked_loss(model_config, cfg.attn_implementation, cfg.trust_remote_code):
