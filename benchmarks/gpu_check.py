@@ -10,7 +10,7 @@ separate processes on one device, nothing downloaded (models from configs, data 
 3. a 128K-vocabulary model at 8K tokens per micro-batch with the chunked loss and with the model's own
    (`--chunked_loss false`): peak memory and tokens/s;
 4. an `--async_save` half-way, then a resume from it in a new run folder: its losses against the uninterrupted run's
-   (the first resumed step's forward reads exactly the saved weights); later, the same from fsdp2's synchronous save
+   (the first resumed step's forward reads exactly the saved weights); later, the same from GPT-2's synchronous save
    (on a GPU copied through pinned memory);
 5. `convert_to_hf.py` on the last checkpoint, whose logits it verifies against the training model's;
 6. GPT-2 and T5 under bf16-mixed: what `train.py --estimate_memory` plans for each run against its peak;
@@ -411,15 +411,15 @@ def bench_loss_rows(printed: str) -> list[list[str]]:
 
 
 def check_strategies(check: Check, model: Path, data: Path) -> dict[str, Optional[dict]]:
-    """fsdp against fsdp2 under the mixed precision users train in, and each run's speed and memory. Each saves
-    half-way for the resume check, fsdp in the background and fsdp2 synchronously (on a GPU both through the pinned
-    staging arena); their final checkpoints are deleted at once."""
+    """fsdp against fsdp2 under the mixed precision users train in, and each run's speed and memory. The fsdp run
+    also saves in the background half-way, for the resume check (its final checkpoint is deleted at once: the
+    model's training state is 18 GB, the GPU machine's disk 64 GB)."""
     precision, steps = check.scale.precisions["bf16-mixed"], check.scale.steps
-    saves = {"fsdp": ["--async_save", "true"], "fsdp2": []}
-    runs = {strategy: check.train(f"{strategy}-{precision}", model, data, "--strategy", strategy,
-                                  "--precision", precision, "--save_step_interval", str(steps // 2), *saves[strategy])
-            for strategy in ("fsdp", "fsdp2")}
-    for strategy in runs:
+    saves = {"fsdp": ["--save_step_interval", str(steps // 2), "--async_save", "true"], "fsdp2": []}
+    runs = {}
+    for strategy in ("fsdp", "fsdp2"):
+        runs[strategy] = check.train(f"{strategy}-{precision}", model, data, "--strategy", strategy,
+                                     "--precision", precision, *saves[strategy])
         delete_checkpoints(check.work / f"{strategy}-{precision}", keep=steps // 2)
     if not all(runs.values()):
         return runs
@@ -498,38 +498,34 @@ def delete_checkpoints(run: Path, keep: Optional[int]) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-RESUMED = {"fsdp": ("resumed", "async", True), "fsdp2": ("resumed-fsdp2", "synchronous", False)}
-"""Each straight run's resume: its run folder, the kind of save it resumes from, and whether it saves its last step
-(fsdp's, which the conversion reads)."""
-
-
-def check_resume(check: Check, model: Path, data: Path, straight: dict, strategy: str) -> None:
-    """Resume a straight run from its half-way save, in a new folder: the same losses."""
+def check_resume(check: Check, model: Path, data: Path, straight: dict, run: str, options: list[str], kind: str,
+                 save_last: bool = False) -> None:
+    """Resume the straight run in folder `run` (trained with `options`) from its half-way `kind` save, in the
+    folder `run`-resumed: the same losses. With `save_last` the resumed run saves its last step, which the
+    conversion reads."""
     from app.checkpoint import list_checkpoints
 
-    middle, precision = check.scale.steps // 2, check.scale.precisions["bf16-mixed"]
-    folder, kind, saves_last_step = RESUMED[strategy]
-    saved = list_checkpoints(check.work / f"{strategy}-{precision}").get(middle)
+    middle = check.scale.steps // 2
+    saved = list_checkpoints(check.work / run).get(middle)
     if saved is None:
-        check.add(Row(f"resume ({strategy})", f"no checkpoint of step {middle} was written", ok=False))
+        check.add(Row(f"resume ({run})", f"no checkpoint of step {middle} was written", ok=False))
         return
-    resumed = check.train(folder, model, data, "--strategy", strategy, "--precision", precision, "--resume", "true",
-                          "--checkpoint", str(saved), "--save_step_interval",
-                          str(check.scale.steps if saves_last_step else 0))
-    delete_checkpoints(saved.parents[1], keep=None)
+    resumed = check.train(f"{run}-resumed", model, data, *options, "--resume", "true", "--checkpoint", str(saved),
+                          "--save_step_interval", str(check.scale.steps if save_last else 0))
+    delete_checkpoints(check.work / run, keep=None)
     if resumed:
         first = middle + 1
         exact = abs(resumed["losses"][first] - straight["losses"][first]) <= 1e-6 * abs(straight["losses"][first])
         rest = largest_difference(resumed["losses"], straight["losses"])
-        check.add(Row(f"resume from the {kind} save of step {middle} ({strategy})", f"step {first} loss "
+        check.add(Row(f"resume from the {kind} save of step {middle} ({run})", f"step {first} loss "
                       f"{resumed['losses'][first]:.6f} against {straight['losses'][first]:.6f}; later steps within "
                       f"{rest:.1e}", "the first resumed step's loss identical", exact, {"later": rest}))
 
 
-def check_conversion(check: Check) -> None:
+def check_conversion(check: Check, run: str) -> None:
+    """convert_to_hf.py on the last checkpoint of the run in folder `run`."""
     output = check.work / "hf-model"
-    result = check.script("convert_to_hf.py", "--checkpoint", str(check.work / "resumed"), "--output_dir",
-                          str(output))
+    result = check.script("convert_to_hf.py", "--checkpoint", str(check.work / run), "--output_dir", str(output))
     verified = re.search(r"logits verified.*", result.stdout + result.stderr)
     check.add(Row("convert_to_hf.py", verified.group(0) if verified else last_line(result.stderr),
                   "logits verified", result.returncode == 0 and verified is not None))
@@ -538,7 +534,9 @@ def check_conversion(check: Check) -> None:
 def check_architectures(check: Check, text_data: Path) -> None:
     """GPT-2 on the text blocks and T5 on code -> summary pairs, bf16-mixed: what `--estimate_memory` plans
     for the very run (its total less the runtime, which CUDA's allocator does not hold) against its peak, with the
-    loss falling, its tokens/s and MFU."""
+    loss falling, its tokens/s and MFU. GPT-2's run also saves synchronously half-way (on a GPU through the pinned
+    staging arena), and a resume from that save must give its next loss (4.3 GB of training state a checkpoint,
+    where the Llama model's 18 GB would not leave the disk room for a second run's)."""
     from transformers import AutoConfig
 
     (run, run_options), seq2seq = check.scale.architecture_run, None
@@ -553,7 +551,9 @@ def check_architectures(check: Check, text_data: Path) -> None:
         config.save_pretrained(model)
         options = [*run_options, "--micro_batch_size", str(micro_batch)]
         planned = check.plan_gb(name, model, data, *options)
-        summary = check.train(f"{model_type}-architecture", model, data, *options) if planned is not None else None
+        saves = ["--save_step_interval", str(check.scale.steps // 2)] if model_type == "gpt2" else []
+        summary = check.train(f"{model_type}-architecture", model, data, *options, *saves) if planned is not None \
+            else None
         if summary is None:
             continue
         losses, on_gpu = summary["losses"], torch.cuda.is_available()
@@ -566,6 +566,8 @@ def check_architectures(check: Check, text_data: Path) -> None:
                       last < first and (abs(ratio - 1) <= 0.10 or not on_gpu),
                       {k: summary.get(k) for k in ("tokens_per_sec", "mfu")} | {"peak_gb": peak_gb(summary),
                                                                                  "planned_gb": tensors}))
+        if saves and check.time_left(f"resume ({label})"):
+            check_resume(check, model, data, summary, f"{model_type}-architecture", options, "synchronous")
 
 
 def check_supervised(check: Check, model: Path, tokenizer: Path) -> None:
@@ -580,11 +582,11 @@ def check_supervised(check: Check, model: Path, tokenizer: Path) -> None:
 
 
 def run_checks(check: Check, scale: Scale) -> None:
-    """In the order of what each proves, so that a run cut short by --minutes or the machine's limit has the
-    most: the runtime, the 8B plan and the loss head alone (seconds), fsdp against fsdp2, --compile's MFU, the
-    chunked loss at 128K x 8K, the resume and conversion, the planner on GPT-2 and T5, then the other precisions,
-    activation checkpointing, the resume from a synchronous save, the supervised step, Cut Cross-Entropy in training
-    and the fused kernels on the loss head alone."""
+    """In the order of what each proves, so that a run cut short by --minutes or the machine's limit has the most:
+    the runtime, the 8B plan and the loss head alone (seconds), fsdp against fsdp2, --compile's MFU, the chunked
+    loss at 128K x 8K, the resume and conversion, the planner on GPT-2 (with a resume from its synchronous save) and
+    T5, then the other precisions, activation checkpointing, the supervised step, Cut Cross-Entropy in training and
+    the fused kernels on the loss head alone."""
     check_runtime(check)
     check_llama_3_8b_plan(check)
     check_loss_head(check)
@@ -597,13 +599,13 @@ def run_checks(check: Check, scale: Scale) -> None:
         long_data = prepare_text(check.work, scale.long_block_size, "long-data", data / "tokenizer")
         check_chunked_loss(check, check.model("vocabulary-model", scale.vocabulary_model), long_data)
     if straight["fsdp"] and check.time_left("resume"):
-        check_resume(check, model, data, straight["fsdp"], "fsdp")
+        precision = scale.precisions["bf16-mixed"]
+        check_resume(check, model, data, straight["fsdp"], f"fsdp-{precision}",
+                     ["--strategy", "fsdp", "--precision", precision], "async", save_last=True)
         if check.time_left("convert_to_hf.py"):
-            check_conversion(check)
+            check_conversion(check, f"fsdp-{precision}-resumed")
     check_architectures(check, data)
     check_variants(check, model, data, [variant for variant in scale.variants if variant not in compiled])
-    if straight["fsdp2"] and check.time_left("resume (fsdp2)"):
-        check_resume(check, model, data, straight["fsdp2"], "fsdp2")
     if check.time_left("supervised"):
         check_supervised(check, model, data / "tokenizer")
     if torch.cuda.is_available() and straight["fsdp"] and check.time_left("--loss_kernel cut_cross_entropy"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartConfig, GPT2Config, LlamaConfig,
-                          MixtralConfig, PretrainedConfig, T5Config)
+                          JetMoeConfig, MixtralConfig, PretrainedConfig, T5Config)
 
 from app.data.formats import IGNORE_INDEX, Batch, arrange
 from app.metrics.memory_plan import ModelShape, Setup, chunked_loss_bytes
@@ -260,19 +260,25 @@ def test_the_loss_benchmark_runs_and_its_chunked_rows_equal_the_materialising_pa
 MIXTRAL = MixtralConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                         output_router_logits=True, router_aux_loss_coef=0.5)
+JETMOE = JetMoeConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_key_value_heads=4, kv_channels=16,
+                      intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                      aux_loss_coef=0.25)
+MIXTURES = {"mixtral": (MIXTRAL, 0.5), "jetmoe": (JETMOE, 0.25)}
 
 
-@pytest.mark.parametrize("case", ["text", "packed"])
-def test_a_mixture_of_experts_takes_the_chunked_loss_with_its_router_loss(case: str) -> None:
-    """Mixtral's own loss adds its router's auxiliary loss (x router_aux_loss_coef) to the mean cross-entropy; the
-    chunked path adds it to the sum, times the trained tokens: the same loss and gradients, the router's included.
-    Such models once kept their own loss, materialising the logits; evaluation still asks for the cross-entropy
-    alone."""
-    own, ours, path = model_pair(MIXTRAL)
-    assert isinstance(path.head, LossHead) and path.router_loss == 0.5
-    batch = causal_batch(False, case == "packed", MIXTRAL.vocab_size)
+@pytest.mark.parametrize("name, case", [("mixtral", "text"), ("mixtral", "packed"), ("jetmoe", "packed")])
+def test_a_mixture_of_experts_takes_the_chunked_loss_with_its_router_loss(name: str, case: str) -> None:
+    """Mixtral's own loss adds its router's auxiliary loss (x router_aux_loss_coef; JetMoE's x aux_loss_coef, which
+    the model holds as such) to the mean cross-entropy; the chunked path adds it to the sum, times the trained
+    tokens: the same loss and gradients, the router's included. Such models once kept their own loss, materialising
+    the logits; evaluation still asks for the cross-entropy alone."""
+    config, coefficient = MIXTURES[name]
+    own, ours, path = model_pair(config)
+    assert isinstance(path.head, LossHead) and path.router_loss and path.router_coefficient == coefficient
+    batch = causal_batch(False, case == "packed", config.vocab_size)
     compare(own, ours, path, batch)
-    assert all(parameter.grad.abs().sum() > 0 for name, parameter in ours.named_parameters() if "gate" in name)
+    routers = [p for n, p in ours.named_parameters() if "gate" in n or "router" in n]
+    assert routers and all(parameter.grad.abs().sum() > 0 for parameter in routers)
     with torch.no_grad():
         cross_entropy = path.summed_loss(ours, batch, auxiliary=False)
         logits = own(**{k: v for k, v in batch.inputs.items() if k != "labels"}).logits

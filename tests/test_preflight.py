@@ -297,8 +297,8 @@ def test_compile_on_gpus_takes_the_models_own_loss_unless_the_chunked_one_is_ask
 
 def test_cut_cross_entropy_on_gpus_needs_its_package_the_chunked_loss_and_a_head_without_bias(tiny, tmp_path,
                                                                                              monkeypatch) -> None:
-    """Each refused in one line before any rank starts (its import in the first forward ended every rank in a
-    traceback); planning a GPU run needs no package."""
+    """Each refused in one line before any rank starts (its import in the first forward, or its backward's assertion
+    of 16-bit embeddings under 32-true, ended every rank in a traceback); planning a GPU run needs no package."""
     from app.training.preflight import model as checks
 
     monkeypatch.setattr(checks, "resolve_accelerator", lambda cfg: "cuda")
@@ -312,14 +312,17 @@ def test_cut_cross_entropy_on_gpus_needs_its_package_the_chunked_loss_and_a_head
         checks.check_loss_kernel(cfg, config, chunked_loss, found)
         return found
 
-    assert problems(llama, True) == ([] if installed else [
+    assert problems(llama, True, precision="bf16-mixed") == ([] if installed else [
         "--loss_kernel cut_cross_entropy needs the cut-cross-entropy package (and Triton, which CUDA builds of torch "
         "bring): pip install cut-cross-entropy==25.1.1"])
-    assert problems(llama, True, estimate_memory=True) == []
-    assert problems(llama, False, estimate_memory=True) == [
+    assert problems(llama, True, estimate_memory=True, precision="bf16-true") == []
+    assert problems(llama, True, estimate_memory=True, precision="32-true") == [
+        "--loss_kernel cut_cross_entropy computes in bf16 or fp16 only (its backward refuses fp32): use --precision "
+        "bf16-mixed or bf16-true, not 32-true"]
+    assert problems(llama, False, estimate_memory=True, precision="bf16-mixed") == [
         "--loss_kernel cut_cross_entropy computes the chunked loss, which this run does not take (see the note "
         "above): drop it, or take the chunked loss (--chunked_loss true)"]
-    assert problems(codegen, True, estimate_memory=True) == [
+    assert problems(codegen, True, estimate_memory=True, precision="bf16-mixed") == [
         "--loss_kernel cut_cross_entropy: a codegen model's output layer adds a bias, which Cut Cross-Entropy's "
         "kernel has no place for: drop it"]
 

@@ -22,6 +22,7 @@ import hashlib
 import json
 import socket
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -388,11 +389,12 @@ class StagingArea:
     Each piece sits at the place within a memory page that its bytes have within a disk block of the file, so the
     background write sends its whole blocks to the disk from here, with no further copy (direct_io.py).
 
-    All the pieces share one allocation, the arena, carved into them: torch's pinned allocator rounds every request
-    up to a power of two, so a pinned buffer per piece held up to twice the state (an 8B model under fsdp2 on 8
-    ranks: 14.3 GiB pinned per rank for 11.2 GiB of state). A piece not seen before (or of another shape) makes a
-    new arena for every piece known so far; a run's pieces are the same at every save, and `Snapshot.reserve` shows
-    them all at start-up."""
+    All the pieces share one allocation, the arena, carved into them and pinned at its exact size (`pin_exactly`):
+    torch's pinned allocator rounds every request up to a power of two, so a pinned buffer per piece held up to
+    twice the state (an 8B model under fsdp2 on 8 ranks: 14.3 GiB pinned per rank for 11.2 GiB of state), and one
+    arena from it would have held 16 GiB. A piece not seen before (or of another shape) makes a new arena for every
+    piece known so far; a run's pieces are the same at every save, and `Snapshot.reserve` shows them all at
+    start-up."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
@@ -419,13 +421,29 @@ class StagingArea:
             size = offsets[key] + data.numel() * data.element_size()
         self.buffers = {}  # the old arena is freed before the new one is made
         self.arena = None
-        arena = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=any(d.is_cuda for d, _ in pieces.values()))
+        arena = torch.empty(size + ALIGN, dtype=torch.uint8)
+        if any(data.is_cuda for data, _ in pieces.values()):
+            pin_exactly(arena)
         base = (-arena.data_ptr()) % ALIGN
         for key, (data, _) in pieces.items():
             self.buffers[key] = (torch.empty(data.shape, dtype=data.dtype) if data.numel() == 0 else
                                  torch.frombuffer(arena.numpy(), dtype=data.dtype, count=data.numel(),
                                                   offset=base + offsets[key]).view(data.shape))
         self.arena = arena
+
+
+def pin_exactly(tensor: torch.Tensor) -> None:
+    """Page-lock a host tensor's memory for fast device-to-host copies, exactly its size, until it is freed: CUDA
+    registers the memory the tensor has (cudaHostRegister, as torch's own checkpoint stager does in
+    torch/distributed/checkpoint/_state_dict_stager.py), where `pin_memory=True` asks torch's caching host
+    allocator, which rounds every request up to a power of two (ATen/core/CachingHostAllocator.h) and keeps what
+    it pinned for reuse. RuntimeError when CUDA refuses (not that much memory can be locked)."""
+    cudart, pointer = torch.cuda.cudart(), tensor.data_ptr()
+    error = int(cudart.cudaHostRegister(pointer, tensor.numel() * tensor.element_size(), 1))  # ...Portable
+    if error:
+        raise RuntimeError(f"CUDA could not pin {tensor.numel() * tensor.element_size() / 2**30:.1f} GiB of host "
+                           f"memory (cudaHostRegister: CUDA error {error})")
+    weakref.finalize(tensor, cudart.cudaHostUnregister, pointer)  # before the memory is freed
 
 
 class Receiver:

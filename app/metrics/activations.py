@@ -239,8 +239,8 @@ class _FusedAttentionFunction(torch.autograd.Function):
     """What a fused attention kernel keeps for backward: its inputs, its output and the log-sum-exp."""
 
     @staticmethod
-    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, masked_on_gpu: bool) -> Tensor:
-        output = _fused_attention_output(query, value.shape[-1], masked_on_gpu)
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, memory_efficient: bool) -> Tensor:
+        output = _fused_attention_output(query, value.shape[-1], memory_efficient)
         log_sum_exp = query.new_empty(query.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(query, key, value, output, log_sum_exp)
         return output
@@ -251,14 +251,14 @@ class _FusedAttentionFunction(torch.autograd.Function):
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), None
 
 
-def _fused_attention_output(query: Tensor, head_size: int, masked_on_gpu: bool) -> Tensor:
+def _fused_attention_output(query: Tensor, head_size: int, memory_efficient: bool) -> Tensor:
     """The output as the kernel lays it out (torch's own shape functions in torch/_meta_registrations.py): the flash
     kernels (FlashAttention on a GPU, the CPU's) as the query is laid out, the memory-efficient kernel that a GPU
-    takes for a mask with tokens before heads. A model that transposes the output back and flattens its heads then
+    takes for a mask or fp32 inputs (FlashAttention computes in 16 bits) with tokens before heads. A model that transposes the output back and flattens its heads then
     gives the output projection a view of it, or a copy that backward keeps too: the query of Llama's rotary
     embedding is laid out tokens before heads, the one Phi-3, GPT-NeoX and Falcon concatenate from a partial rotary
     embedding heads before tokens."""
-    if head_size == query.shape[-1] and not masked_on_gpu:
+    if head_size == query.shape[-1] and not memory_efficient:
         return torch.empty_like(query)
     batch, heads, tokens, _ = query.shape
     return query.new_empty((batch, tokens, heads, head_size)).transpose(1, 2)
@@ -300,6 +300,7 @@ class FusedAttention(TorchFunctionMode):
             dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             heads_match = key.shape[1] == query.shape[1] or kwargs.get("enable_gqa", False)
             if heads_match and (mask is None or not mask.requires_grad) and (self.gpu or not dropout):
-                return _FusedAttentionFunction.apply(*_autocast_inputs(query, key, value),
-                                                     self.gpu and mask is not None)
+                inputs = _autocast_inputs(query, key, value)
+                memory_efficient = self.gpu and (mask is not None or inputs[0].dtype == torch.float32)
+                return _FusedAttentionFunction.apply(*inputs, memory_efficient)
         return func(*args, **kwargs)

@@ -202,11 +202,13 @@ class LossPath:
     """The chunked path when set; else the model's own loss (it materialises the logits)."""
     decoder_inputs: Optional[Callable[[Tensor], Tensor]] = None
     """An encoder-decoder's decoder inputs from the labels (its forward builds them only when given labels)."""
-    router_loss: float = 0.0
-    """A mixture of experts with output_router_logits: the coefficient of its router's auxiliary loss, which its own
-    loss adds to the mean cross-entropy (Mixtral, Qwen-MoE, OLMoE, ...), and the chunked path to the sum, times the
-    trained tokens: the same. Training minimises it, as intended; evaluation (`auxiliary=False`) asks for the
-    cross-entropy alone, which val_loss and its perplexity are."""
+    router_loss: bool = False
+    """The model adds its router's auxiliary loss (a mixture of experts with output_router_logits): training
+    minimises it, as intended; evaluation (`auxiliary=False`) asks for the cross-entropy alone, which val_loss and
+    its perplexity are."""
+    router_coefficient: float = 0.0
+    """What the model's own loss multiplies that auxiliary loss by before adding it to the mean cross-entropy; the
+    chunked path adds it times the trained tokens to the summed cross-entropy: the same."""
 
     def summed_loss(self, model: Module, batch: Batch, auxiliary: bool = True) -> Tensor:
         """The micro-batch's token losses summed (0 with the graph intact when it trains no token: FSDP's
@@ -224,30 +226,41 @@ class LossPath:
         with self.head.scoring(labels):
             output = model(**inputs, **without_router)
         if self.router_loss and auxiliary:
-            return output.logits + self.router_loss * output.aux_loss * batch.trained_tokens
+            return output.logits + self.router_coefficient * output.aux_loss * batch.trained_tokens
         return output.logits
 
 
 def install_loss_head(model: Module, kernel: str = "torch") -> LossPath:
     """Replace `model`'s output layer by a LossHead on the same weight (before any wrapping), its loss computed by
-    `kernel` (--loss_kernel); the model's own loss when its output layer is not a Linear."""
+    `kernel` (--loss_kernel); the model's own loss when its output layer is not a Linear, or when it adds a router's
+    loss whose coefficient it does not show."""
     output_layer = model.get_output_embeddings()
-    if type(output_layer) is not Linear:
-        return LossPath()
+    router_loss = adds_router_loss(model)
+    coefficient = router_coefficient(model) if router_loss else 0.0
+    if type(output_layer) is not Linear or coefficient is None:
+        return LossPath(router_loss=router_loss)
     encoder_decoder = bool(model.config.is_encoder_decoder)
     head = LossHead(output_layer, shift=not encoder_decoder, kernel=kernel)
     model.set_output_embeddings(head)
-    return LossPath(head, model.prepare_decoder_input_ids_from_labels if encoder_decoder else None,
-                    adds_router_loss(model))
+    return LossPath(head, model.prepare_decoder_input_ids_from_labels if encoder_decoder else None, router_loss,
+                    coefficient)
 
 
-def adds_router_loss(model: Module) -> float:
-    """The coefficient of the router's auxiliary loss that the model's own loss adds, where a call can turn it off
-    (output_router_logits, a parameter of the forward of Mixtral, Qwen-MoE, OLMoE, ...); 0.0 where it adds none."""
-    if not (getattr(model.config, "output_router_logits", False)
-            and "output_router_logits" in inspect.signature(type(model).forward).parameters):
-        return 0.0
-    return float(getattr(model.config, "router_aux_loss_coef", 0.0))
+def adds_router_loss(model: Module) -> bool:
+    """Whether the model's own loss adds its router's auxiliary loss, which a call can turn off
+    (output_router_logits, a parameter of the forward of Mixtral, Qwen-MoE, OLMoE, DBRX, JetMoE, ...)."""
+    return bool(getattr(model.config, "output_router_logits", False)) and (
+        "output_router_logits" in inspect.signature(type(model).forward).parameters)
+
+
+def router_coefficient(model: Module) -> Optional[float]:
+    """The coefficient the model's own loss multiplies its router's auxiliary loss by, as the model holds it (most
+    from config.router_aux_loss_coef, DBRX from its ffn_config, JetMoE as aux_loss_coef); None if it holds none."""
+    for name in ("router_aux_loss_coef", "aux_loss_coef"):
+        value = getattr(model, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
 
 
 def probe_chunked_loss(model_config: PretrainedConfig, attn_implementation: str,

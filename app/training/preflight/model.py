@@ -14,6 +14,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from app.cli import first_line
 from app.data.formats import Layout
+from app.distributed.precision import compute_dtype
 from app.distributed.strategy import resolve_accelerator
 from app.hub import missing_model_problem, quiet_hub
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
@@ -231,8 +232,9 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
 
 def check_loss_kernel(cfg: Config, model_config: PretrainedConfig, chunked_loss: bool, problems: list[str]) -> None:
     """--loss_kernel cut_cross_entropy: Cut Cross-Entropy's Triton kernel runs on CUDA GPUs, from its package (not
-    needed to plan), in place of the chunked loss (so only where the run takes that) and without a bias over the
-    vocabulary, which the kernel has no place for."""
+    needed to plan), in place of the chunked loss (so only where the run takes that), in 16 bits (its backward
+    asserts bf16 or fp16 embeddings: under 32-true every rank ended in an AssertionError at the first backward) and
+    without a bias over the vocabulary, which the kernel has no place for."""
     if cfg.loss_kernel == "torch":
         return
     flag, accelerator = f"--loss_kernel {cfg.loss_kernel}", resolve_accelerator(cfg)
@@ -243,6 +245,9 @@ def check_loss_kernel(cfg: Config, model_config: PretrainedConfig, chunked_loss:
                                                                                           "triton")):
         problems.append(f"{flag} needs the cut-cross-entropy package (and Triton, which CUDA builds of torch bring): "
                         "pip install cut-cross-entropy==25.1.1")
+    if compute_dtype(cfg.precision) == torch.float32:
+        problems.append(f"{flag} computes in bf16 or fp16 only (its backward refuses fp32): use --precision "
+                        f"bf16-mixed or bf16-true, not {cfg.precision}")
     if not chunked_loss:
         problems.append(f"{flag} computes the chunked loss, which this run does not take (see the note above): drop "
                         "it, or take the chunked loss (--chunked_loss true)")
