@@ -254,10 +254,10 @@ class _FusedAttentionFunction(torch.autograd.Function):
 def _fused_attention_output(query: Tensor, head_size: int, memory_efficient: bool) -> Tensor:
     """The output as the kernel lays it out (torch's own shape functions in torch/_meta_registrations.py): the flash
     kernels (FlashAttention on a GPU, the CPU's) as the query is laid out, the memory-efficient kernel that a GPU
-    takes for a mask or fp32 inputs (FlashAttention computes in 16 bits) with tokens before heads. A model that transposes the output back and flattens its heads then
-    gives the output projection a view of it, or a copy that backward keeps too: the query of Llama's rotary
-    embedding is laid out tokens before heads, the one Phi-3, GPT-NeoX and Falcon concatenate from a partial rotary
-    embedding heads before tokens."""
+    takes for a mask or fp32 inputs (FlashAttention computes in 16 bits) with tokens before heads. A model that
+    transposes the output back and flattens its heads then gives the output projection a view of it, or a copy that
+    backward keeps too: the query of Llama's rotary embedding is laid out tokens before heads, the one Phi-3,
+    GPT-NeoX and Falcon concatenate from a partial rotary embedding heads before tokens."""
     if head_size == query.shape[-1] and not memory_efficient:
         return torch.empty_like(query)
     batch, heads, tokens, _ = query.shape
