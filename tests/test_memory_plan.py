@@ -91,13 +91,16 @@ def test_ddp_gradients_are_its_buckets_so_it_plans_what_one_device_plans(llama_3
 def test_the_chunked_loss_holds_one_chunk_of_logits_instead_of_all(llama_3_8b) -> None:
     """At 8K tokens Llama-3's logits are 2 + 4 + 4 + 4 bytes x 128,256 per token (14.7 GB); chunked, the hidden
     states' gradient and the larger of forward's buffers (one chunk of 1,046 tokens in fp32 and bf16, the head's
-    fp32 gradient) and backward's (the head's fp32 gradient and its bf16 copy): backward's, on CPU too."""
+    fp32 gradient) and backward's (the head's fp32 gradient and its bf16 copy): backward's, on CPU too. Cut
+    Cross-Entropy's kernel holds the head's gradient in bf16 (measured on an H200)."""
     full = estimate_memory(llama_3_8b, EIGHT_GPUS)
     chunked = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, chunked_loss=True))
     assert full.activations - chunked.activations == 8192 * (128256 * 14 - 4096 * 2)
     assert chunked.working - full.working == 128256 * 4096 * (4 + 2) > 1046 * 128256 * 6 + 128256 * 4096 * 4
     on_cpu = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, chunked_loss=True, gpu=False))
     assert on_cpu.working - chunked.working == 0
+    fused = estimate_memory(llama_3_8b, replace(EIGHT_GPUS, chunked_loss=True, loss_kernel="cut_cross_entropy"))
+    assert fused.working - full.working == 128256 * 4096 * 2  # Cut Cross-Entropy: the head's bf16 gradient
     assert full.total - chunked.total > 9.5 * GB
 
 

@@ -140,6 +140,8 @@ class Setup:
     """--fsdp_no_sync with more than one micro-batch per step."""
     chunked_loss: bool = False
     """The loss computed in chunks without the full logits (app/model/loss.py)."""
+    loss_kernel: str = "torch"
+    """--loss_kernel: what computes the chunked loss."""
     target_block_size: int = 0
     """An encoder-decoder's longest target (its decoder's tokens); 0 for causal models."""
     attention: str = "sdpa"
@@ -235,10 +237,14 @@ def chunked_loss_bytes(shape: ModelShape, setup: Setup) -> float:
     - in forward, the output weight's gradient summed in fp32, and one chunk's fp32 logits (turned into their
       gradient in place) and, below fp32, that gradient in the compute dtype (on CPU then an fp32 copy of it for
       the GEMM that sums into the weight's gradient, made once the fp32 logits are let go: `accumulate_product`);
-    - in backward, the weight's fp32 gradient and, below fp32, its copy in the compute dtype that autograd gets."""
+    - in backward, the weight's fp32 gradient and, below fp32, its copy in the compute dtype that autograd gets.
+    Cut Cross-Entropy's kernel holds the weight's gradient in the compute dtype: 0.52 GB above its inputs for
+    128,256 x 2048 in bf16 on an H200 (docs/performance.md), that gradient's 0.525 GB."""
     if not setup.chunked_loss:
         return 0.0
     size = dtype_bytes(compute_dtype(setup.precision))
+    if setup.loss_kernel == "cut_cross_entropy":
+        return shape.vocab_size * shape.hidden_size * size
     tokens = min(chunk_tokens(shape.vocab_size), setup.micro_batch_size * setup.block_size)
     weight = shape.vocab_size * shape.hidden_size
     lower = size if size != 4 else 0  # bytes of the compute dtype's copies, below fp32
@@ -297,7 +303,8 @@ def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int, c
                  world_size=world_size, devices_per_node=world_size // cfg.num_nodes,
                  micro_batch_size=cfg.micro_batch_size, block_size=block_size,
                  gradient_checkpointing=cfg.gradient_checkpointing, cpu_offload=cfg.cpu_offload,
-                 chunked_loss=chunked_loss, target_block_size=target_block_size, attention=cfg.attn_implementation,
+                 chunked_loss=chunked_loss, loss_kernel=cfg.loss_kernel, target_block_size=target_block_size,
+                 attention=cfg.attn_implementation,
                  reduce_dtype=reduce_dtype(cfg.precision, cfg.reduce_dtype), gpu=gpu, autocast=autocast,
                  runtime=runtime, heap_kept_free=heap_kept_free,
                  unsharded_accumulation=cfg.strategy in SHARDED_STRATEGIES and cfg.fsdp_no_sync and accumulation > 1)
