@@ -153,7 +153,7 @@ def accumulate_product(total: Tensor, a: Tensor, b: Tensor) -> None:
     operands as they are (`out_dtype`, torch 2.8 and newer); elsewhere (and on CUDA for the benchmark's comparison,
     benchmarks/bench_loss.py) an fp32 GEMM of fp32 copies of the operands, a chunk's size: the same arithmetic. A
     product in the operands' dtype added afterwards held a weight-sized product and its fp32 copy per chunk, and on
-    CPU its bf16 GEMM took 4x as long (1.23 s against 0.34 s at 1,024 tokens x 32,000 x 1,024 on 2 cores)."""
+    CPU its bf16 GEMM took 4x as long (docs/performance.md#on-an-h200-2026-11-29 has the command and figures)."""
     if a.dtype == total.dtype:
         total.addmm_(a, b)
     elif total.is_cuda and FUSED_ACCUMULATION:
