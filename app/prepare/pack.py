@@ -34,7 +34,7 @@ def tokenize(
     """Each document's ids (with the tokenizer's own BOS, then EOS) and their count, in document order."""
 
     def encode(batch: dict) -> dict:
-        ids = encode_texts(tokenizer, batch["text"], suffix)
+        ids = encode_texts(tokenizer, batch["text"], suffix, documents=True)
         return {"input_ids": ids, "length": [len(document) for document in ids]}
 
     return documents.map(

@@ -9,13 +9,16 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
+import numpy as np
 import sentencepiece
 from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
 from app.cli import first_line
 from app.hub import missing_model_problem, quiet_hub
 from app.prepare.args import UsageError
+from app.prepare.windows import encode_bounded
 
 SENTENCEPIECE_OPTIONS = {
     "model_type": "bpe",
@@ -91,18 +94,21 @@ def _lines(texts: Iterable[str]) -> Iterator[str]:
         yield from (line for line in text.split("\n") if line)
 
 
-def encode_texts(
-    tokenizer: PreTrainedTokenizerBase, texts: list[str], suffix: list[int], target: bool = False
-) -> list[list[int]]:
-    """Each text as the tokenizer encodes a document (with its own BOS or EOS), then `suffix`.
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str], suffix: list[int], target: bool = False,
+                 documents: bool = False) -> list[Union[list[int], np.ndarray]]:
+    """Each text as the tokenizer encodes a document (with its own BOS or EOS), then `suffix`, a bounded number of
+    characters at a time (app/prepare/windows.py).
 
     split_special_tokens: a literal "</s>" or "<|end_of_text|>" in the text is text, not a document boundary.
     target: encoded as a seq2seq target (`text_target`), which some tokenizers encode differently from a source:
     Marian with its own target SentencePiece model, mBART and NLLB with the target language's code.
+    documents: raw text's documents, of any length: each text's ids an int32 array, a text longer than
+    `WINDOW_CHARS` encoded in windows (the tokenizer would hold 150 bytes per character of it).
     """
-    side = {"text_target": texts} if target else {"text": texts}
-    encoded = tokenizer(**side, split_special_tokens=True, verbose=False)["input_ids"]
-    return [ids + suffix for ids in encoded]
+    if not documents:
+        return encode_bounded(tokenizer, texts, suffix, target)
+    around = document_frame(tokenizer, target)
+    return encode_bounded(tokenizer, texts, suffix, target, (around.prefix, around.suffix))
 
 
 def _probe(tokenizer: PreTrainedTokenizerBase, target: bool, special: bool = True) -> list[int]:

@@ -1,0 +1,118 @@
+"""Documents are tokenized a bounded number of characters at a time (app/prepare/windows.py), into the very ids
+the tokenizer gives each whole document: the tokenizer families users bring, on real code with Unicode and long
+runs of whitespace, and through prepare's packing."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from datasets import Dataset
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+import app.prepare.windows as windows
+from app.prepare import stdlib_corpus_paths
+from app.prepare.pack import tokenize
+from app.prepare.tokenizer import encode_texts, train_tokenizer
+
+WINDOW = 30_000
+"""Characters per tokenizer call, two windows of 15,000: small enough for dozens of them in the test's text (the
+application's calls take 262,144)."""
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@cache
+def corpus() -> str:
+    """The standard library's code (900 KB), Unicode the tokenizers never saw, and long words shorter than the
+    part of an overlap left out of the comparison (468 characters here)."""
+    files = sorted(path for folder in stdlib_corpus_paths()[:4] for path in Path(folder).rglob("*.py"))
+    code = "\n".join(path.read_text(errors="replace") for path in files)
+    return code + "ünïcødé 日本語 🙂 𝔘 " * 500 + " " * 200 + "\n\n\n" + "x" * 200 + "\r\n" + code[:100_000]
+
+
+def byte_level_bpe(pre_tokenizer: pre_tokenizers.PreTokenizer) -> PreTrainedTokenizerFast:
+    """GPT-2's kind of tokenizer (byte-level BPE after a pattern), trained on the corpus."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([corpus()[:300_000]], trainers.BpeTrainer(
+        vocab_size=2000, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+
+
+def metaspace_bpe() -> PreTrainedTokenizerFast:
+    """Llama-2's and Mistral's kind: SentencePiece BPE with byte fallback, converted as transformers converts it
+    (Metaspace, "▁" put before the text only, the whole text merged as one word)."""
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
+    tokenizer.train_from_iterator([corpus()[:300_000]], trainers.BpeTrainer(
+        vocab_size=2000, special_tokens=["<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+
+
+TOKENIZERS = {
+    "gpt2": lambda: byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False)),
+    "llama3": lambda: byte_level_bpe(pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
+    "llama2": metaspace_bpe,
+    "trained": lambda: train_tokenizer([corpus()[:300_000]], 2000, seed=0),
+}
+
+
+@pytest.fixture
+def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(windows, "WINDOW_CHARS", WINDOW)
+    monkeypatch.setattr(windows, "PARALLEL_WINDOWS", 2)
+
+
+def whole(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer(text, split_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("kind", TOKENIZERS)
+def test_a_long_document_in_windows_has_the_ids_of_the_whole(kind: str, small_windows: None) -> None:
+    tokenizer = TOKENIZERS[kind]()
+    text = corpus()
+    stitched = encode_texts(tokenizer, [text], [tokenizer.eos_token_id], documents=True)[0]
+    assert stitched.tolist() == whole(tokenizer, text)
+    assert len(text) > 25 * WINDOW and windows.encode_long(tokenizer, text) is not None, "it fell back"
+
+
+def test_a_word_longer_than_the_overlap_makes_the_document_encoded_whole(small_windows: None) -> None:
+    """A run of spaces is one pre-token of GPT-2's pattern: windows starting inside it disagree, and the document is
+    encoded at once, exactly, as before."""
+    tokenizer = TOKENIZERS["gpt2"]()
+    text = corpus()[:100_000] + " " * (2 * WINDOW) + corpus()[:100_000]
+    assert windows.encode_long(tokenizer, text) is None
+    assert encode_texts(tokenizer, [text], [tokenizer.eos_token_id], documents=True)[0].tolist() == whole(
+        tokenizer, text)
+
+
+def test_packing_never_hands_the_tokenizer_more_than_a_window(small_windows: None,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of documents goes to the tokenizer in groups of at most a window's characters, a longer document in
+    windows; the tokens written are those of each whole document."""
+    tokenizer = TOKENIZERS["trained"]()
+    text = corpus()
+    documents = [text[start:start + size] for start, size in ((0, 9_000), (50_000, 200_000), (9_000, 40))]
+    documents += [text[start:start + 12_000] for start in range(300_000, 600_000, 12_000)]
+    largest = []
+    encode = type(tokenizer).__call__
+
+    def recording(self: PreTrainedTokenizerBase, text: str | list[str], **kwargs: object) -> object:
+        largest.append(len(text) if isinstance(text, str) else sum(map(len, text)))
+        return encode(self, text, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", recording)
+    tokens = tokenize(Dataset.from_dict({"text": documents}), tokenizer, [tokenizer.eos_token_id], 1, "tokens")
+    monkeypatch.setattr(type(tokenizer), "__call__", encode)
+    assert 0 < max(largest) <= WINDOW
+    assert [row for row in tokens["input_ids"]] == [whole(tokenizer, document) for document in documents]
+    assert tokens["length"] == [len(whole(tokenizer, document)) for document in documents]
+    assert np.sum(tokens["length"]) > 100_000
