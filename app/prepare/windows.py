@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -65,9 +65,9 @@ def encode_bounded(tokenizer: PreTrainedTokenizerBase, texts: list[str], suffix:
     encoded: list[Union[list[int], np.ndarray, None]] = [None] * len(texts)
     for group in _groups(texts):
         if frame is not None and len(texts[group[0]]) > WINDOW_CHARS and tokenizer.is_fast:
-            ids = encode_long(tokenizer, texts[group[0]])
+            ids = encode_long(tokenizer, texts[group[0]], frame[0], frame[1] + suffix)
             if ids is not None:
-                encoded[group[0]] = np.concatenate([frame[0], ids, frame[1], suffix]).astype(np.int32)
+                encoded[group[0]] = ids
                 continue
         side = [texts[index] for index in group]
         arguments = {"text_target": side} if target else {"text": side}
@@ -91,10 +91,11 @@ def _groups(texts: list[str]) -> Iterator[list[int]]:
         yield group
 
 
-def encode_long(tokenizer: PreTrainedTokenizerBase, text: str) -> Optional[np.ndarray]:
-    """The text's ids (without special tokens) stitched from its windows, or None where two neighbours disagree on
-    their overlap."""
-    ids: list[np.ndarray] = []
+def encode_long(tokenizer: PreTrainedTokenizerBase, text: str, before: Sequence[int] = (),
+                after: Sequence[int] = ()) -> Optional[np.ndarray]:
+    """The text's ids stitched from its windows (without special tokens), between `before` and `after`, as int32;
+    None where two neighbours disagree on their overlap."""
+    ids = [np.array(before, dtype=np.int32)]
     kept_from = 0
     previous: Optional[Window] = None
     for window in _windows(tokenizer, text):
@@ -108,7 +109,7 @@ def encode_long(tokenizer: PreTrainedTokenizerBase, text: str) -> Optional[np.nd
         previous = window
     assert previous is not None
     first, stop = previous.span(kept_from, previous.end)
-    ids.append(np.array(previous.ids[first:stop], dtype=np.int32))
+    ids += [np.array(previous.ids[first:stop], dtype=np.int32), np.array(after, dtype=np.int32)]
     return np.concatenate(ids)
 
 
