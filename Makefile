@@ -40,7 +40,8 @@ DEMO_HARDWARE = $(shell $(PY) -c "import torch; n = torch.cuda.device_count(); \
 # The GPU check (benchmarks/gpu_check.py, docs/performance.md#gpu-check), on a GPU machine whose own python3 holds
 # torch (2.11 or newer) and transformers (5.17 or newer): `make gpu-wheels` here downloads the pure-Python packages
 # such an image lacks into .whl/, which gpu-check installs beside that Python before it runs.
-# The fused loss kernels are there for bench_loss.py's comparison only: training never imports them.
+# The fused loss kernels: Liger Kernel for bench_loss.py's comparison only, Cut Cross-Entropy also for training's
+# --loss_kernel cut_cross_entropy (gpu_check.py's row).
 GPU_WHEELS := jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 datasets==5.2.0 dill==0.4.1 \
 	multiprocess==0.70.19 lightning-fabric==2.6.6 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 GPU_PYTHON ?= python3

@@ -27,11 +27,11 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
 
 @cache
 def corpus() -> str:
-    """The standard library's code (900 KB), Unicode the tokenizers never saw, and long words shorter than the
+    """The standard library's code (700 KB), Unicode the tokenizers never saw, and long words shorter than the
     part of an overlap left out of the comparison (468 characters here)."""
-    files = sorted(path for folder in stdlib_corpus_paths()[:4] for path in Path(folder).rglob("*.py"))
+    files = sorted(path for folder in stdlib_corpus_paths()[:3] for path in Path(folder).rglob("*.py"))
     code = "\n".join(path.read_text(errors="replace") for path in files)
-    return code + "ünïcødé 日本語 🙂 𝔘 " * 500 + " " * 200 + "\n\n\n" + "x" * 200 + "\r\n" + code[:100_000]
+    return code + "ünïcødé 日本語 🙂 𝔘 " * 500 + " " * 200 + "\n\n\n" + "x" * 200 + "\r\n" + code[:50_000]
 
 
 def byte_level_bpe(pre_tokenizer: pre_tokenizers.PreTokenizer) -> PreTrainedTokenizerFast:
@@ -56,12 +56,12 @@ def metaspace_bpe() -> PreTrainedTokenizerFast:
 
 
 TOKENIZERS = {
-    "gpt2": lambda: byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False)),
+    "gpt2": cache(lambda: byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False))),
     "llama3": lambda: byte_level_bpe(pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
     "llama2": metaspace_bpe,
-    "trained": lambda: train_tokenizer([corpus()[:300_000]], 2000, seed=0),
+    "trained": cache(lambda: train_tokenizer([corpus()[:300_000]], 2000, seed=0)),
 }
 
 
@@ -81,7 +81,7 @@ def test_a_long_document_in_windows_has_the_ids_of_the_whole(kind: str, small_wi
     text = corpus()
     stitched = encode_texts(tokenizer, [text], [tokenizer.eos_token_id], documents=True)[0]
     assert stitched.tolist() == whole(tokenizer, text)
-    assert len(text) > 25 * WINDOW and windows.encode_long(tokenizer, text) is not None, "it fell back"
+    assert len(text) > 20 * WINDOW and windows.encode_long(tokenizer, text) is not None, "it fell back"
 
 
 def test_a_word_longer_than_the_overlap_makes_the_document_encoded_whole(small_windows: None) -> None:
