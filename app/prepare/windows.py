@@ -8,11 +8,12 @@ overlapping windows.
 
 Two neighbouring windows' tokens are kept only where both encoded their overlap alike, away from either window's
 edge: the same ids starting at the same characters throughout the overlap's middle (`EDGE`). The ids are then the
-first window's before a token boundary in that middle and the second window's from it. A tokenizer decides a token
-from nearby text (its pre-tokenizer's pattern, its merges within a word), so what both windows agree on, with
-thousands of characters of context either side, is what the whole text gives. A text whose windows disagree (a
-single "word" longer than the part of the overlap left out of the comparison) is encoded whole, as before; so is
-every text of a tokenizer without offsets (the slow Python ones).
+first window's before a word's first token in that middle and the second window's from it. A tokenizer decides a
+word's tokens from the word and its neighbours (its pre-tokenizer's pattern, its merges or best segmentation within
+the word), so what both windows agree on, cut between words, with thousands of characters of context either side,
+is what the whole text gives. A text whose windows disagree (a single "word" longer than the part of the overlap
+left out of the comparison), or whose overlap's middle starts no word, is encoded whole, as before; so is every text
+of a tokenizer without offsets (the slow Python ones).
 
 No library does this: `tokenizers` encodes what it is given at once, and `datasets` batches by rows, not
 characters. Tested against whole encodings of real code for byte-level BPE (GPT-2's and Llama-3's patterns),
@@ -100,7 +101,7 @@ def encode_long(tokenizer: PreTrainedTokenizerBase, text: str, before: Sequence[
     previous: Optional[Window] = None
     for window in _windows(tokenizer, text):
         if previous is not None:
-            boundary = _agreed_boundary(previous, window)
+            boundary = _agreed_boundary(previous, window, text)
             if boundary is None:
                 return None
             first, stop = previous.span(kept_from, boundary)
@@ -108,8 +109,8 @@ def encode_long(tokenizer: PreTrainedTokenizerBase, text: str, before: Sequence[
             kept_from = boundary
         previous = window
     assert previous is not None
-    first, stop = previous.span(kept_from, previous.end)
-    ids += [np.array(previous.ids[first:stop], dtype=np.int32), np.array(after, dtype=np.int32)]
+    first = _bisect(previous.starts, kept_from)  # to the end: a trailing space's offsets can be trimmed to (end, end)
+    ids += [np.array(previous.ids[first:], dtype=np.int32), np.array(after, dtype=np.int32)]
     return np.concatenate(ids)
 
 
@@ -152,9 +153,13 @@ def _line_start(text: str, position: int, reach: int) -> int:
         stop = newline
 
 
-def _agreed_boundary(before: Window, after: Window) -> Optional[int]:
+def _agreed_boundary(before: Window, after: Window, text: str) -> Optional[int]:
     """A character where a token starts in both windows, in the middle of their overlap, where both hold the same
-    tokens at the same characters; None if they differ there."""
+    tokens at the same characters; None if they differ there or no such token starts a word.
+
+    Only the start of a word (next to whitespace) is taken: a tokenizer may segment a long word as a whole (a
+    Unigram model's best path through it), so tokens inside a word that both windows cut short can agree with each
+    other and not with the whole document."""
     edge = int((before.end - after.begin) * EDGE)
     lo, hi = after.begin + edge, before.end - edge
     a_first, a_stop = before.span(lo, hi)
@@ -163,9 +168,12 @@ def _agreed_boundary(before: Window, after: Window) -> Optional[int]:
                                 or before.starts[a_first:a_stop] != after.starts[b_first:b_stop]):
         return None
     middle = (a_first + a_stop) // 2
-    while middle < a_stop and before.starts[middle] == before.starts[middle - 1]:
-        middle += 1  # the byte pieces of one character share its start: cut before the character, not inside it
-    return before.starts[middle] if middle < a_stop else None
+    for index in [*range(middle, a_stop), *range(middle - 1, a_first, -1)]:
+        start = before.starts[index]
+        # the byte pieces of one character share its start: a cut goes before the character, not inside it
+        if start != before.starts[index - 1] and (text[start - 1].isspace() or text[start].isspace()):
+            return start
+    return None
 
 
 def _bisect(starts: list[int], value: int) -> int:
