@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from datasets import Dataset
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 import app.prepare.windows as windows
@@ -34,11 +34,13 @@ def corpus() -> str:
     return code + "ünïcødé 日本語 🙂 𝔘 " * 500 + " " * 200 + "\n\n\n" + "x" * 200 + "\r\n" + code[:50_000]
 
 
-def byte_level_bpe(pre_tokenizer: pre_tokenizers.PreTokenizer) -> PreTrainedTokenizerFast:
-    """GPT-2's kind of tokenizer (byte-level BPE after a pattern), trained on the corpus."""
+def byte_level_bpe(pre_tokenizer: pre_tokenizers.PreTokenizer, trim_offsets: bool = False) -> PreTrainedTokenizerFast:
+    """GPT-2's kind of tokenizer (byte-level BPE after a pattern), trained on the corpus; RoBERTa's and BART's
+    trim the spaces off their tokens' offsets."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
     tokenizer.train_from_iterator([corpus()[:300_000]], trainers.BpeTrainer(
         vocab_size=2000, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
@@ -60,6 +62,7 @@ TOKENIZERS = {
     "llama3": lambda: byte_level_bpe(pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
+    "roberta": lambda: byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), trim_offsets=True),
     "llama2": metaspace_bpe,
     "trained": cache(lambda: train_tokenizer([corpus()[:300_000]], 2000, seed=0)),
 }
@@ -82,6 +85,31 @@ def test_a_long_document_in_windows_has_the_ids_of_the_whole(kind: str, small_wi
     stitched = encode_texts(tokenizer, [text], [tokenizer.eos_token_id], documents=True)[0]
     assert stitched.tolist() == whole(tokenizer, text)
     assert len(text) > 20 * WINDOW and windows.encode_long(tokenizer, text) is not None, "it fell back"
+
+
+def test_a_document_ending_in_spaces_keeps_its_last_token(small_windows: None) -> None:
+    """RoBERTa's offsets of a trailing run of spaces are trimmed to (end, end): the last window keeps it."""
+    tokenizer = TOKENIZERS["roberta"]()
+    text = corpus()[:100_000] + "x = 1   "
+    assert encode_texts(tokenizer, [text], [], documents=True)[0].tolist() == whole(tokenizer, text)[:-1]
+
+
+def test_windows_cut_only_between_words(small_windows: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Unigram model (T5's, XLNet's) takes the best segmentation of a word as a whole: here "ab" and "ba" cost
+    alike, and only the word's two ends decide between "w x ab ab ... ab y" and "w xa ba ... ba by". Windows that
+    cut the word short agree with each other on the first, the whole word is the second: with no word starting in
+    the overlaps, the document is encoded whole. (Windows of 15,000 characters overlapping by 1,500 all start on an
+    "a".)"""
+    monkeypatch.setattr(windows, "OVERLAP", 0.1)
+    pieces = {"<unk>": 0.0, "</s>": 0.0, "ab": -1.0, "ba": -1.0, "a": -5.0, "b": -5.0, "w": -1.0, "x": -10.0,
+              "y": -10.0, "xa": -10.4, "by": -10.4}
+    unigram = Tokenizer(models.Unigram(list(pieces.items()), unk_id=0))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=unigram, eos_token="</s>", unk_token="<unk>")
+    text = "wx" + "ab" * WINDOW + "y"
+    assert tokenizer.convert_ids_to_tokens(whole(tokenizer, text)[:3]) == ["w", "xa", "ba"]
+    assert windows.encode_long(tokenizer, text) is None
+    assert encode_texts(tokenizer, [text], [tokenizer.eos_token_id], documents=True)[0].tolist() == whole(
+        tokenizer, text)
 
 
 def test_a_word_longer_than_the_overlap_makes_the_document_encoded_whole(small_windows: None) -> None:
