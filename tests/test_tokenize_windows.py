@@ -4,6 +4,7 @@ runs of whitespace, and through prepare's packing."""
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 
@@ -94,20 +95,39 @@ def test_a_document_ending_in_spaces_keeps_its_last_token(small_windows: None) -
     assert encode_texts(tokenizer, [text], [], documents=True)[0].tolist() == whole(tokenizer, text)[:-1]
 
 
-def test_windows_cut_only_between_words(small_windows: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("split", [None, " ", "\n"])
+def test_a_unigram_model_is_cut_only_where_a_space_starts_a_word(split: str | None, small_windows: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A Unigram model (T5's, XLNet's) takes the best segmentation of a word as a whole: here "ab" and "ba" cost
     alike, and only the word's two ends decide between "w x ab ab ... ab y" and "w xa ba ... ba by". Windows that
-    cut the word short agree with each other on the first, the whole word is the second: with no word starting in
-    the overlaps, the document is encoded whole. (Windows of 15,000 characters overlapping by 1,500 all start on an
-    "a".)"""
+    cut the word short agree with each other on the first; the whole word is the second. Without a pre-tokenizer
+    the text is one word, and encoded whole; Metaspace splits words at spaces only (a newline stays inside a word),
+    and a document is cut only there. (Windows of 15,000 characters overlapping by 1,500 all start on an "a".)"""
     monkeypatch.setattr(windows, "OVERLAP", 0.1)
     pieces = {"<unk>": 0.0, "</s>": 0.0, "ab": -1.0, "ba": -1.0, "a": -5.0, "b": -5.0, "w": -1.0, "x": -10.0,
-              "y": -10.0, "xa": -10.4, "by": -10.4}
+              "y": -10.0, "xa": -10.4, "by": -10.4, "▁": -1.0, "▁w": -1.0, "▁ab": -1.0, "\n": -2.0, "b\na": -3.0}
     unigram = Tokenizer(models.Unigram(list(pieces.items()), unk_id=0))
+    if split:
+        unigram.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=unigram, eos_token="</s>", unk_token="<unk>")
-    text = "wx" + "ab" * WINDOW + "y"
-    assert tokenizer.convert_ids_to_tokens(whole(tokenizer, text)[:3]) == ["w", "xa", "ba"]
-    assert windows.encode_long(tokenizer, text) is None
+    word = "ab" * 50 + (split or "")
+    text = "wx" + (word * (2 * WINDOW // len(word)))[:-1] + "y"
+    if split != " ":  # the whole text is one word
+        assert tokenizer.convert_ids_to_tokens(whole(tokenizer, text)[:3])[-2:] == ["xa", "ba"]
+    assert (windows.encode_long(tokenizer, text) is None) == (split != " ")
+    assert encode_texts(tokenizer, [text], [tokenizer.eos_token_id], documents=True)[0].tolist() == whole(
+        tokenizer, text)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "trained"])
+def test_a_bpe_document_without_whitespace_is_still_cut(kind: str, small_windows: None) -> None:
+    """Minified JSON (no space, no newline) is cut between any two tokens the windows agree on, so its memory stays
+    bounded."""
+    tokenizer = TOKENIZERS[kind]()
+    text = json.dumps([{"id": index, "name": f"item{index}", "tags": ["a", "b"]} for index in range(4000)],
+                      separators=(",", ":"))
+    assert not any(character.isspace() for character in text) and len(text) > 5 * WINDOW
+    assert windows.encode_long(tokenizer, text) is not None
     assert encode_texts(tokenizer, [text], [tokenizer.eos_token_id], documents=True)[0].tolist() == whole(
         tokenizer, text)
 

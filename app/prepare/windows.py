@@ -8,16 +8,18 @@ overlapping windows.
 
 Two neighbouring windows' tokens are kept only where both encoded their overlap alike, away from either window's
 edge: the same ids starting at the same characters throughout the overlap's middle (`EDGE`). The ids are then the
-first window's before a word's first token in that middle and the second window's from it. A tokenizer decides a
-word's tokens from the word and its neighbours (its pre-tokenizer's pattern, its merges or best segmentation within
-the word), so what both windows agree on, cut between words, with thousands of characters of context either side,
-is what the whole text gives. A text whose windows disagree (a single "word" longer than the part of the overlap
-left out of the comparison), or whose overlap's middle starts no word, is encoded whole, as before; so is every text
-of a tokenizer without offsets (the slow Python ones).
+first window's before a token in that middle (a word's first where there is one) and the second window's from it.
+A BPE or WordPiece tokenizer decides a token from nearby text (its pre-tokenizer's pattern, merges of neighbouring
+pieces), so what both windows agree on, with thousands of characters of context either side, is what the whole
+text gives; a Unigram model's best segmentation of a word depends on all of the word, so it is cut only between
+words (`_spaces_only`). A text whose windows disagree (a single "word" longer than the part of the overlap left out
+of the comparison) is encoded whole, as before; so is every text of a tokenizer without offsets (the slow Python
+ones), or of a Unigram model whose pre-tokenizer leaves the whole text one word.
 
 No library does this: `tokenizers` encodes what it is given at once, and `datasets` batches by rows, not
 characters. Tested against whole encodings of real code for byte-level BPE (GPT-2's and Llama-3's patterns),
-Llama-2's SentencePiece conversion, and the tokenizer `--vocab_size` trains (tests/test_tokenize_windows.py).
+Llama-2's SentencePiece conversion, RoBERTa's trimmed offsets, Unigram models, and the tokenizer `--vocab_size`
+trains (tests/test_tokenize_windows.py).
 """
 
 from __future__ import annotations
@@ -96,12 +98,15 @@ def encode_long(tokenizer: PreTrainedTokenizerBase, text: str, before: Sequence[
                 after: Sequence[int] = ()) -> Optional[np.ndarray]:
     """The text's ids stitched from its windows (without special tokens), between `before` and `after`, as int32;
     None where two neighbours disagree on their overlap."""
+    spaces_only = _spaces_only(tokenizer)
+    if spaces_only is None:
+        return None
     ids = [np.array(before, dtype=np.int32)]
     kept_from = 0
     previous: Optional[Window] = None
     for window in _windows(tokenizer, text):
         if previous is not None:
-            boundary = _agreed_boundary(previous, window, text)
+            boundary = _agreed_boundary(previous, window, text, spaces_only)
             if boundary is None:
                 return None
             first, stop = previous.span(kept_from, boundary)
@@ -153,13 +158,10 @@ def _line_start(text: str, position: int, reach: int) -> int:
         stop = newline
 
 
-def _agreed_boundary(before: Window, after: Window, text: str) -> Optional[int]:
+def _agreed_boundary(before: Window, after: Window, text: str, spaces_only: bool) -> Optional[int]:
     """A character where a token starts in both windows, in the middle of their overlap, where both hold the same
-    tokens at the same characters; None if they differ there or no such token starts a word.
-
-    Only the start of a word (next to whitespace) is taken: a tokenizer may segment a long word as a whole (a
-    Unigram model's best path through it), so tokens inside a word that both windows cut short can agree with each
-    other and not with the whole document."""
+    tokens at the same characters; None if they differ there (or, `spaces_only`, if no token there starts at a
+    space). The start of a word (next to whitespace) is preferred, near the middle."""
     edge = int((before.end - after.begin) * EDGE)
     lo, hi = after.begin + edge, before.end - edge
     a_first, a_stop = before.span(lo, hi)
@@ -168,12 +170,28 @@ def _agreed_boundary(before: Window, after: Window, text: str) -> Optional[int]:
                                 or before.starts[a_first:a_stop] != after.starts[b_first:b_stop]):
         return None
     middle = (a_first + a_stop) // 2
-    for index in [*range(middle, a_stop), *range(middle - 1, a_first, -1)]:
-        start = before.starts[index]
-        # the byte pieces of one character share its start: a cut goes before the character, not inside it
-        if start != before.starts[index - 1] and (text[start - 1].isspace() or text[start].isspace()):
-            return start
-    return None
+    # the byte pieces of one character share its start: a cut goes before the character, not inside it
+    starts = [before.starts[index] for index in [*range(middle, a_stop), *range(middle - 1, a_first, -1)]
+              if before.starts[index] != before.starts[index - 1]]
+    if spaces_only:
+        return next((start for start in starts if text[start] == " "), None)
+    words = (start for start in starts if text[start - 1].isspace() or text[start].isspace())
+    return next(words, starts[0] if starts else None)
+
+
+def _spaces_only(tokenizer: PreTrainedTokenizerBase) -> Optional[bool]:
+    """Where this tokenizer's windows may be cut. BPE and WordPiece segment a word by local rules (merges of
+    neighbouring pieces, the longest known prefix): what two windows agree on, with thousands of characters either
+    side, is the document's segmentation, at any token. A Unigram model (T5's, XLNet's, ALBERT's) takes the best
+    segmentation of a whole word: a long word's two ends can decide between segmentations of all of it, and windows
+    that both cut it short can agree with each other and not with the document. So a Unigram tokenizer is cut only
+    where a space starts a word (Metaspace's split: tabs and newlines stay inside words), or not at all (None) when
+    its pre-tokenizer does not split words (the whole text is then one word)."""
+    backend = tokenizer.backend_tokenizer
+    if type(backend.model).__name__ != "Unigram":
+        return False
+    splits = backend.pre_tokenizer is not None and len(backend.pre_tokenizer.pre_tokenize_str("a b")) > 1
+    return True if splits else None
 
 
 def _bisect(starts: list[int], value: int) -> int:
