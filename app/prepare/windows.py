@@ -67,7 +67,8 @@ def encode_bounded(tokenizer: PreTrainedTokenizerBase, texts: list[str], suffix:
     Python list holds 36 bytes per id)."""
     encoded: list[Union[list[int], np.ndarray, None]] = [None] * len(texts)
     for group in _groups(texts):
-        if frame is not None and len(texts[group[0]]) > WINDOW_CHARS and tokenizer.is_fast:
+        if frame is not None and not target and len(texts[group[0]]) > WINDOW_CHARS and getattr(
+                tokenizer, "is_fast", False):  # offsets; mistral-common's tokenizer has no is_fast
             ids = encode_long(tokenizer, texts[group[0]], frame[0], frame[1] + suffix)
             if ids is not None:
                 encoded[group[0]] = ids
