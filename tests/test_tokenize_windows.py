@@ -58,6 +58,16 @@ def metaspace_bpe() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
 
 
+def t5_unigram() -> PreTrainedTokenizerFast:
+    """T5's kind: a SentencePiece Unigram model, words split at spaces (Metaspace), EOS after every text."""
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    tokenizer.train_from_iterator([corpus()[:300_000]], trainers.UnigramTrainer(
+        vocab_size=2000, special_tokens=["<unk>", "</s>"], unk_token="<unk>"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>")
+
+
 TOKENIZERS = {
     "gpt2": cache(lambda: byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False))),
     "llama3": lambda: byte_level_bpe(pre_tokenizers.Sequence([
@@ -65,6 +75,7 @@ TOKENIZERS = {
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
     "roberta": lambda: byte_level_bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), trim_offsets=True),
     "llama2": metaspace_bpe,
+    "t5": t5_unigram,
     "trained": cache(lambda: train_tokenizer([corpus()[:300_000]], 2000, seed=0)),
 }
 
