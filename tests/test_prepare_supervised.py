@@ -572,6 +572,12 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{human}", "--chat_template", "{known_roles}"],
      "--messages_field messages: row 2 of --input {human} has a message of role 'human' that the chat template does "
      "not render"),
+    # The dropped message's text is also elsewhere in the chat, as a question asked again or in its answer: a search
+    # of the rendered chat for it found it there, and the answer was trained without its question.
+    (["--messages_field", "messages", "--input", "{human_asks_again}", "--chat_template", "{known_roles}"],
+     "row 1 of --input {human_asks_again} has a message of role 'human' that the chat template does not render"),
+    (["--messages_field", "messages", "--input", "{human_quoted}", "--chat_template", "{known_roles}"],
+     "row 1 of --input {human_quoted} has a message of role 'human' that the chat template does not render"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{no_prompt}"],
      "--prompt_field code: row 2 of --input {no_prompt} is empty"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{blank_prompt}"],
@@ -604,6 +610,11 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
                                                                   {"role": "assistant", "content": "Set x."}]}
                                                     for role in ("user", "human")]),
         "known_roles": tmp_path / "known_roles.jinja",
+        "human_asks_again": write_jsonl(tmp_path / "h2.jsonl", [{"messages": [
+            {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."},
+            {"role": "human", "content": "Why?"}, {"role": "assistant", "content": "I said: because."}]}]),
+        "human_quoted": write_jsonl(tmp_path / "h3.jsonl", [{"messages": [
+            {"role": "human", "content": "Name"}, {"role": "assistant", "content": "Name: Bob"}]}]),
         "no_prompt": write_jsonl(tmp_path / "p.jsonl", [{"code": "x = 1", "summary": "Set x."}, {"summary": "Set y."}]),
         "blank_prompt": write_jsonl(tmp_path / "q.jsonl", [{"code": "x = 1", "summary": "Set x."},
                                                            {"code": " \n ", "summary": "Set y."}]),

@@ -83,22 +83,32 @@ def chat_messages(
         if any(not m["content"].strip() for m in messages if m["role"] == role):
             raise row.error("messages_field", f"has an empty {role} message")
     if rendered is not None:
-        check_rendered(messages, rendered(messages), row)
+        check_rendered(messages, rendered, row)
     return messages
 
 
-def check_rendered(messages: list[dict[str, str]], text: Optional[str], row: Row) -> None:
-    """Refuse a message whose content is not in the chat's rendered `text`: a template that renders only the roles it
-    knows (Qwen's skips "human") drops it silently, and the response would be trained without its prompt. One
-    render per chat; the template's own failures (text None) are the encoder's to report."""
+def check_rendered(messages: list[dict[str, str]], rendered: Callable[[list[dict[str, str]]], Optional[str]],
+                   row: Row) -> None:
+    """Refuse a message that the chat template does not render: a template that renders only the roles it knows
+    (Qwen's skips "human") drops it silently, and the answer after it would be trained without its prompt.
+
+    The chat is rendered with each message's content replaced by a marker of its own, so that a dropped message is
+    found also where its text appears elsewhere in the chat (a question asked twice, a prompt that its answer
+    quotes): searching the rendered chat for the text itself missed both. One render per chat; the template's own
+    failures (None) are the encoder's to report, as is a message with blank content (a system message)."""
+    text = rendered([{"role": m["role"], "content": _marker(k)} for k, m in enumerate(messages)])
     if text is None:
         return
-    for message in messages:
-        content = message["content"].strip()
-        if content and content not in text:
+    for k, message in enumerate(messages):
+        if message["content"].strip() and _marker(k) not in text:
             raise row.error("messages_field", f"has a message of role {message['role']!r} that the chat template "
                             "does not render; use the roles system, user and assistant, or give a template that "
                             "renders it with --chat_template FILE")
+
+
+def _marker(k: int) -> str:
+    """Message k's stand-in content: text no template writes, and no marker inside another (k=1 in k=10)."""
+    return f"@@message-{k}@@"
 
 
 def _is_message(message: object) -> bool:
