@@ -42,12 +42,17 @@ from conftest import (ROOT, STEP_LINE, Launched, TinySetup, free_port, launch, l
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
 # 647 train blocks / (16 micro-batch x 2 ranks x 2 accumulation) = 10 steps per epoch: step 10 ends epoch 0.
 EXACT = dict(micro_batch_size=16, gradient_accumulation_steps=2, max_step=14, save_step_interval=6,
-             eval_step_interval=100)
+             eval_step_interval=100, log_interval=2)
 
 
 def logged_losses(out_dir: Path) -> dict[int, float]:
     with open(out_dir / "metrics.csv", newline="") as handle:
         return {int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(handle) if row["train_loss"]}
+
+
+def metrics_rows(out_dir: Path) -> list[int]:
+    with open(out_dir / "metrics.csv", newline="") as handle:
+        return [int(row["step"]) for row in csv.DictReader(handle)]
 
 
 def model_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -66,7 +71,8 @@ def files_under(folder: Path) -> list[Path]:
 def test_sigterm_to_the_launcher_saves_and_resume_matches_a_straight_run_exactly(tiny: TinySetup, tmp_path: Path):
     """Straight 14 steps vs SIGTERM at step k < 10 then --resume true to 14: epoch boundary and accumulation inside.
     The stopped run writes no checkpoint of its own (--save_step_interval 0) but the one the signal asks for, and its
-    resumed part logs into the same W&B run."""
+    resumed part logs into the same W&B run. Logged every 2 steps, its metrics.csv has the straight run's rows: the
+    signal's save at an odd step (usually 3) added a row of its own, holding only save_sec."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     straight_run = launch(train_args(tiny, straight, **EXACT, wandb_mode="offline"), tmp_path / "straight.log",
                           env=FAKE_SECRETS)
@@ -83,13 +89,14 @@ def test_sigterm_to_the_launcher_saves_and_resume_matches_a_straight_run_exactly
 
     resumed = run_train(train_args(tiny, stopped, **EXACT, resume=True, wandb_mode="offline"))
     assert resumed.returncode == 0, resumed.stderr
-    assert first_logged_step(resumed.stdout) == stop_step + 1
+    assert first_logged_step(resumed.stdout) == stop_step + 2 - stop_step % 2
     wandb_runs = sorted(path.name for path in (stopped / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and len({name.rsplit("-", 1)[1] for name in wandb_runs}) == 1, \
         f"the resumed run continues the W&B run: {wandb_runs}"
 
     expected, got = logged_losses(straight), logged_losses(stopped)
-    assert sorted(got) == list(range(1, 15))
+    assert sorted(got) == list(range(2, 15, 2))
+    assert metrics_rows(stopped) == metrics_rows(straight), f"stopped at step {stop_step}"
     worst = max(abs(got[s] - expected[s]) / abs(expected[s]) for s in expected)
     assert worst <= 1e-6
     final_straight, final_resumed = model_tensors(straight / "checkpoints/step-00000014.ckpt"), \

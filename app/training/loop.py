@@ -193,7 +193,7 @@ class Loop:
             throughput = self.clock.tick(state["step"])
             self.console.advance()
             step, last = state["step"], state["step"] == plan.max_step
-            saving = is_save_step(step, last, cfg.save_step_interval) or verdict.stop_requested
+            scheduled_save = is_save_step(step, last, cfg.save_step_interval)
             metrics: dict[str, float] = {}
             if step % cfg.log_interval == 0 or last:
                 metrics |= self.training_metrics(losses, verdict.grad_norm_value, lr, throughput)
@@ -201,9 +201,11 @@ class Loop:
             evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
             if evaluated:
                 metrics |= self.evaluate()
-            if saving:
+            if scheduled_save or verdict.stop_requested:
                 state["log_window"] = list(losses)
-                metrics |= self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
+                save_time = self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
+                if scheduled_save or metrics:  # a stop's own save makes no row that a run not stopped lacks
+                    metrics |= save_time
             if metrics:
                 self.fabric.log_dict(metrics, step=step)
             if verdict.stop_requested and not last:
