@@ -1,4 +1,7 @@
-"""Choices the command line and the code share, importable without torch (arguments.py parses without it)."""
+"""Choices the command line and the code share, importable without torch (arguments.py parses without it), and the
+conventions of the data that prepare_data.py writes and train.py reads."""
+
+from typing import Literal
 
 SHARDED_STRATEGIES = ("fsdp", "fsdp2")
 """--strategy values that shard parameters, gradients and optimizer state, and take the FSDP options."""
@@ -9,3 +12,9 @@ FSDP1_ONLY_OPTIONS = ("limit_all_gathers", "backward_prefetch", "forward_prefetc
 MAX_SEED = 2**32 - 1
 """The largest seed train.py and prepare_data.py take: numpy's (Lightning's seed_everything seeds numpy on every rank;
 prepare_data.py's split and SentencePiece's training take 32-bit seeds)."""
+
+FormatName = Literal["text", "supervised_packed", "supervised_padded", "seq2seq"]
+"""The data formats: prepare_data.py writes one (stats.json's `format`), app/data/formats.py reads it."""
+
+IGNORE_INDEX = -100
+"""The label of a position nothing is learnt from (torch's cross-entropy default, as in Hugging Face's models)."""

@@ -150,7 +150,7 @@ def test_a_filesystem_without_o_direct_is_written_through_the_page_cache(tmp_pat
     monkeypatch.delattr(direct_io.os, "O_DIRECT")
     path = tmp_path / "file"
     path.write_bytes(b"")
-    assert open_direct(path) is None
+    assert open_direct(path, os.O_WRONLY) is None
     expected = random.Random(7).randbytes(3 * ALIGN + 5)
     with DirectStream(path) as stream:
         stream.write(expected)

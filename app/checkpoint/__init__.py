@@ -1,7 +1,8 @@
 """Checkpoints: where they live and which are kept (files.py); what they hold and each rank's part of it (state.py,
 state_dicts.py, fsdp_shards.py); saving and loading (io.py) through writers (writers.py, tensor_file.py,
 dcp_blocks.py, direct_io.py) and readers (sources.py), each piece's checksum recorded and checked (checksums.py);
-writing now or in the background (saver.py), a save the storage refuses failing on every rank alike (failures.py);
+writing now or in the background (saver.py; handover.py writes pieces from where they lie until the next update),
+a save the storage refuses failing on every rank alike (failures.py);
 random states (rng.py); earlier versions (legacy.py)."""
 
 from app.checkpoint.failures import SaveFailed

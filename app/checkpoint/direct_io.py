@@ -38,16 +38,29 @@ IN_PLACE_BYTES = 1 << 20
 """DirectStream writes at least this large are candidates to go to the disk from their own memory."""
 
 
-class DirectFile:
-    """Positional writes into an existing file, whole blocks with O_DIRECT, the rest through the page cache."""
+class _OpenedTwice:
+    """A file opened through the page cache (`buffered`) and with O_DIRECT (`direct`: None where the filesystem
+    refuses it, and from the first transfer a device refuses on)."""
 
-    def __init__(self, path: Path) -> None:
-        self.buffered = os.open(path, os.O_WRONLY)
+    def __init__(self, path: Path, flags: int) -> None:
+        self.buffered = os.open(path, flags)
         try:
-            self.direct: Optional[int] = open_direct(path)
+            self.direct: Optional[int] = open_direct(path, flags)
         except OSError:
             os.close(self.buffered)
             raise
+
+    def stop_direct(self) -> None:
+        if self.direct is not None:
+            direct, self.direct = self.direct, None
+            os.close(direct)
+
+
+class DirectFile(_OpenedTwice):
+    """Positional writes into an existing file, whole blocks with O_DIRECT, the rest through the page cache."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, os.O_WRONLY)
         self.bounce = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned; pages never written cost nothing
 
     def write_at(self, offset: int, data: memoryview) -> None:
@@ -77,11 +90,6 @@ class DirectFile:
         self.stop_direct()  # no O_DIRECT, or a device wanting more than ALIGN: the page cache from here on
         write_fully(self.buffered, aligned, offset)
 
-    def stop_direct(self) -> None:
-        if self.direct is not None:
-            direct, self.direct = self.direct, None
-            os.close(direct)
-
     def fileno(self) -> int:
         return self.buffered
 
@@ -97,7 +105,7 @@ class DirectFile:
         self.close()
 
 
-def open_direct(path: Path, flags: int = os.O_WRONLY) -> Optional[int]:
+def open_direct(path: Path, flags: int) -> Optional[int]:
     """A second descriptor of `path` for O_DIRECT writes (or reads), or None where the platform or filesystem has
     none."""
     if not hasattr(os, "O_DIRECT"):
@@ -110,7 +118,7 @@ def open_direct(path: Path, flags: int = os.O_WRONLY) -> Optional[int]:
         raise
 
 
-class DirectReader:
+class DirectReader(_OpenedTwice):
     """Ranges of one file read past the page cache: the whole disk blocks covering a range, with O_DIRECT, into an
     aligned buffer, then the range copied out. Where the filesystem refuses O_DIRECT, or refuses a read, through the
     page cache. Why: a resume on a fresh node reads every byte of its part once, and on this project's VM reading
@@ -119,12 +127,7 @@ class DirectReader:
     every file of a checkpoint share one `bounce` buffer (of BOUNCE_BYTES), however many rank files it has."""
 
     def __init__(self, path: Path, bounce: mmap.mmap) -> None:
-        self.buffered = os.open(path, os.O_RDONLY)
-        try:
-            self.direct: Optional[int] = open_direct(path, os.O_RDONLY)
-        except OSError:
-            os.close(self.buffered)
-            raise
+        super().__init__(path, os.O_RDONLY)
         if hasattr(os, "posix_fadvise"):  # read front to back where it is read: twice the read-ahead
             os.posix_fadvise(self.buffered, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.bounce = bounce
@@ -149,11 +152,6 @@ class DirectReader:
                 position += count
         done = min(max(position - offset, 0), len(view))
         return done + read_fully(self.buffered, view[done:], offset + done)
-
-    def stop_direct(self) -> None:
-        if self.direct is not None:
-            direct, self.direct = self.direct, None
-            os.close(direct)
 
     def close(self) -> None:
         self.stop_direct()

@@ -1,5 +1,6 @@
-"""Training data: the prepared folder's format (formats.py), which rows each rank reads (order.py), and the
-steps and evaluation batches read from it (loader.py)."""
+"""Training data: the prepared folder's format (formats.py), weighted mixtures of folders (mixture.py), which rows
+each rank reads (order.py), what identifies a folder for a resume wherever it lies (identity.py), and the steps and
+evaluation batches read from it (loader.py)."""
 
 from app.data.formats import IGNORE_INDEX, Batch, DataFormat
 from app.data.loader import Step, TrainingData, load_data, train_steps

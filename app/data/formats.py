@@ -35,13 +35,11 @@ import torch
 from datasets import Dataset
 from torch.nn.utils.rnn import pad_sequence
 
+from app.choices import IGNORE_INDEX, FormatName
 from app.folders import STATS_FILE
 
-
-IGNORE_INDEX = -100
 Layout = Literal["position_ids", "one_row", "boolean_mask", "additive_mask"]
 LAYOUTS: tuple[Layout, ...] = ("position_ids", "one_row", "boolean_mask", "additive_mask")
-FormatName = Literal["text", "supervised_packed", "supervised_padded", "seq2seq"]
 COLUMNS = {"text": ["input_ids"], "supervised_packed": ["input_ids", "labels", "position_ids"],
            "supervised_padded": ["input_ids", "labels"], "seq2seq": ["input_ids", "labels"]}
 TRAINED_TOKENS = "trained_tokens"

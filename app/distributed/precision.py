@@ -49,6 +49,13 @@ def uses_grad_scaler(precision: str) -> bool:
     return precision == "16-mixed"
 
 
+def restore_grad_scaler(plugin: Precision, saved: dict) -> None:
+    """The gradient scaler's scale and growth tracker as a checkpoint (`saved`) holds them, by a resume or a
+    rollback; nothing where the run that saved it had no scaler (a precision other than 16-mixed)."""
+    if saved.get("grad_scaler"):
+        plugin.load_state_dict(saved["grad_scaler"])
+
+
 def reduce_dtype(precision: str, requested: Optional[str]) -> torch.dtype:
     """Gradients are reduced in fp32 under mixed precision (as torchtitan does), in the weights' dtype otherwise."""
     if requested is not None:

@@ -187,7 +187,6 @@ class RankStats:
     """The per-rank numbers that are gathered together: one float each, so they travel as one tensor."""
 
     data_wait_sec: float = 0.0
-    save_sec: float = 0.0
     peak_rss_gb: float = math.nan
     peak_allocated_gb: float = math.nan
     peak_reserved_gb: float = math.nan
@@ -196,9 +195,8 @@ class RankStats:
     optimizer_gb: float = math.nan
 
     @classmethod
-    def of_this_rank(cls, device: torch.device, data_wait: Stopwatch, save: Stopwatch,
-                     state: ModelStateMemory) -> "RankStats":
-        return cls(data_wait_sec=data_wait.total, save_sec=save.total, **peak_memory_gb(device),
+    def of_this_rank(cls, device: torch.device, data_wait: Stopwatch, state: ModelStateMemory) -> "RankStats":
+        return cls(data_wait_sec=data_wait.total, **peak_memory_gb(device),
                    parameters_gb=state.parameters / GB, gradients_gb=state.gradients / GB,
                    optimizer_gb=state.optimizer / GB)
 
@@ -315,7 +313,7 @@ def run_summary(*, clock: StepClock, step: int, evaluation: Stopwatch, saving: S
     """The numbers of one run (this attempt, when resumed). Throughput counts training time only: evaluation and
     checkpoint saves are reported separately, so that the figures compare across eval and save intervals."""
     steps, elapsed = step - clock.start_step, clock.elapsed()
-    train_sec = elapsed - evaluation.total - saving.total
+    train_sec = clock.training_time()
     summary: dict[str, Any] = {"steps": steps, "last_step": step, "elapsed_sec": elapsed, "train_sec": train_sec,
                                "eval_sec": evaluation.total, "checkpoints_saved": saving.count,
                                "save_sec": saving.total, "val_loss": val_loss, "val_loss_step": val_loss_step}

@@ -1,7 +1,8 @@
 """Pictures of a run: train/validation loss, learning rate and throughput from `<out_dir>/metrics.csv`.
 
-metrics.csv rows are sparse (a training-log row, an evaluation row and a save row may share a step, each with its own
-cells filled), so the file is first turned into one (steps, values) series per column, then drawn. Nothing here
+metrics.csv rows are sparse (a step logs only what was due at it: the training figures every --log_interval, the
+validation loss at evaluations, save_sec at saves), so the file is first turned into one (steps, values) series per
+column, then drawn. Nothing here
 imports torch or Lightning: plotting a run that is still training on another machine takes a second, not ten.
 """
 

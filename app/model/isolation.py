@@ -71,10 +71,7 @@ def probe_isolation(model_config: PretrainedConfig, attn_implementation: str,
     The probe's batch has two rows, whatever the micro batch: evaluation batches have their own size, and a layout
     that isolates two rows isolates one. Raises what building or running the model raises (an attention
     implementation this machine lacks)."""
-    device, dtype = probe_device(attn_implementation)
-    model = model_class(model_config).from_config(small_twin(model_config), attn_implementation=attn_implementation,
-                                                  trust_remote_code=trust_remote_code, dtype=dtype)
-    model.to(device).eval()
+    model, device, dtype = probe_twin(model_config, attn_implementation, trust_remote_code)
     model.config.use_cache = False  # as training builds it: with a cache, transformers looks for no packing
     examples = probe_examples(EXAMPLE_LENGTHS, model.config.vocab_size)
     with torch.no_grad():
@@ -95,10 +92,7 @@ def decoder_tells_positions_apart(model_config: PretrainedConfig, attn_implement
     equal values there, and it cannot: a decoder that starts from the token every target begins with must write
     that token after it and the target's next token after the same input, learns the first, and generates nothing.
     BART's learned positions tell them apart."""
-    device, dtype = probe_device(attn_implementation)
-    model = model_class(model_config).from_config(small_twin(model_config), attn_implementation=attn_implementation,
-                                                  trust_remote_code=trust_remote_code, dtype=dtype)
-    model.to(device).eval()
+    model, device, dtype = probe_twin(model_config, attn_implementation, trust_remote_code)
     source = probe_examples(((8,),), model.config.vocab_size)[0][0][None].to(device)
     with torch.no_grad():
         logits = model(input_ids=source, decoder_input_ids=torch.full((1, 2), 3, device=device)).logits[0].float()
@@ -143,6 +137,15 @@ def packed_difference(model: torch.nn.Module, layout: Layout, examples: list[lis
 def probe_examples(rows: tuple[tuple[int, ...], ...], vocab_size: int) -> list[list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [[torch.randint(3, vocab_size, (length,), generator=generator) for length in row] for row in rows]
+
+
+def probe_twin(model_config: PretrainedConfig, attn_implementation: str,
+               trust_remote_code: bool) -> tuple[torch.nn.Module, torch.device, torch.dtype]:
+    """The model's small twin in evaluation mode, on the device and in the dtype its attention is probed in."""
+    device, dtype = probe_device(attn_implementation)
+    model = model_class(model_config).from_config(small_twin(model_config), attn_implementation=attn_implementation,
+                                                  trust_remote_code=trust_remote_code, dtype=dtype)
+    return model.to(device).eval(), device, dtype
 
 
 def probe_device(attn_implementation: str) -> tuple[torch.device, torch.dtype]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from app.cli import UsageError  # noqa: F401 (app/prepare raises it from here)
-from app.choices import MAX_SEED
+from app.choices import MAX_SEED, FormatName
 from app.folders import DATASET_DICT_FILE, STATS_FILE, TOKENIZER_FOLDER
 from app.hub import missing_folder_problem
 
@@ -92,7 +92,6 @@ MIN_TRAINED_VOCAB = 256 + 3 + 1
 
 
 RecordShape = Literal["text", "prompt/response", "messages", "source/target"]
-DataFormat = Literal["text", "supervised_packed", "supervised_padded", "seq2seq"]
 SHAPE_FIELDS: dict[RecordShape, tuple[str, ...]] = {
     "prompt/response": ("prompt_field", "response_field"),
     "messages": ("messages_field",),
@@ -137,7 +136,7 @@ def _shapes_given(args: PrepareArgs) -> list[RecordShape]:
     return [shape for shape, names in SHAPE_FIELDS.items() if any(getattr(args, n) is not None for n in names)]
 
 
-def data_format(args: PrepareArgs) -> DataFormat:
+def data_format(args: PrepareArgs) -> FormatName:
     """The `format` of stats.json: what the rows hold, so that training knows how to batch them."""
     shape = record_shape(args)
     if shape in SUPERVISED:

@@ -36,8 +36,9 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from app.choices import IGNORE_INDEX
 from app.prepare.args import PrepareArgs, UsageError
-from app.prepare.examples import IGNORE_INDEX, Example, causal_advice, dropped, encode_examples, fit_to_block
+from app.prepare.examples import Example, causal_advice, dropped, encode_examples, fit_to_block
 from app.prepare.mask_audit import audit, check_audit
 from app.prepare.tokenizer import special_token_ids
 

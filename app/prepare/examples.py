@@ -18,12 +18,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, Features, List, Value
 
+from app.choices import IGNORE_INDEX
 from app.prepare.args import UsageError, useful_processes
 from app.prepare.pack import empty_rows
 from app.prepare.workspace import arrow_file
 
-IGNORE_INDEX = -100
-"""The label of a token that is not trained (PyTorch's and Hugging Face's cross-entropy skip it)."""
 EXAMPLE_FEATURES = Features(
     {
         "input_ids": List(Value("int32")),

@@ -26,8 +26,8 @@ from typing import Optional
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from app.choices import IGNORE_INDEX
 from app.prepare.args import UsageError
-from app.prepare.examples import IGNORE_INDEX
 
 AUDITED_EXAMPLES = 1000
 ROLES = ("system", "user", "assistant", "other", "template")

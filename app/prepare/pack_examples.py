@@ -17,8 +17,9 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, Features, List, Value
 
+from app.choices import IGNORE_INDEX
 from app.prepare.args import useful_processes
-from app.prepare.examples import IGNORE_INDEX, RESPONSE_SPANS
+from app.prepare.examples import RESPONSE_SPANS
 from app.prepare.pack import empty_rows
 from app.prepare.workspace import arrow_file
 

@@ -148,15 +148,14 @@ def document_frame(tokenizer: PreTrainedTokenizerBase, target: bool = False) -> 
     return DocumentFrame(prefix, suffix, [] if tokenizer.eos_token_id in suffix else [tokenizer.eos_token_id])
 
 
-def document_suffix(tokenizer: PreTrainedTokenizerBase, target: bool = False) -> list[int]:
-    """What to append to each encoded document (a seq2seq target when `target`) so that it holds exactly one EOS."""
-    return document_frame(tokenizer, target).appended
+def document_suffix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """What to append to each encoded document so that it holds exactly one EOS."""
+    return document_frame(tokenizer).appended
 
 
-def adds_bos(tokenizer: PreTrainedTokenizerBase, target: bool = False) -> bool:
-    """Whether encoding a document (a seq2seq target when `target`) puts BOS in front of it (Llama 2/3, CodeLlama
-    and our trained tokenizer do)."""
-    probe = _probe(tokenizer, target)
+def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether encoding a document puts BOS in front of it (Llama 2/3, CodeLlama and our trained tokenizer do)."""
+    probe = _probe(tokenizer, target=False)
     return tokenizer.bos_token_id is not None and bool(probe) and probe[0] == tokenizer.bos_token_id
 
 

@@ -16,6 +16,7 @@ from lightning_fabric import Fabric
 from app.checkpoint import (CheckpointSaver, checkpoint_path, load_last_good_checkpoint, mark_if_best,
                             prune_checkpoints, rng_of_every_rank, set_aside_newer)
 from app.data import Batch, Step, TrainingData, train_steps
+from app.distributed.precision import restore_grad_scaler
 from app.evaluation.validation import perplexity, row_losses, validation_losses
 from app.metrics.console import Console
 from app.model.loss import LossPath
@@ -283,8 +284,7 @@ class Loop:
                 self.console.print(f"step {state['step']}: moved {moved.name}, of the stretch rolled back, to {moved}")
         back = state["step"] - saved["step"]
         state |= saved_progress(saved, ("step", "val_loss", "val_loss_step", "log_window"))  # the data goes on
-        if saved.get("grad_scaler"):
-            fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
+        restore_grad_scaler(fabric.strategy.precision, saved)
         self.guard.rolled_back(saved["step"], saved.get("spike_guard"))
         self.clock.rewind(back)
         self.console.print(f"step {saved['step'] + back}: rolled back to {path} (step {saved['step']}, rollback "
@@ -293,8 +293,8 @@ class Loop:
         return True
 
     def gather_rank_stats(self) -> list[RankStats]:
-        """Every rank's RankStats (memory, data wait, saving), in one all_gather."""
-        stats = RankStats.of_this_rank(self.fabric.device, self.data_wait, self.saving, self.state_memory)
+        """Every rank's RankStats (memory, data wait), in one all_gather."""
+        stats = RankStats.of_this_rank(self.fabric.device, self.data_wait, self.state_memory)
         return [RankStats.from_tensor(row) for row in gather_rows(stats.to_tensor().to(self.fabric.device)).cpu()]
 
     def training_metrics(self, losses: list[float], grad_norm: float, lr: float,

@@ -23,7 +23,7 @@ from app.cli import first_line
 from app.data import TrainingData, load_data
 from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
-from app.distributed.precision import float32_matmul_precision, uses_grad_scaler
+from app.distributed.precision import float32_matmul_precision, restore_grad_scaler, uses_grad_scaler
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
 from app.evaluation.samples import (SampleEvaluator, decoding_for, fit_to_context, references_past, sample_notes,
                                     set_aside_samples_after, stop_ids, whole_samples)
@@ -45,7 +45,7 @@ from app.reliability.workers import start_worker_server
 from app.training.loop import Loop
 from app.training.preflight import RunInputs, note, preflight
 from app.training.print_config import resolved_run
-from app.training.progress import progress_at_start, saved_progress
+from app.training.progress import SAVED_FOR_THE_RANKS, progress_at_start, saved_progress
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -113,9 +113,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "model": model,
         "optimizer": optimizer,
         **progress_at_start(),
-        "rng": None,  # SAVED_FOR_THE_RANKS: set when saving
-        "grad_scaler": {},
-        "schedule": None,  # where the learning-rate schedule stands (TrainingPlan.schedule_step)
+        **dict.fromkeys(SAVED_FOR_THE_RANKS),  # set when saving
         "global_batch_size": inputs.plan.global_batch_size,
         "config": cfg.to_dict(),
         "cwd": os.getcwd(),  # where the config's relative paths (--model_name) lead: convert_to_hf.py reads from it
@@ -140,8 +138,7 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     # a mixture's rows follow state["mixture"]; its epoch and position are counted alike, as the plan counted them
     state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
-    if saved.get("grad_scaler"):
-        fabric.strategy.precision.load_state_dict(saved["grad_scaler"])
+    restore_grad_scaler(fabric.strategy.precision, saved)
     fabric.print(f"resumed from {path} at step {state['step']} (epoch {state['epoch']}, sample {state['position']} "
                  f"of the epoch) in {loading.last:.1f} s")
     if fabric.is_global_zero:  # resumed from an older checkpoint: the next --resume true must not take a newer one

@@ -4,7 +4,7 @@ Each check appends one line per problem (naming the flag and what to do); all pr
 the run exits with status 2. What the checks resolve along the way (the model config, the FSDP layer classes, the
 checkpoint to resume from) is returned, so the workers never re-derive it differently.
 
-One module per concern, in the order `preflight` runs them: wandb_options.py, data.py (--train_data_dir), model.py
+One module per concern (`preflight` runs a check once what it needs is resolved): wandb_options.py, data.py (--train_data_dir), model.py
 (the model against the options and the data), resume.py (the checkpoint, and the data it was trained on), plan.py
 (batches and schedule), tokenizer.py, out_dir.py, environment.py (this machine and the launcher); notes.py says what
 is resolved without being a problem.
@@ -29,10 +29,7 @@ from app.model.build import resolve_wrap_classes
 from app.optimization.schedule import TrainingPlan
 from app.training.preflight.data import check_data, planned_blocks, reads_data
 from app.training.preflight.environment import check_devices, check_launcher, check_precision, check_runs_here
-from app.training.preflight.model import (check_activation_checkpointing, check_attention_supported,
-                                          check_chunked_loss, check_decoder_start, check_length_dependent_rope,
-                                          check_loss_kernel, check_model, check_model_fits_data,
-                                          check_packed_isolation)
+from app.training.preflight.model import check_model, check_model_with
 from app.training.preflight.notes import note
 from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
@@ -83,19 +80,8 @@ def preflight(cfg: Config) -> RunInputs:
             wrap_classes = resolve_wrap_classes(model_config, cfg.auto_wrap_policy, cfg.trust_remote_code)
         except ValueError as error:
             problems.append(str(error))
-    packed_layout: Layout = "position_ids"
-    attention_works = model_config is not None and check_attention_supported(cfg, model_config, problems)
-    if attention_works:
-        check_activation_checkpointing(cfg, model_config, problems)
-    if model_config is not None and data is not None:
-        check_model_fits_data(cfg, model_config, data, problems)
-        if attention_works:
-            packed_layout = check_packed_isolation(cfg, model_config, data, problems)
-            check_length_dependent_rope(cfg, model_config, data, problems)
-            check_decoder_start(cfg, model_config, data, problems)
-    chunked_loss = check_chunked_loss(cfg, model_config) if attention_works else False
-    if attention_works:
-        check_loss_kernel(cfg, model_config, chunked_loss, problems)
+    packed_layout, chunked_loss = (check_model_with(cfg, model_config, data, problems) if model_config is not None
+                                   else ("position_ids", False))
     resume = resolve_resume(cfg, model_config, problems)
     check_data_resume(cfg, data, resume, problems)
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None

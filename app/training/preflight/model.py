@@ -46,6 +46,28 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
         return None
 
 
+def check_model_with(cfg: Config, model_config: PretrainedConfig, data: Optional[DataFacts],
+                     problems: list[str]) -> tuple[Layout, bool]:
+    """The model against the options and the data (None when the run reads none, planning by --block_size): how
+    packed examples reach it so that they stay apart, and whether the loss is computed in chunks. The checks that
+    build the model need its attention implementation to exist here (else that is the one problem reported)."""
+    attention_works = check_attention_supported(cfg, model_config, problems)
+    if attention_works:
+        check_activation_checkpointing(cfg, model_config, problems)
+    if data is not None:
+        check_model_fits_data(cfg, model_config, data, problems)
+    if not attention_works:
+        return "position_ids", False
+    packed_layout: Layout = "position_ids"
+    if data is not None:
+        packed_layout = check_packed_isolation(cfg, model_config, data, problems)
+        check_length_dependent_rope(cfg, model_config, data, problems)
+        check_decoder_start(cfg, model_config, data, problems)
+    chunked_loss = check_chunked_loss(cfg, model_config)
+    check_loss_kernel(cfg, model_config, chunked_loss, problems)
+    return packed_layout, chunked_loss
+
+
 def check_attention_supported(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> bool:
     """Whether the model class takes --attn_implementation at all (Gemma-2 has no SDPA path in transformers): built
     weightless from the run's own config, as the ranks would build it, where every rank would otherwise end in a

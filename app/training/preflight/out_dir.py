@@ -16,7 +16,9 @@ from app.checkpoint.files import RUN_CONFIG_FILE, bytes_on_disk, leftovers
 from app.data.mixture import parse_sources
 from app.distributed.precision import weights_dtype
 from app.evaluation.samples import samples_written
+from app.metrics.console import format_gb
 from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
+from app.metrics.observe import GB
 from app.model.build import meta_model
 from app.reliability.spikes import QUARANTINE_FILE
 
@@ -68,7 +70,8 @@ def estimated_checkpoint_bytes(model_config: PretrainedConfig, cfg: Config) -> i
 
 
 def size(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+    """In the binary units of every other figure the run prints (and of `df -h`)."""
+    return format_gb(nbytes / GB)
 
 
 def data_folder_holding(cfg: Config, out_dir: Path) -> Optional[Path]:
