@@ -138,6 +138,20 @@ def test_gemma_weights_come_through_unchanged(tiny, tmp_path, model_type) -> Non
         assert torch.equal(reloaded(input_ids=probe()).logits, model(input_ids=probe()).logits)
 
 
+def test_a_folder_whose_tokenizer_autotokenizer_loads_as_another_class_is_refused(tiny, tmp_path, capsys) -> None:
+    """transformers picks a qwen2 folder's tokenizer class itself (Qwen2Tokenizer), whatever tokenizer_config.json
+    names: over the SentencePiece tokenizer that --vocab_size trains, it encoded every prompt otherwise, and the
+    converted model, its weights and logits verified, generated blanks."""
+    model = trained_like("qwen2", len(AutoTokenizer.from_pretrained(tiny.tokenizer)))
+    run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer))
+    with pytest.raises(SystemExit) as exit_info:
+        convert("--checkpoint", run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    assert exit_info.value.code == 1 and not (tmp_path / "hf").exists()
+    assert ("as AutoTokenizer loads it (as Qwen2Tokenizer: transformers picks that class for model type qwen2, "
+            "whatever tokenizer_config.json names), encodes 'def load(path):\\n'... otherwise from token 3 on"
+            ) in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model_type, extra", [("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
                                                ("gpt_neox", dict(rotary_pct=0.25))])
 def test_architectures_that_transformers_writes_under_older_names_convert(tiny, tmp_path, model_type, extra) -> None:

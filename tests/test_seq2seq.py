@@ -81,7 +81,9 @@ def test_t5_trains_with_activation_checkpointing_under_fsdp_with_the_same_losses
 
 
 @pytest.mark.slow
-def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, tmp_path) -> None:
+def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, tiny, tmp_path) -> None:
+    """The folder's tokenizer also ends a source with the EOS that ended every training source: the SentencePiece
+    tokenizer of --vocab_size adds none, and a user's `tokenizer(source)` gave the model sources it never saw."""
     folder = tmp_path / "hf"
     result = run_entry(["convert_to_hf.py", "--checkpoint", str(t5_run), "--output_dir", str(folder), "--dtype",
                         "float32"])
@@ -94,6 +96,9 @@ def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, tm
     tokenizer, config = AutoTokenizer.from_pretrained(folder), T5Config.from_pretrained(folder)
     assert tokenizer.pad_token_id == config.pad_token_id is not None, "padding=True raised for a batch of sources"
     assert 0 in tokenizer(["def f(x):", "def g(x, y):\n    return x"], padding=True)["attention_mask"][0]
+    source = "def f(x):\n    return x"
+    assert tokenizer(source)["input_ids"] == AutoTokenizer.from_pretrained(tiny.tokenizer)(source)["input_ids"] + [
+        tokenizer.eos_token_id]
 
 
 def test_generate_reads_a_source_as_training_read_it(tiny, t5_config, tmp_path) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from tokenizers.processors import TemplateProcessing
 from torch.nn import Module
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
@@ -43,8 +44,10 @@ from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, load_problem, missing_model_
 from app.huggingface.convert_cli import Args
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import REPLACED_FILES, describe_upload, login_problem, push_folder
+from app.huggingface.generate import source_input
 from app.model.build import meta_model, model_class
 from app.prepare.chat_template import end_of_turn_id
+from app.prepare.tokenizer import document_frame
 
 EXIT_VERIFY_FAILED = 1
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name: what the card may name as base_model
@@ -618,20 +621,89 @@ def give_pad_token(tokenizer: Any, config: PretrainedConfig) -> None:
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
 
 
+TOKENIZER_PROBES = ("def load(path):\n    return json.loads(path.read_text())\n",
+                    "Hello,  world!\t¿Qué tal? 你好 🙂")
+
+
+@dataclass(frozen=True)
+class Encoding:
+    ids: list[int]
+    decoded: str
+
+
+def trained_encoding(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, text: str) -> Encoding:
+    """`text` as training gave it to the model, and those tokens decoded: an encoder-decoder's source as
+    prepare_data.py framed every source (ending with one EOS), a causal model's prompt as the tokenizer encodes it
+    (its own BOS)."""
+    if config.is_encoder_decoder:
+        ids = source_input(tokenizer, text)["input_ids"][0].tolist()
+    else:
+        ids = tokenizer(text, split_special_tokens=True)["input_ids"]
+    return Encoding(ids, tokenizer.decode(ids))
+
+
+def end_sources_with_eos(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
+    """An encoder-decoder trained on sources that prepare_data.py ended with an EOS the tokenizer does not add (the
+    SentencePiece tokenizer it trains adds BOS only; T5's own adds EOS): the saved tokenizer adds it too, so that a
+    user's `tokenizer(source)` gives the model sources like those it learnt from (without the EOS, 30 of 60 greedy
+    summaries of a T5 trained for 250 steps changed)."""
+    frame = document_frame(tokenizer)
+    if not (config.is_encoder_decoder and frame.appended and getattr(tokenizer, "is_fast", False)):
+        return
+
+    def framed(sequence: str, type_id: int) -> str:
+        name = tokenizer.convert_ids_to_tokens
+        return " ".join([*(f"{name(i)}:{type_id}" for i in frame.prefix), f"${sequence}:{type_id}",
+                         *(f"{name(i)}:{type_id}" for i in frame.suffix + frame.appended)])
+
+    specials = dict.fromkeys(frame.prefix + frame.suffix + frame.appended)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=framed("A", 0), pair=f"{framed('A', 0)} {framed('B', 1)}",
+        special_tokens=[(tokenizer.convert_ids_to_tokens(i), i) for i in specials])
+
+
+def check_folder_tokenizer(job: Job, folder: Path, trained_class: type, expected: dict[str, Encoding]) -> None:
+    """The tokenizer the written folder gives `AutoTokenizer` must encode and decode as training did: transformers
+    picks the class of some model types' tokenizers itself (Qwen2's, Phi-3's), whatever tokenizer_config.json names,
+    and Qwen2Tokenizer laid its byte-level rules over a SentencePiece vocabulary: every prompt became other tokens,
+    and the verified model generated blanks."""
+    loaded = AutoTokenizer.from_pretrained(folder, trust_remote_code=job.trust_remote_code)
+    for text, trained in expected.items():
+        got = loaded(text, split_special_tokens=True)["input_ids"]
+        if got != trained.ids or loaded.decode(trained.ids) != trained.decoded:
+            if got != trained.ids:
+                k = next((i for i, (a, b) in enumerate(zip(got, trained.ids)) if a != b),
+                         min(len(got), len(trained.ids)))
+                shown = (f"encodes {text[:16]!r}... otherwise from token {k} on ({got[k:k + 4]} where the run's "
+                         f"tokenizer gives {trained.ids[k:k + 4]})")
+            else:
+                shown = f"decodes its tokens as {loaded.decode(trained.ids)[:24]!r}..., not {trained.decoded[:24]!r}..."
+            model_type = job.model_config.model_type
+            chosen = (f" (as {type(loaded).__name__}: transformers picks that class for model type {model_type}, "
+                      "whatever tokenizer_config.json names)" if type(loaded) is not trained_class else "")
+            raise VerificationFailed(
+                f"verification failed: the tokenizer of {job.output_dir}, as AutoTokenizer loads it{chosen}, {shown}; "
+                f"nothing was written. A {model_type} model converts with a tokenizer of the class that model type "
+                "loads: train it with one")
+
+
 def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tuple[torch.Tensor, Module, Optional[str]]:
     """Write the folder; return the logits of the checkpoint's weights, the model the folder loads as, and what
-    loading it found missing or left over (None when nothing)."""
+    loading it found missing or left over (None when nothing). Its tokenizer is checked here (VerificationFailed)."""
     model = model_from_checkpoint(job)
     ids = probe_ids(job.model_config)
     reference = logits_of(model, ids)
     model.to(DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer, trust_remote_code=job.trust_remote_code)
+    expected = {text: trained_encoding(tokenizer, job.model_config, text) for text in TOKENIZER_PROBES}
     give_pad_token(tokenizer, job.model_config)
+    end_sources_with_eos(tokenizer, job.model_config)
     model.generation_config = generation_config(job, tokenizer)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     del model
     gc.collect()
     tokenizer.save_pretrained(folder)
+    check_folder_tokenizer(job, folder, type(tokenizer), expected)
     (folder / "README.md").write_text(model_card(job, dtype, block_size_of(job.metadata.get("config") or {})))
     reloaded, loading = model_class(job.model_config).from_pretrained(
         folder, dtype=DTYPES[dtype], trust_remote_code=job.trust_remote_code, output_loading_info=True)
