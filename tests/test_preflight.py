@@ -39,6 +39,12 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     datasets.DatasetDict({"train": text, "validation": text}).save_to_disk(str(root / "no_input_ids"))
     ragged = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [1, 2]]})
     datasets.DatasetDict({"train": ragged, "validation": ragged}).save_to_disk(str(root / "ragged"))
+    examples = datasets.Dataset.from_dict({"input_ids": [[1, 5, 6, 2]], "labels": [[-100, -100, 6, 2]]})
+    for name, stats in {"supervised_without_stats": None, "stats_of_a_list": "[]",
+                        "stats_of_another_format": '{"format": "images"}'}.items():
+        datasets.DatasetDict({"train": examples, "validation": examples}).save_to_disk(str(root / name))
+        if stats is not None:
+            (root / name / "stats.json").write_text(stats)
     for name, changes in {"short_positions": {"max_position_embeddings": 16}, "small_vocab": {"vocab_size": 100},
                           "wider": {"hidden_size": 96}}.items():
         AutoConfig.from_pretrained(tiny.model_config, **changes).save_pretrained(root / name)
@@ -78,6 +84,15 @@ CASES = {
     "no validation split": (dict(train_data_dir="{no_validation}"), "missing split(s) validation"),
     "no input_ids": (dict(train_data_dir="{no_input_ids}"), "has no rows of input_ids (text data; columns: ['text'])"),
     "ragged rows": (dict(train_data_dir="{ragged}"), "rows have different lengths"),
+    # trained as text blocks, prompts and all, without a word:
+    "supervised data without stats.json": (dict(train_data_dir="{supervised_without_stats}"),
+                                           "has no stats.json, and a folder without one is read as text blocks, but "
+                                           "its labels say it holds supervised or seq2seq examples"),
+    # tracebacks (AttributeError, KeyError):
+    "stats.json of a list": (dict(train_data_dir="{stats_of_a_list}"), "its stats.json is not a JSON object; prepare "
+                             "it again with prepare_data.py"),
+    "stats.json of another format": (dict(train_data_dir="{stats_of_another_format}"),
+                                     "its stats.json names the format 'images', not one of text, supervised_packed"),
     "blocks too long": (dict(model_config="{short_positions}"), "exceed the model's max_position_embeddings (16)"),
     "ids beyond vocab": (dict(model_config="{small_vocab}", tokenizer=None), "but the model's vocab_size is 100"),
     "missing model config": (dict(model_config="/nonexistent/config"), "--model_config /nonexistent/config"),

@@ -70,9 +70,17 @@ class DataFormat:
 
     @classmethod
     def of(cls, data_dir: str | Path) -> "DataFormat":
-        """From the folder's stats.json; a folder prepared before formats existed holds text blocks."""
+        """From the folder's stats.json; a folder prepared before formats existed holds text blocks. ValueError for a
+        stats.json that is not a JSON object or names a format this version does not read."""
         stats_file = Path(data_dir) / STATS_FILE
-        stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
+        try:
+            stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
+        except json.JSONDecodeError as error:
+            raise ValueError(f"its {STATS_FILE} is not JSON ({error})") from None
+        if not isinstance(stats, dict):
+            raise ValueError(f"its {STATS_FILE} is not a JSON object")
+        if stats.get("format", "text") not in COLUMNS:
+            raise ValueError(f"its {STATS_FILE} names the format {stats['format']!r}, not one of {', '.join(COLUMNS)}")
         pad = stats.get("pad_token_id")
         return cls(stats.get("format", "text"), pad if pad is not None else stats.get("eos_token_id") or 0)
 

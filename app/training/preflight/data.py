@@ -12,10 +12,11 @@ import pyarrow.compute as pc
 from datasets import DatasetDict, load_from_disk
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from app.cli import first_line
 from app.data import DataFormat
 from app.data.identity import folder_identity
 from app.data.mixture import Source, epoch_rows, parse_sources
-from app.folders import prepared_tokenizer
+from app.folders import STATS_FILE, prepared_tokenizer
 from app.hub import tokenizer_difference
 from app.training.preflight.environment import world_size
 from app.training.preflight.notes import note
@@ -133,13 +134,21 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
         return None
     try:
         splits = load_from_disk(str(path))
-        data_format = DataFormat.of(path)
     except (FileNotFoundError, ValueError) as error:
         problems.append(f"{flag}: not a dataset saved with save_to_disk ({error}); create it with prepare_data.py")
         return None
     missing = [s for s in ("train", "validation") if not isinstance(splits, DatasetDict) or s not in splits]
     if missing:
         problems.append(f"{flag}: missing split(s) {', '.join(missing)}; prepare_data.py writes train and validation")
+        return None
+    try:
+        data_format = DataFormat.of(path)
+    except ValueError as error:  # a stats.json that is not JSON, or not prepare_data.py's
+        problems.append(f"{flag}: {first_line(error)}; prepare it again with prepare_data.py")
+        return None
+    if not (path / STATS_FILE).is_file() and "labels" in splits["train"].column_names:
+        problems.append(f"{flag} has no {STATS_FILE}, and a folder without one is read as text blocks, but its labels "
+                        f"say it holds supervised or seq2seq examples; restore its {STATS_FILE} or prepare it again")
         return None
     lengths, max_ids, max_positions = set(), [], []
     for name in ("train", "validation"):
