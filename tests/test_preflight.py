@@ -517,6 +517,19 @@ def test_wandb_follows_its_environment_unless_a_flag_says_otherwise(tiny, tmp_pa
     assert "error: WANDB_MODE=sometimes is not one of online, offline, disabled" in capsys.readouterr().err
 
 
+def test_a_malformed_wandb_key_is_refused_in_one_line_that_does_not_show_it(tiny, tmp_path, capsys,
+                                                                           monkeypatch) -> None:
+    """wandb.init raised "AuthenticationError: WANDB_API_KEY invalid" in a traceback, after config.yaml, metrics.csv
+    and the tokenizer were written to --out_dir, and the rerun with the key fixed was refused for those files."""
+    monkeypatch.setenv("WANDB_API_KEY", "abc123")
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode="online")))
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors == ["error: WANDB_API_KEY: API key must have 40+ characters, has 6. Copy it again from "
+                      "https://wandb.ai/authorize, or use --wandb_mode offline"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_space_a_failed_save_left_counts_as_free(tiny, tmp_path, monkeypatch) -> None:
     """A save that filled the disk left its hidden .partial checkpoint, which the run removes as it starts: counted as
     used, it made the resume's preflight refuse the folder ("0.0 GB free, one checkpoint needs about 0.0 GB")."""

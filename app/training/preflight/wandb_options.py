@@ -6,7 +6,7 @@ import csv
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from app.metrics.loggers import METRICS_FILE, RUN_ID_FILE
 from app.training.preflight.notes import note
@@ -70,11 +70,25 @@ def note_wandb_history(cfg: Config, resume_step: int) -> None:
              "run's history); metrics.csv drops them")
 
 
+def wandb_key_problem(key: Optional[str]) -> Optional[str]:
+    """What W&B's own format check finds wrong with the key, never the key itself: wandb.init raised it in a
+    traceback, after the run's files were written (and the rerun was refused for them)."""
+    try:
+        from wandb.sdk.lib.wbauth.validation import check_api_key
+    except ImportError:  # another wandb's layout: wandb.init checks it then
+        return None
+    return check_api_key(key) if key is not None else None
+
+
 def check_wandb(cfg: Config, problems: list[str]) -> None:
     netrc = Path.home() / ".netrc"
     logged_in = "WANDB_API_KEY" in os.environ or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
     if cfg.wandb_mode == "online" and not logged_in:
         problems.append("--wandb_mode online needs WANDB_API_KEY or `wandb login`; or use --wandb_mode offline")
+    key_problem = wandb_key_problem(os.environ.get("WANDB_API_KEY"))
+    if cfg.wandb_mode == "online" and key_problem:
+        problems.append(f"WANDB_API_KEY: {key_problem} Copy it again from https://wandb.ai/authorize, or use "
+                        "--wandb_mode offline")
     if cfg.log_model and cfg.wandb_mode == "disabled":
         problems.append(f"--log_model {str(cfg.log_model).lower()} uploads checkpoints to Weights & Biases, which this "
                         "run does not use; give --wandb_mode online (or offline, synced later), or drop --log_model")
