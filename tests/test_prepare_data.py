@@ -378,6 +378,7 @@ def test_identical_records_are_held_out_together_the_same_way_for_a_seed():
         (["--input", "{docs}", "--vocab_size", "600", "--block_size", "oops"], "block_size"),
         (["--input", "{docs}", "--vocab_size", "600", "--seed", "-1"], "--seed -1"),  # numpy's traceback
         (["--input", "{docs}", "--vocab_size", "600", "--seed", "99999999999"], "--seed 99999999999"),
+        (["--input", "{docs}", "--vocab_size", "3000000000"], "--vocab_size 3000000000 is too large"),  # traceback
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_leaves_output_alone(argv, flag, tmp_path, capsys, code_documents):

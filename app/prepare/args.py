@@ -88,6 +88,8 @@ class PrepareArgs:
 
 SUPPORTED_SUFFIXES = (".txt", ".py", ".md", ".jsonl", ".json", ".parquet", ".csv")
 MIN_TRAINED_VOCAB = 256 + 3 + 1
+MAX_TRAINED_VOCAB = 2**20
+"""Four times Gemma's 262,144 tokens; SentencePiece's trainer ended in a traceback past 2**31 - 1."""
 """A trained tokenizer holds 256 byte pieces and <unk> <s> </s> before it can learn a single character."""
 
 
@@ -159,6 +161,8 @@ def checked_args(args: PrepareArgs) -> PrepareArgs:
         )
     if args.vocab_size is not None and args.vocab_size < MIN_TRAINED_VOCAB:
         raise UsageError(f"--vocab_size {args.vocab_size} is too small: use at least {MIN_TRAINED_VOCAB}")
+    if args.vocab_size is not None and args.vocab_size > MAX_TRAINED_VOCAB:
+        raise UsageError(f"--vocab_size {args.vocab_size} is too large: use at most {MAX_TRAINED_VOCAB}")
     for name in ("block_size", "max_source_length", "max_target_length"):
         if getattr(args, name) < 2:
             raise UsageError(f"--{name} {getattr(args, name)} must be at least 2")
