@@ -7,6 +7,7 @@ meets a shell (the command line wins over --config, bare boolean flags, one-line
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, fields, replace
@@ -427,6 +428,12 @@ def validate_config(cfg: Config) -> list[str]:
         if not condition:
             problems.append(message)
 
+    for option in fields(cfg):  # a YAML .inf: the command line refuses inf, and --lr .inf trained until step 2
+        value = getattr(cfg, option.name)
+        require(not isinstance(value, float) or math.isfinite(value),
+                f"--{option.name} must be a finite number, got {value}")
+    if problems:
+        return problems
     for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "eval_step_interval",
                  "log_interval", "eval_max_new_tokens"):
         require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")

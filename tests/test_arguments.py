@@ -150,6 +150,14 @@ def test_invalid_values_are_named(argv, message) -> None:
     assert any(message in problem for problem in validate_config(cfg)), validate_config(cfg)
 
 
+def test_an_infinite_value_from_a_config_file_is_refused_as_on_the_command_line(tmp_path) -> None:
+    """`--lr inf` is refused by the parser; a YAML `lr: .inf` passed every check, and the run logged `lr inf` until
+    its loss went non-finite at step 2 (exit 3)."""
+    (tmp_path / "run.yaml").write_text("lr: .inf\nmin_lr: 0\ngrad_clip: -.inf\n")
+    assert sorted(validate_config(read_config(REQUIRED + ["--config", str(tmp_path / "run.yaml")]))) == [
+        "--grad_clip must be a finite number, got -inf", "--lr must be a finite number, got inf"]
+
+
 def test_a_max_step_below_one_is_said_once() -> None:
     """It also printed "--warmup_steps (0) exceeds --max_step (-1)", which is false."""
     assert validate_config(read_config(REQUIRED + ["--max_step", "-1"])) == ["--max_step must be at least 1, got -1"]
