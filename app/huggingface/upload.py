@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from huggingface_hub import HfApi, constants, get_token
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 
 REPLACED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "chat_template.*")
@@ -44,6 +45,10 @@ def login_problem(args: HubArgs) -> Optional[str]:
                                                  ("dry_run", False)) if getattr(args, name) != unset]
         return (f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to an upload: add --push_to_hub "
                 "REPO_ID, or drop them") if given else None
+    try:  # its syntax: huggingface_hub refused it only when uploading, after the conversion
+        validate_repo_id(args.push_to_hub)
+    except HFValidationError:
+        return f"--push_to_hub {args.push_to_hub}: not a Hub id; expected owner/name (or a name of your own account)"
     if args.dry_run:
         return None
     if constants.HF_HUB_OFFLINE:  # as compute nodes are told to set it: the upload failed after the conversion
