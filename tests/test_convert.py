@@ -603,9 +603,10 @@ def test_a_push_with_hf_hub_offline_is_refused_before_the_conversion(full_run, t
 
 def test_a_push_to_a_malformed_repo_id_is_refused_before_the_conversion(full_run, tmp_path, capsys) -> None:
     """huggingface_hub refused "not a repo//x" only when uploading: after the whole conversion, with exit 1."""
-    assert refused(capsys, "--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--push_to_hub", "not a repo//x",
-                   "--dry_run", "true") == ("convert_to_hf.py: error: --push_to_hub not a repo//x: not a Hub id; expected "
-                                            "owner/name (or a name of your own account); see convert_to_hf.py --help")
+    line = refused(capsys, "--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--push_to_hub", "not a repo//x",
+                   "--dry_run", "true")
+    assert line == ("convert_to_hf.py: error: --push_to_hub not a repo//x: not a Hub id; expected owner/name (or a "
+                    "name of your own account); see convert_to_hf.py --help")
     assert not (tmp_path / "hf").exists()
 
 
