@@ -347,7 +347,7 @@ def test_all_converts_every_checkpoint_of_a_run(full_run, tmp_path) -> None:
     # it was refused as "a train.py checkpoint or run folder" for its name
 
 
-def test_overwrite_replaces_an_earlier_conversion(full_run, tmp_path) -> None:
+def test_overwrite_replaces_an_earlier_conversion(full_run, tmp_path, capsys) -> None:
     """What --overwrite true is for: converting again into the same model folder (other folders are refused)."""
     convert("--checkpoint", full_run / "checkpoints" / "step-00000004.ckpt", "--output_dir", tmp_path / "hf")
     convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--overwrite", "true")
@@ -357,6 +357,12 @@ def test_overwrite_replaces_an_earlier_conversion(full_run, tmp_path) -> None:
             "--overwrite", "true")
     assert (tmp_path / "linked").is_symlink() and "step-00000004.ckpt" in (tmp_path / "hf" / "README.md").read_text()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["hf", "linked"], "staging folders left behind"
+    (tmp_path / "hf" / "NOTES.txt").write_text("mine")  # deleted with the folder, and myrun/ with all it held
+    (tmp_path / "hf" / "original").mkdir()
+    assert refused(capsys, "--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--overwrite", "true") == (
+        f"convert_to_hf.py: error: --output_dir {tmp_path / 'hf'}: --overwrite true would also delete NOTES.txt, "
+        "original, which a conversion does not write; move them out of it, or choose another folder; see "
+        "convert_to_hf.py --help")
 
 
 def folder_digest(folder: Path) -> str:

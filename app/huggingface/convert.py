@@ -346,10 +346,22 @@ def check_output_dir(output: Path, overwrite: bool) -> None:
         raise BadInput(f"--output_dir {output}: --overwrite true replaces only an empty folder or a model folder "
                        f"(with {MODEL_CONFIG_FILE} and {' or '.join(WEIGHT_FILES)} weights), and this is neither; "
                        "choose another folder")
+    others = sorted(path.name for path in output.iterdir()
+                    if path.is_dir() or not any(path.match(pattern) for pattern in CONVERSION_FILES))
+    if others:
+        raise BadInput(f"--output_dir {output}: --overwrite true would also delete {', '.join(others[:5])}"
+                       f"{' and more' if len(others) > 5 else ''}, which a conversion does not write; move them out "
+                       "of it, or choose another folder")
 
 
 MODEL_CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("*.safetensors", "*.bin")
+CONVERSION_FILES = (MODEL_CONFIG_FILE, "generation_config.json", "README.md", *WEIGHT_FILES, "*.index.json",
+                    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.*", "vocab.*",
+                    "merges.txt", "*.model", "*.spm", "*.tiktoken")
+"""What save_pretrained writes for a model and its tokenizer (of any kind), and the model card: all that --overwrite
+may delete. A model folder downloaded or cloned from the Hub holds more (original/, LICENSE, .git), and so may the
+user's own notes."""
 
 
 def check_not_the_base_model(output: Path, base_model: Optional[str]) -> None:
