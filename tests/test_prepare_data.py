@@ -379,6 +379,10 @@ def test_identical_records_are_held_out_together_the_same_way_for_a_seed():
         (["--input", "{docs}", "--vocab_size", "600", "--seed", "-1"], "--seed -1"),  # numpy's traceback
         (["--input", "{docs}", "--vocab_size", "600", "--seed", "99999999999"], "--seed 99999999999"),
         (["--input", "{docs}", "--vocab_size", "3000000000"], "--vocab_size 3000000000 is too large"),  # traceback
+        # silently ignored:
+        (["--input", "{docs}", "--vocab_size", "600", "--split_lines", "true"], "no --input holds a .txt file"),
+        (["--input", "{docs}", "--vocab_size", "600", "--dataset_config", "en"], "--dataset_config en applies to a "
+                                                                                   "Hugging Face dataset"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_leaves_output_alone(argv, flag, tmp_path, capsys, code_documents):

@@ -61,6 +61,9 @@ def read_documents(args: PrepareArgs, to_records: ToRecords | None = None) -> Do
     becomes the documents' `text`.
     """
     to_records = to_records or (lambda table, source: _text_column(table, args.text_field, source))
+    if args.split_lines and not any(_holds_text_files(Path(source)) for source in args.input):
+        raise UsageError("--split_lines true makes each line of a .txt file a document, and no --input holds a .txt "
+                         "file; drop it")
     pool, own_train, own_validation, description = [], [], [], []
     for source in args.input:
         train, validation, what = read_source(source, args, to_records)
@@ -89,6 +92,9 @@ def read_source(source: str, args: PrepareArgs, to_records: ToRecords) -> tuple[
     path = Path(source)
     if not path.exists():
         return _from_dataset(_load_hub(source, args), source, args, to_records, split_applied=args.split is not None)
+    if args.dataset_config is not None:
+        raise UsageError(f"--dataset_config {args.dataset_config} applies to a Hugging Face dataset, not to --input "
+                         f"{source}")
     with quiet_progress():
         if path.is_dir() and _is_saved_dataset(path):
             return _from_dataset(datasets.load_from_disk(str(path)), source, args, to_records)
@@ -112,6 +118,13 @@ def quiet_progress() -> Iterator[None]:
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
+
+
+def _holds_text_files(path: Path) -> bool:
+    """Whether a local --input is or holds .txt files (which --split_lines reads line by line)."""
+    if not path.exists() or path.is_dir() and _is_saved_dataset(path):
+        return False
+    return any(file.suffix.lower() == ".txt" for file in _supported_files(path))
 
 
 def _is_saved_dataset(folder: Path) -> bool:
