@@ -144,9 +144,11 @@ def config_value_problem(parser: ArgumentParser, name: str, value: object) -> Op
 
 def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namespace:
     """The parsed command line; a bad one raises UsageError with a one-line message."""
-    arguments = config_files_first(sys.argv[1:] if argv is None else list(argv))
-    check_config_files(parser, [part for word in arguments
-                                for part in (word.split("=", 1) if word.startswith(CONFIG_FLAG + "=") else [word])])
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if any(CONFIG_FLAG in action.option_strings for action in parser._actions):  # generate.py takes no config file
+        arguments = config_files_first(arguments)
+        check_config_files(parser, [part for word in arguments
+                                    for part in (word.split("=", 1) if word.startswith(CONFIG_FLAG + "=") else [word])])
     check_lists_given_once(parser, arguments)
     try:
         namespace = parser.parse_args(arguments)

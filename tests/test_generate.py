@@ -194,6 +194,8 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
         f"--prompts {prompts}: line 1 has no field 'summary' (--reference_field); its fields: prompt, answer")
     assert refused_file(json.dumps({"prompt": 3}) + "\n") == (
         f"--prompts {prompts}: line 1 has a int, not text, in 'prompt' (--prompt_field); its fields: prompt")
+    assert refused_file(json.dumps({"prompt": "def f(", "answer": None}) + "\n", "--reference_field", "answer") == (
+        f"--prompts {prompts}: line 1 has null in 'answer' (--reference_field); its fields: prompt, answer")
     assert refused_file("\n \n") == f"--prompts {prompts}: holds no prompts"
     too_long = refused_file(good + json.dumps({"prompt": "def f(x): return x " * 2}) + "\n" + good,
                             "--max_new_tokens", "40")  # checked on the longest prompt: its limit fits every line
@@ -217,6 +219,8 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
     (["--prompts", "{folder}/missing.jsonl"], "--prompts {folder}/missing.jsonl: no such file; give a JSON lines file, "
                                               "one object a line"),
     (["--prompts", "{file}", "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+    # it read the file as a config, and named the model folder as the option it did not know:
+    (["--config", "{file}"], "unrecognized arguments: --config {file}"),
     (["--prompts", "{file}", "--output", "{file}"], "--output {file} exists; give a new file name (answers are never "
                                                     "overwritten)"),
     (["--prompts", "{file}", "--output", "{folder}/no/a.jsonl"], "--output {folder}/no/a.jsonl: its folder does not "

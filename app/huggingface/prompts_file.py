@@ -69,7 +69,8 @@ def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str],
 def text_field(path: Path, number: int, record: dict, flag: str, field: str) -> str:
     value = record.get(field)
     if not isinstance(value, str):
-        kind = "has no field" if value is None else f"has a {type(value).__name__}, not text, in"
+        kind = ("has no field" if field not in record else "has null in" if value is None
+                else f"has a {type(value).__name__}, not text, in")
         raise UsageError(f"--prompts {path}: line {number} {kind} {field!r} ({flag}); its fields: "
                          f"{', '.join(map(str, record)) or 'none'}")
     return value
