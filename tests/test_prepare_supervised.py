@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import logging.handlers
 from pathlib import Path
 from typing import NamedTuple
 
@@ -656,10 +658,16 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         expected = expected.replace(f"{{{name}}}", str(path))
     if "--input" not in argv:
         argv += ["--input", str(work / "pairs.jsonl")]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--tokenizer", str(work / "plain"), "--output_dir", str(tmp_path / "out")])
+    logged = logging.handlers.BufferingHandler(capacity=100)  # datasets' loggers print to the terminal themselves
+    logging.getLogger("datasets").addHandler(logged)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--tokenizer", str(work / "plain"), "--output_dir", str(tmp_path / "out")])
+    finally:
+        logging.getLogger("datasets").removeHandler(logged)
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and expected in lines[0], lines
+    assert [record.getMessage() for record in logged.buffer] == [], "a second line: 'Failed to load JSON from file'"
     assert not (tmp_path / "out").exists()
 
 

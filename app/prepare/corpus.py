@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -110,14 +111,22 @@ def read_source(source: str, args: PrepareArgs, to_records: ToRecords) -> tuple[
 
 @contextmanager
 def quiet_progress() -> Iterator[None]:
-    """No progress bars while reading local inputs: it is quick, and a refusal must stay a single line on stderr."""
+    """No progress bars while reading local inputs: it is quick, and a refusal must stay a single line on stderr
+    (the JSON reader also logs the error it raises, "Failed to load JSON from file ...", before ours says it)."""
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    json_reader = logging.getLogger(JSON_READER_LOGGER)
+    level = json_reader.level
+    json_reader.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
+        json_reader.setLevel(level)
         if was_enabled:
             datasets.enable_progress_bars()
+
+
+JSON_READER_LOGGER = "datasets.packaged_modules.json.json"
 
 
 def _holds_text_files(path: Path) -> bool:
