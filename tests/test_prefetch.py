@@ -414,3 +414,10 @@ def test_preflight_says_a_model_folder_without_a_tokenizer_has_none_and_a_broken
     assert resolve_tokenizer(cfg, None, []) is None
     note = capsys.readouterr().out.strip()
     assert note.startswith(f"no tokenizer recorded with this run: {folder}'s tokenizer does not load ("), note
+    data = tmp_path / "data"  # trained on to the end without a word; only the conversion asked for a tokenizer
+    data.mkdir()
+    assert resolve_tokenizer(SimpleNamespace(**vars(cfg) | {"model_name": None, "train_data_dir": str(data),
+                                                            "estimate_memory": False}), None, []) is None
+    assert capsys.readouterr().out.strip() == (
+        f"no tokenizer recorded with this run: --train_data_dir {data} holds no tokenizer/ and no --tokenizer or "
+        "--model_name names one; give --tokenizer for the run to keep it (convert_to_hf.py will ask for it otherwise)")
