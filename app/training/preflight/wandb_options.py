@@ -72,12 +72,15 @@ def note_wandb_history(cfg: Config, resume_step: int) -> None:
 
 def wandb_key_problem(key: Optional[str]) -> Optional[str]:
     """What W&B's own format check finds wrong with the key, never the key itself: wandb.init raised it in a
-    traceback, after the run's files were written (and the rerun was refused for them)."""
+    traceback, after the run's files were written (and the rerun was refused for them). wandb is imported only for
+    a key to check: its import makes staging folders in $TMPDIR."""
+    if key is None:
+        return None
     try:
         from wandb.sdk.lib.wbauth.validation import check_api_key
     except ImportError:  # another wandb's layout: wandb.init checks it then
         return None
-    return check_api_key(key) if key is not None else None
+    return check_api_key(key)
 
 
 def check_wandb(cfg: Config, problems: list[str]) -> None:
@@ -85,8 +88,8 @@ def check_wandb(cfg: Config, problems: list[str]) -> None:
     logged_in = "WANDB_API_KEY" in os.environ or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
     if cfg.wandb_mode == "online" and not logged_in:
         problems.append("--wandb_mode online needs WANDB_API_KEY or `wandb login`; or use --wandb_mode offline")
-    key_problem = wandb_key_problem(os.environ.get("WANDB_API_KEY"))
-    if cfg.wandb_mode == "online" and key_problem:
+    key_problem = wandb_key_problem(os.environ.get("WANDB_API_KEY")) if cfg.wandb_mode == "online" else None
+    if key_problem:
         problems.append(f"WANDB_API_KEY: {key_problem} Copy it again from https://wandb.ai/authorize, or use "
                         "--wandb_mode offline")
     if cfg.log_model and cfg.wandb_mode == "disabled":
