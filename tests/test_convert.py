@@ -142,7 +142,17 @@ def test_a_folder_whose_tokenizer_autotokenizer_loads_as_another_class_is_refuse
     """transformers picks a qwen2 folder's tokenizer class itself (Qwen2Tokenizer), whatever tokenizer_config.json
     names: over the SentencePiece tokenizer that --vocab_size trains, it encoded every prompt otherwise, and the
     converted model, its weights and logits verified, generated blanks."""
+    from types import SimpleNamespace
+
+    from app.training.preflight.tokenizer import resolve_tokenizer
+
     model = trained_like("qwen2", len(AutoTokenizer.from_pretrained(tiny.tokenizer)))
+    cfg = SimpleNamespace(tokenizer=str(tiny.tokenizer), train_data_dir=None, trust_remote_code=False)
+    resolve_tokenizer(cfg, model.config, [])  # said when training starts, not only hours later
+    assert capsys.readouterr().out.startswith("convert_to_hf.py will refuse this run's checkpoints: the tokenizer of a "
+                                              "converted folder, as AutoTokenizer loads it (as Qwen2Tokenizer")
+    resolve_tokenizer(cfg, trained_like("llama", model.config.vocab_size).config, [])
+    assert capsys.readouterr().out == ""
     run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer))
     with pytest.raises(SystemExit) as exit_info:
         convert("--checkpoint", run, "--output_dir", tmp_path / "hf", "--dtype", "float32")

@@ -22,6 +22,7 @@ import gc
 import re
 import shlex
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +30,7 @@ from typing import Any, Optional
 import torch
 from tokenizers.processors import TemplateProcessing
 from torch.nn import Module
+from transformers.models.auto import tokenization_auto
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
@@ -674,29 +676,49 @@ def end_sources_with_eos(tokenizer: PreTrainedTokenizerBase, config: PretrainedC
         special_tokens=[(tokenizer.convert_ids_to_tokens(i), i) for i in specials])
 
 
-def check_folder_tokenizer(job: Job, folder: Path, trained_class: type, expected: dict[str, Encoding]) -> None:
-    """The tokenizer the written folder gives `AutoTokenizer` must encode and decode as training did: transformers
-    picks the class of some model types' tokenizers itself (Qwen2's, Phi-3's), whatever tokenizer_config.json names,
-    and Qwen2Tokenizer laid its byte-level rules over a SentencePiece vocabulary: every prompt became other tokens,
-    and the verified model generated blanks."""
-    loaded = AutoTokenizer.from_pretrained(folder, trust_remote_code=job.trust_remote_code)
+def autotokenizer_difference(folder: Path, model_type: str, trained_class: type, expected: dict[str, Encoding],
+                             trust_remote_code: bool) -> Optional[str]:
+    """How the tokenizer that `AutoTokenizer` loads from a model folder encodes or decodes the `expected` texts
+    otherwise than training did; None when alike. transformers picks the class of some model types' tokenizers
+    itself (Qwen2's, Phi-3's), whatever tokenizer_config.json names, and Qwen2Tokenizer laid its byte-level rules
+    over a SentencePiece vocabulary: every prompt became other tokens, and the verified model generated blanks."""
+    loaded = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    chosen = (f" (as {type(loaded).__name__}: transformers picks that class for model type {model_type}, whatever "
+              "tokenizer_config.json names)" if type(loaded) is not trained_class else "")
     for text, trained in expected.items():
         got = loaded(text, split_special_tokens=True)["input_ids"]
-        if got != trained.ids or loaded.decode(trained.ids) != trained.decoded:
-            if got != trained.ids:
-                k = next((i for i, (a, b) in enumerate(zip(got, trained.ids)) if a != b),
-                         min(len(got), len(trained.ids)))
-                shown = (f"encodes {text[:16]!r}... otherwise from token {k} on ({got[k:k + 4]} where the run's "
-                         f"tokenizer gives {trained.ids[k:k + 4]})")
-            else:
-                shown = f"decodes its tokens as {loaded.decode(trained.ids)[:24]!r}..., not {trained.decoded[:24]!r}..."
-            model_type = job.model_config.model_type
-            chosen = (f" (as {type(loaded).__name__}: transformers picks that class for model type {model_type}, "
-                      "whatever tokenizer_config.json names)" if type(loaded) is not trained_class else "")
-            raise VerificationFailed(
-                f"verification failed: the tokenizer of {job.output_dir}, as AutoTokenizer loads it{chosen}, {shown}; "
-                f"nothing was written. A {model_type} model converts with a tokenizer of the class that model type "
-                "loads: train it with one")
+        if got != trained.ids:
+            k = next((i for i, (a, b) in enumerate(zip(got, trained.ids)) if a != b), min(len(got), len(trained.ids)))
+            return (f"as AutoTokenizer loads it{chosen}, encodes {text[:16]!r}... otherwise from token {k} on "
+                    f"({got[k:k + 4]} where the run's tokenizer gives {trained.ids[k:k + 4]})")
+        if loaded.decode(trained.ids) != trained.decoded:
+            return (f"as AutoTokenizer loads it{chosen}, decodes its tokens as {loaded.decode(trained.ids)[:24]!r}..., "
+                    f"not {trained.decoded[:24]!r}...")
+    return None
+
+
+def converted_tokenizer_problem(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig,
+                                trust_remote_code: bool) -> Optional[str]:
+    """What a converted folder of this model and tokenizer would load otherwise (autotokenizer_difference), found
+    before training: only for the model types whose tokenizer class transformers picks itself."""
+    if config.model_type not in getattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", ()):
+        return None
+    expected = {text: trained_encoding(tokenizer, config, text) for text in TOKENIZER_PROBES}
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        config.save_pretrained(folder)
+        return autotokenizer_difference(Path(folder), config.model_type, type(tokenizer), expected, trust_remote_code)
+
+
+def check_folder_tokenizer(job: Job, folder: Path, trained_class: type, expected: dict[str, Encoding]) -> None:
+    """The tokenizer the written folder gives `AutoTokenizer` must encode and decode as training did."""
+    difference = autotokenizer_difference(folder, job.model_config.model_type, trained_class, expected,
+                                          job.trust_remote_code)
+    if difference:
+        raise VerificationFailed(
+            f"verification failed: the tokenizer of {job.output_dir}, {difference}; nothing was written. A "
+            f"{job.model_config.model_type} model converts with a tokenizer of the class that model type loads: "
+            "train it with one")
 
 
 def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tuple[torch.Tensor, Module, Optional[str]]:

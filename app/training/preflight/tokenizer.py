@@ -12,6 +12,7 @@ from app.cli import first_line
 from app.data.mixture import first_folder
 from app.folders import prepared_tokenizer
 from app.hub import TOKENIZER_ADVICE, missing_model_problem, quiet_hub, tokenizer_difference, unloadable_tokenizer
+from app.huggingface.convert import converted_tokenizer_problem
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
 
@@ -50,6 +51,11 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     if model_config is not None and len(tokenizer) > model_config.vocab_size:
         problems.append(f"--tokenizer {name} has {len(tokenizer)} tokens, more than the model's vocab_size "
                         f"{model_config.vocab_size}; use the tokenizer the data was prepared with")
+    converted = model_config is not None and converted_tokenizer_problem(tokenizer, model_config,
+                                                                         cfg.trust_remote_code)
+    if converted:
+        note(f"convert_to_hf.py will refuse this run's checkpoints: the tokenizer of a converted folder, {converted}; "
+             f"a {model_config.model_type} model converts with a tokenizer of the class that model type loads")
     if cfg.tokenizer and bundled.is_dir():
         difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(
             bundled, trust_remote_code=cfg.trust_remote_code))
