@@ -247,6 +247,28 @@ def test_a_folder_torch_distributed_checkpoint_wrote_reads_as_pieces(tensors, tm
     assert all(torch.equal(tensor, tensors[name]) for name, tensor in read_tensors(tmp_path).items())
 
 
+def test_a_rollback_compares_only_validation_losses_measured_on_the_same_rows(tmp_path) -> None:
+    """A folder added to the mixture at a resume raised val_loss by its own rows (3.04 against 2.59 before the
+    resume): the rollback passed over every checkpoint since the resume for the one before it, and set them aside."""
+    from app.checkpoint import checkpoint_path
+    from app.checkpoint.io import last_good_checkpoint
+
+    def saved(step: int, val_loss: float, folders: str, **config: object) -> None:
+        torch.save({"step": step, "val_loss": val_loss, "rng": [{}, {}], "model": {},
+                    "config": {"train_data_dir": folders, "eval_iters": 10, "micro_batch_size": 4} | config},
+                   checkpoint_path(tmp_path, step))
+
+    checkpoint_path(tmp_path, 0).parent.mkdir(parents=True)
+    saved(300, 2.59, "data:3,a2:1")
+    saved(320, 3.04, "data:3,a2:0.5,prose:0.5")
+    saved(340, 3.02, "data:3,a2:0.5,prose:0.5")
+    assert last_good_checkpoint(tmp_path, 344) == checkpoint_path(tmp_path, 340)
+    saved(360, 3.10, "data:3,a2:0.5,prose:0.5")  # the loss had begun to rise: passed over, as before
+    assert last_good_checkpoint(tmp_path, 364) == checkpoint_path(tmp_path, 340)
+    saved(380, 3.30, "data:3,a2:0.5,prose:0.5", eval_iters=20)  # other rows again: compared with no other
+    assert last_good_checkpoint(tmp_path, 384) == checkpoint_path(tmp_path, 380)
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_rollback_passes_over_a_corrupt_checkpoint_for_the_one_before_it(tmp_path, sharded) -> None:
     """The spike guard's rollback met a checkpoint whose bytes changed in place with a traceback (on the ranks whose

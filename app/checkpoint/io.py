@@ -112,14 +112,30 @@ def load_last_good_checkpoint(out_dir: str | Path, before_step: int, model: Any,
 def last_good_checkpoint(out_dir: str | Path, before_step: int, passing_over: frozenset[Path] = frozenset()
                          ) -> Optional[Path]:
     """Where a rollback returns to (spike guard): the latest checkpoint saved before `before_step` whose validation
-    loss, where it records one, is no higher than the lowest of theirs: a checkpoint from a stretch where the loss
-    had begun to rise is passed over for an earlier one. So are those in `passing_over` (found corrupt)."""
+    loss, where it records one, is no higher than the lowest of those measured on the same validation rows as the
+    latest's: a checkpoint from a stretch where the loss had begun to rise is passed over for an earlier one. So are
+    those in `passing_over` (found corrupt). Losses measured on other rows (before a resume that added a folder or
+    changed the evaluation's batches) do not compare: a folder added at a resume raised val_loss by its own rows, and
+    a rollback discarded every step trained since, back to the checkpoint before that resume."""
     candidates = {step: path for step, path in list_checkpoints(out_dir).items()
                   if step < before_step and path not in passing_over}
-    losses = {step: read_metadata(path).get("val_loss") for step, path in candidates.items()}
-    known = [loss for loss in losses.values() if loss is not None]
-    good = [step for step, loss in losses.items() if loss is None or loss <= min(known)]
-    return candidates[max(good)] if good else None
+    if not candidates:
+        return None
+    metadata = {step: read_metadata(path) for step, path in candidates.items()}
+    measured = validation_measured(metadata[max(metadata)])
+    comparable = {step: saved["val_loss"] for step, saved in metadata.items()
+                  if saved.get("val_loss") is not None and validation_measured(saved) == measured}
+    good = [step for step in candidates if step not in comparable or comparable[step] <= min(comparable.values())]
+    return candidates[max(good)]
+
+
+def validation_measured(metadata: dict[str, Any]) -> tuple:
+    """What a checkpoint's val_loss was measured on: its data folders, and --eval_iters batches of the evaluation
+    batch on each of its ranks (app/evaluation/validation.py)."""
+    config = metadata.get("config") or {}
+    folders = metadata.get("data_folders") or config.get("train_data_dir")
+    return (json.dumps(folders, sort_keys=True, default=str), config.get("eval_iters"),
+            config.get("eval_batch_size") or config.get("micro_batch_size"), len(metadata.get("rng") or []))
 
 
 def is_checkpoint(path: Path) -> bool:
