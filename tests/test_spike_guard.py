@@ -98,3 +98,24 @@ def test_bad_rows_are_set_aside_a_broken_stretch_is_rolled_back_and_a_resume_els
     for step in range(41, 61):
         assert continued[step] == pytest.approx(straight[step], rel=1e-4), step
     assert quarantined(tmp_path / "resumed") == spiky
+
+
+@pytest.mark.parametrize("mode", ["skip", "off"])
+def test_quarantine_jsonl_says_what_the_run_skips_also_when_it_skips_nothing(tiny: TinySetup, tmp_path: Path,
+                                                                              mode: str) -> None:
+    """Resumed from a checkpoint saved before rows were set aside (or under --spike_guard off), the run trained on
+    rows that quarantine.jsonl still listed: the file was rewritten only when the state held rows to skip."""
+    from types import SimpleNamespace
+
+    from app.reliability.spikes import QUARANTINE_FILE
+    from app.training.run import spike_guard
+    from arguments import parse_config
+
+    cfg = parse_config(train_args(tiny, tmp_path, spike_guard=mode))
+    stale = tmp_path / QUARANTINE_FILE
+    stale.write_text(json.dumps({"data_dir": str(tiny.data), "split": "train", "row": 323}) + "\n")
+    held = {"quarantine": [{"row": 7, "step": 3}]} if mode == "off" else None  # off: they train again
+    fabric = SimpleNamespace(is_global_zero=True, print=lambda line: None)
+    data = SimpleNamespace(quarantine=lambda rows: None, locate=lambda row: (str(tiny.data), row))
+    spike_guard(fabric, cfg, {"spike_guard": held}, data)
+    assert not stale.exists()

@@ -256,10 +256,14 @@ def culprits(rows: Sequence[tuple[int, float, int]], spike: Spike, floor: float)
 def write_quarantine(out_dir: Path, entries: list[dict], locate: Callable[[int], tuple[str, int]]) -> None:
     """`out_dir/quarantine.jsonl`: one line per row set aside, with the data folder, split and row to find it in
     (`locate`: the folder of a mixture holding the run's row), rewritten whole (atomically) from the run's state, so
-    that it always says what the run skips."""
+    that it always says what the run skips; none: no file (a resume from before the rows were set aside, or under
+    --spike_guard off, left the file of rows the run trained on again)."""
+    path = out_dir / QUARANTINE_FILE
+    if not entries:
+        path.unlink(missing_ok=True)
+        return
     lines = []
     for entry in entries:
         data_dir, row = locate(entry["row"])
         lines.append(json.dumps({"data_dir": data_dir, "split": "train"} | entry | {"row": row}) + "\n")
-    path = out_dir / QUARANTINE_FILE
     written_or_warned(path, partial(replace_file, path, "".join(lines)))

@@ -287,10 +287,10 @@ def spike_guard(fabric: Fabric, cfg: Config, state: dict[str, Any], data: Traini
     resumed under `detect` (which sets none aside itself: they trained again while the summary counted them set
     aside); under `off`, they train again, and the run says so."""
     guard = SpikeGuard(spike_rules(cfg), SpikeHistory.from_dict(state["spike_guard"]))
+    if fabric.is_global_zero:  # what this run skips, from its state: a file of an abandoned stretch's is stale
+        write_quarantine(Path(cfg.out_dir), guard.history.quarantine if guard.active else [], data.locate)
     if guard.active and guard.history.quarantine:
         data.quarantine(guard.history.quarantined_rows())
-        if fabric.is_global_zero:
-            write_quarantine(Path(cfg.out_dir), guard.history.quarantine, data.locate)
         fabric.print(f"{len(guard.history.quarantine)} train rows set aside by the spike guard train nothing "
                      f"({Path(cfg.out_dir) / QUARANTINE_FILE})")
     elif guard.history.quarantine:
