@@ -45,6 +45,8 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
         datasets.DatasetDict({"train": examples, "validation": examples}).save_to_disk(str(root / name))
         if stats is not None:
             (root / name / "stats.json").write_text(stats)
+    datasets.DatasetDict({"train": splits["train"].select(range(0)), "validation": splits["validation"]}).save_to_disk(
+        str(root / "empty_train"))  # a selection of no rows, saved as it is: datasets' reader ends in an IndexError
     for name, changes in {"short_positions": {"max_position_embeddings": 16}, "small_vocab": {"vocab_size": 100},
                           "wider": {"hidden_size": 96}}.items():
         AutoConfig.from_pretrained(tiny.model_config, **changes).save_pretrained(root / name)
@@ -88,6 +90,7 @@ CASES = {
     "supervised data without stats.json": (dict(train_data_dir="{supervised_without_stats}"),
                                            "has no stats.json, and a folder without one is read as text blocks, but "
                                            "its labels say it holds supervised or seq2seq examples"),
+    "a split saved without a file": (dict(train_data_dir="{empty_train}"), "a split of it holds no data file"),
     # tracebacks (AttributeError, KeyError):
     "stats.json of a list": (dict(train_data_dir="{stats_of_a_list}"), "its stats.json is not a JSON object; prepare "
                              "it again with prepare_data.py"),

@@ -137,6 +137,10 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
     except (FileNotFoundError, ValueError) as error:
         problems.append(f"{flag}: not a dataset saved with save_to_disk ({error}); create it with prepare_data.py")
         return None
+    except IndexError:  # datasets' reader of a split saved without a single file (an empty selection, saved as such)
+        problems.append(f"{flag}: a split of it holds no data file (an empty split saved by hand?); prepare it again "
+                        "with prepare_data.py")
+        return None
     missing = [s for s in ("train", "validation") if not isinstance(splits, DatasetDict) or s not in splits]
     if missing:
         problems.append(f"{flag}: missing split(s) {', '.join(missing)}; prepare_data.py writes train and validation")
