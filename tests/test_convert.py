@@ -293,7 +293,8 @@ def test_model_card_records_origin_and_training(full_run, tmp_path) -> None:
     card = (tmp_path / "hf" / "README.md").read_text()
     checkpoint = read_checkpoint(full_run / "checkpoints" / "step-00000008.ckpt")
     assert "| Step | 8 (epoch 0) |" in card and f"{checkpoint['val_loss']:.4f}" in card
-    assert "| lr | 0.003 |" in card and "trained from scratch" in card and "| Block size (tokens) | 32 |" in card
+    assert "| lr | 0.003 |" in card and "trained from scratch" in card and "| Sequence length (tokens) | 32 |" in card
+    assert "pipeline_tag: text-generation" in card
     assert "| Training data | data |" in card and str(full_run.parent.parent) not in card, "a user's paths, published"
 
 

@@ -89,7 +89,9 @@ def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, ti
                         "float32"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "logits verified (max relative difference 0.0e+00)" in result.stdout
-    assert "AutoModelForSeq2SeqLM.from_pretrained" in (folder / "README.md").read_text()
+    card = (folder / "README.md").read_text()  # it said text-generation, and the first source's length as a block
+    assert "AutoModelForSeq2SeqLM.from_pretrained" in card and "pipeline_tag: text2text-generation" in card
+    assert "| Sequence length (tokens) | sources up to 128, targets up to 32 |" in card
     generated = run_entry(["generate.py", str(folder), "--prompt", "def f(x):\n    return x", "--max_new_tokens", "5",
                            "--temperature", "0"])
     assert generated.returncode == 0 and "-->" in generated.stdout, generated.stderr[-2000:]

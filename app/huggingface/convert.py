@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import re
 import shlex
 import shutil
@@ -40,7 +41,7 @@ from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, first_line
-from app.folders import prepared_tokenizer, real_folder, staging_folder
+from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_folder
 from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, load_problem, missing_model_problem, tokenizer_difference,
                      unloadable_tokenizer)
 from app.huggingface.convert_cli import Args
@@ -561,12 +562,14 @@ def validation_row(val_loss: Optional[float], measured_at: Optional[int], step: 
     return f"{val_loss:.4f}"
 
 
-def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
-    """README.md of the output folder: where the model comes from and how it was trained."""
+def model_card(job: Job, dtype: str, lengths: Optional[str]) -> str:
+    """README.md of the output folder: where the model comes from and how it was trained. The Hub's pipeline tag is
+    text2text-generation for an encoder-decoder (text-generation named a T5 a causal model)."""
     run = job.metadata.get("config") or {}
     base = recorded_base_model(job.metadata)
     val_loss = job.metadata.get("val_loss")
-    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
+    task = "text2text-generation" if job.model_config.is_encoder_decoder else "text-generation"
+    lines = ["---", "library_name: transformers", f"pipeline_tag: {task}"]
     lines += [f"base_model: {hub_id(base)}"] if hub_id(base) else []
     lines += ["tags:", "- fsdp-trainer", "---", "", f"# {job.output_dir.name}", "",
               f"Trained with fsdp-trainer (Lightning Fabric + FSDP) and converted from `{job.checkpoint.name}` "
@@ -576,7 +579,7 @@ def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
               f"| Architecture | {job.model_config.model_type}, {sum(s.numel() for s, _ in job.shapes.values()):,} "
               "parameters |",
               f"| Training data | {folder_names(str(run.get('train_data_dir')))} |",
-              f"| Block size (tokens) | {block_size} |",
+              f"| Sequence length (tokens) | {lengths} |",
               f"| Step | {job.step} (epoch {job.metadata.get('epoch')}) |",
               f"| Validation loss | {validation_row(val_loss, job.metadata.get('val_loss_step'), job.step)} |",
               f"| Weights dtype | {dtype} |"]
@@ -588,19 +591,24 @@ def model_card(job: Job, dtype: str, block_size: Optional[int]) -> str:
     return "\n".join(lines)
 
 
-def block_size_of(run: dict[str, Any]) -> Optional[int]:
-    """The training block size, read from the data folder's train split when it is still there."""
+def sequence_lengths_of(run: dict[str, Any]) -> Optional[str]:
+    """The lengths the model trained at, from the data folder's stats.json when it is still there: the block size,
+    or an encoder-decoder's longest source and target (the first row's length, read before, was one source's)."""
     from app.data.mixture import first_folder
 
     data = first_folder(run["train_data_dir"]) if run.get("train_data_dir") else None
-    if not data or not Path(data).is_dir():
-        return None
-    from datasets import load_from_disk
-
     try:
-        return len(load_from_disk(data)["train"][0]["input_ids"])
-    except (FileNotFoundError, KeyError, ValueError):
+        stats = json.loads((Path(data) / STATS_FILE).read_text()) if data else {}
+    except (OSError, ValueError):
         return None
+    if not isinstance(stats, dict):
+        return None
+    if stats.get("max_source_length"):
+        return f"sources up to {stats['max_source_length']}, targets up to {stats.get('max_target_length')}"
+    block = stats.get("block_size")
+    if not block:
+        return None
+    return f"{block}" if stats.get("packing", True) else f"examples up to {block}, one per row"
 
 
 def generation_config(job: Job, tokenizer: Any) -> GenerationConfig:
@@ -738,7 +746,7 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     gc.collect()
     tokenizer.save_pretrained(folder)
     check_folder_tokenizer(job, folder, type(tokenizer), expected)
-    (folder / "README.md").write_text(model_card(job, dtype, block_size_of(job.metadata.get("config") or {})))
+    (folder / "README.md").write_text(model_card(job, dtype, sequence_lengths_of(job.metadata.get("config") or {})))
     reloaded, loading = model_class(job.model_config).from_pretrained(
         folder, dtype=DTYPES[dtype], trust_remote_code=job.trust_remote_code, output_loading_info=True)
     return reference, reloaded.eval(), loading_problem(loading)
