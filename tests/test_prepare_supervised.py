@@ -242,6 +242,7 @@ def test_packing_false_writes_one_unpadded_example_per_row(work):
     lengths = set()
     for split, counts in stats["splits"].items():
         assert rows[split].column_names == ["input_ids", "labels", "response_spans"]
+        assert all(rows[split].features[c].feature.dtype == "int32" for c in rows[split].column_names)  # spans: int64
         assert len(rows[split]) == counts["kept"] == counts["rows"] and counts["padding_tokens"] == 0
         cut = 0
         for ids, labels in zip(rows[split]["input_ids"], rows[split]["labels"]):

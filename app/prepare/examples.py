@@ -138,14 +138,17 @@ def kept_examples(encoded: Dataset) -> Dataset:
 
 
 def one_example_per_row(examples: Dataset) -> Dataset:
-    """Unpacked supervised rows: each example with its response's (start, end) as `response_spans`."""
+    """Unpacked supervised rows: each example with its response's (start, end) as `response_spans`, int32 as packed
+    rows hold them (inferred, they were int64)."""
 
     def spans(starts: list[int], ends: list[int]) -> dict:
         return {RESPONSE_SPANS: [[start, end] for start, end in zip(starts, ends)]}
 
+    kept = [name for name in examples.column_names if name not in ("response_start", "response_end")]
+    features = Features({name: examples.features[name] for name in kept} | {RESPONSE_SPANS: List(Value("int32"))})
     return examples.map(spans, batched=True, input_columns=["response_start", "response_end"],
-                        remove_columns=["response_start", "response_end"], desc="Recording responses",
-                        **arrow_file("rows"))
+                        remove_columns=["response_start", "response_end"], features=features,
+                        desc="Recording responses", **arrow_file("rows"))
 
 
 def count_examples(encoded: Dataset, rows: Dataset) -> ExampleCounts:

@@ -51,7 +51,8 @@ def resolved_run(given: Config, inputs: RunInputs, sources: dict[str, str]) -> s
         f"#   gradient accumulation: {plan.accumulation} (micro-batches per optimizer step)",
         f"#   global batch: {plan.global_batch_size} sequences per step ({plan.micro_batch_size} micro batch x "
         f"{plan.accumulation} accumulation x {plan.world_size} ranks)",
-        f"#   tokens per step: {plan.tokens_per_step:,} (rows of {plan.row_tokens:.0f} tokens on average)",
+        f"#   tokens per step: {plan.tokens_per_step:,} (rows of {plan.row_tokens:.0f} tokens on average"
+        + (f", and targets of {plan.target_tokens:.0f})" if plan.target_tokens else ")"),
         f"#   optimizer steps: {plan.max_step} ({epochs}; {plan.steps_per_epoch} steps per epoch of "
         f"{plan.train_rows:,} rows)",
         f"#   learning rate: {resolved.lr:.3g} after {resolved.warmup_steps} warmup steps, "

@@ -29,7 +29,7 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     bundled = prepared_tokenizer(first_folder(cfg.train_data_dir) if cfg.train_data_dir else "")
     name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else cfg.model_name)
     if name is None:
-        if cfg.train_data_dir and not cfg.estimate_memory:
+        if cfg.train_data_dir and bundled.parent.is_dir() and not cfg.estimate_memory:  # (a missing folder: its line)
             note(f"no tokenizer recorded with this run: --train_data_dir {first_folder(cfg.train_data_dir)} holds no "
                  "tokenizer/ and no --tokenizer or --model_name names one; give --tokenizer for the run to keep it "
                  "(convert_to_hf.py will ask for it otherwise)")
