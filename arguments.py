@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass, fields, replace
 from functools import cache
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Callable, Literal, Optional, Union
 
 import yaml
 from jsonargparse import ArgumentParser
@@ -434,6 +434,13 @@ def validate_config(cfg: Config) -> list[str]:
                 f"--{option.name} must be a finite number, got {value}")
     if problems:
         return problems
+    for rules in (value_ranges, option_combinations, unread_options, strategy_rules):
+        rules(cfg, require)
+    return problems
+
+
+def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
+    """Each option within its own range."""
     for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "eval_step_interval",
                  "log_interval", "eval_max_new_tokens"):
         require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")
@@ -450,15 +457,7 @@ def validate_config(cfg: Config) -> list[str]:
     require(cfg.eval_samples >= 0, f"--eval_samples must be 0 or more, got {cfg.eval_samples}")
     require(cfg.save_step_interval >= 0, f"--save_step_interval must be 0 (no checkpoints) or more, got "
             f"{cfg.save_step_interval}")
-    require(cfg.save_step_interval > 0 or cfg.spike_guard != "rollback" and not cfg.log_model,
-            "--save_step_interval 0 writes no checkpoint, which --spike_guard rollback and --log_model need")
-    require(cfg.save_step_interval > 0 or cfg.keep_last_n is None,
-            "--keep_last_n is only read when checkpoints are saved, which --save_step_interval 0 turns off: drop one")
     require(cfg.stall_timeout_min >= 0, f"--stall_timeout_min must be 0 (off) or positive, got {cfg.stall_timeout_min}")
-    require(cfg.stall_timeout_min < cfg.process_group_timeout_min,
-            f"--stall_timeout_min ({cfg.stall_timeout_min:g}) must be below --process_group_timeout_min "
-            f"({cfg.process_group_timeout_min:g}): the watchdog prints every rank's stacks and exits with 4, which the "
-            "Slurm scripts requeue; a collective that times out first ends the run without either")
     for name in ("process_group_timeout_min", "rendezvous_timeout_min"):  # a timedelta overflows past a year or so
         require(0 < getattr(cfg, name) <= MINUTES_PER_YEAR,
                 f"--{name} must be positive and at most a year ({MINUTES_PER_YEAR}), got {getattr(cfg, name)}")
@@ -470,17 +469,29 @@ def validate_config(cfg: Config) -> list[str]:
         require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")
     for name in ("spike_max_rollbacks", "spike_rewarm_steps"):
         require(getattr(cfg, name) >= 0, f"--{name} must be 0 or more, got {getattr(cfg, name)}")
-    require(3 <= cfg.spike_warmup <= cfg.spike_window,
-            f"--spike_warmup ({cfg.spike_warmup}) must be at least 3 and at most --spike_window ({cfg.spike_window}): "
-            "the statistics hold the last --spike_window steps")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
-    require(not cfg.lr_decay or 0 <= cfg.min_lr <= cfg.lr,  # without the decay --min_lr is never read
-            f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}"
-            + (" (its default): give a lower --min_lr" if cfg.min_lr == TrainingArgs.min_lr else ""))
     require(cfg.weight_decay >= 0, f"--weight_decay must be 0 or more, got {cfg.weight_decay}")
     require(cfg.grad_clip >= 0, f"--grad_clip must be 0 (off) or positive, got {cfg.grad_clip}")
     for name in ("beta1", "beta2"):
         require(0 <= getattr(cfg, name) < 1, f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
+
+
+def option_combinations(cfg: Config, require: Callable[[bool, str], None]) -> None:
+    """Options that must agree with each other."""
+    require(cfg.save_step_interval > 0 or cfg.spike_guard != "rollback" and not cfg.log_model,
+            "--save_step_interval 0 writes no checkpoint, which --spike_guard rollback and --log_model need")
+    require(cfg.save_step_interval > 0 or cfg.keep_last_n is None,
+            "--keep_last_n is only read when checkpoints are saved, which --save_step_interval 0 turns off: drop one")
+    require(cfg.stall_timeout_min < cfg.process_group_timeout_min,
+            f"--stall_timeout_min ({cfg.stall_timeout_min:g}) must be below --process_group_timeout_min "
+            f"({cfg.process_group_timeout_min:g}): the watchdog prints every rank's stacks and exits with 4, which the "
+            "Slurm scripts requeue; a collective that times out first ends the run without either")
+    require(3 <= cfg.spike_warmup <= cfg.spike_window,
+            f"--spike_warmup ({cfg.spike_warmup}) must be at least 3 and at most --spike_window ({cfg.spike_window}): "
+            "the statistics hold the last --spike_window steps")
+    require(not cfg.lr_decay or 0 <= cfg.min_lr <= cfg.lr,  # without the decay --min_lr is never read
+            f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}"
+            + (" (its default): give a lower --min_lr" if cfg.min_lr == TrainingArgs.min_lr else ""))
     require(cfg.max_step is None or cfg.max_step < 1 or cfg.warmup_steps <= cfg.max_step,  # else said above
             f"--warmup_steps ({cfg.warmup_steps}) exceeds --max_step ({cfg.max_step}): lower one of them")
     require(cfg.lr_scaling == "none" or cfg.reference_batch_size is not None,
@@ -495,6 +506,10 @@ def validate_config(cfg: Config) -> list[str]:
             "give exactly one of --model_name (fine-tune a pretrained model) and --model_config (train from scratch)")
     require(cfg.checkpoint is None or cfg.resume,
             "--checkpoint is only read when resuming: add --resume true, or drop --checkpoint")
+
+
+def unread_options(cfg: Config, require: Callable[[bool, str], None]) -> None:
+    """An option that another one turns off would be ignored without a word: refused instead."""
     require(cfg.reference_batch_size is None or cfg.lr_scaling != "none",
             "--reference_batch_size is only read with --lr_scaling linear or sqrt: add one, or drop it")
     require(cfg.device_memory_gb is None or cfg.estimate_memory,
@@ -518,6 +533,10 @@ def validate_config(cfg: Config) -> list[str]:
                   if f.name != "spike_guard" and getattr(cfg, f.name) != f.default]
         require(not unread, f"{', '.join(unread)}: only read by the spike guard, which --spike_guard off turns off: "
                             "choose detect, skip or rollback, or drop them")
+
+
+def strategy_rules(cfg: Config, require: Callable[[bool, str], None]) -> None:
+    """What the strategy, the accelerator and the precision read, and the combinations they cannot train."""
     require(not cfg.tpu or cfg.accelerator in ("auto", "tpu"),
             f"--tpu true contradicts --accelerator {cfg.accelerator}: drop one of them")
     if cfg.tpu:  # Lightning's XLA FSDP, whatever --strategy says: what it does not read would be dropped silently
@@ -542,7 +561,6 @@ def validate_config(cfg: Config) -> list[str]:
     require(cfg.reduce_dtype != "float16" or cfg.precision == "16-mixed",
             f"--reduce_dtype float16 only with --precision 16-mixed, whose loss scaling lifts small gradients into "
             f"float16's range; under {cfg.precision} gradients below 6e-8 would be summed as 0: use float32 or bfloat16")
-    return problems
 
 
 if __name__ == "__main__":
