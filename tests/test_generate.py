@@ -95,6 +95,19 @@ def test_answers_in_batches_equal_answers_generated_alone_in_the_files_order(tin
     assert f"{len(PROMPTS)} answers scored against 'summary': exact match {1 / len(PROMPTS):.4f} | ROUGE-1 " in out
 
 
+def test_temperature_0_is_plain_greedy_whatever_the_base_models_generation_config_says(tiny, tmp_path) -> None:
+    """A converted model keeps its base model's generation_config.json: its repetition_penalty (Qwen's 1.05) made 4 of
+    6 greedy answers differ from the run's samples of the same checkpoint (argmax), which --reference_field's scores
+    are compared with; beams, no-repeat n-grams and a minimum length would do the same."""
+    from transformers import GenerationConfig
+
+    plain = model_folder(tiny, tmp_path / "plain", "llama")
+    inherited = model_folder(tiny, tmp_path / "inherited", "llama")
+    GenerationConfig(bos_token_id=1, eos_token_id=2, repetition_penalty=2.0, no_repeat_ngram_size=2,
+                     min_new_tokens=NEW_TOKENS).save_pretrained(inherited)
+    assert [alone(inherited, prompt) for prompt in PROMPTS[:2]] == [alone(plain, prompt) for prompt in PROMPTS[:2]]
+
+
 def test_without_output_the_answers_are_printed_as_for_one_prompt(tiny, tmp_path, capsys) -> None:
     folder = model_folder(tiny, tmp_path / "model", "llama")
     (tmp_path / "test.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n\n" for p in PROMPTS[:2]))

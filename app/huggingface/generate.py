@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from app.checkpoint.io import is_checkpoint
 from app.cli import UsageError, first_line
@@ -86,14 +86,19 @@ def check_positions(config: Any, prompt_tokens: int, max_new_tokens: int, what: 
                             else "; shorten that prompt"))
 
 
-def sampling(args: GenerateArgs, own_config: Any) -> dict[str, Any]:
-    """generate()'s sampling options: --temperature when given, else the model's own generation config when it
-    samples, else a temperature of 0.8 among the 50 likeliest tokens."""
+def decoding(args: GenerateArgs, own: GenerationConfig) -> GenerationConfig:
+    """What generate() decodes with: the model's own generation config when --temperature is not given and it
+    samples; else its start, pad and stop tokens alone, with --temperature (0: greedy, as train.py's samples are),
+    or 0.8 among the 50 likeliest tokens. The rest of a base model's config applied too, under any temperature: its
+    repetition_penalty (Qwen's 1.05) made 4 of 6 greedy answers differ from the run's samples of the same checkpoint,
+    and BART's beams, no-repeat n-grams and minimum length would have done the same."""
+    if args.temperature is None and own.do_sample:
+        return own
+    tokens = {name: getattr(own, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id",
+                                                     "decoder_start_token_id")}
     if args.temperature == 0:
-        return {"do_sample": False}
-    if args.temperature is None and own_config.do_sample:
-        return {}
-    return {"do_sample": True, "temperature": args.temperature or 0.8, "top_k": 50}
+        return GenerationConfig(do_sample=False, **tokens)
+    return GenerationConfig(do_sample=True, temperature=args.temperature or 0.8, top_k=50, **tokens)
 
 
 def generate(args: GenerateArgs) -> str:
@@ -177,8 +182,7 @@ def answer_batch(model: Any, tokenizer: Any, config: Any, prompts: list[list[int
                                      *stop_tokens(model.generation_config)) if token is not None), 0)  # masked out
     inputs = padded(prompts, pad, left=not config.is_encoder_decoder)
     output = model.generate(**{name: value.to(device) for name, value in inputs.items()},
-                            max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                            **sampling(args, model.generation_config)).cpu()
+                            max_new_tokens=args.max_new_tokens, pad_token_id=pad).cpu()
     start = 1 if config.is_encoder_decoder else inputs["input_ids"].shape[1]  # after the decoder's start token
     stops = stop_tokens(model.generation_config)
     answers = []
@@ -242,13 +246,16 @@ def generation_device(name: str) -> torch.device:
 
 
 def load_model(args: GenerateArgs, config: Any) -> Any:
-    """The folder's weights; a folder without them, or with a file cut short (an interrupted copy), in one line."""
+    """The folder's weights, decoding as --temperature says (`decoding`); a folder without them, or with a file cut
+    short (an interrupted copy), in one line."""
     try:
         with quiet_hub():
-            return model_class(config).from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
+            model = model_class(config).from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
     except (OSError, ValueError, SafetensorError) as error:
         raise UsageError(f"MODEL {args.model}: its weights do not load ({first_line(error)}); convert the checkpoint "
                          "again (convert_to_hf.py) or copy the folder again") from None
+    model.generation_config = decoding(args, model.generation_config)
+    return model
 
 
 def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
