@@ -112,6 +112,20 @@ def test_activation_checkpointing_and_batch_size_scale_the_activations(llama_3_8
     assert doubled.activations == pytest.approx(2 * checkpointed.activations)
 
 
+def test_activation_checkpointing_frees_activations_under_ddp_and_on_one_device_too() -> None:
+    """DDP and one device have no FSDP units, and the plan was given no layers: every activation counted outside
+    them, and --gradient_checkpointing true freed none (planned 1.66 GB against 1.09 measured under DDP)."""
+    config = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                         vocab_size=2000)
+    shape = ModelShape.of(config, set())  # what the preflight resolves for --strategy ddp and single_device
+    for strategy in ("ddp", "single_device"):
+        setup = replace(EIGHT_GPUS, strategy=strategy, world_size=2, devices_per_node=2, micro_batch_size=16,
+                        block_size=128, precision="32-true", gpu=False)
+        checkpointed = estimate_memory(shape, setup)
+        stored = estimate_memory(shape, replace(setup, gradient_checkpointing=False))
+        assert stored.activations > 2 * checkpointed.activations, strategy
+
+
 def test_llama_3_8b_on_eight_80gb_gpus_fits_as_users_run_it(llama_3_8b) -> None:
     """FULL_SHARD, bf16-mixed, 8k tokens with activation checkpointing on 8 x 80 GB: what torchtitan and peers run."""
     estimate = estimate_memory(llama_3_8b, EIGHT_GPUS)

@@ -87,7 +87,12 @@ class ModelShape:
     @classmethod
     def of(cls, model_config: PretrainedConfig, wrap_classes: set[type[Module]],
            trust_remote_code: bool = False) -> "ModelShape":
+        """`wrap_classes`: FSDP's units; none (DDP, one device) stands for the model's own layer classes, which
+        activation checkpointing recomputes there too (transformers' own): without them the plan counted every
+        activation outside a layer, and so checkpointing freed none (1.5x the measured peak under DDP)."""
         model = meta_model(model_config, trust_remote_code)
+        own = set(model._no_split_modules or [])
+        wrap_classes = wrap_classes or {type(m) for m in model.modules() if type(m).__name__ in own}
         layers = [m for m in model.modules() if type(m) in wrap_classes]
         total = parameter_count(model)
         per_layer = [parameter_count(layer) for layer in layers] or [0]
