@@ -17,8 +17,8 @@ from app.distributed.strategy import DDP_OPTIONS
 from app.exit_codes import EXIT_BAD_INPUT
 from app.metrics.activations import kept_for_backward
 from app.metrics import memory_plan
-from app.metrics.memory_plan import (RUNTIME_BYTES, ModelShape, Setup, estimate_memory, kept_by_body,
-                                     largest_micro_batch, memory_report)
+from app.metrics.memory_plan import (RUNTIME_BYTES, ModelShape, Setup, chunked_loss_bytes, estimate_memory,
+                                     kept_by_body, largest_micro_batch, memory_report)
 from app.metrics.observe import GB
 from app.model.build import meta_model, model_class, resolve_wrap_classes
 from app.training.run import run
@@ -164,6 +164,8 @@ def test_every_architecture_the_project_trains_is_planned(config, layers) -> Non
     if config.is_encoder_decoder:
         short_targets = estimate_memory(shape, replace(EIGHT_GPUS, block_size=128, target_block_size=16))
         assert short_targets.activations < estimate_memory(shape, replace(EIGHT_GPUS, block_size=128)).activations
+        loss = replace(EIGHT_GPUS, block_size=128, micro_batch_size=1, chunked_loss=True)  # over the targets only
+        assert chunked_loss_bytes(shape, replace(loss, target_block_size=16)) < chunked_loss_bytes(shape, loss)
 
 
 @pytest.mark.parametrize("config, dtype, attention, tokens, target_tokens, autocast", [

@@ -250,7 +250,8 @@ def chunked_loss_bytes(shape: ModelShape, setup: Setup) -> float:
     size = dtype_bytes(compute_dtype(setup.precision))
     if setup.loss_kernel == "cut_cross_entropy":
         return shape.vocab_size * shape.hidden_size * size
-    tokens = min(chunk_tokens(shape.vocab_size), setup.micro_batch_size * setup.block_size)
+    predicted = setup.target_block_size or setup.block_size  # an encoder-decoder's loss is over its targets
+    tokens = min(chunk_tokens(shape.vocab_size), setup.micro_batch_size * predicted)
     weight = shape.vocab_size * shape.hidden_size
     lower = size if size != 4 else 0  # bytes of the compute dtype's copies, below fp32
     return max(tokens * shape.vocab_size * (4 + lower) + weight * 4, weight * (4 + lower))
