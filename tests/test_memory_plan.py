@@ -112,6 +112,18 @@ def test_activation_checkpointing_and_batch_size_scale_the_activations(llama_3_8
     assert doubled.activations == pytest.approx(2 * checkpointed.activations)
 
 
+def test_the_report_advises_only_what_is_not_on_and_says_what_offloading_holds_in_host_ram(llama_3_8b) -> None:
+    """"no micro batch fits" advised --gradient_checkpointing true to a run that had it on, and --cpu_offload's plan
+    showed its device's model state as 0 without the node's memory it moves to (128 GB for 8B on 8 GPUs)."""
+    cfg = read_config(["--model_config", "unused", "--train_data_dir", "unused"])
+    report, fits = memory_report(cfg, llama_3_8b, EIGHT_GPUS, device=(20 * GB, "test"))
+    assert not fits and report.splitlines()[-1] == ("  no micro batch fits: shard more (FULL_SHARD, more devices), "
+                                                    "--precision bf16-true or --cpu_offload true")
+    offloaded, _ = memory_report(cfg, llama_3_8b, replace(EIGHT_GPUS, cpu_offload=True), device=(80 * GB, "test"))
+    assert "  host RAM for the offloaded state: 119.66 GB per node (8 devices' parameters, gradients and " \
+           "optimizer state)" in offloaded.splitlines()
+
+
 def test_activation_checkpointing_frees_activations_under_ddp_and_on_one_device_too() -> None:
     """DDP and one device have no FSDP units, and the plan was given no layers: every activation counted outside
     them, and --gradient_checkpointing true freed none (planned 1.66 GB against 1.09 measured under DDP)."""

@@ -350,10 +350,18 @@ def memory_report(cfg: Config, shape: ModelShape, setup: Setup,
     lines += [f"  {name:<40} {format_gb(value / GB):>10}" for name, value in rows]
     lines.append(f"  device: {device_bytes / GB:.1f} GB ({source}); {'fits' if fits else 'does NOT fit'} "
                  f"with {1 - USABLE_FRACTION:.0%} kept free")
+    if setup.cpu_offload:  # the device's share of the model state, held in the node's memory instead
+        held = estimate_memory(shape, replace(setup, cpu_offload=False))
+        host = (held.parameters + held.gradients + held.optimizer) * setup.devices_per_node
+        lines.append(f"  host RAM for the offloaded state: {format_gb(host / GB)} per node ({setup.devices_per_node} "
+                     "devices' parameters, gradients and optimizer state)")
     largest = largest_micro_batch(estimate, device_bytes)
+    untried = [advice for advice, tried in (("--gradient_checkpointing true", setup.gradient_checkpointing),
+                                            ("--precision bf16-true", setup.precision == "bf16-true"),
+                                            ("--cpu_offload true", setup.cpu_offload)) if not tried]
     lines.append(f"  largest micro batch that fits: {largest}" if largest else
-                 "  no micro batch fits: shard more (FULL_SHARD, more devices), --gradient_checkpointing true, "
-                 "--precision bf16-true or --cpu_offload true")
+                 "  no micro batch fits: shard more (FULL_SHARD, more devices)"
+                 + "".join(f", {advice}" for advice in untried[:-1]) + (f" or {untried[-1]}" if untried else ""))
     if setup.gpu and shape.model_config.is_encoder_decoder:
         lines.append(f"  note: {ENCODER_DECODER_ON_GPU}")
     unmeasured = kept_by_body(shape, setup).autocast_unmeasured
