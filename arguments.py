@@ -421,7 +421,8 @@ def write_options_doc(path: Path = OPTIONS_DOC) -> bool:
 
 
 def validate_config(cfg: Config) -> list[str]:
-    """Every problem with the values themselves, one line each (files and models are checked by app/training/preflight)."""
+    """Every problem with the values themselves, one line each (files and models are checked by
+    app/training/preflight)."""
     problems = []
 
     def require(condition: bool, message: str) -> None:

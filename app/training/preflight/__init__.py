@@ -4,10 +4,10 @@ Each check appends one line per problem (naming the flag and what to do); all pr
 the run exits with status 2. What the checks resolve along the way (the model config, the FSDP layer classes, the
 checkpoint to resume from) is returned, so the workers never re-derive it differently.
 
-One module per concern (`preflight` runs a check once what it needs is resolved): wandb_options.py, data.py (--train_data_dir), model.py
-(the model against the options and the data), resume.py (the checkpoint, and the data it was trained on), plan.py
-(batches and schedule), tokenizer.py, out_dir.py, environment.py (this machine and the launcher); notes.py says what
-is resolved without being a problem.
+One module per concern (`preflight` runs a check once what it needs is resolved): wandb_options.py, data.py
+(--train_data_dir), model.py (the model against the options and the data), resume.py (the checkpoint, and the data
+it was trained on), plan.py (batches and schedule), tokenizer.py, out_dir.py, environment.py (this machine and the
+launcher); notes.py says what is resolved without being a problem.
 """
 
 from __future__ import annotations
