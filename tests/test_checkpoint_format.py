@@ -247,6 +247,32 @@ def test_a_folder_torch_distributed_checkpoint_wrote_reads_as_pieces(tensors, tm
     assert all(torch.equal(tensor, tensors[name]) for name, tensor in read_tensors(tmp_path).items())
 
 
+def test_a_checkpoint_pruned_while_a_resume_checks_it_is_passed_over(tmp_path, monkeypatch) -> None:
+    """The same job submitted twice: the second's preflight read a checkpoint's metadata, the first run pruned it
+    (--keep_last_n), and the completeness check's open ended in a FileNotFoundError traceback (seen in CI)."""
+    from lightning_fabric import Fabric
+
+    from app.checkpoint import CheckpointSaver, checkpoint_path
+    from app.checkpoint import io as checkpoint_io
+    from app.training.preflight.resume import newest_whole_checkpoint
+
+    model = torch.nn.Linear(8, 4)
+    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 0}
+    saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=False, background=False)
+    for step in (4, 8):
+        state["step"] = step
+        saver.save(checkpoint_path(tmp_path, step), state, lambda: None)
+    checked = checkpoint_io.check_complete
+
+    def pruned_meanwhile(path: Path) -> None:
+        if path == checkpoint_path(tmp_path, 8):
+            path.unlink()
+        checked(path)
+
+    monkeypatch.setattr(checkpoint_io, "check_complete", pruned_meanwhile)
+    assert newest_whole_checkpoint(tmp_path) == (checkpoint_path(tmp_path, 4), [])
+
+
 def test_a_rollback_compares_only_validation_losses_measured_on_the_same_rows(tmp_path) -> None:
     """A folder added to the mixture at a resume raised val_loss by its own rows (3.04 against 2.59 before the
     resume): the rollback passed over every checkpoint since the resume for the one before it, and set them aside."""

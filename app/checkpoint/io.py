@@ -166,12 +166,16 @@ def read_metadata(path: Path) -> dict[str, Any]:
 def broken_checkpoint(path: Path) -> Optional[str]:
     """Why the checkpoint at `path` cannot be read whole, its path first: its metadata unreadable, or a file its index
     names missing or shorter than the bytes recorded there (a copy cut short, a rank's file lost, a failing disk).
-    From the index and the files' sizes alone, no tensor read: bytes changed in place go unseen. None when whole."""
+    From the index and the files' sizes alone, no tensor read: bytes changed in place go unseen. None when whole.
+    A file that vanishes while it is checked (another run of the same out_dir pruning it, --keep_last_n) or cannot
+    be opened is a reason too: it ended the preflight of that other run in a FileNotFoundError traceback."""
     try:
         read_metadata(path)
         check_complete(path)
     except (CheckpointError, ValueError) as error:
         return str(error)
+    except OSError as error:
+        return f"{path}: not readable ({error.strerror or type(error).__name__})"
     return None
 
 
