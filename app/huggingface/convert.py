@@ -7,7 +7,8 @@ tensor by tensor. Logits on a fixed input are taken from that model in the check
 and freed, and the folder is reloaded with `from_pretrained` and must reproduce them (exactly when the dtype is
 unchanged). Every written tensor must also equal the checkpoint's own, read again tensor by tensor and cast to
 --dtype: the logits cannot see a weight changed while the model was built, since their reference is that model.
-The folder is written under a hidden temporary name and only renamed into place after these checks, so a failed
+The tokenizer, as `AutoTokenizer` loads it from the folder, must encode and decode probe texts as training did
+(check_folder_tokenizer): the logits never involve it. The folder is written under a hidden temporary name and only renamed into place after these checks, so a failed
 conversion never leaves or replaces an output folder.
 
 generation_config.json is the base model's own when it has one (its sampling defaults and stop tokens: Gemma's
@@ -31,9 +32,9 @@ from typing import Any, Optional
 import torch
 from tokenizers.processors import TemplateProcessing
 from torch.nn import Module
-from transformers.models.auto import tokenization_auto
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
+from transformers.models.auto import tokenization_auto
 
 from app.checkpoint import (CheckpointError, broken_checkpoint, checkpoint_dir, is_checkpoint, list_checkpoints,
                             read_metadata, read_model_weights, run_folder_of, run_tokenizer_dir, stored_tensor_shapes)
@@ -45,9 +46,9 @@ from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_fol
 from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, load_problem, missing_model_problem, tokenizer_difference,
                      unloadable_tokenizer)
 from app.huggingface.convert_cli import Args
+from app.huggingface.generate import source_input
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import REPLACED_FILES, describe_upload, login_problem, push_folder
-from app.huggingface.generate import source_input
 from app.model.build import meta_model, model_class
 from app.prepare.chat_template import end_of_turn_id
 from app.prepare.tokenizer import document_frame
