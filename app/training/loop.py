@@ -156,9 +156,7 @@ class Loop:
         losses = self.unlogged_losses()
         self.stop.begin_training()
         while state["step"] < plan.max_step:
-            lr = learning_rate(plan.schedule_step(state["step"] + 1), lr=cfg.lr, min_lr=cfg.min_lr,
-                               warmup_steps=cfg.warmup_steps, max_step=plan.schedule_length,
-                               decay=cfg.lr_decay) * self.guard.lr_factor(state["step"] + 1)
+            lr = self.learning_rate(state["step"] + 1)
             with self.data_wait.measure():
                 step_batches = next(steps)
             loss, verdict = train_step(self.fabric, state["model"], step_batches, self.stop, self.gradients,
@@ -170,13 +168,7 @@ class Loop:
                 return "non_finite"
             quarantined = len(self.data.set_aside)
             action = self.judge(step_batches, verdict)
-            if action == "apply":
-                update_weights(state["optimizer"], verdict, lr, self.gradients, self.saver.before_update)
-                if self.gradients.scaled and not math.isfinite(verdict.grad_norm_value):
-                    self.report_scaler_skip(state["step"] + 1)
-            else:
-                skip_update(self.fabric.strategy.precision, self.gradients)
-            state["optimizer"].zero_grad(set_to_none=True)
+            self.update(action, verdict, lr)
             if action == "stop":
                 return "spikes"
             losses.append(verdict.loss)
@@ -193,28 +185,58 @@ class Loop:
                 steps = self.steps()
             throughput = self.clock.tick(state["step"])
             self.console.advance()
-            step, last = state["step"], state["step"] == plan.max_step
-            scheduled_save = is_save_step(step, last, cfg.save_step_interval)
-            metrics: dict[str, float] = {}
-            if step % cfg.log_interval == 0 or last:
-                metrics |= self.training_metrics(losses, verdict.grad_norm_value, lr, throughput)
-                losses = []
-            evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
-            if evaluated:
-                metrics |= self.evaluate()
-            if scheduled_save or verdict.stop_requested:
-                state["log_window"] = list(losses)
-                save_time = self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
-                if scheduled_save or metrics:  # a stop's own save makes no row that a run not stopped lacks
-                    metrics |= save_time
-            if metrics:
-                self.fabric.log_dict(metrics, step=step)
-            if verdict.stop_requested and not last:
-                self.saver.wait()  # a background write is published (or has failed) before the line says "saved"
-                self.console.print(f"step {step}: stopped by a signal after saving; "
-                                   f"{how_to_continue(cfg.requeue_on_signal, self.stop.signal)}")
-                return "interrupted" if self.stop.interrupted else "preempted"
+            self.log_evaluate_save(losses, verdict, lr, throughput, epoch_ended)
+            if verdict.stop_requested and state["step"] < plan.max_step:
+                return self.stopped_by_signal()
         return "finished"
+
+    def learning_rate(self, number: int) -> float:
+        """Step `number`'s learning rate: the schedule's, at the step's place in it, times the spike guard's factor."""
+        cfg = self.cfg
+        return learning_rate(self.plan.schedule_step(number), lr=cfg.lr, min_lr=cfg.min_lr,
+                             warmup_steps=cfg.warmup_steps, max_step=self.plan.schedule_length,
+                             decay=cfg.lr_decay) * self.guard.lr_factor(number)
+
+    def update(self, action: Action, verdict: StepVerdict, lr: float) -> None:
+        """Apply the step's gradients when the spike guard accepts them (the scaler may still skip them), and clear
+        them either way."""
+        optimizer = self.state["optimizer"]
+        if action == "apply":
+            update_weights(optimizer, verdict, lr, self.gradients, self.saver.before_update)
+            if self.gradients.scaled and not math.isfinite(verdict.grad_norm_value):
+                self.report_scaler_skip(self.state["step"] + 1)
+        else:
+            skip_update(self.fabric.strategy.precision, self.gradients)
+        optimizer.zero_grad(set_to_none=True)
+
+    def log_evaluate_save(self, losses: list[float], verdict: StepVerdict, lr: float, throughput: dict[str, float],
+                          epoch_ended: bool) -> None:
+        """After a step: log, evaluate and save as their intervals (or a stop signal) say, in one metrics row.
+        `losses` are the steps' losses since the last log; they are cleared once logged."""
+        cfg, step = self.cfg, self.state["step"]
+        last = step == self.plan.max_step
+        scheduled_save = is_save_step(step, last, cfg.save_step_interval)
+        metrics: dict[str, float] = {}
+        if step % cfg.log_interval == 0 or last:
+            metrics |= self.training_metrics(losses, verdict.grad_norm_value, lr, throughput)
+            losses.clear()
+        evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
+        if evaluated:
+            metrics |= self.evaluate()
+        if scheduled_save or verdict.stop_requested:
+            self.state["log_window"] = list(losses)
+            save_time = self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
+            if scheduled_save or metrics:  # a stop's own save makes no row that a run not stopped lacks
+                metrics |= save_time
+        if metrics:
+            self.fabric.log_dict(metrics, step=step)
+
+    def stopped_by_signal(self) -> Outcome:
+        """After the stop's save: wait until it is published (or has failed), then say how to continue."""
+        self.saver.wait()
+        self.console.print(f"step {self.state['step']}: stopped by a signal after saving; "
+                           f"{how_to_continue(self.cfg.requeue_on_signal, self.stop.signal)}")
+        return "interrupted" if self.stop.interrupted else "preempted"
 
     def unlogged_losses(self) -> list[float]:
         """The losses of the steps since the last log point that the checkpoint resumed from saved (its
