@@ -352,7 +352,7 @@ def test_identical_records_are_held_out_together_the_same_way_for_a_seed():
     pool = Dataset.from_list(records + records[:20])
 
     def split(pool: Dataset, seed: int) -> tuple[list[tuple], list[tuple]]:
-        splits, _ = split_by_document(Documents(pool, None, None, ["pairs.jsonl"]), 0.2, seed, 1, "example")
+        splits = split_by_document(Documents(pool, None, None, ["pairs.jsonl"]), 0.2, seed, 1, "example").records
         return [tuple(row.values()) for row in splits["train"]], [tuple(row.values()) for row in splits["validation"]]
 
     train, validation = split(pool, seed=3)
@@ -364,6 +364,52 @@ def test_identical_records_are_held_out_together_the_same_way_for_a_seed():
     expected = distinct.train_test_split(test_size=0.2, seed=3)
     assert split(distinct, seed=3) == tuple([tuple(row.values()) for row in expected[part]]
                                             for part in ("train", "test"))
+
+
+def test_too_few_documents_for_whole_ones_hold_out_the_end_of_each(code_documents):
+    """Three files at --val_fraction 0.05: one whole file held out was a third of the corpus. Fewer than 1 /
+    val_fraction documents give validation the last 5% of each instead: nothing in both splits, every document in
+    both, about 5% of the text; with enough documents, whole ones are held out as before."""
+    few = code_documents[:3]
+    held = split_by_document(Documents(Dataset.from_dict({"text": few}), None, None, ["three.jsonl"]), 0.05, 0, 1)
+    train, validation = held.records["train"]["text"], held.records["validation"]["text"]
+    assert held.held_out == "document_ends"
+    assert [head + tail for head, tail in zip(train, validation)] == few
+    assert all(head and tail and head.endswith("\n") for head, tail in zip(train, validation)), "cut at a line break"
+    assert 0.04 < sum(map(len, validation)) / sum(map(len, few)) < 0.06
+    many = Documents(Dataset.from_dict({"text": code_documents}), None, None, ["all.jsonl"])
+    assert split_by_document(many, 1 / len(code_documents), 0, 1).held_out == "documents"
+
+
+@pytest.mark.parametrize("text, fraction, expected", [
+    ("a" * 100, 0.1, 90),  # no separator: the point itself
+    ("a" * 85 + "\n" + "b" * 14, 0.1, 90),  # a line break too far before the point (more than a quarter of 10)
+    ("a" * 87 + "\n" + "b" * 12, 0.1, 88),  # just after the line break, before the point
+    ("a" * 91 + "\n" + "b" * 8, 0.1, 92),  # or after it
+    ("a" * 88 + " " + "a" * 5 + "\n" + "b" * 5, 0.1, 89),  # a space where no line break is near enough
+    ("a" * 99 + "\n", 0.5, 50),  # never an empty end or an empty start
+    ("\n" + "a" * 99, 0.99, 1),
+])
+def test_end_cut_starts_the_held_out_end_after_a_nearby_break(text, fraction, expected):
+    from app.prepare.split import end_cut
+    assert end_cut(text, fraction) == expected
+
+
+def test_one_text_file_without_line_breaks_trains_a_tokenizer_and_holds_out_its_end(tmp_path):
+    """One document (a book, a text file with one paragraph per line): it was refused ("1 distinct document"), and
+    SentencePiece skipped every line longer than 4,192 bytes without a word, so a corpus of long lines trained its
+    tokenizer on the short ones alone, or failed as "too small"."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma"]
+    rng = np.random.default_rng(0)
+    (tmp_path / "book.txt").write_text(" ".join(rng.choice(words, 40_000)))
+    result = run_cli(["--input", "book.txt", "--vocab_size", "300", "--block_size", "64", "--output_dir", "out"],
+                     tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "validation: " in result.stdout and "from the last 5% of 1 documents" in result.stdout
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["validation_held_out"] == "document_ends"
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "out" / "tokenizer"))
+    assert len(tokenizer(" epsilon", add_special_tokens=False)["input_ids"]) == 1, "learnt from the long line"
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from app.prepare.output import save_prepared, write_atomically
 from app.prepare.pack import SplitCounts, count, pack, tokenize
 from app.prepare.pack_examples import pack_examples
 from app.prepare.seq2seq import check_room, encode_pairs, pair_advice, pair_records, pair_texts
-from app.prepare.split import split_by_document
+from app.prepare.split import Splits, split_by_document
 from app.prepare.tokenizer import adds_bos, document_suffix, load_tokenizer, pad_token_id, train_tokenizer
 from app.prepare.workspace import workspace
 
@@ -59,7 +59,8 @@ def prepare_folder(args: PrepareArgs) -> dict:
     tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code) if args.tokenizer else None
     documents = read_documents(args, to_records(shape, args, tokenizer))
     unit = "document" if shape == "text" else "example"
-    splits, empty_documents = split_by_document(documents, args.val_fraction, args.seed, args.num_proc, unit)
+    held = split_by_document(documents, args.val_fraction, args.seed, args.num_proc, unit)
+    splits = held.records
     log(f"read {', '.join(documents.description)}: {len(splits['train']):,} training and "
         f"{len(splits['validation']):,} validation {unit}s")
     if tokenizer is None:
@@ -67,7 +68,7 @@ def prepare_folder(args: PrepareArgs) -> dict:
         tokenizer = train_tokenizer(TEXTS[shape](splits["train"]), args.vocab_size, args.seed)
     log("tokenizing" + (" and packing" if shape == "text" or args.packing else ""))
     if shape == "text":
-        rows, stats = text_blocks(splits, tokenizer, args, empty_documents, documents.description)
+        rows, stats = text_blocks(held, tokenizer, args, documents.description)
     else:
         rows, counts, options = BUILDERS[shape](splits, tokenizer, args)
         stats = describe_examples(args, tokenizer, counts, options, documents.description)
@@ -93,20 +94,20 @@ def log(message: str) -> None:
 
 
 def text_blocks(
-    splits: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: PrepareArgs, empty_documents: int, inputs: list[str]
+    held: Splits, tokenizer: PreTrainedTokenizerBase, args: PrepareArgs, inputs: list[str]
 ) -> tuple[DatasetDict, dict]:
     """Raw text: each split's documents as one token stream, cut into blocks of exactly --block_size tokens."""
     suffix = document_suffix(tokenizer)
     tokenized = {
         name: tokenize(split, tokenizer, suffix, args.num_proc, desc=f"Tokenizing {name}")
-        for name, split in splits.items()
+        for name, split in held.records.items()
     }
     counts = {name: count(split, args.block_size) for name, split in tokenized.items()}
     check_enough_tokens(counts, args)
     blocks = DatasetDict(
         {name: pack(split, args.block_size, args.num_proc, desc=f"Packing {name}") for name, split in tokenized.items()}
     )
-    return blocks, describe(args, tokenizer, counts, empty_documents, inputs)
+    return blocks, describe(args, tokenizer, counts, held, inputs)
 
 
 def supervised_rows(
@@ -193,7 +194,7 @@ def describe(
     args: PrepareArgs,
     tokenizer: PreTrainedTokenizerBase,
     counts: dict[str, SplitCounts],
-    empty_documents: int,
+    held: Splits,
     inputs: list[str],
 ) -> dict:
     """The content of stats.json for raw text: what was read, how it was tokenized, what packing kept and dropped."""
@@ -204,8 +205,9 @@ def describe(
         **describe_tokenizer(args, tokenizer),
         "block_size": args.block_size,
         "val_fraction": args.val_fraction,
+        "validation_held_out": held.held_out,
         "seed": args.seed,
-        "empty_documents_skipped": empty_documents,
+        "empty_documents_skipped": held.empty_documents,
         "splits": {name: asdict(split) for name, split in counts.items()},
     }
 
@@ -238,8 +240,11 @@ def summary(stats: dict, output_dir: str) -> str:
     lines = []
     for name, split in stats["splits"].items():
         if stats["format"] == "text":
+            ends = name == "validation" and stats.get("validation_held_out") == "document_ends"
             lines.append(f"{name}: {split['blocks']:,} blocks of {stats['block_size']} tokens from "
-                         f"{split['documents']:,} documents ({split['dropped_tokens']:,} tokens left over)")
+                         f"{'the last ' + format(stats['val_fraction'], '.0%') + ' of ' if ends else ''}"
+                         f"{split['documents']:,} documents ({split['dropped_tokens']:,} tokens left over)"
+                         f"{'; too few documents to hold out whole ones' if ends else ''}")
             continue
         dropped = ", ".join(f"{reason} {count:,}" for reason, count in split["dropped"].items())
         cut = split.get("target_truncated")

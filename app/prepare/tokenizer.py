@@ -88,10 +88,26 @@ def vocab_size_problem(message: str) -> str:
     return f"{reason} (the training text is too small for it)"
 
 
+SENTENCE_BYTES = 4192
+"""SentencePiece's max_sentence_length: it skips, without a word, every sentence longer than this."""
+LINE_PIECE_CHARS = SENTENCE_BYTES // 4
+"""The longest piece of a line too long for SentencePiece that it is given: at most SENTENCE_BYTES of UTF-8."""
+
+
 def _lines(texts: Iterable[str]) -> Iterator[str]:
-    """SentencePiece learns from lines: newlines themselves are encoded as the byte piece <0x0A>, like Llama."""
+    """SentencePiece learns from lines: newlines themselves are encoded as the byte piece <0x0A>, like Llama. A long
+    line (a paragraph per line, minified code, a text without line breaks) is given in pieces, cut before a space
+    where there is one, so that its text is learnt from rather than skipped; the lines SentencePiece takes are given
+    whole, as before."""
     for text in texts:
-        yield from (line for line in text.split("\n") if line)
+        for line in text.split("\n"):
+            while len(line) > LINE_PIECE_CHARS and len(line.encode()) > SENTENCE_BYTES:
+                cut = line.rfind(" ", LINE_PIECE_CHARS // 2, LINE_PIECE_CHARS)
+                cut = cut if cut > 0 else LINE_PIECE_CHARS
+                yield line[:cut]
+                line = line[cut:]
+            if line:
+                yield line
 
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str], suffix: list[int], target: bool = False,
