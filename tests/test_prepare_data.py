@@ -367,9 +367,10 @@ def test_identical_records_are_held_out_together_the_same_way_for_a_seed():
 
 
 def test_too_few_documents_for_whole_ones_hold_out_the_end_of_each(code_documents):
-    """Three files at --val_fraction 0.05: one whole file held out was a third of the corpus. Fewer than 1 /
-    val_fraction documents give validation the last 5% of each instead: nothing in both splits, every document in
-    both, about 5% of the text; with enough documents, whole ones are held out as before."""
+    """Three files at --val_fraction 0.05: one whole file held out was a third of the corpus. Where whole documents
+    would hold out more than twice val_fraction of them, validation is the last 5% of each instead: nothing in both
+    splits, every document in both, about 5% of the text; with enough documents, whole ones are held out as
+    before."""
     few = code_documents[:3]
     held = split_by_document(Documents(Dataset.from_dict({"text": few}), None, None, ["three.jsonl"]), 0.05, 0, 1)
     train, validation = held.records["train"]["text"], held.records["validation"]["text"]

@@ -32,9 +32,10 @@ class PrepareArgs:
     this length. Supervised data: whole examples are packed into blocks of this length; with --packing false, it is
     the most tokens of one example."""
     val_fraction: float = 0.05
-    """Fraction of documents (or examples) held out for validation, whole, never split; raw text of fewer documents
-    than 1 / val_fraction (one book) holds out the last val_fraction of each document instead. Ignored for inputs that
-    bring their own validation split. 0 writes an empty validation split."""
+    """Fraction of documents (or examples) held out for validation, whole, never split; raw text of too few documents
+    for that (whole ones would hold out more than twice the fraction: one book, three files) holds out the last
+    val_fraction of each document instead. Ignored for inputs that bring their own validation split. 0 writes an empty
+    validation split."""
     text_field: str | None = None
     """Column holding the text in .jsonl/.json/.parquet/.csv files and in datasets (default `text`)."""
     split_lines: bool | None = None

@@ -46,7 +46,7 @@ def split_by_document(
     held_out = f"{unit}s" if pool is not None and val_fraction > 0 else "none"
     if pool is not None and val_fraction > 0:
         content = _content_keys(pool)
-        if unit == "document" and len(set(content)) < 1 / val_fraction:
+        if unit == "document" and too_few_to_hold_out_whole(len(set(content)), val_fraction):
             pool_train, pool_validation = _hold_out_ends(pool, val_fraction, num_proc)
             held_out = "document_ends"
         else:
@@ -82,9 +82,14 @@ def _hold_out(pool: Dataset, content: list[bytes], val_fraction: float, seed: in
             pool.select([i for i in order if content[i] in held]))
 
 
+def too_few_to_hold_out_whole(documents: int, val_fraction: float) -> bool:
+    """Whether whole documents would hold out more than twice `val_fraction` of them (one of three books, at 0.05),
+    or there is only one."""
+    return documents < 2 or math.ceil(val_fraction * documents) / documents > 2 * val_fraction
+
+
 def _hold_out_ends(pool: Dataset, val_fraction: float, num_proc: int) -> tuple[Dataset, Dataset]:
-    """Fewer distinct documents than `1 / val_fraction`, so that even one whole document would hold out more than
-    `val_fraction` of them (half of two books): validation is the last `val_fraction` of each document's text
+    """Too few documents to hold out whole ones: validation is the last `val_fraction` of each document's text
     instead, as nanoGPT splits one text. The two parts share no text, and the stream of every document is in both."""
     def cut(batch: dict, keep_head: bool) -> dict:
         points = [end_cut(text, val_fraction) for text in batch["text"]]
