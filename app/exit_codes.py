@@ -11,6 +11,10 @@ EXIT_CRASHED = 1
 """An exception on a rank (its traceback printed): that rank's node ends every process it started at once; the
 Slurm scripts end the whole job (srun --kill-on-bad-exit) and do not requeue it, as a requeued run would meet the
 same error."""
+EXIT_ENDED_BY_SRUN = 1
+"""An srun task that SIGTERM ended before training (srun ending the step because another task failed, or a scancel):
+the lowest failure code, as srun exits with the highest code of its tasks, so that the job's code is the failed
+task's own (2, 4, 5, 7) rather than 143 (app/reliability/tasks.py)."""
 EXIT_BAD_INPUT = 2
 """An option, file or folder was wrong: refused before any work, one line per problem, nothing written. Also
 --estimate_memory's answer when the run as configured does not fit its devices."""

@@ -864,3 +864,47 @@ def test_a_rollback_moves_the_checkpoints_of_the_abandoned_stretch_where_resume_
     moved = set_aside_samples_after(tmp_path, 4)
     assert [path.name for path in moved] == ["step-00000006.jsonl", "step-00000008.jsonl"]
     assert latest_samples(tmp_path).name == "step-00000004.jsonl", "show_samples.py shows the run it continues"
+
+
+SRUN_TASK = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}
+
+
+def start_task(code: str, rank: int, srun: bool = True) -> subprocess.Popen:
+    """A Python process that runs `code` as srun's task `rank` of 2 (or outside srun)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("SLURM_", "TORCHELASTIC"))}
+    env |= (SRUN_TASK | {"SLURM_PROCID": str(rank)}) if srun else {}
+    return subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); {code}"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+
+
+REFUSE = "import app.reliability.tasks as tasks; tasks.FIRST_REPORTS_S = 4; tasks.refuse(['--x 1: wrong'])"
+
+
+@pytest.mark.parametrize("rank, ended_by_srun, reports", [(0, False, True), (1, True, False), (1, False, True)])
+def test_a_refused_input_is_reported_once_by_the_first_srun_task_and_exits_2(rank, ended_by_srun, reports) -> None:
+    """Each of srun's tasks checks the same inputs: the log held the line once per task, and srun, which ends the
+    other tasks when one fails and exits with the highest code, reported 143 for the tasks it ended as often as 2.
+    The first task reports at once; another waits for srun to end it, then exits 2 in silence, or, not ended (the
+    first task found nothing wrong: this node's own problem), reports after FIRST_REPORTS_S."""
+    started = time.monotonic()
+    task = start_task(REFUSE, rank)
+    if ended_by_srun:
+        time.sleep(2)
+        task.send_signal(signal.SIGTERM)
+    _, stderr = task.communicate(timeout=60)
+    seconds = time.monotonic() - started
+    assert task.returncode == EXIT_BAD_INPUT
+    assert stderr == ("error: --x 1: wrong\n" if reports else ""), stderr
+    assert (seconds >= 4) is (rank != 0 and not ended_by_srun), seconds
+
+
+@pytest.mark.parametrize("srun, code", [(True, 1), (False, -signal.SIGTERM)])
+def test_an_srun_task_that_sigterm_ends_before_training_exits_1_so_the_failed_tasks_code_is_the_jobs(srun, code):
+    """srun reports the highest code of its tasks: a rendezvous timeout's 5 (requeued by slurm/train.sbatch) became
+    143 from the tasks srun ended. Outside srun, SIGTERM keeps its default action."""
+    task = start_task("from app.reliability.tasks import end_quietly_when_srun_ends_the_task as e; e(); "
+                      "print('ready', file=sys.stderr, flush=True); import time; time.sleep(60)", rank=1, srun=srun)
+    assert task.stderr.readline() == "ready\n"
+    task.send_signal(signal.SIGTERM)
+    assert task.wait(timeout=30) == code
+    assert task.stderr.read() == ""

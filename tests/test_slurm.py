@@ -7,6 +7,7 @@ Without Slurm these tests skip with one line saying how to install it; in CI (`C
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -23,7 +24,7 @@ import psutil
 import pytest
 
 from app.checkpoint import list_checkpoints
-from app.exit_codes import EXIT_PREEMPTED, EXIT_STALLED
+from app.exit_codes import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED
 from conftest import ROOT, STEP_LINE, TinySetup, read_checkpoint, train_args
 from tests.helpers.slurm_cluster import SlurmCluster, missing_slurm
 from test_reliability import logged_losses
@@ -254,3 +255,49 @@ def test_the_torchrun_script_saves_on_preemption_and_resumes_with_the_straight_l
     [stop] = stop_steps(job)
     assert f"resumed from {job.out_dir / 'checkpoints' / f'step-{stop:08d}.ckpt'}" in job.output()
     assert_same_losses(job, straight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, sbatch", [("train.sbatch", CPU_TASKS), ("train-torchrun.sbatch", CPU_TORCHRUN)])
+def test_a_refused_input_fails_the_job_with_2_and_one_line(cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path,
+                                                          script: str, sbatch: list[str]) -> None:
+    """Every task (every torchrun worker) checks the same inputs: the log held the refusal once per task (with
+    torchrun's 25-line failure report), and srun, which ends the other tasks when one fails and exits with the
+    highest code, gave 143 in three of four jobs (the tasks it ended mid-check) instead of 2."""
+    (tmp_path / "missing").mkdir()
+    job = submit(cluster, script, sbatch, tiny, tmp_path / "run", train_data_dir=tmp_path / "missing" / "data")
+    fields = job.end(timeout=120)
+    output = job.output()
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", f"{EXIT_BAD_INPUT}:0"), job.describe()
+    assert output.count("error: --train_data_dir") == 1, job.describe()
+    assert "Traceback" not in output and "Root Cause" not in output, job.describe()
+
+
+def catches_sigterm(process: psutil.Process) -> bool:
+    """Whether the process has a handler of its own for SIGTERM (/proc's SigCgt mask)."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.slow
+def test_a_task_that_never_joins_times_out_the_rendezvous_with_5_and_the_job_is_requeued(
+        cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path) -> None:
+    """Task 1 frozen while it starts (a node that never joins): task 0 ends the rendezvous with 5, which the script
+    requeues; srun ended task 1, whose 143 outranked the 5, and the job FAILED instead."""
+    job = submit(cluster, "train.sbatch", CPU_TASKS, tiny, tmp_path / "run", rendezvous_timeout_min=0.2)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, job.describe()
+        with contextlib.suppress(AssertionError, psutil.NoSuchProcess, FileNotFoundError):
+            task = job.task_process(1)
+            if catches_sigterm(task):
+                break
+        time.sleep(0.05)
+    task.suspend()
+    cluster.wait_for_state(job.id, ("PENDING", "REQUEUED"), timeout=120)
+    cluster.command("scancel", job.id)
+    output = job.output()
+    assert re.search(rf"srun: error: \S+: task 0: Exited with exit code {EXIT_RENDEZVOUS_TIMEOUT}", output), \
+        job.describe()
+    assert f"train.py exited with {EXIT_RENDEZVOUS_TIMEOUT}: requeueing job {job.id}" in output, job.describe()

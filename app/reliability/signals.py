@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from app.cli import first_line
-from app.exit_codes import EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STALLED
+from app.exit_codes import EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STALLED
+from app.reliability.tasks import srun_task, task_rank
 from app.reliability.watchdog import end_process_tree, print_own_stacks, process_ending, say
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def signals_to_a_pipe() -> int:
 
 def end_ranks_on_signal_until_training() -> None:
     """Until StopRequest takes over on the ranks, a stop signal or Ctrl-C ends this process and every process it
-    started (exit 128 + the signal's number).
+    started (exit 128 + the signal's number; an srun task that SIGTERM ends exits EXIT_ENDED_BY_SRUN: tasks.py).
 
     The launching process waits in the rendezvous while the ranks it started import and check their inputs. A
     signal sent to it alone (`kill PID`, GNU timeout, a supervisor) would end it by default and leave those ranks
@@ -78,10 +79,12 @@ def end_ranks_on_signal_until_training() -> None:
     def end_on_first_signal() -> None:
         received = os.read(read_end, 1)
         if received:
-            if (os.environ.get("LOCAL_RANK") or "0") == "0":  # the process that reports: the user saw nothing
-                say(f"{signal.Signals(received[0]).name} before training began: nothing to save yet, quitting "
-                    f"(exit {128 + received[0]})\n")
-            end_process_tree(128 + received[0], stacks=False)
+            signum, srun = received[0], srun_task()
+            code = EXIT_ENDED_BY_SRUN if signum == signal.SIGTERM and srun else 128 + signum
+            if (task_rank() if srun else int(os.environ.get("LOCAL_RANK") or 0)) == 0:  # the process that reports
+                say(f"{signal.Signals(signum).name} before training began: nothing to save yet, quitting "
+                    f"(exit {code})\n")
+            end_process_tree(code, stacks=False)
         os.close(read_end)  # StopRequest took over
 
     threading.Thread(target=end_on_first_signal, name="start-up-signals", daemon=True).start()

@@ -19,6 +19,7 @@ torch release lacks it, the code expected for the signal is used, and the line s
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import sys
@@ -35,9 +36,13 @@ from app.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIM
 CODE_AFTER_SIGNAL = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGUSR1: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 
 
-def first_exit_code(failure: ChildFailedError) -> int:
-    _, first = failure.get_first_failure()
-    return shell_code(first.exitcode)
+def first_failure(failure: ChildFailedError) -> tuple[int, str]:
+    """The first failed worker's code, and one line saying which it was (its own output said why, the refusal of
+    an input included: torchrun's 25-line report said nothing more)."""
+    rank, first = failure.get_first_failure()
+    code = shell_code(first.exitcode)
+    how = f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 else f"exited with {code}"
+    return code, f"torchrun: the worker of rank {rank} {how} (its output above says why): exit {code}"
 
 
 def code_after_signal(signum: int) -> int:
@@ -89,12 +94,16 @@ def keep_worker_codes() -> None:
 
 
 if __name__ == "__main__":
+    # its lines on each worker that failed or that it ended ("failed (exitcode: 2)", "Sending process N closing signal
+    # SIGTERM"): the line below says what they said
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     keep_worker_codes()
     try:
         main()
     except ChildFailedError as failure:
-        print(failure, file=sys.stderr)
-        sys.exit(first_exit_code(failure))
+        code, line = first_failure(failure)
+        print(line, file=sys.stderr)
+        sys.exit(code)
     except SignalException as stopped:
         code, line = exit_after_signal(stopped.sigval, WORKER_CODES[0])
         print(f"torchrun: {line}", file=sys.stderr)

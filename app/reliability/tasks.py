@@ -1,0 +1,64 @@
+"""Which process of a run this is when a launcher starts train.py whole once per device (srun's tasks under
+slurm/train.sbatch, torchrun's workers), and how such a process ends before training so that the launcher's exit code
+names the task that failed.
+
+srun --kill-on-bad-exit ends a step's other tasks with SIGTERM as soon as one exits non-zero, then exits with the
+highest code of all its tasks, a signal's 128 + its number included. Every task checks the same inputs, so a refused
+input (2) was reported by each task, and the tasks srun ended mid-check or while their interpreter shut down outranked
+it with 143; a rendezvous timeout (5), which the script requeues, became 143 the same way. So an srun task that SIGTERM
+ends before training exits with EXIT_ENDED_BY_SRUN, the lowest failure code, and only the run's first task reports a
+refused input: the others wait for srun to end them, and report only what the first did not find (their own node's
+problem) when no end comes. Imports nothing heavy: train.py installs this before it parses its arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import NoReturn
+
+from app.exit_codes import EXIT_BAD_INPUT, EXIT_ENDED_BY_SRUN
+
+FIRST_REPORTS_S = 10.0
+"""How long a task other than the first waits, once its inputs were refused, for srun to end it after the first task
+reported the same problems; a problem the first task did not find is reported after it."""
+
+
+def srun_task() -> bool:
+    """One of several tasks of an srun step, each running train.py whole (not torchrun's workers, whose torchrun
+    reports the first failed worker's own code: app/reliability/torchrun.py)."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or "1"
+    return "SLURM_STEP_ID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ and int(tasks) > 1
+
+
+def started_whole_per_device() -> bool:
+    """Each device's process runs train.py whole, preflight included (srun's tasks, torchrun's workers), rather than
+    one process checking the inputs and starting the others (Lightning's launcher)."""
+    return srun_task() or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def task_rank() -> int:
+    """This process's rank in the run, as its launcher numbered it (0 where no launcher did)."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+def end_quietly_when_srun_ends_the_task() -> None:
+    """In an srun task, until the run's own signal handling takes over (app/reliability/signals.py), SIGTERM ends this
+    process with EXIT_ENDED_BY_SRUN and nothing printed: srun ending the step because another task failed, which
+    reported why, or a scancel, which Slurm reports."""
+    if srun_task():
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_ENDED_BY_SRUN))
+
+
+def refuse(problems: list[str]) -> NoReturn:
+    """Exit with EXIT_BAD_INPUT and one line per problem, said once for the run: by its first process, where every
+    device's process checks the same inputs; another reports them only if the launcher has not ended it within
+    FIRST_REPORTS_S (the first process found nothing wrong: the problem is this node's own)."""
+    if started_whole_per_device() and task_rank() != 0:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_BAD_INPUT))
+        time.sleep(FIRST_REPORTS_S)
+    sys.stderr.write("".join(f"error: {problem}\n" for problem in problems))
+    sys.stderr.flush()
+    sys.exit(EXIT_BAD_INPUT)
