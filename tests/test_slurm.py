@@ -301,3 +301,16 @@ def test_a_task_that_never_joins_times_out_the_rendezvous_with_5_and_the_job_is_
     assert re.search(rf"srun: error: \S+: task 0: Exited with exit code {EXIT_RENDEZVOUS_TIMEOUT}", output), \
         job.describe()
     assert f"train.py exited with {EXIT_RENDEZVOUS_TIMEOUT}: requeueing job {job.id}" in output, job.describe()
+
+
+@pytest.mark.slow
+def test_a_job_submitted_outside_the_repository_ends_at_once_with_2_and_says_where_to_submit_from(
+        cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The scripts run train.py from the job's folder: from elsewhere every task said "can't open file" instead."""
+    log = tmp_path / "job.out"
+    job_id = cluster.submit(*CPU_TASKS, "--output", str(log), "--chdir", str(tmp_path),
+                            str(ROOT / "slurm" / "train.sbatch"), "--accelerator", "cpu")
+    fields = cluster.wait_for_state(job_id, END_STATES, timeout=60)
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", f"{EXIT_BAD_INPUT}:0"), log.read_text()
+    assert log.read_text() == (f"slurm/train.sbatch: no train.py in {tmp_path}: submit from the repository's "
+                               "folder, or give sbatch --chdir <repository>\n")
