@@ -314,3 +314,16 @@ def test_a_job_submitted_outside_the_repository_ends_at_once_with_2_and_says_whe
     assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", f"{EXIT_BAD_INPUT}:0"), log.read_text()
     assert log.read_text() == (f"slurm/train.sbatch: no train.py in {tmp_path}: submit from the repository's "
                                "folder, or give sbatch --chdir <repository>\n")
+
+
+@pytest.mark.slow
+def test_a_job_submitted_without_the_environment_ends_at_once_with_2_and_says_to_activate_it(
+        cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Without the project's environment on PATH every task printed an ImportError traceback."""
+    log = tmp_path / "job.out"
+    job_id = cluster.submit(*CPU_TASKS, "--output", str(log), "--chdir", str(ROOT),
+                            "slurm/train.sbatch", "--accelerator", "cpu", env={"PATH": "/usr/bin:/bin"})
+    fields = cluster.wait_for_state(job_id, END_STATES, timeout=60)
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", f"{EXIT_BAD_INPUT}:0"), log.read_text()
+    assert log.read_text().endswith("the project's packages are not there: activate its environment "
+                                    "(source .venv/bin/activate) before sbatch\n"), log.read_text()
