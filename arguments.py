@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass, fields, replace
 from functools import cache
 from pathlib import Path
@@ -20,7 +19,7 @@ from jsonargparse import ArgumentParser
 
 from app.choices import FSDP1_ONLY_OPTIONS, MAX_SEED, SHARDED_STRATEGIES
 from app.cli import UsageError, command_parser, config_files_first, nested_config_files, parse, refuse
-from app.exit_codes import EXIT_BAD_INPUT
+from app.tasks import exit_refused
 
 Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "32-true"]
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
@@ -352,8 +351,7 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
         refuse("train.py", str(error))
     problems = validate_config(cfg)
     if problems:
-        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        exit_refused([f"error: {p}" for p in problems])
     return cfg
 
 

@@ -3,7 +3,7 @@
 import signal
 import sys
 
-from app.reliability.tasks import end_quietly_when_srun_ends_the_task
+from app.tasks import end_quietly_when_srun_ends_the_task
 from arguments import option_sources, parse_config
 
 if __name__ == "__main__":
@@ -13,7 +13,7 @@ if __name__ == "__main__":
     # ends it here.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    end_quietly_when_srun_ends_the_task()  # so that srun's exit code is the failed task's: app/reliability/tasks.py
+    end_quietly_when_srun_ends_the_task()  # so that srun's exit code is the failed task's: app/tasks.py
     config = parse_config()
     from app.training.run import run
 

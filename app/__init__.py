@@ -3,10 +3,10 @@ import against its order):
 
 | where | what it holds |
 | --- | --- |
-| exit_codes.py, choices.py, cli.py, hub.py, folders.py | what every part shares: exit statuses, option sets, how a command line meets a shell, whether a Hub name loads from here, folders and files written whole |
+| exit_codes.py, choices.py, cli.py, tasks.py, hub.py, folders.py | what every part shares: exit statuses, option sets, how a command line meets a shell, which process of a run this is, whether a Hub name loads from here, folders and files written whole |
 | distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py: devices |
 | optimization/ | optimizer.py, schedule.py: AdamW's groups and clipping, batch arithmetic and lr(step) |
-| reliability/ | signals.py, watchdog.py, workers.py, torchrun.py, tasks.py, spikes.py: keeping a run alive, ending it well, loss spikes |
+| reliability/ | signals.py, watchdog.py, workers.py, torchrun.py, spikes.py: keeping a run alive, ending it well, loss spikes |
 | prepare/ | prepare_data.py's pipeline: records, chat templates, masks, packing, the folder it writes |
 | data/ | formats.py, order.py, mixture.py, identity.py, loader.py: the prepared folder (or a weighted mixture of folders) read as steps and batches |
 | model/ | build.py, isolation.py, loss.py: the Hugging Face model on every rank; packed examples kept apart; the loss without full logits |
@@ -23,7 +23,7 @@ prepare_data.py, convert_to_hf.py, prefetch.py, plot_metrics.py, generate.py, sh
 """
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("exit_codes", "choices", "cli", "hub", "folders"),
+    ("exit_codes", "choices", "cli", "tasks", "hub", "folders"),
     ("distributed",),
     ("optimization",),
     ("reliability",),

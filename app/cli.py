@@ -32,7 +32,7 @@ import jsonargparse
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from app.exit_codes import EXIT_BAD_INPUT
+from app.tasks import exit_refused
 
 CONFIG_FLAG = "--config"
 
@@ -212,9 +212,8 @@ def first_line(error: BaseException) -> str:
 
 
 def refuse(prog: str, message: str) -> typing.NoReturn:
-    """Print the one line of a bad command line and exit with status 2."""
-    print(f"{prog}: error: {message}; see {prog} --help", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+    """Print the one line of a bad command line and exit with status 2 (said once under srun or torchrun: tasks.py)."""
+    exit_refused([f"{prog}: error: {message}; see {prog} --help"])
 
 
 def run_command(prog: str, work: Callable[[], Any]) -> Any:

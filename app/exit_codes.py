@@ -14,7 +14,7 @@ same error."""
 EXIT_ENDED_BY_SRUN = 1
 """An srun task that SIGTERM ended before training (srun ending the step because another task failed, or a scancel):
 the lowest failure code, as srun exits with the highest code of its tasks, so that the job's code is the failed
-task's own (2, 4, 5, 7) rather than 143 (app/reliability/tasks.py)."""
+task's own (2, 4, 5, 7) rather than 143 (app/tasks.py)."""
 EXIT_BAD_INPUT = 2
 """An option, file or folder was wrong: refused before any work, one line per problem, nothing written. Also
 --estimate_memory's answer when the run as configured does not fit its devices."""

@@ -877,7 +877,7 @@ def start_task(code: str, rank: int, srun: bool = True) -> subprocess.Popen:
                             env=env, stderr=subprocess.PIPE, text=True)
 
 
-REFUSE = "import app.reliability.tasks as tasks; tasks.FIRST_REPORTS_S = 4; tasks.refuse(['--x 1: wrong'])"
+REFUSE = "import app.tasks as tasks; tasks.FIRST_REPORTS_S = 4; tasks.exit_refused(['error: --x 1: wrong'])"
 
 
 @pytest.mark.parametrize("rank, ended_by_srun, reports", [(0, False, True), (1, True, False), (1, False, True)])
@@ -902,7 +902,7 @@ def test_a_refused_input_is_reported_once_by_the_first_srun_task_and_exits_2(ran
 def test_an_srun_task_that_sigterm_ends_before_training_exits_1_so_the_failed_tasks_code_is_the_jobs(srun, code):
     """srun reports the highest code of its tasks: a rendezvous timeout's 5 (requeued by slurm/train.sbatch) became
     143 from the tasks srun ended. Outside srun, SIGTERM keeps its default action."""
-    task = start_task("from app.reliability.tasks import end_quietly_when_srun_ends_the_task as e; e(); "
+    task = start_task("from app.tasks import end_quietly_when_srun_ends_the_task as e; e(); "
                       "print('ready', file=sys.stderr, flush=True); import time; time.sleep(60)", rank=1, srun=srun)
     assert task.stderr.readline() == "ready\n"
     task.send_signal(signal.SIGTERM)

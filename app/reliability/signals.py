@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from app.cli import first_line
 from app.exit_codes import EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STALLED
-from app.reliability.tasks import srun_task, task_rank
+from app.tasks import srun_task, task_rank
 from app.reliability.watchdog import end_process_tree, print_own_stacks, process_ending, say
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Checks of every input, in the launching process, before any worker starts or any file is written.
 
 Each check appends one line per problem (naming the flag and what to do); all problems are reported together, once
-for the run where srun or torchrun runs every device's process whole (app/reliability/tasks.py), and the run exits
+for the run where srun or torchrun runs every device's process whole (app/tasks.py), and the run exits
 with status 2. What the checks resolve along the way (the model config, the FSDP layer classes, the
 checkpoint to resume from) is returned, so the workers never re-derive it differently.
 
@@ -26,7 +26,7 @@ from app.data.mixture import describe
 from app.distributed.precision import bf16_rounding_note
 from app.model.build import resolve_wrap_classes
 from app.optimization.schedule import TrainingPlan
-from app.reliability.tasks import refuse
+from app.tasks import exit_refused
 from app.training.preflight.data import check_data, planned_blocks, reads_data
 from app.training.preflight.environment import check_devices, check_launcher, check_precision, check_runs_here
 from app.training.preflight.model import check_model, check_model_with
@@ -101,7 +101,7 @@ def preflight(cfg: Config) -> RunInputs:
         check_wandb(cfg, problems)
         check_launcher(cfg, problems)
     if problems:
-        refuse(problems)
+        exit_refused([f"error: {p}" for p in problems])
     cfg = resolve_learning_rates(cfg, plan)
     if resume is not None:
         note_changed_options(cfg, resume.metadata)

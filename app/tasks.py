@@ -7,8 +7,9 @@ highest code of all its tasks, a signal's 128 + its number included. Every task 
 input (2) was reported by each task, and the tasks srun ended mid-check or while their interpreter shut down outranked
 it with 143; a rendezvous timeout (5), which the script requeues, became 143 the same way. So an srun task that SIGTERM
 ends before training exits with EXIT_ENDED_BY_SRUN, the lowest failure code, and only the run's first task reports a
-refused input: the others wait for srun to end them, and report only what the first did not find (their own node's
-problem) when no end comes. Imports nothing heavy: train.py installs this before it parses its arguments.
+refused input (a bad command line, a bad value, the preflight's problems): the others wait for srun to end them, and
+report only what the first did not find (their own node's problem) when no end comes. Imports nothing heavy:
+train.py installs this before it parses its arguments.
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ def end_quietly_when_srun_ends_the_task() -> None:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_ENDED_BY_SRUN))
 
 
-def refuse(problems: list[str]) -> NoReturn:
-    """Exit with EXIT_BAD_INPUT and one line per problem, said once for the run: by its first process, where every
-    device's process checks the same inputs; another reports them only if the launcher has not ended it within
-    FIRST_REPORTS_S (the first process found nothing wrong: the problem is this node's own)."""
+def exit_refused(lines: list[str]) -> NoReturn:
+    """Exit with EXIT_BAD_INPUT after the lines of a refused input, said once for the run: by its first process,
+    where every device's process checks the same inputs; another says them only if the launcher has not ended it
+    within FIRST_REPORTS_S (the first process found nothing wrong: the problem is this node's own)."""
     if started_whole_per_device() and task_rank() != 0:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_BAD_INPUT))
         time.sleep(FIRST_REPORTS_S)
-    sys.stderr.write("".join(f"error: {problem}\n" for problem in problems))
+    sys.stderr.write("".join(f"{line}\n" for line in lines))
     sys.stderr.flush()
     sys.exit(EXIT_BAD_INPUT)
