@@ -14,6 +14,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -293,6 +294,58 @@ def test_a_rollback_compares_only_validation_losses_measured_on_the_same_rows(tm
     assert last_good_checkpoint(tmp_path, 364) == checkpoint_path(tmp_path, 340)
     saved(380, 3.30, "data:3,a2:0.5,prose:0.5", eval_iters=20)  # other rows again: compared with no other
     assert last_good_checkpoint(tmp_path, 384) == checkpoint_path(tmp_path, 380)
+
+
+def changed_copy(path: Path, copy: Path, change) -> Path:
+    """A copy of the checkpoint at `path`, then `change(copy)`."""
+    (shutil.copytree if path.is_dir() else shutil.copy)(path, copy)
+    change(copy)
+    return copy
+
+
+def replace_bytes(file: Path, old: bytes, new: bytes) -> None:
+    data = file.read_bytes()
+    assert data.count(old) == 1 and len(old) == len(new)
+    file.write_bytes(data.replace(old, new))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_whose_metadata_or_checksums_changed_is_not_taken_for_whole(tmp_path, sharded) -> None:
+    """The metadata had no checksum: a flipped digit of the position resumed a run on other rows without a word. A
+    sharded folder that lost checksums.json was read unchecked, as one written before checksums; one that lost it in
+    part, or lost DCP's .metadata, stopped `--resume true` (exit 2) instead of being passed over."""
+    from lightning_fabric import Fabric
+
+    from app.checkpoint import CheckpointSaver, broken_checkpoint, checkpoint_path, read_metadata
+    from app.checkpoint.sources import CheckpointError
+
+    model = torch.nn.Linear(8, 4)
+    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 8, "position": 64}
+    path = checkpoint_path(tmp_path / "run", 8)
+    path.parent.mkdir(parents=True)
+    CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=sharded, background=False).save(
+        path, state, lambda: None)
+    assert broken_checkpoint(path) is None and read_metadata(path)["position"] == 64
+    metadata = path / "training.json" if sharded else path
+    quote = b'"' if sharded else b'\\"'
+    moved = changed_copy(path, tmp_path / "moved.ckpt", lambda copy: replace_bytes(
+        copy / "training.json" if sharded else copy, quote + b"position" + quote + b": 64",
+        quote + b"position" + quote + b": 65"))
+    assert broken_checkpoint(moved) == (f"{moved}: its metadata (step, position in the data, random states) are not "
+                                        "what was saved (their checksum differs): the checkpoint is corrupt")
+    with pytest.raises(CheckpointError):
+        read_metadata(moved)
+    if not sharded:
+        return
+    assert metadata.is_file()
+    lost = changed_copy(path, tmp_path / "lost.ckpt", lambda copy: (copy / "checksums.json").unlink())
+    assert broken_checkpoint(lost) == (f"{lost / 'checksums.json'}: the checksums of its pieces are missing: the "
+                                       "checkpoint is incomplete")
+    cut = changed_copy(path, tmp_path / "cut.ckpt", lambda copy: os.truncate(copy / "checksums.json", 50))
+    assert broken_checkpoint(cut) == (f"{cut / 'checksums.json'}: the checksums of its pieces are not readable "
+                                      "(JSONDecodeError): the checkpoint is incomplete")
+    index = changed_copy(path, tmp_path / "index.ckpt", lambda copy: (copy / ".metadata").unlink())
+    assert broken_checkpoint(index) == f"{index / '.metadata'} is missing: the checkpoint is incomplete"
 
 
 @pytest.mark.parametrize("sharded", [False, True])

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 import app.huggingface.convert as converter
+from app.checkpoint.checksums import decode, encode, with_metadata
 from app.huggingface.convert_cli import main as convert_main
 from app.huggingface.generate import GenerateArgs, generate
 from app.huggingface.generate_cli import main as generate_main
@@ -497,8 +498,10 @@ def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, sharded_
         "convert_to_hf.py: error: --max_shard_size 5G: not a size in TB, GB, MB or KB")  # was: after the whole work
     no_config = tmp_path / "no-config" / "step-00000008.ckpt"  # one that recorded none: a TypeError traceback
     shutil.copytree(sharded_run / "checkpoints" / "step-00000008.ckpt", no_config)
-    training = json.loads((no_config / "training.json").read_text())
-    (no_config / "training.json").write_text(json.dumps(training | {"model_config": None}))
+    training = json.dumps(json.loads((no_config / "training.json").read_text()) | {"model_config": None})
+    (no_config / "training.json").write_text(training)
+    table = decode((no_config / "checksums.json").read_text())  # as such a checkpoint records it
+    (no_config / "checksums.json").write_text(encode(with_metadata(table, training)))
     assert refused(capsys, "--checkpoint", no_config, "--output_dir", out).startswith(
         f"convert_to_hf.py: error: --checkpoint {no_config}: its model_config cannot be loaded")
     assert folder_digest(existing) == before and not out.exists()
@@ -901,3 +904,30 @@ def test_a_folder_whose_logits_differ_from_the_checkpoints_is_not_written(full_r
     error = capsys.readouterr().err
     assert exit_info.value.code == 1 and not (tmp_path / "hf").exists(), error
     assert f"verification failed: {tmp_path / 'hf'} reproduces the logits of" in error and "(allowed 0e+00)" in error
+
+
+def test_an_output_disk_that_refuses_the_model_is_one_line_and_leaves_nothing(full_run, tmp_path, capsys) -> None:
+    """A full disk (here a file size limit: EFBIG, as a quota's or a full disk's ENOSPC) ended in safetensors'
+    traceback."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        error = refused(capsys, "--checkpoint", full_run / "checkpoints" / "step-00000008.ckpt",
+                        "--output_dir", tmp_path / "hf")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert error.startswith(f"convert_to_hf.py: error: --output_dir {tmp_path / 'hf'}: the model could not be "
+                            "written (") and "nothing was written: make room, then run again" in error, error
+    assert sorted(os.listdir(tmp_path)) == [], "no folder, no staging leftover"
+
+
+def test_a_checkpoint_that_vanishes_as_it_is_opened_is_missing_not_a_traceback(tmp_path) -> None:
+    """convert_to_hf.py on the folder of a run still saving: its --keep_last_n pruned the checkpoint after the
+    conversion had planned from it, and the reopening ended in a FileNotFoundError traceback (3 tries in 4)."""
+    from app.checkpoint.sources import CheckpointError, open_source
+
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / 'step-00000008.ckpt'} is missing: the checkpoint is "):
+        with open_source(tmp_path / "step-00000008.ckpt"):
+            pass

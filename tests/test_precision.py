@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from app.checkpoint.checksums import CHECKSUMS_KEY, decode, encode, with_metadata
 from app.checkpoint.writers import METADATA_KEY
 from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, bf16_support_problem,
                                        float32_matmul_precision, fp32_modules_problem, fsdp_mixed_precision,
@@ -362,7 +363,9 @@ def test_16_mixed_trains_with_loss_scaling_under_fsdp_resumes_exactly_and_report
         tensors, metadata = {name: file.get_tensor(name) for name in file.keys()}, file.metadata()
     state = json.loads(metadata[METADATA_KEY])
     state["grad_scaler"]["scale"] = 2.0 ** 60  # the next fp16 gradients overflow, as they do at a run's start
-    save_file(tensors, overflowing / "step-00000004.ckpt", metadata | {METADATA_KEY: json.dumps(state)})
+    text = json.dumps(state)  # recorded with its checksum, as such a checkpoint would be
+    save_file(tensors, overflowing / "step-00000004.ckpt", metadata | {
+        METADATA_KEY: text, CHECKSUMS_KEY: encode(with_metadata(decode(metadata[CHECKSUMS_KEY]), text))})
     result = run_train(train_args(tiny, overflowing.parent, **options | dict(max_step=6), resume=True))
     assert_succeeded(result)
     skipped = [step for step, row in read_metrics(overflowing.parent).items() if not math.isfinite(row["grad_norm"])]

@@ -29,7 +29,7 @@ from app.model.build import meta_model
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.training.preflight import preflight
 from arguments import parse_config
-from tests.conftest import ONE_PROCESS, ROOT, run_entry, run_script, run_train, train_args
+from tests.conftest import ONE_PROCESS, ROOT, overwrite_in_place, run_entry, run_script, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 CONSTANT_LR = dict(lr_decay=False, min_lr=None, warmup_steps=0, eval_step_interval=2, save_step_interval=100,
@@ -97,6 +97,22 @@ def test_a_chain_of_resumes_across_strategies_formats_ranks_and_micro_batches_ma
 
 
 @pytest.mark.slow
+def test_bytes_changed_in_place_are_found_when_the_resuming_layout_reads_no_piece_whole(tiny, two_steps,
+                                                                                      tmp_path) -> None:
+    """fsdp2's ranks read row halves of the pieces fsdp (or DDP, or one device) wrote: none was read whole, so none
+    was checked, and a checkpoint whose bytes changed resumed without a word (a flipped bit trained on, or a
+    non-finite loss blamed on --lr). The ranks now share out the pieces none of them read whole, and check them."""
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    name = "model.model.layers.0.mlp.down_proj.weight"
+    changed = overwrite_in_place(run / "checkpoints" / "step-00000002.ckpt", name)
+    result = run_train(link_args(tiny, run, "fsdp2", "full", 2, 4, max_step=4))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{changed}: elements 0 to " in result.stderr and (
+        f"of {name} are not the bytes that were saved (their checksum differs): the checkpoint is corrupt"
+        in result.stderr), result.stderr[-3000:]
+
+
 def test_fsdp2_trains_like_fsdp_and_converts_with_identical_logits(tiny, straight, tmp_path) -> None:
     """FSDP2 starts from the same weights (same init, same order) and takes the same steps as FSDP1, also when the
     gradients of the step's 2 micro-batches are reduced once, after the last (--fsdp_no_sync; the chain's fsdp2 link

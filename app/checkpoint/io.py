@@ -22,13 +22,15 @@ import torch.distributed as dist
 from app.checkpoint import legacy
 from app.checkpoint.failures import StorageFailure
 from app.checkpoint.files import list_checkpoints, remove_leftovers, temporary_path
+from app.checkpoint.checksums import (CHECKSUMS_FILE, CHECKSUMS_KEY, FORMAT_WITH_CHECKSUMS, decode, metadata_problem,
+                                      tensor_pieces)
 from app.checkpoint.sources import CheckpointError, check_complete, open_source
 from app.checkpoint.state import MODEL_PREFIX, CheckpointMismatch, check_fits
 from app.checkpoint.state_dicts import local_state
 from app.checkpoint.tensor_file import read_header
 from app.checkpoint.writers import METADATA_KEY, SHARDED_METADATA, Snapshot, distributed
 
-FORMAT = "fsdp-trainer/2"
+FORMAT = FORMAT_WITH_CHECKSUMS
 TENSORS = ("model", "optimizer")
 
 
@@ -58,10 +60,10 @@ def snapshot(state: dict[str, Any], sharded: bool, group: Optional[dist.ProcessG
     return Snapshot.take(local_state(state["model"], state["optimizer"]), metadata_of(state), group, sharded=sharded)
 
 
-def load_checkpoint(path: Path, model: Any, optimizer: Any) -> dict[str, Any]:
+def load_checkpoint(path: Path, model: Any, optimizer: Any) -> tuple[dict[str, Any], set[tuple[str, int]]]:
     """Read every piece of the model's and optimizer's tensors this rank holds, in place, and return the
-    checkpoint's metadata. Each rank reads on its own. Raises CheckpointError, before reading any tensor, when the
-    checkpoint is another model's."""
+    checkpoint's metadata and the (name, start) of the recorded pieces read whole, and so checked. Each rank reads
+    on its own. Raises CheckpointError, before reading any tensor, when the checkpoint is another model's."""
     local = local_state(model, optimizer)
     try:
         with open_source(path, local.parameter_order) as source:
@@ -69,24 +71,49 @@ def load_checkpoint(path: Path, model: Any, optimizer: Any) -> dict[str, Any]:
             for name, part in local.parts.items():
                 for piece in part.pieces:
                     source.read_elements_into(name, piece.start, piece.data)
+            verified = source.verified
     except CheckpointMismatch as error:
         raise CheckpointError(str(error)) from None
-    return read_metadata(path)
+    return read_metadata(path), verified
 
 
 def load_on_every_rank(path: Path, model: Any, optimizer: Any) -> tuple[dict[str, Any], Optional[str]]:
-    """`load_checkpoint` on every rank, and why the checkpoint could not be read whole (a piece whose checksum
-    differs: it is corrupt), the same on every rank: the others would otherwise wait in their next collective for the
-    rank that failed. The metadata is empty when it could not. Collective."""
+    """`load_checkpoint` on every rank, then a check of the recorded pieces no rank read whole (another layout than
+    the one that saved, checksums.py), shared out among the ranks; and why the checkpoint could not be read whole (a
+    piece whose checksum differs: it is corrupt), the same on every rank: the others would otherwise wait in their
+    next collective for the rank that failed. The metadata is empty when it could not. Collective."""
     try:
-        saved, unreadable = load_checkpoint(path, model, optimizer), None
+        (saved, verified), unreadable = load_checkpoint(path, model, optimizer), None
     except CheckpointError as error:
-        saved, unreadable = {}, str(error)
-    found: list[Optional[str]] = [unreadable]
-    if distributed(None)[1] > 1:
-        found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, unreadable)
-    return saved, next((problem for problem in found if problem), None)
+        saved, verified, unreadable = {}, set(), str(error)
+    found = every_rank((unreadable, verified))
+    problem = next((problem for problem, _ in found if problem), None)
+    if problem is None:
+        read_whole = set().union(*(pieces for _, pieces in found))
+        problem = next((problem for problem in every_rank(check_unread_pieces(path, read_whole)) if problem), None)
+    return (saved, None) if problem is None else ({}, problem)
+
+
+def check_unread_pieces(path: Path, read_whole: set[tuple[str, int]]) -> Optional[str]:
+    """Read again and check this rank's share of the recorded pieces that no rank read whole; why one is corrupt."""
+    rank, world_size = distributed(None)
+    try:
+        with open_source(path) as source:
+            unread = [piece for piece in tensor_pieces(source.checksums) if piece[:2] not in read_whole]
+            for name, start, numel, value in unread[rank::world_size]:
+                source.check_piece(name, start, numel, value)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def every_rank(value: Any) -> list[Any]:
+    """`value` of every rank, in rank order (this rank's alone without a process group). Collective."""
+    if distributed(None)[1] == 1:
+        return [value]
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, value)
+    return found
 
 
 def load_last_good_checkpoint(out_dir: str | Path, before_step: int, model: Any, optimizer: Any,
@@ -152,15 +179,43 @@ def read_metadata(path: Path) -> dict[str, Any]:
     """The checkpoint's counters, options and random states, without reading any weights (no code runs).
     Raises CheckpointError when it is not a readable checkpoint."""
     try:
-        if path.is_dir():
-            if (path / SHARDED_METADATA).is_file():
-                return json.loads((path / SHARDED_METADATA).read_text())
+        if path.is_dir() and not (path / SHARDED_METADATA).is_file():
             return legacy.metadata(legacy.load_sharded_metadata(path))
-        if is_full_file(path):
-            return json.loads(read_header(path)[1][METADATA_KEY])
-        return legacy.metadata(legacy.load_torch_save(path))
+        if not path.is_dir() and not is_full_file(path):
+            return legacy.metadata(legacy.load_torch_save(path))
+        text, table = stored_metadata(path)
+        metadata = json.loads(text)
     except Exception as error:  # a missing, truncated, foreign or unsafe file is the same user error
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(error).__name__})") from None
+    check_metadata(path, metadata, text, table)
+    return metadata
+
+
+def stored_metadata(path: Path) -> tuple[str, Optional[str]]:
+    """The metadata's JSON text and the checksums' table (None where there is none) of a checkpoint of this
+    project's format, a sharded folder or a full file."""
+    if path.is_dir():
+        table = path / CHECKSUMS_FILE
+        return (path / SHARDED_METADATA).read_text(), table.read_text() if table.is_file() else None
+    header = read_header(path)[1]
+    return header[METADATA_KEY], header.get(CHECKSUMS_KEY)
+
+
+def check_metadata(path: Path, metadata: dict[str, Any], text: str, table: Optional[str]) -> None:
+    """Raise CheckpointError when the checksums' table of a format that always has one is missing or unreadable (a
+    copy cut short), or the metadata is not what was saved (checksums.py)."""
+    where = path / CHECKSUMS_FILE if path.is_dir() else path
+    if table is None:
+        if metadata.get("format") == FORMAT_WITH_CHECKSUMS:
+            raise CheckpointError(f"{where}: the checksums of its pieces are missing: the checkpoint is incomplete")
+        return
+    try:
+        problem = metadata_problem(decode(table), text)
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"{where}: the checksums of its pieces are not readable ({type(error).__name__}): the "
+                              "checkpoint is incomplete") from None
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
 
 
 def broken_checkpoint(path: Path) -> Optional[str]:

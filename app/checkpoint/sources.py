@@ -25,13 +25,19 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterator, NoReturn, Optional, Protocol
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from app.checkpoint import legacy
-from app.checkpoint.checksums import CHECKSUMS_FILE, CHECKSUMS_KEY, Table, check_pieces, decode
+from app.checkpoint.checksums import CHECKSUMS_FILE, CHECKSUMS_KEY, Table, check_pieces, decode, pieces_within
 from app.checkpoint.direct_io import BOUNCE_BYTES, DirectReader
 from app.checkpoint.state import flat_range
 from app.checkpoint.tensor_file import read_header
+from app.checkpoint.writers import SHARDED_METADATA
+
+
+VERIFY_BYTES = 64 << 20
+"""The buffer a piece read again only to check it goes through (check_piece): a piece may be a whole embedding."""
 
 
 class CheckpointError(ValueError):
@@ -42,11 +48,19 @@ Shapes = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 class TensorSource(Protocol):
+    checksums: Table
+    """The recorded pieces' checksums (empty for a checkpoint written without them)."""
+    verified: set[tuple[str, int]]
+    """(name, start) of the recorded pieces read whole, and checked, so far."""
+
     def shapes(self) -> Shapes:
         """Every stored tensor's dtype and whole shape."""
 
     def read_elements_into(self, name: str, first: int, target: torch.Tensor) -> None:
         """Fill `target` with `target.numel()` elements of tensor `name`, flattened, from element `first` on."""
+
+    def check_piece(self, name: str, start: int, numel: int, value: str) -> None:
+        """Raise CheckpointError when the recorded piece's bytes are not those saved."""
 
     def close(self) -> None: ...
 
@@ -67,6 +81,8 @@ class RawSource:
 
     def __init__(self, shapes: Shapes, extents: dict[str, list[Extent]], checksums: Optional[Table] = None) -> None:
         self._shapes, self.extents, self.checksums = shapes, extents, checksums or {}
+        self.verified: set[tuple[str, int]] = set()
+        """(name, start) of every recorded piece read whole, and checked, so far."""
         self.handles: dict[Path, BinaryIO] = {}
         self.readers: dict[Path, DirectReader] = {}
         self.bounce: Optional[mmap.mmap] = None
@@ -78,6 +94,17 @@ class RawSource:
         dtype = self._shapes[name][0]
         direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
         buffer = target.view(-1) if direct else torch.empty(target.numel(), dtype=dtype)
+        self.read_range(name, first, buffer)
+        for start, numel in check_pieces(self.checksums, name, first, buffer)[:1]:
+            raise CheckpointError(self.corrupt(name, start, numel))
+        self.verified |= {(name, start) for start, _, _ in pieces_within(self.checksums, name, first,
+                                                                           first + buffer.numel())}
+        if not direct:
+            target.copy_(buffer.view(target.shape))
+
+    def read_range(self, name: str, first: int, buffer: torch.Tensor) -> None:
+        """Elements [first, first + numel) of `name`, flattened, into `buffer` (in the stored dtype), unchecked."""
+        dtype = self._shapes[name][0]
         stop, covered = first + buffer.numel(), 0
         for extent in self.extents_of(name):
             begin, end = max(first, extent.start), min(stop, extent.start + extent.numel)
@@ -88,12 +115,24 @@ class RawSource:
         if covered != buffer.numel():
             raise CheckpointError(f"{name}: elements {first} to {stop} are not all stored: the checkpoint is "
                                   "incomplete")
-        for start, numel in check_pieces(self.checksums, name, first, buffer)[:1]:
-            where = next(e.path for e in self.extents_of(name) if e.start <= start < e.start + e.numel)
-            raise CheckpointError(f"{where}: elements {start} to {start + numel} of {name} are not the bytes that were "
-                                  "saved (their checksum differs): the checkpoint is corrupt")
-        if not direct:
-            target.copy_(buffer.view(target.shape))
+
+    def check_piece(self, name: str, start: int, numel: int, value: str) -> None:
+        """Read a recorded piece again, VERIFY_BYTES at a time, and raise CheckpointError when its checksum differs:
+        for the pieces no rank read whole (a resume on another layout)."""
+        dtype = self._shapes[name][0]
+        step = max(VERIFY_BYTES // dtype.itemsize, 1)
+        buffer, hasher = torch.empty(min(step, numel), dtype=dtype), xxhash.xxh3_64()
+        for begin in range(start, start + numel, step):
+            part = buffer[:min(step, start + numel - begin)]
+            self.read_range(name, begin, part)
+            hasher.update(memoryview(part.view(torch.uint8).numpy()))
+        if hasher.hexdigest() != value:
+            raise CheckpointError(self.corrupt(name, start, numel))
+
+    def corrupt(self, name: str, start: int, numel: int) -> str:
+        where = next(e.path for e in self.extents_of(name) if e.start <= start < e.start + e.numel)
+        return (f"{where}: elements {start} to {start + numel} of {name} are not the bytes that were saved (their "
+                "checksum differs): the checkpoint is corrupt")
 
     def extents_of(self, name: str) -> list[Extent]:
         return self.extents[name]
@@ -266,12 +305,17 @@ class MemorySource:
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
+        self.checksums: Table = {}  # written before checksums existed
+        self.verified: set[tuple[str, int]] = set()
 
     def shapes(self) -> Shapes:
         return {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in self.tensors.items()}
 
     def read_elements_into(self, name: str, first: int, target: torch.Tensor) -> None:
         target.copy_(self.tensors[name].reshape(-1)[first:first + target.numel()].view(target.shape))
+
+    def check_piece(self, name: str, start: int, numel: int, value: str) -> None:
+        raise AssertionError("an earlier version's file records no checksums")
 
     def close(self) -> None:
         self.tensors.clear()
@@ -283,6 +327,8 @@ def check_complete(path: Path) -> None:
     every rank had started and was reading, and ended in a traceback on each."""
     if path.is_dir():
         if not (path / ".metadata").is_file():
+            if (path / SHARDED_METADATA).is_file():
+                raise CheckpointError(f"{path / '.metadata'} is missing: the checkpoint is incomplete")
             return  # an earlier version's folder: its reader says what is missing
         ends: dict[Path, int] = {}
         for stored in read_dcp_metadata(path).storage_data.values():
@@ -304,13 +350,17 @@ def check_complete(path: Path) -> None:
 @contextmanager
 def open_source(path: Path, parameter_order: Optional[list[str]] = None) -> Iterator[TensorSource]:
     """The tensors of any checkpoint: a sharded folder, a full file, or an earlier version's torch.save file (whose
-    numbered optimizer state `parameter_order` names; without it, that state is left out)."""
-    if path.is_dir():
-        source: TensorSource = FolderSource(path)
-    elif legacy.is_torch_save_file(path):
-        source = MemorySource(legacy.tensors(legacy.load_torch_save(path), parameter_order))
-    else:
-        source = file_source(path)
+    numbered optimizer state `parameter_order` names; without it, that state is left out). A file that vanishes as it
+    is opened (the run saving to the folder pruned it, --keep_last_n) is CheckpointError, as one missing."""
+    try:
+        if path.is_dir():
+            source: TensorSource = FolderSource(path)
+        elif legacy.is_torch_save_file(path):
+            source = MemorySource(legacy.tensors(legacy.load_torch_save(path), parameter_order))
+        else:
+            source = file_source(path)
+    except FileNotFoundError as error:
+        missing_file(Path(error.filename or path))
     try:
         yield source
     finally:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from app.checkpoint.checksums import (CHECKSUMS_FILE, CHECKSUMS_KEY, Table, checksum, encode, merged,
-                                      unwritten)
+                                      unwritten, with_metadata)
 from app.checkpoint.dcp_blocks import BlocksWriter
 from app.checkpoint.direct_io import ALIGN, DirectFile
 from app.checkpoint.failures import StorageFailure
@@ -127,7 +127,8 @@ def agree_plan(state: LocalState, metadata: dict[str, Any], group: Optional[dist
     if rank == 0:
         writers = lowest_holders([layout_of_rank for _, layout_of_rank in reports], state.shapes())
         header = layout(((name, state.parts[name].shape, state.parts[name].dtype) for name in writers),
-                        {METADATA_KEY: json.dumps(metadata), CHECKSUMS_KEY: encode(unwritten(writers))},
+                        {METADATA_KEY: json.dumps(metadata),
+                         CHECKSUMS_KEY: encode(with_metadata(unwritten(writers), json.dumps(metadata)))},
                         data_alignment=ALIGN)
         same_machine = frozenset(r for r, (host, _) in enumerate(reports) if host == reports[0][0])
         plan = [WritePlan(writers, same_machine, header)]
@@ -256,8 +257,9 @@ class Snapshot:
     def fill_in_checksums(self, path: Path, table: Table) -> None:
         """Write the checksums into the place the header reserved for them (rank 0, before the file is made
         durable): the same length, so nothing else moves."""
-        reserved = json.dumps(encode(unwritten(self.plan.writers))).encode()  # as the header's JSON spells it
-        filled = json.dumps(encode(table)).encode()
+        metadata = json.dumps(self.metadata)
+        reserved = json.dumps(encode(with_metadata(unwritten(self.plan.writers), metadata))).encode()  # as in the header
+        filled = json.dumps(encode(with_metadata(table, metadata))).encode()
         if len(filled) != len(reserved) or self.plan.header.count(reserved) != 1:
             raise RuntimeError("the checksums do not fit the place the header reserved for them")
         with open(path, "r+b") as handle:
@@ -355,7 +357,8 @@ class Snapshot:
         checksums = {(name, starts[(name, offsets)]): value for (name, offsets), value in writer.checksums.items()}
         tables = gathered((checksums, failure.message is not None), self.group)
         if rank == 0 and not any(failed for _, failed in tables):
-            failure.attempt((folder / CHECKSUMS_FILE).write_text, encode(merged((t for t, _ in tables), self.parts)))
+            table = with_metadata(merged((t for t, _ in tables), self.parts), json.dumps(self.metadata))
+            failure.attempt((folder / CHECKSUMS_FILE).write_text, encode(table))
             failure.attempt((folder / SHARDED_METADATA).write_text, json.dumps(self.metadata))
 
 

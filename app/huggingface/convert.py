@@ -19,6 +19,7 @@ stops at the tokenizer's EOS and at the chat template's end-of-turn, where train
 from __future__ import annotations
 
 import copy
+import errno
 import gc
 import json
 import re
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError
 from tokenizers.processors import TemplateProcessing
 from torch.nn import Module
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel,
@@ -818,9 +820,18 @@ def convert(job: Job, dtype: str, max_shard_size: str) -> float:
         return difference
     except CheckpointError as error:  # the tensors' bytes are first read here: a truncated file, a rank's missing
         raise BadInput(f"--checkpoint {error}; pick another one") from None
+    except (OSError, SafetensorError) as error:  # the output's disk full (safetensors' own error), a quota, EFBIG
+        if isinstance(error, OSError) and error.errno not in STORAGE_REFUSALS:
+            raise
+        raise BadInput(f"--output_dir {job.output_dir}: the model could not be written ({first_line(error)}); "
+                       "nothing was written: make room, then run again") from None
     finally:
         if temporary.exists():
             shutil.rmtree(temporary)
+
+
+STORAGE_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+"""What the output's storage answers a write it refuses: one line, not a traceback."""
 
 
 class VerificationFailed(Exception):
