@@ -557,6 +557,13 @@ def test_the_space_a_failed_save_left_counts_as_free(tiny, tmp_path, monkeypatch
     checks.check_out_dir(cfg, config, problems)
     assert problems == []
 
+    # A save killed just after sizing its file leaves a sparse one: its size is not space its removal frees.
+    (leftover / "__0_0.distcp").unlink()
+    with open(leftover / "__1_0.distcp", "wb") as sized:
+        sized.truncate(10_000_000)
+    checks.check_out_dir(cfg, config, problems)
+    assert len(problems) == 1 and problems[0].endswith("free space or choose another folder")
+
 
 @pytest.mark.parametrize("variables, reports", [
     ({}, True), ({"LOCAL_RANK": "1"}, False), ({"LOCAL_RANK": "0", "RANK": "2"}, True),  # by hand: every node's log

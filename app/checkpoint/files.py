@@ -193,12 +193,14 @@ def remove_leftovers(folder: Path) -> None:
 
 
 def bytes_on_disk(path: Path) -> int:
-    """A file's or a folder's size (a link counts for nothing: what it points to stays)."""
+    """The disk space a file or a folder takes, its blocks (a link counts for nothing: what it points to stays). Not
+    its size: a save killed just after sizing its file leaves one of the full size and almost no blocks, and the
+    preflight counted that size as space its removal frees (then the run trained, and its first save met a full
+    disk)."""
     if path.is_symlink():
         return 0
-    if path.is_file():
-        return path.stat().st_size
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file() and not file.is_symlink())
+    files = [path] if path.is_file() else [file for file in path.rglob("*") if file.is_file() and not file.is_symlink()]
+    return sum(file.stat().st_blocks * 512 for file in files)
 
 
 def remove(path: Path) -> None:
