@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from app.checkpoint import legacy
-from app.checkpoint.failures import StorageFailure
-from app.checkpoint.files import list_checkpoints, remove_leftovers, temporary_path
 from app.checkpoint.checksums import (CHECKSUMS_FILE, CHECKSUMS_KEY, FORMAT_WITH_CHECKSUMS, decode, metadata_problem,
                                       tensor_pieces)
+from app.checkpoint.failures import StorageFailure
+from app.checkpoint.files import list_checkpoints, remove_leftovers, temporary_path
 from app.checkpoint.sources import CheckpointError, check_complete, open_source
 from app.checkpoint.state import MODEL_PREFIX, CheckpointMismatch, check_fits
 from app.checkpoint.state_dicts import local_state

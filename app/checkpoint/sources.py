@@ -35,7 +35,6 @@ from app.checkpoint.state import flat_range
 from app.checkpoint.tensor_file import read_header
 from app.checkpoint.writers import SHARDED_METADATA
 
-
 VERIFY_BYTES = 64 << 20
 """The buffer a piece read again only to check it goes through (check_piece): a piece may be a whole embedding."""
 
