@@ -1,6 +1,6 @@
 """Which process of a run this is when a launcher starts train.py whole once per device (srun's tasks under
-slurm/train.sbatch, torchrun's workers), and how such a process ends before training so that the launcher's exit code
-names the task that failed.
+slurm/train.sbatch, torchrun's workers, Lightning's ranks), and how such a process ends before training: so that the
+launcher's exit code names the task that failed, and so that no rank outlives its launcher.
 
 srun --kill-on-bad-exit ends a step's other tasks with SIGTERM as soon as one exits non-zero, then exits with the
 highest code of all its tasks, a signal's 128 + its number included. Every task checks the same inputs, so a refused
@@ -22,6 +22,11 @@ from typing import NoReturn
 
 from app.exit_codes import EXIT_BAD_INPUT, EXIT_ENDED_BY_SRUN
 
+LAUNCHER_PID = "FSDP_TRAINER_LAUNCHER_PID"
+"""Set by the launching process for the ranks it starts: their parent, to tell that it died before they asked the
+kernel to end them with it."""
+PR_SET_PDEATHSIG = 1
+"""prctl's option: the signal this process gets when its parent dies (linux/prctl.h)."""
 FIRST_REPORTS_S = 10.0
 """How long a task other than the first waits, once its inputs were refused, for srun to end it after the first task
 reported the same problems; a problem the first task did not find is reported after it."""
@@ -43,6 +48,22 @@ def started_whole_per_device() -> bool:
 def task_rank() -> int:
     """This process's rank in the run, as its launcher numbered it (0 where no launcher did)."""
     return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+def end_with_the_launcher(end: bool = True) -> None:
+    """In a rank that Lightning's launcher started (LOCAL_RANK >= 1, not torchrun's), until training begins: the
+    kernel ends it (SIGKILL) when the launching process dies. Killed while the ranks started (an out-of-memory kill),
+    the launcher left its ranks waiting in the rendezvous until --rendezvous_timeout_min, holding their devices, and
+    for ever where their stderr was a pipe that had died with it. From the first step on, a rank says in one line that
+    a process of the run ended first (`end=False` lets go: app/reliability/signals.py). Linux only (prctl)."""
+    if not sys.platform.startswith("linux") or int(os.environ.get("LOCAL_RANK") or 0) < 1 \
+            or "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL if end else 0)
+    if end and os.getppid() != int(os.environ.get(LAUNCHER_PID) or os.getppid()):  # it died before this rank asked
+        os._exit(128 + signal.SIGKILL)  # as if the signal had come
 
 
 def end_quietly_when_srun_ends_the_task() -> None:

@@ -340,10 +340,13 @@ def test_lightning_detects_slurm_and_derives_every_rank_from_the_sbatch_layout()
 def fake_slurm(tmp_path):
     """`srun` exiting with $FAKE_STATUS (what train.py returned), `squeue` printing the job's comment $FAKE_COMMENT
     (or failing where it is "squeue fails"), and `scontrol` recording what it was asked to do (an update failing where
-    $FAKE_UPDATE_FAILS is set)."""
+    $FAKE_UPDATE_FAILS is set); a `python` that has the project's packages, and a train.py where the job runs (the
+    scripts check both first)."""
     bin_dir = tmp_path / "slurm-bin"
     bin_dir.mkdir()
     record = tmp_path / "scontrol.log"
+    (tmp_path / "train.py").write_text("")
+    (bin_dir / "python").write_text("#!/bin/bash\nexit 0\n")
     (bin_dir / "srun").write_text('#!/bin/bash\nexit "$FAKE_STATUS"\n')
     (bin_dir / "squeue").write_text(
         '#!/bin/bash\nif [ "$FAKE_COMMENT" = "squeue fails" ]; then exit 1; fi\necho "$FAKE_COMMENT"\n'
@@ -434,7 +437,9 @@ def test_torchrun_wrapper_exits_with_the_failed_workers_own_code(tmp_path):
     result = subprocess.run([sys.executable, "-m", "app.reliability.torchrun", "--standalone", "--nproc_per_node", "1",
                              str(worker)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 4, result.stderr[-2000:]
-    assert "exitcode  : 4" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("torchrun: the worker of rank 0 exited with 4 (its output above "
+                                                      "says why): exit 4"), result.stderr[-2000:]
+    assert "Root Cause" not in result.stderr, "torchrun's 25-line report said nothing more"
 
 
 def test_torchrun_wrapper_ends_a_rendezvous_that_a_node_never_joins_with_5_in_one_line(tmp_path):

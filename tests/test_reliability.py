@@ -36,8 +36,8 @@ from app.evaluation.show import latest_samples
 from app.reliability import signals
 from app.reliability.signals import INTERRUPT_MESSAGE
 from app.reliability.watchdog import collect_stacks
-from conftest import (ROOT, STEP_LINE, Launched, TinySetup, free_port, launch, launched, read_checkpoint,
-                      run_script, run_train, train_args)
+from conftest import (ROOT, STEP_LINE, Launched, TinySetup, free_port, kill_session, launch, launched,
+                      read_checkpoint, run_environment, run_script, run_train, train_args)
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
 # 647 train blocks / (16 micro-batch x 2 ranks x 2 accumulation) = 10 steps per epoch: step 10 ends epoch 0.
@@ -425,6 +425,34 @@ def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too
         assert "Traceback" not in run.output(), run.output()
         assert "SIGTERM before training began: nothing to save yet, quitting (exit 143)" in run.output()
         run.assert_nothing_left(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 1.0])
+def test_a_launcher_killed_while_the_ranks_start_takes_them_with_it(tiny: TinySetup, tmp_path: Path, delay) -> None:
+    """The launching process SIGKILLed (an out-of-memory kill) as its rank started: the rank waited for it until
+    --rendezvous_timeout_min (10 minutes, holding its device), then blamed the other nodes; and for ever where its
+    stderr was a pipe that died with the launcher (the line saying why raised BrokenPipeError in the thread that was
+    to end it). A rank now ends with its launcher (app/tasks.py end_with_the_launcher): at once, or at its start
+    where the launcher died first."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *train_args(tiny, tmp_path / "run")],
+                               cwd=ROOT, env=run_environment(None), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ranks := [child for child in psutil.Process(process.pid).children()
+                             if "train.py" in " ".join(child.cmdline())]):
+            assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+            time.sleep(0.01)
+        time.sleep(delay)
+        process.kill()
+        process.wait()
+        process.stdout.close()
+        process.stderr.close()  # the rank's stderr: a pipe without its reader
+        gone, alive = psutil.wait_procs(ranks, timeout=20)
+        assert not [rank for rank in alive if rank.status() != psutil.STATUS_ZOMBIE], "the rank outlived its launcher"
+    finally:
+        kill_session(process.pid)
 
 
 def test_a_run_that_outlives_its_timeout_fails_with_where_its_processes_were_and_leaves_none_running() -> None:

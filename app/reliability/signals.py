@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from app.cli import first_line
 from app.exit_codes import EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STALLED
-from app.tasks import srun_task, task_rank
+from app.tasks import end_with_the_launcher, srun_task, task_rank
 from app.reliability.watchdog import end_process_tree, print_own_stacks, process_ending, say
 
 if TYPE_CHECKING:
@@ -115,8 +115,10 @@ class StopRequest:
         threading.Thread(target=self._receive, args=(read_end,), name="stop-signals", daemon=True).start()
 
     def begin_training(self) -> None:
-        """From the first optimizer step on, the first Ctrl-C stops at a step boundary with a checkpoint."""
+        """From the first optimizer step on, the first Ctrl-C stops at a step boundary with a checkpoint, and a rank
+        whose launcher dies says so (app/tasks.py end_with_the_launcher)."""
         self.training = True
+        end_with_the_launcher(end=False)
 
     def _receive(self, read_end: int) -> None:
         while received := os.read(read_end, 64):

@@ -48,10 +48,13 @@ def print_stacks_on_signal() -> None:
 
 def say(text: str) -> None:
     """Text on stderr in as few writes as the OS allows, bypassing Python's stream lock (which a hung main thread may
-    hold), so that other processes writing to the same log at the same time do not split it."""
+    hold), so that other processes writing to the same log at the same time do not split it. A stderr that is gone
+    (a pipe whose reader died with the launcher: BrokenPipeError) loses the text: raised, it ended the thread that was
+    to end the process after saying why, and a rank orphaned at start-up waited for ever."""
     data = text.encode()
-    while data:
-        data = data[os.write(sys.stderr.fileno(), data):]
+    with suppress(OSError):
+        while data:
+            data = data[os.write(sys.stderr.fileno(), data):]
 
 
 def print_own_stacks() -> None:

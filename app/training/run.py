@@ -42,6 +42,7 @@ from app.reliability.signals import (StopRequest, end_ranks_on_signal_until_trai
 from app.reliability.spikes import QUARANTINE_FILE, SpikeGuard, SpikeHistory, SpikeRules, write_quarantine
 from app.reliability.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
 from app.reliability.workers import start_worker_server
+from app.tasks import LAUNCHER_PID
 from app.training.loop import Loop
 from app.training.preflight import RunInputs, note, preflight
 from app.training.print_config import resolved_run
@@ -103,6 +104,7 @@ def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:
                        node_rank=fabric.node_rank, local_rank=fabric.local_rank).start()
     end_ranks_on_signal_until_training()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # for the ranks it starts: app/tasks.py end_with_the_launcher
 
 
 def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) -> dict[str, Any]:
