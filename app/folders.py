@@ -45,6 +45,15 @@ def staging_folder(final: Path, kind: str = "partial") -> Path:
     return final.with_name(f".{final.name}.{kind}-{host}-{os.getpid()}-{os.urandom(4).hex()}")
 
 
+def remove_own_staging(*folders: Path) -> None:
+    """Delete the folders this process is writing (`kind` "partial") in `folders`: a stopped conversion's."""
+    own = re.compile(rf"^\..+\.partial-{re.escape(socket.gethostname())}-{os.getpid()}-")
+    for folder in folders:
+        for path in folder.iterdir() if folder.is_dir() else ():
+            if own.match(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+
+
 def real_folder(final: Path) -> Path:
     """The folder to write when `final` is asked for: a link's target, so that a data or model folder linked to
     other storage stays linked and is replaced where it lives (renaming the link itself left a plain folder in its

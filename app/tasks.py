@@ -56,14 +56,29 @@ def end_with_the_launcher(end: bool = True) -> None:
     the launcher left its ranks waiting in the rendezvous until --rendezvous_timeout_min, holding their devices, and
     for ever where their stderr was a pipe that had died with it. From the first step on, a rank says in one line that
     a process of the run ended first (`end=False` lets go: app/reliability/signals.py). Linux only (prctl)."""
-    if not sys.platform.startswith("linux") or int(os.environ.get("LOCAL_RANK") or 0) < 1 \
+    launcher = int(os.environ.get(LAUNCHER_PID) or 0)
+    if not sys.platform.startswith("linux") or int(os.environ.get("LOCAL_RANK") or 0) < 1 or not launcher \
             or "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    if os.getppid() != launcher:  # started through another process (the tests' fork server), or the launcher is gone
+        if end and not alive(launcher):
+            os._exit(128 + signal.SIGKILL)  # as if the signal had come
         return
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL if end else 0)
-    if end and os.getppid() != int(os.environ.get(LAUNCHER_PID) or os.getppid()):  # it died before this rank asked
-        os._exit(128 + signal.SIGKILL)  # as if the signal had come
+    if end and os.getppid() != launcher:  # it died before this rank asked
+        os._exit(128 + signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: the pid was taken again
+        return False
+    return True
 
 
 def end_quietly_when_srun_ends_the_task() -> None:

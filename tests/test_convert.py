@@ -931,3 +931,30 @@ def test_a_checkpoint_that_vanishes_as_it_is_opened_is_missing_not_a_traceback(t
     with pytest.raises(CheckpointError, match=f"^{tmp_path / 'step-00000008.ckpt'} is missing: the checkpoint is "):
         with open_source(tmp_path / "step-00000008.ckpt"):
             pass
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_converting_is_one_line_130_and_leaves_nothing(full_run, tmp_path) -> None:
+    """Ctrl-C gave some 50 lines of chained tracebacks (KeyboardInterrupt, then a BufferError from closing the
+    checkpoint's read buffer) and exit 1, which a wrapper takes for a failed conversion."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT, run_environment
+
+    out = tmp_path / "hf"
+    process = subprocess.Popen([sys.executable, str(ROOT / "convert_to_hf.py"), "--checkpoint",
+                                str(full_run / "checkpoints" / "step-00000008.ckpt"), "--output_dir", str(out)],
+                               cwd=ROOT, env=run_environment(None), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not [path for path in tmp_path.iterdir() if path.name.startswith(".hf.partial-")]:
+        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert (process.returncode, stderr) == (130, f"convert_to_hf.py: stopped by SIGINT; nothing was written to {out} "
+                                                 "(a model folder appears whole, or not at all)\n")
+    assert list(tmp_path.iterdir()) == [], "no folder, no staging leftover"

@@ -18,7 +18,7 @@ import os
 import pickle
 import struct
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -161,7 +161,8 @@ class RawSource:
         self.handles.clear()
         self.readers.clear()
         if self.bounce is not None:
-            self.bounce.close()
+            with suppress(BufferError):  # a read stopped midway (Ctrl-C) still holds a view of it
+                self.bounce.close()
             self.bounce = None
 
 

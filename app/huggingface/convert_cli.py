@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Literal, Optional
 
 from jsonargparse import ArgumentParser
 
-from app.cli import bars_only_on_a_terminal, command_parser, parse, run_command
+from app.cli import bars_only_on_a_terminal, command_parser, parse, run_command, stopped_in_one_line
+from app.folders import real_folder, remove_own_staging
 from app.huggingface.upload import HubArgs
 
 
@@ -60,8 +62,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = run_command("convert_to_hf.py", lambda: parse_args(argv))
     from app.huggingface.convert import EXIT_VERIFY_FAILED, PushFailed, VerificationFailed, run
 
+    output_dir = real_folder(Path(args.output_dir))
     try:
-        with bars_only_on_a_terminal():
+        with bars_only_on_a_terminal(), stopped_in_one_line(
+                "convert_to_hf.py", f"nothing was written to {args.output_dir} (a model folder appears whole, or not "
+                "at all)", lambda: remove_own_staging(output_dir.parent, output_dir)):
             run_command("convert_to_hf.py", lambda: run(args))
     except (VerificationFailed, PushFailed) as error:
         print(f"convert_to_hf.py: error: {error}", file=sys.stderr)
