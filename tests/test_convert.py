@@ -278,6 +278,8 @@ def test_bfloat16_conversion_is_within_tolerance(tiny, full_run, tmp_path) -> No
         logits = model(input_ids=probe()).logits
     reference = reference_logits(tiny, full_run / "checkpoints" / "step-00000008.ckpt")
     assert ((logits - reference).abs().max() / reference.abs().max()).item() < 5e-2
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], "safetensors wrote its weights readable by no one else"
 
 
 def test_sharded_checkpoint_converts_to_the_same_weights_as_the_full_one(full_run, sharded_run, tmp_path) -> None:

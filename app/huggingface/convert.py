@@ -22,6 +22,7 @@ import copy
 import errno
 import gc
 import json
+import os
 import re
 import shlex
 import shutil
@@ -745,6 +746,7 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     end_sources_with_eos(tokenizer, job.model_config)
     model.generation_config = generation_config(job, tokenizer)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    readable_as_the_other_files(folder)
     del model
     gc.collect()
     tokenizer.save_pretrained(folder)
@@ -753,6 +755,15 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     reloaded, loading = model_class(job.model_config).from_pretrained(
         folder, dtype=DTYPES[dtype], trust_remote_code=job.trust_remote_code, output_loading_info=True)
     return reference, reloaded.eval(), loading_problem(loading)
+
+
+def readable_as_the_other_files(folder: Path) -> None:
+    """safetensors creates its files readable by their owner alone (0600) where every other file of the folder gets
+    0666 less the umask: a serving account, or a colleague sharing the group, could not read the weights."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for weights in folder.glob("*.safetensors"):
+        weights.chmod(0o666 & ~umask)
 
 
 def loading_problem(loading: dict[str, Any]) -> Optional[str]:
