@@ -428,6 +428,21 @@ def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too
 
 
 @pytest.mark.slow
+def test_a_stop_signal_during_an_evaluation_stops_at_that_step_with_its_checkpoint(tiny: TinySetup, tmp_path: Path):
+    """The ranks learnt of a signal only from the next step's verdict: one arriving during an evaluation (minutes
+    with generation samples) or a save trained one more step and saved again (96 s after a SIGTERM, past Docker's
+    10 s and Kubernetes' 30 s of grace)."""
+    with launched(train_args(tiny, tmp_path / "run", eval_step_interval=2, eval_iters=1000, eval_batch_size=1,
+                             save_step_interval=0), tmp_path / "run.log") as run:
+        run.wait_for_step(2)  # its line comes before the evaluation, which reads 131 rows one by one
+        run.process.send_signal(signal.SIGTERM)
+        assert run.finish() == EXIT_PREEMPTED, run.output()
+        assert "step 2: stopped by a signal after saving" in run.output(), run.output()
+        steps = [int(step) for step in STEP_LINE.findall(run.output())]
+        assert list(list_checkpoints(tmp_path / "run")) == [2] and max(steps) == 2, run.output()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 1.0])
 def test_a_launcher_killed_while_the_ranks_start_takes_them_with_it(tiny: TinySetup, tmp_path: Path, delay) -> None:
     """The launching process SIGKILLed (an out-of-memory kill) as its rank started: the rank waited for it until

@@ -194,6 +194,15 @@ def step_verdict(fabric: Fabric, loss: torch.Tensor, grad_square_sum: torch.Tens
                        grad_norm=grad_norm, loss=step_loss, grad_norm_value=norm)
 
 
+def stop_agreed(fabric: Fabric, stop: StopRequest) -> bool:
+    """Whether a rank has seen a stop signal since the step's verdict: one all_reduce, after an evaluation or a save
+    (minutes, with generation samples or a large model), so that a signal during them stops there, with this step's
+    checkpoint, rather than after one more step and one more save (96 s after a SIGTERM: past Docker's 10 s and
+    Kubernetes' 30 s of grace)."""
+    flag = torch.tensor([float(stop.requested)], device=fabric.device)
+    return all_reduce_sum(fabric, flag).item() > 0
+
+
 def requeues_itself(requeue_on_signal: bool, signum: Optional[int]) -> bool:
     """Whether the stopped run puts its Slurm job back in the queue: only after SIGUSR1, Slurm's warning before a time
     limit (`#SBATCH --signal=USR1@120`). SIGTERM comes from `scancel` (the user wants the job gone) or from a

@@ -26,7 +26,7 @@ from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepC
 from app.evaluation.samples import SampleEvaluator, set_aside_samples_after
 from app.optimization.optimizer import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
 from app.optimization.schedule import TrainingPlan, continuing_position, learning_rate
-from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict
+from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict, stop_agreed
 from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits, write_quarantine
 from app.reliability.watchdog import StallWatchdog
 from app.training.progress import saved_progress
@@ -185,8 +185,7 @@ class Loop:
                 steps = self.steps()
             throughput = self.clock.tick(state["step"])
             self.console.advance()
-            self.log_evaluate_save(losses, verdict, lr, throughput, epoch_ended)
-            if verdict.stop_requested and state["step"] < plan.max_step:
+            if self.log_evaluate_save(losses, verdict, lr, throughput, epoch_ended) and state["step"] < plan.max_step:
                 return self.stopped_by_signal()
         return "finished"
 
@@ -210,9 +209,10 @@ class Loop:
         optimizer.zero_grad(set_to_none=True)
 
     def log_evaluate_save(self, losses: list[float], verdict: StepVerdict, lr: float, throughput: dict[str, float],
-                          epoch_ended: bool) -> None:
-        """After a step: log, evaluate and save as their intervals (or a stop signal) say, in one metrics row.
-        `losses` are the steps' losses since the last log; they are cleared once logged."""
+                          epoch_ended: bool) -> bool:
+        """After a step: log, evaluate and save as their intervals (or a stop signal) say, in one metrics row; whether
+        a stop signal came (with the step, during the evaluation or during the save), this step saved. `losses` are
+        the steps' losses since the last log; they are cleared once logged."""
         cfg, step = self.cfg, self.state["step"]
         last = step == self.plan.max_step
         scheduled_save = is_save_step(step, last, cfg.save_step_interval)
@@ -221,15 +221,19 @@ class Loop:
             metrics |= self.training_metrics(losses, verdict.grad_norm_value, lr, throughput)
             losses.clear()
         evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
+        stop = verdict.stop_requested
         if evaluated:
             metrics |= self.evaluate()
-        if scheduled_save or verdict.stop_requested:
+            stop = stop or stop_agreed(self.fabric, self.stop)
+        if scheduled_save or stop:
             self.state["log_window"] = list(losses)
             save_time = self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
             if scheduled_save or metrics:  # a stop's own save makes no row that a run not stopped lacks
                 metrics |= save_time
+            stop = stop or stop_agreed(self.fabric, self.stop)
         if metrics:
             self.fabric.log_dict(metrics, step=step)
+        return stop
 
     def stopped_by_signal(self) -> Outcome:
         """After the stop's save: wait until it is published (or has failed), then say how to continue."""
