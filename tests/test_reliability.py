@@ -222,6 +222,26 @@ def test_a_rank_killed_by_sigkill_is_named_by_the_process_that_started_it(tiny: 
 
 
 @pytest.mark.slow
+def test_a_rank_killed_while_the_ranks_start_is_named_and_ends_the_run_with_1(tiny: TinySetup, tmp_path: Path):
+    """Before the first collective (the ranks starting, loading the model, evaluating) Lightning's observer of the
+    ranks saw the killed one and SIGKILLed the launching process: exit 137 and a line of its own naming no cause."""
+    with launched(train_args(tiny, tmp_path / "run"), tmp_path / "run.log") as run:
+        deadline = time.monotonic() + 60
+        while not [child for child in psutil.Process(run.process.pid).children()
+                   if "train.py" in " ".join(child.cmdline())]:
+            assert time.monotonic() < deadline and run.process.poll() is None, run.output()
+            time.sleep(0.01)
+        victim = run.other_rank()
+        time.sleep(0.5)
+        victim.kill()
+        assert run.finish(timeout=60) == EXIT_CRASHED, run.output()
+        assert (f"rank 0: local rank 1 (pid {victim.pid}) was killed by SIGKILL (out of memory?); ending the run "
+                f"(exit {EXIT_CRASHED})") in run.output(), run.output()
+        assert "zombies" not in run.output() and "Traceback" not in run.output(), run.output()
+        run.assert_nothing_left()
+
+
+@pytest.mark.slow
 def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: TinySetup, tmp_path: Path):
     """Rank 1's data loader worker stops (SIGSTOP): rank 1 waits on it, rank 0 on the next collective. Nothing is
     left in $TMPDIR (each stall exit left a `pymp-*` folder per rank, and a requeued run stalls again and again)."""

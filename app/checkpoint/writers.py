@@ -258,7 +258,7 @@ class Snapshot:
         """Write the checksums into the place the header reserved for them (rank 0, before the file is made
         durable): the same length, so nothing else moves."""
         metadata = json.dumps(self.metadata)
-        reserved = json.dumps(encode(with_metadata(unwritten(self.plan.writers), metadata))).encode()  # as in the header
+        reserved = json.dumps(encode(with_metadata(unwritten(self.plan.writers), metadata))).encode()  # the header's
         filled = json.dumps(encode(with_metadata(table, metadata))).encode()
         if len(filled) != len(reserved) or self.plan.header.count(reserved) != 1:
             raise RuntimeError("the checksums do not fit the place the header reserved for them")

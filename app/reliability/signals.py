@@ -35,7 +35,7 @@ import torch.distributed as dist
 from app.cli import first_line
 from app.exit_codes import EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STALLED
 from app.tasks import end_with_the_launcher, srun_task, task_rank
-from app.reliability.watchdog import end_process_tree, print_own_stacks, process_ending, say
+from app.reliability.watchdog import end_process_tree, killed_rank, print_own_stacks, process_ending, say
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -282,9 +282,8 @@ def killed_children(fabric: Fabric, wait_sec: float = 1.0) -> list[str]:
     deadline = time.monotonic() + wait_sec
     while children and all(child.poll() is None for child in children) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [f"local rank {rank} (pid {child.pid}) was killed by {signal.Signals(-child.returncode).name}"
-            + (" (out of memory?)" if child.returncode == -signal.SIGKILL else "")
-            for rank, child in enumerate(children, start=1) if child.returncode is not None and child.returncode < 0]
+    return [killed_rank(rank, child) for rank, child in enumerate(children, start=1)
+            if child.returncode is not None and child.returncode < 0]
 
 
 PEER_ENDED = ("Connection closed by peer", "Connection reset by peer",  # gloo

@@ -18,6 +18,7 @@ import multiprocessing.util
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -30,7 +31,7 @@ from typing import NoReturn, Optional
 import psutil
 import torch.distributed as dist
 
-from app.exit_codes import EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED
+from app.exit_codes import EXIT_CRASHED, EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED
 
 STACKS_SIGNAL = signal.SIGUSR2
 STACKS_WAIT_SEC = 0.3
@@ -151,6 +152,42 @@ def stop_launcher_observer() -> None:
     for thread in threading.enumerate():
         if thread.name == "child-process-observer" and hasattr(thread, "_run"):
             thread._run = lambda: True  # "every rank is done": its loop ends without terminating anything
+
+
+def take_over_launcher_observer() -> None:
+    """Lightning's observer, seeing a rank it started end with an error, SIGKILLs this process (exit 137, and a
+    line of its own that names no cause): where no collective of this process fails first (while the ranks start,
+    load the model, run the first evaluation), an out-of-memory kill of a rank ended the run so, instead of exit 1 and
+    the line saying which rank a signal killed. Its look is replaced by one that says so and ends the run as
+    end_process_tree does: with the rank's own code where it exited with one (it said why: the stall watchdog's 4),
+    else EXIT_CRASHED. Before the launch: the observer starts with the ranks. (Its private class and method; under a
+    Lightning that renames them, its own look stays.)"""
+    from lightning_fabric.strategies.launchers import subprocess_script
+
+    observer = getattr(subprocess_script, "_ChildProcessObserver", None)
+    if observer is not None and hasattr(observer, "_run"):
+        observer._run = lambda self: look_at_ranks(getattr(self, "_child_processes", []))
+
+
+def look_at_ranks(children: list[subprocess.Popen]) -> bool:
+    """One look of the observer: True once every rank has ended well; a rank that did not ends the run."""
+    for child in children:
+        child.poll()
+    if all(child.returncode == 0 for child in children):
+        return True
+    for rank, child in enumerate(children, start=1):
+        if child.returncode is not None and child.returncode < 0:
+            say(f"rank 0: {killed_rank(rank, child)}; ending the run (exit {EXIT_CRASHED})\n")
+            end_process_tree(EXIT_CRASHED, stacks=False)
+        if child.returncode:
+            end_process_tree(child.returncode, stacks=False)
+    return False
+
+
+def killed_rank(rank: int, child: subprocess.Popen) -> str:
+    """What a rank killed by a signal says of itself: nothing (the out-of-memory killer's SIGKILL)."""
+    return (f"local rank {rank} (pid {child.pid}) was killed by {signal.Signals(-child.returncode).name}"
+            + (" (out of memory?)" if child.returncode == -signal.SIGKILL else ""))
 
 
 def live_descendants() -> list[psutil.Process]:

@@ -40,7 +40,8 @@ from app.optimization.schedule import TrainingPlan, continuing_position
 from app.reliability.signals import (StopRequest, end_ranks_on_signal_until_training, requeue_slurm_job,
                                      requeues_itself, run_and_exit)
 from app.reliability.spikes import QUARANTINE_FILE, SpikeGuard, SpikeHistory, SpikeRules, write_quarantine
-from app.reliability.watchdog import LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, print_stacks_on_signal
+from app.reliability.watchdog import (LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog,
+                                     print_stacks_on_signal, take_over_launcher_observer)
 from app.reliability.workers import start_worker_server
 from app.tasks import LAUNCHER_PID
 from app.training.loop import Loop
@@ -90,6 +91,7 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
     fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, make_loggers(cfg, inputs.resume_step),
                           param_init_fn)
     bound_rendezvous(cfg, fabric, inputs.plan.world_size)
+    take_over_launcher_observer()
     fabric.launch(run_and_exit, main, cfg, inputs, deferred)
 
 
