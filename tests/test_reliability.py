@@ -221,17 +221,22 @@ def test_a_rank_killed_by_sigkill_is_named_by_the_process_that_started_it(tiny: 
         run.assert_nothing_left()
 
 
+def wait_for_ranks(launcher: subprocess.Popen, timeout: float = 60) -> list[psutil.Process]:
+    """The ranks the launching process started, as soon as there is one."""
+    deadline = time.monotonic() + timeout
+    while not (ranks := [child for child in psutil.Process(launcher.pid).children()
+                         if "train.py" in " ".join(child.cmdline())]):
+        assert time.monotonic() < deadline and launcher.poll() is None, "no rank started"
+        time.sleep(0.01)
+    return ranks
+
+
 @pytest.mark.slow
 def test_a_rank_killed_while_the_ranks_start_is_named_and_ends_the_run_with_1(tiny: TinySetup, tmp_path: Path):
     """Before the first collective (the ranks starting, loading the model, evaluating) Lightning's observer of the
     ranks saw the killed one and SIGKILLed the launching process: exit 137 and a line of its own naming no cause."""
     with launched(train_args(tiny, tmp_path / "run"), tmp_path / "run.log") as run:
-        deadline = time.monotonic() + 60
-        while not [child for child in psutil.Process(run.process.pid).children()
-                   if "train.py" in " ".join(child.cmdline())]:
-            assert time.monotonic() < deadline and run.process.poll() is None, run.output()
-            time.sleep(0.01)
-        victim = run.other_rank()
+        [victim] = wait_for_ranks(run.process)
         time.sleep(0.5)
         victim.kill()
         assert run.finish(timeout=60) == EXIT_CRASHED, run.output()
@@ -435,11 +440,7 @@ def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too
     """`kill PID`, GNU timeout or a supervisor signal the launching process only. While it waits in the rendezvous,
     the rank it started used to be left waiting for it until --rendezvous_timeout_min (10 minutes by default)."""
     with launched(train_args(tiny, tmp_path / "run"), tmp_path / "run.log") as run:
-        deadline = time.monotonic() + 60
-        while not [child for child in psutil.Process(run.process.pid).children()
-                   if "train.py" in " ".join(child.cmdline())]:
-            assert time.monotonic() < deadline and run.process.poll() is None, run.output()
-            time.sleep(0.05)
+        wait_for_ranks(run.process)
         run.process.send_signal(signal.SIGTERM)
         assert run.finish(timeout=30) == 128 + signal.SIGTERM, run.output()
         assert "Traceback" not in run.output(), run.output()
@@ -474,11 +475,7 @@ def test_a_launcher_killed_while_the_ranks_start_takes_them_with_it(tiny: TinySe
                                cwd=ROOT, env=run_environment(None), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not (ranks := [child for child in psutil.Process(process.pid).children()
-                             if "train.py" in " ".join(child.cmdline())]):
-            assert time.monotonic() < deadline and process.poll() is None, process.communicate()
-            time.sleep(0.01)
+        ranks = wait_for_ranks(process)
         time.sleep(delay)
         process.kill()
         process.wait()
