@@ -317,6 +317,7 @@ def test_a_checkpoint_whose_metadata_or_checksums_changed_is_not_taken_for_whole
     from lightning_fabric import Fabric
 
     from app.checkpoint import CheckpointSaver, broken_checkpoint, checkpoint_path, read_metadata
+    from app.checkpoint.io import last_good_checkpoint
     from app.checkpoint.sources import CheckpointError
 
     model = torch.nn.Linear(8, 4)
@@ -335,6 +336,12 @@ def test_a_checkpoint_whose_metadata_or_checksums_changed_is_not_taken_for_whole
                                         "what was saved (their checksum differs): the checkpoint is corrupt")
     with pytest.raises(CheckpointError):
         read_metadata(moved)
+    shutil.move(moved, checkpoint_path(tmp_path / "run", 4))  # an earlier checkpoint: a rollback passes over it
+    said: list[str] = []
+    assert last_good_checkpoint(tmp_path / "run", 100, say=said.append) == path, "it raised CheckpointError"
+    assert said == [f"not rolling back to {checkpoint_path(tmp_path / 'run', 4)}: its metadata (step, position in the "
+                    "data, random states) are not what was saved (their checksum differs): the checkpoint is corrupt; "
+                    "trying an earlier checkpoint"]
     if not sharded:
         return
     assert metadata.is_file()

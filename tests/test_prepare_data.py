@@ -411,6 +411,10 @@ def test_one_text_file_without_line_breaks_trains_a_tokenizer_and_holds_out_its_
     assert stats["validation_held_out"] == "document_ends"
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "out" / "tokenizer"))
     assert len(tokenizer(" epsilon", add_special_tokens=False)["input_ids"]) == 1, "learnt from the long line"
+    longer = run_cli(["--input", "book.txt", "--vocab_size", "300", "--block_size", "8192", "--output_dir", "o2"],
+                     tmp_path)
+    assert longer.returncode == 2 and "tokens: the last 5% of each of 1 documents, too few to hold out whole ones); " \
+        "raise --val_fraction or lower --block_size" in longer.stderr, longer.stderr
 
 
 @pytest.mark.parametrize(

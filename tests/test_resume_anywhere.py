@@ -113,6 +113,7 @@ def test_bytes_changed_in_place_are_found_when_the_resuming_layout_reads_no_piec
         in result.stderr), result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_fsdp2_trains_like_fsdp_and_converts_with_identical_logits(tiny, straight, tmp_path) -> None:
     """FSDP2 starts from the same weights (same init, same order) and takes the same steps as FSDP1, also when the
     gradients of the step's 2 micro-batches are reduced once, after the last (--fsdp_no_sync; the chain's fsdp2 link

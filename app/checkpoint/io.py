@@ -123,7 +123,7 @@ def load_last_good_checkpoint(out_dir: str | Path, before_step: int, model: Any,
     with a line (`say`). None when none is left. Collective: rank 0 chooses."""
     broken: frozenset[Path] = frozenset()
     while True:
-        chosen = [last_good_checkpoint(out_dir, before_step, broken) if distributed(None)[0] == 0 else None]
+        chosen = [last_good_checkpoint(out_dir, before_step, broken, say) if distributed(None)[0] == 0 else None]
         if distributed(None)[1] > 1:
             dist.broadcast_object_list(chosen, src=0)
         path = chosen[0]
@@ -136,19 +136,25 @@ def load_last_good_checkpoint(out_dir: str | Path, before_step: int, model: Any,
         broken |= {path}
 
 
-def last_good_checkpoint(out_dir: str | Path, before_step: int, passing_over: frozenset[Path] = frozenset()
-                         ) -> Optional[Path]:
+def last_good_checkpoint(out_dir: str | Path, before_step: int, passing_over: frozenset[Path] = frozenset(),
+                         say: Callable[[str], None] = lambda line: None) -> Optional[Path]:
     """Where a rollback returns to (spike guard): the latest checkpoint saved before `before_step` whose validation
     loss, where it records one, is no higher than the lowest of those measured on the same validation rows as the
     latest's: a checkpoint from a stretch where the loss had begun to rise is passed over for an earlier one. So are
     those in `passing_over` (found corrupt). Losses measured on other rows (before a resume that added a folder or
     changed the evaluation's batches) do not compare: a folder added at a resume raised val_loss by its own rows, and
-    a rollback discarded every step trained since, back to the checkpoint before that resume."""
-    candidates = {step: path for step, path in list_checkpoints(out_dir).items()
-                  if step < before_step and path not in passing_over}
+    a rollback discarded every step trained since, back to the checkpoint before that resume. One whose metadata
+    cannot be read (not what was saved, its checksums lost) is passed over, with a line (`say`): it ended the
+    rollback in a traceback, even where an earlier one was chosen."""
+    candidates, metadata = {}, {}
+    for step, path in list_checkpoints(out_dir).items():
+        if step < before_step and path not in passing_over:
+            try:
+                candidates[step], metadata[step] = path, read_metadata(path)
+            except CheckpointError as error:
+                say(f"not rolling back to {error}; trying an earlier checkpoint")
     if not candidates:
         return None
-    metadata = {step: read_metadata(path) for step, path in candidates.items()}
     measured = validation_measured(metadata[max(metadata)])
     comparable = {step: saved["val_loss"] for step, saved in metadata.items()
                   if saved.get("val_loss") is not None and validation_measured(saved) == measured}

@@ -103,7 +103,7 @@ def text_blocks(
         for name, split in held.records.items()
     }
     counts = {name: count(split, args.block_size) for name, split in tokenized.items()}
-    check_enough_tokens(counts, args)
+    check_enough_tokens(counts, args, held.held_out)
     blocks = DatasetDict(
         {name: pack(split, args.block_size, args.num_proc, desc=f"Packing {name}") for name, split in tokenized.items()}
     )
@@ -175,7 +175,7 @@ TEXTS: dict[RecordShape, Callable[[Dataset], Iterable[str]]] = {
 BUILDERS = {"prompt/response": supervised_rows, "messages": supervised_rows, "source/target": seq2seq_rows}
 
 
-def check_enough_tokens(counts: dict[str, SplitCounts], args: PrepareArgs) -> None:
+def check_enough_tokens(counts: dict[str, SplitCounts], args: PrepareArgs, held_out: str) -> None:
     """A split with tokens but not one full block would silently train or evaluate on nothing."""
     train, validation = counts["train"], counts["validation"]
     if train.blocks == 0:
@@ -185,8 +185,10 @@ def check_enough_tokens(counts: dict[str, SplitCounts], args: PrepareArgs) -> No
         )
     if validation.documents and validation.blocks == 0:
         raise UsageError(
-            f"--block_size {args.block_size} is larger than the validation text ({validation.tokens} tokens); "
-            "raise --val_fraction or lower --block_size"
+            f"--block_size {args.block_size} is larger than the validation text ({validation.tokens} tokens"
+            + (f": the last {args.val_fraction:.0%} of each of {validation.documents} documents, too few to hold out "
+               "whole ones" if held_out == "document_ends" else "")
+            + "); raise --val_fraction or lower --block_size"
         )
 
 

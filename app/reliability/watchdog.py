@@ -175,10 +175,11 @@ def look_at_ranks(children: list[subprocess.Popen]) -> bool:
         child.poll()
     if all(child.returncode == 0 for child in children):
         return True
-    for rank, child in enumerate(children, start=1):
+    for rank, child in enumerate(children, start=1):  # a killed rank first: the others' codes say only that it ended
         if child.returncode is not None and child.returncode < 0:
-            say(f"rank 0: {killed_rank(rank, child)}; ending the run (exit {EXIT_CRASHED})\n")
+            say(f"{killed_rank(rank, child)}; ending the run (exit {EXIT_CRASHED})\n")
             end_process_tree(EXIT_CRASHED, stacks=False)
+    for child in children:
         if child.returncode:
             end_process_tree(child.returncode, stacks=False)
     return False
