@@ -268,8 +268,10 @@ class StepClock:
         """The run's seconds, over every attempt that led to this one."""
         return self.elapsed_before + self.elapsed()
 
-    def training_time(self) -> float:
-        return self.elapsed() - sum(watch.total for watch in self.between_steps)
+    def training_time(self, elapsed: Optional[float] = None) -> float:
+        """This attempt's seconds but those between steps; of `elapsed` where given (read once: train_sec, eval_sec
+        and save_sec then add up to elapsed_sec exactly, where two reads of the clock differed by microseconds)."""
+        return (self.elapsed() if elapsed is None else elapsed) - sum(watch.total for watch in self.between_steps)
 
     def rewind(self, steps: int) -> None:
         """The step counter went back `steps` (a rollback): the steps done since the start still count."""
@@ -313,7 +315,7 @@ def run_summary(*, clock: StepClock, step: int, evaluation: Stopwatch, saving: S
     """The numbers of one run (this attempt, when resumed). Throughput counts training time only: evaluation and
     checkpoint saves are reported separately, so that the figures compare across eval and save intervals."""
     steps, elapsed = step - clock.start_step, clock.elapsed()
-    train_sec = clock.training_time()
+    train_sec = clock.training_time(elapsed)
     summary: dict[str, Any] = {"steps": steps, "last_step": step, "elapsed_sec": elapsed, "train_sec": train_sec,
                                "eval_sec": evaluation.total, "checkpoints_saved": saving.count,
                                "save_sec": saving.total, "val_loss": val_loss, "val_loss_step": val_loss_step}
