@@ -60,14 +60,17 @@ def end_with_the_launcher(end: bool = True) -> None:
     if not sys.platform.startswith("linux") or int(os.environ.get("LOCAL_RANK") or 0) < 1 or not launcher \
             or "TORCHELASTIC_RUN_ID" in os.environ:
         return
-    if os.getppid() != launcher:  # started through another process (the tests' fork server), or the launcher is gone
-        if end and not alive(launcher):
-            os._exit(128 + signal.SIGKILL)  # as if the signal had come
-        return
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL if end else 0)
-    if end and os.getppid() != launcher:  # it died before this rank asked
+    if not end:  # whatever was asked at the start (a rank killed at the end of a run lost its exit handlers' work)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)
+        return
+    if os.getppid() != launcher:  # started through another process (the tests' fork server), or the launcher is gone
+        if not alive(launcher):
+            os._exit(128 + signal.SIGKILL)  # as if the signal had come
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher:  # it died before this rank asked
         os._exit(128 + signal.SIGKILL)
 
 

@@ -232,6 +232,21 @@ def wait_for_ranks(launcher: subprocess.Popen, timeout: float = 60) -> list[psut
 
 
 @pytest.mark.slow
+def test_a_launcher_killed_during_training_is_said_by_its_rank(tiny: TinySetup, tmp_path: Path) -> None:
+    """From the first step on, a rank whose launcher dies says so in one line and exits: the kernel's SIGKILL that
+    ends it with its launcher while the ranks start (app/tasks.py) is let go of when training begins. It once was
+    not (the rank read its own pid as its launcher's), and the rank died without a word, or at a run's end before
+    its exit handlers ran."""
+    with launched(train_args(tiny, tmp_path / "run", max_step=300, save_step_interval=0, eval_step_interval=1000),
+                  tmp_path / "run.log") as run:
+        run.wait_for_step(2)
+        rank = run.other_rank()
+        run.process.kill()
+        psutil.wait_procs([rank], timeout=30)
+        assert "rank 1: another process of the run ended first" in run.output(), run.output()
+
+
+@pytest.mark.slow
 def test_a_rank_killed_while_the_ranks_start_is_named_and_ends_the_run_with_1(tiny: TinySetup, tmp_path: Path):
     """Before the first collective (the ranks starting, loading the model, evaluating) Lightning's observer of the
     ranks saw the killed one and SIGKILLed the launching process: exit 137 and a line of its own naming no cause."""

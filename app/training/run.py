@@ -106,7 +106,8 @@ def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:
                        node_rank=fabric.node_rank, local_rank=fabric.local_rank).start()
     end_ranks_on_signal_until_training()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    os.environ[LAUNCHER_PID] = str(os.getpid())  # for the ranks it starts: app/tasks.py end_with_the_launcher
+    if int(os.environ.get("LOCAL_RANK") or 0) == 0:  # the launching process (a rank keeps its launcher's)
+        os.environ[LAUNCHER_PID] = str(os.getpid())  # for the ranks it starts: app/tasks.py end_with_the_launcher
 
 
 def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) -> dict[str, Any]:
