@@ -957,6 +957,7 @@ def test_ctrl_c_while_converting_is_one_line_130_and_leaves_nothing(full_run, tm
         time.sleep(0.01)
     os.killpg(process.pid, signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
-    assert (process.returncode, stderr) == (130, f"convert_to_hf.py: stopped by SIGINT; nothing was written to {out} "
-                                                 "(a model folder appears whole, or not at all)\n")
+    assert (process.returncode, stderr) == (130, f"convert_to_hf.py: stopped by SIGINT; {out} holds a model folder "
+                                                 "only where one was written and verified whole (the one being "
+                                                 "written is removed)\n")
     assert list(tmp_path.iterdir()) == [], "no folder, no staging leftover"

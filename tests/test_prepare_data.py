@@ -700,3 +700,17 @@ def test_a_vocabulary_too_small_for_the_characters_says_how_large_it_must_be(tmp
                        r"and its byte and special pieces; raise --vocab_size to at least (\d+);", error[0])
     assert enough and int(enough.group(1)) > 300, error
     assert main([*argv, "--vocab_size", enough.group(1)])["vocab_size"] == int(enough.group(1))
+
+
+def test_sentencepiece_is_given_a_long_line_in_bounded_pieces_and_other_lines_whole() -> None:
+    """Pieces of at most 1,048 characters (4,192 bytes of UTF-8), which put together are the line, cut before a space
+    where one lies in a piece's second half; a line SentencePiece takes is given whole, as before."""
+    from app.prepare.tokenizer import LINE_PIECE_CHARS, SENTENCE_BYTES, _lines
+
+    long = " ".join(["alpha", "béta", "日本語", "x" * 700][i % 4] for i in range(20_000))
+    kept = "y" * 2000  # longer than a piece, but SentencePiece takes its 2,000 bytes
+    pieces = list(_lines([f"{long}\n{kept}\n\nshort"]))
+    assert "".join(pieces[:-2]) == long and pieces[-2:] == [kept, "short"]
+    assert max(len(piece) for piece in pieces[:-2]) <= LINE_PIECE_CHARS
+    assert max(len(piece.encode()) for piece in pieces) <= SENTENCE_BYTES
+    assert sum(piece.startswith(" ") for piece in pieces[1:-2]) > len(pieces) // 2, "cut before spaces"

@@ -65,8 +65,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     output_dir = real_folder(Path(args.output_dir))
     try:
         with bars_only_on_a_terminal(), stopped_in_one_line(
-                "convert_to_hf.py", f"nothing was written to {args.output_dir} (a model folder appears whole, or not "
-                "at all)", lambda: remove_own_staging(output_dir.parent, output_dir)):
+                "convert_to_hf.py", f"{args.output_dir} holds a model folder only where one was written and verified "
+                "whole (the one being written is removed)", lambda: remove_own_staging(output_dir.parent, output_dir)):
             run_command("convert_to_hf.py", lambda: run(args))
     except (VerificationFailed, PushFailed) as error:
         print(f"convert_to_hf.py: error: {error}", file=sys.stderr)
