@@ -92,6 +92,27 @@ def end_quietly_when_srun_ends_the_task() -> None:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_ENDED_BY_SRUN))
 
 
+_time_limit_warned = False
+
+
+def remember_a_time_limit_warning() -> None:
+    """Until the run's own signal handling takes over (app/reliability/signals.py), SIGUSR1, Slurm's warning before a
+    time limit (`--signal=USR1@120`), is remembered rather than ending the process by its default action: the job
+    then failed with 138 (128 + SIGUSR1), which the Slurm scripts do not requeue, even with --requeue_on_signal true.
+    The run acts on it as soon as it knows its options (`time_limit_warned`)."""
+    signal.signal(signal.SIGUSR1, _remember_the_warning)
+
+
+def _remember_the_warning(signum: int, frame: object) -> None:
+    global _time_limit_warned
+    _time_limit_warned = True
+
+
+def time_limit_warned() -> bool:
+    """Whether a SIGUSR1 came before the run's own signal handling took over."""
+    return _time_limit_warned
+
+
 def exit_refused(lines: list[str]) -> NoReturn:
     """Exit with EXIT_BAD_INPUT after the lines of a refused input, said once for the run: by its first process,
     where every device's process checks the same inputs; another says them only if the launcher has not ended it

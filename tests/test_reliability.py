@@ -463,6 +463,65 @@ def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too
         run.assert_nothing_left(timeout=10)
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (the kernel's SigCgt mask)."""
+    with contextlib.suppress(FileNotFoundError):
+        status = Path(f"/proc/{pid}/status").read_text()
+        return bool(int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16) >> (signum - 1) & 1)
+    return False
+
+
+INITIAL_VALIDATION = {"initial_validation": True, "eval_iters": 1000, "eval_batch_size": 1}
+"""A validation before the first step that reads 131 rows one by one (1.5 s here)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when, devices", [("interpreter_starts", 2), ("ranks_start", 2), ("initial_validation", 1)])
+def test_a_time_limit_warning_before_training_requeues_the_job_with_75(tiny: TinySetup, tmp_path: Path, when,
+                                                                       devices):
+    """SIGUSR1 (Slurm's `--signal=USR1@120`) before the first step ended the job by its default action, 138, which
+    the Slurm scripts do not requeue, even with --requeue_on_signal true; or, from the model's loading on, it trained
+    a step and saved, which a large model may not finish before the time limit. It now ends at once as a stop after a
+    save (75), nothing trained since the latest checkpoint, and requeues the job; also when the warning came while
+    the interpreter imported, before the options were known."""
+    requeues = tmp_path / "requeues"
+    bin_dir = fake_scontrol(tmp_path / "bin", f'echo "$@" >> {requeues}')
+    slurm_job = {"SLURM_JOB_ID": "7", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    with launched(train_args(tiny, tmp_path / "run", requeue_on_signal=True, devices=devices, **INITIAL_VALIDATION),
+                  tmp_path / "run.log", env=slurm_job) as run:
+        if when == "ranks_start":
+            wait_for_ranks(run.process)
+        elif when == "initial_validation":
+            run.wait_for(r"training \d+ steps of")
+        else:
+            while not catches(run.process.pid, signal.SIGUSR1):
+                assert run.process.poll() is None, run.output()
+                time.sleep(0.005)
+            assert not [child for child in psutil.Process(run.process.pid).children()
+                        if "train.py" in " ".join(child.cmdline())], "the ranks started already"
+        run.process.send_signal(signal.SIGUSR1)
+        assert run.finish(timeout=60) == EXIT_PREEMPTED, run.output()
+        assert f"SIGUSR1 before training began: nothing new to save (exit {EXIT_PREEMPTED}); requeueing the Slurm " \
+               "job, which resumes from its latest checkpoint" in run.output(), run.output()
+        assert "Slurm job 7 requeued" in run.output() and "Traceback" not in run.output(), run.output()
+        assert requeues.read_text() == "requeue 7\n" and not list_checkpoints(tmp_path / "run")
+        run.assert_nothing_left(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_preemption_before_the_first_step_quits_at_once(tiny: TinySetup, tmp_path: Path):
+    """SIGTERM during the initial validation (or the model's loading) trained a step and saved before it stopped:
+    with a large model, past the 30 s Slurm waits before its SIGKILL. Nothing is trained since the latest
+    checkpoint, so the run quits at once."""
+    with launched(train_args(tiny, tmp_path / "run", devices=1, **INITIAL_VALIDATION), tmp_path / "run.log") as run:
+        run.wait_for(r"training \d+ steps of")
+        os.killpg(run.process.pid, signal.SIGTERM)
+        assert run.finish(timeout=30) == 128 + signal.SIGTERM, run.output()
+        assert "SIGTERM before training began: nothing to save yet, quitting (exit 143)" in run.output(), run.output()
+        assert "step 1" not in run.output() and not list_checkpoints(tmp_path / "run"), run.output()
+        run.assert_nothing_left(timeout=10)
+
+
 @pytest.mark.slow
 def test_a_stop_signal_during_an_evaluation_stops_at_that_step_with_its_checkpoint(tiny: TinySetup, tmp_path: Path):
     """The ranks learnt of a signal only from the next step's verdict: one arriving during an evaluation (minutes

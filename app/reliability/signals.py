@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from app.cli import first_line
-from app.exit_codes import EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_STALLED
-from app.tasks import end_with_the_launcher, srun_task, task_rank
+from app.exit_codes import (EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_PREEMPTED,
+                            EXIT_STALLED)
+from app.tasks import end_with_the_launcher, srun_task, task_rank, time_limit_warned
 from app.reliability.watchdog import end_process_tree, killed_rank, print_own_stacks, process_ending, say
 
 if TYPE_CHECKING:
@@ -66,9 +67,12 @@ def signals_to_a_pipe() -> int:
     return read_end
 
 
-def end_ranks_on_signal_until_training() -> None:
+def end_ranks_on_signal_until_training(requeue_on_signal: bool) -> None:
     """Until StopRequest takes over on the ranks, a stop signal or Ctrl-C ends this process and every process it
     started (exit 128 + the signal's number; an srun task that SIGTERM ends exits EXIT_ENDED_BY_SRUN: tasks.py).
+    SIGUSR1, Slurm's warning before a time limit, ends it with EXIT_PREEMPTED as after a save, since nothing was
+    trained since the latest checkpoint, and requeues the job under --requeue_on_signal true; also when the warning
+    came earlier, while the interpreter started (app/tasks.py remember_a_time_limit_warning).
 
     The launching process waits in the rendezvous while the ranks it started import and check their inputs. A
     signal sent to it alone (`kill PID`, GNU timeout, a supervisor) would end it by default and leave those ranks
@@ -79,15 +83,32 @@ def end_ranks_on_signal_until_training() -> None:
     def end_on_first_signal() -> None:
         received = os.read(read_end, 1)
         if received:
-            signum, srun = received[0], srun_task()
-            code = EXIT_ENDED_BY_SRUN if signum == signal.SIGTERM and srun else 128 + signum
-            if (task_rank() if srun else int(os.environ.get("LOCAL_RANK") or 0)) == 0:  # the process that reports
-                say(f"{signal.Signals(signum).name} before training began: nothing to save yet, quitting "
-                    f"(exit {code})\n")
-            end_process_tree(code, stacks=False)
+            reports = (task_rank() if srun_task() else int(os.environ.get("LOCAL_RANK") or 0)) == 0
+            quit_before_training(received[0], requeue_on_signal, reports=reports)
         os.close(read_end)  # StopRequest took over
 
     threading.Thread(target=end_on_first_signal, name="start-up-signals", daemon=True).start()
+    if time_limit_warned():
+        signal.raise_signal(signal.SIGUSR1)  # to that thread, through the pipe
+
+
+def quit_before_training(signum: int, requeue_on_signal: bool, reports: bool) -> NoReturn:
+    """End this process and those it started at once: a signal before the first optimizer step finds nothing to save
+    since the latest checkpoint. Loading a large model, then a step and a save, could outlast the grace before Slurm's
+    SIGKILL (30 s of KillWait after a preemption's SIGTERM, 120 s after `--signal=USR1@120`), and a job killed at
+    its time limit is not requeued. SIGUSR1 ends as a stop after a save would (EXIT_PREEMPTED), requeueing the
+    job under --requeue_on_signal true; `reports` in the process that tells the user (and requeues)."""
+    if signum == signal.SIGUSR1:
+        code = EXIT_PREEMPTED
+        outcome = f"nothing new to save (exit {code}); {how_to_continue(requeue_on_signal, signum)}"
+    else:
+        code = EXIT_ENDED_BY_SRUN if signum == signal.SIGTERM and srun_task() else 128 + signum
+        outcome = f"nothing to save yet, quitting (exit {code})"
+    if reports:
+        say(f"{signal.Signals(signum).name} before training began: {outcome}\n")
+        if requeues_itself(requeue_on_signal, signum) and int(os.environ.get("NODE_RANK") or 0) == 0:
+            requeue_slurm_job()
+    end_process_tree(code, stacks=False)
 
 
 class StopRequest:
@@ -100,16 +121,19 @@ class StopRequest:
     prints a KeyboardInterrupt or gloo traceback.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, requeue_on_signal: bool = False) -> None:
         self.signal: Optional[int] = None
         self.interrupted = False
         self.training = False
         self.announce = False
+        self.requeue_on_signal = requeue_on_signal
 
     def install(self, announce: bool = False) -> None:
         """Take over SIGTERM, SIGUSR1 and SIGINT; `announce` in the one process that tells the user about Ctrl-C."""
         self.announce = announce
         read_end = signals_to_a_pipe()
+        if time_limit_warned():  # while this process started, on one device (end_ranks_on_signal_until_training)
+            signal.raise_signal(signal.SIGUSR1)  # to the thread below, through the pipe
         # blocked while the ranks started (app/training/run.py)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         threading.Thread(target=self._receive, args=(read_end,), name="stop-signals", daemon=True).start()
@@ -124,6 +148,8 @@ class StopRequest:
         while received := os.read(read_end, 64):
             for signum in received:
                 if signum in STOP_SIGNALS:
+                    if not self.training:
+                        quit_before_training(signum, self.requeue_on_signal, reports=self.announce)
                     self.signal = self.signal or signum
                 elif signum == signal.SIGINT:
                     self._interrupt()
@@ -213,7 +239,7 @@ def requeues_itself(requeue_on_signal: bool, signum: Optional[int]) -> bool:
 def how_to_continue(requeue_on_signal: bool, signum: Optional[int]) -> str:
     """What the user reads after a stop with a checkpoint."""
     if requeues_itself(requeue_on_signal, signum):
-        return "requeueing the Slurm job, which resumes from this checkpoint"
+        return "requeueing the Slurm job, which resumes from its latest checkpoint"
     if signum == signal.SIGUSR1 and "SLURM_JOB_ID" in os.environ:
         return ("continue with --resume true (submit the same sbatch command again), or pass --requeue_on_signal true "
                 "so that the job requeues itself")

@@ -104,7 +104,7 @@ def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:
         return
     RendezvousDeadline(cfg.rendezvous_timeout_min * 60, nodes=cfg.num_nodes, world_size=world_size,
                        node_rank=fabric.node_rank, local_rank=fabric.local_rank).start()
-    end_ranks_on_signal_until_training()
+    end_ranks_on_signal_until_training(cfg.requeue_on_signal)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     if int(os.environ.get("LOCAL_RANK") or 0) == 0:  # the launching process (a rank keeps its launcher's)
         os.environ[LAUNCHER_PID] = str(os.getpid())  # for the ranks it starts: app/tasks.py end_with_the_launcher
@@ -330,7 +330,7 @@ def stall_watchdog(fabric: Fabric, cfg: Config) -> StallWatchdog:
 
 def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> int:
     """One rank's run, from setting up the model to the summary; its exit code."""
-    stop = StopRequest()
+    stop = StopRequest(cfg.requeue_on_signal)
     stop.install(announce=fabric.is_global_zero)
     refusal = refusal_at_start(fabric, cfg, inputs)
     if refusal:
