@@ -231,18 +231,22 @@ def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], 
     KeyboardInterrupt printed a traceback, or with a pool of workers a TimeoutError (exit 1); a SIGTERM that only
     this process got (`kill PID`, an orchestrator) left the workers running, orphaned, holding their memory for
     ever; and a pool's own cleanup waits for a lock that an idle worker holds while it waits for work, so that a
-    stop could hang for ever (seen in CI). A forked worker that inherits the handler ends by the signal."""
+    stop could hang for ever (seen in CI). A forked worker that inherits the handler ends by the signal.
+
+    Python runs a handler only between the main thread's bytecodes, which never come while it waits in C code:
+    SentencePiece's training (minutes on a large corpus) kept a Ctrl-C waiting until it ended. So a thread also
+    takes the signal, from the pipe that Python's C-level handler writes its number to (signal.set_wakeup_fd), and
+    whichever of the two comes first stops the work."""
     import signal
+    import threading
 
     import psutil
 
-    owner = os.getpid()
+    owner, ending = os.getpid(), threading.Lock()
 
-    def stop(number: int, _frame: object) -> None:
-        if os.getpid() != owner:  # a forked worker: end as the signal ends a process
-            signal.signal(number, signal.SIG_DFL)
-            os.kill(os.getpid(), number)
-            return
+    def end(number: int) -> None:
+        if not ending.acquire(blocking=False):  # the other path is ending the process
+            threading.Event().wait()
         for child in psutil.Process().children(recursive=True):
             with suppress(psutil.Error):
                 child.kill()
@@ -250,12 +254,31 @@ def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], 
         print(f"{prog}: stopped by {signal.Signals(number).name}; {nothing_written}", file=sys.stderr, flush=True)
         os._exit(128 + number)
 
+    def stop(number: int, _frame: object) -> None:
+        if os.getpid() != owner:  # a forked worker: end as the signal ends a process
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+            return
+        end(number)
+
+    def take_from_the_pipe(read_end: int) -> None:
+        while received := os.read(read_end, 64):
+            for number in set(received) & {signal.SIGINT, signal.SIGTERM}:
+                end(number)
+        os.close(read_end)
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous_pipe = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
+    threading.Thread(target=take_from_the_pipe, args=(read_end,), name="stop-signals", daemon=True).start()
     try:
         yield
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+        signal.set_wakeup_fd(previous_pipe)
+        os.close(write_end)  # the thread reads the end of the pipe and ends
 
 
 @contextmanager

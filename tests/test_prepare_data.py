@@ -556,6 +556,44 @@ def test_sigterm_to_prepare_alone_ends_its_workers_and_leaves_nothing(tmp_path, 
     assert not (tmp_path / "new").exists(), "no output, workspace, or folder made for them"
 
 
+SENTENCEPIECE_STOPPED = """
+import random, sys
+sys.path.insert(0, sys.argv[1])
+from app.cli import stopped_in_one_line
+from app.prepare.tokenizer import train_tokenizer
+
+random.seed(0)
+words = ["".join(random.choices("abcdefghijklmnopqrstuvwxyz", k=random.randint(2, 9))) for _ in range(20000)]
+lines = [" ".join(random.choices(words, k=30)) for _ in range(150000)]
+
+def texts():
+    yield from lines
+    print("given", flush=True)
+
+with stopped_in_one_line("prepare_data.py", "nothing was written", lambda: None):
+    train_tokenizer(texts(), vocab_size=30000, seed=0)
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_sentencepiece_trains_stops_at_once(tmp_path):
+    """Once SentencePiece has read its lines it trains in C++ (4 s here for this corpus, minutes for a large one),
+    and Python's handler waited for it: Ctrl-C did nothing until the training ended."""
+    import signal
+
+    started = subprocess.Popen([sys.executable, "-c", SENTENCEPIECE_STOPPED, str(REPO)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert started.stdout is not None
+    assert started.stdout.readline() == "given\n"
+    sent = time.monotonic()
+    started.send_signal(signal.SIGINT)
+    out, err = started.communicate(timeout=120)
+    seconds = time.monotonic() - sent
+    assert (started.returncode, err, out) == (130, "prepare_data.py: stopped by SIGINT; nothing was written\n", "")
+    assert seconds < 1.0, f"stopped {seconds:.1f} s after Ctrl-C"
+
+
 def test_real_cli_refuses_a_dataset_it_cannot_find_with_one_line(tmp_path):
     """`python prepare_data.py` itself, offline: the Hub is asked, and its error becomes one line."""
     make_refusable_folder(tmp_path)

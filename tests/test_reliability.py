@@ -526,7 +526,8 @@ def test_a_preemption_before_the_first_step_quits_at_once(tiny: TinySetup, tmp_p
 def test_a_stop_signal_during_an_evaluation_stops_at_that_step_with_its_checkpoint(tiny: TinySetup, tmp_path: Path):
     """The ranks learnt of a signal only from the next step's verdict: one arriving during an evaluation (minutes
     with generation samples) or a save trained one more step and saved again (96 s after a SIGTERM, past Docker's
-    10 s and Kubernetes' 30 s of grace)."""
+    10 s and Kubernetes' 30 s of grace). Then the evaluation itself was not cut short; it is now, within
+    STOP_CHECK_BATCHES batches, and its partial loss is neither logged nor taken for the checkpoint's."""
     with launched(train_args(tiny, tmp_path / "run", eval_step_interval=2, eval_iters=1000, eval_batch_size=1,
                              save_step_interval=0), tmp_path / "run.log") as run:
         run.wait_for_step(2)  # its line comes before the evaluation, which reads 131 rows one by one
@@ -535,6 +536,8 @@ def test_a_stop_signal_during_an_evaluation_stops_at_that_step_with_its_checkpoi
         assert "step 2: stopped by a signal after saving" in run.output(), run.output()
         steps = [int(step) for step in STEP_LINE.findall(run.output())]
         assert list(list_checkpoints(tmp_path / "run")) == [2] and max(steps) == 2, run.output()
+        assert "step 2: evaluation stopped by a signal (not logged)" in run.output(), run.output()
+        assert "step 2: val_loss" not in run.output() and read_best(tmp_path / "run") is None, run.output()
 
 
 @pytest.mark.slow

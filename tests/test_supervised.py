@@ -23,8 +23,9 @@ from transformers.utils import is_flash_attn_2_available
 from app.data import IGNORE_INDEX, load_data
 from app.data.formats import Sample, packed_examples
 from app.data.order import StepBatches, epoch_permutation, step_rows
-from app.evaluation.samples import (CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, fit_to_context, sample_metrics,
-                                    write_samples)
+from app.evaluation.samples import (CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, fit_to_context,
+                                    generate_samples, sample_metrics, write_samples)
+from app.evaluation.validation import EvaluationStopped
 from app.model.isolation import probe_isolation
 from app.optimization.schedule import make_plan
 from app.prepare import PrepareArgs, prepare
@@ -450,6 +451,26 @@ def test_greedy_samples_under_fsdp_equal_transformers_generate_and_ranks_stop_at
               for s in samples]
     stop_id, expected = stop_where_lengths_differ(greedy)
     assert generate_through_the_application(tiny, packed, pretrained, stop_id, 4, 10, tmp_path) == expected
+
+
+def test_a_stop_signal_cuts_the_generation_of_samples_short_at_the_next_token(packed, pretrained) -> None:
+    """Generation samples can take minutes at each evaluation, and a stop signal during them waited for their end:
+    past a preemption's grace period. Each generated token's collective now carries the stop too, so every rank
+    leaves at the same token."""
+    from lightning_fabric import Fabric
+
+    data = load_data(packed)
+    model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    asked = []
+
+    def stopping() -> bool:  # a signal arrives as the third token is generated
+        asked.append(True)
+        return len(asked) == 3
+
+    with pytest.raises(EvaluationStopped):
+        generate_samples(Fabric(accelerator="cpu", devices=1), model, data.format.samples(data.validation, 2),
+                         decoding=CAUSAL, max_new_tokens=20, stop_ids={-1}, stopping=stopping)
+    assert len(asked) == 3
 
 
 def test_a_mixture_keeps_where_responses_lie_and_takes_a_folder_without_validation(tiny, pairs, tmp_path) -> None:

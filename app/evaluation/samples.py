@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from app.checkpoint.files import move_aside
 from app.data.formats import Sample
+from app.evaluation.validation import EvaluationStopped
 from app.folders import replace_file, written_or_warned
 from app.model.build import evaluation_mode, strategy_module
 from app.model.isolation import decoder_inputs_from_labels
@@ -145,19 +146,25 @@ def references_past(samples: list[Sample], max_new_tokens: int, stops: set[int] 
             "raise it for scores that can reach them")
 
 
-def all_done(fabric: Fabric, done: bool) -> bool:
-    """True when every rank is done; the one collective of a generated token."""
-    if fabric.world_size == 1:
-        return done
-    flag = torch.tensor([0.0 if done else 1.0], device=fabric.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0
+def all_done(fabric: Fabric, done: bool, stopping: bool = False) -> bool:
+    """True when every rank is done; EvaluationStopped when a rank is `stopping` (it has seen a stop signal). The one
+    collective of a generated token."""
+    flags = [0.0 if done else 1.0, float(stopping)]
+    if fabric.world_size > 1:
+        reduced = torch.tensor(flags, device=fabric.device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        flags = reduced.tolist()
+    if flags[1]:
+        raise EvaluationStopped
+    return flags[0] == 0
 
 
 @torch.no_grad()
 def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, sample: Optional[Sample], *, decoding: Decoding,
-                         max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """Greedy tokens after the sample's prompt (None: a placeholder), until a stop token or `max_new_tokens`."""
+                         max_new_tokens: int, stop_ids: set[int],
+                         stopping: Callable[[], bool] = lambda: False) -> list[int]:
+    """Greedy tokens after the sample's prompt (None: a placeholder), until a stop token or `max_new_tokens`;
+    EvaluationStopped as soon as a rank is `stopping` (it has seen a stop signal)."""
     module = strategy_module(model)
     done = sample is None
     placeholder = [next(iter(stop_ids))]
@@ -171,20 +178,22 @@ def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, sample: Optiona
         if not done:
             generated.append(int(token.item()))
             done = generated[-1] in stop_ids
-        if all_done(fabric, done):
+        if all_done(fabric, done, stopping()):
             break
         inputs = decoding.next(token, output)
     return generated
 
 
 def generate_samples(fabric: Fabric, model: torch.nn.Module, samples: list[Sample], *, decoding: Decoding,
-                     max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
+                     max_new_tokens: int, stop_ids: set[int],
+                     stopping: Callable[[], bool] = lambda: False) -> list[list[int]]:
     """The generated tokens of every sample, on every rank; each rank generates every world-size-th one."""
     mine = samples[fabric.global_rank::fabric.world_size]
     rounds = -(-len(samples) // fabric.world_size)
     with evaluation_mode(model):
         outputs = [generate_in_lockstep(fabric, model, mine[i] if i < len(mine) else None, decoding=decoding,
-                                        max_new_tokens=max_new_tokens, stop_ids=stop_ids) for i in range(rounds)]
+                                        max_new_tokens=max_new_tokens, stop_ids=stop_ids, stopping=stopping)
+                   for i in range(rounds)]
     gathered = [outputs]
     if fabric.world_size > 1:
         gathered = [None] * fabric.world_size
@@ -265,9 +274,11 @@ class SampleEvaluator:
     def stop_ids(self) -> set[int]:
         return stop_ids(self.tokenizer)
 
-    def evaluate(self, fabric: Fabric, model: torch.nn.Module, step: int) -> dict[str, float]:
+    def evaluate(self, fabric: Fabric, model: torch.nn.Module, step: int,
+                 stopping: Callable[[], bool] = lambda: False) -> dict[str, float]:
+        """Generate, write and score the samples; EvaluationStopped when a rank is `stopping` (a stop signal)."""
         tokens = generate_samples(fabric, model, self.samples, decoding=self.decoding,
-                                  max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids)
+                                  max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, stopping=stopping)
         if not fabric.is_global_zero:
             return {}
         generated = [self.text(ids) for ids in tokens]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from lightning_fabric import Fabric
@@ -15,27 +16,41 @@ from app.model.build import evaluation_mode
 from app.model.loss import LossPath
 
 
+class EvaluationStopped(Exception):
+    """A stop signal came during an evaluation: every rank leaves it at the same batch (or generated token), so that
+    the run saves and stops within its grace period rather than after minutes of validation and generation."""
+
+
+STOP_CHECK_BATCHES = 16
+"""Every how many batches of a validation the ranks agree whether a stop signal came (one small all_reduce): between
+two checks nothing synchronises."""
+
+
 @torch.no_grad()
 def validation_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: TrainingData, *, batch_size: int,
-                      max_batches: int) -> dict[str, float]:
+                      max_batches: int, stopping: Callable[[], bool] = lambda: False) -> dict[str, float]:
     """Token-weighted mean loss over up to max_batches batches per rank, reduced over all ranks: {"": the loss}, and
     for a mixture also each folder's by name (up to max_batches batches of each), "" being their token-weighted mean.
 
     Every rank runs the same number of forward passes (FSDP gathers parameters collectively). Batches' summed
     token losses are added up and divided by their trained tokens (counted on the host), so batches and ranks with
-    more trained tokens weigh more, and nothing synchronises until the one final reduction. The loss is asked for as
-    training asks (`loss_path`): chunked, it never holds a batch's full logits.
+    more trained tokens weigh more, and nothing synchronises until the one final reduction, but `stopping()` every
+    STOP_CHECK_BATCHES batches: whether any rank has seen a stop signal (then EvaluationStopped). The loss is asked
+    for as training asks (`loss_path`): chunked, it never holds a batch's full logits.
     """
     splits = {name: split for name, split in data.validation_splits().items() if len(split)}
     totals = torch.zeros(len(splits), 2, device=fabric.device, dtype=torch.float64)
     with evaluation_mode(model):
         for index, split in enumerate(splits.values()):
             token_count = 0
-            for batch in eval_batches(fabric, data.format, split, batch_size=batch_size, max_batches=max_batches):
+            batches = eval_batches(fabric, data.format, split, batch_size=batch_size, max_batches=max_batches)
+            for number, batch in enumerate(batches, start=1):
                 loss = loss_path.summed_loss(model, batch, auxiliary=False)  # on every rank, trained tokens or not
                 if batch.trained_tokens:
                     totals[index, 0] += loss.double()
                     token_count += batch.trained_tokens
+                if number % STOP_CHECK_BATCHES == 0 and stopping():
+                    raise EvaluationStopped
             totals[index, 1] = token_count
     totals = fabric.all_reduce(totals, reduce_op="sum").tolist()
     losses = {name: loss_sum / tokens for name, (loss_sum, tokens) in zip(splits, totals) if tokens}

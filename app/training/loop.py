@@ -17,7 +17,7 @@ from app.checkpoint import (CheckpointSaver, checkpoint_path, load_last_good_che
                             prune_checkpoints, rng_of_every_rank, set_aside_newer)
 from app.data import Batch, Step, TrainingData, train_steps
 from app.distributed.precision import restore_grad_scaler
-from app.evaluation.validation import perplexity, row_losses, validation_losses
+from app.evaluation.validation import EvaluationStopped, perplexity, row_losses, validation_losses
 from app.metrics.console import Console
 from app.model.loss import LossPath
 from app.metrics.loggers import RowRecord, should_upload_checkpoint, upload_checkpoint
@@ -223,7 +223,9 @@ class Loop:
         evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
         stop = verdict.stop_requested
         if evaluated:
-            metrics |= self.evaluate()
+            evaluation = self.evaluate()
+            evaluated = bool(evaluation)  # else no validation loss to mark the checkpoint best by
+            metrics |= evaluation
             stop = stop or stop_agreed(self.fabric, self.stop)
         if scheduled_save or stop:
             self.state["log_window"] = list(losses)
@@ -361,23 +363,29 @@ class Loop:
                 for name in (part.source.name for part in self.data.sources)}
 
     def evaluate(self) -> dict[str, float]:
-        """Validation loss (and generation samples) on every rank; nothing when the data has no validation split."""
-        cfg = self.cfg
+        """Validation loss (and generation samples) on every rank; nothing when the data has no validation split, or
+        when a stop signal cut the evaluation short (on every rank alike: the run then saves and stops)."""
+        cfg, step = self.cfg, self.state["step"]
         if not len(self.data.validation):
             return {}
         with self.evaluation.measure():
-            losses = validation_losses(self.fabric, self.state["model"], self.loss_path, self.data,
-                                       batch_size=cfg.eval_batch_size or cfg.micro_batch_size,
-                                       max_batches=cfg.eval_iters)
-            loss = losses.pop("")
-            metrics = {"val_loss": loss, "val_ppl": perplexity(loss)} | {f"val_loss/{name}": value
-                                                                         for name, value in losses.items()}
-            if self.samples:
-                metrics |= self.samples.evaluate(self.fabric, self.state["model"], self.state["step"])
-        self.state["val_loss"], self.state["val_loss_step"] = loss, self.state["step"]
+            try:
+                losses = validation_losses(self.fabric, self.state["model"], self.loss_path, self.data,
+                                           batch_size=cfg.eval_batch_size or cfg.micro_batch_size,
+                                           max_batches=cfg.eval_iters, stopping=partial(stop_agreed, self.fabric,
+                                                                                        self.stop))
+                loss = losses.pop("")
+                metrics = {"val_loss": loss, "val_ppl": perplexity(loss)} | {f"val_loss/{name}": value
+                                                                             for name, value in losses.items()}
+                if self.samples:
+                    metrics |= self.samples.evaluate(self.fabric, self.state["model"], step,
+                                                     stopping=lambda: self.stop.requested)
+            except EvaluationStopped:
+                self.console.print(f"step {step}: evaluation stopped by a signal (not logged)")
+                return {}
+        self.state["val_loss"], self.state["val_loss_step"] = loss, step
         self.watchdog.beat()
-        self.console.print(f"step {self.state['step']}: " + " | ".join(f"{name} {value:.4f}"
-                                                                     for name, value in metrics.items()))
+        self.console.print(f"step {step}: " + " | ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
         return metrics
 
     def report_scaler_skip(self, number: int) -> None:
