@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import os
@@ -13,6 +12,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 from huggingface_hub import HfApi
+from huggingface_hub.utils import filter_repo_objects
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
@@ -568,19 +568,22 @@ def test_push_uploads_through_huggingface_hub_without_leaking_the_token(full_run
     token = "hf_secretTOKEN1234567890"
     monkeypatch.setenv("HF_TOKEN", token)
     calls = {}
+    in_repo = ["model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+               "pytorch_model.bin", "chat_template.jinja", "notes.md", ".gitattributes", "step-4/model.safetensors",
+               "adapter/adapter_model.safetensors", "onnx/model.bin", "x/chat_template.jinja", "odd[1]*.bin"]
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.setdefault("create", (repo_id, kw)))
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: in_repo)
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.setdefault("upload", kw) and "commit-url")
     convert("--checkpoint", full_run, "--output_dir", tmp_path / "hf", "--dtype", "float32",
             "--push_to_hub", "me/tiny", "--private", "true", "--commit_message", "first")
     assert calls["create"] == ("me/tiny", {"private": True, "exist_ok": True})
     assert calls["upload"]["repo_id"] == "me/tiny" and Path(calls["upload"]["folder_path"]) == tmp_path / "hf"
     assert calls["upload"]["commit_message"] == "first"
-    deleted = calls["upload"]["delete_patterns"]  # an earlier push's weights in another sharding were what loaded
-    stale = [name for name in ("model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-                               "pytorch_model.bin", "chat_template.jinja", "notes.md", ".gitattributes")
-             if any(fnmatch.fnmatch(name, pattern) for pattern in deleted)]
-    assert stale == ["model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-                     "pytorch_model.bin", "chat_template.jinja"], "model files go; a user's own files stay"
+    # matched as huggingface_hub matches them (_prepare_folder_deletions)
+    deleted = filter_repo_objects(in_repo, allow_patterns=calls["upload"]["delete_patterns"])
+    assert list(deleted) == ["model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                             "pytorch_model.bin", "chat_template.jinja", "odd[1]*.bin"], \
+        "an earlier push's top-level weights go (in another sharding they were what loaded); subfolders stay"
     output = capsys.readouterr()
     assert token not in output.out + output.err
     assert all(token.encode() not in p.read_bytes() for p in (tmp_path / "hf").iterdir())
@@ -606,9 +609,9 @@ def test_an_upload_that_fails_keeps_the_verified_folder_and_says_how_to_push_it(
     assert line.startswith("convert_to_hf.py: error: --push_to_hub me/tiny: cannot reach") and \
         line.endswith(f"The verified folder {tmp_path / 'hf'} is kept: push it without converting again with "
                       f"`hf upload me/tiny {tmp_path / 'hf'} --private --revision dev --commit-message "
-                      "'Upload hf' --delete '*.safetensors' --delete '*.safetensors.index.json' --delete '*.bin' "
-                      "--delete '*.bin.index.json' --delete 'chat_template.*'`"), line  # as asked: without --private,
-    # hf upload may make a public repository; the model files of an earlier push go as they would have
+                      "'Upload hf'`, then delete the repository's top-level weights of an earlier push that the "
+                      "folder does not hold"), line  # as asked: without --private, hf upload may make a public
+    # repository; not `--delete '*.safetensors'`, which deletes every subfolder's weights too
     assert "prefetch.py" not in line, "prefetch.py downloads: nothing to do with an upload"
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert "Writing model shards" not in errors and "Loading weights" not in errors, "progress bars in a log"
@@ -961,3 +964,17 @@ def test_ctrl_c_while_converting_is_one_line_130_and_leaves_nothing(full_run, tm
                                                  "only where one was written and verified whole (the one being "
                                                  "written is removed)\n")
     assert list(tmp_path.iterdir()) == [], "no folder, no staging leftover"
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_push_the_hub_refuses_names_the_token_not_a_retry(status) -> None:
+    """A read-only or invalid token, or a namespace the token cannot write to, was "try again later"."""
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from app.huggingface.prefetch import describe_hub_error
+
+    response = httpx.Response(status, request=httpx.Request("POST", "https://huggingface.co/api/repos/create"))
+    line = describe_hub_error("--push_to_hub", "me/x", HfHubHTTPError("refused", response=response), upload=True)
+    assert line == (f"--push_to_hub me/x: the Hub refused the token (HTTP {status}): this needs a write token "
+                    "(HF_TOKEN) with rights to that namespace")

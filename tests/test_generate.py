@@ -246,3 +246,15 @@ def test_file_options_that_cannot_apply_are_refused_at_once(tmp_path, capsys, ar
     fill = {"file": str(file), "folder": str(tmp_path)}
     assert refusal([str(tmp_path), *(item.format(**fill) for item in argv)], capsys) == message.format(**fill)
     assert file.read_text() == json.dumps({"prompt": "x"}) + "\n"
+
+
+def test_a_prompts_file_with_unicode_line_separators_inside_its_strings_is_read(tmp_path) -> None:
+    """U+2028 (and U+0085, U+2029) are valid inside a JSON string, and generate.py's own --output writes them as
+    they are: the file was cut there and refused as "line 1 is not a JSON object"."""
+    from app.huggingface.prompts_file import read_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["a\u2028b", "c\u0085d\u2029e"]
+    prompts.write_text("".join(json.dumps({"prompt": text}, ensure_ascii=False) + "\r\n" for text in texts),
+                       encoding="utf-8")
+    assert [row.prompt for row in read_prompts(prompts, "prompt", None)] == texts

@@ -47,7 +47,7 @@ def shortened(text: str, width: int = 110) -> str:
 def samples_in(path: Path) -> list[dict[str, str]]:
     """The records of a samples file; one that is not what train.py writes is one line, not a traceback."""
     try:
-        records = [json.loads(line) for line in path.read_text().splitlines()]
+        records = [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
     except (OSError, ValueError) as error:
         raise UsageError(f"{path}: not readable as train.py's samples ({error})") from None
     if not records or not all(isinstance(r, dict) and {"prompt", "reference", "generated"} <= r.keys()

@@ -51,7 +51,7 @@ from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, load_problem, missing_model_
 from app.huggingface.convert_cli import Args
 from app.huggingface.generate import source_input
 from app.huggingface.prefetch import PrefetchError, reported_as
-from app.huggingface.upload import REPLACED_FILES, describe_upload, login_problem, push_folder
+from app.huggingface.upload import describe_upload, login_problem, push_folder
 from app.model.build import meta_model, model_class
 from app.prepare.chat_template import end_of_turn_id
 from app.prepare.tokenizer import document_frame
@@ -855,14 +855,14 @@ class PushFailed(Exception):
 
 def upload_command(folder: Path, args: Args) -> str:
     """The `hf upload` command that pushes `folder` as --push_to_hub would have: private, to its branch, with its
-    message (without --private, `hf upload` may create a public repository), deleting the same stale files."""
+    message (without --private, `hf upload` may create a public repository). Not its deletions: `hf upload
+    --delete '*.safetensors'` also deletes every subfolder's weights (app/huggingface/upload.py stale_model_files)."""
     words = ["hf", "upload", args.push_to_hub, str(folder)]
     if args.private:
         words.append("--private")
     if args.revision:
         words += ["--revision", args.revision]
-    words += ["--commit-message", args.commit_message or f"Upload {folder.name}"]
-    return shlex.join(words + [word for pattern in REPLACED_FILES for word in ("--delete", pattern)])
+    return shlex.join(words + ["--commit-message", args.commit_message or f"Upload {folder.name}"])
 
 
 def run(args: Args) -> None:
@@ -881,5 +881,6 @@ def run(args: Args) -> None:
                     url = push_folder(folder, args, default_message=f"Upload {folder.name} (step {jobs[0].step})")
             except PrefetchError as error:
                 raise PushFailed(f"{error}. The verified folder {folder} is kept: push it without converting again "
-                                 f"with `{upload_command(folder, args)}`") from None
+                                 f"with `{upload_command(folder, args)}`, then delete the repository's top-level "
+                                 "weights of an earlier push that the folder does not hold") from None
             print(f"pushed {folder} to {args.push_to_hub}: {url}")

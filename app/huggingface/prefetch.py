@@ -120,6 +120,9 @@ def describe_hub_error(flag: str, name: str, error: Exception, upload: bool = Fa
         return f"--revision: no such branch, tag or commit in {name}"
     if isinstance(error, HFValidationError):
         return f"{flag} {name}: not a Hub id; expected owner/name"
+    if isinstance(error, HfHubHTTPError) and error.response.status_code in (401, 403):
+        rights = "a write token (HF_TOKEN) with rights to that namespace" if upload else "a token with access"
+        return f"{flag} {name}: the Hub refused the token (HTTP {error.response.status_code}): this needs {rights}"
     if isinstance(error, HfHubHTTPError):
         return f"{flag} {name}: the Hub answered HTTP {error.response.status_code}; try again later"
     unreachable = f"{flag} {name}: cannot reach {constants.ENDPOINT}"

@@ -41,7 +41,7 @@ def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str],
     `reference_field` when given), or a chat in `messages_field`; the first line that is not is refused, with its
     number and its fields."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")  # splitlines() also cuts at U+2028 inside a string
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"--prompts {path}: not readable as UTF-8 text ({error})") from None
     rows = []

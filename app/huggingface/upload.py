@@ -7,7 +7,9 @@ a long conversion.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Optional
 
@@ -16,9 +18,10 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 
 REPLACED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "chat_template.*")
-"""What an upload deletes from the repository unless the folder holds it again: weights left by an earlier push in
-another sharding (`model.safetensors` beside a new `model-00001-of-00003.safetensors`) were what `from_pretrained`
-loaded, and a chat template left by an earlier run was what the new model's prompts were rendered with."""
+"""What an upload deletes from the repository's top level unless the folder holds it again: weights left by an earlier
+push in another sharding (`model.safetensors` beside a new `model-00001-of-00003.safetensors`) were what
+`from_pretrained` loaded, and a chat template left by an earlier run was what the new model's prompts were rendered
+with. Subfolders are the user's (step folders, an adapter, ONNX weights): stale_model_files."""
 
 
 @dataclass
@@ -72,14 +75,21 @@ def describe_upload(folder: Path, args: HubArgs) -> str:
     return "\n".join(lines)
 
 
+def stale_model_files(repo_files: list[str]) -> list[str]:
+    """The repository's top-level model files (REPLACED_FILES), each as a pattern that matches it alone: given
+    REPLACED_FILES itself, huggingface_hub's fnmatch, whose `*` spans `/`, also deleted every subfolder's weights."""
+    return [re.sub(r"([*?[])", r"[\1]", name) for name in repo_files
+            if "/" not in name and any(fnmatch(name, pattern) for pattern in REPLACED_FILES)]
+
+
 def push_folder(folder: Path, args: HubArgs, default_message: str) -> str:
     """Create the repository (and branch) if needed and upload the folder in one commit that also deletes the
-    model files the folder no longer holds (`REPLACED_FILES`); return the commit url."""
+    top-level model files the folder no longer holds (`stale_model_files`); return the commit url."""
     api = HfApi()
     api.create_repo(args.push_to_hub, private=args.private, exist_ok=True)
     if args.revision:
         api.create_branch(args.push_to_hub, branch=args.revision, exist_ok=True)
+    stale = stale_model_files(api.list_repo_files(args.push_to_hub, revision=args.revision))
     commit = api.upload_folder(repo_id=args.push_to_hub, folder_path=folder, revision=args.revision,
-                               commit_message=args.commit_message or default_message,
-                               delete_patterns=list(REPLACED_FILES))
+                               commit_message=args.commit_message or default_message, delete_patterns=stale or None)
     return str(commit)
