@@ -6,8 +6,10 @@ import hashlib
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -122,6 +124,8 @@ CASES = {
                                               "metrics.csv, samples/step-00000004.jsonl (of an earlier run, or yours)"),
     "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),
     "checkpoints uploaded to a disabled W&B": (dict(log_model=True), "--log_model true uploads checkpoints to Weights"),
+    "offline artifacts of checkpoints that are deleted": (dict(wandb_mode="offline", log_model="all", keep_last_n=1),
+                                                          "--log_model all with --keep_last_n 1: offline, W&B's"),
     "an attention the model has not": (dict(model_config="{gemma2}"),
                                        "--attn_implementation sdpa: a gemma2 model does not support it ("),
     "activation checkpointing the model class has not": (
@@ -530,6 +534,84 @@ def test_a_malformed_wandb_key_is_refused_in_one_line_that_does_not_show_it(tiny
     errors = capsys.readouterr().err.strip().splitlines()
     assert errors == ["error: WANDB_API_KEY: API key must have 40+ characters, has 6. Copy it again from "
                       "https://wandb.ai/authorize, or use --wandb_mode offline"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def wandb_server(tmp_path, monkeypatch):
+    """A W&B server address on this machine, logged in to as `wandb login --host` does (a netrc entry for it), with
+    wandb's settings kept out of the user's own. wandb reads its settings once per process (as the preflight, the
+    first to ask, does in a run): the test's settings are read afresh (wandb.teardown) and forgotten after it."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import wandb
+    from wandb.sdk.lib.wbauth import wbnetrc
+
+    class Answers(BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:
+            self.send_response(404)  # any answer: the server is there
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    wbnetrc.write_netrc_auth(host=url, api_key="a" * 40)
+    wandb.teardown()
+    yield url
+    server.shutdown()
+    wandb.teardown()
+
+
+def test_a_wandb_login_is_found_as_wandb_finds_it_and_an_unreachable_server_is_one_line(
+        tiny, tmp_path, capsys, monkeypatch, wandb_server) -> None:
+    """`wandb login` writes a netrc entry for wandb's server, which since wandb 0.31 is not api.wandb.ai: the
+    preflight looked for that name and refused every logged-in user. And without network wandb.init retried for
+    1 min 46 s, then raised a traceback after the run's files were written."""
+    cfg = parse_config(train_args(tiny, tmp_path / "out", wandb_mode="online"))
+    assert preflight(cfg).config.wandb_mode == "online"
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port nothing listens on
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed.getsockname()[1]}")
+    import wandb
+    from wandb.sdk.lib.wbauth import wbnetrc
+
+    wbnetrc.write_netrc_auth(host=os.environ["WANDB_BASE_URL"], api_key="a" * 40)
+    wandb.teardown()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        preflight(cfg)
+    closed.close()
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith(f"error: --wandb_mode online: {os.environ['WANDB_BASE_URL']} cannot be reached (") and \
+        error.endswith("); use --wandb_mode offline (then `wandb sync` the run's wandb folder from a machine with "
+                       "internet access)"), error
+    assert not (tmp_path / "out").exists()
+
+
+def test_what_wandb_needs_is_checked_before_anything_is_written(tiny, tmp_path, capsys, monkeypatch) -> None:
+    """wandb missing, or a WANDB_DIR that cannot be made, was a traceback from wandb.init, after the run's files."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    monkeypatch.setenv("WANDB_DIR", str(a_file / "wandb"))
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode="offline")))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: WANDB_DIR={a_file / 'wandb'}: {a_file} is not a folder; unset it (W&B then writes to --out_dir) or "
+        "name a folder this run can write"]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode="offline")))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --wandb_mode offline needs the wandb package: pip install -r requirements.txt, or use --wandb_mode "
+        "disabled"]
     assert not (tmp_path / "out").exists()
 
 

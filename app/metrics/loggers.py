@@ -141,6 +141,7 @@ class WandbMetrics(Logger):
         self._init = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name or Path(cfg.out_dir).resolve().name,
                           dir=os.environ.get("WANDB_DIR") or cfg.out_dir, mode=cfg.wandb_mode, id=run_id,
                           resume="allow" if resuming else None)
+        self._uploaded_before_pruned = cfg.keep_last_n is not None
         self._run: Any = None
 
     @property
@@ -175,7 +176,8 @@ class WandbMetrics(Logger):
     @rank_zero_only
     def log_checkpoint(self, path: Path, step: int) -> None:
         """A published checkpoint as a model artifact, referenced rather than copied (policy immutable): it never
-        changes. In offline mode the upload happens at `wandb sync`, so keep the file until then."""
+        changes. Uploaded in the background, or in offline mode at `wandb sync` (which --keep_last_n is refused with):
+        under --keep_last_n, which may delete the file at the next save, the upload is waited for."""
         import wandb
 
         artifact = wandb.Artifact(f"model-{self.experiment.id}", type="model", metadata={"step": step})
@@ -183,7 +185,9 @@ class WandbMetrics(Logger):
             artifact.add_dir(str(path), policy="immutable")
         else:
             artifact.add_file(str(path), policy="immutable")
-        self.experiment.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
+        logged = self.experiment.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
+        if self._uploaded_before_pruned:
+            logged.wait()
 
     @rank_zero_only
     def set_summary(self, summary: dict[str, Any]) -> None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
+import threading
+import urllib.error
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -83,15 +87,94 @@ def wandb_key_problem(key: Optional[str]) -> Optional[str]:
     return check_api_key(key)
 
 
+WANDB_PROBE_TIMEOUT_S = 5.0
+
+
+def wandb_server() -> tuple[str, bool]:
+    """The W&B server wandb would log to (WANDB_BASE_URL, `wandb login --host`'s setting, else wandb's default: since
+    wandb 0.31 not api.wandb.ai) and whether wandb finds credentials for it as wandb.init does: WANDB_API_KEY,
+    WANDB_IDENTITY_TOKEN_FILE, its settings, or the netrc entry `wandb login` wrote for that server ($NETRC or
+    ~/.netrc). A search for "api.wandb.ai" in ~/.netrc refused every user whom `wandb login` had logged in."""
+    from wandb.errors import AuthenticationError
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib.wbauth import wbnetrc
+
+    settings = wandb_setup.singleton().settings
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or settings.api_key:
+        return settings.base_url, True
+    try:
+        return settings.base_url, wbnetrc.read_netrc_auth(host=settings.base_url) is not None
+    except AuthenticationError:  # a key there in a bad format: wandb.init names it
+        return settings.base_url, True
+
+
+def unreachable_reason(url: str, timeout_s: float = WANDB_PROBE_TIMEOUT_S) -> Optional[str]:
+    """Why `url` does not answer within `timeout_s` (any HTTP answer counts), or None. In a thread with a deadline:
+    a name lookup that hangs has no timeout of its own. Without it, wandb.init retried for 1 min 46 s and raised a
+    traceback after the run's files were written."""
+    reason = [f"no answer within {timeout_s:g} s"]
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout_s).close()
+            reason[0] = ""
+        except urllib.error.HTTPError:  # the server answered
+            reason[0] = ""
+        except (OSError, ValueError) as error:
+            reason[0] = str(getattr(error, "reason", error))
+
+    thread = threading.Thread(target=probe, name="wandb-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1)
+    return reason[0] or None
+
+
+def unusable_folder(path: Path) -> Optional[str]:
+    """Why a folder cannot be made or written at `path`, or None."""
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
 def check_wandb(cfg: Config, problems: list[str]) -> None:
-    netrc = Path.home() / ".netrc"
-    logged_in = "WANDB_API_KEY" in os.environ or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
-    if cfg.wandb_mode == "online" and not logged_in:
-        problems.append("--wandb_mode online needs WANDB_API_KEY or `wandb login`; or use --wandb_mode offline")
-    key_problem = wandb_key_problem(os.environ.get("WANDB_API_KEY")) if cfg.wandb_mode == "online" else None
-    if key_problem:
-        problems.append(f"WANDB_API_KEY: {key_problem} Copy it again from https://wandb.ai/authorize, or use "
-                        "--wandb_mode offline")
+    """What --wandb_mode offline or online needs, checked before anything is written: each was a traceback from
+    wandb.init on rank 0, after the run's files, which then refused the rerun without --resume true."""
+    if cfg.wandb_mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        problems.append(f"--wandb_mode {cfg.wandb_mode} needs the wandb package: pip install -r requirements.txt, or "
+                        "use --wandb_mode disabled")
+        return
+    folder_problem = unusable_folder(Path(os.environ["WANDB_DIR"]).absolute()) if os.environ.get("WANDB_DIR") \
+        and cfg.wandb_mode != "disabled" else None
+    if folder_problem:
+        problems.append(f"WANDB_DIR={os.environ['WANDB_DIR']}: {folder_problem}; unset it (W&B then writes to "
+                        "--out_dir) or name a folder this run can write")
+    if cfg.wandb_mode == "online":
+        check_wandb_online(problems)
+    if cfg.log_model == "all" and cfg.keep_last_n is not None and cfg.wandb_mode == "offline":
+        problems.append(f"--log_model all with --keep_last_n {cfg.keep_last_n}: offline, W&B's model artifacts point "
+                        "at the checkpoint files until `wandb sync` uploads them, and --keep_last_n deletes them "
+                        "first; drop --keep_last_n, or log online")
     if cfg.log_model and cfg.wandb_mode == "disabled":
         problems.append(f"--log_model {str(cfg.log_model).lower()} uploads checkpoints to Weights & Biases, which this "
                         "run does not use; give --wandb_mode online (or offline, synced later), or drop --log_model")
+
+
+def check_wandb_online(problems: list[str]) -> None:
+    """Credentials for the W&B server, a well-formed key, and the server within reach."""
+    server, logged_in = wandb_server()
+    if not logged_in:
+        problems.append(f"--wandb_mode online needs WANDB_API_KEY or `wandb login` (for {server}); or use "
+                        "--wandb_mode offline")
+        return
+    key_problem = wandb_key_problem(os.environ.get("WANDB_API_KEY"))
+    if key_problem:
+        problems.append(f"WANDB_API_KEY: {key_problem} Copy it again from https://wandb.ai/authorize, or use "
+                        "--wandb_mode offline")
+        return
+    reason = unreachable_reason(server)
+    if reason:
+        problems.append(f"--wandb_mode online: {server} cannot be reached ({reason}); use --wandb_mode offline "
+                        "(then `wandb sync` the run's wandb folder from a machine with internet access)")
