@@ -249,6 +249,20 @@ def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny
     assert len({log.name.split("-")[-1] for log in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
 
 
+def test_a_wandb_run_that_cannot_start_ends_every_rank_with_one_line(tiny, tmp_path) -> None:
+    """wandb.init failing on rank 0 (a login or project the server refuses, a service that does not start) was
+    wandb's traceback; here a wandb whose init fails, in a 2-process run."""
+    fake = tmp_path / "site" / "wandb"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("def init(**options):\n    raise RuntimeError('the W&B service did not start')\n")
+    result = run_train(train_args(tiny, tmp_path / "out", wandb_mode="offline"), fresh=True,
+                       env={"PYTHONPATH": str(tmp_path / "site")})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "error: Weights & Biases could not start the run (the W&B service did not start); check the login, " \
+           "--project and --entity, or use --wandb_mode disabled" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not list((tmp_path / "out").glob("checkpoints/*"))
+
+
 def test_a_one_process_run_without_validation_prints_only_what_a_user_can_act_on(tiny, tmp_path) -> None:
     """Data prepared with --val_fraction 0 (which train.py used to refuse) trains without evaluating; FSDP on one
     process with sharded saves, on a machine where Slurm's srun exists, and no W&B choice: none of FSDP's NO_SHARD,

@@ -14,6 +14,7 @@ from lightning_fabric.loggers import Logger
 from lightning_fabric.loggers.logger import rank_zero_experiment
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 
+from app.cli import first_line
 from app.data.mixture import parse_sources
 from app.folders import append_whole, replace_file, written_or_warned
 from app.metrics.console import Console
@@ -122,6 +123,11 @@ class RowRecord:
         written_or_warned(self.path, partial(append_whole, self.path, line))
 
 
+class WandbFailed(Exception):
+    """wandb.init failed on rank 0 (the server refused the login or the project, its service did not start): one
+    line, not wandb's traceback."""
+
+
 class WandbMetrics(Logger):
     """The run in Weights & Biases: started on rank 0 at its first use, finished by wandb as the process leaves.
 
@@ -159,7 +165,12 @@ class WandbMetrics(Logger):
             import wandb
 
             Path(self._init["dir"]).mkdir(parents=True, exist_ok=True)
-            self._run = wandb.init(**self._init)
+            try:
+                self._run = wandb.init(**self._init)
+            except Exception as error:  # wandb's CommError, AuthenticationError, UsageError, ServiceStartTimeoutError
+                other = "offline" if self._init["mode"] == "online" else "disabled"
+                raise WandbFailed(f"Weights & Biases could not start the run ({first_line(error)}); check the login, "
+                                  f"--project and --entity, or use --wandb_mode {other}") from error
             replace_file(self._id_file, self._run.id + "\n")
             self._run.define_metric("trainer/global_step")
             self._run.define_metric("*", step_metric="trainer/global_step", step_sync=True)

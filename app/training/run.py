@@ -27,11 +27,11 @@ from app.distributed.precision import float32_matmul_precision, restore_grad_sca
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
 from app.evaluation.samples import (SampleEvaluator, decoding_for, fit_to_context, references_past, sample_notes,
                                     set_aside_samples_after, stop_ids, whole_samples)
-from app.exit_codes import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_PREEMPTED,
-                            EXIT_SAVE_FAILED, EXIT_SPIKES)
+from app.exit_codes import (EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE,
+                            EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_SPIKES)
 from app.folders import discard, replace_file
 from app.metrics.console import Console
-from app.metrics.loggers import SUMMARY_FILE, RowRecord, make_loggers, report_summary
+from app.metrics.loggers import SUMMARY_FILE, RowRecord, WandbFailed, make_loggers, report_summary
 from app.metrics.memory_plan import ModelShape, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.model.build import DeferredInit, deferred_init, setup_model
@@ -40,8 +40,8 @@ from app.optimization.schedule import TrainingPlan, continuing_position
 from app.reliability.signals import (StopRequest, end_ranks_on_signal_until_training, requeue_slurm_job,
                                      requeues_itself, run_and_exit)
 from app.reliability.spikes import QUARANTINE_FILE, SpikeGuard, SpikeHistory, SpikeRules, write_quarantine
-from app.reliability.watchdog import (LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog,
-                                     print_stacks_on_signal, take_over_launcher_observer)
+from app.reliability.watchdog import (LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, end_process_tree,
+                                     print_stacks_on_signal, say, take_over_launcher_observer)
 from app.reliability.workers import start_worker_server
 from app.tasks import LAUNCHER_PID
 from app.training.loop import Loop
@@ -228,8 +228,12 @@ def write_run_files(fabric: Fabric, cfg: Config, tokenizer: Optional[str]) -> No
         # that left the earlier one there as if it were the run's last word
         (out_dir / SUMMARY_FILE).unlink(missing_ok=True)
         keep_tokenizer_with_run(out_dir, tokenizer, cfg.trust_remote_code)
-    for logger in fabric.loggers:
-        logger.log_hyperparams(cfg.to_dict())
+    try:
+        for logger in fabric.loggers:
+            logger.log_hyperparams(cfg.to_dict())
+    except WandbFailed as failure:  # on rank 0 alone: the run ends here, its other ranks with it
+        say(f"error: {failure}\n")
+        end_process_tree(EXIT_CRASHED, stacks=False)
 
 
 def keep_tokenizer_with_run(out_dir: Path, tokenizer: Optional[str], trust_remote_code: bool) -> None:
