@@ -103,7 +103,13 @@ def check_config_files(parser: ArgumentParser, argv: list[str]) -> None:
             check_config_file(parser, path)
 
 
-def check_config_file(parser: ArgumentParser, path: str) -> None:
+def check_config_file(parser: ArgumentParser, path: str, naming: tuple[str, ...] = ()) -> None:
+    """One config file, then those it names in turn; `naming` the files that led to it (a file that names itself,
+    or a cycle, ended in a RecursionError traceback)."""
+    if os.path.realpath(path) in map(os.path.realpath, naming):
+        chain = " -> ".join((*naming, path))
+        raise UsageError(f"{CONFIG_FLAG} {naming[0]}: its `config:` lines name files in a circle ({chain}); "
+                         "remove the line that leads back")
     try:
         values = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as error:
@@ -117,7 +123,7 @@ def check_config_file(parser: ArgumentParser, path: str) -> None:
         raise UsageError(f"{CONFIG_FLAG} {path}: {'; '.join(problems)}")
     for nested in nested_config_files(path, values):
         if os.path.isfile(nested):
-            check_config_file(parser, nested)
+            check_config_file(parser, nested, (*naming, path))
 
 
 def nested_config_files(path: str, values: dict) -> list[str]:

@@ -65,6 +65,19 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
     assert option_sources(["--config", "{micro_batch_size: 3}"]) == {"micro_batch_size": "config {micro_batch_size: 3}"}
 
 
+def test_config_files_that_name_each_other_in_a_circle_are_refused_in_one_line(tmp_path) -> None:
+    """A file naming itself (`config: self.yaml`), or two naming each other, ended in a RecursionError traceback."""
+    (tmp_path / "self.yaml").write_text("config: self.yaml\nlr: 0.01\n")
+    (tmp_path / "a.yaml").write_text("config: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("config: a.yaml\n")
+    for first, chain in (("self.yaml", "self.yaml -> self.yaml"), ("a.yaml", "a.yaml -> b.yaml -> a.yaml")):
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *REQUIRED, "--config", first], cwd=tmp_path,
+                                capture_output=True, text=True)
+        assert (result.returncode, result.stderr) == (2, f"train.py: error: --config {first}: its `config:` lines "
+                                                         f"name files in a circle ({chain}); remove the line that leads "
+                                                         "back; see train.py --help\n")
+
+
 def test_a_config_file_that_names_another_is_read_checked_and_labelled_where_its_lines_stand(tmp_path) -> None:
     """`config: base.yaml` inside a file: jsonargparse reads it from the file's folder where the line stands. Its
     values were labelled as defaults in --print_config, and its bad lines were "Unexpected config" naming no file."""

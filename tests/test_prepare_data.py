@@ -24,6 +24,7 @@ from app.prepare.cli import main
 from app.prepare.corpus import Documents
 from app.prepare.output import write_atomically
 from app.prepare.pack import pack
+from app.prepare.pipeline import summary
 from app.prepare.split import split_by_document
 
 REPO = Path(__file__).resolve().parents[1]
@@ -752,3 +753,99 @@ def test_sentencepiece_is_given_a_long_line_in_bounded_pieces_and_other_lines_wh
     assert max(len(piece) for piece in pieces[:-2]) <= LINE_PIECE_CHARS
     assert max(len(piece.encode()) for piece in pieces) <= SENTENCE_BYTES
     assert sum(piece.startswith(" ") for piece in pieces[1:-2]) > len(pieces) // 2, "cut before spaces"
+
+
+def text_lines(count: int, word: str = "text") -> str:
+    return "".join(json.dumps({"text": f"{word} {i} " * 8}) + "\n" for i in range(count))
+
+
+def prepared(tmp_path: Path, issue_run: Path, inputs: list[Path], **options) -> dict:
+    return prepare(PrepareArgs(input=[str(path) for path in inputs], tokenizer=str(issue_run / "tokenizer"),
+                               block_size=4, output_dir=str(tmp_path / "out"), overwrite=True,
+                               **{"val_fraction": 0.0, **options}))
+
+
+def refusal(tmp_path: Path, issue_run: Path, inputs: list[Path], **options) -> str:
+    with pytest.raises(UsageError) as refused:
+        prepared(tmp_path, issue_run, inputs, **options)
+    return str(refused.value)
+
+
+def test_a_folder_is_read_whole_and_what_it_cannot_read_is_refused_not_passed_over(tmp_path, issue_run):
+    """Three `shard-N.jsonl.gz` beside a README.md made a corpus of the README alone; a linked folder and a broken
+    link were passed over without a word."""
+    folder, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    (folder / "shard-1.jsonl").write_text(text_lines(10))
+    (folder / "README.md").write_text("# A dataset card\n\nThese shards hold text.\n")
+    (elsewhere / "shard-2.jsonl").write_text(text_lines(10, "linked"))
+    (folder / "linked").symlink_to(elsewhere)
+    (folder / "again").symlink_to(folder)  # a loop: each folder is read once
+    stats = prepared(tmp_path, issue_run, [folder])
+    assert stats["splits"]["train"]["documents"] == 20, "the linked folder's 10 are read, once"
+    assert stats["inputs"] == [f"{folder} (2 files; not read: README.md, a dataset card)"]
+    (folder / "shard-3.jsonl.gz").write_bytes(b"\x1f\x8b")
+    assert refusal(tmp_path, issue_run, [folder]) == (
+        f"--input {folder}: holds compressed or archived files, which prepare_data.py does not read "
+        f"({folder / 'shard-3.jsonl.gz'}); decompress them (gunzip, zstd -d) or leave them out")
+    (folder / "shard-3.jsonl.gz").unlink()
+    (folder / "gone.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    assert refusal(tmp_path, issue_run, [folder]) == f"--input {folder}: {folder / 'gone.jsonl'}: a broken link; " \
+                                                      "fix or remove it"
+
+
+def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and_leaves_test(tmp_path, issue_run):
+    """A copy of a Hub dataset repository (data/train-*, data/validation-*, data/test-*) was read as one pool: its
+    test split trained on, its dataset card a document."""
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    (repo / "README.md").write_text("# card\n")
+    for split, count in (("train", 12), ("validation", 3), ("test", 5)):
+        (repo / "data" / f"{split}-00000-of-00001.jsonl").write_text(text_lines(count, split))
+    stats = prepared(tmp_path, issue_run, [repo], val_fraction=0.05)
+    assert (stats["splits"]["train"]["documents"], stats["splits"]["validation"]["documents"]) == (12, 3)
+    assert stats["inputs"] == [f"{repo} (train: 1 files, own validation: 1 files; not read: its test split)"]
+
+
+def test_the_same_file_given_twice_is_refused_not_trained_twice(tmp_path, issue_run):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "docs.jsonl").write_text(text_lines(10))
+    for inputs in ([folder, folder / "docs.jsonl"], [folder / "docs.jsonl", tmp_path / "in" / ".." / "in" / "docs.jsonl"]):
+        assert refusal(tmp_path, issue_run, inputs) == (f"--input {inputs[0]} and --input {inputs[1]} both hold "
+                                                        f"{inputs[1]}, which would be read twice; give each file once")
+
+
+def test_csv_cells_are_read_as_the_text_they_hold(tmp_path, issue_run):
+    """pandas typed a column of numbers as int (refused as "holds int 2, not text") and read "None", "null" and
+    "N/A" as missing: raw text dropped those documents."""
+    pd.DataFrame({"text": ["None", "null", "N/A", "NaN", "", "42"]}).to_csv(tmp_path / "cells.csv", index=False)
+    stats = prepared(tmp_path, issue_run, [tmp_path / "cells.csv"])
+    assert (stats["splits"]["train"]["documents"], stats["empty_documents_skipped"]) == (5, 1)
+    assert "skipped 1 documents whose --text_field text is missing, null or empty" in summary(stats, "out")
+
+
+def test_duplicates_do_not_take_validation_past_its_share(tmp_path, issue_run):
+    """Every copy of a held-out record goes to validation (none is both trained on and evaluated): a record repeated
+    in three of four rows held out 78% of them at --val_fraction 0.05."""
+    rows = [{"text": "the same record " * 8} if i % 4 else {"text": f"record {i} " * 8} for i in range(40)]
+    (tmp_path / "dup.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    stats = prepared(tmp_path, issue_run, [tmp_path / "dup.jsonl"], val_fraction=0.05)
+    assert (stats["splits"]["train"]["documents"], stats["splits"]["validation"]["documents"]) == (38, 2)
+
+
+def test_a_row_that_is_not_text_is_named(tmp_path, issue_run):
+    rows = [{"text": f"record {i} " * 8} for i in range(12)]
+    rows[10]["text"] = 12345
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert refusal(tmp_path, issue_run, [tmp_path / "mixed.jsonl"]) == \
+        f"--text_field text: row 11 of --input {tmp_path / 'mixed.jsonl'} holds int 12345, not text"
+
+
+def test_a_byte_order_mark_is_not_trained_on(tmp_path, issue_run):
+    (tmp_path / "bom.txt").write_bytes("\ufeffthe text itself\n".encode() * 4)
+    prepared(tmp_path, issue_run, [tmp_path / "bom.txt"])
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer")
+    first = datasets.load_from_disk(str(tmp_path / "out"))["train"][0]["input_ids"]
+    assert tokenizer.decode(first, skip_special_tokens=True).startswith("the")

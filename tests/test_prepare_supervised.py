@@ -567,6 +567,8 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{no_assistant}"], "has no assistant message"),
     (["--messages_field", "messages", "--input", "{assistant_first}"], "starts with an assistant message"),
     (["--messages_field", "messages", "--input", "{not_chat}"], "is not a list of {role, content}"),
+    (["--messages_field", "messages", "--input", "{tool_call}"],  # kept as role and content, trained without the call
+     "row 1 of --input {tool_call} has a message (2, role 'assistant') with tool calls, which are not trained"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{mismatch}"], "not a prefix"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{no_eot}"], "never learn to stop"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{trains_users}"],
@@ -605,6 +607,11 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
             [{"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}],
         ),
         "not_chat": write_jsonl(tmp_path / "c.jsonl", [{"messages": "hello"}]),
+        "tool_call": write_jsonl(tmp_path / "t.jsonl", [{"messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "18 C in Paris."}]}]),
         "numbers": write_jsonl(tmp_path / "n.jsonl", [{"code": "x = 1", "summary": "Set x.", "n": 3}]),
         "mismatch": tmp_path / "mismatch.jinja",
         "no_eot": tmp_path / "no_eot.jinja",

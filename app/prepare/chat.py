@@ -64,6 +64,10 @@ def pair_messages(values: dict, row: Row) -> list[dict[str, str]]:
     return [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": response}]
 
 
+TOOL_CALL_KEYS = ("tool_calls", "function_call")
+"""Where OpenAI-style chats put an assistant's calls (`content` may then be null)."""
+
+
 def chat_messages(
     values: dict, row: Row, rendered: Optional[Callable[[list[dict[str, str]]], Optional[str]]] = None
 ) -> list[dict[str, str]]:
@@ -71,6 +75,12 @@ def chat_messages(
     no user or assistant message may be empty or blank, and the chat template must render every message
     (`rendered`)."""
     chat = values["messages_field"]
+    calling = next((k for k, m in enumerate(chat or []) if isinstance(m, dict)
+                    and any(m.get(key) for key in TOOL_CALL_KEYS)), None)
+    if calling is not None:  # kept as {role, content}, the assistant's call was trained without it
+        raise row.error("messages_field", f"has a message ({calling + 1}, role {chat[calling].get('role')!r}) with "
+                        "tool calls, which are not trained: its text would be trained without the call, and the tool's "
+                        "answer would follow a call never made; leave out chats with tool calls")
     if not isinstance(chat, list) or not chat or not all(_is_message(m) for m in chat):
         raise row.error("messages_field", "is not a list of {role, content} messages with text content")
     messages = [{"role": m["role"], "content": m["content"]} for m in chat]

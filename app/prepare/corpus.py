@@ -7,8 +7,10 @@ turned into their records by their own module, which validates every row of an i
 from __future__ import annotations
 
 import codecs
+import csv
 import json
 import logging
+import os
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import datasets
 from datasets import Dataset, DatasetDict
+from datasets.data_files import get_data_patterns, resolve_pattern
 
 from app.cli import first_line
 from app.folders import DATASET_DICT_FILE
@@ -29,6 +32,9 @@ STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "c
 VALIDATION_SPLIT_NAMES = ("validation", "valid", "val", "dev")
 BUILDER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """Everything else we accept (.txt .py .md) is plain text, read with the `text` builder."""
+PACKED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".tgz", ".7z", ".arrow")
+"""Compressed or archived data, which prepare_data.py does not read: in a folder, it is refused rather than passed
+over (three `shard-N.jsonl.gz` beside a README.md made a corpus of the README alone)."""
 ToRecords = Callable[[Dataset, str], Dataset]
 """Turns the table of one input (named by the second argument) into records of the chosen shape, or refuses it."""
 
@@ -65,6 +71,7 @@ def read_documents(args: PrepareArgs, to_records: ToRecords | None = None) -> Do
     if args.split_lines and not any(_holds_text_files(Path(source)) for source in args.input):
         raise UsageError("--split_lines true makes each line of a .txt file a document, and no --input holds a .txt "
                          "file; drop it")
+    refuse_overlapping_inputs(args.input)
     pool, own_train, own_validation, description = [], [], [], []
     for source in args.input:
         train, validation, what = read_source(source, args, to_records)
@@ -75,6 +82,22 @@ def read_documents(args: PrepareArgs, to_records: ToRecords | None = None) -> Do
             own_train.append(train)
             own_validation.append(validation)
     return Documents(_concatenate(pool), _concatenate(own_train), _concatenate(own_validation), description)
+
+
+def refuse_overlapping_inputs(inputs: list[str]) -> None:
+    """Two --input that hold the same file (a folder and a file in it, one path given twice): its records were read,
+    and trained on, twice."""
+    seen: dict[str, str] = {}
+    for source in inputs:
+        path = Path(source)
+        if not path.exists() or path.is_dir() and _is_saved_dataset(path):
+            continue
+        for file in _supported_files(path):
+            real = os.path.realpath(file)
+            if real in seen:
+                raise UsageError(f"--input {seen[real]} and --input {source} both hold {file}, which would be read "
+                                 "twice; give each file once")
+            seen[real] = source
 
 
 def _concatenate(parts: list[Dataset]) -> Dataset | None:
@@ -103,10 +126,51 @@ def read_source(source: str, args: PrepareArgs, to_records: ToRecords) -> tuple[
             raise UsageError(
                 f"--split {args.split} applies to a Hugging Face or saved dataset, not to --input {source}"
             )
+        splits = _split_layout(path) if path.is_dir() else None
+        if splits:
+            return _read_split_layout(splits, source, args, to_records)
         files = _supported_files(path)
-        groups = _group_by_builder(files, args)
-        parts = [_read_files(group, builder, source, args, to_records) for builder, group in groups.items()]
-        return _concatenate(parts), None, f"{source} ({len(files)} files)"
+        cards = [file.name for file in _folder_files(path) if is_dataset_card(file) and file not in files] \
+            if path.is_dir() else []
+        said = f"; not read: {', '.join(cards)}, a dataset card" if cards else ""
+        return _read_local(files, source, args, to_records), None, f"{source} ({len(files)} files{said})"
+
+
+def _read_local(files: list[Path], source: str, args: PrepareArgs, to_records: ToRecords) -> Dataset:
+    groups = _group_by_builder(files, args)
+    return _concatenate([_read_files(group, builder, source, args, to_records) for builder, group in groups.items()])
+
+
+def _split_layout(folder: Path) -> dict[str, list[Path]] | None:
+    """The files of each split of a folder laid out as a Hugging Face dataset repository (`data/train-*.parquet`,
+    `test.jsonl`, `validation/`), found as `load_dataset` finds them; None for a folder without a train split and
+    another, or whose splits are not all data files (a code corpus's `test/` folder is code). Read as one pool, such
+    a folder trained on its test split (and on its dataset card)."""
+    try:
+        patterns = get_data_patterns(str(folder))
+    except Exception:  # noqa: BLE001 (datasets' EmptyDatasetError and the like: no layout it knows)
+        return None
+    splits = {str(split): sorted({Path(file) for pattern in found for file in resolve_pattern(pattern, str(folder))})
+              for split, found in patterns.items()}
+    if "train" not in splits or len(splits) == 1 or any(file.suffix.lower() not in BUILDER_BY_SUFFIX
+                                                        for files in splits.values() for file in files):
+        return None
+    return splits
+
+
+def _read_split_layout(splits: dict[str, list[Path]], source: str, args: PrepareArgs,
+                       to_records: ToRecords) -> tuple[Dataset, Dataset | None, str]:
+    """Train from the train split's files, and the validation split's as the input's own validation; other splits
+    (test) are not read."""
+    checked = {split: _readable(files, Path(source)) for split, files in splits.items()}
+    validation_name = next((name for name in VALIDATION_SPLIT_NAMES if name in checked), None)
+    train = _read_local(checked["train"], source, args, to_records)
+    validation = (_read_local(checked[validation_name], f"{source} ({validation_name} split)", args, to_records)
+                  if validation_name else None)
+    unread = [name for name in checked if name not in ("train", validation_name)]
+    return train, validation, (f"{source} (train: {len(checked['train'])} files"
+                               + (f", own validation: {len(checked[validation_name])} files" if validation_name else "")
+                               + (f"; not read: its {', '.join(unread)} split" if unread else "") + ")")
 
 
 @contextmanager
@@ -141,19 +205,53 @@ def _is_saved_dataset(folder: Path) -> bool:
 
 
 def _supported_files(path: Path) -> list[Path]:
-    """The file itself, or every supported file below a folder (hidden folders and caches skipped), sorted."""
+    """The file itself, or every supported file below a folder, sorted (_folder_files, _readable)."""
     if path.is_file():
         return [path]
-    files = sorted(
-        f
-        for f in path.rglob("*")
-        if f.is_file()
-        and f.suffix.lower() in SUPPORTED_SUFFIXES
-        and not any(part.startswith(".") or part == "__pycache__" for part in f.relative_to(path).parts)
-    )
+    files = _readable(_folder_files(path), path)
     if not files:
         raise UsageError(f"--input {path}: folder holds no {'/'.join(SUPPORTED_SUFFIXES)} files")
     return files
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """Every file below `folder`, through links to folders (each folder once: Path.rglob passed over linked folders
+    without a word), hidden files and folders, caches, and datasets prepared or saved there skipped (a prepared
+    folder's stats.json and tokenizer files were read as records)."""
+    files, seen = [], set()
+    for root, folders, names in os.walk(folder, followlinks=True):
+        if os.path.realpath(root) in seen:
+            folders[:] = []
+            continue
+        seen.add(os.path.realpath(root))
+        folders[:] = [name for name in folders if not name.startswith(".") and name != "__pycache__"
+                      and not _is_saved_dataset(Path(root, name))]
+        files += [Path(root, name) for name in names if not name.startswith(".")]
+    return sorted(files)
+
+
+def _readable(files: list[Path], folder: Path) -> list[Path]:
+    """The files of `files` that prepare_data.py reads, but a dataset card (README.md) beside data files, which
+    became a document; a broken link or compressed data is refused in one line."""
+    broken = [file for file in files if not file.exists()]
+    packed = [file for file in files if file.suffix.lower() in PACKED_SUFFIXES]
+    if broken or packed:
+        raise UsageError(f"--input {folder}: " + (f"{_names(broken)}: a broken link; fix or remove it" if broken else
+                         f"holds compressed or archived files, which prepare_data.py does not read ({_names(packed)}); "
+                         "decompress them (gunzip, zstd -d) or leave them out"))
+    readable = [file for file in files if file.suffix.lower() in SUPPORTED_SUFFIXES]
+    if any(file.suffix.lower() in BUILDER_BY_SUFFIX for file in readable):
+        return [file for file in readable if not is_dataset_card(file)]
+    return readable
+
+
+def is_dataset_card(file: Path) -> bool:
+    return file.suffix.lower() == ".md" and file.stem.lower() == "readme"
+
+
+def _names(files: list[Path], shown: int = 3) -> str:
+    return ", ".join(str(file) for file in files[:shown]) + (f" and {len(files) - shown} more" if len(files) > shown
+                                                             else "")
 
 
 def _group_by_builder(files: list[Path], args: PrepareArgs) -> dict[tuple[str, str | None], list[str]]:
@@ -179,13 +277,28 @@ def _read_files(
             f"--input {source}: holds plain-text files ({files[0]}); {SHAPE_NAMES[shape]} is read from "
             ".jsonl/.json/.parquet/.csv files or datasets"
         )
-    options = {"sample_by": sample_by} if name == "text" else {}
+    options = ({"sample_by": sample_by, "encoding": "utf-8-sig"} if name == "text"  # a BOM is no text to train on
+               else csv_as_written(files) if name == "csv" else {})
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", cache_dir=cache_dir(), **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
         where = not_utf8(files) or (_bad_json_line(files) if name == "json" else None)
         raise UsageError(f"--input {source}: could not read it as {name}: {where or first_line(error)}") from error
     return _text_column(dataset, "text", source) if name == "text" else to_records(dataset, source)
+
+
+def csv_as_written(files: list[str]) -> dict:
+    """The CSV reader's options for every cell as the text it holds: pandas typed a column of numbers as int (the
+    answers of a maths task were refused as "holds int 2, not text") and read "None", "null" or "N/A" as a missing
+    value (raw text dropped those documents; a response "N/A" was refused as empty). The columns are the first
+    file's header's."""
+    try:
+        with open(files[0], encoding="utf-8-sig", newline="") as handle:
+            header = next(csv.reader(handle), [])
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return {}  # the reader's own error says why
+    return {"keep_default_na": False, "na_filter": False,
+            "features": datasets.Features({column: datasets.Value("string") for column in header})}
 
 
 def not_utf8(files: Iterable[str | Path]) -> str | None:
@@ -346,6 +459,11 @@ def _text_column(dataset: Dataset, field: str, source: str) -> Dataset:
             **arrow_file("joined"),
         )
     elif getattr(feature, "dtype", None) not in ("string", "large_string"):
+        if not isinstance(feature, datasets.Value):  # mixed values (JSON Lines): name the first row that is not text
+            row, value = next(((i, v) for i, v in enumerate(dataset[field]) if v is not None and not isinstance(v, str)),
+                              (None, None))
+            if row is not None:
+                Row({"text_field": field}, row, source).text("text_field", value)
         raise UsageError(f"--text_field {field} in --input {source} holds {feature}, not text; pick a text field")
     return dataset.rename_column(field, "text") if field != "text" else dataset
 

@@ -259,6 +259,9 @@ def summary(stats: dict, output_dir: str) -> str:
             lines.append(f"  {describe_audit(split['loss_mask'])}")
     if "chat_template" in stats:  # a tokenizer prefetched without its chat_template.jinja fell back to the default
         lines.append(f"rendered with {stats['chat_template']}")
+    if stats.get("empty_documents_skipped"):  # 30% of an input with misnamed or null fields went unsaid
+        lines.append(f"skipped {stats['empty_documents_skipped']:,} documents whose --text_field "
+                     f"{stats.get('text_field', 'text')} is missing, null or empty")
     lines.append(f"wrote {output_dir} ({stats['format']} rows, tokenizer/, stats.json)")
     return "\n".join(lines)
 
