@@ -849,3 +849,10 @@ def test_a_byte_order_mark_is_not_trained_on(tmp_path, issue_run):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer")
     first = datasets.load_from_disk(str(tmp_path / "out"))["train"][0]["input_ids"]
     assert tokenizer.decode(first, skip_special_tokens=True).startswith("the")
+
+
+def test_an_empty_file_is_named(tmp_path, issue_run):
+    """The JSON reader's only word for it was "StopIteration"."""
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert refusal(tmp_path, issue_run, [tmp_path / "empty.jsonl"]) == \
+        f"--input {tmp_path / 'empty.jsonl'}: could not read it as json: {tmp_path / 'empty.jsonl'} is empty; leave it out"

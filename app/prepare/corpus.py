@@ -282,7 +282,7 @@ def _read_files(
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", cache_dir=cache_dir(), **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
-        where = not_utf8(files) or (_bad_json_line(files) if name == "json" else None)
+        where = empty_file(files) or not_utf8(files) or (_bad_json_line(files) if name == "json" else None)
         raise UsageError(f"--input {source}: could not read it as {name}: {where or first_line(error)}") from error
     return _text_column(dataset, "text", source) if name == "text" else to_records(dataset, source)
 
@@ -299,6 +299,14 @@ def csv_as_written(files: list[str]) -> dict:
         return {}  # the reader's own error says why
     return {"keep_default_na": False, "na_filter": False,
             "features": datasets.Features({column: datasets.Value("string") for column in header})}
+
+
+def empty_file(files: Iterable[str | Path]) -> str | None:
+    """The first file without a record (nothing but white space): the JSON reader said only "StopIteration"."""
+    for file in files:
+        if os.path.getsize(file) < 1 << 20 and not Path(file).read_bytes().strip():
+            return f"{file} is empty; leave it out"
+    return None
 
 
 def not_utf8(files: Iterable[str | Path]) -> str | None:

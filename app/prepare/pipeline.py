@@ -255,7 +255,7 @@ def summary(stats: dict, output_dir: str) -> str:
                      f"truncated{targets}; dropped: {dropped or 'none'}), {split['rows']:,} rows, "
                      f"{split['tokens']:,} tokens, "
                      f"{split['trained_tokens']:,} trained, {split['padding_fraction']:.1%} padding")
-        if split.get("loss_mask"):
+        if split.get("loss_mask") and split["loss_mask"].get("audited_examples"):  # an empty split audits nothing
             lines.append(f"  {describe_audit(split['loss_mask'])}")
     if "chat_template" in stats:  # a tokenizer prefetched without its chat_template.jinja fell back to the default
         lines.append(f"rendered with {stats['chat_template']}")
