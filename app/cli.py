@@ -111,7 +111,9 @@ def check_config_file(parser: ArgumentParser, path: str, naming: tuple[str, ...]
         raise UsageError(f"{CONFIG_FLAG} {naming[0]}: its `config:` lines name files in a circle ({chain}); "
                          "remove the line that leads back")
     try:
-        values = yaml.safe_load(Path(path).read_text())
+        values = yaml.load(Path(path).read_text(), Loader=UniqueKeysLoader)
+    except SetTwice as twice:
+        raise UsageError(f"{CONFIG_FLAG} {path}: {twice}; keep one") from None
     except yaml.YAMLError as error:
         raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
     if values is None:
@@ -124,6 +126,25 @@ def check_config_file(parser: ArgumentParser, path: str, naming: tuple[str, ...]
     for nested in nested_config_files(path, values):
         if os.path.isfile(nested):
             check_config_file(parser, nested, (*naming, path))
+
+
+class SetTwice(Exception):
+    """An option written twice in one config file."""
+
+
+class UniqueKeysLoader(yaml.SafeLoader):
+    """YAML's safe loader, but an option set twice in one file is refused: the last line won without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):  # the loader itself refuses a key it cannot hash
+                continue
+            if key in seen:
+                raise SetTwice(f"{key} is set twice (lines {seen[key]} and {key_node.start_mark.line + 1})")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def nested_config_files(path: str, values: dict) -> list[str]:

@@ -54,7 +54,9 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
                           ("lr:\nmicro_batch_szie: 4\n",  # a TypeError traceback; which file said what, unsaid
                            "lr has no value; give it one, or drop the line for its default (2e-05); micro_batch_szie "
                            "is not an option of train.py (did you mean micro_batch_size?)"),
-                          ("- lr: 1\n", "expected lines of `option: value`, got a list")):
+                          ("- lr: 1\n", "expected lines of `option: value`, got a list"),
+                          ("lr: 0.1\nmicro_batch_size: 2\nlr: 0.5\n",  # the last line won without a word
+                           "lr is set twice (lines 1 and 3); keep one")):
         config.write_text(text)  # jsonargparse said "Unexpected config" and "'str' object does not support item ..."
         result = subprocess.run([sys.executable, "train.py", *REQUIRED, f"--config={config}"], cwd=ROOT,
                                 capture_output=True, text=True)
