@@ -204,6 +204,13 @@ def one_line(parser: ArgumentParser, message: str) -> str:
     """jsonargparse's message, often several lines ('Parser key "lr":' then the reasons), as one line naming the flag
     and what it takes: `--lr: expected a number, got 'fast'`."""
     key = re.match(r'Parser key "(\w+)":', message)
+    unknown = re.match(r"unrecognized arguments: (.*)", message.strip(), re.S)
+    if unknown:  # a mistyped flag: as a mistyped line of a config file, the option meant
+        options = [option for action in parser._actions for option in action.option_strings]
+        meant = [f"{flag} (did you mean {close[0]}?)" for word in unknown.group(1).split() if word.startswith("--")
+                 for flag in [word.split("=", 1)[0]] if (close := difflib.get_close_matches(flag, options, n=1))]
+        if meant:
+            return f"unrecognized arguments: {' '.join(unknown.group(1).split())}; {', '.join(meant)}"
     if not key:
         return " ".join(message.split())
     action = next((a for a in parser._actions if a.dest == key.group(1)), None)

@@ -191,6 +191,9 @@ REFUSED_COMMANDS = {
     "train.py wrong type": (["train.py", "--lr", "fast"], "train.py: error: --lr: expected a number, got 'fast'"),
     "train.py unknown option": (["train.py", "--learning_rate", "1"],
                                 "train.py: error: unrecognized arguments: --learning_rate 1"),
+    "train.py mistyped option": (["train.py", "--micro_batch_szie", "4"],  # a config file's line said it, not a flag
+                                 "train.py: error: unrecognized arguments: --micro_batch_szie 4; --micro_batch_szie "
+                                 "(did you mean --micro_batch_size?)"),
     "train.py missing config": (["train.py", "--config", "/nonexistent.yaml"],
                                 "train.py: error: --config: File does not exist: '/nonexistent.yaml'"),
     "train.py wrong choice": (["train.py", "--precision", "bf17"], "train.py: error: --precision: expected one of"),
