@@ -117,9 +117,10 @@ class FSDPArgs:
     """Recompute the activations of each wrapped layer in backward: much less memory, about 30% more compute."""
     fsdp_no_sync: bool = False
     """With gradient accumulation, keep gradients unsharded until the last micro-batch (FSDP's no_sync): one
-    reduce-scatter per step instead of one per micro-batch, but every rank holds the whole model's gradient
-    (+16 GB per GPU for Llama-3-8B in bf16), summed over the micro-batches in the compute dtype (bf16 under
-    bf16-mixed) rather than reduced in fp32 after each. Default: reduce-scatter after every micro-batch."""
+    reduce-scatter per step instead of one per micro-batch, but every rank holds the whole model's gradient, summed
+    over the micro-batches: under fsdp in the compute dtype (bf16 under bf16-mixed, +16 GB per GPU for Llama-3-8B)
+    rather than reduced in fp32 after each, under fsdp2 in --reduce_dtype (fp32: +32 GB). Default: reduce-scatter
+    after every micro-batch."""
     reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     """dtype FSDP reduce-scatters gradients in; default float32 under *-mixed precision (as torchtitan), the
     weights' dtype under *-true. bfloat16 halves the gradient traffic of bf16-mixed at some accuracy; float16 only

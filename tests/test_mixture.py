@@ -12,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from datasets import DatasetDict, load_from_disk
+from datasets import Dataset, DatasetDict, load_from_disk
 
 from app.checkpoint import list_checkpoints, read_metadata
 from app.data.mixture import (Position, Source, epoch_rows, interleave, mixture_steps, parse_sources, step_counts)
@@ -34,7 +34,11 @@ def test_the_command_line_names_folders_weights_and_refuses_what_it_cannot_read_
     assert parse_sources("/runs/x:y") == [Source("x:y", "/runs/x:y", Fraction(1))], "a colon inside a folder's name"
     assert len(parse_sources("/data/one:0.5")) == 1
     for spec, message in (("a:3,b", "b has no weight"), ("a:1,/x/a:1", "two folders are named a"),
-                          ("a:0,b:1", "must be positive"), ("a:1,,b:1", "an empty entry")):
+                          ("a:0,b:1", "must be positive"), ("a:1,,b:1", "an empty entry"),
+                          # these three were a ZeroDivisionError, an OverflowError and a plan of 4e31 steps
+                          ("a:3,b:1/0", "the weight of b divides by zero"),
+                          ("a:3,b:1e400", "the weights leave a less than a millionth of every step"),
+                          ("a:1e-30,b:1", "leave a less than a millionth of every step; give weights within")):
         with pytest.raises(ValueError, match=message):
             parse_sources(spec)
 
@@ -107,6 +111,23 @@ def test_a_step_spreads_each_source_over_its_micro_batches_and_an_epoch_is_a_pas
     assert epoch_rows(weights_of(1, 3), [10, 3000]) == 40, "however large the folder replayed beside it"
 
 
+def test_a_small_folder_that_wraps_often_leaves_the_large_folders_order_computed_once() -> None:
+    """Every few wraps of a small folder the cache of orders was cleared, the large folder's with it: its permutation
+    (1.3 s for 10M rows) was computed again at every step or two, on every rank, twice."""
+    computed = []
+
+    def permutation(rows: int, seed: int, epoch: int) -> list[int]:
+        computed.append((rows, epoch))
+        return epoch_permutation(rows, seed=seed, epoch=epoch)
+
+    steps = mixture_steps([Source("big", "b", Fraction(4, 5)), Source("small", "s", Fraction(1, 5))], [100_000, 5],
+                          [0, 100_000], 64, Position.start(2), permutation, 7)
+    for _ in range(50):
+        next(steps)
+    small = [epoch for rows, epoch in computed if rows == 5]
+    assert [rows for rows, _ in computed].count(100_000) == 1 and small == list(range(len(small))) and len(small) > 100
+
+
 def test_the_order_of_one_folder_crosses_epochs_as_epoch_by_epoch() -> None:
     plan = make_plan(train_rows=100, block_size=8, world_size=2, micro_batch_size=3, accumulation=2,
                      number_epochs=1, max_step=None)
@@ -157,7 +178,23 @@ def test_folders_that_cannot_be_mixed_are_refused_before_any_work(tiny, small, l
     from app.training.preflight import preflight
     from arguments import parse_config
 
+    by_hand = tmp_path / "by-hand"  # its input_ids stored as a list of any length, the prepared ones of 32
+    rows = load_from_disk(str(small))
+    DatasetDict({name: Dataset.from_dict({"input_ids": [[int(t) for t in row] for row in rows[name]["input_ids"]]})
+                 for name in ("train", "validation")}).save_to_disk(str(by_hand))
+    shutil.copy(tiny.data / "stats.json", by_hand / "stats.json")
+    shutil.copytree(tiny.data / "tokenizer", by_hand / "tokenizer")
+    tiny_first = tmp_path / "few"
+    DatasetDict(train=rows["train"].select(range(3)), validation=rows["validation"]).save_to_disk(str(tiny_first))
+    shutil.copy(tiny.data / "stats.json", tiny_first / "stats.json")
+    shutil.copytree(tiny.data / "tokenizer", tiny_first / "tokenizer")
     for spec, message in ((f"{tiny.data}:3,long={long_blocks}:1", "must hold one block length (data: 32, long: 1024)"),
+                          (f"{tiny.data}:3,{by_hand}:1",  # datasets could not join them: a traceback on every rank
+                           "must hold one storage of column input_ids (data: List(Value('int32'), length=32), "
+                           "by-hand: List(Value('int32')))"),
+                          (f"{tiny_first}:3,{tiny.data}:1",  # it said "add data"
+                           "an epoch of a mixture is one pass over its first folder, and few (3 rows at 75% of every "
+                           "step) makes 4 rows of the mixture, fewer than one optimizer step; list a larger folder"),
                           (f"{tiny.data}:3,{small}", f"{small} has no weight"),
                           (f"{tiny.data}:3,{tmp_path / 'absent'}:1", "absent: no such folder")):
         with pytest.raises(SystemExit) as exit_info:

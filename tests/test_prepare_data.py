@@ -808,6 +808,15 @@ def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and
     assert stats["inputs"] == [f"{repo} (train: 1 files, own validation: 1 files; not read: its test split)"]
 
 
+def test_a_code_folder_with_a_test_folder_is_read_whole(tmp_path, issue_run):
+    """datasets names a `test/` folder a split, and finds no files for some of its patterns: a folder of code is no
+    dataset laid out in splits (the standard library's unittest, read by gpu_check.py, failed so)."""
+    (tmp_path / "package" / "test").mkdir(parents=True)
+    (tmp_path / "package" / "module.py").write_text("def f():\n    return 1\n" * 4)
+    (tmp_path / "package" / "test" / "test_module.py").write_text("def test_f():\n    assert f() == 1\n" * 4)
+    assert prepared(tmp_path, issue_run, [tmp_path / "package"])["splits"]["train"]["documents"] == 2
+
+
 def test_the_same_file_given_twice_is_refused_not_trained_twice(tmp_path, issue_run):
     folder = tmp_path / "in"
     folder.mkdir()

@@ -73,7 +73,16 @@ def parse_sources(spec: str) -> list[Source]:
         raise ValueError(f"--train_data_dir: two folders are named {repeated[0]}; name them (name=folder:weight)")
     weights = [weight or Fraction(1) for _, _, weight in parsed]
     total = sum(weights)
-    return [Source(name, path, weight / total) for (name, path, _), weight in zip(parsed, weights)]
+    sources = [Source(name, path, weight / total) for (name, path, _), weight in zip(parsed, weights)]
+    negligible = next((source for source in sources if source.weight < SMALLEST_SHARE), None)
+    if negligible:  # 1e-30 planned 4e31 steps; 1e400 ended in an OverflowError traceback
+        raise ValueError(f"--train_data_dir: the weights leave {negligible.path} less than a millionth of every "
+                         "step; give weights within a factor of a million of each other")
+    return sources
+
+
+SMALLEST_SHARE = Fraction(1, 10**6)  # said in words in parse_sources
+"""The smallest share of a step a mixture's folder may have: less is no useful mixture."""
 
 
 def _parse_item(item: str) -> tuple[str, str, Fraction | None]:
@@ -83,6 +92,8 @@ def _parse_item(item: str) -> tuple[str, str, Fraction | None]:
         folder, text = path.rsplit(":", 1)
         try:
             weight = Fraction(text)
+        except ZeroDivisionError:
+            raise ValueError(f"--train_data_dir: the weight of {folder} divides by zero ({text})") from None
         except ValueError:
             folder = path  # a colon inside the folder's own name
         else:
@@ -176,8 +187,8 @@ def mixture_steps(sources: list[Source], rows: list[int], offsets: list[int], gl
     def row_of(i: int, index: int) -> int:
         epoch = index // rows[i]
         if (i, epoch) not in orders:
-            if len(orders) > 2 * len(sources):  # past epochs are not read again
-                orders.clear()
+            for past in [key for key in orders if key[0] == i and key[1] < epoch]:  # not read again; another folder's
+                del orders[past]  # order stays: clearing them all recomputed a large folder's at every step or two
             orders[(i, epoch)] = permutation(rows[i], seed=source_seed(seed, sources[i].name), epoch=epoch)
         return offsets[i] + orders[(i, epoch)][index % rows[i]]
 

@@ -6,7 +6,8 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
   (SHARD_GRAD_OP shards the stored parameters but keeps whole layers gathered from forward to backward: those
   count as working memory);
 - gradients: as the parameters, / S except for NO_SHARD and DDP; with --fsdp_no_sync and gradient accumulation,
-  the whole unsharded gradient in the compute dtype instead (FSDP keeps it on every rank between micro-batches);
+  the whole unsharded gradient instead, which FSDP keeps on every rank between micro-batches: in the compute dtype,
+  and under fsdp2 in the reduce dtype (fp32 under *-mixed: FSDP2's `unsharded_accumulated_grad`);
 - optimizer state: AdamW's two moments in the parameters' dtype, / S except for NO_SHARD and DDP;
 - working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
   head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; less input embeddings that are a unit of
@@ -264,7 +265,8 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     parameters = on_device * shape.parameters * stored / setup.shards
     gradients = on_device * shape.parameters * stored / setup.shards
     if setup.unsharded_accumulation:
-        gradients = shape.parameters * computed
+        gradients = shape.parameters * (dtype_bytes(setup.reduce_dtype) if setup.strategy == "fsdp2"
+                                        and setup.reduce_dtype is not None else computed)
     optimizer = on_device * 2 * shape.parameters * stored / setup.shards
     if setup.strategy not in SHARDED_STRATEGIES:  # one device, or DDP, whose gradients are its buckets' views
         working = 0.0

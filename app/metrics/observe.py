@@ -120,6 +120,21 @@ def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     return sum(sizes.values())
 
 
+def held_gradients(model: Module) -> Iterator[Optional[torch.Tensor]]:
+    """The gradients a model holds: its parameters', and FSDP2's unsharded ones between micro-batches under
+    --fsdp_no_sync, on tensors of their own (in the reduce dtype when it differs: fp32 under bf16-mixed), the sharded
+    parameters' `.grad` empty until the reduce-scatter; the run's report counted only the shard. torch's private
+    `_fsdp_param.py` attributes, read where they exist."""
+    yield from (parameter.grad for parameter in model.parameters())
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+        for group in filter(None, groups):
+            for fsdp_param in group.fsdp_params:
+                yield getattr(fsdp_param, "unsharded_accumulated_grad", None)
+                yield getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None)
+
+
 @dataclass
 class ModelStateMemory:
     """Bytes this rank holds for parameters, gradients and optimizer state, read during the first optimizer step.
@@ -138,7 +153,7 @@ class ModelStateMemory:
         optimizer step, optimizer state just after it."""
 
         def count_gradients() -> None:
-            measured = storage_bytes(p.grad for p in model.parameters())
+            measured = storage_bytes(held_gradients(model))
             self.gradients = measured if math.isnan(self.gradients) else max(self.gradients, measured)
 
         def before_forward(module: Module, args: Any) -> None:

@@ -147,11 +147,10 @@ def _split_layout(folder: Path) -> dict[str, list[Path]] | None:
     another, or whose splits are not all data files (a code corpus's `test/` folder is code). Read as one pool, such
     a folder trained on its test split (and on its dataset card)."""
     try:
-        patterns = get_data_patterns(str(folder))
-    except Exception:  # noqa: BLE001 (datasets' EmptyDatasetError and the like: no layout it knows)
+        splits = {str(split): sorted({Path(file) for pattern in found for file in resolve_pattern(pattern, str(folder))})
+                  for split, found in get_data_patterns(str(folder)).items()}
+    except Exception:  # noqa: BLE001 (datasets' EmptyDatasetError, a pattern matching nothing: no layout it knows)
         return None
-    splits = {str(split): sorted({Path(file) for pattern in found for file in resolve_pattern(pattern, str(folder))})
-              for split, found in patterns.items()}
     if "train" not in splits or len(splits) == 1 or any(file.suffix.lower() not in BUILDER_BY_SUFFIX
                                                         for files in splits.values() for file in files):
         return None

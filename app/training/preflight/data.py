@@ -48,6 +48,8 @@ class DataFacts:
     longest_example: int = 0
     """Packed rows' longest stretch of position_ids (an example, or the padding that ends a row), what transformers
     reads as a micro-batch's length; else the longest row."""
+    column_types: dict[str, str] = field(default_factory=dict)
+    """How each column of the train split is stored (`List(Value('int32'), length=2048)`), for a mixture's join."""
 
 
 def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
@@ -103,6 +105,11 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
     def bundled(source: Source) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(prepared_tokenizer(source.path), trust_remote_code=trust_remote_code)
 
+    joined = facts[0].format.columns + [column for column in facts[0].format.sample_columns
+                                        if all(column in fact.column_types for fact in facts)]
+    if any(differ(f"storage of column {column}", [fact.column_types.get(column) for fact in facts])
+           for column in joined):  # datasets cannot join them: every rank ended in a traceback after the launch
+        return None
     first = bundled(sources[0])
     for source in sources[1:]:
         difference = tokenizer_difference(bundled(source), first)
@@ -186,7 +193,8 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
                      max_token_id=max(max_ids),
                      target_block_size=longest_target(splits) if data_format.encoder_decoder else 0,
                      target_start=common_first_target(train) if data_format.encoder_decoder else None,
-                     longest_example=max(max_positions) + 1 if max_positions else max(lengths))
+                     longest_example=max(max_positions) + 1 if max_positions else max(lengths),
+                     column_types={name: str(feature) for name, feature in splits["train"].features.items()})
 
 
 def common_first_target(train: pa.Table) -> Optional[int]:

@@ -33,7 +33,8 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
     except ValueError as error:
         problems.append(f"--resume: the checkpoint's global batch of {global_batch_size} sequences does not split "
                         f"into --micro_batch_size {cfg.micro_batch_size} on {world_size(cfg)} ranks; choose a micro "
-                        "batch and device count that divide it, or give --global_batch_size" if kept else str(error))
+                        "batch and device count that divide it, or give --global_batch_size" if kept
+                        else shorter_than_a_step(data) if data.sources else str(error))
         return None
     if resume is not None:
         if changed_epochs(cfg, data, resume.metadata, problems):
@@ -55,6 +56,15 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
     if not cfg.estimate_memory:
         note_rows_left_out(plan, mixture=data.sources is not None)
     return plan
+
+
+def shorter_than_a_step(data: DataFacts) -> str:
+    """A mixture's epoch (one pass over its first folder) shorter than one step: "add data" was wrong for it."""
+    first = data.sources[0]
+    return (f"--train_data_dir: an epoch of a mixture is one pass over its first folder, and {first.name} "
+            f"({data.source_rows[0]:,} rows at {float(first.weight):.0%} of every step) makes {data.train_rows:,} rows "
+            "of the mixture, fewer than one optimizer step; list a larger folder first, or lower "
+            "--micro_batch_size or --gradient_accumulation_steps")
 
 
 def note_rows_left_out(plan: TrainingPlan, mixture: bool = False) -> None:
