@@ -865,3 +865,23 @@ def test_an_empty_file_is_named(tmp_path, issue_run):
     (tmp_path / "empty.jsonl").write_text("\n")
     assert refusal(tmp_path, issue_run, [tmp_path / "empty.jsonl"]) == \
         f"--input {tmp_path / 'empty.jsonl'}: could not read it as json: {tmp_path / 'empty.jsonl'} is empty; leave it out"
+
+
+def test_a_text_field_for_plain_text_files_is_refused_not_ignored(tmp_path, issue_run):
+    """Plain-text files have no fields: --text_field content was ignored, and stats.json recorded it as used."""
+    (tmp_path / "notes.txt").write_text("some notes " * 20)
+    assert refusal(tmp_path, issue_run, [tmp_path / "notes.txt"], text_field="content") == (
+        "--text_field content names a field of .jsonl/.json/.parquet/.csv files and datasets, and every --input is "
+        "plain-text files, read whole; drop it")
+
+
+def test_examples_longer_than_the_models_length_raise_no_warning(tmp_path, issue_run):
+    """transformers warned "Token indices sequence length is longer than the specified maximum ... will result in
+    indexing errors" for every input longer than the tokenizer's model_max_length: preparation cuts them itself."""
+    short = AutoTokenizer.from_pretrained(issue_run / "tokenizer", model_max_length=16)
+    short.save_pretrained(tmp_path / "short")
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"prompt": f"question {i} " * 8, "response": "answer " * 8})
+                                                 + "\n" for i in range(10)))
+    result = run_cli(["--input", "long.jsonl", "--tokenizer", "short", "--block_size", "128", "--prompt_field", "prompt",
+                      "--response_field", "response", "--val_fraction", "0", "--output_dir", "out"], tmp_path)
+    assert result.returncode == 0 and "Token indices sequence length" not in result.stderr, result.stderr

@@ -72,6 +72,9 @@ def read_documents(args: PrepareArgs, to_records: ToRecords | None = None) -> Do
         raise UsageError("--split_lines true makes each line of a .txt file a document, and no --input holds a .txt "
                          "file; drop it")
     refuse_overlapping_inputs(args.input)
+    if args.text_field not in (None, "text") and all(_only_plain_text(Path(source)) for source in args.input):
+        raise UsageError(f"--text_field {args.text_field} names a field of .jsonl/.json/.parquet/.csv files and "
+                         "datasets, and every --input is plain-text files, read whole; drop it")
     pool, own_train, own_validation, description = [], [], [], []
     for source in args.input:
         train, validation, what = read_source(source, args, to_records)
@@ -197,6 +200,13 @@ def _holds_text_files(path: Path) -> bool:
     if not path.exists() or path.is_dir() and _is_saved_dataset(path):
         return False
     return any(file.suffix.lower() == ".txt" for file in _supported_files(path))
+
+
+def _only_plain_text(path: Path) -> bool:
+    """Whether a local --input is or holds only plain-text files (.txt .py .md), which have no fields."""
+    if not path.exists() or path.is_dir() and _is_saved_dataset(path):
+        return False
+    return all(file.suffix.lower() not in BUILDER_BY_SUFFIX for file in _supported_files(path))
 
 
 def _is_saved_dataset(folder: Path) -> bool:

@@ -66,6 +66,9 @@ def prepare_folder(args: PrepareArgs) -> dict:
     if tokenizer is None:
         log(f"training a tokenizer of {args.vocab_size:,} pieces on the training split")
         tokenizer = train_tokenizer(TEXTS[shape](splits["train"]), args.vocab_size, args.seed)
+    # The model's length is not this stage's: documents are cut into blocks, examples to --block_size (and train.py
+    # checks blocks against the model's positions); transformers' warning about it read as an error.
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     log("tokenizing" + (" and packing" if shape == "text" or args.packing else ""))
     if shape == "text":
         rows, stats = text_blocks(held, tokenizer, args, documents.description)
