@@ -366,6 +366,14 @@ class Launched:
             os.killpg(self.process.pid, signal.SIGKILL)
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (the kernel's SigCgt mask); False once it is gone."""
+    with suppress(FileNotFoundError):
+        status = Path(f"/proc/{pid}/status").read_text()
+        return bool(int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16) >> (signum - 1) & 1)
+    return False
+
+
 def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Launched:
     with open(log, "w") as handle:
         process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,

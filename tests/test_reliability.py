@@ -36,7 +36,7 @@ from app.evaluation.show import latest_samples
 from app.reliability import signals
 from app.reliability.signals import INTERRUPT_MESSAGE
 from app.reliability.watchdog import collect_stacks
-from conftest import (ROOT, STEP_LINE, Launched, TinySetup, free_port, kill_session, launch, launched,
+from conftest import (ROOT, STEP_LINE, Launched, TinySetup, catches, free_port, kill_session, launch, launched,
                       read_checkpoint, run_environment, run_script, run_train, train_args)
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
@@ -461,14 +461,6 @@ def test_a_stop_signal_to_the_launcher_alone_while_the_ranks_start_ends_them_too
         assert "Traceback" not in run.output(), run.output()
         assert "SIGTERM before training began: nothing to save yet, quitting (exit 143)" in run.output()
         run.assert_nothing_left(timeout=10)
-
-
-def catches(pid: int, signum: int) -> bool:
-    """Whether process `pid` has a handler of its own for `signum` (the kernel's SigCgt mask)."""
-    with contextlib.suppress(FileNotFoundError):
-        status = Path(f"/proc/{pid}/status").read_text()
-        return bool(int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16) >> (signum - 1) & 1)
-    return False
 
 
 INITIAL_VALIDATION = {"initial_validation": True, "eval_iters": 1000, "eval_batch_size": 1}

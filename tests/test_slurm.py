@@ -25,7 +25,7 @@ import pytest
 
 from app.checkpoint import list_checkpoints
 from app.exit_codes import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED
-from conftest import ROOT, STEP_LINE, TinySetup, read_checkpoint, train_args
+from conftest import ROOT, STEP_LINE, TinySetup, catches, read_checkpoint, train_args
 from tests.helpers.slurm_cluster import SlurmCluster, missing_slurm
 from test_reliability import logged_losses
 
@@ -273,13 +273,6 @@ def test_a_refused_input_fails_the_job_with_2_and_one_line(cluster: SlurmCluster
     assert "Traceback" not in output and "Root Cause" not in output, job.describe()
 
 
-def catches_sigterm(process: psutil.Process) -> bool:
-    """Whether the process has a handler of its own for SIGTERM (/proc's SigCgt mask)."""
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)
-    return bool(caught & (1 << (signal.SIGTERM - 1)))
-
-
 @pytest.mark.slow
 def test_a_task_that_never_joins_times_out_the_rendezvous_with_5_and_the_job_is_requeued(
         cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path) -> None:
@@ -291,7 +284,7 @@ def test_a_task_that_never_joins_times_out_the_rendezvous_with_5_and_the_job_is_
         assert time.monotonic() < deadline, job.describe()
         with contextlib.suppress(AssertionError, psutil.NoSuchProcess, FileNotFoundError):
             task = job.task_process(1)
-            if catches_sigterm(task):
+            if catches(task.pid, signal.SIGTERM):
                 break
         time.sleep(0.05)
     task.suspend()
