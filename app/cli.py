@@ -25,6 +25,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
@@ -304,6 +305,7 @@ def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], 
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     previous_pipe = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    os.register_at_fork(after_in_child=partial(_own_signals_only, write_end))
     previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
     threading.Thread(target=take_from_the_pipe, args=(read_end,), name="stop-signals", daemon=True).start()
     try:
@@ -313,6 +315,17 @@ def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], 
             signal.signal(number, handler)
         signal.set_wakeup_fd(previous_pipe)
         os.close(write_end)  # the thread reads the end of the pipe and ends
+
+
+def _own_signals_only(write_end: int) -> None:
+    """In a forked worker: its signals are not its parent's. A SIGTERM to a worker alone (`Pool.terminate()`) went
+    through the inherited wakeup pipe to the parent's thread, which stopped the whole command."""
+    import signal
+
+    with suppress(ValueError, OSError):  # forked from another thread than the main one: set_wakeup_fd refuses
+        previous = signal.set_wakeup_fd(-1)
+        if previous != write_end:  # another's (this command's context had ended): put back
+            signal.set_wakeup_fd(previous)
 
 
 @contextmanager

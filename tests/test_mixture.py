@@ -201,6 +201,10 @@ def test_folders_that_cannot_be_mixed_are_refused_before_any_work(tiny, small, l
             preflight(parse_config(train_args(tiny, tmp_path / "out", train_data_dir=spec)))
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err, spec
+    with pytest.raises(SystemExit):  # the batch arithmetic's own refusal, not the short epoch's
+        preflight(parse_config(train_args(tiny, tmp_path / "out", train_data_dir=f"{tiny.data}:1,{small}:1",
+                                          global_batch_size=10, gradient_accumulation_steps=None)))
+    assert "--global_batch_size 10" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

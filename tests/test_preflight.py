@@ -666,3 +666,19 @@ def test_the_preflights_notes_come_once_per_log(monkeypatch, variables, reports)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert launching_process() is reports
+
+
+def test_a_wandb_server_whose_certificate_this_check_cannot_verify_answered(monkeypatch) -> None:
+    """A private CA that wandb's requests take from REQUESTS_CA_BUNDLE: the probe's urllib cannot verify it, and a
+    reachable server was refused as unreachable."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from app.training.preflight.wandb_options import unreachable_reason
+
+    def private_ca(*args, **kwargs):
+        raise urllib.error.URLError(ssl.SSLCertVerificationError(1, "certificate verify failed"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", private_ca)
+    assert unreachable_reason("https://wandb.example.org") is None

@@ -595,6 +595,28 @@ def test_ctrl_c_while_sentencepiece_trains_stops_at_once(tmp_path):
     assert seconds < 1.0, f"stopped {seconds:.1f} s after Ctrl-C"
 
 
+POOL_TERMINATED = """
+import multiprocessing, sys, time
+sys.path.insert(0, sys.argv[1])
+from app.cli import stopped_in_one_line
+
+with stopped_in_one_line("prepare_data.py", "nothing was written", lambda: None):
+    with multiprocessing.get_context("fork").Pool(2) as pool:  # leaving it terminates the busy workers (SIGTERM)
+        pool.map_async(time.sleep, [5, 5])
+        time.sleep(0.5)
+    time.sleep(1)
+print("done", flush=True)
+"""
+
+
+def test_a_signal_to_a_worker_alone_is_not_the_commands(tmp_path):
+    """The workers inherited the pipe through which the command's thread takes its signals: `Pool.terminate()`, which
+    SIGTERMs the busy workers, stopped the whole command ("stopped by SIGTERM", exit 143)."""
+    result = subprocess.run([sys.executable, "-c", POOL_TERMINATED, str(REPO)], capture_output=True, text=True,
+                            timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
+
+
 def test_real_cli_refuses_a_dataset_it_cannot_find_with_one_line(tmp_path):
     """`python prepare_data.py` itself, offline: the Hub is asked, and its error becomes one line."""
     make_refusable_folder(tmp_path)
@@ -806,6 +828,14 @@ def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and
     stats = prepared(tmp_path, issue_run, [repo], val_fraction=0.05)
     assert (stats["splits"]["train"]["documents"], stats["splits"]["validation"]["documents"]) == (12, 3)
     assert stats["inputs"] == [f"{repo} (train: 1 files, own validation: 1 files; not read: its test split)"]
+    flat = tmp_path / "flat"  # split files at the top, and a file of no split (datasets tries several patterns per
+    flat.mkdir()  # split, and resolving one that matched nothing failed the whole layout: a pool again)
+    for split, count in (("train", 12), ("validation", 3), ("test", 5), ("notes", 2)):
+        (flat / f"{split}.jsonl").write_text(text_lines(count, split))
+    stats = prepared(tmp_path, issue_run, [flat], val_fraction=0.05)
+    assert (stats["splits"]["train"]["documents"], stats["splits"]["validation"]["documents"]) == (12, 3)
+    assert stats["inputs"] == [f"{flat} (train: 1 files, own validation: 1 files; not read: its test split, "
+                               "notes.jsonl)"]
 
 
 def test_a_code_folder_with_a_test_folder_is_read_whole(tmp_path, issue_run):
@@ -814,6 +844,7 @@ def test_a_code_folder_with_a_test_folder_is_read_whole(tmp_path, issue_run):
     (tmp_path / "package" / "test").mkdir(parents=True)
     (tmp_path / "package" / "module.py").write_text("def f():\n    return 1\n" * 4)
     (tmp_path / "package" / "test" / "test_module.py").write_text("def test_f():\n    assert f() == 1\n" * 4)
+    (tmp_path / "package" / "test" / "fixture.zip").write_bytes(b"PK")  # an archive of no data: passed over
     assert prepared(tmp_path, issue_run, [tmp_path / "package"])["splits"]["train"]["documents"] == 2
 
 
@@ -824,12 +855,16 @@ def test_the_same_file_given_twice_is_refused_not_trained_twice(tmp_path, issue_
     for inputs in ([folder, folder / "docs.jsonl"], [folder / "docs.jsonl", tmp_path / "in" / ".." / "in" / "docs.jsonl"]):
         assert refusal(tmp_path, issue_run, inputs) == (f"--input {inputs[0]} and --input {inputs[1]} both hold "
                                                         f"{inputs[1]}, which would be read twice; give each file once")
+    (folder / "same.jsonl").symlink_to("docs.jsonl")
+    assert refusal(tmp_path, issue_run, [folder]) == (f"--input {folder} holds {folder / 'docs.jsonl'} twice (through "
+                                                      "a link); give each file once")
 
 
 def test_csv_cells_are_read_as_the_text_they_hold(tmp_path, issue_run):
     """pandas typed a column of numbers as int (refused as "holds int 2, not text") and read "None", "null" and
     "N/A" as missing: raw text dropped those documents."""
-    pd.DataFrame({"text": ["None", "null", "N/A", "NaN", "", "42"]}).to_csv(tmp_path / "cells.csv", index=False)
+    # with its index, as pandas writes by default: the header's first name is empty (pandas reads it "Unnamed: 0")
+    pd.DataFrame({"text": ["None", "null", "N/A", "NaN", "", "42"]}).to_csv(tmp_path / "cells.csv")
     stats = prepared(tmp_path, issue_run, [tmp_path / "cells.csv"])
     assert (stats["splits"]["train"]["documents"], stats["empty_documents_skipped"]) == (5, 1)
     assert "skipped 1 documents whose --text_field text is missing, null or empty" in summary(stats, "out")

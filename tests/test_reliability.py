@@ -1037,3 +1037,16 @@ def test_an_srun_task_that_sigterm_ends_before_training_exits_1_so_the_failed_ta
     task.send_signal(signal.SIGTERM)
     assert task.wait(timeout=30) == code
     assert task.stderr.read() == ""
+
+
+@pytest.mark.parametrize("env, first", [({"TORCHELASTIC_RUN_ID": "7", "RANK": "2", "LOCAL_RANK": "0"}, False),
+                                        ({"TORCHELASTIC_RUN_ID": "7", "RANK": "0", "LOCAL_RANK": "0"}, True),
+                                        ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, False), ({}, True),
+                                        ({**SRUN_TASK, "SLURM_PROCID": "1"}, False)])
+def test_only_the_runs_first_process_requeues_the_job(env, first, monkeypatch) -> None:
+    """A time-limit warning before training: under torchrun every node's first worker requeued the job."""
+    for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert signals.first_of_the_run() is first

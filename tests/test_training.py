@@ -249,6 +249,15 @@ def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny
     assert len({log.name.split("-")[-1] for log in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
 
 
+def test_an_offline_run_logs_its_last_checkpoint_with_older_ones_pruned(tiny, tmp_path) -> None:
+    """--log_model true with --keep_last_n, offline: waiting for the upload (online, before --keep_last_n may delete
+    the file) raised ArtifactNotLoggedError at the last save, as offline there is nothing to wait for."""
+    short_run(tiny, tmp_path, strategy="single_device", devices=1, save_step_interval=3, wandb_mode="offline",
+              log_model=True, keep_last_n=1)
+    [run_log] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"step-00000006.ckpt" in run_log.read_bytes()
+
+
 def test_a_wandb_run_that_cannot_start_ends_every_rank_with_one_line(tiny, tmp_path) -> None:
     """wandb.init failing on rank 0 (a login or project the server refuses, a service that does not start) was
     wandb's traceback; here a wandb whose init fails, in a 2-process run."""

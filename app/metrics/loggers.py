@@ -147,7 +147,7 @@ class WandbMetrics(Logger):
         self._init = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name or Path(cfg.out_dir).resolve().name,
                           dir=os.environ.get("WANDB_DIR") or cfg.out_dir, mode=cfg.wandb_mode, id=run_id,
                           resume="allow" if resuming else None)
-        self._uploaded_before_pruned = cfg.keep_last_n is not None
+        self._uploaded_before_pruned = cfg.keep_last_n is not None and cfg.wandb_mode == "online"
         self._run: Any = None
 
     @property
@@ -187,8 +187,9 @@ class WandbMetrics(Logger):
     @rank_zero_only
     def log_checkpoint(self, path: Path, step: int) -> None:
         """A published checkpoint as a model artifact, referenced rather than copied (policy immutable): it never
-        changes. Uploaded in the background, or in offline mode at `wandb sync` (which --keep_last_n is refused with):
-        under --keep_last_n, which may delete the file at the next save, the upload is waited for."""
+        changes. Uploaded in the background, or in offline mode at `wandb sync` (--log_model all is refused there with
+        --keep_last_n): online under --keep_last_n, which may delete the file at the next save, the upload is waited
+        for (offline, wandb has no upload to wait for: Artifact.wait raises)."""
         import wandb
 
         artifact = wandb.Artifact(f"model-{self.experiment.id}", type="model", metadata={"step": step})

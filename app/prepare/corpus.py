@@ -7,7 +7,6 @@ turned into their records by their own module, which validates every row of an i
 from __future__ import annotations
 
 import codecs
-import csv
 import json
 import logging
 import os
@@ -32,9 +31,9 @@ STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "c
 VALIDATION_SPLIT_NAMES = ("validation", "valid", "val", "dev")
 BUILDER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """Everything else we accept (.txt .py .md) is plain text, read with the `text` builder."""
-PACKED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".tgz", ".7z", ".arrow")
-"""Compressed or archived data, which prepare_data.py does not read: in a folder, it is refused rather than passed
-over (three `shard-N.jsonl.gz` beside a README.md made a corpus of the README alone)."""
+PACKED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".7z")
+"""Compressed data, which prepare_data.py does not read: in a folder, it is refused rather than passed over (three
+`shard-N.jsonl.gz` beside a README.md made a corpus of the README alone); is_packed_data."""
 ToRecords = Callable[[Dataset, str], Dataset]
 """Turns the table of one input (named by the second argument) into records of the chosen shape, or refuses it."""
 
@@ -98,8 +97,9 @@ def refuse_overlapping_inputs(inputs: list[str]) -> None:
         for file in _supported_files(path):
             real = os.path.realpath(file)
             if real in seen:
-                raise UsageError(f"--input {seen[real]} and --input {source} both hold {file}, which would be read "
-                                 "twice; give each file once")
+                raise UsageError(f"--input {source} holds {real} twice (through a link); give each file once"
+                                 if seen[real] == source else f"--input {seen[real]} and --input {source} both hold "
+                                 f"{file}, which would be read twice; give each file once")
             seen[real] = source
 
 
@@ -150,29 +150,40 @@ def _split_layout(folder: Path) -> dict[str, list[Path]] | None:
     another, or whose splits are not all data files (a code corpus's `test/` folder is code). Read as one pool, such
     a folder trained on its test split (and on its dataset card)."""
     try:
-        splits = {str(split): sorted({Path(file) for pattern in found for file in resolve_pattern(pattern, str(folder))})
-                  for split, found in get_data_patterns(str(folder)).items()}
-    except Exception:  # noqa: BLE001 (datasets' EmptyDatasetError, a pattern matching nothing: no layout it knows)
+        patterns = get_data_patterns(str(folder))
+    except Exception:  # noqa: BLE001 (datasets' EmptyDatasetError and the like: no layout it knows)
         return None
+    splits = {str(split): sorted({Path(file) for pattern in found for file in _matching(pattern, folder)})
+              for split, found in patterns.items()}
     if "train" not in splits or len(splits) == 1 or any(file.suffix.lower() not in BUILDER_BY_SUFFIX
                                                         for files in splits.values() for file in files):
         return None
     return splits
 
 
+def _matching(pattern: str, folder: Path) -> list[str]:
+    """The files of one of datasets' split patterns (it tries several per split; most match nothing)."""
+    try:
+        return resolve_pattern(pattern, str(folder))
+    except FileNotFoundError:
+        return []
+
+
 def _read_split_layout(splits: dict[str, list[Path]], source: str, args: PrepareArgs,
                        to_records: ToRecords) -> tuple[Dataset, Dataset | None, str]:
     """Train from the train split's files, and the validation split's as the input's own validation; other splits
-    (test) are not read."""
+    (test), and files of no split, are not read, and said."""
     checked = {split: _readable(files, Path(source)) for split, files in splits.items()}
+    in_splits = {os.path.realpath(file) for files in checked.values() for file in files}
+    outside = [file.name for file in _supported_files(Path(source)) if os.path.realpath(file) not in in_splits]
     validation_name = next((name for name in VALIDATION_SPLIT_NAMES if name in checked), None)
     train = _read_local(checked["train"], source, args, to_records)
     validation = (_read_local(checked[validation_name], f"{source} ({validation_name} split)", args, to_records)
                   if validation_name else None)
-    unread = [name for name in checked if name not in ("train", validation_name)]
+    unread = [f"its {name} split" for name in checked if name not in ("train", validation_name)] + outside
     return train, validation, (f"{source} (train: {len(checked['train'])} files"
                                + (f", own validation: {len(checked[validation_name])} files" if validation_name else "")
-                               + (f"; not read: its {', '.join(unread)} split" if unread else "") + ")")
+                               + (f"; not read: {', '.join(unread)}" if unread else "") + ")")
 
 
 @contextmanager
@@ -243,7 +254,7 @@ def _readable(files: list[Path], folder: Path) -> list[Path]:
     """The files of `files` that prepare_data.py reads, but a dataset card (README.md) beside data files, which
     became a document; a broken link or compressed data is refused in one line."""
     broken = [file for file in files if not file.exists()]
-    packed = [file for file in files if file.suffix.lower() in PACKED_SUFFIXES]
+    packed = [file for file in files if is_packed_data(file)]
     if broken or packed:
         raise UsageError(f"--input {folder}: " + (f"{_names(broken)}: a broken link; fix or remove it" if broken else
                          f"holds compressed or archived files, which prepare_data.py does not read ({_names(packed)}); "
@@ -252,6 +263,14 @@ def _readable(files: list[Path], folder: Path) -> list[Path]:
     if any(file.suffix.lower() in BUILDER_BY_SUFFIX for file in readable):
         return [file for file in readable if not is_dataset_card(file)]
     return readable
+
+
+def is_packed_data(file: Path) -> bool:
+    """Compressed data (`shard-1.jsonl.gz`, `part.csv.zst`) or an Arrow file; an archive of anything else (a test
+    fixture's `.zip` in a code corpus) is no data, and passed over as other files are."""
+    suffixes = [suffix.lower() for suffix in file.suffixes]
+    return bool(suffixes) and (suffixes[-1] == ".arrow" or suffixes[-1] in PACKED_SUFFIXES
+                               and len(suffixes) > 1 and suffixes[-2] in SUPPORTED_SUFFIXES)
 
 
 def is_dataset_card(file: Path) -> bool:
@@ -300,11 +319,13 @@ def csv_as_written(files: list[str]) -> dict:
     """The CSV reader's options for every cell as the text it holds: pandas typed a column of numbers as int (the
     answers of a maths task were refused as "holds int 2, not text") and read "None", "null" or "N/A" as a missing
     value (raw text dropped those documents; a response "N/A" was refused as empty). The columns are the first
-    file's header's."""
+    file's header's, as pandas names them (an empty one, as `DataFrame.to_csv` writes for the index, is
+    `Unnamed: 0`)."""
+    import pandas
+
     try:
-        with open(files[0], encoding="utf-8-sig", newline="") as handle:
-            header = next(csv.reader(handle), [])
-    except (OSError, UnicodeDecodeError, csv.Error):
+        header = list(pandas.read_csv(files[0], nrows=0, encoding="utf-8-sig").columns)
+    except (OSError, UnicodeDecodeError, ValueError):  # pandas' ParserError and EmptyDataError are ValueErrors
         return {}  # the reader's own error says why
     return {"keep_default_na": False, "na_filter": False,
             "features": datasets.Features({column: datasets.Value("string") for column in header})}

@@ -83,7 +83,7 @@ def end_ranks_on_signal_until_training(requeue_on_signal: bool) -> None:
     def end_on_first_signal() -> None:
         received = os.read(read_end, 1)
         if received:
-            reports = (task_rank() if srun_task() else int(os.environ.get("LOCAL_RANK") or 0)) == 0
+            reports = (task_rank() if srun_task() else int(os.environ.get("LOCAL_RANK") or 0)) == 0  # on each node
             quit_before_training(received[0], requeue_on_signal, reports=reports)
         os.close(read_end)  # StopRequest took over
 
@@ -92,12 +92,23 @@ def end_ranks_on_signal_until_training(requeue_on_signal: bool) -> None:
         signal.raise_signal(signal.SIGUSR1)  # to that thread, through the pipe
 
 
+def first_of_the_run() -> bool:
+    """Whether this is the run's first process, the one that requeues its job: its first rank where a launcher started
+    each rank (srun's tasks, torchrun's workers, numbered in SLURM_PROCID or RANK), else the launching process of the
+    first node (Lightning's launcher: LOCAL_RANK and NODE_RANK 0). Under torchrun each node's first worker requeued
+    the job."""
+    if srun_task() or "RANK" in os.environ:
+        return task_rank() == 0
+    return int(os.environ.get("LOCAL_RANK") or 0) == 0 and int(os.environ.get("NODE_RANK") or 0) == 0
+
+
 def quit_before_training(signum: int, requeue_on_signal: bool, reports: bool) -> NoReturn:
     """End this process and those it started at once: a signal before the first optimizer step finds nothing to save
     since the latest checkpoint. Loading a large model, then a step and a save, could outlast the grace before Slurm's
     SIGKILL (30 s of KillWait after a preemption's SIGTERM, 120 s after `--signal=USR1@120`), and a job killed at
     its time limit is not requeued. SIGUSR1 ends as a stop after a save would (EXIT_PREEMPTED), requeueing the
-    job under --requeue_on_signal true; `reports` in the process that tells the user (and requeues)."""
+    job under --requeue_on_signal true; `reports` in the process that tells the user (on each node), the run's first
+    process also requeues."""
     if signum == signal.SIGUSR1:
         code = EXIT_PREEMPTED
         outcome = f"nothing new to save (exit {code}); {how_to_continue(requeue_on_signal, signum)}"
@@ -106,7 +117,7 @@ def quit_before_training(signum: int, requeue_on_signal: bool, reports: bool) ->
         outcome = f"nothing to save yet, quitting (exit {code})"
     if reports:
         say(f"{signal.Signals(signum).name} before training began: {outcome}\n")
-        if requeues_itself(requeue_on_signal, signum) and int(os.environ.get("NODE_RANK") or 0) == 0:
+        if requeues_itself(requeue_on_signal, signum) and first_of_the_run():
             requeue_slurm_job()
     end_process_tree(code, stacks=False)
 
@@ -138,9 +149,13 @@ class StopRequest:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         threading.Thread(target=self._receive, args=(read_end,), name="stop-signals", daemon=True).start()
 
-    def begin_training(self) -> None:
-        """From the first optimizer step on, the first Ctrl-C stops at a step boundary with a checkpoint, and a rank
-        whose launcher dies says so (app/tasks.py end_with_the_launcher)."""
+    def begin_training(self, fabric: Fabric) -> None:
+        """From the first optimizer step on, a stop signal stops at a step boundary with a checkpoint (before it, it
+        quits at once), and a rank whose launcher dies says so (app/tasks.py end_with_the_launcher). The ranks cross
+        that line together (one all_reduce): a signal to every rank found some on either side of it after a skew
+        (loading, the initial validation), and those that had quit left the others waiting for them in the first
+        step, without a checkpoint or the job's requeue."""
+        stop_agreed(fabric, self)
         self.training = True
         end_with_the_launcher(end=False)
 

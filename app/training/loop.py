@@ -154,7 +154,7 @@ class Loop:
         if state["step"] == 0 and cfg.initial_validation and len(self.data.validation):
             self.fabric.log_dict(self.evaluate(), step=0)
         losses = self.unlogged_losses()
-        self.stop.begin_training()
+        self.stop.begin_training(self.fabric)
         while state["step"] < plan.max_step:
             lr = self.learning_rate(state["step"] + 1)
             with self.data_wait.measure():

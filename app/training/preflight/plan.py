@@ -26,15 +26,18 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
         accumulation = accumulation_steps(world_size=world_size(cfg), micro_batch_size=cfg.micro_batch_size,
                                           gradient_accumulation_steps=None if kept else cfg.gradient_accumulation_steps,
                                           global_batch_size=global_batch_size)
+    except ValueError as error:
+        problems.append(f"--resume: the checkpoint's global batch of {global_batch_size} sequences does not split "
+                        f"into --micro_batch_size {cfg.micro_batch_size} on {world_size(cfg)} ranks; choose a micro "
+                        "batch and device count that divide it, or give --global_batch_size" if kept else str(error))
+        return None
+    try:
         plan = make_plan(train_rows=data.train_rows, block_size=data.block_size, row_tokens=data.mean_row_tokens,
                          target_tokens=data.mean_target_tokens, world_size=world_size(cfg),
                          micro_batch_size=cfg.micro_batch_size, accumulation=accumulation,
                          number_epochs=cfg.number_epochs, max_step=cfg.max_step)
-    except ValueError as error:
-        problems.append(f"--resume: the checkpoint's global batch of {global_batch_size} sequences does not split "
-                        f"into --micro_batch_size {cfg.micro_batch_size} on {world_size(cfg)} ranks; choose a micro "
-                        "batch and device count that divide it, or give --global_batch_size" if kept
-                        else shorter_than_a_step(data) if data.sources else str(error))
+    except ValueError as error:  # the data fills no step
+        problems.append(shorter_than_a_step(data) if data.sources else str(error))
         return None
     if resume is not None:
         if changed_epochs(cfg, data, resume.metadata, problems):
