@@ -1050,3 +1050,27 @@ def test_only_the_runs_first_process_requeues_the_job(env, first, monkeypatch) -
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert signals.first_of_the_run() is first
+
+
+@pytest.mark.parametrize("text", ["{bad", "", "{}", '{"checkpoint": 3}'])
+def test_a_best_json_cut_short_or_edited_is_read_as_none_and_written_again(tmp_path, text) -> None:
+    """Every resume read it (set_aside_newer) and ended in a JSONDecodeError or KeyError traceback after the launch."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "step-00000004.ckpt").write_text("a checkpoint")
+    (folder / "best.json").write_text(text)
+    assert read_best(tmp_path) is None and set_aside_newer(tmp_path, 4) == []
+    mark_if_best(folder / "step-00000004.ckpt", 2.5)
+    assert read_best(tmp_path)["checkpoint"] == "step-00000004.ckpt"
+
+
+def test_a_wandb_run_id_wandb_would_refuse_is_named_before_the_resume_moves_anything(tmp_path) -> None:
+    from app.training.preflight.wandb_options import run_id_problem
+
+    (tmp_path / "wandb_run_id").write_text("bad id/x\n")
+    assert run_id_problem(tmp_path / "wandb_run_id") == (
+        f"{tmp_path / 'wandb_run_id'} holds 'bad id/x', not a W&B run id (none holds any of :;,#?/'); write the id of "
+        "the W&B run to continue, or delete the file to start a new one")
+    for fine in ("3xk9v2ab\n", "\n"):
+        (tmp_path / "wandb_run_id").write_text(fine)
+        assert run_id_problem(tmp_path / "wandb_run_id") is None

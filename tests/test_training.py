@@ -526,3 +526,17 @@ def test_a_step_clips_its_gradients_to_grad_clip_before_the_update() -> None:
         weights_after_one_step(0.0)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(clipped, by_torch))
     assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(clipped, unclipped))
+
+
+def test_a_metrics_row_cut_short_by_a_kill_is_dropped_at_the_resume(tmp_path) -> None:
+    """A kill while a row was appended left part of it; the resume kept it, padded with empty fields and holding a
+    truncated number (lr 0.00293392629699)."""
+    from app.metrics.loggers import CSVMetrics
+
+    CSVMetrics(tmp_path).log_hyperparams({})
+    for step in (1, 2):
+        CSVMetrics(tmp_path).log_metrics({"train_loss": 5.0 - step, "lr": 0.0029339262969923}, step=step)
+    whole = (tmp_path / "metrics.csv").read_text()
+    (tmp_path / "metrics.csv").write_text(whole + "3,2.5,0.00293392629699")
+    CSVMetrics(tmp_path, resume_step=3).log_hyperparams({})
+    assert (tmp_path / "metrics.csv").read_text() == whole

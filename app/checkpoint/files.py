@@ -226,7 +226,16 @@ def read_best(out_dir: str | Path) -> Optional[dict[str, Any]]:
     None when nothing was marked yet. `evaluated` holds every checkpoint saved at an evaluation that is still there
     (absent from files of earlier versions)."""
     path = checkpoint_dir(out_dir) / BEST_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        best = json.loads(path.read_text())
+    except (OSError, ValueError):
+        best = None
+    if not (isinstance(best, dict) and isinstance(best.get("checkpoint"), str) and isinstance(best.get("step"), int)
+            and isinstance(best.get("val_loss"), (int, float))):  # cut short or edited: every resume ended in a
+        return None  # traceback reading it; rewritten by the next evaluation
+    return best
 
 
 def mark_if_best(path: Path, val_loss: float) -> None:

@@ -74,8 +74,8 @@ class CSVMetrics(Logger):
         yield taken(line)
         if self._resume_step is None or not self.path.exists():
             return
-        with open(self.path, newline="") as handle:
-            for row in csv.DictReader(handle):
+        with open(self.path, newline="") as handle:  # a row cut short (killed while appending it) is dropped
+            for row in csv.DictReader(line for line in handle if line.endswith("\n")):
                 if int(row["step"]) <= self._resume_step:
                     writer.writerow(row)
                     yield taken(line)

@@ -76,8 +76,8 @@ def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[st
                                                                         trust_remote_code=cfg.trust_remote_code),
                                           AutoTokenizer.from_pretrained(tokenizer,
                                                                         trust_remote_code=cfg.trust_remote_code))
-    except (OSError, ValueError) as error:
-        difference = f"it does not load ({first_line(error)})"
+    except Exception as error:  # noqa: BLE001 (a tokenizer.json of `{}` raised KeyError: whatever fails, it is broken)
+        difference = f"it does not load ({type(error).__name__}: {first_line(error)})"
     if difference:
         problems.append(f"--out_dir {cfg.out_dir}: {kept} is not the run's tokenizer {tokenizer} ({difference}); "
                         "move it away (it is never replaced), or choose another --out_dir")

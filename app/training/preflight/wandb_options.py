@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from app.cli import first_line
 from app.metrics.loggers import METRICS_FILE, RUN_ID_FILE
 from app.training.preflight.notes import note
 
@@ -155,6 +156,10 @@ def check_wandb(cfg: Config, problems: list[str]) -> None:
     if folder_problem:
         problems.append(f"WANDB_DIR={os.environ['WANDB_DIR']}: {folder_problem}; unset it (W&B then writes to "
                         "--out_dir) or name a folder this run can write")
+    id_problem = run_id_problem(Path(cfg.out_dir) / RUN_ID_FILE) if cfg.resume and cfg.wandb_mode != "disabled" \
+        and not os.environ.get("WANDB_RUN_ID") else None
+    if id_problem:
+        problems.append(id_problem)
     if cfg.wandb_mode == "online":
         check_wandb_online(problems)
     if cfg.log_model == "all" and cfg.keep_last_n is not None and cfg.wandb_mode == "offline":
@@ -164,6 +169,23 @@ def check_wandb(cfg: Config, problems: list[str]) -> None:
     if cfg.log_model and cfg.wandb_mode == "disabled":
         problems.append(f"--log_model {str(cfg.log_model).lower()} uploads checkpoints to Weights & Biases, which this "
                         "run does not use; give --wandb_mode online (or offline, synced later), or drop --log_model")
+
+
+RESERVED_IN_RUN_IDS = ":;,#?/'"
+"""What wandb refuses in a run id (wandb_settings.py validate_run_id)."""
+
+
+def run_id_problem(path: Path) -> Optional[str]:
+    """What is wrong with the W&B run id a resume continues (out_dir/wandb_run_id): wandb.init refused it after the
+    launch, once the resume had moved the newer checkpoints aside, with advice about the login."""
+    try:
+        run_id = path.read_text().strip() if path.is_file() else None
+    except (OSError, UnicodeDecodeError) as error:
+        return f"{path}: not readable ({first_line(error)}); delete it to start a new W&B run"
+    if not run_id or not any(char in RESERVED_IN_RUN_IDS for char in run_id):  # empty: a new W&B run
+        return None
+    return (f"{path} holds {run_id[:40]!r}, not a W&B run id (none holds any of {RESERVED_IN_RUN_IDS}); write the id "
+            "of the W&B run to continue, or delete the file to start a new one")
 
 
 def check_wandb_online(problems: list[str]) -> None:
