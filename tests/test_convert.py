@@ -164,11 +164,13 @@ def test_a_folder_whose_tokenizer_autotokenizer_loads_as_another_class_is_refuse
 
 
 @pytest.mark.parametrize("model_type, extra", [("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
-                                               ("gpt_neox", dict(rotary_pct=0.25))])
+                                               ("gpt_neox", dict(rotary_pct=0.25)),
+                                               ("codegen", dict(rotary_dim=8, bos_token_id=1, eos_token_id=2))])
 def test_architectures_that_transformers_writes_under_older_names_convert(tiny, tmp_path, model_type, extra) -> None:
     """transformers 5 writes Mixtral's fused experts one by one (block_sparse_moe.experts.N.w1) and GPT-NeoX's output
     layer as embed_out, renaming them back on loading; the weight check looked the checkpoint's names up in the files
-    and refused every such conversion ("the checkpoint's model.layers.0.mlp.gate.weight is not in it")."""
+    and refused every such conversion ("the checkpoint's model.layers.0.mlp.gate.weight is not in it"). CodeGen's
+    config has no pad_token_id at all: the conversion ended in an AttributeError traceback."""
     config = AutoConfig.for_model(model_type, vocab_size=len(AutoTokenizer.from_pretrained(tiny.tokenizer)),
                                   **SMALL, **extra)
     torch.manual_seed(0)

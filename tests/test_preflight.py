@@ -60,6 +60,8 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     AutoConfig.for_model("jetmoe", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
                          kv_channels=16, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=64,
                          vocab_size=512).save_pretrained(root / "jetmoe")
+    AutoConfig.for_model("bert", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=512).save_pretrained(root / "bert")  # an encoder, built as a causal LM
     (root / "corrupt.ckpt").write_bytes(b"\x80\x04 not a checkpoint")
     torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(root / "wider").to_dict()},
                root / "other_model.ckpt")
@@ -128,6 +130,9 @@ CASES = {
     "checkpoints uploaded to a disabled W&B": (dict(log_model=True), "--log_model true uploads checkpoints to Weights"),
     "offline artifacts of checkpoints that are deleted": (dict(wandb_mode="offline", log_model="all", keep_last_n=1),
                                                           "--log_model all with --keep_last_n 1: offline, W&B's"),
+    "an encoder as a causal LM": (dict(model_config="{bert}"),  # it learnt to copy the next token: val_loss 0.12
+                                  "--model_config: a bert model built as a causal LM reads the tokens after each "
+                                  "position, so it would learn to copy the next token; train a decoder model"),
     "an attention the model has not": (dict(model_config="{gemma2}"),
                                        "--attn_implementation sdpa: a gemma2 model does not support it ("),
     "activation checkpointing the model class has not": (

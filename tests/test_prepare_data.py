@@ -211,7 +211,7 @@ def test_every_input_format_yields_its_documents(kind, tmp_path, issue_run, code
     stats = prepare(
         PrepareArgs(
             input=[str(source)],
-            text_field="body",
+            text_field=None if kind in ("txt", "split_lines") else "body",  # plain text has no fields
             split_lines=kind == "split_lines",
             tokenizer=str(issue_run / "tokenizer"),
             block_size=2,  # so that at most the final EOS is dropped and every document can be recovered

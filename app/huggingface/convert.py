@@ -642,7 +642,7 @@ def give_pad_token(tokenizer: Any, config: PretrainedConfig) -> None:
     """The model's pad token (an encoder-decoder's padded batches and decoder start) on a tokenizer without one, as
     prepare_data.py's trained SentencePiece tokenizer is: the converted folder could not pad a batch of sources
     (`padding=True` raised), for a summarization pipeline or Seq2SeqTrainer alike."""
-    pad = config.pad_token_id
+    pad = getattr(config, "pad_token_id", None)  # absent from some configs (CodeGen's) in transformers 5
     if tokenizer.pad_token is None and isinstance(pad, int) and 0 <= pad < len(tokenizer):
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
 

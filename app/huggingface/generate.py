@@ -255,6 +255,8 @@ def load_model(args: GenerateArgs, config: Any) -> Any:
         raise UsageError(f"MODEL {args.model}: its weights do not load ({first_line(error)}); convert the checkpoint "
                          "again (convert_to_hf.py) or copy the folder again") from None
     model.generation_config = decoding(args, model.generation_config)
+    if getattr(model.config, "output_router_logits", False):  # a mixture of experts trained with its router's loss:
+        model.config.output_router_logits = False  # computed while decoding a padded batch, that loss raised
     return model
 
 

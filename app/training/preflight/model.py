@@ -20,7 +20,7 @@ from app.hub import missing_model_problem, quiet_hub
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
                              meta_model, model_class, model_source, resolve_wrap_classes)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder_inputs_error,
-                                 decoder_tells_positions_apart, probe_isolation)
+                                 decoder_tells_positions_apart, probe_isolation, reads_ahead)
 from app.model.loss import probe_chunked_loss
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
@@ -58,6 +58,8 @@ def check_model_with(cfg: Config, model_config: PretrainedConfig, data: Optional
         check_model_fits_data(cfg, model_config, data, problems)
     if not attention_works:
         return "position_ids", False
+    if not model_config.is_encoder_decoder:
+        check_causal(cfg, model_config, problems)
     packed_layout: Layout = "position_ids"
     if data is not None:
         packed_layout = check_packed_isolation(cfg, model_config, data, problems)
@@ -150,6 +152,21 @@ def windowed(model_config: PretrainedConfig) -> bool:
     """Whether some layers attend within a window (Mistral, GPT-OSS, Gemma-2/3): a block mask given in its place would
     drop the window."""
     return any(isinstance(getattr(model_config, name, None), int) for name in LOCAL_ATTENTION_NAMES)
+
+
+def check_causal(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> None:
+    """A causal LM must not read the token it predicts: an encoder's LM head (BERT's) built as one does (reads_ahead).
+    A twin that cannot be built or run here says nothing either way (the other checks name what fails)."""
+    if cfg.attn_implementation == "flash_attention_2" and not is_flash_attn_2_available():
+        return
+    try:
+        ahead = reads_ahead(model_config, cfg.attn_implementation, cfg.trust_remote_code)
+    except Exception:  # noqa: BLE001 (TwinUnavailable, an implementation that does not run here)
+        return
+    if ahead:
+        problems.append(f"--model_config: a {model_config.model_type} model built as a causal LM reads the tokens "
+                        "after each position, so it would learn to copy the next token; train a decoder model (an "
+                        "encoder's, BERT's, reads is_decoder: true in its config)")
 
 
 def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: DataFacts,
