@@ -75,9 +75,9 @@ def test_config_files_that_name_each_other_in_a_circle_are_refused_in_one_line(t
     for first, chain in (("self.yaml", "self.yaml -> self.yaml"), ("a.yaml", "a.yaml -> b.yaml -> a.yaml")):
         result = subprocess.run([sys.executable, str(ROOT / "train.py"), *REQUIRED, "--config", first], cwd=tmp_path,
                                 capture_output=True, text=True)
-        assert (result.returncode, result.stderr) == (2, f"train.py: error: --config {first}: its `config:` lines "
-                                                         f"name files in a circle ({chain}); remove the line that leads "
-                                                         "back; see train.py --help\n")
+        assert (result.returncode, result.stderr) == (
+            2, f"train.py: error: --config {first}: its `config:` lines name files in a circle ({chain}); remove the "
+               "line that leads back; see train.py --help\n")
 
 
 def test_a_config_file_that_names_another_is_read_checked_and_labelled_where_its_lines_stand(tmp_path) -> None:

@@ -119,7 +119,7 @@ CASES = {
                                  ".metadata: not readable (UnpicklingError): the folder is incomplete; pick another"),
     "out_dir is a file": (dict(out_dir="{a_file}"), "is a file; give a folder"),
     "a data file for the data folder": (dict(train_data_dir="{a_file}"),  # it said "no such folder"
-                                        "a file, not the folder prepare_data.py writes; create it with prepare_data.py"),
+                                        "a file, not the folder prepare_data.py writes; create it with prepare_data"),
     "out_dir inside a file": (dict(out_dir="{a_file}/run"), "/run: {a_file} is a file; give a folder"),
     "checkpoints without resume": (dict(out_dir="{run}"), "already holds checkpoints; add --resume true"),
     "out_dir in the data folder": (dict(out_dir="{ragged}/run", train_data_dir="{ragged}"),

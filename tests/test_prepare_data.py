@@ -852,7 +852,7 @@ def test_the_same_file_given_twice_is_refused_not_trained_twice(tmp_path, issue_
     folder = tmp_path / "in"
     folder.mkdir()
     (folder / "docs.jsonl").write_text(text_lines(10))
-    for inputs in ([folder, folder / "docs.jsonl"], [folder / "docs.jsonl", tmp_path / "in" / ".." / "in" / "docs.jsonl"]):
+    for inputs in ([folder, folder / "docs.jsonl"], [folder / "docs.jsonl", folder / ".." / "in" / "docs.jsonl"]):
         assert refusal(tmp_path, issue_run, inputs) == (f"--input {inputs[0]} and --input {inputs[1]} both hold "
                                                         f"{inputs[1]}, which would be read twice; give each file once")
     (folder / "same.jsonl").symlink_to("docs.jsonl")
@@ -898,8 +898,9 @@ def test_a_byte_order_mark_is_not_trained_on(tmp_path, issue_run):
 def test_an_empty_file_is_named(tmp_path, issue_run):
     """The JSON reader's only word for it was "StopIteration"."""
     (tmp_path / "empty.jsonl").write_text("\n")
-    assert refusal(tmp_path, issue_run, [tmp_path / "empty.jsonl"]) == \
-        f"--input {tmp_path / 'empty.jsonl'}: could not read it as json: {tmp_path / 'empty.jsonl'} is empty; leave it out"
+    empty = tmp_path / "empty.jsonl"
+    assert refusal(tmp_path, issue_run, [empty]) == \
+        f"--input {empty}: could not read it as json: {empty} is empty; leave it out"
 
 
 def test_a_text_field_for_plain_text_files_is_refused_not_ignored(tmp_path, issue_run):
@@ -917,6 +918,6 @@ def test_examples_longer_than_the_models_length_raise_no_warning(tmp_path, issue
     short.save_pretrained(tmp_path / "short")
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"prompt": f"question {i} " * 8, "response": "answer " * 8})
                                                  + "\n" for i in range(10)))
-    result = run_cli(["--input", "long.jsonl", "--tokenizer", "short", "--block_size", "128", "--prompt_field", "prompt",
-                      "--response_field", "response", "--val_fraction", "0", "--output_dir", "out"], tmp_path)
+    result = run_cli(["--input", "long.jsonl", "--tokenizer", "short", "--block_size", "128", "--prompt_field",
+                      "prompt", "--response_field", "response", "--val_fraction", "0", "--output_dir", "out"], tmp_path)
     assert result.returncode == 0 and "Token indices sequence length" not in result.stderr, result.stderr

@@ -498,8 +498,8 @@ def _text_column(dataset: Dataset, field: str, source: str) -> Dataset:
         )
     elif getattr(feature, "dtype", None) not in ("string", "large_string"):
         if not isinstance(feature, datasets.Value):  # mixed values (JSON Lines): name the first row that is not text
-            row, value = next(((i, v) for i, v in enumerate(dataset[field]) if v is not None and not isinstance(v, str)),
-                              (None, None))
+            row, value = next(((i, v) for i, v in enumerate(dataset[field])
+                               if v is not None and not isinstance(v, str)), (None, None))
             if row is not None:
                 Row({"text_field": field}, row, source).text("text_field", value)
         raise UsageError(f"--text_field {field} in --input {source} holds {feature}, not text; pick a text field")

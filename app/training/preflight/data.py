@@ -135,8 +135,8 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
     flag = f"--train_data_dir {path}"
     if not path.is_dir():
         weight = path.name.rpartition(":")[2] if ":" in path.name else ""
-        problems.append(f"{flag}: {'a file, not the folder prepare_data.py writes' if path.is_file() else 'no such folder'}"
-                        "; create it with prepare_data.py"
+        what = "a file, not the folder prepare_data.py writes" if path.is_file() else "no such folder"
+        problems.append(f"{flag}: {what}; create it with prepare_data.py"
                         + (f" (a weight is a number: {weight!r} is not one)" if weight and path.parent.joinpath(
                             path.name.rpartition(":")[0]).is_dir() else ""))
         return None
