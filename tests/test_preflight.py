@@ -687,3 +687,21 @@ def test_a_wandb_server_whose_certificate_this_check_cannot_verify_answered(monk
 
     monkeypatch.setattr(urllib.request, "urlopen", private_ca)
     assert unreachable_reason("https://wandb.example.org") is None
+
+
+def test_wandb_settings_that_do_not_load_are_one_line(monkeypatch) -> None:
+    """wandb's settings refused WANDB_BASE_URL (or its settings file) with a pydantic traceback in the preflight."""
+    import wandb
+
+    from app.training.preflight.wandb_options import check_wandb_online
+
+    monkeypatch.setenv("WANDB_BASE_URL", "api wandb")
+    wandb.teardown()
+    problems: list[str] = []
+    try:
+        check_wandb_online(problems)
+    finally:
+        monkeypatch.undo()
+        wandb.teardown()
+    assert problems == ["--wandb_mode online: wandb's settings do not load (1 validation error for Settings); fix "
+                        "the WANDB_* variable or the settings file it names, or use --wandb_mode offline"]

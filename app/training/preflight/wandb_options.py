@@ -190,7 +190,14 @@ def run_id_problem(path: Path) -> Optional[str]:
 
 def check_wandb_online(problems: list[str]) -> None:
     """Credentials for the W&B server, a well-formed key, and the server within reach."""
-    server, logged_in = wandb_server()
+    try:
+        server, logged_in = wandb_server()
+    except ImportError:  # another wandb's layout: wandb.init says what it lacks
+        return
+    except Exception as error:  # noqa: BLE001 (wandb's settings refused a variable or its settings file)
+        problems.append(f"--wandb_mode online: wandb's settings do not load ({first_line(error)}); fix the WANDB_* "
+                        "variable or the settings file it names, or use --wandb_mode offline")
+        return
     if not logged_in:
         problems.append(f"--wandb_mode online needs WANDB_API_KEY or `wandb login` (for {server}); or use "
                         "--wandb_mode offline")
