@@ -178,6 +178,7 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
         check_config_files(parser, [part for word in arguments
                                     for part in (word.split("=", 1) if word.startswith(CONFIG_FLAG + "=") else [word])])
     check_lists_given_once(parser, arguments)
+    arguments = integers_as_written(parser, arguments)
     try:
         namespace = parser.parse_args(arguments)
     except jsonargparse.ArgumentError as error:
@@ -187,6 +188,25 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
         if isinstance(value, list) and len(value) == 1 and value[0].strip().startswith("["):
             namespace[action.dest] = [str(item) for item in yaml.safe_load(value[0]) or []]  # `--input '[a, b]'`
     return namespace
+
+
+E_NOTATION = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
+
+
+def integers_as_written(parser: ArgumentParser, arguments: list[str]) -> list[str]:
+    """`--max_step 1e5` as `--max_step 100000`: a whole number in e notation, as people write step and token counts,
+    was refused as "expected an integer, got '100000.0'" (jsonargparse reads it as a float first). A fraction
+    (`1.5e0`) is still refused."""
+    takes_integers = {flag for action in parser._actions if int in _members(getattr(action, "_typehint", None))
+                      and float not in _members(getattr(action, "_typehint", None)) for flag in action.option_strings}
+    rewritten, previous = [], ""
+    for word in arguments:
+        flag, equals, value = word.partition("=") if word.startswith("--") else (previous, "", word)
+        if flag in takes_integers and E_NOTATION.fullmatch(value) and float(value).is_integer():
+            word = f"{flag}={int(float(value))}" if equals else str(int(float(value)))
+        rewritten.append(word)
+        previous = word if word.startswith("--") and "=" not in word else ""
+    return rewritten
 
 
 def check_lists_given_once(parser: ArgumentParser, arguments: list[str]) -> None:

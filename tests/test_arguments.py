@@ -10,6 +10,7 @@ import pytest
 from app.training.run import run
 from arguments import (OPTIONS_BEGIN, OPTIONS_END, Config, build_parser, option_sources, options_markdown,
                        parse_config, read_config, validate_config, with_options, write_options_doc)
+from app.cli import UsageError
 from tests.conftest import ROOT, run_entry
 
 REQUIRED = ["--train_data_dir", "data", "--model_config", "cfg"]
@@ -176,6 +177,14 @@ def test_an_infinite_value_from_a_config_file_is_refused_as_on_the_command_line(
 def test_a_max_step_below_one_is_said_once() -> None:
     """It also printed "--warmup_steps (0) exceeds --max_step (-1)", which is false."""
     assert validate_config(read_config(REQUIRED + ["--max_step", "-1"])) == ["--max_step must be at least 1, got -1"]
+
+
+def test_a_whole_number_in_e_notation_is_an_integer_and_a_fraction_is_refused() -> None:
+    """`--max_step 1e5` was refused as "expected an integer, got '100000.0'"; --lr keeps its float."""
+    cfg = read_config(REQUIRED + ["--max_step", "1e5", "--save_step_interval=2.5e3", "--lr", "3e-4"])
+    assert (cfg.max_step, cfg.save_step_interval, cfg.lr) == (100000, 2500, 3e-4)
+    with pytest.raises(UsageError, match="--max_step: expected an integer, got"):
+        read_config(REQUIRED + ["--max_step", "1.5e0"])
 
 
 def test_cli_reports_every_problem_in_one_go_without_traceback() -> None:
