@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, fields, replace
 from functools import cache
 from pathlib import Path
@@ -18,7 +19,8 @@ import yaml
 from jsonargparse import ArgumentParser
 
 from app.choices import FSDP1_ONLY_OPTIONS, MAX_SEED, SHARDED_STRATEGIES
-from app.cli import UsageError, command_parser, config_files_first, nested_config_files, parse, refuse
+from app.cli import (UsageError, command_parser, config_files_first, naming_config_files, nested_config_files, parse,
+                     refuse)
 from app.tasks import exit_refused
 
 Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "32-true"]
@@ -352,7 +354,8 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
         refuse("train.py", str(error))
     problems = validate_config(cfg)
     if problems:
-        exit_refused([f"error: {p}" for p in problems])
+        sources = option_sources(sys.argv[1:] if argv is None else argv)
+        exit_refused([f"error: {naming_config_files(p, sources)}" for p in problems])
     return cfg
 
 

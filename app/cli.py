@@ -221,6 +221,15 @@ def check_lists_given_once(parser: ArgumentParser, arguments: list[str]) -> None
                                  f"its values after one {given[0]} ({given[0]} A B)")
 
 
+def naming_config_files(problem: str, sources: dict[str, str]) -> str:
+    """A problem naming options (`--lr must be positive`) with the config file each came from appended: an option
+    set in a file that no flag gives was named as the flag, which the user never typed."""
+    named = dict.fromkeys(re.findall(r"--(\w+)", problem))
+    origins = [f"{name}: from {sources[name].removeprefix('config ')}" for name in named
+               if sources.get(name, "").startswith("config ")]
+    return problem + (f" ({'; '.join(origins)})" if origins else "")
+
+
 def one_line(parser: ArgumentParser, message: str) -> str:
     """jsonargparse's message, often several lines ('Parser key "lr":' then the reasons), as one line naming the flag
     and what it takes: `--lr: expected a number, got 'fast'`."""

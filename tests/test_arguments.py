@@ -196,6 +196,22 @@ def test_cli_reports_every_problem_in_one_go_without_traceback() -> None:
     assert len(errors) >= 4, result.stderr  # three bad values and the missing --train_data_dir
 
 
+def test_a_problem_with_an_option_from_a_config_file_names_the_file(tmp_path) -> None:
+    """`--lr must be positive` for a `lr:` line the user wrote in a file sent them looking for a flag they never
+    typed; the file is named, by the value checks and by the preflight alike."""
+    (tmp_path / "values.yaml").write_text("lr: -1\n")
+    (tmp_path / "data.yaml").write_text(f"train_data_dir: {tmp_path / 'none'}\n")
+    said = {}
+    for config, extra in (("values.yaml", ["--beta2", "2"]), ("data.yaml", ["--model_config", str(tmp_path)])):
+        result = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / config), "--accelerator",
+                                 "cpu", *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr
+        said |= {line.split()[1]: line for line in result.stderr.splitlines() if line.startswith("error: --")}
+    assert said["--lr"].endswith(f"(lr: from {tmp_path / 'values.yaml'})"), said
+    assert said["--train_data_dir"].endswith(f"(train_data_dir: from {tmp_path / 'data.yaml'})"), said
+    assert "from" not in said["--beta2"], said
+
+
 REFUSED_COMMANDS = {
     "train.py wrong type": (["train.py", "--lr", "fast"], "train.py: error: --lr: expected a number, got 'fast'"),
     "train.py unknown option": (["train.py", "--learning_rate", "1"],

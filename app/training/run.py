@@ -61,7 +61,7 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
     --print_config."""
     print_stacks_on_signal()
     with redirect_stdout(sys.stderr) if cfg.print_config else nullcontext():  # what it notes stays out of the YAML
-        inputs = preflight(cfg)
+        inputs = preflight(cfg, sources or {})
     if cfg.print_config:
         print(resolved_run(cfg, inputs, sources or {}))
         return

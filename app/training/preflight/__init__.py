@@ -21,6 +21,7 @@ from torch.nn import Module
 from transformers import PretrainedConfig
 
 from app.choices import SHARDED_STRATEGIES
+from app.cli import naming_config_files
 from app.data.formats import Layout
 from app.data.mixture import describe
 from app.distributed.precision import bf16_rounding_note
@@ -67,8 +68,9 @@ class RunInputs:
     """What identifies each data folder (app/data/identity.py), recorded by every checkpoint for a resume anywhere."""
 
 
-def preflight(cfg: Config) -> RunInputs:
-    """Check everything; exit with status 2 and one line per problem, or return what the run needs."""
+def preflight(cfg: Config, sources: Optional[dict[str, str]] = None) -> RunInputs:
+    """Check everything; exit with status 2 and one line per problem, or return what the run needs. `sources`
+    (arguments.option_sources) names the config file of an option a problem names."""
     problems: list[str] = []
     cfg = resolve_wandb(cfg, problems)
     data = check_data(cfg, problems) if reads_data(cfg) else None
@@ -101,7 +103,7 @@ def preflight(cfg: Config) -> RunInputs:
         check_wandb(cfg, problems)
         check_launcher(cfg, problems)
     if problems:
-        exit_refused([f"error: {p}" for p in problems])
+        exit_refused([f"error: {naming_config_files(p, sources or {})}" for p in problems])
     cfg = resolve_learning_rates(cfg, plan)
     if resume is not None:
         note_changed_options(cfg, resume.metadata)
