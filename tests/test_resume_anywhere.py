@@ -412,14 +412,16 @@ def test_relaunching_a_rollback_continues_from_its_newest_checkpoint(tiny, tmp_p
 
 def test_a_resume_says_which_training_options_it_changes(tiny, moved_run, capsys) -> None:
     """A new --lr took effect at the resumed step (the rate went from 1.65e-3 to 8.33e-3 at once) with only the usual
-    resume lines; the same options as the checkpoint's are not listed."""
+    resume lines, and the rate's jump is said; the same options as the checkpoint's are not listed."""
     resumed = dict(train_data_dir=moved_run.data, tokenizer=None, resume=True)
     preflight(parse_config(train_args(tiny, moved_run.out_dir, **resumed, **ONE_PROCESS | {"max_step": 2})))
     assert "changed since the checkpoint" not in capsys.readouterr().out
     preflight(parse_config(train_args(tiny, moved_run.out_dir, **resumed, **ONE_PROCESS | {"max_step": 4},
                                       lr=1e-2, precision="bf16-true")))
+    said = capsys.readouterr().out
     assert ("--resume: changed since the checkpoint: precision 32-true -> bf16-true, lr 0.003 -> 0.01, max_step 2 -> "
-            "4; the steps after step 2 train with the new values") in capsys.readouterr().out
+            "4; the steps after step 2 train with the new values: the learning rate was 3.00e-04 at step 2 and is 1.72e-03 at "
+            "step 3") in said, said
 
 
 def test_a_resume_keeps_the_seed_its_data_order_was_drawn_from(tiny, moved_run) -> None:

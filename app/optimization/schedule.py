@@ -86,6 +86,11 @@ class TrainingPlan:
             return length
         return position + (step - start) * (length - position) / (self.max_step - start)
 
+    def learning_rate(self, step: int, *, lr: float, min_lr: float, warmup_steps: int, decay: bool) -> float:
+        """Optimizer step `step`'s learning rate: the schedule's at the step's place in it."""
+        return learning_rate(self.schedule_step(step), lr=lr, min_lr=min_lr, warmup_steps=warmup_steps,
+                             max_step=self.schedule_length, decay=decay)
+
     @property
     def schedule_length(self) -> float:
         return self.resumed_schedule[2] if self.resumed_schedule is not None else self.max_step

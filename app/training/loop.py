@@ -25,7 +25,7 @@ from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepC
                          run_summary)
 from app.evaluation.samples import SampleEvaluator, set_aside_samples_after
 from app.optimization.optimizer import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
-from app.optimization.schedule import TrainingPlan, continuing_position, learning_rate
+from app.optimization.schedule import TrainingPlan, continuing_position
 from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict, stop_agreed
 from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits, write_quarantine
 from app.reliability.watchdog import StallWatchdog
@@ -192,9 +192,8 @@ class Loop:
     def learning_rate(self, number: int) -> float:
         """Step `number`'s learning rate: the schedule's, at the step's place in it, times the spike guard's factor."""
         cfg = self.cfg
-        return learning_rate(self.plan.schedule_step(number), lr=cfg.lr, min_lr=cfg.min_lr,
-                             warmup_steps=cfg.warmup_steps, max_step=self.plan.schedule_length,
-                             decay=cfg.lr_decay) * self.guard.lr_factor(number)
+        return self.plan.learning_rate(number, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                                       decay=cfg.lr_decay) * self.guard.lr_factor(number)
 
     def update(self, action: Action, verdict: StepVerdict, lr: float) -> None:
         """Apply the step's gradients when the spike guard accepts them (the scaler may still skip them), and clear

@@ -106,7 +106,7 @@ def preflight(cfg: Config, sources: Optional[dict[str, str]] = None) -> RunInput
         exit_refused([f"error: {naming_config_files(p, sources or {})}" for p in problems])
     cfg = resolve_learning_rates(cfg, plan)
     if resume is not None:
-        note_changed_options(cfg, resume.metadata)
+        note_changed_options(cfg, resume.metadata, plan)
         note_wandb_history(cfg, resume.metadata["step"])
     rounding = bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay)
     if rounding:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 from app.data.mixture import parse_sources
-from app.optimization.schedule import TrainingPlan, accumulation_steps, make_plan, scale_for_batch, steps_to_finish
+from app.optimization.schedule import (TrainingPlan, accumulation_steps, learning_rate, make_plan, scale_for_batch,
+                                        steps_to_finish)
 from app.training.preflight.data import DataFacts
 from app.training.preflight.environment import world_size
 from app.training.preflight.notes import note
@@ -163,16 +165,32 @@ TRAINING_OPTIONS = ("precision", "reduce_dtype", "lr", "min_lr", "lr_decay", "wa
 """The options whose change at a resume changes how the steps after it train (the batch is said apart)."""
 
 
-def note_changed_options(cfg: Config, saved: dict) -> None:
+def note_changed_options(cfg: Config, saved: dict, plan: Optional[TrainingPlan]) -> None:
     """Say which of TRAINING_OPTIONS the resume changes: a new --lr or --warmup_steps took effect at the resumed step
     (the rate went from 1.65e-3 to 8.33e-3 at once) and another --precision stored the weights and moments in bf16
-    from then on, with only the usual resume lines."""
+    from then on, with only the usual resume lines. Where the learning rate moves, by how much."""
     before = saved.get("config") or {}
     changes = [f"{name} {before[name]} -> {getattr(cfg, name)}" for name in TRAINING_OPTIONS
                if name in before and before[name] != getattr(cfg, name)]
     if changes:
         note(f"--resume: changed since the checkpoint: {', '.join(changes)}; the steps after step {saved['step']} "
-             "train with the new values")
+             f"train with the new values{rate_jump(cfg, saved, plan)}")
+
+
+def rate_jump(cfg: Config, saved: dict, plan: Optional[TrainingPlan]) -> str:
+    """`: the learning rate was 1.65e-03 at step 2 and is 8.33e-03 at step 3`, where the two differ by more than 1%
+    (a change of --max_step alone may move it little); else nothing."""
+    before, schedule, step = saved.get("config") or {}, saved.get("schedule"), saved["step"]
+    options = ("lr", "min_lr", "warmup_steps", "lr_decay")
+    if plan is None or not schedule or any(name not in before for name in options):
+        return ""
+    then = learning_rate(schedule["step"], lr=before["lr"], min_lr=before["min_lr"],
+                         warmup_steps=before["warmup_steps"], max_step=schedule["length"], decay=before["lr_decay"])
+    now = plan.learning_rate(step + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                             decay=cfg.lr_decay)
+    if math.isclose(then, now, rel_tol=0.01):
+        return ""
+    return f": the learning rate was {then:.2e} at step {step} and is {now:.2e} at step {step + 1}"
 
 
 def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> None:
