@@ -296,6 +296,9 @@ class SpikeArgs:
     """Steps whose loss and gradient norm make the statistics a step is judged against."""
     spike_warmup: int = 50
     """Steps accepted before any is judged (the loss falls steeply at first); at most --spike_window."""
+    spike_min_rise: float = 0.1
+    """A loss spike also rises at least this many nats above that median: near a loss of 0 (a model memorising a small
+    set) the noise is so small that any wobble would count."""
     spike_incident: int = 3
     """Spikes without rows to blame within --spike_incident_steps steps that make an incident: rollback (or stop,
     exit 6, under skip and once --spike_max_rollbacks are spent)."""
@@ -465,6 +468,7 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
         require(0 < getattr(cfg, name) <= MINUTES_PER_YEAR,
                 f"--{name} must be positive and at most a year ({MINUTES_PER_YEAR}), got {getattr(cfg, name)}")
     require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")
+    require(cfg.spike_min_rise >= 0, f"--spike_min_rise must be 0 or more, got {cfg.spike_min_rise}")
     for name in ("spike_z", "spike_grad_norm_z"):
         value = getattr(cfg, name)
         require(value is None or value > 0, f"--{name} must be positive, got {value}")

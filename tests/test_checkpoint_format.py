@@ -385,7 +385,7 @@ def test_a_rollback_passes_over_a_corrupt_checkpoint_for_the_one_before_it(tmp_p
     from app.training.loop import Loop
 
     printed: list[str] = []
-    loop = SimpleNamespace(state=state, fabric=None, saver=saver, cfg=SimpleNamespace(out_dir=tmp_path),
+    loop = SimpleNamespace(state=state, fabric=None, saver=saver, cfg=SimpleNamespace(out_dir=tmp_path), resumed_from=None,
                            guard=SimpleNamespace(incident_began=lambda: 20), console=SimpleNamespace(
                                print=printed.append))
     assert Loop.roll_back(loop) is False
@@ -468,3 +468,36 @@ def test_a_rank_whose_disk_is_full_fails_the_save_on_every_rank_alike(tmp_path, 
     expected = "".join(f"{name}: rank {failing} on {host}: No space left on device (ENOSPC) writing "
                        f"{tmp_path / name}\n" for name in ("full.ckpt", "sharded"))
     assert printed == [expected, expected]
+
+
+def test_keep_last_n_keeps_the_checkpoint_an_open_incident_would_roll_back_to_and_a_resumed_from_one_counts(
+        tmp_path) -> None:
+    """Spikes at 31 and 32, then the save at 32 under --keep_last_n 1 deleted step 24, the only checkpoint from
+    before the incident: its third spike stopped the run with nothing to roll back to, as did every resume. A run
+    resumed into a new --out_dir had nothing to roll back to until it saved: the checkpoint it resumed counts."""
+    import time
+    from types import SimpleNamespace
+
+    from lightning_fabric import Fabric
+
+    from app.checkpoint import CheckpointSaver, checkpoint_path, last_good_checkpoint, list_checkpoints
+    from app.training.loop import Loop
+
+    model = torch.nn.Linear(8, 4)
+    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "step": 0}
+    saver = CheckpointSaver(Fabric(accelerator="cpu", devices=1), state, sharded=False, background=False)
+    for step in (24, 32):
+        state["step"] = step
+        saver.save(checkpoint_path(tmp_path / "run", step), state, lambda: None)
+    printed: list[str] = []
+    loop = SimpleNamespace(cfg=SimpleNamespace(out_dir=tmp_path / "run", keep_last_n=1), resumed_from=None,
+                           console=SimpleNamespace(print=printed.append))
+    Loop.after_publishing(loop, checkpoint_path(tmp_path / "run", 32), 32, None, time.monotonic(), incident_began=31)
+    assert sorted(list_checkpoints(tmp_path / "run")) == [24, 32], printed
+    Loop.after_publishing(loop, checkpoint_path(tmp_path / "run", 32), 32, None, time.monotonic())
+    assert sorted(list_checkpoints(tmp_path / "run")) == [32], "without an incident --keep_last_n applies"
+
+    elsewhere = checkpoint_path(tmp_path / "run", 32)
+    assert last_good_checkpoint(tmp_path / "new", 35) is None
+    assert last_good_checkpoint(tmp_path / "new", 35, also=elsewhere) == elsewhere
+    assert last_good_checkpoint(tmp_path / "new", 32, also=elsewhere) is None, "only from before the incident"

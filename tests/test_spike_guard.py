@@ -79,8 +79,18 @@ def test_bad_rows_are_set_aside_a_broken_stretch_is_rolled_back_and_a_resume_els
     spikes = [int(step) for step in re.findall(r"^step (\d+): loss spike", guarded.stdout, re.MULTILINE)]
     assert spikes == [*SPIKY_STEPS, *BROKEN_STEPS], guarded.stdout
     assert "step 35: rolled back to" in guarded.stdout and "checkpoints/step-00000032.ckpt (step 32" in guarded.stdout
-    assert quarantined(tmp_path / "guarded") == spiky, "exactly the bad rows the spikes met, no clean row"
+    assert "step 35: the 48 train rows of the spikes that made this incident are set aside" in guarded.stdout
+    set_aside = sorted(set(spiky) | broken)
+    assert quarantined(tmp_path / "guarded") == set_aside, "exactly the bad rows the spikes met, no clean row"
     assert final_val_loss(guarded.stdout) == pytest.approx(final_val_loss(clean.stdout), rel=0.02)
+
+    # Resumed into a new --out_dir from the checkpoint before the broken stretch (docs/reliability.md's way back to
+    # a stretch), the run rolls back to that checkpoint: it had none of its own to roll back to, and stopped.
+    elsewhere = run_train(train_args(tiny, tmp_path / "elsewhere", train_data_dir=data, spike_guard="rollback",
+                                     resume=True, checkpoint=tmp_path / "guarded" / "checkpoints" /
+                                     "step-00000032.ckpt", **(GUARD | dict(max_step=37))))
+    assert elsewhere.returncode == EXIT_FINISHED, elsewhere.stdout[-3000:] + elsewhere.stderr[-3000:]
+    assert f"step 35: rolled back to {tmp_path / 'guarded' / 'checkpoints' / 'step-00000032.ckpt'}" in elsewhere.stdout
 
     # The checkpoint after the rollback, as a crash would leave it, resumed on 1 process with another micro batch
     # and under `detect`: the second epoch (from step 38: the rollback took 3 steps back) meets rows set aside, which
@@ -92,12 +102,12 @@ def test_bad_rows_are_set_aside_a_broken_stretch_is_rolled_back_and_a_resume_els
     resumed = run_train(train_args(tiny, tmp_path / "resumed", train_data_dir=data, spike_guard="detect",
                                    resume=True, checkpoint=after, devices=1, **(GUARD | dict(micro_batch_size=8))))
     assert resumed.returncode == EXIT_FINISHED, resumed.stderr[-3000:]
-    assert "12 train rows set aside by the spike guard train nothing" in resumed.stdout
-    assert "spike guard: 6 spikes, 6 steps not applied, 1 rollbacks, 12 train rows set aside" in resumed.stdout
+    assert "60 train rows set aside by the spike guard train nothing" in resumed.stdout
+    assert "spike guard: 6 spikes, 6 steps not applied, 1 rollbacks, 60 train rows set aside" in resumed.stdout
     straight, continued = logged_losses(tmp_path / "guarded"), logged_losses(tmp_path / "resumed")
     for step in range(41, 61):
         assert continued[step] == pytest.approx(straight[step], rel=1e-4), step
-    assert quarantined(tmp_path / "resumed") == spiky
+    assert quarantined(tmp_path / "resumed") == set_aside
 
 
 @pytest.mark.parametrize("mode", ["skip", "off"])
@@ -116,6 +126,6 @@ def test_quarantine_jsonl_says_what_the_run_skips_also_when_it_skips_nothing(tin
     stale.write_text(json.dumps({"data_dir": str(tiny.data), "split": "train", "row": 323}) + "\n")
     held = {"quarantine": [{"row": 7, "step": 3}]} if mode == "off" else None  # off: they train again
     fabric = SimpleNamespace(is_global_zero=True, print=lambda line: None)
-    data = SimpleNamespace(quarantine=lambda rows: None, locate=lambda row: (str(tiny.data), row))
+    data = SimpleNamespace(quarantine=lambda rows: None, locate=lambda row: (str(tiny.data), row), mixture=False)
     spike_guard(fabric, cfg, {"spike_guard": held}, data)
     assert not stale.exists()

@@ -152,3 +152,55 @@ def test_the_guards_defaults_are_the_options_defaults() -> None:
     from arguments import Config
 
     assert spike_rules(Config()) == SpikeRules()
+
+
+def test_a_loss_near_zero_must_still_rise_by_the_minimum_to_spike() -> None:
+    """A model memorising 16 rows sat at a loss of 0.008; a wobble to 0.16 was a spike (the floor, 1% of the median,
+    was 0.0005 nats), and 9 of the 16 clean rows were set aside before the run stopped."""
+    assert upper_limit([0.008] * 10, z=6.0, floor=0.01, min_rise=0.1) == pytest.approx(0.108)
+    guard = SpikeGuard(SpikeRules(warmup=20, window=50))
+    for loss in noisy(40, 0.0084, 0.0002):
+        guard.accept(loss, 1.0)
+    assert guard.judge(41, 0.09, 1.0) is None
+    assert guard.judge(41, 0.2, 1.0) is not None, "a rise of 0.19 nats still is one"
+
+
+def test_detect_takes_a_level_the_loss_keeps_as_its_new_normal() -> None:
+    """A spike never joined the statistics, so after a lasting rise of the loss `detect` reported every later step."""
+    guard, reported = warmed_guard("detect"), 0
+    for step, loss in enumerate(noisy(200, 3.5, 0.05, seed=3), start=41):
+        spike = guard.judge(step, loss, 1.0)
+        if spike is None:
+            guard.accept(loss, 1.0)
+        else:
+            reported += 1
+            assert guard.respond(spike, explained=False) == "apply"
+    assert 1 <= reported <= 10, reported
+
+
+def test_a_rollback_sets_aside_the_rows_of_the_spikes_that_made_the_incident() -> None:
+    """Under rollback, the incident's batches (no row of theirs stood out: the stretch is bad as a whole) trained again
+    in the next epoch, unnoticed; they are set aside at the rollback, once each, with their mean loss."""
+    guard = warmed_guard("rollback", incident_spikes=3, incident_steps=10)
+    at_checkpoint = guard.history.to_dict()
+    batches = {5: [(1, 80.0, 10), (2, 90.0, 10)], 41: [(3, 80.0, 10)], 42: [(4, 70.0, 10), (5, 0.0, 0)],
+               43: [(3, 60.0, 10), (6, 50.0, 10)]}
+    actions = [guard.respond(guard.judge(step, 9.0, 1.0), explained=False, rows=rows) for step, rows in batches.items()]
+    assert actions == ["skip", "skip", "skip", "rollback"]
+    assert guard.open_incident(43) == 41 and guard.open_incident(60) is None
+    set_aside = guard.rolled_back(32, at_checkpoint)
+    assert [(entry["row"], entry["loss"], entry["step"]) for entry in set_aside] == [(3, 6.0, 43), (4, 7.0, 42),
+                                                                                    (6, 5.0, 43)]
+    assert guard.history.quarantined_rows() == {3, 4, 6} and guard.history.incident_rows == []
+    assert warmed_guard("skip").open_incident(43) is None, "only a rollback needs a checkpoint kept"
+
+
+def test_statistics_of_another_mixture_start_again_and_the_quarantine_stays() -> None:
+    """A folder added at a resume moved the loss by its own rows: judged against the old mixture's statistics, its
+    clean rows were set aside as spikes."""
+    guard = warmed_guard()
+    guard.set_aside(41, [(7, 6.5, 32)])
+    assert guard.judged_on([["a", "1/2"], ["b", "1/2"]]) is False, "a checkpoint from before this was recorded"
+    assert guard.judged_on([["a", "1/2"], ["b", "1/2"]]) is False and guard.history.losses
+    assert guard.judged_on([["a", "1/3"], ["b", "1/3"], ["c", "1/3"]]) is True
+    assert guard.history.losses == [] and guard.history.quarantined_rows() == {7}

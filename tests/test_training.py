@@ -540,3 +540,26 @@ def test_a_metrics_row_cut_short_by_a_kill_is_dropped_at_the_resume(tmp_path) ->
     (tmp_path / "metrics.csv").write_text(whole + "3,2.5,0.00293392629699")
     CSVMetrics(tmp_path, resume_step=3).log_hyperparams({})
     assert (tmp_path / "metrics.csv").read_text() == whole
+
+
+def test_a_resume_after_a_rollback_keeps_metrics_csv_and_rows_jsonl_as_the_run_wrote_them(tmp_path) -> None:
+    """A rollback at 35 to 32 logs 33 and 34 again: `…32, 33, 34, 33, 34, 35`. Resumed from the second 33, the files
+    kept the abandoned 33 but not the abandoned 34 (rows up to step 33 wherever they stood); they now keep what
+    the run had written up to the resumed step."""
+    from app.metrics.loggers import ROWS_FILE, CSVMetrics, RowRecord
+
+    steps = [32, 33, 34, 33, 34, 35]
+    CSVMetrics(tmp_path).log_hyperparams({})
+    for index, step in enumerate(steps):
+        CSVMetrics(tmp_path).log_metrics({"train_loss": float(index)}, step=step)
+    (tmp_path / ROWS_FILE).write_text("".join(json.dumps({"step": step, "rows": {"data": [index]}}) + "\n"
+                                              for index, step in enumerate(steps)))
+    CSVMetrics(tmp_path, resume_step=33).log_hyperparams({})
+    RowRecord(tmp_path, resume_step=33)
+    with open(tmp_path / "metrics.csv", newline="") as handle:
+        assert [(int(row["step"]), float(row["train_loss"])) for row in csv.DictReader(handle)] == [
+            (32, 0.0), (33, 1.0), (34, 2.0), (33, 3.0)]
+    assert [json.loads(line)["rows"]["data"] for line in (tmp_path / ROWS_FILE).read_text().splitlines()] == [
+        [0], [1], [2], [3]]
+    CSVMetrics(tmp_path, resume_step=32).log_hyperparams({})
+    assert list(read_metrics(tmp_path)) == [32], "a resume from before the rollback drops all of its stretch"

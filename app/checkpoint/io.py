@@ -117,13 +117,15 @@ def every_rank(value: Any) -> list[Any]:
 
 
 def load_last_good_checkpoint(out_dir: str | Path, before_step: int, model: Any, optimizer: Any,
-                              say: Callable[[str], None]) -> Optional[tuple[Path, dict[str, Any]]]:
+                              say: Callable[[str], None], also: Optional[Path] = None
+                              ) -> Optional[tuple[Path, dict[str, Any]]]:
     """The last good checkpoint from before `before_step` (last_good_checkpoint) that every rank reads whole,
     loaded in place, and its metadata; one that does not (a checksum differs) is passed over for the one before it,
     with a line (`say`). None when none is left. Collective: rank 0 chooses."""
     broken: frozenset[Path] = frozenset()
     while True:
-        chosen = [last_good_checkpoint(out_dir, before_step, broken, say) if distributed(None)[0] == 0 else None]
+        chosen = [last_good_checkpoint(out_dir, before_step, broken, say, also) if distributed(None)[0] == 0
+                  else None]
         if distributed(None)[1] > 1:
             dist.broadcast_object_list(chosen, src=0)
         path = chosen[0]
@@ -137,7 +139,8 @@ def load_last_good_checkpoint(out_dir: str | Path, before_step: int, model: Any,
 
 
 def last_good_checkpoint(out_dir: str | Path, before_step: int, passing_over: frozenset[Path] = frozenset(),
-                         say: Callable[[str], None] = lambda line: None) -> Optional[Path]:
+                         say: Callable[[str], None] = lambda line: None, also: Optional[Path] = None
+                         ) -> Optional[Path]:
     """Where a rollback returns to (spike guard): the latest checkpoint saved before `before_step` whose validation
     loss, where it records one, is no higher than the lowest of those measured on the same validation rows as the
     latest's: a checkpoint from a stretch where the loss had begun to rise is passed over for an earlier one. So are
@@ -145,14 +148,21 @@ def last_good_checkpoint(out_dir: str | Path, before_step: int, passing_over: fr
     changed the evaluation's batches) do not compare: a folder added at a resume raised val_loss by its own rows, and
     a rollback discarded every step trained since, back to the checkpoint before that resume. One whose metadata
     cannot be read (not what was saved, its checksums lost) is passed over, with a line (`say`): it ended the
-    rollback in a traceback, even where an earlier one was chosen."""
+    rollback in a traceback, even where an earlier one was chosen. `also` (the checkpoint this run resumed from)
+    is one too, wherever it lies: a run resumed into a new --out_dir had nothing to roll back to until it saved."""
+    paths: list[tuple[Optional[int], Path]] = list(list_checkpoints(out_dir).items())
+    if also is not None and also.exists() and also.resolve() not in {path.resolve() for _, path in paths}:
+        paths.append((None, also))  # its step is in its metadata
     candidates, metadata = {}, {}
-    for step, path in list_checkpoints(out_dir).items():
-        if step < before_step and path not in passing_over:
+    for step, path in paths:
+        if (step is None or step < before_step) and path not in passing_over:
             try:
-                candidates[step], metadata[step] = path, read_metadata(path)
+                saved = read_metadata(path)
             except CheckpointError as error:
                 say(f"not rolling back to {error}; trying an earlier checkpoint")
+                continue
+            if saved["step"] < before_step and saved["step"] not in candidates:
+                candidates[saved["step"]], metadata[saved["step"]] = path, saved
     if not candidates:
         return None
     measured = validation_measured(metadata[max(metadata)])

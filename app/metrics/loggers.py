@@ -8,7 +8,7 @@ import json
 import os
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 from lightning_fabric.loggers import Logger
 from lightning_fabric.loggers.logger import rank_zero_experiment
@@ -65,20 +65,23 @@ class CSVMetrics(Logger):
         replace_file(self.path, self.lines_kept())
 
     def lines_kept(self) -> Iterator[str]:
-        """The header, then the rows up to the step the run resumes from, one at a time: a week's metrics.csv at
-        --log_interval 1 (600k rows, 157 MB) held in memory took 10 s and 1.45 GB at every resume, and rank 0's peak
-        RSS, which every later row reports, measured that rather than training."""
+        """The header, then the rows up to the step the run resumes from (`kept_rows`), one at a time: a week's
+        metrics.csv at --log_interval 1 (600k rows, 157 MB) held in memory took 10 s and 1.45 GB at every resume, and
+        rank 0's peak RSS, which every later row reports, measured that rather than training."""
         line = io.StringIO(newline="")
         writer = csv.DictWriter(line, fieldnames=self.columns, extrasaction="ignore")
         writer.writeheader()
         yield taken(line)
         if self._resume_step is None or not self.path.exists():
             return
-        with open(self.path, newline="") as handle:  # a row cut short (killed while appending it) is dropped
-            for row in csv.DictReader(line for line in handle if line.endswith("\n")):
-                if int(row["step"]) <= self._resume_step:
-                    writer.writerow(row)
-                    yield taken(line)
+
+        def rows() -> Iterator[dict]:
+            with open(self.path, newline="") as handle:  # a row cut short (killed while appending it) is dropped
+                yield from csv.DictReader(line for line in handle if line.endswith("\n"))
+
+        for row in kept_rows(rows, lambda row: int(row["step"]), self._resume_step):
+            writer.writerow(row)
+            yield taken(line)
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
@@ -90,12 +93,33 @@ class CSVMetrics(Logger):
         written_or_warned(self.path, partial(append_whole, self.path, row.getvalue()))
 
 
+T = TypeVar("T")
+
+
+def kept_rows(rows: Callable[[], Iterator[T]], step_of: Callable[[T], int], resume_step: int) -> Iterator[T]:
+    """What a resume from `resume_step` keeps of a file of rows by step (`rows` reads it afresh, for two passes: a
+    long run's file does not fit in memory): every row up to the last one of a step no later than the resume's.
+    A rollback wrote the abandoned steps' rows and then the same steps again (`…32, 33, 34, 33, 34…`); keeping
+    each row of a step up to the resume's, a resume from the second 33 kept the abandoned 33 but not 34, where
+    the run itself had both."""
+    last = -1
+    for index, row in enumerate(rows()):
+        if step_of(row) <= resume_step:
+            last = index
+    for index, row in enumerate(rows()):
+        if index > last:
+            return
+        yield row
+
+
 def lines_up_to(path: Path, step: int) -> Iterator[str]:
-    """rows.jsonl's whole lines up to `step`, one at a time (a long run's file is gigabytes at real batch sizes)."""
-    with open(path) as handle:
-        for line in handle:
-            if line.endswith("\n") and json.loads(line)["step"] <= step:
-                yield line
+    """rows.jsonl's whole lines up to `step` (`kept_rows`), one at a time (a long run's file is gigabytes at real
+    batch sizes)."""
+    def lines() -> Iterator[str]:
+        with open(path) as handle:
+            yield from (line for line in handle if line.endswith("\n"))
+
+    yield from kept_rows(lines, lambda line: json.loads(line)["step"], step)
 
 
 def taken(buffer: io.StringIO) -> str:

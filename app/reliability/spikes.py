@@ -8,7 +8,10 @@ re-run machinery attributes the fault; none skips the batch, sets its rows aside
 Detection. A step is a spike when its loss lies more than `z` standard deviations of its noise above the median of the
 last few accepted steps; the noise is estimated robustly from the step-to-step changes over the last `window`
 accepted steps (`upper_limit`), and is at least `floor` times the median (a plateau's tiny noise would make any
-wobble a spike). The gradient norm is judged too when asked (`grad_norm_z`), by its logarithm: it varies by factors.
+wobble a spike); the loss must also rise at least `min_rise` nats (a model memorising a small set sits near a loss
+of 0, where a relative floor is no floor: a wobble from 0.008 to 0.16 set aside 9 of its 16 clean rows and stopped
+the run). Under `detect`, a spike joins the statistics too (it is applied): the level a loss moves to for good
+becomes its new normal, where every later step had been reported. The gradient norm is judged too when asked (`grad_norm_z`), by its logarithm: it varies by factors.
 It is not by default: on the test model's clean data (16 x 32 tokens a step) the norm jumps 3 to 5 times its median
 from one ordinary step to the next, and a limit at 6 deviations set aside 18 of 60 clean steps. One-sided: a loss that falls fast is learning. Nothing
 is judged until `warmup` steps were accepted, as the loss falls steeply at first. Both numbers come from the one
@@ -20,7 +23,9 @@ and sets aside the rows whose losses explain the spike (`culprits`): from then o
 count, after any resume (the quarantine is part of the checkpoint); `rollback` does the same and, when
 `incident_spikes` spikes fall within `incident_steps` steps (a stretch of bad data, or a loss that stays above its
 range), reloads the last good checkpoint in the running process, skips the stretch of data that led there and goes
-on, at most `max_rollbacks` times. Spikes that repeat without rows to blame (the model, not the data) stop a run
+on, at most `max_rollbacks` times; the rows of the incident's spikes, which no row of theirs explained, are set
+aside then (a stretch of bad data is bad as a whole: in the next epoch they trained again, unnoticed). Spikes that
+repeat without rows to blame (the model, not the data) stop a run
 under `skip`, and one past its rollbacks, with their own exit code.
 """
 
@@ -66,15 +71,16 @@ class SpikeRules:
     window: int = 100
     warmup: int = 50
     floor: float = 0.01
+    min_rise: float = 0.1
     incident_spikes: int = 3
     incident_steps: int = 50
     max_rollbacks: int = 3
     rewarm_steps: int = 0
 
 
-def upper_limit(values: Sequence[float], z: float, floor: float) -> float:
+def upper_limit(values: Sequence[float], z: float, floor: float, min_rise: float = 0.0) -> float:
     """The value above which the next one is a spike: the median of the last `RECENT` values plus z times the
-    noise, at least `floor` times that median.
+    noise, at least `floor` times that median, and plus at least `min_rise`.
 
     The noise is estimated from the changes between consecutive values (the median absolute change, scaled to a
     standard deviation), not from their spread around the median: early in training the loss falls steadily, and
@@ -82,7 +88,7 @@ def upper_limit(values: Sequence[float], z: float, floor: float) -> float:
     centre = statistics.median(values[-RECENT:])
     changes = [abs(after - before) for before, after in zip(values, values[1:])]
     noise = statistics.median(changes) * CHANGE_TO_SIGMA if changes else 0.0
-    return centre + z * max(noise, floor * abs(centre))
+    return centre + max(z * max(noise, floor * abs(centre)), min_rise)
 
 
 def outlier_limit(values: Sequence[float], z: float, floor: float) -> float:
@@ -131,6 +137,11 @@ class SpikeHistory:
     """The step a rollback returned to, when the learning rate warms up again from there."""
     quarantine: list[dict] = field(default_factory=list)
     """{"row", "loss" (its mean token loss), "tokens", "step"} of every train row set aside."""
+    incident_rows: list[dict] = field(default_factory=list)
+    """The same of every row of the spikes in `recent_spikes` (under rollback): set aside if they make a rollback."""
+    data: Optional[list] = None
+    """The mixture the statistics were gathered on ([name, weight] per folder; [] for one folder): a resume that
+    changes it starts them again (`judged_on`)."""
 
     @classmethod
     def from_dict(cls, saved: Optional[dict]) -> "SpikeHistory":
@@ -157,6 +168,16 @@ class SpikeGuard:
         """Whether rows in quarantine train nothing (detect only reports them)."""
         return self.rules.mode in ("skip", "rollback")
 
+    def judged_on(self, data: list) -> bool:
+        """Take `data` as the mixture the statistics describe; True when they were of another one and start again:
+        a folder added at a resume (or another weight) moves the loss by its own rows, and judged against the old
+        mixture's statistics the new folder's clean rows were set aside as spikes."""
+        history, changed = self.history, self.history.data is not None and self.history.data != data
+        if changed and history.losses:
+            history.losses, history.grad_norms, history.recent_spikes, history.incident_rows = [], [], [], []
+        history.data = data
+        return changed
+
     def judge(self, step: int, loss: float, grad_norm: float) -> Optional[Spike]:
         """The spike this step is, or None (always None while warming up or switched off)."""
         history = self.history
@@ -165,7 +186,8 @@ class SpikeGuard:
         if not math.isfinite(grad_norm):  # overflowed under a gradient scaler, which skips the step itself
             grad_norm = 0.0
         grad_norm_z = self.rules.grad_norm_z
-        spike = Spike(step, loss, grad_norm, upper_limit(history.losses, self.rules.z, self.rules.floor),
+        spike = Spike(step, loss, grad_norm, upper_limit(history.losses, self.rules.z, self.rules.floor,
+                                                         self.rules.min_rise),
                       math.inf if grad_norm_z is None else
                       math.exp(upper_limit([math.log(max(norm, TINY)) for norm in history.grad_norms], grad_norm_z,
                                            floor=0.0)))
@@ -179,21 +201,28 @@ class SpikeGuard:
         self.history.losses = (self.history.losses + [loss])[-window:]
         self.history.grad_norms = (self.history.grad_norms + [grad_norm])[-window:]
 
-    def respond(self, spike: Spike, explained: bool) -> Action:
+    def respond(self, spike: Spike, explained: bool, rows: Sequence[tuple[int, float, int]] = ()) -> Action:
         """What to do with this spike; counts it. A spike that rows explain (`culprits`) is bad data: skipped, the
         rows set aside. Unexplained spikes, in the loss or the gradient norm (the whole batch high: the model, not the
         data), escalate when they repeat: rollback under `rollback` while rollbacks are left, else stop. (Spikes in
         the gradient norm alone were skipped however many: a norm that moved up for good, which the statistics of
-        accepted steps never learn, left every later step unapplied and the run "finished" without training.)"""
+        accepted steps never learn, left every later step unapplied and the run "finished" without training.)
+        `rows` ((row, summed loss, tokens) of the step's rows) are kept for a rollback to set aside."""
         rules, history = self.rules, self.history
         history.spikes += 1
         if rules.mode == "detect":
+            self.accept(spike.loss, spike.grad_norm)
             return "apply"
         history.skipped_steps += 1
         if explained:
             return "skip"
         history.recent_spikes = [s for s in history.recent_spikes if s > spike.step - rules.incident_steps]
         history.recent_spikes.append(spike.step)
+        if rules.mode == "rollback":
+            history.incident_rows = [entry for entry in history.incident_rows
+                                     if entry["step"] in history.recent_spikes] + [
+                {"row": row, "loss": total / tokens, "tokens": tokens, "step": spike.step}
+                for row, total, tokens in rows if tokens > 0]
         if len(history.recent_spikes) < rules.incident_spikes:
             return "skip"
         if rules.mode == "rollback" and history.rollbacks < rules.max_rollbacks:
@@ -204,16 +233,25 @@ class SpikeGuard:
         """The step of the first spike of the current incident."""
         return min(self.history.recent_spikes)
 
-    def rolled_back(self, to_step: int, saved: Optional[dict]) -> None:
+    def open_incident(self, step: int) -> Optional[int]:
+        """Under rollback, the step of the first spike within --spike_incident_steps of `step`, whose rollback
+        would need a checkpoint from before it (which --keep_last_n must not delete); None when there is none."""
+        recent = [s for s in self.history.recent_spikes if s > step - self.rules.incident_steps]
+        return min(recent) if self.rules.mode == "rollback" and recent else None
+
+    def rolled_back(self, to_step: int, saved: Optional[dict]) -> list[dict]:
         """After reloading the checkpoint of `to_step`: its statistics (from before the incident), this run's
-        quarantine and counts."""
+        quarantine and counts, and the incident's rows set aside (returned)."""
         kept = self.history
         self.history = SpikeHistory.from_dict(saved)
-        self.history.recent_spikes = []
-        self.history.quarantine = kept.quarantine
+        self.history.recent_spikes, self.history.incident_rows, self.history.data = [], [], kept.data
+        known = kept.quarantined_rows()
+        incident = list({entry["row"]: entry for entry in kept.incident_rows if entry["row"] not in known}.values())
+        self.history.quarantine = kept.quarantine + incident
         self.history.spikes, self.history.skipped_steps = kept.spikes, kept.skipped_steps
         self.history.rollbacks = kept.rollbacks + 1
         self.history.rewarm_from = to_step if self.rules.rewarm_steps else None
+        return incident
 
     def lr_factor(self, step: int) -> float:
         """The learning rate's share while it warms up again after a rollback (1 otherwise)."""

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
 import torch
 from lightning_fabric import Fabric
 
-from app.checkpoint import (CheckpointSaver, checkpoint_path, load_last_good_checkpoint, mark_if_best,
-                            prune_checkpoints, rng_of_every_rank, set_aside_newer)
+from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, load_last_good_checkpoint,
+                            mark_if_best, prune_checkpoints, rng_of_every_rank, set_aside_newer)
 from app.data import Batch, Step, TrainingData, train_steps
 from app.distributed.precision import restore_grad_scaler
 from app.evaluation.validation import EvaluationStopped, perplexity, row_losses, validation_losses
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 
 Outcome = Literal["finished", "preempted", "interrupted", "non_finite", "spikes"]
+RESUME_ADVICE = "Resume from the last checkpoint with a lower --lr"
 
 
 def micro_batch_loss(model, loss_path: LossPath, batch: Batch, step_tokens: int, world_size: int) -> torch.Tensor:
@@ -264,9 +265,9 @@ class Loop:
         if spike is None:
             guard.accept(verdict.loss, verdict.grad_norm_value)
             return "apply"
-        blamed = culprits(row_losses(self.fabric, self.state["model"], self.loss_path, self.data, step.rows), spike,
-                          guard.rules.floor)
-        action = guard.respond(spike, explained=bool(blamed))
+        scored = row_losses(self.fabric, self.state["model"], self.loss_path, self.data, step.rows)
+        blamed = culprits(scored, spike, guard.rules.floor)
+        action = guard.respond(spike, explained=bool(blamed), rows=scored)
         rows = ", ".join(f"{row} (loss {loss:.2f})" for row, loss, _ in blamed[:10]) + (" ..." if len(blamed) > 10
                                                                                         else "")
         if blamed and guard.sets_aside:
@@ -279,9 +280,12 @@ class Loop:
             "skip": "not applied; " + (f"train rows set aside in quarantine.jsonl: {rows}" if rows else
                                         "no row stands out"),
             "rollback": "not applied; loss spikes without rows to blame repeat: rolling back",
-            "stop": "not applied; loss spikes without rows to blame repeat and no rollback is left: stopped without "
-                    "saving. Resume from the last checkpoint with a lower --lr (rows set aside so far are in "
-                    f"{Path(self.cfg.out_dir) / QUARANTINE_FILE})"}[action])
+            "stop": "not applied; loss spikes without rows to blame repeat"
+                    + (" and no rollback is left" if guard.rules.mode == "rollback" else " (--spike_guard skip)")
+                    + f": stopped without saving. {RESUME_ADVICE}"
+                    + ("" if guard.rules.mode == "rollback" else ", or under --spike_guard rollback (which sets aside "
+                       "the rows of spikes that repeat, if the data is to blame)")
+                    + f" (rows set aside so far are in {Path(self.cfg.out_dir) / QUARANTINE_FILE})"}[action])
         return action
 
     def roll_back(self) -> bool:
@@ -297,12 +301,12 @@ class Loop:
             passed_over.append(line)
             self.console.print(f"step {state['step']}: {line}")
 
-        loaded = load_last_good_checkpoint(self.cfg.out_dir, began, state["model"], state["optimizer"], say)
+        loaded = load_last_good_checkpoint(self.cfg.out_dir, began, state["model"], state["optimizer"], say,
+                                           also=self.resumed_from)
         if loaded is None:
             none_left = (f"every checkpoint from before step {began} was passed over (see above)" if passed_over
                          else f"no checkpoint from before step {began} to roll back to")
-            self.console.print(f"step {state['step']}: {none_left}; stopped without saving. Resume from the last "
-                               "checkpoint with a lower --lr")
+            self.console.print(f"step {state['step']}: {none_left}; stopped without saving. {RESUME_ADVICE}")
             return False
         path, saved = loaded
         if fabric.is_global_zero:
@@ -312,7 +316,13 @@ class Loop:
         back = state["step"] - saved["step"]
         state |= saved_progress(saved, ("step", "val_loss", "val_loss_step", "log_window"))  # the data goes on
         restore_grad_scaler(fabric.strategy.precision, saved)
-        self.guard.rolled_back(saved["step"], saved.get("spike_guard"))
+        incident = self.guard.rolled_back(saved["step"], saved.get("spike_guard"))
+        if incident:
+            self.data.quarantine(entry["row"] for entry in incident)
+            if fabric.is_global_zero:
+                write_quarantine(Path(self.cfg.out_dir), self.guard.history.quarantine, self.data.locate)
+            self.console.print(f"step {saved['step'] + back}: the {len(incident)} train rows of the spikes that made "
+                               f"this incident are set aside ({Path(self.cfg.out_dir) / QUARANTINE_FILE})")
         self.clock.rewind(back)
         self.console.print(f"step {saved['step'] + back}: rolled back to {path} (step {saved['step']}, rollback "
                            f"{self.guard.history.rollbacks} of {self.guard.rules.max_rollbacks}); training goes on "
@@ -409,7 +419,7 @@ class Loop:
         step = self.state["step"]
         path = checkpoint_path(self.cfg.out_dir, step)
         published = partial(self.after_publishing, path, step, self.state["val_loss"] if evaluated else None,
-                            started=time.monotonic())
+                            started=time.monotonic(), incident_began=self.guard.open_incident(step))
         with self.saving.measure():
             self.state["rng"] = rng_of_every_rank(self.fabric.world_size)
             self.state["grad_scaler"] = self.fabric.strategy.precision.state_dict()
@@ -426,11 +436,18 @@ class Loop:
             upload_checkpoint(self.fabric.loggers, path, step)
         return {"save_sec": self.saving.last}
 
-    def after_publishing(self, path: Path, step: int, val_loss: Optional[float], started: float) -> None:
-        """On rank 0, when the checkpoint is visible (in the background writer's thread with --async_save)."""
+    def after_publishing(self, path: Path, step: int, val_loss: Optional[float], started: float,
+                         incident_began: Optional[int] = None) -> None:
+        """On rank 0, when the checkpoint is visible (in the background writer's thread with --async_save). While
+        spikes may still make an incident (`incident_began`), --keep_last_n keeps the checkpoint its rollback would
+        return to: it was deleted between the first spikes and the last, and the run stopped with nothing to roll back
+        to, as did every resume."""
         self.console.print(f"step {step}: saved {path} in {time.monotonic() - started:.1f} s")
         if val_loss is not None:
             mark_if_best(path, val_loss)
         protected = {path, self.resumed_from} if self.resumed_from else {path}
+        if incident_began is not None and self.cfg.keep_last_n is not None:
+            needed = last_good_checkpoint(self.cfg.out_dir, incident_began, also=self.resumed_from)
+            protected |= {needed} if needed else set()
         for deleted in prune_checkpoints(self.cfg.out_dir, self.cfg.keep_last_n, protected):
             self.console.print(f"step {step}: deleted {deleted.name} (--keep_last_n {self.cfg.keep_last_n})")

@@ -286,7 +286,7 @@ def spike_rules(cfg: Config) -> SpikeRules:
     """The guard's options from the run's (tests/test_spikes.py checks that SpikeRules' defaults are the options'
     defaults, which are written twice)."""
     return SpikeRules(mode=cfg.spike_guard, z=cfg.spike_z, grad_norm_z=cfg.spike_grad_norm_z, window=cfg.spike_window,
-                      warmup=cfg.spike_warmup, incident_spikes=cfg.spike_incident,
+                      warmup=cfg.spike_warmup, min_rise=cfg.spike_min_rise, incident_spikes=cfg.spike_incident,
                       incident_steps=cfg.spike_incident_steps, max_rollbacks=cfg.spike_max_rollbacks,
                       rewarm_steps=cfg.spike_rewarm_steps)
 
@@ -296,6 +296,10 @@ def spike_guard(fabric: Fabric, cfg: Config, state: dict[str, Any], data: Traini
     resumed under `detect` (which sets none aside itself: they trained again while the summary counted them set
     aside); under `off`, they train again, and the run says so."""
     guard = SpikeGuard(spike_rules(cfg), SpikeHistory.from_dict(state["spike_guard"]))
+    mixture = [[part.source.name, str(part.source.weight)] for part in data.sources] if data.mixture else []
+    if guard.judged_on(mixture) and guard.active:
+        fabric.print(f"the data's folders or weights changed since the checkpoint: the spike guard gathers its "
+                     f"statistics again ({cfg.spike_warmup} steps before it judges)")
     if fabric.is_global_zero:  # what this run skips, from its state: a file of an abandoned stretch's is stale
         write_quarantine(Path(cfg.out_dir), guard.history.quarantine if guard.active else [], data.locate)
     if guard.active and guard.history.quarantine:
