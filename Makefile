@@ -48,7 +48,8 @@ GPU_WHEELS := jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.1
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?= --out gpu-check.json
 .PHONY: gpu-wheels gpu-check gpu-rehearsal
-gpu-wheels:
+gpu-wheels:  # afresh: wheels of an earlier pin beside the new ones make gpu-check's install refuse both
+	rm -rf .whl
 	python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 # The wheels go into .gpu-check-site/ of this checkout, made afresh: a fixed folder in /tmp could be made first by
@@ -69,8 +70,8 @@ GPU_IMAGE_PACKAGES := torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0
 	safetensors==0.8.0 numpy==2.5.2 sentencepiece==0.2.2 tiktoken==0.14.0 accelerate==1.15.0 \
 	pytorch-lightning==2.6.6 lightning==2.6.6 protobuf psutil tqdm matplotlib pyarrow pandas xxhash fsspec pyyaml
 gpu-rehearsal:
-	test -x .gpu-image/bin/python || ($(GPU_IMAGE_PYTHON) -m venv .gpu-image && \
-		.gpu-image/bin/pip install --quiet $(GPU_IMAGE_PACKAGES))
+	test -f .gpu-image/.installed || (rm -rf .gpu-image && $(GPU_IMAGE_PYTHON) -m venv .gpu-image && \
+		.gpu-image/bin/pip install --quiet $(GPU_IMAGE_PACKAGES) && touch .gpu-image/.installed)
 	$(MAKE) gpu-wheels
 	$(MAKE) gpu-check GPU_PYTHON=.gpu-image/bin/python GPU_CHECK_ARGS="--tiny --out gpu-rehearsal.json"
 

@@ -30,11 +30,14 @@ from app.distributed.cpu_collectives import PointToPointAllGather, PointToPointR
 
 Collective = Callable[[int, int], None]
 """(rank, numel of the gathered layer) -> one call on fresh tensors."""
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""torch's newer names (2.13 deprecates the older ones), else the older ones (the GPU image's torch 2.11 has no other)."""
 
 
 def gloo_all_gather(rank: int, numel: int) -> None:
     output = torch.empty(numel)
-    dist.all_gather_single(output, output.narrow(0, rank * numel // 2, numel // 2).fill_(rank))
+    ALL_GATHER(output, output.narrow(0, rank * numel // 2, numel // 2).fill_(rank))
 
 
 def our_all_gather(rank: int, numel: int) -> None:
@@ -43,7 +46,7 @@ def our_all_gather(rank: int, numel: int) -> None:
 
 
 def gloo_reduce_scatter(rank: int, numel: int) -> None:
-    dist.reduce_scatter_single(torch.empty(numel // 2), torch.full((numel,), float(rank)), op=dist.ReduceOp.AVG)
+    REDUCE_SCATTER(torch.empty(numel // 2), torch.full((numel,), float(rank)), op=dist.ReduceOp.AVG)
 
 
 def our_reduce_scatter(rank: int, numel: int) -> None:

@@ -30,6 +30,7 @@ import argparse
 import csv
 import importlib.util
 import json
+import os
 import platform
 import re
 import shutil
@@ -138,7 +139,10 @@ class Check:
 
     def __init__(self, scale: Scale, work: Path, out: Path, tiny: bool, minutes: Optional[float] = None) -> None:
         self.scale, self.work, self.out, self.rows, self.minutes = scale, work, out, [], minutes
-        self.machine, self.started = machine() | {"tiny": tiny}, time.monotonic()
+        self.on_gpu = not tiny and torch.cuda.is_available()
+        """Whether the checks run on the GPU: the tiny mode runs on CPU also where a GPU is (the suite on a GPU
+        machine), and its verdicts are the CPU's."""
+        self.machine, self.started = machine(self.on_gpu) | {"tiny": tiny}, time.monotonic()
 
     def time_left(self, name: str) -> bool:
         """Whether `name` may start within --minutes; if not, a row says it was not run (the GPU machine's time
@@ -159,7 +163,10 @@ class Check:
         self.out.write_text(json.dumps({"machine": self.machine, "rows": [asdict(r) for r in self.rows]}, indent=1))
 
     def script(self, *arguments: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True)
+        """A script of the project run as a user runs it; in the tiny mode on CPU, whatever the machine holds."""
+        hidden = {} if self.on_gpu else {"CUDA_VISIBLE_DEVICES": ""}
+        return subprocess.run([sys.executable, *arguments], cwd=ROOT, capture_output=True, text=True,
+                              env=os.environ | hidden)
 
     def model(self, name: str, shape: dict) -> Path:
         folder = self.work / name
@@ -313,7 +320,7 @@ dist.destroy_process_group()
 def check_runtime(check: Check) -> None:
     """The card's memory that no tensor holds: the CUDA context alone, then with NCCL's communicator (one rank),
     cuBLAS's and the attention kernels' workspaces loaded, against the planner's flat RUNTIME_BYTES."""
-    if not torch.cuda.is_available():
+    if not check.on_gpu:
         return
     result = check.script("-c", RUNTIME_PROBE)
     if result.returncode != 0:
@@ -339,7 +346,7 @@ def check_llama_3_8b_plan(check: Check) -> None:
 
     config = LlamaConfig(**LLAMA_3_8B)
     shape = ModelShape.of(config, resolve_wrap_classes(config, None))
-    card = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80e9
+    card = torch.cuda.get_device_properties(0).total_memory if check.on_gpu else 80e9
     planned = {}
     for checkpointing in (False, True):
         setup = Setup(strategy="fsdp", sharding_strategy="FULL_SHARD", precision="bf16-mixed", world_size=8,
@@ -358,7 +365,7 @@ def check_loss_head(check: Check) -> None:
     """The loss head alone (benchmarks/bench_loss.py): the chunked loss's default against the materialising path,
     its time, memory and its loss and gradients against the materialising path's (bf16 on a GPU: the products'
     rounding; fp32 on CPU)."""
-    result = check.script("benchmarks/bench_loss.py", *([] if torch.cuda.is_available() else ["--tiny"]))
+    result = check.script("benchmarks/bench_loss.py", *([] if check.on_gpu else ["--tiny"]))
     rows = bench_loss_rows(result.stdout)
     if result.returncode != 0 or len(rows) < 2:
         check.add(Row("loss head", f"bench_loss.py exited {result.returncode}: {last_line(result.stderr)}", ok=False))
@@ -370,7 +377,7 @@ def check_loss_head(check: Check) -> None:
         return
     (own_ms, own_gb, _), (ms, gb, differences) = table["materialised logits"], table[chunked]
     loss_difference, *gradient_differences = (float(d) for d in differences.split(","))
-    tolerance = 5e-2 if torch.cuda.is_available() else 1e-5
+    tolerance = 5e-2 if check.on_gpu else 1e-5
     check.add(Row(f"loss head alone, {chunked} / materialised logits",
                   f"{ms} / {own_ms} ms, {gb} / {own_gb} GB; loss within {loss_difference:.1e}, gradients within "
                   f"{max(gradient_differences):.1e}", f"loss within 1e-4, gradients within {tolerance:g}",
@@ -381,7 +388,7 @@ def check_loss_head(check: Check) -> None:
 def check_fused_kernels(check: Check) -> None:
     """The fused kernels installed (Liger Kernel, Cut Cross-Entropy; `make gpu-wheels` brings them) in the same
     benchmark, for the record: last, since their Triton kernels compile and tune first. Not on CPU."""
-    if not torch.cuda.is_available():
+    if not check.on_gpu:
         return
     result = check.script("benchmarks/bench_loss.py", "--fused_kernels")
     table = {row[0]: row[1:] for row in bench_loss_rows(result.stdout)}
@@ -427,7 +434,7 @@ def check_strategies(check: Check, model: Path, data: Path) -> dict[str, Optiona
     check.add(Row(f"losses, fsdp2 against fsdp, {precision}, {check.scale.steps} steps",
                   f"largest relative difference {difference:.1e}", f"<= {check.scale.loss_tolerance:g}",
                   difference <= check.scale.loss_tolerance, {"difference": difference}))
-    on_gpu = torch.cuda.is_available()  # on CPU the peak is the process's RSS, not its tensors
+    on_gpu = check.on_gpu  # on CPU the peak is the process's RSS, not its tensors
     for strategy, summary in runs.items():
         planned = check.estimate_gb(model, strategy, precision)
         ratio = peak_gb(summary) / planned
@@ -450,7 +457,7 @@ def check_staging_memory(check: Check, model: Path, runs: dict[str, dict]) -> No
     config = LlamaConfig.from_pretrained(model)
     state = ModelShape.of(config, resolve_wrap_classes(config, None)).parameters * 12 / 2**30
     held = runs["fsdp"]["ranks"][0]["peak_rss_gb"] - runs["fsdp2"]["ranks"][0]["peak_rss_gb"]
-    on_gpu = torch.cuda.is_available()
+    on_gpu = check.on_gpu
     check.add(Row("--async_save's staging: host peak RSS of fsdp with it less fsdp2 without",
                   f"{held:.2f} GB for {state:.2f} GB of training state", "within 10% of the state" if on_gpu else "",
                   abs(held / state - 1) <= 0.10 if on_gpu else None, {"held_gb": held, "state_gb": state}))
@@ -466,7 +473,7 @@ def check_variants(check: Check, model: Path, data: Path, variants: list[tuple[s
             losses = summary["losses"]
             first, last = losses[min(losses)], losses[max(losses)]
             compiled_default = "--compile" in options
-            target = MFU_TARGET if torch.cuda.is_available() and compiled_default else None
+            target = MFU_TARGET if check.on_gpu and compiled_default else None
             check.add(Row(name, f"loss {first:.3f} -> {last:.3f}, {throughput(summary)}", "the loss falls"
                           + (f", MFU >= {target:.0%}" if target else ""),
                           last < first and (target is None or summary.get("mfu", 0) >= target),
@@ -479,7 +486,7 @@ def check_chunked_loss(check: Check, model: Path, data: Path) -> None:
                                  "--chunked_loss", chunked, "--micro_batch_size", "1") for chunked in ("true", "false")}
     if all(runs.values()):
         chunked, full = runs["true"], runs["false"]
-        on_gpu = torch.cuda.is_available()  # the tiny model's logits are too small to show
+        on_gpu = check.on_gpu  # the tiny model's logits are too small to show
         check.add(Row(f"{check.scale.vocabulary_model['vocab_size']:,}-token vocabulary, 1 x "
                       f"{check.scale.long_block_size} tokens: chunked loss / own loss",
                       f"peak {peak_gb(chunked):.2f} / {peak_gb(full):.2f} GB, tokens/s "
@@ -573,7 +580,7 @@ def check_architectures(check: Check, text_data: Path) -> None:
             else None
         if summary is None:
             continue
-        losses, on_gpu = summary["losses"], torch.cuda.is_available()
+        losses, on_gpu = summary["losses"], check.on_gpu
         first, last = losses[min(losses)], losses[max(losses)]
         tensors = planned - RUNTIME_BYTES / 2**30 if on_gpu else planned  # on CPU the peak is the RSS: no verdict
         ratio = peak_gb(summary) / tensors
@@ -589,7 +596,7 @@ def check_architectures(check: Check, text_data: Path) -> None:
 
 def check_supervised(check: Check, model: Path, tokenizer: Path) -> None:
     data = prepare_supervised(check, tokenizer)
-    attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") and torch.cuda.is_available() else "sdpa"
+    attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") and check.on_gpu else "sdpa"
     summary = check.train("supervised", model, data, "--precision", check.scale.precisions["bf16-mixed"],
                           "--attn_implementation", attention)
     if summary:
@@ -625,16 +632,16 @@ def run_checks(check: Check, scale: Scale) -> None:
     check_variants(check, model, data, [variant for variant in scale.variants if variant not in compiled])
     if check.time_left("supervised"):
         check_supervised(check, model, data / "tokenizer")
-    if torch.cuda.is_available() and straight["fsdp"] and check.time_left("--loss_kernel cut_cross_entropy"):
+    if check.on_gpu and straight["fsdp"] and check.time_left("--loss_kernel cut_cross_entropy"):
         check_cut_cross_entropy(check, model, data, straight["fsdp"])
     if check.time_left("fused kernels"):
         check_fused_kernels(check)
 
 
-def machine() -> dict:
+def machine(on_gpu: bool) -> dict:
     found = {"python": platform.python_version(), "torch": torch.__version__,
              "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
-    if torch.cuda.is_available():
+    if on_gpu:
         found["device"] = torch.cuda.get_device_name(0)
         smi = shutil.which("nvidia-smi")
         if smi:
@@ -655,6 +662,9 @@ def main() -> int:
     scale = TINY if options.tiny else GPU
     if not options.tiny and not torch.cuda.is_available():
         print("gpu_check.py: error: no GPU here; run it on a GPU machine, or --tiny on CPU", file=sys.stderr)
+        return 2
+    if not Path(options.out).absolute().parent.is_dir():
+        print(f"gpu_check.py: error: --out {options.out}: no such folder to write it in", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as folder:
         check = Check(scale, Path(folder), Path(options.out), options.tiny, options.minutes)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from app.checkpoint import load_checkpoint  # noqa: E402
+from app.checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint  # noqa: E402
 from app.distributed.strategy import build_fabric  # noqa: E402
 from app.exit_codes import EXIT_FINISHED  # noqa: E402
 from app.model.build import deferred_init, setup_model  # noqa: E402
@@ -61,6 +61,11 @@ def main() -> None:
     if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
         sys.exit(__doc__)
     report, checkpoint, cfg = sys.argv[1], Path(sys.argv[2]), parse_config(sys.argv[3:])
+    if checkpoint.is_dir() and not is_checkpoint(checkpoint):  # a run folder: its latest, as --resume takes it
+        checkpoint = latest_checkpoint(checkpoint) or checkpoint
+    if not is_checkpoint(checkpoint):
+        sys.exit(f"resume_memory.py: error: CHECKPOINT {checkpoint}: no checkpoint there; give a checkpoint or a run "
+                 "folder that holds one")
     inputs = preflight(cfg)
     deferred = deferred_init(cfg, inputs.model_config)
     fabric = build_fabric(cfg, inputs.plan.world_size, inputs.wrap_classes, [],

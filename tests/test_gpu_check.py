@@ -26,3 +26,22 @@ def test_the_gpu_check_runs_every_check_in_its_tiny_mode(tmp_path: Path) -> None
     assert rows["convert_to_hf.py"]["result"].startswith("logits verified")
     assert report["machine"]["torch"] and report["machine"]["tiny"] is True
     assert "| check | result | expected | |" in result.stdout
+
+
+def test_the_tiny_mode_judges_as_on_cpu_also_on_a_machine_with_a_gpu(tmp_path: Path, monkeypatch) -> None:
+    """Its runs train on CPU, but every verdict asked torch.cuda.is_available(): on a GPU machine (`make test` there)
+    the tiny runs' peaks were judged as GPU tensors (69x the plan: FAILED) and the GPU-only rows ran on CPU."""
+    import subprocess
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check = gpu_check.Check(gpu_check.TINY, tmp_path, tmp_path / "out.json", tiny=True)
+    assert check.on_gpu is False and check.machine["device"].startswith("CPU")
+    started = []
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: started.append(kwargs["env"]))
+    check.script("train.py")
+    assert started[0]["CUDA_VISIBLE_DEVICES"] == ""

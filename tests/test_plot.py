@@ -48,6 +48,14 @@ def test_series_keep_only_the_rows_that_logged_each_column() -> None:
     assert series["mfu"] == ([], []), "a CPU run logs no MFU"
 
 
+def test_a_last_row_still_being_written_is_left_out() -> None:
+    """plot_metrics.py plots a run while it trains (or after a kill): a row cut short was refused as not a number, or
+    read as the wrong one."""
+    whole = csv_text({"step": 1, "train_loss": 5.9}, {"step": 2, "train_loss": 5.1})
+    for cut in ("3,0,4.78e", "3,0,4.7"):
+        assert metric_series(whole + cut)["train_loss"] == ([1, 2], [5.9, 5.1]), cut
+
+
 def test_a_later_row_for_the_same_step_and_column_wins() -> None:
     series = metric_series(csv_text({"step": 4, "val_loss": 3.0}, {"step": 4, "val_loss": 2.5}, {"step": 5}))
     assert series["val_loss"] == ([4], [2.5])

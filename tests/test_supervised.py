@@ -569,3 +569,21 @@ def test_show_samples_shows_the_end_of_a_long_prompt_where_a_chat_asks_its_quest
     assert len(shown) == 110 and shown.startswith("<|start_header_id|>") and shown.endswith("do?<|eot_id|>")
     assert shortened("def f(x):") == "def f(x):"
 
+
+
+def test_show_samples_keeps_answers_of_several_lines_in_their_column_and_refuses_two_counts(tmp_path) -> None:
+    """An answer of several lines (code) printed its later lines at the margin; `RUN 1 --count 2` showed 1 without a
+    word; a samples file given as RUN was "no such folder"."""
+    from app.cli import UsageError
+    from app.evaluation.show import parse_show_args, show
+
+    write_samples(tmp_path / "samples" / "step-00000004.jsonl", ["def f("], ["x):\n    return x"], ["y):\n    pass"])
+    assert show(tmp_path, 1).splitlines()[2:6] == ["  reference  x):", "                 return x",
+                                                  "  generated  y):", "                 pass"]
+    for argv, problem in (([str(tmp_path), "1", "--count", "2"], "N 1 and --count 2: give one of them"),
+                          ([str(tmp_path), "--count=0"], "--count 0: give at least 1"),
+                          ([str(tmp_path), "0"], "N 0: give at least 1")):
+        with pytest.raises(UsageError, match=problem):
+            parse_show_args(argv)
+    with pytest.raises(UsageError, match="a file; give the run's folder"):
+        show(tmp_path / "samples" / "step-00000004.jsonl", 1)

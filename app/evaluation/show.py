@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -18,6 +19,8 @@ PROG = "show_samples.py"
 
 def latest_samples(out_dir: Path) -> Path:
     """The samples file of a run's last evaluation."""
+    if out_dir.is_file():
+        raise UsageError(f"RUN {out_dir}: a file; give the run's folder (a train.py --out_dir)")
     if not out_dir.is_dir():
         raise UsageError(f"RUN {out_dir}: no such folder; give a train.py --out_dir")
     files = sorted(path for path in (out_dir / "samples").glob("step-*.jsonl") if re.fullmatch(r"step-\d+", path.stem))
@@ -32,8 +35,13 @@ def show(out_dir: Path, count: int) -> str:
     lines = [f"{path}:"]
     for record in samples_in(path)[:count]:
         lines += [f"  prompt     {shortened(' '.join(record['prompt'].split()))}",
-                  f"  reference  {record['reference']}", f"  generated  {record['generated']}", ""]
+                  f"  reference  {indented(record['reference'])}", f"  generated  {indented(record['generated'])}", ""]
     return "\n".join(lines)
+
+
+def indented(text: str) -> str:
+    """A reference or an answer of several lines (code, a list) with its later lines under its first."""
+    return text.replace("\n", "\n" + " " * len("  generated  "))
 
 
 def shortened(text: str, width: int = 110) -> str:
@@ -68,10 +76,14 @@ def parse_show_args(argv: Optional[list[str]] = None) -> tuple[Path, int]:
     parser = cli.command_parser(PROG, ShowArgs.__doc__, [ShowArgs], config=False)
     parser.add_argument("run", metavar="RUN", help="A train.py --out_dir.")
     parser.add_argument("positional_count", metavar="N", nargs="?", type=int, help="Same as --count.")
-    namespace = cli.parse(parser, argv)
+    arguments = sys.argv[1:] if argv is None else argv
+    namespace = cli.parse(parser, arguments)
+    counted = any(word == "--count" or word.startswith("--count=") for word in arguments)
+    if namespace.positional_count is not None and counted:
+        raise UsageError(f"N {namespace.positional_count} and --count {namespace.count}: give one of them")
     count = namespace.positional_count if namespace.positional_count is not None else namespace.count
     if count < 1:
-        raise UsageError(f"N {count}: give at least 1")
+        raise UsageError(f"{'--count' if counted else 'N'} {count}: give at least 1")
     return Path(namespace.run), count
 
 

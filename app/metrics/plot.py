@@ -55,8 +55,12 @@ def metric_series(text: str) -> dict[str, Series]:
     """Per column, the steps that have a value and those values, from the text of a metrics.csv.
 
     Empty cells are skipped, so each column keeps only the rows that logged it. When one column has two values for
-    the same step, the later row wins: it is the newer measurement.
+    the same step, the later row wins: it is the newer measurement. A last row without its line's end is being
+    written (or was, when the run was killed) and is left out: "4.78e" was refused as not a number, and "4.7" read
+    as one that was never logged.
     """
+    if not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
     reader = csv.DictReader(io.StringIO(text))
     missing = [name for name in REQUIRED_COLUMNS if name not in (reader.fieldnames or [])]
     if missing:
