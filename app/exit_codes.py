@@ -35,6 +35,10 @@ EXIT_SAVE_FAILED = 7
 """The storage refused a checkpoint (a full disk, a quota, a read-only or vanished mount): every rank stopped at that
 save, one line naming the rank, the error and the file; what the save wrote is removed, the checkpoints before it are
 kept, the steps since the last one are lost. Not requeued (the storage stays full): make room, then resume."""
+EXIT_CORRUPT_CHECKPOINT = 8
+"""The checkpoint --resume true chose (the newest that read whole in the preflight) was found corrupt while loading (a
+piece whose checksum differs): it was moved to checkpoints/rolled-back/ and nothing was trained. Run again to resume
+from the checkpoint before it; the Slurm scripts requeue. A --checkpoint named by the user is exit 2 instead."""
 EXIT_PREEMPTED = 75
 """SIGTERM/SIGUSR1 stopped the run after a checkpoint of the current step (EX_TEMPFAIL): rerun with --resume true."""
 EXIT_INTERRUPTED = 130

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 import app.huggingface.convert as converter
 from app.checkpoint.checksums import decode, encode, with_metadata
+from app.exit_codes import EXIT_CORRUPT_CHECKPOINT
 from app.huggingface.convert_cli import main as convert_main
 from app.huggingface.generate import GenerateArgs, generate
 from app.huggingface.generate_cli import main as generate_main
@@ -509,12 +510,24 @@ def test_bytes_changed_in_place_are_found_by_their_checksums_at_conversion_and_r
             f"of {name} are not the bytes that were saved (their checksum differs): the checkpoint is corrupt; "
             "pick another one") in error, error
         assert not (tmp_path / f"hf-{kind}").exists()
-    resumed = run_train(train_args(tiny, tmp_path / "sharded", **SHORT | {"max_step": 12}, resume=True,
-                                   state_dict_type="sharded"))
-    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    # --resume true chose it: moved aside (exit 8, which the Slurm scripts requeue), the next attempt resumes from
+    # the one before it (a requeued job stopped at it with exit 2 every time)
+    resume = train_args(tiny, tmp_path / "sharded", **SHORT | {"max_step": 12}, resume=True, state_dict_type="sharded")
+    resumed = run_train(resume)
+    checkpoints = tmp_path / "sharded" / "checkpoints"
+    assert resumed.returncode == EXIT_CORRUPT_CHECKPOINT, resumed.stderr[-3000:]
     assert resumed.stderr.count("the checkpoint is corrupt") == 1, resumed.stderr[-3000:]
-    assert resumed.stderr.strip().endswith("resume from an earlier checkpoint with --checkpoint (the newest: "
-                                           f"{tmp_path / 'sharded' / 'checkpoints' / 'step-00000004.ckpt'})")
+    assert resumed.stderr.strip().endswith(
+        f"moved it to {checkpoints / 'rolled-back' / 'step-00000008.ckpt'}: run the same command again to resume from "
+        f"the checkpoint before it (the newest: {checkpoints / 'step-00000004.ckpt'}); the Slurm scripts requeue")
+    again = run_train(resume)
+    assert again.returncode == 0 and "resumed from" in again.stdout and "step-00000004.ckpt at step 4" in again.stdout
+    # named by --checkpoint: the user's, refused and left where it is
+    named = checkpoints / "rolled-back" / "step-00000008.ckpt"
+    refused_resume = run_train(train_args(tiny, tmp_path / "named", **SHORT | {"max_step": 12}, resume=True,
+                                          checkpoint=named))
+    assert refused_resume.returncode == 2 and named.is_dir(), refused_resume.stderr[-3000:]
+    assert "resume from an earlier checkpoint with --checkpoint" in refused_resume.stderr
 
 
 def test_bad_inputs_are_refused_in_one_line_and_touch_nothing(full_run, sharded_run, tiny, tmp_path, capsys) -> None:

@@ -16,7 +16,7 @@ from lightning_fabric import Fabric
 
 from app.checkpoint import (CheckpointError, CheckpointSaver, SaveFailed, checkpoint_dir, list_checkpoints,
                             load_on_every_rank, read_metadata, resume_rng, run_tokenizer_dir, set_aside_newer)
-from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, publish,
+from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, move_aside, publish,
                                   remove_leftovers, sees_lock, temporary_path)
 from app.choices import SHARDED_STRATEGIES
 from app.cli import first_line
@@ -27,8 +27,8 @@ from app.distributed.precision import float32_matmul_precision, restore_grad_sca
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
 from app.evaluation.samples import (SampleEvaluator, decoding_for, fit_to_context, references_past, sample_notes,
                                     set_aside_samples_after, stop_ids, whole_samples)
-from app.exit_codes import (EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_NON_FINITE,
-                            EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_SPIKES)
+from app.exit_codes import (EXIT_BAD_INPUT, EXIT_CORRUPT_CHECKPOINT, EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED,
+                            EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_SPIKES)
 from app.folders import discard, replace_file
 from app.metrics.console import Console
 from app.metrics.loggers import SUMMARY_FILE, RowRecord, WandbFailed, make_loggers, report_summary
@@ -136,9 +136,7 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     with loading.measure():
         saved, unreadable = load_on_every_rank(path, state["model"], state["optimizer"])
     if unreadable:
-        earlier = [step for step in list_checkpoints(cfg.out_dir) if step < read_metadata(path)["step"]]
-        return (f"--checkpoint {unreadable}; resume from an earlier checkpoint with --checkpoint"
-                + (f" (the newest: {list_checkpoints(cfg.out_dir)[max(earlier)]})" if earlier else ""))
+        return unreadable
     state |= saved_progress(saved)
     # a mixture's rows follow state["mixture"]; its epoch and position are counted alike, as the plan counted them
     state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
@@ -331,6 +329,25 @@ def sample_evaluator(fabric: Fabric, cfg: Config, inputs: RunInputs, data: Train
                            max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
 
 
+def corrupt_checkpoint(fabric: Fabric, cfg: Config, path: Path, unreadable: str) -> int:
+    """The exit code of a resume whose checkpoint holds a piece whose checksum differs (found only as it is read).
+    One that --resume true chose is moved to rolled-back/, as the preflight moves one that does not read whole, so
+    that the next attempt resumes from the one before it: a requeued job stopped at it with exit 2 every time. One
+    that --checkpoint names is the user's: refused (exit 2), with the newest earlier one named."""
+    step = read_metadata(path)["step"]
+    earlier = [(number, older) for number, older in sorted(list_checkpoints(cfg.out_dir).items()) if number < step]
+    from_where = f"the newest: {earlier[-1][1]}" if earlier else "none is left in --out_dir: from step 0"
+    if cfg.checkpoint and Path(cfg.checkpoint).resolve() == path.resolve():
+        fabric.print(f"error: --checkpoint {unreadable}; resume from an earlier checkpoint with --checkpoint "
+                     f"({from_where})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if fabric.is_global_zero:
+        fabric.print(f"error: --resume true: {unreadable}; moved it to {move_aside(path)}: run the same command "
+                     f"again to resume from the checkpoint before it ({from_where}); the Slurm scripts requeue",
+                     file=sys.stderr)
+    return EXIT_CORRUPT_CHECKPOINT
+
+
 def stall_watchdog(fabric: Fabric, cfg: Config) -> StallWatchdog:
     head_start = 0.0 if fabric.local_rank == 0 else LAUNCHER_HEAD_START_SEC
     return StallWatchdog(cfg.stall_timeout_min * 60, rank=fabric.global_rank, head_start_sec=head_start).start()
@@ -355,8 +372,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     if inputs.resume_from:
         unreadable = resume(fabric, cfg, inputs.resume_from, state, inputs.plan)
         if unreadable:
-            fabric.print(f"error: {unreadable}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            return corrupt_checkpoint(fabric, cfg, inputs.resume_from, unreadable)
     write_run_files(fabric, cfg, inputs.tokenizer)
     plan = inputs.plan
     fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} tokens "
