@@ -334,18 +334,18 @@ def corrupt_checkpoint(fabric: Fabric, cfg: Config, path: Path, unreadable: str)
     One that --resume true chose is moved to rolled-back/, as the preflight moves one that does not read whole, so
     that the next attempt resumes from the one before it: a requeued job stopped at it with exit 2 every time. One
     that --checkpoint names is the user's: refused (exit 2), with the newest earlier one named."""
-    step = read_metadata(path)["step"]
-    earlier = [(number, older) for number, older in sorted(list_checkpoints(cfg.out_dir).items()) if number < step]
-    from_where = f"the newest: {earlier[-1][1]}" if earlier else "none is left in --out_dir: from step 0"
-    if cfg.checkpoint and Path(cfg.checkpoint).resolve() == path.resolve():
-        fabric.print(f"error: --checkpoint {unreadable}; resume from an earlier checkpoint with --checkpoint "
-                     f"({from_where})", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if fabric.is_global_zero:
-        fabric.print(f"error: --resume true: {unreadable}; moved it to {move_aside(path)}: run the same command "
-                     f"again to resume from the checkpoint before it ({from_where}); the Slurm scripts requeue",
-                     file=sys.stderr)
-    return EXIT_CORRUPT_CHECKPOINT
+    named = bool(cfg.checkpoint) and Path(cfg.checkpoint).resolve() == path.resolve()
+    if fabric.is_global_zero:  # every rank has read what it could of it: it may move
+        step = read_metadata(path)["step"]
+        earlier = [older for number, older in sorted(list_checkpoints(cfg.out_dir).items()) if number < step]
+        from_where = f"the newest: {earlier[-1]}" if earlier else "none is left in --out_dir: from step 0"
+        print("error: " + (f"--checkpoint {unreadable}; resume from an earlier checkpoint with --checkpoint "
+                           f"({from_where})" if named else
+                           f"--resume true: {unreadable}; moved it to {move_aside(path)}: run the same command again to "
+                           f"resume from the checkpoint before it ({from_where}); the Slurm scripts requeue"),
+              file=sys.stderr, flush=True)
+    fabric.barrier()  # the ranks end together: one that ended first had gloo's "connection closed" printed after it
+    return EXIT_BAD_INPUT if named else EXIT_CORRUPT_CHECKPOINT
 
 
 def stall_watchdog(fabric: Fabric, cfg: Config) -> StallWatchdog:
