@@ -322,6 +322,32 @@ def test_nodes_that_do_not_share_out_dir_are_refused_before_training(tiny, moved
     assert [path.name for path in local.iterdir()] == [LOCK_FILE] and not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_nodes_started_with_other_options_are_refused_before_training(tiny, moved_run, tmp_path) -> None:
+    """Node 1 applied --lr 0.3 while node 0 logged 3e-3; the loss went from 6.0 to 8.2 and a checkpoint mixing them
+    was saved before a collective of another shape ended both nodes in a gloo error. The nodes compare what they
+    were started with (options but their own paths, the data folders' contents, the model's config, the code)."""
+    result = run_train(train_args(tiny, tmp_path / "run", train_data_dir=moved_run.data, tokenizer=None, devices=1,
+                                  num_nodes=2, micro_batch_size=2, gradient_accumulation_steps=None),
+                       nodes=2, node_args={1: ["--lr", "0.3", "--num_workers", "1"]})
+    assert result.returncode != 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.count("error: the nodes were not started alike: node 0 / node 1: --lr 0.003 / 0.3; give every "
+                               "node the same command line, data and code") == 2, result.stderr[-3000:]  # each node's
+    assert "Traceback" not in result.stderr and "step 1/" not in result.stdout
+
+
+def test_what_nodes_differ_in_is_named_node_by_node() -> None:
+    from app.training.nodes import code_version, nodes_disagreement
+
+    node = {"options": {"lr": 0.003, "seed": 7}, "data": [{"name": "a", "train_rows": 647}], "model": {"n": 1},
+            "code": code_version()}
+    assert nodes_disagreement({0: node, 1: dict(node)}) is None and code_version() == node["code"]
+    other = {"options": {"lr": 0.003, "seed": 8}, "data": [{"name": "a", "train_rows": 400}], "model": {"n": 1},
+             "code": "0" * 64}
+    assert nodes_disagreement({0: node, 1: node, 2: other}) == (
+        "the nodes were not started alike: node 0 / node 2: --seed 7 / 8, the data folders' contents (stats.json or "
+        "row counts), the code (app/, train.py, arguments.py); give every node the same command line, data and code")
+
+
 def run_files(folder: Path) -> list[str]:
     """The files of a run folder, but for the lock its rank 0 takes as it starts (LOCK_FILE)."""
     return sorted(path.name for path in folder.rglob("*") if path.name != LOCK_FILE)

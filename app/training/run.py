@@ -16,8 +16,8 @@ from lightning_fabric import Fabric
 
 from app.checkpoint import (CheckpointError, CheckpointSaver, SaveFailed, checkpoint_dir, list_checkpoints,
                             load_on_every_rank, read_metadata, resume_rng, run_tokenizer_dir, set_aside_newer)
-from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, holder_line, make_durable, move_aside, publish,
-                                  remove_leftovers, sees_lock, temporary_path)
+from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, make_durable, move_aside, publish,
+                                  remove_leftovers, temporary_path)
 from app.choices import SHARDED_STRATEGIES
 from app.cli import first_line
 from app.data import TrainingData, load_data
@@ -45,6 +45,7 @@ from app.reliability.watchdog import (LAUNCHER_HEAD_START_SEC, RendezvousDeadlin
 from app.reliability.workers import start_worker_server
 from app.tasks import LAUNCHER_PID
 from app.training.loop import Loop
+from app.training.nodes import nodes_disagree, resume_disagreement, unshared_out_dir
 from app.training.preflight import RunInputs, note, preflight
 from app.training.print_config import resolved_run
 from app.training.progress import SAVED_FOR_THE_RANKS, progress_at_start, saved_progress
@@ -171,8 +172,8 @@ def another_branch_at(out_dir: str, step: int, resumed_from: Path, saved: dict[s
 
 def refusal_at_start(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional[str]:
     """What the ranks find wrong once they have met, before anything is read or written, the same line on every rank
-    (None: go on): out_dir in use by another run (rank 0 locks it), nodes that chose different checkpoints, or nodes
-    that do not share out_dir."""
+    (None: go on): out_dir in use by another run (rank 0 locks it), nodes that chose different checkpoints, nodes
+    started with other options, data or code, or nodes that do not share out_dir (app/training/nodes.py)."""
     in_use = claim_run_folder(Path(cfg.out_dir), fabric.print) if fabric.is_global_zero else None
     if fabric.world_size == 1 or not dist.is_initialized():  # one process, or XLA's ranks (no torch.distributed)
         return in_use
@@ -181,40 +182,7 @@ def refusal_at_start(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional
     refusal = chosen[0][3] or resume_disagreement([choice[:3] for choice in chosen])
     if refusal or cfg.num_nodes == 1:
         return refusal
-    return unshared_out_dir(fabric, Path(cfg.out_dir))
-
-
-def unshared_out_dir(fabric: Fabric, out_dir: Path) -> Optional[str]:
-    """Every rank writes its part of each checkpoint into out_dir and every node reads them back to resume: a node
-    whose --out_dir is another folder, or a disk of its own, split each checkpoint across folders that no node reads
-    whole (the two-node test ended in a traceback from a collective). Each node's first rank looks for the lock rank
-    0 holds (`sees_lock`)."""
-    holder = [holder_line() if fabric.is_global_zero else None]
-    dist.broadcast_object_list(holder, src=0)
-    seen: list = [None] * fabric.world_size
-    sees = fabric.local_rank != 0 or sees_lock(out_dir, holder[0])
-    dist.all_gather_object(seen, (fabric.node_rank, sees, str(out_dir)))
-    blind = {node: folder for node, saw, folder in seen if not saw}
-    if not blind:
-        return None
-    return (f"--out_dir: the lock node 0 holds in {seen[0][2]} is not seen by every node ("
-            + "; ".join(f"node {node} looked in {folder}" for node, folder in sorted(blind.items()))
-            + "); every node must write and read the same --out_dir, on a filesystem they share (each rank writes "
-            "its part of every checkpoint, and each node reads them back to resume)")
-
-
-def resume_disagreement(chosen: list[tuple[int, Optional[int], str]]) -> Optional[str]:
-    """Each node's launching process chose the checkpoint to resume from on its own, in its preflight: nodes given
-    another --out_dir or --checkpoint, or whose view of a shared folder lags (an NFS client's cached listing misses
-    the newest checkpoint), would resume at different steps and train one model from shards of different steps.
-    `chosen` holds every rank's (node, step, checkpoint); a line naming each node's choice when they differ."""
-    if len({step for _, step, _ in chosen}) == 1:
-        return None
-    by_node = {node: (f"from {path} (step {step})" if step is not None else "at step 0, without a checkpoint")
-               for node, step, path in chosen}
-    return ("--resume: the nodes would not continue from the same checkpoint: " + "; ".join(
-        f"node {node} {choice}" for node, choice in sorted(by_node.items())) + "; give every node the same --out_dir "
-        "and --resume, or the same --checkpoint (a lagging view of a shared folder misses the newest one)")
+    return nodes_disagree(fabric, cfg, inputs) or unshared_out_dir(fabric, Path(cfg.out_dir))
 
 
 def write_run_files(fabric: Fabric, cfg: Config, tokenizer: Optional[str]) -> None:

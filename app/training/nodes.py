@@ -1,0 +1,108 @@
+"""What the nodes of a run must share, checked once their ranks have met and before anything is read or written.
+
+Each node's launching process parses its own command line, reads its own data folder and imports its own copy of
+the code: nodes started differently trained one model together without a word (node 1 applying --lr 0.3 while node 0
+logged 3e-3, a data folder of 400 rows on one node and 647 on the other, a checkout whose default weight decay
+differs), until a collective of another shape ended them in a gloo error after a mixed checkpoint was saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.distributed as dist
+from lightning_fabric import Fabric
+
+from app.checkpoint.files import holder_line, sees_lock
+
+if TYPE_CHECKING:
+    from app.training.preflight import RunInputs
+    from arguments import Config
+
+NODE_OWN_OPTIONS = frozenset({"train_data_dir", "model_name", "model_config", "tokenizer", "out_dir", "checkpoint",
+                              "num_workers"})
+"""Options a node may give its own way: paths (a node's copy of the data or the model lies where it lies; what they
+hold is compared instead, and out_dir and the checkpoint are checked apart) and the data workers of its CPUs."""
+CODE = ("app", "train.py", "arguments.py")
+"""The code every node must run alike, from the project's root."""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def code_version() -> str:
+    """A hash of the project's Python code as this node imports it."""
+    digest = hashlib.sha256()
+    for path in sorted(file for name in CODE for file in ([ROOT / name] if name.endswith(".py")
+                                                          else (ROOT / name).rglob("*.py"))):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def node_fingerprint(cfg: Config, inputs: RunInputs) -> dict[str, Any]:
+    """What this node was started with, as it must be on every node."""
+    model = inputs.model_config.to_dict() if inputs.model_config is not None else {}
+    return {"options": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in NODE_OWN_OPTIONS},
+            "data": [{key: value for key, value in folder.items() if key != "path"} for folder in inputs.data_folders],
+            "model": {key: value for key, value in model.items() if key not in ("_name_or_path", "transformers_version")},
+            "code": code_version()}
+
+
+def nodes_disagreement(fingerprints: dict[int, dict[str, Any]]) -> Optional[str]:
+    """A line naming what the nodes' fingerprints (by node rank) differ in from node 0's; None when they agree."""
+    first, differences = fingerprints[0], []
+    for node, other in sorted(fingerprints.items()):
+        found = [f"--{name} {first['options'][name]} / {other['options'].get(name)}" for name in first["options"]
+                 if first["options"][name] != other["options"].get(name)]
+        found += [what for part, what in (("data", "the data folders' contents (stats.json or row counts)"),
+                                          ("model", "the model's config"),
+                                          ("code", "the code (app/, train.py, arguments.py)"))
+                  if first[part] != other[part]]
+        if found:
+            differences.append(f"node 0 / node {node}: {', '.join(found)}")
+    if not differences:
+        return None
+    return (f"the nodes were not started alike: {'; '.join(differences)}; give every node the same command line, "
+            "data and code")
+
+
+def nodes_disagree(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional[str]:
+    """nodes_disagreement of every node's fingerprint, the same line on every rank. Collective."""
+    gathered: list = [None] * fabric.world_size
+    mine = node_fingerprint(cfg, inputs) if fabric.local_rank == 0 else None
+    dist.all_gather_object(gathered, (fabric.node_rank, mine))
+    return nodes_disagreement({node: fingerprint for node, fingerprint in gathered if fingerprint is not None})
+
+
+def unshared_out_dir(fabric: Fabric, out_dir: Path) -> Optional[str]:
+    """Every rank writes its part of each checkpoint into out_dir and every node reads them back to resume: a node
+    whose --out_dir is another folder, or a disk of its own, split each checkpoint across folders that no node reads
+    whole (the two-node test ended in a traceback from a collective). Each node's first rank looks for the lock rank
+    0 holds (`sees_lock`)."""
+    holder = [holder_line() if fabric.is_global_zero else None]
+    dist.broadcast_object_list(holder, src=0)
+    seen: list = [None] * fabric.world_size
+    sees = fabric.local_rank != 0 or sees_lock(out_dir, holder[0])
+    dist.all_gather_object(seen, (fabric.node_rank, sees, str(out_dir)))
+    blind = {node: folder for node, saw, folder in seen if not saw}
+    if not blind:
+        return None
+    return (f"--out_dir: the lock node 0 holds in {seen[0][2]} is not seen by every node ("
+            + "; ".join(f"node {node} looked in {folder}" for node, folder in sorted(blind.items()))
+            + "); every node must write and read the same --out_dir, on a filesystem they share (each rank writes "
+            "its part of every checkpoint, and each node reads them back to resume)")
+
+
+def resume_disagreement(chosen: list[tuple[int, Optional[int], str]]) -> Optional[str]:
+    """Each node's launching process chose the checkpoint to resume from on its own, in its preflight: nodes given
+    another --out_dir or --checkpoint, or whose view of a shared folder lags (an NFS client's cached listing misses
+    the newest checkpoint), would resume at different steps and train one model from shards of different steps.
+    `chosen` holds every rank's (node, step, checkpoint); a line naming each node's choice when they differ."""
+    if len({step for _, step, _ in chosen}) == 1:
+        return None
+    by_node = {node: (f"from {path} (step {step})" if step is not None else "at step 0, without a checkpoint")
+               for node, step, path in chosen}
+    return ("--resume: the nodes would not continue from the same checkpoint: " + "; ".join(
+        f"node {node} {choice}" for node, choice in sorted(by_node.items())) + "; give every node the same --out_dir "
+        "and --resume, or the same --checkpoint (a lagging view of a shared folder misses the newest one)")
