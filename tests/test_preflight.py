@@ -414,8 +414,14 @@ def test_a_launcher_that_started_another_number_of_processes_is_refused_in_one_l
     # The right product split the wrong way: torchrun --nnodes 2 --nproc_per_node 1 given --num_nodes 1 --devices 2
     # trained with HYBRID_SHARD's "node" spanning both and the shared-out_dir check skipped; --nnodes 2
     # --nproc_per_node 2 given --num_nodes 4 --devices 1 ended every rank in an IndexError
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # nodes given different --nproc_per_node: "a product of 3"
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert refusal(devices=2, num_nodes=2) == (
+        "error: torchrun started 3 processes on 2 nodes, 2 on this one: the nodes' torchrun were given different "
+        "--nproc_per_node; give every node the same")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert refusals(devices=2) == [
         "error: --num_nodes 1: torchrun started the run on 2 nodes (GROUP_WORLD_SIZE); give --num_nodes 2",
         "error: --devices 2: torchrun started 1 processes on each node (LOCAL_WORLD_SIZE); give --devices 1"]
@@ -432,6 +438,13 @@ def test_a_launcher_that_started_another_number_of_processes_is_refused_in_one_l
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
     monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    # train.py in the job's batch script, not under srun: it waited out --rendezvous_timeout_min and exited 5 (which
+    # the scripts requeue), or with one task per node was told to give --devices 1
+    assert refusal(devices=4) == ("error: train.py runs in the job's batch script, not under srun, and no other "
+                                  "process of the run is started: run it as `srun python train.py ...` "
+                                  "(slurm/train.sbatch), in a job submitted with --nodes and --ntasks-per-node (one "
+                                  "task per device)")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
     assert refusal(devices=2) == ("error: --devices 2: srun started 4 processes on each node (SLURM_NTASKS_PER_NODE); "
                                   "give --devices 4")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2,1")
@@ -449,13 +462,19 @@ def test_a_launcher_that_started_another_number_of_processes_is_refused_in_one_l
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
     monkeypatch.setenv("SLURM_NTASKS", "4")
     assert preflight(parse_config(train_args(tiny, tmp_path / "out", devices=2, num_nodes=2))).plan.world_size == 4
-    for name in ("SLURM_TASKS_PER_NODE", "SLURM_NNODES", "SLURM_JOB_NAME"):
+    for name in ("SLURM_TASKS_PER_NODE", "SLURM_NNODES", "SLURM_JOB_NAME", "SLURM_STEP_ID"):
         monkeypatch.delenv(name)
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NODE_RANK", "1")
     assert refusal(devices=2) == ("error: NODE_RANK=1 is set, but --num_nodes 1 has no node 1: unset NODE_RANK, or "
                                   "give the run's --num_nodes")
+    monkeypatch.delenv("NODE_RANK")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a shell that kept torchrun's: it waited out the rendezvous, then exit 5
+    assert refusal(devices=2) == ("error: LOCAL_RANK=0 is set here, and Lightning then starts none of the run's other "
+                                  "1 processes itself (it takes them as started by hand): unset LOCAL_RANK (left in "
+                                  "this shell by another launcher)")
+    assert preflight(parse_config(train_args(tiny, tmp_path / "out", devices=1))).plan.world_size == 1
 
 
 def test_a_tpu_run_without_torch_xla_is_refused_before_any_rank_starts(tiny, tmp_path, capsys) -> None:

@@ -20,18 +20,22 @@ torch release lacks it, the code expected for the signal is used, and the line s
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import sys
 from typing import Any, Optional
 
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
-from torch.distributed.run import main
+# c10d's C++ warnings, 30 frames each, when the node that hosts the rendezvous ends first (its output says why)
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from app.exit_codes import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError  # noqa: E402
+from torch.distributed.run import main  # noqa: E402
+
+from app.exit_codes import EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT  # noqa: E402
 
 CODE_AFTER_SIGNAL = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGUSR1: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 
@@ -97,6 +101,7 @@ if __name__ == "__main__":
     # its lines on each worker that failed or that it ended ("failed (exitcode: 2)", "Sending process N closing signal
     # SIGTERM"): the line below says what they said
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(logging.ERROR)
     keep_worker_codes()
     try:
         main()
@@ -113,3 +118,7 @@ if __name__ == "__main__":
               "join_timeout; RDZV_JOIN_TIMEOUT_SEC in slurm/train-torchrun.sbatch): a node that never started, or "
               f"another --rdzv_endpoint (exit {EXIT_RENDEZVOUS_TIMEOUT})", file=sys.stderr)
         sys.exit(EXIT_RENDEZVOUS_TIMEOUT)
+    except RendezvousConnectionError:  # the node that hosts it ended (its own output says why), with a traceback
+        print(f"torchrun: the rendezvous at --rdzv_endpoint stopped answering: the node that hosts it ended first (its "
+              f"output says why) (exit {EXIT_CRASHED})", file=sys.stderr)
+        sys.exit(EXIT_CRASHED)

@@ -93,7 +93,14 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
                           param_init_fn)
     bound_rendezvous(cfg, fabric, inputs.plan.world_size)
     take_over_launcher_observer()
-    fabric.launch(run_and_exit, main, cfg, inputs, deferred)
+    try:
+        fabric.launch(run_and_exit, main, cfg, inputs, deferred)
+    except dist.DistNetworkError as error:  # the ranks could not meet: the node hosting the store ended first
+        if dist.is_initialized():
+            raise
+        say(f"rank {fabric.global_rank}: the run's other processes could not be reached as the ranks met "
+            f"({first_line(error)}): a node that ended first says why in its own output\n")
+        end_process_tree(EXIT_CRASHED, stacks=False)
 
 
 def bound_rendezvous(cfg: Config, fabric: Fabric, world_size: int) -> None:

@@ -21,6 +21,7 @@ from app.cli import first_line
 from app.distributed.precision import bf16_moment_problem, bf16_support_problem, fp32_modules_problem
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.model.build import meta_model
+from app.tasks import LAUNCHER_PID
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -131,6 +132,10 @@ def check_launcher(cfg: Config, problems: list[str]) -> None:
     layout = launcher_layout()
     split = layout_problems(cfg, layout) if layout else []
     problems += split
+    if layout is None and world_size(cfg) > 1 and stale_local_rank():
+        problems.append(f"LOCAL_RANK={os.environ['LOCAL_RANK']} is set here, and Lightning then starts none of the "
+                        f"run's other {world_size(cfg) - 1} processes itself (it takes them as started by hand): "
+                        "unset LOCAL_RANK (left in this shell by another launcher)")
     if layout and not split and layout.processes != world_size(cfg):
         problems.append(f"--devices {cfg.devices} --num_nodes {cfg.num_nodes}: {world_size(cfg)} ranks, but "
                         f"{layout.launcher} ({layout.processes_variable}) started {layout.processes} processes; give "
@@ -139,6 +144,14 @@ def check_launcher(cfg: Config, problems: list[str]) -> None:
     if node_rank.isdigit() and int(node_rank) >= cfg.num_nodes:
         problems.append(f"NODE_RANK={node_rank} is set, but --num_nodes {cfg.num_nodes} has no node {node_rank}: "
                         "unset NODE_RANK, or give the run's --num_nodes")
+
+
+def stale_local_rank() -> bool:
+    """LOCAL_RANK set where no launcher started this process (a shell that kept torchrun's, an `export` in a job
+    script): Lightning takes every rank as started by hand and waits for them until the rendezvous timeout, then
+    blames nodes that never started. Not where Lightning's launcher started this rank (LAUNCHER_PID), nor where
+    WORLD_SIZE says that each rank is started by hand."""
+    return "LOCAL_RANK" in os.environ and LAUNCHER_PID not in os.environ and "WORLD_SIZE" not in os.environ
 
 
 def launched_on_every_node() -> bool:
@@ -203,6 +216,15 @@ def layout_problems(cfg: Config, layout: LauncherLayout) -> list[str]:
     --num_nodes 1 on two nodes, HYBRID_SHARD's "within a node" spanned both, and the check that every node sees
     --out_dir was skipped (the first save on a node-local disk ended in a traceback); with --devices below the
     processes per node, every rank ended in an IndexError."""
+    if layout.launcher == "srun" and "SLURM_STEP_ID" not in os.environ and (layout.processes > 1
+                                                                             or world_size(cfg) > 1):
+        return ["train.py runs in the job's batch script, not under srun, and no other process of the run is started: "
+                "run it as `srun python train.py ...` (slurm/train.sbatch), in a job submitted with --nodes and "
+                "--ntasks-per-node (one task per device)"]
+    if layout.launcher == "torchrun" and layout.nodes and layout.per_node and layout.per_node.isdigit() \
+            and layout.processes != layout.nodes * int(layout.per_node):
+        return [f"torchrun started {layout.processes} processes on {layout.nodes} nodes, {layout.per_node} on this "
+                "one: the nodes' torchrun were given different --nproc_per_node; give every node the same"]
     if layout.launcher == "srun" and layout.processes > 1 and "SLURM_NTASKS_PER_NODE" not in os.environ:
         return [f"srun started {layout.processes} tasks of a job sized without --ntasks-per-node, and Lightning "
                 "(SLURMEnvironment) refuses such a job on every rank; submit it with --nodes and --ntasks-per-node "
