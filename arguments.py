@@ -227,8 +227,9 @@ class LoggingArgs:
     """Logging"""
 
     log_interval: int = 10
-    """Print and log training metrics every this many optimizer steps (and at the last); a checkpoint keeps the
-    losses of the steps not logged yet, so a resumed run logs what a run that was not stopped logs."""
+    """Print and log training metrics every this many optimizer steps (and at the last): the mean of their losses,
+    the last step's LR and gradient norm, the throughput over them; a checkpoint keeps the losses of the steps not
+    logged yet, so a resumed run logs what a run that was not stopped logs."""
     entity: Optional[str] = None
     """Weights & Biases entity (user or team); default: $WANDB_ENTITY, else your default entity."""
     project: Optional[str] = None

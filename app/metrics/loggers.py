@@ -251,7 +251,9 @@ def upload_checkpoint(loggers: list[Logger], path: Path, step: int) -> None:
 
 
 def report_summary(fabric: Fabric, out_dir: str | Path, summary: dict[str, Any], console: Console) -> None:
-    """The end-of-run summary: printed, written to <out_dir>/summary.json, and set as the W&B run summary."""
+    """The end-of-run summary: printed, written to <out_dir>/summary.json, and set as the W&B run summary under
+    `attempt/` (this attempt's figures: under the history's own names, elapsed_sec and tokens_per_sec replaced the
+    run's last values in W&B's runs table with this attempt's)."""
     if not fabric.is_global_zero:
         return
     path = Path(out_dir) / SUMMARY_FILE
@@ -262,4 +264,4 @@ def report_summary(fabric: Fabric, out_dir: str | Path, summary: dict[str, Any],
         console.print(f"  written to {path}")
     for logger in fabric.loggers:
         if isinstance(logger, WandbMetrics):
-            logger.set_summary({k: v for k, v in summary.items() if k != "ranks"})
+            logger.set_summary({f"attempt/{k}": v for k, v in summary.items() if k != "ranks"})

@@ -272,7 +272,7 @@ class StepClock:
         done = step - self.start_step
         per_device = self.samples_per_step // self.world_size
         self.throughput.update(time=self.training_time(), batches=done, samples=done * per_device,
-                               lengths=done * per_device * (self.tokens_per_step // self.samples_per_step),
+                               lengths=max(done * per_device, round(done * self.tokens_per_step / self.world_size)),
                                flops=flops)
 
     def elapsed(self) -> float:

@@ -288,5 +288,6 @@ class RendezvousDeadline:
                 f"{self.timeout_sec / 60:g} min (--rendezvous_timeout_min) at {address}, expecting {self.world_size} "
                 f"ranks on {self.nodes} nodes; start train.py on every node (srun, torchrun --nnodes, or by hand "
                 f"with the same MASTER_ADDR/MASTER_PORT and each node's NODE_RANK, and the same --devices and "
-                f"--num_nodes on every node) and check that {address} is reachable from every node; exit code "
+                f"--num_nodes on every node) and check that {address} is reachable from every node; a node that "
+                f"refused its inputs or failed as it started says why in its own output; exit code "
                 f"{EXIT_RENDEZVOUS_TIMEOUT}")

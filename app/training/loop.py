@@ -345,13 +345,18 @@ class Loop:
         interval = trained - self.trained_at_last_log
         self.ranks_at_last_log, self.trained_at_last_log = ranks, trained
         step = self.state["step"]
-        metrics = {"epoch": self.state["epoch"], "train_loss": sum(losses) / len(losses), "lr": lr,
+        metrics = {"epoch": self.epochs_done(), "train_loss": sum(losses) / len(losses), "lr": lr,
                    "grad_norm": grad_norm, "elapsed_sec": self.clock.run_elapsed(),
                    "data_wait_pct": 100 * waited / interval,
                    **throughput, **self.guard.metrics(), **self.source_tokens()}
         metrics |= {name: largest(ranks, name) for name in PEAK_MEMORY if not math.isnan(largest(ranks, name))}
         self.console.report(step, self.plan.max_step, metrics, self.clock.eta(step))
         return metrics
+
+    def epochs_done(self) -> float:
+        """Epochs trained, with the share of the current one (as transformers' Trainer logs them): the epoch counter,
+        which the step's end has already moved on, put the last step of an epoch in the next one."""
+        return round(self.state["epoch"] + self.state["position"] / self.plan.train_rows, 4)
 
     def summarize(self) -> dict[str, Any]:
         """The run summary; every rank takes part (one all_gather of the ranks' numbers)."""
