@@ -167,7 +167,17 @@ def config_value_problem(parser: ArgumentParser, name: str, value: object) -> Op
         return f"{name} has no value; give it one, or drop the line for its default ({action.default})"
     if getattr(action, "bracketed_too", False) and isinstance(value, str):
         return f"{name} is a list; write it as [{value}]"
+    whole = takes_integers(action) and not isinstance(value, bool) and (
+        isinstance(value, float) or isinstance(value, str) and E_NOTATION.fullmatch(value)) and float(value)
+    if whole and float(whole).is_integer():  # `max_step: 1e5`: a string in YAML, 100000.0 as 1.0e+5
+        return f"{name} takes an integer: write {int(whole)} (e notation is read as an integer on the command line only)"
     return None
+
+
+def takes_integers(action: Any) -> bool:
+    """An option whose type admits integers and not other numbers."""
+    members = _members(getattr(action, "_typehint", None))
+    return int in members and float not in members
 
 
 def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namespace:
@@ -197,12 +207,11 @@ def integers_as_written(parser: ArgumentParser, arguments: list[str]) -> list[st
     """`--max_step 1e5` as `--max_step 100000`: a whole number in e notation, as people write step and token counts,
     was refused as "expected an integer, got '100000.0'" (jsonargparse reads it as a float first). A fraction
     (`1.5e0`) is still refused."""
-    takes_integers = {flag for action in parser._actions if int in _members(getattr(action, "_typehint", None))
-                      and float not in _members(getattr(action, "_typehint", None)) for flag in action.option_strings}
+    integral = {flag for action in parser._actions if takes_integers(action) for flag in action.option_strings}
     rewritten, previous = [], ""
     for word in arguments:
         flag, equals, value = word.partition("=") if word.startswith("--") else (previous, "", word)
-        if flag in takes_integers and E_NOTATION.fullmatch(value) and float(value).is_integer():
+        if flag in integral and E_NOTATION.fullmatch(value) and float(value).is_integer():
             word = f"{flag}={int(float(value))}" if equals else str(int(float(value)))
         rewritten.append(word)
         previous = word if word.startswith("--") and "=" not in word else ""

@@ -179,12 +179,17 @@ def test_a_max_step_below_one_is_said_once() -> None:
     assert validate_config(read_config(REQUIRED + ["--max_step", "-1"])) == ["--max_step must be at least 1, got -1"]
 
 
-def test_a_whole_number_in_e_notation_is_an_integer_and_a_fraction_is_refused() -> None:
-    """`--max_step 1e5` was refused as "expected an integer, got '100000.0'"; --lr keeps its float."""
+def test_a_whole_number_in_e_notation_is_an_integer_and_a_fraction_is_refused(tmp_path) -> None:
+    """`--max_step 1e5` was refused as "expected an integer, got '100000.0'"; --lr keeps its float. In a config file
+    (YAML reads 1e5 as text, 1.0e+5 as a float) the file and the integer to write are named."""
     cfg = read_config(REQUIRED + ["--max_step", "1e5", "--save_step_interval=2.5e3", "--lr", "3e-4"])
     assert (cfg.max_step, cfg.save_step_interval, cfg.lr) == (100000, 2500, 3e-4)
     with pytest.raises(UsageError, match="--max_step: expected an integer, got"):
         read_config(REQUIRED + ["--max_step", "1.5e0"])
+    (tmp_path / "run.yaml").write_text("max_step: 1e5\nsave_step_interval: 2.0e+3\nlr: 3e-4\n")
+    with pytest.raises(UsageError, match=f"--config {tmp_path / 'run.yaml'}: max_step takes an integer: write 100000 "
+                                         r"\(e notation .*\); save_step_interval takes an integer: write 2000"):
+        read_config(REQUIRED + ["--config", str(tmp_path / "run.yaml")])
 
 
 def test_cli_reports_every_problem_in_one_go_without_traceback() -> None:

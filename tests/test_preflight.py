@@ -440,10 +440,10 @@ def test_a_launcher_that_started_another_number_of_processes_is_refused_in_one_l
     monkeypatch.setenv("SLURM_JOB_NAME", "train")
     # train.py in the job's batch script, not under srun: it waited out --rendezvous_timeout_min and exited 5 (which
     # the scripts requeue), or with one task per node was told to give --devices 1
-    assert refusal(devices=4) == ("error: train.py runs in the job's batch script, not under srun, and no other "
-                                  "process of the run is started: run it as `srun python train.py ...` "
-                                  "(slurm/train.sbatch), in a job submitted with --nodes and --ntasks-per-node (one "
-                                  "task per device)")
+    assert refusal(devices=4) == ("error: train.py runs in the job's allocation (its batch script, or an salloc "
+                                  "shell), not under srun, and no other process of the run is started: run it as "
+                                  "`srun python train.py ...` (slurm/train.sbatch), in a job submitted with --nodes "
+                                  "and --ntasks-per-node (one task per device)")
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     assert refusal(devices=2) == ("error: --devices 2: srun started 4 processes on each node (SLURM_NTASKS_PER_NODE); "
                                   "give --devices 4")
@@ -472,8 +472,12 @@ def test_a_launcher_that_started_another_number_of_processes_is_refused_in_one_l
     monkeypatch.delenv("NODE_RANK")
     monkeypatch.setenv("LOCAL_RANK", "0")  # a shell that kept torchrun's: it waited out the rendezvous, then exit 5
     assert refusal(devices=2) == ("error: LOCAL_RANK=0 is set here, and Lightning then starts none of the run's other "
-                                  "1 processes itself (it takes them as started by hand): unset LOCAL_RANK (left in "
+                                  "1 process itself (it takes them as started by hand): unset LOCAL_RANK (left in "
                                   "this shell by another launcher)")
+    from lightning_fabric.plugins.environments import MPIEnvironment
+
+    monkeypatch.setattr(MPIEnvironment, "detect", staticmethod(lambda: True))  # mpirun, whose wrapper exported it
+    assert preflight(parse_config(train_args(tiny, tmp_path / "out", devices=2))).plan.world_size == 2
     assert preflight(parse_config(train_args(tiny, tmp_path / "out", devices=1))).plan.world_size == 1
 
 

@@ -335,17 +335,37 @@ def test_nodes_started_with_other_options_are_refused_before_training(tiny, move
     assert "Traceback" not in result.stderr and "step 1/" not in result.stdout
 
 
-def test_what_nodes_differ_in_is_named_node_by_node() -> None:
-    from app.training.nodes import code_version, nodes_disagreement
+def test_what_nodes_differ_in_is_named_node_by_node(tiny, tmp_path, monkeypatch) -> None:
+    """A node's own copy of the data (another folder name) or W&B variables set on the head node alone are no
+    difference; a mixture's weights and the pretrained weights a node reads are (another revision, same config)."""
+    from types import SimpleNamespace
 
-    node = {"options": {"lr": 0.003, "seed": 7}, "data": [{"name": "a", "train_rows": 647}], "model": {"n": 1},
-            "code": code_version()}
+    from app.training.nodes import code_version, node_fingerprint, nodes_disagreement, weights_identity
+
+    node = {"options": {"lr": 0.003, "seed": 7}, "data": [{"train_rows": 647}], "mixture": [], "model": {"n": 1},
+            "weights": None, "code": code_version()}
     assert nodes_disagreement({0: node, 1: dict(node)}) is None and code_version() == node["code"]
-    other = {"options": {"lr": 0.003, "seed": 8}, "data": [{"name": "a", "train_rows": 400}], "model": {"n": 1},
-             "code": "0" * 64}
+    other = node | {"options": {"lr": 0.003, "seed": 8}, "data": [{"train_rows": 400}], "mixture": [["a", "1/2"]],
+                    "weights": [["model.safetensors", 8, "x"]], "code": "0" * 64}
     assert nodes_disagreement({0: node, 1: node, 2: other}) == (
         "the nodes were not started alike: node 0 / node 2: --seed 7 / 8, the data folders' contents (stats.json or "
-        "row counts), the code (app/, train.py, arguments.py); give every node the same command line, data and code")
+        "row counts), the mixture's folder names or weights, the pretrained weights, the code (app/, train.py, "
+        "arguments.py); give every node the same command line, data and code")
+
+    copy = tmp_path / "copy-of-data"
+    shutil.copytree(tiny.data, copy)
+    identity = [{"name": "data", "path": str(tiny.data), "stats_sha256": "s", "train_rows": 647}]
+    fingerprints = []
+    for data, wandb_mode in ((tiny.data, "online"), (copy, "disabled")):
+        cfg = parse_config(train_args(tiny, tmp_path / "run", train_data_dir=data, wandb_mode=wandb_mode))
+        inputs = SimpleNamespace(model_config=None, data_folders=[identity[0] | {"name": data.name}])
+        fingerprints.append(node_fingerprint(cfg, inputs))
+    assert nodes_disagreement(dict(enumerate(fingerprints))) is None
+    for name, payload in (("a", b"\0" * 4096), ("b", b"\0" * 4095 + b"\1")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(payload)
+    assert weights_identity(str(tmp_path / "a")) != weights_identity(str(tmp_path / "b"))
+    assert weights_identity(str(tmp_path / "a")) == weights_identity(str(tmp_path / "a"))
 
 
 def run_files(folder: Path) -> list[str]:
@@ -447,8 +467,12 @@ def test_a_resume_says_which_training_options_it_changes(tiny, moved_run, capsys
                                       lr=1e-2, precision="bf16-true")))
     said = capsys.readouterr().out
     assert ("--resume: changed since the checkpoint: precision 32-true -> bf16-true, lr 0.003 -> 0.01, max_step 2 -> "
-            "4; the steps after step 2 train with the new values: the learning rate was 3.00e-04 at step 2 and is 1.72e-03 at "
-            "step 3") in said, said
+            "4; the steps after step 2 train with the new values: step 3 trains at a learning rate of 1.72e-03, 3.00e-04 "
+            "with the checkpoint's options") in said, said
+    preflight(parse_config(train_args(tiny, moved_run.out_dir, **resumed, **ONE_PROCESS | {"max_step": 2},
+                                      grad_clip=0.5)))
+    said = capsys.readouterr().out
+    assert "grad_clip 1.0 -> 0.5; the steps after step 2 train with the new values\n" in said, "the rate is the same"
 
 
 def test_a_resume_keeps_the_seed_its_data_order_was_drawn_from(tiny, moved_run) -> None:

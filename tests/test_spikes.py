@@ -202,5 +202,8 @@ def test_statistics_of_another_mixture_start_again_and_the_quarantine_stays() ->
     guard.set_aside(41, [(7, 6.5, 32)])
     assert guard.judged_on([["a", "1/2"], ["b", "1/2"]]) is False, "a checkpoint from before this was recorded"
     assert guard.judged_on([["a", "1/2"], ["b", "1/2"]]) is False and guard.history.losses
+    at_checkpoint = guard.history.to_dict()
     assert guard.judged_on([["a", "1/3"], ["b", "1/3"], ["c", "1/3"]]) is True
     assert guard.history.losses == [] and guard.history.quarantined_rows() == {7}
+    guard.rolled_back(32, at_checkpoint)  # to a checkpoint from before the resume: its statistics are the old mixture's
+    assert guard.history.losses == [] and guard.history.data == [["a", "1/3"], ["b", "1/3"], ["c", "1/3"]]

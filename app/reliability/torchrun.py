@@ -26,7 +26,8 @@ import signal
 import sys
 from typing import Any, Optional
 
-# c10d's C++ warnings, 30 frames each, when the node that hosts the rendezvous ends first (its output says why)
+# c10d's C++ warnings, 30 frames each, in this agent and its workers when the node that hosts the rendezvous ends
+# first (its output says why); TORCH_CPP_LOG_LEVEL=WARNING set by the user brings them back
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402

@@ -17,15 +17,21 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 from app.checkpoint.files import holder_line, sees_lock
+from app.data.mixture import parse_sources
 
 if TYPE_CHECKING:
     from app.training.preflight import RunInputs
     from arguments import Config
 
 NODE_OWN_OPTIONS = frozenset({"train_data_dir", "model_name", "model_config", "tokenizer", "out_dir", "checkpoint",
-                              "num_workers"})
+                              "num_workers", "wandb_mode", "project", "entity", "run_name"})
 """Options a node may give its own way: paths (a node's copy of the data or the model lies where it lies; what they
-hold is compared instead, and out_dir and the checkpoint are checked apart) and the data workers of its CPUs."""
+hold is compared instead, and out_dir and the checkpoint are checked apart), the data workers of its CPUs, and the
+W&B run's settings, which each node's WANDB_* variables fill in and only rank 0 uses."""
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+SAMPLES, SAMPLE_BYTES = 16, 1 << 16
+"""A weight file's identity reads its size and this many pieces of this size spread over it: another revision or a
+fine-tune of the same model differs in every tensor, and hashing 16 GB whole on every node would take minutes."""
 CODE = ("app", "train.py", "arguments.py")
 """The code every node must run alike, from the project's root."""
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,13 +46,52 @@ def code_version() -> str:
     return digest.hexdigest()
 
 
+def weights_identity(model_name: Optional[str]) -> Optional[list]:
+    """The pretrained weights this node reads (a local folder, or the Hub's snapshot in this node's cache): each
+    file's name, size and a hash of pieces spread over it. None without pretrained weights or a cached snapshot (a
+    Hub id's files are then fetched by each rank alike, at the same revision)."""
+    if not model_name:
+        return None
+    folder = Path(model_name)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(model_name, local_files_only=True))
+        except Exception:  # not in this node's cache: a name, not a file to read
+            return [folder.name]
+    return [[path.name, path.stat().st_size, sampled_hash(path)]
+            for path in sorted(file for pattern in WEIGHT_FILES for file in folder.glob(pattern))]
+
+
+def sampled_hash(path: Path) -> str:
+    digest, size = hashlib.sha256(), path.stat().st_size
+    with open(path, "rb") as file:
+        for index in range(SAMPLES):
+            file.seek(size * index // SAMPLES)
+            digest.update(file.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def node_fingerprint(cfg: Config, inputs: RunInputs) -> dict[str, Any]:
-    """What this node was started with, as it must be on every node."""
+    """What this node was started with, as it must be on every node. A single data folder's name is its folder's
+    (a node's copy may be named otherwise); a mixture's names and weights decide what each step draws."""
     model = inputs.model_config.to_dict() if inputs.model_config is not None else {}
+    folders = inputs.data_folders
+    own = {"path"} if len(folders) > 1 else {"path", "name"}
     return {"options": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in NODE_OWN_OPTIONS},
-            "data": [{key: value for key, value in folder.items() if key != "path"} for folder in inputs.data_folders],
+            "data": [{key: value for key, value in folder.items() if key not in own} for folder in folders],
+            "mixture": [[source.name, str(source.weight)] for source in parse_sources(cfg.train_data_dir)]
+            if len(folders) > 1 else [],
             "model": {key: value for key, value in model.items() if key not in ("_name_or_path", "transformers_version")},
+            "weights": weights_identity(cfg.model_name),
             "code": code_version()}
+
+
+PARTS = (("data", "the data folders' contents (stats.json or row counts)"),
+         ("mixture", "the mixture's folder names or weights"), ("model", "the model's config"),
+         ("weights", "the pretrained weights"), ("code", "the code (app/, train.py, arguments.py)"))
+"""The parts of a fingerprint besides the options, and how a difference in each is named."""
 
 
 def nodes_disagreement(fingerprints: dict[int, dict[str, Any]]) -> Optional[str]:
@@ -55,10 +100,7 @@ def nodes_disagreement(fingerprints: dict[int, dict[str, Any]]) -> Optional[str]
     for node, other in sorted(fingerprints.items()):
         found = [f"--{name} {first['options'][name]} / {other['options'].get(name)}" for name in first["options"]
                  if first["options"][name] != other["options"].get(name)]
-        found += [what for part, what in (("data", "the data folders' contents (stats.json or row counts)"),
-                                          ("model", "the model's config"),
-                                          ("code", "the code (app/, train.py, arguments.py)"))
-                  if first[part] != other[part]]
+        found += [what for part, what in PARTS if first[part] != other[part]]
         if found:
             differences.append(f"node 0 / node {node}: {', '.join(found)}")
     if not differences:

@@ -62,7 +62,7 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
     --print_config."""
     print_stacks_on_signal()
     with redirect_stdout(sys.stderr) if cfg.print_config else nullcontext():  # what it notes stays out of the YAML
-        inputs = preflight(cfg, sources or {})
+        inputs = preflight(cfg, sources)
     if cfg.print_config:
         print(resolved_run(cfg, inputs, sources or {}))
         return
@@ -314,11 +314,12 @@ def corrupt_checkpoint(fabric: Fabric, cfg: Config, path: Path, unreadable: str)
         step = read_metadata(path)["step"]
         earlier = [older for number, older in sorted(list_checkpoints(cfg.out_dir).items()) if number < step]
         from_where = f"the newest: {earlier[-1]}" if earlier else "none is left in --out_dir: from step 0"
-        print("error: " + (f"--checkpoint {unreadable}; resume from an earlier checkpoint with --checkpoint "
-                           f"({from_where})" if named else
-                           f"--resume true: {unreadable}; moved it to {move_aside(path)}: run the same command again to "
-                           f"resume from the checkpoint before it ({from_where}); the Slurm scripts requeue"),
-              file=sys.stderr, flush=True)
+        if named:
+            line = f"--checkpoint {unreadable}; resume from an earlier checkpoint with --checkpoint ({from_where})"
+        else:
+            line = (f"--resume true: {unreadable}; moved it to {move_aside(path)}: run the same command again to "
+                    f"resume from the checkpoint before it ({from_where}); the Slurm scripts requeue")
+        print(f"error: {line}", file=sys.stderr, flush=True)
     fabric.barrier()  # the ranks end together: one that ended first had gloo's "connection closed" printed after it
     return EXIT_BAD_INPUT if named else EXIT_CORRUPT_CHECKPOINT
 

@@ -133,9 +133,10 @@ def check_launcher(cfg: Config, problems: list[str]) -> None:
     split = layout_problems(cfg, layout) if layout else []
     problems += split
     if layout is None and world_size(cfg) > 1 and stale_local_rank():
+        others = world_size(cfg) - 1
         problems.append(f"LOCAL_RANK={os.environ['LOCAL_RANK']} is set here, and Lightning then starts none of the "
-                        f"run's other {world_size(cfg) - 1} processes itself (it takes them as started by hand): "
-                        "unset LOCAL_RANK (left in this shell by another launcher)")
+                        f"run's other {others} process{'es' if others > 1 else ''} itself (it takes them as started "
+                        "by hand): unset LOCAL_RANK (left in this shell by another launcher)")
     if layout and not split and layout.processes != world_size(cfg):
         problems.append(f"--devices {cfg.devices} --num_nodes {cfg.num_nodes}: {world_size(cfg)} ranks, but "
                         f"{layout.launcher} ({layout.processes_variable}) started {layout.processes} processes; give "
@@ -149,9 +150,13 @@ def check_launcher(cfg: Config, problems: list[str]) -> None:
 def stale_local_rank() -> bool:
     """LOCAL_RANK set where no launcher started this process (a shell that kept torchrun's, an `export` in a job
     script): Lightning takes every rank as started by hand and waits for them until the rendezvous timeout, then
-    blames nodes that never started. Not where Lightning's launcher started this rank (LAUNCHER_PID), nor where
-    WORLD_SIZE says that each rank is started by hand."""
-    return "LOCAL_RANK" in os.environ and LAUNCHER_PID not in os.environ and "WORLD_SIZE" not in os.environ
+    blames nodes that never started. Not where Lightning's launcher started this rank (LAUNCHER_PID), where
+    WORLD_SIZE says that each rank is started by hand, nor under MPI or LSF, whose ranks Lightning takes from their
+    own variables."""
+    with without_srun_hint():
+        launched = MPIEnvironment.detect() or LSFEnvironment.detect()
+    return ("LOCAL_RANK" in os.environ and LAUNCHER_PID not in os.environ and "WORLD_SIZE" not in os.environ
+            and not launched)
 
 
 def launched_on_every_node() -> bool:
@@ -218,9 +223,9 @@ def layout_problems(cfg: Config, layout: LauncherLayout) -> list[str]:
     processes per node, every rank ended in an IndexError."""
     if layout.launcher == "srun" and "SLURM_STEP_ID" not in os.environ and (layout.processes > 1
                                                                              or world_size(cfg) > 1):
-        return ["train.py runs in the job's batch script, not under srun, and no other process of the run is started: "
-                "run it as `srun python train.py ...` (slurm/train.sbatch), in a job submitted with --nodes and "
-                "--ntasks-per-node (one task per device)"]
+        return ["train.py runs in the job's allocation (its batch script, or an salloc shell), not under srun, and no "
+                "other process of the run is started: run it as `srun python train.py ...` (slurm/train.sbatch), in "
+                "a job submitted with --nodes and --ntasks-per-node (one task per device)"]
     if layout.launcher == "torchrun" and layout.nodes and layout.per_node and layout.per_node.isdigit() \
             and layout.processes != layout.nodes * int(layout.per_node):
         return [f"torchrun started {layout.processes} processes on {layout.nodes} nodes, {layout.per_node} on this "

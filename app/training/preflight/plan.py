@@ -178,19 +178,20 @@ def note_changed_options(cfg: Config, saved: dict, plan: Optional[TrainingPlan])
 
 
 def rate_jump(cfg: Config, saved: dict, plan: Optional[TrainingPlan]) -> str:
-    """`: the learning rate was 1.65e-03 at step 2 and is 8.33e-03 at step 3`, where the two differ by more than 1%
-    (a change of --max_step alone may move it little); else nothing."""
+    """`: step 3 trains at a learning rate of 8.33e-03, 1.65e-03 with the checkpoint's options`, where the two
+    differ by more than 1% (a change of --max_step alone may move it little); else nothing. Both at the same step:
+    during warm-up the rate moves from one step to the next by more than that anyway."""
     before, schedule, step = saved.get("config") or {}, saved.get("schedule"), saved["step"]
     options = ("lr", "min_lr", "warmup_steps", "lr_decay")
     if plan is None or not schedule or any(name not in before for name in options):
         return ""
-    then = learning_rate(schedule["step"], lr=before["lr"], min_lr=before["min_lr"],
+    then = learning_rate(schedule["step"] + 1, lr=before["lr"], min_lr=before["min_lr"],
                          warmup_steps=before["warmup_steps"], max_step=schedule["length"], decay=before["lr_decay"])
     now = plan.learning_rate(step + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                              decay=cfg.lr_decay)
     if math.isclose(then, now, rel_tol=0.01):
         return ""
-    return f": the learning rate was {then:.2e} at step {step} and is {now:.2e} at step {step + 1}"
+    return f": step {step + 1} trains at a learning rate of {now:.2e}, {then:.2e} with the checkpoint's options"
 
 
 def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> None:
