@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 import os
 import sys
+import typing
 from dataclasses import asdict, dataclass, fields, replace
 from functools import cache
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Callable, Literal, Optional, Union
 
 import yaml
@@ -356,10 +358,13 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
         cfg = read_config(argv)
     except UsageError as error:
         refuse("train.py", str(error))
-    problems = validate_config(cfg)
+    sources = option_sources(sys.argv[1:] if argv is None else argv)
+    problems = validate_config(cfg, sources)
     if problems:
-        sources = option_sources(sys.argv[1:] if argv is None else argv)
         exit_refused([f"error: {naming_config_files(p, sources)}" for p in problems])
+    for unread, switch, _ in unread_options(cfg):  # turned_off_by_a_flag: said, not refused
+        print(f"note: {flags(unread)} ({sources[unread[0]].removeprefix('config ')}) not read: --{switch} on the "
+              "command line turns it off", file=sys.stderr)
     return cfg
 
 
@@ -402,10 +407,21 @@ def options_markdown() -> str:
     help_of = {action.dest: " ".join(action.help.split()) for action in build_parser()._actions}
     lines = []
     for group in GROUPS:
+        hints = typing.get_type_hints(group)
         lines += [f"**{group.__doc__}**", "", "| option | default | meaning |", "| --- | --- | --- |"]
-        lines += [f"| `--{f.name}` | `{f.default}` | {help_of[f.name]} |" for f in fields(group)]
+        lines += [f"| `--{f.name}` | `{f.default}` | {help_of[f.name]}{choices(hints[f.name])} |" for f in fields(group)]
         lines.append("")
     return "\n".join(lines).strip()
+
+
+def choices(hint: object) -> str:
+    """` Choices: a, b.` for an option that takes one of some words (a Literal), else nothing."""
+    members = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
+    if any(typing.get_origin(member) is not Literal and member not in (bool, type(None)) for member in members):
+        return ""  # --devices: a number, or auto
+    words = [word for member in members if typing.get_origin(member) is Literal for word in typing.get_args(member)]
+    words = (["true", "false"] if words and bool in members else []) + [str(word) for word in words]
+    return f" Choices: {', '.join(words)}." if words else ""
 
 
 def with_options(document: str) -> str:
@@ -426,9 +442,9 @@ def write_options_doc(path: Path = OPTIONS_DOC) -> bool:
     return after != before
 
 
-def validate_config(cfg: Config) -> list[str]:
+def validate_config(cfg: Config, sources: Optional[dict[str, str]] = None) -> list[str]:
     """Every problem with the values themselves, one line each (files and models are checked by
-    app/training/preflight)."""
+    app/training/preflight). `sources` (option_sources) lets a flag turn off options a config file sets."""
     problems = []
 
     def require(condition: bool, message: str) -> None:
@@ -441,8 +457,10 @@ def validate_config(cfg: Config) -> list[str]:
                 f"--{option.name} must be a finite number, got {value}")
     if problems:
         return problems
-    for rules in (value_ranges, option_combinations, unread_options, strategy_rules):
+    for rules in (value_ranges, option_combinations, strategy_rules):
         rules(cfg, require)
+    problems += [message for unread, switch, message in unread_options(cfg)
+                 if not turned_off_by_a_flag(unread, switch, sources or {})]
     return problems
 
 
@@ -516,31 +534,52 @@ def option_combinations(cfg: Config, require: Callable[[bool, str], None]) -> No
             "--checkpoint is only read when resuming: add --resume true, or drop --checkpoint")
 
 
-def unread_options(cfg: Config, require: Callable[[bool, str], None]) -> None:
-    """An option that another one turns off would be ignored without a word: refused instead."""
-    require(cfg.reference_batch_size is None or cfg.lr_scaling != "none",
-            "--reference_batch_size is only read with --lr_scaling linear or sqrt: add one, or drop it")
-    require(cfg.device_memory_gb is None or cfg.estimate_memory,
-            "--device_memory_gb is only read by --estimate_memory true: add it, or drop --device_memory_gb")
-    require(cfg.eval_samples or cfg.eval_max_new_tokens == EvalArgs.eval_max_new_tokens,
-            "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens")
-    require(cfg.lr_decay or cfg.min_lr == TrainingArgs.min_lr,
-            "--min_lr is only read by the cosine decay, which --lr_decay false turns off: drop one of them")
-    rollback_only = [f"--{name}" for name in ("spike_max_rollbacks", "spike_rewarm_steps")
-                     if getattr(cfg, name) != getattr(SpikeArgs, name)]
-    require(cfg.spike_guard in ("rollback", "off") or not rollback_only,
-            f"{', '.join(rollback_only)}: only read by --spike_guard rollback, not {cfg.spike_guard}: use rollback, "
-            "or drop them")
-    acting_only = [f"--{name}" for name in ("spike_incident", "spike_incident_steps")
-                   if getattr(cfg, name) != getattr(SpikeArgs, name)]
-    require(cfg.spike_guard != "detect" or not acting_only,
-            f"{', '.join(acting_only)}: not read by --spike_guard detect, which only reports spikes: use skip or "
-            "rollback, or drop them")
+def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
+    """The options that another one turns off, which would be ignored without a word: (their names, the option that
+    turns them off, the refusal)."""
+    found = []
+
+    def unread(names: list[str], switch: str, message: str) -> None:
+        if names:
+            found.append((names, switch, message))
+
+    if cfg.lr_scaling == "none" and cfg.reference_batch_size is not None:
+        unread(["reference_batch_size"], "lr_scaling",
+               "--reference_batch_size is only read with --lr_scaling linear or sqrt: add one, or drop it")
+    if not cfg.estimate_memory and cfg.device_memory_gb is not None:
+        unread(["device_memory_gb"], "estimate_memory",
+               "--device_memory_gb is only read by --estimate_memory true: add it, or drop --device_memory_gb")
+    if not cfg.eval_samples and cfg.eval_max_new_tokens != EvalArgs.eval_max_new_tokens:
+        unread(["eval_max_new_tokens"], "eval_samples",
+               "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens")
+    if not cfg.lr_decay and cfg.min_lr != TrainingArgs.min_lr:
+        unread(["min_lr"], "lr_decay",
+               "--min_lr is only read by the cosine decay, which --lr_decay false turns off: drop one of them")
+    changed = {f.name for f in fields(SpikeArgs) if f.name != "spike_guard" and getattr(cfg, f.name) != f.default}
+    rollback_only = [name for name in ("spike_max_rollbacks", "spike_rewarm_steps") if name in changed]
+    acting_only = [name for name in ("spike_incident", "spike_incident_steps") if name in changed]
     if cfg.spike_guard == "off":
-        unread = [f"--{f.name}" for f in fields(SpikeArgs)
-                  if f.name != "spike_guard" and getattr(cfg, f.name) != f.default]
-        require(not unread, f"{', '.join(unread)}: only read by the spike guard, which --spike_guard off turns off: "
-                            "choose detect, skip or rollback, or drop them")
+        unread(sorted(changed, key=[f.name for f in fields(SpikeArgs)].index), "spike_guard",
+               f"{flags(changed)}: only read by the spike guard, which --spike_guard off turns off: choose detect, "
+               "skip or rollback, or drop them")
+    elif cfg.spike_guard != "rollback":
+        unread(rollback_only, "spike_guard", f"{flags(rollback_only)}: only read by --spike_guard rollback, not "
+                                             f"{cfg.spike_guard}: use rollback, or drop them")
+    if cfg.spike_guard == "detect":
+        unread(acting_only, "spike_guard", f"{flags(acting_only)}: not read by --spike_guard detect, which only "
+                                           "reports spikes: use skip or rollback, or drop them")
+    return found
+
+
+def flags(names: Iterable[str]) -> str:
+    order = [f.name for f in fields(Config)]
+    return ", ".join(f"--{name}" for name in sorted(names, key=order.index))
+
+
+def turned_off_by_a_flag(unread: list[str], switch: str, sources: dict[str, str]) -> bool:
+    """Whether options set in config files are turned off by a flag (`--eval_samples 0` over a config that sets
+    --eval_max_new_tokens): the command line wins, and the file's line is not one the user can drop there."""
+    return sources.get(switch) == "flag" and all(sources.get(name, "").startswith("config ") for name in unread)
 
 
 def strategy_rules(cfg: Config, require: Callable[[bool, str], None]) -> None:

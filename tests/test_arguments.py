@@ -201,6 +201,23 @@ def test_cli_reports_every_problem_in_one_go_without_traceback() -> None:
     assert len(errors) >= 4, result.stderr  # three bad values and the missing --train_data_dir
 
 
+def test_a_flag_may_turn_off_what_a_config_file_sets_and_the_run_says_so(tmp_path, capsys) -> None:
+    """`--eval_samples 0` over a config that sets eval_max_new_tokens was refused with "drop --eval_max_new_tokens",
+    a line of the file the command line cannot drop (the command line wins over config files). Both in the file, or
+    both flags: still refused."""
+    (tmp_path / "run.yaml").write_text("eval_samples: 4\neval_max_new_tokens: 32\nspike_z: 3\n")
+    config = ["--config", str(tmp_path / "run.yaml")]
+    cfg = parse_config(REQUIRED + config + ["--eval_samples", "0", "--spike_guard", "off"])
+    assert (cfg.eval_samples, cfg.spike_guard) == (0, "off")
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: --eval_max_new_tokens ({tmp_path / 'run.yaml'}) not read: --eval_samples on the command line turns it "
+        "off", f"note: --spike_z ({tmp_path / 'run.yaml'}) not read: --spike_guard on the command line turns it off"]
+    (tmp_path / "both.yaml").write_text("eval_samples: 0\neval_max_new_tokens: 32\n")
+    assert validate_config(read_config(REQUIRED + ["--config", str(tmp_path / "both.yaml")]),
+                           option_sources(["--config", str(tmp_path / "both.yaml")])) == [
+        "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens"]
+
+
 def test_a_problem_with_an_option_from_a_config_file_names_the_file(tmp_path) -> None:
     """`--lr must be positive` for a `lr:` line the user wrote in a file sent them looking for a flag they never
     typed; the file is named, by the value checks and by the preflight alike."""

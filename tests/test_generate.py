@@ -223,7 +223,7 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
         f" tokens (line 2 of --prompts {prompts}, the longest) and the model's 64 positions (max_position_embeddings); "
         f"give at most {64 - int(too_long.split(' tokens (')[0].rsplit(' ', 1)[1])}"), too_long
     assert refused_file(good + json.dumps({"prompt": "def f(x): return x " * 10}) + "\n").endswith(
-        "give at most 0; shorten that prompt")
+        "the prompt fills them all: shorten that prompt")
     prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')
     assert refusal([str(folder), "--prompts", str(prompts)], capsys).startswith(
         f"--prompts {prompts}: not readable as UTF-8 text (")

@@ -237,6 +237,7 @@ def test_the_plan_docs_training_md_shows_is_the_one_its_command_prints(tmp_path)
     command = example.group(1).replace("\\\n", " ").replace("llama-3-8b/", str(tmp_path / "llama-3-8b"))
     printed = run_entry(command.split()).stdout
     assert [line for line in example.group(2).splitlines() if line not in printed] == []
+    assert printed.startswith("memory per device"), "a plan logs nothing: no line about W&B before it"
 
 
 def test_a_gpu_plan_from_a_torch_without_cuda_says_what_it_leaves_out() -> None:

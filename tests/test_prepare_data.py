@@ -867,7 +867,8 @@ def test_csv_cells_are_read_as_the_text_they_hold(tmp_path, issue_run):
     pd.DataFrame({"text": ["None", "null", "N/A", "NaN", "", "42"]}).to_csv(tmp_path / "cells.csv")
     stats = prepared(tmp_path, issue_run, [tmp_path / "cells.csv"])
     assert (stats["splits"]["train"]["documents"], stats["empty_documents_skipped"]) == (5, 1)
-    assert "skipped 1 documents whose --text_field text is missing, null or empty" in summary(stats, "out")
+    assert ("skipped 1 documents without text (empty files, or records whose --text_field text is missing, null or "
+            "empty)") in summary(stats, "out")
 
 
 def test_duplicates_do_not_take_validation_past_its_share(tmp_path, issue_run):

@@ -587,3 +587,8 @@ def test_show_samples_keeps_answers_of_several_lines_in_their_column_and_refuses
             parse_show_args(argv)
     with pytest.raises(UsageError, match="a file; give the run's folder"):
         show(tmp_path / "samples" / "step-00000004.jsonl", 1)
+    many = tmp_path / "many"
+    write_samples(many / "samples" / "step-00000004.jsonl", ["def f("] * 3000, ["x"] * 3000, ["y"] * 3000)
+    piped = subprocess.run(f"{sys.executable} show_samples.py {many} 3000 | head -1", shell=True, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)  # the reader closes the pipe early
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr

@@ -5,6 +5,7 @@ answers, or refuses a bad command line, at once."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -88,4 +89,8 @@ def parse_show_args(argv: Optional[list[str]] = None) -> tuple[Path, int]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    print(cli.run_command(PROG, lambda: show(*parse_show_args(argv))))
+    shown = cli.run_command(PROG, lambda: show(*parse_show_args(argv)))
+    try:
+        print(shown, flush=True)
+    except BrokenPipeError:  # `show_samples.py RUN | head`: the reader has what it wanted (a traceback, before)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -263,8 +263,8 @@ def summary(stats: dict, output_dir: str) -> str:
     if "chat_template" in stats:  # a tokenizer prefetched without its chat_template.jinja fell back to the default
         lines.append(f"rendered with {stats['chat_template']}")
     if stats.get("empty_documents_skipped"):  # 30% of an input with misnamed or null fields went unsaid
-        lines.append(f"skipped {stats['empty_documents_skipped']:,} documents whose --text_field "
-                     f"{stats.get('text_field', 'text')} is missing, null or empty")
+        lines.append(f"skipped {stats['empty_documents_skipped']:,} documents without text (empty files, or records "
+                     f"whose --text_field {stats.get('text_field', 'text')} is missing, null or empty)")
     lines.append(f"wrote {output_dir} ({stats['format']} rows, tokenizer/, stats.json)")
     return "\n".join(lines)
 

@@ -34,7 +34,7 @@ def resolve_wandb(cfg: Config, problems: list[str]) -> Config:
     if mode not in WANDB_MODES:
         problems.append(f"WANDB_MODE={mode} is not one of {', '.join(WANDB_MODES)}; set one, or give --wandb_mode")
         mode = "disabled"
-    if not cfg.wandb_mode and not os.environ.get("WANDB_MODE"):
+    if not cfg.wandb_mode and not os.environ.get("WANDB_MODE") and not cfg.estimate_memory:  # a plan logs nothing
         note("Weights & Biases: off (--wandb_mode offline or online, or WANDB_MODE, to log there)")
     return replace(cfg, wandb_mode=mode, project=cfg.project or os.environ.get("WANDB_PROJECT") or "fsdp-trainer",
                    entity=cfg.entity or os.environ.get("WANDB_ENTITY"),
