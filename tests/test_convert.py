@@ -213,8 +213,8 @@ def test_a_cast_is_verified_in_the_checkpoints_dtype_and_logits_beyond_the_writt
     weights (a config that changes them is caught as without a cast); in float16 logits that overflow are refused."""
     computed = []
 
-    @torch.no_grad()
     def changed(at: int, by: float):
+        @torch.no_grad()
         def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
             computed.append(model)
             return model(input_ids=ids).logits.float() * (by if len(computed) == at else 1)
