@@ -394,6 +394,16 @@ def test_rouge_reads_every_script_and_stems_english_words_as_rouge_score_does() 
     assert part["sample_rouge1"] == pytest.approx(2 * 4 / (4 + 7))  # 4 of 7 characters: precision 1, recall 4/7
 
 
+def test_rouge_keeps_the_marks_of_a_word_in_its_word() -> None:
+    """Devanagari's vowel signs, Arabic's harakat and Hebrew's points are marks, not letters: words were split at
+    them and the marks dropped, and "kutub accha ho" scored 1.0 against "kitaab acchi hai" in every ROUGE."""
+    words = RougeWords()
+    assert words.tokenize("किताब अच्छी है") == ["किताब", "अच्छी", "है"] and words.tokenize("مَكْتَبَة") == ["مَكْتَبَة"]
+    assert words.tokenize("ภาษา ง่าย")[-3:] == ["ง่", "า", "ย"], "Thai: a character with its marks, as CJK"
+    different = sample_metrics(["कुतूब अच्छा हो"], ["किताब अच्छी है"], lengths=[3])
+    assert all(different[f"sample_{key}"] == 0.0 for key in ROUGE_KEYS)
+
+
 def test_rouge_lsum_scores_a_multi_line_summary_sentence_by_sentence() -> None:
     """Summaries are written one sentence per line: rougeLsum matches each reference line on its own (the ROUGE
     that published summarization results report), rougeL the whole text as one sequence."""
@@ -551,13 +561,16 @@ def test_samples_whose_references_were_cut_when_prepared_are_passed_over_and_sai
     assert whole_samples(candidates, 5, {eos}) == ([candidates[0], candidates[2]], 2)
     assert sample_notes(5, 2, 2) == [
         "note: --eval_samples passed over 2 validation examples whose references were cut when the data was prepared "
-        "(--too_long truncate, --max_target_length): no generation could match them",
+        "(--too_long truncate): no generation could match them",
         "note: --eval_samples 5: the validation split holds 2 whole examples to score"]
     # references that end with another turn end than the tokenizer's: nothing is taken for cut
     assert whole_samples(candidates, 3, {99}) == (candidates[:3], 0)
     endless = (Sample([1], [5]) for _ in iter(int, 1))  # a split of millions: found out within max(10 N, 1000)
     assert whole_samples(endless, 3, {eos}) == ([Sample([1], [5])] * 3, 0)
     assert sample_notes(3, 3, 0) == []
+    assert sample_notes(3, 3, 0, cut_prompts=2) == [
+        "note: --eval_samples: 2 prompts are cut from the left to leave --eval_max_new_tokens of the model's positions "
+        "to their answers (fit_to_context)"], "a chat prompt so cut loses its header, unsaid"
 
 
 def test_show_samples_shows_the_end_of_a_long_prompt_where_a_chat_asks_its_question() -> None:
@@ -592,3 +605,23 @@ def test_show_samples_keeps_answers_of_several_lines_in_their_column_and_refuses
     piped = subprocess.run(f"{sys.executable} show_samples.py {many} 3000 | head -1", shell=True, cwd=ROOT,
                            capture_output=True, text=True, timeout=60)  # the reader closes the pipe early
     assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+
+
+def test_samples_of_a_state_space_model_step_with_its_own_cache() -> None:
+    """Mamba's outputs carry `cache_params`, not `past_key_values`: --eval_samples ended such a run at its first
+    evaluation with an AttributeError. Greedy tokens equal transformers' generate."""
+    from lightning_fabric import Fabric
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from app.evaluation.samples import generate_in_lockstep
+
+    torch.manual_seed(0)
+    model = MambaForCausalLM(MambaConfig(vocab_size=400, hidden_size=64, state_size=8, num_hidden_layers=2)).eval()
+    with torch.no_grad():
+        for matrix in (parameter for parameter in model.parameters() if parameter.dim() > 1):
+            matrix.mul_(8)  # far from the initialisation: every token another
+    prompt = [5, 9, 13, 2, 7]
+    ours = generate_in_lockstep(Fabric(accelerator="cpu", devices=1), model, Sample(prompt=prompt, reference=prompt),
+                                decoding=CAUSAL, max_new_tokens=6, stop_ids={-1})
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    assert ours == theirs and len(set(ours)) > 3, (ours, theirs)

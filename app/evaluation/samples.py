@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import re
-from itertools import islice
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
+import regex
 import torch
 import torch.distributed as dist
 
@@ -37,9 +38,14 @@ if TYPE_CHECKING:
 SAMPLES_DIR = "samples"
 """Where a run writes the generated samples of each evaluation, in out_dir."""
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-WRITTEN_WITHOUT_SPACES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ffff"
-"""Kana and CJK ideographs: scripts whose words are not separated by spaces."""
-WORD = re.compile(f"[{WRITTEN_WITHOUT_SPACES}]|[^\\W_{WRITTEN_WITHOUT_SPACES}]+")
+WRITTEN_WITHOUT_SPACES = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+                          "\uf900-\ufaff\U00020000-\U0002ffff")
+"""Thai, Lao, Burmese, Khmer, kana and CJK ideographs: scripts whose words are not separated by spaces."""
+WORD = regex.compile(f"(?=[{WRITTEN_WITHOUT_SPACES}])[\\p{{L}}\\p{{N}}]\\p{{M}}*"
+                     f"|(?:(?![{WRITTEN_WITHOUT_SPACES}])[\\p{{L}}\\p{{N}}\\p{{M}}])+")
+"""A character of a script written without spaces, with its marks; else a run of letters, digits and marks (the
+`regex` module: the standard library's `\\w` leaves out the marks of Devanagari, Arabic and Hebrew, which split
+their words into letters, and scored two different Hindi sentences 1.0)."""
 STEMMED = re.compile("[a-z0-9]{4,}")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 """Where a sentence ends inside a line, for rougeLsum: Hugging Face's run_summarization.py puts each of nltk's
@@ -56,8 +62,15 @@ class Decoding:
     """(last token, previous model output) -> the inputs of the next forward."""
 
 
-CAUSAL = Decoding(first=lambda prompt, reference: {"input_ids": prompt},
-                  next=lambda token, output: {"input_ids": token, "past_key_values": output.past_key_values})
+def causal_next(token: torch.Tensor, output: Any) -> dict[str, Any]:
+    """The next token with the model's cache: its key/value cache, or the state of a state-space model (Mamba's
+    `cache_params`: reading `past_key_values` from its output ended the run at its first evaluation)."""
+    state = getattr(output, "cache_params", None)
+    return {"input_ids": token, **({"cache_params": state} if state is not None
+                                   else {"past_key_values": output.past_key_values})}
+
+
+CAUSAL = Decoding(first=lambda prompt, reference: {"input_ids": prompt}, next=causal_next)
 
 
 def seq2seq_decoding(decoder_inputs: Callable[[torch.Tensor], torch.Tensor]) -> Decoding:
@@ -95,8 +108,9 @@ def fit_to_context(samples: list[Sample], model_config: PretrainedConfig, max_ne
 
 def whole_samples(candidates: Iterable[Sample], count: int, stop_ids: set[int]) -> tuple[list[Sample], int]:
     """The first `count` samples whose reference ends with a stop token, and how many were passed over to find them.
-    A reference that does not was cut when the data was prepared (--too_long truncate, a target past
-    --max_target_length), and generations were scored against its first tokens ("E" for a one-line summary), unsaid.
+    A reference that does not was cut when the data was prepared (--too_long truncate), and generations were scored
+    against its first tokens ("E" for a one-line summary), unsaid. (A seq2seq target cut at --max_target_length
+    keeps its EOS, and is scored as cut: docs/seq2seq.md.)
     When no reference ends with a stop token, the tokenizer's end of turn is not the one the data's references end
     with: the first `count` samples are taken, none passed over. At most `max(10 * count, 1000)` are looked at (a
     split of millions is not read at every start to find that)."""
@@ -115,13 +129,15 @@ def whole_samples(candidates: Iterable[Sample], count: int, stop_ids: set[int]) 
     return (whole, passed_over) if whole else (first, 0)
 
 
-def sample_notes(count: int, found: int, passed_over: int) -> list[str]:
-    """What --eval_samples scores when it is not the first `count` examples of the validation split."""
+def sample_notes(count: int, found: int, passed_over: int, cut_prompts: int = 0) -> list[str]:
+    """What --eval_samples scores when it is not the first `count` examples of the validation split as they are."""
     notes = []
+    if cut_prompts:  # a chat prompt so cut loses its header and system turn
+        notes.append(f"note: --eval_samples: {cut_prompts} prompts are cut from the left to leave "
+                     "--eval_max_new_tokens of the model's positions to their answers (fit_to_context)")
     if passed_over:
         notes.append(f"note: --eval_samples passed over {passed_over} validation examples whose references were cut "
-                     "when the data was prepared (--too_long truncate, --max_target_length): no generation could "
-                     "match them")
+                     "when the data was prepared (--too_long truncate): no generation could match them")
     if found < count:
         notes.append(f"note: --eval_samples {count}: the validation split holds {found} whole examples to score")
     return notes
@@ -205,8 +221,9 @@ class RougeWords:
     """Words for ROUGE in every script, stemmed as published English summarization scores are.
 
     rouge_score's own tokenizer keeps only [a-z0-9]: a Cyrillic or Chinese answer identical to its reference scores
-    0. Here a word is a run of letters and digits of any script, lower-cased, except in scripts written without
-    spaces (kana, CJK ideographs), where each character is a word, as multilingual ROUGE does; ASCII words longer
+    0. Here a word is a run of letters, digits and their marks in any script, lower-cased, except in scripts written
+    without spaces (Thai, kana, CJK ideographs), where each character (with its marks) is a word, as multilingual
+    ROUGE does; ASCII words longer
     than 3 characters go through rouge_score's Porter stemmer, so that on ASCII text this gives exactly the words
     of rouge_score's default tokenizer with use_stemmer=True. (rouge_score accepts any object with `tokenize`.)
     """

@@ -295,7 +295,8 @@ def sample_evaluator(fabric: Fabric, cfg: Config, inputs: RunInputs, data: Train
     stops = stop_ids(tokenizer)
     whole, passed_over = whole_samples(data.format.every_sample(data.validation), cfg.eval_samples, stops)
     samples = fit_to_context(whole, inputs.model_config, cfg.eval_max_new_tokens)
-    for said in sample_notes(cfg.eval_samples, len(samples), passed_over) + [
+    cut = sum(len(fitted.prompt) < len(sample.prompt) for fitted, sample in zip(samples, whole))
+    for said in sample_notes(cfg.eval_samples, len(samples), passed_over, cut) + [
             references_past(samples, cfg.eval_max_new_tokens, stops)]:
         if said:
             fabric.print(said)
