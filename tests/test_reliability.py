@@ -785,6 +785,30 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_best_of_the_checkpoints_lef
     assert read_best(tmp_path)["evaluated"] == {"step-00000004.ckpt": 2.5, "step-00000008.ckpt": 2.4}
 
 
+def test_best_json_compares_losses_measured_on_the_same_rows_only(tmp_path: Path):
+    """Resumed with --eval_iters 1 where the run had evaluated with 5, best.json kept step 40 (3.7594 over 20 rows)
+    over step 44 (3.8020 over 4), though 44 was the better on either set of rows, and --keep_last_n kept 40: losses
+    measured on other rows start a new comparison. Ones measured alike (a moved data folder) still compare."""
+    from app.checkpoint.io import validation_measured
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    metadata = {"config": {"eval_iters": 5, "micro_batch_size": 2}, "rng": [0, 1],
+                "data_folders": [{"name": "data", "path": "/old/data", "stats_sha256": "s", "train_rows": 9}]}
+    moved = metadata | {"data_folders": [metadata["data_folders"][0] | {"path": "/new/data"}]}
+    fewer = moved | {"config": {"eval_iters": 1, "micro_batch_size": 2}}
+    assert validation_measured(moved) == validation_measured(metadata) != validation_measured(fewer)
+    for step, val_loss, measured in [(20, 3.9, metadata), (40, 3.7594, moved), (44, 3.8020, fewer)]:
+        (folder / f"step-{step:08d}.ckpt").write_bytes(b"x")
+        mark_if_best(folder / f"step-{step:08d}.ckpt", val_loss, validation_measured(measured))
+        if step == 40:
+            assert read_best(tmp_path)["checkpoint"] == "step-00000040.ckpt"
+    best = read_best(tmp_path)
+    assert (best["checkpoint"], best["evaluated"]) == ("step-00000044.ckpt", {"step-00000044.ckpt": 3.8020})
+    assert [p.name for p in prune_checkpoints(tmp_path, 1, protected=set())] == ["step-00000020.ckpt",
+                                                                                 "step-00000040.ckpt"]
+
+
 class SmallStorage:
     """A tmpfs of `kilobytes` mounted at `folder` (root only: CI and the development machines run as root), grown
     in place."""

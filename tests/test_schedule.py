@@ -211,7 +211,8 @@ def test_a_mixture_resumed_with_another_weight_for_its_first_folder_needs_max_st
 
 def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_same(capsys) -> None:
     """--eval_iters counts batches per rank: 100 batches of 4 on 8 ranks read 3,200 rows, on 4 ranks 1,600; the
-    val_loss curve moved at the resume, and best.json compared losses of other rows, without a word."""
+    val_loss curve moved at the resume, and best.json compared losses of other rows, without a word (it now starts a
+    new comparison: tests/test_reliability.py -k measured_on_other_rows)."""
     from types import SimpleNamespace
 
     from app.training.preflight.plan import note_validation_rows
@@ -223,11 +224,11 @@ def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_s
     note_validation_rows(cfg, SimpleNamespace(validation_rows=10_000, sources=["a", "b"]), saved, plan)
     assert capsys.readouterr().out.splitlines() == [
         "--resume: validation reads 1,600 rows (100 batches of 4 on each of 4 ranks), the checkpoint's run read "
-        "3,200: val_loss moves at this resume for that alone, and best.json compares it with losses of the other "
-        "rows; --eval_iters 200 reads the same rows",
+        "3,200: val_loss moves at this resume for that alone, and best.json starts a new comparison (the losses of "
+        "the other rows do not compare); --eval_iters 200 reads the same rows",
         "--resume: validation reads 1,600 rows (100 batches of 4 on each of 4 ranks), the checkpoint's run read "
-        "2,000: val_loss moves at this resume for that alone, and best.json compares it with losses of the other "
-        "rows; --eval_iters 125 reads the same rows",
+        "2,000: val_loss moves at this resume for that alone, and best.json starts a new comparison (the losses of "
+        "the other rows do not compare); --eval_iters 125 reads the same rows",
         "--resume: validation reads up to 1,600 rows of each folder (100 batches of 4 on each of 4 ranks), the "
-        "checkpoint's run read 3,200: val_loss moves at this resume for that alone, and best.json compares it with "
-        "losses of the other rows; --eval_iters 200 reads the same rows"], "1,000 rows: all of them, before and now"
+        "checkpoint's run read 3,200: val_loss moves at this resume for that alone, and best.json starts a new "
+        "comparison (the losses of the other rows do not compare); --eval_iters 200 reads the same rows"], "1,000 rows: all of them, before and now"

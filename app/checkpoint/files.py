@@ -238,20 +238,27 @@ def read_best(out_dir: str | Path) -> Optional[dict[str, Any]]:
     return best
 
 
-def mark_if_best(path: Path, val_loss: float) -> None:
+def mark_if_best(path: Path, val_loss: float, measured: Optional[str] = None) -> None:
     """Record `path`'s validation loss and point best.json at the lowest of those still there (the earlier on a
-    tie)."""
+    tie). `measured` says on what rows (io.validation_measured): losses measured on other rows (a resume with another
+    --eval_iters, ranks or evaluation batch, or another mixture) do not compare, and the checkpoints evaluated before
+    stop being candidates: best.json kept a checkpoint whose loss over 20 rows beat a later one's over 4, though the
+    later one was better on either set of rows, and --keep_last_n kept the wrong one."""
     best = read_best(path.parent.parent) or {}
     evaluated = best.get("evaluated", {best["checkpoint"]: best["val_loss"]} if best else {})
+    if measured is not None and best.get("measured") not in (None, measured):
+        evaluated = {}
     write_best(path.parent, {name: loss for name, loss in evaluated.items() if (path.parent / name).exists()}
-               | {path.name: val_loss})
+               | {path.name: val_loss}, measured or best.get("measured"))
 
 
-def write_best(folder: Path, evaluated: dict[str, float]) -> None:
-    """best.json for the checkpoints of `folder` evaluated with these losses (written atomically)."""
+def write_best(folder: Path, evaluated: dict[str, float], measured: Optional[str] = None) -> None:
+    """best.json for the checkpoints of `folder` evaluated with these losses, on the rows `measured` says (written
+    atomically)."""
     name = min(evaluated, key=evaluated.__getitem__)
-    replace_file(folder / BEST_FILE, json.dumps({"checkpoint": name, "step": int(CHECKPOINT_NAME.match(name).group(1)),
-                                                 "val_loss": evaluated[name], "evaluated": evaluated}) + "\n")
+    best = {"checkpoint": name, "step": int(CHECKPOINT_NAME.match(name).group(1)), "val_loss": evaluated[name],
+            "evaluated": evaluated} | ({"measured": measured} if measured else {})
+    replace_file(folder / BEST_FILE, json.dumps(best) + "\n")
 
 
 def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected: set[Path]) -> list[Path]:
@@ -269,7 +276,8 @@ def prune_checkpoints(out_dir: str | Path, keep_last_n: Optional[int], protected
         remove(path)
     if best is not None and any(path.name in best.get("evaluated", {}) for path in deleted):
         folder = checkpoint_dir(out_dir)  # best.json lists the evaluated checkpoints that are still there
-        write_best(folder, {name: loss for name, loss in best["evaluated"].items() if (folder / name).exists()})
+        write_best(folder, {name: loss for name, loss in best["evaluated"].items() if (folder / name).exists()},
+                   best.get("measured"))
     return deleted
 
 
@@ -289,7 +297,7 @@ def set_aside_newer(out_dir: str | Path, step: int) -> list[Path]:
         folder = checkpoint_dir(out_dir)
         left = {name: loss for name, loss in best.get("evaluated", {}).items() if (folder / name).exists()}
         if left:
-            write_best(folder, left)
+            write_best(folder, left, best.get("measured"))
     return moved
 
 

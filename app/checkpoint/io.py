@@ -172,13 +172,17 @@ def last_good_checkpoint(out_dir: str | Path, before_step: int, passing_over: fr
     return candidates[max(good)]
 
 
-def validation_measured(metadata: dict[str, Any]) -> tuple:
-    """What a checkpoint's val_loss was measured on: its data folders, and --eval_iters batches of the evaluation
-    batch on each of its ranks (app/evaluation/validation.py)."""
+def validation_measured(metadata: dict[str, Any]) -> str:
+    """What a checkpoint's val_loss was measured on: its data folders (wherever they lie), and --eval_iters batches
+    of the evaluation batch on each of its ranks (app/evaluation/validation.py)."""
     config = metadata.get("config") or {}
     folders = metadata.get("data_folders") or config.get("train_data_dir")
-    return (json.dumps(folders, sort_keys=True, default=str), config.get("eval_iters"),
-            config.get("eval_batch_size") or config.get("micro_batch_size"), len(metadata.get("rng") or []))
+    if isinstance(folders, list):
+        folders = [{key: value for key, value in folder.items() if key != "path"} if isinstance(folder, dict)
+                   else folder for folder in folders]
+    batch = config.get("eval_batch_size") or config.get("micro_batch_size")
+    return json.dumps([folders, config.get("eval_iters"), batch, len(metadata.get("rng") or [])], sort_keys=True,
+                      default=str)
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -14,7 +14,8 @@ import torch
 from lightning_fabric import Fabric
 
 from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, load_last_good_checkpoint,
-                            mark_if_best, prune_checkpoints, rng_of_every_rank, set_aside_newer)
+                            mark_if_best, prune_checkpoints, read_metadata, rng_of_every_rank, set_aside_newer)
+from app.checkpoint.io import validation_measured
 from app.data import Batch, Step, TrainingData, train_steps
 from app.distributed.precision import restore_grad_scaler
 from app.evaluation.validation import EvaluationStopped, perplexity, row_losses, validation_losses
@@ -449,7 +450,7 @@ class Loop:
         to, as did every resume."""
         self.console.print(f"step {step}: saved {path} in {time.monotonic() - started:.1f} s")
         if val_loss is not None:
-            mark_if_best(path, val_loss)
+            mark_if_best(path, val_loss, validation_measured(read_metadata(path)))
         protected = {path, self.resumed_from} if self.resumed_from else {path}
         if incident_began is not None and self.cfg.keep_last_n is not None:
             needed = last_good_checkpoint(self.cfg.out_dir, incident_began, also=self.resumed_from)
