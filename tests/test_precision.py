@@ -63,6 +63,25 @@ def test_modules_transformers_keeps_in_fp32_under_bfloat16_refuse_bf16_true(mode
         assert fp32_modules_problem("bf16-true", model).startswith(
             f"--precision bf16-true: {type(model).__name__} keeps e_score_correction_bias in float32 also under "
             "bfloat16") and fp32_modules_problem("bf16-true", model).endswith("use --precision bf16-mixed")
+    assert fp32_modules_problem("bf16-mixed", model, "fsdp2") is None, "a buffer: FSDP casts no buffer"
+
+
+def test_parameters_kept_in_fp32_refuse_fsdps_mixed_precision_and_not_autocasts() -> None:
+    """Ernie keeps its router's gate in float32 under bfloat16; bf16-mixed keeps it so in its master copy, but
+    fsdp's and fsdp2's mixed precision gather it in bfloat16 for every forward (a bias of 1.0068 was used as 1.0078,
+    routing tokens to other experts). DDP's autocast keeps it."""
+    config = AutoConfig.for_model("ernie4_5_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
+                                  moe_intermediate_size=32, moe_num_experts=4)
+    model = meta_model(config, False)
+    for strategy in ("fsdp", "fsdp2"):
+        assert fp32_modules_problem("bf16-mixed", model, strategy) == (
+            f"--precision bf16-mixed --strategy {strategy}: Ernie4_5_MoeForCausalLM keeps gate.weight, moe_statics in "
+            "float32 (transformers' _keep_in_fp32_modules_strict), which FSDP's mixed precision gathers in bfloat16 "
+            "for the forward (a rounded router sends tokens to other experts); use --strategy ddp, whose autocast "
+            "keeps them, or --precision 32-true")
+    assert fp32_modules_problem("bf16-mixed", model, "ddp") is None
+    assert fp32_modules_problem("32-true", model, "fsdp") is None
 
 
 def test_no_16_true_because_adamw_state_in_float16_loses_the_squared_gradients(capsys) -> None:
@@ -375,6 +394,23 @@ def test_16_mixed_trains_with_loss_scaling_under_fsdp_resumes_exactly_and_report
     assert f"gradient scaler: {len(skipped)} of the steps not applied" in result.stdout
     assert json.loads((overflowing.parent / "summary.json").read_text())["scaler_skipped_steps"] == len(skipped)
     assert read_checkpoint(overflowing / "step-00000006.ckpt")["scaler_skipped_steps"] == len(skipped)
+
+
+def test_a_scaler_that_skips_every_step_down_to_a_scale_below_1_stops_the_run_as_non_finite() -> None:
+    """Gradients not finite at any scale (an inf in a masked fp16 activation): the scaler halved its scale at every
+    step and skipped them all, and the run finished with exit 0 and an untrained model."""
+    from types import SimpleNamespace
+
+    from app.training.loop import Loop
+
+    printed: list[str] = []
+    for scale, outcome in ((1024.0, None), (0.5, "scaler_gave_up")):
+        scaler = SimpleNamespace(get_scale=lambda scale=scale: scale)
+        loop = SimpleNamespace(state={"scaler_skipped_steps": 16}, console=SimpleNamespace(print=printed.append),
+                               fabric=SimpleNamespace(strategy=SimpleNamespace(precision=SimpleNamespace(scaler=scaler))))
+        assert Loop.report_scaler_skip(loop, 17) == outcome
+    assert printed[-1].startswith("step 17: fp16 gradients overflowed at every scale down to 0.5: they are not finite "
+                                  "at any; stopped without applying this step or saving it")
 
 
 @pytest.mark.slow

@@ -119,6 +119,20 @@ def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, ti
         tokenizer.eos_token_id]
 
 
+def test_t5_converts_to_float16_keeping_the_modules_transformers_keeps_in_float32(t5_run, tmp_path) -> None:
+    """T5's `wo` stays float32 when transformers loads it in float16: written cast down, it was loaded back as float32
+    holding rounded values, and the weight check refused the conversion ("its ...wo.weight differs")."""
+    from safetensors.torch import load_file
+
+    result = run_entry(["convert_to_hf.py", "--checkpoint", str(t5_run), "--output_dir", str(tmp_path / "hf"),
+                        "--dtype", "float16"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "weights and logits verified (max relative difference 0.0e+00; in float16 the logits move" in result.stdout
+    dtypes = {name: tensor.dtype for name, tensor in load_file(tmp_path / "hf" / "model.safetensors").items()}
+    assert {dtype for name, dtype in dtypes.items() if ".wo." in name} == {torch.float32}
+    assert {dtype for name, dtype in dtypes.items() if ".wo." not in name} == {torch.float16}
+
+
 def test_generate_reads_a_source_as_training_read_it(tiny, t5_config, tmp_path) -> None:
     """generate.py gave an encoder-decoder its source as the tokenizer alone encodes it: without the EOS that ends
     every prepared source (the trained SentencePiece tokenizer adds none), and 30 of 60 greedy summaries of a T5

@@ -21,6 +21,7 @@ phase error at positions in the thousands.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Optional
 
@@ -102,7 +103,7 @@ def float32_matmul_precision(precision: str, tf32: bool, capability: Optional[tu
     return "highest"
 
 
-def fp32_modules_problem(precision: str, model: torch.nn.Module) -> Optional[str]:
+def fp32_modules_problem(precision: str, model: torch.nn.Module, strategy: str = "fsdp") -> Optional[str]:
     """Modules transformers keeps in float32 when it loads a model in 16 bits, which this run would cast down.
 
     Under fp16 both its lists count (T5's feed-forward output `wo`, `_keep_in_fp32_modules`): 16-mixed's autocast
@@ -110,7 +111,9 @@ def fp32_modules_problem(precision: str, model: torch.nn.Module) -> Optional[str
     strict list counts (`_keep_in_fp32_modules_strict`, kept in float32 under bfloat16 too: DeepSeek-V3's and GLM-4's
     router bias `e_score_correction_bias`, Ernie's gate): rounded to bfloat16 they route tokens to other experts than
     the model was trained with, with no error to show it. FSDP1 flattens a unit's parameters into one tensor of one
-    dtype, so they cannot stay float32 beside bf16 weights; bf16-mixed keeps every weight in float32."""
+    dtype, so they cannot stay float32 beside bf16 weights; bf16-mixed keeps every weight in float32, but FSDP's
+    mixed precision (fsdp's and fsdp2's) gathers each for the forward in bfloat16: a router bias of 1.0068 was used as
+    1.0078. Autocast (ddp, one device) leaves them in float32. Buffers (DeepSeek-V3's bias) are not cast."""
     strict = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
     if precision == "16-mixed":
         kept = set(getattr(model, "_keep_in_fp32_modules", None) or []) | strict
@@ -122,6 +125,14 @@ def fp32_modules_problem(precision: str, model: torch.nn.Module) -> Optional[str
         return (f"--precision bf16-true: {type(model).__name__} keeps {', '.join(sorted(strict))} in float32 also "
                 "under bfloat16 (transformers' _keep_in_fp32_modules_strict), which bf16-true would round to "
                 "bfloat16 (a rounded router bias sends tokens to other experts); use --precision bf16-mixed")
+    names = [name for name, _ in model.named_parameters()]
+    kept = sorted(pattern for pattern in strict
+                  if any(re.search(rf"(^|\.){re.escape(pattern)}($|\.)", name) for name in names))
+    if precision == "bf16-mixed" and strategy in ("fsdp", "fsdp2") and kept:
+        return (f"--precision bf16-mixed --strategy {strategy}: {type(model).__name__} keeps {', '.join(kept)} in "
+                "float32 (transformers' _keep_in_fp32_modules_strict), which FSDP's mixed precision gathers in "
+                "bfloat16 for the forward (a rounded router sends tokens to other experts); use --strategy ddp, "
+                "whose autocast keeps them, or --precision 32-true")
     return None
 
 

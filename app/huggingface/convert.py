@@ -510,12 +510,37 @@ def logits_of(model: Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, **decoder).logits.float()
 
 
+def kept_in_fp32(model: Module, dtype: torch.dtype) -> list[str]:
+    """The modules transformers keeps in float32 when it loads the model in `dtype` (router biases under bfloat16;
+    T5's `wo` under float16 too), which a folder written in `dtype` keeps so: cast down, they were loaded back as
+    float32 holding rounded values, and the weight check refused every such conversion."""
+    kept = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        kept += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return kept
+
+
+def is_kept(name: str, kept: list[str]) -> bool:
+    return any(re.search(rf"(^|\.){re.escape(pattern)}($|\.)", name) for pattern in kept)
+
+
 def round_parameters(model: Module, dtype: torch.dtype) -> None:
     """Each parameter rounded to `dtype` and back, in place: the values a folder written in `dtype` holds, in the
-    dtype the model computes in (its buffers, which from_pretrained computes afresh, are left as they are)."""
+    dtype the model computes in (its buffers, which from_pretrained computes afresh, are left as they are; so are
+    the modules kept in float32)."""
+    kept = kept_in_fp32(model, dtype)
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(parameter.to(dtype))
+        for name, parameter in model.named_parameters():
+            if not is_kept(name, kept):
+                parameter.copy_(parameter.to(dtype))
+
+
+def cast_keeping_fp32(model: Module, dtype: torch.dtype) -> None:
+    """The model in `dtype`, but for the modules transformers keeps in float32 (kept_in_fp32)."""
+    kept = kept_in_fp32(model, dtype)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32 if is_kept(name, kept) else dtype)
 
 
 def logits_difference(reference: torch.Tensor, reloaded: torch.Tensor) -> float:
@@ -743,7 +768,7 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     if casts(job, dtype):
         round_parameters(model, DTYPES[dtype])
         written = logits_of(model, ids)
-    model.to(DTYPES[dtype])
+    cast_keeping_fp32(model, DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer, trust_remote_code=job.trust_remote_code)
     expected = {text: trained_encoding(tokenizer, job.model_config, text) for text in TOKENIZER_PROBES}
     give_pad_token(tokenizer, job.model_config)

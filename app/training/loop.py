@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 Outcome = Literal["finished", "preempted", "interrupted", "non_finite", "spikes"]
 RESUME_ADVICE = "Resume from the last checkpoint with a lower --lr"
+SCALE_FLOOR = 1.0
+"""Below this loss scale the gradients overflow unscaled: the scaler (from 65,536) has halved it 17 times in a row."""
 
 
 def micro_batch_loss(model, loss_path: LossPath, batch: Batch, step_tokens: int, world_size: int) -> torch.Tensor:
@@ -170,7 +172,8 @@ class Loop:
                 return "non_finite"
             quarantined = len(self.data.set_aside)
             action = self.judge(step_batches, verdict)
-            self.update(action, verdict, lr)
+            if self.update(action, verdict, lr) == "scaler_gave_up":
+                return "non_finite"
             if action == "stop":
                 return "spikes"
             losses.append(verdict.loss)
@@ -197,17 +200,19 @@ class Loop:
         return self.plan.learning_rate(number, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                        decay=cfg.lr_decay) * self.guard.lr_factor(number)
 
-    def update(self, action: Action, verdict: StepVerdict, lr: float) -> None:
+    def update(self, action: Action, verdict: StepVerdict, lr: float) -> Optional[str]:
         """Apply the step's gradients when the spike guard accepts them (the scaler may still skip them), and clear
-        them either way."""
+        them either way; "scaler_gave_up" when the gradients overflowed at every scale the scaler tried."""
         optimizer = self.state["optimizer"]
+        gave_up = None
         if action == "apply":
             update_weights(optimizer, verdict, lr, self.gradients, self.saver.before_update)
             if self.gradients.scaled and not math.isfinite(verdict.grad_norm_value):
-                self.report_scaler_skip(self.state["step"] + 1)
+                gave_up = self.report_scaler_skip(self.state["step"] + 1)
         else:
             skip_update(self.fabric.strategy.precision, self.gradients)
         optimizer.zero_grad(set_to_none=True)
+        return gave_up
 
     def log_evaluate_save(self, losses: list[float], verdict: StepVerdict, lr: float, throughput: dict[str, float],
                           epoch_ended: bool) -> bool:
@@ -403,14 +408,23 @@ class Loop:
         self.console.print(f"step {step}: " + " | ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
         return metrics
 
-    def report_scaler_skip(self, number: int) -> None:
+    def report_scaler_skip(self, number: int) -> Optional[str]:
         """The gradient scaler (16-mixed) found overflowed gradients and did not apply this step: it still counts as a
-        step (its data and learning rate are spent), so say so, and count it in the summary."""
+        step (its data and learning rate are spent), so say so, and count it in the summary. "scaler_gave_up" once
+        the scale fell below 1 (SCALE_FLOOR): gradients that overflow unscaled are not finite at all, and a run whose
+        every step the scaler skipped finished with exit 0 and an untrained model."""
         self.state["scaler_skipped_steps"] += 1
         scale = self.fabric.strategy.precision.scaler.get_scale()
+        if scale < SCALE_FLOOR:
+            self.console.print(f"step {number}: fp16 gradients overflowed at every scale down to {scale:g}: they are "
+                               "not finite at any; stopped without applying this step or saving it. Resume from the "
+                               "last checkpoint with --precision bf16-mixed (32-true on GPUs without bfloat16), a "
+                               "lower --lr or a --grad_clip")
+            return "scaler_gave_up"
         self.console.print(f"step {number}: fp16 gradients overflowed: the gradient scaler did not apply this step "
                            f"(scale lowered to {scale:g}; {self.state['scaler_skipped_steps']} steps not applied by "
                            "the scaler so far)")
+        return None
 
     def report_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.console.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()} on rank 0, gradient "

@@ -95,7 +95,7 @@ def check_precision(cfg: Config, model_config: Optional[PretrainedConfig], probl
     """On a GPU without bf16 (V100, T4) a bf16 run would emulate it slowly or fail inside a worker, and a model
     that needs float32 modules overflows in fp16: refuse both here."""
     if model_config is not None:
-        problem = fp32_modules_problem(cfg.precision, meta_model(model_config, cfg.trust_remote_code))
+        problem = fp32_modules_problem(cfg.precision, meta_model(model_config, cfg.trust_remote_code), cfg.strategy)
         if problem:
             problems.append(problem)
     moment = bf16_moment_problem(cfg.precision, cfg.beta2)
