@@ -11,10 +11,10 @@ import math
 import os
 import sys
 import typing
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from functools import cache
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Callable, Literal, Optional, Union
 
 import yaml
@@ -23,7 +23,7 @@ from jsonargparse import ArgumentParser
 from app.choices import FSDP1_ONLY_OPTIONS, MAX_SEED, SHARDED_STRATEGIES
 from app.cli import (UsageError, command_parser, config_files_first, naming_config_files, nested_config_files, parse,
                      refuse)
-from app.tasks import exit_refused
+from app.tasks import exit_refused, launching_process
 
 Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "32-true"]
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
@@ -362,9 +362,10 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     problems = validate_config(cfg, sources)
     if problems:
         exit_refused([f"error: {naming_config_files(p, sources)}" for p in problems])
-    for unread, switch, _ in unread_options(cfg):  # turned_off_by_a_flag: said, not refused
-        print(f"note: {flags(unread)} ({sources[unread[0]].removeprefix('config ')}) not read: --{switch} on the "
-              "command line turns it off", file=sys.stderr)
+    for unread, switch, _ in unread_options(cfg) if launching_process() else []:  # turned_off_by_a_flag: said
+        files = sorted({sources[name].removeprefix("config ") for name in unread})
+        print(f"note: {flags(unread)} ({', '.join(files)}) not read: --{switch} on the command line turns it off",
+              file=sys.stderr)
     return cfg
 
 
@@ -559,7 +560,7 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
     rollback_only = [name for name in ("spike_max_rollbacks", "spike_rewarm_steps") if name in changed]
     acting_only = [name for name in ("spike_incident", "spike_incident_steps") if name in changed]
     if cfg.spike_guard == "off":
-        unread(sorted(changed, key=[f.name for f in fields(SpikeArgs)].index), "spike_guard",
+        unread(sorted(changed), "spike_guard",
                f"{flags(changed)}: only read by the spike guard, which --spike_guard off turns off: choose detect, "
                "skip or rollback, or drop them")
     elif cfg.spike_guard != "rollback":

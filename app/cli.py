@@ -167,10 +167,11 @@ def config_value_problem(parser: ArgumentParser, name: str, value: object) -> Op
         return f"{name} has no value; give it one, or drop the line for its default ({action.default})"
     if getattr(action, "bracketed_too", False) and isinstance(value, str):
         return f"{name} is a list; write it as [{value}]"
-    whole = takes_integers(action) and not isinstance(value, bool) and (
-        isinstance(value, float) or isinstance(value, str) and E_NOTATION.fullmatch(value)) and float(value)
-    if whole and float(whole).is_integer():  # `max_step: 1e5`: a string in YAML, 100000.0 as 1.0e+5
-        return f"{name} takes an integer: write {int(whole)} (e notation is read as an integer on the command line only)"
+    if takes_integers(action) and (isinstance(value, float) or isinstance(value, str) and E_NOTATION.fullmatch(value)):
+        number = float(value)  # `max_step: 1e5` is text in YAML; 1.0e+5 and 100000.0 are floats
+        if number.is_integer():
+            return f"{name} takes an integer: write {int(number)}" + (
+                " (e notation is read as an integer on the command line only)" if "e" in str(value).lower() else "")
     return None
 
 

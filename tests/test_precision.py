@@ -82,6 +82,8 @@ def test_parameters_kept_in_fp32_refuse_fsdps_mixed_precision_and_not_autocasts(
             "keeps them, or --precision 32-true")
     assert fp32_modules_problem("bf16-mixed", model, "ddp") is None
     assert fp32_modules_problem("32-true", model, "fsdp") is None
+    assert fp32_modules_problem("bf16-true", model, "fsdp").endswith(
+        "use --precision bf16-mixed with --strategy ddp, or --precision 32-true"), "not sent back and forth"
 
 
 def test_no_16_true_because_adamw_state_in_float16_loses_the_squared_gradients(capsys) -> None:
@@ -404,13 +406,13 @@ def test_a_scaler_that_skips_every_step_down_to_a_scale_below_1_stops_the_run_as
     from app.training.loop import Loop
 
     printed: list[str] = []
-    for scale, outcome in ((1024.0, None), (0.5, "scaler_gave_up")):
+    for scale, outcome in ((1024.0, False), (0.5, True)):
         scaler = SimpleNamespace(get_scale=lambda scale=scale: scale)
         loop = SimpleNamespace(state={"scaler_skipped_steps": 16}, console=SimpleNamespace(print=printed.append),
                                fabric=SimpleNamespace(strategy=SimpleNamespace(precision=SimpleNamespace(scaler=scaler))))
         assert Loop.report_scaler_skip(loop, 17) == outcome
-    assert printed[-1].startswith("step 17: fp16 gradients overflowed at every scale down to 0.5: they are not finite "
-                                  "at any; stopped without applying this step or saving it")
+    assert printed[-1].startswith("step 17: fp16 gradients overflowed even at a loss scale of 1 (unscaled): stopped "
+                                  "without applying this step or saving it")
 
 
 @pytest.mark.slow

@@ -687,7 +687,7 @@ def test_the_space_a_failed_save_left_counts_as_free(tiny, tmp_path, monkeypatch
     ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "LOCAL_RANK": "0", "RANK": "0"}, True)])
 def test_the_preflights_notes_come_once_per_log(monkeypatch, variables, reports) -> None:
     """A 2-node Slurm job's log held each note twice (once per node's first process)."""
-    from app.training.preflight.notes import launching_process
+    from app.tasks import launching_process
 
     for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID", "LOCAL_RANK", "RANK"):
         monkeypatch.delenv(name, raising=False)

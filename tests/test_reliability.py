@@ -788,14 +788,17 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_best_of_the_checkpoints_lef
 def test_best_json_compares_losses_measured_on_the_same_rows_only(tmp_path: Path):
     """Resumed with --eval_iters 1 where the run had evaluated with 5, best.json kept step 40 (3.7594 over 20 rows)
     over step 44 (3.8020 over 4), though 44 was the better on either set of rows, and --keep_last_n kept 40: losses
-    measured on other rows start a new comparison. Ones measured alike (a moved data folder) still compare."""
+    measured on other rows start a new comparison. The same rows still compare: a data folder moved and renamed, or
+    another layout reading as many (--eval_iters 10 on 1 rank for 5 on 2)."""
     from app.checkpoint.io import validation_measured
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     metadata = {"config": {"eval_iters": 5, "micro_batch_size": 2}, "rng": [0, 1],
-                "data_folders": [{"name": "data", "path": "/old/data", "stats_sha256": "s", "train_rows": 9}]}
-    moved = metadata | {"data_folders": [metadata["data_folders"][0] | {"path": "/new/data"}]}
+                "data_folders": [{"name": "data", "path": "/old/data", "stats_sha256": "s", "train_rows": 9,
+                                  "validation_rows": 20}]}
+    moved = metadata | {"data_folders": [metadata["data_folders"][0] | {"path": "/new/copy", "name": "copy"}],
+                        "config": {"eval_iters": 10, "micro_batch_size": 2}, "rng": [0]}
     fewer = moved | {"config": {"eval_iters": 1, "micro_batch_size": 2}}
     assert validation_measured(moved) == validation_measured(metadata) != validation_measured(fewer)
     for step, val_loss, measured in [(20, 3.9, metadata), (40, 3.7594, moved), (44, 3.8020, fewer)]:

@@ -343,8 +343,9 @@ def test_what_nodes_differ_in_is_named_node_by_node(tiny, tmp_path, monkeypatch)
     from app.training.nodes import code_version, node_fingerprint, nodes_disagreement, weights_identity
 
     node = {"options": {"lr": 0.003, "seed": 7}, "data": [{"train_rows": 647}], "mixture": [], "model": {"n": 1},
-            "weights": None, "code": code_version()}
+            "weights": [["model.safetensors", 8, "a"]], "code": code_version()}
     assert nodes_disagreement({0: node, 1: dict(node)}) is None and code_version() == node["code"]
+    assert nodes_disagreement({0: node, 1: node | {"weights": None}}) is None, "not in a node's cache yet: unknown"
     other = node | {"options": {"lr": 0.003, "seed": 8}, "data": [{"train_rows": 400}], "mixture": [["a", "1/2"]],
                     "weights": [["model.safetensors", 8, "x"]], "code": "0" * 64}
     assert nodes_disagreement({0: node, 1: node, 2: other}) == (
@@ -358,7 +359,7 @@ def test_what_nodes_differ_in_is_named_node_by_node(tiny, tmp_path, monkeypatch)
     fingerprints = []
     for data, wandb_mode in ((tiny.data, "online"), (copy, "disabled")):
         cfg = parse_config(train_args(tiny, tmp_path / "run", train_data_dir=data, wandb_mode=wandb_mode))
-        inputs = SimpleNamespace(model_config=None, data_folders=[identity[0] | {"name": data.name}])
+        inputs = SimpleNamespace(model_config=None, data_folders=[identity[0] | {"name": data.name}], resume_from=None)
         fingerprints.append(node_fingerprint(cfg, inputs))
     assert nodes_disagreement(dict(enumerate(fingerprints))) is None
     for name, payload in (("a", b"\0" * 4096), ("b", b"\0" * 4095 + b"\1")):
@@ -366,6 +367,7 @@ def test_what_nodes_differ_in_is_named_node_by_node(tiny, tmp_path, monkeypatch)
         (tmp_path / name / "model.safetensors").write_bytes(payload)
     assert weights_identity(str(tmp_path / "a")) != weights_identity(str(tmp_path / "b"))
     assert weights_identity(str(tmp_path / "a")) == weights_identity(str(tmp_path / "a"))
+    assert weights_identity("owner/not-in-this-cache") is None and weights_identity(str(tmp_path / "none")) is None
 
 
 def run_files(folder: Path) -> list[str]:

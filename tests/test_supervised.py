@@ -570,7 +570,7 @@ def test_samples_whose_references_were_cut_when_prepared_are_passed_over_and_sai
     assert sample_notes(3, 3, 0) == []
     assert sample_notes(3, 3, 0, cut_prompts=2) == [
         "note: --eval_samples: 2 prompts are cut from the left to leave --eval_max_new_tokens of the model's positions "
-        "to their answers (fit_to_context)"], "a chat prompt so cut loses its header, unsaid"
+        "to the answer"], "a chat prompt so cut loses its header, unsaid"
 
 
 def test_show_samples_shows_the_end_of_a_long_prompt_where_a_chat_asks_its_question() -> None:

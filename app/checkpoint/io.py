@@ -173,16 +173,21 @@ def last_good_checkpoint(out_dir: str | Path, before_step: int, passing_over: fr
 
 
 def validation_measured(metadata: dict[str, Any]) -> str:
-    """What a checkpoint's val_loss was measured on: its data folders (wherever they lie), and --eval_iters batches
-    of the evaluation batch on each of its ranks (app/evaluation/validation.py)."""
+    """The validation rows a checkpoint's val_loss was measured on: of each data folder (wherever it lies, however
+    it is named when it is the only one), its first --eval_iters x evaluation batch x ranks rows
+    (app/evaluation/validation.py), which another layout with the same product reads too. A checkpoint that records
+    no folders' rows: its data and those three numbers."""
     config = metadata.get("config") or {}
-    folders = metadata.get("data_folders") or config.get("train_data_dir")
-    if isinstance(folders, list):
-        folders = [{key: value for key, value in folder.items() if key != "path"} if isinstance(folder, dict)
-                   else folder for folder in folders]
+    folders, ranks = metadata.get("data_folders"), len(metadata.get("rng") or [])
     batch = config.get("eval_batch_size") or config.get("micro_batch_size")
-    return json.dumps([folders, config.get("eval_iters"), batch, len(metadata.get("rng") or [])], sort_keys=True,
-                      default=str)
+    if folders and all(isinstance(folder, dict) and "validation_rows" in folder for folder in folders) and \
+            config.get("eval_iters") and batch and ranks:
+        own = {"path"} if len(folders) > 1 else {"path", "name"}
+        read = [[{key: value for key, value in folder.items() if key not in own},
+                 min(folder["validation_rows"], config["eval_iters"] * batch * ranks)] for folder in folders]
+        return json.dumps(read, sort_keys=True, default=str)
+    return json.dumps([folders or config.get("train_data_dir"), config.get("eval_iters"), batch, ranks],
+                      sort_keys=True, default=str)
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -121,14 +121,17 @@ def fp32_modules_problem(precision: str, model: torch.nn.Module, strategy: str =
             return (f"--precision {precision}: {type(model).__name__} keeps {', '.join(sorted(kept))} in float32 "
                     "under float16 (transformers' _keep_in_fp32_modules), which 16-bit training would cast down and "
                     "overflow; use --precision 32-true, or bf16-mixed on a GPU with bfloat16 (Ampere or newer)")
-    if precision == "bf16-true" and strict:
-        return (f"--precision bf16-true: {type(model).__name__} keeps {', '.join(sorted(strict))} in float32 also "
-                "under bfloat16 (transformers' _keep_in_fp32_modules_strict), which bf16-true would round to "
-                "bfloat16 (a rounded router bias sends tokens to other experts); use --precision bf16-mixed")
     names = [name for name, _ in model.named_parameters()]
     kept = sorted(pattern for pattern in strict
                   if any(re.search(rf"(^|\.){re.escape(pattern)}($|\.)", name) for name in names))
-    if precision == "bf16-mixed" and strategy in ("fsdp", "fsdp2") and kept:
+    sharded = strategy in ("fsdp", "fsdp2") and kept  # bf16-mixed's weights too are gathered in bfloat16
+    if precision == "bf16-true" and strict:
+        return (f"--precision bf16-true: {type(model).__name__} keeps {', '.join(sorted(strict))} in float32 also "
+                "under bfloat16 (transformers' _keep_in_fp32_modules_strict), which bf16-true would round to "
+                "bfloat16 (a rounded router bias sends tokens to other experts); use "
+                + ("--precision bf16-mixed with --strategy ddp, or --precision 32-true" if sharded
+                   else "--precision bf16-mixed"))
+    if precision == "bf16-mixed" and sharded:
         return (f"--precision bf16-mixed --strategy {strategy}: {type(model).__name__} keeps {', '.join(kept)} in "
                 "float32 (transformers' _keep_in_fp32_modules_strict), which FSDP's mixed precision gathers in "
                 "bfloat16 for the forward (a rounded router sends tokens to other experts); use --strategy ddp, "

@@ -133,8 +133,8 @@ def sample_notes(count: int, found: int, passed_over: int, cut_prompts: int = 0)
     """What --eval_samples scores when it is not the first `count` examples of the validation split as they are."""
     notes = []
     if cut_prompts:  # a chat prompt so cut loses its header and system turn
-        notes.append(f"note: --eval_samples: {cut_prompts} prompts are cut from the left to leave "
-                     "--eval_max_new_tokens of the model's positions to their answers (fit_to_context)")
+        notes.append(f"note: --eval_samples: {cut_prompts} prompt{'s are' if cut_prompts > 1 else ' is'} cut from "
+                     "the left to leave --eval_max_new_tokens of the model's positions to the answer")
     if passed_over:
         notes.append(f"note: --eval_samples passed over {passed_over} validation examples whose references were cut "
                      "when the data was prepared (--too_long truncate): no generation could match them")

@@ -244,7 +244,7 @@ class SpikeGuard:
         quarantine and counts, and the incident's rows set aside (returned)."""
         kept = self.history
         self.history = SpikeHistory.from_dict(saved)
-        if self.history.data != kept.data:  # a checkpoint from before a resume changed the mixture (judged_on)
+        if self.history.data is not None and self.history.data != kept.data:  # of another mixture (judged_on)
             self.history.losses, self.history.grad_norms = [], []
         self.history.recent_spikes, self.history.incident_rows, self.history.data = [], [], kept.data
         known = kept.quarantined_rows()

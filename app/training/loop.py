@@ -14,8 +14,7 @@ import torch
 from lightning_fabric import Fabric
 
 from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, load_last_good_checkpoint,
-                            mark_if_best, prune_checkpoints, read_metadata, rng_of_every_rank, set_aside_newer)
-from app.checkpoint.io import validation_measured
+                            mark_if_best, prune_checkpoints, rng_of_every_rank, set_aside_newer)
 from app.data import Batch, Step, TrainingData, train_steps
 from app.distributed.precision import restore_grad_scaler
 from app.evaluation.validation import EvaluationStopped, perplexity, row_losses, validation_losses
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
 Outcome = Literal["finished", "preempted", "interrupted", "non_finite", "spikes"]
 RESUME_ADVICE = "Resume from the last checkpoint with a lower --lr"
 SCALE_FLOOR = 1.0
-"""Below this loss scale the gradients overflow unscaled: the scaler (from 65,536) has halved it 17 times in a row."""
+"""A loss scale at which fp16 gradients still overflow leaves them overflowing unscaled: not finite at any scale."""
 
 
 def micro_batch_loss(model, loss_path: LossPath, batch: Batch, step_tokens: int, world_size: int) -> torch.Tensor:
@@ -140,6 +139,8 @@ class Loop:
     samples: Optional[SampleEvaluator] = None
     rows_record: Optional[RowRecord] = None
     resumed_from: Optional[Path] = None
+    measured: Optional[str] = None
+    """The validation rows this run's evaluations read (io.validation_measured), which best.json compares by."""
     data_wait: Stopwatch = field(default_factory=Stopwatch)
     evaluation: Stopwatch = field(default_factory=Stopwatch)
     saving: Stopwatch = field(default_factory=Stopwatch)
@@ -172,7 +173,7 @@ class Loop:
                 return "non_finite"
             quarantined = len(self.data.set_aside)
             action = self.judge(step_batches, verdict)
-            if self.update(action, verdict, lr) == "scaler_gave_up":
+            if self.update(action, verdict, lr):  # the scaler gave up
                 return "non_finite"
             if action == "stop":
                 return "spikes"
@@ -200,11 +201,11 @@ class Loop:
         return self.plan.learning_rate(number, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                        decay=cfg.lr_decay) * self.guard.lr_factor(number)
 
-    def update(self, action: Action, verdict: StepVerdict, lr: float) -> Optional[str]:
+    def update(self, action: Action, verdict: StepVerdict, lr: float) -> bool:
         """Apply the step's gradients when the spike guard accepts them (the scaler may still skip them), and clear
-        them either way; "scaler_gave_up" when the gradients overflowed at every scale the scaler tried."""
+        them either way; True when the scaler gave up (report_scaler_skip)."""
         optimizer = self.state["optimizer"]
-        gave_up = None
+        gave_up = False
         if action == "apply":
             update_weights(optimizer, verdict, lr, self.gradients, self.saver.before_update)
             if self.gradients.scaled and not math.isfinite(verdict.grad_norm_value):
@@ -408,23 +409,23 @@ class Loop:
         self.console.print(f"step {step}: " + " | ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
         return metrics
 
-    def report_scaler_skip(self, number: int) -> Optional[str]:
+    def report_scaler_skip(self, number: int) -> bool:
         """The gradient scaler (16-mixed) found overflowed gradients and did not apply this step: it still counts as a
-        step (its data and learning rate are spent), so say so, and count it in the summary. "scaler_gave_up" once
-        the scale fell below 1 (SCALE_FLOOR): gradients that overflow unscaled are not finite at all, and a run whose
-        every step the scaler skipped finished with exit 0 and an untrained model."""
+        step (its data and learning rate are spent), so say so, and count it in the summary. True (give up) once the
+        scale the gradients overflowed at was 1 or less (SCALE_FLOOR): they overflow unscaled, and a run whose every
+        step the scaler skipped, halving its scale each time, finished with exit 0 and an untrained model."""
         self.state["scaler_skipped_steps"] += 1
-        scale = self.fabric.strategy.precision.scaler.get_scale()
-        if scale < SCALE_FLOOR:
-            self.console.print(f"step {number}: fp16 gradients overflowed at every scale down to {scale:g}: they are "
-                               "not finite at any; stopped without applying this step or saving it. Resume from the "
-                               "last checkpoint with --precision bf16-mixed (32-true on GPUs without bfloat16), a "
-                               "lower --lr or a --grad_clip")
-            return "scaler_gave_up"
+        overflowed_at = 2 * self.fabric.strategy.precision.scaler.get_scale()  # the scaler has halved it since
+        if overflowed_at <= SCALE_FLOOR:
+            self.console.print(f"step {number}: fp16 gradients overflowed even at a loss scale of {overflowed_at:g} "
+                               "(unscaled): stopped without applying this step or saving it. Resume from the last "
+                               "checkpoint with --precision bf16-mixed (32-true on GPUs without bfloat16), a lower "
+                               "--lr or a --grad_clip")
+            return True
         self.console.print(f"step {number}: fp16 gradients overflowed: the gradient scaler did not apply this step "
-                           f"(scale lowered to {scale:g}; {self.state['scaler_skipped_steps']} steps not applied by "
-                           "the scaler so far)")
-        return None
+                           f"(scale lowered to {overflowed_at / 2:g}; {self.state['scaler_skipped_steps']} steps not "
+                           "applied by the scaler so far)")
+        return False
 
     def report_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.console.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()} on rank 0, gradient "
@@ -464,7 +465,7 @@ class Loop:
         to, as did every resume."""
         self.console.print(f"step {step}: saved {path} in {time.monotonic() - started:.1f} s")
         if val_loss is not None:
-            mark_if_best(path, val_loss, validation_measured(read_metadata(path)))
+            mark_if_best(path, val_loss, self.measured)
         protected = {path, self.resumed_from} if self.resumed_from else {path}
         if incident_began is not None and self.cfg.keep_last_n is not None:
             needed = last_good_checkpoint(self.cfg.out_dir, incident_began, also=self.resumed_from)

@@ -28,7 +28,6 @@ NODE_OWN_OPTIONS = frozenset({"train_data_dir", "model_name", "model_config", "t
 """Options a node may give its own way: paths (a node's copy of the data or the model lies where it lies; what they
 hold is compared instead, and out_dir and the checkpoint are checked apart), the data workers of its CPUs, and the
 W&B run's settings, which each node's WANDB_* variables fill in and only rank 0 uses."""
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 SAMPLES, SAMPLE_BYTES = 16, 1 << 16
 """A weight file's identity reads its size and this many pieces of this size spread over it: another revision or a
 fine-tune of the same model differs in every tensor, and hashing 16 GB whole on every node would take minutes."""
@@ -48,20 +47,21 @@ def code_version() -> str:
 
 def weights_identity(model_name: Optional[str]) -> Optional[list]:
     """The pretrained weights this node reads (a local folder, or the Hub's snapshot in this node's cache): each
-    file's name, size and a hash of pieces spread over it. None without pretrained weights or a cached snapshot (a
-    Hub id's files are then fetched by each rank alike, at the same revision)."""
+    safetensors file's name, size and a hash of pieces spread over it. None when unknown, which compares with
+    anything: no pretrained weights, none in this node's cache yet (each rank fetches the same revision), a file
+    that cannot be read (its own rank says so when it loads)."""
     if not model_name:
         return None
     folder = Path(model_name)
-    if not folder.is_dir():
-        try:
+    try:
+        if not folder.is_dir():
             from huggingface_hub import snapshot_download
 
             folder = Path(snapshot_download(model_name, local_files_only=True))
-        except Exception:  # not in this node's cache: a name, not a file to read
-            return [folder.name]
-    return [[path.name, path.stat().st_size, sampled_hash(path)]
-            for path in sorted(file for pattern in WEIGHT_FILES for file in folder.glob(pattern))]
+        found = [[path.name, path.stat().st_size, sampled_hash(path)] for path in sorted(folder.glob("*.safetensors"))]
+    except Exception:  # not in this node's cache, or not readable here
+        return None
+    return found or None
 
 
 def sampled_hash(path: Path) -> str:
@@ -84,7 +84,7 @@ def node_fingerprint(cfg: Config, inputs: RunInputs) -> dict[str, Any]:
             "mixture": [[source.name, str(source.weight)] for source in parse_sources(cfg.train_data_dir)]
             if len(folders) > 1 else [],
             "model": {key: value for key, value in model.items() if key not in ("_name_or_path", "transformers_version")},
-            "weights": weights_identity(cfg.model_name),
+            "weights": None if inputs.resume_from else weights_identity(cfg.model_name),  # a resume reads none
             "code": code_version()}
 
 
@@ -100,7 +100,8 @@ def nodes_disagreement(fingerprints: dict[int, dict[str, Any]]) -> Optional[str]
     for node, other in sorted(fingerprints.items()):
         found = [f"--{name} {first['options'][name]} / {other['options'].get(name)}" for name in first["options"]
                  if first["options"][name] != other["options"].get(name)]
-        found += [what for part, what in PARTS if first[part] != other[part]]
+        found += [what for part, what in PARTS if first[part] != other[part]
+                  and not (part == "weights" and None in (first[part], other[part]))]
         if found:
             differences.append(f"node 0 / node {node}: {', '.join(found)}")
     if not differences:

@@ -18,6 +18,7 @@ from app.checkpoint import (CheckpointError, CheckpointSaver, SaveFailed, checkp
                             load_on_every_rank, read_metadata, resume_rng, run_tokenizer_dir, set_aside_newer)
 from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, make_durable, move_aside, publish,
                                   remove_leftovers, temporary_path)
+from app.checkpoint.io import validation_measured
 from app.choices import SHARDED_STRATEGIES
 from app.cli import first_line
 from app.data import TrainingData, load_data
@@ -366,6 +367,8 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                 saver=CheckpointSaver(fabric, state, sharded=cfg.state_dict_type == "sharded",
                                       background=cfg.async_save),
                 guard=spike_guard(fabric, cfg, state, data), resumed_from=inputs.resume_from,
+                measured=validation_measured({"config": cfg.to_dict(), "data_folders": inputs.data_folders,
+                                              "rng": [None] * fabric.world_size}),
                 rows_record=RowRecord(cfg.out_dir, state["step"]) if cfg.record_rows and fabric.is_global_zero
                 else None)
     try:

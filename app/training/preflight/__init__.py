@@ -27,6 +27,7 @@ from app.data.mixture import describe
 from app.distributed.precision import bf16_rounding_note
 from app.model.build import resolve_wrap_classes
 from app.optimization.schedule import TrainingPlan
+from app.reliability.signals import first_of_the_run
 from app.tasks import exit_refused
 from app.training.preflight.data import check_data, planned_blocks, reads_data
 from app.training.preflight.environment import check_devices, check_launcher, check_precision, check_runs_here
@@ -100,7 +101,8 @@ def preflight(cfg: Config, sources: Optional[dict[str, str]] = None) -> RunInput
     check_precision(cfg, model_config, problems)
     check_devices(cfg, problems)
     if not cfg.estimate_memory:  # planning logs nothing and starts no node: it plans a cluster from a laptop
-        check_wandb(cfg, problems)
+        if first_of_the_run():  # only rank 0 logs: another node's WANDB_* (or network) is not the run's
+            check_wandb(cfg, problems)
         check_launcher(cfg, problems)
     if problems:
         exit_refused([f"error: {naming_config_files(p, sources or {})}" for p in problems])

@@ -153,10 +153,10 @@ def stale_local_rank() -> bool:
     blames nodes that never started. Not where Lightning's launcher started this rank (LAUNCHER_PID), where
     WORLD_SIZE says that each rank is started by hand, nor under MPI or LSF, whose ranks Lightning takes from their
     own variables."""
+    if "LOCAL_RANK" not in os.environ or LAUNCHER_PID in os.environ or "WORLD_SIZE" in os.environ:
+        return False
     with without_srun_hint():
-        launched = MPIEnvironment.detect() or LSFEnvironment.detect()
-    return ("LOCAL_RANK" in os.environ and LAUNCHER_PID not in os.environ and "WORLD_SIZE" not in os.environ
-            and not launched)
+        return not (MPIEnvironment.detect() or LSFEnvironment.detect())
 
 
 def launched_on_every_node() -> bool:
