@@ -410,7 +410,8 @@ def options_markdown() -> str:
     for group in GROUPS:
         hints = typing.get_type_hints(group)
         lines += [f"**{group.__doc__}**", "", "| option | default | meaning |", "| --- | --- | --- |"]
-        lines += [f"| `--{f.name}` | `{f.default}` | {help_of[f.name]}{choices(hints[f.name])} |" for f in fields(group)]
+        lines += [f"| `--{f.name}` | `{f.default}` | {help_of[f.name]}{choices(hints[f.name])} |"
+                  for f in fields(group)]
         lines.append("")
     return "\n".join(lines).strip()
 

@@ -32,7 +32,8 @@ Collective = Callable[[int, int], None]
 """(rank, numel of the gathered layer) -> one call on fresh tensors."""
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-"""torch's newer names (2.13 deprecates the older ones), else the older ones (the GPU image's torch 2.11 has no other)."""
+"""torch's newer names (2.13 deprecates the older ones), else the older ones (the GPU image's torch 2.11 has no
+other)."""
 
 
 def gloo_all_gather(rank: int, numel: int) -> None:

@@ -385,7 +385,8 @@ def test_a_rollback_passes_over_a_corrupt_checkpoint_for_the_one_before_it(tmp_p
     from app.training.loop import Loop
 
     printed: list[str] = []
-    loop = SimpleNamespace(state=state, fabric=None, saver=saver, cfg=SimpleNamespace(out_dir=tmp_path), resumed_from=None,
+    loop = SimpleNamespace(state=state, fabric=None, saver=saver, cfg=SimpleNamespace(out_dir=tmp_path),
+                           resumed_from=None,
                            guard=SimpleNamespace(incident_began=lambda: 20), console=SimpleNamespace(
                                print=printed.append))
     assert Loop.roll_back(loop) is False

@@ -407,9 +407,9 @@ def test_a_scaler_that_skips_every_step_down_to_a_scale_below_1_stops_the_run_as
 
     printed: list[str] = []
     for scale, outcome in ((1024.0, False), (0.5, True)):
-        scaler = SimpleNamespace(get_scale=lambda scale=scale: scale)
+        precision = SimpleNamespace(scaler=SimpleNamespace(get_scale=lambda scale=scale: scale))
         loop = SimpleNamespace(state={"scaler_skipped_steps": 16}, console=SimpleNamespace(print=printed.append),
-                               fabric=SimpleNamespace(strategy=SimpleNamespace(precision=SimpleNamespace(scaler=scaler))))
+                               fabric=SimpleNamespace(strategy=SimpleNamespace(precision=precision)))
         assert Loop.report_scaler_skip(loop, 17) == outcome
     assert printed[-1].startswith("step 17: fp16 gradients overflowed even at a loss scale of 1 (unscaled): stopped "
                                   "without applying this step or saving it")

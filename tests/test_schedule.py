@@ -231,4 +231,5 @@ def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_s
         "the other rows do not compare); --eval_iters 125 reads the same rows",
         "--resume: validation reads up to 1,600 rows of each folder (100 batches of 4 on each of 4 ranks), the "
         "checkpoint's run read 3,200: val_loss moves at this resume for that alone, and best.json starts a new "
-        "comparison (the losses of the other rows do not compare); --eval_iters 200 reads the same rows"], "1,000 rows: all of them, before and now"
+        "comparison (the losses of the other rows do not compare); --eval_iters 200 reads the same rows"], (
+        "1,000 rows: all of them, before and now")

@@ -81,9 +81,9 @@ def check_positions(config: Any, prompt_tokens: int, max_new_tokens: int, what: 
         where = ("the decoder's" if config.is_encoder_decoder
                  else f"a prompt of {prompt_tokens} tokens{named} and the model's")
         shorten = "shorten --prompt" if what == "--prompt" else "shorten that prompt"
+        room = f"give at most {answer_room}" if answer_room > 0 else f"the prompt fills them all: {shorten}"
         raise UsageError(f"--max_new_tokens {max_new_tokens} passes {where} {positions} positions "
-                         f"(max_position_embeddings); "
-                         + (f"give at most {answer_room}" if answer_room > 0 else f"the prompt fills them all: {shorten}"))
+                         f"(max_position_embeddings); {room}")
 
 
 def decoding(args: GenerateArgs, own: GenerationConfig) -> GenerationConfig:

@@ -11,7 +11,8 @@ accepted steps (`upper_limit`), and is at least `floor` times the median (a plat
 wobble a spike); the loss must also rise at least `min_rise` nats (a model memorising a small set sits near a loss
 of 0, where a relative floor is no floor: a wobble from 0.008 to 0.16 set aside 9 of its 16 clean rows and stopped
 the run). Under `detect`, a spike joins the statistics too (it is applied): the level a loss moves to for good
-becomes its new normal, where every later step had been reported. The gradient norm is judged too when asked (`grad_norm_z`), by its logarithm: it varies by factors.
+becomes its new normal, where every later step had been reported. The gradient norm is judged too when asked
+(`grad_norm_z`), by its logarithm: it varies by factors.
 It is not by default: on the test model's clean data (16 x 32 tokens a step) the norm jumps 3 to 5 times its median
 from one ordinary step to the next, and a limit at 6 deviations set aside 18 of 60 clean steps. One-sided: a loss that falls fast is learning. Nothing
 is judged until `warmup` steps were accepted, as the loss falls steeply at first. Both numbers come from the one

@@ -83,7 +83,8 @@ def node_fingerprint(cfg: Config, inputs: RunInputs) -> dict[str, Any]:
             "data": [{key: value for key, value in folder.items() if key not in own} for folder in folders],
             "mixture": [[source.name, str(source.weight)] for source in parse_sources(cfg.train_data_dir)]
             if len(folders) > 1 else [],
-            "model": {key: value for key, value in model.items() if key not in ("_name_or_path", "transformers_version")},
+            "model": {key: value for key, value in model.items()
+                      if key not in ("_name_or_path", "transformers_version")},
             "weights": None if inputs.resume_from else weights_identity(cfg.model_name),  # a resume reads none
             "code": code_version()}
 
