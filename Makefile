@@ -28,7 +28,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # 2026-11-29: 667 s in place (624 tests), 599 s in place and 737 s in a fresh clone (637 tests); after six audits'
 # fixes and their tests: 668 s in place (664 tests) and 658 s in a fresh clone (671 tests). On 2026-11-29 (evening):
 # 760 s in place (815 tests), 803 s in a fresh clone (816 tests). On 2026-11-30, fresh clones: 848 s and 788 s
-# (831 tests); later that day 494 s (852 tests) on a quieter machine.
+# (831 tests); later that day 494 s (852 tests) on a quieter machine; in a later session 617 s in a fresh clone
+# (958 tests), 774 s with an audit running beside it.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
