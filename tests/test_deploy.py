@@ -367,7 +367,8 @@ def fake_slurm(tmp_path):
     (4, 0, "(null)", "stall-requeues=1"),      # stalled: requeue and resume
     (5, 2, "stall-requeues=2", "stall-requeues=3"),  # rendezvous timeout: requeue (a node may have failed)
     (4, 5, "mine", "mine stall-requeues=1"),   # five preemptions before are no stalls; the user's comment stays
-    (4, 3, "stall-requeues=3", None),          # after MAX_REQUEUES (3) stall requeues, a run that keeps stalling
+    (8, 1, "stall-requeues=1", "stall-requeues=2"),  # a corrupt checkpoint moved aside: resume from the one before
+    (4, 3, "stall-requeues=3", None),          # after MAX_REQUEUES (3) requeues, a run that keeps stalling
     (75, 0, "(null)", None),                   # preempted: Slurm's own --requeue
     (130, 0, "(null)", None),                  # Ctrl-C: the user stopped it
     (2, 0, "(null)", None),                    # bad input
@@ -392,7 +393,7 @@ def test_batch_scripts_requeue_a_stalled_run_a_bounded_number_of_times(script, s
 @pytest.mark.parametrize("script", [SBATCH, SBATCH_TORCHRUN], ids=lambda p: p.name)
 @pytest.mark.parametrize("restarts, comment, update_fails, requeued", [
     (1, "squeue fails", False, True),       # the count unknown: the restarts stand in for it
-    (3, "squeue fails", False, False),      # ... and bound it, rather than reading 0 stall requeues every time
+    (3, "squeue fails", False, False),      # ... and bound it, rather than reading 0 requeues every time
     (0, "(null)", True, True),              # the count could not be written: the restarts decide
     (3, "stall-requeues=1", True, False),   # ... so that a count never written cannot requeue for ever
 ])

@@ -219,7 +219,7 @@ def test_a_frozen_task_ends_with_the_watchdogs_4_then_the_requeued_job_completes
     assert "rank 0: stalled: no optimizer step, evaluation or save finished in 0.1 min" in output
     assert re.search(rf"srun: error: \S+: task 0: Exited with exit code {EXIT_STALLED}", output), job.describe()
     assert f"train.py exited with {EXIT_STALLED}: requeueing job {job.id} to resume from the latest checkpoint " \
-        "(stall requeue 1 of 1)" in output, job.describe()
+        "(requeue 1 of 1 after a stall, a lost node or a corrupt checkpoint)" in output, job.describe()
     assert len(re.findall(r"resumed from \S+ at step [1-9]", output)) == 2, job.describe()
     print(f"\nfrozen task: job requeued {seconds:.1f} s after SIGSTOP (--stall_timeout_min 0.1)")
 
