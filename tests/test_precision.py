@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -18,13 +19,13 @@ from datasets import load_from_disk
 from lightning_fabric.plugins import FSDPPrecision, MixedPrecision
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from app.checkpoint.checksums import CHECKSUMS_KEY, decode, encode, with_metadata
 from app.checkpoint.writers import METADATA_KEY
 from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, bf16_support_problem,
                                        float32_matmul_precision, fp32_modules_problem, fsdp_mixed_precision,
-                                       precision_plugin, reduce_dtype)
+                                       kept_in_fp32_units, precision_plugin, reduce_dtype)
 from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
 from app.model.build import meta_model
 from app.optimization.optimizer import build_optimizer, clip_gradients, gradient_square_sum, no_decay_names
@@ -66,24 +67,107 @@ def test_modules_transformers_keeps_in_fp32_under_bfloat16_refuse_bf16_true(mode
     assert fp32_modules_problem("bf16-mixed", model, "fsdp2") is None, "a buffer: FSDP casts no buffer"
 
 
-def test_parameters_kept_in_fp32_refuse_fsdps_mixed_precision_and_not_autocasts() -> None:
+def small_moe(model_type: str = "ernie4_5_moe", **overrides):
+    """A 2-layer config of a model that keeps parameters in float32: Ernie-4.5-MoE (its router `gate`, experts in
+    every layer) or Flint (an attention's `sinks`)."""
+    options = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=256)
+    if model_type == "ernie4_5_moe":
+        options |= dict(moe_intermediate_size=32, moe_num_experts=4, moe_k=2, moe_layer_start_index=0)
+    return AutoConfig.for_model(model_type, **options | overrides)
+
+
+def test_modules_kept_in_fp32_get_fsdp_units_of_their_own_and_parameters_beside_others_are_refused() -> None:
     """Ernie keeps its router's gate in float32 under bfloat16; bf16-mixed keeps it so in its master copy, but
-    fsdp's and fsdp2's mixed precision gather it in bfloat16 for every forward (a bias of 1.0068 was used as 1.0078,
-    routing tokens to other experts). DDP's autocast keeps it."""
-    config = AutoConfig.for_model("ernie4_5_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
-                                  moe_intermediate_size=32, moe_num_experts=4)
-    model = meta_model(config, False)
+    fsdp's and fsdp2's mixed precision gathered it in bfloat16 for every forward (a bias of 1.0068 was used as 1.0078,
+    routing tokens to other experts). Each gate is now a unit of its own that casts nothing. Flint's attention sinks
+    sit beside the attention's bf16 projections in one module, which FSDP cannot keep apart: refused; DDP's autocast
+    keeps them."""
+    ernie, flint = meta_model(small_moe(), False), meta_model(small_moe("flint"), False)
+    units, apart = kept_in_fp32_units(ernie)
+    assert units == [layer.mlp.gate for layer in ernie.model.layers] and apart == []
+    assert [name for name, _ in units[0].named_parameters()] == ["weight", "moe_statics.e_score_correction_bias"]
+    assert kept_in_fp32_units(flint)[1] == ["model.layers.0.self_attn.sinks", "model.layers.1.self_attn.sinks"]
+    for strategy in ("fsdp", "fsdp2", "ddp"):
+        assert fp32_modules_problem("bf16-mixed", ernie, strategy) is None
+        assert fp32_modules_problem("bf16-true", ernie, strategy).endswith("use --precision bf16-mixed")
     for strategy in ("fsdp", "fsdp2"):
-        assert fp32_modules_problem("bf16-mixed", model, strategy) == (
-            f"--precision bf16-mixed --strategy {strategy}: Ernie4_5_MoeForCausalLM keeps gate.weight, moe_statics in "
-            "float32 (transformers' _keep_in_fp32_modules_strict), which FSDP's mixed precision gathers in bfloat16 "
-            "for the forward (a rounded router sends tokens to other experts); use --strategy ddp, whose autocast "
-            "keeps them, or --precision 32-true")
-    assert fp32_modules_problem("bf16-mixed", model, "ddp") is None
-    assert fp32_modules_problem("32-true", model, "fsdp") is None
-    assert fp32_modules_problem("bf16-true", model, "fsdp").endswith(
-        "use --precision bf16-mixed with --strategy ddp, or --precision 32-true"), "not sent back and forth"
+        assert fp32_modules_problem("bf16-mixed", flint, strategy) == (
+            f"--precision bf16-mixed --strategy {strategy}: FlintForCausalLM keeps model.layers.0.self_attn.sinks, "
+            "model.layers.1.self_attn.sinks in float32 (transformers' _keep_in_fp32_modules_strict) in modules beside "
+            "bf16 weights, which FSDP's mixed precision gathers in bfloat16 for the forward (a rounded router sends "
+            "tokens to other experts); use --strategy ddp, whose autocast keeps them, or --precision 32-true")
+        assert fp32_modules_problem("bf16-true", flint, strategy).endswith(
+            "use --precision bf16-mixed with --strategy ddp, or --precision 32-true"), "not sent back and forth"
+    assert fp32_modules_problem("bf16-mixed", flint, "ddp") is None
+    assert fp32_modules_problem("32-true", flint, "fsdp") is None
+
+
+ROUTER_DTYPES = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel, OffloadPolicy
+from transformers import AutoModelForCausalLM
+from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeDecoderLayer
+from app.distributed.fsdp2 import UnitsWithEmbeddings, mixed_precision_policy, shard_model
+from app.distributed.precision import fsdp_mixed_precision
+from tests.test_precision import small_moe
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
+model = AutoModelForCausalLM.from_config(small_moe())
+layers = {Ernie4_5_MoeDecoderLayer}
+if sys.argv[2] == "fsdp2":
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    shard_model(model, mesh, wrap_classes=layers, sharding_strategy="FULL_SHARD", num_nodes=1,
+                mp_policy=mixed_precision_policy("bf16-mixed", None), offload_policy=OffloadPolicy(),
+                param_init_fn=None)
+    forward = model
+else:
+    forward = FullyShardedDataParallel(model, auto_wrap_policy=UnitsWithEmbeddings(layers), use_orig_params=True,
+                                       device_id=torch.device("cpu"),
+                                       mixed_precision=fsdp_mixed_precision("bf16-mixed", None))
+seen = {}
+def record(name):
+    def hook(module, args):
+        seen.setdefault(name, str(next(module.parameters(recurse=False)).dtype).removeprefix("torch."))
+    return hook
+layer = model.model.layers[0]
+for name, module in (("gate", layer.mlp.gate), ("bias", layer.mlp.gate.moe_statics), ("attention", layer.self_attn.q_proj)):
+    getattr(module, "module", module).register_forward_pre_hook(record(name))  # inside FSDP1's wrapper
+tokens = torch.randint(0, 256, (1, 8))
+forward(input_ids=tokens, labels=tokens).loss.backward()
+print(seen["gate"], seen["bias"], seen["attention"])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
+def test_under_fsdps_bf16_mixed_a_router_kept_in_fp32_computes_in_fp32_and_the_rest_in_bf16(tmp_path,
+                                                                                           strategy) -> None:
+    """The weights each module's forward reads, as FSDP gathered them: the gate and its statistics in float32 (they
+    were bfloat16), the attention's projections in bfloat16."""
+    result = run_script([sys.executable, "-c", ROUTER_DTYPES, str(tmp_path / "store"), strategy], timeout=120,
+                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["float32", "float32", "bfloat16"]
+
+
+def test_a_model_with_a_router_kept_in_fp32_and_frozen_statistics_trains_and_resumes_under_fsdp(tiny,
+                                                                                               tmp_path) -> None:
+    """Ernie-4.5-MoE under fsdp and bf16-mixed: its routers computed in float32 (their own units), and a checkpoint
+    of a model with a frozen parameter (the router's statistics, requires_grad=False, no AdamW state) is written and
+    resumed exactly; its first save ended in KeyError 'step' under FSDP1 whatever the precision."""
+    vocabulary = len(AutoTokenizer.from_pretrained(tiny.tokenizer))
+    small_moe(vocab_size=vocabulary, max_position_embeddings=64).save_pretrained(tmp_path / "ernie")
+    options = dict(model_config=tmp_path / "ernie", precision="bf16-mixed", max_step=4, save_step_interval=2,
+                   eval_step_interval=100, gradient_accumulation_steps=1)
+    straight = run_train(train_args(tiny, tmp_path / "straight", **options))
+    assert_succeeded(straight)
+    resumed = run_train(train_args(tiny, tmp_path / "resumed", resume=True, **options,
+                                   checkpoint=tmp_path / "straight" / "checkpoints" / "step-00000002.ckpt"))
+    assert_succeeded(resumed)
+    first, then = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    for step in (3, 4):
+        assert then[step]["train_loss"] == pytest.approx(first[step]["train_loss"], rel=1e-6), step
 
 
 def test_no_16_true_because_adamw_state_in_float16_loses_the_squared_gradients(capsys) -> None:

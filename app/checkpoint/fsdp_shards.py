@@ -85,7 +85,10 @@ def flat_shard_state(module: Module, optimizer: torch.optim.Optimizer) -> Option
     parts = {MODEL_PREFIX + name: whole_part(buffer) for name, buffer in persistent_buffers(module).items()}
     parts |= {MODEL_PREFIX + name: part(parameter, shape, start) for parameter, (name, shape, start) in pieces.items()}
     parts |= {MODEL_PREFIX + alias: parts[MODEL_PREFIX + name] for alias, name in tied_aliases(module).items()}
+    trained = {parameter for group in optimizer.param_groups for parameter in group["params"]}
     for parameter, (name, shape, start) in pieces.items():
+        if parameter not in trained:  # frozen (requires_grad=False: Ernie's router statistics), so no AdamW state
+            continue
         state = optimizer.state[parameter]
         step = state["step"]  # the same on every rank holding elements of the parameter; the others never step it
         parts[f"{OPTIMIZER_PREFIX}{name}.step"] = whole_part(step) if parameter.numel() else Part((), step.dtype, ())

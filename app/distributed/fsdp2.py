@@ -6,7 +6,8 @@ checkpoint formats, resume and conversion are the same code as for FSDP1 (app/ch
 
 The units are each module of a wrap class, then lm_head and the input embeddings when they are as large as a layer
 and no other module holds their weights (torchtitan's layout; Llama-3's 128K-token embeddings), then the root with
-what is left. How the FSDP options map onto it:
+what is left. The modules transformers keeps in float32 (an MoE router, `kept_in_fp32_units`) are units of their own
+too, whose mixed precision casts nothing. How the FSDP options map onto it:
 
 | --sharding_strategy | device mesh | parameters re-sharded after forward |
 | --- | --- | --- |
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter, deque
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -42,7 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Module
 
 from app.distributed.cpu_collectives import use_point_to_point_collectives, uses_point_to_point
-from app.distributed.precision import compute_dtype, reduce_dtype
+from app.distributed.precision import compute_dtype, kept_in_fp32_units, reduce_dtype
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -91,15 +93,17 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
     shape = mesh_shape(sharding_strategy, world_size, num_nodes)
     mesh = (init_device_mesh(lightning_mesh.device_type, shape, mesh_dim_names=("replicate", "shard"))
             if len(shape) == 2 else lightning_mesh["data_parallel"])
-    options: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    options: dict[str, Any] = dict(mesh=mesh, offload_policy=offload_policy)
     reshard = RESHARD_AFTER_FORWARD[sharding_strategy]
     point_to_point = uses_point_to_point(torch.device(mesh.device_type))
+    in_float32 = {id(part) for unit in kept_in_fp32_units(model)[0] for part in unit.modules()}
 
     def shard(module: Module, reshard_after_forward: bool) -> None:
         if param_init_fn is not None:
             for part in modules_to_materialize(module):
                 param_init_fn(part)
-        fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
+        policy = replace(mp_policy, param_dtype=None) if id(module) in in_float32 else mp_policy
+        fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=policy, **options)
         if point_to_point:
             use_point_to_point_collectives(module)
 
@@ -115,10 +119,16 @@ def shard_model(model: Module, lightning_mesh: DeviceMesh, *, wrap_classes: set[
 
 
 def sharding_units(model: Module, wrap_classes: set[type[Module]]) -> list[Module]:
-    """Every unit fsdp and fsdp2 shard, in the order they materialise and shard them: the layers and the embeddings
-    `separate_embeddings` chooses, children first, then the root."""
+    """Every unit fsdp and fsdp2 shard, in the order they materialise and shard them: the layers, the embeddings
+    `separate_embeddings` chooses and the modules kept in float32, children first, then the root."""
+    return [*wrap_units(model, wrap_classes, also=units_beside_the_layers(model, wrap_classes)), model]
+
+
+def units_beside_the_layers(model: Module, wrap_classes: set[type[Module]]) -> set[Module]:
+    """The units that are no module of a wrap class: the embeddings `separate_embeddings` chooses and the modules
+    transformers keeps in float32 (`kept_in_fp32_units`)."""
     embeddings = set(separate_embeddings(model, wrap_units(model, wrap_classes))) - {None}
-    return [*wrap_units(model, wrap_classes, also=embeddings), model]
+    return embeddings | set(kept_in_fp32_units(model)[0])
 
 
 def separate_embeddings(model: Module, layers: list[Module]) -> tuple[Optional[Module], Optional[Module]]:
@@ -160,16 +170,19 @@ def wrap_units(model: Module, wrap_classes: set[type[Module]], also: set[Module]
 
 
 class UnitsWithEmbeddings(ModuleWrapPolicy):
-    """FSDP1's auto-wrap policy: a unit for each module of the wrap classes, and for the embeddings that
-    `separate_embeddings` chooses, as under fsdp2."""
+    """FSDP1's auto-wrap policy: a unit for each module of the wrap classes, and for the embeddings and modules kept
+    in float32 that `units_beside_the_layers` chooses, as under fsdp2; the latter and what they hold (wrap units
+    included) with a mixed precision that casts nothing."""
 
     def _run_policy(self, root_module: Module, ignored_modules: set[Module],
                     root_kwargs: dict[str, Any]) -> dict[Module, dict[str, Any]]:
         units = super()._run_policy(root_module, ignored_modules, root_kwargs)
-        layers = wrap_units(root_module, set(self._module_classes))
-        for embedding in separate_embeddings(root_module, layers):
-            if embedding is not None:
-                units[embedding] = dict(root_kwargs)
+        for unit in units_beside_the_layers(root_module, set(self._module_classes)):
+            units[unit] = dict(root_kwargs)
+        in_float32 = {part for unit in kept_in_fp32_units(root_module)[0] for part in unit.modules()}
+        for unit, kwargs in units.items():
+            if unit in in_float32 and kwargs.get("mixed_precision") is not None:
+                kwargs["mixed_precision"] = replace(kwargs["mixed_precision"], param_dtype=None)
         return units
 
 

@@ -103,6 +103,28 @@ def float32_matmul_precision(precision: str, tf32: bool, capability: Optional[tu
     return "highest"
 
 
+def kept_in_fp32_units(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[str]]:
+    """The modules that hold only parameters transformers keeps in float32 under bfloat16
+    (`_keep_in_fp32_modules_strict`: Ernie's router `gate`), outermost first, and the kept parameters no such module
+    holds (an attention's `sinks`, beside its bf16 projections).
+
+    FSDP gives each module of the first list a unit of its own whose mixed precision casts nothing, so that under
+    bf16-mixed it computes in float32 beside bf16 units, as transformers loads such a model in bfloat16: these modules
+    take bf16 inputs and compute in float32 themselves. FSDP cannot keep the second list's parameters apart."""
+    strict = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    if not strict:
+        return [], []
+    pattern = re.compile("|".join(rf"(^|\.){re.escape(name)}($|\.)" for name in strict))
+    kept = {name for name, _ in model.named_parameters() if pattern.search(name)}
+    units, covered = [], set()
+    for prefix, module in model.named_modules():
+        names = {f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters()}
+        if names and names <= kept and not names <= covered:
+            units.append(module)
+            covered |= names
+    return units, sorted(kept - covered)
+
+
 def fp32_modules_problem(precision: str, model: torch.nn.Module, strategy: str = "fsdp") -> Optional[str]:
     """Modules transformers keeps in float32 when it loads a model in 16 bits, which this run would cast down.
 
@@ -110,10 +132,11 @@ def fp32_modules_problem(precision: str, model: torch.nn.Module, strategy: str =
     overflows there, and the run would stop at its first non-finite loss. Under bf16-true only the
     strict list counts (`_keep_in_fp32_modules_strict`, kept in float32 under bfloat16 too: DeepSeek-V3's and GLM-4's
     router bias `e_score_correction_bias`, Ernie's gate): rounded to bfloat16 they route tokens to other experts than
-    the model was trained with, with no error to show it. FSDP1 flattens a unit's parameters into one tensor of one
-    dtype, so they cannot stay float32 beside bf16 weights; bf16-mixed keeps every weight in float32, but FSDP's
-    mixed precision (fsdp's and fsdp2's) gathers each for the forward in bfloat16: a router bias of 1.0068 was used as
-    1.0078. Autocast (ddp, one device) leaves them in float32. Buffers (DeepSeek-V3's bias) are not cast."""
+    the model was trained with, with no error to show it. bf16-mixed keeps every weight in float32; FSDP's mixed
+    precision (fsdp's and fsdp2's) gathers them for the forward in bfloat16 (a router bias of 1.0068 was used as
+    1.0078) but for the units of their own that `kept_in_fp32_units` finds: a kept parameter beside others in one
+    module (an attention's `sinks`) is still refused under FSDP. Autocast (ddp, one device) leaves them in float32.
+    Buffers (DeepSeek-V3's bias) are not cast."""
     strict = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
     if precision == "16-mixed":
         kept = set(getattr(model, "_keep_in_fp32_modules", None) or []) | strict
@@ -121,10 +144,8 @@ def fp32_modules_problem(precision: str, model: torch.nn.Module, strategy: str =
             return (f"--precision {precision}: {type(model).__name__} keeps {', '.join(sorted(kept))} in float32 "
                     "under float16 (transformers' _keep_in_fp32_modules), which 16-bit training would cast down and "
                     "overflow; use --precision 32-true, or bf16-mixed on a GPU with bfloat16 (Ampere or newer)")
-    names = [name for name, _ in model.named_parameters()]
-    kept = sorted(pattern for pattern in strict
-                  if any(re.search(rf"(^|\.){re.escape(pattern)}($|\.)", name) for name in names))
-    sharded = strategy in ("fsdp", "fsdp2") and kept  # bf16-mixed's weights too are gathered in bfloat16
+    _, apart = kept_in_fp32_units(model)
+    sharded = strategy in ("fsdp", "fsdp2") and apart  # FSDP gathers them in bfloat16 under bf16-mixed too
     if precision == "bf16-true" and strict:
         return (f"--precision bf16-true: {type(model).__name__} keeps {', '.join(sorted(strict))} in float32 also "
                 "under bfloat16 (transformers' _keep_in_fp32_modules_strict), which bf16-true would round to "
@@ -132,10 +153,10 @@ def fp32_modules_problem(precision: str, model: torch.nn.Module, strategy: str =
                 + ("--precision bf16-mixed with --strategy ddp, or --precision 32-true" if sharded
                    else "--precision bf16-mixed"))
     if precision == "bf16-mixed" and sharded:
-        return (f"--precision bf16-mixed --strategy {strategy}: {type(model).__name__} keeps {', '.join(kept)} in "
-                "float32 (transformers' _keep_in_fp32_modules_strict), which FSDP's mixed precision gathers in "
-                "bfloat16 for the forward (a rounded router sends tokens to other experts); use --strategy ddp, "
-                "whose autocast keeps them, or --precision 32-true")
+        return (f"--precision bf16-mixed --strategy {strategy}: {type(model).__name__} keeps {', '.join(apart)} in "
+                "float32 (transformers' _keep_in_fp32_modules_strict) in modules beside bf16 weights, which FSDP's "
+                "mixed precision gathers in bfloat16 for the forward (a rounded router sends tokens to other experts); "
+                "use --strategy ddp, whose autocast keeps them, or --precision 32-true")
     return None
 
 
