@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, FalconConfig, Gemma2Config, Gemma3TextConfig, GPT2Config,
-                          GptOssConfig, JambaConfig, LlamaConfig, Mamba2Config, MistralConfig, OPTConfig, Phi3Config,
-                          PretrainedConfig, Qwen2Config)
+                          GptOssConfig, JambaConfig, Lfm2Config, LlamaConfig, Mamba2Config, MistralConfig, OPTConfig,
+                          Phi3Config, PretrainedConfig, Qwen2Config)
 
 from app.data.formats import arrange, block_causal
 from app.model.build import materializes_like_from_config
@@ -29,13 +29,14 @@ CONFIGS: dict[str, PretrainedConfig] = {
     "falcon": FalconConfig(**WIDTH),
     "opt": OPTConfig(**WIDTH, ffn_dim=128, word_embed_proj_dim=64),
     "falcon-alibi": FalconConfig(**WIDTH, alibi=True),
+    "lfm2": Lfm2Config(**LLAMA_LIKE, layer_types=["conv", "full_attention"]),
 }
 EXPECTED = {  # (sdpa, eager)
     "llama": ("position_ids", "position_ids"), "qwen2": ("position_ids", "position_ids"),
     "mistral": ("position_ids", "position_ids"), "phi3": ("position_ids", "position_ids"),
     "gpt2": ("position_ids", "position_ids"),
     "falcon": ("boolean_mask", "additive_mask"), "opt": ("boolean_mask", "additive_mask"),
-    "falcon-alibi": (None, None),
+    "falcon-alibi": (None, None), "lfm2": (None, None),
 }
 
 
@@ -43,12 +44,13 @@ EXPECTED = {  # (sdpa, eager)
 def test_the_probe_finds_the_layout_that_keeps_packed_examples_apart(name: str) -> None:
     """Models whose masks read position restarts take the rows as prepared; Falcon and OPT, whose masks ignore them,
     need a block-diagonal mask (booleans for SDPA, added to the scores for eager); Falcon with ALiBi takes no mask
-    of ours and is refused."""
+    of ours and is refused, and so is LFM2, whose convolutions read the previous example's last tokens whatever the
+    mask (a leak of 6e-4 in the random twin, taken for isolation under a tolerance of 1e-3)."""
     for attention, expected in zip(("sdpa", "eager"), EXPECTED[name]):
         found = probe_isolation(CONFIGS[name], attention)
         assert found.layout == expected, (attention, found)
         leaks_as_prepared = expected != "position_ids"
-        assert (found.leak > 0.1) == leaks_as_prepared, (attention, found)
+        assert (found.leak > 1e-4) == leaks_as_prepared, (attention, found)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "opt"])

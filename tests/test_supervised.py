@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from rouge_score.tokenizers import DefaultTokenizer
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, FalconConfig, Mamba2Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, FalconConfig, Lfm2Config, Mamba2Config
 from transformers.utils import is_flash_attn_2_available
 
 from app.data import IGNORE_INDEX, load_data
@@ -149,6 +149,26 @@ def test_a_model_that_cannot_keep_packed_examples_apart_is_refused_in_one_line(t
     assert exit_info.value.code == 2 and len(errors) == 1, errors
     assert "holds packed examples, but a falcon model with --attn_implementation sdpa lets them attend to each " \
            "other" in errors[0] and errors[0].endswith("prepare the data with --packing false"), errors
+
+
+def test_a_model_whose_convolutions_read_across_packed_examples_is_refused_in_one_line(tiny, packed, tmp_path,
+                                                                                      capsys) -> None:
+    """LFM2's short convolutions mix an example's first tokens with the previous example's last, whatever the mask:
+    its random twin's logits moved by 6e-4, under the probe's tolerance of 1e-3, and the run trained on leaking
+    examples (a validation loss of 6.003643 where the examples alone gave 6.003561)."""
+    vocabulary = len(AutoTokenizer.from_pretrained(tiny.tokenizer))
+    Lfm2Config(vocab_size=vocabulary, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+               max_position_embeddings=512).save_pretrained(tmp_path / "lfm2")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=tmp_path / "lfm2",
+                                          train_data_dir=packed, tokenizer=None)))
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(errors) == 1, errors
+    assert "holds packed examples, but a lfm2 model with --attn_implementation sdpa lets them attend to each other " \
+           "(probed: an example's logits change by 0.0" in errors[0], errors
+    assert errors[0].endswith("prepare the data with --packing false"), errors
 
 
 def test_a_state_space_model_whose_isolation_cannot_be_probed_is_refused_naming_packing(tiny, packed, tmp_path,

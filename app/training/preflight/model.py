@@ -169,6 +169,11 @@ def check_causal(cfg: Config, model_config: PretrainedConfig, problems: list[str
                         "encoder's, BERT's, reads is_decoder: true in its config)")
 
 
+def percent(fraction: float) -> str:
+    """73%, or 0.06% for a leak through a convolution (it read 0%)."""
+    return f"{fraction:.0%}" if fraction >= 0.01 else f"{fraction * 100:.1g}%"
+
+
 def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: DataFacts,
                            problems: list[str]) -> Layout:
     """Packed examples must never attend to each other: the layout that keeps them apart in the run's own model
@@ -185,21 +190,22 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
                         f"keeps them apart cannot be probed ({error}); prepare the data with --packing false")
         return "position_ids"
     except Exception as error:  # the implementation does not run here (FlashAttention without a GPU) or at all
+        other = "eager" if attention == "sdpa" else "sdpa"
         problems.append(f"--attn_implementation {attention}: a {kind} model cannot run with it here, so packed "
                         f"examples cannot be checked to stay apart ({first_line(error)}); use --attn_implementation "
-                        "sdpa, or a machine where it runs")
+                        f"{other}, or a machine where it runs")
         return "position_ids"
     if found.layout is None:
         others = [other for other in ("sdpa", "eager") if other != attention and isolates(model_config, other, cfg)]
         instead = f"use --attn_implementation {others[0]}, or " if others else ""
         problems.append(f"--train_data_dir {cfg.train_data_dir} holds packed examples, but a {kind} model with "
                         f"--attn_implementation {attention} lets them attend to each other (probed: an example's "
-                        f"logits change by {found.leak:.0%} when packed) and takes no mask that stops it"
+                        f"logits change by {percent(found.leak)} when packed) and takes no mask that stops it"
                         f"{' while keeping its sliding window' if windowed(model_config) else ''}; "
                         f"{instead}prepare the data with --packing false")
     elif found.layout != "position_ids":
         note(f"packed examples: a {kind} model with --attn_implementation {attention} would let them attend to each "
-             f"other as prepared (probed: an example's logits change by {found.leak:.0%} when packed); they are "
+             f"other as prepared (probed: an example's logits change by {percent(found.leak)} when packed); they are "
              f"kept apart as {found.layout} (docs/supervised.md#packing)")
     return found.layout or "position_ids"
 
