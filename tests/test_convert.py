@@ -126,6 +126,21 @@ def test_the_generation_config_is_the_base_models_own_or_stops_at_the_tokenizers
     assert (kept["eos_token_id"], kept["do_sample"], kept["temperature"], kept["top_p"]) == ([7, eos], True, 0.6, 0.9)
 
 
+def test_a_model_trained_from_a_config_is_written_with_its_tokenizers_bos_and_eos(tiny, tmp_path, capsys) -> None:
+    """A config file's ids (here 5 and 6, pieces of the tokenizer's vocabulary) beside a tokenizer whose BOS and EOS
+    are 1 and 2: config.json kept them and the converted model stopped generating at piece 6."""
+    model = trained_like("llama", len(AutoTokenizer.from_pretrained(tiny.tokenizer)))
+    model.config.bos_token_id, model.config.eos_token_id = 5, 6
+    run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer))
+    convert("--checkpoint", run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert "convert_to_hf.py: note: the model config's special tokens are not the tokenizer's: bos_token_id 5 -> 1 " \
+           "('<s>'), eos_token_id 6 -> 2 ('</s>') written to config.json and generation_config.json" \
+           in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
 def test_gemma_weights_come_through_unchanged(tiny, tmp_path, model_type) -> None:
     """Gemma's embedding owns a buffer no state dict holds (embed_scale); restoring it must not re-initialise the

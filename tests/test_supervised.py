@@ -282,6 +282,52 @@ def test_a_tokenizer_other_than_the_datas_is_refused(tiny, packed, pretrained, t
                     "data's), or prepare the data with it")
 
 
+def test_data_tokenized_for_another_model_than_the_pretrained_one_is_refused(tiny, pretrained, tmp_path,
+                                                                           capsys) -> None:
+    """Ids of another tokenizer all fit the model's vocabulary: the run trained without a word, and the converted
+    folder shipped the data's tokenizer beside the model's weights. The model's own tokenizer is compared now; the
+    same tokenizer saved with the model passes."""
+    model = tmp_path / "model"
+    shutil.copytree(pretrained, model)
+    tokenizer = json.loads((tiny.tokenizer / "tokenizer.json").read_text())
+    vocabulary = tokenizer["model"]["vocab"]
+    first, second = [token for token, i in vocabulary.items() if i in (300, 301)]
+    vocabulary[first], vocabulary[second] = vocabulary[second], vocabulary[first]
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny.tokenizer / name).exists():
+            shutil.copy(tiny.tokenizer / name, model)
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    args = train_args(tiny, tmp_path / "out", model_config=None, model_name=model, tokenizer=None)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        preflight(parse_config(args))
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    moved = next(token for token, i in vocabulary.items() if i == 300)
+    assert line == (f"error: --train_data_dir was tokenized with {tiny.data / 'tokenizer'}, not with --model_name "
+                    f"{model}'s tokenizer: {moved!r} is id 300 for the model and 301 in the data; prepare the data with "
+                    f"--tokenizer {model}")
+    shutil.copy(tiny.tokenizer / "tokenizer.json", model)
+    preflight(parse_config(args))
+    assert "tokenized with" not in capsys.readouterr().err
+
+
+def test_a_data_tokenizer_larger_than_the_model_names_itself_and_says_embeddings_are_not_resized(tiny, tmp_path,
+                                                                                                 capsys) -> None:
+    """Chat tokens added to a tokenizer (ids past the model's vocabulary): the lines named --tokenizer, a flag the
+    user had not given, and sent them to the tokenizer the data was prepared with, the very one in use."""
+    AutoConfig.from_pretrained(tiny.model_config, vocab_size=300).save_pretrained(tmp_path / "narrow")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=tmp_path / "narrow", tokenizer=None)))
+    errors = capsys.readouterr().err.strip().splitlines()
+    advice = ("train.py does not resize the model's embeddings: save the model with room for them first "
+              "(resize_token_embeddings, then save_pretrained), or prepare the data with a tokenizer that fits")
+    assert any(line.startswith("error: --train_data_dir holds token id ") and line.endswith(
+        f"but the model's vocab_size is 300; {advice}") for line in errors), errors
+    assert f"error: the tokenizer {tiny.data / 'tokenizer'} has 400 tokens, more than the model's vocab_size 300; " \
+           f"{advice}" in errors, errors
+
+
 def test_micro_batches_of_a_step_hold_different_numbers_of_trained_tokens(padded) -> None:
     """What makes a mean of micro-batch means wrong, and the runs below meaningful."""
     data = load_data(padded)

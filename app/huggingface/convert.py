@@ -692,6 +692,24 @@ def trained_encoding(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfi
     return Encoding(ids, tokenizer.decode(ids))
 
 
+def take_the_tokenizers_special_ids(job: Job, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A model trained from a config file (no base model) carries the file's BOS and EOS ids, whatever its tokenizer:
+    Llama's defaults 1 and 2 beside a tokenizer whose EOS is 399 were written to config.json, and
+    generation_config.json stopped at token 2, the piece '#'. The tokenizer's ids are written instead, as the
+    Trainer's `align_special_tokens` does, and said. A pretrained model keeps its own (Llama-3-Instruct's stops)."""
+    if job.base_model:
+        return
+    changed = []
+    for kind in ("bos", "eos"):
+        own, ours = getattr(job.model_config, f"{kind}_token_id", None), getattr(tokenizer, f"{kind}_token_id")
+        if ours is not None and own != ours and not (isinstance(own, list) and ours in own):
+            setattr(job.model_config, f"{kind}_token_id", ours)
+            changed.append(f"{kind}_token_id {own} -> {ours} ({tokenizer.convert_ids_to_tokens(ours)!r})")
+    if changed:
+        print(f"convert_to_hf.py: note: the model config's special tokens are not the tokenizer's: "
+              f"{', '.join(changed)} written to config.json and generation_config.json", flush=True)
+
+
 def end_sources_with_eos(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> None:
     """An encoder-decoder trained on sources that prepare_data.py ended with an EOS the tokenizer does not add (the
     SentencePiece tokenizer it trains adds BOS only; T5's own adds EOS): the saved tokenizer adds it too, so that a
@@ -772,6 +790,7 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer, trust_remote_code=job.trust_remote_code)
     expected = {text: trained_encoding(tokenizer, job.model_config, text) for text in TOKENIZER_PROBES}
     give_pad_token(tokenizer, job.model_config)
+    take_the_tokenizers_special_ids(job, tokenizer)
     end_sources_with_eos(tokenizer, job.model_config)
     model.generation_config = generation_config(job, tokenizer)
     model.save_pretrained(folder, max_shard_size=max_shard_size)

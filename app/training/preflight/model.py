@@ -24,6 +24,7 @@ from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder
 from app.model.loss import probe_chunked_loss
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
+from app.training.preflight.tokenizer import ROOM_FOR_TOKENS
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -132,7 +133,7 @@ def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: Dat
         problems += positions_problems(data, max_positions)
     if data.max_token_id >= model_config.vocab_size:
         problems.append(f"--train_data_dir holds token id {data.max_token_id} but the model's vocab_size is "
-                        f"{model_config.vocab_size}; tokenize with the model's tokenizer")
+                        f"{model_config.vocab_size}; {ROOM_FOR_TOKENS}")
 
 
 def positions_problems(data: DataFacts, max_positions: int) -> list[str]:

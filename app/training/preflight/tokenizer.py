@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from arguments import Config
 
 
+ROOM_FOR_TOKENS = ("train.py does not resize the model's embeddings: save the model with room for them first "
+                   "(resize_token_embeddings, then save_pretrained), or prepare the data with a tokenizer that fits")
+
+
 def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[str]:
     """--tokenizer, else the data folder's tokenizer/, else the pretrained model's; checked to load and to fit.
 
@@ -49,8 +53,9 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
         problems.append(f"--tokenizer {unloadable_tokenizer(name, error)}; {TOKENIZER_ADVICE}")
         return None
     if model_config is not None and len(tokenizer) > model_config.vocab_size:
-        problems.append(f"--tokenizer {name} has {len(tokenizer)} tokens, more than the model's vocab_size "
-                        f"{model_config.vocab_size}; use the tokenizer the data was prepared with")
+        problems.append(f"{'--tokenizer' if cfg.tokenizer else 'the tokenizer'} {name} has {len(tokenizer)} tokens, "
+                        f"more than the model's vocab_size {model_config.vocab_size}; "
+                        + ("use the tokenizer the data was prepared with" if cfg.tokenizer else ROOM_FOR_TOKENS))
     converted = model_config is not None and converted_tokenizer_problem(tokenizer, model_config,
                                                                          cfg.trust_remote_code)
     if converted:
@@ -62,7 +67,34 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
         if difference:
             problems.append(f"--tokenizer {name} is not the tokenizer --train_data_dir was prepared with ({bundled}): "
                             f"{difference}; drop --tokenizer (the run records the data's), or prepare the data with it")
+    elif cfg.model_name and name != cfg.model_name:
+        check_data_tokenized_for_the_model(cfg, tokenizer, name, problems)
     return name
+
+
+def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, problems: list[str]) -> None:
+    """The data folder's tokenizer must give the pretrained model's own tokens their ids: data tokenized for another
+    model (Llama-2's ids trained into Mistral, or a tokenizer trained by prepare_data.py --vocab_size) has ids within
+    the vocabulary, trained without an error, and converted with the data's tokenizer beside the model's weights.
+    Tokens added to the model's (chat tokens in its padded vocabulary) are a note: their embeddings start untrained.
+    A model without a tokenizer of its own has nothing to compare."""
+    try:
+        with quiet_hub():
+            own = AutoTokenizer.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+    except Exception:  # noqa: BLE001 (no tokenizer with the weights, or none that loads here: nothing to compare)
+        return
+    data_ids, model_ids = tokenizer.get_vocab(), own.get_vocab()
+    if model_ids.items() <= data_ids.items():
+        added = sorted(set(data_ids) - set(model_ids), key=data_ids.get)
+        if added:
+            note(f"--train_data_dir's tokenizer ({name}) adds {len(added)} tokens to --model_name "
+                 f"{cfg.model_name}'s ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}): their embeddings "
+                 "start as the model has them, untrained")
+        return
+    moved = min((token for token, i in model_ids.items() if data_ids.get(token) != i), key=model_ids.get)
+    problems.append(f"--train_data_dir was tokenized with {name}, not with --model_name {cfg.model_name}'s tokenizer: "
+                    f"{moved!r} is id {model_ids[moved]} for the model and {data_ids.get(moved, 'missing')} in the data; "
+                    f"prepare the data with --tokenizer {cfg.model_name}")
 
 
 def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[str]) -> None:
