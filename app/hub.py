@@ -9,21 +9,30 @@ command (docs/deployment.md, offline clusters).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit, urlunsplit
 
 from huggingface_hub import constants, get_session, try_to_load_from_cache
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from app.tasks import launching_process
 
 PROBE_TIMEOUT_S = 3.0
 """How long the one request that tells whether the Hub answers may take (huggingface_hub's own is 10 s a try)."""
 CACHED_FILES = ("config.json", "tokenizer_config.json")
 """A model repository in the cache holds the first; a tokenizer-only repository the second."""
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                "pytorch_model.bin")
+"""The weights transformers loads, in the order it looks for them (an index names the shards)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 TOKENIZER_ADVICE = "give a folder with tokenizer files (a prepared data folder's tokenizer/) or a hub id"
 
@@ -48,6 +57,26 @@ def is_hub_id(name: str) -> bool:
 def in_cache(name: str) -> bool:
     """Whether the Hugging Face cache holds the repository's config or tokenizer (as prefetch.py leaves it)."""
     return any(isinstance(try_to_load_from_cache(name, filename), str) for filename in CACHED_FILES)
+
+
+def weights_in_cache(name: str) -> bool:
+    """Whether the cache holds the repository's weights whole: a file, or an index and every shard it names.
+    `prepare_data.py --tokenizer X` caches X's config and tokenizer only, and a prefetch cut short its first files."""
+    for filename in WEIGHT_FILES:
+        path = try_to_load_from_cache(name, filename)
+        if isinstance(path, str):
+            if not filename.endswith(".index.json"):
+                return True
+            shards = set(json.loads(Path(path).read_text())["weight_map"].values())
+            return all(isinstance(try_to_load_from_cache(name, shard), str) for shard in shards)
+    return False
+
+
+def has_tokenizer_files(name: str) -> bool:
+    """Whether a model folder, or a Hub model in the cache, holds tokenizer files."""
+    if Path(name).is_dir():
+        return any((Path(name) / file).exists() for file in TOKENIZER_FILES)
+    return is_hub_id(name) and any(isinstance(try_to_load_from_cache(name, file), str) for file in TOKENIZER_FILES)
 
 
 def ask_hub() -> None:
@@ -79,7 +108,29 @@ def hub_reachable() -> bool:
 
 
 def why_unreachable() -> str:
-    return "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{constants.ENDPOINT} cannot be reached"
+    return "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{shown_endpoint()} cannot be reached"
+
+
+def shown_endpoint() -> str:
+    """HF_ENDPOINT without the user and password a mirror's URL may carry."""
+    parts = urlsplit(constants.ENDPOINT)
+    if not (parts.username or parts.password):
+        return constants.ENDPOINT
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def go_offline(name: str) -> None:
+    """A cached Hub id while the Hub does not answer and HF_HUB_OFFLINE is not set (a compute node without internet):
+    transformers would still ask the Hub for the latest revision, with no timeout of its own: minutes of silence
+    behind a firewall that drops packets, for ever behind a proxy that accepts and never answers, on every rank.
+    This process and those it starts work offline from the cache, and say so once."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:  # it copied the setting when it was imported
+        sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+    if launching_process():
+        print(f"note: {shown_endpoint()} cannot be reached: {name} and the rest are read from the Hugging Face cache "
+              "(HF_HUB_OFFLINE=1 from here on)", flush=True)
 
 
 def missing_folder_problem(flag: str, name: str) -> Optional[str]:
@@ -98,10 +149,25 @@ def missing_model_problem(flag: str, name: str) -> Optional[str]:
     missing_folder = missing_folder_problem(flag, name)
     if missing_folder:
         return missing_folder
-    if not is_hub_id(name) or in_cache(name) or hub_reachable():
+    if not is_hub_id(name) or hub_reachable():
+        return None
+    if in_cache(name):
+        if not constants.HF_HUB_OFFLINE:
+            go_offline(name)
         return None
     return (f"{flag} {name}: no folder {name} in {Path.cwd()}, and no Hub model of that name in the Hugging Face "
             f"cache, while {why_unreachable()}: for a Hub model, {prefetch_advice(name)}")
+
+
+def missing_weights_problem(flag: str, name: str) -> Optional[str]:
+    """One line when a Hub model whose config is cached cannot have its weights: not in the cache, and the Hub out
+    of reach. Without it every rank ended in transformers' traceback ("does not appear to have a file named
+    pytorch_model.bin or model.safetensors") after the run had started."""
+    if not is_hub_id(name) or hub_reachable() or not in_cache(name) or weights_in_cache(name):
+        return None
+    return (f"{flag} {name}: the Hugging Face cache holds its config but not all its weights (prepare_data.py "
+            f"--tokenizer caches only a tokenizer and its config; a prefetch may have been cut short), while "
+            f"{why_unreachable()}: {prefetch_advice(name)}")
 
 
 @contextmanager
@@ -120,8 +186,7 @@ def quiet_hub() -> Iterator[None]:
 def unloadable_tokenizer(name: str, error: Exception) -> str:
     """Why tokenizer `name` did not load, as it is: a folder without tokenizer files has none; anything else (a Hub
     model, files that do not load) has one that did not load, and the reason is worth reading."""
-    folder = Path(name)
-    if folder.is_dir() and not any((folder / file).exists() for file in TOKENIZER_FILES):
+    if Path(name).is_dir() and not has_tokenizer_files(name):
         return f"{name} has none (no {', '.join(TOKENIZER_FILES)})"
     return f"{name}'s tokenizer does not load ({load_problem(error)})"
 

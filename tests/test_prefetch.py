@@ -421,3 +421,86 @@ def test_preflight_says_a_model_folder_without_a_tokenizer_has_none_and_a_broken
     assert capsys.readouterr().out.strip() == (
         f"no tokenizer recorded with this run: --train_data_dir {data} holds no tokenizer/ and no --tokenizer or "
         "--model_name names one; give --tokenizer for the run to keep it (convert_to_hf.py will ask for it otherwise)")
+
+
+def cached(hub_cache: Path, repo: str, folder: Path, only: tuple[str, ...] = ()) -> None:
+    """`folder`'s files (those named in `only`, else all) as the Hugging Face cache holds a download of `repo`."""
+    snapshot = hub_cache / f"models--{repo.replace('/', '--')}" / "snapshots" / commit_of(repo)
+    snapshot.mkdir(parents=True)
+    for file in folder.iterdir():
+        if not only or file.name in only:
+            (snapshot / file.name).write_bytes(file.read_bytes())
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(commit_of(repo))
+
+
+@pytest.fixture
+def without_the_hub(tiny, tmp_path, monkeypatch, hub_asked_afresh):
+    """No network and no HF_HUB_OFFLINE, a cache of our own; the variable a run sets is restored afterwards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://user:secret@127.0.0.1:9")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).save_pretrained(tmp_path / "model")
+    return tmp_path / "hub", tmp_path / "model"
+
+
+def test_a_cached_model_without_the_hub_is_read_offline_at_once_and_said(tiny, tmp_path, capsys, without_the_hub):
+    """transformers asked the Hub for the latest revision of a cached model with no timeout: 4 min 40 s of silence
+    behind a firewall that drops packets, for ever behind a proxy that never answers, on every rank. The run goes
+    offline after the probe's few seconds, and says so (without the password in HF_ENDPOINT)."""
+    from app.training.preflight import preflight
+    from arguments import parse_config
+    from tests.conftest import train_args
+
+    hub_cache, model = without_the_hub
+    cached(hub_cache, MODEL, model)
+    start = time.monotonic()
+    preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=MODEL)))
+    assert time.monotonic() - start < 30
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1", "the ranks inherit it"
+    out = capsys.readouterr().out
+    assert f"note: http://127.0.0.1:9 cannot be reached: {MODEL} and the rest are read from the Hugging Face cache " \
+           "(HF_HUB_OFFLINE=1 from here on)" in out and "secret" not in out
+
+
+@pytest.mark.parametrize("kept", [("config.json",), ("config.json", "model.safetensors.index.json")],
+                         ids=["config-only", "index-without-shards"])
+def test_a_model_cached_without_its_weights_is_refused_before_any_rank_starts(tiny, tmp_path, capsys, without_the_hub,
+                                                                              kept):
+    """`prepare_data.py --tokenizer X` caches X's config; a prefetch cut short leaves its first files: every rank
+    ended in transformers' traceback ("does not appear to have a file named ... model.safetensors")."""
+    from app.training.preflight import preflight
+    from arguments import parse_config
+    from tests.conftest import train_args
+
+    hub_cache, model = without_the_hub
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "shard-1.bin"}}))
+    cached(hub_cache, MODEL, model, only=kept)
+    with pytest.raises(SystemExit) as exit_info:
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=MODEL)))
+    assert exit_info.value.code == 2
+    assert f"error: --model_name {MODEL}: the Hugging Face cache holds its config but not all its weights " \
+           "(prepare_data.py --tokenizer caches only a tokenizer and its config; a prefetch may have been cut short), " \
+           "while HF_HUB_OFFLINE is set: run `python prefetch.py --model tiny-org/tiny-llama` on a machine with " \
+           "internet access using the same HF_HOME, then set HF_HUB_OFFLINE=1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_full_cache_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A full disk under HF_HOME ended prefetch.py in a 62-line traceback."""
+    import errno
+
+    from app.huggingface import prefetch
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(prefetch, "snapshot_download", full_disk)
+    download = prefetch.Download("--model", MODEL, "model", None, None)
+    with pytest.raises(prefetch.PrefetchError) as refused:
+        prefetch.fetch(download, str(tmp_path / "cache"))
+    assert str(refused.value) == (f"--model {MODEL}: the cache {tmp_path / 'cache'} cannot take its files (No space "
+                                  "left on device): make room there, or give --cache_dir on a larger disk, then run "
+                                  "prefetch.py again (it completes the download)")

@@ -728,3 +728,21 @@ def test_wandb_settings_that_do_not_load_are_one_line(monkeypatch) -> None:
         wandb.teardown()
     assert problems == ["--wandb_mode online: wandb's settings do not load (1 validation error for Settings); fix "
                         "the WANDB_* variable or the settings file it names, or use --wandb_mode offline"]
+
+
+def test_a_model_that_ships_its_own_code_is_refused_naming_trust_remote_code(tiny, tmp_path, capsys) -> None:
+    """transformers' reason ends with `trust_remote_code=True` on a line the one-line message left out, and the
+    advice was "check the name, or log in for gated models"."""
+    model = tmp_path / "custom"
+    AutoConfig.from_pretrained(tiny.model_config).save_pretrained(model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"model_type": "custom-llama",
+                                                            "auto_map": {"AutoConfig": "configuration.Custom"}}))
+    (model / "configuration.py").write_text("from transformers import LlamaConfig\n\n\nclass Custom(LlamaConfig):\n"
+                                            "    model_type = 'custom-llama'\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=model)))
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert f"error: --model_name {model}: cannot load its config (it ships Python code of its own, which runs only " \
+           "with --trust_remote_code true: read it first)" in errors, errors

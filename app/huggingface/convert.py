@@ -444,6 +444,8 @@ def plan(args: Args) -> list[Job]:
             check_given_tokenizer(args, metadata, checkpoint, loaded)
         base_model = args.model_name or recorded_base_model(metadata)
         check_not_the_base_model(output, base_model)
+        if not (base_model or args.model_config):
+            take_the_tokenizers_special_ids(config, loaded)
         jobs.append(Job(checkpoint, output, metadata, config, tokenizer, shapes, base_model, args.trust_remote_code))
     return jobs
 
@@ -692,18 +694,17 @@ def trained_encoding(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfi
     return Encoding(ids, tokenizer.decode(ids))
 
 
-def take_the_tokenizers_special_ids(job: Job, tokenizer: PreTrainedTokenizerBase) -> None:
+def take_the_tokenizers_special_ids(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """A model trained from a config file (no base model) carries the file's BOS and EOS ids, whatever its tokenizer:
     Llama's defaults 1 and 2 beside a tokenizer whose EOS is 399 were written to config.json, and
     generation_config.json stopped at token 2, the piece '#'. The tokenizer's ids are written instead, as the
-    Trainer's `align_special_tokens` does, and said. A pretrained model keeps its own (Llama-3-Instruct's stops)."""
-    if job.base_model:
-        return
+    Trainer's `align_special_tokens` does, and said. A pretrained model keeps its own (Llama-3-Instruct's stops),
+    and a --model_config given here is written as given."""
     changed = []
     for kind in ("bos", "eos"):
-        own, ours = getattr(job.model_config, f"{kind}_token_id", None), getattr(tokenizer, f"{kind}_token_id")
+        own, ours = getattr(config, f"{kind}_token_id", None), getattr(tokenizer, f"{kind}_token_id")
         if ours is not None and own != ours and not (isinstance(own, list) and ours in own):
-            setattr(job.model_config, f"{kind}_token_id", ours)
+            setattr(config, f"{kind}_token_id", ours)
             changed.append(f"{kind}_token_id {own} -> {ours} ({tokenizer.convert_ids_to_tokens(ours)!r})")
     if changed:
         print(f"convert_to_hf.py: note: the model config's special tokens are not the tokenizer's: "
@@ -790,7 +791,6 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer, trust_remote_code=job.trust_remote_code)
     expected = {text: trained_encoding(tokenizer, job.model_config, text) for text in TOKENIZER_PROBES}
     give_pad_token(tokenizer, job.model_config)
-    take_the_tokenizers_special_ids(job, tokenizer)
     end_sources_with_eos(tokenizer, job.model_config)
     model.generation_config = generation_config(job, tokenizer)
     model.save_pretrained(folder, max_shard_size=max_shard_size)

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from app.checkpoint.io import is_checkpoint
 from app.cli import UsageError, first_line
 from app.folders import DATASET_DICT_FILE, replace_file
-from app.hub import load_problem, missing_model_problem, quiet_hub, unloadable_tokenizer
+from app.hub import load_problem, missing_model_problem, missing_weights_problem, quiet_hub, unloadable_tokenizer
 from app.huggingface.generate_cli import GenerateArgs
 from app.huggingface.prompts_file import Answer, Messages, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
@@ -263,7 +263,8 @@ def load_model(args: GenerateArgs, config: Any) -> Any:
 def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
     """The folder's (or Hub model's) tokenizer and config, before any weights are read; an uncached Hub id without the
     Hub is refused at once (app/hub.py), not after a minute of retries."""
-    missing = missing_model_problem("MODEL", args.model) or training_folder_problem(Path(args.model))
+    missing = (missing_model_problem("MODEL", args.model) or missing_weights_problem("MODEL", args.model)
+               or training_folder_problem(Path(args.model)))
     if missing:
         raise UsageError(missing)
     try:

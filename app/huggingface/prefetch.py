@@ -7,7 +7,9 @@ tokenizer (its chat template and any remote code too) and the one copy of the we
 The token comes from HF_TOKEN or a cached `hf auth login`; it is never printed.
 """
 
+import errno
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ except ImportError:
 
 from app import cli
 from app.cli import UsageError
-from app.hub import quiet_hub
+from app.hub import quiet_hub, shown_endpoint
 
 # Config, generation config, weight index, tokenizer.json / tokenizer_config.json, SentencePiece and tiktoken
 # models, BPE merges and vocabularies, the chat template (transformers 5 saves it as chat_template.jinja) and the
@@ -125,7 +127,7 @@ def describe_hub_error(flag: str, name: str, error: Exception, upload: bool = Fa
         return f"{flag} {name}: the Hub refused the token (HTTP {error.response.status_code}): this needs {rights}"
     if isinstance(error, HfHubHTTPError):
         return f"{flag} {name}: the Hub answered HTTP {error.response.status_code}; try again later"
-    unreachable = f"{flag} {name}: cannot reach {constants.ENDPOINT}"
+    unreachable = f"{flag} {name}: cannot reach {shown_endpoint()}"
     return unreachable if upload else f"{unreachable}; run prefetch.py on a machine with internet access"
 
 
@@ -176,16 +178,25 @@ def plan(args: PrefetchArgs) -> list[Download]:
 
 
 def fetch(download: Download, cache_dir: Optional[str]) -> str:
-    """Download the matching files of one repo into the cache and return its snapshot folder."""
-    with reported_as(download.flag, download.name):
-        return snapshot_download(
-            download.name,
-            repo_type=download.repo_type,
-            revision=download.revision,
-            cache_dir=cache_dir,
-            allow_patterns=download.allow_patterns,
-            ignore_patterns=IGNORED_PATTERNS,
-        )
+    """Download the matching files of one repo into the cache and return its snapshot folder. A cache that cannot
+    take the files (a full disk, a quota, a read-only mount) is one line naming it, not a traceback; what was fetched
+    stays, and running prefetch.py again completes it."""
+    try:
+        with reported_as(download.flag, download.name):
+            return snapshot_download(
+                download.name,
+                repo_type=download.repo_type,
+                revision=download.revision,
+                cache_dir=cache_dir,
+                allow_patterns=download.allow_patterns,
+                ignore_patterns=IGNORED_PATTERNS,
+            )
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        raise PrefetchError(f"{download.flag} {download.name}: the cache {cache_dir or constants.HF_HUB_CACHE} cannot "
+                            f"take its files ({os.strerror(error.errno)}): make room there, or give --cache_dir on "
+                            "a larger disk, then run prefetch.py again (it completes the download)") from None
 
 
 def run(args: PrefetchArgs) -> list[str]:

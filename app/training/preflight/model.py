@@ -16,7 +16,7 @@ from app.cli import first_line
 from app.data.formats import Layout
 from app.distributed.precision import compute_dtype
 from app.distributed.strategy import resolve_accelerator
-from app.hub import missing_model_problem, quiet_hub
+from app.hub import REMOTE_CODE, load_problem, missing_model_problem, missing_weights_problem, quiet_hub
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
                              meta_model, model_class, model_source, resolve_wrap_classes)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder_inputs_error,
@@ -34,7 +34,8 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
     """The model's config; a Hub id that is neither cached nor reachable is refused at once, with the prefetch.py
     command, instead of after a minute of huggingface_hub's retries."""
     flag = "--model_name" if cfg.model_name else "--model_config"
-    missing = missing_model_problem(flag, model_source(cfg))
+    missing = missing_model_problem(flag, model_source(cfg)) or (
+        cfg.model_name and missing_weights_problem(flag, cfg.model_name))
     if missing:
         problems.append(missing)
         return None
@@ -42,8 +43,9 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
         with quiet_hub():
             return load_model_config(cfg)
     except (OSError, ValueError) as error:
-        problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({first_line(error)}); "
-                        "check the name, or log in for gated models")
+        reason = load_problem(error)
+        advice = "" if reason == REMOTE_CODE else "; check the name, or log in for gated models"
+        problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({reason}){advice}")
         return None
 
 

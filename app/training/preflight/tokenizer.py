@@ -11,7 +11,8 @@ from app.checkpoint import run_tokenizer_dir
 from app.cli import first_line
 from app.data.mixture import first_folder
 from app.folders import prepared_tokenizer
-from app.hub import TOKENIZER_ADVICE, missing_model_problem, quiet_hub, tokenizer_difference, unloadable_tokenizer
+from app.hub import (TOKENIZER_ADVICE, has_tokenizer_files, missing_model_problem, quiet_hub, tokenizer_difference,
+                     unloadable_tokenizer)
 from app.huggingface.convert import converted_tokenizer_problem
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
@@ -67,7 +68,7 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
         if difference:
             problems.append(f"--tokenizer {name} is not the tokenizer --train_data_dir was prepared with ({bundled}): "
                             f"{difference}; drop --tokenizer (the run records the data's), or prepare the data with it")
-    elif cfg.model_name and name != cfg.model_name:
+    elif not cfg.tokenizer and bundled.is_dir() and cfg.model_name and has_tokenizer_files(cfg.model_name):
         check_data_tokenized_for_the_model(cfg, tokenizer, name, problems)
     return name
 
@@ -77,7 +78,7 @@ def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, proble
     model (Llama-2's ids trained into Mistral, or a tokenizer trained by prepare_data.py --vocab_size) has ids within
     the vocabulary, trained without an error, and converted with the data's tokenizer beside the model's weights.
     Tokens added to the model's (chat tokens in its padded vocabulary) are a note: their embeddings start untrained.
-    A model without a tokenizer of its own has nothing to compare."""
+    A model without tokenizer files has nothing to compare (transformers makes a default one up for some, T5's)."""
     try:
         with quiet_hub():
             own = AutoTokenizer.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
