@@ -72,6 +72,13 @@ def weights_in_cache(name: str) -> bool:
     return False
 
 
+def hub_commit(name: Optional[str]) -> Optional[str]:
+    """The commit of a Hub model's files as the cache holds them (what `from_pretrained(name)` reads); None for a
+    folder, or a model not in the cache."""
+    path = try_to_load_from_cache(name, "config.json") if name and is_hub_id(name) else None
+    return Path(path).parent.name if isinstance(path, str) else None
+
+
 def has_tokenizer_files(name: str) -> bool:
     """Whether a model folder, or a Hub model in the cache, holds tokenizer files."""
     if Path(name).is_dir():

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 import app.huggingface.convert as converter
+from app.hub import hub_commit
 from app.checkpoint.checksums import decode, encode, with_metadata
 from app.exit_codes import EXIT_CORRUPT_CHECKPOINT
 from app.huggingface.convert_cli import main as convert_main
@@ -410,6 +411,39 @@ def test_a_relative_base_model_is_read_where_training_ran_or_a_note_says_it_was_
     assert "| Base model | base (not found from here" in card and "base_model:" not in card
     assert (converter.hub_id("me/base"), converter.hub_id("base"), converter.hub_id("../models/x")) == ("me/base",
                                                                                                        None, None)
+
+
+def test_the_generation_config_and_card_are_the_revision_trained_when_main_has_moved(tiny, tmp_path, monkeypatch,
+                                                                                      capsys) -> None:
+    """A run from a Hub id records the commit it loaded; a later prefetch moved `main` to another commit, whose
+    generation config (sampling on, another stop) was written beside the weights of the first, without a word. A
+    cache folder given as --model_name (prefetch.py --revision's advice) was carded as a local folder, no base_model."""
+    from transformers import AutoConfig as Config
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--org--tiny"
+    trained, later = "a" * 40, "b" * 40
+    for commit, stops in ((trained, [7]), (later, [9])):
+        Config.from_pretrained(tiny.model_config).save_pretrained(repo / "snapshots" / commit)
+        GenerationConfig(eos_token_id=stops, do_sample=commit == later).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(later)
+    assert hub_commit("org/tiny") == later, "what train.py records: the commit from_pretrained reads"
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    eos = AutoTokenizer.from_pretrained(tiny.tokenizer).eos_token_id
+    run = earlier_checkpoint(tmp_path / "run", model, tokenizer=str(tiny.tokenizer), config={"model_name": "org/tiny"},
+                             base_revision=trained)
+    convert("--checkpoint", run, "--output_dir", tmp_path / "hf", "--dtype", "float32")
+    written = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert (written["eos_token_id"], written.get("do_sample", False)) == ([7, eos], False)
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert f"| Base model | org/tiny (revision {trained}) |" in card and "base_model: org/tiny" in card
+    run = earlier_checkpoint(tmp_path / "folder-run", model, tokenizer=str(tiny.tokenizer),
+                             config={"model_name": str(repo / "snapshots" / trained)})
+    convert("--checkpoint", run, "--output_dir", tmp_path / "folder-hf", "--dtype", "float32")
+    card = (tmp_path / "folder-hf" / "README.md").read_text()
+    assert f"| Base model | org/tiny (revision {trained}) |" in card and "base_model: org/tiny" in card
 
 
 def test_the_card_reports_the_checkpoints_global_batch() -> None:

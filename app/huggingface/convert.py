@@ -209,7 +209,11 @@ def runs_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) -> st
 
 
 def tokenizer_problem(name: str, trust_remote_code: bool) -> Optional[str]:
-    """Why the tokenizer `name` does not load; None when it does."""
+    """Why the tokenizer `name` does not load; None when it does. A Hub id is asked of the Hub once, briefly (app/hub.py):
+    transformers asked without a timeout."""
+    missing = missing_model_problem("--tokenizer", name)
+    if missing:
+        return missing
     try:
         AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
@@ -235,6 +239,23 @@ def recorded_base_model(metadata: dict[str, Any]) -> Optional[str]:
 def hub_id(base: Optional[str]) -> Optional[str]:
     """`base` when it names a Hub repository (owner/name, no such local path), for the card's base_model: field."""
     return base if base and HUB_ID.fullmatch(base) and not Path(base).exists() else None
+
+
+SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<revision>[0-9a-f]{40})/?$")
+"""A folder of the Hugging Face cache: the repository and commit it holds (what prefetch.py --revision prints)."""
+
+
+def hub_origin(job: Job) -> tuple[Optional[str], Optional[str]]:
+    """The Hub repository the base model came from and the commit trained, when known: a Hub id with the commit the
+    run recorded (a later prefetch moves `main`: the generation config read at `main` was another revision's), or
+    a folder of the cache, whose path names both (the card called it a local folder)."""
+    base = job.base_model
+    snapshot = SNAPSHOT.search(base) if base else None
+    if snapshot:
+        return f"{snapshot['owner']}/{snapshot['name']}", snapshot["revision"]
+    if hub_id(base):
+        return base, job.metadata.get("base_revision") if base == recorded_base_model(job.metadata) else None
+    return None, None
 
 
 def first_mismatch(expected: dict[str, torch.Size], stored: dict[str, tuple[torch.Size, torch.dtype]]) -> Optional[str]:
@@ -566,11 +587,11 @@ def hyperparameters(run: dict[str, Any], global_batch_size: Optional[int] = None
     return [("batch (sequences per step)", batch)] + [(n, run.get(n)) for n in names]
 
 
-def base_model_row(base: Optional[str], run: dict[str, Any]) -> str:
+def base_model_row(base: Optional[str], run: dict[str, Any], repo: Optional[str], revision: Optional[str]) -> str:
     if not base:
         return f"none: trained from scratch from {folder_names(str(run.get('model_config')))}"
-    if hub_id(base):
-        return base
+    if repo:
+        return f"{repo} (revision {revision})" if revision else repo
     if Path(base).exists():
         return f"{folder_names(base)} (local folder)"
     return f"{folder_names(base)} (not found from here; not an owner/name Hub id)"
@@ -600,12 +621,13 @@ def model_card(job: Job, dtype: str, lengths: Optional[str]) -> str:
     val_loss = job.metadata.get("val_loss")
     task = "text2text-generation" if job.model_config.is_encoder_decoder else "text-generation"
     lines = ["---", "library_name: transformers", f"pipeline_tag: {task}"]
-    lines += [f"base_model: {hub_id(base)}"] if hub_id(base) else []
+    repo, revision = hub_origin(job)
+    lines += [f"base_model: {repo}"] if repo else []
     lines += ["tags:", "- fsdp-trainer", "---", "", f"# {job.output_dir.name}", "",
               f"Trained with fsdp-trainer (Lightning Fabric + FSDP) and converted from `{job.checkpoint.name}` "
               f"at optimizer step {job.step}.", "",
               "| | |", "|---|---|",
-              f"| Base model | {base_model_row(base, run)} |",
+              f"| Base model | {base_model_row(base, run, repo, revision)} |",
               f"| Architecture | {job.model_config.model_type}, {sum(s.numel() for s, _ in job.shapes.values()):,} "
               "parameters |",
               f"| Training data | {folder_names(str(run.get('train_data_dir')))} |",
@@ -648,8 +670,9 @@ def generation_config(job: Job, tokenizer: Any) -> GenerationConfig:
     if job.base_model and not Path(job.base_model).exists() and not REPO_NAME.fullmatch(job.base_model):
         problem = "no such folder from here, and not a Hub id"
     elif job.base_model:
+        problem = missing_model_problem("--model_name", job.base_model)  # the Hub asked once, briefly (app/hub.py)
         try:
-            config = GenerationConfig.from_pretrained(job.base_model)
+            config = None if problem else trained_generation_config(job)
         except (OSError, ValueError) as error:  # none in the folder or repo, no such folder, the Hub out of reach
             problem = first_line(error)[:160]
     if problem:
@@ -662,6 +685,20 @@ def generation_config(job: Job, tokenizer: Any) -> GenerationConfig:
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
     return config
+
+
+def trained_generation_config(job: Job) -> GenerationConfig:
+    """The base model's generation config at the commit the run trained from, else (that commit no longer in the
+    cache, nor the Hub in reach) at the revision its name loads today, said."""
+    repo, revision = hub_origin(job)
+    if revision and repo == job.base_model:
+        try:
+            return GenerationConfig.from_pretrained(job.base_model, revision=revision)
+        except (OSError, ValueError):
+            print(f"convert_to_hf.py: note: the base model {repo} at the revision trained ({revision}) is neither "
+                  "cached nor on the Hub from here: its generation config is read at the revision its name loads "
+                  "today", flush=True)
+    return GenerationConfig.from_pretrained(job.base_model)
 
 
 def give_pad_token(tokenizer: Any, config: PretrainedConfig) -> None:
