@@ -504,3 +504,25 @@ def test_a_full_cache_is_one_line_naming_it(tmp_path, monkeypatch):
     assert str(refused.value) == (f"--model {MODEL}: the cache {tmp_path / 'cache'} cannot take its files (No space "
                                   "left on device): make room there, or give --cache_dir on a larger disk, then run "
                                   "prefetch.py again (it completes the download)")
+
+
+@pytest.mark.parametrize("offline", ["1", None], ids=["HF_HUB_OFFLINE", "unreachable"])
+def test_a_prefetched_dataset_is_prepared_by_its_name_without_the_hub(hub, tmp_path, offline):
+    """docs/prepare-data.md said a Hub name honours the cache and HF_HUB_OFFLINE=1; load_dataset by name looked only
+    in its own cache and refused the files prefetch.py had cached (OfflineModeIsEnabled). Without HF_HUB_OFFLINE, it
+    retried for minutes first."""
+    endpoint, _ = hub
+    hf_home = tmp_path / "hf"
+    fetched = run_prefetch(["--tokenizer", TOKENIZER, "--model", MODEL, "--dataset", DATASET, "--dataset_config", "en"],
+                           clean_env(hf_home, HF_ENDPOINT=endpoint))
+    assert fetched.returncode == 0, fetched.stderr
+    env = clean_env(hf_home, HF_ENDPOINT="http://127.0.0.1:9", **({"HF_HUB_OFFLINE": offline} if offline else {}))
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "--input", DATASET, "--dataset_config", "en",
+                             "--tokenizer", TOKENIZER, "--block_size", "8", "--val_fraction", "0",
+                             "--output_dir", str(tmp_path / "data")], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert time.monotonic() - start < 60
+    stats = json.loads((tmp_path / "data" / "stats.json").read_text())
+    assert stats["splits"]["train"]["documents"] == 3 and stats["inputs"] == [f"{DATASET} (train: 3 rows)"], stats

@@ -19,9 +19,11 @@ from pathlib import Path
 import datasets
 from datasets import Dataset, DatasetDict
 from datasets.data_files import get_data_patterns, resolve_pattern
+from huggingface_hub import constants
 
 from app.cli import first_line
 from app.folders import DATASET_DICT_FILE
+from app.hub import go_offline, hub_reachable, is_hub_id, quiet_hub
 from app.prepare.args import SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
 from app.prepare.workspace import arrow_file, cache_dir
 
@@ -406,13 +408,32 @@ def _is_json_object(line: str) -> bool:
 
 
 def _load_hub(name: str, args: PrepareArgs) -> Dataset | DatasetDict:
-    """`load_dataset` honours the local cache, HF_HUB_OFFLINE and HF_DATASETS_OFFLINE."""
+    """A Hub dataset, asked of the Hub once and briefly (app/hub.py: without network, huggingface_hub retried for
+    minutes, logging each retry). Without the Hub, the files prefetch.py cached are read from their snapshot (offline,
+    `load_dataset` by name looked only in its own cache and refused them), else `load_dataset`'s own cache."""
+    source, advice = name, ""
+    if is_hub_id(name) and not hub_reachable():
+        source = cached_dataset(name) or name
+        if source == name:  # perhaps in load_dataset's own cache, read offline
+            if not constants.HF_HUB_OFFLINE:
+                go_offline(name)
+            advice = (f"; run `python prefetch.py --dataset {name}` on a machine with internet access using the same "
+                      "HF_HOME, then set HF_HUB_OFFLINE=1")
     try:
-        return datasets.load_dataset(name, args.dataset_config, split=args.split)
+        with quiet_hub():
+            return datasets.load_dataset(source, args.dataset_config, split=args.split)
     except Exception as error:  # not found, offline, gated, bad config or split: all are the user's to fix
-        raise UsageError(
-            f"--input {name}: not a local path, and loading it as a Hugging Face dataset failed: {first_line(error)}"
-        ) from error
+        raise UsageError(f"--input {name}: not a local path, and loading it as a Hugging Face dataset failed: "
+                         f"{first_line(error)}{advice}") from error
+
+
+def cached_dataset(name: str) -> str | None:
+    """The snapshot folder of a Hub dataset's main revision in the Hugging Face cache, or None. prefetch.py
+    --dataset_config fetches one configuration's files, which snapshot_download offline refuses as incomplete."""
+    repo = Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}"
+    main = repo / "refs" / "main"
+    snapshot = repo / "snapshots" / main.read_text().strip() if main.is_file() else None
+    return str(snapshot) if snapshot and snapshot.is_dir() else None
 
 
 def _from_dataset(
