@@ -151,6 +151,31 @@ def test_cut_cross_entropy_gets_the_heads_hidden_states_weight_and_shifted_targe
     assert given[-1][1:3] == (torch.bfloat16, torch.bfloat16)
 
 
+def test_under_autocast_the_weights_gradient_takes_operands_in_its_dtype_as_transformers_own(monkeypatch) -> None:
+    """DDP and one device under bf16-mixed keep fp32 hidden states and weights under autocast: the weight's gradient
+    was an fp32 GEMM (an in-place product autocast leaves alone), several times slower on a GPU than the bf16 one
+    transformers' own loss runs. Its operands are bf16 now, summed in fp32, and the gradients stay those of
+    transformers' own loss under autocast."""
+    operands = []
+    original = accumulate_product
+
+    def spy(total, a, b):
+        operands.append((a.dtype, b.dtype))
+        original(total, a, b)
+
+    monkeypatch.setattr("app.model.loss.accumulate_product", spy)
+    own, ours, path = model_pair(LLAMA)
+    batch = causal_batch(True, True, LLAMA.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, loss = LossPath().summed_loss(own, batch), path.summed_loss(ours, batch)
+    expected.backward()
+    loss.backward()
+    assert operands and set(operands) == {(torch.bfloat16, torch.bfloat16)}, operands
+    torch.testing.assert_close(loss, expected, rtol=1e-2, atol=0)
+    for (name, a), (_, b) in zip(own.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=5e-2, atol=2e-3, msg=name)
+
+
 def test_t5_trains_as_with_its_own_loss() -> None:
     """Targets are not shifted, and the decoder's inputs come from the labels as T5 builds them itself."""
     own, ours, path = model_pair(T5)

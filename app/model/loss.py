@@ -101,7 +101,13 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
     in place (torch.logsumexp makes a chunk-sized temporary, and a chunk of Llama-3's fp32 logits is 512 MiB), and
     the previous chunk's gradient is let go before the next chunk's logits are made: at most one chunk's fp32 logits
     and their gradient in the compute dtype besides the weight's fp32 gradient (`memory_plan.chunked_loss_bytes`,
-    tests/test_loss.py measures it)."""
+    tests/test_loss.py measures it).
+
+    The gradients' products are in the compute dtype: autocast's (DDP and one device under *-mixed, whose hidden
+    states and weight are fp32), else the hidden states'. The weight's gradient was an fp32 GEMM under autocast (an
+    in-place product, which autocast leaves alone), where transformers' own loss takes bf16 operands."""
+    device = hidden.device.type
+    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if needs[0] else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
@@ -124,12 +130,12 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
         d_logits.mul_(trained[:, None])
         if grad_bias is not None:
             grad_bias += d_logits.sum(0)
-        d_logits = d_logits.to(h.dtype)
+        d_logits = d_logits.to(compute)
         del logits, exponentials, probabilities  # the fp32 chunk, unless it is d_logits itself (fp32 training)
         if grad_hidden is not None:
-            grad_hidden[start:start + chunk] = d_logits @ weight
+            grad_hidden[start:start + chunk] = d_logits @ weight  # under autocast in its dtype, as F.linear's
         if grad_weight is not None:
-            accumulate_product(grad_weight, d_logits.t(), h)
+            accumulate_product(grad_weight, d_logits.t(), h.to(compute))
         del d_logits
     return loss, grad_hidden, grad_weight, grad_bias
 
