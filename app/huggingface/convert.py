@@ -245,16 +245,15 @@ SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P
 """A folder of the Hugging Face cache: the repository and commit it holds (what prefetch.py --revision prints)."""
 
 
-def hub_origin(job: Job) -> tuple[Optional[str], Optional[str]]:
-    """The Hub repository the base model came from and the commit trained, when known: a Hub id with the commit the
+def hub_origin(base: Optional[str], metadata: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
+    """The Hub repository a base model comes from and the commit trained, when known: a Hub id with the commit the
     run recorded (a later prefetch moves `main`: the generation config read at `main` was another revision's), or
     a folder of the cache, whose path names both (the card called it a local folder)."""
-    base = job.base_model
     snapshot = SNAPSHOT.search(base) if base else None
     if snapshot:
         return f"{snapshot['owner']}/{snapshot['name']}", snapshot["revision"]
     if hub_id(base):
-        return base, job.metadata.get("base_revision") if base == recorded_base_model(job.metadata) else None
+        return base, metadata.get("base_revision") if base == recorded_base_model(metadata) else None
     return None, None
 
 
@@ -621,7 +620,7 @@ def model_card(job: Job, dtype: str, lengths: Optional[str]) -> str:
     val_loss = job.metadata.get("val_loss")
     task = "text2text-generation" if job.model_config.is_encoder_decoder else "text-generation"
     lines = ["---", "library_name: transformers", f"pipeline_tag: {task}"]
-    repo, revision = hub_origin(job)
+    repo, revision = hub_origin(base, job.metadata)
     lines += [f"base_model: {repo}"] if repo else []
     lines += ["tags:", "- fsdp-trainer", "---", "", f"# {job.output_dir.name}", "",
               f"Trained with fsdp-trainer (Lightning Fabric + FSDP) and converted from `{job.checkpoint.name}` "
@@ -690,7 +689,7 @@ def generation_config(job: Job, tokenizer: Any) -> GenerationConfig:
 def trained_generation_config(job: Job) -> GenerationConfig:
     """The base model's generation config at the commit the run trained from, else (that commit no longer in the
     cache, nor the Hub in reach) at the revision its name loads today, said."""
-    repo, revision = hub_origin(job)
+    repo, revision = hub_origin(job.base_model, job.metadata)
     if revision and repo == job.base_model:
         try:
             return GenerationConfig.from_pretrained(job.base_model, revision=revision)
