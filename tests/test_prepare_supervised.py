@@ -324,6 +324,41 @@ def test_multi_turn_chats_with_a_llama3_template_train_every_assistant_turn_thro
         "a message holding special-token text is encoded piece by piece, which character offsets cannot follow"
 
 
+REASONING_TEMPLATE = (  # Qwen3's handling of an assistant's reasoning, reduced to it
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and '</think>' in m.content -%}"
+    "{%- set reasoning = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set answer = m.content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + answer + '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def test_reasoning_in_a_message_is_rendered_as_the_template_renders_it_at_inference(work, pairs):
+    """Qwen3's <think> and </think> are ordinary added tokens its template names: transformers' sanitising marked
+    them in the messages too, the template's split and strip missed them, and the trained chat (extra newlines around
+    the reasoning) was not the one apply_chat_template gives at inference. Special-token text stays text."""
+    tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = REASONING_TEMPLATE
+    tokenizer.save_pretrained(work / "reasoning")
+    chats = [[{"role": "user", "content": pair["code"]},
+              {"role": "assistant", "content": f"<think>\nIt reads {pair['code'].split()[1]}.\n</think>\n\n"
+                                               f"{pair['summary']} A literal <|im_end|> stays text."}]
+             for pair in pairs[:20]]
+    write_jsonl(work / "reasoning.jsonl", [{"messages": messages} for messages in chats])
+    rows, stats, _ = sft(work, "reasoning-data", input=[str(work / "reasoning.jsonl")], prompt_field=None,
+                         response_field=None, messages_field="messages", tokenizer=str(work / "reasoning"),
+                         block_size=1024, packing=False, val_fraction=0.0)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    at_inference = {tokenizer.apply_chat_template(messages, tokenize=False) for messages in chats}
+    assert len(rows["train"]) == stats["splits"]["train"]["kept"] == 20
+    for row in rows["train"]:
+        assert tokenizer.decode(row["input_ids"]) in at_inference
+        assert row["input_ids"].count(im_end) == 2, "the <|im_end|> inside the answer is text"
+        assert tokenizer.convert_tokens_to_ids("</think>") in row["input_ids"]
+
+
 def test_chat_template_file_overrides_the_tokenizers_and_is_saved(work):
     (work / "chatml.jinja").write_text(CHATML_TEMPLATE)
     template = str(work / "chatml.jinja")
@@ -569,20 +604,31 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{not_chat}"], "is not a list of {role, content}"),
     (["--messages_field", "messages", "--input", "{tool_call}"],  # kept as role and content, trained without the call
      "row 1 of --input {tool_call} has a message (2, role 'assistant') with tool calls, which are not trained"),
-    (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{mismatch}"], "not a prefix"),
+    (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{mismatch}"],
+     "are not a prefix of the whole chat's tokens, so the prompt cannot be masked (at assistant message 2: "),
+    # kept as role and content, the answer was trained without the reasoning before it
+    (["--messages_field", "messages", "--input", "{reasoning}"], "row 1 of --input {reasoning} has a message (2) with "
+     "reasoning in 'reasoning_content', which would not be trained"),
+    # Gemma's template raises on a system message: the line named no row (and quoted the chat's first 40 characters)
+    (["--messages_field", "messages", "--input", "{system}", "--chat_template", "{no_system}"],
+     "--messages_field messages: row 2 of --input {system} is refused by the chat template (System role not "
+     "supported); leave such chats out"),
+    (["--messages_field", "messages", "--input", "{system}", "--chat_template", "{skips_system}"],
+     "row 2 of --input {system} has a message (1) of role 'system' that the chat template does not render where it "
+     "stands"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{no_eot}"], "never learn to stop"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{trains_users}"],
      "its masks train 15 of the 15 tokens of user messages in a two-turn chat"),
     (["--source_field", "code", "--target_field", "summary", "--max_target_length", "2"], "--max_target_length 2"),
     (["--messages_field", "messages", "--input", "{human}", "--chat_template", "{known_roles}"],
-     "--messages_field messages: row 2 of --input {human} has a message of role 'human' that the chat template does "
-     "not render"),
+     "--messages_field messages: row 2 of --input {human} has a message (1) of role 'human' that the chat template "
+     "does not render"),
     # The dropped message's text is also elsewhere in the chat, as a question asked again or in its answer: a search
     # of the rendered chat for it found it there, and the answer was trained without its question.
     (["--messages_field", "messages", "--input", "{human_asks_again}", "--chat_template", "{known_roles}"],
-     "row 1 of --input {human_asks_again} has a message of role 'human' that the chat template does not render"),
+     "row 1 of --input {human_asks_again} has a message (3) of role 'human' that the chat template does not render"),
     (["--messages_field", "messages", "--input", "{human_quoted}", "--chat_template", "{known_roles}"],
-     "row 1 of --input {human_quoted} has a message of role 'human' that the chat template does not render"),
+     "row 1 of --input {human_quoted} has a message (1) of role 'human' that the chat template does not render"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{no_prompt}"],
      "--prompt_field code: row 2 of --input {no_prompt} is empty"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{blank_prompt}"],
@@ -633,7 +679,23 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "not_objects": tmp_path / "lists.jsonl",
         "blank_user": write_jsonl(tmp_path / "u.jsonl", [{"messages": [{"role": "user", "content": "  "},
                                                                        {"role": "assistant", "content": "Hi."}]}]),
+        "reasoning": write_jsonl(tmp_path / "r.jsonl", [{"messages": [
+            {"role": "user", "content": "Two plus two?"},
+            {"role": "assistant", "content": "Four.", "reasoning_content": "Two and two make four."}]}]),
+        "system": write_jsonl(tmp_path / "s.jsonl", [{"messages": [
+            *([{"role": "system", "content": "Be brief."}] if with_system else []),
+            {"role": "user", "content": "x = 1"}, {"role": "assistant", "content": "Set x."}]}
+            for with_system in (False, True)]),
+        "no_system": tmp_path / "no_system.jinja",
+        "skips_system": tmp_path / "skips_system.jinja",
     }
+    turns = ("{{ m['role'] + ':\n' + m['content'] + eos_token }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}")
+    (tmp_path / "no_system.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}" + turns)
+    (tmp_path / "skips_system.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}" + turns)
     # Renders only the roles it knows, as Qwen's does: a "human" message would vanish, its answer trained alone.
     (tmp_path / "known_roles.jinja").write_text(
         "{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}"

@@ -27,7 +27,7 @@ from app.hub import load_problem, missing_model_problem, missing_weights_problem
 from app.huggingface.generate_cli import GenerateArgs
 from app.huggingface.prompts_file import Answer, Messages, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
-from app.prepare.tokenizer import document_suffix, encode_texts
+from app.prepare.tokenizer import document_suffix, encode_texts, render_chat
 
 
 DEFAULT_PROMPT = "def "
@@ -41,8 +41,7 @@ def model_input(tokenizer, text: Union[str, Messages], chat: bool, config: Any) 
     when `chat`) go through the chat template, ending with the assistant's turn."""
     if chat or not isinstance(text, str):
         messages = text if not isinstance(text, str) else [{"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True, sanitize_control_tokens=True)
+        return render_chat(tokenizer, messages, generation_prompt=True, return_tensors="pt")
     if config.is_encoder_decoder:
         return source_input(tokenizer, text)
     return tokenizer(text, return_tensors="pt", split_special_tokens=True)

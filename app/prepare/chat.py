@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from datasets import Dataset, Features, List, Value
 
@@ -19,11 +19,22 @@ from app.prepare.args import PrepareArgs
 from app.prepare.corpus import Row, ToRecords, quiet_progress, require_fields
 from app.prepare.workspace import arrow_file
 
+if TYPE_CHECKING:
+    from app.prepare.chat_template import ChatText
+
+PROBE_CHAT = [
+    {"role": "user", "content": "Hello."},
+    {"role": "assistant", "content": "Hi, how can I help?"},
+    {"role": "user", "content": "Say goodbye."},
+    {"role": "assistant", "content": "Goodbye."},
+]
+"""A chat every template must handle (chat_template.check_template), checked before any data is encoded."""
+
 MESSAGES = Features({"messages": List({"role": Value("string"), "content": Value("string")})})
 PAIR_OPTIONS = ("prompt_field", "response_field", "input_field", "system_field")
 
 
-def chat_records(args: PrepareArgs, rendered: Optional[Callable[[list[dict[str, str]]], Optional[str]]] = None
+def chat_records(args: PrepareArgs, rendered: Optional[ChatText] = None
                  ) -> ToRecords:
     """What turns one input's rows into `messages` records, for --messages_field or --prompt_field/--response_field;
     `rendered` gives a chat's text as the chat template renders it (or None), to refuse messages it leaves out."""
@@ -66,10 +77,12 @@ def pair_messages(values: dict, row: Row) -> list[dict[str, str]]:
 
 TOOL_CALL_KEYS = ("tool_calls", "function_call")
 """Where OpenAI-style chats put an assistant's calls (`content` may then be null)."""
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+"""Where chats of reasoning models put an assistant's reasoning beside its answer (Qwen3's template reads the first)."""
 
 
 def chat_messages(
-    values: dict, row: Row, rendered: Optional[Callable[[list[dict[str, str]]], Optional[str]]] = None
+    values: dict, row: Row, rendered: Optional[ChatText] = None
 ) -> list[dict[str, str]]:
     """A chat as {role, content} messages; it must start with a system or user message and have an assistant one,
     no user or assistant message may be empty or blank, and the chat template must render every message
@@ -81,6 +94,14 @@ def chat_messages(
         raise row.error("messages_field", f"has a message ({calling + 1}, role {chat[calling].get('role')!r}) with "
                         "tool calls, which are not trained: its text would be trained without the call, and the tool's "
                         "answer would follow a call never made; leave out chats with tool calls")
+    reasoning = next(((k, key) for k, m in enumerate(chat or []) if isinstance(m, dict)
+                      for key in REASONING_KEYS if m.get(key)), None)
+    if reasoning is not None:  # kept as {role, content}, the answer was trained without the reasoning before it
+        k, key = reasoning
+        raise row.error("messages_field", f"has a message ({k + 1}) with reasoning in {key!r}, which would not be "
+                        "trained: the answer would be learnt without it; put the reasoning in the message's content "
+                        "as the model writes it (Qwen3: '<think>\\n...\\n</think>\\n\\n' before the answer), or leave "
+                        "the field out")
     if not isinstance(chat, list) or not chat or not all(_is_message(m) for m in chat):
         raise row.error("messages_field", "is not a list of {role, content} messages with text content")
     messages = [{"role": m["role"], "content": m["content"]} for m in chat]
@@ -97,23 +118,28 @@ def chat_messages(
     return messages
 
 
-def check_rendered(messages: list[dict[str, str]], rendered: Callable[[list[dict[str, str]]], Optional[str]],
-                   row: Row) -> None:
+def check_rendered(messages: list[dict[str, str]], rendered: ChatText, row: Row) -> None:
     """Refuse a message that the chat template does not render: a template that renders only the roles it knows
     (Qwen's skips "human") drops it silently, and the answer after it would be trained without its prompt.
 
     The chat is rendered with each message's content replaced by a marker of its own, so that a dropped message is
     found also where its text appears elsewhere in the chat (a question asked twice, a prompt that its answer
-    quotes): searching the rendered chat for the text itself missed both. One render per chat; the template's own
-    failures (None) are the encoder's to report, as is a message with blank content (a system message)."""
-    text = rendered([{"role": m["role"], "content": _marker(k)} for k, m in enumerate(messages)])
-    if text is None:
-        return
+    quotes): searching the rendered chat for the text itself missed both. One render per chat. A template that
+    raises on this chat's roles (Gemma's on a system message, turns that do not alternate) refuses the row; one that
+    fails on every chat is check_template's to report, and a message with blank content (a system message) too."""
+    marked = [{"role": m["role"], "content": _marker(k)} for k, m in enumerate(messages)]
+    text = rendered(marked)
+    if text is None and rendered(PROBE_CHAT) is not None:
+        raise row.error("messages_field", f"is refused by the chat template ({rendered.failure(marked)}); leave such "
+                        "chats out or give a template that takes them with --chat_template FILE")
     for k, message in enumerate(messages):
-        if message["content"].strip() and _marker(k) not in text:
-            raise row.error("messages_field", f"has a message of role {message['role']!r} that the chat template "
-                            "does not render; use the roles system, user and assistant, or give a template that "
-                            "renders it with --chat_template FILE")
+        if text is not None and message["content"].strip() and _marker(k) not in text:
+            advice = ("where it stands (Mistral's v0.3 template writes a system message only before the last user "
+                      "message); leave it out" if message["role"] in ("system", "user", "assistant")
+                      else "; use the roles system, user and assistant")
+            raise row.error("messages_field", f"has a message ({k + 1}) of role {message['role']!r} that the chat "
+                            f"template does not render {advice}, or give a template that renders it with "
+                            "--chat_template FILE")
 
 
 def _marker(k: int) -> str:

@@ -22,8 +22,9 @@ trained. Everything else (system, user, the template's headers) has label -100, 
 example, also with --train_on_prompt: packed after another example, it must not be predicted from that example's
 last token.
 
-Messages are rendered with `sanitize_control_tokens`: special-token text inside a message (`</s>` in code) is
-encoded as text, and only the template's own special tokens are special.
+Messages are rendered with `sanitize_control_tokens` (`app.prepare.tokenizer.render_chat`): special-token text inside
+a message (`</s>` in code) is encoded as text, and only the template's own special tokens are special; ordinary added
+tokens (Qwen3's `<think>`) are matched as `apply_chat_template` matches them at inference.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from app.choices import IGNORE_INDEX
 from app.prepare.args import PrepareArgs, UsageError
+from app.prepare.chat import PROBE_CHAT
 from app.prepare.examples import Example, causal_advice, dropped, encode_examples, fit_to_block
 from app.prepare.mask_audit import audit, check_audit
-from app.prepare.tokenizer import special_token_ids
+from app.prepare.tokenizer import render_chat, special_token_ids
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{- bos_token if bos_token is defined and bos_token else '' -}}\n"
@@ -60,13 +62,6 @@ DEFAULT_CHAT_TEMPLATE = (
 PREFIX_MISMATCH = "template_prefix_mismatch"
 NO_END_OF_TURN = "no_end_of_turn"
 NOTHING_TRAINED = "nothing_trained"
-PROBE_CHAT = [
-    {"role": "user", "content": "Hello."},
-    {"role": "assistant", "content": "Hi, how can I help?"},
-    {"role": "user", "content": "Say goodbye."},
-    {"role": "assistant", "content": "Goodbye."},
-]
-"""A chat every template must handle, checked before any data is encoded."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +100,17 @@ class ChatText:
         try:
             rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.template,
                                                 add_generation_prompt=generation_prompt, **self.variables)
-        except Exception:  # noqa: BLE001 (reported by ChatEncoder.tokens, which renders every chat again)
+        except Exception:  # noqa: BLE001 (reported by `failure`, or ChatEncoder.tokens, which renders it again)
             return None
         return rendered[0]
+
+    def failure(self, messages: list[dict[str, str]]) -> str:
+        """Why the template fails on the chat, in one line (its own raise_exception message)."""
+        try:
+            render_jinja_template(conversations=[messages], chat_template=self.template, **self.variables)
+        except Exception as error:  # noqa: BLE001 (whatever the template raised)
+            return " ".join(str(error).split()) or type(error).__name__
+        return "it renders"
 
 
 def chat_text(tokenizer: Optional[PreTrainedTokenizerBase], args: PrepareArgs) -> ChatText:
@@ -130,13 +133,8 @@ class ChatEncoder:
 
     def tokens(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                chat_template=self.template.text,
-                add_generation_prompt=generation_prompt,
-                sanitize_control_tokens=True,
-                tokenizer_kwargs={"verbose": False},
-            )["input_ids"]
+            return render_chat(self.tokenizer, messages, generation_prompt, chat_template=self.template.text,
+                               tokenizer_kwargs={"verbose": False})["input_ids"]
         except Exception as error:  # a template error (raise_exception, a Jinja error): the user's template or data
             first = " ".join(str(error).split()) or type(error).__name__
             raise UsageError(
@@ -188,7 +186,8 @@ def check_template(encoder: ChatEncoder) -> None:
     on every example, and the loss-mask audit on the first ones of each split)."""
     example = encoder.encode(PROBE_CHAT)
     if example.dropped:
-        raise UsageError(template_problem(encoder.template, example.dropped))
+        where = prefix_difference(encoder, PROBE_CHAT) if example.dropped == PREFIX_MISMATCH else ""
+        raise UsageError(template_problem(encoder.template, example.dropped, where))
     check_generation_prompt(encoder)
     encoded = {"input_ids": example.input_ids, "labels": example.labels, "dropped": ""}
     probe = audit([PROBE_CHAT], [encoded], encoder.tokenizer, encoder.template.text)
@@ -220,8 +219,25 @@ TEMPLATE_PROBLEMS = {
 }
 
 
-def template_problem(template: ChatTemplate, problem: str) -> str:
-    return f"{template.origin}: {TEMPLATE_PROBLEMS[problem]}; give another with --chat_template FILE"
+def template_problem(template: ChatTemplate, problem: str, where: str = "") -> str:
+    return f"{template.origin}: {TEMPLATE_PROBLEMS[problem]}{where}; give another with --chat_template FILE"
+
+
+def prefix_difference(encoder: ChatEncoder, messages: list[dict[str, str]]) -> str:
+    """Where a chat rendered up to an assistant turn stops being the start of the longer rendering, as text: Qwen3's
+    template writes an empty reasoning block only after the last user message, Phi-3's its EOS only after the last
+    turn; the refusal named neither the turn nor the text."""
+    chat = encoder.tokens(messages, generation_prompt=False)
+    for k in (k for k, message in enumerate(messages) if message["role"] == "assistant"):
+        before = encoder.tokens(messages[:k], generation_prompt=True)
+        through = encoder.tokens(messages[: k + 1], generation_prompt=False)
+        for shorter, longer in ((before, through), (through, chat)):
+            i = next((i for i, token in enumerate(shorter) if i >= len(longer) or longer[i] != token), None)
+            if i is not None:
+                decode = encoder.tokenizer.decode
+                return (f" (at assistant message {k + 1}: {decode(shorter[i:i + 6])!r} where the longer rendering "
+                        f"has {decode(longer[i:i + 6])!r})")
+    return ""
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> Optional[int]:

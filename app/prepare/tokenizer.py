@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import sentencepiece
@@ -193,3 +193,19 @@ def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every special token, named (BOS, EOS, ...) or added as special (e.g. `<|eot_id|>`, `<|im_end|>`)."""
     added = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
     return added | set(tokenizer.all_special_ids)
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool,
+                **options: object) -> dict[str, Any]:
+    """`apply_chat_template` as training encodes chats: special-token text inside a message (`</s>`, `<|im_end|>` in
+    code) is text (`sanitize_control_tokens`), and only special-token text, as in raw documents. transformers also
+    marks the ordinary added tokens a template names: Qwen3's template then found no `</think>` in a message's
+    reasoning (its split and strip ran on the marked text), and trained a rendering with extra newlines that its
+    own apply_chat_template, at inference, never gives."""
+    kept = getattr(tokenizer, "chat_control_tokens", None)
+    tokenizer.chat_control_tokens = ()  # the special tokens alone
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, return_dict=True,
+                                             sanitize_control_tokens=True, **options)
+    finally:
+        tokenizer.chat_control_tokens = kept
