@@ -232,6 +232,27 @@ def wait_for_ranks(launcher: subprocess.Popen, timeout: float = 60) -> list[psut
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("signum, code, meaning", [
+    (signal.SIGTERM, 128 + signal.SIGTERM, "nothing to save yet"),
+    (signal.SIGUSR1, EXIT_PREEMPTED, "nothing new to save; continue with --resume true")], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_to_one_rank_before_training_is_said(tiny: TinySetup, tmp_path: Path, signum, code,
+                                                           meaning) -> None:
+    """A rank that a stop signal finds before training quits without a word (a signal to every process is said once,
+    by the first); sent to that rank alone, the run ended after the observer's look with no line at all."""
+    args = train_args(tiny, tmp_path / "run", eval_iters=1000, eval_batch_size=1)  # a long initial validation
+    with launched(args, tmp_path / "run.log") as run:
+        run.wait_for("training 24 steps")
+        victim = run.other_rank()
+        time.sleep(0.5)
+        victim.send_signal(signum)
+        assert run.finish(timeout=60) == code, run.output()
+        assert (f"local rank 1 (pid {victim.pid}) was stopped by {signal.Signals(signum).name} before training began: "
+                f"{meaning}") in run.output(), run.output()
+        assert "Traceback" not in run.output()
+        run.assert_nothing_left()
+
+
+@pytest.mark.slow
 def test_a_launcher_killed_during_training_is_said_by_its_rank(tiny: TinySetup, tmp_path: Path) -> None:
     """From the first step on, a rank whose launcher dies says so in one line and exits: the kernel's SIGKILL that
     ends it with its launcher while the ranks start (app/tasks.py) is let go of when training begins. It once was

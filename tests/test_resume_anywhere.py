@@ -553,7 +553,7 @@ def test_every_value_a_checkpoint_holds_is_resumed_restored_by_its_owner_or_desc
 
     inputs = SimpleNamespace(plan=SimpleNamespace(global_batch_size=8), model_config=SimpleNamespace(to_dict=dict),
                              tokenizer=None, data_folders=[])
-    state = initial_state(None, None, SimpleNamespace(to_dict=dict), inputs)
+    state = initial_state(None, None, SimpleNamespace(to_dict=dict, model_name=None), inputs)
     describes_the_run = {"global_batch_size", "config", "cwd", "model_config", "tokenizer", "data_folders"}
     assert set(state) == {"model", "optimizer"} | set(PROGRESS) | set(SAVED_FOR_THE_RANKS) | describes_the_run
     resumed = saved_progress({"step": 7, "epoch": 1, "position": 24, "val_loss": 2.5, "source_tokens": None})

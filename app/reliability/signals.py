@@ -36,7 +36,8 @@ from app.cli import first_line
 from app.exit_codes import (EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_PREEMPTED,
                             EXIT_STALLED)
 from app.tasks import end_with_the_launcher, srun_task, task_rank, time_limit_warned
-from app.reliability.watchdog import end_process_tree, killed_rank, print_own_stacks, process_ending, say
+from app.reliability.watchdog import (TRAINING_BEGAN, end_process_tree, print_own_stacks, process_ending, say,
+                                      silent_end)
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -157,6 +158,7 @@ class StopRequest:
         step, without a checkpoint or the job's requeue."""
         stop_agreed(fabric, self)
         self.training = True
+        TRAINING_BEGAN.set()
         end_with_the_launcher(end=False)
 
     def _receive(self, read_end: int) -> None:
@@ -301,9 +303,11 @@ def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoR
         if process_ending():  # this process's watchdog or signal thread is ending the run: its line says why
             end_process_tree(EXIT_CRASHED, stacks=False)  # waits for that exit, with that thread's code
         if peer_ended(error):  # the process that ended first printed why; a traceback here would only hide it
-            killed = "".join(f"; {line}" for line in killed_children(fabric))
+            ended = silent_children(fabric)
             say(f"rank {fabric.global_rank}: another process of the run ended first ({first_line(error)})"
-                f"{killed}\n")
+                + "".join(f"; {line}" for line, _ in ended) + "\n")
+            if ended:
+                end_process_tree(ended[0][1], stacks=False)
         elif collective_timed_out(error):  # a rank stopped answering where the stall watchdog does not watch yet
             say(f"rank {fabric.global_rank}: another rank did not answer within --process_group_timeout_min "
                 f"({first_line(error)}); ending the run as stalled (exit {EXIT_STALLED}): resume with --resume true\n")
@@ -316,15 +320,14 @@ def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoR
     exit_run(fabric, code)
 
 
-def killed_children(fabric: Fabric, wait_sec: float = 1.0) -> list[str]:
-    """The ranks that Lightning's launcher started from this process and that a signal killed: a rank killed by
-    SIGKILL (the out-of-memory killer) prints nothing, and the others' only line was a connection reset by peer."""
+def silent_children(fabric: Fabric, wait_sec: float = 1.0) -> list[tuple[str, int]]:
+    """The ranks that Lightning's launcher started from this process and that ended without a word (watchdog.
+    silent_end), said, with the run's exit code for each: the others' only line was a connection reset by peer."""
     children = getattr(getattr(fabric.strategy, "launcher", None), "procs", None) or []
     deadline = time.monotonic() + wait_sec
     while children and all(child.poll() is None for child in children) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [killed_rank(rank, child) for rank, child in enumerate(children, start=1)
-            if child.returncode is not None and child.returncode < 0]
+    return [ending for rank, child in enumerate(children, start=1) if (ending := silent_end(rank, child))]
 
 
 PEER_ENDED = ("Connection closed by peer", "Connection reset by peer",  # gloo

@@ -31,7 +31,7 @@ from typing import NoReturn, Optional
 import psutil
 import torch.distributed as dist
 
-from app.exit_codes import EXIT_CRASHED, EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED
+from app.exit_codes import EXIT_CRASHED, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT, EXIT_STALLED
 
 STACKS_SIGNAL = signal.SIGUSR2
 STACKS_WAIT_SEC = 0.3
@@ -169,26 +169,43 @@ def take_over_launcher_observer() -> None:
         observer._run = lambda self: look_at_ranks(getattr(self, "_child_processes", []))
 
 
+TRAINING_BEGAN = threading.Event()
+"""Set when this process's ranks have crossed into training together (signals.StopRequest.begin_training)."""
+STOPPED_BEFORE_TRAINING = {128 + signal.SIGTERM: ("SIGTERM", "nothing to save yet"),
+                           128 + signal.SIGINT: ("SIGINT", "nothing to save yet"),
+                           EXIT_PREEMPTED: ("SIGUSR1", "nothing new to save; continue with --resume true")}
+"""How a rank that a stop signal found before training ends (signals.quit_before_training), and what it means."""
+
+
 def look_at_ranks(children: list[subprocess.Popen]) -> bool:
     """One look of the observer: True once every rank has ended well; a rank that did not ends the run."""
     for child in children:
         child.poll()
     if all(child.returncode == 0 for child in children):
         return True
-    for rank, child in enumerate(children, start=1):  # a killed rank first: the others' codes say only that it ended
-        if child.returncode is not None and child.returncode < 0:
-            say(f"{killed_rank(rank, child)}; ending the run (exit {EXIT_CRASHED})\n")
-            end_process_tree(EXIT_CRASHED, stacks=False)
+    for rank, child in enumerate(children, start=1):  # a silent end first: the others' codes say only that it ended
+        ending = silent_end(rank, child)
+        if ending is not None:
+            say(f"{ending[0]}; ending the run (exit {ending[1]})\n")
+            end_process_tree(ending[1], stacks=False)
     for child in children:
         if child.returncode:
             end_process_tree(child.returncode, stacks=False)
     return False
 
 
-def killed_rank(rank: int, child: subprocess.Popen) -> str:
-    """What a rank killed by a signal says of itself: nothing (the out-of-memory killer's SIGKILL)."""
-    return (f"local rank {rank} (pid {child.pid}) was killed by {signal.Signals(-child.returncode).name}"
-            + (" (out of memory?)" if child.returncode == -signal.SIGKILL else ""))
+def silent_end(rank: int, child: subprocess.Popen) -> Optional[tuple[str, int]]:
+    """A rank that ended without a word, said, and the run's exit code for it: killed by a signal (the out-of-memory
+    killer's SIGKILL), or stopped by a stop signal before training (a rank quits then without a line, so that a
+    signal to every process is said once: sent to it alone, the run ended without any). None for any other end."""
+    code = child.returncode
+    if code is not None and code < 0:
+        return (f"local rank {rank} (pid {child.pid}) was killed by {signal.Signals(-code).name}"
+                + (" (out of memory?)" if code == -signal.SIGKILL else "")), EXIT_CRASHED
+    if code in STOPPED_BEFORE_TRAINING and not TRAINING_BEGAN.is_set():
+        name, meaning = STOPPED_BEFORE_TRAINING[code]
+        return f"local rank {rank} (pid {child.pid}) was stopped by {name} before training began: {meaning}", code
+    return None
 
 
 def live_descendants() -> list[psutil.Process]:

@@ -20,6 +20,7 @@ PROGRESS: dict[str, Any] = {
     "source_tokens": {},  # tokens trained per mixture folder
     "log_window": [],  # the losses of the steps since the last log point, set when saving (Loop.unlogged_losses)
     "elapsed_sec": 0.0,  # the run's seconds at the save, over every attempt (StepClock.run_elapsed)
+    "base_revision": None,  # the commit of the Hub model the run started from, set at its start (run.initial_state)
 }
 
 SAVED_FOR_THE_RANKS = ("rng", "grad_scaler", "schedule")

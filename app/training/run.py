@@ -133,7 +133,8 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "config": cfg.to_dict(),
         "cwd": os.getcwd(),  # where the config's relative paths (--model_name) lead: convert_to_hf.py reads from it
         "model_config": inputs.model_config.to_dict(),
-        # the commit of a Hub model's files (none for a folder): its generation config is read there at conversion
+        # the commit of a Hub model's files (none for a folder), which a resume keeps whatever the Hub id loads by
+        # then: conversion reads the model's generation config there
         "base_revision": hub_commit(cfg.model_name),
         "tokenizer": inputs.tokenizer,  # as given; out_dir/tokenizer/ holds a copy (keep_tokenizer_with_run)
         "data_folders": inputs.data_folders,  # what identifies each data folder, for a resume from anywhere
@@ -150,8 +151,6 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     if unreadable:
         return unreadable
     state |= saved_progress(saved)
-    if saved.get("base_revision"):  # the weights descend from that commit, whatever the Hub id loads today
-        state["base_revision"] = saved["base_revision"]
     # a mixture's rows follow state["mixture"]; its epoch and position are counted alike, as the plan counted them
     state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
