@@ -253,6 +253,24 @@ def test_a_stop_signal_to_one_rank_before_training_is_said(tiny: TinySetup, tmp_
 
 
 @pytest.mark.slow
+def test_a_stop_signal_during_the_last_evaluation_ends_as_finished_and_says_what_it_cut(tiny: TinySetup,
+                                                                                       tmp_path: Path) -> None:
+    """At the last step a stop signal finds nothing left to train: the run saves and ends as finished (exit 0); the
+    evaluation the signal cut short was said only as "not logged", and the summary's loss was step 2's."""
+    args = train_args(tiny, tmp_path / "run", max_step=4, eval_step_interval=2, eval_iters=1000, eval_batch_size=1,
+                      initial_validation=False)
+    with launched(args, tmp_path / "run.log") as run:
+        run.wait_for(r"step 4/4")
+        time.sleep(0.3)
+        os.killpg(run.process.pid, signal.SIGTERM)
+        assert run.finish(timeout=120) == 0, run.output()
+        assert "step 4: the last step is saved, but the signal cut its evaluation short: the run's validation loss " \
+               "is step 2's" in run.output(), run.output()
+        assert 4 in list_checkpoints(tmp_path / "run"), run.output()
+        run.assert_nothing_left()
+
+
+@pytest.mark.slow
 def test_a_launcher_killed_during_training_is_said_by_its_rank(tiny: TinySetup, tmp_path: Path) -> None:
     """From the first step on, a rank whose launcher dies says so in one line and exits: the kernel's SIGKILL that
     ends it with its launcher while the ranks start (app/tasks.py) is let go of when training begins. It once was

@@ -191,9 +191,21 @@ class Loop:
                 steps = self.steps()
             throughput = self.clock.tick(state["step"])
             self.console.advance()
-            if self.log_evaluate_save(losses, verdict, lr, throughput, epoch_ended) and state["step"] < plan.max_step:
-                return self.stopped_by_signal()
+            if self.log_evaluate_save(losses, verdict, lr, throughput, epoch_ended):
+                if state["step"] < plan.max_step:
+                    return self.stopped_by_signal()
+                self.say_final_evaluation_cut()
         return "finished"
+
+    def say_final_evaluation_cut(self) -> None:
+        """A stop signal at the last step: the run ends as finished (exit 0), its last checkpoint saved, but an
+        evaluation the signal cut short is said, since nothing measures it later (a resume there has nothing to
+        train): the summary's val_loss and best.json are an earlier step's."""
+        state = self.state
+        if len(self.data.validation) and state["val_loss_step"] != state["step"]:
+            earlier = f"step {state['val_loss_step']}'s" if state["val_loss_step"] is not None else "none"
+            self.console.print(f"step {state['step']}: the last step is saved, but the signal cut its evaluation short: "
+                               f"the run's validation loss is {earlier}")
 
     def learning_rate(self, number: int) -> float:
         """Step `number`'s learning rate: the schedule's, at the step's place in it, times the spike guard's factor."""
