@@ -162,6 +162,7 @@ def test_a_model_with_a_router_kept_in_fp32_and_frozen_statistics_trains_and_res
                    eval_step_interval=100, gradient_accumulation_steps=1)
     straight = run_train(train_args(tiny, tmp_path / "straight", **options))
     assert_succeeded(straight)
+    assert "Disabling autocast" not in straight.stderr, "Lightning's CUDA autocast, off on CPU processes: no warning"
     resumed = run_train(train_args(tiny, tmp_path / "resumed", resume=True, **options,
                                    checkpoint=tmp_path / "straight" / "checkpoints" / "step-00000002.ckpt"))
     assert_succeeded(resumed)

@@ -328,6 +328,16 @@ def test_a_data_tokenizer_larger_than_the_model_names_itself_and_says_embeddings
            f"{advice}" in errors, errors
 
 
+def test_samples_asked_of_raw_text_are_refused_for_that_alone(tiny, tmp_path, capsys) -> None:
+    """The cause in one line: a second line about --eval_max_new_tokens and the model's positions followed from it."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", eval_samples=2)))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --eval_samples 2 needs prompts and references (supervised or seq2seq data), but --train_data_dir "
+        f"{tiny.data} holds raw text; drop it or prepare pairs"]
+
+
 def test_micro_batches_of_a_step_hold_different_numbers_of_trained_tokens(padded) -> None:
     """What makes a mean of micro-batch means wrong, and the runs below meaningful."""
     data = load_data(padded)

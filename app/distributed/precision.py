@@ -79,6 +79,8 @@ def precision_plugin(precision: str, strategy: str, device_type: str) -> Precisi
     if strategy == "fsdp2" and "mixed" in precision:
         return Precision()
     if strategy == "fsdp":
+        if device_type == "cpu":  # its forward's autocast is CUDA's, off on CPU processes (FSDP's MixedPrecision casts)
+            warnings.filterwarnings("ignore", message="CUDA is not available or torch_xla is imported")
         with warnings.catch_warnings():  # its default scaler is CUDA's, disabled with a warning on CPU; replaced below
             warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available")
             plugin = FSDPPrecision(precision)

@@ -118,15 +118,16 @@ def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[st
 
 def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], problems: list[str],
                   model_config: Optional[PretrainedConfig] = None) -> None:
+    if cfg.eval_samples and not data.format.supervised:  # the cause: what else it would say of samples follows from it
+        problems.append(f"--eval_samples {cfg.eval_samples} needs prompts and references (supervised or seq2seq data), "
+                        f"but --train_data_dir {cfg.train_data_dir} holds raw text; drop it or prepare pairs")
+        return
     positions = getattr(model_config, "max_position_embeddings", None) if model_config is not None else None
     if cfg.eval_samples and positions and cfg.eval_max_new_tokens >= positions:
         room = ("passes the decoder's" if model_config.is_encoder_decoder  # its source has the encoder's own
                 else "leaves no room for a prompt in the model's")
         problems.append(f"--eval_max_new_tokens {cfg.eval_max_new_tokens} {room} {positions} positions "
                         "(max_position_embeddings); lower it")
-    if cfg.eval_samples and not data.format.supervised:
-        problems.append(f"--eval_samples {cfg.eval_samples} needs prompts and references (supervised or seq2seq data), "
-                        f"but --train_data_dir {cfg.train_data_dir} holds raw text; drop it or prepare pairs")
     if cfg.eval_samples and not data.validation_rows:
         problems.append(f"--eval_samples {cfg.eval_samples} takes its prompts from the validation split, but "
                         f"--train_data_dir {cfg.train_data_dir} has none; drop it or prepare with --val_fraction > 0")
