@@ -439,6 +439,12 @@ def test_the_generation_config_and_card_are_the_revision_trained_when_main_has_m
     assert (written["eos_token_id"], written.get("do_sample", False)) == ([7, eos], False)
     card = (tmp_path / "hf" / "README.md").read_text()
     assert f"| Base model | org/tiny (revision {trained}) |" in card and "base_model: org/tiny" in card
+    (repo / "snapshots" / trained / "generation_config.json").unlink()  # many repositories have none
+    capsys.readouterr()
+    convert("--checkpoint", run, "--output_dir", tmp_path / "none-hf", "--dtype", "float32")
+    said = capsys.readouterr().out
+    assert "is neither cached nor on the Hub" not in said and "generation config of the base model org/tiny could " \
+        "not be read" in said, "the revision is here, without a generation config: one note, that one"
     run = earlier_checkpoint(tmp_path / "folder-run", model, tokenizer=str(tiny.tokenizer),
                              config={"model_name": str(repo / "snapshots" / trained)})
     convert("--checkpoint", run, "--output_dir", tmp_path / "folder-hf", "--dtype", "float32")

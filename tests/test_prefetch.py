@@ -486,6 +486,8 @@ def test_a_model_cached_without_its_weights_is_refused_before_any_rank_starts(ti
            "while HF_HUB_OFFLINE is set: run `python prefetch.py --model tiny-org/tiny-llama` on a machine with " \
            "internet access using the same HF_HOME, then set HF_HUB_OFFLINE=1" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=MODEL,
+                                      estimate_memory=True)))  # a plan reads the config alone
 
 
 def test_a_full_cache_is_one_line_naming_it(tmp_path, monkeypatch):

@@ -309,6 +309,14 @@ def test_data_tokenized_for_another_model_than_the_pretrained_one_is_refused(tin
     shutil.copy(tiny.tokenizer / "tokenizer.json", model)
     preflight(parse_config(args))
     assert "tokenized with" not in capsys.readouterr().err
+    with_chat_tokens = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    with_chat_tokens.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    with_chat_tokens.save_pretrained(model)  # the model's (its embeddings resized): plain text needs none of them
+    preflight(parse_config(args))
+    output = capsys.readouterr()
+    assert "tokenized with" not in output.err and f"--train_data_dir's tokenizer ({tiny.data / 'tokenizer'}) lacks 2 " \
+           f"tokens of --model_name {model}'s (<|im_start|>, <|im_end|>): the run keeps the data's tokenizer, so the " \
+           "converted model will not have them" in output.out
 
 
 def test_a_data_tokenizer_larger_than_the_model_names_itself_and_says_embeddings_are_not_resized(tiny, tmp_path,
@@ -320,12 +328,20 @@ def test_a_data_tokenizer_larger_than_the_model_names_itself_and_says_embeddings
     with pytest.raises(SystemExit):
         preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=tmp_path / "narrow", tokenizer=None)))
     errors = capsys.readouterr().err.strip().splitlines()
-    advice = ("train.py does not resize the model's embeddings: save the model with room for them first "
-              "(resize_token_embeddings, then save_pretrained), or prepare the data with a tokenizer that fits")
-    assert any(line.startswith("error: --train_data_dir holds token id ") and line.endswith(
-        f"but the model's vocab_size is 300; {advice}") for line in errors), errors
+    assert any(line.startswith("error: --train_data_dir holds token id ") and "but the model's vocab_size is 300; "
+               "raise vocab_size in --model_config to at least " in line for line in errors), errors
     assert f"error: the tokenizer {tiny.data / 'tokenizer'} has 400 tokens, more than the model's vocab_size 300; " \
-           f"{advice}" in errors, errors
+           "raise vocab_size in --model_config to at least 400, or prepare the data with a tokenizer that fits" \
+           in errors, errors
+    narrow = tmp_path / "narrow-pretrained"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "narrow")).save_pretrained(narrow)
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=narrow,
+                                          tokenizer=None)))
+    assert f"error: the tokenizer {tiny.data / 'tokenizer'} has 400 tokens, more than the model's vocab_size 300; " \
+           "train.py does not resize the model's embeddings: save the model with room for them first " \
+           "(resize_token_embeddings, then save_pretrained), or prepare the data with a tokenizer that fits" \
+           in capsys.readouterr().err.strip().splitlines()
 
 
 def test_samples_asked_of_raw_text_are_refused_for_that_alone(tiny, tmp_path, capsys) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 from safetensors import SafetensorError
 from tokenizers.processors import TemplateProcessing
 from torch.nn import Module
@@ -47,8 +48,8 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, first_line
 from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_folder
-from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, load_problem, missing_model_problem, tokenizer_difference,
-                     unloadable_tokenizer)
+from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, load_problem, missing_model_problem,
+                     tokenizer_difference, unloadable_tokenizer)
 from app.huggingface.convert_cli import Args
 from app.huggingface.generate import source_input
 from app.huggingface.prefetch import PrefetchError, reported_as
@@ -691,12 +692,11 @@ def trained_generation_config(job: Job) -> GenerationConfig:
     cache, nor the Hub in reach) at the revision its name loads today, said."""
     repo, revision = hub_origin(job.base_model, job.metadata)
     if revision and repo == job.base_model:
-        try:
-            return GenerationConfig.from_pretrained(job.base_model, revision=revision)
-        except (OSError, ValueError):
-            print(f"convert_to_hf.py: note: the base model {repo} at the revision trained ({revision}) is neither "
-                  "cached nor on the Hub from here: its generation config is read at the revision its name loads "
-                  "today", flush=True)
+        if isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str) or hub_reachable():
+            return GenerationConfig.from_pretrained(job.base_model, revision=revision)  # none there: its own note
+        print(f"convert_to_hf.py: note: the base model {repo} at the revision trained ({revision}) is neither "
+              "cached nor on the Hub from here: its generation config is read at the revision its name loads today",
+              flush=True)
     return GenerationConfig.from_pretrained(job.base_model)
 
 

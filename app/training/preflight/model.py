@@ -24,7 +24,7 @@ from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder
 from app.model.loss import probe_chunked_loss
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
-from app.training.preflight.tokenizer import ROOM_FOR_TOKENS
+from app.training.preflight.tokenizer import room_for_tokens
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -34,8 +34,9 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
     """The model's config; a Hub id that is neither cached nor reachable is refused at once, with the prefetch.py
     command, instead of after a minute of huggingface_hub's retries."""
     flag = "--model_name" if cfg.model_name else "--model_config"
+    trains = cfg.model_name and not (cfg.estimate_memory or cfg.print_config)  # a plan reads the config alone
     missing = missing_model_problem(flag, model_source(cfg)) or (
-        cfg.model_name and missing_weights_problem(flag, cfg.model_name))
+        trains and missing_weights_problem(flag, cfg.model_name))
     if missing:
         problems.append(missing)
         return None
@@ -135,7 +136,7 @@ def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: Dat
         problems += positions_problems(data, max_positions)
     if data.max_token_id >= model_config.vocab_size:
         problems.append(f"--train_data_dir holds token id {data.max_token_id} but the model's vocab_size is "
-                        f"{model_config.vocab_size}; {ROOM_FOR_TOKENS}")
+                        f"{model_config.vocab_size}; {room_for_tokens(cfg, data.max_token_id + 1)}")
 
 
 def positions_problems(data: DataFacts, max_positions: int) -> list[str]:

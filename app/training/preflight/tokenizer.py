@@ -21,8 +21,13 @@ if TYPE_CHECKING:
     from arguments import Config
 
 
-ROOM_FOR_TOKENS = ("train.py does not resize the model's embeddings: save the model with room for them first "
-                   "(resize_token_embeddings, then save_pretrained), or prepare the data with a tokenizer that fits")
+def room_for_tokens(cfg: Config, tokens: int) -> str:
+    """What to do about tokens beyond a model's vocabulary: a config file says its vocab_size; pretrained embeddings
+    are not resized by train.py."""
+    if not cfg.model_name:
+        return f"raise vocab_size in --model_config to at least {tokens}, or prepare the data with a tokenizer that fits"
+    return ("train.py does not resize the model's embeddings: save the model with room for them first "
+            "(resize_token_embeddings, then save_pretrained), or prepare the data with a tokenizer that fits")
 
 
 def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[str]:
@@ -56,7 +61,8 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     if model_config is not None and len(tokenizer) > model_config.vocab_size:
         problems.append(f"{'--tokenizer' if cfg.tokenizer else 'the tokenizer'} {name} has {len(tokenizer)} tokens, "
                         f"more than the model's vocab_size {model_config.vocab_size}; "
-                        + ("use the tokenizer the data was prepared with" if cfg.tokenizer else ROOM_FOR_TOKENS))
+                        + ("use the tokenizer the data was prepared with" if cfg.tokenizer
+                           else room_for_tokens(cfg, len(tokenizer))))
     converted = model_config is not None and converted_tokenizer_problem(tokenizer, model_config,
                                                                          cfg.trust_remote_code)
     if converted:
@@ -89,13 +95,21 @@ def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, proble
         added = sorted(set(data_ids) - set(model_ids), key=data_ids.get)
         if added:
             note(f"--train_data_dir's tokenizer ({name}) adds {len(added)} tokens to --model_name "
-                 f"{cfg.model_name}'s ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}): their embeddings "
-                 "start as the model has them, untrained")
+                 f"{cfg.model_name}'s ({listed(added)}): their embeddings start as the model has them, untrained")
+        return
+    if data_ids.items() <= model_ids.items():  # the model's own added tokens (chat markers) unused by the data
+        lacking = sorted(set(model_ids) - set(data_ids), key=model_ids.get)
+        note(f"--train_data_dir's tokenizer ({name}) lacks {len(lacking)} tokens of --model_name {cfg.model_name}'s "
+             f"({listed(lacking)}): the run keeps the data's tokenizer, so the converted model will not have them")
         return
     moved = min((token for token, i in model_ids.items() if data_ids.get(token) != i), key=model_ids.get)
     problems.append(f"--train_data_dir was tokenized with {name}, not with --model_name {cfg.model_name}'s tokenizer: "
                     f"{moved!r} is id {model_ids[moved]} for the model and {data_ids.get(moved, 'missing')} in the data; "
                     f"prepare the data with --tokenizer {cfg.model_name}")
+
+
+def listed(tokens: list[str]) -> str:
+    return ", ".join(tokens[:3]) + (", ..." if len(tokens) > 3 else "")
 
 
 def check_run_tokenizer(cfg: Config, tokenizer: Optional[str], problems: list[str]) -> None:
