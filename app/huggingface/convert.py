@@ -48,8 +48,8 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, first_line
 from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_folder
-from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, load_problem, missing_model_problem,
-                     tokenizer_difference, unloadable_tokenizer)
+from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, is_hub_id, load_problem, missing_model_problem,
+                     tokenizer_difference, unloadable_tokenizer, why_unreachable)
 from app.huggingface.convert_cli import Args
 from app.huggingface.generate import source_input
 from app.huggingface.prefetch import PrefetchError, reported_as
@@ -212,9 +212,9 @@ def runs_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) -> st
 def tokenizer_problem(name: str, trust_remote_code: bool) -> Optional[str]:
     """Why the tokenizer `name` does not load; None when it does. A Hub id is asked of the Hub once, briefly (app/hub.py):
     transformers asked without a timeout."""
-    missing = missing_model_problem("--tokenizer", name)
-    if missing:
-        return missing
+    if missing_model_problem("--tokenizer", name):  # its line names a flag: here the name is the run's
+        return (f"no such folder, nor a Hub model of that name in the Hugging Face cache while {why_unreachable()}"
+                if is_hub_id(name) else "no such folder")
     try:
         AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
