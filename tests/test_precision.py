@@ -131,7 +131,8 @@ def record(name):
         seen.setdefault(name, str(next(module.parameters(recurse=False)).dtype).removeprefix("torch."))
     return hook
 layer = model.model.layers[0]
-for name, module in (("gate", layer.mlp.gate), ("bias", layer.mlp.gate.moe_statics), ("attention", layer.self_attn.q_proj)):
+for name, module in (("gate", layer.mlp.gate), ("bias", layer.mlp.gate.moe_statics),
+                     ("attention", layer.self_attn.q_proj)):
     getattr(module, "module", module).register_forward_pre_hook(record(name))  # inside FSDP1's wrapper
 tokens = torch.randint(0, 256, (1, 8))
 forward(input_ids=tokens, labels=tokens).loss.backward()

@@ -482,7 +482,8 @@ def test_a_model_cached_without_its_weights_is_refused_before_any_rank_starts(ti
         preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=MODEL)))
     assert exit_info.value.code == 2
     assert f"error: --model_name {MODEL}: the Hugging Face cache holds its config but not all its weights " \
-           "(prepare_data.py --tokenizer caches only a tokenizer and its config; a prefetch may have been cut short), " \
+           "(prepare_data.py --tokenizer caches only a tokenizer and its config; a prefetch may have been cut " \
+           "short), " \
            "while HF_HUB_OFFLINE is set: run `python prefetch.py --model tiny-org/tiny-llama` on a machine with " \
            "internet access using the same HF_HOME, then set HF_HUB_OFFLINE=1" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -520,8 +521,8 @@ def test_a_prefetched_dataset_is_prepared_by_its_name_without_the_hub(hub, tmp_p
     assert fetched.returncode == 0, fetched.stderr
     env = clean_env(hf_home, HF_ENDPOINT="http://127.0.0.1:9", **({"HF_HUB_OFFLINE": offline} if offline else {}))
     start = time.monotonic()
-    result = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "--input", DATASET, "--dataset_config", "en",
-                             "--tokenizer", TOKENIZER, "--block_size", "8", "--val_fraction", "0",
+    result = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "--input", DATASET, "--dataset_config",
+                             "en", "--tokenizer", TOKENIZER, "--block_size", "8", "--val_fraction", "0",
                              "--output_dir", str(tmp_path / "data")], env=env, cwd=ROOT, capture_output=True,
                             text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr

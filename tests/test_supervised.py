@@ -304,8 +304,8 @@ def test_data_tokenized_for_another_model_than_the_pretrained_one_is_refused(tin
     (line,) = capsys.readouterr().err.strip().splitlines()
     moved = next(token for token, i in vocabulary.items() if i == 300)
     assert line == (f"error: --train_data_dir was tokenized with {tiny.data / 'tokenizer'}, not with --model_name "
-                    f"{model}'s tokenizer: {moved!r} is id 300 for the model and 301 in the data; prepare the data with "
-                    f"--tokenizer {model}")
+                    f"{model}'s tokenizer: {moved!r} is id 300 for the model and 301 in the data; prepare the data "
+                    f"with --tokenizer {model}")
     shutil.copy(tiny.tokenizer / "tokenizer.json", model)
     preflight(parse_config(args))
     assert "tokenized with" not in capsys.readouterr().err

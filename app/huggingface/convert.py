@@ -210,8 +210,8 @@ def runs_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path) -> st
 
 
 def tokenizer_problem(name: str, trust_remote_code: bool) -> Optional[str]:
-    """Why the tokenizer `name` does not load; None when it does. A Hub id is asked of the Hub once, briefly (app/hub.py):
-    transformers asked without a timeout."""
+    """Why the tokenizer `name` does not load; None when it does. A Hub id is asked of the Hub once, briefly
+    (app/hub.py): transformers asked without a timeout."""
     if missing_model_problem("--tokenizer", name):  # its line names a flag: here the name is the run's
         return (f"no such folder, nor a Hub model of that name in the Hugging Face cache while {why_unreachable()}"
                 if is_hub_id(name) else "no such folder")

@@ -204,8 +204,8 @@ class Loop:
         state = self.state
         if len(self.data.validation) and state["val_loss_step"] != state["step"]:
             earlier = f"step {state['val_loss_step']}'s" if state["val_loss_step"] is not None else "none"
-            self.console.print(f"step {state['step']}: the last step is saved, but the signal cut its evaluation short: "
-                               f"the run's validation loss is {earlier}")
+            self.console.print(f"step {state['step']}: the last step is saved, but the signal cut its evaluation "
+                               f"short: the run's validation loss is {earlier}")
 
     def learning_rate(self, number: int) -> float:
         """Step `number`'s learning rate: the schedule's, at the step's place in it, times the spike guard's factor."""

@@ -25,7 +25,8 @@ def room_for_tokens(cfg: Config, tokens: int) -> str:
     """What to do about tokens beyond a model's vocabulary: a config file says its vocab_size; pretrained embeddings
     are not resized by train.py."""
     if not cfg.model_name:
-        return f"raise vocab_size in --model_config to at least {tokens}, or prepare the data with a tokenizer that fits"
+        return (f"raise vocab_size in --model_config to at least {tokens}, or prepare the data with a tokenizer "
+                "that fits")
     return ("train.py does not resize the model's embeddings: save the model with room for them first "
             "(resize_token_embeddings, then save_pretrained), or prepare the data with a tokenizer that fits")
 
@@ -104,8 +105,8 @@ def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, proble
         return
     moved = min((token for token, i in model_ids.items() if data_ids.get(token) != i), key=model_ids.get)
     problems.append(f"--train_data_dir was tokenized with {name}, not with --model_name {cfg.model_name}'s tokenizer: "
-                    f"{moved!r} is id {model_ids[moved]} for the model and {data_ids.get(moved, 'missing')} in the data; "
-                    f"prepare the data with --tokenizer {cfg.model_name}")
+                    f"{moved!r} is id {model_ids[moved]} for the model and {data_ids.get(moved, 'missing')} in the "
+                    f"data; prepare the data with --tokenizer {cfg.model_name}")
 
 
 def listed(tokens: list[str]) -> str:
