@@ -45,7 +45,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 counts as isolated. Measured on CPU: 2e-7 to 1.3e-6 when isolated (the twins of Granite's and OLMo-2's full-size
 configs the highest), 0.3 to 1.2 when examples attend to each other, and 6e-4 when only a convolution reads across
 (LFM2's short convolutions mix an example's first tokens with the previous one's last, which attention then spreads;
-small in a random twin, of the order of the model's own weights once trained). In half precision the rounding alone is larger than such a leak: there only attention leaks are seen."""
+small in a random twin, of the order of the model's own weights once trained). In half precision the rounding alone is
+larger than such a leak: there only attention leaks are seen."""
 KV_HEAD_NAMES = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
 MLP_WIDTH_NAMES = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff", "moe_intermediate_size",
                    "shared_expert_intermediate_size")
