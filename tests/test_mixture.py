@@ -38,7 +38,10 @@ def test_the_command_line_names_folders_weights_and_refuses_what_it_cannot_read_
                           # these three were a ZeroDivisionError, an OverflowError and a plan of 4e31 steps
                           ("a:3,b:1/0", "the weight of b divides by zero"),
                           ("a:3,b:1e400", "the weights leave a less than a millionth of every step"),
-                          ("a:1e-30,b:1", "leave a less than a millionth of every step; give weights within")):
+                          ("a:1e-30,b:1", "leave a less than a millionth of every step; give weights within"),
+                          # read as part of a folder's name, then as a folder without a weight
+                          ("a:inf,b:1", "the weight of a must be a finite positive number, got inf"),
+                          ("a:1,b:NaN", "the weight of b must be a finite positive number, got NaN")):
         with pytest.raises(ValueError, match=message):
             parse_sources(spec)
 

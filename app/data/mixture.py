@@ -95,6 +95,9 @@ def _parse_item(item: str) -> tuple[str, str, Fraction | None]:
         except ZeroDivisionError:
             raise ValueError(f"--train_data_dir: the weight of {folder} divides by zero ({text})") from None
         except ValueError:
+            if text.strip().lstrip("+-").lower() in ("inf", "infinity", "nan"):  # read as part of the folder's name
+                raise ValueError(f"--train_data_dir: the weight of {folder} must be a finite positive number, "
+                                 f"got {text}") from None
             folder = path  # a colon inside the folder's own name
         else:
             path = folder
