@@ -34,8 +34,7 @@ MESSAGES = Features({"messages": List({"role": Value("string"), "content": Value
 PAIR_OPTIONS = ("prompt_field", "response_field", "input_field", "system_field")
 
 
-def chat_records(args: PrepareArgs, rendered: Optional[ChatText] = None
-                 ) -> ToRecords:
+def chat_records(args: PrepareArgs, rendered: Optional[ChatText] = None) -> ToRecords:
     """What turns one input's rows into `messages` records, for --messages_field or --prompt_field/--response_field;
     `rendered` gives a chat's text as the chat template renders it (or None), to refuse messages it leaves out."""
     if args.messages_field is not None:
