@@ -359,6 +359,46 @@ def test_reasoning_in_a_message_is_rendered_as_the_template_renders_it_at_infere
         assert tokenizer.convert_tokens_to_ids("</think>") in row["input_ids"]
 
 
+QWEN3_TEMPLATE = (  # Qwen3's stock template, reduced to how it renders an answer after the last user message
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last_query and loop.last -%}"
+    "{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m.content + '<|im_end|>\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def test_a_template_that_renders_a_turn_otherwise_once_the_chat_goes_on_masks_single_turn_chats(work, pairs):
+    """Qwen3's stock template writes an empty reasoning block in the last answer only: a chat of one assistant turn
+    is masked as at inference (it was refused, as the two-turn probe failed), a longer one is refused in one line."""
+    tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    tokenizer.save_pretrained(work / "qwen3")
+    rows, stats, _ = sft(work, "qwen3-pairs", tokenizer=str(work / "qwen3"), block_size=1024, packing=False,
+                         val_fraction=0.0)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answers = {tokenizer.decode(tokenizer(f"<think>\n\n</think>\n\n{pair['summary']}<|im_end|>",
+                                          add_special_tokens=False)["input_ids"]) for pair in pairs}
+    at_inference = {tokenizer.apply_chat_template([{"role": "user", "content": pair["code"]},
+                                                   {"role": "assistant", "content": pair["summary"]}], tokenize=False)
+                    for pair in pairs}
+    assert len(rows["train"]) == stats["splits"]["train"]["kept"] == len(pairs)
+    for row in rows["train"]:
+        (answer,) = trained_runs(row["input_ids"], row["labels"])
+        assert answer[-1] == end and tokenizer.decode(answer) in answers
+        assert tokenizer.decode(row["input_ids"]) in at_inference
+    with pytest.raises(UsageError) as refusal:
+        sft(work, "qwen3-chats", input=[str(work / "chats.jsonl")], prompt_field=None, response_field=None,
+            messages_field="messages", tokenizer=str(work / "qwen3"))
+    assert str(refusal.value).startswith(
+        f"the chat template of --tokenizer {work / 'qwen3'}: it masks chats of one assistant turn only, as it renders "
+        "an earlier turn otherwise once the chat goes on (at assistant message 2: ") and \
+        f"and {len(pairs):,} chats have more than one; leave those out" in str(refusal.value)
+    assert not (work / "qwen3-chats").exists()
+
+
 def test_chat_template_file_overrides_the_tokenizers_and_is_saved(work):
     (work / "chatml.jinja").write_text(CHATML_TEMPLATE)
     template = str(work / "chatml.jinja")

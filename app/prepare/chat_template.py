@@ -29,10 +29,12 @@ tokens (Qwen3's `<think>`) are matched as `apply_chat_template` matches them at 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import pyarrow.compute as pc
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -180,18 +182,43 @@ def chat_labels(tokens: list[int], spans: list[tuple[int, int]], train_on_prompt
     return labels
 
 
-def check_template(encoder: ChatEncoder) -> None:
+def check_template(encoder: ChatEncoder, chats: Iterable[Dataset] = ()) -> None:
     """Refuse a template that cannot be masked, masks every token, never ends an assistant turn, or whose masks
     train the user's messages or little of the assistant's, before any data is encoded (the same checks then run
-    on every example, and the loss-mask audit on the first ones of each split)."""
-    example = encoder.encode(PROBE_CHAT)
+    on every example, and the loss-mask audit on the first ones of each split).
+
+    A template that masks a chat of one assistant turn but renders that turn otherwise once the chat goes on (the
+    stock templates of Qwen3 and Phi-3) is taken when none of `chats` has more than one assistant message: each
+    chat is then rendered as at inference. It was refused for single-turn data too."""
+    probe, where = PROBE_CHAT, "a two-turn chat"
+    example = encoder.encode(probe)
+    if example.dropped == PREFIX_MISMATCH and not encoder.encode(PROBE_CHAT[:2]).dropped:
+        longer = sum(map(multi_turn_chats, chats))
+        if longer:
+            raise UsageError(f"{encoder.template.origin}: it masks chats of one assistant turn only, as it renders an "
+                             f"earlier turn otherwise once the chat goes on{prefix_difference(encoder, PROBE_CHAT)}, "
+                             f"and {longer:,} chat{'s have' if longer > 1 else ' has'} more than one; leave those out, or give a template that "
+                             "renders every turn alike with --chat_template FILE")
+        probe, where = PROBE_CHAT[:2], "a one-turn chat"
+        example = encoder.encode(probe)
     if example.dropped:
-        where = prefix_difference(encoder, PROBE_CHAT) if example.dropped == PREFIX_MISMATCH else ""
-        raise UsageError(template_problem(encoder.template, example.dropped, where))
+        difference = prefix_difference(encoder, probe) if example.dropped == PREFIX_MISMATCH else ""
+        raise UsageError(template_problem(encoder.template, example.dropped, difference))
     check_generation_prompt(encoder)
     encoded = {"input_ids": example.input_ids, "labels": example.labels, "dropped": ""}
-    probe = audit([PROBE_CHAT], [encoded], encoder.tokenizer, encoder.template.text)
-    check_audit(probe, encoder.template.origin, encoder.train_on_prompt, "a two-turn chat")
+    masks = audit([probe], [encoded], encoder.tokenizer, encoder.template.text)
+    check_audit(masks, encoder.template.origin, encoder.train_on_prompt, where)
+
+
+def multi_turn_chats(records: Dataset) -> int:
+    """How many chats of `records` (rows of `messages`) have more than one assistant message, counted in Arrow."""
+    count = 0
+    for batch in records.with_format("arrow").iter(batch_size=100_000):
+        chats = batch.column("messages").combine_chunks()
+        is_assistant = pc.equal(pc.struct_field(pc.list_flatten(chats), "role"), "assistant")
+        turns = pc.value_counts(pc.filter(pc.list_parent_indices(chats), is_assistant))
+        count += pc.sum(pc.greater(turns.field("counts"), 1)).as_py() or 0
+    return count
 
 
 def check_generation_prompt(encoder: ChatEncoder) -> None:

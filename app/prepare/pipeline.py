@@ -119,7 +119,7 @@ def supervised_rows(
     """Chats rendered with the chat template, labels on the assistant turns, packed into blocks or one per row."""
     template = choose_template(tokenizer, args)
     encoder = ChatEncoder(tokenizer, template, args.train_on_prompt)
-    check_template(encoder)
+    check_template(encoder, splits.values())
     encoded = {name: encode_chats(split, encoder, args, desc=f"Encoding {name}") for name, split in splits.items()}
     rows, counts = examples_to_rows(encoded, chat_advice(template, args.block_size), _arrange(tokenizer, args))
     for name, split in encoded.items():
