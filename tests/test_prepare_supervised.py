@@ -269,6 +269,20 @@ def test_too_long_examples_are_truncated_or_dropped_and_counted(work):
     assert all(any(label != -100 for label in row["labels"]) for row in long_rows), "a cut keeps part of a response"
 
 
+def test_a_chat_cut_inside_a_later_prompt_ends_with_the_last_trained_token(work):
+    """--too_long truncate cut chats at --block_size, also inside the follow-up question: its first tokens were kept
+    at the end of the example, untrained. The cut now ends with the answer before it, EOS included."""
+    rows, stats, tokenizer = sft(work, "cut-chats", input=[str(work / "chats.jsonl")], prompt_field=None,
+                                 response_field=None, messages_field="messages", packing=False, block_size=128)
+    ends_at_first_answer = 0
+    for ids, labels in zip(rows["train"]["input_ids"], rows["train"]["labels"]):
+        assert labels[-1] == ids[-1], "an example ends with a trained token"
+        if len(ids) < 128 and ids.count(tokenizer.eos_token_id) == 1:  # cut in the follow-up, or shorter than 128
+            assert FOLLOW_UP[:7] not in tokenizer.decode(ids), "no untrained start of the follow-up"
+            ends_at_first_answer += ids[-1] == tokenizer.eos_token_id
+    assert ends_at_first_answer > 0 and stats["splits"]["train"]["truncated"] >= ends_at_first_answer
+
+
 def test_train_on_prompt_trains_every_token_but_the_first_of_each_example(work, packed_run):
     rows, stats, _ = sft(work, "on_prompt", train_on_prompt=True)
     assert stats["train_on_prompt"] is True

@@ -74,7 +74,8 @@ def causal_advice(block_size: int) -> dict[str, str]:
 def fit_to_block(example: Example, block_size: int, too_long: str) -> Example:
     """A causal example cut to `block_size` tokens (its end is lost, EOS included: the model is not taught to stop
     early), or dropped; an example whose cut leaves nothing to train, or no token of its first response, is dropped
-    too (under --train_on_prompt its prompt alone was kept: the prompt trained as if it were the answer)."""
+    too (under --train_on_prompt its prompt alone was kept: the prompt trained as if it were the answer). The cut
+    ends at the last trained token: a chat cut inside a later user message kept that message's start, untrained."""
     if example.dropped or len(example.input_ids) <= block_size:
         return example
     if too_long == "drop":
@@ -83,8 +84,9 @@ def fit_to_block(example: Example, block_size: int, too_long: str) -> Example:
     no_response = example.response_start < example.response_end and example.response_start >= block_size
     if no_response or all(label == IGNORE_INDEX for label in labels):
         return dropped(PROMPT_FILLS_BLOCK)
-    return Example(example.input_ids[:block_size], labels, min(example.response_start, block_size),
-                   min(example.response_end, block_size), truncated=True)
+    end = max(k for k, label in enumerate(labels) if label != IGNORE_INDEX) + 1
+    return Example(example.input_ids[:end], labels[:end], min(example.response_start, end),
+                   min(example.response_end, end), truncated=True)
 
 
 def encode_examples(
