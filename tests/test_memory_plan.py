@@ -18,7 +18,7 @@ from app.exit_codes import EXIT_BAD_INPUT
 from app.metrics.activations import kept_for_backward
 from app.metrics import memory_plan
 from app.metrics.memory_plan import (RUNTIME_BYTES, ModelShape, Setup, chunked_loss_bytes, estimate_memory,
-                                     kept_by_body, largest_micro_batch, memory_report)
+                                     fit_advice, kept_by_body, largest_micro_batch, memory_report)
 from app.metrics.observe import GB
 from app.model.build import meta_model, model_class, resolve_wrap_classes
 from app.training.run import run
@@ -117,8 +117,14 @@ def test_the_report_advises_only_what_is_not_on_and_says_what_offloading_holds_i
     showed its device's model state as 0 without the node's memory it moves to (128 GB for 8B on 8 GPUs)."""
     cfg = read_config(["--model_config", "unused", "--train_data_dir", "unused"])
     report, fits = memory_report(cfg, llama_3_8b, EIGHT_GPUS, device=(20 * GB, "test"))
-    assert not fits and report.splitlines()[-1] == ("  no micro batch fits: shard more (FULL_SHARD, more devices), "
+    assert not fits and report.splitlines()[-1] == ("  no micro batch fits: shard more (more devices), "
                                                     "--precision bf16-true or --cpu_offload true")
+    assert fit_advice(replace(EIGHT_GPUS, strategy="ddp", gradient_checkpointing=False)) == (
+        "shard more (--strategy fsdp, more devices), --gradient_checkpointing true, --precision bf16-true or "
+        "--cpu_offload true")
+    on_cpu = replace(EIGHT_GPUS, sharding_strategy="NO_SHARD", precision="bf16-true", gpu=False)
+    assert fit_advice(on_cpu) == "shard more (--sharding_strategy FULL_SHARD, more nodes)", \
+        "the processes of a node share its memory: more of them, or offloading to it, frees nothing"
     offloaded, _ = memory_report(cfg, llama_3_8b, replace(EIGHT_GPUS, cpu_offload=True), device=(80 * GB, "test"))
     assert "  host RAM for the offloaded state: 119.66 GB per node (8 devices' parameters, gradients and " \
            "optimizer state)" in offloaded.splitlines()

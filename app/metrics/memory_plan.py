@@ -332,6 +332,19 @@ def report_total_gb(printed: str) -> Optional[float]:
     return None if total is None else float(total.group(1)) / (1024 if total.group(2) == "MB" else 1)
 
 
+def fit_advice(setup: Setup) -> str:
+    """What could make a micro batch fit, of what the run does not do yet. On CPU the processes of a node share its
+    memory, so only more nodes shard the state further, and offloading it to that memory frees nothing."""
+    sharding = ["--strategy fsdp" if setup.strategy not in SHARDED_STRATEGIES else
+                "--sharding_strategy FULL_SHARD" if setup.sharding_strategy != "FULL_SHARD" else "",
+                "more devices" if setup.gpu else "more nodes"]
+    untried = [advice for advice, tried in (("--gradient_checkpointing true", setup.gradient_checkpointing),
+                                            ("--precision bf16-true", setup.precision == "bf16-true"),
+                                            ("--cpu_offload true", setup.cpu_offload or not setup.gpu)) if not tried]
+    options = [f"shard more ({', '.join(filter(None, sharding))})", *untried]
+    return ", ".join(options[:-1]) + " or " + options[-1] if len(options) > 1 else options[0]
+
+
 def memory_report(cfg: Config, shape: ModelShape, setup: Setup,
                   device: Optional[tuple[float, str]] = None) -> tuple[str, bool]:
     """The plan as printed, and whether the run as configured fits."""
@@ -358,12 +371,7 @@ def memory_report(cfg: Config, shape: ModelShape, setup: Setup,
         lines.append(f"  host RAM for the offloaded state: {format_gb(host / GB)} per node ({setup.devices_per_node} "
                      "devices' parameters, gradients and optimizer state)")
     largest = largest_micro_batch(estimate, device_bytes)
-    untried = [advice for advice, tried in (("--gradient_checkpointing true", setup.gradient_checkpointing),
-                                            ("--precision bf16-true", setup.precision == "bf16-true"),
-                                            ("--cpu_offload true", setup.cpu_offload)) if not tried]
-    lines.append(f"  largest micro batch that fits: {largest}" if largest else
-                 "  no micro batch fits: shard more (FULL_SHARD, more devices)"
-                 + "".join(f", {advice}" for advice in untried[:-1]) + (f" or {untried[-1]}" if untried else ""))
+    lines.append(f"  largest micro batch that fits: {largest}" if largest else f"  no micro batch fits: {fit_advice(setup)}")
     if setup.gpu and shape.model_config.is_encoder_decoder:
         lines.append(f"  note: {ENCODER_DECODER_ON_GPU}")
     unmeasured = kept_by_body(shape, setup).autocast_unmeasured
