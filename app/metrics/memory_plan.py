@@ -371,7 +371,8 @@ def memory_report(cfg: Config, shape: ModelShape, setup: Setup,
         lines.append(f"  host RAM for the offloaded state: {format_gb(host / GB)} per node ({setup.devices_per_node} "
                      "devices' parameters, gradients and optimizer state)")
     largest = largest_micro_batch(estimate, device_bytes)
-    lines.append(f"  largest micro batch that fits: {largest}" if largest else f"  no micro batch fits: {fit_advice(setup)}")
+    lines.append(f"  largest micro batch that fits: {largest}" if largest
+                 else f"  no micro batch fits: {fit_advice(setup)}")
     if setup.gpu and shape.model_config.is_encoder_decoder:
         lines.append(f"  note: {ENCODER_DECODER_ON_GPU}")
     unmeasured = kept_by_body(shape, setup).autocast_unmeasured
