@@ -194,6 +194,7 @@ def test_a_pretrained_model_trains_compiled_in_bf16_mixed_with_checkpointing_lik
                                       save_step_interval=4, eval_step_interval=4, **options),
                            timeout=600, env={"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
         assert_succeeded(result)
+        assert "Profiler" not in result.stderr, "Dynamo's line that it ignores the strategy's profiler annotations"
         runs[name] = read_metrics(out_dir), read_checkpoint(out_dir / "checkpoints" / "step-00000004.ckpt")["model"]
     assert any(inductor_cache.rglob("*.py")), "torch.compile generated no code: the models ran eagerly"
     reference = transformers_loss(AutoModelForCausalLM.from_pretrained(pretrained_wide_vocabulary), tiny.data)

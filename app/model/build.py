@@ -17,6 +17,7 @@ a config from the meta device at once, in FSDP's order, so that a --seed gives t
 from __future__ import annotations
 
 import copy
+import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -343,6 +344,18 @@ def keep_rotary_in_fp32(module: Module) -> None:
                 rotary.register_buffer(name, before.float(), persistent=False)
 
 
+PROFILER_NOTES = ("Profiler record function", "Profiler function")
+"""Dynamo's warning, once per rank, that it leaves out the `record_function` regions FSDP and DDP mark in their hooks:
+they name regions for a profiler and change nothing the model computes."""
+
+
+def compiled(model: Module) -> Module:
+    """torch.compile(model), without Dynamo's PROFILER_NOTES lines."""
+    for name in ("torch._dynamo.variables.ctx_manager", "torch._dynamo.variables.torch"):
+        logging.getLogger(name).addFilter(lambda record: not record.getMessage().startswith(PROFILER_NOTES))
+    return torch.compile(model)
+
+
 def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, deferred: Optional[DeferredInit],
                 chunked_loss: bool = False) -> tuple[Module, set[str], LossPath]:
     """Build, wrap (and compile) the model, load pretrained weights into its shards, restore fp32 rotary buffers.
@@ -353,7 +366,7 @@ def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
                  else LossPath(router_loss=adds_router_loss(model)))
     no_decay = no_decay_names(model)
     expected = set(model.state_dict())
-    model = fabric.setup_module(torch.compile(model) if cfg.compile else model)
+    model = fabric.setup_module(compiled(model) if cfg.compile else model)
     if deferred and deferred.weight_files:
         load_pretrained_weights(strategy_module(model), deferred.weight_files, weights_dtype(cfg.precision), expected)
     keep_rotary_in_fp32(strategy_module(model))
