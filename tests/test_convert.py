@@ -909,6 +909,16 @@ def test_generate_says_what_to_do_with_a_run_a_checkpoint_or_a_data_folder(full_
         assert capsys.readouterr().err.startswith(
             f"generate.py: error: MODEL {given} is a train.py checkpoint or run folder: convert it first (python "
             f"convert_to_hf.py --checkpoint {given} --output_dir DIR), then give DIR")
+    convert = f"python convert_to_hf.py --checkpoint {full_run}"
+    for given, message in ((full_run / "checkpoints", f"is a train.py checkpoint folder or run folder: convert it "
+                                                      f"first ({convert} "),
+                           (full_run / "checkpoints" / ".step-00000010.ckpt.partial", "is what a checkpoint save left "
+                            f"unfinished; convert a finished checkpoint ({convert} --output_dir DIR takes the latest)")):
+        given.mkdir(exist_ok=True)  # each was "Should have a model_type key in its config.json"
+        with pytest.raises(SystemExit):
+            generate_main([str(given)])
+        assert capsys.readouterr().err.startswith(f"generate.py: error: MODEL {given} {message}")
+    (full_run / "checkpoints" / ".step-00000010.ckpt.partial").rmdir()
     with pytest.raises(SystemExit):
         generate_main([str(tiny.data)])
     assert f"MODEL {tiny.data} is a prepared data folder" in capsys.readouterr().err
@@ -916,7 +926,7 @@ def test_generate_says_what_to_do_with_a_run_a_checkpoint_or_a_data_folder(full_
 
 @pytest.mark.parametrize("option, value, message", [
     ("--max_new_tokens", "0", "--max_new_tokens must be at least 1, got 0"),
-    ("--temperature", "-1", "--temperature must be 0 (greedy) or positive, got -1.0"),
+    ("--temperature", "-1", "--temperature must be 0 (greedy) or at least 0.0001, got -1.0"),
     ("--seed", str(2**64), f"--seed {2**64} must be between 0 and 4294967295"),  # was numpy's OverflowError
     ("--prompt", "caf\udce9", "--prompt is not UTF-8 text (byte '\\udce9' at character 3); give it in UTF-8"),
 ])

@@ -16,6 +16,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqL
 
 from app.huggingface.generate import GenerateArgs, generate, model_input
 from app.huggingface.generate_cli import main as generate_main
+from app.prepare.chat import pair_messages
+from app.prepare.corpus import Row
 from tests.test_seq2seq import t5_with_decoder_start
 
 PROMPTS = ["def parse(", "import json\nclass Encoder:\n    def default(self, o):", "x = ", "    return",
@@ -115,6 +117,24 @@ def test_temperature_0_is_plain_greedy_whatever_the_base_models_generation_confi
     assert [alone(inherited, prompt) for prompt in PROMPTS[:2]] == [alone(plain, prompt) for prompt in PROMPTS[:2]]
 
 
+def test_a_temperature_given_keeps_the_models_own_top_p_and_top_k() -> None:
+    """Llama-3-Instruct samples at 0.6 among the top 0.9 of the probability: --temperature 1.0 sampled among the 50
+    likeliest tokens instead, without a word."""
+    from transformers import GenerationConfig
+
+    from app.huggingface.generate import decoding
+
+    instruct = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=None, eos_token_id=[1, 2],
+                                repetition_penalty=1.05)
+    chosen = decoding(GenerateArgs("m", temperature=1.0), instruct)
+    assert (chosen.do_sample, chosen.temperature, chosen.top_p, chosen.top_k, chosen.eos_token_id) == (
+        True, 1.0, 0.9, None, [1, 2])
+    assert chosen.repetition_penalty is None, "the rest of a base model's config is left out"
+    base = decoding(GenerateArgs("m", temperature=0.5), GenerationConfig(eos_token_id=2))
+    assert (base.temperature, base.top_p, base.top_k) == (0.5, None, 50)
+    assert decoding(GenerateArgs("m"), instruct) is instruct
+
+
 def test_without_output_the_answers_are_printed_as_for_one_prompt(tiny, tmp_path, capsys) -> None:
     folder = model_folder(tiny, tmp_path / "model", "llama")
     (tmp_path / "test.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n\n" for p in PROMPTS[:2]))
@@ -182,6 +202,39 @@ def test_held_out_chats_are_answered_from_the_messages_before_their_last_and_sco
         "drop --reference_field, --chat")
 
 
+def test_alpaca_style_prompts_are_asked_as_prepare_data_made_them(tiny, tmp_path, capsys) -> None:
+    """A prompt/response test set with an input and a system field (Alpaca's): the model was trained on the chat
+    prepare_data.py makes of a row (system message; prompt, blank line, input); generate.py asked the prompt alone,
+    without a word, and scored those answers."""
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    rows = [{"instruction": "Summarise:", "input": "def f(): pass", "sys": "Be brief.", "output": "Nothing."},
+            {"instruction": "Name it:", "input": None, "sys": "", "output": "f"}, {"instruction": "x", "output": "y"}]
+    fields = {"prompt_field": "instruction", "response_field": "output", "input_field": "input", "system_field": "sys"}
+    trained = [pair_messages({option: row.get(field) for option, field in fields.items()}, Row(fields, k, "x"))
+               for k, row in enumerate(rows)]
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    expected = []
+    for chat in trained:
+        inputs = model_input(tokenizer, chat[:-1], False, model.config)
+        output = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        expected.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = ["--prompts", str(tmp_path / "pairs.jsonl"), "--prompt_field", "instruction", "--input_field", "input",
+               "--system_field", "sys"]
+    generate_main([str(folder), *options, "--chat", "--reference_field", "output", "--output",
+                   str(tmp_path / "answers.jsonl"), "--temperature", "0", "--max_new_tokens", "4"])
+    records = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["generated"]) for r in records] == [(chat[:-1], text) for chat, text in zip(trained,
+                                                                                                      expected)]
+    assert trained[0][:-1] == [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Summarise:\n\ndef f(): pass"}]
+    assert refusal([str(folder), *options], capsys) == ("--input_field builds the chat prepare_data.py made of each "
+                                                        "prompt/response row: add --chat true")
+
+
 def refusal(argv: list[str], capsys) -> str:
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -239,6 +292,12 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
     (["--prompts", "{folder}/missing.jsonl"], "--prompts {folder}/missing.jsonl: no such file; give a JSON lines file, "
                                               "one object a line"),
     (["--prompts", "{file}", "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+    (["--temperature", "1e-39"], "--temperature must be 0 (greedy) or at least 0.0001, got 1e-39 (below it sampling "
+                                 "is greedy decoding, and rounds to inf at 1e-39)"),  # a traceback from multinomial
+    (["--temperature", "-1"], "--temperature must be 0 (greedy) or at least 0.0001, got -1.0"),
+    (["--system_field", "s"], "--system_field applies to a file of prompts: give --prompts FILE"),
+    (["--prompts", "{file}", "--messages_field", "m", "--input_field", "i"], "--messages_field: a chat is its own "
+     "prompt (through the chat template) and its last message the reference; drop --input_field"),
     # it read the file as a config, and named the model folder as the option it did not know:
     (["--config", "{file}"], "unrecognized arguments: --config {file}"),
     (["--prompts", "{file}", "--output", "{file}"], "--output {file} exists; give a new file name (answers are never "
@@ -265,3 +324,5 @@ def test_a_prompts_file_with_unicode_line_separators_inside_its_strings_is_read(
     prompts.write_text("".join(json.dumps({"prompt": text}, ensure_ascii=False) + "\r\n" for text in texts),
                        encoding="utf-8")
     assert [row.prompt for row in read_prompts(prompts, "prompt", None)] == texts
+    prompts.write_bytes(b'\xef\xbb\xbf{"prompt": "x"}\n')  # a byte-order mark, as Windows editors write: not line 1's
+    assert [row.prompt for row in read_prompts(prompts, "prompt", None)] == ["x"]

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from app.checkpoint.files import LEFTOVER_NAME
 from app.checkpoint.io import is_checkpoint
 from app.cli import UsageError, first_line
 from app.folders import DATASET_DICT_FILE, replace_file
@@ -87,17 +88,20 @@ def check_positions(config: Any, prompt_tokens: int, max_new_tokens: int, what: 
 
 def decoding(args: GenerateArgs, own: GenerationConfig) -> GenerationConfig:
     """What generate() decodes with: the model's own generation config when --temperature is not given and it
-    samples; else its start, pad and stop tokens alone, with --temperature (0: greedy, as train.py's samples are),
-    or 0.8 among the 50 likeliest tokens. The rest of a base model's config applied too, under any temperature: its
-    repetition_penalty (Qwen's 1.05) made 4 of 6 greedy answers differ from the run's samples of the same checkpoint,
-    and BART's beams, no-repeat n-grams and minimum length would have done the same."""
+    samples; else its start, pad and stop tokens alone, with --temperature (0: greedy, as train.py's samples are)
+    and the model's own top-p and top-k when it samples (Llama-3-Instruct's 0.9: a given temperature sampled among
+    the 50 likeliest tokens instead), else top-k 50, at 0.8 by default. The rest of a base model's config applied
+    too, under any temperature: its repetition_penalty (Qwen's 1.05) made 4 of 6 greedy answers differ from the
+    run's samples of the same checkpoint, and BART's beams, no-repeat n-grams and minimum length would have done
+    the same."""
     if args.temperature is None and own.do_sample:
         return own
     tokens = {name: getattr(own, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id",
                                                      "decoder_start_token_id")}
     if args.temperature == 0:
         return GenerationConfig(do_sample=False, **tokens)
-    return GenerationConfig(do_sample=True, temperature=args.temperature or 0.8, top_k=50, **tokens)
+    among = {"top_p": own.top_p, "top_k": own.top_k, "min_p": own.min_p} if own.do_sample else {"top_k": 50}
+    return GenerationConfig(do_sample=True, temperature=args.temperature or 0.8, **among, **tokens)
 
 
 def generate(args: GenerateArgs) -> str:
@@ -117,7 +121,8 @@ def answer_file(args: GenerateArgs) -> None:
     (`shown`) or written to --output in the file's order; scored against --reference_field when given. Every prompt
     is checked before the model loads."""
     tokenizer, config, device = tokenizer_config_and_device(args)
-    rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field, args.messages_field)
+    rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field, args.messages_field,
+                        args.input_field, args.system_field)
     prompts = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args)) for row in rows]
     longest = max(range(len(rows)), key=lambda index: len(prompts[index]))  # what fits it fits every prompt
     check_positions(config, len(prompts[longest]), args.max_new_tokens, f"{line_of(rows[longest], args)}, the longest")
@@ -283,9 +288,13 @@ def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
 def training_folder_problem(path: Path) -> Optional[str]:
     """A run folder, a checkpoint or a prepared data folder given for MODEL, said as such: transformers' own reason
     ("Couldn't instantiate the backend tokenizer", "not a valid JSON file") did not say what to do."""
-    if path.name.startswith("step-") and is_checkpoint(path) or (path / "checkpoints").is_dir():  # not --all's
-        return (f"MODEL {path} is a train.py checkpoint or run folder: convert it first (python convert_to_hf.py "
-                f"--checkpoint {path} --output_dir DIR), then give DIR")
+    if LEFTOVER_NAME.match(path.name):
+        return (f"MODEL {path} is what a checkpoint save left unfinished; convert a finished checkpoint (python "
+                f"convert_to_hf.py --checkpoint {path.parent.parent} --output_dir DIR takes the latest), then give DIR")
+    run = path.parent if path.name == "checkpoints" and any(path.glob("step-*")) else path
+    if path.name.startswith("step-") and is_checkpoint(path) or (run / "checkpoints").is_dir():  # not --all's
+        return (f"MODEL {path} is a train.py checkpoint{' folder' if run != path else ''} or run folder: convert it "
+                f"first (python convert_to_hf.py --checkpoint {run} --output_dir DIR), then give DIR")
     if (path / DATASET_DICT_FILE).is_file():
         return f"MODEL {path} is a prepared data folder; give a folder written by convert_to_hf.py"
     return None

@@ -11,6 +11,9 @@ from app import cli
 from app.choices import MAX_SEED
 
 PROG = "generate.py"
+MIN_TEMPERATURE = 1e-4
+"""Below it the likeliest token's probability rounds to 1 (greedy decoding), and at 1e-39 the logits divided by it
+overflow to inf: torch.multinomial raised on NaN probabilities."""
 DESCRIPTION = ("Print what a Hugging Face model folder writes: the last step of the demos, and a quick check of a "
                "conversion.")
 
@@ -29,6 +32,12 @@ class GenerateArgs:
     prompt_field: str = "prompt"
     """With --prompts: the field of each line holding the prompt (with --chat, the user's message; for an
     encoder-decoder, the source)."""
+    input_field: Optional[str] = None
+    """With --prompts --chat: the field holding an input (Alpaca's) that follows each prompt after a blank line in
+    the user's message, as prepare_data.py --input_field puts it; a missing or null one is left out."""
+    system_field: Optional[str] = None
+    """With --prompts --chat: the field holding a system message before each prompt, as prepare_data.py
+    --system_field puts it; a missing, null or empty one is left out."""
     reference_field: Optional[str] = None
     """With --prompts: the field holding each expected answer; the answers are then scored as train.py scores its
     samples (exact match, ROUGE-1/2/L/Lsum, mean length)."""
@@ -47,7 +56,8 @@ class GenerateArgs:
     """Tokens to generate."""
     temperature: Optional[float] = None
     """Sampling temperature; 0 for greedy decoding; default: the sampling of the model's generation_config.json,
-    or 0.8 with top-k 50 when it does not sample."""
+    or 0.8 with top-k 50 when it does not sample. A temperature given replaces only the temperature of a model that
+    samples (its top-p and top-k stay); the rest of its generation config (repetition penalty, beams) is left out."""
     seed: int = 0
     """Sampling seed."""
     device: str = "auto"
@@ -65,8 +75,10 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
     check_prompt_options(args)
     if args.max_new_tokens < 1:
         raise cli.UsageError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
-    if args.temperature is not None and args.temperature < 0:
-        raise cli.UsageError(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+    if args.temperature is not None and not (args.temperature == 0 or args.temperature >= MIN_TEMPERATURE):
+        raise cli.UsageError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {args.temperature}"
+                             + (" (below it sampling is greedy decoding, and rounds to inf at 1e-39)"
+                                if args.temperature > 0 else ""))
     if not 0 <= args.seed <= MAX_SEED:
         raise cli.UsageError(f"--seed {args.seed} must be between 0 and {MAX_SEED}")
     try:
@@ -81,7 +93,8 @@ def check_prompt_options(args: GenerateArgs) -> None:
     """One prompt or a file of them, never both (one would be ignored); the file's options only with the file; an
     --output that exists is refused before the model loads (a finished test set's answers are never overwritten)."""
     if args.prompts is None:
-        given = [name for name in ("reference_field", "messages_field", "output") if getattr(args, name) is not None]
+        given = [name for name in ("reference_field", "messages_field", "input_field", "system_field", "output")
+                 if getattr(args, name) is not None]
         given += ["prompt_field"] * (args.prompt_field != "prompt") + ["batch_size"] * (args.batch_size != 8)
         if given:
             raise cli.UsageError(f"--{given[0]} applies to a file of prompts: give --prompts FILE")
@@ -92,8 +105,13 @@ def check_prompt_options(args: GenerateArgs) -> None:
         raise cli.UsageError(f"--prompts {args.prompts}: no such file; give a JSON lines file, one object a line")
     if args.batch_size < 1:
         raise cli.UsageError(f"--batch_size must be at least 1, got {args.batch_size}")
+    pair_fields = [f"--{name}" for name in ("input_field", "system_field") if getattr(args, name) is not None]
+    if pair_fields and not args.chat and args.messages_field is None:
+        raise cli.UsageError(f"{pair_fields[0]} builds the chat prepare_data.py made of each prompt/response row: "
+                             "add --chat true")
     if args.messages_field is not None:
-        given = [f"--{name}" for name, default in (("prompt_field", "prompt"), ("reference_field", None))
+        given = [f"--{name}" for name, default in (("prompt_field", "prompt"), ("reference_field", None),
+                                                   ("input_field", None), ("system_field", None))
                  if getattr(args, name) != default] + ["--chat"] * args.chat
         if given:
             raise cli.UsageError(f"--messages_field: a chat is its own prompt (through the chat template) and its "

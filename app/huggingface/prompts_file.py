@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from app.cli import UsageError
+from app.prepare.chat import pair_prompt
 
 
 Messages = list[dict[str, str]]
@@ -35,13 +36,14 @@ class Answer:
     stopped: str
 
 
-def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str],
-                 messages_field: Optional[str] = None) -> list[PromptRow]:
+def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str], messages_field: Optional[str] = None,
+                 input_field: Optional[str] = None, system_field: Optional[str] = None) -> list[PromptRow]:
     """Every non-blank line of a JSON lines file, each an object with text in `prompt_field` (and in
     `reference_field` when given), or a chat in `messages_field`; the first line that is not is refused, with its
-    number and its fields."""
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # splitlines() also cuts at U+2028 inside a string
+    number and its fields. With `input_field` or `system_field` the prompt is the chat prepare_data.py makes of a
+    prompt/response row (`pair_prompt`): the model was trained on that, not on the prompt alone."""
+    try:  # utf-8-sig: a byte-order mark (Windows editors) is not part of line 1
+        lines = path.read_text(encoding="utf-8-sig").split("\n")  # splitlines() also cuts at U+2028 in a string
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"--prompts {path}: not readable as UTF-8 text ({error})") from None
     rows = []
@@ -57,17 +59,24 @@ def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str],
         if messages_field is not None:
             rows.append(chat_row(path, number, record, messages_field))
             continue
-        values = [text_field(path, number, record, "--prompt_field", prompt_field)]
-        values.append(None if reference_field is None else
-                      text_field(path, number, record, "--reference_field", reference_field))
-        rows.append(PromptRow(number, *values))
+        prompt: Union[str, Messages] = text_field(path, number, record, "--prompt_field", prompt_field)
+        if input_field is not None or system_field is not None:
+            extra, system = (text_field(path, number, record, flag, field, optional=True) if field else ""
+                             for flag, field in (("--input_field", input_field), ("--system_field", system_field)))
+            prompt = pair_prompt(prompt, extra, system)
+        reference = None if reference_field is None else text_field(path, number, record, "--reference_field",
+                                                                     reference_field)
+        rows.append(PromptRow(number, prompt, reference))
     if not rows:
         raise UsageError(f"--prompts {path}: holds no prompts")
     return rows
 
 
-def text_field(path: Path, number: int, record: dict, flag: str, field: str) -> str:
+def text_field(path: Path, number: int, record: dict, flag: str, field: str, optional: bool = False) -> str:
+    """The line's text in `field`; an optional field may be missing or null ("", as prepare_data.py reads it)."""
     value = record.get(field)
+    if optional and value is None:
+        return ""
     if not isinstance(value, str):
         kind = ("has no field" if field not in record else "has null in" if value is None
                 else f"has a {type(value).__name__}, not text, in")

@@ -69,9 +69,14 @@ def pair_messages(values: dict, row: Row) -> list[dict[str, str]]:
         raise row.error("prompt_field", "is empty; every example needs a prompt to answer")
     if not response.strip():
         raise row.error("response_field", "is empty; every example needs a response to train on")
+    return [*pair_prompt(prompt, extra, system), {"role": "assistant", "content": response}]
+
+
+def pair_prompt(prompt: str, extra: str = "", system: str = "") -> list[dict[str, str]]:
+    """The messages before the response that a prompt/response row becomes: [system?] + [user: prompt (+ "\\n\\n" +
+    input)]. generate.py asks a trained model with the same (--input_field, --system_field)."""
     user = f"{prompt}\n\n{extra}" if extra else prompt
-    messages = [{"role": "system", "content": system}] if system else []
-    return [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": response}]
+    return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": user}]
 
 
 TOOL_CALL_KEYS = ("tool_calls", "function_call")
