@@ -23,11 +23,13 @@ from transformers import AutoConfig, LlamaConfig
 
 from app.checkpoint import list_checkpoints, read_metadata, read_tensors
 from app.checkpoint.files import LOCK_FILE
+from app.checkpoint.io import identity
 from app.checkpoint.rng import decode_generator_state
 from app.checkpoint.state import ADAMW_STATE
 from app.exit_codes import EXIT_CORRUPT_CHECKPOINT
 from app.model.build import meta_model
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
+from app.training.nodes import resume_disagreement
 from app.training.preflight import preflight
 from arguments import parse_config
 from tests.conftest import ONE_PROCESS, ROOT, overwrite_in_place, run_entry, run_script, run_train, train_args
@@ -301,6 +303,22 @@ def test_nodes_that_would_resume_from_different_checkpoints_are_refused(tiny, mo
             in result.stderr), result.stderr[-3000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "lagging").exists()
     assert run_files(tmp_path / "run") == before
+
+
+def test_nodes_given_other_checkpoints_of_the_same_step_are_refused(moved_run) -> None:
+    """A node given a stale copy, or another run's checkpoint of the same step: the step agreed, every node loaded
+    its own, and under HYBRID_SHARD each replica trained on from other weights (3% off the right losses by step 8,
+    exit 0); the next save kept node 0's alone. Copies of one checkpoint agree."""
+    checkpoint = moved_run.out_dir / "checkpoints" / "step-00000002.ckpt"
+    metadata = read_metadata(checkpoint)
+    other = {**metadata, "config": {**metadata["config"], "lr": 1e-3}}
+    assert identity(metadata) == identity(json.loads(json.dumps(metadata))) != identity(other)
+    assert resume_disagreement([(0, 2, str(checkpoint), identity(metadata)),
+                                (1, 2, "/local/copy.ckpt", identity(metadata))]) is None
+    line = resume_disagreement([(0, 2, str(checkpoint), identity(metadata)), (1, 2, "/local/b.ckpt", identity(other))])
+    assert line.startswith(f"--resume: the nodes would not continue from the same checkpoint: node 0 from {checkpoint} "
+                           f"(step 2, checkpoint {identity(metadata)}); node 1 from /local/b.ckpt (step 2, checkpoint "
+                           f"{identity(other)}); give every node the same --out_dir"), line
 
 
 def test_nodes_that_do_not_share_out_dir_are_refused_before_training(tiny, moved_run, tmp_path) -> None:

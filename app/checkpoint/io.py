@@ -12,6 +12,7 @@ wrote it; checkpoints of earlier versions (legacy.py) load too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -37,6 +38,13 @@ TENSORS = ("model", "optimizer")
 def metadata_of(state: dict[str, Any]) -> dict[str, Any]:
     """Everything in `state` but the model and the optimizer: plain JSON data."""
     return {"format": FORMAT} | {key: value for key, value in state.items() if key not in TENSORS}
+
+
+def identity(metadata: dict[str, Any]) -> str:
+    """A digest of a checkpoint's metadata (its counters, options, every rank's random states, the checksums of its
+    tensors): copies of one checkpoint share it; checkpoints of one step written by other runs, or by another stretch
+    of the same run, do not."""
+    return hashlib.sha256(json.dumps(metadata, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def begin_save(path: Path, group: Optional[dist.ProcessGroup]) -> Path:

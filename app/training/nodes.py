@@ -138,15 +138,20 @@ def unshared_out_dir(fabric: Fabric, out_dir: Path) -> Optional[str]:
             "its part of every checkpoint, and each node reads them back to resume)")
 
 
-def resume_disagreement(chosen: list[tuple[int, Optional[int], str]]) -> Optional[str]:
+def resume_disagreement(chosen: list[tuple[int, Optional[int], str, str]]) -> Optional[str]:
     """Each node's launching process chose the checkpoint to resume from on its own, in its preflight: nodes given
     another --out_dir or --checkpoint, or whose view of a shared folder lags (an NFS client's cached listing misses
     the newest checkpoint), would resume at different steps and train one model from shards of different steps.
-    `chosen` holds every rank's (node, step, checkpoint); a line naming each node's choice when they differ."""
-    if len({step for _, step, _ in chosen}) == 1:
+    Checkpoints of one step from other runs (a node's stale local copy) were taken: each replica of HYBRID_SHARD
+    trained on from other weights, and the next save kept node 0's. `chosen` holds every rank's (node, step,
+    checkpoint, identity); a line naming each node's choice when they differ."""
+    if len({(step, identity) for _, step, _, identity in chosen}) == 1:
         return None
-    by_node = {node: (f"from {path} (step {step})" if step is not None else "at step 0, without a checkpoint")
-               for node, step, path in chosen}
+    one_step = len({step for _, step, _, _ in chosen}) == 1
+    by_node = {node: (f"from {path} (step {step}{f', checkpoint {identity}' if one_step else ''})"
+                      if step is not None else "at step 0, without a checkpoint")
+               for node, step, path, identity in chosen}
     return ("--resume: the nodes would not continue from the same checkpoint: " + "; ".join(
         f"node {node} {choice}" for node, choice in sorted(by_node.items())) + "; give every node the same --out_dir "
-        "and --resume, or the same --checkpoint (a lagging view of a shared folder misses the newest one)")
+        "and --resume, or the same --checkpoint (a lagging view of a shared folder misses the newest one; a copy "
+        "of a checkpoint on a node's own disk must be that checkpoint)")

@@ -190,8 +190,9 @@ def refusal_at_start(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional
     if fabric.world_size == 1 or not dist.is_initialized():  # one process, or XLA's ranks (no torch.distributed)
         return in_use
     chosen: list = [None] * fabric.world_size
-    dist.all_gather_object(chosen, (fabric.node_rank, inputs.resume_step, str(inputs.resume_from), in_use))
-    refusal = chosen[0][3] or resume_disagreement([choice[:3] for choice in chosen])
+    dist.all_gather_object(chosen, (fabric.node_rank, inputs.resume_step, str(inputs.resume_from),
+                                    inputs.resume_identity, in_use))
+    refusal = chosen[0][4] or resume_disagreement([choice[:4] for choice in chosen])
     if refusal or cfg.num_nodes == 1:
         return refusal
     return nodes_disagree(fabric, cfg, inputs) or unshared_out_dir(fabric, Path(cfg.out_dir))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 from torch.nn import Module
 from transformers import PretrainedConfig
 
+from app.checkpoint.io import identity
 from app.choices import SHARDED_STRATEGIES
 from app.cli import naming_config_files
 from app.data.formats import Layout
@@ -57,6 +58,8 @@ class RunInputs:
     resume_from: Optional[Path]
     resume_step: Optional[int] = None
     """The step the checkpoint resumed from holds (its metadata's; a copied checkpoint's name may say nothing)."""
+    resume_identity: str = ""
+    """Which checkpoint it is (app/checkpoint/io.py identity): the nodes compare it before anything is read."""
     packed_layout: Layout = "position_ids"
     """How packed examples reach the model so that they stay apart (app/model/isolation.py)."""
     chunked_loss: bool = False
@@ -116,6 +119,7 @@ def preflight(cfg: Config, sources: Optional[dict[str, str]] = None) -> RunInput
     return RunInputs(config=cfg, model_config=model_config, wrap_classes=wrap_classes,
                      plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
                      resume_step=resume.metadata["step"] if resume else None,
+                     resume_identity=identity(resume.metadata) if resume else "",
                      packed_layout=packed_layout, chunked_loss=chunked_loss,
                      mixture=describe(data.sources, data.source_rows) if data and data.sources else "",
                      target_block_size=data.target_block_size if data else 0,
