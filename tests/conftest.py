@@ -462,3 +462,44 @@ def generate_through_the_application(tiny, data: Path, model: Path, stop_id: int
                          str(count), str(max_new_tokens), *args], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(report.read_text())
+
+
+@dataclass(frozen=True)
+class WandbRecord:
+    """What an offline W&B run recorded: the exit codes its finish wrote, and the steps of its history rows."""
+
+    exit_codes: list[int]
+    steps: list[int]
+
+
+def wandb_records(out_dir: Path) -> list[WandbRecord]:
+    """What each start of the run recorded offline in W&B (out_dir/wandb/offline-run-*/run-*.wandb), in start order."""
+    return [wandb_record(path) for path in sorted((out_dir / "wandb").glob("offline-run-*/run-*.wandb"))]
+
+
+def wandb_record(path: Path) -> WandbRecord:
+    """An offline W&B file decoded: wandb 0.31 reads its files in Go only. A LevelDB-style log: a 7-byte header,
+    then 32 KiB blocks of chunks (crc32, length, type: 1 whole, 2 first, 3 middle, 4 last) holding protobuf
+    `Record`s."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, position, pending, records = path.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B"
+    while position + 7 <= len(data):
+        left = block - position % block
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if left < 7 or length == kind == 0:  # a block's padding
+            position += left
+            continue
+        pending += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+    kinds = [record.WhichOneof("record_type") for record in records]
+    return WandbRecord(
+        exit_codes=[record.exit.exit_code for record, kind in zip(records, kinds) if kind == "exit"],
+        steps=[int(item.value_json) for record, kind in zip(records, kinds) if kind == "history"
+               for item in record.history.item if list(item.nested_key) == ["trainer/global_step"]])

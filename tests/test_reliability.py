@@ -37,7 +37,7 @@ from app.reliability import signals
 from app.reliability.signals import INTERRUPT_MESSAGE
 from app.reliability.watchdog import collect_stacks
 from conftest import (ROOT, STEP_LINE, Launched, TinySetup, catches, free_port, kill_session, launch, launched,
-                      read_checkpoint, run_environment, run_script, run_train, train_args)
+                      read_checkpoint, run_environment, run_script, run_train, train_args, wandb_records)
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKEsecretTOKEN0123456789", "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab"}
 # 647 train blocks / (16 micro-batch x 2 ranks x 2 accumulation) = 10 steps per epoch: step 10 ends epoch 0.
@@ -93,6 +93,7 @@ def test_sigterm_to_the_launcher_saves_and_resume_matches_a_straight_run_exactly
     wandb_runs = sorted(path.name for path in (stopped / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and len({name.rsplit("-", 1)[1] for name in wandb_runs}) == 1, \
         f"the resumed run continues the W&B run: {wandb_runs}"
+    assert [logged.exit_codes for logged in wandb_records(stopped)] == [[EXIT_PREEMPTED], [0]]
 
     expected, got = logged_losses(straight), logged_losses(stopped)
     assert sorted(got) == list(range(2, 15, 2))
@@ -211,7 +212,8 @@ def test_sigterm_then_ctrl_c_to_every_process_with_default_workers(tiny: TinySet
 def test_a_rank_killed_by_sigkill_is_named_by_the_process_that_started_it(tiny: TinySetup, tmp_path: Path):
     """The out-of-memory killer's SIGKILL leaves the killed rank no last word: the launching process said only
     "another process of the run ended first (... Connection reset by peer)"."""
-    args = train_args(tiny, tmp_path / "run", max_step=300, save_step_interval=0, eval_step_interval=1000)
+    args = train_args(tiny, tmp_path / "run", max_step=300, save_step_interval=0, eval_step_interval=1000,
+                      wandb_mode="offline")
     with launched(args, tmp_path / "sigkill.log") as run:
         run.wait_for_step(2)
         victim = run.other_rank()
@@ -219,6 +221,8 @@ def test_a_rank_killed_by_sigkill_is_named_by_the_process_that_started_it(tiny: 
         assert run.finish(timeout=60) == EXIT_CRASHED, run.output()
         assert f"local rank 1 (pid {victim.pid}) was killed by SIGKILL (out of memory?)" in run.output(), run.output()
         run.assert_nothing_left()
+    (logged,) = wandb_records(tmp_path / "run")  # the run's end killed wandb's service first: no exit, rows lost
+    assert logged.exit_codes == [EXIT_CRASHED] and max(logged.steps) >= 2, logged
 
 
 def wait_for_ranks(launcher: subprocess.Popen, timeout: float = 60) -> list[psutil.Process]:
@@ -775,9 +779,12 @@ def test_a_second_run_in_the_same_out_dir_is_refused_while_the_first_runs(tiny: 
 def test_non_finite_loss_stops_without_saving_corrupted_weights(tiny: TinySetup, tmp_path: Path):
     out = tmp_path / "run"
     result = run_train(train_args(tiny, out, lr=1e30, min_lr=0, warmup_steps=0, grad_clip=0, max_step=8,
-                                  save_step_interval=1))
+                                  save_step_interval=1, wandb_mode="offline"))
     assert result.returncode == EXIT_NON_FINITE, result.stdout + result.stderr
     bad_step = int(re.search(r"step (\d+): non-finite values", result.stdout).group(1))
+    (logged,) = wandb_records(out)
+    assert logged.exit_codes == [EXIT_NON_FINITE], "W&B recorded exit 0 for every run, stopped or not"
+    assert max(logged.steps) == bad_step - 1
     assert "Traceback" not in result.stderr
     checkpoints = list_checkpoints(out)
     assert max(checkpoints) == bad_step - 1

@@ -16,9 +16,11 @@ from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 from app.cli import first_line
 from app.data.mixture import parse_sources
+from app.exit_codes import EXIT_PREEMPTED
 from app.folders import append_whole, replace_file, written_or_warned
 from app.metrics.console import Console
 from app.metrics.observe import summary_lines
+from app.reliability.watchdog import before_exit
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -153,7 +155,8 @@ class WandbFailed(Exception):
 
 
 class WandbMetrics(Logger):
-    """The run in Weights & Biases: started on rank 0 at its first use, finished by wandb as the process leaves.
+    """The run in Weights & Biases: started on rank 0 at its first use, finished with the run's exit code as the
+    process leaves (`finish`).
 
     The Fabric package has no W&B logger (Lightning's comes with its Trainer, whose import, torchmetrics included, adds
     about 2 s to the start of every rank, and wandb's Fabric integration imports that), and a run needs four of wandb's
@@ -196,6 +199,7 @@ class WandbMetrics(Logger):
                 raise WandbFailed(f"Weights & Biases could not start the run ({first_line(error)}); check the login, "
                                   f"--project and --entity, or use --wandb_mode {other}") from error
             replace_file(self._id_file, self._run.id + "\n")
+            before_exit(self.finish)
             self._run.define_metric("trainer/global_step")
             self._run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
         return self._run
@@ -228,6 +232,17 @@ class WandbMetrics(Logger):
     @rank_zero_only
     def set_summary(self, summary: dict[str, Any]) -> None:
         self.experiment.summary.update(summary)
+
+    def finish(self, code: int) -> None:
+        """Finish the W&B run with the run's exit code (a preempted run marked so), and wait for wandb's service to
+        have written and sent it, as the process exits: wandb's own exit handler said 0 whatever the run's end, and
+        a crash's end killed the service with the run's rows unwritten (app/reliability/watchdog.py EXIT_HOOKS)."""
+        import wandb
+
+        if code == EXIT_PREEMPTED:
+            self._run.mark_preempting()
+        self._run.finish(exit_code=code)
+        wandb.teardown()
 
 
 def make_loggers(cfg: Config, resume_step: Optional[int]) -> list[Logger]:

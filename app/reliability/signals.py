@@ -36,8 +36,8 @@ from app.cli import first_line
 from app.exit_codes import (EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_PREEMPTED,
                             EXIT_STALLED)
 from app.tasks import end_with_the_launcher, srun_task, task_rank, time_limit_warned
-from app.reliability.watchdog import (TRAINING_BEGAN, end_process_tree, print_own_stacks, process_ending, say,
-                                      silent_end)
+from app.reliability.watchdog import (TRAINING_BEGAN, end_process_tree, print_own_stacks, process_ending,
+                                      run_exit_hooks, say, silent_end)
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -365,6 +365,7 @@ def exit_run(fabric: Fabric, code: int) -> NoReturn:
 
     own_code = code if fabric.local_rank == 0 else EXIT_FINISHED
     run_or_leave(meet_and_disconnect, TEARDOWN_SEC, own_code)
+    run_exit_hooks(own_code, None)  # rank 0's W&B run: its last uploads are waited for, as its exit handler did
     leave(own_code)
 
 

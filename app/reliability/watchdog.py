@@ -26,7 +26,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 import psutil
 import torch.distributed as dist
@@ -77,6 +77,37 @@ def collect_stacks(processes: list[psutil.Process]) -> None:
         time.sleep(STACKS_WAIT_SEC)
 
 
+EXIT_HOOKS: list[Callable[[int], object]] = []
+"""Called with the exit code before this process exits (exit_run, end_process_tree): W&B's run finishes there with
+the run's code. Its own exit handler recorded 0 for every run (os._exit leaves no code to read), and a crash's or a
+stall's end_process_tree killed its service before the last rows were written."""
+ENDING_HOOKS_SEC = 15.0
+"""How long end_process_tree gives the exit hooks: a crash or a stall is not kept waiting on a network."""
+
+
+def before_exit(hook: Callable[[int], object]) -> None:
+    EXIT_HOOKS.append(hook)
+
+
+def run_exit_hooks(code: int, timeout_sec: Optional[float]) -> None:
+    """Each hook once, with `code`, for at most `timeout_sec` in all (None: until they return); an exception in one
+    is left (the exit goes on)."""
+    hooks = list(EXIT_HOOKS)
+    EXIT_HOOKS.clear()
+    if not hooks:
+        return
+    done = threading.Event()
+
+    def run() -> None:
+        for hook in hooks:
+            with suppress(Exception):
+                hook(code)
+        done.set()
+
+    threading.Thread(target=run, name="exit-hooks", daemon=True).start()
+    done.wait(timeout_sec)
+
+
 END_TREE_WAIT_S = 5.0
 """How long end_process_tree keeps looking for processes started while it kills."""
 _ENDING = threading.Lock()
@@ -100,6 +131,7 @@ def end_process_tree(code: int, stacks: bool) -> NoReturn:
     stop_launcher_observer()
     if stacks:
         collect_stacks(psutil.Process().children(recursive=True))
+    run_exit_hooks(code, ENDING_HOOKS_SEC)
     deadline, empty_looks, killed = time.monotonic() + END_TREE_WAIT_S, 0, {os.getpid()}
     while time.monotonic() < deadline and empty_looks < 2:  # two looks apart: a fork under way at the first
         alive = live_descendants()
