@@ -26,6 +26,7 @@ import typing
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from functools import partial
+from urllib.parse import urlsplit, urlunsplit
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
@@ -283,6 +284,15 @@ def first_line(error: BaseException) -> str:
     """An exception's reason in one line, for a message of ours: its first line, or its type when it says nothing
     (`str(error).splitlines()[0]` raised IndexError on an empty message)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def without_credentials(url: str) -> str:
+    """`url` without the user and password it may carry (`https://user:token@mirror`): to print it, or to ask it
+    for an answer (urllib took `user:token@host` for the host's name)."""
+    parts = urlsplit(url)
+    if not (parts.username or parts.password):
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def refuse(prog: str, message: str) -> typing.NoReturn:

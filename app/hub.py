@@ -19,11 +19,11 @@ from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
-from urllib.parse import urlsplit, urlunsplit
 
 from huggingface_hub import constants, get_session, try_to_load_from_cache
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from app.cli import without_credentials
 from app.tasks import launching_process
 
 PROBE_TIMEOUT_S = 3.0
@@ -120,10 +120,7 @@ def why_unreachable() -> str:
 
 def shown_endpoint() -> str:
     """HF_ENDPOINT without the user and password a mirror's URL may carry."""
-    parts = urlsplit(constants.ENDPOINT)
-    if not (parts.username or parts.password):
-        return constants.ENDPOINT
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return without_credentials(constants.ENDPOINT)
 
 
 def go_offline(name: str) -> None:

@@ -625,6 +625,27 @@ def test_a_wandb_login_is_found_as_wandb_finds_it_and_an_unreachable_server_is_o
     assert not (tmp_path / "out").exists()
 
 
+def test_a_wandb_server_address_with_a_password_is_reached_and_never_shown(tiny, tmp_path, capsys, monkeypatch,
+                                                                          wandb_server) -> None:
+    """WANDB_BASE_URL=http://user:password@host: the probe took `user:password@host` for a host name and refused a
+    server that answered, printing the password; without a key the refusal printed it too."""
+    import wandb
+
+    with_password = wandb_server.replace("http://", "http://bob:hunter2@")
+    monkeypatch.setenv("WANDB_BASE_URL", with_password)
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    wandb.teardown()
+    cfg = parse_config(train_args(tiny, tmp_path / "out", wandb_mode="online"))
+    assert preflight(cfg).config.wandb_mode == "online"
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    wandb.teardown()
+    with pytest.raises(SystemExit):
+        preflight(cfg)
+    captured = capsys.readouterr()
+    assert f"(for {wandb_server})" in captured.err and "hunter2" not in captured.out + captured.err, captured.err
+
+
 def test_what_wandb_needs_is_checked_before_anything_is_written(tiny, tmp_path, capsys, monkeypatch) -> None:
     """wandb missing, or a WANDB_DIR that cannot be made, was a traceback from wandb.init, after the run's files."""
     a_file = tmp_path / "a-file"
@@ -642,6 +663,24 @@ def test_what_wandb_needs_is_checked_before_anything_is_written(tiny, tmp_path, 
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --wandb_mode offline needs the wandb package: pip install -r requirements.txt, or use --wandb_mode "
         "disabled"]
+    # installed, but it does not import (a protobuf too old for it): a traceback on rank 0 after the run's files
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "wandb" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode="offline")))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --wandb_mode offline: the wandb package does not import (ModuleNotFoundError: import of wandb halted; "
+        "None in sys.modules); reinstall it (pip install -r requirements.txt), or use --wandb_mode disabled"]
+    monkeypatch.undo()
+    # names wandb.init refuses, after the run's files were written: asked of wandb's own settings first
+    monkeypatch.setenv("WANDB_RUN_ID", "bad/id")
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode="offline", project="team/proj")))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --project 'team/proj': W&B refuses it (Invalid project name 'team/proj': cannot contain characters "
+        "'/,\\\\,#,?,%,:', found '/'); give another",
+        "error: WANDB_RUN_ID 'bad/id': W&B refuses it (Run ID cannot contain the characters: :;,#?/'); give another"]
     assert not (tmp_path / "out").exists()
 
 

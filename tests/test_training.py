@@ -268,6 +268,8 @@ def test_single_process_run_logs_to_wandb_offline_with_checkpoint_artifacts(tiny
     assert_succeeded(again)
     assert ("--resume: the Weights & Biases run keeps steps 4-6, logged after step 3 by the stretch this resume "
             "abandons") in again.stdout, "W&B cannot cut a run's history: the resume says what it keeps twice"
+    assert ("the offline W&B model artifacts of checkpoints after step 3 refer to files this resume moves to "
+            "checkpoints/rolled-back/") in again.stdout, "step 6's artifact would sync the file saved again there"
     assert len({log.name.split("-")[-1] for log in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
 
 

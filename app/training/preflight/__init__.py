@@ -112,7 +112,7 @@ def preflight(cfg: Config, sources: Optional[dict[str, str]] = None) -> RunInput
     cfg = resolve_learning_rates(cfg, plan)
     if resume is not None:
         note_changed_options(cfg, resume.metadata, plan)
-        note_wandb_history(cfg, resume.metadata["step"])
+        note_wandb_history(cfg, resume.metadata["step"], resume.metadata.get("config") or {})
     rounding = bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay)
     if rounding:
         note(rounding)

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from app.cli import first_line
+from app.cli import first_line, without_credentials
 from app.metrics.loggers import METRICS_FILE, RUN_ID_FILE
 from app.training.preflight.notes import note
 
@@ -58,9 +58,10 @@ def note_unused_wandb_variables(cfg: Config) -> None:
             note(f"{variable}={environment} is not used: --{option} {given} (a flag or a config file) decides")
 
 
-def note_wandb_history(cfg: Config, resume_step: int) -> None:
+def note_wandb_history(cfg: Config, resume_step: int, earlier: dict) -> None:
     """A resume from an older checkpoint logs its steps again. metrics.csv drops the abandoned rows; the W&B run it
-    continues keeps them (W&B cannot cut a run's history: its rewind is a private preview), so say which."""
+    continues keeps them (W&B cannot cut a run's history: its rewind is a private preview), so say which. `earlier`:
+    the options of the run that wrote the checkpoint."""
     out_dir, continued = Path(cfg.out_dir), os.environ.get("WANDB_RUN_ID")
     if cfg.wandb_mode == "disabled" or not (continued or (out_dir / RUN_ID_FILE).is_file()):
         return
@@ -74,6 +75,10 @@ def note_wandb_history(cfg: Config, resume_step: int) -> None:
         note(f"--resume: the Weights & Biases run keeps steps {abandoned[0]}-{abandoned[-1]}, logged after step "
              f"{resume_step} by the stretch this resume abandons, beside the ones logged again (W&B cannot cut a "
              "run's history); metrics.csv drops them")
+    if abandoned and earlier.get("log_model") and earlier.get("wandb_mode") == "offline":  # artifacts refer to files
+        note(f"--resume: the offline W&B model artifacts of checkpoints after step {resume_step} refer to files this "
+             "resume moves to checkpoints/rolled-back/, and a checkpoint saved again at their step takes their path: "
+             "`wandb sync` the earlier starts' folders before this resume, or expect those artifacts not to upload")
 
 
 def wandb_key_problem(key: Optional[str]) -> Optional[str]:
@@ -151,6 +156,11 @@ def check_wandb(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--wandb_mode {cfg.wandb_mode} needs the wandb package: pip install -r requirements.txt, or "
                         "use --wandb_mode disabled")
         return
+    if cfg.wandb_mode != "disabled":
+        refused = settings_problems(cfg)
+        problems += refused
+        if refused:
+            return
     folder_problem = unusable_folder(Path(os.environ["WANDB_DIR"]).absolute()) if os.environ.get("WANDB_DIR") \
         and cfg.wandb_mode != "disabled" else None
     if folder_problem:
@@ -169,6 +179,26 @@ def check_wandb(cfg: Config, problems: list[str]) -> None:
     if cfg.log_model and cfg.wandb_mode == "disabled":
         problems.append(f"--log_model {str(cfg.log_model).lower()} uploads checkpoints to Weights & Biases, which this "
                         "run does not use; give --wandb_mode online (or offline, synced later), or drop --log_model")
+
+
+def settings_problems(cfg: Config) -> list[str]:
+    """A wandb that does not import (a protobuf too old for it), and the names wandb.init would refuse (a project with
+    a slash, a WANDB_RUN_ID with a colon), asked of wandb's own settings: each ended rank 0 after the run's files
+    were written, which then refused the rerun without --resume true."""
+    try:
+        import wandb
+    except Exception as error:  # noqa: BLE001 (ImportError, or what a broken dependency raises while importing)
+        return [f"--wandb_mode {cfg.wandb_mode}: the wandb package does not import ({type(error).__name__}: "
+                f"{first_line(error)}); reinstall it (pip install -r requirements.txt), or use --wandb_mode disabled"]
+    named = (("--project", "project", cfg.project), ("--entity", "entity", cfg.entity),
+             ("WANDB_RUN_ID", "run_id", os.environ.get("WANDB_RUN_ID")))
+    problems = []
+    for name, setting, value in named:
+        try:
+            wandb.Settings(**{setting: value})
+        except Exception as error:  # noqa: BLE001 (wandb's UsageError, or pydantic's ValidationError)
+            problems.append(f"{name} {value!r}: W&B refuses it ({first_line(error)}); give another")
+    return problems
 
 
 RESERVED_IN_RUN_IDS = ":;,#?/'"
@@ -191,13 +221,14 @@ def run_id_problem(path: Path) -> Optional[str]:
 def check_wandb_online(problems: list[str]) -> None:
     """Credentials for the W&B server, a well-formed key, and the server within reach."""
     try:
-        server, logged_in = wandb_server()
+        url, logged_in = wandb_server()
     except ImportError:  # another wandb's layout: wandb.init says what it lacks
         return
     except Exception as error:  # noqa: BLE001 (wandb's settings refused a variable or its settings file)
         problems.append(f"--wandb_mode online: wandb's settings do not load ({first_line(error)}); fix the WANDB_* "
                         "variable or the settings file it names, or use --wandb_mode offline")
         return
+    server = without_credentials(url)  # never printed, nor taken for a host name by the probe
     if not logged_in:
         problems.append(f"--wandb_mode online needs WANDB_API_KEY or `wandb login` (for {server}); or use "
                         "--wandb_mode offline")
