@@ -305,6 +305,22 @@ def test_nodes_that_would_resume_from_different_checkpoints_are_refused(tiny, mo
     assert run_files(tmp_path / "run") == before
 
 
+def test_a_checkpoint_one_node_does_not_see_says_every_node_reads_it(tiny, tmp_path) -> None:
+    """A --checkpoint on node 0's own disk: node 1 refused it as missing, and node 0 waited for node 1 until the
+    rendezvous timeout (exit 5, which the Slurm scripts requeue); node 1's line now says what every node needs."""
+    from app.training.preflight.resume import resolve_resume
+
+    problems: list[str] = []
+    for nodes in (1, 2):
+        cfg = parse_config(train_args(tiny, tmp_path / "out", resume=True, checkpoint=tmp_path / "local.ckpt",
+                                      num_nodes=nodes, devices=1))
+        resolve_resume(cfg, AutoConfig.from_pretrained(tiny.model_config), problems)
+    assert problems[0] == f"--checkpoint {tmp_path / 'local.ckpt'}: no such file or folder"
+    assert problems[1] == (f"--checkpoint {tmp_path / 'local.ckpt'}: no such file or folder; every node reads it: give "
+                           "a path on storage all nodes share (a node that refuses its inputs leaves the others "
+                           "waiting for it until --rendezvous_timeout_min)")
+
+
 def test_nodes_given_other_checkpoints_of_the_same_step_are_refused(moved_run) -> None:
     """A node given a stale copy, or another run's checkpoint of the same step: the step agreed, every node loaded
     its own, and under HYBRID_SHARD each replica trained on from other weights (3% off the right losses by step 8,

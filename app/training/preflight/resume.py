@@ -70,7 +70,9 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
         return resolve_latest(cfg, model_config, problems)
     path = Path(cfg.checkpoint)
     if not path.exists():
-        problems.append(f"--checkpoint {path}: no such file or folder")
+        every_node = ("; every node reads it: give a path on storage all nodes share (a node that refuses its inputs "
+                      "leaves the others waiting for it until --rendezvous_timeout_min)" if cfg.num_nodes > 1 else "")
+        problems.append(f"--checkpoint {path}: no such file or folder{every_node}")
         return None
     metadata = check_checkpoint_matches(cfg, path, model_config, problems)
     if metadata is None or holds_another_run(cfg, path, metadata, problems):
