@@ -62,6 +62,22 @@ def test_flash_attention_2_with_several_rows_leaks_as_prepared_and_one_row_keeps
     assert found.layout == "one_row" and found.leak > 0.1, found
 
 
+def test_a_leak_outside_attention_is_refused_also_when_attention_is_probed_in_half_precision(monkeypatch) -> None:
+    """On a GPU FlashAttention is probed in bf16, whose tolerance (5e-2) is far above LFM2's convolution leak (6e-4):
+    LFM2 was taken as isolated in one row. Here the GPU's half-precision probe on the CPU (the flash-attn kernels
+    replaced by SDPA)."""
+    from app.model import isolation
+
+    def half_for_flash(attention: str) -> tuple[torch.device, torch.dtype]:
+        return torch.device("cpu"), torch.bfloat16 if "flash" in attention else torch.float32
+
+    monkeypatch.setattr(isolation, "probe_device", half_for_flash)
+    with flash_attention_on_cpu():
+        lfm2, llama = (probe_isolation(CONFIGS[name], "flash_attention_2") for name in ("lfm2", "llama"))
+    assert lfm2.layout is None and 1e-4 < lfm2.leak < 1e-2, lfm2
+    assert llama.layout == "one_row", "a leak of attention alone stays the half-precision probe's to judge"
+
+
 def test_block_causal_mask_lets_a_token_see_only_its_own_examples_earlier_tokens() -> None:
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]])
     mask = block_causal(positions)

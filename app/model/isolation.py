@@ -85,8 +85,23 @@ def probe_isolation(model_config: PretrainedConfig, attn_implementation: str,
             leak = as_prepared if layout == "position_ids" else packed_difference(model, layout, examples, alone,
                                                                                  device)
             if leak <= TOLERANCE[dtype]:
-                return Isolation(layout, as_prepared)
+                outside = leak_outside_attention(model_config, trust_remote_code) if dtype != torch.float32 else None
+                return Isolation(layout, as_prepared) if outside is None else Isolation(None, outside)
     return Isolation(None, as_prepared)
+
+
+def leak_outside_attention(model_config: PretrainedConfig, trust_remote_code: bool) -> Optional[float]:
+    """How far packed examples mix outside attention (LFM2's convolutions), which a half-precision probe's rounding
+    hides (FlashAttention's on a GPU: LFM2 was taken as isolated there): the twin in float32 on the CPU with SDPA
+    (else eager), in every layout, the block-diagonal masks included. None when one keeps the examples apart, then
+    only attention mixed them, which the half-precision probe sees; or when neither implementation runs."""
+    for attention in ("sdpa", "eager"):
+        try:
+            found = probe_isolation(model_config, attention, trust_remote_code)
+        except Exception:  # noqa: BLE001 (the class has no such implementation: the half-precision probe decides)
+            continue
+        return None if found.layout is not None else found.leak
+    return None
 
 
 def reads_ahead(model_config: PretrainedConfig, attn_implementation: str, trust_remote_code: bool = False) -> bool:
