@@ -192,10 +192,13 @@ def settings_problems(cfg: Config) -> list[str]:
                 f"{first_line(error)}); reinstall it (pip install -r requirements.txt), or use --wandb_mode disabled"]
     named = (("--project", "project", cfg.project), ("--entity", "entity", cfg.entity),
              ("WANDB_RUN_ID", "run_id", os.environ.get("WANDB_RUN_ID")))
+    settings = getattr(wandb, "Settings", None)  # absent from another wandb's layout: wandb.init says it then
     problems = []
     for name, setting, value in named:
+        if value is None or settings is None:
+            continue
         try:
-            wandb.Settings(**{setting: value})
+            settings(**{setting: value})
         except Exception as error:  # noqa: BLE001 (wandb's UsageError, or pydantic's ValidationError)
             problems.append(f"{name} {value!r}: W&B refuses it ({first_line(error)}); give another")
     return problems
