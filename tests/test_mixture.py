@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict, load_from_disk
+from transformers import AutoTokenizer
 
 from app.checkpoint import list_checkpoints, read_metadata
 from app.data.mixture import (Position, Source, epoch_rows, interleave, mixture_steps, parse_sources, step_counts)
@@ -157,6 +158,24 @@ def small(tiny: TinySetup, tmp_path_factory) -> Path:
     return target
 
 
+def test_a_mixtures_generation_samples_take_turns_among_its_folders() -> None:
+    """--eval_samples took the first rows of the joined validation split: all of them the first folder's, while the
+    others made most of every step."""
+    import numpy as np
+
+    from app.data.formats import DataFormat
+    from app.data.loader import SourceRows, TrainingData
+
+    rows = [{"input_ids": [folder, row], "labels": [row]} for folder, count in ((1, 3), (2, 2)) for row in range(count)]
+    validation = Dataset.from_list(rows)
+    sources = [SourceRows(Source("a", "a", Fraction(1, 4)), range(0), range(0, 3)),
+               SourceRows(Source("b", "b", Fraction(3, 4)), range(0), range(3, 5))]
+    data = TrainingData(DataFormat("seq2seq", 0), Dataset.from_list(rows[:1]), validation, np.zeros(1), sources=sources)
+    assert [sample.prompt for sample in data.validation_samples()] == [[1, 0], [2, 0], [1, 1], [2, 1], [1, 2]]
+    alone = TrainingData(DataFormat("seq2seq", 0), Dataset.from_list(rows[:1]), validation, np.zeros(1))
+    assert [sample.prompt for sample in alone.validation_samples()] == [row["input_ids"] for row in rows]
+
+
 def test_the_folders_are_read_as_one_split_numbered_folder_after_folder(tiny, small, tmp_path) -> None:
     from app.data import load_data
     from app.reliability.spikes import write_quarantine
@@ -191,7 +210,14 @@ def test_folders_that_cannot_be_mixed_are_refused_before_any_work(tiny, small, l
     DatasetDict(train=rows["train"].select(range(3)), validation=rows["validation"]).save_to_disk(str(tiny_first))
     shutil.copy(tiny.data / "stats.json", tiny_first / "stats.json")
     shutil.copytree(tiny.data / "tokenizer", tiny_first / "tokenizer")
-    for spec, message in ((f"{tiny.data}:3,long={long_blocks}:1", "must hold one block length (data: 32, long: 1024)"),
+    templated = tmp_path / "templated"  # the same tokenizer, another --chat_template: "prepared with another tokenizer"
+    shutil.copytree(small, templated)
+    tokenizer = AutoTokenizer.from_pretrained(templated / "tokenizer")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}"
+    tokenizer.save_pretrained(templated / "tokenizer")
+    for spec, message in ((f"{tiny.data}:3,{templated}:1", f"{templated} was prepared with another chat template than "
+                           f"{tiny.data}: the model would learn two renderings and be converted with one; prepare "
+                           "every folder of a mixture with one --chat_template"),(f"{tiny.data}:3,long={long_blocks}:1", "must hold one block length (data: 32, long: 1024)"),
                           (f"{tiny.data}:3,{by_hand}:1",  # datasets could not join them: a traceback on every rank
                            "must hold one storage of column input_ids (data: List(Value('int32'), length=32), "
                            "by-hand: List(Value('int32')))"),
@@ -313,6 +339,22 @@ def test_a_resume_at_a_larger_global_batch_counts_the_epochs_as_its_plan_did(tin
     assert "training 31 steps of 512 sequences" in result.stdout, result.stdout
     saved = read_metadata(list_checkpoints(tmp_path / "resumed")[31])
     assert (saved["epoch"], saved["position"]) == (2, 0)
+
+
+def test_a_resume_that_changes_the_first_folders_weight_counts_its_epoch_at_the_new_weight(tiny, small, straight,
+                                                                                           tmp_path) -> None:
+    """An epoch is a pass over the first folder: at step 60 of the 3:1 run it stands at sample 112 of 862, 84 of the
+    first folder's rows. Annealed to 1:1 at the resume, the same 84 rows are sample 168 of 1,292; the saved position
+    was read at the new weight (112 of 1,292), and the epoch went backwards (0.47 to 0.27 in an audit's run)."""
+    before = read_metadata(straight / "checkpoints" / "step-00000060.ckpt")
+    out_dir = tmp_path / "annealed"
+    result = run_train(train_args(tiny, out_dir, train_data_dir=f"{tiny.data}:1,{small}:1", resume=True,
+                                  checkpoint=straight / "checkpoints" / "step-00000060.ckpt",
+                                  **(MIXTURE_RUN | dict(max_step=62, save_step_interval=2))))
+    assert result.returncode == 0, result.stdout + result.stderr
+    after = read_metadata(list_checkpoints(out_dir)[62])
+    assert (before["epoch"], before["position"]) == (1, 112)
+    assert (after["epoch"], after["position"]) == (1, 112 * 3 // 2 + 2 * 16)
 
 
 def test_a_resume_may_change_the_weights_but_not_drop_or_reorder_the_folders(tiny, small, straight, tmp_path,

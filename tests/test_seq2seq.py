@@ -250,7 +250,7 @@ def test_sources_and_targets_beyond_learned_positions_are_refused_naming_their_l
                forced_bos_token_id=None).save_pretrained(tmp_path / "bart")
     lines = refusals(tiny, tmp_path / "run", capsys, model_config=tmp_path / "bart", train_data_dir=summaries)
     assert [line.split(" tokens exceed ")[0] for line in lines] == [
-        "error: --train_data_dir sources of 128", "error: --train_data_dir targets of 32"], lines
+        "error: --train_data_dir sources of up to 128", "error: --train_data_dir targets of up to 32"], lines
     assert lines[0].endswith("(16); prepare the data with --max_source_length 16 or less"), lines
     assert lines[1].endswith("(16); prepare the data with --max_target_length 16 or less"), lines
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -17,7 +18,7 @@ from datasets import Dataset, DatasetDict, concatenate_datasets, load_from_disk
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
-from app.data.formats import Batch, DataFormat, Layout, with_trained_tokens, without_training
+from app.data.formats import Batch, DataFormat, Layout, Sample, with_trained_tokens, without_training
 from app.data.mixture import Position, Source, mixture_steps, parse_sources
 from app.data.order import StepBatches, epoch_permutation, epochs_of_steps, eval_plan
 from app.optimization.schedule import TrainingPlan
@@ -80,6 +81,12 @@ class TrainingData:
             part = next(part for part in self.sources if row in part.train)
             found[part.source.name].append(row - part.train.start)
         return found
+
+    def validation_samples(self) -> Iterator[Sample]:
+        """Every validation sample (`DataFormat.every_sample`), a mixture's folders taking turns, each in its own
+        order: --eval_samples then shows every folder (the first N of the joined split were all the first one's)."""
+        streams = [self.format.every_sample(split) for split in self.validation_splits().values()]
+        return (sample for turn in zip_longest(*streams) for sample in turn if sample is not None)
 
     def validation_splits(self) -> dict[str, Dataset]:
         """The validation split of each folder of a mixture by name; of a single folder, under the name ''."""

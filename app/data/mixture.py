@@ -169,6 +169,17 @@ class Position:
         return cls(taken, credits)
 
 
+def position_at_weight(position: int, saved: dict[str, Any] | None, sources: list[Source]) -> int:
+    """A mixture's position in its epoch (rows of the mixture) counted at the first folder's weight now. Its epoch is
+    a pass over the first folder (epoch_rows), of which position x the saved weight rows were taken: a resume that
+    changed that weight (adding a folder changes it too) read the saved position at the new one, and the epoch ran
+    backwards (0.47 to 0.27) and ended a pass early or late."""
+    entry = (saved or {}).get(sources[0].name)
+    if entry is None or Fraction(entry["weight"]) == sources[0].weight:
+        return position
+    return math.floor(position * Fraction(entry["weight"]) / sources[0].weight)
+
+
 def source_seed(seed: int, name: str) -> int:
     """The seed of a source's permutations: the run's, salted by the source's name (not its place in the list)."""
     return seed * 65_537 + zlib.crc32(name.encode())

@@ -22,6 +22,7 @@ from app.checkpoint.io import validation_measured
 from app.choices import SHARDED_STRATEGIES
 from app.cli import first_line
 from app.data import TrainingData, load_data
+from app.data.mixture import parse_sources, position_at_weight
 from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
 from app.distributed.precision import float32_matmul_precision, restore_grad_scaler, uses_grad_scaler
@@ -151,7 +152,8 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     if unreadable:
         return unreadable
     state |= saved_progress(saved)
-    # a mixture's rows follow state["mixture"]; its epoch and position are counted alike, as the plan counted them
+    if state["mixture"]:  # its rows follow state["mixture"]; its epoch is a pass over the first folder, at its weight
+        state["position"] = position_at_weight(state["position"], state["mixture"], parse_sources(cfg.train_data_dir))
     state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
     restore_grad_scaler(fabric.strategy.precision, saved)
@@ -292,14 +294,15 @@ def spike_guard(fabric: Fabric, cfg: Config, state: dict[str, Any], data: Traini
 
 
 def sample_evaluator(fabric: Fabric, cfg: Config, inputs: RunInputs, data: TrainingData) -> Optional[SampleEvaluator]:
-    """--eval_samples: the first N examples of the validation split, generated at every evaluation."""
+    """--eval_samples: the first N examples of the validation split (a mixture's folders taking turns), generated at
+    every evaluation."""
     if not cfg.eval_samples:
         return None
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(inputs.tokenizer, trust_remote_code=cfg.trust_remote_code)
     stops = stop_ids(tokenizer)
-    whole, passed_over = whole_samples(data.format.every_sample(data.validation), cfg.eval_samples, stops)
+    whole, passed_over = whole_samples(data.validation_samples(), cfg.eval_samples, stops)
     samples = fit_to_context(whole, inputs.model_config, cfg.eval_max_new_tokens)
     cut = sum(len(fitted.prompt) < len(sample.prompt) for fitted, sample in zip(samples, whole))
     for said in sample_notes(cfg.eval_samples, len(samples), passed_over, cut) + [

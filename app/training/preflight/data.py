@@ -113,6 +113,11 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
     first = bundled(sources[0])
     for source in sources[1:]:
         difference = tokenizer_difference(bundled(source), first)
+        if difference == "its chat template differs":  # one tokenizer, another --chat_template: renders unlike the rest
+            problems.append(f"--train_data_dir: {source.path} was prepared with another chat template than "
+                            f"{sources[0].path}: the model would learn two renderings and be converted with one; "
+                            "prepare every folder of a mixture with one --chat_template")
+            return None
         if difference:
             problems.append(f"--train_data_dir: {source.path} was prepared with another tokenizer than "
                             f"{sources[0].path} ({difference}); prepare every folder of a mixture with one tokenizer")

@@ -144,12 +144,15 @@ def positions_problems(data: DataFacts, max_positions: int) -> list[str]:
     encoder-decoder's (BART's) encoder reads the sources and its decoder the targets, each from position 0: both
     must fit, and prepare_data.py cuts them with --max_source_length and --max_target_length, not --block_size."""
     if not data.format.encoder_decoder:
-        lengths = [("blocks", data.block_size, "a smaller --block_size")]
+        what = "examples of up to" if data.format.padded else "blocks of"
+        lengths = [(what, data.block_size, "a smaller --block_size")]
     else:
-        lengths = [("sources", data.block_size, f"--max_source_length {max_positions} or less"),
-                   ("targets", data.target_block_size, f"--max_target_length {max_positions} or less")]
-    return [f"--train_data_dir {what} of {length} tokens exceed the model's max_position_embeddings ({max_positions}); "
-            f"prepare the data with {advice}" for what, length, advice in lengths if length > max_positions]
+        lengths = [("sources of up to", data.block_size, f"--max_source_length {max_positions} or less"),
+                   ("targets of up to", data.target_block_size, f"--max_target_length {max_positions} or less")]
+    where = " (in the folder of the mixture prepared with them)" if data.sources else ""
+    return [f"--train_data_dir {what} {length} tokens{where} exceed the model's max_position_embeddings "
+            f"({max_positions}); prepare the data with {advice}" for what, length, advice in lengths
+            if length > max_positions]
 
 
 def windowed(model_config: PretrainedConfig) -> bool:
