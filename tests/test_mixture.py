@@ -217,7 +217,8 @@ def test_folders_that_cannot_be_mixed_are_refused_before_any_work(tiny, small, l
     tokenizer.save_pretrained(templated / "tokenizer")
     for spec, message in ((f"{tiny.data}:3,{templated}:1", f"{templated} was prepared with another chat template than "
                            f"{tiny.data}: the model would learn two renderings and be converted with one; prepare "
-                           "every folder of a mixture with one --chat_template"),(f"{tiny.data}:3,long={long_blocks}:1", "must hold one block length (data: 32, long: 1024)"),
+                           "every folder of a mixture with one --chat_template"),
+                          (f"{tiny.data}:3,long={long_blocks}:1", "must hold one block length (data: 32, long: 1024)"),
                           (f"{tiny.data}:3,{by_hand}:1",  # datasets could not join them: a traceback on every rank
                            "must hold one storage of column input_ids (data: List(Value('int32'), length=32), "
                            "by-hand: List(Value('int32')))"),
