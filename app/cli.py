@@ -199,7 +199,26 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
         value = namespace.get(action.dest) if getattr(action, "bracketed_too", False) else None
         if isinstance(value, list) and len(value) == 1 and value[0].strip().startswith("["):
             namespace[action.dest] = [str(item) for item in yaml.safe_load(value[0]) or []]  # `--input '[a, b]'`
+    for dest, text in texts_as_written(parser, arguments).items():
+        if namespace.get(dest) is None and text != "null":
+            namespace[dest] = text
     return namespace
+
+
+def texts_as_written(parser: ArgumentParser, arguments: list[str]) -> dict[str, str]:
+    """The last text given on the command line to each optional text option (`Optional[str]`), as typed.
+    jsonargparse reads such a value as YAML, where `# sort a list` is a comment and `~` is null: `generate.py --prompt
+    '# sort a list'` generated from the default prompt, `--run_name '#3 baseline'` named no run. Only `null` is
+    None."""
+    texts = {flag: action.dest for action in parser._actions for flag in action.option_strings
+             if str in _members(getattr(action, "_typehint", None)) and type(None) in _members(action._typehint)}
+    given, previous = {}, ""
+    for word in arguments:
+        flag, equals, value = word.partition("=") if word.startswith("--") else (previous, "", word)
+        if flag in texts and (equals or not word.startswith("--")):
+            given[texts[flag]] = value
+        previous = word if word.startswith("--") and "=" not in word else ""
+    return given
 
 
 E_NOTATION = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")

@@ -110,6 +110,18 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     assert cfg.resume is False and cfg.auto_wrap_policy == ["LlamaDecoderLayer"] and cfg.log_model == "all"
 
 
+def test_an_optional_text_keeps_what_was_typed_and_only_null_is_none() -> None:
+    """jsonargparse reads an optional text as YAML: `--run_name '#3 baseline'` (a YAML comment) named no run,
+    `generate.py --prompt '# sort a list'` generated from the default prompt, `--project '~'` was null."""
+    from app.huggingface.generate_cli import parse_args
+
+    cfg = parse_config(REQUIRED + ["--run_name", "#3 baseline", "--project=~", "--entity", "2024"])
+    assert (cfg.run_name, cfg.project, cfg.entity) == ("#3 baseline", "~", "2024")
+    assert parse_config(REQUIRED + ["--run_name", "null"]).run_name is None
+    assert parse_args(["model", "--prompt", "# sort a list"]).prompt == "# sort a list"
+    assert parse_args(["model", "--prompt", "null"]).prompt is None
+
+
 def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_values() -> None:
     """`prepare_data.py --input a.jsonl --input b.jsonl` prepared b alone, `plot_metrics.py --run A --run B` plotted B
     alone, without a word."""
