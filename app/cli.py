@@ -114,14 +114,17 @@ def check_config_file(parser: ArgumentParser, path: str, naming: tuple[str, ...]
                          "remove the line that leads back")
     try:
         values = yaml.load(Path(path).read_text(), Loader=UniqueKeysLoader)
-    except SetTwice as twice:
-        raise UsageError(f"{CONFIG_FLAG} {path}: {twice}; keep one") from None
+    except MisreadLine as line:
+        raise UsageError(f"{CONFIG_FLAG} {path}: {line}") from None
     except yaml.YAMLError as error:
         raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
     if values is None:
         raise UsageError(f"{CONFIG_FLAG} {path}: the file sets no option; add options to it or drop it")
     if not isinstance(values, dict):
         raise UsageError(f"{CONFIG_FLAG} {path}: expected lines of `option: value`, got a {type(values).__name__}")
+    if isinstance(values.get("config"), list):  # jsonargparse applies only a file's name: the list was ignored
+        raise UsageError(f"{CONFIG_FLAG} {path}: `config:` names a list, which is not read; name one file a line "
+                         "(`config: base.yaml`), or give several --config FILE")
     problems = [problem for name, value in values.items() if (problem := config_value_problem(parser, str(name), value))]
     if problems:
         raise UsageError(f"{CONFIG_FLAG} {path}: {'; '.join(problems)}")
@@ -130,8 +133,9 @@ def check_config_file(parser: ArgumentParser, path: str, naming: tuple[str, ...]
             check_config_file(parser, nested, (*naming, path))
 
 
-class SetTwice(Exception):
-    """An option written twice in one config file."""
+class MisreadLine(Exception):
+    """A line of a config file that would not be read as meant: an option written twice in one file, a number YAML
+    reads otherwise than the command line."""
 
 
 class UniqueKeysLoader(yaml.SafeLoader):
@@ -139,22 +143,35 @@ class UniqueKeysLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[object, int] = {}
-        for key_node, _ in node.value:
+        for key_node, value_node in node.value:
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, (str, int, float, bool)):  # the loader itself refuses a key it cannot hash
                 continue
             if key in seen:
-                raise SetTwice(f"{key} is set twice (lines {seen[key]} and {key_node.start_mark.line + 1})")
+                raise MisreadLine(f"{key} is set twice (lines {seen[key]} and {key_node.start_mark.line + 1}); keep one")
             seen[key] = key_node.start_mark.line + 1
+            unlike_the_command_line(key, value_node, self.construct_object(value_node))
         return super().construct_mapping(node, deep)
 
 
+YAML_OCTAL_OR_BASE_60 = re.compile(r"[-+]?(0[0-7_]+|[0-9][0-9_]*(:[0-5]?[0-9])+)")
+"""YAML 1.1's integers that the same text on the command line is not: `010` is 8 there, `1:30` is 90."""
+
+
+def unlike_the_command_line(key: object, node: yaml.Node, value: object) -> None:
+    """Refuse an integer a config file writes as YAML reads it otherwise than the command line (`seed: 010` was
+    seed 8, `--seed 010` is 10; prepare_data.py's `block_size: 0100` wrote blocks of 64)."""
+    if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int" and not node.style \
+            and YAML_OCTAL_OR_BASE_60.fullmatch(node.value):
+        raise MisreadLine(f"{key}: {node.value} is {value} in YAML (octal or base 60), unlike on the command line; "
+                          "write the number without leading zeros or colons, or quote it")
+
+
 def nested_config_files(path: str, values: dict) -> list[str]:
-    """The config files that config file `path` names itself (`config: base.yaml`), each read where the line stands,
-    from the folder of `path` when relative, as jsonargparse reads them."""
+    """The config file that config file `path` names itself (`config: base.yaml`), read where the line stands, from
+    the folder of `path` when relative, as jsonargparse reads it (a list is refused: check_config_file)."""
     named = values.get("config")
-    names = named if isinstance(named, list) else [named] if isinstance(named, str) else []
-    return [str(Path(path).parent / name) for name in names]
+    return [str(Path(path).parent / named)] if isinstance(named, str) else []
 
 
 def config_value_problem(parser: ArgumentParser, name: str, value: object) -> Optional[str]:

@@ -57,7 +57,10 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
                            "is not an option of train.py (did you mean micro_batch_size?)"),
                           ("- lr: 1\n", "expected lines of `option: value`, got a list"),
                           ("lr: 0.1\nmicro_batch_size: 2\nlr: 0.5\n",  # the last line won without a word
-                           "lr is set twice (lines 1 and 3); keep one")):
+                           "lr is set twice (lines 1 and 3); keep one"),
+                          ("seed: 010\n",  # YAML's octal: seed 8 without a word, where --seed 010 is 10
+                           "seed: 010 is 8 in YAML (octal or base 60), unlike on the command line; write the number "
+                           "without leading zeros or colons, or quote it")):
         config.write_text(text)  # jsonargparse said "Unexpected config" and "'str' object does not support item ..."
         result = subprocess.run([sys.executable, "train.py", *REQUIRED, f"--config={config}"], cwd=ROOT,
                                 capture_output=True, text=True)
@@ -100,6 +103,10 @@ def test_a_config_file_that_names_another_is_read_checked_and_labelled_where_its
                             capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith(
         f"train.py: error: --config {base}: micro_batch_size has no value; give it one"), result.stderr
+    base.write_text("lr: 0.5\n")
+    run.write_text("config: [base/base.yaml]\nseed: 7\n")  # jsonargparse stored the list and applied nothing
+    with pytest.raises(UsageError, match=r"`config:` names a list, which is not read; name one file a line"):
+        read_config(REQUIRED + ["--config", str(run)])
 
 
 def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
