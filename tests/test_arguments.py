@@ -231,6 +231,9 @@ def test_a_flag_may_turn_off_what_a_config_file_sets_and_the_run_says_so(tmp_pat
     assert capsys.readouterr().err.splitlines() == [
         f"note: --eval_max_new_tokens ({tmp_path / 'run.yaml'}) not read: --eval_samples on the command line turns it "
         "off", f"note: --spike_z ({tmp_path / 'run.yaml'}) not read: --spike_guard on the command line turns it off"]
+    (tmp_path / "written.yaml").write_text(cfg.to_yaml())  # config.yaml, as a resume reads it back: it was refused
+    again = parse_config(REQUIRED + ["--config", str(tmp_path / "written.yaml")])
+    assert (again.eval_samples, again.eval_max_new_tokens, again.spike_z) == (0, 128, 6.0), "nothing read them"
     (tmp_path / "both.yaml").write_text("eval_samples: 0\neval_max_new_tokens: 32\n")
     assert validate_config(read_config(REQUIRED + ["--config", str(tmp_path / "both.yaml")]),
                            option_sources(["--config", str(tmp_path / "both.yaml")])) == [

@@ -37,7 +37,7 @@ def source_of(name: str, given: Config, resolved: Config, sources: dict[str, str
 
 def resolved_run(given: Config, inputs: RunInputs, sources: dict[str, str]) -> str:
     """The YAML text --print_config prints (see the module docstring)."""
-    resolved, plan = inputs.config, inputs.plan
+    resolved, plan = inputs.config.readable_back(), inputs.plan
     lines = ["# train.py --print_config: the run as resolved after checking every input; --config reads it back."]
     for option in fields(resolved):
         if option.name == "print_config":
