@@ -495,8 +495,8 @@ def test_a_warmup_that_fills_the_run_says_that_the_rate_never_decays(tiny, tmp_p
     """40 warmup steps of a 40-step run: --min_lr went unused, and --print_config described a cosine decay that
     never happened."""
     preflight(parse_config(train_args(tiny, tmp_path / "out", max_step=None, warmup_steps=40)))
-    assert ("--warmup_steps 40 fills the run's 40 steps: the rate rises to --lr and ends there, never decaying to "
-            "--min_lr") in capsys.readouterr().out
+    assert ("--warmup_steps 40 fills the run's 40 optimizer steps: the rate rises to --lr and ends there, never "
+            "decaying to --min_lr") in capsys.readouterr().out
 
 
 def test_fsdp_no_sync_without_accumulation_says_it_is_not_used(tiny, tmp_path, capsys) -> None:

@@ -213,7 +213,7 @@ def recorded_rows(out_dir: Path) -> dict[int, list[int]]:
 
 
 def test_a_resume_at_a_larger_global_batch_trains_the_epochs_left_and_resumes_again_at_the_same_rows(
-        tiny, tmp_path) -> None:
+        tiny, tmp_path, capsys) -> None:
     """Saved at step 30 of 16 rows (sample 480 of 647), resumed at 256 rows a step for 2 epochs: no whole step is
     left in epoch 0, so 2 steps of epoch 1 (the run used to end at once: 647 // 256 x 2 = 4 steps < 30); resumed
     again from its first step's checkpoint, it reads the rows it read then (its position was a step behind them)."""
@@ -227,6 +227,14 @@ def test_a_resume_at_a_larger_global_batch_trains_the_epochs_left_and_resumes_ag
                                    number_epochs=2, save_step_interval=1, resume=True))
     assert_succeeded(resumed)
     assert "training 32 steps of 256 sequences" in resumed.stdout, resumed.stdout
+    # its schedule is 4 steps (2 epochs of 2) of which 2 are left: warmup counts those, not the 32 step numbers (10
+    # warmup steps were accepted, and the rate climbed to the end, never reaching --lr)
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, larger, **(one | dict(warmup_steps=10)), micro_batch_size=64,
+                                          global_batch_size=256, max_step=None, number_epochs=2, resume=True,
+                                          checkpoint=larger / "checkpoints" / "step-00000030.ckpt")))
+    assert ("--warmup_steps (10) exceeds the run's schedule of 4 steps (the checkpoint's, which this resume at "
+            "another global batch finishes): lower it, or give --max_step") in capsys.readouterr().err
     assert sorted(list_checkpoints(larger)) == [30, 31, 32]
     assert read_metadata(list_checkpoints(larger)[31])["epoch"] == 1
     shutil.copytree(larger / "checkpoints", again / "checkpoints")

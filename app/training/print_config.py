@@ -57,7 +57,7 @@ def resolved_run(given: Config, inputs: RunInputs, sources: dict[str, str]) -> s
         f"{plan.train_rows:,} rows)",
         f"#   learning rate: {resolved.lr:.3g} after {resolved.warmup_steps} warmup steps, "
         + (f"cosine decay to {resolved.min_lr:.3g} at step {plan.max_step}"
-           if resolved.lr_decay and resolved.warmup_steps < plan.max_step else "then constant"),
+           if resolved.lr_decay and resolved.warmup_steps < plan.schedule_length else "then constant"),
     ]
     if inputs.mixture:
         lines += ["#   mixture (rows of every step by weight; an epoch is one pass over the first folder):"] + [f"#     {line}" for line in inputs.mixture.splitlines()]

@@ -51,13 +51,18 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
         plan = plan_from_checkpoint(cfg, resume.metadata, plan)
         note_what_changed(cfg, resume.metadata, plan)
         note_validation_rows(cfg, data, resume.metadata, plan)
-    if cfg.warmup_steps > plan.max_step and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
-        problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {plan.max_step} optimizer steps "
-                        f"(--number_epochs {cfg.number_epochs} at {plan.global_batch_size} sequences per step): "
-                        "lower it, or give --max_step")
-    elif cfg.warmup_steps == plan.max_step and cfg.lr_decay and not cfg.estimate_memory:
-        note(f"--warmup_steps {cfg.warmup_steps} fills the run's {plan.max_step} steps: the rate rises to --lr and "
-             "ends there, never decaying to --min_lr (fewer warmup steps leave some for the decay)")
+    # warmup counts schedule steps: a resume at another global batch finishes the checkpoint's schedule
+    length = plan.schedule_length
+    steps = (f"schedule of {length:g} steps (the checkpoint's, which this resume at another global batch finishes)"
+             if plan.resumed_schedule else f"{length:g} optimizer steps")
+    if cfg.warmup_steps > length and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
+        problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {steps}"
+                        + (f" (--number_epochs {cfg.number_epochs} at {plan.global_batch_size} sequences per step)"
+                           if cfg.max_step is None and not plan.resumed_schedule else "")
+                        + ": lower it" + (", or give --max_step" if cfg.max_step is None else ""))
+    elif cfg.warmup_steps == length and cfg.lr_decay and not cfg.estimate_memory:
+        note(f"--warmup_steps {cfg.warmup_steps} fills the run's {steps}: the rate rises to --lr and ends there, "
+             "never decaying to --min_lr (fewer warmup steps leave some for the decay)")
     if not cfg.estimate_memory:
         note_rows_left_out(plan, mixture=data.sources is not None)
     return plan
