@@ -235,6 +235,12 @@ def test_a_resume_at_a_larger_global_batch_trains_the_epochs_left_and_resumes_ag
                                           checkpoint=larger / "checkpoints" / "step-00000030.ckpt")))
     assert ("--warmup_steps (10) exceeds the run's schedule of 4 steps (the checkpoint's, which this resume at "
             "another global batch finishes): lower it, or give --max_step") in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # fewer epochs than the checkpoint trained: "where this run ends", exit 0
+        preflight(parse_config(train_args(tiny, larger, **one, micro_batch_size=64, global_batch_size=256,
+                                          max_step=None, number_epochs=1, resume=True,
+                                          checkpoint=larger / "checkpoints" / "step-00000031.ckpt")))
+    assert ("--number_epochs 1: the checkpoint is past it already (epoch 1.40, step 31); give more epochs to train "
+            "on, or convert the checkpoint as it is") in capsys.readouterr().err
     assert sorted(list_checkpoints(larger)) == [30, 31, 32]
     assert read_metadata(list_checkpoints(larger)[31])["epoch"] == 1
     shutil.copytree(larger / "checkpoints", again / "checkpoints")

@@ -48,6 +48,12 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
             problems.append(f"--max_step {cfg.max_step}: the checkpoint is at step {resume.metadata['step']} "
                             "already; give a larger --max_step to train on, or convert the checkpoint as it is")
             return None
+        epoch, position = resume.metadata["epoch"], resume.metadata["position"]
+        if cfg.max_step is None and (epoch, position) > (cfg.number_epochs, 0):  # said "where this run ends", exit 0
+            problems.append(f"--number_epochs {cfg.number_epochs}: the checkpoint is past it already (epoch "
+                            f"{epoch + position / plan.train_rows:.2f}, step {resume.metadata['step']}); give more "
+                            "epochs to train on, or convert the checkpoint as it is")
+            return None
         plan = plan_from_checkpoint(cfg, resume.metadata, plan)
         note_what_changed(cfg, resume.metadata, plan)
         note_validation_rows(cfg, data, resume.metadata, plan)
