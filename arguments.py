@@ -330,7 +330,7 @@ class Config(SpikeArgs, ReliabilityArgs, PlannerArgs, LoggingArgs, SaveArgs, Eva
         """config.yaml: what `--config` reads back (a method, so that app/ asks the Config it is given rather than
         importing this script)."""
         parser = build_parser()
-        return parser.dump(parser.parse_object(self.readable_back().to_dict()), skip_none=False)
+        return parser.dump(parser.parse_object(self.readable_back().to_dict()), skip_unset=False)
 
     def readable_back(self) -> "Config":
         """The options another one turns off (a flag's `--lr_decay false` over a file's `min_lr`) at their defaults:

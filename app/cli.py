@@ -185,12 +185,22 @@ def config_value_problem(parser: ArgumentParser, name: str, value: object) -> Op
         return f"{name} has no value; give it one, or drop the line for its default ({action.default})"
     if getattr(action, "bracketed_too", False) and isinstance(value, str):
         return f"{name} is a list; write it as [{value}]"
+    if isinstance(value, (bool, int, float)) and takes_only_text(hint):  # `spike_guard: off` is false in YAML
+        read = str(value).lower() if isinstance(value, bool) else value
+        return f"{name} takes text, but YAML reads the value as {read}: quote it"
     if takes_integers(action) and (isinstance(value, float) or isinstance(value, str) and E_NOTATION.fullmatch(value)):
         number = float(value)  # `max_step: 1e5` is text in YAML; 1.0e+5 and 100000.0 are floats
         if number.is_integer():
             return f"{name} takes an integer: write {int(number)}" + (
                 " (e notation is read as an integer on the command line only)" if "e" in str(value).lower() else "")
     return None
+
+
+def takes_only_text(hint: Any) -> bool:
+    """A hint whose values are all text: str, or words to choose from (a Literal of strings), maybe None."""
+    members = [member for member in _members(hint) if member is not type(None)]
+    return bool(members) and all(member is str or get_origin(member) is Literal
+                                 and all(isinstance(word, str) for word in get_args(member)) for member in members)
 
 
 def takes_integers(action: Any) -> bool:

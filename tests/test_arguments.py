@@ -58,6 +58,9 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
                           ("- lr: 1\n", "expected lines of `option: value`, got a list"),
                           ("lr: 0.1\nmicro_batch_size: 2\nlr: 0.5\n",  # the last line won without a word
                            "lr is set twice (lines 1 and 3); keep one"),
+                          ("spike_guard: off\nproject: 2024\n",  # "expected one of off, ..., got 'False'", no file
+                           "spike_guard takes text, but YAML reads the value as false: quote it; project takes text, "
+                           "but YAML reads the value as 2024: quote it"),
                           ("seed: 010\n",  # YAML's octal: seed 8 without a word, where --seed 010 is 10
                            "seed: 010 is 8 in YAML (octal or base 60), unlike on the command line; write the number "
                            "without leading zeros or colons, or quote it")):
