@@ -86,8 +86,13 @@ def config_files_first(argv: list[str]) -> list[str]:
     arguments = iter(argv)
     for argument in arguments:
         if argument == CONFIG_FLAG:
-            files += [argument, next(arguments, "")]
+            named = next(arguments, "")
+            if not named or named.startswith("--"):  # jsonargparse said "Unexpected config:"
+                raise UsageError(f"{CONFIG_FLAG} needs a file: {CONFIG_FLAG} FILE")
+            files += [argument, named]
         elif argument.startswith(CONFIG_FLAG + "="):
+            if argument == CONFIG_FLAG + "=":
+                raise UsageError(f"{CONFIG_FLAG} needs a file: {CONFIG_FLAG} FILE")
             files.append(argument)
         else:
             rest.append(argument)
@@ -117,7 +122,7 @@ def check_config_file(parser: ArgumentParser, path: str, naming: tuple[str, ...]
     except MisreadLine as line:
         raise UsageError(f"{CONFIG_FLAG} {path}: {line}") from None
     except yaml.YAMLError as error:
-        raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+        raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({yaml_problem(error)})") from None
     if values is None:
         raise UsageError(f"{CONFIG_FLAG} {path}: the file sets no option; add options to it or drop it")
     if not isinstance(values, dict):
@@ -133,6 +138,15 @@ def check_config_file(parser: ArgumentParser, path: str, naming: tuple[str, ...]
             check_config_file(parser, nested, (*naming, path))
 
 
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """What YAML could not read and where: its first line said only "while scanning for the next token" (a tab)."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if not problem or mark is None:
+        return str(error).splitlines()[0]
+    tab = "; YAML takes spaces there, not tabs" if "\\t" in problem else ""
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}{tab}"
+
+
 class MisreadLine(Exception):
     """A line of a config file that would not be read as meant: an option written twice in one file, a number YAML
     reads otherwise than the command line."""
@@ -144,6 +158,8 @@ class UniqueKeysLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[object, int] = {}
         for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: {seed: 5}`: flatten_mapping merges it, as jsonargparse
+                continue
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, (str, int, float, bool)):  # the loader itself refuses a key it cannot hash
                 continue

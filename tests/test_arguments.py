@@ -52,6 +52,8 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
                           ("auto_wrap_policy: LlamaDecoderLayer\n", "auto_wrap_policy is a list; write it as "
                                                                      "[LlamaDecoderLayer]"),
                           ("lr: [1\n", "not valid YAML"),
+                          ("seed:\t2\n", "not valid YAML (found character '\\t' that cannot start any token at line 1, "
+                                          "column 6; YAML takes spaces there, not tabs)"),  # "while scanning for ..."
                           ("lr:\nmicro_batch_szie: 4\n",  # a TypeError traceback; which file said what, unsaid
                            "lr has no value; give it one, or drop the line for its default (2e-05); micro_batch_szie "
                            "is not an option of train.py (did you mean micro_batch_size?)"),
@@ -69,6 +71,11 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
                                 capture_output=True, text=True)
         assert result.returncode == 2 and result.stderr.startswith(f"train.py: error: --config {config}: {message}"), \
             result.stderr
+    config.write_text("lr: 0.1\n<<: {seed: 5}\n")  # a merge key, which jsonargparse reads: refused as not valid YAML
+    assert parse_config(REQUIRED + ["--config", str(config)]).seed == 5
+    for argv in (["--seed", "1", "--config"], ["--config", "--seed", "1"], ["--config="]):  # "Unexpected config:"
+        with pytest.raises(UsageError, match="^--config needs a file: --config FILE$"):
+            read_config(REQUIRED + argv)
     inline = parse_config(REQUIRED + ["--config", "{micro_batch_size: 3}"])  # jsonargparse takes YAML itself too
     assert inline.micro_batch_size == 3
     assert option_sources(["--config", "{micro_batch_size: 3}"]) == {"micro_batch_size": "config {micro_batch_size: 3}"}
