@@ -66,7 +66,7 @@ def shell_friendly(parser: ArgumentParser) -> None:
             continue
         if _is_list_of_str(hint):
             action.nargs, action.metavar, action._typehint = "+", action.dest.upper(), str
-            action.bracketed_too = True
+            action.bracketed_too, action.nullable = True, type(None) in _members(hint)
         elif bool in _members(hint):
             action.nargs, action.const = "?", True
 
@@ -242,6 +242,8 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
         value = namespace.get(action.dest) if getattr(action, "bracketed_too", False) else None
         if isinstance(value, list) and len(value) == 1 and value[0].strip().startswith("["):
             namespace[action.dest] = [str(item) for item in yaml.safe_load(value[0]) or []]  # `--input '[a, b]'`
+        elif value == ["null"] and action.nullable:  # a flag resets a config file's list to the default
+            namespace[action.dest] = None
     for dest, text in texts_as_written(parser, arguments).items():
         if namespace.get(dest) is None and text != "null":
             namespace[dest] = text

@@ -125,6 +125,7 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
     cfg = parse_config(REQUIRED + ["--resume", "false", "--auto_wrap_policy", "[LlamaDecoderLayer]", "--log_model",
                                    "all"])
     assert cfg.resume is False and cfg.auto_wrap_policy == ["LlamaDecoderLayer"] and cfg.log_model == "all"
+    assert parse_config(REQUIRED + ["--auto_wrap_policy", "null"]).auto_wrap_policy is None, "was ['null']"
 
 
 def test_an_optional_text_keeps_what_was_typed_and_only_null_is_none() -> None:
