@@ -26,7 +26,6 @@ import typing
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from functools import partial
-from urllib.parse import urlsplit, urlunsplit
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
@@ -346,17 +345,19 @@ def describe(hint: Any) -> str:
 
 def first_line(error: BaseException) -> str:
     """An exception's reason in one line, for a message of ours: its first line, or its type when it says nothing
-    (`str(error).splitlines()[0]` raised IndexError on an empty message)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    (`str(error).splitlines()[0]` raised IndexError on an empty message). A URL in it loses its user and password
+    (huggingface_hub names a mirror's `HF_ENDPOINT=http://user:token@host` in full)."""
+    return without_credentials((str(error).strip().splitlines() or [type(error).__name__])[0])
 
 
-def without_credentials(url: str) -> str:
-    """`url` without the user and password it may carry (`https://user:token@mirror`): to print it, or to ask it
-    for an answer (urllib took `user:token@host` for the host's name)."""
-    parts = urlsplit(url)
-    if not (parts.username or parts.password):
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+URL_CREDENTIALS = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/\s@'\"]+@", re.IGNORECASE)
+
+
+def without_credentials(text: str) -> str:
+    """`text` (a URL, or a message naming some) without the user and password a URL may carry
+    (`https://user:token@mirror`): to print it, or to ask the URL for an answer (urllib took `user:token@host` for
+    the host's name)."""
+    return URL_CREDENTIALS.sub(r"\1", text)
 
 
 def refuse(prog: str, message: str) -> typing.NoReturn:

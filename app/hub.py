@@ -23,7 +23,7 @@ from typing import Optional
 from huggingface_hub import constants, get_session, try_to_load_from_cache
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from app.cli import without_credentials
+from app.cli import first_line, without_credentials
 from app.tasks import launching_process
 
 PROBE_TIMEOUT_S = 3.0
@@ -198,7 +198,7 @@ def unloadable_tokenizer(name: str, error: Exception) -> str:
 def load_problem(error: Exception) -> str:
     """The first line of transformers' reason, or, for code a folder or repository ships, what allows it: its own
     reason ends with `trust_remote_code=True`, a Python argument, on a line the one-line message leaves out."""
-    return REMOTE_CODE if "contains custom code" in str(error) else str(error).strip().splitlines()[0]
+    return REMOTE_CODE if "contains custom code" in str(error) else first_line(error)
 
 
 REMOTE_CODE = "it ships Python code of its own, which runs only with --trust_remote_code true: read it first"

@@ -384,3 +384,16 @@ def test_an_exceptions_reason_is_one_line_even_when_it_says_nothing() -> None:
 
     assert (first_line(OSError()), first_line(ValueError("bad\nmore")), first_line(KeyError("  "))) == (
         "OSError", "bad", "'  '")
+
+
+def test_an_exceptions_reason_never_shows_the_password_of_a_url_it_names() -> None:
+    """huggingface_hub names a mirror's HF_ENDPOINT in full ("We couldn't connect to 'http://alice:SECRET@host'"):
+    train.py, prepare_data.py, convert_to_hf.py and generate.py printed it, and Slurm kept it in the job's log."""
+    from app.cli import first_line
+    from app.hub import load_problem
+
+    error = OSError("We couldn't connect to 'http://alice:SECRET@127.0.0.1:18765' to load the files of org/tok.\n...")
+    assert first_line(error) == load_problem(error) == ("We couldn't connect to 'http://127.0.0.1:18765' to load the "
+                                                        "files of org/tok.")
+    assert first_line(ValueError("see https://huggingface.co/docs, user@example.com")) == (
+        "see https://huggingface.co/docs, user@example.com"), "only a URL's user and password"
