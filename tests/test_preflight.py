@@ -126,6 +126,10 @@ CASES = {
                                    "--out_dir {ragged}/run lies in the data folder {ragged}: the run would write"),
     "an earlier run's files without resume": (dict(out_dir="{earlier_run}"), "earlier_run already holds config.yaml, "
                                               "metrics.csv, samples/step-00000004.jsonl (of an earlier run, or yours)"),
+    # replaced, under Slurm (whose scripts always resume): a user's config.yaml, metrics.csv and summary.json
+    "a user's files with resume": (dict(out_dir="{earlier_run}", resume=True), "earlier_run holds config.yaml, "
+                                   "metrics.csv, samples/step-00000004.jsonl, which --resume true would replace, but "
+                                   "its config.yaml is not one a run of train.py wrote"),
     "wandb online without key": (dict(wandb_mode="online"), "--wandb_mode online needs WANDB_API_KEY"),
     "checkpoints uploaded to a disabled W&B": (dict(log_model=True), "--log_model true uploads checkpoints to Weights"),
     "offline artifacts of checkpoints that are deleted": (dict(wandb_mode="offline", log_model="all", keep_last_n=1),
@@ -169,6 +173,16 @@ def test_bad_input_is_refused_with_one_line_naming_it(case, tiny, bad, tmp_path,
     assert all(line.startswith("error: ") for line in errors)
     assert digest(bad["run"]) == before
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_takes_over_the_files_of_a_run_that_saved_no_checkpoint(tiny, tmp_path) -> None:
+    """Its config.yaml is one train.py wrote: --resume true starts that run again from step 0 there (a user's files
+    of the same names are refused: test_bad_input_is_refused_with_one_line_naming_it)."""
+    cfg = parse_config(train_args(tiny, tmp_path / "out", resume=True))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.yaml").write_text(cfg.to_yaml())
+    (tmp_path / "out" / "metrics.csv").write_text("step,train_loss\n1,6.0\n")
+    assert preflight(cfg).resume_from is None
 
 
 def test_a_checkpoint_of_another_run_is_refused_where_out_dir_holds_a_run_of_its_own(tmp_path) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import yaml
 from transformers import PretrainedConfig
 
 from app.checkpoint import checkpoint_dir, latest_checkpoint
@@ -48,11 +50,17 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
                         "checkpoints among the data (and prepare_data.py --overwrite refuses such a folder); choose "
                         "a folder outside it")
     written = files_a_new_run_replaces(out_dir)
-    if written and not cfg.resume and not latest_checkpoint(out_dir):  # with checkpoints: resolve_resume's line
+    if not written or latest_checkpoint(out_dir):  # with checkpoints: resolve_resume's line
+        return
+    if not cfg.resume:
         problems.append(f"--out_dir {out_dir} already holds {', '.join(written)} (of an earlier run, or yours), which "
                         "a new run would overwrite; it holds no checkpoint, so nothing of that run can be continued: "
                         "choose another --out_dir, or add --resume true to start that run again from step 0 there, "
                         "replacing those files (this refusal changed nothing)")
+    elif not written_by_a_run(out_dir, cfg):  # the Slurm scripts always pass --resume true
+        problems.append(f"--out_dir {out_dir} holds {', '.join(written)}, which --resume true would replace, but its "
+                        f"{RUN_CONFIG_FILE} is not one a run of train.py wrote: they are not a run's to take over; "
+                        "choose another --out_dir (this refusal changed nothing)")
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -82,6 +90,17 @@ def data_folder_holding(cfg: Config, out_dir: Path) -> Optional[Path]:
         return None
     out_dir = out_dir.resolve()
     return next((folder for folder in folders if folder == out_dir or folder in out_dir.parents), None)
+
+
+def written_by_a_run(out_dir: Path, cfg: Config) -> bool:
+    """Whether out_dir's config.yaml is one a run writes (options of train.py, out_dir among them): a run writes it
+    before any other file, so the files beside it are that run's."""
+    try:
+        written = yaml.safe_load((out_dir / RUN_CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    options = {option.name for option in fields(cfg)}
+    return isinstance(written, dict) and "out_dir" in written and set(written) <= options
 
 
 def files_a_new_run_replaces(out_dir: Path) -> list[str]:
