@@ -27,6 +27,21 @@ def test_unknown_wrap_class_lists_the_models_layers(tiny) -> None:
         resolve_wrap_classes(config, ["MistralDecoderLayer"])
 
 
+def test_a_model_that_names_no_layer_classes_says_which_to_give() -> None:
+    """Pegasus and Marian (transformers 5.23) have no _no_split_modules: fsdp said "--auto_wrap_policy (empty) is not a
+    layer class of pegasus" to a user who never gave the option."""
+    from transformers import PegasusConfig
+
+    config = PegasusConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                           decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)
+    with pytest.raises(ValueError) as refusal:
+        resolve_wrap_classes(config, None)
+    assert str(refusal.value) == ("a pegasus model names no layer classes to shard by (its _no_split_modules is "
+                                  "empty); give them with --auto_wrap_policy PegasusDecoderLayer PegasusEncoderLayer")
+    assert {c.__name__ for c in resolve_wrap_classes(config, ["PegasusEncoderLayer", "PegasusDecoderLayer"])} == {
+        "PegasusEncoderLayer", "PegasusDecoderLayer"}
+
+
 def test_true_precisions_store_half_weights_and_mixed_keep_fp32() -> None:
     assert weights_dtype("bf16-true") == torch.bfloat16
     assert weights_dtype("bf16-mixed") == weights_dtype("32-true") == torch.float32

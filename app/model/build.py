@@ -77,12 +77,15 @@ def resolve_wrap_classes(
     """Classes for --auto_wrap_policy (default: the model's own _no_split_modules). ValueError names the choices."""
     model = meta_model(model_config, trust_remote_code)
     classes = {type(m).__name__: type(m) for m in model.modules()}
-    names = names or model._no_split_modules or []
+    layers = sorted(n for n in classes if n.endswith(("Layer", "Block")))
+    if not names and not model._no_split_modules:  # Pegasus's and Marian's classes (transformers 5.23) name none
+        raise ValueError(f"a {model_config.model_type} model names no layer classes to shard by (its "
+                         f"_no_split_modules is empty); give them with --auto_wrap_policy {' '.join(layers)}")
+    names = names or model._no_split_modules
     unknown = [n for n in names if n not in classes]
-    if unknown or not names:
-        layers = sorted(n for n in classes if n.endswith(("Layer", "Block")))
+    if unknown:
         raise ValueError(
-            f"--auto_wrap_policy {', '.join(unknown) or '(empty)'} is not a layer class of "
+            f"--auto_wrap_policy {', '.join(unknown)} is not a layer class of "
             f"{model_config.model_type}; choose from: {', '.join(layers or sorted(classes))}"
         )
     return {classes[n] for n in names}

@@ -69,6 +69,8 @@ def check_model_with(cfg: Config, model_config: PretrainedConfig, data: Optional
         packed_layout = check_packed_isolation(cfg, model_config, data, problems)
         check_length_dependent_rope(cfg, model_config, data, problems)
         check_decoder_start(cfg, model_config, data, problems)
+    if problems:  # refused: a note on the loss (its probe failing for the same reason) would read as going ahead
+        return packed_layout, False
     chunked_loss = check_chunked_loss(cfg, model_config)
     check_loss_kernel(cfg, model_config, chunked_loss, problems)
     return packed_layout, chunked_loss
