@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from transformers import PretrainedConfig
@@ -69,9 +69,8 @@ def check_model_with(cfg: Config, model_config: PretrainedConfig, data: Optional
         packed_layout = check_packed_isolation(cfg, model_config, data, problems)
         check_length_dependent_rope(cfg, model_config, data, problems)
         check_decoder_start(cfg, model_config, data, problems)
-    if problems:  # refused: a note on the loss (its probe failing for the same reason) would read as going ahead
-        return packed_layout, False
-    chunked_loss = check_chunked_loss(cfg, model_config)
+    # refused already: a note on the loss (its probe failing for the same reason) would read as going ahead
+    chunked_loss = check_chunked_loss(cfg, model_config, note if not problems else lambda _: None)
     check_loss_kernel(cfg, model_config, chunked_loss, problems)
     return packed_layout, chunked_loss
 
@@ -253,24 +252,24 @@ def longrope_limit(model_config: PretrainedConfig) -> Optional[int]:
     return min((limit for limit in limits if limit), default=None)
 
 
-def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
+def check_chunked_loss(cfg: Config, model_config: PretrainedConfig, say: Callable[[str], None] = note) -> bool:
     """--chunked_loss where the run's model class gives the same loss through it (app/model/loss.py's probe), and
     not in fp16: the chunked loss computes its gradients before backward's loss scaling, and fp16 products of
     unscaled gradients lose the small ones (rare tokens' rows of the output weight) that the scaler exists to keep.
     Unless asked for, not under --compile on GPUs either: there the compiled model's own loss was faster (41.2%
     against 36.3% MFU on an H200) and held 2.1 GB more at 8K tokens of a 128K vocabulary."""
     if getattr(model_config, "output_router_logits", False):
-        note(f"a {model_config.model_type} model with output_router_logits adds its router's auxiliary loss "
+        say(f"a {model_config.model_type} model with output_router_logits adds its router's auxiliary loss "
              f"(x {getattr(model_config, 'router_aux_loss_coef', '?')}) to the cross-entropy: train_loss includes "
              "it, val_loss leaves it out (where the model's forward takes output_router_logits)")
     if cfg.chunked_loss is None and cfg.compile and resolve_accelerator(cfg) == "cuda":
-        note("--chunked_loss: with --compile on GPUs the model's own loss is compiled into its graph, faster than the "
+        say("--chunked_loss: with --compile on GPUs the model's own loss is compiled into its graph, faster than the "
              "chunked loss for a little more memory; --chunked_loss true keeps it chunked")
         return False
     if cfg.chunked_loss is False:
         return False
     if cfg.precision.startswith("16"):
-        note(f"--chunked_loss: --precision {cfg.precision} keeps the model's own loss (fp16 gradients need the loss "
+        say(f"--chunked_loss: --precision {cfg.precision} keeps the model's own loss (fp16 gradients need the loss "
              "scaling that the chunked loss would come before); its logits are materialised")
         return False
     try:
@@ -279,7 +278,7 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig) -> bool:
         reason = "it changes the logits after its output layer"
     except Exception as error:  # a model the probe cannot build or run here: its own loss is the safe choice
         reason = f"probing it failed: {first_line(error)}"
-    note(f"--chunked_loss: a {model_config.model_type} model keeps its own loss ({reason}); its logits are "
+    say(f"--chunked_loss: a {model_config.model_type} model keeps its own loss ({reason}); its logits are "
          "materialised")
     return False
 
