@@ -66,12 +66,13 @@ def replace_file(path: Path, text: str | Iterable[str]) -> None:
     it keeps, and a full disk (ENOSPC) or a kill while writing must leave the old file, not a truncated history.
     The temporary name is created new, never opened through what is there: a link placed at `.metrics.csv.partial`
     had the run overwrite the file it pointed to, and the rename then made metrics.csv itself that link. `text` may
-    come in pieces, written as they come (a long run's metrics.csv, read from the old file meanwhile)."""
+    come in pieces, written as they come (a long run's metrics.csv, read from the old file meanwhile); in UTF-8,
+    whatever the locale."""
     temporary = path.with_name(f".{path.name}.partial")
     discard(temporary)
     try:
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with open(descriptor, "w", newline="") as handle:
+        with open(descriptor, "w", newline="", encoding="utf-8") as handle:
             handle.writelines([text] if isinstance(text, str) else text)
     except BaseException:
         temporary.unlink(missing_ok=True)

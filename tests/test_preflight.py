@@ -72,6 +72,7 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config).to_dict()},
                run / "step-00000004.ckpt")
     (root / "a_file").write_text("not a folder")
+    (root / "nest" / "checkpoints").mkdir(parents=True)
     (root / "earlier_run" / "samples").mkdir(parents=True)  # a run that saved no checkpoint, or a user's folder
     for name in ("config.yaml", "metrics.csv", "samples/step-00000004.jsonl"):
         (root / "earlier_run" / name).write_text("kept\n")
@@ -124,6 +125,9 @@ CASES = {
     "checkpoints without resume": (dict(out_dir="{run}"), "already holds checkpoints; add --resume true"),
     "out_dir in the data folder": (dict(out_dir="{ragged}/run", train_data_dir="{ragged}"),
                                    "--out_dir {ragged}/run lies in the data folder {ragged}: the run would write"),
+    # checkpoints and best.json were written among the dataset's files
+    "the data folder where the run writes": (dict(out_dir="{nest}", train_data_dir="{nest}/checkpoints"),
+                                             "--train_data_dir {nest}/checkpoints is a folder the run writes in"),
     "an earlier run's files without resume": (dict(out_dir="{earlier_run}"), "earlier_run already holds config.yaml, "
                                               "metrics.csv, samples/step-00000004.jsonl (of an earlier run, or yours)"),
     # replaced, under Slurm (whose scripts always resume): a user's config.yaml, metrics.csv and summary.json

@@ -41,6 +41,10 @@ def test_cli_writes_json_lines_and_refuses_an_unknown_package_in_one_line(tmp_pa
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["pairs"] == len(output.read_text().splitlines()) > 5
+    (tmp_path / "precious").write_text("PRECIOUS")  # a link left at the temporary name was written through
+    (output.parent / f".{output.name}.partial").symlink_to(tmp_path / "precious")
+    assert subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False).returncode == 0
+    assert (tmp_path / "precious").read_text() == "PRECIOUS" and not output.is_symlink()
     with pytest.raises(SystemExit) as exit_info:
         run_command(StdlibTaskArgs, write_stdlib_task, PROG, ["--output", str(output), "--packages", "json", "nope"])
     assert exit_info.value.code == 2

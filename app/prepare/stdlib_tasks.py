@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.folders import replace_file
 from app.prepare.args import UsageError
 from app.prepare.corpus import STDLIB_CORPUS, stdlib_corpus_paths
 
@@ -142,10 +143,9 @@ def _is_prose(summary: str, name: str) -> bool:
 
 
 def write_pairs(pairs: list[dict[str, str]], output: Path) -> None:
-    """JSON lines, written beside the target and renamed into place, so a reader never sees half a file."""
-    partial = output.with_name(f".{output.name}.partial")
-    partial.write_text("".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs), encoding="utf-8")
-    partial.replace(output)
+    """JSON lines, written beside the target and renamed into place (folders.replace_file: never through a link left
+    at the temporary name), so a reader never sees half a file."""
+    replace_file(output, (json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs))
 
 
 def run(args: StdlibTaskArgs) -> dict:

@@ -49,6 +49,10 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
         problems.append(f"--out_dir {out_dir} lies in the data folder {data_folder}: the run would write its "
                         "checkpoints among the data (and prepare_data.py --overwrite refuses such a folder); choose "
                         "a folder outside it")
+    written_in = data_folder_written_in(cfg, out_dir)
+    if written_in:
+        problems.append(f"--train_data_dir {written_in} is a folder the run writes in (its checkpoints, tokenizer or "
+                        f"samples under --out_dir {out_dir}); move the data elsewhere, or choose another --out_dir")
     written = files_a_new_run_replaces(out_dir)
     if not written or latest_checkpoint(out_dir):  # with checkpoints: resolve_resume's line
         return
@@ -84,12 +88,8 @@ def size(nbytes: int) -> str:
 
 def data_folder_holding(cfg: Config, out_dir: Path) -> Optional[Path]:
     """The --train_data_dir folder that is `out_dir` or holds it, if any."""
-    try:
-        folders = [Path(source.path).resolve() for source in parse_sources(cfg.train_data_dir or "")]
-    except ValueError:  # check_data's line
-        return None
     out_dir = out_dir.resolve()
-    return next((folder for folder in folders if folder == out_dir or folder in out_dir.parents), None)
+    return next((folder for folder in data_folders(cfg) if folder == out_dir or folder in out_dir.parents), None)
 
 
 def written_by_a_run(out_dir: Path, cfg: Config) -> bool:
@@ -101,6 +101,22 @@ def written_by_a_run(out_dir: Path, cfg: Config) -> bool:
         return False
     options = {option.name for option in fields(cfg)}
     return isinstance(written, dict) and "out_dir" in written and set(written) <= options
+
+
+def data_folder_written_in(cfg: Config, out_dir: Path) -> Optional[Path]:
+    """A --train_data_dir folder inside a folder the run writes in (out_dir/checkpoints, its tokenizer copy, its
+    samples): checkpoints and best.json were written among the dataset's files, without a word."""
+    written = [(out_dir / name).resolve() for name in (checkpoint_dir(out_dir).name, "tokenizer", "samples")]
+    return next((folder for folder in data_folders(cfg) for place in written
+                 if folder == place or place in folder.parents), None)
+
+
+def data_folders(cfg: Config) -> list[Path]:
+    """The --train_data_dir folders, resolved; none when the option does not parse (check_data's line)."""
+    try:
+        return [Path(source.path).resolve() for source in parse_sources(cfg.train_data_dir or "")]
+    except ValueError:
+        return []
 
 
 def files_a_new_run_replaces(out_dir: Path) -> list[str]:
