@@ -33,7 +33,7 @@ import jsonargparse
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from app.tasks import exit_refused
+from app.tasks import end_with_the_parent, exit_refused
 
 CONFIG_FLAG = "--config"
 
@@ -433,9 +433,11 @@ def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], 
 
 def _own_signals_only(write_end: int) -> None:
     """In a forked worker: its signals are not its parent's. A SIGTERM to a worker alone (`Pool.terminate()`) went
-    through the inherited wakeup pipe to the parent's thread, which stopped the whole command."""
+    through the inherited wakeup pipe to the parent's thread, which stopped the whole command. And it ends with the
+    process that forked it (tasks.end_with_the_parent)."""
     import signal
 
+    end_with_the_parent()
     with suppress(ValueError, OSError):  # forked from another thread than the main one: set_wakeup_fd refuses
         previous = signal.set_wakeup_fd(-1)
         if previous != write_end:  # another's (this command's context had ended): put back

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from app.folders import real_folder, staging_folder
 from app.folders import STATS_FILE, TOKENIZER_FOLDER
 from app.prepare.args import check_replaceable
+from app.prepare.workspace import removed_if_stopped
 
 
 
@@ -24,7 +25,8 @@ def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:
     staging = staging_folder(output_dir)
     staging.mkdir()
     try:
-        write(staging)
+        with removed_if_stopped(staging):
+            write(staging)
         if output_dir.exists():
             check_replaceable(output_dir)
     except BaseException:

@@ -54,6 +54,20 @@ def workspace(output_dir: Path) -> Iterator[Path]:
         discard()
 
 
+@contextmanager
+def removed_if_stopped(folder: Path) -> Iterator[None]:
+    """`folder` (the output being staged) removed by `abandon` while the block runs: a stop while the output was
+    written left the whole staged dataset beside it, after saying that nothing was written."""
+    def discard() -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    _unfinished.append(discard)
+    try:
+        yield
+    finally:
+        _unfinished.remove(discard)
+
+
 def abandon() -> None:
     """Remove every open workspace now: the work stops without unwinding (app/cli.py stopped_in_one_line)."""
     for discard in reversed(_unfinished):
