@@ -2,7 +2,9 @@
 
 import sys
 
+from app.cli import quiet_interrupts
 from app.metrics.plot import main
 
 if __name__ == "__main__":
+    quiet_interrupts()
     sys.exit(main())

@@ -343,6 +343,15 @@ def describe(hint: Any) -> str:
     return " or ".join(parts)
 
 
+def quiet_interrupts() -> None:
+    """At a script's start: until the command takes stop signals itself (stopped_in_one_line), Ctrl-C ends it by
+    SIGINT's default action, with the shell's 130 and no KeyboardInterrupt traceback from the middle of an import
+    (41 to 75 lines while transformers loaded), as train.py's start does."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def first_line(error: BaseException) -> str:
     """An exception's reason in one line, for a message of ours: its first line, or its type when it says nothing
     (`str(error).splitlines()[0]` raised IndexError on an empty message). A URL in it loses its user and password

@@ -117,6 +117,24 @@ def test_temperature_0_is_plain_greedy_whatever_the_base_models_generation_confi
     assert [alone(inherited, prompt) for prompt in PROMPTS[:2]] == [alone(plain, prompt) for prompt in PROMPTS[:2]]
 
 
+def test_the_answers_are_scored_before_the_output_is_written(tiny, tmp_path, monkeypatch) -> None:
+    """Scoring a large test set takes seconds: a Ctrl-C there said "nothing was written" with --output written whole,
+    and the rerun was refused for the file that exists. Here a stop during the scoring."""
+    import app.huggingface.generate as generation
+
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    (tmp_path / "test.jsonl").write_text(json.dumps({"prompt": "def f(", "answer": "x"}) + "\n")
+
+    def stopped(*args: object) -> str:
+        raise SystemExit(130)
+
+    monkeypatch.setattr(generation, "scores_line", stopped)
+    with pytest.raises(SystemExit):
+        generate_main([str(folder), "--prompts", str(tmp_path / "test.jsonl"), "--reference_field", "answer",
+                       "--output", str(tmp_path / "answers.jsonl"), "--max_new_tokens", "2"])
+    assert not (tmp_path / "answers.jsonl").exists()
+
+
 def test_a_temperature_given_keeps_the_models_own_top_p_and_top_k() -> None:
     """Llama-3-Instruct samples at 0.6 among the top 0.9 of the probability: --temperature 1.0 sampled among the 50
     likeliest tokens instead, without a word."""

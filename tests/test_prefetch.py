@@ -529,3 +529,28 @@ def test_a_prefetched_dataset_is_prepared_by_its_name_without_the_hub(hub, tmp_p
     assert time.monotonic() - start < 60
     stats = json.loads((tmp_path / "data" / "stats.json").read_text())
     assert stats["splits"]["train"]["documents"] == 3 and stats["inputs"] == [f"{DATASET} (train: 3 rows)"], stats
+
+
+def test_ctrl_c_ends_prefetch_at_once_in_one_line(tmp_path) -> None:
+    """A download in progress held Ctrl-C until its file was whole (minutes for a 5 GB shard), then printed a
+    KeyboardInterrupt traceback (78 lines against a Hub that never answers). Here a Hub that accepts and never
+    answers: the signal comes while prefetch.py waits for it."""
+    import signal
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections complete in the kernel; nothing ever answers
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    started = subprocess.Popen([sys.executable, str(ROOT / "prefetch.py"), "--model", MODEL], cwd=ROOT,
+                               env=clean_env(tmp_path / "hf", HF_ENDPOINT=endpoint), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    silent.settimeout(60)
+    waiting, _ = silent.accept()  # prefetch.py asks the Hub: past its imports, into the wait
+    started.send_signal(signal.SIGINT)
+    _, err = started.communicate(timeout=30)
+    waiting.close()
+    silent.close()
+    assert started.returncode == 130, err
+    assert err.strip() == ("prefetch.py: stopped by SIGINT; run it again: the files cached so far are kept, and an "
+                           "unfinished one resumes where it stopped"), err

@@ -138,6 +138,9 @@ def answer_file(args: GenerateArgs) -> None:
             print(f"answered {len(found)} of {len(rows)} prompts", file=sys.stderr, flush=True)
             said = time.monotonic()
     answers = [found[index] for index in range(len(rows))]
+    against = (repr(args.reference_field) if args.reference_field is not None else
+               f"the last assistant message of {args.messages_field!r}" if args.messages_field is not None else None)
+    scores = scores_line(rows, answers, against) if against else None  # seconds of ROUGE: before --output is written
     if args.output is None:
         alone = answered_alone(args, config)
         print("\n\n".join(shown(row.prompt, answer, alone) for row, answer in zip(rows, answers)))
@@ -145,10 +148,8 @@ def answer_file(args: GenerateArgs) -> None:
         replace_file(Path(args.output), (json.dumps(answer_record(row, answer), ensure_ascii=False) + "\n"
                                           for row, answer in zip(rows, answers)))
         print(f"wrote {len(answers)} answers to {args.output}")
-    if args.reference_field is not None:
-        print(scores_line(rows, answers, repr(args.reference_field)))
-    elif args.messages_field is not None:
-        print(scores_line(rows, answers, f"the last assistant message of {args.messages_field!r}"))
+    if scores:
+        print(scores)
 
 
 def line_of(row: PromptRow, args: GenerateArgs) -> str:

@@ -127,8 +127,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = cli.run_command(PROG, lambda: parse_args(argv))
     from app.huggingface.generate import answer_file, generate
 
-    with cli.bars_only_on_a_terminal(), cli.stopped_in_one_line(
-            PROG, "nothing was written (--output is written whole once every prompt is answered)", lambda: None):
+    unwritten = ("nothing was written (--output is written whole once every prompt is answered and scored)"
+                 if args.output else "the answers are printed once every prompt is answered")
+    with cli.bars_only_on_a_terminal(), cli.stopped_in_one_line(PROG, unwritten, lambda: None):
         if args.prompts is None:
             print(cli.run_command(PROG, lambda: generate(args)))
         else:
