@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import shutil
 import re
 import sys
 import types
@@ -405,10 +406,14 @@ def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], 
     def end(number: int) -> None:
         if not ending.acquire(blocking=False):  # the other path is ending the process
             threading.Event().wait()
-        for child in psutil.Process().children(recursive=True):
+        children = psutil.Process().children(recursive=True)
+        folders = multiprocessing_folders(children)
+        for child in children:
             with suppress(psutil.Error):
                 child.kill()
         clean_up()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
         print(f"{prog}: stopped by {signal.Signals(number).name}; {nothing_written}", file=sys.stderr, flush=True)
         os._exit(128 + number)
 
@@ -438,6 +443,21 @@ def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], 
             signal.signal(number, handler)
         signal.set_wakeup_fd(previous_pipe)
         os.close(write_end)  # the thread reads the end of the pipe and ends
+
+
+def multiprocessing_folders(children: list) -> set[str]:
+    """The `pymp-*` folders in $TMPDIR of this process and of `children` (psutil processes), which multiprocessing's
+    exit handlers remove and neither os._exit nor a SIGKILL runs: every stopped prepare_data.py left one, holding
+    the listener socket of datasets' Manager (a child process of its own)."""
+    import psutil
+
+    folders = {module.process.current_process()._config.get("tempdir") for name in ("multiprocessing", "multiprocess")
+               if (module := sys.modules.get(name))}
+    for child in children:
+        with suppress(psutil.Error):
+            folders |= {os.path.dirname(socket.laddr) for socket in child.net_connections(kind="unix")
+                        if socket.laddr and os.path.basename(os.path.dirname(socket.laddr)).startswith("pymp-")}
+    return {folder for folder in folders if folder}
 
 
 def _own_signals_only(write_end: int) -> None:

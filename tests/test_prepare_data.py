@@ -535,14 +535,15 @@ def test_a_signal_to_prepare_alone_ends_its_workers(tmp_path, issue_run, code_do
     import psutil
 
     corpus = tmp_path / "corpus.jsonl"  # about 15 MB: tokenizing it outlasts the moment the signal comes
+    (tmp_path / "tmp").mkdir()
     with open(corpus, "w") as handle:
         for copy in range(60):
             handle.writelines(json.dumps({"text": f"# {copy}\n{text}"}) + "\n" for text in code_documents)
     started = subprocess.Popen([sys.executable, str(REPO / "prepare_data.py"), "--input", str(corpus), "--tokenizer",
                                 str(issue_run / "tokenizer"), "--block_size", "64", "--num_proc", "2",
                                 "--output_dir", str(tmp_path / "new" / "out")],
-                               cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                               cwd=tmp_path, env=cli_env(tmp_path) | {"TMPDIR": str(tmp_path / "tmp")},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert started.stdout is not None
     for line in started.stdout:
         if "tokenizing" in line:
@@ -560,6 +561,7 @@ def test_a_signal_to_prepare_alone_ends_its_workers(tmp_path, issue_run, code_do
     assert (started.returncode, err.strip()) == (143, "prepare_data.py: stopped by SIGTERM; nothing was written "
                                                       "(the output appears whole, or not at all)")
     assert not (tmp_path / "new").exists(), "no output, workspace, or folder made for them"
+    assert not list((tmp_path / "tmp").glob("pymp-*")), "multiprocessing's folder, which os._exit left"
 
 
 SENTENCEPIECE_STOPPED = """
