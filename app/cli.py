@@ -384,7 +384,8 @@ def run_command(prog: str, work: Callable[[], Any]) -> Any:
 
 
 @contextmanager
-def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], None]) -> Iterator[None]:
+def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
+                        clean_up: Callable[[], None]) -> Iterator[None]:
     """Ctrl-C or SIGTERM as one line and exit 128 + the signal, at once: the work's child processes are killed,
     `clean_up` removes what the work had begun, and the process exits without unwinding. Unwound, a
     KeyboardInterrupt printed a traceback, or with a pool of workers a TimeoutError (exit 1); a SIGTERM that only
@@ -414,7 +415,8 @@ def stopped_in_one_line(prog: str, nothing_written: str, clean_up: Callable[[], 
         clean_up()
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
-        print(f"{prog}: stopped by {signal.Signals(number).name}; {nothing_written}", file=sys.stderr, flush=True)
+        said = nothing_written() if callable(nothing_written) else nothing_written  # what the work left, as it stands
+        print(f"{prog}: stopped by {signal.Signals(number).name}; {said}", file=sys.stderr, flush=True)
         os._exit(128 + number)
 
     def stop(number: int, _frame: object) -> None:

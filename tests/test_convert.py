@@ -1106,3 +1106,37 @@ def test_a_push_the_hub_refuses_names_the_token_not_a_retry(status) -> None:
     line = describe_hub_error("--push_to_hub", "me/x", HfHubHTTPError("refused", response=response), upload=True)
     assert line == (f"--push_to_hub me/x: the Hub refused the token (HTTP {status}): this needs a write token "
                     "(HF_TOKEN) with rights to that namespace")
+
+
+def test_a_stop_during_the_push_says_the_folder_is_kept_and_how_to_push_it(full_run, tmp_path) -> None:
+    """Ctrl-C while the Hub took the upload said only that the output holds verified folders: nothing said the push
+    had not happened, nor how to push without converting again (the rerun is refused for the folder that exists).
+    Here a Hub that accepts and never answers."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    env = {**os.environ, "HF_TOKEN": "hf_" + "x" * 34, "HF_ENDPOINT": f"http://127.0.0.1:{silent.getsockname()[1]}",
+           "HF_HUB_OFFLINE": "0"}
+    started = subprocess.Popen([sys.executable, str(ROOT / "convert_to_hf.py"), "--checkpoint", str(full_run),
+                                "--output_dir", str(tmp_path / "hf"), "--push_to_hub", "me/tiny"], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert started.stdout is not None
+    for line in started.stdout:  # verified and published: the push comes next
+        if "weights and logits verified" in line:
+            break
+    time.sleep(2)
+    started.send_signal(signal.SIGINT)
+    _, err = started.communicate(timeout=60)
+    silent.close()
+    assert started.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith(
+        f"convert_to_hf.py: stopped by SIGINT; the verified folder {tmp_path / 'hf'} is kept, but not pushed (or in "
+        f"part): push it without converting again with `hf upload me/tiny {tmp_path / 'hf'} --commit-message"), err

@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from huggingface_hub import try_to_load_from_cache
@@ -974,7 +974,9 @@ def upload_command(folder: Path, args: Args) -> str:
     return shlex.join(words + ["--commit-message", args.commit_message or f"Upload {folder.name}"])
 
 
-def run(args: Args) -> None:
+def run(args: Args, pushing: Callable[[str], None] = lambda said: None) -> None:
+    """Convert and verify each checkpoint, then push the folder when asked; `pushing` is told, once the push
+    begins, what a stop would leave (the verified folder, and the command that pushes it)."""
     jobs = plan(args)
     for job in jobs:
         difference, cast = convert(job, args.dtype, args.max_shard_size)
@@ -986,6 +988,8 @@ def run(args: Args) -> None:
         if args.dry_run:
             print(describe_upload(folder, args))
         else:
+            pushing(f"the verified folder {folder} is kept, but not pushed (or in part): push it without converting "
+                    f"again with `{upload_command(folder, args)}`")
             try:
                 with reported_as("--push_to_hub", args.push_to_hub, upload=True):
                     url = push_folder(folder, args, default_message=f"Upload {folder.name} (step {jobs[0].step})")

@@ -63,11 +63,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     from app.huggingface.convert import EXIT_VERIFY_FAILED, PushFailed, VerificationFailed, run
 
     output_dir = real_folder(Path(args.output_dir))
+    said = [f"{args.output_dir} holds a model folder only where one was written and verified whole (the one being "
+            "written is removed)"]  # what a stop leaves: another line once the push begins
     try:
         with bars_only_on_a_terminal(), stopped_in_one_line(
-                "convert_to_hf.py", f"{args.output_dir} holds a model folder only where one was written and verified "
-                "whole (the one being written is removed)", lambda: remove_own_staging(output_dir.parent, output_dir)):
-            run_command("convert_to_hf.py", lambda: run(args))
+                "convert_to_hf.py", lambda: said[-1], lambda: remove_own_staging(output_dir.parent, output_dir)):
+            run_command("convert_to_hf.py", lambda: run(args, pushing=said.append))
     except (VerificationFailed, PushFailed) as error:
         print(f"convert_to_hf.py: error: {error}", file=sys.stderr)
         sys.exit(EXIT_VERIFY_FAILED)
