@@ -76,6 +76,8 @@ def test_a_leak_outside_attention_is_refused_also_when_attention_is_probed_in_ha
         lfm2, llama = (probe_isolation(CONFIGS[name], "flash_attention_2") for name in ("lfm2", "llama"))
     assert lfm2.layout is None and 1e-4 < lfm2.leak < 1e-2, lfm2
     assert llama.layout == "one_row", "a leak of attention alone stays the half-precision probe's to judge"
+    gpt_oss, _, _ = WINDOWED["gpt_oss"]  # no SDPA; under eager its window is lost to the masks: attention's leak
+    assert isolation.leak_outside_attention(gpt_oss, torch.bfloat16, False) is None
 
 
 def test_block_causal_mask_lets_a_token_see_only_its_own_examples_earlier_tokens() -> None:

@@ -66,6 +66,8 @@ class Isolation:
 
     layout: Optional[Layout]
     leak: float
+    least: float = 0.0
+    """The smallest leak of any layout (when none isolates): what is left with attention kept within examples."""
 
 
 def probe_isolation(model_config: PretrainedConfig, attn_implementation: str,
@@ -81,26 +83,32 @@ def probe_isolation(model_config: PretrainedConfig, attn_implementation: str,
     with torch.no_grad():
         alone = [model(input_ids=ids[None].to(device)).logits[0].float() for row in examples for ids in row]
         as_prepared = packed_difference(model, "position_ids", examples, alone, device)
+        leaks = []
         for layout in LAYOUTS:
-            leak = as_prepared if layout == "position_ids" else packed_difference(model, layout, examples, alone,
-                                                                                 device)
-            if leak <= TOLERANCE[dtype]:
-                outside = leak_outside_attention(model_config, trust_remote_code) if dtype != torch.float32 else None
-                return Isolation(layout, as_prepared) if outside is None else Isolation(None, outside)
-    return Isolation(None, as_prepared)
+            leaks.append(as_prepared if layout == "position_ids" else packed_difference(model, layout, examples, alone,
+                                                                                       device))
+            if leaks[-1] <= TOLERANCE[dtype]:
+                outside = leak_outside_attention(model_config, dtype, trust_remote_code) if dtype != torch.float32 \
+                    else None
+                return Isolation(layout, as_prepared) if outside is None else Isolation(None, outside, outside)
+    return Isolation(None, as_prepared, min(leaks))
 
 
-def leak_outside_attention(model_config: PretrainedConfig, trust_remote_code: bool) -> Optional[float]:
-    """How far packed examples mix outside attention (LFM2's convolutions), which a half-precision probe's rounding
-    hides (FlashAttention's on a GPU: LFM2 was taken as isolated there): the twin in float32 on the CPU with SDPA
-    (else eager), in every layout, the block-diagonal masks included. None when one keeps the examples apart, then
-    only attention mixed them, which the half-precision probe sees; or when neither implementation runs."""
+def leak_outside_attention(model_config: PretrainedConfig, dtype: torch.dtype,
+                           trust_remote_code: bool) -> Optional[float]:
+    """How far packed examples mix outside attention (LFM2's convolutions), which a probe in `dtype` (half
+    precision) cannot see under its rounding (FlashAttention's on a GPU: LFM2 was taken as isolated there): the twin
+    in float32 on the CPU with SDPA (else eager), in every layout, the block-diagonal masks included. A leak left in
+    the best layout that is larger than float32's rounding but within `dtype`'s is such a mixing; a larger one is
+    attention's there (GPT-OSS's window lost under eager's masks), which the half-precision probe has judged with the
+    run's own kernel. None when there is none, or when neither implementation runs."""
     for attention in ("sdpa", "eager"):
         try:
             found = probe_isolation(model_config, attention, trust_remote_code)
         except Exception:  # noqa: BLE001 (the class has no such implementation: the half-precision probe decides)
             continue
-        return None if found.layout is not None else found.leak
+        hidden = found.layout is None and TOLERANCE[torch.float32] < found.least <= TOLERANCE[dtype]
+        return found.least if hidden else None
     return None
 
 
