@@ -360,7 +360,8 @@ def first_line(error: BaseException) -> str:
     return without_credentials((str(error).strip().splitlines() or [type(error).__name__])[0])
 
 
-URL_CREDENTIALS = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/\s@'\"]+@", re.IGNORECASE)
+URL_CREDENTIALS = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/?#\s'\"]*@", re.IGNORECASE)
+"""A URL's scheme, then its user and password up to the authority's last @ (a password may hold an @)."""
 
 
 def without_credentials(text: str) -> str:

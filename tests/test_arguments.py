@@ -397,3 +397,5 @@ def test_an_exceptions_reason_never_shows_the_password_of_a_url_it_names() -> No
                                                         "files of org/tok.")
     assert first_line(ValueError("see https://huggingface.co/docs, user@example.com")) == (
         "see https://huggingface.co/docs, user@example.com"), "only a URL's user and password"
+    assert first_line(OSError("https://user:p@ss@mirror.local/x and https://mirror.local?u=a@b")) == (
+        "https://mirror.local/x and https://mirror.local?u=a@b"), "a password holding @; an @ after the host"
