@@ -26,7 +26,6 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
@@ -34,7 +33,7 @@ import jsonargparse
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from app.tasks import end_with_the_parent, exit_refused
+from app.tasks import exit_refused
 
 CONFIG_FLAG = "--config"
 
@@ -436,7 +435,7 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     previous_pipe = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    os.register_at_fork(after_in_child=partial(_own_signals_only, write_end))
+    FORKING.append(write_end)
     previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
     threading.Thread(target=take_from_the_pipe, args=(read_end,), name="stop-signals", daemon=True).start()
     try:
@@ -445,6 +444,7 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
         for number, handler in previous.items():
             signal.signal(number, handler)
         signal.set_wakeup_fd(previous_pipe)
+        FORKING.pop()  # forks from now on are not this command's workers
         os.close(write_end)  # the thread reads the end of the pipe and ends
 
 
@@ -463,17 +463,23 @@ def multiprocessing_folders(children: list) -> set[str]:
     return {folder for folder in folders if folder}
 
 
-def _own_signals_only(write_end: int) -> None:
+FORKING: list[int] = []
+"""The write ends of the stop-signal pipes of the commands running now (stopped_in_one_line), innermost last: what
+the fork hooks below look at (registered once, at import: a registration cannot be undone)."""
+def _own_signals_only() -> None:
     """In a forked worker: its signals are not its parent's. A SIGTERM to a worker alone (`Pool.terminate()`) went
-    through the inherited wakeup pipe to the parent's thread, which stopped the whole command. And it ends with the
-    process that forked it (tasks.end_with_the_parent)."""
+    through the inherited wakeup pipe to the parent's thread, which stopped the whole command."""
     import signal
 
-    end_with_the_parent()
+    if not FORKING:
+        return
     with suppress(ValueError, OSError):  # forked from another thread than the main one: set_wakeup_fd refuses
         previous = signal.set_wakeup_fd(-1)
-        if previous != write_end:  # another's (this command's context had ended): put back
+        if previous != FORKING[-1]:  # another's: put back
             signal.set_wakeup_fd(previous)
+
+
+os.register_at_fork(after_in_child=_own_signals_only)
 
 
 @contextmanager

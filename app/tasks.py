@@ -74,20 +74,6 @@ def end_with_the_launcher(end: bool = True) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-def end_with_the_parent() -> None:
-    """In a forked worker of a command (prepare_data.py's --num_proc pool): the kernel ends it when the process that
-    forked it dies. A SIGKILL of the command (the out-of-memory killer's) left its workers idle for ever, each
-    holding its memory. Linux only (prctl)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before this worker asked
-        os._exit(128 + signal.SIGKILL)
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

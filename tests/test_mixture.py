@@ -335,7 +335,8 @@ def test_a_resume_at_a_larger_global_batch_counts_the_epochs_as_its_plan_did(tin
                                   strategy="single_device", micro_batch_size=16, gradient_accumulation_steps=None,
                                   global_batch_size=512, resume=True,
                                   checkpoint=straight / "checkpoints" / "step-00000030.ckpt",
-                                  **(MIXTURE_RUN | dict(max_step=None, number_epochs=2, save_step_interval=1))))
+                                  **(MIXTURE_RUN | dict(max_step=None, number_epochs=2, save_step_interval=1,
+                                                        warmup_steps=0))))  # 10 steps of 512: past the schedule
     assert result.returncode == 0, result.stdout + result.stderr
     assert "training 31 steps of 512 sequences" in result.stdout, result.stdout
     saved = read_metadata(list_checkpoints(tmp_path / "resumed")[31])

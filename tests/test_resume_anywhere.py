@@ -233,8 +233,8 @@ def test_a_resume_at_a_larger_global_batch_trains_the_epochs_left_and_resumes_ag
         preflight(parse_config(train_args(tiny, larger, **(one | dict(warmup_steps=10)), micro_batch_size=64,
                                           global_batch_size=256, max_step=None, number_epochs=2, resume=True,
                                           checkpoint=larger / "checkpoints" / "step-00000030.ckpt")))
-    assert ("--warmup_steps (10) exceeds the run's schedule of 4 steps (the checkpoint's, which this resume at "
-            "another global batch finishes): lower it, or give --max_step") in capsys.readouterr().err
+    assert ("--warmup_steps (10) exceeds the run's schedule of 4 steps (counted at this resume's global batch of "
+            "256): lower it, or give --max_step") in capsys.readouterr().err
     with pytest.raises(SystemExit):  # fewer epochs than the checkpoint trained: "where this run ends", exit 0
         preflight(parse_config(train_args(tiny, larger, **one, micro_batch_size=64, global_batch_size=256,
                                           max_step=None, number_epochs=1, resume=True,

@@ -59,7 +59,7 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
         note_validation_rows(cfg, data, resume.metadata, plan)
     # warmup counts schedule steps: a resume at another global batch finishes the checkpoint's schedule
     length = plan.schedule_length
-    steps = (f"schedule of {length:g} steps (the checkpoint's, which this resume at another global batch finishes)"
+    steps = (f"schedule of {length:g} steps (counted at this resume's global batch of {plan.global_batch_size})"
              if plan.resumed_schedule else f"{length:g} optimizer steps")
     if cfg.warmup_steps > length and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
         problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {steps}"
