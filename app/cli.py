@@ -33,7 +33,7 @@ import jsonargparse
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from app.tasks import exit_refused
+from app.tasks import end_with_the_parent, exit_refused, prctl
 
 CONFIG_FLAG = "--config"
 
@@ -466,20 +466,37 @@ def multiprocessing_folders(children: list) -> set[str]:
 FORKING: list[int] = []
 """The write ends of the stop-signal pipes of the commands running now (stopped_in_one_line), innermost last: what
 the fork hooks below look at (registered once, at import: a registration cannot be undone)."""
+_FORKED_BY: list[Optional[int]] = [None]
+"""The process a fork comes from, when its main thread forks while a command runs: its workers end with it."""
+
+
+def _before_fork() -> None:
+    """In the forking process: a worker of the running command ends with this process, if the main thread forks it
+    (PR_SET_PDEATHSIG fires when the forking thread ends: a worker a pool's helper thread started would end with that
+    thread). prctl is looked up here, not in the child of a process with threads."""
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    _FORKED_BY[0] = os.getpid() if FORKING and main and prctl() else None
+
+
 def _own_signals_only() -> None:
     """In a forked worker: its signals are not its parent's. A SIGTERM to a worker alone (`Pool.terminate()`) went
-    through the inherited wakeup pipe to the parent's thread, which stopped the whole command."""
+    through the inherited wakeup pipe to the parent's thread, which stopped the whole command. And it ends with the
+    process that forked it (tasks.end_with_the_parent)."""
     import signal
 
     if not FORKING:
         return
+    if _FORKED_BY[0] is not None:
+        end_with_the_parent(_FORKED_BY[0])
     with suppress(ValueError, OSError):  # forked from another thread than the main one: set_wakeup_fd refuses
         previous = signal.set_wakeup_fd(-1)
         if previous != FORKING[-1]:  # another's: put back
             signal.set_wakeup_fd(previous)
 
 
-os.register_at_fork(after_in_child=_own_signals_only)
+os.register_at_fork(before=_before_fork, after_in_child=_own_signals_only)
 
 
 @contextmanager

@@ -18,7 +18,8 @@ import os
 import signal
 import sys
 import time
-from typing import NoReturn
+from functools import cache
+from typing import Callable, NoReturn, Optional
 
 from app.exit_codes import EXIT_BAD_INPUT, EXIT_ENDED_BY_SRUN
 
@@ -71,6 +72,25 @@ def end_with_the_launcher(end: bool = True) -> None:
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != launcher:  # it died before this rank asked
+        os._exit(128 + signal.SIGKILL)
+
+
+@cache
+def prctl() -> Optional[Callable[..., int]]:
+    """libc's prctl (Linux), None elsewhere; looked up once, in the process that forks."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def end_with_the_parent(parent: int) -> None:
+    """In a worker that the main thread of process `parent` forked for a command (prepare_data.py's --num_proc
+    pool): the kernel ends it when that thread, and so the process, ends. A SIGKILL of the command (the
+    out-of-memory killer's) left its workers idle for ever, each holding its memory."""
+    prctl()(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before this worker asked
         os._exit(128 + signal.SIGKILL)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -523,24 +525,26 @@ def test_overwrite_refuses_an_earlier_output_holding_more_than_it_wrote(tmp_path
     assert (run / "step-00000002.ckpt").read_text() == "a run's"
 
 
-def test_sigterm_to_prepare_alone_ends_its_workers_and_leaves_nothing(tmp_path, issue_run, code_documents):
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_a_signal_to_prepare_alone_ends_its_workers(tmp_path, issue_run, code_documents, stop):
     """`kill PID`, `timeout`, or an orchestrator signalling only the main process: its --num_proc workers were left
     running, orphaned, 1.25 GB each, for ever (the pool waited for them), and Ctrl-C ended in 63 lines of traceback
     and exit 1. Now: one line, exit 128 + the signal, no process and no folder left behind, not even
-    multiprocessing's pymp-* folder in $TMPDIR."""
+    multiprocessing's pymp-* folder in $TMPDIR. SIGKILL (the out-of-memory killer's) left the workers idle for ever,
+    adopted by init (345 MB each in an audit's run): they end with the command now."""
     import signal
 
     import psutil
 
     corpus = tmp_path / "corpus.jsonl"  # about 15 MB: tokenizing it outlasts the moment the signal comes
-    (tmp_path / "tmp").mkdir()
+    temporary = Path(tempfile.mkdtemp(prefix="t"))  # short: a socket's path under it has at most 107 bytes
     with open(corpus, "w") as handle:
         for copy in range(60):
             handle.writelines(json.dumps({"text": f"# {copy}\n{text}"}) + "\n" for text in code_documents)
     started = subprocess.Popen([sys.executable, str(REPO / "prepare_data.py"), "--input", str(corpus), "--tokenizer",
                                 str(issue_run / "tokenizer"), "--block_size", "64", "--num_proc", "2",
                                 "--output_dir", str(tmp_path / "new" / "out")],
-                               cwd=tmp_path, env=cli_env(tmp_path) | {"TMPDIR": str(tmp_path / "tmp")},
+                               cwd=tmp_path, env=cli_env(tmp_path) | {"TMPDIR": str(temporary)},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert started.stdout is not None
     for line in started.stdout:
@@ -550,14 +554,18 @@ def test_sigterm_to_prepare_alone_ends_its_workers_and_leaves_nothing(tmp_path, 
     while len(workers := psutil.Process(started.pid).children(recursive=True)) < 2:
         assert time.monotonic() < deadline, "the workers never started"
         time.sleep(0.1)
-    started.send_signal(signal.SIGTERM)
+    started.send_signal(getattr(signal, stop))
     _, err = started.communicate(timeout=60)
     psutil.wait_procs(workers, timeout=10)
     assert not [worker.pid for worker in workers if worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE]
+    if stop == "SIGKILL":  # no last word; what it began is removed by the next run into that folder
+        shutil.rmtree(temporary)
+        return
     assert (started.returncode, err.strip()) == (143, "prepare_data.py: stopped by SIGTERM; nothing was written "
                                                       "(the output appears whole, or not at all)")
     assert not (tmp_path / "new").exists(), "no output, workspace, or folder made for them"
-    assert not list((tmp_path / "tmp").glob("pymp-*")), "multiprocessing's folder, which os._exit left"
+    assert not list(temporary.glob("pymp-*")), "multiprocessing's folder, which os._exit left"
+    temporary.rmdir()
 
 
 SENTENCEPIECE_STOPPED = """
