@@ -1,8 +1,11 @@
 """Print what a Hugging Face model folder writes (a converted checkpoint): `python generate.py --help`."""
 
-from app.cli import quiet_interrupts
-from app.huggingface.generate_cli import main
+import signal
+
+if __name__ == "__main__":  # until it takes stop signals itself: Ctrl-C while the libraries import ends
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # it quietly (130), as train.py does (app/cli.py stopped_in_one_line)
+
+from app.huggingface.generate_cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    quiet_interrupts()
     main()

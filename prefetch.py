@@ -1,10 +1,12 @@
 """Download a model, its tokenizer and optionally a dataset into the Hugging Face cache for offline training."""
 
+import signal
 import sys
 
-from app.cli import quiet_interrupts
-from app.huggingface.prefetch import main
+if __name__ == "__main__":  # until it takes stop signals itself: Ctrl-C while the libraries import ends
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # it quietly (130), as train.py does (app/cli.py stopped_in_one_line)
+
+from app.huggingface.prefetch import main  # noqa: E402
 
 if __name__ == "__main__":
-    quiet_interrupts()
     sys.exit(main())

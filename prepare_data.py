@@ -1,8 +1,11 @@
 """Tokenize and pack text for training: see `python prepare_data.py --help` and the README."""
 
-from app.cli import quiet_interrupts
-from app.prepare.cli import main
+import signal
+
+if __name__ == "__main__":  # until it takes stop signals itself: Ctrl-C while the libraries import ends
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # it quietly (130), as train.py does (app/cli.py stopped_in_one_line)
+
+from app.prepare.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    quiet_interrupts()
     main()

@@ -1,9 +1,12 @@
 """Print the generation samples of a run's latest evaluation next to their references: `python show_samples.py
 --help`."""
 
-from app.cli import quiet_interrupts
-from app.evaluation.show import main
+import signal
+
+if __name__ == "__main__":  # until it takes stop signals itself: Ctrl-C while the libraries import ends
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # it quietly (130), as train.py does (app/cli.py stopped_in_one_line)
+
+from app.evaluation.show import main  # noqa: E402
 
 if __name__ == "__main__":
-    quiet_interrupts()
     main()

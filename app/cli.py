@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import difflib
 import os
-import shutil
 import re
+import shutil
 import sys
 import types
 import typing
@@ -163,23 +163,25 @@ class UniqueKeysLoader(yaml.SafeLoader):
             if not isinstance(key, (str, int, float, bool)):  # the loader itself refuses a key it cannot hash
                 continue
             if key in seen:
-                raise MisreadLine(f"{key} is set twice (lines {seen[key]} and {key_node.start_mark.line + 1}); keep one")
+                line = key_node.start_mark.line + 1
+                raise MisreadLine(f"{key} is set twice (lines {seen[key]} and {line}); keep one")
             seen[key] = key_node.start_mark.line + 1
             unlike_the_command_line(key, value_node, self.construct_object(value_node))
         return super().construct_mapping(node, deep)
 
 
-YAML_OCTAL_OR_BASE_60 = re.compile(r"[-+]?(0[0-7_]+|[0-9][0-9_]*(:[0-5]?[0-9])+)")
-"""YAML 1.1's integers that the same text on the command line is not: `010` is 8 there, `1:30` is 90."""
+YAML_OCTAL = re.compile(r"-?0[0-7]+")
+"""YAML 1.1's octal integers, which the same text on the command line is not: `010` is 8 in a file, 10 as a flag
+(`+010`, `0_10` and base 60's `1:30` are read alike in both)."""
 
 
 def unlike_the_command_line(key: object, node: yaml.Node, value: object) -> None:
     """Refuse an integer a config file writes as YAML reads it otherwise than the command line (`seed: 010` was
     seed 8, `--seed 010` is 10; prepare_data.py's `block_size: 0100` wrote blocks of 64)."""
     if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int" and not node.style \
-            and YAML_OCTAL_OR_BASE_60.fullmatch(node.value):
-        raise MisreadLine(f"{key}: {node.value} is {value} in YAML (octal or base 60), unlike on the command line; "
-                          "write the number without leading zeros or colons, or quote it")
+            and YAML_OCTAL.fullmatch(node.value):
+        raise MisreadLine(f"{key}: {node.value} is {value} in YAML (octal), unlike on the command line; write the "
+                          "number without leading zeros, or quote it")
 
 
 def nested_config_files(path: str, values: dict) -> list[str]:
@@ -200,7 +202,8 @@ def config_value_problem(parser: ArgumentParser, name: str, value: object) -> Op
         return f"{name} has no value; give it one, or drop the line for its default ({action.default})"
     if getattr(action, "bracketed_too", False) and isinstance(value, str):
         return f"{name} is a list; write it as [{value}]"
-    if isinstance(value, (bool, int, float)) and takes_only_text(hint):  # `spike_guard: off` is false in YAML
+    if isinstance(value, (bool, int, float)) and takes_only_text(hint) and not getattr(action, "bracketed_too", False):
+        # `spike_guard: off` is false in YAML
         read = str(value).lower() if isinstance(value, bool) else value
         return f"{name} takes text, but YAML reads the value as {read}: quote it"
     if takes_integers(action) and (isinstance(value, float) or isinstance(value, str) and E_NOTATION.fullmatch(value)):
@@ -341,15 +344,6 @@ def describe(hint: Any) -> str:
         else:
             return ""
     return " or ".join(parts)
-
-
-def quiet_interrupts() -> None:
-    """At a script's start: until the command takes stop signals itself (stopped_in_one_line), Ctrl-C ends it by
-    SIGINT's default action, with the shell's 130 and no KeyboardInterrupt traceback from the middle of an import
-    (41 to 75 lines while transformers loaded), as train.py's start does."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def first_line(error: BaseException) -> str:

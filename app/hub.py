@@ -204,6 +204,10 @@ def load_problem(error: Exception) -> str:
 REMOTE_CODE = "it ships Python code of its own, which runs only with --trust_remote_code true: read it first"
 
 
+CHAT_TEMPLATE_DIFFERS = "its chat template differs"
+"""tokenizer_difference's answer when only the chat template differs, which its callers tell apart."""
+
+
 def tokenizer_difference(given, other) -> Optional[str]:
     """What differs between two tokenizers in what a run records for conversion: the token ids, the special
     tokens, the chat template (a converted chat model would render prompts unlike its training)."""
@@ -212,5 +216,5 @@ def tokenizer_difference(given, other) -> Optional[str]:
     if given.all_special_ids != other.all_special_ids:
         return "its special tokens differ"
     if (given.chat_template or None) != (other.chat_template or None):
-        return "its chat template differs"
+        return CHAT_TEMPLATE_DIFFERS
     return None

@@ -64,8 +64,8 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
                            "spike_guard takes text, but YAML reads the value as false: quote it; project takes text, "
                            "but YAML reads the value as 2024: quote it"),
                           ("seed: 010\n",  # YAML's octal: seed 8 without a word, where --seed 010 is 10
-                           "seed: 010 is 8 in YAML (octal or base 60), unlike on the command line; write the number "
-                           "without leading zeros or colons, or quote it")):
+                           "seed: 010 is 8 in YAML (octal), unlike on the command line; write the number without "
+                           "leading zeros, or quote it")):
         config.write_text(text)  # jsonargparse said "Unexpected config" and "'str' object does not support item ..."
         result = subprocess.run([sys.executable, "train.py", *REQUIRED, f"--config={config}"], cwd=ROOT,
                                 capture_output=True, text=True)

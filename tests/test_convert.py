@@ -913,7 +913,8 @@ def test_generate_says_what_to_do_with_a_run_a_checkpoint_or_a_data_folder(full_
     for given, message in ((full_run / "checkpoints", f"is a train.py checkpoint folder or run folder: convert it "
                                                       f"first ({convert} "),
                            (full_run / "checkpoints" / ".step-00000010.ckpt.partial", "is what a checkpoint save left "
-                            f"unfinished; convert a finished checkpoint ({convert} --output_dir DIR takes the latest)")):
+                            f"unfinished; convert a finished checkpoint ({convert} --output_dir DIR takes the "
+                            "latest)")):
         given.mkdir(exist_ok=True)  # each was "Should have a model_type key in its config.json"
         with pytest.raises(SystemExit):
             generate_main([str(given)])
@@ -1132,9 +1133,11 @@ def test_a_stop_during_the_push_says_the_folder_is_kept_and_how_to_push_it(full_
     for line in started.stdout:  # verified and published: the push comes next
         if "weights and logits verified" in line:
             break
-    time.sleep(2)
+    silent.settimeout(60)
+    pushing, _ = silent.accept()  # the push asks the Hub
     started.send_signal(signal.SIGINT)
     _, err = started.communicate(timeout=60)
+    pushing.close()
     silent.close()
     assert started.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith(

@@ -48,8 +48,8 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, first_line
 from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_folder
-from app.hub import (REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, is_hub_id, load_problem, missing_model_problem,
-                     tokenizer_difference, unloadable_tokenizer, why_unreachable)
+from app.hub import (CHAT_TEMPLATE_DIFFERS, REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, is_hub_id, load_problem,
+                     missing_model_problem, tokenizer_difference, unloadable_tokenizer, why_unreachable)
 from app.huggingface.convert_cli import Args
 from app.huggingface.generate import source_input
 from app.huggingface.prefetch import PrefetchError, reported_as
@@ -353,7 +353,7 @@ def check_given_tokenizer(args: Args, metadata: dict[str, Any], checkpoint: Path
     except (BadInput, OSError, ValueError):
         return
     difference = tokenizer_difference(given, trained_with)
-    if difference and difference != "its chat template differs":
+    if difference and difference != CHAT_TEMPLATE_DIFFERS:
         raise BadInput(f"--tokenizer {args.tokenizer} is not the tokenizer the run trained with, {runs} "
                        f"({difference}); drop --tokenizer, or give one that encodes as that one does")
 

@@ -128,7 +128,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     from app.huggingface.generate import answer_file, generate
 
     unwritten = ("nothing was written (--output is written whole once every prompt is answered and scored)"
-                 if args.output else "the answers are printed once every prompt is answered")
+                 if args.output else "nothing was printed" if args.prompts is None
+                 else "the answers are printed once every prompt is answered")
     with cli.bars_only_on_a_terminal(), cli.stopped_in_one_line(PROG, unwritten, lambda: None):
         if args.prompts is None:
             print(cli.run_command(PROG, lambda: generate(args)))

@@ -197,8 +197,8 @@ def check_template(encoder: ChatEncoder, chats: Iterable[Dataset] = ()) -> None:
         if longer:
             raise UsageError(f"{encoder.template.origin}: it masks chats of one assistant turn only, as it renders an "
                              f"earlier turn otherwise once the chat goes on{prefix_difference(encoder, PROBE_CHAT)}, "
-                             f"and {longer:,} chat{'s have' if longer > 1 else ' has'} more than one; leave those out, or give a template that "
-                             "renders every turn alike with --chat_template FILE")
+                             f"and {longer:,} chat{'s have' if longer > 1 else ' has'} more than one; leave those out, "
+                             "or give a template that renders every turn alike with --chat_template FILE")
         probe, where = PROBE_CHAT[:2], "a one-turn chat"
         example = encoder.encode(probe)
     if example.dropped:

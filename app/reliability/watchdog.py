@@ -81,6 +81,7 @@ EXIT_HOOKS: list[Callable[[int], object]] = []
 """Called with the exit code before this process exits (exit_run, end_process_tree): W&B's run finishes there with
 the run's code. Its own exit handler recorded 0 for every run (os._exit leaves no code to read), and a crash's or a
 stall's end_process_tree killed its service before the last rows were written."""
+_HOOKS_TAKEN = threading.Lock()
 ENDING_HOOKS_SEC = 15.0
 """How long end_process_tree gives the exit hooks: a crash or a stall is not kept waiting on a network."""
 
@@ -92,8 +93,9 @@ def before_exit(hook: Callable[[int], object]) -> None:
 def run_exit_hooks(code: int, timeout_sec: Optional[float]) -> None:
     """Each hook once, with `code`, for at most `timeout_sec` in all (None: until they return); an exception in one
     is left (the exit goes on)."""
-    hooks = list(EXIT_HOOKS)
-    EXIT_HOOKS.clear()
+    with _HOOKS_TAKEN:  # exit_run (main thread) and end_process_tree (another) may both come: the hooks run once
+        hooks = list(EXIT_HOOKS)
+        EXIT_HOOKS.clear()
     if not hooks:
         return
     done = threading.Event()

@@ -17,7 +17,7 @@ from app.data import DataFormat
 from app.data.identity import folder_identity
 from app.data.mixture import Source, epoch_rows, parse_sources
 from app.folders import STATS_FILE, prepared_tokenizer
-from app.hub import tokenizer_difference
+from app.hub import CHAT_TEMPLATE_DIFFERS, tokenizer_difference
 from app.training.preflight.environment import world_size
 from app.training.preflight.notes import note
 
@@ -113,7 +113,7 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
     first = bundled(sources[0])
     for source in sources[1:]:
         difference = tokenizer_difference(bundled(source), first)
-        if difference == "its chat template differs":  # one tokenizer, another --chat_template: renders unlike the rest
+        if difference == CHAT_TEMPLATE_DIFFERS:  # one tokenizer, another --chat_template: renders unlike the rest
             problems.append(f"--train_data_dir: {source.path} was prepared with another chat template than "
                             f"{sources[0].path}: the model would learn two renderings and be converted with one; "
                             "prepare every folder of a mixture with one --chat_template")

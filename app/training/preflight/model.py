@@ -260,17 +260,17 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig, say: Callabl
     against 36.3% MFU on an H200) and held 2.1 GB more at 8K tokens of a 128K vocabulary."""
     if getattr(model_config, "output_router_logits", False):
         say(f"a {model_config.model_type} model with output_router_logits adds its router's auxiliary loss "
-             f"(x {getattr(model_config, 'router_aux_loss_coef', '?')}) to the cross-entropy: train_loss includes "
-             "it, val_loss leaves it out (where the model's forward takes output_router_logits)")
+            f"(x {getattr(model_config, 'router_aux_loss_coef', '?')}) to the cross-entropy: train_loss includes "
+            "it, val_loss leaves it out (where the model's forward takes output_router_logits)")
     if cfg.chunked_loss is None and cfg.compile and resolve_accelerator(cfg) == "cuda":
         say("--chunked_loss: with --compile on GPUs the model's own loss is compiled into its graph, faster than the "
-             "chunked loss for a little more memory; --chunked_loss true keeps it chunked")
+            "chunked loss for a little more memory; --chunked_loss true keeps it chunked")
         return False
     if cfg.chunked_loss is False:
         return False
     if cfg.precision.startswith("16"):
         say(f"--chunked_loss: --precision {cfg.precision} keeps the model's own loss (fp16 gradients need the loss "
-             "scaling that the chunked loss would come before); its logits are materialised")
+            "scaling that the chunked loss would come before); its logits are materialised")
         return False
     try:
         if probe_chunked_loss(model_config, cfg.attn_implementation, cfg.trust_remote_code):
@@ -279,7 +279,7 @@ def check_chunked_loss(cfg: Config, model_config: PretrainedConfig, say: Callabl
     except Exception as error:  # a model the probe cannot build or run here: its own loss is the safe choice
         reason = f"probing it failed: {first_line(error)}"
     say(f"--chunked_loss: a {model_config.model_type} model keeps its own loss ({reason}); its logits are "
-         "materialised")
+        "materialised")
     return False
 
 

@@ -13,11 +13,11 @@ import torch
 import yaml
 from transformers import PretrainedConfig
 
-from app.checkpoint import checkpoint_dir, latest_checkpoint
+from app.checkpoint import checkpoint_dir, latest_checkpoint, run_tokenizer_dir
 from app.checkpoint.files import RUN_CONFIG_FILE, bytes_on_disk, leftovers
 from app.data.mixture import parse_sources
 from app.distributed.precision import weights_dtype
-from app.evaluation.samples import samples_written
+from app.evaluation.samples import SAMPLES_DIR, samples_written
 from app.metrics.console import format_gb
 from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
 from app.metrics.observe import GB
@@ -62,9 +62,11 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
                         "choose another --out_dir, or add --resume true to start that run again from step 0 there, "
                         "replacing those files (this refusal changed nothing)")
     elif not written_by_a_run(out_dir, cfg):  # the Slurm scripts always pass --resume true
-        problems.append(f"--out_dir {out_dir} holds {', '.join(written)}, which --resume true would replace, but its "
-                        f"{RUN_CONFIG_FILE} is not one a run of train.py wrote: they are not a run's to take over; "
-                        "choose another --out_dir (this refusal changed nothing)")
+        which = (f"its {RUN_CONFIG_FILE} is not one a run of train.py wrote" if (out_dir / RUN_CONFIG_FILE).exists()
+                 else f"it holds no {RUN_CONFIG_FILE}, which a run writes first")
+        problems.append(f"--out_dir {out_dir} holds {', '.join(written)}, which --resume true would replace, but "
+                        f"{which}: they are not a run's to take over; choose another --out_dir (this refusal changed "
+                        "nothing)")
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -93,20 +95,21 @@ def data_folder_holding(cfg: Config, out_dir: Path) -> Optional[Path]:
 
 
 def written_by_a_run(out_dir: Path, cfg: Config) -> bool:
-    """Whether out_dir's config.yaml is one a run writes (options of train.py, out_dir among them): a run writes it
-    before any other file, so the files beside it are that run's."""
+    """Whether out_dir's config.yaml is one a run writes (options of train.py, out_dir among them; most of them today's:
+    an earlier version's may name options since renamed): a run writes it before any other file, so the files beside
+    it are that run's."""
     try:
         written = yaml.safe_load((out_dir / RUN_CONFIG_FILE).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
     options = {option.name for option in fields(cfg)}
-    return isinstance(written, dict) and "out_dir" in written and set(written) <= options
+    return isinstance(written, dict) and "out_dir" in written and len(set(written) & options) >= 0.8 * len(written)
 
 
 def data_folder_written_in(cfg: Config, out_dir: Path) -> Optional[Path]:
     """A --train_data_dir folder inside a folder the run writes in (out_dir/checkpoints, its tokenizer copy, its
     samples): checkpoints and best.json were written among the dataset's files, without a word."""
-    written = [(out_dir / name).resolve() for name in (checkpoint_dir(out_dir).name, "tokenizer", "samples")]
+    written = [path.resolve() for path in (checkpoint_dir(out_dir), run_tokenizer_dir(out_dir), out_dir / SAMPLES_DIR)]
     return next((folder for folder in data_folders(cfg) for place in written
                  if folder == place or place in folder.parents), None)
 
