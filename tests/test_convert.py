@@ -1117,7 +1117,6 @@ def test_a_stop_during_the_push_says_the_folder_is_kept_and_how_to_push_it(full_
     import socket
     import subprocess
     import sys
-    import time
 
     from tests.conftest import ROOT
 

@@ -185,20 +185,32 @@ CHATS = [[{"role": "user", "content": "def f(x): return x"}, {"role": "assistant
           {"role": "assistant", "content": "Add."}]]
 
 
+def chat_model(tiny, folder: Path) -> Path:
+    """The tiny Llama with TEMPLATE as its chat template."""
+    model_folder(tiny, folder, "llama")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def answers_alone(folder: Path, prompts: list[list[dict[str, str]]]) -> list[str]:
+    """Each chat's greedy answer of 4 tokens, generated alone with transformers."""
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+    answers = []
+    for messages in prompts:
+        inputs = model_input(tokenizer, messages, False, model.config)
+        output = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        answers.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    return answers
+
+
 def test_held_out_chats_are_answered_from_the_messages_before_their_last_and_scored_against_it(tiny, tmp_path,
                                                                                                 capsys) -> None:
     """A chat test set (prepare_data.py --messages_field's format): the model answers the last assistant message
     from everything before it, system message and earlier turns included, through the chat template."""
-    folder = model_folder(tiny, tmp_path / "model", "llama")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    expected = []
-    for chat in CHATS:
-        inputs = model_input(tokenizer, chat[:-1], False, model.config)
-        output = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        expected.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    folder = chat_model(tiny, tmp_path / "model")
+    expected = answers_alone(folder, [chat[:-1] for chat in CHATS])
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS))
     capsys.readouterr()
     generate_main([str(folder), "--prompts", str(tmp_path / "chats.jsonl"), "--messages_field", "messages",
@@ -224,21 +236,13 @@ def test_alpaca_style_prompts_are_asked_as_prepare_data_made_them(tiny, tmp_path
     """A prompt/response test set with an input and a system field (Alpaca's): the model was trained on the chat
     prepare_data.py makes of a row (system message; prompt, blank line, input); generate.py asked the prompt alone,
     without a word, and scored those answers."""
-    folder = model_folder(tiny, tmp_path / "model", "llama")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(folder)
+    folder = chat_model(tiny, tmp_path / "model")
     rows = [{"instruction": "Summarise:", "input": "def f(): pass", "sys": "Be brief.", "output": "Nothing."},
             {"instruction": "Name it:", "input": None, "sys": "", "output": "f"}, {"instruction": "x", "output": "y"}]
     fields = {"prompt_field": "instruction", "response_field": "output", "input_field": "input", "system_field": "sys"}
     trained = [pair_messages({option: row.get(field) for option, field in fields.items()}, Row(fields, k, "x"))
                for k, row in enumerate(rows)]
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    expected = []
-    for chat in trained:
-        inputs = model_input(tokenizer, chat[:-1], False, model.config)
-        output = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        expected.append(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    expected = answers_alone(folder, [chat[:-1] for chat in trained])
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     options = ["--prompts", str(tmp_path / "pairs.jsonl"), "--prompt_field", "instruction", "--input_field", "input",
                "--system_field", "sys"]
