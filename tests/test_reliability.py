@@ -1147,3 +1147,20 @@ def test_a_wandb_run_id_wandb_would_refuse_is_named_before_the_resume_moves_anyt
     for fine in ("3xk9v2ab\n", "\n"):
         (tmp_path / "wandb_run_id").write_text(fine)
         assert run_id_problem(tmp_path / "wandb_run_id") is None
+
+
+def test_exit_hooks_run_once_and_one_that_exits_stops_neither_the_others_nor_the_exit() -> None:
+    """wandb.teardown may sys.exit with its service's code inside the hook: the thread died without saying it was
+    done, and exit_run, which waits for the hooks without a limit (a run's last uploads), would have waited for ever."""
+    from app.reliability import watchdog
+
+    seen: list[int] = []
+
+    def exits(code: int) -> None:
+        raise SystemExit(3)
+
+    watchdog.before_exit(exits)
+    watchdog.before_exit(seen.append)
+    watchdog.run_exit_hooks(7, None)
+    watchdog.run_exit_hooks(8, None)
+    assert seen == [7], "each hook once, with the first exit's code"

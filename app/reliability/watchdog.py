@@ -101,10 +101,12 @@ def run_exit_hooks(code: int, timeout_sec: Optional[float]) -> None:
     done = threading.Event()
 
     def run() -> None:
-        for hook in hooks:
-            with suppress(Exception):
-                hook(code)
-        done.set()
+        try:
+            for hook in hooks:
+                with suppress(BaseException):  # wandb.teardown may sys.exit with its service's code
+                    hook(code)
+        finally:
+            done.set()
 
     threading.Thread(target=run, name="exit-hooks", daemon=True).start()
     done.wait(timeout_sec)
