@@ -550,6 +550,9 @@ def test_wandb_follows_its_environment_unless_a_flag_says_otherwise(tiny, tmp_pa
     resolved = preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None))).config
     assert (resolved.wandb_mode, resolved.project) == ("disabled", "fsdp-trainer")
     assert capsys.readouterr().out.count("Weights & Biases: off") == 1
+    preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None, project="team-runs", run_name="a")))
+    assert "Weights & Biases: off, so --project, --run_name are not read (--wandb_mode offline or online" in (
+        capsys.readouterr().out), "--project alone reads as logging to W&B: it logged nowhere, its note unnamed"
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode=None))).config.wandb_mode == "disabled"
     assert "Weights & Biases" not in capsys.readouterr().out, "WANDB_MODE=disabled is a choice: nothing to say"

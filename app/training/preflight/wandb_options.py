@@ -35,10 +35,18 @@ def resolve_wandb(cfg: Config, problems: list[str]) -> Config:
         problems.append(f"WANDB_MODE={mode} is not one of {', '.join(WANDB_MODES)}; set one, or give --wandb_mode")
         mode = "disabled"
     if not cfg.wandb_mode and not os.environ.get("WANDB_MODE") and not cfg.estimate_memory:  # a plan logs nothing
-        note("Weights & Biases: off (--wandb_mode offline or online, or WANDB_MODE, to log there)")
+        note(f"Weights & Biases: off{unread_wandb_names(cfg)} (--wandb_mode offline or online, or WANDB_MODE, to log "
+             "there)")
     return replace(cfg, wandb_mode=mode, project=cfg.project or os.environ.get("WANDB_PROJECT") or "fsdp-trainer",
                    entity=cfg.entity or os.environ.get("WANDB_ENTITY"),
                    run_name=cfg.run_name or os.environ.get("WANDB_NAME"))
+
+
+def unread_wandb_names(cfg: Config) -> str:
+    """`--project team-runs` without a mode reads as "log to W&B", and the run logged nowhere, its note not naming
+    the option (a mode chosen, `--wandb_mode disabled` over a config's project, is the user's: nothing to say)."""
+    given = [f"--{name}" for name in ("project", "entity", "run_name") if getattr(cfg, name)]
+    return f", so {', '.join(given)} {'is' if len(given) == 1 else 'are'} not read" if given else ""
 
 
 def wandb_mode_name(mode: str) -> str:
