@@ -273,7 +273,8 @@ class ReliabilityArgs:
 
     stall_timeout_min: float = 20.0
     """End the run (exit 4, stacks printed) when no step, evaluation or save finishes for this long; 0 never does.
-    Below --process_group_timeout_min, so that the watchdog acts before a collective times out."""
+    Below --process_group_timeout_min, so that the watchdog acts before a collective times out. Also how long a
+    finished run waits for its last W&B uploads (unless WANDB_FINISH_TIMEOUT says; `wandb sync` sends the rest)."""
     process_group_timeout_min: float = 30.0
     """Timeout of every collective of every process group the run creates (torch.distributed)."""
     rendezvous_timeout_min: float = 10.0

@@ -792,6 +792,29 @@ def test_non_finite_loss_stops_without_saving_corrupted_weights(tiny: TinySetup,
         assert all(torch.isfinite(t).all() for t in model_tensors(path).values())
 
 
+WAITED_FOR = """
+import sys
+from dataclasses import replace
+from arguments import Config
+from app.metrics.loggers import WandbMetrics
+logger = WandbMetrics(replace(Config(), out_dir=sys.argv[1], wandb_mode="offline", stall_timeout_min=2.5), False)
+print("finish_timeout", logger.experiment.settings.finish_timeout)
+logger.finish(0)
+"""
+
+
+@pytest.mark.parametrize("variable, waited", [(None, 150.0), ("7", 7.0)])
+def test_the_wandb_uploads_left_at_the_end_are_waited_for_the_stall_timeout_unless_wandb_is_told(
+        tmp_path: Path, variable: str | None, waited: float) -> None:
+    """wandb's finish waits for its uploads for ever by default: a finished run whose network had gone held its
+    nodes (wandb/wandb#5601, #6625), where a run that stalls in training is ended after --stall_timeout_min."""
+    env = {name: value for name, value in run_environment({"WANDB_MODE": "offline"}).items()
+           if name != "WANDB_FINISH_TIMEOUT"} | ({"WANDB_FINISH_TIMEOUT": variable} if variable else {})
+    result = run_script([sys.executable, "-c", WAITED_FOR, str(tmp_path / "run")], timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"finish_timeout {waited}" in result.stdout, result.stdout
+
+
 def test_keep_last_n_keeps_the_best_and_the_resumed_checkpoint(tmp_path: Path):
     folder = tmp_path / "checkpoints"
     folder.mkdir()

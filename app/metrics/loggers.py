@@ -162,6 +162,11 @@ class WandbMetrics(Logger):
     about 2 s to the start of every rank, and wandb's Fabric integration imports that), and a run needs four of wandb's
     calls. Metrics are plotted against `trainer/global_step`, as Lightning's logger does, so that resumed runs line up.
 
+    The uploads left at the end are waited for --stall_timeout_min at most (wandb's finish_timeout, unless
+    WANDB_FINISH_TIMEOUT sets it): wandb waits for ever by default, and a finished run whose network had gone held its
+    nodes, what the stall watchdog prevents during the run; what was not sent stays in the run's folder for `wandb
+    sync`.
+
     A resumed run continues the W&B run it resumes (its history, its model artifacts): the run's id is kept in
     `out_dir/wandb_run_id` (not a secret), unless WANDB_RUN_ID names one. Without an id wandb starts a new run.
     """
@@ -175,6 +180,7 @@ class WandbMetrics(Logger):
                           dir=os.environ.get("WANDB_DIR") or cfg.out_dir, mode=cfg.wandb_mode, id=run_id,
                           resume="allow" if resuming else None)
         self._uploaded_before_pruned = cfg.keep_last_n is not None and cfg.wandb_mode == "online"
+        self._finish_timeout_sec = None if "WANDB_FINISH_TIMEOUT" in os.environ else cfg.stall_timeout_min * 60
         self._run: Any = None
 
     @property
@@ -192,8 +198,9 @@ class WandbMetrics(Logger):
             import wandb
 
             Path(self._init["dir"]).mkdir(parents=True, exist_ok=True)
+            settings = {} if self._finish_timeout_sec is None else dict(finish_timeout=self._finish_timeout_sec)
             try:
-                self._run = wandb.init(**self._init)
+                self._run = wandb.init(**self._init, settings=wandb.Settings(**settings))
             except Exception as error:  # wandb's CommError, AuthenticationError, UsageError, ServiceStartTimeoutError
                 other = "offline" if self._init["mode"] == "online" else "disabled"
                 raise WandbFailed(f"Weights & Biases could not start the run ({first_line(error)}); check the login, "
