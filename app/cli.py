@@ -369,6 +369,15 @@ def refuse(prog: str, message: str) -> typing.NoReturn:
     exit_refused([f"{prog}: error: {message}; see {prog} --help"])
 
 
+def any_text_printable() -> None:
+    """Standard output that writes what its encoding cannot hold as escapes (`\\u0e2a`), as Python's standard error
+    does: under a GBK or Latin-1 locale a Thai sample, an emoji, or the U+FFFD of a byte-level token cut at the
+    limit ended show_samples.py and generate.py in a UnicodeEncodeError traceback (UTF-8 locales, LANG=C and pipes
+    are UTF-8 already)."""
+    if hasattr(sys.stdout, "reconfigure") and sys.stdout.errors == "strict":
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def run_command(prog: str, work: Callable[[], Any]) -> Any:
     """Run `work`; a UsageError it raises becomes the command's one-line refusal."""
     try:

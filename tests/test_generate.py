@@ -7,6 +7,9 @@ nothing), the answers line up with the file's lines, and every problem of the fi
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from app.huggingface.generate import GenerateArgs, generate, model_input
 from app.huggingface.generate_cli import main as generate_main
 from app.prepare.chat import pair_messages
 from app.prepare.corpus import Row
+from tests.conftest import ROOT
 from tests.test_seq2seq import t5_with_decoder_start
 
 PROMPTS = ["def parse(", "import json\nclass Encoder:\n    def default(self, o):", "x = ", "    return",
@@ -102,6 +106,38 @@ def test_answers_in_batches_equal_answers_generated_alone_in_the_files_order(tin
     out = capsys.readouterr().out
     assert f"wrote {len(PROMPTS)} answers to {tmp_path / 'answers.jsonl'}" in out
     assert f"{len(PROMPTS)} answers scored against 'summary': exact match {1 / len(PROMPTS):.4f} | ROUGE-1 " in out
+
+
+def test_references_are_scored_as_their_tokens_decode_as_train_py_scores_its_samples(tiny, tmp_path, capsys) -> None:
+    """A tokenizer that normalises (T5's NFKC) cannot write a full-width reference: the answer equal to it as far as
+    the model can tell scored exact match 0 here and 1 in train.py, which decodes its references from their tokens."""
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    tokenizer_file = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer_file["normalizer"] = {"type": "NFKC"}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_file))
+    settings = json.loads((folder / "tokenizer_config.json").read_text())  # a class of its own would build its own
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+    answer, _ = alone(folder, PROMPTS[0])
+    full_width = "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in answer)
+    assert full_width != answer and any(c.isalnum() for c in answer), answer
+    prompts = tmp_path / "test.jsonl"
+    prompts.write_text(json.dumps({"code": PROMPTS[0], "summary": full_width}) + "\n")
+    generate_main([str(folder), "--prompts", str(prompts), "--prompt_field", "code", "--reference_field", "summary",
+                   "--temperature", "0", "--max_new_tokens", str(NEW_TOKENS)])
+    assert "1 answers scored against 'summary': exact match 1.0000 | ROUGE-1 1.0000" in capsys.readouterr().out
+
+
+def test_an_answer_prints_under_a_locale_that_cannot_encode_it(tiny, tmp_path) -> None:
+    """The U+FFFD of a byte-level token cut at --max_new_tokens (or any script the locale lacks) was a
+    UnicodeEncodeError traceback under a GBK or Latin-1 locale."""
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    answer, _ = alone(folder, PROMPTS[0])
+    assert "\ufffd" in answer, answer
+    result = subprocess.run([sys.executable, "generate.py", str(folder), "--prompt", PROMPTS[0], "--temperature", "0",
+                             "--max_new_tokens", str(NEW_TOKENS)], cwd=ROOT, capture_output=True, timeout=120,
+                            env={**os.environ, "PYTHONIOENCODING": "latin-1"})
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert result.stdout.decode("latin-1").startswith(PROMPTS[0] + answer.encode("latin-1", "backslashreplace").decode())
 
 
 def test_temperature_0_is_plain_greedy_whatever_the_base_models_generation_config_says(tiny, tmp_path) -> None:

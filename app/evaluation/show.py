@@ -89,6 +89,7 @@ def parse_show_args(argv: Optional[list[str]] = None) -> tuple[Path, int]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    cli.any_text_printable()
     shown = cli.run_command(PROG, lambda: show(*parse_show_args(argv)))
     try:
         print(shown, flush=True)

@@ -140,7 +140,8 @@ def answer_file(args: GenerateArgs) -> None:
     answers = [found[index] for index in range(len(rows))]
     against = (repr(args.reference_field) if args.reference_field is not None else
                f"the last assistant message of {args.messages_field!r}" if args.messages_field is not None else None)
-    scores = scores_line(rows, answers, against) if against else None  # seconds of ROUGE: before --output is written
+    references = [as_the_model_writes(tokenizer, row.reference or "") for row in rows]
+    scores = scores_line(references, answers, against) if against else None  # seconds of ROUGE: before --output
     if args.output is None:
         alone = answered_alone(args, config)
         print("\n\n".join(shown(row.prompt, answer, alone) for row, answer in zip(rows, answers)))
@@ -150,6 +151,13 @@ def answer_file(args: GenerateArgs) -> None:
         print(f"wrote {len(answers)} answers to {args.output}")
     if scores:
         print(scores)
+
+
+def as_the_model_writes(tokenizer: Any, reference: str) -> str:
+    """A reference as its tokens decode, as train.py's references are (its tokenized targets): a tokenizer that
+    normalises (T5's and mT5's NFKC: full-width `２０２４`, half-width kana) or lacks a character cannot write the
+    file's text, and the answer equal to it as far as the model can tell scored exact match 0."""
+    return tokenizer.decode(tokenizer.encode(reference, add_special_tokens=False), skip_special_tokens=True)
 
 
 def line_of(row: PromptRow, args: GenerateArgs) -> str:

@@ -124,6 +124,7 @@ def check_prompt_options(args: GenerateArgs) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: one line on stderr and exit 2 for bad input; else what the model writes."""
+    cli.any_text_printable()
     args = cli.run_command(PROG, lambda: parse_args(argv))
     from app.huggingface.generate import answer_file, generate
 
