@@ -243,11 +243,16 @@ def test_a_csv_file_beside_other_raw_text_inputs_is_read_with_them(tmp_path, iss
         assert stats["splits"]["train"]["documents"] == (51 if len(inputs) == 1 else 50)
 
 
-@pytest.mark.parametrize("name, content", [("b.txt", b"caf\xe9 au lait\n"),
-                                           ("c.jsonl", b'{"text": "caf\xe9"}\n')])
-def test_a_file_that_is_not_utf8_is_named_with_its_byte(name, content, tmp_path, capsys, issue_run):
+@pytest.mark.parametrize("name, content, advice", [
+    ("b.txt", b"caf\xe9 au lait\n", "convert it from its encoding (iconv -f ENCODING -t UTF-8, ENCODING cp1252, "),
+    ("c.jsonl", b'{"text": "caf\xe9"}\n', "convert it from its encoding"),
+    ("d.txt", "\ufeff\u6211\u4eec\n".encode("utf-16-le"), "it looks UTF-16: convert it (iconv -f UTF-16 -t UTF-8)"),
+    ("e.txt", "\u6211\u4eec abc".encode("utf-16-be"), "it looks UTF-16: convert it (iconv -f UTF-16 -t UTF-8)"),
+    ("f.txt", "\ufeff\u6211".encode("utf-32-le"), "it looks UTF-32: convert it (iconv -f UTF-32 -t UTF-8)")])
+def test_a_file_that_is_not_utf8_is_named_with_its_byte(name, content, advice, tmp_path, capsys, issue_run):
     """The text reader said "An error occurred while generating the dataset", naming no file among thousands; the
-    JSON reader let the bytes through to a UnicodeDecodeError traceback at their first use."""
+    JSON reader let the bytes through to a UnicodeDecodeError traceback at their first use. A UTF-16 file, converted
+    as latin1 as the line advised for every file, became mojibake and NULs that prepared without a word."""
     (tmp_path / "in" / "deep").mkdir(parents=True)
     (tmp_path / "in" / "a.txt").write_text("fine text")
     (tmp_path / "in" / "deep" / name).write_bytes(content)
@@ -257,6 +262,7 @@ def test_a_file_that_is_not_utf8_is_named_with_its_byte(name, content, tmp_path,
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and f"{tmp_path / 'in' / 'deep' / name} is not UTF-8 text (byte " in error[0], error
+    assert advice in error[0], error
     assert sorted(path.name for path in tmp_path.iterdir()) == ["in"]
 
 

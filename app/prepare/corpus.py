@@ -354,8 +354,8 @@ def not_utf8(files: Iterable[str | Path]) -> str | None:
                 try:
                     decoder.decode(chunk)
                 except UnicodeDecodeError as error:
-                    return (f"{file} is not UTF-8 text (byte {offset + error.start}: {error.reason}); convert it "
-                            "(iconv -f latin1 -t utf-8, for one) or leave it out")
+                    return (f"{file} is not UTF-8 text (byte {offset + error.start}: {error.reason}); "
+                            f"{conversion(chunk if offset == 0 else b'')} or leave it out")
                 offset += len(chunk)
             try:
                 decoder.decode(b"", final=True)
@@ -363,6 +363,22 @@ def not_utf8(files: Iterable[str | Path]) -> str | None:
                 return (f"{file} is not UTF-8 text (it ends within a character: {error.reason}); convert it or "
                         "leave it out")
     return None
+
+
+UNICODE_MARKS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+                 (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def conversion(start: bytes) -> str:
+    """How to convert a file that is not UTF-8, from its first bytes: a UTF-16 one (Notepad's "Unicode", PowerShell
+    5's `>`) converted as latin1, which the advice named for every file, became NULs and mojibake that prepared and
+    trained without a word."""
+    named = next((name for mark, name in UNICODE_MARKS if start.startswith(mark)), None)
+    if named is None and b"\0" in start[:4096]:
+        named = "UTF-16"  # text with NULs between its letters, without a byte-order mark
+    if named:
+        return f"it looks {named}: convert it (iconv -f {named} -t UTF-8)"
+    return "convert it from its encoding (iconv -f ENCODING -t UTF-8, ENCODING cp1252, gbk or shift_jis, for example)"
 
 
 def local_files(inputs: list[str]) -> Iterator[Path]:
