@@ -507,6 +507,11 @@ def test_rouge_lsum_scores_a_multi_line_summary_sentence_by_sentence() -> None:
     one_line = sample_metrics(["Then the dog came. The cat sat on the mat."],
                               ["The cat sat on the mat. It was happy there. Then the dog came."], [11])
     assert one_line["sample_rougeL"] == pytest.approx(0.5) and one_line["sample_rougeLsum"] == pytest.approx(5 / 6)
+    # Chinese, Hindi and Arabic full stops end a sentence too, with no space after them in Chinese: rougeLsum there
+    # was rougeL (0.556 for two sentences swapped).
+    for first, second in (("天气很好。", "我们去公园！"), ("यह अच्छा है। ", "वह भी॥"), ("هل هو جيد؟ ", "نعم ۔")):
+        swapped = sample_metrics([first + second], [second.strip() + " " + first.strip()], [4])
+        assert swapped["sample_rougeLsum"] == 1.0 and swapped["sample_rougeL"] < 1.0, (first, swapped)
 
 
 def test_samples_stop_at_eos_or_the_templates_end_of_turn_never_at_a_cut_references_last_token(tiny) -> None:

@@ -47,9 +47,11 @@ WORD = regex.compile(f"(?=[{WRITTEN_WITHOUT_SPACES}])[\\p{{L}}\\p{{N}}]\\p{{M}}*
 `regex` module: the standard library's `\\w` leaves out the marks of Devanagari, Arabic and Hebrew, which split
 their words into letters, and scored two different Hindi sentences 1.0)."""
 STEMMED = re.compile("[a-z0-9]{4,}")
-SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？।॥؟۔])\s*")
 """Where a sentence ends inside a line, for rougeLsum: Hugging Face's run_summarization.py puts each of nltk's
-sentences on its own line first, and a SentencePiece vocabulary like T5's cannot write a newline at all."""
+sentences on its own line first, and a SentencePiece vocabulary like T5's cannot write a newline at all. Chinese and
+Japanese (。！？), Hindi (। ॥) and Arabic or Urdu (؟ ۔) end one with or without a space after it: without them,
+rougeLsum there was rougeL."""
 
 
 @dataclass(frozen=True)
@@ -238,8 +240,8 @@ class RougeWords:
 
 
 def one_sentence_per_line(text: str) -> str:
-    """The text with each sentence on a line of its own: a line ends one, and so does `.`, `!` or `?` before a space
-    (nltk's punkt, which run_summarization.py uses, also knows abbreviations, but needs data downloaded first)."""
+    """The text with each sentence on a line of its own: a line ends one, and so does `.`, `!` or `?` before a space,
+    or another script's full stop (SENTENCE_END) (nltk's punkt, which run_summarization.py uses, also knows abbreviations, but needs data downloaded first)."""
     sentences = (sentence for line in text.splitlines() for sentence in SENTENCE_END.split(line.strip()))
     return "\n".join(sentence for sentence in sentences if sentence)
 
