@@ -16,11 +16,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from datasets import DatasetDict, load_from_disk
 
 from app.data.order import epoch_permutation
 from app.exit_codes import EXIT_FINISHED
-from conftest import TinySetup, run_train, train_args
+from conftest import TinySetup, read_checkpoint, run_train, train_args
 
 SEED, GLOBAL_BATCH, REPEATED_TOKEN = 7, 16, 399
 SPIKY_STEPS, BROKEN_STEPS = (23, 25, 28), (33, 34, 35)
@@ -108,6 +109,22 @@ def test_bad_rows_are_set_aside_a_broken_stretch_is_rolled_back_and_a_resume_els
     for step in range(41, 61):
         assert continued[step] == pytest.approx(straight[step], rel=1e-4), step
     assert quarantined(tmp_path / "resumed") == set_aside
+
+    # Resumed one row a step, the step of a row set aside has no trained token: it once logged loss 0 and fed it to
+    # the guard, and AdamW moved every weight for it (momentum, weight decay) as for a step that trained.
+    done = 3 * GLOBAL_BATCH  # the rows of the second epoch before the checkpoint: its steps 38 to 40
+    empty = 41 + next(index for index, row in enumerate(second_epoch[done:]) if row in set_aside)
+    alone = run_train(train_args(tiny, tmp_path / "alone", train_data_dir=data, spike_guard="detect", resume=True,
+                                 checkpoint=after, devices=1, micro_batch_size=1, global_batch_size=1,
+                                 gradient_accumulation_steps=None, max_step=empty, save_step_interval=1,
+                                 eval_step_interval=100, log_interval=1))
+    assert alone.returncode == EXIT_FINISHED, alone.stderr[-3000:]
+    assert f"step {empty}: no trained tokens, every row of it set aside in quarantine: not applied" in alone.stdout
+    assert f"step {empty}/{empty} | no trained tokens | lr " in alone.stdout, alone.stdout[-2000:]
+    assert empty not in logged_losses(tmp_path / "alone") and empty - 1 in logged_losses(tmp_path / "alone")
+    weights = [read_checkpoint(tmp_path / "alone" / "checkpoints" / f"step-{step:08d}.ckpt")["model"]
+               for step in (empty - 1, empty)]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
 
 
 @pytest.mark.parametrize("mode", ["skip", "off"])

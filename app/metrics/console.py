@@ -22,7 +22,8 @@ def format_gb(gb: float) -> str:
 
 
 def progress_line(step: int, max_step: int, metrics: dict[str, float], eta: float) -> str:
-    parts = [f"step {step}/{max_step}", f"loss {metrics['train_loss']:.4f}", f"lr {metrics['lr']:.2e}"]
+    loss = f"loss {metrics['train_loss']:.4f}" if "train_loss" in metrics else "no trained tokens"
+    parts = [f"step {step}/{max_step}", loss, f"lr {metrics['lr']:.2e}"]
     if "tokens_per_sec" in metrics:
         parts.append(f"{metrics['tokens_per_sec']:,.0f} tok/s")
     if "mfu" in metrics:

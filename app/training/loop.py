@@ -177,7 +177,8 @@ class Loop:
                 return "non_finite"
             if action == "stop":
                 return "spikes"
-            losses.append(verdict.loss)
+            if step_batches.trained_tokens:
+                losses.append(verdict.loss)
             self.watchdog.beat(arm=True)
             epoch_ended = advance_position(state, plan, step_batches, self.data)
             if self.rows_record:
@@ -280,6 +281,10 @@ class Loop:
         """The spike guard's decision on this step, the same on every rank (spikes.py); what it found is printed, and
         the rows it blames are set aside."""
         number, guard = self.state["step"] + 1, self.guard
+        if not step.trained_tokens:  # AdamW would still move every weight (momentum, decay) for a loss of 0/0
+            self.console.print(f"step {number}: no trained tokens, every row of it set aside in quarantine: not "
+                               "applied")
+            return "skip"
         spike = guard.judge(number, verdict.loss, verdict.grad_norm_value)
         if spike is None:
             guard.accept(verdict.loss, verdict.grad_norm_value)
@@ -364,7 +369,7 @@ class Loop:
         interval = trained - self.trained_at_last_log
         self.ranks_at_last_log, self.trained_at_last_log = ranks, trained
         step = self.state["step"]
-        metrics = {"epoch": self.epochs_done(), "train_loss": sum(losses) / len(losses), "lr": lr,
+        metrics = {"epoch": self.epochs_done(), **({"train_loss": sum(losses) / len(losses)} if losses else {}), "lr": lr,
                    "grad_norm": grad_norm, "elapsed_sec": self.clock.run_elapsed(),
                    "data_wait_pct": 100 * waited / interval,
                    **throughput, **self.guard.metrics(), **self.source_tokens()}
