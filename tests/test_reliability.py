@@ -782,6 +782,9 @@ def test_non_finite_loss_stops_without_saving_corrupted_weights(tiny: TinySetup,
                                   save_step_interval=1, wandb_mode="offline"))
     assert result.returncode == EXIT_NON_FINITE, result.stdout + result.stderr
     bad_step = int(re.search(r"step (\d+): non-finite values", result.stdout).group(1))
+    assert re.search(r"non-finite values \(loss \S+( on [12] of 2 ranks)?, gradient norm \S+\); stopped without "
+                     r"applying this step or saving it\. Resume from the last checkpoint with a lower --lr or a "
+                     r"--grad_clip$", result.stdout, re.MULTILINE), result.stdout[-2000:]
     (logged,) = wandb_records(out)
     assert logged.exit_codes == [EXIT_NON_FINITE], "W&B recorded exit 0 for every run, stopped or not"
     assert max(logged.steps) == bad_step - 1
@@ -790,6 +793,23 @@ def test_non_finite_loss_stops_without_saving_corrupted_weights(tiny: TinySetup,
     assert max(checkpoints) == bad_step - 1
     for path in checkpoints.values():
         assert all(torch.isfinite(t).all() for t in model_tensors(path).values())
+
+
+def test_a_non_finite_first_step_blames_the_weights_not_the_learning_rate(tiny: TinySetup, tmp_path: Path):
+    """Rank 1's NaN was shown as rank 0's finite part of the loss, and the advice was a lower --lr and a --grad_clip
+    (already set) from a checkpoint none had saved, for a step that no learning rate had touched."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5:].fill_(float("nan"))
+    model.save_pretrained(tmp_path / "model")
+    result = run_train(train_args(tiny, tmp_path / "run", model_config=None, model_name=tmp_path / "model",
+                                  grad_clip=1.0))
+    assert result.returncode == EXIT_NON_FINITE, result.stdout[-2000:] + result.stderr[-2000:]
+    assert ("step 1: non-finite values (loss nan on 2 of 2 ranks, gradient norm nan); stopped without applying this "
+            "step or saving it. No update has been applied yet, so the learning rate is not the cause: look at the "
+            "model's weights (non-finite values in them?), its --precision, and the data\n") in result.stdout
 
 
 WAITED_FOR = """

@@ -200,6 +200,8 @@ class StepVerdict:
     """The step's loss over all ranks (the mean of the ranks' parts), the same number on every rank."""
     grad_norm_value: float
     """`grad_norm` on the host: these two are what the spike guard judges (spikes.py), on every rank alike."""
+    non_finite_ranks: int = 0
+    """How many ranks' parts of the loss were not finite."""
 
 
 def all_reduce_sum(fabric: Fabric, tensor: torch.Tensor) -> torch.Tensor:
@@ -234,7 +236,7 @@ def step_verdict(fabric: Fabric, loss: torch.Tensor, grad_square_sum: torch.Tens
     stop_requested, bad_loss, bad_gradient, step_loss, norm, failed_saves = on_host.tolist()
     return StepVerdict(stop_requested=stop_requested > 0, save_failed=failed_saves > 0,
                        non_finite=bad_loss > 0 or (bad_gradient > 0 and not scaled),
-                       grad_norm=grad_norm, loss=step_loss, grad_norm_value=norm)
+                       grad_norm=grad_norm, loss=step_loss, grad_norm_value=norm, non_finite_ranks=round(bad_loss))
 
 
 def stop_agreed(fabric: Fabric, stop: StopRequest) -> bool:

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
 import torch
 from lightning_fabric import Fabric
 
-from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, load_last_good_checkpoint,
-                            mark_if_best, prune_checkpoints, rng_of_every_rank, set_aside_newer)
+from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, latest_checkpoint,
+                            load_last_good_checkpoint, mark_if_best, prune_checkpoints, rng_of_every_rank,
+                            set_aside_newer)
 from app.data import Batch, Step, TrainingData, train_steps
 from app.distributed.precision import restore_grad_scaler
 from app.evaluation.validation import EvaluationStopped, perplexity, row_losses, validation_losses
@@ -169,7 +170,7 @@ class Loop:
             if verdict.save_failed:
                 self.saver.wait()  # raises the failed write's SaveFailed, on every rank alike
             if verdict.non_finite:
-                self.report_non_finite(loss, verdict.grad_norm)
+                self.report_non_finite(verdict)
                 return "non_finite"
             quarantined = len(self.data.set_aside)
             action = self.judge(step_batches, verdict)
@@ -369,7 +370,8 @@ class Loop:
         interval = trained - self.trained_at_last_log
         self.ranks_at_last_log, self.trained_at_last_log = ranks, trained
         step = self.state["step"]
-        metrics = {"epoch": self.epochs_done(), **({"train_loss": sum(losses) / len(losses)} if losses else {}), "lr": lr,
+        loss = {"train_loss": sum(losses) / len(losses)} if losses else {}  # none when no step trained a token
+        metrics = {"epoch": self.epochs_done(), **loss, "lr": lr,
                    "grad_norm": grad_norm, "elapsed_sec": self.clock.run_elapsed(),
                    "data_wait_pct": 100 * waited / interval,
                    **throughput, **self.guard.metrics(), **self.source_tokens()}
@@ -444,11 +446,25 @@ class Loop:
                            "applied by the scaler so far)")
         return False
 
-    def report_non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        self.console.print(f"step {self.state['step'] + 1}: non-finite values (loss {loss.item()} on rank 0, gradient "
-                          f"norm {grad_norm.item()}); stopped without applying this step or saving it. Resume "
-                          "from the last checkpoint with a lower --lr, a --grad_clip, or --precision bf16-mixed "
-                          "(32-true on GPUs without bfloat16)")
+    def report_non_finite(self, verdict: StepVerdict) -> None:
+        """Which ranks, and what to change: the line showed rank 0's finite part of the loss when another rank's was
+        NaN, advised a --grad_clip already set and a checkpoint none had saved, and a lower --lr for a first step,
+        which no learning rate has touched yet."""
+        cfg, number = self.cfg, self.state["step"] + 1
+        ranks = (f" on {verdict.non_finite_ranks} of {self.fabric.world_size} ranks" if self.fabric.world_size > 1
+                 and verdict.non_finite_ranks else "")
+        line = (f"step {number}: non-finite values (loss {verdict.loss:.4g}{ranks}, gradient norm "
+                f"{verdict.grad_norm_value:.4g}); stopped without applying this step or saving it. ")
+        if self.state["step"] == 0:
+            line += ("No update has been applied yet, so the learning rate is not the cause: look at the model's "
+                     "weights (non-finite values in them?), its --precision, and the data")
+        else:
+            changes = ["a lower --lr"] + ([] if cfg.grad_clip > 0 else ["a --grad_clip"])
+            if cfg.precision.startswith("16"):
+                changes.append("--precision bf16-mixed (32-true on GPUs without bfloat16)")
+            start = "Resume from the last checkpoint" if latest_checkpoint(cfg.out_dir) else "Start again (none saved)"
+            line += f"{start} with {' or '.join([', '.join(changes[:-1]), changes[-1]] if changes[1:] else changes)}"
+        self.console.print(line)
 
     def save(self, evaluated: bool, upload: bool) -> dict[str, float]:
         """Write the checkpoint (or, with --async_save, hand it to the background writer); once it is published,
