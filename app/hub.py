@@ -195,9 +195,17 @@ def unloadable_tokenizer(name: str, error: Exception) -> str:
     return f"{name}'s tokenizer does not load ({load_problem(error)})"
 
 
+CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError)
+"""What transformers raises for a config it cannot read: a file or name it cannot find (OSError), a model type it
+does not know (ValueError), a rope_scaling it finds incomplete (KeyError: Llama-3's without low_freq_factor, an
+older Phi-3's "su" without original_max_position_embeddings), a value of the wrong type (TypeError)."""
+
+
 def load_problem(error: Exception) -> str:
     """The first line of transformers' reason, or, for code a folder or repository ships, what allows it: its own
     reason ends with `trust_remote_code=True`, a Python argument, on a line the one-line message leaves out."""
+    if isinstance(error, KeyError) and error.args:  # str() of a KeyError is its message in quotes
+        return first_line(ValueError(str(error.args[0])))
     return REMOTE_CODE if "contains custom code" in str(error) else first_line(error)
 
 

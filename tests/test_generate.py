@@ -22,6 +22,7 @@ from app.huggingface.generate_cli import main as generate_main
 from app.prepare.chat import pair_messages
 from app.prepare.corpus import Row
 from tests.conftest import ROOT
+from tests.test_preflight import incomplete_rope
 from tests.test_seq2seq import t5_with_decoder_start
 
 PROMPTS = ["def parse(", "import json\nclass Encoder:\n    def default(self, o):", "x = ", "    return",
@@ -125,6 +126,17 @@ def test_references_are_scored_as_their_tokens_decode_as_train_py_scores_its_sam
     generate_main([str(folder), "--prompts", str(prompts), "--prompt_field", "code", "--reference_field", "summary",
                    "--temperature", "0", "--max_new_tokens", str(NEW_TOKENS)])
     assert "1 answers scored against 'summary': exact match 1.0000 | ROUGE-1 1.0000" in capsys.readouterr().out
+
+
+def test_a_model_whose_config_transformers_finds_incomplete_is_one_line(tiny, tmp_path, capsys) -> None:
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    incomplete_rope(tiny, folder)
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(folder), "--prompt", "x"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and (  # the keys are a set: in either order
+        f"generate.py: error: MODEL {folder}: its config does not load (Missing required keys in `rope_parameters` for "
+        "'rope_type'='llama3': {'") in error and "'}); fix its config.json; see generate.py --help\n" in error, error
 
 
 def test_an_answer_prints_under_a_locale_that_cannot_encode_it(tiny, tmp_path) -> None:

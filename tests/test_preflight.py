@@ -790,6 +790,28 @@ def test_wandb_settings_that_do_not_load_are_one_line(monkeypatch) -> None:
                         "the WANDB_* variable or the settings file it names, or use --wandb_mode offline"]
 
 
+def incomplete_rope(tiny: TinySetup, folder: Path) -> Path:
+    """The tiny config with Llama-3.1's rope_scaling written without its frequency factors, as hand-edited configs
+    and older exports have it."""
+    AutoConfig.from_pretrained(tiny.model_config).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (folder / "config.json").write_text(json.dumps(config | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+                                                             "rope_theta": 500000.0}))
+    return folder
+
+
+def test_a_config_transformers_finds_incomplete_is_one_line_not_a_key_error(tiny, tmp_path, capsys) -> None:
+    """transformers raises KeyError for a rope_scaling it finds incomplete: a traceback from train.py, even for
+    --estimate_memory."""
+    model = incomplete_rope(tiny, tmp_path / "model")
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=model)))
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert any(line.startswith(f"error: --model_config {model}: cannot load its config (") and "low_freq_factor" in line
+               for line in errors), errors
+
+
 def test_a_model_that_ships_its_own_code_is_refused_naming_trust_remote_code(tiny, tmp_path, capsys) -> None:
     """transformers' reason ends with `trust_remote_code=True` on a line the one-line message left out, and the
     advice was "check the name, or log in for gated models"."""

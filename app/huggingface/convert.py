@@ -48,8 +48,8 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, first_line
 from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_folder
-from app.hub import (CHAT_TEMPLATE_DIFFERS, REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, is_hub_id, load_problem,
-                     missing_model_problem, tokenizer_difference, unloadable_tokenizer, why_unreachable)
+from app.hub import (CHAT_TEMPLATE_DIFFERS, CONFIG_ERRORS, REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, is_hub_id,
+                     load_problem, missing_model_problem, tokenizer_difference, unloadable_tokenizer, why_unreachable)
 from app.huggingface.convert_cli import Args
 from app.huggingface.generate import source_input
 from app.huggingface.prefetch import PrefetchError, reported_as
@@ -162,10 +162,11 @@ def resolve_model_config(args: Args, metadata: dict[str, Any]) -> PretrainedConf
     try:
         config = (AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code) if source  # no prompt
                   else config_from_dict(metadata["model_config"]))
-    except (OSError, ValueError, KeyError, TypeError) as error:  # TypeError: a checkpoint that recorded none
+    except CONFIG_ERRORS as error:  # TypeError also: a checkpoint that recorded none
         flag = f"--model_config {args.model_config}" if args.model_config else f"--model_name {args.model_name}"
         where = flag if source else f"--checkpoint {args.checkpoint}: its model_config"
-        raise BadInput(f"{where} cannot be loaded ({load_problem(error)}); give --model_config") from None
+        advice = "fix its config.json, or give another --model_config" if source else "give --model_config"
+        raise BadInput(f"{where} cannot be loaded ({load_problem(error)}); {advice}") from None
     config.use_cache = True
     return config
 

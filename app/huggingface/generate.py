@@ -24,7 +24,8 @@ from app.checkpoint.files import LEFTOVER_NAME
 from app.checkpoint.io import is_checkpoint
 from app.cli import UsageError, first_line
 from app.folders import DATASET_DICT_FILE, replace_file
-from app.hub import load_problem, missing_model_problem, missing_weights_problem, quiet_hub, unloadable_tokenizer
+from app.hub import (CONFIG_ERRORS, load_problem, missing_model_problem, missing_weights_problem, quiet_hub,
+                     unloadable_tokenizer)
 from app.huggingface.generate_cli import GenerateArgs
 from app.huggingface.prompts_file import Answer, Messages, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
@@ -283,7 +284,10 @@ def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
     try:
         with quiet_hub():
             config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as error:
+    except CONFIG_ERRORS as error:
+        if isinstance(error, (KeyError, TypeError)):  # read, and found wanting
+            raise UsageError(f"MODEL {args.model}: its config does not load ({load_problem(error)}); fix its "
+                             "config.json")
         raise UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load ({load_problem(error)}); "
                          "give a folder written by convert_to_hf.py")
     try:

@@ -16,7 +16,8 @@ from app.cli import first_line
 from app.data.formats import Layout
 from app.distributed.precision import compute_dtype
 from app.distributed.strategy import resolve_accelerator
-from app.hub import REMOTE_CODE, load_problem, missing_model_problem, missing_weights_problem, quiet_hub
+from app.hub import (CONFIG_ERRORS, REMOTE_CODE, load_problem, missing_model_problem, missing_weights_problem,
+                     quiet_hub)
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
                              meta_model, model_class, model_source, resolve_wrap_classes)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder_inputs_error,
@@ -43,7 +44,7 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
     try:
         with quiet_hub():
             return load_model_config(cfg)
-    except (OSError, ValueError) as error:
+    except CONFIG_ERRORS as error:
         reason = load_problem(error)
         advice = "" if reason == REMOTE_CODE else "; check the name, or log in for gated models"
         problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({reason}){advice}")
