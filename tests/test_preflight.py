@@ -101,7 +101,9 @@ CASES = {
                              "it again with prepare_data.py"),
     "stats.json of another format": (dict(train_data_dir="{stats_of_another_format}"),
                                      "its stats.json names the format 'images', not one of text, supervised_packed"),
-    "blocks too long": (dict(model_config="{short_positions}"), "exceed the model's max_position_embeddings (16)"),
+    "blocks too long": (dict(model_config="{short_positions}"), "exceed the model's max_position_embeddings (16); "
+                        "prepare the data with a smaller --block_size, or raise max_position_embeddings in the model's "
+                        "config where its RoPE scaling covers them"),
     "ids beyond vocab": (dict(model_config="{small_vocab}", tokenizer=None), "but the model's vocab_size is 100"),
     "missing model config": (dict(model_config="/nonexistent/config"), "--model_config /nonexistent/config"),
     "missing tokenizer": (dict(tokenizer="/nonexistent/tokenizer"), "--tokenizer /nonexistent/tokenizer"),

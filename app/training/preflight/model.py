@@ -135,19 +135,22 @@ def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: Dat
                         f"prepare the data with {wanted}, or train a matching model")
     max_positions = getattr(model_config, "max_position_embeddings", None)
     if max_positions:
-        problems += positions_problems(data, max_positions)
+        problems += positions_problems(data, max_positions, rotary=bool(getattr(model_config, "rope_parameters", None)))
     if data.max_token_id >= model_config.vocab_size:
         problems.append(f"--train_data_dir holds token id {data.max_token_id} but the model's vocab_size is "
                         f"{model_config.vocab_size}; {room_for_tokens(cfg, data.max_token_id + 1)}")
 
 
-def positions_problems(data: DataFacts, max_positions: int) -> list[str]:
-    """Rows longer than a model's learned positions end the run at the first batch (IndexError on every rank). An
+def positions_problems(data: DataFacts, max_positions: int, rotary: bool = False) -> list[str]:
+    """Rows longer than a model's learned positions end the run at the first batch (IndexError on every rank); a
+    rotary model's (`rotary`) would train positions its config says it never meets, which its RoPE scaling may cover
+    (Qwen3's YaRN leaves max_position_embeddings at 40,960 for 131,072): that is the config's to say. An
     encoder-decoder's (BART's) encoder reads the sources and its decoder the targets, each from position 0: both
     must fit, and prepare_data.py cuts them with --max_source_length and --max_target_length, not --block_size."""
     if not data.format.encoder_decoder:
         what = "examples of up to" if data.format.padded else "blocks of"
-        lengths = [(what, data.block_size, "a smaller --block_size")]
+        raise_it = ", or raise max_position_embeddings in the model's config where its RoPE scaling covers them"
+        lengths = [(what, data.block_size, "a smaller --block_size" + (raise_it if rotary else ""))]
     else:
         lengths = [("sources of up to", data.block_size, f"--max_source_length {max_positions} or less"),
                    ("targets of up to", data.target_block_size, f"--max_target_length {max_positions} or less")]
