@@ -61,19 +61,23 @@ def real_folder(final: Path) -> Path:
     return final.resolve() if final.is_symlink() or final.name in ("", ".", "..") else final
 
 
-def replace_file(path: Path, text: str | Iterable[str]) -> None:
+def replace_file(path: Path, text: str | bytes | Iterable[str]) -> None:
     """Write `path` under a temporary name and rename it into place: a resumed run rewrites metrics.csv with the rows
     it keeps, and a full disk (ENOSPC) or a kill while writing must leave the old file, not a truncated history.
     The temporary name is created new, never opened through what is there: a link placed at `.metrics.csv.partial`
     had the run overwrite the file it pointed to, and the rename then made metrics.csv itself that link. `text` may
     come in pieces, written as they come (a long run's metrics.csv, read from the old file meanwhile); in UTF-8,
-    whatever the locale."""
+    whatever the locale; or bytes (a picture)."""
     temporary = path.with_name(f".{path.name}.partial")
     discard(temporary)
     try:
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with open(descriptor, "w", newline="", encoding="utf-8") as handle:
-            handle.writelines([text] if isinstance(text, str) else text)
+        if isinstance(text, bytes):
+            with open(descriptor, "wb") as binary:
+                binary.write(text)
+        else:
+            with open(descriptor, "w", newline="", encoding="utf-8") as handle:
+                handle.writelines([text] if isinstance(text, str) else text)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise

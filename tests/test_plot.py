@@ -137,6 +137,33 @@ def test_mfu_gets_its_own_axis_and_a_panel_without_values_says_no_data(tmp_path)
     assert (fresh / "p.svg").read_text().count("no data") == 2 and "MFU" not in (fresh / "p.svg").read_text()
 
 
+def test_a_mixtures_validation_loss_of_each_folder_is_drawn(tmp_path) -> None:
+    """metrics.csv holds val_loss/<name> for each folder of a mixture, which the picture left out."""
+    columns = [*COLUMNS, "val_loss/code", "val_loss/prose"]
+    rows = [{"step": s, "train_loss": 6 - s / 10, "lr": 1e-4, "tokens_per_sec": 9000} for s in (1, 2)]
+    rows.append({"step": 2, "val_loss": 5.5, "val_loss/code": 5.0, "val_loss/prose": 6.0})
+    (tmp_path / "metrics.csv").write_text("\n".join([",".join(columns)] + [",".join(
+        str(row.get(name, "")) for name in columns) for row in rows]) + "\n")
+    assert main([str(tmp_path), "--output", str(tmp_path / "p.svg")]) == 0
+    assert "val_loss/code" in (tmp_path / "p.svg").read_text() and "val_loss/prose" in (tmp_path / "p.svg").read_text()
+
+
+def test_a_picture_that_cannot_be_written_whole_leaves_the_last_one_and_is_one_line(two_runs, tmp_path) -> None:
+    """Written in place, a full disk (here a file size limit) left a cut picture over the last one, after a traceback."""
+    import resource
+
+    run, _ = two_runs
+    (tmp_path / "metrics.png").write_bytes(PNG_MAGIC + b"the last picture")
+    limited = subprocess.run([sys.executable, str(ROOT / "plot_metrics.py"), str(run), "--output",
+                              str(tmp_path / "metrics.png")], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+    assert limited.returncode == 2 and limited.stderr == (
+        f"plot_metrics.py: error: --output {tmp_path / 'metrics.png'}: cannot be written (File too large); it is as it "
+        "was; see plot_metrics.py --help\n"), limited.stderr
+    assert (tmp_path / "metrics.png").read_bytes() == PNG_MAGIC + b"the last picture"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.png"]
+
+
 @pytest.fixture
 def bad_inputs(two_runs, tmp_path) -> dict[tuple[str, ...], tuple[str, str]]:
     """Command lines a user gets wrong, each with the path its error must name and what the error must say."""

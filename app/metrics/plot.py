@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 
 from app import cli
 from app.cli import UsageError
+from app.folders import replace_file
 
 Series = tuple[list[int], list[float]]
 """Steps and the values logged at them, in step order."""
@@ -149,8 +150,11 @@ def finish_panel(axes: Axes, drawn: bool, ylabel: str) -> None:
 
 
 def draw_loss(axes: Axes, runs: list[Run]) -> None:
+    """Train and validation loss, and a mixture's validation loss of each folder (`val_loss/<name>`), dotted."""
+    folders = sorted({name for run in runs for name in run.series if name.startswith("val_loss/")})
     drawn = draw_lines(axes, runs, {"train_loss": {"linewidth": 1},
-                                    "val_loss": {"marker": "o", "linestyle": "--", "linewidth": 1}})
+                                    "val_loss": {"marker": "o", "linestyle": "--", "linewidth": 1},
+                                    **{name: {"marker": ".", "linestyle": ":", "linewidth": 1} for name in folders}})
     finish_panel(axes, drawn, "loss")
 
 
@@ -170,8 +174,9 @@ def draw_throughput(axes: Axes, runs: list[Run]) -> None:
         mfu_axes.legend(loc="lower right", fontsize="small")
 
 
-def draw(runs: list[Run], output: Path) -> None:
-    """One figure, three panels over a shared step axis, written with the non-interactive Agg canvas."""
+def draw(runs: list[Run], output: Path) -> bytes:
+    """One figure, three panels over a shared step axis, drawn with the non-interactive Agg canvas into the bytes
+    of `output`'s format."""
     figure = Figure(figsize=(10, 10), layout="constrained")
     FigureCanvasAgg(figure)
     loss, lr, throughput = figure.subplots(3, 1, sharex=True)
@@ -180,7 +185,19 @@ def draw(runs: list[Run], output: Path) -> None:
     draw_throughput(throughput, runs)
     throughput.set_xlabel("step")
     figure.suptitle(" vs ".join(run.label for run in runs))
-    figure.savefig(output, dpi=100)
+    picture = io.BytesIO()
+    figure.savefig(picture, format=output.suffix[1:].lower(), dpi=100)
+    return picture.getvalue()
+
+
+def write_picture(output: Path, picture: bytes) -> None:
+    """Written whole, or not at all: written in place, a full disk left a cut picture where the last one was (and a
+    traceback)."""
+    try:
+        replace_file(output, picture)
+    except OSError as error:
+        raise PlotError(f"--output {output}: cannot be written ({error.strerror or error}); "
+                        f"{'it is as it was' if output.exists() else 'nothing was written'}") from None
 
 
 def build_parser() -> jsonargparse.ArgumentParser:
@@ -207,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return [Run(label, run.series) for label, run in zip(labels, runs)], output_path(args.output, Path(args.run[0]))
 
     runs, output = cli.run_command("plot_metrics.py", load)
-    draw(runs, output)
+    picture = draw(runs, output)
+    cli.run_command("plot_metrics.py", lambda: write_picture(output, picture))
     print(f"wrote {output}")
     return 0
