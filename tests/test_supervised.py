@@ -622,7 +622,8 @@ def test_show_samples_prints_the_last_evaluations_samples_next_to_their_referenc
     latest = tmp_path / "samples" / "step-00000020.jsonl"
     for text, problem in (('{"prompt": "def f(', "not readable as train.py's samples"),  # a JSONDecodeError traceback
                           ('{"text": "x"}\n', "not train.py's samples"), ("", "not train.py's samples"),
-                          ('{"prompt": 1, "reference": null, "generated": "c"}\n', "not train.py's samples")):
+                          ('{"prompt": 1, "reference": null, "generated": "c"}\n', "not train.py's samples"),
+                          ('{"prompt": "p", "reference": null, "generated": "c"}\n', "not train.py's samples")):
         latest.write_text(text)
         result = subprocess.run([sys.executable, "show_samples.py", str(tmp_path)], cwd=ROOT, capture_output=True,
                                 text=True, timeout=60)

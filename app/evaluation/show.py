@@ -59,8 +59,9 @@ def samples_in(path: Path) -> list[dict[str, str]]:
         records = [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
     except (OSError, ValueError) as error:
         raise UsageError(f"{path}: not readable as train.py's samples ({error})") from None
-    if not records or not all(isinstance(r, dict) and {"prompt", "reference", "generated"} <= r.keys()
-                              and isinstance(r["prompt"], str) for r in records):
+    fields = ("prompt", "reference", "generated")
+    if not records or not all(isinstance(r, dict) and all(isinstance(r.get(name), str) for name in fields)
+                              for r in records):
         raise UsageError(f"{path}: not train.py's samples (each line a prompt, a reference and what was generated)")
     return records
 
