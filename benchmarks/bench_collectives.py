@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--numel", type=float, default=16.8e6, help="elements of the gathered layer")
     parser.add_argument("--repeats", type=int, default=20)
     options = parser.parse_args()
+    if options.repeats < 1 or options.numel < 2:
+        parser.error(f"--repeats must be 1 or more and --numel 2 or more, got {options.repeats} and {options.numel:g}")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
     print("| collective (2 CPU processes, per call, median) | application | baseline | ratio |\n| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as folder:

@@ -96,16 +96,21 @@ def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tokens", type=int, help="default 8192 (--tiny: 256)")
+    parser.add_argument("--hidden", type=int, help="default 2048 (--tiny: 64)")
+    parser.add_argument("--vocab", type=int, help="default 128256 (--tiny: 2048)")
+    parser.add_argument("--repeats", type=int, help="default 10 (--tiny: 2)")
     parser.add_argument("--tiny", action="store_true", help="a small shape on CPU in fp32")
     parser.add_argument("--fused_kernels", action="store_true",
                         help="also the fused kernels installed (liger-kernel, cut-cross-entropy; on a GPU)")
     options = parser.parse_args()
-    if options.tiny:
-        options.tokens, options.hidden, options.vocab, options.repeats = 256, 64, 2048, 2
+    defaults = dict(tokens=256, hidden=64, vocab=2048, repeats=2) if options.tiny else dict(
+        tokens=8192, hidden=2048, vocab=128256, repeats=10)
+    for name, default in defaults.items():
+        value = getattr(options, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be 1 or more, got {value}")
+        setattr(options, name, default if value is None else value)
     device = torch.device("cuda" if torch.cuda.is_available() and not options.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator(device).manual_seed(0)

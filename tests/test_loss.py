@@ -280,6 +280,11 @@ def test_the_loss_benchmark_runs_and_its_chunked_rows_equal_the_materialising_pa
     for row in rows:
         differences = [float(d) for d in row.strip("| ").split("|")[-1].split(",")]
         assert max(differences) < 1e-5, row
+    fewer = run_entry(["benchmarks/bench_loss.py", "--tiny", "--tokens", "64"])  # --tiny replaced what was given
+    assert fewer.returncode == 0 and "64 tokens" in fewer.stdout.splitlines()[0], fewer.stdout
+    for script, option in (("bench_loss.py", "--repeats"), ("bench_collectives.py", "--repeats")):
+        refused = run_entry([f"benchmarks/{script}", option, "0"])  # a statistics traceback after minutes of setup
+        assert refused.returncode == 2 and f"error: {option} must be 1 or more" in refused.stderr, refused.stderr
 
 
 MIXTRAL = MixtralConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
