@@ -200,7 +200,7 @@ class WandbMetrics(Logger):
             Path(self._init["dir"]).mkdir(parents=True, exist_ok=True)
             settings = {} if self._finish_timeout_sec is None else dict(finish_timeout=self._finish_timeout_sec)
             try:
-                self._run = wandb.init(**self._init, settings=wandb.Settings(**settings))
+                self._run = wandb.init(**self._init, settings=settings)
             except Exception as error:  # wandb's CommError, AuthenticationError, UsageError, ServiceStartTimeoutError
                 other = "offline" if self._init["mode"] == "online" else "disabled"
                 raise WandbFailed(f"Weights & Biases could not start the run ({first_line(error)}); check the login, "
