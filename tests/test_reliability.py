@@ -328,6 +328,22 @@ def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: Ti
     print(f"\nstall watchdog (--stall_timeout_min 0.1): exit {EXIT_STALLED} {seconds:.1f} s after the worker hung")
 
 
+def test_processes_of_the_same_pid_in_two_pid_namespaces_take_multiprocessing_folders_of_their_own() -> None:
+    """Two containers sharing $TMPDIR, each with its own PID namespace: rank 0 is pid 1 in both, and named by the pid
+    alone their folders were one, whose fork server sockets the second run removed (both ended, FileNotFoundError)."""
+    from app.reliability.watchdog import multiprocessing_folder
+
+    name = "from app.reliability.watchdog import multiprocessing_folder; print(multiprocessing_folder(1))"
+    inside = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", name], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    if inside.returncode != 0:
+        pytest.skip(f"no PID namespace here: {inside.stderr.strip()[:200]}")
+    again = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", name], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    folders = {Path(inside.stdout.strip()), Path(again.stdout.strip()), multiprocessing_folder(1)}
+    assert len(folders) == 3 and all(len(folder.name) == len("pymp-") + 8 for folder in folders), folders
+
+
 @pytest.mark.slow
 def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once(tiny: TinySetup, tmp_path: Path):
     """Two nodes by hand (Lightning's MASTER_ADDR, MASTER_PORT, NODE_RANK) on one machine, the second never

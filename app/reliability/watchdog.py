@@ -13,6 +13,7 @@ leaves with os._exit and a documented code, skipping clean-up that would wait on
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import multiprocessing.process
 import multiprocessing.util
 import os
@@ -149,11 +150,10 @@ def end_process_tree(code: int, stacks: bool) -> NoReturn:
 
 def own_multiprocessing_folder() -> None:
     """multiprocessing's temporary folder of this process (the data loader's fork server's sockets), made now and
-    named for the process, `pymp-PID`: multiprocessing names it `pymp-` and 8 random characters and removes it in its
-    exit handler, which neither os._exit nor a SIGKILL runs, so every stall exit (4, requeued) left one per rank in
-    $TMPDIR. No longer than multiprocessing's own name: a socket's path has at most 107 bytes. A folder of that name
-    left by a process gone (the pid is this one's now) is replaced; where it cannot be, multiprocessing names its
-    own."""
+    named for the process (`multiprocessing_folder`): multiprocessing names it `pymp-` and 8 random characters and
+    removes it in its exit handler, which neither os._exit nor a SIGKILL runs, so every stall exit (4, requeued)
+    left one per rank in $TMPDIR. A folder of that name left by a process gone (the pid is this one's now) is
+    replaced; where it cannot be, multiprocessing names its own."""
     config = multiprocessing.process.current_process()._config
     if config.get("tempdir") is not None:
         return
@@ -169,7 +169,17 @@ def own_multiprocessing_folder() -> None:
 
 
 def multiprocessing_folder(pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"pymp-{pid}"
+    """`pymp-` and 8 characters drawn from the pid and this process's PID namespace, as long as multiprocessing's own
+    name (a socket's path has at most 107 bytes): named by the pid alone, the rank 0 of two containers that share
+    $TMPDIR, each pid 1 in a namespace of its own, took the same folder, and the second removed the first's fork
+    server sockets (both runs ended with FileNotFoundError). The processes a run kills are in its namespace."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc (not Linux): one namespace
+        namespace = 0
+    digest = int.from_bytes(hashlib.blake2b(f"{namespace}:{pid}".encode(), digest_size=8).digest(), "big")
+    name = "".join("0123456789abcdefghijklmnopqrstuvwxyz"[digest // 36 ** place % 36] for place in range(8))
+    return Path(tempfile.gettempdir()) / f"pymp-{name}"
 
 
 def remove_multiprocessing_folders(pids: set[int]) -> None:
