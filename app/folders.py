@@ -13,8 +13,9 @@ import re
 import shutil
 import socket
 import sys
+from contextlib import suppress
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import psutil
 
@@ -61,6 +62,17 @@ def real_folder(final: Path) -> Path:
     return final.resolve() if final.is_symlink() or final.name in ("", ".", "..") else final
 
 
+def unusable_folder(path: Path) -> Optional[str]:
+    """Why a folder cannot be made or written at `path` (absolute), or None: asked before the work, not found after
+    it (a conversion, a test set's answers, a corpus prepared for an hour) as a traceback."""
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
 def replace_file(path: Path, text: str | bytes | Iterable[str]) -> None:
     """Write `path` under a temporary name and rename it into place: a resumed run rewrites metrics.csv with the rows
     it keeps, and a full disk (ENOSPC) or a kill while writing must leave the old file, not a truncated history.
@@ -79,7 +91,8 @@ def replace_file(path: Path, text: str | bytes | Iterable[str]) -> None:
             with open(descriptor, "w", newline="", encoding="utf-8") as handle:
                 handle.writelines([text] if isinstance(text, str) else text)
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        with suppress(OSError):  # a read-only folder refuses this too; the first error is the one to see
+            temporary.unlink(missing_ok=True)
         raise
     os.replace(temporary, path)
 

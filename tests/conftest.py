@@ -94,6 +94,22 @@ def build_tiny_setup(root: Path) -> TinySetup:
     return TinySetup(model_config=root / "model", tokenizer=data / "tokenizer", data=data)
 
 
+@pytest.fixture
+def read_only_folder(tmp_path: Path) -> Iterator[Path]:
+    """A folder on a read-only filesystem (a tmpfs mounted read-only: root only, as CI and the development machines
+    run; permissions do not stop root), as datasets and models on shared storage are."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"a read-only filesystem needs mount (root): {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinySetup:
     return build_tiny_setup(tmp_path_factory.mktemp("tiny"))

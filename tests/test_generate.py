@@ -128,6 +128,22 @@ def test_references_are_scored_as_their_tokens_decode_as_train_py_scores_its_sam
     assert "1 answers scored against 'summary': exact match 1.0000 | ROUGE-1 1.0000" in capsys.readouterr().out
 
 
+def test_answers_for_a_folder_that_cannot_be_written_are_refused_before_any_is_generated(tiny, tmp_path, capsys,
+                                                                                          read_only_folder) -> None:
+    """Every prompt was answered (hours of a test set), then writing --output failed in a traceback: all lost."""
+    prompts = tmp_path / "test.jsonl"
+    prompts.write_text(json.dumps({"code": PROMPTS[0]}) + "\n")
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(folder), "--prompts", str(prompts),
+                       "--prompt_field", "code", "--output", str(read_only_folder / "answers.jsonl")])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.err == (
+        f"generate.py: error: --output {read_only_folder / 'answers.jsonl'}: {read_only_folder} is not writable; give a "
+        "file in a folder you can write to; see generate.py --help\n") and "answered" not in captured.err
+
+
 def test_a_model_whose_config_transformers_finds_incomplete_is_one_line(tiny, tmp_path, capsys) -> None:
     folder = model_folder(tiny, tmp_path / "model", "llama")
     incomplete_rope(tiny, folder)

@@ -646,7 +646,7 @@ def test_a_stop_while_the_output_is_written_leaves_no_staged_copy(tmp_path):
         raise SystemExit(130)
 
     with pytest.raises(SystemExit):
-        write_atomically(tmp_path / "out", write)
+        write_atomically(tmp_path / "out", write, overwrite=False)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -723,9 +723,44 @@ def test_overwrite_refuses_a_folder_that_is_not_an_earlier_output_and_touches_no
     empty.mkdir()
     write = lambda folder: (empty / "notes.txt").write_text("written meanwhile")  # noqa: E731
     with pytest.raises(UsageError, match="--overwrite replaces only"):
-        write_atomically(empty, write)
+        write_atomically(empty, write, overwrite=True)
     assert [p.name for p in empty.iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "empty", "project"], "staging left behind"
+
+
+def test_an_output_dir_on_read_only_storage_is_refused_before_reading_anything(tmp_path, issue_run, read_only_folder,
+                                                                                 code_documents):
+    """Found when the staging folder was made, after the corpus was read: a traceback."""
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents[:3]))
+    with pytest.raises(UsageError) as refusal:
+        prepare(PrepareArgs(input=[str(tmp_path / "docs.jsonl")], tokenizer=str(issue_run / "tokenizer"),
+                            block_size=64, output_dir=str(read_only_folder / "data")))
+    assert str(refusal.value) == (f"--output_dir {read_only_folder / 'data'}: {read_only_folder} is not writable; "
+                                  "choose a folder you can write to")
+
+
+@pytest.mark.parametrize("before", ["absent", "empty"])
+def test_an_output_another_command_wrote_meanwhile_is_never_replaced_without_overwrite(tmp_path, issue_run,
+                                                                                       code_documents, before):
+    """Two prepare_data.py into one --output_dir at once: the later replaced the earlier's data, and both said
+    they had written theirs (one run then trained on the other's format)."""
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in code_documents[:3]))
+    args = {"input": [str(tmp_path / "docs.jsonl")], "tokenizer": str(issue_run / "tokenizer"), "block_size": 64,
+            "val_fraction": 0}
+    out = tmp_path / "out"
+    if before == "empty":
+        out.mkdir()
+
+    def the_other_command_first(folder: Path) -> None:
+        prepare(PrepareArgs(**args | {"block_size": 32}, output_dir=str(out)))
+
+    with pytest.raises(UsageError) as refusal:
+        write_atomically(out, the_other_command_first, overwrite=False)
+    assert str(refusal.value) == (
+        f"--output_dir {out}: written by another command while this one prepared its data (another prepare_data.py "
+        "into the same folder?); nothing of it was replaced: choose another folder, or add --overwrite")
+    assert json.loads((out / "stats.json").read_text())["block_size"] == 32
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["docs.jsonl", "out"], "staging left behind"
 
 
 def test_val_fraction_0_writes_an_empty_validation_split_that_loads(tmp_path, issue_run, code_documents):

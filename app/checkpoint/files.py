@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -171,7 +172,11 @@ def publish(temporary: Path, final: Path) -> None:
             shutil.rmtree(stale)
         os.rename(final, stale)
         os.rename(temporary, final)
-        shutil.rmtree(stale)
+        try:
+            shutil.rmtree(stale)
+        except OSError as error:  # the new one is in place; the old one's files are another user's, or read-only
+            print(f"note: {final} is written; the folder it replaced, moved to {stale}, could not be removed "
+                  f"({error.strerror or error}): delete it", file=sys.stderr)
     else:
         os.replace(temporary, final)
     directory = os.open(final.parent, os.O_RDONLY)

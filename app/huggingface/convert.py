@@ -47,7 +47,7 @@ from app.checkpoint.files import publish
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, first_line
-from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_folder
+from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_folder, unusable_folder
 from app.hub import (CHAT_TEMPLATE_DIFFERS, CONFIG_ERRORS, REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, is_hub_id,
                      load_problem, missing_model_problem, tokenizer_difference, unloadable_tokenizer, why_unreachable)
 from app.huggingface.convert_cli import Args
@@ -364,6 +364,9 @@ def check_output_dir(output: Path, overwrite: bool) -> None:
     folder, so a data folder, another run or a folder of the user's named by mistake would be deleted with it."""
     if output.exists() and not output.is_dir():
         raise BadInput(f"--output_dir {output} is a file; give a folder")
+    unusable = unusable_folder(output.absolute().parent)  # the folder is written beside it, then swapped in
+    if unusable:
+        raise BadInput(f"--output_dir {output}: {unusable}; choose a folder you can write to")
     if not output.is_dir() or not any(output.iterdir()):
         return
     if not overwrite:

@@ -9,6 +9,7 @@ from typing import Optional
 
 from app import cli
 from app.choices import MAX_SEED
+from app.folders import unusable_folder
 
 PROG = "generate.py"
 MIN_TEMPERATURE = 1e-4
@@ -120,6 +121,9 @@ def check_prompt_options(args: GenerateArgs) -> None:
         raise cli.UsageError(f"--output {args.output} exists; give a new file name (answers are never overwritten)")
     if args.output is not None and not Path(args.output).parent.is_dir():
         raise cli.UsageError(f"--output {args.output}: its folder does not exist; create it first")
+    unusable = unusable_folder(Path(args.output).absolute().parent) if args.output is not None else None
+    if unusable:  # found after every prompt was answered (hours of a test set), the answers were lost
+        raise cli.UsageError(f"--output {args.output}: {unusable}; give a file in a folder you can write to")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from datasets import DatasetDict
 from transformers import PreTrainedTokenizerBase
 
+from app.cli import UsageError
 from app.folders import real_folder, staging_folder
 from app.folders import STATS_FILE, TOKENIZER_FOLDER
 from app.prepare.args import check_replaceable
@@ -17,9 +20,11 @@ from app.prepare.workspace import removed_if_stopped
 
 
 
-def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:
+def write_atomically(output_dir: Path, write: Callable[[Path], None], overwrite: bool) -> None:
     """Write into a new folder beside `output_dir`, then swap it in; an old output is removed only after the swap,
-    and only if it is an earlier output or empty (checked again: it may have changed while the data was prepared)."""
+    and only if it is an earlier output or empty, and replaced only under --overwrite (checked again: another
+    prepare_data.py into the same folder may have written it meanwhile, and the later one replaced it, both saying
+    they had written their data)."""
     output_dir = real_folder(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_folder(output_dir)
@@ -28,17 +33,34 @@ def write_atomically(output_dir: Path, write: Callable[[Path], None]) -> None:
         with removed_if_stopped(staging):
             write(staging)
         if output_dir.exists():
+            check_still_free(output_dir, overwrite)
             check_replaceable(output_dir)
+        if not output_dir.exists():
+            try:
+                staging.rename(output_dir)  # over an empty folder, or not at all
+            except OSError as error:
+                if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                check_still_free(output_dir, overwrite=False)
+            return
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if not output_dir.exists():
-        staging.rename(output_dir)
-        return
     retired = staging_folder(output_dir, "replaced")
     output_dir.rename(retired)
     staging.rename(output_dir)
-    shutil.rmtree(retired)
+    try:
+        shutil.rmtree(retired)
+    except OSError as error:  # the new output is in place: the old one's files are another owner's, or read-only
+        print(f"prepare_data.py: note: the earlier output, moved to {retired}, could not be removed "
+              f"({error.strerror or error}); delete it", file=sys.stderr)
+
+
+def check_still_free(output_dir: Path, overwrite: bool) -> None:
+    if not overwrite and any(output_dir.iterdir()):
+        raise UsageError(f"--output_dir {output_dir}: written by another command while this one prepared its data "
+                         "(another prepare_data.py into the same folder?); nothing of it was replaced: choose another "
+                         "folder, or add --overwrite")
 
 
 def save_prepared(folder: Path, blocks: DatasetDict, tokenizer: PreTrainedTokenizerBase, stats: dict) -> None:

@@ -76,7 +76,8 @@ def prepare_folder(args: PrepareArgs) -> dict:
         rows, counts, options = BUILDERS[shape](splits, tokenizer, args)
         stats = describe_examples(args, tokenizer, counts, options, documents.description)
     log(f"writing {args.output_dir}")
-    write_atomically(Path(args.output_dir), lambda folder: save_prepared(folder, rows, tokenizer, stats))
+    write_atomically(Path(args.output_dir), lambda folder: save_prepared(folder, rows, tokenizer, stats),
+                     args.overwrite)
     return stats
 
 

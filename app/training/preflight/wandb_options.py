@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from app.cli import first_line, without_credentials
+from app.folders import unusable_folder
 from app.metrics.loggers import METRICS_FILE, RUN_ID_FILE
 from app.training.preflight.notes import note
 
@@ -145,16 +146,6 @@ def unreachable_reason(url: str, timeout_s: float = WANDB_PROBE_TIMEOUT_S) -> Op
     thread.start()
     thread.join(timeout_s + 1)
     return reason[0] or None
-
-
-def unusable_folder(path: Path) -> Optional[str]:
-    """Why a folder cannot be made or written at `path`, or None."""
-    existing = next(parent for parent in (path, *path.parents) if parent.exists())
-    if not existing.is_dir():
-        return f"{existing} is not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    return None
 
 
 def check_wandb(cfg: Config, problems: list[str]) -> None:
