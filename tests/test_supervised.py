@@ -307,6 +307,10 @@ def test_data_tokenized_for_another_model_than_the_pretrained_one_is_refused(tin
     assert line == (f"error: --train_data_dir was tokenized with {tiny.data / 'tokenizer'}, not with --model_name "
                     f"{model}'s tokenizer: {moved!r} is id 300 for the model and 301 in the data; prepare the data "
                     f"with --tokenizer {model}")
+    with pytest.raises(SystemExit):  # the data's own tokenizer named with --tokenizer skipped the comparison
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=model,
+                                          tokenizer=tiny.data / "tokenizer")))
+    assert capsys.readouterr().err.strip().splitlines() == [line]
     shutil.copy(tiny.tokenizer / "tokenizer.json", model)
     preflight(parse_config(args))
     assert "tokenized with" not in capsys.readouterr().err

@@ -69,22 +69,27 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     if converted:
         note(f"convert_to_hf.py will refuse this run's checkpoints: the tokenizer of a converted folder, {converted}; "
              f"a {model_config.model_type} model converts with a tokenizer of the class that model type loads")
+    difference = None
     if cfg.tokenizer and bundled.is_dir():
         difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(
             bundled, trust_remote_code=cfg.trust_remote_code))
         if difference:
             problems.append(f"--tokenizer {name} is not the tokenizer --train_data_dir was prepared with ({bundled}): "
                             f"{difference}; drop --tokenizer (the run records the data's), or prepare the data with it")
-    elif not cfg.tokenizer and bundled.is_dir() and cfg.model_name and has_tokenizer_files(cfg.model_name):
-        check_data_tokenized_for_the_model(cfg, tokenizer, name, problems)
+    if not difference and bundled.is_dir() and cfg.model_name and has_tokenizer_files(cfg.model_name):
+        # also when --tokenizer names the data's: given, it once skipped this, and another tokenizer's ids trained
+        fits = model_config is None or len(tokenizer) <= model_config.vocab_size
+        check_data_tokenized_for_the_model(cfg, tokenizer, name, problems, note_added=fits)
     return name
 
 
-def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, problems: list[str]) -> None:
+def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, problems: list[str],
+                                       note_added: bool = True) -> None:
     """The data folder's tokenizer must give the pretrained model's own tokens their ids: data tokenized for another
     model (Llama-2's ids trained into Mistral, or a tokenizer trained by prepare_data.py --vocab_size) has ids within
     the vocabulary, trained without an error, and converted with the data's tokenizer beside the model's weights.
-    Tokens added to the model's (chat tokens in its padded vocabulary) are a note: their embeddings start untrained.
+    Tokens added to the model's (chat tokens in its padded vocabulary) are a note: their embeddings start untrained
+    (unless `note_added` is False: tokens beyond its vocabulary have no embedding, which is refused elsewhere).
     A model without tokenizer files has nothing to compare (transformers makes a default one up for some, T5's)."""
     try:
         with quiet_hub():
@@ -94,19 +99,23 @@ def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, proble
     data_ids, model_ids = tokenizer.get_vocab(), own.get_vocab()
     if model_ids.items() <= data_ids.items():
         added = sorted(set(data_ids) - set(model_ids), key=data_ids.get)
-        if added:
-            note(f"--train_data_dir's tokenizer ({name}) adds {len(added)} tokens to --model_name "
+        if added and note_added:
+            note(f"--train_data_dir's tokenizer ({name}) adds {counted(added)} to --model_name "
                  f"{cfg.model_name}'s ({listed(added)}): their embeddings start as the model has them, untrained")
         return
     if data_ids.items() <= model_ids.items():  # the model's own added tokens (chat markers) unused by the data
         lacking = sorted(set(model_ids) - set(data_ids), key=model_ids.get)
-        note(f"--train_data_dir's tokenizer ({name}) lacks {len(lacking)} tokens of --model_name {cfg.model_name}'s "
+        note(f"--train_data_dir's tokenizer ({name}) lacks {counted(lacking)} of --model_name {cfg.model_name}'s "
              f"({listed(lacking)}): the run keeps the data's tokenizer, so the converted model will not have them")
         return
     moved = min((token for token, i in model_ids.items() if data_ids.get(token) != i), key=model_ids.get)
     problems.append(f"--train_data_dir was tokenized with {name}, not with --model_name {cfg.model_name}'s tokenizer: "
                     f"{moved!r} is id {model_ids[moved]} for the model and {data_ids.get(moved, 'missing')} in the "
                     f"data; prepare the data with --tokenizer {cfg.model_name}")
+
+
+def counted(tokens: list[str]) -> str:
+    return f"{len(tokens)} token{'s' if len(tokens) != 1 else ''}"
 
 
 def listed(tokens: list[str]) -> str:
