@@ -814,6 +814,26 @@ def test_a_config_transformers_finds_incomplete_is_one_line_not_a_key_error(tiny
                for line in errors), errors
 
 
+def test_a_config_that_ties_weights_its_files_hold_apart_is_refused(tiny, tmp_path, capsys) -> None:
+    """transformers loaded them untied (a warning per rank) and the run trained a model its recorded config said was
+    tied: convert_to_hf.py then failed its verification, with no flag to convert it."""
+    from transformers import AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny.model_config, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    model.config.tie_word_embeddings = True
+    model.save_pretrained(tmp_path / "mistied")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=tmp_path / "mistied")))
+    assert (f"error: --model_name {tmp_path / 'mistied'}: its config ties lm_head.weight and model.embed_tokens.weight "
+            "(tie_word_embeddings true), but its weights hold them as different tensors; set \"tie_word_embeddings\": "
+            "false in its config.json if they were trained apart") in capsys.readouterr().err.splitlines()
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config, tie_word_embeddings=True)
+                                     ).save_pretrained(tmp_path / "tied")  # one tensor stored: nothing to compare
+    preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=tmp_path / "tied")))
+
+
 def test_a_model_that_ships_its_own_code_is_refused_naming_trust_remote_code(tiny, tmp_path, capsys) -> None:
     """transformers' reason ends with `trust_remote_code=True` on a line the one-line message left out, and the
     advice was "check the name, or log in for gated models"."""

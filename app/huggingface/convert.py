@@ -54,7 +54,7 @@ from app.huggingface.convert_cli import Args
 from app.huggingface.generate import source_input
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import describe_upload, login_problem, push_folder
-from app.model.build import meta_model, model_class
+from app.model.build import meta_model, model_class, tied_names
 from app.prepare.chat_template import end_of_turn_id
 from app.prepare.tokenizer import document_frame
 
@@ -268,14 +268,6 @@ def first_mismatch(expected: dict[str, torch.Size], stored: dict[str, tuple[torc
             return f"has {name} of shape {tuple(stored[name][0])}, the config expects {tuple(shape)}"
     extra = next((name for name in stored if name not in expected), None)
     return f"has {extra}, which the config does not have" if extra else None
-
-
-def tied_names(config: PretrainedConfig, trust_remote_code: bool) -> dict[str, list[str]]:
-    """Name -> the other names of the same tensor (the lm_head tied to the embedding): save_pretrained writes one."""
-    groups: dict[int, list[str]] = {}
-    for name, parameter in meta_model(config, trust_remote_code).named_parameters(remove_duplicate=False):
-        groups.setdefault(id(parameter), []).append(name)
-    return {name: [other for other in names if other != name] for names in groups.values() for name in names}
 
 
 def check_weights_fit(path: Path, config: PretrainedConfig, shapes: dict[str, tuple[torch.Size, torch.dtype]],

@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -89,6 +89,23 @@ def resolve_wrap_classes(
             f"{model_config.model_type}; choose from: {', '.join(layers or sorted(classes))}"
         )
     return {classes[n] for n in names}
+
+
+def tied_names(config: PretrainedConfig, trust_remote_code: bool) -> dict[str, list[str]]:
+    """Name -> the other names of the same tensor (the lm_head tied to the embedding): save_pretrained writes one."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in meta_model(config, trust_remote_code).named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    return {name: [other for other in names if other != name] for names in groups.values() for name in names}
+
+
+def stored_tensors(files: list[Path], names: Iterable[str]) -> list[torch.Tensor]:
+    """The tensors of `names` that the safetensors `files` hold, read alone (not their whole files)."""
+    found = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            found += [handle.get_tensor(name) for name in names if name in handle.keys()]
+    return found
 
 
 def pretrained_weight_files(model_name: str) -> list[Path]:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+from huggingface_hub import snapshot_download
 from transformers import PretrainedConfig
 from transformers.utils import is_flash_attn_2_available
 
@@ -19,7 +21,7 @@ from app.distributed.strategy import resolve_accelerator
 from app.hub import (CONFIG_ERRORS, REMOTE_CODE, load_problem, missing_model_problem, missing_weights_problem,
                      quiet_hub)
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
-                             meta_model, model_class, model_source, resolve_wrap_classes)
+                             meta_model, model_class, model_source, resolve_wrap_classes, stored_tensors, tied_names)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder_inputs_error,
                                  decoder_tells_positions_apart, probe_isolation, reads_ahead)
 from app.model.loss import probe_chunked_loss
@@ -57,6 +59,7 @@ def check_model_with(cfg: Config, model_config: PretrainedConfig, data: Optional
     packed examples reach it so that they stay apart, and whether the loss is computed in chunks. The checks that
     build the model need its attention implementation to exist here (else that is the one problem reported)."""
     attention_works = check_attention_supported(cfg, model_config, problems)
+    check_ties_hold(cfg, model_config, problems)
     if attention_works:
         check_activation_checkpointing(cfg, model_config, problems)
     if data is not None:
@@ -74,6 +77,28 @@ def check_model_with(cfg: Config, model_config: PretrainedConfig, data: Optional
     chunked_loss = check_chunked_loss(cfg, model_config, note if not problems else lambda _: None)
     check_loss_kernel(cfg, model_config, chunked_loss, problems)
     return packed_layout, chunked_loss
+
+
+def check_ties_hold(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> None:
+    """A config that ties the output layer to the embedding (tie_word_embeddings) over weights that hold the two as
+    different tensors (a config edited, or exported wrong): transformers then loads them untied, with a warning per
+    rank, and the run trained a model its recorded config says is tied, which convert_to_hf.py could not verify.
+    Only a local folder's or the cache's files are read (two tensors), and only when both names are stored."""
+    if not cfg.model_name or not getattr(model_config, "tie_word_embeddings", False):
+        return
+    try:
+        folder = Path(cfg.model_name) if Path(cfg.model_name).is_dir() else Path(
+            snapshot_download(cfg.model_name, allow_patterns=["*.safetensors"], local_files_only=True))
+    except Exception:  # noqa: BLE001 (not cached yet: the weights load later, as they are)
+        return
+    groups = {tuple(sorted([name, *others])) for name, others in tied_names(model_config,
+                                                                            cfg.trust_remote_code).items() if others}
+    for names in groups:
+        tensors = stored_tensors(sorted(folder.glob("*.safetensors")), names)
+        if len(tensors) > 1 and any(not torch.equal(tensors[0], other) for other in tensors[1:]):
+            problems.append(f"--model_name {cfg.model_name}: its config ties {' and '.join(names)} "
+                            "(tie_word_embeddings true), but its weights hold them as different tensors; set "
+                            "\"tie_word_embeddings\": false in its config.json if they were trained apart")
 
 
 def check_attention_supported(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> bool:
