@@ -155,6 +155,48 @@ def test_a_model_whose_config_transformers_finds_incomplete_is_one_line(tiny, tm
         "'rope_type'='llama3': {'") in error and "'}); fix its config.json; see generate.py --help\n" in error, error
 
 
+def test_an_mbart_decoder_starts_from_its_target_language_as_in_training(tiny, tmp_path) -> None:
+    """mBART's labels end with the target language's code, which its shift puts first: train.py's samples start
+    there, and generate.py started from the config's decoder_start_token_id (EOS), in no language it was trained
+    for. A tokenizer whose targets end `</s> ro_RO`, as mBART-cc25's do."""
+    from transformers import MBartConfig, PreTrainedTokenizerFast
+
+    folder = tmp_path / "mbart"
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["ro_RO"]})
+    language = tokenizer.convert_tokens_to_ids("ro_RO")
+    tokenizer.save_pretrained(folder)
+    tokenizer_file = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer_file["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "</s>", "type_id": 0}},
+        {"SpecialToken": {"id": "ro_RO", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+        "special_tokens": {name: {"id": name, "ids": [tokenizer.convert_tokens_to_ids(name)], "tokens": [name]}
+                           for name in ("</s>", "ro_RO")}}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_file))
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert PreTrainedTokenizerFast.from_pretrained(folder)(text_target="x")["input_ids"][-2:] == [2, language]
+    torch.manual_seed(0)
+    config = MBartConfig(vocab_size=len(tokenizer), d_model=64, encoder_layers=1, decoder_layers=1,
+                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                         max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         decoder_start_token_id=2, init_std=0.2)
+    model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    source = model_input(AutoTokenizer.from_pretrained(folder), PROMPTS[0], False, config)
+    started = {start: model.generate(**source, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                     decoder_start_token_id=start)[0, 1:].tolist() for start in (language, 2)}
+    assert started[language] != started[2]
+    written = generate(GenerateArgs(str(folder), prompt=PROMPTS[0], temperature=0, max_new_tokens=NEW_TOKENS))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert written.split("\n--> ", 1)[1].startswith(tokenizer.decode(
+        up_to_stop(started[language]), skip_special_tokens=True)), (written, started)
+
+
+def up_to_stop(tokens: list[int]) -> list[int]:
+    return tokens[:tokens.index(2) + 1] if 2 in tokens else tokens
+
+
 def test_an_answer_prints_under_a_locale_that_cannot_encode_it(tiny, tmp_path) -> None:
     """The U+FFFD of a byte-level token cut at --max_new_tokens (or any script the locale lacks) was a
     UnicodeEncodeError traceback under a GBK or Latin-1 locale."""

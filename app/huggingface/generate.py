@@ -111,7 +111,7 @@ def generate(args: GenerateArgs) -> str:
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     ids = encoded_prompt(tokenizer, config, prompt, args, "--prompt")
     check_positions(config, len(ids), args.max_new_tokens)
-    model = load_model(args, config).to(device)
+    model = load_model(args, config, tokenizer).to(device)
     torch.manual_seed(args.seed)
     (answer,) = answer_batch(model, tokenizer, config, [ids], args, device)
     return shown(prompt, answer, answered_alone(args, config))
@@ -127,7 +127,7 @@ def answer_file(args: GenerateArgs) -> None:
     prompts = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args)) for row in rows]
     longest = max(range(len(rows)), key=lambda index: len(prompts[index]))  # what fits it fits every prompt
     check_positions(config, len(prompts[longest]), args.max_new_tokens, f"{line_of(rows[longest], args)}, the longest")
-    model = load_model(args, config).to(device)
+    model = load_model(args, config, tokenizer).to(device)
     torch.manual_seed(args.seed)
     order = sorted(range(len(rows)), key=lambda index: len(prompts[index]))
     found: dict[int, Answer] = {}
@@ -259,9 +259,9 @@ def generation_device(name: str) -> torch.device:
     return device
 
 
-def load_model(args: GenerateArgs, config: Any) -> Any:
-    """The folder's weights, decoding as --temperature says (`decoding`); a folder without them, or with a file cut
-    short (an interrupted copy), in one line."""
+def load_model(args: GenerateArgs, config: Any, tokenizer: Any) -> Any:
+    """The folder's weights, decoding as --temperature says (`decoding`) from the decoder start training used
+    (`trained_decoder_start`); a folder without them, or with a file cut short (an interrupted copy), in one line."""
     try:
         with quiet_hub():
             model = model_class(config).from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
@@ -269,9 +269,23 @@ def load_model(args: GenerateArgs, config: Any) -> Any:
         raise UsageError(f"MODEL {args.model}: its weights do not load ({first_line(error)}); convert the checkpoint "
                          "again (convert_to_hf.py) or copy the folder again") from None
     model.generation_config = decoding(args, model.generation_config)
+    if config.is_encoder_decoder:
+        model.generation_config.decoder_start_token_id = trained_decoder_start(model, tokenizer)
     if getattr(model.config, "output_router_logits", False):  # a mixture of experts trained with its router's loss:
         model.config.output_router_logits = False  # computed while decoding a padded batch, that loss raised
     return model
+
+
+def trained_decoder_start(model: Any, tokenizer: Any) -> Optional[int]:
+    """The token an encoder-decoder's decoder started from in training: the model's own shift of a target's labels,
+    encoded as prepare_data.py encodes targets (`text_target`), as train.py's samples start (app/evaluation/samples.py
+    seq2seq_decoding). T5's and BART's decoder_start_token_id; mBART's target-language code, which its labels end
+    with, where its config's decoder_start_token_id (EOS) had it write in no language it was trained for."""
+    labels = torch.tensor([tokenizer(text_target="x")["input_ids"]])
+    try:
+        return int(model.prepare_decoder_input_ids_from_labels(labels=labels)[0, 0])
+    except (ValueError, TypeError, AttributeError):  # no start in its config (refused in training): generate() says
+        return model.generation_config.decoder_start_token_id
 
 
 def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
