@@ -332,6 +332,12 @@ def test_held_out_chats_are_answered_from_the_messages_before_their_last_and_sco
                    capsys) == (f"--prompts {tmp_path / 'bad.jsonl'}: line 1: 'messages' does not end with an "
                                "assistant message after a system or user one; the last assistant message is the "
                                "answer to score")
+    # refused by prepare_data.py, it was answered: a template that skips the "human" role left the question out
+    (tmp_path / "wild.jsonl").write_text(json.dumps({"messages": [{"role": "human", "content": "Weather?"},
+                                                                  {"role": "assistant", "content": "Sunny."}]}) + "\n")
+    assert refusal([str(folder), "--prompts", str(tmp_path / "wild.jsonl"), "--messages_field", "messages"],
+                   capsys).startswith(f"--prompts {tmp_path / 'wild.jsonl'}: line 1: 'messages' has a message of role "
+                                      "'human', not one of system, user, assistant")
     assert refusal([str(folder), "--prompts", str(tmp_path / "chats.jsonl"), "--messages_field", "messages",
                     "--reference_field", "x", "--chat"], capsys) == (
         "--messages_field: a chat is its own prompt (through the chat template) and its last message the reference; "

@@ -675,19 +675,33 @@ REFUSED = [
      "its masks train 15 of the 15 tokens of user messages in a two-turn chat"),
     (["--source_field", "code", "--target_field", "summary", "--max_target_length", "2"], "--max_target_length 2"),
     (["--messages_field", "messages", "--input", "{human}", "--chat_template", "{known_roles}"],
-     "--messages_field messages: row 2 of --input {human} has a message (1) of role 'human' that the chat template "
+     "--messages_field messages: row 2 of --input {human} has a message (1) of role 'tool' that the chat template "
      "does not render"),
     # The dropped message's text is also elsewhere in the chat, as a question asked again or in its answer: a search
     # of the rendered chat for it found it there, and the answer was trained without its question.
     (["--messages_field", "messages", "--input", "{human_asks_again}", "--chat_template", "{known_roles}"],
-     "row 1 of --input {human_asks_again} has a message (3) of role 'human' that the chat template does not render"),
+     "row 1 of --input {human_asks_again} has a message (3) of role 'tool' that the chat template does not render"),
     (["--messages_field", "messages", "--input", "{human_quoted}", "--chat_template", "{known_roles}"],
-     "row 1 of --input {human_quoted} has a message (1) of role 'human' that the chat template does not render"),
+     "row 1 of --input {human_quoted} has a message (1) of role 'tool' that the chat template does not render"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{no_prompt}"],
      "--prompt_field code: row 2 of --input {no_prompt} is empty"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{blank_prompt}"],
      "--prompt_field code: row 2 of --input {blank_prompt} is empty"),
     (["--messages_field", "messages", "--input", "{blank_user}"], "row 1 of --input {blank_user} has an empty user"),
+    # Chats as they come: each was refused as "not a list of {role, content}" without saying why, or worse, trained:
+    # a "gpt" answer never (a template wrote the role under its own name), an answer marked weight 0 as any other,
+    # answers given tools without them.
+    (["--messages_field", "conversations", "--input", "{sharegpt}"], "row 1 of --input {sharegpt} holds ShareGPT "
+     "messages ({from, value}): write them as {role, content}, human as user and gpt as assistant"),
+    (["--messages_field", "messages", "--input", "{parts}"], "row 1 of --input {parts} has a message (1) whose content "
+     "is a list of parts, not text: join its text parts into one string"),
+    (["--messages_field", "messages", "--input", "{gpt}"], "row 1 of --input {gpt} has a message of role 'gpt', not "
+     "one of system, user, assistant, tool, developer, ipython, function: only assistant messages are trained, and a "
+     "template writes another role under its own name (write 'gpt' as 'assistant')"),
+    (["--messages_field", "messages", "--input", "{weight_0}"], "row 1 of --input {weight_0} has a message (2) with "
+     "\"weight\": 0 (OpenAI's mark of an answer not to train), which is not read here"),
+    (["--messages_field", "messages", "--input", "{tools}"], "row 1 of --input {tools} offers tools (its 'tools' "
+     "field), which the chat template would write before the chat"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_line}"],
      "could not read it as json: {bad_line} line 3, column 25: Expecting value"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_document}"],
@@ -718,13 +732,13 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "trains_users": tmp_path / "trains_users.jinja",
         "human": write_jsonl(tmp_path / "h.jsonl", [{"messages": [{"role": role, "content": "x = 1"},
                                                                   {"role": "assistant", "content": "Set x."}]}
-                                                    for role in ("user", "human")]),
+                                                    for role in ("user", "tool")]),
         "known_roles": tmp_path / "known_roles.jinja",
         "human_asks_again": write_jsonl(tmp_path / "h2.jsonl", [{"messages": [
             {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."},
-            {"role": "human", "content": "Why?"}, {"role": "assistant", "content": "I said: because."}]}]),
+            {"role": "tool", "content": "Why?"}, {"role": "assistant", "content": "I said: because."}]}]),
         "human_quoted": write_jsonl(tmp_path / "h3.jsonl", [{"messages": [
-            {"role": "human", "content": "Name"}, {"role": "assistant", "content": "Name: Bob"}]}]),
+            {"role": "tool", "content": "Name"}, {"role": "assistant", "content": "Name: Bob"}]}]),
         "no_prompt": write_jsonl(tmp_path / "p.jsonl", [{"code": "x = 1", "summary": "Set x."}, {"summary": "Set y."}]),
         "blank_prompt": write_jsonl(tmp_path / "q.jsonl", [{"code": "x = 1", "summary": "Set x."},
                                                            {"code": " \n ", "summary": "Set y."}]),
@@ -733,6 +747,19 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "not_objects": tmp_path / "lists.jsonl",
         "blank_user": write_jsonl(tmp_path / "u.jsonl", [{"messages": [{"role": "user", "content": "  "},
                                                                        {"role": "assistant", "content": "Hi."}]}]),
+        "sharegpt": write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [
+            {"from": "human", "value": "Hello."}, {"from": "gpt", "value": "Hi."}]}]),
+        "parts": write_jsonl(tmp_path / "pt.jsonl", [{"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hello."}]}, {"role": "assistant", "content": "Hi."}]}]),
+        "gpt": write_jsonl(tmp_path / "g.jsonl", [{"messages": [
+            {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Weather?"}, {"role": "gpt", "content": "Sunny."}]}]),
+        "weight_0": write_jsonl(tmp_path / "w.jsonl", [{"messages": [
+            {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Bad answer.", "weight": 0},
+            {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Hi.", "weight": 1}]}]),
+        "tools": write_jsonl(tmp_path / "tl.jsonl", [{"tools": [{"type": "function", "function": {"name": "f"}}],
+                                                      "messages": [{"role": "user", "content": "Hello."},
+                                                                   {"role": "assistant", "content": "Hi."}]}]),
         "reasoning": write_jsonl(tmp_path / "r.jsonl", [{"messages": [
             {"role": "user", "content": "Two plus two?"},
             {"role": "assistant", "content": "Four.", "reasoning_content": "Two and two make four."}]}]),
@@ -750,7 +777,8 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "{% endif %}" + turns)
     (tmp_path / "skips_system.jinja").write_text(
         "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}" + turns)
-    # Renders only the roles it knows, as Qwen's does: a "human" message would vanish, its answer trained alone.
+    # Renders only the roles it knows, as Qwen's does with other roles: a "tool" message would vanish, its answer
+    # trained alone.
     (tmp_path / "known_roles.jinja").write_text(
         "{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}"
         "{{ m['role'] + ':\n' + m['content'] + eos_token }}{% endif %}{% endfor %}"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from app.cli import UsageError
-from app.prepare.chat import pair_prompt
+from app.prepare.chat import chat_problem, pair_prompt, tools_offered
 
 
 Messages = list[dict[str, str]]
@@ -92,9 +92,9 @@ def chat_row(path: Path, number: int, record: dict, field: str) -> PromptRow:
     if chat is None:
         raise UsageError(f"{where} has no field {field!r} (--messages_field); its fields: "
                          f"{', '.join(map(str, record)) or 'none'}")
-    if not isinstance(chat, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                             and isinstance(m.get("content"), str) for m in chat):
-        raise UsageError(f"{where}: {field!r} is not a list of {{role, content}} messages with text content")
+    problem = chat_problem(chat) or tools_offered(record.get("tools"))  # as prepare_data.py reads a chat
+    if problem:
+        raise UsageError(f"{where}: {field!r} {problem}")
     if len(chat) < 2 or chat[-1]["role"] != "assistant" or chat[0]["role"] == "assistant":
         raise UsageError(f"{where}: {field!r} does not end with an assistant message after a system or user one; "
                          "the last assistant message is the answer to score")

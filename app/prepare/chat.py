@@ -52,6 +52,8 @@ def _records(
 
     def convert(batch: dict, indices: list[int]) -> dict:
         values = [{option: batch[field][i] for option, field in fields.items()} for i in range(len(indices))]
+        if "messages_field" in fields and "tools" in batch:  # read beside the messages, to refuse what they offer
+            values = [value | {"tools": batch["tools"][i]} for i, value in enumerate(values)]
         return {"messages": [to_messages(row, Row(fields, index, source)) for index, row in zip(indices, values)]}
 
     with quiet_progress():
@@ -85,41 +87,87 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 """Where chats of reasoning models put an assistant's reasoning beside its answer (Qwen3's template reads the first)."""
 
 
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
+"""The roles chat templates are written for. Only assistant messages are trained; a role outside these (ShareGPT's
+human and gpt, Gemma's model, an Assistant capitalised) was written by the templates that write any role under its
+own name: a "gpt" answer was never trained, and a "human" header was learnt that inference never writes."""
+RENAMED = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "chatgpt": "assistant"}
+
+
 def chat_messages(
     values: dict, row: Row, rendered: Optional[ChatText] = None
 ) -> list[dict[str, str]]:
-    """A chat as {role, content} messages; it must start with a system or user message and have an assistant one,
-    no user or assistant message may be empty or blank, and the chat template must render every message
-    (`rendered`)."""
+    """A chat as {role, content} messages (`chat_problem` says what a chat must be), which the chat template must
+    render whole (`rendered`); a row that offers tools is refused (`tools_offered`)."""
     chat = values["messages_field"]
-    calling = next((k for k, m in enumerate(chat or []) if isinstance(m, dict)
-                    and any(m.get(key) for key in TOOL_CALL_KEYS)), None)
-    if calling is not None:  # kept as {role, content}, the assistant's call was trained without it
-        raise row.error("messages_field", f"has a message ({calling + 1}, role {chat[calling].get('role')!r}) with "
-                        "tool calls, which are not trained: its text would be trained without the call, and the tool's "
-                        "answer would follow a call never made; leave out chats with tool calls")
-    reasoning = next(((k, key) for k, m in enumerate(chat or []) if isinstance(m, dict)
-                      for key in REASONING_KEYS if m.get(key)), None)
-    if reasoning is not None:  # kept as {role, content}, the answer was trained without the reasoning before it
-        k, key = reasoning
-        raise row.error("messages_field", f"has a message ({k + 1}) with reasoning in {key!r}, which would not be "
-                        "trained: the answer would be learnt without it; put the reasoning in the message's content "
-                        "as the model writes it (Qwen3: '<think>\\n...\\n</think>\\n\\n' before the answer), or leave "
-                        "the field out")
-    if not isinstance(chat, list) or not chat or not all(_is_message(m) for m in chat):
-        raise row.error("messages_field", "is not a list of {role, content} messages with text content")
+    problem = chat_problem(chat) or tools_offered(values.get("tools")) or turns_problem(chat)
+    if problem:
+        raise row.error("messages_field", problem)
     messages = [{"role": m["role"], "content": m["content"]} for m in chat]
-    roles = [m["role"] for m in messages]
-    if "assistant" not in roles:
-        raise row.error("messages_field", "has no assistant message to train on")
-    if roles[0] == "assistant":
-        raise row.error("messages_field", "starts with an assistant message; a chat starts with system or user")
-    for role in ("user", "assistant"):
-        if any(not m["content"].strip() for m in messages if m["role"] == role):
-            raise row.error("messages_field", f"has an empty {role} message")
     if rendered is not None:
         check_rendered(messages, rendered, row)
     return messages
+
+
+def chat_problem(chat: object) -> Optional[str]:
+    """What is wrong with a chat's messages, said after its row (prepare_data.py) or line (generate.py --prompts):
+    it must be {role, content} messages with text, of the known roles, with nothing beside the text that would not
+    be trained (tool calls, reasoning) or that marks a message as not to be trained (OpenAI's weight 0)."""
+    messages = chat if isinstance(chat, list) else []
+    if messages and all(isinstance(m, dict) and {"from", "value"} <= m.keys() for m in messages):
+        return ("holds ShareGPT messages ({from, value}): write them as {role, content}, human as user and gpt as "
+                "assistant")
+    calling = next((k for k, m in enumerate(messages) if isinstance(m, dict)
+                    and any(m.get(key) for key in TOOL_CALL_KEYS)), None)
+    if calling is not None:  # kept as {role, content}, the assistant's call was trained without it
+        return (f"has a message ({calling + 1}, role {messages[calling].get('role')!r}) with tool calls, which are not "
+                "trained: its text would be trained without the call, and the tool's answer would follow a call never "
+                "made; leave out chats with tool calls")
+    reasoning = next(((k, key) for k, m in enumerate(messages) if isinstance(m, dict)
+                      for key in REASONING_KEYS if m.get(key)), None)
+    if reasoning is not None:  # kept as {role, content}, the answer was trained without the reasoning before it
+        k, key = reasoning
+        return (f"has a message ({k + 1}) with reasoning in {key!r}, which would not be trained: the answer would be "
+                "learnt without it; put the reasoning in the message's content as the model writes it (Qwen3: "
+                "'<think>\\n...\\n</think>\\n\\n' before the answer), or leave the field out")
+    parts = next((k for k, m in enumerate(messages) if isinstance(m, dict) and isinstance(m.get("content"), list)),
+                 None)
+    if parts is not None:
+        return (f"has a message ({parts + 1}) whose content is a list of parts, not text: join its text parts into "
+                "one string (text alone is trained)")
+    if not messages or not all(_is_message(m) for m in messages):
+        return "is not a list of {role, content} messages with text content"
+    unweighted = next((k for k, m in enumerate(messages) if m.get("weight") == 0), None)
+    if unweighted is not None:  # every assistant message is trained: the one marked not to be would be
+        return (f"has a message ({unweighted + 1}) with \"weight\": 0 (OpenAI's mark of an answer not to train), "
+                "which is not read here: every assistant message is trained; end the chat before it, or leave it out")
+    unknown = next((m["role"] for m in messages if m["role"] not in KNOWN_ROLES), None)
+    if unknown is not None:
+        rename = f" (write {unknown!r} as {RENAMED[unknown.lower()]!r})" if unknown.lower() in RENAMED else ""
+        return (f"has a message of role {unknown!r}, not one of {', '.join(KNOWN_ROLES)}: only assistant messages "
+                f"are trained, and a template writes another role under its own name{rename}")
+    return None
+
+
+def turns_problem(messages: list[dict]) -> Optional[str]:
+    """A chat to train on starts with a system or user message and has an assistant one; no user or assistant
+    message is empty or blank."""
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        return "has no assistant message to train on"
+    if roles[0] == "assistant":
+        return "starts with an assistant message; a chat starts with system or user"
+    return next((f"has an empty {role} message" for role in ("user", "assistant")
+                 if any(not m["content"].strip() for m in messages if m["role"] == role)), None)
+
+
+def tools_offered(tools: object) -> Optional[str]:
+    """A chat that offers tools (OpenAI's and Qwen's `tools` beside the messages), whose template writes them before
+    the chat: the answers would be trained without the tools they were given."""
+    if tools:
+        return ("offers tools (its 'tools' field), which the chat template would write before the chat and are not "
+                "passed to it: the answers would be trained without them; leave such chats out")
+    return None
 
 
 def check_rendered(messages: list[dict[str, str]], rendered: ChatText, row: Row) -> None:
@@ -140,7 +188,7 @@ def check_rendered(messages: list[dict[str, str]], rendered: ChatText, row: Row)
         if text is not None and message["content"].strip() and _marker(k) not in text:
             advice = ("where it stands (Mistral's v0.3 template writes a system message only before the last user "
                       "message); leave it out" if message["role"] in ("system", "user", "assistant")
-                      else "; use the roles system, user and assistant")
+                      else "(a template for system, user and assistant only); leave it out")
             raise row.error("messages_field", f"has a message ({k + 1}) of role {message['role']!r} that the chat "
                             f"template does not render {advice}, or give a template that renders it with "
                             "--chat_template FILE")
