@@ -283,6 +283,17 @@ def test_a_chat_cut_inside_a_later_prompt_ends_with_the_last_trained_token(work)
     assert ends_at_first_answer > 0 and stats["splits"]["train"]["truncated"] >= ends_at_first_answer
 
 
+def test_a_chat_file_whose_other_keys_look_like_an_agents_trace_is_read(work, tmp_path):
+    """datasets 5 took rows with "source", "model" and "system_prompt" beside the messages for an agent's trace, which
+    it reads with a package of its own: the file was refused, "An error occurred while generating the dataset"."""
+    chat = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi, how can I help?"}]
+    chats = write_jsonl(tmp_path / "traces.jsonl", [{"id": str(k), "source": "s", "model": "gpt-4o",
+                                                     "system_prompt": "Be brief.", "messages": chat} for k in range(4)])
+    _, stats, _ = sft(work, "traces", input=[str(chats)], prompt_field=None, response_field=None,
+                      messages_field="messages", val_fraction=0.0)
+    assert stats["splits"]["train"]["examples"] == 4
+
+
 def test_train_on_prompt_trains_every_token_but_the_first_of_each_example(work, packed_run):
     rows, stats, _ = sft(work, "on_prompt", train_on_prompt=True)
     assert stats["train_on_prompt"] is True

@@ -309,6 +309,8 @@ def _read_files(
         )
     options = ({"sample_by": sample_by, "encoding": "utf-8-sig"} if name == "text"  # a BOM is no text to train on
                else csv_as_written(files) if name == "csv" else {})
+    if name == "json":  # rows whose keys look like an agent's trace to datasets 5 ("source", "model", "system_prompt"
+        options["parse_agent_traces"] = False  # beside "messages") needed a package of its own: the file was refused
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", cache_dir=cache_dir(), **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
