@@ -11,6 +11,7 @@ own (app/checkpoint/). FSDP2 (`--strategy fsdp2`) runs through Lightning's Model
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 
 from app.distributed.fsdp2 import UnitsWithEmbeddings, parallelize_fn
 from app.distributed.precision import fsdp_mixed_precision, precision_plugin
@@ -65,7 +67,11 @@ def resolve_accelerator(cfg: Config) -> str:
     return "cuda" if cfg.accelerator == "gpu" else cfg.accelerator
 
 
-DDP_OPTIONS = {"broadcast_buffers": False, "gradient_as_bucket_view": True}
+DDP_PARAMETERS = inspect.signature(DistributedDataParallel).parameters
+SYNC_BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in DDP_PARAMETERS else "broadcast_buffers"
+"""torch 2.13's name (its old one warned on every rank of every run); the GPU image's torch 2.11 has the old one
+alone. Buffers are still synced once at the start under the new name: every rank's are equal then."""
+DDP_OPTIONS = {SYNC_BUFFERS: False, "gradient_as_bucket_view": True}
 """Causal LMs' buffers (rotary frequencies) never change, so re-broadcasting them before every forward is a wasted
 collective; gradients as views of DDP's communication buckets save a copy of every gradient per step (and its memory)."""
 
