@@ -737,6 +737,13 @@ def test_an_output_dir_on_read_only_storage_is_refused_before_reading_anything(t
                             block_size=64, output_dir=str(read_only_folder / "data")))
     assert str(refusal.value) == (f"--output_dir {read_only_folder / 'data'}: {read_only_folder} is not writable; "
                                   "choose a folder you can write to")
+    from app.prepare.args import check_output_dir  # a link is written where it points, and checked there
+    (tmp_path / "elsewhere").symlink_to(read_only_folder / "data")
+    with pytest.raises(UsageError, match=f"--output_dir {tmp_path / 'elsewhere'}: {read_only_folder} is not writable"):
+        check_output_dir(tmp_path / "elsewhere", overwrite=False, local_inputs=[])
+    (tmp_path / "writable").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "writable" / "data")
+    check_output_dir(tmp_path / "link", overwrite=False, local_inputs=[])
 
 
 @pytest.mark.parametrize("before", ["absent", "empty"])

@@ -283,6 +283,19 @@ def test_a_chat_cut_inside_a_later_prompt_ends_with_the_last_trained_token(work)
     assert ends_at_first_answer > 0 and stats["splits"]["train"]["truncated"] >= ends_at_first_answer
 
 
+def test_what_a_chat_carries_beside_its_messages_is_refused_only_where_it_would_train_wrongly() -> None:
+    """Tools written as JSON text offer none when they are "[]"; OpenAI reads "weight" on assistant messages only."""
+    from app.prepare.chat import tools_offered, unweighted_answer
+
+    assert [tools_offered(tools) is None for tools in (None, "", "[]", "null", [], '[{"type": "function"}]',
+                                                       [{"type": "function"}], "some tool")] == [True] * 5 + [False] * 3
+    asked = [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a", "weight": 1}]
+    assert unweighted_answer(asked) is None
+    assert unweighted_answer([*asked, {"role": "user", "content": "q"}, {"role": "assistant", "content": "b",
+                                                                          "weight": 0}]).startswith(
+        "has an assistant message (4) with \"weight\": 0")
+
+
 def test_a_chat_file_whose_other_keys_look_like_an_agents_trace_is_read(work, tmp_path):
     """datasets 5 took rows with "source", "model" and "system_prompt" beside the messages for an agent's trace, which
     it reads with a package of its own: the file was refused, "An error occurred while generating the dataset"."""
@@ -709,8 +722,8 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{gpt}"], "row 1 of --input {gpt} has a message of role 'gpt', not "
      "one of system, user, assistant, tool, developer, ipython, function: only assistant messages are trained, and a "
      "template writes another role under its own name (write 'gpt' as 'assistant')"),
-    (["--messages_field", "messages", "--input", "{weight_0}"], "row 1 of --input {weight_0} has a message (2) with "
-     "\"weight\": 0 (OpenAI's mark of an answer not to train), which is not read here"),
+    (["--messages_field", "messages", "--input", "{weight_0}"], "row 1 of --input {weight_0} has an assistant message "
+     "(2) with \"weight\": 0 (OpenAI's mark of an answer not to train), which is not read here"),
     (["--messages_field", "messages", "--input", "{tools}"], "row 1 of --input {tools} offers tools (its 'tools' "
      "field), which the chat template would write before the chat"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_line}"],
@@ -761,7 +774,8 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "sharegpt": write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [
             {"from": "human", "value": "Hello."}, {"from": "gpt", "value": "Hi."}]}]),
         "parts": write_jsonl(tmp_path / "pt.jsonl", [{"messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Hello."}]}, {"role": "assistant", "content": "Hi."}]}]),
+            {"role": "user", "content": [{"type": "text", "text": "Hello."}]},
+            {"role": "assistant", "content": "Hi."}]}]),
         "gpt": write_jsonl(tmp_path / "g.jsonl", [{"messages": [
             {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
             {"role": "user", "content": "Weather?"}, {"role": "gpt", "content": "Sunny."}]}]),

@@ -356,7 +356,7 @@ def check_output_dir(output: Path, overwrite: bool) -> None:
     folder, so a data folder, another run or a folder of the user's named by mistake would be deleted with it."""
     if output.exists() and not output.is_dir():
         raise BadInput(f"--output_dir {output} is a file; give a folder")
-    unusable = unusable_folder(output.absolute().parent)  # the folder is written beside it, then swapped in
+    unusable = unusable_folder(real_folder(output).absolute().parent)  # written beside it (a link's target)
     if unusable:
         raise BadInput(f"--output_dir {output}: {unusable}; choose a folder you can write to")
     if not output.is_dir() or not any(output.iterdir()):

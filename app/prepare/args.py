@@ -10,7 +10,7 @@ from typing import Literal
 
 from app.cli import UsageError  # noqa: F401 (app/prepare raises it from here)
 from app.choices import MAX_SEED, FormatName
-from app.folders import DATASET_DICT_FILE, STATS_FILE, TOKENIZER_FOLDER, unusable_folder
+from app.folders import DATASET_DICT_FILE, STATS_FILE, TOKENIZER_FOLDER, real_folder, unusable_folder
 from app.hub import missing_folder_problem
 
 
@@ -232,7 +232,7 @@ def check_output_dir(output_dir: Path, overwrite: bool, local_inputs: list[Path]
     delete it whole), and never write over (or inside) the inputs themselves."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"--output_dir {output_dir}: exists and is not a folder")
-    unusable = unusable_folder(output_dir.absolute().parent)  # the output is staged beside it, then swapped in
+    unusable = unusable_folder(real_folder(output_dir).absolute().parent)  # staged beside it (a link's target)
     if unusable:
         raise UsageError(f"--output_dir {output_dir}: {unusable}; choose a folder you can write to")
     if output_dir.is_dir() and any(output_dir.iterdir()):

@@ -9,6 +9,7 @@ not render, or a value that is not text.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Optional
@@ -100,7 +101,8 @@ def chat_messages(
     """A chat as {role, content} messages (`chat_problem` says what a chat must be), which the chat template must
     render whole (`rendered`); a row that offers tools is refused (`tools_offered`)."""
     chat = values["messages_field"]
-    problem = chat_problem(chat) or tools_offered(values.get("tools")) or turns_problem(chat)
+    problem = (chat_problem(chat) or tools_offered(values.get("tools")) or unweighted_answer(chat)
+               or turns_problem(chat))
     if problem:
         raise row.error("messages_field", problem)
     messages = [{"role": m["role"], "content": m["content"]} for m in chat]
@@ -112,7 +114,7 @@ def chat_messages(
 def chat_problem(chat: object) -> Optional[str]:
     """What is wrong with a chat's messages, said after its row (prepare_data.py) or line (generate.py --prompts):
     it must be {role, content} messages with text, of the known roles, with nothing beside the text that would not
-    be trained (tool calls, reasoning) or that marks a message as not to be trained (OpenAI's weight 0)."""
+    be trained (tool calls, reasoning)."""
     messages = chat if isinstance(chat, list) else []
     if messages and all(isinstance(m, dict) and {"from", "value"} <= m.keys() for m in messages):
         return ("holds ShareGPT messages ({from, value}): write them as {role, content}, human as user and gpt as "
@@ -137,10 +139,6 @@ def chat_problem(chat: object) -> Optional[str]:
                 "one string (text alone is trained)")
     if not messages or not all(_is_message(m) for m in messages):
         return "is not a list of {role, content} messages with text content"
-    unweighted = next((k for k, m in enumerate(messages) if m.get("weight") == 0), None)
-    if unweighted is not None:  # every assistant message is trained: the one marked not to be would be
-        return (f"has a message ({unweighted + 1}) with \"weight\": 0 (OpenAI's mark of an answer not to train), "
-                "which is not read here: every assistant message is trained; end the chat before it, or leave it out")
     unknown = next((m["role"] for m in messages if m["role"] not in KNOWN_ROLES), None)
     if unknown is not None:
         rename = f" (write {unknown!r} as {RENAMED[unknown.lower()]!r})" if unknown.lower() in RENAMED else ""
@@ -161,9 +159,25 @@ def turns_problem(messages: list[dict]) -> Optional[str]:
                  if any(not m["content"].strip() for m in messages if m["role"] == role)), None)
 
 
+def unweighted_answer(messages: list[dict]) -> Optional[str]:
+    """An assistant message marked not to be trained (OpenAI's `"weight": 0`), which every assistant message is."""
+    unweighted = next((k for k, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight") == 0), None)
+    if unweighted is None:
+        return None
+    return (f"has an assistant message ({unweighted + 1}) with \"weight\": 0 (OpenAI's mark of an answer not to "
+            "train), which is not read here: every assistant message is trained; end the chat before it, or leave "
+            "it out")
+
+
 def tools_offered(tools: object) -> Optional[str]:
     """A chat that offers tools (OpenAI's and Qwen's `tools` beside the messages), whose template writes them before
-    the chat: the answers would be trained without the tools they were given."""
+    the chat: the answers would be trained without the tools they were given. Tools written as JSON text (many
+    function-calling datasets) are read first: "[]" offers none."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except ValueError:
+            pass  # text that is not JSON: offered as it is
     if tools:
         return ("offers tools (its 'tools' field), which the chat template would write before the chat and are not "
                 "passed to it: the answers would be trained without them; leave such chats out")

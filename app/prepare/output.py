@@ -32,17 +32,18 @@ def write_atomically(output_dir: Path, write: Callable[[Path], None], overwrite:
     try:
         with removed_if_stopped(staging):
             write(staging)
-        if output_dir.exists():
-            check_still_free(output_dir, overwrite)
-            check_replaceable(output_dir)
-        if not output_dir.exists():
+        if not output_dir.exists() or not any(output_dir.iterdir()):
             try:
-                staging.rename(output_dir)  # over an empty folder, or not at all
+                staging.rename(output_dir)  # onto nothing or an empty folder, atomically; else ENOTEMPTY
+                return
             except OSError as error:
                 if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
-                check_still_free(output_dir, overwrite=False)
-            return
+        if not overwrite:  # filled since the start (an empty or absent folder is all it accepted)
+            raise UsageError(f"--output_dir {output_dir}: written by another command while this one prepared its "
+                             "data (another prepare_data.py into the same folder?); nothing of it was replaced: choose "
+                             "another folder, or add --overwrite")
+        check_replaceable(output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -54,13 +55,6 @@ def write_atomically(output_dir: Path, write: Callable[[Path], None], overwrite:
     except OSError as error:  # the new output is in place: the old one's files are another owner's, or read-only
         print(f"prepare_data.py: note: the earlier output, moved to {retired}, could not be removed "
               f"({error.strerror or error}); delete it", file=sys.stderr)
-
-
-def check_still_free(output_dir: Path, overwrite: bool) -> None:
-    if not overwrite and any(output_dir.iterdir()):
-        raise UsageError(f"--output_dir {output_dir}: written by another command while this one prepared its data "
-                         "(another prepare_data.py into the same folder?); nothing of it was replaced: choose another "
-                         "folder, or add --overwrite")
 
 
 def save_prepared(folder: Path, blocks: DatasetDict, tokenizer: PreTrainedTokenizerBase, stats: dict) -> None:
