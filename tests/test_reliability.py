@@ -94,6 +94,9 @@ def test_sigterm_to_the_launcher_saves_and_resume_matches_a_straight_run_exactly
     assert len(wandb_runs) == 2 and len({name.rsplit("-", 1)[1] for name in wandb_runs}) == 1, \
         f"the resumed run continues the W&B run: {wandb_runs}"
     assert [logged.exit_codes for logged in wandb_records(stopped)] == [[EXIT_PREEMPTED], [0]]
+    assert (f"Weights & Biases: offline, in {stopped / 'wandb'}; upload every start of this run with `wandb sync "
+            f"{stopped / 'wandb'}/offline-run-*`") in resumed.stdout
+    assert "wandb:" not in resumed.stdout + resumed.stderr, "its advice (`wandb online`, one start's folder to sync)"
 
     expected, got = logged_losses(straight), logged_losses(stopped)
     assert sorted(got) == list(range(2, 15, 2))

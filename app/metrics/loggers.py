@@ -184,7 +184,9 @@ class WandbMetrics(Logger):
     about 2 s to the start of every rank, and wandb's Fabric integration imports that), and a run needs four of wandb's
     calls. Metrics are plotted against `trainer/global_step`, as Lightning's logger does, so that resumed runs line up.
 
-    The uploads left at the end are waited for --stall_timeout_min at most (wandb's finish_timeout, unless
+    Offline, wandb says nothing (its lines told to `wandb online` or set WANDB_MODE, which the run's own mode
+    overrides, and to sync only this start's folder), and one line says where the run is and how to upload it all;
+    online, its non-essential output is off. The uploads left at the end are waited for --stall_timeout_min at most (wandb's finish_timeout, unless
     WANDB_FINISH_TIMEOUT sets it): wandb waits for ever by default, and a finished run whose network had gone held its
     nodes, what the stall watchdog prevents during the run; what was not sent stays in the run's folder for `wandb
     sync`.
@@ -221,6 +223,8 @@ class WandbMetrics(Logger):
 
             Path(self._init["dir"]).mkdir(parents=True, exist_ok=True)
             settings = {} if self._finish_timeout_sec is None else dict(finish_timeout=self._finish_timeout_sec)
+            offline = self._init["mode"] == "offline"
+            settings |= {"silent": True} if offline else {"quiet": True}  # its advice, wrong here, and ~30 lines
             try:
                 self._run = wandb.init(**self._init, settings=settings)
             except Exception as error:  # wandb's CommError, AuthenticationError, UsageError, ServiceStartTimeoutError
@@ -228,6 +232,10 @@ class WandbMetrics(Logger):
                 raise WandbFailed(f"Weights & Biases could not start the run ({first_line(error)}); check the login, "
                                   f"--project and --entity, or use --wandb_mode {other}") from error
             replace_file(self._id_file, self._run.id + "\n")
+            if offline:
+                folder = Path(self._init["dir"]) / "wandb"
+                print(f"Weights & Biases: offline, in {folder}; upload every start of this run with `wandb sync "
+                      f"{folder}/offline-run-*`", flush=True)
             before_exit(self.finish)
             self._run.define_metric("trainer/global_step")
             self._run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
