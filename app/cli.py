@@ -364,6 +364,11 @@ def without_credentials(text: str) -> str:
     return URL_CREDENTIALS.sub(r"\1", text)
 
 
+def counted(count: int, noun: str) -> str:
+    """`1 file`, `2 files`: a count and its noun, as a user reads them."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def refuse(prog: str, message: str) -> typing.NoReturn:
     """Print the one line of a bad command line and exit with status 2 (said once under srun or torchrun: tasks.py)."""
     exit_refused([f"{prog}: error: {message}; see {prog} --help"])

@@ -902,14 +902,14 @@ def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and
         (repo / "data" / f"{split}-00000-of-00001.jsonl").write_text(text_lines(count, split))
     stats = prepared(tmp_path, issue_run, [repo], val_fraction=0.05)
     assert (stats["splits"]["train"]["documents"], stats["splits"]["validation"]["documents"]) == (12, 3)
-    assert stats["inputs"] == [f"{repo} (train: 1 files, own validation: 1 files; not read: its test split)"]
+    assert stats["inputs"] == [f"{repo} (train: 1 file, own validation: 1 file; not read: its test split)"]
     flat = tmp_path / "flat"  # split files at the top, and a file of no split (datasets tries several patterns per
     flat.mkdir()  # split, and resolving one that matched nothing failed the whole layout: a pool again)
     for split, count in (("train", 12), ("validation", 3), ("test", 5), ("notes", 2)):
         (flat / f"{split}.jsonl").write_text(text_lines(count, split))
     stats = prepared(tmp_path, issue_run, [flat], val_fraction=0.05)
     assert (stats["splits"]["train"]["documents"], stats["splits"]["validation"]["documents"]) == (12, 3)
-    assert stats["inputs"] == [f"{flat} (train: 1 files, own validation: 1 files; not read: its test split, "
+    assert stats["inputs"] == [f"{flat} (train: 1 file, own validation: 1 file; not read: its test split, "
                                "notes.jsonl)"]
 
 

@@ -210,8 +210,8 @@ def test_the_cli_says_what_it_kept_and_which_roles_it_trains(work, packed_run):
     assert lines[4] == f"rendered with {packed_run.stats['chat_template']}", "a template that fell back is seen"
     assert lines[5] == "wrote packed (supervised_packed rows, tokenizer/, stats.json)"
     assert (work / "packed.stderr").read_text() == ""
-    assert progress == [f"prepare_data.py: read pairs.jsonl (1 files): {train['examples']} training and 12 validation "
-                        "examples",
+    assert progress == [f"prepare_data.py: read pairs.jsonl (1 file): {train['examples']} training examples, 12 "
+                        "validation examples",
                         "prepare_data.py: tokenizing and packing", "prepare_data.py: writing packed"], \
         "outside a terminal, a few lines of progress and no bars"
 

@@ -21,7 +21,7 @@ from datasets import Dataset, DatasetDict
 from datasets.data_files import get_data_patterns, resolve_pattern
 from huggingface_hub import constants
 
-from app.cli import first_line
+from app.cli import counted, first_line
 from app.folders import DATASET_DICT_FILE
 from app.hub import go_offline, hub_reachable, is_hub_id, quiet_hub
 from app.prepare.args import SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
@@ -138,7 +138,7 @@ def read_source(source: str, args: PrepareArgs, to_records: ToRecords) -> tuple[
         cards = [file.name for file in _folder_files(path) if is_dataset_card(file) and file not in files] \
             if path.is_dir() else []
         said = f"; not read: {', '.join(cards)}, a dataset card" if cards else ""
-        return _read_local(files, source, args, to_records), None, f"{source} ({len(files)} files{said})"
+        return _read_local(files, source, args, to_records), None, f"{source} ({counted(len(files), 'file')}{said})"
 
 
 def _read_local(files: list[Path], source: str, args: PrepareArgs, to_records: ToRecords) -> Dataset:
@@ -183,8 +183,9 @@ def _read_split_layout(splits: dict[str, list[Path]], source: str, args: Prepare
     validation = (_read_local(checked[validation_name], f"{source} ({validation_name} split)", args, to_records)
                   if validation_name else None)
     unread = [f"its {name} split" for name in checked if name not in ("train", validation_name)] + outside
-    return train, validation, (f"{source} (train: {len(checked['train'])} files"
-                               + (f", own validation: {len(checked[validation_name])} files" if validation_name else "")
+    return train, validation, (f"{source} (train: {counted(len(checked['train']), 'file')}"
+                               + (f", own validation: {counted(len(checked[validation_name]), 'file')}"
+                                  if validation_name else "")
                                + (f"; not read: {', '.join(unread)}" if unread else "") + ")")
 
 

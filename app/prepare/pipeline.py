@@ -61,15 +61,16 @@ def prepare_folder(args: PrepareArgs) -> dict:
     unit = "document" if shape == "text" else "example"
     held = split_by_document(documents, args.val_fraction, args.seed, args.num_proc, unit)
     splits = held.records
-    log(f"read {', '.join(documents.description)}: {len(splits['train']):,} training and "
-        f"{len(splits['validation']):,} validation {unit}s")
+    validation = (f"validation from the last {args.val_fraction:.0%} of each (too few to hold out whole ones)"
+                  if held.held_out == "document_ends" else f"{len(splits['validation']):,} validation {unit}s")
+    log(f"read {', '.join(documents.description)}: {len(splits['train']):,} training {unit}s, {validation}")
     if tokenizer is None:
         log(f"training a tokenizer of {args.vocab_size:,} pieces on the training split")
         tokenizer = train_tokenizer(TEXTS[shape](splits["train"]), args.vocab_size, args.seed)
     # The model's length is not this stage's: documents are cut into blocks, examples to --block_size (and train.py
     # checks blocks against the model's positions); transformers' warning about it read as an error.
     tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
-    log("tokenizing" + (" and packing" if shape == "text" or args.packing else ""))
+    log("tokenizing" + (" and packing" if shape == "text" or (args.packing and shape != "source/target") else ""))
     if shape == "text":
         rows, stats = text_blocks(held, tokenizer, args, documents.description)
     else:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 from transformers import AutoTokenizer, PretrainedConfig
 
 from app.checkpoint import run_tokenizer_dir
-from app.cli import first_line
+from app.cli import counted, first_line
 from app.data.mixture import first_folder
 from app.folders import prepared_tokenizer
 from app.hub import (TOKENIZER_ADVICE, has_tokenizer_files, missing_model_problem, quiet_hub, tokenizer_difference,
@@ -100,22 +100,18 @@ def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, proble
     if model_ids.items() <= data_ids.items():
         added = sorted(set(data_ids) - set(model_ids), key=data_ids.get)
         if added and note_added:
-            note(f"--train_data_dir's tokenizer ({name}) adds {counted(added)} to --model_name "
+            note(f"--train_data_dir's tokenizer ({name}) adds {counted(len(added), 'token')} to --model_name "
                  f"{cfg.model_name}'s ({listed(added)}): their embeddings start as the model has them, untrained")
         return
     if data_ids.items() <= model_ids.items():  # the model's own added tokens (chat markers) unused by the data
         lacking = sorted(set(model_ids) - set(data_ids), key=model_ids.get)
-        note(f"--train_data_dir's tokenizer ({name}) lacks {counted(lacking)} of --model_name {cfg.model_name}'s "
+        note(f"--train_data_dir's tokenizer ({name}) lacks {counted(len(lacking), 'token')} of --model_name {cfg.model_name}'s "
              f"({listed(lacking)}): the run keeps the data's tokenizer, so the converted model will not have them")
         return
     moved = min((token for token, i in model_ids.items() if data_ids.get(token) != i), key=model_ids.get)
     problems.append(f"--train_data_dir was tokenized with {name}, not with --model_name {cfg.model_name}'s tokenizer: "
                     f"{moved!r} is id {model_ids[moved]} for the model and {data_ids.get(moved, 'missing')} in the "
                     f"data; prepare the data with --tokenizer {cfg.model_name}")
-
-
-def counted(tokens: list[str]) -> str:
-    return f"{len(tokens)} token{'s' if len(tokens) != 1 else ''}"
 
 
 def listed(tokens: list[str]) -> str:
