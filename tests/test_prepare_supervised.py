@@ -206,9 +206,11 @@ def test_the_cli_says_what_it_kept_and_which_roles_it_trains(work, packed_run):
                         f"truncated; dropped: prompt_fills_block 22), {train['rows']:,} rows, {train['tokens']:,} "
                         f"tokens, {train['trained_tokens']:,} trained, {train['padding_fraction']:.1%} padding")
     assert lines[1].startswith(f"  trained tokens by role ({train['kept']} examples audited): user 0% of ")
-    assert lines[2].startswith("validation: ") and len(lines) == 6
-    assert lines[4] == f"rendered with {packed_run.stats['chat_template']}", "a template that fell back is seen"
-    assert lines[5] == "wrote packed (supervised_packed rows, tokenizer/, stats.json)"
+    assert lines[2] == (f"  22 examples ({22 / train['examples']:.0%}) dropped as prompt_fills_block: the prompt alone "
+                        "fills --block_size, so no response token is kept: raise it"), "a fifth dropped, unexplained"
+    assert lines[3].startswith("validation: ") and len(lines) == 7
+    assert lines[5] == f"rendered with {packed_run.stats['chat_template']}", "a template that fell back is seen"
+    assert lines[6] == "wrote packed (supervised_packed rows, tokenizer/, stats.json)"
     assert (work / "packed.stderr").read_text() == ""
     assert progress == [f"prepare_data.py: read pairs.jsonl (1 file): {train['examples']} training examples, 12 "
                         "validation examples",
