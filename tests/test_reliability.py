@@ -158,7 +158,7 @@ def stop_gracefully(run: Launched, signum: int, code: int, out_dir: Path) -> tup
     traceback and leaving no process behind. Returns the step and the seconds until the save was announced."""
     sent = time.monotonic()
     os.killpg(run.process.pid, signum)
-    seconds = run.wait_for(r"stopped by a signal after saving") - sent
+    seconds = run.wait_for(rf"stopped by a signal after saving \({signal.Signals(signum).name}\)") - sent
     assert run.finish() == code, run.output()
     step = int(re.search(r"step (\d+): stopped by a signal", run.output()).group(1))
     assert step in list_checkpoints(out_dir) and "Traceback" not in run.output(), run.output()

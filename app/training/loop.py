@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -261,7 +262,8 @@ class Loop:
     def stopped_by_signal(self) -> Outcome:
         """After the stop's save: wait until it is published (or has failed), then say how to continue."""
         self.saver.wait()
-        self.console.print(f"step {self.state['step']}: stopped by a signal after saving; "
+        received = f" ({signal.Signals(self.stop.signal).name})" if self.stop.signal else ""  # else another rank's
+        self.console.print(f"step {self.state['step']}: stopped by a signal after saving{received}; "
                            f"{how_to_continue(self.cfg.requeue_on_signal, self.stop.signal)}")
         return "interrupted" if self.stop.interrupted else "preempted"
 
