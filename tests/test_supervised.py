@@ -641,12 +641,13 @@ def test_show_samples_prints_the_last_evaluations_samples_next_to_their_referenc
 def test_show_samples_prints_any_script_under_a_locale_that_cannot_encode_it(tmp_path) -> None:
     """Under a GBK or Latin-1 locale a Thai sample or an emoji was a UnicodeEncodeError traceback (exit 1)."""
     write_samples(tmp_path / "samples" / "step-00000010.jsonl", ["\u0e2a\u0e27\u0e31 caf\u00e9"], ["\U0001f44d"],
-                  ["\u6211\ufffd"])
+                  ["\u6211\ufffd\x07\x1b[2J"])  # an untrained model's BEL and a terminal's escape: shown, not run
     result = subprocess.run([sys.executable, "show_samples.py", str(tmp_path)], cwd=ROOT, capture_output=True,
                             timeout=60, env={**os.environ, "PYTHONIOENCODING": "latin-1"})
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.decode("latin-1").splitlines()[1:4] == [
-        "  prompt     \\u0e2a\\u0e27\\u0e31 caf\u00e9", "  reference  \\U0001f44d", "  generated  \\u6211\\ufffd"]
+        "  prompt     \\u0e2a\\u0e27\\u0e31 caf\u00e9", "  reference  \\U0001f44d",
+        "  generated  \\u6211\\ufffd\\x07\\x1b[2J"]
 
 
 def test_references_longer_than_the_generation_limit_are_named() -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -35,9 +36,16 @@ def show(out_dir: Path, count: int) -> str:
     path = latest_samples(out_dir)
     lines = [f"{path}:"]
     for record in samples_in(path)[:count]:
-        lines += [f"  prompt     {shortened(' '.join(record['prompt'].split()))}",
-                  f"  reference  {indented(record['reference'])}", f"  generated  {indented(record['generated'])}", ""]
+        lines += [f"  prompt     {shortened(visible(' '.join(record['prompt'].split())))}",
+                  f"  reference  {indented(visible(record['reference']))}",
+                  f"  generated  {indented(visible(record['generated']))}", ""]
     return "\n".join(lines)
+
+
+def visible(text: str) -> str:
+    """Control characters as escapes (`\\x07`), line ends and tabs as they are: an untrained model's BEL rang the
+    terminal, and its escape sequences could rewrite what the terminal shows."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
 
 
 def indented(text: str) -> str:
