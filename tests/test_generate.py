@@ -409,8 +409,10 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
     assert too_long.startswith("--max_new_tokens 40 passes a prompt of ") and too_long.endswith(
         f" tokens (line 2 of --prompts {prompts}, the longest) and the model's 64 positions (max_position_embeddings); "
         f"give at most {64 - int(too_long.split(' tokens (')[0].rsplit(' ', 1)[1])}"), too_long
-    assert refused_file(good + json.dumps({"prompt": "def f(x): return x " * 10}) + "\n").endswith(
-        "the prompt fills them all: shorten that prompt")
+    fills = refused_file(good + json.dumps({"prompt": "def f(x): return x " * 10}) + "\n")
+    assert fills.startswith(f"line 2 of --prompts {prompts}, the longest is ") and fills.endswith(  # it named
+        "as many as the model's 64 positions or more (max_position_embeddings), leaving none to answer in; shorten it"
+    ), fills  # --max_new_tokens first, which is not what to change
     prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')
     assert refusal([str(folder), "--prompts", str(prompts)], capsys).startswith(
         f"--prompts {prompts}: not readable as UTF-8 text (")

@@ -77,14 +77,15 @@ def check_positions(config: Any, prompt_tokens: int, max_new_tokens: int, what: 
         raise UsageError(f"{what} is {prompt_tokens} tokens, more than the {positions} the model's encoder reads "
                          "(max_position_embeddings); shorten it")
     answer_room = positions - 1 if config.is_encoder_decoder else positions - prompt_tokens
+    if answer_room <= 0:  # the prompt, not --max_new_tokens, is what to change
+        raise UsageError(f"{what} is {prompt_tokens} tokens, as many as the model's {positions} positions or more "
+                         "(max_position_embeddings), leaving none to answer in; shorten it")
     if max_new_tokens > answer_room:
         named = "" if what == "--prompt" else f" ({what})"
         where = ("the decoder's" if config.is_encoder_decoder
                  else f"a prompt of {prompt_tokens} tokens{named} and the model's")
-        shorten = "shorten --prompt" if what == "--prompt" else "shorten that prompt"
-        room = f"give at most {answer_room}" if answer_room > 0 else f"the prompt fills them all: {shorten}"
         raise UsageError(f"--max_new_tokens {max_new_tokens} passes {where} {positions} positions "
-                         f"(max_position_embeddings); {room}")
+                         f"(max_position_embeddings); give at most {answer_room}")
 
 
 def decoding(args: GenerateArgs, own: GenerationConfig) -> GenerationConfig:
