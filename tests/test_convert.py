@@ -488,8 +488,8 @@ def test_overwrite_replaces_an_earlier_conversion(full_run, tmp_path, capsys) ->
 def test_an_output_dir_on_read_only_storage_is_one_line_before_any_work(full_run, read_only_folder, capsys) -> None:
     """The staging folder's mkdir came before the storage errors were turned into one line: a traceback."""
     assert refused(capsys, "--checkpoint", full_run, "--output_dir", read_only_folder / "hf") == (
-        f"convert_to_hf.py: error: --output_dir {read_only_folder / 'hf'}: {read_only_folder} is not writable; choose a "
-        "folder you can write to; see convert_to_hf.py --help")
+        f"convert_to_hf.py: error: --output_dir {read_only_folder / 'hf'}: {read_only_folder} is not writable; "
+        "choose a folder you can write to; see convert_to_hf.py --help")
 
 
 def folder_digest(folder: Path) -> str:

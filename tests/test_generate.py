@@ -140,8 +140,8 @@ def test_answers_for_a_folder_that_cannot_be_written_are_refused_before_any_is_g
                        "--prompt_field", "code", "--output", str(read_only_folder / "answers.jsonl")])
     captured = capsys.readouterr()
     assert exit_info.value.code == 2 and captured.err == (
-        f"generate.py: error: --output {read_only_folder / 'answers.jsonl'}: {read_only_folder} is not writable; give a "
-        "file in a folder you can write to; see generate.py --help\n") and "answered" not in captured.err
+        f"generate.py: error: --output {read_only_folder / 'answers.jsonl'}: {read_only_folder} is not writable; "
+        "give a file in a folder you can write to; see generate.py --help\n") and "answered" not in captured.err
 
 
 def test_a_model_whose_config_transformers_finds_incomplete_is_one_line(tiny, tmp_path, capsys) -> None:
@@ -207,7 +207,8 @@ def test_an_answer_prints_under_a_locale_that_cannot_encode_it(tiny, tmp_path) -
                              "--max_new_tokens", str(NEW_TOKENS)], cwd=ROOT, capture_output=True, timeout=120,
                             env={**os.environ, "PYTHONIOENCODING": "latin-1"})
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    assert result.stdout.decode("latin-1").startswith(PROMPTS[0] + answer.encode("latin-1", "backslashreplace").decode())
+    escaped = answer.encode("latin-1", "backslashreplace").decode()
+    assert result.stdout.decode("latin-1").startswith(PROMPTS[0] + escaped)
 
 
 def test_temperature_0_is_plain_greedy_whatever_the_base_models_generation_config_says(tiny, tmp_path) -> None:

@@ -149,7 +149,8 @@ def test_a_mixtures_validation_loss_of_each_folder_is_drawn(tmp_path) -> None:
 
 
 def test_a_picture_that_cannot_be_written_whole_leaves_the_last_one_and_is_one_line(two_runs, tmp_path) -> None:
-    """Written in place, a full disk (here a file size limit) left a cut picture over the last one, after a traceback."""
+    """Written in place, a full disk (here a file size limit) left a cut picture over the last one, after a
+    traceback."""
     import resource
 
     run, _ = two_runs

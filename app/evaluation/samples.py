@@ -241,7 +241,8 @@ class RougeWords:
 
 def one_sentence_per_line(text: str) -> str:
     """The text with each sentence on a line of its own: a line ends one, and so does `.`, `!` or `?` before a space,
-    or another script's full stop (SENTENCE_END) (nltk's punkt, which run_summarization.py uses, also knows abbreviations, but needs data downloaded first)."""
+    or another script's full stop (SENTENCE_END) (nltk's punkt, which run_summarization.py uses, also knows
+    abbreviations, but needs data downloaded first)."""
     sentences = (sentence for line in text.splitlines() for sentence in SENTENCE_END.split(line.strip()))
     return "\n".join(sentence for sentence in sentences if sentence)
 

@@ -186,10 +186,10 @@ class WandbMetrics(Logger):
 
     Offline, wandb says nothing (its lines told to `wandb online` or set WANDB_MODE, which the run's own mode
     overrides, and to sync only this start's folder), and one line says where the run is and how to upload it all;
-    online, its non-essential output is off. The uploads left at the end are waited for --stall_timeout_min at most (wandb's finish_timeout, unless
-    WANDB_FINISH_TIMEOUT sets it): wandb waits for ever by default, and a finished run whose network had gone held its
-    nodes, what the stall watchdog prevents during the run; what was not sent stays in the run's folder for `wandb
-    sync`.
+    online, its non-essential output is off. The uploads left at the end are waited for --stall_timeout_min at most
+    (wandb's finish_timeout, unless WANDB_FINISH_TIMEOUT sets it): wandb waits for ever by default, and a finished run
+    whose network had gone held its nodes, what the stall watchdog prevents during the run; what was not sent stays in
+    the run's folder for `wandb sync`.
 
     A resumed run continues the W&B run it resumes (its history, its model artifacts): the run's id is kept in
     `out_dir/wandb_run_id` (not a secret), unless WANDB_RUN_ID names one. Without an id wandb starts a new run.

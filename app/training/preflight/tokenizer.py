@@ -105,8 +105,9 @@ def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, proble
         return
     if data_ids.items() <= model_ids.items():  # the model's own added tokens (chat markers) unused by the data
         lacking = sorted(set(model_ids) - set(data_ids), key=model_ids.get)
-        note(f"--train_data_dir's tokenizer ({name}) lacks {counted(len(lacking), 'token')} of --model_name {cfg.model_name}'s "
-             f"({listed(lacking)}): the run keeps the data's tokenizer, so the converted model will not have them")
+        note(f"--train_data_dir's tokenizer ({name}) lacks {counted(len(lacking), 'token')} of --model_name "
+             f"{cfg.model_name}'s ({listed(lacking)}): the run keeps the data's tokenizer, so the converted model will "
+             "not have them")
         return
     moved = min((token for token, i in model_ids.items() if data_ids.get(token) != i), key=model_ids.get)
     problems.append(f"--train_data_dir was tokenized with {name}, not with --model_name {cfg.model_name}'s tokenizer: "
