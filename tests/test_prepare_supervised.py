@@ -286,16 +286,56 @@ def test_a_chat_cut_inside_a_later_prompt_ends_with_the_last_trained_token(work)
 
 
 def test_what_a_chat_carries_beside_its_messages_is_refused_only_where_it_would_train_wrongly() -> None:
-    """Tools written as JSON text offer none when they are "[]"; OpenAI reads "weight" on assistant messages only."""
-    from app.prepare.chat import tools_offered, unweighted_answer
+    """Tools written as JSON text offer none when they are "[]"; OpenAI reads "weight" on assistant messages only,
+    as 0 or 1."""
+    from app.prepare.chat import tools_offered, untrained, weight_problem
 
     assert [tools_offered(tools) is None for tools in (None, "", "[]", "null", [], '[{"type": "function"}]',
                                                        [{"type": "function"}], "some tool")] == [True] * 5 + [False] * 3
     asked = [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a", "weight": 1}]
-    assert unweighted_answer(asked) is None
-    assert unweighted_answer([*asked, {"role": "user", "content": "q"}, {"role": "assistant", "content": "b",
-                                                                          "weight": 0}]).startswith(
-        "has an assistant message (4) with \"weight\": 0")
+    assert weight_problem(asked) is None and not any(map(untrained, asked))
+    assert untrained({"role": "assistant", "content": "b", "weight": 0})
+    assert [weight_problem([{"role": "assistant", "content": "b", "weight": weight}]) is None
+            for weight in (0, 1, 0.0, None, 0.5, "0", 2)] == [True] * 4 + [False] * 3
+
+
+def test_an_answer_with_weight_0_stays_in_the_chat_untrained_also_with_train_on_prompt(work, pairs, tmp_path):
+    """OpenAI's `"weight": 0` marks an answer as context: it was refused (and before that, trained as any other)."""
+    from app.prepare.mask_audit import UNTRAINED
+
+    def weighted_chat(pair: dict[str, str]) -> list[dict]:  # a follow-up the loss-mask audit can read (no "</s>")
+        system, user, first, _, second = chat(pair)
+        return [system, user, {**first, "weight": 0}, {"role": "user", "content": "Shorter, please."}, second]
+
+    chats = [{"messages": weighted_chat(pair)} for pair in pairs]
+    weighted = write_jsonl(tmp_path / "weighted.jsonl", chats)
+    summaries = {pair["summary"] for pair in pairs}
+    seconds = {chat(pair)[-1]["content"] + "</s>" for pair in pairs}
+    for train_on_prompt in (False, True):
+        rows, stats, tokenizer = sft(work, f"weight-0-{train_on_prompt}", input=[str(weighted)], prompt_field=None,
+                                     response_field=None, messages_field="messages", block_size=1024, packing=False,
+                                     val_fraction=0.0, train_on_prompt=train_on_prompt)
+        assert len(rows["train"]) == len(pairs)
+        for row in rows["train"]:
+            masked = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label == -100])
+            assert any(f"{summary}</s>" in masked for summary in summaries), "the first answer, untrained"
+            if not train_on_prompt:
+                (answer,) = trained_runs(row["input_ids"], row["labels"])
+                assert tokenizer.decode(answer) in seconds, "the second answer alone"
+        roles = stats["splits"]["train"]["loss_mask"]["roles"]
+        assert roles[UNTRAINED]["tokens"] > 0 and roles[UNTRAINED]["trained"] == 0
+        assert roles["assistant"]["trained_share"] == 1.0
+
+    qwen3 = AutoTokenizer.from_pretrained(work / "llama3")  # renders an earlier answer otherwise once a chat goes on:
+    qwen3.add_tokens(["<think>", "</think>"])  # two trained answers are refused, one trained after one untrained
+    qwen3.chat_template = QWEN3_TEMPLATE  # is masked as at inference
+    qwen3.save_pretrained(tmp_path / "qwen3")
+    rows, _, _ = sft(work, "weight-0-qwen3", input=[str(weighted)], prompt_field=None, response_field=None,
+                     messages_field="messages", tokenizer=str(tmp_path / "qwen3"), block_size=1024, packing=False,
+                     val_fraction=0.0)
+    at_inference = {qwen3.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in c["messages"]],
+                                              tokenize=False) for c in chats}
+    assert all(qwen3.decode(row["input_ids"]) in at_inference for row in rows["train"])
 
 
 def test_a_chat_file_whose_other_keys_look_like_an_agents_trace_is_read(work, tmp_path):
@@ -724,8 +764,10 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{gpt}"], "row 1 of --input {gpt} has a message of role 'gpt', not "
      "one of system, user, assistant, tool, developer, ipython, function: only assistant messages are trained, and a "
      "template writes another role under its own name (write 'gpt' as 'assistant')"),
-    (["--messages_field", "messages", "--input", "{weight_0}"], "row 1 of --input {weight_0} has an assistant message "
-     "(2) with \"weight\": 0 (OpenAI's mark of an answer not to train), which is not read here"),
+    (["--messages_field", "messages", "--input", "{weight_0}"], "row 1 of --input {weight_0} has no assistant message "
+     "to train on: each has \"weight\": 0"),
+    (["--messages_field", "messages", "--input", "{weight_half}"], "row 1 of --input {weight_half} has an assistant "
+     "message (2) with \"weight\": 0.5: write 1 to train it or 0 to keep it as context only"),
     (["--messages_field", "messages", "--input", "{tools}"], "row 1 of --input {tools} offers tools (its 'tools' "
      "field), which the chat template would write before the chat"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_line}"],
@@ -782,8 +824,9 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
             {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
             {"role": "user", "content": "Weather?"}, {"role": "gpt", "content": "Sunny."}]}]),
         "weight_0": write_jsonl(tmp_path / "w.jsonl", [{"messages": [
-            {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Bad answer.", "weight": 0},
-            {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Hi.", "weight": 1}]}]),
+            {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Bad answer.", "weight": 0}]}]),
+        "weight_half": write_jsonl(tmp_path / "wh.jsonl", [{"messages": [
+            {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Bad answer.", "weight": 0.5}]}]),
         "tools": write_jsonl(tmp_path / "tl.jsonl", [{"tools": [{"type": "function", "function": {"name": "f"}}],
                                                       "messages": [{"role": "user", "content": "Hello."},
                                                                    {"role": "assistant", "content": "Hi."}]}]),

@@ -3,8 +3,11 @@
 A pair becomes `[system?] + [user: prompt (+ "\\n\\n" + input)] + [assistant: response]`, so that both shapes go
 through the same chat template and the same masking (`chat_template.py`). Every row is checked as it is read, and a
 bad one is refused in one line naming the option, the row and the input: an empty (or blank, or missing) prompt or
-response, an empty user or assistant message, a chat without an assistant message, a message the chat template does
-not render, or a value that is not text.
+response, an empty user or assistant message, a chat without an assistant message to train, a message the chat
+template does not render, or a value that is not text.
+
+An assistant message with OpenAI's `"weight": 0` stays in the chat as context and is not trained: its records keep
+`weight` 0 (None for every other message), which the masks (`chat_template.ChatEncoder`) and the loss-mask audit read.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ PROBE_CHAT = [
 ]
 """A chat every template must handle (chat_template.check_template), checked before any data is encoded."""
 
-MESSAGES = Features({"messages": List({"role": Value("string"), "content": Value("string")})})
+MESSAGES = Features({"messages": List({"role": Value("string"), "content": Value("string"), "weight": Value("int8")})})
 PAIR_OPTIONS = ("prompt_field", "response_field", "input_field", "system_field")
 
 
@@ -101,11 +104,11 @@ def chat_messages(
     """A chat as {role, content} messages (`chat_problem` says what a chat must be), which the chat template must
     render whole (`rendered`); a row that offers tools is refused (`tools_offered`)."""
     chat = values["messages_field"]
-    problem = (chat_problem(chat) or tools_offered(values.get("tools")) or unweighted_answer(chat)
+    problem = (chat_problem(chat) or tools_offered(values.get("tools")) or weight_problem(chat)
                or turns_problem(chat))
     if problem:
         raise row.error("messages_field", problem)
-    messages = [{"role": m["role"], "content": m["content"]} for m in chat]
+    messages = [{"role": m["role"], "content": m["content"], "weight": 0 if untrained(m) else None} for m in chat]
     if rendered is not None:
         check_rendered(messages, rendered, row)
     return messages
@@ -153,20 +156,29 @@ def turns_problem(messages: list[dict]) -> Optional[str]:
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         return "has no assistant message to train on"
+    if all(untrained(m) for m in messages if m["role"] == "assistant"):
+        return "has no assistant message to train on: each has \"weight\": 0"
     if roles[0] == "assistant":
         return "starts with an assistant message; a chat starts with system or user"
     return next((f"has an empty {role} message" for role in ("user", "assistant")
                  if any(not m["content"].strip() for m in messages if m["role"] == role)), None)
 
 
-def unweighted_answer(messages: list[dict]) -> Optional[str]:
-    """An assistant message marked not to be trained (OpenAI's `"weight": 0`), which every assistant message is."""
-    unweighted = next((k for k, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight") == 0), None)
-    if unweighted is None:
+def untrained(message: dict) -> bool:
+    """An assistant message marked not to be trained (OpenAI's `"weight": 0`): the chat's context, not its answer.
+    OpenAI reads `weight` on assistant messages only."""
+    return message["role"] == "assistant" and message.get("weight") == 0
+
+
+def weight_problem(messages: list[dict]) -> Optional[str]:
+    """An assistant message's `weight` other than OpenAI's 0 (not trained) or 1 (trained): a 0.5 would be read as
+    neither."""
+    odd = next((k for k, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight") is not None
+                and (isinstance(m["weight"], str) or m["weight"] not in (0, 1))), None)
+    if odd is None:
         return None
-    return (f"has an assistant message ({unweighted + 1}) with \"weight\": 0 (OpenAI's mark of an answer not to "
-            "train), which is not read here: every assistant message is trained; end the chat before it, or leave "
-            "it out")
+    return (f"has an assistant message ({odd + 1}) with \"weight\": {messages[odd]['weight']!r}: write 1 to train it "
+            "or 0 to keep it as context only (OpenAI's weights)")
 
 
 def tools_offered(tools: object) -> Optional[str]:

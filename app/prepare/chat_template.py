@@ -16,7 +16,8 @@ assistant turn with the tokenizer's EOS:
 Masks come from the template itself, never from searching the text for a marker. For the assistant message at
 position k, the tokens of `render(messages[:k], add_generation_prompt=True)` must be a prefix of the tokens of
 `render(messages[:k + 1])`, which must be a prefix of the whole chat's tokens; the tokens in between are that
-turn, and they are trained. The last of them must be a special token (EOS, or an end-of-turn token such as
+turn, and they are trained, unless the message has OpenAI's `"weight": 0` (context only, untrained also with
+--train_on_prompt). The last of them must be a special token (EOS, or an end-of-turn token such as
 `<|eot_id|>`), so that the model learns to stop; whitespace a template writes after it (`<|im_end|>\\n`) is not
 trained. Everything else (system, user, the template's headers) has label -100, as has the first token of every
 example, also with --train_on_prompt: packed after another example, it must not be predicted from that example's
@@ -41,7 +42,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from app.choices import IGNORE_INDEX
 from app.prepare.args import PrepareArgs, UsageError
-from app.prepare.chat import PROBE_CHAT
+from app.prepare.chat import PROBE_CHAT, untrained
 from app.prepare.examples import Example, causal_advice, dropped, encode_examples, fit_to_block
 from app.prepare.mask_audit import audit, check_audit
 from app.prepare.tokenizer import render_chat, special_token_ids
@@ -134,6 +135,7 @@ class ChatEncoder:
         self.special_ids = special_token_ids(tokenizer)
 
     def tokens(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # as inference renders them
         try:
             return render_chat(self.tokenizer, messages, generation_prompt, chat_template=self.template.text,
                                tokenizer_kwargs={"verbose": False})["input_ids"]
@@ -145,11 +147,12 @@ class ChatEncoder:
             ) from error
 
     def encode(self, messages: list[dict[str, str]]) -> Example:
-        """The chat's tokens and labels, or a dropped example naming what the template did wrong."""
+        """The chat's tokens and labels, or a dropped example naming what the template did wrong. The turns of
+        untrained messages are found only to mask them under --train_on_prompt."""
         chat = self.tokens(messages, generation_prompt=False)
-        spans = []
+        spans, untrained_spans = [], []
         for k, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or (untrained(message) and not self.train_on_prompt):
                 continue
             before = self.tokens(messages[:k], generation_prompt=True)
             through = chat if k == len(messages) - 1 else self.tokens(messages[: k + 1], generation_prompt=False)
@@ -160,9 +163,9 @@ class ChatEncoder:
             end = self._end_of_turn(through, len(before))
             if end is None:
                 return dropped(NO_END_OF_TURN)
-            spans.append((len(before), end))
+            (untrained_spans if untrained(message) else spans).append((len(before), end))
         (first_start, first_end), *_ = spans
-        return Example(chat, chat_labels(chat, spans, self.train_on_prompt), first_start, first_end)
+        return Example(chat, chat_labels(chat, spans, self.train_on_prompt, untrained_spans), first_start, first_end)
 
     def _end_of_turn(self, tokens: list[int], start: int) -> int | None:
         """Where the turn `tokens[start:]` ends: after its last special token, when only whitespace follows that."""
@@ -173,11 +176,15 @@ class ChatEncoder:
         return None
 
 
-def chat_labels(tokens: list[int], spans: list[tuple[int, int]], train_on_prompt: bool) -> list[int]:
-    """Labels: the tokens of the trained spans (or all tokens), -100 elsewhere and always on the first token."""
+def chat_labels(tokens: list[int], spans: list[tuple[int, int]], train_on_prompt: bool,
+                untrained_spans: Iterable[tuple[int, int]] = ()) -> list[int]:
+    """Labels: the tokens of the trained spans (or all tokens but the untrained spans), -100 elsewhere and always on
+    the first token."""
     labels = list(tokens) if train_on_prompt else [IGNORE_INDEX] * len(tokens)
     for start, end in spans:
         labels[start:end] = tokens[start:end]
+    for start, end in untrained_spans:
+        labels[start:end] = [IGNORE_INDEX] * (end - start)
     labels[0] = IGNORE_INDEX
     return labels
 
@@ -211,11 +218,14 @@ def check_template(encoder: ChatEncoder, chats: Iterable[Dataset] = ()) -> None:
 
 
 def multi_turn_chats(records: Dataset) -> int:
-    """How many chats of `records` (rows of `messages`) have more than one assistant message, counted in Arrow."""
+    """How many chats of `records` (rows of `messages`) have more than one trained assistant message, counted in
+    Arrow (an untrained one is rendered as at inference: context, never masked)."""
     count = 0
     for batch in records.with_format("arrow").iter(batch_size=100_000):
         chats = batch.column("messages").combine_chunks()
-        is_assistant = pc.equal(pc.struct_field(pc.list_flatten(chats), "role"), "assistant")
+        messages = pc.list_flatten(chats)
+        trained = pc.fill_null(pc.not_equal(pc.struct_field(messages, "weight"), 0), True)
+        is_assistant = pc.and_(pc.equal(pc.struct_field(messages, "role"), "assistant"), trained)
         turns = pc.value_counts(pc.filter(pc.list_parent_indices(chats), is_assistant))
         count += pc.sum(pc.greater(turns.field("counts"), 1)).as_py() or 0
     return count

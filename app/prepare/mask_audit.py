@@ -1,8 +1,9 @@
 """The loss-mask audit: which roles' tokens a chat template's masks train, read independently of those masks.
 
 The labels come from the template's prefixes (chat_template.py). The audit reads each token's role from where it
-sits in the rendered text instead: inside a message's content (system, user, assistant, other roles such as tool)
-or outside every content (template text: BOS, role headers, end-of-turn tokens). Counted against the labels, it
+sits in the rendered text instead: inside a message's content (system, user, assistant, an assistant message with
+`"weight": 0`, other roles such as tool) or outside every content (template text: BOS, role headers, end-of-turn
+tokens). Counted against the labels, it
 shows what training will learn from, per role; a template whose prefixes mislead the masks, so that they train the
 users' messages or almost none of the assistant's, is refused before anything is written (the trap other trainers'
 users meet only after training: all-zero assistant masks with stock Llama-3.1 and Qwen3 templates).
@@ -28,9 +29,11 @@ from transformers import PreTrainedTokenizerBase
 
 from app.choices import IGNORE_INDEX
 from app.prepare.args import UsageError
+from app.prepare.chat import untrained
 
 AUDITED_EXAMPLES = 1000
-ROLES = ("system", "user", "assistant", "other", "template")
+UNTRAINED = "assistant (weight 0)"
+ROLES = ("system", "user", "assistant", UNTRAINED, "other", "template")
 PROMPT_ROLES = ("system", "user", "other")
 LEAST_ASSISTANT_SHARE = 0.5
 """Below this share of the assistant's tokens trained, the masks miss the responses (a cut keeps what it keeps
@@ -50,6 +53,8 @@ class RoleCount:
 def token_roles(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, str]],
                 written: list[int]) -> Optional[list[str]]:
     """The role of each of the `written` tokens of a chat, from its rendered text; None when unauditable."""
+    roles = [UNTRAINED if untrained(m) else m["role"] if m["role"] in ROLES[:3] else "other" for m in messages]
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # as the encoder renders them
     text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
     try:
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
@@ -64,8 +69,7 @@ def token_roles(tokenizer: PreTrainedTokenizerBase, template: str, messages: lis
         start = text.find(content, max(cursor, _prefix_end(tokenizer, template, messages, k, text))) if content else -1
         if start < 0:
             continue  # a template that rewrites the content: its characters stay template text
-        role = message["role"] if message["role"] in ROLES[:3] else "other"
-        owner[start:start + len(content)] = [role] * len(content)
+        owner[start:start + len(content)] = [roles[k]] * len(content)
         cursor = start + len(content)
     return [owner[a] if a < len(owner) else "template" for a, _ in encoded["offset_mapping"][: len(written)]]
 
@@ -116,15 +120,15 @@ def audit(chats: Iterable[list[dict[str, str]]], examples: Iterable[dict], token
 
 
 def check_audit(audit: dict[str, object], origin: str, train_on_prompt: bool, where: str) -> None:
-    """Refuse masks that train the prompt's messages (unless --train_on_prompt) or hardly any of the responses."""
+    """Refuse masks that train the prompt's messages (unless --train_on_prompt), an answer marked not to be trained,
+    or hardly any of the responses."""
     roles = {role: RoleCount(c["tokens"], c["trained"]) for role, c in audit["roles"].items()}
     examples = f"in {where}"
-    if not train_on_prompt:
-        for role in PROMPT_ROLES:
-            if role in roles and roles[role].trained:
-                raise UsageError(f"{origin}: its masks train {roles[role].trained} of the {roles[role].tokens} tokens "
-                                 f"of {role} messages {examples}, which only --train_on_prompt should; give another "
-                                 "with --chat_template FILE")
+    for role in (*(() if train_on_prompt else PROMPT_ROLES), UNTRAINED):
+        if role in roles and roles[role].trained:
+            which = "which are marked not to be" if role == UNTRAINED else "which only --train_on_prompt should"
+            raise UsageError(f"{origin}: its masks train {roles[role].trained} of the {roles[role].tokens} tokens "
+                             f"of {role} messages {examples}, {which}; give another with --chat_template FILE")
     assistant = roles.get("assistant")
     if assistant and assistant.share < LEAST_ASSISTANT_SHARE:
         raise UsageError(f"{origin}: its masks train only {assistant.share:.0%} of the assistant messages' tokens "
