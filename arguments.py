@@ -246,7 +246,7 @@ class LoggingArgs:
     WANDB_DIR are honoured the same way."""
     peak_tflops: Optional[float] = None
     """Dense peak TFLOP/s of one device in the run's compute dtype, for MFU; default: app/metrics/peaks.py's table of
-    NVIDIA GPUs, then Lightning's."""
+    NVIDIA GPUs (a GPU it does not list has no MFU)."""
 
 
 @dataclass

@@ -276,7 +276,14 @@ def test_a_step_the_spike_guard_does_not_apply_closes_the_scalers_step() -> None
     ("NVIDIA H200", 989.4, 67.0), ("NVIDIA H200 NVL", 835.5, 60.0), ("NVIDIA H100 80GB HBM3", 989.4, 66.9),
     ("NVIDIA H100 NVL", 835.5, 60.0), ("NVIDIA H100 PCIe", 756.0, 51.2), ("NVIDIA A100-SXM4-80GB", 312.0, 19.5),
     ("NVIDIA A100 80GB PCIe", 312.0, 19.5), ("NVIDIA L4", 121.0, 30.3), ("NVIDIA L40S", 362.05, 91.6),
-    ("NVIDIA A10", 125.0, 31.2), ("NVIDIA GeForce RTX 4090", 165.2, 82.6)])
+    ("NVIDIA A10", 125.0, 31.2), ("NVIDIA GeForce RTX 4090", 165.2, 82.6),
+    # Lightning's table, which these fell back to, read MFU 24% low for the first (the PCIe card names itself so) and
+    # up to 4 times too high for the L40 (as an L4), the A6000, the A40 and GeForce cards (CUDA-core figures)
+    ("NVIDIA H100 80GB HBM2e", 756.0, 51.2), ("NVIDIA L40", 181.05, 90.5), ("NVIDIA RTX A6000", 154.8, 38.7),
+    ("NVIDIA A40", 149.7, 37.4), ("NVIDIA GeForce RTX 3090", 71.0, 35.6), ("NVIDIA GeForce RTX 4080", 97.5, 48.7),
+    ("NVIDIA RTX 6000 Ada Generation", 364.2, 91.1), ("NVIDIA H800", 989.4, 66.9), ("NVIDIA H800 PCIe", 756.0, 51.2),
+    ("NVIDIA A800-SXM4-80GB", 312.0, 19.5), ("NVIDIA H20", 148.0, 44.0), ("NVIDIA B200", 2250.0, 75.0),
+    ("NVIDIA GB200", 2500.0, 80.0)])
 def test_dense_peak_per_gpu_as_torch_names_it(name, bf16, fp32) -> None:
     assert peak_tflops(name, torch.bfloat16, "highest") == bf16
     assert peak_tflops(name, torch.float16, "highest") == bf16
@@ -287,17 +294,24 @@ def test_dense_peak_per_gpu_as_torch_names_it(name, bf16, fp32) -> None:
 def test_gpus_without_bf16_and_unlisted_ones() -> None:
     assert peak_tflops("Tesla V100-SXM2-32GB", torch.float16, "highest") == 125.0
     assert peak_tflops("Tesla V100-PCIE-32GB", torch.float16, "highest") == 112.0
+    assert peak_tflops("Tesla V100S-PCIE-32GB", torch.float16, "highest") == 130.0, "not the V100 PCIe's 112"
     assert peak_tflops("Tesla T4", torch.bfloat16, "highest") is None
     assert peak_tflops("Tesla T4", torch.float32, "high") == 8.1, "no TF32 before Ampere"
     assert peak_tflops("Some Future GPU", torch.bfloat16, "highest") is None
+    for name in ("NVIDIA GeForce RTX 3090 Ti", "NVIDIA GeForce RTX 4080 SUPER", "NVIDIA RTX A4000"):
+        assert peak_tflops(name, torch.bfloat16, "highest") is None, f"{name} is not its neighbour in the table"
     assert all(peak.source.startswith("https://") for peak in PEAKS)
 
 
-def test_mfu_peak_can_be_given_and_cpus_have_none() -> None:
+def test_mfu_peak_can_be_given_and_cpus_and_unlisted_gpus_have_none(monkeypatch) -> None:
+    """An unlisted GPU has no MFU (run.step_clock says to give --peak_tflops), not Lightning's CUDA-core figure."""
     from app.metrics.observe import peak_flops
 
     assert peak_flops(torch.device("cpu"), "bf16-true") is None
     assert peak_flops(torch.device("cpu"), "bf16-true", override_tflops=989.4) == int(989.4e12)
+    for name, peak in (("NVIDIA RTX A5000", None), ("NVIDIA H200", int(989.4e12))):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak_flops(torch.device("cuda", 0), "bf16-mixed") == peak
 
 
 # --- the gradient norm ----------------------------------------------------------------------------------------------

@@ -172,6 +172,21 @@ def test_tokens_per_second_keep_the_fraction_of_a_token_per_row(monkeypatch) -> 
     assert logged["tokens_per_sec"] / logged["samples_per_sec"] == pytest.approx(1375 / 8, rel=1e-3)
 
 
+def test_a_row_logged_before_a_whole_interval_has_the_throughput_since_the_start(monkeypatch) -> None:
+    """--log_interval 10 and --max_step 3, or a resume at step 16 logging at 20 with --log_interval 5: the row had no
+    tokens/s, TFLOP/s or MFU (Lightning's window was not full), while summary.json had them."""
+    now = [0.0]
+    monkeypatch.setattr(observe.time, "perf_counter", lambda: now[0])
+    for start, last, window in ((0, 3, 10), (16, 20, 5)):
+        clock = StepClock(start_step=start, max_step=last, window=window, world_size=2, samples_per_step=8,
+                          tokens_per_step=1024, flops_per_step=10**12, available_flops=10**13, started=now[0])
+        for step in range(start + 1, last + 1):
+            now[0] += 0.25
+            logged = clock.tick(step)
+        assert logged == pytest.approx({"tokens_per_sec": 4096, "tokens_per_sec_per_device": 2048,
+                                        "samples_per_sec": 32, "tflops_per_sec_per_device": 4, "mfu": 0.4})
+
+
 def test_the_eta_leaves_out_what_only_the_start_pays(monkeypatch) -> None:
     """A first step of 60 s (--compile), then steps of 0.5 s: at step 11 of 100 the ETA said 526 s for 44.5."""
     now = [0.0]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning_fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
+from lightning_fabric.utilities.throughput import Throughput, measure_flops
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.utils.flop_counter import flop_registry, register_flop_formula
@@ -73,15 +73,15 @@ if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in 
 
 
 def peak_flops(device: torch.device, precision: str, override_tflops: Optional[float] = None) -> Optional[int]:
-    """The device's dense peak FLOP/s for the compute dtype: --peak_tflops, else app/metrics/peaks.py's table, else
-    Lightning's; None on CPUs and unknown chips (no MFU then)."""
+    """The device's dense peak FLOP/s for the compute dtype: --peak_tflops, else app/metrics/peaks.py's table; None
+    on CPUs and chips it does not list (no MFU then)."""
     if override_tflops is not None:
         return int(override_tflops * 1e12)
     if device.type != "cuda":
         return None
     listed = peak_tflops(torch.cuda.get_device_name(device), compute_dtype(precision),
                          torch.get_float32_matmul_precision())
-    return int(listed * 1e12) if listed else get_available_flops(device, compute_dtype(precision))
+    return int(listed * 1e12) if listed else None
 
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
@@ -295,13 +295,15 @@ class StepClock:
             self.first_step = (self.first_step[0] - steps, self.first_step[1])
 
     def tick(self, step: int) -> dict[str, float]:
-        """Record a finished step; returns throughput once a full window of steps has been timed."""
+        """Record a finished step; returns the throughput of the last window of steps, or of every step since the
+        start before a window has been timed (a row logged after fewer than --log_interval steps since a start or
+        a resume had none)."""
         self._update(step, flops=self.flops_per_step)
         if self.first_step is None:
             self.first_step = (step, self.elapsed())
         measured = self.throughput.compute()
         if "device/items_per_sec" not in measured:
-            return {}
+            return self.rates(step - self.start_step, self.training_time())
         per_device = measured["device/items_per_sec"]
         metrics = {
             "tokens_per_sec": per_device * self.world_size,
@@ -313,6 +315,19 @@ class StepClock:
         if "device/mfu" in measured:
             metrics["mfu"] = measured["device/mfu"]
         return metrics
+
+    def rates(self, steps: int, seconds: float) -> dict[str, float]:
+        """Throughput, FLOP/s and MFU of `steps` steps trained in `seconds`."""
+        if steps <= 0 or seconds <= 0:
+            return {}
+        tokens_per_sec = self.tokens_per_step * steps / seconds
+        rates = {"tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / self.world_size,
+                 "samples_per_sec": self.samples_per_step * steps / seconds}
+        if self.flops_per_step:
+            rates["tflops_per_sec_per_device"] = self.flops_per_step * steps / seconds / 1e12
+        if self.flops_per_step and self.available_flops:
+            rates["mfu"] = self.flops_per_step * steps / seconds / self.available_flops
+        return rates
 
     def eta(self, step: int) -> float:
         """The seconds left at the pace since the first step: what only the start pays (compiling the model, the
@@ -335,15 +350,8 @@ def run_summary(*, clock: StepClock, step: int, evaluation: Stopwatch, saving: S
                                "eval_sec": evaluation.total, "checkpoints_saved": saving.count,
                                "save_sec": saving.total, "val_loss": val_loss, "val_loss_step": val_loss_step}
     if steps:
-        tokens_per_sec = clock.tokens_per_step * steps / train_sec
-        summary |= {"step_sec": train_sec / steps, "tokens_per_sec": tokens_per_sec,
-                    "tokens_per_sec_per_device": tokens_per_sec / clock.world_size,
-                    "samples_per_sec": clock.samples_per_step * steps / train_sec,
+        summary |= {"step_sec": train_sec / steps, **clock.rates(steps, train_sec),
                     "data_wait_pct": 100 * max(r.data_wait_sec for r in ranks) / train_sec}
-        if clock.flops_per_step:
-            summary["tflops_per_sec_per_device"] = clock.flops_per_step * steps / train_sec / 1e12
-        if clock.flops_per_step and clock.available_flops:
-            summary["mfu"] = clock.flops_per_step * steps / train_sec / clock.available_flops
     memory = [{k: v for k, v in asdict(r).items() if not k.endswith("_sec") and not math.isnan(v)} for r in ranks]
     return summary | {"ranks": memory}
 

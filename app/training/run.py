@@ -25,7 +25,7 @@ from app.data import TrainingData, load_data
 from app.data.mixture import parse_sources, position_at_weight
 from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
-from app.distributed.precision import float32_matmul_precision, restore_grad_scaler, uses_grad_scaler
+from app.distributed.precision import compute_dtype, float32_matmul_precision, restore_grad_scaler, uses_grad_scaler
 from app.distributed.strategy import build_fabric, gradient_replicas, resolve_accelerator
 from app.evaluation.samples import (SampleEvaluator, decoding_for, fit_to_context, references_past, sample_notes,
                                     set_aside_samples_after, stop_ids, whole_samples)
@@ -250,10 +250,14 @@ def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, state: dict[str, 
     except Exception as error:  # an architecture FlopCounter cannot trace on the meta device: throughput only
         fabric.print(f"FLOP/s and MFU are not reported: counting the model's FLOPs failed ({error})")
         flops = None
+    peak = peak_flops(fabric.device, cfg.precision, cfg.peak_tflops)
+    if peak is None and flops and fabric.device.type == "cuda":
+        fabric.print(f"MFU is not reported: no dense {compute_dtype(cfg.precision)} peak is known for "
+                     f"{torch.cuda.get_device_name(fabric.device)}; give --peak_tflops (its datasheet's dense figure, "
+                     "half the one \"with sparsity\")")
     return StepClock(start_step=state["step"], elapsed_before=state["elapsed_sec"], max_step=plan.max_step,
                      window=cfg.log_interval, world_size=plan.world_size, samples_per_step=plan.global_batch_size,
-                     tokens_per_step=plan.tokens_per_step, flops_per_step=flops,
-                     available_flops=peak_flops(fabric.device, cfg.precision, cfg.peak_tflops))
+                     tokens_per_step=plan.tokens_per_step, flops_per_step=flops, available_flops=peak)
 
 
 def set_matmul_precision(fabric: Fabric, cfg: Config) -> None:
