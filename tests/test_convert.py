@@ -934,6 +934,7 @@ def test_generate_says_what_to_do_with_a_run_a_checkpoint_or_a_data_folder(full_
 
 @pytest.mark.parametrize("option, value, message", [
     ("--max_new_tokens", "0", "--max_new_tokens must be at least 1, got 0"),
+    ("--max_source_length", "0", "--max_source_length must be at least 1, got 0"),
     ("--temperature", "-1", "--temperature must be 0 (greedy) or at least 0.0001, got -1.0"),
     ("--seed", str(2**64), f"--seed {2**64} must be between 0 and 4294967295"),  # was numpy's OverflowError
     ("--prompt", "caf\udce9", "--prompt is not UTF-8 text (byte '\\udce9' at character 3); give it in UTF-8"),

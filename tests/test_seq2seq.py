@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import load_from_disk
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, BartConfig, MBartConfig, T5Config
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, BartConfig, MBartConfig, T5Config
 
 from app.data import load_data
 from app.evaluation.samples import decoding_for
@@ -117,6 +117,7 @@ def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, ti
     source = "def f(x):\n    return x"
     assert tokenizer(source)["input_ids"] == AutoTokenizer.from_pretrained(tiny.tokenizer)(source)["input_ids"] + [
         tokenizer.eos_token_id]
+    assert tokenizer.model_max_length == 128, "the sources' length in training, which generate.py cuts sources to"
 
 
 def test_t5_converts_to_float16_keeping_the_modules_transformers_keeps_in_float32(t5_run, tmp_path) -> None:
@@ -147,6 +148,33 @@ def test_generate_reads_a_source_as_training_read_it(tiny, t5_config, tmp_path) 
                          T5Config.from_pretrained(t5_config))
     assert inputs["input_ids"].tolist() == [prepared]
     assert inputs["attention_mask"].tolist() == [[1] * len(prepared)]
+
+
+def test_generate_cuts_a_source_where_training_cut_it_and_says_so(tiny, t5_config, tmp_path, capsys) -> None:
+    """generate.py read a source longer than the --max_source_length the model trained on whole: 7 of 9 summaries of
+    such sources differed from the run's samples (which read them as prepared), unsaid."""
+    from app.cli import UsageError
+    from app.huggingface.generate import trained_sources
+    from app.huggingface.generate_cli import GenerateArgs
+
+    long, short = "def f(x):\n    return x + " + " + ".join(f"y{i}" for i in range(40)), "def g():\n    pass"
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"code": code, "summary": "Add."}) + "\n"
+                                                  for code in (long, short)))
+    prepare(PrepareArgs(input=[str(tmp_path / "pairs.jsonl")], source_field="code", target_field="summary",
+                        tokenizer=str(tiny.tokenizer), max_source_length=16, max_target_length=32, val_fraction=0,
+                        output_dir=str(tmp_path / "data")))
+    prepared = load_from_disk(tmp_path / "data")["train"]["input_ids"]
+    tokenizer, config = AutoTokenizer.from_pretrained(tiny.tokenizer), T5Config.from_pretrained(t5_config)
+    whole = [model_input(tokenizer, code, False, config)["input_ids"][0].tolist() for code in (long, short)]
+    assert len(whole[0]) > 16 and prepared[0] != whole[0]
+    given = GenerateArgs(model="t5", max_source_length=16)
+    assert sorted(trained_sources(tokenizer, config, whole, given)) == sorted(prepared)
+    assert "note: 1 of 2 sources is longer than 16 tokens: cut to them, keeping the EOS" in capsys.readouterr().err
+    tokenizer.model_max_length = 16  # as convert_to_hf.py writes it: the default
+    assert sorted(trained_sources(tokenizer, config, whole, GenerateArgs(model="t5"))) == sorted(prepared)
+    assert "(the tokenizer's model_max_length" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--max_source_length applies to an encoder-decoder's sources"):
+        trained_sources(tokenizer, AutoConfig.from_pretrained(tiny.model_config), whole, given)
 
 
 def test_generate_refuses_a_prompt_or_an_answer_past_the_models_positions_in_one_line(tiny, tmp_path, capsys) -> None:

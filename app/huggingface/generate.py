@@ -29,10 +29,13 @@ from app.hub import (CONFIG_ERRORS, load_problem, missing_model_problem, missing
 from app.huggingface.generate_cli import GenerateArgs
 from app.huggingface.prompts_file import Answer, Messages, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
-from app.prepare.tokenizer import document_suffix, encode_texts, render_chat
+from app.prepare.seq2seq import fit
+from app.prepare.tokenizer import document_frame, document_suffix, encode_texts, render_chat
 
 
 DEFAULT_PROMPT = "def "
+NO_LIMIT = 10**9
+"""A tokenizer's model_max_length from here on is no limit (transformers' default for one without: 1e30)."""
 PROGRESS_EVERY_SEC = 10
 
 
@@ -110,7 +113,7 @@ def generate(args: GenerateArgs) -> str:
     """What the model writes for --prompt: see `shown`."""
     tokenizer, config, device = tokenizer_config_and_device(args)
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
-    ids = encoded_prompt(tokenizer, config, prompt, args, "--prompt")
+    (ids,) = trained_sources(tokenizer, config, [encoded_prompt(tokenizer, config, prompt, args, "--prompt")], args)
     check_positions(config, len(ids), args.max_new_tokens)
     model = load_model(args, config, tokenizer).to(device)
     torch.manual_seed(args.seed)
@@ -125,7 +128,8 @@ def answer_file(args: GenerateArgs) -> None:
     tokenizer, config, device = tokenizer_config_and_device(args)
     rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field, args.messages_field,
                         args.input_field, args.system_field)
-    prompts = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args)) for row in rows]
+    encoded = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args)) for row in rows]
+    prompts = trained_sources(tokenizer, config, encoded, args)
     longest = max(range(len(rows)), key=lambda index: len(prompts[index]))  # what fits it fits every prompt
     check_positions(config, len(prompts[longest]), args.max_new_tokens, f"{line_of(rows[longest], args)}, the longest")
     model = load_model(args, config, tokenizer).to(device)
@@ -153,6 +157,29 @@ def answer_file(args: GenerateArgs) -> None:
         print(f"wrote {len(answers)} answers to {args.output}")
     if scores:
         print(scores)
+
+
+def trained_sources(tokenizer: Any, config: Any, prompts: list[list[int]], args: GenerateArgs) -> list[list[int]]:
+    """An encoder-decoder's sources cut to the length its training sources were cut to (--max_source_length, else
+    the tokenizer's model_max_length, which convert_to_hf.py sets to the training data's), keeping their EOS as
+    prepare_data.py keeps it, with a note saying how many: read whole, a source longer than any the model trained on
+    gave another answer than the run's samples, unsaid. A decoder-only model's prompts are left as they are."""
+    if args.max_source_length and not config.is_encoder_decoder:
+        raise UsageError(f"--max_source_length applies to an encoder-decoder's sources; MODEL {args.model} is a "
+                         "decoder-only model: drop it")
+    limit = args.max_source_length or tokenizer.model_max_length
+    if not config.is_encoder_decoder or limit >= NO_LIMIT:
+        return prompts
+    longer = sum(len(prompt) > limit for prompt in prompts)
+    if longer:
+        given = ("--max_source_length" if args.max_source_length else
+                 "the tokenizer's model_max_length, the length the training sources were cut to when convert_to_hf.py "
+                 "recorded it; give --max_source_length to read more")
+        print(f"note: {longer} of {len(prompts)} sources {'are' if longer > 1 else 'is'} longer than {limit} tokens: "
+              f"cut to them, keeping the EOS, as prepare_data.py cut the training sources ({given})",
+              file=sys.stderr, flush=True)
+    tail = document_frame(tokenizer).tail
+    return [fit(prompt, limit, tail) for prompt in prompts]
 
 
 def as_the_model_writes(tokenizer: Any, reference: str) -> str:

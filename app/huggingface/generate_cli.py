@@ -55,6 +55,10 @@ class GenerateArgs:
     """Wrap the prompt in the tokenizer's chat template, as a user message followed by the assistant's turn."""
     max_new_tokens: int = 80
     """Tokens to generate."""
+    max_source_length: Optional[int] = None
+    """For an encoder-decoder: sources longer than this many tokens are cut before their end, keeping their EOS, as
+    prepare_data.py --max_source_length cut the training sources (and train.py's samples read them); default: the
+    tokenizer's model_max_length, where convert_to_hf.py records the training data's."""
     temperature: Optional[float] = None
     """Sampling temperature; 0 for greedy decoding; default: the sampling of the model's generation_config.json,
     or 0.8 with top-k 50 when it does not sample. A temperature given replaces only the temperature of a model that
@@ -74,8 +78,9 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
                                                        "causal LM or encoder-decoder).")
     args = GenerateArgs(**cli.parse(parser, argv).as_dict())
     check_prompt_options(args)
-    if args.max_new_tokens < 1:
-        raise cli.UsageError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    for name in ("max_new_tokens", "max_source_length"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise cli.UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.temperature is not None and not (args.temperature == 0 or args.temperature >= MIN_TEMPERATURE):
         raise cli.UsageError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {args.temperature}"
                              + (" (below it sampling is greedy decoding, and rounds to inf at 1e-39)"
