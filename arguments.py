@@ -108,7 +108,8 @@ class FSDPArgs:
     """Layer class names that become FSDP units, e.g. [LlamaDecoderLayer]; default: the model's _no_split_modules.
     Another policy draws a model built from a config in another order: other initial weights for the same --seed."""
     sharding_strategy: ShardingStrategy = "FULL_SHARD"
-    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), HYBRID_SHARD (shard in a node, replicate across), NO_SHARD."""
+    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), HYBRID_SHARD (shard in a node, replicate across), NO_SHARD
+    (which torch deprecates under --strategy fsdp: ddp, or fsdp2 with NO_SHARD, trains the same)."""
     limit_all_gathers: bool = True
     """Throttle parameter all-gathers so that memory stays bounded; recommended when memory is tight."""
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "none"] = "BACKWARD_PRE"

@@ -247,6 +247,8 @@ def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, 
                                   sharding_strategy="NO_SHARD", backward_prefetch="BACKWARD_POST",
                                   forward_prefetch=True, limit_all_gathers=False))
     assert_succeeded(result)
+    output = result.stdout + result.stderr  # torch's deprecation of FSDP1's NO_SHARD, twice on every rank, was
+    assert "deprecated" not in output and output.count("torch deprecates --sharding_strategy NO_SHARD") == 1
     straight = read_metrics(fsdp_run)
     with_knobs = read_metrics(tmp_path)
     for step in (1, 2, 3, 4):

@@ -166,6 +166,8 @@ def build_fabric(cfg: Config, world_size: int, wrap_classes: set[type[Module]], 
     precision = ({"precision": cfg.precision} if accelerator == "tpu" else
                  {"plugins": [precision_plugin(cfg.precision, cfg.strategy, device_type=accelerator)]})
     quiet_lightning_start()
+    if cfg.strategy == "fsdp" and cfg.sharding_strategy == "NO_SHARD":  # the preflight's note says it once
+        warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated")
     with without_srun_hint():
         return Fabric(
             accelerator=accelerator,

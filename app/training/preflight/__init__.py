@@ -31,7 +31,8 @@ from app.optimization.schedule import TrainingPlan
 from app.reliability.signals import first_of_the_run
 from app.tasks import exit_refused
 from app.training.preflight.data import check_data, planned_blocks, reads_data
-from app.training.preflight.environment import check_devices, check_launcher, check_precision, check_runs_here
+from app.training.preflight.environment import (check_devices, check_launcher, check_precision, check_runs_here,
+                                                world_size)
 from app.training.preflight.model import check_model, check_model_with
 from app.training.preflight.notes import note
 from app.training.preflight.out_dir import check_out_dir
@@ -116,6 +117,9 @@ def preflight(cfg: Config, sources: Optional[dict[str, str]] = None) -> RunInput
     rounding = bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay)
     if rounding:
         note(rounding)
+    if cfg.strategy == "fsdp" and cfg.sharding_strategy == "NO_SHARD" and world_size(cfg) > 1:
+        note("torch deprecates --sharding_strategy NO_SHARD under --strategy fsdp (FSDP1): --strategy ddp, or "
+             "--strategy fsdp2 with NO_SHARD, trains the same")
     return RunInputs(config=cfg, model_config=model_config, wrap_classes=wrap_classes,
                      plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
                      resume_step=resume.metadata["step"] if resume else None,
