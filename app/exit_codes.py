@@ -26,7 +26,8 @@ and the run ended without saving. Requeue and resume (--resume true) from the la
 do that."""
 EXIT_RENDEZVOUS_TIMEOUT = 5
 """The ranks did not all meet within --rendezvous_timeout_min at start-up (a node that never started, or wrong
-MASTER_ADDR/MASTER_PORT/NODE_RANK); nothing was trained. The Slurm scripts requeue, as a node may have failed."""
+MASTER_ADDR/MASTER_PORT/NODE_RANK), or their port was another process's; nothing was trained. The Slurm scripts
+requeue, as a node may have failed (and a requeued job picks another port)."""
 EXIT_SPIKES = 6
 """Loss spikes kept coming (--spike_guard): spikes without rows to blame repeated under skip, or after the last
 rollback, or with no checkpoint to roll back to; the step was not applied and nothing was saved from it. Not

@@ -40,6 +40,13 @@ def srun_task() -> bool:
     return "SLURM_STEP_ID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ and int(tasks) > 1
 
 
+def srun_in_interactive_job() -> bool:
+    """srun's tasks in a job named `bash` or `interactive` (salloc's default name): Lightning's SLURMEnvironment
+    steps aside for such jobs, so that a train.py started by hand in an allocation launches its own ranks; each of
+    srun's tasks then did, and two runs met over one --out_dir (one refused, srun ended the other)."""
+    return srun_task() and os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive")
+
+
 def started_whole_per_device() -> bool:
     """Each device's process runs train.py whole, preflight included (srun's tasks, torchrun's workers), rather than
     one process checking the inputs and starting the others (Lightning's launcher)."""

@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -70,11 +71,12 @@ def sbatch_options(path: Path) -> dict[str, str]:
 
 
 def launch_command(path: Path, program: str) -> list[str]:
-    """The words of the (continued) command line that starts with `program`, without a trailing `|| ...`."""
+    """The words of the (continued) command line that starts with `program`, without a trailing `|| ...` or `&`."""
     joined = re.sub(r"\\\n", " ", path.read_text())
     line = next(line for line in joined.splitlines() if line.strip().startswith(program + " "))
     words = shlex.split(line, posix=True)
-    return words[:words.index("||")] if "||" in words else words
+    words = words[:words.index("||")] if "||" in words else words
+    return words[:-1] if words[-1] == "&" else words
 
 
 def flag_value(words: list[str], flag: str) -> str:
@@ -462,13 +464,18 @@ def test_torchrun_wrapper_ends_a_rendezvous_that_a_node_never_joins_with_5_in_on
 
 
 def test_torchrun_sbatch_meets_at_a_port_of_its_own_job_and_bounds_the_wait_for_the_nodes(tmp_path):
+    """A port free on the first node, from a start the job id moves (app/distributed/ports.py): a formula of the id
+    alone (29500 + the id modulo 3000) was another job's too, which the second job's torchrun then joined."""
     (tmp_path / "scontrol").write_text("#!/bin/sh\necho node1\n")  # `scontrol show hostnames`, without a cluster
     (tmp_path / "scontrol").chmod(0o755)
-    job = {"SLURM_CPUS_PER_TASK": "8", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "123457",
-           "PATH": f"{tmp_path}:/usr/bin:/bin"}
-    ports = {shell_variable(SBATCH_TORCHRUN, "RDZV_PORT", job | {"SLURM_JOB_ID": job_id}) for job_id in ("7", "8")}
-    assert ports == {"29507", "29508"}
-    assert shell_variable(SBATCH_TORCHRUN, "RDZV_PORT", job | {"SLURM_JOB_ID": "2999"}) == "32499"  # not ephemeral
+    job = {"SLURM_CPUS_PER_TASK": "8", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "123457", "SLURM_NNODES": "1",
+           "PATH": f"{tmp_path}:{Path(sys.executable).parent}:/usr/bin:/bin"}
+    ports = {int(shell_variable(SBATCH_TORCHRUN, "RDZV_PORT", job | {"SLURM_JOB_ID": job_id})) for job_id in "78"}
+    assert len(ports) == 2 and all(20000 <= port < 32768 for port in ports), ports  # not ephemeral
+    with socket.socket() as other_job:
+        other_job.bind(("", min(ports)))
+        other_job.listen()
+        assert int(shell_variable(SBATCH_TORCHRUN, "RDZV_PORT", job | {"SLURM_JOB_ID": "7"})) != min(ports)
     words = launch_command(SBATCH_TORCHRUN, "srun")
     assert flag_value(words, "--rdzv_conf") == "join_timeout=$RDZV_JOIN_TIMEOUT_SEC"
     assert shell_variable(SBATCH_TORCHRUN, "RDZV_JOIN_TIMEOUT_SEC", job) == "600"

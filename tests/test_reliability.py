@@ -377,6 +377,30 @@ def test_a_node_that_never_starts_ends_the_rendezvous_and_ctrl_c_ends_it_at_once
           "(--rendezvous_timeout_min 0.1, start-up included)")
 
 
+def test_a_port_another_job_holds_ends_the_start_with_5_naming_it(tiny: TinySetup, tmp_path: Path) -> None:
+    """Two jobs on one node met at one port (Lightning's 15000 + the job id's last four digits): the second ended
+    with 1 and "a node that ended first says why", on one node; now 5, which the Slurm scripts requeue, and the
+    port. The scripts pick a port nothing holds (app/distributed/ports.py), from a start the job id moves."""
+    from app.distributed.ports import HIGHEST, LOWEST, free_port as port_of_the_job
+
+    with socket.socket() as other_job:
+        other_job.bind(("", 0))
+        other_job.listen()
+        port = other_job.getsockname()[1]
+        result = run_train(train_args(tiny, tmp_path / "run", max_step=2, warmup_steps=0),
+                           env={"MASTER_PORT": str(port)})
+        assert result.returncode == EXIT_RENDEZVOUS_TIMEOUT, result.stderr[-3000:]
+        assert f"rank 0: the ranks could not meet: port {port} on this node is another process's (another job's on " \
+            "a shared node?); set MASTER_PORT to a free port, as the Slurm scripts do (exit 5)" in result.stderr
+        assert "Traceback" not in result.stderr and not list_checkpoints(tmp_path / "run")
+    first = port_of_the_job(4242)
+    assert LOWEST <= first <= HIGHEST
+    with socket.socket() as other_job:
+        other_job.bind(("", first))
+        other_job.listen()
+        assert first < port_of_the_job(4242) <= HIGHEST
+
+
 A_RANK_STARTS_DURING_THE_KILL = """
 import subprocess, sys
 import app.reliability.watchdog as watchdog

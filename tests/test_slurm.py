@@ -197,6 +197,38 @@ def test_a_time_limit_warning_without_requeue_on_signal_ends_the_job_with_75_and
 
 
 @pytest.mark.slow
+def test_an_interactive_jobs_time_limit_warning_to_its_batch_shell_saves_requeues_and_resumes(
+        cluster: SlurmCluster, tiny: TinySetup, straight: Job, tmp_path: Path) -> None:
+    """Two things users do. A job named `interactive` (salloc's name; `srun python train.py` in an allocation):
+    Lightning stepped aside, each task started two ranks of its own, and one of the two runs was refused, the other
+    ended by srun. A warning sent to the batch shell alone (`--signal=B:USR1@N`, `scancel --batch`): the shell died
+    of it and the job FAILED without a checkpoint. The script picks its own free port and says it."""
+    job = submit(cluster, "train.sbatch", CPU_TASKS + ["--job-name", "interactive"], tiny, tmp_path / "run",
+                 requeue_on_signal=True)
+    job.wait_for_step(3)
+    cluster.command("scancel", "--batch", "--signal=USR1", job.id)
+    job.end()
+    assert_completed(job, restarts=1)
+    [stop] = stop_steps(job)
+    assert f"resumed from {job.out_dir / 'checkpoints' / f'step-{stop:08d}.ckpt'}" in job.output(), job.describe()
+    assert "in use by another run" not in job.output() and re.search(r"tasks on \S+, port \d+", job.output())
+    assert_same_losses(job, straight)
+
+
+@pytest.mark.slow
+def test_the_torchrun_script_refuses_more_than_one_task_per_node(cluster: SlurmCluster, tiny: TinySetup,
+                                                                 tmp_path: Path) -> None:
+    """Two torchruns on one node formed a world each (or one with two processes on each GPU); the job FAILED with
+    1 after training, or with torch's traceback."""
+    job = submit(cluster, "train-torchrun.sbatch", CPU_TASKS, tiny, tmp_path / "run")
+    fields = job.end(timeout=60)
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", f"{EXIT_BAD_INPUT}:0"), job.describe()
+    assert job.output() == ("slurm/train-torchrun.sbatch: it starts one torchrun per node, and this job has 2 tasks "
+                            "and 1 node(s): submit it with --ntasks-per-node 1 (PROCS_PER_NODE sets the processes "
+                            "each starts)\n")
+
+
+@pytest.mark.slow
 def test_a_frozen_task_ends_with_the_watchdogs_4_then_the_requeued_job_completes(
         cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path) -> None:
     """Task 1 stopped (SIGSTOP) mid-run: task 0's watchdog prints its stacks and exits 4, srun ends the frozen task

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from lightning_fabric import Fabric
+from lightning_fabric.plugins.environments import SLURMEnvironment
 from lightning_fabric.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy,
                                          XLAFSDPStrategy)
 from lightning_fabric.strategies import fsdp as lightning_fsdp
@@ -32,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.distributed.fsdp2 import UnitsWithEmbeddings, parallelize_fn
 from app.distributed.precision import fsdp_mixed_precision, precision_plugin
+from app.tasks import srun_in_interactive_job
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -163,8 +165,9 @@ def without_srun_hint() -> Iterator[None]:
 def build_fabric(cfg: Config, world_size: int, wrap_classes: set[type[Module]], loggers: list[Any],
                  param_init_fn: Optional[Callable] = None) -> Fabric:
     accelerator = resolve_accelerator(cfg)
-    precision = ({"precision": cfg.precision} if accelerator == "tpu" else
-                 {"plugins": [precision_plugin(cfg.precision, cfg.strategy, device_type=accelerator)]})
+    slurm = [SLURMEnvironment()] if srun_in_interactive_job() else []  # Lightning detects the others itself
+    precision = ({"precision": cfg.precision, "plugins": slurm} if accelerator == "tpu" else
+                 {"plugins": [precision_plugin(cfg.precision, cfg.strategy, device_type=accelerator), *slurm]})
     quiet_lightning_start()
     if cfg.strategy == "fsdp" and cfg.sharding_strategy == "NO_SHARD":  # the preflight's note says it once
         warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated")

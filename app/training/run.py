@@ -30,7 +30,7 @@ from app.distributed.strategy import build_fabric, gradient_replicas, resolve_ac
 from app.evaluation.samples import (SampleEvaluator, decoding_for, fit_to_context, references_past, sample_notes,
                                     set_aside_samples_after, stop_ids, whole_samples)
 from app.exit_codes import (EXIT_BAD_INPUT, EXIT_CORRUPT_CHECKPOINT, EXIT_CRASHED, EXIT_FINISHED, EXIT_INTERRUPTED,
-                            EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_SPIKES)
+                            EXIT_NON_FINITE, EXIT_PREEMPTED, EXIT_RENDEZVOUS_TIMEOUT, EXIT_SAVE_FAILED, EXIT_SPIKES)
 from app.folders import discard, replace_file
 from app.hub import hub_commit
 from app.metrics.console import Console
@@ -101,6 +101,11 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
     except dist.DistNetworkError as error:  # the ranks could not meet: the node hosting the store ended first
         if dist.is_initialized():
             raise
+        if "EADDRINUSE" in str(error):  # another job's rendezvous on this node: requeued by the Slurm scripts
+            say(f"rank {fabric.global_rank}: the ranks could not meet: port {os.environ.get('MASTER_PORT', '?')} on "
+                "this node is another process's (another job's on a shared node?); set MASTER_PORT to a free port, "
+                f"as the Slurm scripts do (exit {EXIT_RENDEZVOUS_TIMEOUT})\n")
+            end_process_tree(EXIT_RENDEZVOUS_TIMEOUT, stacks=False)
         say(f"rank {fabric.global_rank}: the run's other processes could not be reached as the ranks met "
             f"({first_line(error)}): a node that ended first says why in its own output\n")
         end_process_tree(EXIT_CRASHED, stacks=False)

@@ -21,7 +21,7 @@ from app.cli import first_line
 from app.distributed.precision import bf16_moment_problem, bf16_support_problem, fp32_modules_problem
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
 from app.model.build import meta_model
-from app.tasks import LAUNCHER_PID
+from app.tasks import LAUNCHER_PID, srun_in_interactive_job
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -165,7 +165,7 @@ def launched_on_every_node() -> bool:
     with without_srun_hint():
         detected = any(environment.detect() for environment in
                        (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment))
-    return detected or {"MASTER_ADDR", "NODE_RANK"} <= os.environ.keys()
+    return detected or srun_in_interactive_job() or {"MASTER_ADDR", "NODE_RANK"} <= os.environ.keys()
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def launcher_layout() -> Optional[LauncherLayout]:
             return LauncherLayout("torchrun", TorchElasticEnvironment().world_size(), "WORLD_SIZE",
                                   os.environ.get("LOCAL_WORLD_SIZE"), "LOCAL_WORLD_SIZE",
                                   int_or_none(os.environ.get("GROUP_WORLD_SIZE")), "GROUP_WORLD_SIZE")
-        if SLURMEnvironment.detect():
+        if SLURMEnvironment.detect() or srun_in_interactive_job():  # build_fabric takes Slurm's ranks then too
             per_node = first_set("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
             nodes = first_set("SLURM_STEP_NUM_NODES", "SLURM_NNODES")
             return LauncherLayout("srun", int(os.environ["SLURM_NTASKS"]), "SLURM_NTASKS",
