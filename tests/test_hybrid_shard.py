@@ -46,7 +46,10 @@ def test_hybrid_shard_on_two_nodes_takes_full_shards_steps_and_resumes_under_the
                                       num_nodes=2, max_step=max_step, save_step_interval=2, resume=max_step > 2,
                                       **CONSTANT_LR), nodes=2)
         assert_succeeded(hybrid)
-        assert "8 sequences x 32 tokens (1 accumulation x 2 micro-batch x 4 ranks)" in hybrid.stdout, hybrid.stdout
+        # once: said on each node's first process, a Slurm log (every node's output) held it once per node
+        assert hybrid.stdout.count("8 sequences x 32 tokens (1 accumulation x 2 micro-batch x 4 ranks)") == 1, \
+            hybrid.stdout
+        assert hybrid.stdout.count("resumed from") == (max_step > 2), hybrid.stdout
         assert parameters_per_rank(tmp_path) == pytest.approx(on_each_node, rel=0.02), "a node's half, not a quarter"
     resumed = run_train(train_args(tiny, tmp_path, strategy="fsdp", devices=2, max_step=6, resume=True,
                                    **CONSTANT_LR))

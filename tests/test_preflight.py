@@ -181,6 +181,17 @@ def test_bad_input_is_refused_with_one_line_naming_it(case, tiny, bad, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_a_refused_run_says_none_of_its_notes(tiny, tmp_path, capsys) -> None:
+    """"--resume true: no checkpoint in ... yet, starting from step 0" came before the refusal, as if the run had
+    started; the notes of a run that starts are said as before."""
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", resume=True, eval_samples=3)))
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: --eval_samples"), captured
+    preflight(parse_config(train_args(tiny, tmp_path / "out", resume=True)))
+    assert "--resume true: no checkpoint in" in capsys.readouterr().out
+
+
 def test_resume_takes_over_the_files_of_a_run_that_saved_no_checkpoint(tiny, tmp_path) -> None:
     """Its config.yaml is one train.py wrote: --resume true starts that run again from step 0 there (a user's files
     of the same names are refused: test_bad_input_is_refused_with_one_line_naming_it)."""

@@ -162,15 +162,15 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)
     own_rng = resume_rng(saved["rng"], fabric.global_rank, cfg.seed, state["step"])
     restore_grad_scaler(fabric.strategy.precision, saved)
-    fabric.print(f"resumed from {path} at step {state['step']} (epoch {state['epoch']}, sample {state['position']} "
-                 f"of the epoch) in {loading.last:.1f} s")
+    say_once(fabric, f"resumed from {path} at step {state['step']} (epoch {state['epoch']}, sample "
+                     f"{state['position']} of the epoch) in {loading.last:.1f} s")
     if fabric.is_global_zero:  # resumed from an older checkpoint: the next --resume true must not take a newer one
         kept = state["step"] - 1 if another_branch_at(cfg.out_dir, state["step"], path, saved) else state["step"]
         for moved in set_aside_newer(cfg.out_dir, kept):
-            fabric.print(f"set aside, of the stretch this resume abandons: {moved}")
+            say_once(fabric, f"set aside, of the stretch this resume abandons: {moved}")
         samples = set_aside_samples_after(Path(cfg.out_dir), kept)
         if samples:
-            fabric.print(f"moved {len(samples)} samples files written after step {kept} to {samples[0].parent}")
+            say_once(fabric, f"moved {len(samples)} samples files written after step {kept} to {samples[0].parent}")
     if not own_rng:
         print(f"rank {fabric.global_rank}: no random state saved for this rank; seeded from --seed and the step",
               flush=True)
@@ -189,11 +189,18 @@ def another_branch_at(out_dir: str, step: int, resumed_from: Path, saved: dict[s
         return True
 
 
+def say_once(fabric: Fabric, line: str) -> None:
+    """A line of the run's, said by its first process: fabric.print says it on each node's first process, and a
+    Slurm log, which gathers every node's output, held it once per node (errors are still said on each node)."""
+    if fabric.is_global_zero:
+        print(line, flush=True)
+
+
 def refusal_at_start(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional[str]:
     """What the ranks find wrong once they have met, before anything is read or written, the same line on every rank
     (None: go on): out_dir in use by another run (rank 0 locks it), nodes that chose different checkpoints, nodes
     started with other options, data or code, or nodes that do not share out_dir (app/training/nodes.py)."""
-    in_use = claim_run_folder(Path(cfg.out_dir), fabric.print) if fabric.is_global_zero else None
+    in_use = claim_run_folder(Path(cfg.out_dir)) if fabric.is_global_zero else None
     if fabric.world_size == 1 or not dist.is_initialized():  # one process, or XLA's ranks (no torch.distributed)
         return in_use
     chosen: list = [None] * fabric.world_size
@@ -253,13 +260,13 @@ def step_clock(fabric: Fabric, cfg: Config, inputs: RunInputs, state: dict[str, 
         flops = flops_per_micro_batch(inputs.model_config, plan.micro_batch_size, round(plan.row_tokens),
                                       round(plan.target_tokens), cfg.trust_remote_code) * plan.accumulation
     except Exception as error:  # an architecture FlopCounter cannot trace on the meta device: throughput only
-        fabric.print(f"FLOP/s and MFU are not reported: counting the model's FLOPs failed ({error})")
+        say_once(fabric, f"FLOP/s and MFU are not reported: counting the model's FLOPs failed ({error})")
         flops = None
     peak = peak_flops(fabric.device, cfg.precision, cfg.peak_tflops)
     if peak is None and flops and fabric.device.type == "cuda":
-        fabric.print(f"MFU is not reported: no dense {compute_dtype(cfg.precision)} peak is known for "
-                     f"{torch.cuda.get_device_name(fabric.device)}; give --peak_tflops (its datasheet's dense figure, "
-                     "half the one \"with sparsity\")")
+        say_once(fabric, f"MFU is not reported: no dense {compute_dtype(cfg.precision)} peak is known for "
+                         f"{torch.cuda.get_device_name(fabric.device)}; give --peak_tflops (its datasheet's dense "
+                         "figure, half the one \"with sparsity\")")
     return StepClock(start_step=state["step"], elapsed_before=state["elapsed_sec"], max_step=plan.max_step,
                      window=cfg.log_interval, world_size=plan.world_size, samples_per_step=plan.global_batch_size,
                      tokens_per_step=plan.tokens_per_step, flops_per_step=flops, available_flops=peak)
@@ -288,17 +295,17 @@ def spike_guard(fabric: Fabric, cfg: Config, state: dict[str, Any], data: Traini
     guard = SpikeGuard(spike_rules(cfg), SpikeHistory.from_dict(state["spike_guard"]))
     mixture = [[part.source.name, str(part.source.weight)] for part in data.sources] if data.mixture else []
     if guard.judged_on(mixture) and guard.active:
-        fabric.print(f"the data's folders or weights changed since the checkpoint: the spike guard gathers its "
-                     f"statistics again ({cfg.spike_warmup} steps before it judges)")
+        say_once(fabric, f"the data's folders or weights changed since the checkpoint: the spike guard gathers its "
+                         f"statistics again ({cfg.spike_warmup} steps before it judges)")
     if fabric.is_global_zero:  # what this run skips, from its state: a file of an abandoned stretch's is stale
         write_quarantine(Path(cfg.out_dir), guard.history.quarantine if guard.active else [], data.locate)
     if guard.active and guard.history.quarantine:
         data.quarantine(guard.history.quarantined_rows())
-        fabric.print(f"{len(guard.history.quarantine)} train rows set aside by the spike guard train nothing "
-                     f"({Path(cfg.out_dir) / QUARANTINE_FILE})")
+        say_once(fabric, f"{len(guard.history.quarantine)} train rows set aside by the spike guard train nothing "
+                         f"({Path(cfg.out_dir) / QUARANTINE_FILE})")
     elif guard.history.quarantine:
-        fabric.print(f"{len(guard.history.quarantine)} train rows the spike guard had set aside train again "
-                     "(--spike_guard off)")
+        say_once(fabric, f"{len(guard.history.quarantine)} train rows the spike guard had set aside train again "
+                         "(--spike_guard off)")
     return guard
 
 
@@ -317,7 +324,7 @@ def sample_evaluator(fabric: Fabric, cfg: Config, inputs: RunInputs, data: Train
     for said in sample_notes(cfg.eval_samples, len(samples), passed_over, cut) + [
             references_past(samples, cfg.eval_max_new_tokens, stops)]:
         if said:
-            fabric.print(said)
+            say_once(fabric, said)
     return SampleEvaluator(samples=samples, tokenizer=tokenizer,
                            decoding=decoding_for(inputs.model_config, cfg.trust_remote_code),
                            max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
@@ -354,7 +361,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     stop.install(announce=fabric.is_global_zero)
     refusal = refusal_at_start(fabric, cfg, inputs)
     if refusal:
-        fabric.print(f"error: {refusal}", file=sys.stderr)
+        fabric.print(f"error: {refusal}", file=sys.stderr)  # on each node: where nodes log apart, each says why
         return EXIT_BAD_INPUT
     if fabric.is_global_zero:  # the folder is this run's: what an interrupted or failed save left goes now, not at
         remove_leftovers(checkpoint_dir(cfg.out_dir))  # the first save (a whole checkpoint's size, on a full disk)
@@ -370,10 +377,10 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
             return corrupt_checkpoint(fabric, cfg, inputs.resume_from, unreadable)
     write_run_files(fabric, cfg, inputs.tokenizer)
     plan = inputs.plan
-    fabric.print(f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} tokens "
-                 f"({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x {plan.world_size} ranks)"
-                 + ("; no checkpoints (--save_step_interval 0) unless a signal stops it" if not cfg.save_step_interval
-                    else ""))
+    say_once(fabric, f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} "
+                     f"tokens ({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x "
+                     f"{plan.world_size} ranks)" + ("; no checkpoints (--save_step_interval 0) unless a signal stops it"
+                                                    if not cfg.save_step_interval else ""))
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
     loop = Loop(fabric=fabric, cfg=cfg, plan=plan, data=data, state=state, stop=stop, loss_path=loss_path,
                 clock=step_clock(fabric, cfg, inputs, state), console=console,
@@ -392,7 +399,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
         outcome: str = loop.fit()
         loop.saver.close()  # a background write of the last step may fail here
     except SaveFailed as failure:  # on every rank alike
-        fabric.print(f"error: {failure}. {failure.advice()}", file=sys.stderr)
+        fabric.print(f"error: {failure}. {failure.advice()}", file=sys.stderr)  # on each node, as a refusal
         outcome = "save_failed"
         loop.saver.close()
     loop.watchdog.disarm()

@@ -34,7 +34,7 @@ from app.training.preflight.data import check_data, planned_blocks, reads_data
 from app.training.preflight.environment import (check_devices, check_launcher, check_precision, check_runs_here,
                                                 world_size)
 from app.training.preflight.model import check_model, check_model_with
-from app.training.preflight.notes import note
+from app.training.preflight.notes import held, note
 from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
                                          resolve_learning_rates)
@@ -74,8 +74,14 @@ class RunInputs:
 
 
 def preflight(cfg: Config, sources: Optional[dict[str, str]] = None) -> RunInputs:
-    """Check everything; exit with status 2 and one line per problem, or return what the run needs. `sources`
-    (arguments.option_sources) names the config file of an option a problem names."""
+    """Check everything; exit with status 2 and one line per problem, or return what the run needs, with the notes
+    of the checks said then (not before a refusal). `sources` (arguments.option_sources) names the config file of an
+    option a problem names."""
+    with held():
+        return checked_inputs(cfg, sources)
+
+
+def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     problems: list[str] = []
     cfg = resolve_wandb(cfg, problems)
     data = check_data(cfg, problems) if reads_data(cfg) else None
