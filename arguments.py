@@ -349,8 +349,8 @@ def build_parser() -> ArgumentParser:
     """Built once per process (0.2 s of jsonargparse reading the groups' docstrings), then reused: every rank parses
     its command line, and rank 0 also writes config.yaml through it; the suite's fork server builds it before it
     forks its train.py processes."""
-    return command_parser("train.py", "Fully fine-tune or pre-train a Hugging Face causal LM with Lightning Fabric "
-                                      "and FSDP.", GROUPS)
+    return command_parser("train.py", "Fully fine-tune or pre-train a Hugging Face causal LM or encoder-decoder "
+                                      "(T5, BART) with Lightning Fabric and FSDP.", GROUPS)
 
 
 def read_config(argv: Optional[list[str]] = None) -> Config:

@@ -311,6 +311,10 @@ def one_line(parser: ArgumentParser, message: str) -> str:
     """jsonargparse's message, often several lines ('Parser key "lr":' then the reasons), as one line naming the flag
     and what it takes: `--lr: expected a number, got 'fast'`."""
     key = re.match(r'Parser key "(\w+)":', message)
+    required = re.match(r"the following arguments are required: (.*)", message.strip())
+    if required:  # named as they are written: `--checkpoint, --output_dir`, `MODEL` (it said `checkpoint, model`)
+        names = [written_name(parser, name.strip()) for name in required.group(1).split(",")]
+        return f"the following arguments are required: {', '.join(names)}"
     unknown = re.match(r"unrecognized arguments: (.*)", message.strip(), re.S)
     if unknown:  # a mistyped flag: as a mistyped line of a config file, the option meant
         options = [option for action in parser._actions for option in action.option_strings]
@@ -327,6 +331,14 @@ def one_line(parser: ArgumentParser, message: str) -> str:
     if given and expected:
         return f"{name}: expected {expected}, got {given.group(1).strip()!r}"
     return f"{name}: " + " ".join(message[key.end():].split())
+
+
+def written_name(parser: ArgumentParser, dest: str) -> str:
+    """An argument as the command line writes it: its flag, or a positional argument's metavar."""
+    action = next((a for a in parser._actions if a.dest == dest), None)
+    if action is None:
+        return dest
+    return action.option_strings[0] if action.option_strings else (action.metavar or dest)
 
 
 def describe(hint: Any) -> str:

@@ -242,6 +242,11 @@ def test_a_flag_may_turn_off_what_a_config_file_sets_and_the_run_says_so(tmp_pat
     assert capsys.readouterr().err.splitlines() == [
         f"note: --eval_max_new_tokens ({tmp_path / 'run.yaml'}) not read: --eval_samples on the command line turns it "
         "off", f"note: --spike_z ({tmp_path / 'run.yaml'}) not read: --spike_guard on the command line turns it off"]
+    from app.training.print_config import source_of  # --print_config said "derived from 32 by the preflight"
+
+    sources = option_sources(REQUIRED + config + ["--eval_samples", "0", "--spike_guard", "off"])
+    assert source_of("eval_max_new_tokens", cfg, cfg.readable_back(), sources) == (
+        f"default: 32 (config {tmp_path / 'run.yaml'}) is not read")
     (tmp_path / "written.yaml").write_text(cfg.to_yaml())  # config.yaml, as a resume reads it back: it was refused
     again = parse_config(REQUIRED + ["--config", str(tmp_path / "written.yaml")])
     assert (again.eval_samples, again.eval_max_new_tokens, again.spike_z) == (0, 128, 6.0), "nothing read them"
@@ -280,6 +285,11 @@ REFUSED_COMMANDS = {
     "prepare_data.py": (["prepare_data.py", "--block_size", "big"], "prepare_data.py: error: --block_size: expected "
                                                                       "an integer, got 'big'"),
     "convert_to_hf.py": (["convert_to_hf.py", "--dtype", "float8"], "convert_to_hf.py: error: --dtype: expected one of"),
+    # named as written (they said "checkpoint, output_dir" and "model"; the flags are --checkpoint, --model)
+    "convert_to_hf.py required": (["convert_to_hf.py"], "convert_to_hf.py: error: the following arguments are "
+                                                         "required: --checkpoint, --output_dir"),
+    "prefetch.py required": (["prefetch.py"], "prefetch.py: error: the following arguments are required: --model"),
+    "generate.py required": (["generate.py"], "generate.py: error: the following arguments are required: MODEL"),
     "prefetch.py": (["prefetch.py", "--unknown"], "prefetch.py: error: unrecognized arguments: --unknown"),
     "plot_metrics.py": (["plot_metrics.py", "/nonexistent/run"], "plot_metrics.py: error: --run /nonexistent/run: no "
                                                                   "such file or folder"),

@@ -19,10 +19,12 @@ class PrepareArgs:
     """Turn raw text, prompt/response pairs, chats or source/target pairs into token rows for training."""
 
     input: list[str] = field(default_factory=list)
-    """Files (.txt .py .md .jsonl .json .parquet .csv), folders of them (searched recursively), a folder written by
-    `datasets.save_to_disk`, or a Hugging Face dataset name. Several may be given."""
+    """Required (here or in --config): files (.txt .py .md .jsonl .json .parquet .csv), folders of them (searched
+    recursively), a folder written by `datasets.save_to_disk`, or a Hugging Face dataset name. Several may be
+    given."""
     output_dir: str = ""
-    """Folder to create: a DatasetDict (train, validation) of token rows, `tokenizer/` and `stats.json`."""
+    """Required (here or in --config): the folder to create, a DatasetDict (train, validation) of token rows,
+    `tokenizer/` and `stats.json`."""
     tokenizer: str | None = None
     """Hugging Face tokenizer name or local folder (the tokenizer of the model you will train)."""
     vocab_size: int | None = None
