@@ -216,6 +216,32 @@ def test_an_interactive_jobs_time_limit_warning_to_its_batch_shell_saves_requeue
 
 
 @pytest.mark.slow
+def test_a_warning_before_training_that_reaches_another_task_first_still_requeues_the_job(
+        cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path) -> None:
+    """SIGUSR1 before the first step, to task 1 before task 0 (task 0 held back here): task 1 quit with 75 at once,
+    srun ended task 0 before it had said anything or requeued, and the job FAILED with 75, unsaid. Task 1 now waits
+    for task 0 to say it and requeue, and for srun to end it."""
+    job = submit(cluster, "train.sbatch", CPU_TASKS, tiny, tmp_path / "run", requeue_on_signal=True)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, job.describe()
+        with contextlib.suppress(AssertionError, psutil.NoSuchProcess, FileNotFoundError):
+            first, second = job.task_process(0), job.task_process(1)
+            if catches(first.pid, signal.SIGUSR1) and catches(second.pid, signal.SIGUSR1):
+                break
+        time.sleep(0.05)
+    first.suspend()  # before the ranks meet: no step can be trained meanwhile
+    second.send_signal(signal.SIGUSR1)
+    time.sleep(1)
+    first.resume()
+    first.send_signal(signal.SIGUSR1)
+    cluster.wait_for_state(job.id, ("PENDING", "REQUEUED"), timeout=60)
+    cluster.command("scancel", job.id)
+    assert "SIGUSR1 before training began: nothing new to save (exit 75)" in job.output(), job.describe()
+    assert "step 1/" not in job.output(), job.describe()
+
+
+@pytest.mark.slow
 def test_the_torchrun_script_refuses_more_than_one_task_per_node(cluster: SlurmCluster, tiny: TinySetup,
                                                                  tmp_path: Path) -> None:
     """Two torchruns on one node formed a world each (or one with two processes on each GPU); the job FAILED with

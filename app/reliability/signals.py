@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from app.cli import first_line
 from app.exit_codes import (EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_PREEMPTED,
                             EXIT_STALLED)
-from app.tasks import end_with_the_launcher, srun_task, task_rank, time_limit_warned
+from app.tasks import FIRST_REPORTS_S, end_with_the_launcher, srun_task, task_rank, time_limit_warned
 from app.reliability.watchdog import (TRAINING_BEGAN, end_process_tree, print_own_stacks, process_ending,
                                       run_exit_hooks, say, silent_end)
 
@@ -85,7 +86,7 @@ def end_ranks_on_signal_until_training(requeue_on_signal: bool) -> None:
         received = os.read(read_end, 1)
         if received:
             reports = (task_rank() if srun_task() else int(os.environ.get("LOCAL_RANK") or 0)) == 0  # on each node
-            quit_before_training(received[0], requeue_on_signal, reports=reports)
+            quit_before_training(after_the_first_task(received[0], read_end), requeue_on_signal, reports=reports)
         os.close(read_end)  # StopRequest took over
 
     threading.Thread(target=end_on_first_signal, name="start-up-signals", daemon=True).start()
@@ -101,6 +102,18 @@ def first_of_the_run() -> bool:
     if srun_task() or "RANK" in os.environ:
         return task_rank() == 0
     return int(os.environ.get("LOCAL_RANK") or 0) == 0 and int(os.environ.get("NODE_RANK") or 0) == 0
+
+
+def after_the_first_task(signum: int, read_end: int) -> int:
+    """The signal to quit on before training. An srun task other than the first, warned of the time limit, waits
+    for the first task to say so and requeue the job, and for srun to end it then (its SIGTERM, read from the pipe):
+    quitting at once, it let srun end the first task before it had said anything or requeued, and the job FAILED
+    with 75, unsaid. After FIRST_REPORTS_S without that end, it quits as warned."""
+    if signum != signal.SIGUSR1 or not srun_task() or task_rank() == 0:
+        return signum
+    ready, _, _ = select.select([read_end], [], [], FIRST_REPORTS_S)
+    received = os.read(read_end, 1) if ready else b""
+    return received[0] if received else signum
 
 
 def quit_before_training(signum: int, requeue_on_signal: bool, reports: bool) -> NoReturn:
@@ -166,7 +179,8 @@ class StopRequest:
             for signum in received:
                 if signum in STOP_SIGNALS:
                     if not self.training:
-                        quit_before_training(signum, self.requeue_on_signal, reports=self.announce)
+                        quit_before_training(after_the_first_task(signum, read_end), self.requeue_on_signal,
+                                             reports=self.announce)
                     self.signal = self.signal or signum
                 elif signum == signal.SIGINT:
                     self._interrupt()
