@@ -240,3 +240,19 @@ def test_rows_set_aside_keep_their_place_in_the_order_but_train_no_token() -> No
     assert [bool((labels == -100).all()) for labels in inputs["labels"]] == [row in (3, 5) for row in step.rows]
     assert step.trained_tokens == step.micro_batches[0].trained_tokens == 6 * 4
     assert data.row_batch(3).trained_tokens == 0 and data.row_batch(4).trained_tokens == 4
+
+
+def test_a_batch_is_pinned_whole_where_the_loader_pins_memory(monkeypatch) -> None:
+    """The DataLoader's pin_memory=True (on GPUs) pins what it knows, or what has a pin_memory() method: a Batch had
+    none and went to the GPU from pageable memory, its tensors never pinned (CPU torch cannot pin: recorded here)."""
+    import torch
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from app.data import Batch
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor, *_, **__: (pinned.append(tensor), tensor)[1])
+    batch = Batch({"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}, 9)
+    moved = pin_memory(batch)
+    assert isinstance(moved, Batch) and moved.trained_tokens == 9 and moved.inputs.keys() == batch.inputs.keys()
+    assert [id(tensor) for tensor in pinned] == [id(tensor) for tensor in batch.inputs.values()]
