@@ -3,7 +3,8 @@
 import signal
 import sys
 
-from app.tasks import end_quietly_when_srun_ends_the_task, end_with_the_launcher, remember_a_time_limit_warning
+from app.tasks import (end_by_signals_as_a_containers_first_process, end_quietly_when_srun_ends_the_task,
+                       end_with_the_launcher, remember_a_time_limit_warning)
 from arguments import option_sources, parse_config
 
 if __name__ == "__main__":
@@ -14,6 +15,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     end_quietly_when_srun_ends_the_task()  # so that srun's exit code is the failed task's: app/tasks.py
+    end_by_signals_as_a_containers_first_process()  # PID 1 ignores signals left to their default action
     remember_a_time_limit_warning()  # SIGUSR1 while starting: acted on once the options are known
     end_with_the_launcher()  # a rank Lightning's launcher started, until training begins
     config = parse_config()

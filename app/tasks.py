@@ -119,6 +119,18 @@ def end_quietly_when_srun_ends_the_task() -> None:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_ENDED_BY_SRUN))
 
 
+def end_by_signals_as_a_containers_first_process() -> None:
+    """As a container's first process (PID 1: `docker run` without --init, a Kubernetes pod without an init), the
+    kernel drops every signal left to its default action: until the run's own handlers took over, `docker stop`'s
+    SIGTERM and Ctrl-C did nothing (the run went on training, and `docker stop` waited for its SIGKILL). Handlers
+    that end the process as the default action would (128 + the signal) stand in; Python runs them between
+    bytecodes, so not while the main thread waits in C code."""
+    if os.getpid() == 1:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+                signal.signal(signum, lambda number, _frame: os._exit(128 + number))
+
+
 _time_limit_warned = False
 
 

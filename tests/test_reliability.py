@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -329,6 +330,51 @@ def test_a_hung_worker_on_one_rank_ends_the_run_with_every_ranks_stacks(tiny: Ti
     assert list(temporary.iterdir()) == []
     temporary.rmdir()
     print(f"\nstall watchdog (--stall_timeout_min 0.1): exit {EXIT_STALLED} {seconds:.1f} s after the worker hung")
+
+
+def test_loader_workers_a_containers_small_shared_memory_cannot_hold_leave_the_reading_to_the_ranks(
+        tiny: TinySetup, tmp_path: Path) -> None:
+    """A container's /dev/shm (64 MB unless --ipc=host or --shm-size; 16 KB here): a worker that could not put its
+    batch there lost it with a traceback, and the rank waited for it until the stall watchdog (or, fuller still,
+    the loader's first queue ended the run with a traceback). The ranks now read their batches themselves, and say
+    why; with room enough, the workers stay."""
+    from app.data import load_data
+    from app.data.loader import workers_that_fit
+
+    args = shlex.join([sys.executable, str(ROOT / "train.py"), *train_args(tiny, tmp_path / "run", max_step=4,
+                                                                           num_workers=2, stall_timeout_min=0.5)])
+    result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             f"mount -t tmpfs -o size=16k tmpfs /dev/shm && exec {args}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    if "unshare failed" in result.stderr or "mount: " in result.stderr:
+        pytest.skip(f"no mount namespace here: {result.stderr.strip()[:200]}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "note: --num_workers 2: the batches the loader workers of this node's 2 ranks keep in /dev/shm need " \
+        "about" in result.stdout and "each rank reads its batches itself (--num_workers 0)" in result.stdout
+    assert "Traceback" not in result.stderr and sorted(logged_losses(tmp_path / "run")) == [1, 2, 3, 4]
+    assert workers_that_fit(2, load_data(tiny.data), 4, 2) == (2, None), "this machine's /dev/shm holds them"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_containers_first_process_ends_on_a_signal_while_it_starts(tiny: TinySetup, tmp_path: Path,
+                                                                    signum: int) -> None:
+    """train.py as PID 1 (`docker run` without --init, a Kubernetes pod): the kernel dropped Ctrl-C and `docker
+    stop`'s SIGTERM while it started (their action was the default), and the run went on to train all its steps."""
+    command = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(ROOT / "train.py"),
+               *train_args(tiny, tmp_path / "run", devices=1, strategy="single_device", max_step=40, warmup_steps=0)]
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as unshare:
+        deadline, first = time.monotonic() + 60, None
+        while first is None or not catches(first.pid, signal.SIGUSR1):  # its first handler (app/tasks.py) is in place
+            assert time.monotonic() < deadline and unshare.poll() is None, unshare.communicate()
+            with contextlib.suppress(psutil.NoSuchProcess, IndexError):
+                first = psutil.Process(unshare.pid).children()[0]
+            time.sleep(0.02)
+        first.send_signal(signum)
+        output, errors = unshare.communicate(timeout=60)
+    if "unshare failed" in errors:
+        pytest.skip(f"no PID namespace here: {errors.strip()[:200]}")
+    assert unshare.returncode == 128 + signum, output[-2000:] + errors[-2000:]
+    assert "step 1/" not in output and "Traceback" not in errors
 
 
 def test_processes_of_the_same_pid_in_two_pid_namespaces_take_multiprocessing_folders_of_their_own() -> None:

@@ -6,6 +6,7 @@ and deaf to the stop signals meant for the rank.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import zip_longest
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_from_disk
 from torch.utils.data import DataLoader
@@ -21,6 +23,7 @@ from torch.utils.data import Dataset as TorchDataset
 from app.data.formats import Batch, DataFormat, Layout, Sample, with_trained_tokens, without_training
 from app.data.mixture import Position, Source, mixture_steps, parse_sources
 from app.data.order import StepBatches, epoch_permutation, epochs_of_steps, eval_plan
+from app.metrics.console import format_gb
 from app.optimization.schedule import TrainingPlan
 from app.reliability.workers import worker_options
 
@@ -163,6 +166,37 @@ def step_sequence(data: TrainingData, plan: TrainingPlan, *, seed: int, epoch: i
                           [part.train.start for part in data.sources], plan.global_batch_size,
                           Position.from_dict(mixture, sources), epoch_permutation, seed)
     return ((rows, after.to_dict(sources)) for rows, after in steps)
+
+
+SHARED_MEMORY = Path("/dev/shm")
+BATCHES_IN_FLIGHT_PER_WORKER = 2
+"""torch's DataLoader prefetch_factor: the batches each worker keeps ready, in shared memory until the rank reads
+them."""
+
+
+def workers_that_fit(num_workers: int, data: TrainingData, micro_batch_size: int, ranks_on_node: int,
+                     shared_memory: Path = SHARED_MEMORY) -> tuple[int, Optional[str]]:
+    """--num_workers, or 0 with a note when the batches the node's workers keep in flight do not fit in /dev/shm:
+    a container's is 64 MB unless started with --ipc=host or --shm-size (Kubernetes' too), and a worker that could
+    not put its batch there lost it (a traceback of its queue's thread), while the rank waited for it until the stall
+    watchdog ended the run, whose advice to resume stalled again. Counted for a micro-batch of the split's longest
+    rows (a padded batch pads to its longest), the batches waiting and the one each rank reads."""
+    if not num_workers or not shared_memory.is_dir():
+        return num_workers, None
+    stats = os.statvfs(shared_memory)
+    free = stats.f_bavail * stats.f_frsize
+    lengths = pc.list_value_length(data.train.data.column("input_ids")).to_numpy(zero_copy_only=False)
+    longest = np.argsort(lengths)[-micro_batch_size:].tolist()
+    batch = data.format.collate(data.train.__getitems__(longest))
+    batch_bytes = sum(tensor.numel() * tensor.element_size() for tensor in batch.inputs.values())
+    needed = ranks_on_node * (num_workers * BATCHES_IN_FLIGHT_PER_WORKER + 1) * batch_bytes
+    if needed <= free:
+        return num_workers, None
+    ranks = f"{ranks_on_node} rank{'s' if ranks_on_node > 1 else ''}"
+    return 0, (f"note: --num_workers {num_workers}: the batches the loader workers of this node's {ranks} keep in "
+               f"{shared_memory} need about {format_gb(needed / 2**30)}, and it has {format_gb(free / 2**30)} free (a "
+               "container's is 64 MB): each rank reads its batches itself "
+               "(--num_workers 0); start the container with --ipc=host or a larger --shm-size to use workers")
 
 
 def train_steps(fabric: Fabric, data: TrainingData, plan: TrainingPlan, *, seed: int, epoch: int, position: int,

@@ -7,6 +7,7 @@ import shutil
 import signal
 import sys
 from contextlib import nullcontext, redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -22,6 +23,7 @@ from app.checkpoint.io import validation_measured
 from app.choices import SHARDED_STRATEGIES
 from app.cli import first_line
 from app.data import TrainingData, load_data
+from app.data.loader import workers_that_fit
 from app.data.mixture import parse_sources, position_at_weight
 from app.distributed.device_memory import expandable_segments
 from app.distributed.host_memory import tune_cpu_heap
@@ -382,8 +384,11 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                      f"{plan.world_size} ranks)" + ("; no checkpoints (--save_step_interval 0) unless a signal stops it"
                                                     if not cfg.save_step_interval else ""))
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
-    loop = Loop(fabric=fabric, cfg=cfg, plan=plan, data=data, state=state, stop=stop, loss_path=loss_path,
-                clock=step_clock(fabric, cfg, inputs, state), console=console,
+    workers, said = workers_that_fit(cfg.num_workers, data, plan.micro_batch_size, fabric.world_size // cfg.num_nodes)
+    if said and fabric.local_rank == 0:  # on each node: its own /dev/shm
+        print(said, flush=True)
+    loop = Loop(fabric=fabric, cfg=replace(cfg, num_workers=workers), plan=plan, data=data, state=state, stop=stop,
+                loss_path=loss_path, clock=step_clock(fabric, cfg, inputs, state), console=console,
                 gradients=GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
                                   scaled=uses_grad_scaler(cfg.precision),
                                   defer_sync=cfg.strategy not in SHARDED_STRATEGIES or cfg.fsdp_no_sync),
