@@ -299,17 +299,23 @@ def test_an_offline_run_logs_its_last_checkpoint_with_older_ones_pruned(tiny, tm
     assert b"step-00000006.ckpt" in run_log.read_bytes()
 
 
-def test_a_wandb_run_that_cannot_start_ends_every_rank_with_one_line(tiny, tmp_path) -> None:
+@pytest.mark.parametrize("failure, advice", [
+    ("the W&B service did not start", "check the login, --project and --entity"),
+    # a container's user without an account (`docker run --user 1234`) and no HOME: it said to check the login
+    ("Could not determine home directory.", "set HOME or WANDB_CONFIG_DIR to a folder this user can write (a "
+                                            "container's user without an account has no home, where wandb keeps its "
+                                            "settings)")])
+def test_a_wandb_run_that_cannot_start_ends_every_rank_with_one_line(tiny, tmp_path, failure, advice) -> None:
     """wandb.init failing on rank 0 (a login or project the server refuses, a service that does not start) was
-    wandb's traceback; here a wandb whose init fails, in a 2-process run."""
+    wandb's traceback; here a wandb whose init fails as the real one does, in a 2-process run."""
     fake = tmp_path / "site" / "wandb"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("def init(**options):\n    raise RuntimeError('the W&B service did not start')\n")
+    (fake / "__init__.py").write_text(f"def init(**options):\n    raise RuntimeError({failure!r})\n")
     result = run_train(train_args(tiny, tmp_path / "out", wandb_mode="offline"), fresh=True,
                        env={"PYTHONPATH": str(tmp_path / "site")})
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "error: Weights & Biases could not start the run (the W&B service did not start); check the login, " \
-           "--project and --entity, or use --wandb_mode disabled" in result.stderr, result.stderr
+    assert f"error: Weights & Biases could not start the run ({failure}); {advice}, or use --wandb_mode disabled" \
+        in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not list((tmp_path / "out").glob("checkpoints/*"))
 
 

@@ -229,8 +229,11 @@ class WandbMetrics(Logger):
                 self._run = wandb.init(**self._init, settings=settings)
             except Exception as error:  # wandb's CommError, AuthenticationError, UsageError, ServiceStartTimeoutError
                 other = "offline" if self._init["mode"] == "online" else "disabled"
-                raise WandbFailed(f"Weights & Biases could not start the run ({first_line(error)}); check the login, "
-                                  f"--project and --entity, or use --wandb_mode {other}") from error
+                advice = ("set HOME or WANDB_CONFIG_DIR to a folder this user can write (a container's user without "
+                          "an account has no home, where wandb keeps its settings)" if "home directory" in str(error)
+                          else "check the login, --project and --entity")
+                raise WandbFailed(f"Weights & Biases could not start the run ({first_line(error)}); {advice}, or use "
+                                  f"--wandb_mode {other}") from error
             replace_file(self._id_file, self._run.id + "\n")
             if offline:
                 folder = Path(self._init["dir"]) / "wandb"
