@@ -175,3 +175,18 @@ def test_packing_never_hands_the_tokenizer_more_than_a_window(small_windows: Non
     assert [row for row in tokens["input_ids"]] == [whole(tokenizer, document) for document in documents]
     assert tokens["length"] == [len(whole(tokenizer, document)) for document in documents]
     assert np.sum(tokens["length"]) > 100_000
+
+
+def test_the_cpus_used_are_those_the_process_may_run_on() -> None:
+    """Under `taskset -c 0` (Slurm's --cpus-per-task, a container's --cpuset-cpus) the tokenizer's windows and
+    SentencePiece's threads counted every core of the machine (os.cpu_count())."""
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("taskset"):
+        pytest.skip("no taskset here")
+    code = "from app.prepare.windows import usable_cpus; print(usable_cpus())"
+    pinned = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert pinned.stdout.strip() == "1", pinned.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import re
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -18,7 +17,7 @@ from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 from app.cli import first_line
 from app.hub import missing_model_problem, quiet_hub
 from app.prepare.args import UsageError
-from app.prepare.windows import encode_bounded
+from app.prepare.windows import encode_bounded, usable_cpus
 
 SENTENCEPIECE_OPTIONS = {
     "model_type": "bpe",
@@ -65,7 +64,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, seed: int) -> PreTrai
             sentence_iterator=_lines(texts),
             model_writer=model,
             vocab_size=vocab_size,
-            num_threads=os.cpu_count() or 1,
+            num_threads=usable_cpus(),
             **SENTENCEPIECE_OPTIONS,
         )
     except RuntimeError as error:  # "INTERNAL: trainer_interface.cc(744) [...] Vocabulary size too high (600). ..."

@@ -120,9 +120,15 @@ def encode_long(tokenizer: PreTrainedTokenizerBase, text: str, before: Sequence[
     return np.concatenate(ids)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: `taskset`, Slurm's --cpus-per-task, a container's
+    --cpuset-cpus), not every core of the machine, which os.cpu_count() gives."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _windows(tokenizer: PreTrainedTokenizerBase, text: str) -> Iterator[Window]:
     """The text's overlapping windows, a few per call (the tokenizer spreads a batch over the cores)."""
-    batch = max(1, min(PARALLEL_WINDOWS, os.cpu_count() or 1))
+    batch = max(1, min(PARALLEL_WINDOWS, usable_cpus()))
     spans = _spans(text, WINDOW_CHARS // batch)
     for group in range(0, len(spans), batch):
         chunk = spans[group:group + batch]
