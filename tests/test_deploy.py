@@ -517,3 +517,31 @@ def test_torchrun_wrapper_after_a_signal_exits_with_the_workers_code(on_sigterm,
         _, stderr = wrapper.communicate(timeout=60)
     assert wrapper.returncode == code, stderr[-2000:]
     assert f"torchrun: {line}" in stderr
+
+
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_TORCHRUN])
+def test_a_warning_to_the_batch_script_is_handed_on_and_the_steps_exit_code_kept(tmp_path, script):
+    """`--signal=B:USR1@N` (or `scancel --batch --signal=USR1`) reaches the batch shell alone, which died of it
+    (138); the script hands it to the job's steps, and keeps srun's exit code also when scancel fails (under set -e a
+    failing command in the trap ended the script with 1)."""
+    fakes = {"srun": "#!/bin/sh\ntouch \"$0.started\"\nsleep 1.5\nexit 3\n",
+             "scancel": "#!/bin/sh\necho \"$@\" > \"$0.args\"\nexit 1\n",
+             "scontrol": "#!/bin/sh\necho node1\n"}
+    for name, body in fakes.items():
+        (tmp_path / name).write_text(body)
+        (tmp_path / name).chmod(0o755)
+    job = {"SLURM_JOB_ID": "5", "SLURM_NNODES": "1", "SLURM_NTASKS": "1", "SLURM_CPUS_PER_TASK": "1",
+           "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "node1",
+           "PATH": f"{tmp_path}:{Path(sys.executable).parent}:/usr/bin:/bin"}
+    with subprocess.Popen(["bash", str(script)], cwd=ROOT, env=job, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as batch:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "srun.started").exists():  # past the checks, srun started and waited for
+            assert time.monotonic() < deadline and batch.poll() is None, batch.communicate()
+            time.sleep(0.02)
+        time.sleep(0.2)
+        batch.send_signal(signal.SIGUSR1)
+        output, errors = batch.communicate(timeout=30)
+    assert batch.returncode == 3, output + errors
+    assert (tmp_path / "scancel.args").read_text().split() == ["--signal=USR1", "5"]
+    assert "scancel could not hand USR1 on to the tasks" in errors

@@ -336,6 +336,18 @@ def test_an_answer_with_weight_0_stays_in_the_chat_untrained_also_with_train_on_
     at_inference = {qwen3.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in c["messages"]],
                                               tokenize=False) for c in chats}
     assert all(qwen3.decode(row["input_ids"]) in at_inference for row in rows["train"])
+    # the untrained answer's turn must be found (masked under --train_on_prompt), or it comes after the trained one:
+    # the template renders a turn found before another otherwise; every example was dropped, said as a generic refusal
+    after = write_jsonl(tmp_path / "after.jsonl", [{"messages": [system, user, {**first, "weight": None}, follow_up,
+                                                                 {**second, "weight": 0}]}
+                                                   for system, user, first, follow_up, second in
+                                                   (weighted_chat(pair) for pair in pairs)])
+    for data, train_on_prompt in ((weighted, True), (after, False)):
+        with pytest.raises(UsageError, match=f"it masks chats of one assistant turn only, .* and {len(pairs):,} chats "
+                                             "have more than one; leave those out"):
+            sft(work, f"weight-0-qwen3-{train_on_prompt}", input=[str(data)], prompt_field=None, response_field=None,
+                messages_field="messages", tokenizer=str(tmp_path / "qwen3"), block_size=1024, packing=False,
+                val_fraction=0.0, train_on_prompt=train_on_prompt)
 
 
 def test_a_chat_file_whose_other_keys_look_like_an_agents_trace_is_read(work, tmp_path):

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -1296,3 +1297,47 @@ def test_exit_hooks_run_once_and_one_that_exits_stops_neither_the_others_nor_the
     watchdog.run_exit_hooks(7, None)
     watchdog.run_exit_hooks(8, None)
     assert seen == [7], "each hook once, with the first exit's code"
+
+
+def test_an_srun_task_warned_before_training_waits_for_srun_to_end_it(monkeypatch) -> None:
+    """Task 1 of an srun step warned (SIGUSR1) before training waits for task 0 to say it and requeue, then for
+    srun's SIGTERM: a SIGTERM read with the warning or after it ends the wait, another SIGUSR1 (`scancel --full`)
+    does not, nothing ends it after FIRST_REPORTS_S; task 0 and a task of no srun step quit at once. Training that
+    begins meanwhile stops at a step boundary instead (it quit mid-training)."""
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(signals, "FIRST_REPORTS_S", 0.5)
+    usr1, term = signal.SIGUSR1, signal.SIGTERM
+
+    def waited(pending: bytes = b"", later: bytes = b"") -> tuple[int, float]:
+        read_end, write_end = os.pipe()
+        writer = threading.Timer(0.1, os.write, (write_end, later)) if later else None
+        if writer:
+            writer.start()
+        started = time.monotonic()
+        signum = signals.after_the_first_task(usr1, read_end, pending)
+        os.close(read_end), os.close(write_end)
+        return signum, time.monotonic() - started
+
+    assert waited(pending=bytes([term]))[0] == term
+    signum, seconds = waited(later=bytes([usr1, term]))
+    assert signum == term and seconds < 0.4
+    signum, seconds = waited()
+    assert signum == usr1 and seconds >= 0.5
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert waited()[1] < 0.1
+
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    quits = []
+    monkeypatch.setattr(signals, "quit_before_training", lambda *args, **_: quits.append(args))
+    stop = signals.StopRequest()
+    read_end, write_end = os.pipe()
+    os.write(write_end, bytes([usr1]))
+    threading.Timer(0.2, setattr, (stop, "training", True)).start()
+    threading.Timer(0.7, os.close, (write_end,)).start()
+    stop._receive(read_end)
+    os.close(read_end)
+    assert quits == [] and stop.signal == usr1

@@ -117,7 +117,8 @@ def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, ti
     source = "def f(x):\n    return x"
     assert tokenizer(source)["input_ids"] == AutoTokenizer.from_pretrained(tiny.tokenizer)(source)["input_ids"] + [
         tokenizer.eos_token_id]
-    assert tokenizer.model_max_length == 128, "the sources' length in training, which generate.py cuts sources to"
+    assert tokenizer.model_max_length == 128, "the sources' length in training, what a truncating tokenizer reads"
+    assert json.loads((folder / "trained_lengths.json").read_text()) == {"max_source_length": 128}, "generate.py's"
 
 
 def test_t5_converts_to_float16_keeping_the_modules_transformers_keeps_in_float32(t5_run, tmp_path) -> None:
@@ -169,10 +170,13 @@ def test_generate_cuts_a_source_where_training_cut_it_and_says_so(tiny, t5_confi
     assert len(whole[0]) > 16 and prepared[0] != whole[0]
     given = GenerateArgs(model="t5", max_source_length=16)
     assert sorted(trained_sources(tokenizer, config, whole, given)) == sorted(prepared)
-    assert "note: 1 of 2 sources is longer than 16 tokens: cut to them, keeping the EOS" in capsys.readouterr().err
-    tokenizer.model_max_length = 16  # as convert_to_hf.py writes it: the default
-    assert sorted(trained_sources(tokenizer, config, whole, GenerateArgs(model="t5"))) == sorted(prepared)
-    assert "(the tokenizer's model_max_length" in capsys.readouterr().err
+    assert "note: 1 of 2 sources is longer than 16 tokens: cut to them before their end, keeping the EOS " \
+        "(--max_source_length)" in capsys.readouterr().err
+    tokenizer.model_max_length = 16  # a Hub tokenizer's own limit (T5's 512) says nothing of how the model trained
+    assert trained_sources(tokenizer, config, whole, GenerateArgs(model=str(tmp_path))) == whole
+    (tmp_path / "trained_lengths.json").write_text('{"max_source_length": 16}\n')  # as convert_to_hf.py records it
+    assert sorted(trained_sources(tokenizer, config, whole, GenerateArgs(model=str(tmp_path)))) == sorted(prepared)
+    assert "(the --max_source_length the model trained with, from its trained_lengths.json" in capsys.readouterr().err
     with pytest.raises(UsageError, match="--max_source_length applies to an encoder-decoder's sources"):
         trained_sources(tokenizer, AutoConfig.from_pretrained(tiny.model_config), whole, given)
 

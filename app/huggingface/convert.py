@@ -51,7 +51,7 @@ from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_fol
 from app.hub import (CHAT_TEMPLATE_DIFFERS, CONFIG_ERRORS, REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, is_hub_id,
                      load_problem, missing_model_problem, tokenizer_difference, unloadable_tokenizer, why_unreachable)
 from app.huggingface.convert_cli import Args
-from app.huggingface.generate import source_input
+from app.huggingface.generate import TRAINED_LENGTHS_FILE, source_input
 from app.huggingface.prefetch import PrefetchError, reported_as
 from app.huggingface.upload import describe_upload, login_problem, push_folder
 from app.model.build import meta_model, model_class, tied_names
@@ -378,7 +378,8 @@ def check_output_dir(output: Path, overwrite: bool) -> None:
 
 MODEL_CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("*.safetensors", "*.bin")
-CONVERSION_FILES = (MODEL_CONFIG_FILE, "generation_config.json", "README.md", *WEIGHT_FILES, "*.index.json",
+CONVERSION_FILES = (MODEL_CONFIG_FILE, "generation_config.json", "README.md", TRAINED_LENGTHS_FILE, *WEIGHT_FILES,
+                    "*.index.json",
                     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.*", "vocab.*",
                     "merges.txt", "*.model", "*.spm", "*.tiktoken")
 """What save_pretrained writes for a model and its tokenizer (of any kind), and the model card: all that --overwrite
@@ -663,14 +664,19 @@ def sequence_lengths_of(run: dict[str, Any]) -> Optional[str]:
     return f"{block}" if stats.get("packing", True) else f"examples up to {block}, one per row"
 
 
-def keep_source_length(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, run: dict[str, Any]) -> None:
-    """An encoder-decoder's tokenizer records the length its training sources were cut to (prepare_data.py
-    --max_source_length) as its model_max_length, the inputs' length a tokenizer's truncation reads: generate.py cuts
-    sources to it, as the run's samples read them. It read them whole, and 7 of 9 summaries of sources longer than
-    the 128 tokens trained on differed from the run's (ROUGE-1 0.166 against the run's 0.207)."""
+def keep_source_length(tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig,
+                       run: dict[str, Any]) -> Optional[int]:
+    """The length an encoder-decoder's training sources were cut to (prepare_data.py --max_source_length), when the
+    data folder is still there: its tokenizer takes it as model_max_length (what a tokenizer's truncation reads),
+    and the folder records it in TRAINED_LENGTHS_FILE, from which generate.py cuts sources as the run's samples read
+    them. It read them whole, and 7 of 9 summaries of sources longer than the 128 tokens trained on differed from the
+    run's (ROUGE-1 0.166 against the run's 0.207). A Hub tokenizer's own model_max_length (T5's 512) says nothing of
+    how a model was trained, so generate.py reads the record, not it."""
     trained = data_stats(run).get("max_source_length")
-    if config.is_encoder_decoder and isinstance(trained, int) and trained > 0:
-        tokenizer.model_max_length = trained
+    if not (config.is_encoder_decoder and isinstance(trained, int) and trained > 0):
+        return None
+    tokenizer.model_max_length = trained
+    return trained
 
 
 def generation_config(job: Job, tokenizer: Any) -> GenerationConfig:
@@ -838,13 +844,15 @@ def write_model(job: Job, dtype: str, max_shard_size: str, folder: Path) -> tupl
     expected = {text: trained_encoding(tokenizer, job.model_config, text) for text in TOKENIZER_PROBES}
     give_pad_token(tokenizer, job.model_config)
     end_sources_with_eos(tokenizer, job.model_config)
-    keep_source_length(tokenizer, job.model_config, job.metadata.get("config") or {})
+    source_length = keep_source_length(tokenizer, job.model_config, job.metadata.get("config") or {})
     model.generation_config = generation_config(job, tokenizer)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     readable_as_the_other_files(folder)
     del model
     gc.collect()
     tokenizer.save_pretrained(folder)
+    if source_length:
+        (folder / TRAINED_LENGTHS_FILE).write_text(json.dumps({"max_source_length": source_length}) + "\n")
     check_folder_tokenizer(job, folder, type(tokenizer), expected)
     (folder / "README.md").write_text(model_card(job, dtype, sequence_lengths_of(job.metadata.get("config") or {})))
     reloaded, loading = load_folder(job, folder, DTYPES[dtype])

@@ -34,8 +34,8 @@ from app.prepare.tokenizer import document_frame, document_suffix, encode_texts,
 
 
 DEFAULT_PROMPT = "def "
-NO_LIMIT = 10**9
-"""A tokenizer's model_max_length from here on is no limit (transformers' default for one without: 1e30)."""
+TRAINED_LENGTHS_FILE = "trained_lengths.json"
+"""In a folder convert_to_hf.py wrote for an encoder-decoder: the length its training sources were cut to."""
 PROGRESS_EVERY_SEC = 10
 
 
@@ -159,25 +159,34 @@ def answer_file(args: GenerateArgs) -> None:
         print(scores)
 
 
+def trained_source_length(model: str) -> Optional[int]:
+    """The length the training sources were cut to, as convert_to_hf.py recorded it in the model's folder; None for
+    another folder or a Hub name."""
+    try:
+        recorded = json.loads((Path(model) / TRAINED_LENGTHS_FILE).read_text()).get("max_source_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, int) and recorded > 0 else None
+
+
 def trained_sources(tokenizer: Any, config: Any, prompts: list[list[int]], args: GenerateArgs) -> list[list[int]]:
-    """An encoder-decoder's sources cut to the length its training sources were cut to (--max_source_length, else
-    the tokenizer's model_max_length, which convert_to_hf.py sets to the training data's), keeping their EOS as
-    prepare_data.py keeps it, with a note saying how many: read whole, a source longer than any the model trained on
-    gave another answer than the run's samples, unsaid. A decoder-only model's prompts are left as they are."""
+    """An encoder-decoder's sources cut to --max_source_length, else to the length its training sources were cut to
+    (recorded by convert_to_hf.py), before their end and keeping their EOS as prepare_data.py --max_source_length
+    cuts them, with a note saying how many: read whole, a source longer than any the model trained on gave another
+    answer than the run's samples, unsaid. Other models' sources, and a decoder-only model's prompts, stay whole."""
     if args.max_source_length and not config.is_encoder_decoder:
         raise UsageError(f"--max_source_length applies to an encoder-decoder's sources; MODEL {args.model} is a "
                          "decoder-only model: drop it")
-    limit = args.max_source_length or tokenizer.model_max_length
-    if not config.is_encoder_decoder or limit >= NO_LIMIT:
+    limit = args.max_source_length or trained_source_length(args.model)
+    if not config.is_encoder_decoder or not limit:
         return prompts
     longer = sum(len(prompt) > limit for prompt in prompts)
     if longer:
         given = ("--max_source_length" if args.max_source_length else
-                 "the tokenizer's model_max_length, the length the training sources were cut to when convert_to_hf.py "
-                 "recorded it; give --max_source_length to read more")
+                 f"the --max_source_length the model trained with, from its {TRAINED_LENGTHS_FILE}; give "
+                 "--max_source_length to read more")
         print(f"note: {longer} of {len(prompts)} sources {'are' if longer > 1 else 'is'} longer than {limit} tokens: "
-              f"cut to them, keeping the EOS, as prepare_data.py cut the training sources ({given})",
-              file=sys.stderr, flush=True)
+              f"cut to them before their end, keeping the EOS ({given})", file=sys.stderr, flush=True)
     tail = document_frame(tokenizer).tail
     return [fit(prompt, limit, tail) for prompt in prompts]
 

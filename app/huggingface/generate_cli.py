@@ -58,7 +58,7 @@ class GenerateArgs:
     max_source_length: Optional[int] = None
     """For an encoder-decoder: sources longer than this many tokens are cut before their end, keeping their EOS, as
     prepare_data.py --max_source_length cut the training sources (and train.py's samples read them); default: the
-    tokenizer's model_max_length, where convert_to_hf.py records the training data's."""
+    length convert_to_hf.py recorded in the folder's trained_lengths.json, else whole sources."""
     temperature: Optional[float] = None
     """Sampling temperature; 0 for greedy decoding; default: the sampling of the model's generation_config.json,
     or 0.8 with top-k 50 when it does not sample. A temperature given replaces only the temperature of a model that

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
@@ -200,7 +201,7 @@ def check_template(encoder: ChatEncoder, chats: Iterable[Dataset] = ()) -> None:
     probe, where = PROBE_CHAT, "a two-turn chat"
     example = encoder.encode(probe)
     if example.dropped == PREFIX_MISMATCH and not encoder.encode(PROBE_CHAT[:2]).dropped:
-        longer = sum(map(multi_turn_chats, chats))
+        longer = sum(multi_turn_chats(records, encoder.train_on_prompt) for records in chats)
         if longer:
             raise UsageError(f"{encoder.template.origin}: it masks chats of one assistant turn only, as it renders an "
                              f"earlier turn otherwise once the chat goes on{prefix_difference(encoder, PROBE_CHAT)}, "
@@ -217,17 +218,23 @@ def check_template(encoder: ChatEncoder, chats: Iterable[Dataset] = ()) -> None:
     check_audit(masks, encoder.template.origin, encoder.train_on_prompt, where)
 
 
-def multi_turn_chats(records: Dataset) -> int:
-    """How many chats of `records` (rows of `messages`) have more than one trained assistant message, counted in
-    Arrow (an untrained one is rendered as at inference: context, never masked)."""
+def multi_turn_chats(records: Dataset, train_on_prompt: bool = False) -> int:
+    """How many chats of `records` (rows of `messages`) have an assistant message whose turn is found (a trained
+    one; under --train_on_prompt also one of "weight": 0, which is masked) before another assistant message, counted
+    with Arrow and numpy: a template that renders an earlier turn otherwise once the chat goes on cannot find it. An
+    untrained answer after the last trained one, or before a trained one, is only rendered, as at inference."""
     count = 0
     for batch in records.with_format("arrow").iter(batch_size=100_000):
         chats = batch.column("messages").combine_chunks()
         messages = pc.list_flatten(chats)
+        chat_of = pc.list_parent_indices(chats).to_numpy()
+        assistant = pc.equal(pc.struct_field(messages, "role"), "assistant").to_numpy(zero_copy_only=False)
         trained = pc.fill_null(pc.not_equal(pc.struct_field(messages, "weight"), 0), True)
-        is_assistant = pc.and_(pc.equal(pc.struct_field(messages, "role"), "assistant"), trained)
-        turns = pc.value_counts(pc.filter(pc.list_parent_indices(chats), is_assistant))
-        count += pc.sum(pc.greater(turns.field("counts"), 1)).as_py() or 0
+        found = assistant & (train_on_prompt | trained.to_numpy(zero_copy_only=False))
+        position = np.arange(len(chat_of))
+        last_answer = np.full(len(chats), -1)
+        np.maximum.at(last_answer, chat_of[assistant], position[assistant])
+        count += len(np.unique(chat_of[found & (position < last_answer[chat_of])]))
     return count
 
 

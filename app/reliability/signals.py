@@ -86,7 +86,10 @@ def end_ranks_on_signal_until_training(requeue_on_signal: bool) -> None:
         received = os.read(read_end, 1)
         if received:
             reports = (task_rank() if srun_task() else int(os.environ.get("LOCAL_RANK") or 0)) == 0  # on each node
-            quit_before_training(after_the_first_task(received[0], read_end), requeue_on_signal, reports=reports)
+            signum = after_the_first_task(received[0], read_end)
+            if not TRAINING_BEGAN.is_set():
+                quit_before_training(signum, requeue_on_signal, reports=reports)
+            signal.raise_signal(signum)  # training began meanwhile: to StopRequest, which stops at a step boundary
         os.close(read_end)  # StopRequest took over
 
     threading.Thread(target=end_on_first_signal, name="start-up-signals", daemon=True).start()
@@ -104,16 +107,22 @@ def first_of_the_run() -> bool:
     return int(os.environ.get("LOCAL_RANK") or 0) == 0 and int(os.environ.get("NODE_RANK") or 0) == 0
 
 
-def after_the_first_task(signum: int, read_end: int) -> int:
+def after_the_first_task(signum: int, read_end: int, pending: bytes = b"") -> int:
     """The signal to quit on before training. An srun task other than the first, warned of the time limit, waits
-    for the first task to say so and requeue the job, and for srun to end it then (its SIGTERM, read from the pipe):
-    quitting at once, it let srun end the first task before it had said anything or requeued, and the job FAILED
-    with 75, unsaid. After FIRST_REPORTS_S without that end, it quits as warned."""
+    for the first task to say so and requeue the job, and for srun to end it then (its SIGTERM, or a Ctrl-C, read
+    from the pipe after the signals already read, `pending`): quitting at once, it let srun end the first task before
+    it had said anything or requeued, and the job FAILED with 75, unsaid. Another SIGUSR1 (`scancel --full`) does not
+    end the wait; after FIRST_REPORTS_S without an end, it quits as warned."""
     if signum != signal.SIGUSR1 or not srun_task() or task_rank() == 0:
         return signum
-    ready, _, _ = select.select([read_end], [], [], FIRST_REPORTS_S)
-    received = os.read(read_end, 1) if ready else b""
-    return received[0] if received else signum
+    ending = (signal.SIGTERM, signal.SIGINT)
+    deadline = time.monotonic() + FIRST_REPORTS_S
+    while not any(byte in ending for byte in pending) and (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([read_end], [], [], left)
+        pending = os.read(read_end, 64) if ready else b""
+        if not pending:  # waited long enough, or the pipe was closed (StopRequest took over)
+            break
+    return next((byte for byte in pending if byte in ending), signum)
 
 
 def quit_before_training(signum: int, requeue_on_signal: bool, reports: bool) -> NoReturn:
@@ -176,11 +185,12 @@ class StopRequest:
 
     def _receive(self, read_end: int) -> None:
         while received := os.read(read_end, 64):
-            for signum in received:
+            for k, signum in enumerate(received):
+                if signum in STOP_SIGNALS and not self.training:
+                    signum = after_the_first_task(signum, read_end, received[k + 1:])
+                    if not self.training:  # else training began meanwhile: it stops at a step boundary
+                        quit_before_training(signum, self.requeue_on_signal, reports=self.announce)
                 if signum in STOP_SIGNALS:
-                    if not self.training:
-                        quit_before_training(after_the_first_task(signum, read_end), self.requeue_on_signal,
-                                             reports=self.announce)
                     self.signal = self.signal or signum
                 elif signum == signal.SIGINT:
                     self._interrupt()
