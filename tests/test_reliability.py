@@ -340,7 +340,7 @@ def test_loader_workers_a_containers_small_shared_memory_cannot_hold_leave_the_r
     the loader's first queue ended the run with a traceback). The ranks now read their batches themselves, and say
     why; with room enough, the workers stay."""
     from app.data import load_data
-    from app.data.loader import workers_that_fit
+    from app.data.loader import batch_bytes, workers_that_fit
 
     args = shlex.join([sys.executable, str(ROOT / "train.py"), *train_args(tiny, tmp_path / "run", max_step=4,
                                                                            num_workers=2, stall_timeout_min=0.5)])
@@ -354,6 +354,7 @@ def test_loader_workers_a_containers_small_shared_memory_cannot_hold_leave_the_r
         "about" in result.stdout and "each rank reads its batches itself (--num_workers 0)" in result.stdout
     assert "Traceback" not in result.stderr and sorted(logged_losses(tmp_path / "run")) == [1, 2, 3, 4]
     assert workers_that_fit(2, load_data(tiny.data), 4, 2) == (2, None), "this machine's /dev/shm holds them"
+    assert batch_bytes(load_data(tiny.data), 4) == 4 * 32 * 8 * 2, "4 rows of 32 tokens: input_ids and labels"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -174,6 +174,18 @@ BATCHES_IN_FLIGHT_PER_WORKER = 2
 them."""
 
 
+def batch_bytes(data: TrainingData, micro_batch_size: int) -> int:
+    """The most bytes a training micro-batch holds: packed and text rows are all one block, so the first rows tell
+    (masks included); a padded batch (input_ids, attention_mask and labels, int64) pads each to the split's longest
+    row, and a seq2seq batch its labels to the longest target."""
+    if not data.format.padded:
+        batch = data.format.collate(data.train.__getitems__(list(range(min(micro_batch_size, len(data.train))))))
+        return sum(tensor.numel() * tensor.element_size() for tensor in batch.inputs.values())
+    table = data.train.data  # load_from_disk's rows, in their order (no indices mapping)
+    longest = {name: pc.max(pc.list_value_length(table.column(name))).as_py() or 0 for name in ("input_ids", "labels")}
+    return micro_batch_size * 8 * (2 * longest["input_ids"] + longest["labels"])
+
+
 def workers_that_fit(num_workers: int, data: TrainingData, micro_batch_size: int, ranks_on_node: int,
                      shared_memory: Path = SHARED_MEMORY) -> tuple[int, Optional[str]]:
     """--num_workers, or 0 with a note when the batches the node's workers keep in flight do not fit in /dev/shm:
@@ -185,11 +197,7 @@ def workers_that_fit(num_workers: int, data: TrainingData, micro_batch_size: int
         return num_workers, None
     stats = os.statvfs(shared_memory)
     free = stats.f_bavail * stats.f_frsize
-    lengths = pc.list_value_length(data.train.data.column("input_ids")).to_numpy(zero_copy_only=False)
-    longest = np.argsort(lengths)[-micro_batch_size:].tolist()
-    batch = data.format.collate(data.train.__getitems__(longest))
-    batch_bytes = sum(tensor.numel() * tensor.element_size() for tensor in batch.inputs.values())
-    needed = ranks_on_node * (num_workers * BATCHES_IN_FLIGHT_PER_WORKER + 1) * batch_bytes
+    needed = ranks_on_node * (num_workers * BATCHES_IN_FLIGHT_PER_WORKER + 1) * batch_bytes(data, micro_batch_size)
     if needed <= free:
         return num_workers, None
     ranks = f"{ranks_on_node} rank{'s' if ranks_on_node > 1 else ''}"

@@ -23,14 +23,16 @@ def note(message: str) -> None:
 
 @contextmanager
 def held() -> Iterator[None]:
-    """Notes kept until the checks pass, then said in order; dropped when they refuse the run (exit_refused)."""
+    """Notes kept until the checks pass, then said in order; dropped when they refuse the run (exit_refused's
+    SystemExit), said before anything else that ends them (a crash, which they may explain)."""
     global _held
     _held = []
     try:
         yield
-    except BaseException:
+    except SystemExit:
         _held = None
         raise
-    notes, _held = _held, None
-    for message in notes:
-        print(message, flush=True)
+    finally:
+        notes, _held = _held or [], None
+        for message in notes:
+            print(message, flush=True)
