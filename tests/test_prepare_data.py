@@ -890,6 +890,20 @@ def test_a_folder_is_read_whole_and_what_it_cannot_read_is_refused_not_passed_ov
     (folder / "gone.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
     assert refusal(tmp_path, issue_run, [folder]) == f"--input {folder}: {folder / 'gone.jsonl'}: a broken link; " \
                                                       "fix or remove it"
+    (folder / "gone.jsonl").unlink()
+    os.mkfifo(folder / "pipe.jsonl")  # reading it hung for ever, without a word
+    assert refusal(tmp_path, issue_run, [folder]) == f"--input {folder}: {folder / 'pipe.jsonl'}: a pipe or a " \
+                                                      "device, not a file; write it to a file or leave it out"
+    assert refusal(tmp_path, issue_run, [folder / "pipe.jsonl"]) == (
+        f"--input {folder / 'pipe.jsonl'}: is a pipe or a device, not a file or folder; write it to a file first")
+    zipped = tmp_path / "zipped"  # its data zipped beside its card: the card was the whole corpus
+    zipped.mkdir()
+    (zipped / "README.md").write_text("# A dataset card\n\nThe data is in data.zip.\n")
+    (zipped / "data.zip").write_bytes(b"PK")
+    assert refusal(tmp_path, issue_run, [zipped]) == (
+        f"--input {zipped}: holds a dataset card ({zipped / 'README.md'}) and no file prepare_data.py reads beside it "
+        f"({zipped / 'data.zip'}); give the data as .txt/.py/.md/.jsonl/.json/.parquet/.csv files (decompress or "
+        "unpack it)")
 
 
 def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and_leaves_test(tmp_path, issue_run):
@@ -911,6 +925,13 @@ def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and
     assert (stats["splits"]["train"]["documents"], stats["splits"]["validation"]["documents"]) == (12, 3)
     assert stats["inputs"] == [f"{flat} (train: 1 file, own validation: 1 file; not read: its test split, "
                                "notes.jsonl)"]
+    text = tmp_path / "text"  # plain text split so: pooled, its test split trained on
+    text.mkdir()
+    for split, count in (("train", 12), ("validation", 3), ("test", 5)):
+        (text / f"{split}.txt").write_text("\n".join(f"{split} line {k} of some words" for k in range(count)))
+    stats = prepared(tmp_path, issue_run, [text], val_fraction=0.05, split_lines=True)
+    assert (stats["splits"]["train"]["documents"], stats["splits"]["validation"]["documents"]) == (12, 3)
+    assert stats["inputs"] == [f"{text} (train: 1 file, own validation: 1 file; not read: its test split)"]
 
 
 def test_a_code_folder_with_a_test_folder_is_read_whole(tmp_path, issue_run):

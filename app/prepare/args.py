@@ -225,6 +225,8 @@ def check_input_path(path: str) -> None:
         raise UsageError(f"--input {path}: no such file or directory")
     if not os.access(local, os.R_OK):
         raise UsageError(f"--input {path}: not readable (check its permissions)")
+    if not (local.is_file() or local.is_dir()):  # /dev/stdin, a pipe: read once, and whole, it may never end
+        raise UsageError(f"--input {path}: is a pipe or a device, not a file or folder; write it to a file first")
     if local.is_file() and local.suffix.lower() not in SUPPORTED_SUFFIXES:
         raise UsageError(f"--input {path}: unsupported file type; use one of {', '.join(SUPPORTED_SUFFIXES)}")
 

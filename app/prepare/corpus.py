@@ -157,9 +157,9 @@ def _split_layout(folder: Path) -> dict[str, list[Path]] | None:
         return None
     splits = {str(split): sorted({Path(file) for pattern in found for file in _matching(pattern, folder)})
               for split, found in patterns.items()}
-    if "train" not in splits or len(splits) == 1 or any(file.suffix.lower() not in BUILDER_BY_SUFFIX
-                                                        for files in splits.values() for file in files):
-        return None
+    suffixes = {file.suffix.lower() for files in splits.values() for file in files}
+    if "train" not in splits or len(splits) == 1 or not (suffixes <= BUILDER_BY_SUFFIX.keys() or suffixes == {".txt"}):
+        return None  # (train.txt, validation.txt and test.txt were pooled, and the test split trained on)
     return splits
 
 
@@ -255,16 +255,25 @@ def _folder_files(folder: Path) -> list[Path]:
 
 def _readable(files: list[Path], folder: Path) -> list[Path]:
     """The files of `files` that prepare_data.py reads, but a dataset card (README.md) beside data files, which
-    became a document; a broken link or compressed data is refused in one line."""
+    became a document; a broken link, a pipe or a device (reading one hung), compressed data, or a dataset card
+    alone beside files not read (its data zipped: the card was the corpus) is refused in one line."""
     broken = [file for file in files if not file.exists()]
+    special = [file for file in files if file.exists() and not file.is_file()]
     packed = [file for file in files if is_packed_data(file)]
-    if broken or packed:
-        raise UsageError(f"--input {folder}: " + (f"{_names(broken)}: a broken link; fix or remove it" if broken else
-                         f"holds compressed or archived files, which prepare_data.py does not read ({_names(packed)}); "
-                         "decompress them (gunzip, zstd -d) or leave them out"))
+    if broken or special or packed:
+        raise UsageError(f"--input {folder}: " + (
+            f"{_names(broken)}: a broken link; fix or remove it" if broken else
+            f"{_names(special)}: a pipe or a device, not a file; write it to a file or leave it out" if special else
+            f"holds compressed or archived files, which prepare_data.py does not read ({_names(packed)}); "
+            "decompress them (gunzip, zstd -d) or leave them out"))
     readable = [file for file in files if file.suffix.lower() in SUPPORTED_SUFFIXES]
     if any(file.suffix.lower() in BUILDER_BY_SUFFIX for file in readable):
         return [file for file in readable if not is_dataset_card(file)]
+    unread = [file for file in files if file not in readable]
+    if readable and all(map(is_dataset_card, readable)) and unread:
+        raise UsageError(f"--input {folder}: holds a dataset card ({_names(readable)}) and no file prepare_data.py "
+                         f"reads beside it ({_names(unread)}); give the data as {'/'.join(SUPPORTED_SUFFIXES)} files "
+                         "(decompress or unpack it)")
     return readable
 
 
