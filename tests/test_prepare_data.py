@@ -906,6 +906,27 @@ def test_a_folder_is_read_whole_and_what_it_cannot_read_is_refused_not_passed_ov
         "unpack it)")
 
 
+def test_a_field_whose_values_change_kind_after_the_first_rows_is_refused_wherever_the_row_is(tmp_path, issue_run):
+    """datasets takes a JSON column's type from the first rows it reads: an object or a number in a text field of a
+    later file (or past the first 10 MB of one) was trained as its JSON text, `{"title": "SECRET"}` and `987654321`,
+    where the same rows in the first file were refused. Chats' messages alike."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(text_lines(20))
+    (folder / "b.jsonl").write_text(text_lines(18) + json.dumps({"text": {"title": "SECRET"}}) + "\n"
+                                    + json.dumps({"text": 987654321}) + "\n")
+    assert refusal(tmp_path, issue_run, [folder]) == (
+        f"--text_field text: row 19 of {folder / 'b.jsonl'} holds an object where the rows before (of --input "
+        f"{folder}) hold text: give every row the same kind there, or leave such rows out")
+    chats = tmp_path / "chats"
+    chats.mkdir()
+    chat = [{"role": "user", "content": "What is six times seven?"}, {"role": "assistant", "content": "Forty-two."}]
+    (chats / "a.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    (chats / "b.jsonl").write_text(json.dumps({"messages": [chat[0], {"role": "assistant", "content": 42}]}) + "\n")
+    assert refusal(tmp_path, issue_run, [chats], messages_field="messages").startswith(
+        f"--messages_field messages: row 1 of {chats / 'b.jsonl'} holds a number where the rows before")
+
+
 def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and_leaves_test(tmp_path, issue_run):
     """A copy of a Hub dataset repository (data/train-*, data/validation-*, data/test-*) was read as one pool: its
     test split trained on, its dataset card a document."""

@@ -10,6 +10,7 @@ import codecs
 import json
 import logging
 import os
+import re
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from huggingface_hub import constants
 from app.cli import counted, first_line
 from app.folders import DATASET_DICT_FILE
 from app.hub import go_offline, hub_reachable, is_hub_id, quiet_hub
-from app.prepare.args import SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
+from app.prepare.args import SHAPE_FIELDS, SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
 from app.prepare.workspace import arrow_file, cache_dir
 
 STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "concurrent", "wsgiref", "collections")
@@ -321,12 +322,68 @@ def _read_files(
                else csv_as_written(files) if name == "csv" else {})
     if name == "json":  # rows whose keys look like an agent's trace to datasets 5 ("source", "model", "system_prompt"
         options["parse_agent_traces"] = False  # beside "messages") needed a package of its own: the file was refused
+        check_json_kinds(files, fields_read(args), source)
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", cache_dir=cache_dir(), **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
         where = empty_file(files) or not_utf8(files) or (_bad_json_line(files) if name == "json" else None)
         raise UsageError(f"--input {source}: could not read it as {name}: {where or first_line(error)}") from error
     return _text_column(dataset, "text", source) if name == "text" else to_records(dataset, source)
+
+
+def fields_read(args: PrepareArgs) -> dict[str, str]:
+    """The options naming the fields prepare_data.py reads from a record, and those fields."""
+    shape = record_shape(args)
+    if shape == "text":
+        return {"text_field": args.text_field or "text"}
+    names = (*SHAPE_FIELDS[shape], "input_field", "system_field")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+JSON_KIND_CHANGE = re.compile(r"Column\(/([^/)]*)[^)]*\) changed from (\w+) to (\w+) in row (\d+)")
+JSON_KINDS = {"string": "text", "object": "an object", "number": "a number", "array": "a list",
+              "boolean": "true or false"}
+JSON_BLOCK_BYTES = 16 << 20
+
+
+def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> None:
+    """Refuse a field read from JSON Lines whose values change kind after the first rows: datasets takes a column's
+    type from the first rows it reads and turns later values into it, so an object or a number in a text field (in
+    a later file, or past the first 10 MB of one) was trained as its JSON text (`{"title": ...}`, `987654321`),
+    where the same row first in the file was refused. Each file is streamed through pyarrow's JSON reader with the
+    first file's types for the fields read, which stops at the first value of another kind. A JSON array file is
+    read whole by datasets, as one table, and not checked here; neither is a problem the reader meets first (a bad
+    line: datasets' reading says it)."""
+    import pyarrow as pa
+    import pyarrow.json as paj
+
+    schema = None
+    for file in files:
+        with open(file, "rb") as handle:
+            if handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+                continue
+        rows = 0
+        try:
+            if schema is None:
+                inferred = paj.open_json(file, read_options=paj.ReadOptions(block_size=JSON_BLOCK_BYTES)).schema
+                schema = pa.schema([inferred.field(name) for name in fields.values() if name in inferred.names
+                                    and not pa.types.is_null(inferred.field(name).type)])
+                if not len(schema):
+                    return
+            reader = paj.open_json(file, read_options=paj.ReadOptions(block_size=JSON_BLOCK_BYTES),
+                                   parse_options=paj.ParseOptions(explicit_schema=schema,
+                                                                  unexpected_field_behavior="ignore"))
+            for batch in reader:
+                rows += batch.num_rows
+        except pa.ArrowInvalid as error:
+            change = JSON_KIND_CHANGE.search(str(error))
+            if change is None:
+                return
+            field, was, now, row = change.groups()
+            option = next(option for option, name in fields.items() if name == field)  # the schema's fields only
+            raise UsageError(f"--{option} {field}: row {rows + int(row) + 1} of {file} holds {JSON_KINDS.get(now, now)} "
+                             f"where the rows before (of --input {source}) hold {JSON_KINDS.get(was, was)}: give every "
+                             "row the same kind there, or leave such rows out") from None
 
 
 def csv_as_written(files: list[str]) -> dict:
