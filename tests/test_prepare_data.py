@@ -906,6 +906,25 @@ def test_a_folder_is_read_whole_and_what_it_cannot_read_is_refused_not_passed_ov
         "unpack it)")
 
 
+def test_parquet_files_of_other_columns_are_refused_in_one_line_saying_why(tmp_path, issue_run, capfd):
+    """The parquet reader logged "Failed to read file ..." (6 lines with its cast error) before ours said only "An
+    error occurred while generating the dataset"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["a few words of text"] * 10}), folder / "a.parquet")
+    pq.write_table(pa.table({"text": ["more words of text"] * 10, "url": ["https://example.org"] * 10}),
+                   folder / "b.parquet")
+    capfd.readouterr()
+    assert refusal(tmp_path, issue_run, [folder]) == (
+        f"--input {folder}: could not read it as parquet: its files do not all hold the same columns (there are 1 "
+        "new columns ({'url'}) in a file after the first); give files of one layout, or each layout as an --input of "
+        "its own")
+    assert "Failed to read file" not in capfd.readouterr().err
+
+
 def test_a_field_whose_values_change_kind_after_the_first_rows_is_refused_wherever_the_row_is(tmp_path, issue_run):
     """datasets takes a JSON column's type from the first rows it reads: an object or a number in a text field of a
     later file (or past the first 10 MB of one) was trained as its JSON text, `{"title": "SECRET"}` and `987654321`,

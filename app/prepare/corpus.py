@@ -20,6 +20,7 @@ from pathlib import Path
 import datasets
 from datasets import Dataset, DatasetDict
 from datasets.data_files import get_data_patterns, resolve_pattern
+from datasets.table import CastError
 from huggingface_hub import constants
 
 from app.cli import counted, first_line
@@ -196,18 +197,21 @@ def quiet_progress() -> Iterator[None]:
     (the JSON reader also logs the error it raises, "Failed to load JSON from file ...", before ours says it)."""
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
-    json_reader = logging.getLogger(JSON_READER_LOGGER)
-    level = json_reader.level
-    json_reader.setLevel(logging.CRITICAL)
+    readers = [logging.getLogger(name) for name in READER_LOGGERS]
+    levels = [reader.level for reader in readers]
+    for reader in readers:
+        reader.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        json_reader.setLevel(level)
+        for reader, level in zip(readers, levels):
+            reader.setLevel(level)
         if was_enabled:
             datasets.enable_progress_bars()
 
 
-JSON_READER_LOGGER = "datasets.packaged_modules.json.json"
+READER_LOGGERS = tuple(f"datasets.packaged_modules.{name}.{name}" for name in ("json", "csv", "parquet"))
+"""The readers that log the error they raise ("Failed to read file ...") before ours says it."""
 
 
 def _holds_text_files(path: Path) -> bool:
@@ -326,9 +330,20 @@ def _read_files(
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", cache_dir=cache_dir(), **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
-        where = empty_file(files) or not_utf8(files) or (_bad_json_line(files) if name == "json" else None)
+        where = (empty_file(files) or not_utf8(files) or (_bad_json_line(files) if name == "json" else None)
+                 or columns_problem(error))
         raise UsageError(f"--input {source}: could not read it as {name}: {where or first_line(error)}") from error
     return _text_column(dataset, "text", source) if name == "text" else to_records(dataset, source)
+
+
+def columns_problem(error: BaseException) -> str | None:
+    """The reason datasets' "An error occurred while generating the dataset" wraps when files' columns differ: a
+    file of other columns than the first (its own log line, which named it, said so on a line of its own)."""
+    cause = error.__cause__
+    if isinstance(cause, CastError):
+        return (f"its files do not all hold the same columns ({cause.details()} in a file after the first); give "
+                "files of one layout, or each layout as an --input of its own")
+    return None
 
 
 def fields_read(args: PrepareArgs) -> dict[str, str]:
