@@ -1038,6 +1038,10 @@ def test_an_empty_file_is_named(tmp_path, issue_run):
     empty = tmp_path / "empty.jsonl"
     assert refusal(tmp_path, issue_run, [empty]) == \
         f"--input {empty}: could not read it as json: {empty} is empty; leave it out"
+    header = tmp_path / "header.csv"  # the CSV reader's: 'Instruction "train" corresponds to no data!'
+    header.write_text("id,text\n")
+    assert refusal(tmp_path, issue_run, [header]) == \
+        f"--input {header}: could not read it as csv: {header} holds a header and no rows; leave it out"
 
 
 def test_a_text_field_for_plain_text_files_is_refused_not_ignored(tmp_path, issue_run):

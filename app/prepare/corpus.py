@@ -418,10 +418,14 @@ def csv_as_written(files: list[str]) -> dict:
 
 
 def empty_file(files: Iterable[str | Path]) -> str | None:
-    """The first file without a record (nothing but white space): the JSON reader said only "StopIteration"."""
+    """The first file without a record (nothing but white space, or a CSV header alone): the JSON reader said only
+    "StopIteration", the CSV reader 'Instruction "train" corresponds to no data!'."""
     for file in files:
-        if os.path.getsize(file) < 1 << 20 and not Path(file).read_bytes().strip():
+        held = Path(file).read_bytes().strip() if os.path.getsize(file) < 1 << 20 else b"-\n-"
+        if not held:
             return f"{file} is empty; leave it out"
+        if Path(file).suffix.lower() == ".csv" and b"\n" not in held:
+            return f"{file} holds a header and no rows; leave it out"
     return None
 
 
