@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import types
 import typing
 from collections.abc import Callable, Iterable, Iterator
@@ -403,6 +404,19 @@ def run_command(prog: str, work: Callable[[], Any]) -> Any:
         refuse(prog, str(error))
 
 
+END_LOOKS_S = 5.0
+"""How long a stop looks for child processes to kill, until two looks in a row find none."""
+
+
+def alive(process: Any) -> bool:
+    """A psutil process that is running: not gone, and not a zombie its killed pool has not reaped."""
+    import psutil
+
+    with suppress(psutil.Error):
+        return process.status() != psutil.STATUS_ZOMBIE
+    return False
+
+
 @contextmanager
 def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
                         clean_up: Callable[[], None]) -> Iterator[None]:
@@ -427,11 +441,17 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
     def end(number: int) -> None:
         if not ending.acquire(blocking=False):  # the other path is ending the process
             threading.Event().wait()
-        children = psutil.Process().children(recursive=True)
-        folders = multiprocessing_folders(children)
-        for child in children:
-            with suppress(psutil.Error):
-                child.kill()
+        _ENDING[0] = True  # no fork from now on (_before_fork)
+        folders: set[str] = set()
+        deadline, empty_looks = time.monotonic() + END_LOOKS_S, 0
+        while time.monotonic() < deadline and empty_looks < 2:  # a pool's thread may fork a worker after one look
+            children = [child for child in psutil.Process().children(recursive=True) if alive(child)]  # (one was
+            empty_looks = 0 if children else empty_looks + 1  # left orphaned, waiting for work)
+            folders |= multiprocessing_folders(children)
+            for child in children:
+                with suppress(psutil.Error):
+                    child.kill()
+            time.sleep(0.05)
         clean_up()
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
@@ -484,6 +504,8 @@ def multiprocessing_folders(children: list) -> set[str]:
 
 
 FORKING: list[int] = []
+_ENDING = [False]
+"""Set once a stop ends the command: a fork then waits for the end instead (_before_fork)."""
 """The write ends of the stop-signal pipes of the commands running now (stopped_in_one_line), innermost last: what
 the fork hooks below look at (registered once, at import: a registration cannot be undone)."""
 _FORKED_BY: list[Optional[int]] = [None]
@@ -496,6 +518,8 @@ def _before_fork() -> None:
     thread). prctl is looked up here, not in the child of a process with threads."""
     import threading
 
+    if _ENDING[0]:  # a pool's thread replacing a worker the stop killed: that worker was left orphaned, for ever
+        threading.Event().wait()  # the stop ends this process
     main = threading.current_thread() is threading.main_thread()
     _FORKED_BY[0] = os.getpid() if FORKING and main and prctl() else None
 

@@ -564,6 +564,10 @@ def test_a_signal_to_prepare_alone_ends_its_workers(tmp_path, issue_run, code_do
     _, err = started.communicate(timeout=60)
     psutil.wait_procs(workers, timeout=10)
     assert not [worker.pid for worker in workers if worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE]
+    time.sleep(0.5)  # nor a worker the pool forked in place of a killed one after the kill had looked (one was left
+    assert not [process.pid for process in psutil.process_iter(["cmdline", "status"])  # orphaned, waiting for work)
+                if str(tmp_path / "new" / "out") in (process.info["cmdline"] or [])
+                and process.info["status"] != psutil.STATUS_ZOMBIE]
     if stop == "SIGKILL":  # no last word; what it began is removed by the next run into that folder
         shutil.rmtree(temporary)
         return
