@@ -334,6 +334,10 @@ class Config(SpikeArgs, ReliabilityArgs, PlannerArgs, LoggingArgs, SaveArgs, Eva
         parser = build_parser()
         return parser.dump(parser.parse_object(self.readable_back().to_dict()), skip_unset=False)
 
+    def unread(self) -> set[str]:
+        """The options another one turns off (readable_back puts them at their defaults)."""
+        return {name for names, _, _ in unread_options(self) for name in names}
+
     def readable_back(self) -> "Config":
         """The options another one turns off (a flag's `--lr_decay false` over a file's `min_lr`) at their defaults:
         nothing reads them, and `--config` refuses a file that sets both (config.yaml, --print_config's output)."""

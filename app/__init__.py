@@ -4,7 +4,7 @@ import against its order):
 | where | what it holds |
 | --- | --- |
 | exit_codes.py, choices.py, cli.py, tasks.py, hub.py, folders.py | what every part shares: exit statuses, option sets, how a command line meets a shell, which process of a run this is, whether a Hub name loads from here, folders and files written whole |
-| distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py: devices |
+| distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py, ports.py: devices, and the port ranks meet at |
 | optimization/ | optimizer.py, schedule.py: AdamW's groups and clipping, batch arithmetic and lr(step) |
 | reliability/ | signals.py, watchdog.py, workers.py, torchrun.py, spikes.py: keeping a run alive, ending it well, loss spikes |
 | prepare/ | prepare_data.py's pipeline: records, chat templates, masks, packing, the folder it writes |

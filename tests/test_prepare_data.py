@@ -959,8 +959,9 @@ def test_a_field_whose_values_change_kind_after_the_first_rows_is_refused_wherev
     chat = [{"role": "user", "content": "What is six times seven?"}, {"role": "assistant", "content": "Forty-two."}]
     (chats / "a.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     (chats / "b.jsonl").write_text(json.dumps({"messages": [chat[0], {"role": "assistant", "content": 42}]}) + "\n")
-    assert refusal(tmp_path, issue_run, [chats], messages_field="messages").startswith(
-        f"--messages_field messages: row 1 of {chats / 'b.jsonl'} holds a number where the rows before")
+    assert refusal(tmp_path, issue_run, [chats], messages_field="messages") == (
+        f"--messages_field messages: row 1 of --input {chats / 'b.jsonl'} is not a list of {{role, content}} messages "
+        "with text content")
 
 
 def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and_leaves_test(tmp_path, issue_run):

@@ -23,7 +23,6 @@ from torch.utils.data import Dataset as TorchDataset
 from app.data.formats import Batch, DataFormat, Layout, Sample, with_trained_tokens, without_training
 from app.data.mixture import Position, Source, mixture_steps, parse_sources
 from app.data.order import StepBatches, epoch_permutation, epochs_of_steps, eval_plan
-from app.metrics.console import format_gb
 from app.optimization.schedule import TrainingPlan
 from app.reliability.workers import worker_options
 
@@ -202,7 +201,7 @@ def workers_that_fit(num_workers: int, data: TrainingData, micro_batch_size: int
         return num_workers, None
     ranks = f"{ranks_on_node} rank{'s' if ranks_on_node > 1 else ''}"
     return 0, (f"note: --num_workers {num_workers}: the batches the loader workers of this node's {ranks} keep in "
-               f"{shared_memory} need about {format_gb(needed / 2**30)}, and it has {format_gb(free / 2**30)} free (a "
+               f"{shared_memory} need about {needed / 2**20:,.1f} MB, and it has {free / 2**20:,.1f} MB free (a "
                "container's is 64 MB): each rank reads its batches itself "
                "(--num_workers 0); start the container with --ipc=host or a larger --shm-size to use workers")
 

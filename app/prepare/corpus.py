@@ -382,6 +382,19 @@ def note_whole_arrays(files: list[str]) -> None:
                   f"{Path(file).with_suffix('.jsonl')}", flush=True)
 
 
+def refuse_as_the_first_rows(row: Row, option: str, value: object) -> None:
+    """The refusal a value gets when it comes in the first rows, where one says more than a change of kind: text
+    as `holds int 12345, not text`, a chat's messages as its problem (a content of parts, a number)."""
+    if option == "messages_field":
+        from app.prepare.chat import chat_problem  # chat.py reads its records through this module
+
+        problem = chat_problem(value)
+        if problem:
+            raise row.error(option, problem)
+    else:
+        row.text(option, value)
+
+
 def json_row(file: str, index: int) -> dict:
     """Row `index` (from 0) of a JSON Lines file, counting its lines that hold anything, as pyarrow counts them."""
     with open(file, encoding="utf-8-sig") as lines:
@@ -423,8 +436,11 @@ def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> N
             path, was, now, row = change.groups()
             field, index = path.split("/")[0], rows + int(row)
             option = next(option for option, name in fields.items() if name == field)  # the schema's fields only
-            if was == "string" and path == field:
-                Row(fields, index, file).text(option, json_row(file, index).get(field))  # "holds int 12345, ..."
+            try:
+                value = json_row(file, index).get(field)
+            except (ValueError, StopIteration, AttributeError):  # a line that is no JSON object: datasets says it
+                return
+            refuse_as_the_first_rows(Row(fields, index, file), option, value)
             raise UsageError(f"--{option} {field}: row {index + 1} of {file} holds {JSON_KINDS.get(now, now)} "
                              f"where the rows before (of --input {source}) hold {JSON_KINDS.get(was, was)}: give every "
                              "row the same kind there, or leave such rows out") from None

@@ -30,18 +30,11 @@ def source_of(name: str, given: Config, resolved: Config, sources: dict[str, str
         return sources[name]
     if before is None and name in ENVIRONMENT:
         return f"environment {ENVIRONMENT[name]}" if os.environ.get(ENVIRONMENT[name]) else "default"
-    if before != after and name in unread_names(given):
+    if before != after and name in given.unread():
         return f"default: {before!r} ({sources.get(name, 'default')}) is not read"
     if before != after:
         return f"derived from {before!r} ({sources.get(name, 'default')}) by the preflight"
     return "default"
-
-
-def unread_names(given: Config) -> set[str]:
-    """The options another one turns off (Config.readable_back puts them at their defaults)."""
-    from arguments import unread_options
-
-    return {name for names, _, _ in unread_options(given) for name in names}
 
 
 def resolved_run(given: Config, inputs: RunInputs, sources: dict[str, str]) -> str:
