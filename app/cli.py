@@ -504,10 +504,10 @@ def multiprocessing_folders(children: list) -> set[str]:
 
 
 FORKING: list[int] = []
-_ENDING = [False]
-"""Set once a stop ends the command: a fork then waits for the end instead (_before_fork)."""
 """The write ends of the stop-signal pipes of the commands running now (stopped_in_one_line), innermost last: what
 the fork hooks below look at (registered once, at import: a registration cannot be undone)."""
+_ENDING = [False]
+"""Set once a stop ends the command: a fork then waits for the end instead (_before_fork)."""
 _FORKED_BY: list[Optional[int]] = [None]
 """The process a fork comes from, when its main thread forks while a command runs: its workers end with it."""
 

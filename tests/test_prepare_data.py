@@ -862,8 +862,8 @@ def text_lines(count: int, word: str = "text") -> str:
 
 def prepared(tmp_path: Path, issue_run: Path, inputs: list[Path], **options) -> dict:
     return prepare(PrepareArgs(input=[str(path) for path in inputs], tokenizer=str(issue_run / "tokenizer"),
-                               block_size=4, output_dir=str(tmp_path / "out"), overwrite=True,
-                               **{"val_fraction": 0.0, **options}))
+                               output_dir=str(tmp_path / "out"), overwrite=True,
+                               **{"val_fraction": 0.0, "block_size": 4, **options}))
 
 
 def refusal(tmp_path: Path, issue_run: Path, inputs: list[Path], **options) -> str:
@@ -946,7 +946,7 @@ def test_parquet_files_of_other_columns_are_refused_in_one_line_saying_why(tmp_p
 def test_a_field_whose_values_change_kind_after_the_first_rows_is_refused_wherever_the_row_is(tmp_path, issue_run):
     """datasets takes a JSON column's type from the first rows it reads: an object or a number in a text field of a
     later file (or past the first 10 MB of one) was trained as its JSON text, `{"title": "SECRET"}` and `987654321`,
-    where the same rows in the first file were refused. Chats' messages alike."""
+    where the same rows in the first file were refused. A chat's key null at first and text later is no change."""
     folder = tmp_path / "shards"
     folder.mkdir()
     (folder / "a.jsonl").write_text(text_lines(20))
@@ -957,11 +957,10 @@ def test_a_field_whose_values_change_kind_after_the_first_rows_is_refused_wherev
     chats = tmp_path / "chats"
     chats.mkdir()
     chat = [{"role": "user", "content": "What is six times seven?"}, {"role": "assistant", "content": "Forty-two."}]
-    (chats / "a.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
-    (chats / "b.jsonl").write_text(json.dumps({"messages": [chat[0], {"role": "assistant", "content": 42}]}) + "\n")
-    assert refusal(tmp_path, issue_run, [chats], messages_field="messages") == (
-        f"--messages_field messages: row 1 of --input {chats / 'b.jsonl'} is not a list of {{role, content}} messages "
-        "with text content")
+    (chats / "b.jsonl").write_text(json.dumps({"messages": [chat[0], {**chat[1], "name": "helper"}]}) + "\n")
+    (chats / "a.jsonl").write_text(json.dumps({"messages": [chat[0], {**chat[1], "name": None}]}) + "\n")
+    assert prepared(tmp_path, issue_run, [chats], messages_field="messages",
+                    block_size=128)["splits"]["train"]["kept"] == 2
 
 
 def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and_leaves_test(tmp_path, issue_run):

@@ -15,6 +15,7 @@ import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 from itertools import islice
 from pathlib import Path
 
@@ -382,23 +383,20 @@ def note_whole_arrays(files: list[str]) -> None:
                   f"{Path(file).with_suffix('.jsonl')}", flush=True)
 
 
-def refuse_as_the_first_rows(row: Row, option: str, value: object) -> None:
-    """The refusal a value gets when it comes in the first rows, where one says more than a change of kind: text
-    as `holds int 12345, not text`, a chat's messages as its problem (a content of parts, a number)."""
-    if option == "messages_field":
-        from app.prepare.chat import chat_problem  # chat.py reads its records through this module
-
-        problem = chat_problem(value)
-        if problem:
-            raise row.error(option, problem)
-    else:
-        row.text(option, value)
-
-
 def json_row(file: str, index: int) -> dict:
     """Row `index` (from 0) of a JSON Lines file, counting its lines that hold anything, as pyarrow counts them."""
     with open(file, encoding="utf-8-sig") as lines:
         return json.loads(next(islice((line for line in lines if line.strip()), index, None)))
+
+
+def flat_kind(kind: Any) -> bool:
+    """A type whose every later value must have the same kind: text, a number, true or false, or a list of them.
+    A chat's messages are not checked: a key null in the first rows (`"name": null`) and text later is a chat as
+    good as any, which the explicit type would refuse; datasets fails on what it cannot cast there."""
+    import pyarrow as pa
+
+    inner = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else kind
+    return not pa.types.is_nested(inner) and not pa.types.is_null(inner)
 
 
 def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> None:
@@ -406,9 +404,9 @@ def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> N
     type from the first rows it reads and turns later values into it, so an object or a number in a text field (in
     a later file, or past the first 10 MB of one) was trained as its JSON text (`{"title": ...}`, `987654321`),
     where the same row first in the file was refused. Each file is streamed through pyarrow's JSON reader with the
-    first file's types for the fields read, which stops at the first value of another kind. A JSON array file is
-    read whole by datasets, as one table, and not checked here; neither is a problem the reader meets first (a bad
-    line: datasets' reading says it)."""
+    first file's types for the fields read (`flat_kind`), which stops at the first value of another kind. A JSON
+    array file is read whole by datasets, as one table, and not checked here; neither is a problem the reader meets
+    first (a bad line: datasets' reading says it)."""
     import pyarrow as pa
     import pyarrow.json as paj
 
@@ -416,14 +414,17 @@ def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> N
     for file in files:
         if is_json_array(file):
             continue
+        if schema is None:
+            try:  # a change within the first rows: datasets' first rows, which the records' checks refuse
+                inferred = paj.open_json(file, read_options=paj.ReadOptions(block_size=JSON_BLOCK_BYTES)).schema
+            except pa.ArrowInvalid:
+                return
+            schema = pa.schema([inferred.field(name) for name in fields.values() if name in inferred.names
+                                and flat_kind(inferred.field(name).type)])
+            if not len(schema):
+                return
         rows = 0
         try:
-            if schema is None:
-                inferred = paj.open_json(file, read_options=paj.ReadOptions(block_size=JSON_BLOCK_BYTES)).schema
-                schema = pa.schema([inferred.field(name) for name in fields.values() if name in inferred.names
-                                    and not pa.types.is_null(inferred.field(name).type)])
-                if not len(schema):
-                    return
             reader = paj.open_json(file, read_options=paj.ReadOptions(block_size=JSON_BLOCK_BYTES),
                                    parse_options=paj.ParseOptions(explicit_schema=schema,
                                                                   unexpected_field_behavior="ignore"))
@@ -440,7 +441,7 @@ def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> N
                 value = json_row(file, index).get(field)
             except (ValueError, StopIteration, AttributeError):  # a line that is no JSON object: datasets says it
                 return
-            refuse_as_the_first_rows(Row(fields, index, file), option, value)
+            Row(fields, index, file).text(option, value)  # as in the first rows: "holds int 12345, not text"
             raise UsageError(f"--{option} {field}: row {index + 1} of {file} holds {JSON_KINDS.get(now, now)} "
                              f"where the rows before (of --input {source}) hold {JSON_KINDS.get(was, was)}: give every "
                              "row the same kind there, or leave such rows out") from None
