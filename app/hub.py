@@ -43,6 +43,21 @@ def prefetch_advice(name: str) -> str:
             "then set HF_HUB_OFFLINE=1")
 
 
+def dataset_card_configs(card_data: dict) -> dict[str, list[str]]:
+    """The data file patterns of each config a dataset card's YAML declares (`configs:`; each `data_files` a pattern,
+    a list of them, or splits each with a pattern or a list): what prefetch.py --dataset_config fetches, and what
+    prepare_data.py looks for in the cache."""
+    configs = {}
+    for config in card_data.get("configs", []):
+        data_files = config.get("data_files", [])
+        patterns = []
+        for entry in data_files if isinstance(data_files, list) else [data_files]:
+            entry_paths = entry["path"] if isinstance(entry, dict) else entry
+            patterns += entry_paths if isinstance(entry_paths, list) else [entry_paths]
+        configs[config["config_name"]] = patterns
+    return configs
+
+
 def is_hub_id(name: str) -> bool:
     """Whether transformers would ask the Hub for `name`: no local path of that name, and an owner/name id."""
     if Path(name).exists():

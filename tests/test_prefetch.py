@@ -531,6 +531,32 @@ def test_a_prefetched_dataset_is_prepared_by_its_name_without_the_hub(hub, tmp_p
     assert stats["splits"]["train"]["documents"] == 3 and stats["inputs"] == [f"{DATASET} (train: 3 rows)"], stats
 
 
+def test_a_config_or_split_the_cache_lacks_is_one_line_naming_the_flag(hub, tmp_path):
+    """Offline, a config prefetch.py did not fetch failed as a bare `StopIteration`; no --dataset_config as "Config
+    name is missing."; an unknown config or split in `load_dataset`'s own words, which say what to call in Python."""
+    endpoint, _ = hub
+    hf_home = tmp_path / "hf"
+    fetched = run_prefetch(["--tokenizer", TOKENIZER, "--model", MODEL, "--dataset", DATASET, "--dataset_config", "en"],
+                           clean_env(hf_home, HF_ENDPOINT=endpoint))
+    assert fetched.returncode == 0, fetched.stderr
+    failed = f"error: --input {DATASET}: not a local path, and loading it as a Hugging Face dataset failed: "
+    for options, expected in (
+        (["--dataset_config", "fr"], f"error: --dataset_config fr: the Hugging Face cache holds none of its files of "
+                                     f"{DATASET} (fr/*.jsonl); run `python prefetch.py --dataset {DATASET} "
+                                     "--dataset_config fr` on a machine with internet access using the same HF_HOME"),
+        ([], f"{failed}it has several configs (en, fr): choose one with --dataset_config"),
+        (["--dataset_config", "de"], f"{failed}--dataset_config de: no such config (configs: en, fr)"),
+        (["--dataset_config", "en", "--split", "test"], f"{failed}--split test: no such split (splits: train)"),
+    ):
+        result = subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "--input", DATASET, *options,
+                                 "--tokenizer", TOKENIZER, "--output_dir", str(tmp_path / "data")],
+                                env=clean_env(hf_home, HF_HUB_OFFLINE="1"), cwd=ROOT, capture_output=True, text=True,
+                                timeout=180)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+            f"prepare_data.py: {expected}; see prepare_data.py --help"], (options, result.stderr)
+        assert not (tmp_path / "data").exists()
+
+
 def test_ctrl_c_ends_prefetch_at_once_in_one_line(tmp_path) -> None:
     """A download in progress held Ctrl-C until its file was whole (minutes for a 5 GB shard), then printed a
     KeyboardInterrupt traceback (78 lines against a Hub that never answers). Here a Hub that accepts and never

@@ -33,7 +33,7 @@ except ImportError:
 
 from app import cli
 from app.cli import UsageError
-from app.hub import quiet_hub, shown_endpoint
+from app.hub import dataset_card_configs, quiet_hub, shown_endpoint
 
 # Config, generation config, weight index, tokenizer.json / tokenizer_config.json, SentencePiece and tiktoken
 # models, BPE merges and vocabularies, the chat template (transformers 5 saves it as chat_template.jinja) and the
@@ -84,17 +84,11 @@ def model_file_patterns(repo_files: list[str], read_index: Callable[[str], dict]
 
 def dataset_config_patterns(card_data: dict, dataset: str, config_name: str) -> list[str]:
     """The README plus the data files a dataset card declares for `config_name`."""
-    configs = {config["config_name"]: config for config in card_data.get("configs", [])}
+    configs = dataset_card_configs(card_data)
     if config_name not in configs:
         known = ", ".join(sorted(configs)) or "none declared in its dataset card"
         raise PrefetchError(f"--dataset_config {config_name}: {dataset} has no such config (configs: {known})")
-    data_files = configs[config_name].get("data_files", [])
-    entries = data_files if isinstance(data_files, list) else [data_files]
-    paths = []
-    for entry in entries:
-        entry_paths = entry["path"] if isinstance(entry, dict) else entry
-        paths += entry_paths if isinstance(entry_paths, list) else [entry_paths]
-    return ["README.md", *paths]
+    return ["README.md", *configs[config_name]]
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ import datasets
 from datasets import Dataset, DatasetDict
 from datasets.data_files import get_data_patterns, resolve_pattern
 from datasets.table import CastError
-from huggingface_hub import constants
+from huggingface_hub import DatasetCard, constants
 
 from app.cli import counted, first_line
 from app.folders import DATASET_DICT_FILE
-from app.hub import go_offline, hub_reachable, is_hub_id, quiet_hub
+from app.hub import dataset_card_configs, go_offline, hub_reachable, is_hub_id, quiet_hub
 from app.prepare.args import SHAPE_FIELDS, SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
 from app.prepare.workspace import arrow_file, cache_dir
 
@@ -569,12 +569,44 @@ def _load_hub(name: str, args: PrepareArgs) -> Dataset | DatasetDict:
                 go_offline(name)
             advice = (f"; run `python prefetch.py --dataset {name}` on a machine with internet access using the same "
                       "HF_HOME, then set HF_HUB_OFFLINE=1")
+        else:
+            refuse_config_not_cached(name, Path(source), args.dataset_config)
     try:
         with quiet_hub():
             return datasets.load_dataset(source, args.dataset_config, split=args.split)
     except Exception as error:  # not found, offline, gated, bad config or split: all are the user's to fix
         raise UsageError(f"--input {name}: not a local path, and loading it as a Hugging Face dataset failed: "
-                         f"{first_line(error)}{advice}") from error
+                         f"{load_dataset_problem(error)}{advice}") from error
+
+
+LOAD_DATASET_ERRORS = (
+    (re.compile(r"Config name is missing.*available configs: \[(?P<known>.*?)\]", re.S),
+     "it has several configs ({known}): choose one with --dataset_config"),
+    (re.compile(r"BuilderConfig '(?P<asked>.*)' not found\. Available: \[(?P<known>.*?)\]"),
+     "--dataset_config {asked}: no such config (configs: {known})"),
+    (re.compile(r'Unknown split "(?P<asked>.*)"\. Should be one of \[(?P<known>.*?)\]'),
+     "--split {asked}: no such split (splits: {known})"),
+)
+"""`load_dataset`'s refusals of a config or split, in the names of prepare_data.py's flags (its own say what to call
+in Python, over several lines)."""
+
+
+def load_dataset_problem(error: Exception) -> str:
+    for pattern, problem in LOAD_DATASET_ERRORS:
+        if found := pattern.search(str(error)):
+            return problem.format(**{key: value.replace("'", "") for key, value in found.groupdict().items()})
+    return first_line(error)
+
+
+def refuse_config_not_cached(name: str, snapshot: Path, config: str | None) -> None:
+    """Refuse a --dataset_config of which the cached snapshot holds no data file: prefetch.py --dataset_config fetched
+    another config's, and `load_dataset` failed with a bare `StopIteration`."""
+    card = snapshot / "README.md"
+    patterns = dataset_card_configs(DatasetCard.load(card).data.to_dict()).get(config) if card.is_file() else None
+    if patterns and not any(next(snapshot.glob(pattern), None) for pattern in patterns):
+        raise UsageError(f"--dataset_config {config}: the Hugging Face cache holds none of its files of {name} "
+                         f"({', '.join(patterns)}); run `python prefetch.py --dataset {name} --dataset_config {config}` "
+                         "on a machine with internet access using the same HF_HOME")
 
 
 def cached_dataset(name: str) -> str | None:
