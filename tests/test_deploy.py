@@ -207,6 +207,7 @@ def test_run_script_gives_gpus_shared_memory_volumes_and_tokens_by_name_only(tmp
     assert args[0] == "run" and args[-len(command) :] == command
     assert flag_value(args, "--gpus") == "all"
     assert "--ipc=host" in args
+    assert flag_value(args, "--stop-timeout") == "300", "docker stop's 10 s would kill the checkpoint a SIGTERM saves"
     volumes = [args[i + 1] for i, word in enumerate(args) if word == "--volume"]
     assert f"{tmp_path / 'data'}:/data:ro" in volumes
     assert f"{tmp_path / 'outputs'}:/outputs" in volumes
