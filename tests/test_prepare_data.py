@@ -946,7 +946,8 @@ def test_parquet_files_of_other_columns_are_refused_in_one_line_saying_why(tmp_p
 def test_a_field_whose_values_change_kind_after_the_first_rows_is_refused_wherever_the_row_is(tmp_path, issue_run):
     """datasets takes a JSON column's type from the first rows it reads: an object or a number in a text field of a
     later file (or past the first 10 MB of one) was trained as its JSON text, `{"title": "SECRET"}` and `987654321`,
-    where the same rows in the first file were refused. A chat's key null at first and text later is no change."""
+    where the same rows in the first file were refused; also a chat's content, and a change between 10 and 16 MB of
+    the first file (the check took its types from 16 MB). A chat's key null at first and text later is no change."""
     folder = tmp_path / "shards"
     folder.mkdir()
     (folder / "a.jsonl").write_text(text_lines(20))
@@ -961,6 +962,18 @@ def test_a_field_whose_values_change_kind_after_the_first_rows_is_refused_wherev
     (chats / "a.jsonl").write_text(json.dumps({"messages": [chat[0], {**chat[1], "name": None}]}) + "\n")
     assert prepared(tmp_path, issue_run, [chats], messages_field="messages",
                     block_size=128)["splits"]["train"]["kept"] == 2
+    big = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "some words " * 8}) + "\n"
+    rows = 12 * 2**20 // len(line)  # 12 MB: past datasets' first 10 MB
+    big.write_text(line * rows + json.dumps({"text": 987654321}) + "\n")
+    assert refusal(tmp_path, issue_run, [big]) == (
+        f"--text_field text: row {rows + 1} of --input {big} holds int 987654321, not text")
+    line = json.dumps({"messages": chat}) + "\n"
+    rows = 12 * 2**20 // len(line)
+    big.write_text(line * rows + json.dumps({"messages": [chat[0], {**chat[1], "content": 42}]}) + "\n")
+    assert refusal(tmp_path, issue_run, [big], messages_field="messages") == (
+        f"--messages_field messages: row {rows + 1} of {big} holds a number as a message's content where the rows "
+        f"before (of --input {big}) hold text: give every row the same kind there, or leave such rows out")
 
 
 def test_a_folder_laid_out_in_splits_trains_on_train_validates_on_validation_and_leaves_test(tmp_path, issue_run):

@@ -22,6 +22,7 @@ from pathlib import Path
 import datasets
 from datasets import Dataset, DatasetDict
 from datasets.data_files import get_data_patterns, resolve_pattern
+from datasets.packaged_modules.json.json import JsonConfig
 from datasets.table import CastError
 from huggingface_hub import DatasetCard, constants
 
@@ -362,6 +363,7 @@ JSON_KIND_CHANGE = re.compile(r"Column\(/([^)]*)\) changed from (\w+) to (\w+) i
 JSON_KINDS = {"string": "text", "object": "an object", "number": "a number", "array": "a list",
               "boolean": "true or false"}
 JSON_BLOCK_BYTES = 16 << 20
+MESSAGE_TEXT = ("role", "content")
 
 
 WHOLE_ARRAY_NOTE_BYTES = 100 << 20
@@ -389,14 +391,20 @@ def json_row(file: str, index: int) -> dict:
         return json.loads(next(islice((line for line in lines if line.strip()), index, None)))
 
 
-def flat_kind(kind: Any) -> bool:
-    """A type whose every later value must have the same kind: text, a number, true or false, or a list of them.
-    A chat's messages are not checked: a key null in the first rows (`"name": null`) and text later is a chat as
-    good as any, which the explicit type would refuse; datasets fails on what it cannot cast there."""
+def kept_kind(kind: Any) -> Any:
+    """The type every later value of a field must have, or None: text, a number, true or false, or a list of them;
+    of a chat's messages, the role and content only, as text. Their other keys are not checked: a key null in the
+    first rows (`"name": null`) and text later is a chat as good as any, which that type would refuse."""
     import pyarrow as pa
 
-    inner = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else kind
-    return not pa.types.is_nested(inner) and not pa.types.is_null(inner)
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    inner = kind.value_type if is_list else kind
+    if not pa.types.is_nested(inner):
+        return None if pa.types.is_null(inner) else kind
+    if is_list and pa.types.is_struct(inner) and all(
+            inner.get_field_index(key) >= 0 and pa.types.is_string(inner.field(key).type) for key in MESSAGE_TEXT):
+        return pa.list_(pa.struct([(key, pa.string()) for key in MESSAGE_TEXT]))
+    return None
 
 
 def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> None:
@@ -404,7 +412,8 @@ def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> N
     type from the first rows it reads and turns later values into it, so an object or a number in a text field (in
     a later file, or past the first 10 MB of one) was trained as its JSON text (`{"title": ...}`, `987654321`),
     where the same row first in the file was refused. Each file is streamed through pyarrow's JSON reader with the
-    first file's types for the fields read (`flat_kind`), which stops at the first value of another kind. A JSON
+    first file's types for the fields read (`kept_kind`), which stops at the first value of another kind; the types
+    are those of at most the rows datasets typed (its first chunk: 16 MB missed a change between 10 and 16). A JSON
     array file is read whole by datasets, as one table, and not checked here; neither is a problem the reader meets
     first (a bad line: datasets' reading says it)."""
     import pyarrow as pa
@@ -416,11 +425,12 @@ def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> N
             continue
         if schema is None:
             try:  # a change within the first rows: datasets' first rows, which the records' checks refuse
-                inferred = paj.open_json(file, read_options=paj.ReadOptions(block_size=JSON_BLOCK_BYTES)).schema
+                first_rows = paj.ReadOptions(block_size=JsonConfig.chunksize)  # at most what datasets typed
+                inferred = paj.open_json(file, read_options=first_rows).schema
             except pa.ArrowInvalid:
                 return
-            schema = pa.schema([inferred.field(name) for name in fields.values() if name in inferred.names
-                                and flat_kind(inferred.field(name).type)])
+            schema = pa.schema([pa.field(name, kind) for name in fields.values() if name in inferred.names
+                                and (kind := kept_kind(inferred.field(name).type)) is not None])
             if not len(schema):
                 return
         rows = 0
@@ -441,8 +451,10 @@ def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> N
                 value = json_row(file, index).get(field)
             except (ValueError, StopIteration, AttributeError):  # a line that is no JSON object: datasets says it
                 return
-            Row(fields, index, file).text(option, value)  # as in the first rows: "holds int 12345, not text"
-            raise UsageError(f"--{option} {field}: row {index + 1} of {file} holds {JSON_KINDS.get(now, now)} "
+            within = f" as a message's {path.split('/')[-1]}" if path != field else ""
+            if not within:
+                Row(fields, index, file).text(option, value)  # as in the first rows: "holds int 12345, not text"
+            raise UsageError(f"--{option} {field}: row {index + 1} of {file} holds {JSON_KINDS.get(now, now)}{within} "
                              f"where the rows before (of --input {source}) hold {JSON_KINDS.get(was, was)}: give every "
                              "row the same kind there, or leave such rows out") from None
 
