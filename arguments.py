@@ -173,7 +173,7 @@ class TrainingArgs:
     grad_clip: float = 1.0
     """Maximum global gradient norm; 0 disables clipping (the norm is still measured, logged and checked)."""
     max_step: Optional[int] = None
-    """Optimizer steps to train; default: number_epochs x steps per epoch. Overrides --number_epochs when given."""
+    """Optimizer steps to train; default: number_epochs x steps per epoch. Give it or --number_epochs, not both."""
     lr: float = 2e-5
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 2e-6
@@ -566,6 +566,11 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
     if not cfg.eval_samples and cfg.eval_max_new_tokens != EvalArgs.eval_max_new_tokens:
         unread(["eval_max_new_tokens"], "eval_samples",
                "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens")
+    if cfg.max_step is not None and cfg.number_epochs != TrainingArgs.number_epochs:
+        unread(["number_epochs"], "max_step",
+               f"--number_epochs {cfg.number_epochs} is not read when --max_step is given, which sets the run's "
+               "length and its schedule: drop --max_step to train that many epochs (the schedule then spans them), "
+               "or drop --number_epochs")
     if not cfg.lr_decay and cfg.min_lr != TrainingArgs.min_lr:
         unread(["min_lr"], "lr_decay",
                "--min_lr is only read by the cosine decay, which --lr_decay false turns off: drop one of them")

@@ -164,6 +164,7 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--device_memory_gb", "80"], "--device_memory_gb is only read by --estimate_memory true"),
     (["--eval_max_new_tokens", "16"], "--eval_max_new_tokens is only read with --eval_samples N"),
     (["--lr_decay", "false", "--min_lr", "1e-6"], "--min_lr is only read by the cosine decay, which --lr_decay false"),
+    (["--number_epochs", "2", "--max_step", "8"], "--number_epochs 2 is not read when --max_step is given"),
     (["--accelerator", "tpu", "--strategy", "ddp"], "--strategy ddp: TPUs train with Lightning's XLA FSDP only"),
     (["--tpu", "--sharding_strategy", "NO_SHARD", "--cpu_offload", "true"],
      "--sharding_strategy, --cpu_offload: not read by Lightning's XLA FSDP"),
@@ -235,13 +236,14 @@ def test_a_flag_may_turn_off_what_a_config_file_sets_and_the_run_says_so(tmp_pat
     """`--eval_samples 0` over a config that sets eval_max_new_tokens was refused with "drop --eval_max_new_tokens",
     a line of the file the command line cannot drop (the command line wins over config files). Both in the file, or
     both flags: still refused."""
-    (tmp_path / "run.yaml").write_text("eval_samples: 4\neval_max_new_tokens: 32\nspike_z: 3\n")
+    (tmp_path / "run.yaml").write_text("eval_samples: 4\neval_max_new_tokens: 32\nspike_z: 3\nnumber_epochs: 2\n")
     config = ["--config", str(tmp_path / "run.yaml")]
-    cfg = parse_config(REQUIRED + config + ["--eval_samples", "0", "--spike_guard", "off"])
+    cfg = parse_config(REQUIRED + config + ["--eval_samples", "0", "--spike_guard", "off", "--max_step", "5"])
     assert (cfg.eval_samples, cfg.spike_guard) == (0, "off")
     assert capsys.readouterr().err.splitlines() == [
         f"note: --eval_max_new_tokens ({tmp_path / 'run.yaml'}) not read: --eval_samples on the command line turns it "
-        "off", f"note: --spike_z ({tmp_path / 'run.yaml'}) not read: --spike_guard on the command line turns it off"]
+        "off", f"note: --number_epochs ({tmp_path / 'run.yaml'}) not read: --max_step on the command line turns it off",
+        f"note: --spike_z ({tmp_path / 'run.yaml'}) not read: --spike_guard on the command line turns it off"]
     from app.training.print_config import source_of  # --print_config said "derived from 32 by the preflight"
 
     sources = option_sources(REQUIRED + config + ["--eval_samples", "0", "--spike_guard", "off"])
