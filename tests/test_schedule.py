@@ -233,3 +233,24 @@ def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_s
         "checkpoint's run read 3,200: val_loss moves at this resume for that alone, and best.json starts a new "
         "comparison (the losses of the other rows do not compare); --eval_iters 200 reads the same rows"], (
         "1,000 rows: all of them, before and now")
+
+
+def test_a_validation_split_read_in_part_is_said_with_its_count(capsys) -> None:
+    """--eval_iters counts batches per rank (100 by default): 200 of 299 validation rows were read, and val_loss was
+    taken for the split's, unsaid."""
+    from types import SimpleNamespace
+
+    from app.training.preflight.plan import note_validation_share
+
+    plan = make_plan(train_rows=64, block_size=8, world_size=2, micro_batch_size=1, accumulation=1, number_epochs=1,
+                     max_step=None)
+    cfg = SimpleNamespace(eval_iters=100, eval_batch_size=None, micro_batch_size=1)
+
+    def said(validation_rows: int, sources: object = None) -> str:
+        note_validation_share(cfg, SimpleNamespace(validation_rows=validation_rows, sources=sources), plan)
+        return capsys.readouterr().out.strip()
+
+    assert said(299) == ("validation reads 200 of its 299 rows at each evaluation (--eval_iters 100 batches of 1 on "
+                         "each of 2 ranks), the same rows each time; raise --eval_iters to read more")
+    assert said(200) == ""
+    assert said(900, sources=["a", "b"]).startswith("validation reads up to 200 rows of each folder of the mixture")

@@ -71,6 +71,8 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
              "never decaying to --min_lr (fewer warmup steps leave some for the decay)")
     if not cfg.estimate_memory:
         note_rows_left_out(plan, mixture=data.sources is not None)
+        if resume is None:  # a resume says what changed (note_validation_rows)
+            note_validation_share(cfg, data, plan)
     return plan
 
 
@@ -102,6 +104,20 @@ def note_rows_left_out(plan: TrainingPlan, mixture: bool = False) -> None:
     note(f"each epoch trains {trained:,} of its {plan.train_rows:,} rows: the other {share} fill no whole step of "
          f"{plan.global_batch_size} sequences (other rows each epoch); a global batch that divides "
          f"{plan.train_rows:,} trains them all")
+
+
+def note_validation_share(cfg: Config, data: DataFacts, plan: TrainingPlan) -> None:
+    """--eval_iters counts batches per rank: a validation split larger than they hold is read in part, the same rows
+    at every evaluation, and val_loss was taken for the whole split's, unsaid (the arguments.py this project started
+    from read the whole split)."""
+    batch = cfg.eval_batch_size or cfg.micro_batch_size
+    limit = cfg.eval_iters * batch * plan.world_size
+    if data.validation_rows <= limit:
+        return
+    read = (f"up to {limit:,} rows of each folder of the mixture" if data.sources is not None
+            else f"{limit:,} of its {data.validation_rows:,} rows")
+    note(f"validation reads {read} at each evaluation (--eval_iters {cfg.eval_iters} batches of {batch} on each of "
+         f"{plan.world_size} ranks), the same rows each time; raise --eval_iters to read more")
 
 
 def plan_from_checkpoint(cfg: Config, saved: dict, plan: TrainingPlan) -> TrainingPlan:
