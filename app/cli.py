@@ -192,12 +192,51 @@ def nested_config_files(path: str, values: dict) -> list[str]:
     return [str(Path(path).parent / named)] if isinstance(named, str) else []
 
 
+OTHER_NAMES = {
+    "learning_rate": "--lr", "batch_size": "--micro_batch_size", "batch_size_per_device": "--micro_batch_size",
+    "per_device_train_batch_size": "--micro_batch_size", "train_micro_batch_size_per_gpu": "--micro_batch_size",
+    "per_device_eval_batch_size": "--eval_batch_size", "train_batch_size": "--global_batch_size",
+    "num_train_epochs": "--number_epochs", "num_epochs": "--number_epochs", "epochs": "--number_epochs",
+    "max_steps": "--max_step", "save_steps": "--save_step_interval", "eval_steps": "--eval_step_interval",
+    "logging_steps": "--log_interval", "num_warmup_steps": "--warmup_steps", "max_grad_norm": "--grad_clip",
+    "gradient_clipping": "--grad_clip", "output_dir": "--out_dir", "model_name_or_path": "--model_name",
+    "activation_checkpointing": "--gradient_checkpointing", "bf16": "--precision bf16-mixed",
+    "fp16": "--precision 16-mixed", "no_cuda": "--accelerator cpu", "use_cpu": "--accelerator cpu",
+    "no_fsdp": "--strategy ddp", "resume_from_checkpoint": "--resume true",
+    "wandb_project": "--project", "wandb_entity": "--entity", "report_to": "--wandb_mode",
+}
+"""Options of the Hugging Face Trainer, accelerate, DeepSpeed and the PyTorch FSDP tutorial's script, as users bring
+them, and what this project calls them: difflib's closest name was another option (`--learning_rate` suggested
+--sharding_strategy, `--batch_size` --eval_batch_size)."""
+NOT_NEEDED = {
+    "track_memory": "every log row has the peak memory; --estimate_memory plans a run's memory and exits",
+    "save_model": "checkpoints are saved every --save_step_interval steps and at the end",
+    "run_validation": "validation runs every --eval_step_interval steps; without a validation split, none",
+}
+"""Options of those scripts for what this project always does (difflib sent `--track_memory` to --estimate_memory,
+which plans and exits without training)."""
+
+
+def meant_instead(name: str, options: list[str]) -> str:
+    """What a user who wrote the unknown option `name` meant: a flag (`--learning_rate`, `--batch-size`) or a config
+    file's key, answered in the same form (`(did you mean --lr?)`, `(did you mean lr?)`); "" when nothing is close."""
+    flag = name.startswith("-")
+    bare = name.lstrip("-").replace("-", "_").lower()
+    if bare in NOT_NEEDED:
+        return f" (no such option here: {NOT_NEEDED[bare]})"
+    option, _, value = OTHER_NAMES.get(bare, "").partition(" ")
+    written = option if flag else option.removeprefix("--")
+    if option and written in options:
+        return f" (did you mean {written}{((' ' if flag else ': ') + value) if value else ''}?)"
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def config_value_problem(parser: ArgumentParser, name: str, value: object) -> Optional[str]:
     action = next((action for action in parser._actions if action.dest == name and action.option_strings), None)
     if action is None:
-        close = difflib.get_close_matches(name, [action.dest for action in parser._actions if action.option_strings],
-                                          n=1)
-        return f"{name} is not an option of {parser.prog}" + (f" (did you mean {close[0]}?)" if close else "")
+        options = [action.dest for action in parser._actions if action.option_strings]
+        return f"{name} is not an option of {parser.prog}{meant_instead(name, options)}"
     hint = getattr(action, "_typehint", None)
     if value is None and action.default is not None and hint is not None and type(None) not in get_args(hint):
         return f"{name} has no value; give it one, or drop the line for its default ({action.default})"
@@ -319,8 +358,8 @@ def one_line(parser: ArgumentParser, message: str) -> str:
     unknown = re.match(r"unrecognized arguments: (.*)", message.strip(), re.S)
     if unknown:  # a mistyped flag: as a mistyped line of a config file, the option meant
         options = [option for action in parser._actions for option in action.option_strings]
-        meant = [f"{flag} (did you mean {close[0]}?)" for word in unknown.group(1).split() if word.startswith("--")
-                 for flag in [word.split("=", 1)[0]] if (close := difflib.get_close_matches(flag, options, n=1))]
+        meant = [f"{flag}{said}" for word in unknown.group(1).split() if word.startswith("--")
+                 for flag in [word.split("=", 1)[0]] if (said := meant_instead(flag, options))]
         if meant:
             return f"unrecognized arguments: {' '.join(unknown.group(1).split())}; {', '.join(meant)}"
     if not key:

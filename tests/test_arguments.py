@@ -57,6 +57,8 @@ def test_yaml_config_sets_any_subset_and_the_command_line_wins_before_or_after_i
                           ("lr:\nmicro_batch_szie: 4\n",  # a TypeError traceback; which file said what, unsaid
                            "lr has no value; give it one, or drop the line for its default (2e-05); micro_batch_szie "
                            "is not an option of train.py (did you mean micro_batch_size?)"),
+                          ("learning_rate: 1\nfp16: true\n", "learning_rate is not an option of train.py (did you "
+                           "mean lr?); fp16 is not an option of train.py (did you mean precision: 16-mixed?)"),
                           ("- lr: 1\n", "expected lines of `option: value`, got a list"),
                           ("lr: 0.1\nmicro_batch_size: 2\nlr: 0.5\n",  # the last line won without a word
                            "lr is set twice (lines 1 and 3); keep one"),
@@ -276,8 +278,14 @@ def test_a_problem_with_an_option_from_a_config_file_names_the_file(tmp_path) ->
 
 REFUSED_COMMANDS = {
     "train.py wrong type": (["train.py", "--lr", "fast"], "train.py: error: --lr: expected a number, got 'fast'"),
-    "train.py unknown option": (["train.py", "--learning_rate", "1"],
-                                "train.py: error: unrecognized arguments: --learning_rate 1"),
+    "train.py unknown option": (["train.py", "--learning_rate", "1"],  # difflib's --sharding_strategy
+                                "train.py: error: unrecognized arguments: --learning_rate 1; --learning_rate (did you "
+                                "mean --lr?)"),
+    "train.py option of another tool": (["train.py", "--batch-size", "4", "--bf16", "--track_memory"],
+                                        "train.py: error: unrecognized arguments: --batch-size 4 --bf16 --track_memory; "
+                                        "--batch-size (did you mean --micro_batch_size?), --bf16 (did you mean "
+                                        "--precision bf16-mixed?), --track_memory (no such option here: every log row "
+                                        "has the peak memory; --estimate_memory plans a run's memory and exits)"),
     "train.py mistyped option": (["train.py", "--micro_batch_szie", "4"],  # a config file's line said it, not a flag
                                  "train.py: error: unrecognized arguments: --micro_batch_szie 4; --micro_batch_szie "
                                  "(did you mean --micro_batch_size?)"),
