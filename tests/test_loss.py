@@ -347,3 +347,24 @@ def test_a_mixture_of_experts_trains_with_its_router_loss_and_reports_the_cross_
     assert_succeeded(result)
     assert "adds its router's auxiliary loss (x 0.5) to the cross-entropy: train_loss includes it" in result.stdout
     assert read_metrics(tmp_path / "run")[0]["val_loss"] == pytest.approx(cross_entropy, rel=1e-5)
+
+
+def test_a_mixture_of_experts_says_what_its_router_loss_is_or_that_it_trains_none() -> None:
+    """JetMoE's coefficient (aux_loss_coef) was said as "x ?"; a Mixtral whose config has output_router_logits false
+    (transformers' default, and the published configs') trained no load-balancing loss without a word."""
+    from transformers import JetMoeConfig, LlamaConfig
+
+    from app.training.preflight.model import note_router_loss
+
+    def said(config) -> list[str]:
+        lines = []
+        note_router_loss(config, lines.append)
+        return lines
+
+    assert "auxiliary loss (x 0.25) to the cross-entropy" in said(
+        JetMoeConfig(num_local_experts=4, output_router_logits=True, aux_loss_coef=0.25))[0]
+    assert said(MixtralConfig(num_local_experts=4, output_router_logits=False)) == [
+        "a mixtral model whose config has output_router_logits false (transformers' default, and that of the "
+        "published Mixtral and Qwen-MoE configs) trains no load-balancing loss for its router, which may leave "
+        "experts unused; set \"output_router_logits\": true in its config.json to train one"]
+    assert said(LlamaConfig()) == []

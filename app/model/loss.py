@@ -50,6 +50,9 @@ FUSED_ACCUMULATION = True
 benchmark turns it off to measure what it saves."""
 PROBE_TOLERANCE = 1e-5
 """Largest relative difference between the twin's chunked loss and transformers' own that counts as equal."""
+ROUTER_COEFFICIENT_NAMES = ("router_aux_loss_coef", "aux_loss_coef")
+"""Where a mixture of experts keeps its router loss's coefficient: most in router_aux_loss_coef, JetMoE in
+aux_loss_coef."""
 
 
 def chunk_tokens(vocab_size: int) -> int:
@@ -262,7 +265,7 @@ def adds_router_loss(model: Module) -> bool:
 def router_coefficient(model: Module) -> Optional[float]:
     """The coefficient the model's own loss multiplies its router's auxiliary loss by, as the model holds it (most
     from config.router_aux_loss_coef, DBRX from its ffn_config, JetMoE as aux_loss_coef); None if it holds none."""
-    for name in ("router_aux_loss_coef", "aux_loss_coef"):
+    for name in ROUTER_COEFFICIENT_NAMES:
         value = getattr(model, name, None)
         if isinstance(value, (int, float)):
             return float(value)

@@ -24,7 +24,8 @@ from app.model.build import (checkpoints_through_transformers, enable_activation
                              meta_model, model_class, model_source, resolve_wrap_classes, stored_tensors, tied_names)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder_inputs_error,
                                  decoder_tells_positions_apart, probe_isolation, reads_ahead)
-from app.model.loss import probe_chunked_loss
+from app.metrics.observe import has_experts
+from app.model.loss import ROUTER_COEFFICIENT_NAMES, probe_chunked_loss
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
 from app.training.preflight.tokenizer import room_for_tokens
@@ -281,16 +282,31 @@ def longrope_limit(model_config: PretrainedConfig) -> Optional[int]:
     return min((limit for limit in limits if limit), default=None)
 
 
+def note_router_loss(model_config: PretrainedConfig, say: Callable[[str], None] = note) -> None:
+    """What a mixture of experts trains besides the cross-entropy. Its router's load-balancing loss is added only
+    where the config asks for it (output_router_logits), which transformers' default and the published Mixtral and
+    Qwen-MoE configs do not: such runs trained no balancing loss, unsaid."""
+    if not hasattr(model_config, "output_router_logits"):
+        return
+    if model_config.output_router_logits:
+        coefficient = next((value for name in ROUTER_COEFFICIENT_NAMES
+                            if isinstance(value := getattr(model_config, name, None), (int, float))), "?")
+        say(f"a {model_config.model_type} model with output_router_logits adds its router's auxiliary loss "
+            f"(x {coefficient}) to the cross-entropy: train_loss includes it, val_loss leaves it out (where the "
+            "model's forward takes output_router_logits)")
+    elif has_experts(model_config):
+        say(f"a {model_config.model_type} model whose config has output_router_logits false (transformers' default, "
+            "and that of the published Mixtral and Qwen-MoE configs) trains no load-balancing loss for its router, "
+            "which may leave experts unused; set \"output_router_logits\": true in its config.json to train one")
+
+
 def check_chunked_loss(cfg: Config, model_config: PretrainedConfig, say: Callable[[str], None] = note) -> bool:
     """--chunked_loss where the run's model class gives the same loss through it (app/model/loss.py's probe), and
     not in fp16: the chunked loss computes its gradients before backward's loss scaling, and fp16 products of
     unscaled gradients lose the small ones (rare tokens' rows of the output weight) that the scaler exists to keep.
     Unless asked for, not under --compile on GPUs either: there the compiled model's own loss was faster (41.2%
     against 36.3% MFU on an H200) and held 2.1 GB more at 8K tokens of a 128K vocabulary."""
-    if getattr(model_config, "output_router_logits", False):
-        say(f"a {model_config.model_type} model with output_router_logits adds its router's auxiliary loss "
-            f"(x {getattr(model_config, 'router_aux_loss_coef', '?')}) to the cross-entropy: train_loss includes "
-            "it, val_loss leaves it out (where the model's forward takes output_router_logits)")
+    note_router_loss(model_config, say)
     if cfg.chunked_loss is None and cfg.compile and resolve_accelerator(cfg) == "cuda":
         say("--chunked_loss: with --compile on GPUs the model's own loss is compiled into its graph, faster than the "
             "chunked loss for a little more memory; --chunked_loss true keeps it chunked")
