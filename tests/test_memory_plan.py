@@ -467,3 +467,21 @@ def test_the_shipped_config_plans_without_data_a_gpu_or_a_wandb_login(tmp_path, 
                       "--device_memory_gb", "80", "--sharding_strategy", "HYBRID_SHARD", "--num_nodes", "2"]))
     captured = capfd.readouterr()
     assert "HYBRID_SHARD over 8 device(s)" in captured.out and "error" not in captured.err, captured
+
+
+def test_a_model_whose_forward_reads_values_is_refused_in_one_line(tmp_path, capfd) -> None:
+    """JetMoE's experts read their token counts with `.tolist()`, which a weightless model cannot: --estimate_memory
+    ended in a traceback (NotImplementedError: Cannot copy out of meta tensor), though such a model trains."""
+    from transformers import JetMoeConfig
+
+    JetMoeConfig(vocab_size=400, hidden_size=64, num_hidden_layers=2, num_key_value_heads=4, kv_channels=16,
+                 intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                 max_position_embeddings=512).save_pretrained(tmp_path / "jetmoe")
+    with pytest.raises(SystemExit) as refused:
+        run(parse_config(["--model_config", str(tmp_path / "jetmoe"), "--accelerator", "cpu", "--devices", "1",
+                          "--precision", "32-true", "--estimate_memory", "true", "--block_size", "64"]))
+    assert refused.value.code == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "error: --estimate_memory: a jetmoe model's activations cannot be measured on the planner's weightless "
+        "(meta) copy, whose tensors have no values (Cannot copy out of meta tensor")

@@ -42,6 +42,7 @@ import torch
 from torch.nn import Module
 
 from app.choices import SHARDED_STRATEGIES
+from app.cli import first_line
 from app.distributed.fsdp2 import parameter_count, separate_embeddings
 from app.distributed.host_memory import CPU_HEAP_SETTINGS
 from app.distributed.precision import compute_dtype, reduce_dtype, weights_dtype
@@ -62,6 +63,10 @@ RUNTIME_BYTES = int(1.25 * GB)
 CUDA 13, one rank) as 0.51 GiB of CUDA context and 1.21 GiB once NCCL's communicator and the cuBLAS and attention
 kernels are loaded."""
 USABLE_FRACTION = 0.9
+
+
+class Unplannable(Exception):
+    """A model whose memory the planner cannot measure; its message says so in one line."""
 
 
 @dataclass(frozen=True)
@@ -117,16 +122,26 @@ class ModelShape:
         key = (tokens, target_tokens, dtype, attention, gpu, autocast)
         if key not in self.measured:
             try:
-                self.measured[key] = kept_for_backward(meta_model(self.model_config, self.trust_remote_code),
-                                                       self.wrap_classes, *key)
-            except Exception as error:
+                self.measured[key] = self.measure(*key)
+            except Unplannable as unplannable:
                 if autocast is None:
                     raise
+                error = unplannable.__cause__
                 why = READS_VALUES if isinstance(error, FAKE_TENSOR_LIMITS) else f"measuring it failed ({error})"
-                kept = kept_for_backward(meta_model(self.model_config, self.trust_remote_code), self.wrap_classes,
-                                         tokens, target_tokens, autocast, attention, gpu)
+                kept = self.measure(tokens, target_tokens, autocast, attention, gpu, None)
                 self.measured[key] = replace(kept, autocast_unmeasured=why.splitlines()[0][:200])
         return self.measured[key]
+
+    def measure(self, *key: object) -> KeptForBackward:
+        """Unplannable for a forward that does not run on a meta model at all (JetMoE's experts read their token
+        counts with `.tolist()`: a traceback from --estimate_memory, whose runs train)."""
+        try:
+            return kept_for_backward(meta_model(self.model_config, self.trust_remote_code), self.wrap_classes, *key)
+        except Exception as error:
+            raise Unplannable(f"--estimate_memory: a {self.model_config.model_type} model's activations cannot be "
+                              "measured on the planner's weightless (meta) copy, whose tensors have no values "
+                              f"({first_line(error)}); train a few steps instead: every log row has the peak "
+                              "memory") from error
 
 
 @dataclass(frozen=True)

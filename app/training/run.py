@@ -37,7 +37,7 @@ from app.folders import discard, replace_file
 from app.hub import hub_commit
 from app.metrics.console import Console
 from app.metrics.loggers import SUMMARY_FILE, RowRecord, WandbFailed, make_loggers, report_summary
-from app.metrics.memory_plan import ModelShape, memory_report, setup_of
+from app.metrics.memory_plan import ModelShape, Unplannable, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.model.build import DeferredInit, deferred_init, setup_model
 from app.optimization.optimizer import GradientPolicy, build_optimizer
@@ -48,7 +48,7 @@ from app.reliability.spikes import QUARANTINE_FILE, SpikeGuard, SpikeHistory, Sp
 from app.reliability.watchdog import (LAUNCHER_HEAD_START_SEC, RendezvousDeadline, StallWatchdog, end_process_tree,
                                      print_stacks_on_signal, say, take_over_launcher_observer)
 from app.reliability.workers import start_worker_server
-from app.tasks import LAUNCHER_PID
+from app.tasks import LAUNCHER_PID, exit_refused
 from app.training.loop import Loop
 from app.training.nodes import nodes_disagree, resume_disagreement, unshared_out_dir
 from app.training.preflight import RunInputs, note, preflight
@@ -75,9 +75,12 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
     if cfg.estimate_memory:
         shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
         block_size = cfg.block_size or inputs.plan.block_size
-        report, fits = memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, block_size,
-                                                          inputs.plan.accumulation, inputs.chunked_loss,
-                                                          inputs.target_block_size))
+        try:
+            report, fits = memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, block_size,
+                                                              inputs.plan.accumulation, inputs.chunked_loss,
+                                                              inputs.target_block_size))
+        except Unplannable as error:
+            exit_refused([f"error: {error}"])
         print(report + (f"\ndata: a mixture of\n{inputs.mixture}" if inputs.mixture else ""))
         if not fits:  # a script planning runs reads the answer from the exit code
             sys.exit(EXIT_BAD_INPUT)
