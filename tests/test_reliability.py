@@ -767,6 +767,25 @@ def test_an_exception_in_the_launching_rank_ends_the_ranks_it_started_with_exit_
     assert not psutil.pid_exists(int(result.stdout)) or psutil.Process(int(result.stdout)).status() == "zombie"
 
 
+@pytest.mark.parametrize("raised", [
+    "torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+    "of which 9.06 MiB is free. If reserved but unallocated memory is large try setting ...')",
+    "RuntimeError('[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can\\'t allocate memory: you tried "
+    "to allocate 106518744 bytes. Error code 12 (Cannot allocate memory)')"], ids=["cuda", "cpu"])
+def test_running_out_of_memory_is_one_line_saying_what_to_change(raised: str) -> None:
+    """A CUDA or host OOM was a 45-line traceback on every rank, without a word on what to change."""
+    launcher = ("import types, torch\nfrom app.reliability.signals import run_and_exit\n"
+                f"def work(fabric):\n    raise {raised}\n"
+                "run_and_exit(types.SimpleNamespace(global_rank=1), work)\n")
+    result = subprocess.run([sys.executable, "-c", launcher], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_CRASHED, result.stderr
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith("rank 1: out of memory (") and line.endswith(
+        "): lower --micro_batch_size (the global batch stays, through more accumulation) or --eval_batch_size, or add "
+        "--gradient_checkpointing true; --estimate_memory true plans what a run needs"), line
+    assert "If reserved" not in line and ("Tried to allocate 2.00 GiB" in line or "106518744 bytes" in line)
+
+
 def test_a_teardown_that_hangs_is_left_after_its_timeout_with_the_runs_exit_code() -> None:
     """The ranks' last meeting and destroy_process_group can hang at exit (rarely): the rank must still leave, with
     the run's exit code, and say where it was stuck."""

@@ -328,6 +328,11 @@ def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoR
     except Exception as error:
         if process_ending():  # this process's watchdog or signal thread is ending the run: its line says why
             end_process_tree(EXIT_CRASHED, stacks=False)  # waits for that exit, with that thread's code
+        if out_of_memory(error):  # where it happened matters less than what to change
+            say(f"rank {fabric.global_rank}: out of memory ({first_line(error).split(' If reserved')[0]}): lower "
+                "--micro_batch_size (the global batch stays, through more accumulation) or --eval_batch_size, or "
+                "add --gradient_checkpointing true; --estimate_memory true plans what a run needs\n")
+            end_process_tree(EXIT_CRASHED, stacks=False)
         if peer_ended(error):  # the process that ended first printed why; a traceback here would only hide it
             ended = silent_children(fabric)
             say(f"rank {fabric.global_rank}: another process of the run ended first ({first_line(error)})"
@@ -370,6 +375,12 @@ def collective_timed_out(error: Exception) -> bool:
     stall watchdog is armed. It was a traceback and exit 1, which the Slurm scripts do not requeue; as a stall it is
     exit 4, requeued. (NCCL's own watchdog ends such a process itself, with SIGABRT.)"""
     return any(text in str(error) for text in COLLECTIVE_TIMEOUTS)
+
+
+def out_of_memory(error: Exception) -> bool:
+    """Whether `error` is the device or the host running out of memory: a CUDA OOM, or the CPU allocator's
+    (`DefaultCPUAllocator: can't allocate memory`), which were tracebacks of 45 lines on every rank, no advice."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(error)
 
 
 def peer_ended(error: Exception) -> bool:
