@@ -18,6 +18,7 @@ jsonargparse does the typed parsing; this module only shapes how it meets a shel
 from __future__ import annotations
 
 import difflib
+import errno
 import os
 import re
 import shutil
@@ -34,6 +35,8 @@ import jsonargparse
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from app.exit_codes import EXIT_CRASHED
+from app.folders import STORAGE_FULL, storage_error
 from app.tasks import end_with_the_parent, exit_refused, prctl
 
 CONFIG_FLAG = "--config"
@@ -457,8 +460,8 @@ def alive(process: Any) -> bool:
 
 
 @contextmanager
-def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
-                        clean_up: Callable[[], None]) -> Iterator[None]:
+def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str], clean_up: Callable[[], None],
+                        fewer_workers: str = "", writes_to: str = "its work folder") -> Iterator[None]:
     """Ctrl-C or SIGTERM as one line and exit 128 + the signal, at once: the work's child processes are killed,
     `clean_up` removes what the work had begun, and the process exits without unwinding. Unwound, a
     KeyboardInterrupt printed a traceback, or with a pool of workers a TimeoutError (exit 1); a SIGTERM that only
@@ -469,7 +472,12 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
     Python runs a handler only between the main thread's bytecodes, which never come while it waits in C code:
     SentencePiece's training (minutes on a large corpus) kept a Ctrl-C waiting until it ended. So a thread also
     takes the signal, from the pipe that Python's C-level handler writes its number to (signal.set_wakeup_fd), and
-    whichever of the two comes first stops the work."""
+    whichever of the two comes first stops the work.
+
+    A thread that the system refuses (the limit on processes and threads: a cgroup's pids.max, `ulimit -u`) or a full
+    disk, in any thread, ends the command the same way, exit 1, in one line naming the cause (and the option that
+    asks for fewer workers, `fewer_workers`, or where it writes, `writes_to`): datasets' pool waited for ever for a manager whose thread never started,
+    and a full disk was a traceback of 62 lines."""
     import signal
     import threading
 
@@ -477,7 +485,7 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
 
     owner, ending = os.getpid(), threading.Lock()
 
-    def end(number: int) -> None:
+    def end(number: int, why: str = "", code: int = 0) -> None:
         if not ending.acquire(blocking=False):  # the other path is ending the process
             threading.Event().wait()
         _ENDING[0] = True  # no fork from now on (_before_fork)
@@ -495,8 +503,8 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
         said = nothing_written() if callable(nothing_written) else nothing_written  # what the work left, as it stands
-        print(f"{prog}: stopped by {signal.Signals(number).name}; {said}", file=sys.stderr, flush=True)
-        os._exit(128 + number)
+        print(f"{prog}: {why or 'stopped by ' + signal.Signals(number).name}; {said}", file=sys.stderr, flush=True)
+        os._exit(code or 128 + number)
 
     def stop(number: int, _frame: object) -> None:
         if os.getpid() != owner:  # a forked worker: end as the signal ends a process
@@ -509,8 +517,20 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
         while received := os.read(read_end, 64):
             for number in set(received) & {signal.SIGINT, signal.SIGTERM}:
                 end(number)
+            if refused := set(received) & {REFUSED, STORAGE_REFUSED}:
+                cause = RuntimeError(THREAD_REFUSED) if REFUSED in refused else OSError(errno.ENOSPC, "")
+                end(0, exhausted_reason(cause, fewer_workers, writes_to), EXIT_CRASHED)
         os.close(read_end)
 
+    def thread_refused(failed: threading.ExceptHookArgs) -> None:
+        if failed.exc_value is not None and (cause := exhausted(failed.exc_value)) is not None:
+            if os.getpid() != owner:  # a worker, or a pool's manager: the command's process says it and ends them all
+                os.write(write_end, bytes([REFUSED if isinstance(cause, RuntimeError) else STORAGE_REFUSED]))
+                threading.Event().wait()
+            end(0, exhausted_reason(cause, fewer_workers, writes_to), EXIT_CRASHED)
+        previous_hook(failed)
+
+    previous_hook, threading.excepthook = threading.excepthook, thread_refused
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     previous_pipe = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
@@ -519,12 +539,56 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str],
     threading.Thread(target=take_from_the_pipe, args=(read_end,), name="stop-signals", daemon=True).start()
     try:
         yield
+    except Exception as error:
+        cause = exhausted(error)
+        if cause is None and not ending_elsewhere(ending):
+            raise
+        end(0, cause and exhausted_reason(cause, fewer_workers, writes_to), EXIT_CRASHED)  # or waits for that end
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
         signal.set_wakeup_fd(previous_pipe)
+        threading.excepthook = previous_hook
         FORKING.pop()  # forks from now on are not this command's workers
         os.close(write_end)  # the thread reads the end of the pipe and ends
+
+
+THREAD_REFUSED = "can't start new thread"
+REFUSED, STORAGE_REFUSED = 254, 253
+"""What a forked worker writes to its command's stop-signal pipe when a thread of its own met a refused thread or a
+full disk (signal numbers are below 65)."""
+CONSEQUENCES_S = 2.0
+"""How long an error of the work waits for another thread that met a refused thread first to end the command: what
+that refusal broke (a pool's manager) reaches the main thread as errors of their own (connection reset by peer)."""
+
+
+def ending_elsewhere(ending: Any) -> bool:
+    """Whether another thread ends the command (it holds `ending`, a lock), or starts to within CONSEQUENCES_S."""
+    deadline = time.monotonic() + CONSEQUENCES_S
+    while not ending.locked() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ending.locked()
+
+
+def exhausted(error: BaseException) -> Optional[BaseException]:
+    """The full disk or the refused thread in `error` or what it wraps (datasets wraps what its readers raise): what
+    no input or option of the command is to blame for."""
+    for _ in range(16):  # a chain, not a cycle
+        if isinstance(error, OSError) and error.errno in STORAGE_FULL or (
+                isinstance(error, RuntimeError) and THREAD_REFUSED in str(error)):
+            return error
+        error = error.__cause__ or error.__context__
+        if error is None:
+            return None
+    return None
+
+
+def exhausted_reason(cause: BaseException, fewer_workers: str = "", writes_to: str = "its work folder") -> str:
+    if isinstance(cause, OSError):
+        return f"the storage refused a write: {storage_error(cause, writes_to)}: make room, then run it again"
+    fewer = f"lower {fewer_workers}, or " if fewer_workers else ""
+    return ("the system refused a new thread: the limit on processes and threads is reached (a cgroup's pids.max, "
+            f"docker's --pids-limit, ulimit -u); {fewer}raise the limit")
 
 
 def multiprocessing_folders(children: list) -> set[str]:

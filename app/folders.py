@@ -115,7 +115,7 @@ def append_whole(path: Path, text: str) -> None:
         os.close(descriptor)
 
 
-def storage_error(error: OSError, writing: Path) -> str:
+def storage_error(error: OSError, writing: Path | str) -> str:
     """'No space left on device (ENOSPC) writing PATH' from an OSError (os.write leaves it without a path)."""
     code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
     return f"{error.strerror or error}{code} writing {error.filename or writing}"

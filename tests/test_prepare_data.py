@@ -3,6 +3,7 @@ the trained tokenizer, and refusals of bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -1092,3 +1093,66 @@ def test_examples_longer_than_the_models_length_raise_no_warning(tmp_path, issue
     result = run_cli(["--input", "long.jsonl", "--tokenizer", "short", "--block_size", "128", "--prompt_field",
                       "prompt", "--response_field", "response", "--val_fraction", "0", "--output_dir", "out"], tmp_path)
     assert result.returncode == 0 and "Token indices sequence length" not in result.stderr, result.stderr
+
+
+def pids_limited(name: str, limit: int) -> Path:
+    """A pids cgroup of `limit` processes and threads, v1 or v2 (root only, as CI and the development machines run),
+    for `echo $$ > cgroup.procs`; the test is skipped where none can be made."""
+    root = Path("/sys/fs/cgroup")
+    parent = root / "pids" if (root / "pids" / "pids.max").exists() or (root / "pids" / "cgroup.procs").exists() \
+        else root if "pids" in (root / "cgroup.subtree_control").read_text(errors="ignore").split() else None
+    if parent is None or not os.access(parent, os.W_OK):
+        pytest.skip("no writable pids cgroup here")
+    group = parent / name
+    group.mkdir(exist_ok=True)
+    (group / "pids.max").write_text(str(limit))
+    return group
+
+
+def test_a_limit_on_threads_is_one_line_naming_num_proc_not_a_hang(tmp_path, issue_run):
+    """Under a cgroup's pids.max (docker --pids-limit, `ulimit -u`), a thread of datasets' pool manager was refused
+    ("can't start new thread" in another thread) and prepare_data.py waited for that manager for ever."""
+    group = pids_limited(f"prepare-test-{os.getpid()}", 14)
+    inputs = " ".join(stdlib_corpus_paths(("http", "json", "asyncio")))
+    try:
+        result = subprocess.run(
+            ["sh", "-c", f"echo $$ > {group}/cgroup.procs && exec {sys.executable} {REPO / 'prepare_data.py'} "
+                         f"--input {inputs} --tokenizer {issue_run / 'tokenizer'} --block_size 32 --num_proc 4 "
+                         f"--output_dir {tmp_path / 'out'}"],
+            cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=240)
+    finally:
+        for _ in range(50):  # what a hang left in the group (the workers of a timed-out run) goes first
+            for pid in (group / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), 9)
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                break
+            time.sleep(0.1)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "prepare_data.py: the system refused a new thread: the limit on processes and threads is reached (a cgroup's "
+        "pids.max, docker's --pids-limit, ulimit -u); lower --num_proc, or raise the limit; nothing was written (the "
+        "output appears whole, or not at all)")
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_is_one_line_naming_it_not_a_refusal_of_the_input(tmp_path, issue_run):
+    """A full disk while reading was refused as bad input, exit 2, blaming an empty file of the input (`could not
+    read it as text: .../email/mime/__init__.py is empty; leave it out`); while tokenizing, a 62-line traceback."""
+    from tests.test_reliability import SmallStorage
+
+    (tmp_path / "docs.jsonl").write_text(text_lines(4000))  # 0.5 MB: its Arrow copy fills the 256 KB disk
+    disk = SmallStorage(tmp_path / "small", 256)
+    try:
+        result = run_cli(["--input", str(tmp_path / "docs.jsonl"), "--tokenizer", str(issue_run / "tokenizer"),
+                          "--block_size", "32", "--output_dir", str(disk.folder / "out")], cwd=tmp_path)
+        left = list(disk.folder.iterdir())
+    finally:
+        disk.unmount()
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "prepare_data.py: the storage refused a write: No space left on device (ENOSPC) writing the work folder "
+        f"beside --output_dir {disk.folder / 'out'}: make room, then run it again; nothing was written (the output "
+        "appears whole, or not at all)"), result.stderr
+    assert left == []

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> dict:
     from app.prepare.workspace import abandon
 
     with cli.stopped_in_one_line("prepare_data.py", "nothing was written (the output appears whole, or not at all)",
-                                 abandon):
+                                 abandon, fewer_workers="--num_proc",
+                                 writes_to=f"the work folder beside --output_dir {args.output_dir}"):
         stats = cli.run_command("prepare_data.py", lambda: prepare(args))
     print(summary(stats, args.output_dir), flush=True)
     return stats
