@@ -14,6 +14,7 @@ from app.data.loader import eval_batches
 from app.metrics.observe import gather_rows
 from app.model.build import evaluation_mode
 from app.model.loss import LossPath
+from app.reliability.signals import all_reduce_sum
 
 
 class EvaluationStopped(Exception):
@@ -52,7 +53,7 @@ def validation_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: 
                 if number % STOP_CHECK_BATCHES == 0 and stopping():
                     raise EvaluationStopped
             totals[index, 1] = token_count
-    totals = fabric.all_reduce(totals, reduce_op="sum").tolist()
+    totals = all_reduce_sum(fabric, totals).tolist()  # without Lightning's barrier before it
     losses = {name: loss_sum / tokens for name, (loss_sum, tokens) in zip(splits, totals) if tokens}
     return losses | {"": sum(loss_sum for loss_sum, _ in totals) / sum(tokens for _, tokens in totals)}
 
