@@ -444,6 +444,12 @@ def test_torchrun_wrapper_exits_with_the_failed_workers_own_code(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == ("torchrun: the worker of rank 0 exited with 4 (its output above "
                                                       "says why): exit 4"), result.stderr[-2000:]
     assert "Root Cause" not in result.stderr, "torchrun's 25-line report said nothing more"
+    worker.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")  # as the OOM killer does
+    result = subprocess.run([sys.executable, "-m", "app.reliability.torchrun", "--standalone", "--nproc_per_node", "1",
+                             str(worker)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stderr.strip().splitlines()[-1] == (  # it said "its output above says why" of a silent worker
+        "torchrun: the worker of rank 0 was killed by SIGKILL (out of memory? the kernel's out-of-memory killer sends "
+        "SIGKILL, and the killed worker says nothing: see `dmesg`, or sacct's MaxRSS): exit 137"), result.stderr[-2000:]
 
 
 def test_torchrun_wrapper_ends_a_rendezvous_that_a_node_never_joins_with_5_in_one_line(tmp_path):

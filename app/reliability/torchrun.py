@@ -47,7 +47,9 @@ def first_failure(failure: ChildFailedError) -> tuple[int, str]:
     rank, first = failure.get_first_failure()
     code = shell_code(first.exitcode)
     how = f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 else f"exited with {code}"
-    return code, f"torchrun: the worker of rank {rank} {how} (its output above says why): exit {code}"
+    why = ("(out of memory? the kernel's out-of-memory killer sends SIGKILL, and the killed worker says nothing: "
+           "see `dmesg`, or sacct's MaxRSS)" if first.exitcode == -signal.SIGKILL else "(its output above says why)")
+    return code, f"torchrun: the worker of rank {rank} {how} {why}: exit {code}"
 
 
 def code_after_signal(signum: int) -> int:
