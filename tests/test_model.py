@@ -23,7 +23,8 @@ def test_named_wrap_classes_resolve(tiny) -> None:
 
 def test_unknown_wrap_class_lists_the_models_layers(tiny) -> None:
     config = AutoConfig.from_pretrained(tiny.model_config)
-    with pytest.raises(ValueError, match="MistralDecoderLayer is not a layer class of llama; choose from: .*LlamaDecoderLayer"):
+    with pytest.raises(ValueError, match="MistralDecoderLayer is not a module class of llama; its layer classes: "
+                                         "LlamaDecoderLayer; its other classes: LlamaAttention, LlamaMLP, "):
         resolve_wrap_classes(config, ["MistralDecoderLayer"])
 
 

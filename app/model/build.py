@@ -83,10 +83,13 @@ def resolve_wrap_classes(
                          f"_no_split_modules is empty); give them with --auto_wrap_policy {' '.join(layers)}")
     names = names or model._no_split_modules
     unknown = [n for n in names if n not in classes]
-    if unknown:
+    if unknown:  # any class of the model is a unit (attention and MLP apart): the layers are the usual choice
+        others = sorted(name for name, kind in classes.items() if name not in layers and kind is not type(model)
+                        and not kind.__module__.startswith(("torch.", "transformers.activations")))
         raise ValueError(
-            f"--auto_wrap_policy {', '.join(unknown)} is not a layer class of "
-            f"{model_config.model_type}; choose from: {', '.join(layers or sorted(classes))}"
+            f"--auto_wrap_policy {', '.join(unknown)} is not a module class of "
+            f"{model_config.model_type}; its layer classes: {', '.join(layers) or 'none'}; its other classes: "
+            f"{', '.join(others)}"
         )
     return {classes[n] for n in names}
 
