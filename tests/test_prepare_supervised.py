@@ -21,6 +21,7 @@ from transformers.models.mbart.modeling_mbart import shift_tokens_right
 
 from app.data import DataFormat
 from app.prepare import PrepareArgs, prepare
+from app.prepare.pipeline import summary
 from app.prepare.args import UsageError
 from app.prepare.chat_template import (DEFAULT_CHAT_TEMPLATE, ChatEncoder, ChatTemplate, check_template,
                                        end_of_turn_id)
@@ -939,3 +940,22 @@ def test_the_audit_finds_a_short_answer_in_its_turn_not_in_the_header(work):
 
 def test_docs_show_the_default_template_verbatim():
     assert DEFAULT_CHAT_TEMPLATE.strip() in (REPO / "docs" / "prepare-data.md").read_text()
+
+
+def test_empty_pairs_are_skipped_and_counted_when_asked(work, tmp_path, pairs):
+    """WikiHow's CSV (seed 002's summarization data) has articles without text: one empty source refused the whole
+    file, with no way to leave such rows out but editing it."""
+    rows = [dict(pair) for pair in pairs[:40]]
+    rows[3]["code"], rows[17]["summary"], rows[20]["code"] = "", "  ", None
+    file = write_jsonl(tmp_path / "holes.jsonl", rows)
+    for name, shape in (("pairs", {"prompt_field": "code", "response_field": "summary"}),
+                        ("seq2seq", {"source_field": "code", "target_field": "summary", "prompt_field": None,
+                                     "response_field": None, "block_size": None})):
+        with pytest.raises(UsageError, match="row 4 of --input .* is empty; every example needs .*--empty_examples "
+                                             "skip leaves such rows out, counted"):
+            sft(work, f"refused-{name}", input=[str(file)], **shape)
+        kept = sft(work, f"holes-{name}", input=[str(file)], empty_examples="skip", **shape).stats
+        assert kept["empty_examples_skipped"] == 3 and kept["inputs"] == [f"{file} (1 file; 3 empty rows skipped)"]
+        assert sum(split["examples"] for split in kept["splits"].values()) == 37
+    assert "skipped 3 rows with an empty prompt, response, source or target (--empty_examples skip)" in summary(
+        kept, "out")

@@ -88,13 +88,17 @@ class PrepareArgs:
     """Encoder-decoder data: most tokens of a source, its EOS included (default 1024)."""
     max_target_length: int | None = None
     """Encoder-decoder data: most tokens of a target, its EOS included (default 128)."""
+    empty_examples: Literal["refuse", "skip"] | None = None
+    """Prompt/response and source/target data: a row whose prompt, response, source or target is empty, blank or
+    missing is refused, naming it (the default), or skipped and counted (stats.json's inputs and
+    empty_examples_skipped): a WikiHow CSV has articles without text."""
 
 
 SUPPORTED_SUFFIXES = (".txt", ".py", ".md", ".jsonl", ".json", ".parquet", ".csv")
 MIN_TRAINED_VOCAB = 256 + 3 + 1
+"""A trained tokenizer holds 256 byte pieces and <unk> <s> </s> before it can learn a single character."""
 MAX_TRAINED_VOCAB = 2**20
 """Four times Gemma's 262,144 tokens; SentencePiece's trainer ended in a traceback past 2**31 - 1."""
-"""A trained tokenizer holds 256 byte pieces and <unk> <s> </s> before it can learn a single character."""
 
 
 RecordShape = Literal["text", "prompt/response", "messages", "source/target"]
@@ -123,10 +127,12 @@ OPTION_SHAPES: dict[str, tuple[RecordShape, ...]] = {
     "too_long": (*SUPERVISED, "source/target"),
     "max_source_length": ("source/target",),
     "max_target_length": ("source/target",),
+    "empty_examples": ("prompt/response", "source/target"),
 }
 """Options that mean something only for some record shapes: given for another, they are refused."""
 SHAPE_OPTION_DEFAULTS = {"text_field": "text", "split_lines": False, "block_size": 2048, "train_on_prompt": False,
-                         "packing": True, "too_long": "truncate", "max_source_length": 1024, "max_target_length": 128}
+                         "packing": True, "too_long": "truncate", "max_source_length": 1024, "max_target_length": 128,
+                         "empty_examples": "refuse"}
 """Their values when not given, filled in once they are checked (with_defaults): a default of the dataclass could
 not tell `--packing true --block_size 2048`, copied from a supervised command onto source/target data, from
 nothing given, and it was accepted without a word."""

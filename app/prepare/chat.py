@@ -45,13 +45,17 @@ def chat_records(args: PrepareArgs, rendered: Optional[ChatText] = None) -> ToRe
         to_messages = partial(chat_messages, rendered=rendered)
         return partial(_records, fields={"messages_field": args.messages_field}, to_messages=to_messages)
     fields = {option: getattr(args, option) for option in PAIR_OPTIONS if getattr(args, option) is not None}
-    return partial(_records, fields=fields, to_messages=pair_messages)
+    skip_empty = args.empty_examples == "skip"
+    return partial(_records, fields=fields, to_messages=partial(pair_messages, skip_empty=skip_empty),
+                   skip_empty=skip_empty)
 
 
 def _records(
-    table: Dataset, source: str, fields: dict[str, str], to_messages: Callable[[dict, Row], list[dict[str, str]]]
+    table: Dataset, source: str, fields: dict[str, str], to_messages: Callable[[dict, Row], list[dict[str, str]]],
+    skip_empty: bool = False
 ) -> Dataset:
-    """The messages of every row of one input; `fields` maps each option to the input field it names."""
+    """The messages of every row of one input; `fields` maps each option to the input field it names; without the
+    empty chats `to_messages` makes of empty rows under `skip_empty`."""
     require_fields(table, fields, source)
 
     def convert(batch: dict, indices: list[int]) -> dict:
@@ -61,20 +65,29 @@ def _records(
         return {"messages": [to_messages(row, Row(fields, index, source)) for index, row in zip(indices, values)]}
 
     with quiet_progress():
-        return table.map(
+        chats = table.map(
             convert, batched=True, with_indices=True, remove_columns=table.column_names, features=MESSAGES,
             **arrow_file("chats"),
         )
+        if skip_empty:
+            chats = chats.filter(lambda chats: [bool(messages) for messages in chats], batched=True,
+                                 input_columns="messages", **arrow_file("chats"))
+        return chats
 
 
-def pair_messages(values: dict, row: Row) -> list[dict[str, str]]:
+def pair_messages(values: dict, row: Row, skip_empty: bool = False) -> list[dict[str, str]]:
     """A prompt/response row as a chat; an empty, blank or missing prompt or response is refused (the response would
-    be trained without a question, or there is nothing to train), an empty system or input skipped."""
+    be trained without a question, or there is nothing to train), or under `skip_empty` (--empty_examples skip) an
+    empty chat, left out; an empty system or input skipped."""
     prompt, response, extra, system = (row.text(option, values.get(option)) for option in PAIR_OPTIONS)
+    if skip_empty and not (prompt.strip() and response.strip()):
+        return []
     if not prompt.strip():
-        raise row.error("prompt_field", "is empty; every example needs a prompt to answer")
+        raise row.error("prompt_field", "is empty; every example needs a prompt to answer (--empty_examples skip "
+                                        "leaves such rows out, counted)")
     if not response.strip():
-        raise row.error("response_field", "is empty; every example needs a response to train on")
+        raise row.error("response_field", "is empty; every example needs a response to train on (--empty_examples "
+                                          "skip leaves such rows out, counted)")
     return [*pair_prompt(prompt, extra, system), {"role": "assistant", "content": response}]
 
 

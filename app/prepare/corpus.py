@@ -65,6 +65,8 @@ class Documents:
     own_train: Dataset | None
     own_validation: Dataset | None
     description: list[str]
+    empty_examples_skipped: int = 0
+    """Rows left out by --empty_examples skip, also said in `description`."""
 
 
 def read_documents(args: PrepareArgs, to_records: ToRecords | None = None) -> Documents:
@@ -82,15 +84,25 @@ def read_documents(args: PrepareArgs, to_records: ToRecords | None = None) -> Do
         raise UsageError(f"--text_field {args.text_field} names a field of .jsonl/.json/.parquet/.csv files and "
                          "datasets, and every --input is plain-text files, read whole; drop it")
     pool, own_train, own_validation, description = [], [], [], []
+    skipped = [0]
+
+    def counted(table: Dataset, source: str) -> Dataset:
+        records = to_records(table, source)
+        skipped[0] += len(table) - len(records)
+        return records
+
     for source in args.input:
-        train, validation, what = read_source(source, args, to_records)
-        description.append(what)
+        before = skipped[0]
+        train, validation, what = read_source(source, args, counted)
+        left_out = skipped[0] - before
+        description.append(f"{what.removesuffix(')')}; {left_out:,} empty rows skipped)" if left_out else what)
         if validation is None:
             pool.append(train)
         else:
             own_train.append(train)
             own_validation.append(validation)
-    return Documents(_concatenate(pool), _concatenate(own_train), _concatenate(own_validation), description)
+    return Documents(_concatenate(pool), _concatenate(own_train), _concatenate(own_validation), description,
+                     skipped[0])
 
 
 def refuse_overlapping_inputs(inputs: list[str]) -> None:

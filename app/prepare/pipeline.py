@@ -18,7 +18,8 @@ from app.prepare.args import PrepareArgs, RecordShape, UsageError, checked_args,
 from app.prepare.chat import chat_records, chat_texts
 from app.prepare.chat_template import (ChatEncoder, chat_advice, chat_text, check_template, choose_template,
                                        encode_chats, end_of_turn_id)
-from app.prepare.corpus import ToRecords, document_texts, local_files, not_utf8, quiet_progress, read_documents
+from app.prepare.corpus import (Documents, ToRecords, document_texts, local_files, not_utf8, quiet_progress,
+                                read_documents)
 from app.prepare.examples import (PROMPT_FILLS_BLOCK, TOO_LONG, ExampleCounts, examples_to_rows,
                                   one_example_per_row)
 from app.prepare.mask_audit import audit_split, check_audit, describe_audit
@@ -77,7 +78,7 @@ def prepare_folder(args: PrepareArgs) -> dict:
         rows, stats = text_blocks(held, tokenizer, args, documents.description)
     else:
         rows, counts, options = BUILDERS[shape](splits, tokenizer, args)
-        stats = describe_examples(args, tokenizer, counts, options, documents.description)
+        stats = describe_examples(args, tokenizer, counts, options, documents)
     log(f"writing {args.output_dir}")
     write_atomically(Path(args.output_dir), lambda folder: save_prepared(folder, rows, tokenizer, stats),
                      args.overwrite)
@@ -226,13 +227,15 @@ def describe_examples(
     tokenizer: PreTrainedTokenizerBase,
     counts: dict[str, ExampleCounts],
     options: dict,
-    inputs: list[str],
+    documents: Documents,
 ) -> dict:
     """The content of stats.json for supervised and source/target data: the format of the rows, the options that
-    shaped them, and what each split kept, truncated and dropped."""
+    shaped them, what each split kept, truncated and dropped, and the empty rows --empty_examples skip left out."""
+    skipped = {"empty_examples_skipped": documents.empty_examples_skipped} if args.empty_examples == "skip" else {}
     return {
         "format": data_format(args),
-        "inputs": inputs,
+        "inputs": documents.description,
+        **skipped,
         "fields": {option: getattr(args, option) for option in FIELD_OPTIONS if getattr(args, option) is not None},
         **describe_tokenizer(args, tokenizer),
         "pad_token_id": pad_token_id(tokenizer),
@@ -283,6 +286,9 @@ def summary(stats: dict, output_dir: str) -> str:
     if stats.get("empty_documents_skipped"):  # 30% of an input with misnamed or null fields went unsaid
         lines.append(f"skipped {stats['empty_documents_skipped']:,} documents without text (empty files, or records "
                      f"whose --text_field {stats.get('text_field', 'text')} is missing, null or empty)")
+    if stats.get("empty_examples_skipped"):  # --empty_examples skip
+        lines.append(f"skipped {stats['empty_examples_skipped']:,} rows with an empty prompt, response, source or "
+                     "target (--empty_examples skip)")
     lines.append(f"wrote {output_dir} ({stats['format']} rows, tokenizer/, stats.json)")
     return "\n".join(lines)
 

@@ -29,29 +29,38 @@ TARGET_TOO_LONG = "target_too_long"
 
 
 def pair_records(args: PrepareArgs) -> ToRecords:
-    """What turns one input's rows into `source`/`target` records, refusing a row without text in either."""
-    return partial(_records, fields={"source_field": args.source_field, "target_field": args.target_field})
+    """What turns one input's rows into `source`/`target` records, refusing a row without text in either (or
+    leaving it out, --empty_examples skip)."""
+    return partial(_records, fields={"source_field": args.source_field, "target_field": args.target_field},
+                   skip_empty=args.empty_examples == "skip")
 
 
-def _records(table: Dataset, source: str, fields: dict[str, str]) -> Dataset:
+def _records(table: Dataset, source: str, fields: dict[str, str], skip_empty: bool = False) -> Dataset:
     require_fields(table, fields, source)
 
     def convert(batch: dict, indices: list[int]) -> dict:
         columns = {}
         for column, option in (("source", "source_field"), ("target", "target_field")):
-            columns[column] = [text(Row(fields, i, source), option, v) for i, v in zip(indices, batch[fields[option]])]
+            columns[column] = [text(Row(fields, i, source), option, v, skip_empty)
+                               for i, v in zip(indices, batch[fields[option]])]
         return columns
 
     with quiet_progress():
-        return table.map(convert, batched=True, with_indices=True, remove_columns=table.column_names, features=PAIRS,
-                         **arrow_file("pairs"))
+        pairs = table.map(convert, batched=True, with_indices=True, remove_columns=table.column_names,
+                          features=PAIRS, **arrow_file("pairs"))
+        if skip_empty:
+            pairs = pairs.filter(lambda sources, targets: [bool(s.strip() and t.strip()) for s, t in
+                                                           zip(sources, targets)],
+                                 batched=True, input_columns=["source", "target"], **arrow_file("pairs"))
+        return pairs
 
 
-def text(row: Row, option: str, value: object) -> str:
-    """A source or target: text that is not empty."""
+def text(row: Row, option: str, value: object, skip_empty: bool = False) -> str:
+    """A source or target: text that is not empty (or, under `skip_empty`, "" for the row to be left out)."""
     value = row.text(option, value)
-    if not value.strip():
-        raise row.error(option, "is empty; every example needs a source and a target")
+    if not value.strip() and not skip_empty:
+        raise row.error(option, "is empty; every example needs a source and a target "
+                        "(--empty_examples skip leaves such rows out, counted)")
     return value
 
 
