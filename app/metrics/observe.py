@@ -180,21 +180,22 @@ class ModelStateMemory:
 
 @dataclass
 class Stopwatch:
-    """Seconds spent inside `measure()` blocks: the last one, and the sum."""
+    """Seconds spent inside `measure()` blocks: the last one, and the sum; `count` of them, but for those that
+    finish what a counted one began (`counted=False`: the wait for the last background save)."""
 
     total: float = 0.0
     last: float = 0.0
     count: int = 0
 
     @contextmanager
-    def measure(self) -> Iterator[None]:
+    def measure(self, counted: bool = True) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
         finally:
             self.last = time.perf_counter() - start
             self.total += self.last
-            self.count += 1
+            self.count += counted
 
 
 @dataclass

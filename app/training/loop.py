@@ -474,9 +474,10 @@ class Loop:
         training (a background copy that outlasts the next forward and backward would also hold its update)."""
         step = self.state["step"]
         path = checkpoint_path(self.cfg.out_dir, step)
-        published = partial(self.after_publishing, path, step, self.state["val_loss"] if evaluated else None,
-                            started=time.monotonic(), incident_began=self.guard.open_incident(step))
         with self.saving.measure():
+            self.saver.wait()  # the previous background write: it pauses training, but "saved in" is this write's
+            published = partial(self.after_publishing, path, step, self.state["val_loss"] if evaluated else None,
+                                started=time.monotonic(), incident_began=self.guard.open_incident(step))
             self.state["rng"] = rng_of_every_rank(self.fabric.world_size)
             self.state["grad_scaler"] = self.fabric.strategy.precision.state_dict()
             self.state["spike_guard"] = self.guard.history.to_dict()

@@ -405,7 +405,8 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                 else None)
     try:
         outcome: str = loop.fit()
-        loop.saver.close()  # a background write of the last step may fail here
+        with loop.saving.measure(counted=False):  # checkpoint time, not training time, in the summary
+            loop.saver.close()  # a background write of the last step may fail here
     except SaveFailed as failure:  # on every rank alike
         fabric.print(f"error: {failure}. {failure.advice()}", file=sys.stderr)  # on each node, as a refusal
         outcome = "save_failed"
