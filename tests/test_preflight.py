@@ -16,7 +16,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from app.training.preflight import preflight
 from app.training.preflight.environment import world_size
@@ -716,6 +716,19 @@ def test_what_wandb_needs_is_checked_before_anything_is_written(tiny, tmp_path, 
         "'/,\\\\,#,?,%,:', found '/'); give another",
         "error: WANDB_RUN_ID 'bad/id': W&B refuses it (Run ID cannot contain the characters: :;,#?/'); give another"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoints_estimate_counts_a_tied_weight_under_each_name_it_is_written(tiny, tmp_path) -> None:
+    """A checkpoint writes Llama's tied output layer beside its embedding (their moments once): the estimate of the
+    free space a run needs counted it once."""
+    from app.training.preflight import out_dir as checks
+
+    config = AutoConfig.from_pretrained(tiny.model_config)
+    config.tie_word_embeddings = True
+    unique = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    embedding = config.vocab_size * config.hidden_size
+    cfg = parse_config(train_args(tiny, tmp_path / "out"))
+    assert checks.estimated_checkpoint_bytes(config, cfg) == (unique + embedding + 2 * unique) * 4
 
 
 def test_the_space_a_failed_save_left_counts_as_free(tiny, tmp_path, monkeypatch) -> None:
