@@ -1150,3 +1150,27 @@ def test_a_stop_during_the_push_says_the_folder_is_kept_and_how_to_push_it(full_
     assert err.strip().splitlines()[-1].startswith(
         f"convert_to_hf.py: stopped by SIGINT; the verified folder {tmp_path / 'hf'} is kept, but not pushed (or in "
         f"part): push it without converting again with `hf upload me/tiny {tmp_path / 'hf'} --commit-message"), err
+
+
+def test_a_run_folder_says_when_its_best_checkpoint_or_an_unfinished_save_is_not_the_one_converted(tmp_path,
+                                                                                                 capsys) -> None:
+    """`--checkpoint RUN` converts the latest checkpoint: the run's best by validation loss (best.json), and a later
+    save that never finished (its .partial left by a kill), went unmentioned."""
+    from app.huggingface.convert import note_other_checkpoints
+
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    for step in (4, 6):
+        (folder / f"step-{step:08d}.ckpt").write_bytes(b"")
+    (folder / "best.json").write_text(json.dumps({"checkpoint": "step-00000004.ckpt", "step": 4, "val_loss": 2.5}))
+    (folder / ".step-00000008.ckpt.partial").write_bytes(b"")
+    note_other_checkpoints(folder, 6)
+    assert capsys.readouterr().out.splitlines() == [
+        "convert_to_hf.py: note: converting the latest checkpoint (step 6); the run's best by validation loss is step "
+        f"4 (val_loss 2.5000, best.json): give --checkpoint {folder / 'step-00000004.ckpt'} to convert it",
+        "convert_to_hf.py: note: the save of step 8 did not finish (a .partial file is left): the latest whole "
+        "checkpoint is step 6"]
+    (folder / "best.json").write_text(json.dumps({"checkpoint": "step-00000006.ckpt", "step": 6, "val_loss": 2.4}))
+    (folder / ".step-00000008.ckpt.partial").unlink()
+    note_other_checkpoints(folder, 6)
+    assert capsys.readouterr().out == ""

@@ -43,7 +43,7 @@ from transformers.models.auto import tokenization_auto
 
 from app.checkpoint import (CheckpointError, broken_checkpoint, checkpoint_dir, is_checkpoint, list_checkpoints,
                             read_metadata, read_model_weights, run_folder_of, run_tokenizer_dir, stored_tensor_shapes)
-from app.checkpoint.files import publish
+from app.checkpoint.files import BEST_FILE, publish, read_best
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, first_line
@@ -118,7 +118,26 @@ def select_checkpoints(args: Args) -> list[tuple[Path, Path]]:
         raise BadInput(f"--checkpoint {path}: no step-*.ckpt checkpoint in it; give a checkpoint or a run folder")
     if args.all:
         return [(found[step], output / f"step-{step:08d}") for step in sorted(found)]
+    note_other_checkpoints(found[max(found)].parent, max(found))
     return [(found[max(found)], output)]
+
+
+UNFINISHED_SAVE = re.compile(r"^\.step-(\d+)\.ckpt\.partial")
+"""What a save that did not finish leaves (app/checkpoint/files.py begin_save): hidden, beside the checkpoints."""
+
+
+def note_other_checkpoints(folder: Path, latest: int) -> None:
+    """A run folder converts its latest checkpoint: say so where the run's best by validation loss (best.json) is
+    another, or where a later save did not finish; the command named the latest alone."""
+    best = read_best(folder.parent)
+    if best and best["step"] != latest and (folder / best["checkpoint"]).exists():
+        print(f"convert_to_hf.py: note: converting the latest checkpoint (step {latest}); the run's best by validation "
+              f"loss is step {best['step']} (val_loss {best['val_loss']:.4f}, {BEST_FILE}): give --checkpoint "
+              f"{folder / best['checkpoint']} to convert it", flush=True)
+    unfinished = sorted(int(found.group(1)) for entry in folder.iterdir() if (found := UNFINISHED_SAVE.match(entry.name)))
+    if unfinished and unfinished[-1] > latest:
+        print(f"convert_to_hf.py: note: the save of step {unfinished[-1]} did not finish (a .partial file is left): "
+              f"the latest whole checkpoint is step {latest}", flush=True)
 
 
 # ---- reading what a checkpoint holds --------------------------------------------------------------------------
