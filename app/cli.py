@@ -517,15 +517,14 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str], cle
         while received := os.read(read_end, 64):
             for number in set(received) & {signal.SIGINT, signal.SIGTERM}:
                 end(number)
-            if refused := set(received) & {REFUSED, STORAGE_REFUSED}:
-                cause = RuntimeError(THREAD_REFUSED) if REFUSED in refused else OSError(errno.ENOSPC, "")
-                end(0, exhausted_reason(cause, fewer_workers, writes_to), EXIT_CRASHED)
+            if told := [byte for byte in received if byte in WORKER_CAUSES]:
+                end(0, exhausted_reason(WORKER_CAUSES[told[0]], fewer_workers, writes_to), EXIT_CRASHED)
         os.close(read_end)
 
     def thread_refused(failed: threading.ExceptHookArgs) -> None:
         if failed.exc_value is not None and (cause := exhausted(failed.exc_value)) is not None:
             if os.getpid() != owner:  # a worker, or a pool's manager: the command's process says it and ends them all
-                os.write(write_end, bytes([REFUSED if isinstance(cause, RuntimeError) else STORAGE_REFUSED]))
+                os.write(write_end, bytes([worker_byte(cause)]))
                 threading.Event().wait()
             end(0, exhausted_reason(cause, fewer_workers, writes_to), EXIT_CRASHED)
         previous_hook(failed)
@@ -554,12 +553,28 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str], cle
 
 
 THREAD_REFUSED = "can't start new thread"
-REFUSED, STORAGE_REFUSED = 254, 253
-"""What a forked worker writes to its command's stop-signal pipe when a thread of its own met a refused thread or a
-full disk (signal numbers are below 65)."""
+WORKER_CAUSES = {251: RuntimeError(THREAD_REFUSED), 252: MemoryError("in a worker process"),
+                 253: OSError(errno.EMFILE, "Too many open files"), 254: OSError(errno.ENOSPC, "No space left on device")}
+"""What a forked worker writes to its command's stop-signal pipe when a thread of its own met one of these (signal
+numbers are below 65), and what its command's process then says."""
 CONSEQUENCES_S = 2.0
 """How long an error of the work waits for another thread that met a refused thread first to end the command: what
 that refusal broke (a pool's manager) reaches the main thread as errors of their own (connection reset by peer)."""
+
+
+def worker_byte(cause: BaseException) -> int:
+    """The byte of WORKER_CAUSES that stands for `cause`."""
+    if out_of_memory(cause):
+        return 252
+    if isinstance(cause, OSError):
+        return 253 if cause.errno == errno.EMFILE else 254
+    return 251
+
+
+def open_files_limit() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def ending_elsewhere(ending: Any) -> bool:
@@ -574,7 +589,7 @@ def exhausted(error: BaseException) -> Optional[BaseException]:
     """The full disk or the refused thread in `error` or what it wraps (datasets wraps what its readers raise): what
     no input or option of the command is to blame for."""
     for _ in range(16):  # a chain, not a cycle
-        if isinstance(error, OSError) and error.errno in STORAGE_FULL or (
+        if isinstance(error, OSError) and error.errno in (*STORAGE_FULL, errno.EMFILE) or out_of_memory(error) or (
                 isinstance(error, RuntimeError) and THREAD_REFUSED in str(error)):
             return error
         error = error.__cause__ or error.__context__
@@ -583,10 +598,23 @@ def exhausted(error: BaseException) -> Optional[BaseException]:
     return None
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is the device or the host running out of memory: a CUDA OOM (torch.OutOfMemoryError, not
+    imported here), the CPU allocator's (`DefaultCPUAllocator: can't allocate memory`), a memory map refused."""
+    return (isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError"
+            or isinstance(error, OSError) and error.errno == errno.ENOMEM
+            or any(text in str(error) for text in ("can't allocate memory", "Cannot allocate memory")))
+
+
 def exhausted_reason(cause: BaseException, fewer_workers: str = "", writes_to: str = "its work folder") -> str:
+    fewer = f"lower {fewer_workers}, or " if fewer_workers else ""
+    if out_of_memory(cause):
+        return f"out of memory ({first_line(cause)[:200]}); {fewer}free memory, or run it where there is more"
+    if isinstance(cause, OSError) and cause.errno == errno.EMFILE:
+        return (f"too many open files (the limit, `ulimit -n`, is {open_files_limit()}); {fewer}raise it "
+                "(`ulimit -n 65536`)")
     if isinstance(cause, OSError):
         return f"the storage refused a write: {storage_error(cause, writes_to)}: make room, then run it again"
-    fewer = f"lower {fewer_workers}, or " if fewer_workers else ""
     return ("the system refused a new thread: the limit on processes and threads is reached (a cgroup's pids.max, "
             f"docker's --pids-limit, ulimit -u); {fewer}raise the limit")
 

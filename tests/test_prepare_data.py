@@ -1156,3 +1156,28 @@ def test_a_full_disk_is_one_line_naming_it_not_a_refusal_of_the_input(tmp_path, 
         f"beside --output_dir {disk.folder / 'out'}: make room, then run it again; nothing was written (the output "
         "appears whole, or not at all)"), result.stderr
     assert left == []
+
+
+RUNS_OUT_OF_MEMORY = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+from app.cli import stopped_in_one_line
+
+with stopped_in_one_line("convert_to_hf.py", "nothing was written", lambda: None, fewer_workers="--num_proc"):
+    if sys.argv[2] == "thread":  # a thread of the work, as a pool's are
+        threading.Thread(target=lambda: bytearray(2**62)).start()
+        threading.Event().wait(30)
+    raise RuntimeError("unable to mmap 106518744 bytes from file <model.safetensors>: Cannot allocate memory (12)")
+"""
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_running_out_of_memory_is_one_line_and_exit_1(where):
+    """convert_to_hf.py verifying a model too large for the machine's memory: a 33-line traceback."""
+    result = subprocess.run([sys.executable, "-c", RUNS_OUT_OF_MEMORY, str(REPO), where], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    cause = "unable to mmap 106518744 bytes from file <model.safetensors>: Cannot allocate memory (12)" \
+        if where == "main" else "MemoryError"
+    assert result.stderr.strip() == (f"convert_to_hf.py: out of memory ({cause}); lower --num_proc, or free memory, or "
+                                     "run it where there is more; nothing was written"), result.stderr

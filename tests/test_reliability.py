@@ -786,6 +786,24 @@ def test_running_out_of_memory_is_one_line_saying_what_to_change(raised: str) ->
     assert "If reserved" not in line and ("Tried to allocate 2.00 GiB" in line or "106518744 bytes" in line)
 
 
+@pytest.mark.parametrize("raised, said", [
+    ("RuntimeError('DataLoader worker (pid(s) 4242) exited unexpectedly')",  # 55 lines, SIGKILL never said
+     "rank 1: a data loader worker (pid 4242) ended (exited unexpectedly), as the out-of-memory killer ends one (see "
+     "`dmesg`): lower --num_workers or --micro_batch_size"),
+    ("RuntimeError(\"can't start new thread\")",  # up to 108 lines from the ranks and their workers
+     "rank 1: the system refused a new thread: the limit on processes and threads is reached (a cgroup's pids.max, "
+     "docker's --pids-limit, ulimit -u); lower --num_workers, or raise the limit"),
+    ("OSError(24, 'Too many open files')", "rank 1: too many open files (the limit, `ulimit -n`, is ")],
+    ids=["loader worker", "threads", "files"])
+def test_what_ends_a_rank_from_outside_is_one_line_naming_it(raised: str, said: str) -> None:
+    launcher = ("import types\nfrom app.reliability.signals import run_and_exit\n"
+                f"def work(fabric):\n    raise {raised}\n"
+                "run_and_exit(types.SimpleNamespace(global_rank=1), work)\n")
+    result = subprocess.run([sys.executable, "-c", launcher], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_CRASHED, result.stderr
+    assert result.stderr.strip().splitlines()[0].startswith(said) and "Traceback" not in result.stderr, result.stderr
+
+
 def test_a_teardown_that_hangs_is_left_after_its_timeout_with_the_runs_exit_code() -> None:
     """The ranks' last meeting and destroy_process_group can hang at exit (rarely): the rank must still leave, with
     the run's exit code, and say where it was stuck."""

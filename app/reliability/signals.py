@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import re
 import select
 import signal
 import subprocess
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from app.cli import first_line
+from app.cli import exhausted, exhausted_reason, first_line, out_of_memory
 from app.exit_codes import (EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_PREEMPTED,
                             EXIT_STALLED)
 from app.tasks import FIRST_REPORTS_S, end_with_the_launcher, srun_task, task_rank, time_limit_warned
@@ -328,10 +329,8 @@ def run_and_exit(fabric: Fabric, work: Callable[..., int], *args: object) -> NoR
     except Exception as error:
         if process_ending():  # this process's watchdog or signal thread is ending the run: its line says why
             end_process_tree(EXIT_CRASHED, stacks=False)  # waits for that exit, with that thread's code
-        if out_of_memory(error):  # where it happened matters less than what to change
-            say(f"rank {fabric.global_rank}: out of memory ({first_line(error).split(' If reserved')[0]}): lower "
-                "--micro_batch_size (the global batch stays, through more accumulation) or --eval_batch_size, or "
-                "add --gradient_checkpointing true; --estimate_memory true plans what a run needs\n")
+        if said := one_line_for(error, getattr(fabric, "global_rank", 0)):  # (the tests pass no fabric)
+            say(f"{said}\n")
             end_process_tree(EXIT_CRASHED, stacks=False)
         if peer_ended(error):  # the process that ended first printed why; a traceback here would only hide it
             ended = silent_children(fabric)
@@ -377,10 +376,25 @@ def collective_timed_out(error: Exception) -> bool:
     return any(text in str(error) for text in COLLECTIVE_TIMEOUTS)
 
 
-def out_of_memory(error: Exception) -> bool:
-    """Whether `error` is the device or the host running out of memory: a CUDA OOM, or the CPU allocator's
-    (`DefaultCPUAllocator: can't allocate memory`), which were tracebacks of 45 lines on every rank, no advice."""
-    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(error)
+LOADER_WORKER_ENDED = re.compile(r"DataLoader worker \(pids?\(?s?\)? ([\d, ]+)\) (exited unexpectedly|is killed by signal"
+                                 r": \w+)")
+"""torch's error when a data loader worker died (the out-of-memory killer's usual victim: it took a 55-line
+traceback that never said SIGKILL)."""
+
+
+def one_line_for(error: Exception, rank: int) -> Optional[str]:
+    """What a rank says, in one line, of an exception whose traceback helps no one: running out of memory (CUDA's or
+    the host's: 45 lines on every rank, no advice), a data loader worker killed, a limit on threads or open files."""
+    if out_of_memory(error):  # where it happened matters less than what to change
+        return (f"rank {rank}: out of memory ({first_line(error).split(' If reserved')[0]}): lower --micro_batch_size "
+                "(the global batch stays, through more accumulation) or --eval_batch_size, or add "
+                "--gradient_checkpointing true; --estimate_memory true plans what a run needs")
+    if worker := LOADER_WORKER_ENDED.search(str(error)):
+        return (f"rank {rank}: a data loader worker (pid {worker.group(1).strip()}) ended ({worker.group(2)}), as the "
+                "out-of-memory killer ends one (see `dmesg`): lower --num_workers or --micro_batch_size")
+    if (cause := exhausted(error)) is not None:
+        return f"rank {rank}: {exhausted_reason(cause, '--num_workers')}"
+    return None
 
 
 def peer_ended(error: Exception) -> bool:
