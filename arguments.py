@@ -206,7 +206,8 @@ class EvalArgs:
     eval_iters: int = 100
     """Maximum validation batches per evaluation (per device)."""
     eval_step_interval: int = 500
-    """Evaluate every this many optimizer steps (and at the end of each epoch and of training)."""
+    """Evaluate every this many optimizer steps (and at the end of each epoch and of training); 0: never (no
+    validation loss, no best checkpoint), as for data without a validation split."""
     initial_validation: bool = True
     """Evaluate once before the first step of a new run: the baseline every later validation loss compares with."""
     eval_samples: int = 0
@@ -480,9 +481,10 @@ def validate_config(cfg: Config, sources: Optional[dict[str, str]] = None) -> li
 
 def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     """Each option within its own range."""
-    for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "eval_step_interval",
-                 "log_interval", "eval_max_new_tokens"):
+    for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "log_interval", "eval_max_new_tokens"):
         require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    require(cfg.eval_step_interval >= 0, f"--eval_step_interval must be at least 1, or 0 for no validation, got "
+                                         f"{cfg.eval_step_interval}")
     for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "eval_batch_size",
                  "keep_last_n", "reference_batch_size"):
         value = getattr(cfg, name)
@@ -563,7 +565,12 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
     if not cfg.estimate_memory and cfg.device_memory_gb is not None:
         unread(["device_memory_gb"], "estimate_memory",
                "--device_memory_gb is only read by --estimate_memory true: add it, or drop --device_memory_gb")
-    if not cfg.eval_samples and cfg.eval_max_new_tokens != EvalArgs.eval_max_new_tokens:
+    evaluation = [f.name for f in fields(EvalArgs) if f.name != "eval_step_interval"
+                  and getattr(cfg, f.name) != f.default]
+    if not cfg.eval_step_interval:
+        unread(evaluation, "eval_step_interval", f"{flags(evaluation)}: not read with --eval_step_interval 0, which "
+                                                 "turns validation off: drop them, or give an interval")
+    elif not cfg.eval_samples and cfg.eval_max_new_tokens != EvalArgs.eval_max_new_tokens:
         unread(["eval_max_new_tokens"], "eval_samples",
                "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens")
     if cfg.max_step is not None and cfg.number_epochs != TrainingArgs.number_epochs:

@@ -214,7 +214,7 @@ them, and what this project calls them: difflib's closest name was another optio
 NOT_NEEDED = {
     "track_memory": "every log row has the peak memory; --estimate_memory plans a run's memory and exits",
     "save_model": "checkpoints are saved every --save_step_interval steps and at the end",
-    "run_validation": "validation runs every --eval_step_interval steps; without a validation split, none",
+    "run_validation": "validation runs every --eval_step_interval steps, and --eval_step_interval 0 turns it off",
 }
 """Options of those scripts for what this project always does (difflib sent `--track_memory` to --estimate_memory,
 which plans and exits without training)."""

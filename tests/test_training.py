@@ -346,6 +346,18 @@ def test_a_one_process_run_without_validation_prints_only_what_a_user_can_act_on
     assert not (tmp_path / "out" / "wandb").exists()
 
 
+def test_validation_turned_off_reads_no_validation_row(tiny, tmp_path) -> None:
+    """Seed 002's --run_validation false: validation could not be turned off (`--eval_step_interval 0` was refused,
+    "must be at least 1") but by preparing the data again without a validation split."""
+    result = run_train(train_args(tiny, tmp_path / "out", devices=1, max_step=4, warmup_steps=0, save_step_interval=2,
+                                  eval_step_interval=0, eval_iters=None))
+    assert_succeeded(result)
+    metrics = read_metrics(tmp_path / "out")
+    assert sorted(metrics) == [1, 2, 3, 4] and not any("val_loss" in row for row in metrics.values())
+    assert not (tmp_path / "out" / "checkpoints" / "best.json").exists()
+    assert "validation reads" not in result.stdout + result.stderr
+
+
 def test_on_a_terminal_every_log_interval_stays_in_the_scrollback_and_the_bar_has_one_eta(capsys) -> None:
     console = Console(enabled=True, start_step=0, max_step=4, interactive=True)
     for step in (1, 2, 3, 4):

@@ -158,7 +158,7 @@ class Loop:
         state, plan, cfg = self.state, self.plan, self.cfg
         steps = self.steps()
         self.state_memory.watch(state["model"], state["optimizer"])
-        if state["step"] == 0 and cfg.initial_validation and len(self.data.validation):
+        if state["step"] == 0 and cfg.initial_validation and cfg.eval_step_interval and len(self.data.validation):
             self.fabric.log_dict(self.evaluate(), step=0)
         losses = self.unlogged_losses()
         self.stop.begin_training(self.fabric)
@@ -242,7 +242,7 @@ class Loop:
         if step % cfg.log_interval == 0 or last:
             metrics |= self.training_metrics(losses, verdict.grad_norm_value, lr, throughput)
             losses.clear()
-        evaluated = step % cfg.eval_step_interval == 0 or epoch_ended or last
+        evaluated = bool(cfg.eval_step_interval) and (step % cfg.eval_step_interval == 0 or epoch_ended or last)
         stop = verdict.stop_requested
         if evaluated:
             evaluation = self.evaluate()

@@ -56,7 +56,8 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
             return None
         plan = plan_from_checkpoint(cfg, resume.metadata, plan)
         note_what_changed(cfg, resume.metadata, plan)
-        note_validation_rows(cfg, data, resume.metadata, plan)
+        if cfg.eval_step_interval:
+            note_validation_rows(cfg, data, resume.metadata, plan)
     # warmup counts schedule steps: a resume at another global batch finishes the checkpoint's schedule
     length = plan.schedule_length
     steps = (f"schedule of {length:g} steps (counted at this resume's global batch of {plan.global_batch_size})"
@@ -71,7 +72,7 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
              "never decaying to --min_lr (fewer warmup steps leave some for the decay)")
     if not cfg.estimate_memory:
         note_rows_left_out(plan, mixture=data.sources is not None)
-        if resume is None:  # a resume says what changed (note_validation_rows)
+        if resume is None and cfg.eval_step_interval:  # a resume says what changed (note_validation_rows)
             note_validation_share(cfg, data, plan)
     return plan
 
