@@ -111,7 +111,7 @@ def first_batch(rows):
                      max_step=None)
     data = TrainingData(DataFormat("text", 0), rows, None, np.ones(64, dtype=np.int64))
     steps = train_steps(OneRank(), data, plan, seed=0, epoch=0, position=0, num_workers=2)
-    return next(steps).micro_batches[0].inputs["input_ids"]
+    return next(iter(next(steps).micro_batches)).inputs["input_ids"]
 '''
 
 FIRST_BATCH_WHILE_ANOTHER_THREAD_HOLDS_THE_LOCK = FIRST_BATCH_OF_WORKERS + '''
@@ -235,10 +235,11 @@ def test_rows_set_aside_keep_their_place_in_the_order_but_train_no_token() -> No
     plan = make_plan(train_rows=8, block_size=5, world_size=1, micro_batch_size=8, accumulation=1, number_epochs=1,
                      max_step=None)
     step = next(train_steps(rank, data, plan, seed=0, epoch=0, position=0, num_workers=0))
-    inputs = step.micro_batches[0].inputs
+    batch, = step.micro_batches
+    inputs = batch.inputs
     assert inputs["input_ids"][:, 0].tolist() == step.rows, "every row in its place"
     assert [bool((labels == -100).all()) for labels in inputs["labels"]] == [row in (3, 5) for row in step.rows]
-    assert step.trained_tokens == step.micro_batches[0].trained_tokens == 6 * 4
+    assert step.trained_tokens == batch.trained_tokens == 6 * 4
     assert data.row_batch(3).trained_tokens == 0 and data.row_batch(4).trained_tokens == 4
 
 
@@ -256,3 +257,30 @@ def test_a_batch_is_pinned_whole_where_the_loader_pins_memory(monkeypatch) -> No
     moved = pin_memory(batch)
     assert isinstance(moved, Batch) and moved.trained_tokens == 9 and moved.inputs.keys() == batch.inputs.keys()
     assert [id(tensor) for tensor in pinned] == [id(tensor) for tensor in batch.inputs.values()]
+
+
+def test_a_steps_micro_batches_are_read_as_the_step_runs_them() -> None:
+    """All of a step's micro-batches were read (collated, copied to the device) before its first forward: a GPU
+    stood idle while the host read 32 of them. Each is now read when the step comes to it, its wait measured."""
+    from contextlib import contextmanager
+
+    from app.data.loader import MicroBatches
+
+    read, measured = [], []
+
+    def loader():
+        for number in range(10):
+            read.append(number)
+            yield number
+
+    @contextmanager
+    def reading():
+        measured.append(len(read))
+        yield
+
+    source = loader()
+    first, second = MicroBatches(source, 3, reading), MicroBatches(source, 3, reading)
+    assert len(first) == 3 and read == []
+    batches = iter(first)
+    assert next(batches) == 0 and read == [0]
+    assert list(batches) == [1, 2] and list(second) == [3, 4, 5] and measured == [0, 1, 2, 3, 4, 5]

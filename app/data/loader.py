@@ -7,7 +7,8 @@ and deaf to the stop signals meant for the rank.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 from pathlib import Path
@@ -146,12 +147,33 @@ def joined(sources: list[Source], folders: list[DatasetDict]) -> list[SourceRows
 class Step:
     """One optimizer step's micro-batches on this rank, and the trained tokens of the whole step on all ranks."""
 
-    micro_batches: list[Batch]
+    micro_batches: Sequence[Batch]
+    """A list, or MicroBatches read as the step runs them."""
     trained_tokens: int
     rows: list[int]
     """The rows of the whole step, all ranks' (order.step_rows)."""
     mixture: Optional[dict[str, Any]] = None
     """A mixture's position after this step (state["mixture"])."""
+
+
+class MicroBatches:
+    """A step's micro-batches, each read from the loader (and copied to the device) when the step comes to it: read
+    all before the first forward, they kept a GPU idle while the host collated and copied every one (32 a step in
+    a shipped config), where it now does so while the device runs the ones before. `reading` measures each read
+    (the loop's data wait). Read once, in order: the step that reads them is the only one."""
+
+    def __init__(self, loader: Iterator[Batch], count: int,
+                 reading: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        self.loader, self.count, self.reading = loader, count, reading
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[Batch]:
+        for _ in range(self.count):
+            with self.reading():
+                batch = next(self.loader)
+            yield batch
 
 
 def step_sequence(data: TrainingData, plan: TrainingPlan, *, seed: int, epoch: int, position: int,
@@ -207,9 +229,11 @@ def workers_that_fit(num_workers: int, data: TrainingData, micro_batch_size: int
 
 
 def train_steps(fabric: Fabric, data: TrainingData, plan: TrainingPlan, *, seed: int, epoch: int, position: int,
-                num_workers: int, mixture: Optional[dict[str, Any]] = None) -> Iterator[Step]:
-    """Steps from the state's position (epoch, position and a mixture's) onwards, without end. The loader's sampler
-    and the steps read two copies of the same sequence: the loader's workers may run ahead of the steps."""
+                num_workers: int, mixture: Optional[dict[str, Any]] = None,
+                reading: Callable[[], AbstractContextManager] = nullcontext) -> Iterator[Step]:
+    """Steps from the state's position (epoch, position and a mixture's) onwards, without end, their micro-batches
+    read as they run (`reading` measures each read). The loader's sampler and the steps read two copies of the same
+    sequence: the loader's workers may run ahead of the steps."""
     where = dict(seed=seed, epoch=epoch, position=position, mixture=mixture)
     sampler = StepBatches((rows for rows, _ in step_sequence(data, plan, **where)), plan, rank=fabric.global_rank)
     split = WithoutRows(data.train, set(data.set_aside)) if data.set_aside else data.train
@@ -220,8 +244,8 @@ def train_steps(fabric: Fabric, data: TrainingData, plan: TrainingPlan, *, seed:
                         **worker_options(num_workers))
     micro_batches = iter(fabric.setup_dataloaders(loader, use_distributed_sampler=False, move_to_device=True))
     for rows, after in step_sequence(data, plan, **where):
-        yield Step([next(micro_batches) for _ in range(plan.accumulation)],
-                   int(data.train_trained_tokens[rows].sum()), rows, after)
+        yield Step(MicroBatches(micro_batches, plan.accumulation, reading), int(data.train_trained_tokens[rows].sum()),
+                   rows, after)
 
 
 def eval_batches(fabric: Fabric, data_format: DataFormat, split: Dataset, *, batch_size: int,

@@ -278,7 +278,7 @@ class Loop:
         """The training steps from the state's epoch and position on."""
         return train_steps(self.fabric, self.data, self.plan, seed=self.cfg.seed, epoch=self.state["epoch"],
                            position=self.state["position"], num_workers=self.cfg.num_workers,
-                           mixture=self.state.get("mixture"))
+                           mixture=self.state.get("mixture"), reading=self.data_wait.measure)
 
     def judge(self, step: Step, verdict: StepVerdict) -> Action:
         """The spike guard's decision on this step, the same on every rank (spikes.py); what it found is printed, and
