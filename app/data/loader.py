@@ -158,7 +158,7 @@ class Step:
 
 class MicroBatches:
     """A step's micro-batches, each read from the loader (and copied to the device) when the step comes to it: read
-    all before the first forward, they kept a GPU idle while the host collated and copied every one (32 a step in
+    all before the first forward, they kept a GPU idle while the host collated and copied every one (64 a step in
     a shipped config), where it now does so while the device runs the ones before. `reading` measures each read
     (the loop's data wait). Read once, in order: the step that reads them is the only one."""
 
