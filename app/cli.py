@@ -36,7 +36,7 @@ import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from app.exit_codes import EXIT_CRASHED
-from app.folders import STORAGE_FULL, storage_error
+from app.folders import storage_error
 from app.tasks import end_with_the_parent, exit_refused, prctl
 
 CONFIG_FLAG = "--config"
@@ -540,7 +540,7 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str], cle
         yield
     except Exception as error:
         cause = exhausted(error)
-        if cause is None and not ending_elsewhere(ending):
+        if cause is None and not (lost_a_worker(error) and ending_elsewhere(ending)):
             raise
         end(0, cause and exhausted_reason(cause, fewer_workers, writes_to), EXIT_CRASHED)  # or waits for that end
     finally:
@@ -554,12 +554,14 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str], cle
 
 THREAD_REFUSED = "can't start new thread"
 WORKER_CAUSES = {251: RuntimeError(THREAD_REFUSED), 252: MemoryError("in a worker process"),
-                 253: OSError(errno.EMFILE, "Too many open files"), 254: OSError(errno.ENOSPC, "No space left on device")}
+                 253: OSError(errno.EMFILE, "Too many open files"), 254: OSError(errno.ENOSPC, "No space left on device"),
+                 255: OSError(errno.EDQUOT, "Disk quota exceeded")}
 """What a forked worker writes to its command's stop-signal pipe when a thread of its own met one of these (signal
 numbers are below 65), and what its command's process then says."""
 CONSEQUENCES_S = 2.0
-"""How long an error of the work waits for another thread that met a refused thread first to end the command: what
-that refusal broke (a pool's manager) reaches the main thread as errors of their own (connection reset by peer)."""
+"""How long an error of the work that lost a worker waits for another thread that met a refused thread first to end
+the command: what that refusal broke (a pool's manager) reaches the main thread as errors of their own (connection
+reset by peer); other errors are raised at once."""
 
 
 def worker_byte(cause: BaseException) -> int:
@@ -567,7 +569,7 @@ def worker_byte(cause: BaseException) -> int:
     if out_of_memory(cause):
         return 252
     if isinstance(cause, OSError):
-        return 253 if cause.errno == errno.EMFILE else 254
+        return {errno.EMFILE: 253, errno.EDQUOT: 255}.get(cause.errno, 254)
     return 251
 
 
@@ -575,6 +577,19 @@ def open_files_limit() -> int:
     import resource
 
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def lost_a_worker(error: BaseException) -> bool:
+    """Whether `error` is how the work meets a worker process or a pool's manager gone (EOF, a connection reset, a
+    pool's timeout): perhaps the consequence of a refusal that the worker reports itself (WORKER_CAUSES)."""
+    seen: Optional[BaseException] = error
+    for _ in range(16):
+        if seen is None:
+            return False
+        if isinstance(seen, (EOFError, ConnectionError)) or type(seen).__name__ == "TimeoutError":
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def ending_elsewhere(ending: Any) -> bool:
@@ -589,21 +604,30 @@ def exhausted(error: BaseException) -> Optional[BaseException]:
     """The full disk or the refused thread in `error` or what it wraps (datasets wraps what its readers raise): what
     no input or option of the command is to blame for."""
     for _ in range(16):  # a chain, not a cycle
-        if isinstance(error, OSError) and error.errno in (*STORAGE_FULL, errno.EMFILE) or out_of_memory(error) or (
+        if isinstance(error, OSError) and error.errno in WRITES_REFUSED or out_of_memory(error) or (
                 isinstance(error, RuntimeError) and THREAD_REFUSED in str(error)):
             return error
-        error = error.__cause__ or error.__context__
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)  # not `from None`'s
         if error is None:
             return None
     return None
 
 
+WRITES_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE}
+"""The errors of a full disk, a quota reached and too many open files: EROFS and EIO (a disk remounted read-only or
+failing) may come of reading an input, and keep their tracebacks."""
+
+
 def out_of_memory(error: BaseException) -> bool:
     """Whether `error` is the device or the host running out of memory: a CUDA OOM (torch.OutOfMemoryError, not
-    imported here), the CPU allocator's (`DefaultCPUAllocator: can't allocate memory`), a memory map refused."""
+    imported here), the CPU allocator's, a memory map refused (safetensors' `unable to mmap ...: Cannot allocate
+    memory`); not any error whose text quotes such words."""
+    text = str(error)
     return (isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError"
             or isinstance(error, OSError) and error.errno == errno.ENOMEM
-            or any(text in str(error) for text in ("can't allocate memory", "Cannot allocate memory")))
+            or isinstance(error, RuntimeError) and ("DefaultCPUAllocator: can't allocate memory" in text
+                                                    or text.startswith("unable to mmap")
+                                                    and "Cannot allocate memory" in text))
 
 
 def exhausted_reason(cause: BaseException, fewer_workers: str = "", writes_to: str = "its work folder") -> str:

@@ -969,6 +969,17 @@ def test_a_field_whose_values_change_kind_after_the_first_rows_is_refused_wherev
     big.write_text(line * rows + json.dumps({"text": 987654321}) + "\n")
     assert refusal(tmp_path, issue_run, [big]) == (
         f"--text_field text: row {rows + 1} of --input {big} holds int 987654321, not text")
+    moves = tmp_path / "moves"  # a list of text (the chess games' `Moves`): a number in a later file's list
+    moves.mkdir()
+    (moves / "a.jsonl").write_text("".join(json.dumps({"Moves": ["e4", "e5", "Nf3"]}) + "\n" for _ in range(8)))
+    (moves / "b.jsonl").write_text(json.dumps({"Moves": [1, 2]}) + "\n")
+    assert refusal(tmp_path, issue_run, [moves], text_field="Moves") == (
+        f"--text_field Moves: row 1 of {moves / 'b.jsonl'} holds a number in its list where the rows before (of "
+        f"--input {moves}) hold text: give every row the same kind there, or leave such rows out")
+    big.write_text(json.dumps({"text": "word " * (11 * 2**20 // 5)}) + "\n" + line * 10  # a first line of 11 MB
+                   + json.dumps({"text": 987654321}) + "\n")
+    assert refusal(tmp_path, issue_run, [big]) == (
+        f"--text_field text: row 12 of --input {big} holds int 987654321, not text")
     line = json.dumps({"messages": chat}) + "\n"
     rows = 12 * 2**20 // len(line)
     big.write_text(line * rows + json.dumps({"messages": [chat[0], {**chat[1], "content": 42}]}) + "\n")

@@ -788,8 +788,8 @@ def test_running_out_of_memory_is_one_line_saying_what_to_change(raised: str) ->
 
 @pytest.mark.parametrize("raised, said", [
     ("RuntimeError('DataLoader worker (pid(s) 4242) exited unexpectedly')",  # 55 lines, SIGKILL never said
-     "rank 1: a data loader worker (pid 4242) ended (exited unexpectedly), as the out-of-memory killer ends one (see "
-     "`dmesg`): lower --num_workers or --micro_batch_size"),
+     "rank 1: a data loader worker (pid 4242) exited unexpectedly, as the out-of-memory killer ends one (see `dmesg`): "
+     "lower --num_workers or --micro_batch_size"),
     ("RuntimeError(\"can't start new thread\")",  # up to 108 lines from the ranks and their workers
      "rank 1: the system refused a new thread: the limit on processes and threads is reached (a cgroup's pids.max, "
      "docker's --pids-limit, ulimit -u); lower --num_workers, or raise the limit"),
@@ -1379,3 +1379,29 @@ def test_an_srun_task_warned_before_training_waits_for_srun_to_end_it(monkeypatc
     stop._receive(read_end)
     os.close(read_end)
     assert quits == [] and stop.signal == usr1
+
+
+def test_only_what_ends_a_rank_from_outside_loses_its_traceback() -> None:
+    """A failing or read-only disk met while reading an input, an error that quotes "Cannot allocate memory", a bug
+    raised `from None` while handling a full disk and a worker that crashed (a bus error, an exit code) are no full
+    disk, no OOM kill: they keep their tracebacks (the review of the change that added the one-line ends)."""
+    import errno
+
+    from app.cli import exhausted
+    from app.reliability.signals import one_line_for
+
+    def bug_after_a_full_disk() -> Exception:
+        try:
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                raise KeyError("bug") from None
+        except KeyError as error:
+            return error
+
+    for error in (OSError(errno.EIO, "Input/output error", "/data/a.jsonl"), OSError(errno.EROFS, "Read-only"),
+                  ValueError("row 3: 'fork: Cannot allocate memory' is not a label"), bug_after_a_full_disk(),
+                  RuntimeError("DataLoader worker (pid 42) is killed by signal: Bus error. It is possible that "
+                               "dataloader's workers are out of shared memory."),
+                  RuntimeError("DataLoader worker (pid(s) 42) exited unexpectedly with exit code 1")):
+        assert one_line_for(error, 0) is None and exhausted(error) is None, error

@@ -138,6 +138,8 @@ class ModelShape:
         try:
             return kept_for_backward(meta_model(self.model_config, self.trust_remote_code), self.wrap_classes, *key)
         except Exception as error:
+            if not isinstance(error, FAKE_TENSOR_LIMITS) and "meta" not in str(error):  # the planner's own error
+                raise
             raise Unplannable(f"--estimate_memory: a {self.model_config.model_type} model's activations cannot be "
                               "measured on the planner's weightless (meta) copy, whose tensors have no values "
                               f"({first_line(error)}); train a few steps instead: every log row has the peak "

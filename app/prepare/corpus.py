@@ -7,6 +7,7 @@ turned into their records by their own module, which validates every row of an i
 from __future__ import annotations
 
 import codecs
+import io
 import json
 import logging
 import os
@@ -421,6 +422,18 @@ def kept_kind(kind: Any) -> Any:
     return None
 
 
+def first_rows_schema(file: str) -> Any:
+    """The types pyarrow reads from the rows datasets typed a JSON Lines file by: its first chunk, 10 MB and the rest
+    of the line it cut (a larger block missed a change between 10 and 16 MB; a smaller one, in a first line longer
+    than it, stopped the check)."""
+    import pyarrow.json as paj
+
+    with open(file, "rb") as lines:
+        first_chunk = lines.read(JsonConfig.chunksize) + lines.readline()
+    whole = paj.ReadOptions(block_size=len(first_chunk) + 1)  # one block: any line of it fits
+    return paj.read_json(io.BytesIO(first_chunk), read_options=whole).schema
+
+
 def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> None:
     """Refuse a field read from JSON Lines whose values change kind after the first rows: datasets takes a column's
     type from the first rows it reads and turns later values into it, so an object or a number in a text field (in
@@ -439,8 +452,7 @@ def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> N
             continue
         if schema is None:
             try:  # a change within the first rows: datasets' first rows, which the records' checks refuse
-                first_rows = paj.ReadOptions(block_size=JsonConfig.chunksize)  # at most what datasets typed
-                inferred = paj.open_json(file, read_options=first_rows).schema
+                inferred = first_rows_schema(file)
             except pa.ArrowInvalid:
                 return
             schema = pa.schema([pa.field(name, kind) for name in fields.values() if name in inferred.names
@@ -465,7 +477,8 @@ def check_json_kinds(files: list[str], fields: dict[str, str], source: str) -> N
                 value = json_row(file, index).get(field)
             except (ValueError, StopIteration, AttributeError):  # a line that is no JSON object: datasets says it
                 return
-            within = f" as a message's {path.split('/')[-1]}" if path != field else ""
+            item = path.split("/")[-1]
+            within = (f" as a message's {item}" if item in MESSAGE_TEXT else " in its list" if path != field else "")
             if not within:
                 Row(fields, index, file).text(option, value)  # as in the first rows: "holds int 12345, not text"
             raise UsageError(f"--{option} {field}: row {index + 1} of {file} holds {JSON_KINDS.get(now, now)}{within} "

@@ -376,10 +376,10 @@ def collective_timed_out(error: Exception) -> bool:
     return any(text in str(error) for text in COLLECTIVE_TIMEOUTS)
 
 
-LOADER_WORKER_ENDED = re.compile(r"DataLoader worker \(pids?\(?s?\)? ([\d, ]+)\) (exited unexpectedly|is killed by signal"
-                                 r": \w+)")
-"""torch's error when a data loader worker died (the out-of-memory killer's usual victim: it took a 55-line
-traceback that never said SIGKILL)."""
+LOADER_WORKER_KILLED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (exited unexpectedly|is killed by "
+                                  r"signal: Killed\.?)")
+"""torch's error when a data loader worker was killed, as the out-of-memory killer's usual victim is (a 55-line
+traceback that never said SIGKILL); a worker that crashed otherwise (a bus error, an exit code) keeps its traceback."""
 
 
 def one_line_for(error: Exception, rank: int) -> Optional[str]:
@@ -389,11 +389,12 @@ def one_line_for(error: Exception, rank: int) -> Optional[str]:
         return (f"rank {rank}: out of memory ({first_line(error).split(' If reserved')[0]}): lower --micro_batch_size "
                 "(the global batch stays, through more accumulation) or --eval_batch_size, or add "
                 "--gradient_checkpointing true; --estimate_memory true plans what a run needs")
-    if worker := LOADER_WORKER_ENDED.search(str(error)):
-        return (f"rank {rank}: a data loader worker (pid {worker.group(1).strip()}) ended ({worker.group(2)}), as the "
-                "out-of-memory killer ends one (see `dmesg`): lower --num_workers or --micro_batch_size")
+    if worker := LOADER_WORKER_KILLED.fullmatch(str(error).strip()):
+        how = "was killed by SIGKILL" if "Killed" in worker.group(2) else "exited unexpectedly"
+        return (f"rank {rank}: a data loader worker (pid {worker.group(1).strip()}) {how}, as the out-of-memory "
+                "killer ends one (see `dmesg`): lower --num_workers or --micro_batch_size")
     if (cause := exhausted(error)) is not None:
-        return f"rank {rank}: {exhausted_reason(cause, '--num_workers')}"
+        return f"rank {rank}: {exhausted_reason(cause, '--num_workers', writes_to='a folder of the run')}"
     return None
 
 
