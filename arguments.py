@@ -576,8 +576,8 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
     if cfg.max_step is not None and cfg.number_epochs != TrainingArgs.number_epochs:
         unread(["number_epochs"], "max_step",
                f"--number_epochs {cfg.number_epochs} is not read when --max_step is given, which sets the run's "
-               "length and its schedule: drop --max_step to train that many epochs (the schedule then spans them), "
-               "or drop --number_epochs")
+               "length and its schedule: drop --max_step (or give --max_step null over a config file's) to train "
+               "that many epochs, the schedule then spanning them, or drop --number_epochs")
     if not cfg.lr_decay and cfg.min_lr != TrainingArgs.min_lr:
         unread(["min_lr"], "lr_decay",
                "--min_lr is only read by the cosine decay, which --lr_decay false turns off: drop one of them")

@@ -212,12 +212,14 @@ OTHER_NAMES = {
 them, and what this project calls them: difflib's closest name was another option (`--learning_rate` suggested
 --sharding_strategy, `--batch_size` --eval_batch_size)."""
 NOT_NEEDED = {
-    "track_memory": "every log row has the peak memory; --estimate_memory plans a run's memory and exits",
-    "save_model": "checkpoints are saved every --save_step_interval steps and at the end",
-    "run_validation": "validation runs every --eval_step_interval steps, and --eval_step_interval 0 turns it off",
+    "track_memory": ("--estimate_memory", "every log row has the peak memory; --estimate_memory plans a run's memory "
+                                          "and exits"),
+    "save_model": ("--save_step_interval", "checkpoints are saved every --save_step_interval steps and at the end"),
+    "run_validation": ("--eval_step_interval", "validation runs every --eval_step_interval steps, and "
+                                               "--eval_step_interval 0 turns it off"),
 }
-"""Options of those scripts for what this project always does (difflib sent `--track_memory` to --estimate_memory,
-which plans and exits without training)."""
+"""Options of those scripts for what train.py always does (difflib sent `--track_memory` to --estimate_memory,
+which plans and exits without training), with the option each answer names: said where that option is one."""
 
 
 def meant_instead(name: str, options: list[str]) -> str:
@@ -225,8 +227,9 @@ def meant_instead(name: str, options: list[str]) -> str:
     file's key, answered in the same form (`(did you mean --lr?)`, `(did you mean lr?)`); "" when nothing is close."""
     flag = name.startswith("-")
     bare = name.lstrip("-").replace("-", "_").lower()
-    if bare in NOT_NEEDED:
-        return f" (no such option here: {NOT_NEEDED[bare]})"
+    named, answer = NOT_NEEDED.get(bare, ("", ""))
+    if named and (named if flag else named.removeprefix("--")) in options:
+        return f" (no such option here: {answer})"
     option, _, value = OTHER_NAMES.get(bare, "").partition(" ")
     written = option if flag else option.removeprefix("--")
     if option and written in options:
@@ -474,10 +477,11 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str], cle
     takes the signal, from the pipe that Python's C-level handler writes its number to (signal.set_wakeup_fd), and
     whichever of the two comes first stops the work.
 
-    A thread that the system refuses (the limit on processes and threads: a cgroup's pids.max, `ulimit -u`) or a full
-    disk, in any thread, ends the command the same way, exit 1, in one line naming the cause (and the option that
-    asks for fewer workers, `fewer_workers`, or where it writes, `writes_to`): datasets' pool waited for ever for a manager whose thread never started,
-    and a full disk was a traceback of 62 lines."""
+    A thread that the system refuses (the limit on processes and threads: a cgroup's pids.max, `ulimit -u`), a full
+    disk, too many open files or memory run out, in any thread or forked worker, ends the command the same way, exit
+    1, in one line naming the cause (and the option that asks for fewer workers, `fewer_workers`, or where it writes,
+    `writes_to`): datasets' pool waited for ever for a manager whose thread never started, and a full disk was a
+    traceback of 62 lines."""
     import signal
     import threading
 
@@ -554,7 +558,8 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str], cle
 
 THREAD_REFUSED = "can't start new thread"
 WORKER_CAUSES = {251: RuntimeError(THREAD_REFUSED), 252: MemoryError("in a worker process"),
-                 253: OSError(errno.EMFILE, "Too many open files"), 254: OSError(errno.ENOSPC, "No space left on device"),
+                 253: OSError(errno.EMFILE, "Too many open files"),
+                 254: OSError(errno.ENOSPC, "No space left on device"),
                  255: OSError(errno.EDQUOT, "Disk quota exceeded")}
 """What a forked worker writes to its command's stop-signal pipe when a thread of its own met one of these (signal
 numbers are below 65), and what its command's process then says."""

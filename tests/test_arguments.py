@@ -285,7 +285,8 @@ REFUSED_COMMANDS = {
                                 "train.py: error: unrecognized arguments: --learning_rate 1; --learning_rate (did you "
                                 "mean --lr?)"),
     "train.py option of another tool": (["train.py", "--batch-size", "4", "--bf16", "--track_memory"],
-                                        "train.py: error: unrecognized arguments: --batch-size 4 --bf16 --track_memory; "
+                                        "train.py: error: unrecognized arguments: --batch-size 4 --bf16 "
+                                        "--track_memory; "
                                         "--batch-size (did you mean --micro_batch_size?), --bf16 (did you mean "
                                         "--precision bf16-mixed?), --track_memory (no such option here: every log row "
                                         "has the peak memory; --estimate_memory plans a run's memory and exits)"),

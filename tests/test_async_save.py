@@ -274,4 +274,4 @@ def test_the_summary_counts_the_last_background_write_as_checkpoint_time_not_tra
     summary = json.loads((out / "summary.json").read_text())
     assert summary["checkpoints_saved"] == 2 and summary["save_sec"] > 4 > summary["train_sec"], summary
     saved_in = [float(seconds) for seconds in re.findall(r"step \d+: saved .* in ([\d.]+) s", result.stdout)]
-    assert len(saved_in) == 2 and max(saved_in) < 7, result.stdout  # one write: not the wait for the one before
+    assert len(saved_in) == 2 and max(saved_in) < 6.5, result.stdout  # its write (4 s), not the one before too

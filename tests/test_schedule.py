@@ -246,11 +246,13 @@ def test_a_validation_split_read_in_part_is_said_with_its_count(capsys) -> None:
                      max_step=None)
     cfg = SimpleNamespace(eval_iters=100, eval_batch_size=None, micro_batch_size=1)
 
-    def said(validation_rows: int, sources: object = None) -> str:
-        note_validation_share(cfg, SimpleNamespace(validation_rows=validation_rows, sources=sources), plan)
+    def said(validation_rows: int, folders: list[int] = ()) -> str:
+        note_validation_share(cfg, SimpleNamespace(validation_rows=validation_rows, sources=folders or None,
+                                                   identities=[{"validation_rows": rows} for rows in folders]), plan)
         return capsys.readouterr().out.strip()
 
     assert said(299) == ("validation reads 200 of its 299 rows at each evaluation (--eval_iters 100 batches of 1 on "
                          "each of 2 ranks), the same rows each time; raise --eval_iters to read more")
     assert said(200) == ""
-    assert said(900, sources=["a", "b"]).startswith("validation reads up to 200 rows of each folder of the mixture")
+    assert said(900, [600, 300]).startswith("validation reads up to 200 rows of each folder of the mixture")
+    assert said(450, [150, 150, 150]) == "", "each folder is read whole"

@@ -134,7 +134,8 @@ def note_other_checkpoints(folder: Path, latest: int) -> None:
         print(f"convert_to_hf.py: note: converting the latest checkpoint (step {latest}); the run's best by validation "
               f"loss is step {best['step']} (val_loss {best['val_loss']:.4f}, {BEST_FILE}): give --checkpoint "
               f"{folder / best['checkpoint']} to convert it", flush=True)
-    unfinished = sorted(int(found.group(1)) for entry in folder.iterdir() if (found := UNFINISHED_SAVE.match(entry.name)))
+    unfinished = sorted(int(found.group(1)) for entry in folder.iterdir()
+                        if (found := UNFINISHED_SAVE.match(entry.name)))
     if unfinished and unfinished[-1] > latest:
         print(f"convert_to_hf.py: note: the save of step {unfinished[-1]} did not finish (a .partial file is left): "
               f"the latest whole checkpoint is step {latest}", flush=True)

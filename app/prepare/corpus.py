@@ -87,14 +87,14 @@ def read_documents(args: PrepareArgs, to_records: ToRecords | None = None) -> Do
     pool, own_train, own_validation, description = [], [], [], []
     skipped = [0]
 
-    def counted(table: Dataset, source: str) -> Dataset:
+    def records_counting_skipped(table: Dataset, source: str) -> Dataset:
         records = to_records(table, source)
         skipped[0] += len(table) - len(records)
         return records
 
     for source in args.input:
         before = skipped[0]
-        train, validation, what = read_source(source, args, counted)
+        train, validation, what = read_source(source, args, records_counting_skipped)
         left_out = skipped[0] - before
         description.append(f"{what.removesuffix(')')}; {left_out:,} empty rows skipped)" if left_out else what)
         if validation is None:
@@ -644,8 +644,8 @@ def refuse_config_not_cached(name: str, snapshot: Path, config: str | None) -> N
     patterns = dataset_card_configs(DatasetCard.load(card).data.to_dict()).get(config) if card.is_file() else None
     if patterns and not any(next(snapshot.glob(pattern), None) for pattern in patterns):
         raise UsageError(f"--dataset_config {config}: the Hugging Face cache holds none of its files of {name} "
-                         f"({', '.join(patterns)}); run `python prefetch.py --dataset {name} --dataset_config {config}` "
-                         "on a machine with internet access using the same HF_HOME")
+                         f"({', '.join(patterns)}); run `python prefetch.py --dataset {name} --dataset_config "
+                         f"{config}` on a machine with internet access using the same HF_HOME")
 
 
 def cached_dataset(name: str) -> str | None:

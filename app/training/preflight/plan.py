@@ -113,7 +113,8 @@ def note_validation_share(cfg: Config, data: DataFacts, plan: TrainingPlan) -> N
     from read the whole split)."""
     batch = cfg.eval_batch_size or cfg.micro_batch_size
     limit = cfg.eval_iters * batch * plan.world_size
-    if data.validation_rows <= limit:
+    folders = [identity["validation_rows"] for identity in data.identities] if data.sources is not None else []
+    if max(folders, default=data.validation_rows) <= limit:  # a mixture reads up to the limit of each folder
         return
     read = (f"up to {limit:,} rows of each folder of the mixture" if data.sources is not None
             else f"{limit:,} of its {data.validation_rows:,} rows")
