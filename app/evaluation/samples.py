@@ -164,17 +164,17 @@ def references_past(samples: list[Sample], max_new_tokens: int, stops: set[int] 
             "raise it for scores that can reach them")
 
 
-def all_done(fabric: Fabric, done: bool, stopping: bool = False) -> bool:
-    """True when every rank is done; EvaluationStopped when a rank is `stopping` (it has seen a stop signal). The one
-    collective of a generated token."""
-    flags = [0.0 if done else 1.0, float(stopping)]
+def all_done(fabric: Fabric, running: torch.Tensor, stopping: bool = False) -> bool:
+    """True when no rank's sample is `running` (a flag on the device); EvaluationStopped when a rank is `stopping` (it
+    has seen a stop signal). The one collective, and the one wait for the device, of a generated token: the tokens
+    themselves come back to the host once the sample ends (each was read back as it came, a second wait)."""
+    flags = torch.stack([running.float(), torch.tensor(float(stopping), device=running.device)])
     if fabric.world_size > 1:
-        reduced = torch.tensor(flags, device=fabric.device)
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-        flags = reduced.tolist()
-    if flags[1]:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    still_running, stop = flags.tolist()
+    if stop:
         raise EvaluationStopped
-    return flags[0] == 0
+    return still_running == 0
 
 
 @torch.no_grad()
@@ -184,22 +184,25 @@ def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, sample: Optiona
     """Greedy tokens after the sample's prompt (None: a placeholder), until a stop token or `max_new_tokens`;
     EvaluationStopped as soon as a rank is `stopping` (it has seen a stop signal)."""
     module = strategy_module(model)
-    done = sample is None
+    real = sample is not None
     placeholder = [next(iter(stop_ids))]
     sample = sample or Sample(prompt=placeholder, reference=placeholder)
     inputs = decoding.first(torch.tensor([sample.prompt], device=fabric.device), torch.tensor([sample.reference]))
-    generated: list[int] = []
+    stops = torch.tensor(sorted(stop_ids), device=fabric.device)
+    running = torch.tensor(real, device=fabric.device)
+    tokens: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
         with fabric.autocast():
             output = module(**inputs, use_cache=True)
         token = output.logits[:, -1].argmax(-1, keepdim=True)
-        if not done:
-            generated.append(int(token.item()))
-            done = generated[-1] in stop_ids
-        if all_done(fabric, done, stopping()):
+        tokens.append(token)
+        running = running & ~torch.isin(token, stops).reshape(())
+        if all_done(fabric, running, stopping()):
             break
         inputs = decoding.next(token, output)
-    return generated
+    generated = torch.cat(tokens).flatten().tolist() if real else []
+    ends = next((index for index, token in enumerate(generated) if token in stop_ids), None)
+    return generated if ends is None else generated[:ends + 1]  # the other ranks' samples may have run on
 
 
 def generate_samples(fabric: Fabric, model: torch.nn.Module, samples: list[Sample], *, decoding: Decoding,
