@@ -28,7 +28,7 @@ from app.metrics.observe import has_experts
 from app.model.loss import ROUTER_COEFFICIENT_NAMES, probe_chunked_loss
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
-from app.training.preflight.tokenizer import room_for_tokens
+from app.training.preflight.tokenizer import TOKEN_ID_PAST_VOCAB, room_for_tokens
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -163,7 +163,7 @@ def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: Dat
     if max_positions:
         problems += positions_problems(data, max_positions, rotary=bool(getattr(model_config, "rope_parameters", None)))
     if data.max_token_id >= model_config.vocab_size:
-        problems.append(f"--train_data_dir holds token id {data.max_token_id} but the model's vocab_size is "
+        problems.append(f"{TOKEN_ID_PAST_VOCAB} {data.max_token_id} but the model's vocab_size is "
                         f"{model_config.vocab_size}; {room_for_tokens(cfg, data.max_token_id + 1)}")
 
 

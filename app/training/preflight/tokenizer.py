@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from arguments import Config
 
 
+TOKEN_ID_PAST_VOCAB = "--train_data_dir holds token id"
+"""How check_model's refusal of data whose ids the model's vocabulary does not hold begins: a tokenizer too large
+for it is that refusal again, with the same advice (two lines said one thing)."""
+
+
 def room_for_tokens(cfg: Config, tokens: int) -> str:
     """What to do about tokens beyond a model's vocabulary: a config file says its vocab_size; pretrained embeddings
     are not resized by train.py."""
@@ -59,7 +64,8 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
             return None
         problems.append(f"--tokenizer {unloadable_tokenizer(name, error)}; {TOKENIZER_ADVICE}")
         return None
-    if model_config is not None and len(tokenizer) > model_config.vocab_size:
+    if model_config is not None and len(tokenizer) > model_config.vocab_size and not any(
+            problem.startswith(TOKEN_ID_PAST_VOCAB) for problem in problems):  # the same advice, said once
         problems.append(f"{'--tokenizer' if cfg.tokenizer else 'the tokenizer'} {name} has {len(tokenizer)} tokens, "
                         f"more than the model's vocab_size {model_config.vocab_size}; "
                         + ("use the tokenizer the data was prepared with" if cfg.tokenizer
