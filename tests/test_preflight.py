@@ -107,7 +107,7 @@ CASES = {
     "ids beyond vocab": (dict(model_config="{small_vocab}", tokenizer=None), "but the model's vocab_size is 100"),
     "missing model config": (dict(model_config="/nonexistent/config"), "--model_config /nonexistent/config"),
     "missing tokenizer": (dict(tokenizer="/nonexistent/tokenizer"), "--tokenizer /nonexistent/tokenizer"),
-    "unknown wrap class": (dict(auto_wrap_policy="[GPT2Block]"), "choose from: LlamaDecoderLayer"),
+    "unknown wrap class": (dict(auto_wrap_policy="[GPT2Block]"), "its layer classes: LlamaDecoderLayer; its other classes: LlamaAttention"),
     "global batch": (dict(global_batch_size=12, gradient_accumulation_steps=None), "--global_batch_size 12"),
     "data below one step": (dict(micro_batch_size=400), "fewer than one optimizer step"),
     "warmup beyond the epochs": (dict(max_step=None, warmup_steps=10000), "--warmup_steps (10000) exceeds the run's"),
