@@ -1399,9 +1399,20 @@ def test_only_what_ends_a_rank_from_outside_loses_its_traceback() -> None:
         except KeyError as error:
             return error
 
+    def bus_error_behind_an_unexpected_exit() -> Exception:  # torch's error when /dev/shm is too small
+        try:
+            try:
+                raise RuntimeError("DataLoader worker (pid 42) is killed by signal: Bus error. It is possible that "
+                                   "dataloader's workers are out of shared memory.")
+            except RuntimeError as cause:
+                raise RuntimeError("DataLoader worker (pid(s) 42) exited unexpectedly") from cause
+        except RuntimeError as error:
+            return error
+
     for error in (OSError(errno.EIO, "Input/output error", "/data/a.jsonl"), OSError(errno.EROFS, "Read-only"),
                   ValueError("row 3: 'fork: Cannot allocate memory' is not a label"), bug_after_a_full_disk(),
                   RuntimeError("DataLoader worker (pid 42) is killed by signal: Bus error. It is possible that "
                                "dataloader's workers are out of shared memory."),
-                  RuntimeError("DataLoader worker (pid(s) 42) exited unexpectedly with exit code 1")):
+                  RuntimeError("DataLoader worker (pid(s) 42) exited unexpectedly with exit code 1"),
+                  bus_error_behind_an_unexpected_exit()):
         assert one_line_for(error, 0) is None and exhausted(error) is None, error

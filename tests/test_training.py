@@ -356,6 +356,14 @@ def test_validation_turned_off_reads_no_validation_row(tiny, tmp_path) -> None:
     assert sorted(metrics) == [1, 2, 3, 4] and not any("val_loss" in row for row in metrics.values())
     assert not (tmp_path / "out" / "checkpoints" / "best.json").exists()
     assert "validation reads" not in result.stdout + result.stderr
+    evaluated = tmp_path / "evaluated"  # a run with a best checkpoint, resumed with validation turned off
+    assert_succeeded(run_train(train_args(tiny, evaluated, devices=1, max_step=4, warmup_steps=0, save_step_interval=4,
+                                          eval_step_interval=4)))
+    resumed = run_train(train_args(tiny, evaluated, devices=1, max_step=6, warmup_steps=0, save_step_interval=2,
+                                   eval_step_interval=0, eval_iters=None, resume=True))
+    assert_succeeded(resumed)
+    assert "--eval_step_interval 0: the run's best checkpoint stays step 4's (best.json, from before validation was " \
+           "turned off), and --keep_last_n keeps it" in resumed.stdout + resumed.stderr
 
 
 def test_on_a_terminal_every_log_interval_stays_in_the_scrollback_and_the_bar_has_one_eta(capsys) -> None:

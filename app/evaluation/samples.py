@@ -200,7 +200,7 @@ def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, sample: Optiona
         if all_done(fabric, running, stopping()):
             break
         inputs = decoding.next(token, output)
-    generated = torch.cat(tokens).flatten().tolist() if real else []
+    generated = torch.cat(tokens).flatten().tolist() if real and tokens else []
     ends = next((index for index, token in enumerate(generated) if token in stop_ids), None)
     return generated if ends is None else generated[:ends + 1]  # the other ranks' samples may have run on
 

@@ -382,6 +382,19 @@ LOADER_WORKER_KILLED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\
 traceback that never said SIGKILL); a worker that crashed otherwise (a bus error, an exit code) keeps its traceback."""
 
 
+def crashed_otherwise(error: BaseException) -> bool:
+    """Whether what `error` wraps says a worker died of another signal than SIGKILL ("exited unexpectedly" may wrap
+    "killed by signal: Bus error", a /dev/shm too small, whose advice the traceback keeps)."""
+    seen: Optional[BaseException] = error
+    for _ in range(16):
+        if seen is None:
+            return False
+        if "killed by signal:" in str(seen) and "killed by signal: Killed" not in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def one_line_for(error: Exception, rank: int) -> Optional[str]:
     """What a rank says, in one line, of an exception whose traceback helps no one: running out of memory (CUDA's or
     the host's: 45 lines on every rank, no advice), a data loader worker killed, a limit on threads or open files."""
@@ -389,7 +402,7 @@ def one_line_for(error: Exception, rank: int) -> Optional[str]:
         return (f"rank {rank}: out of memory ({first_line(error).split(' If reserved')[0]}): lower --micro_batch_size "
                 "(the global batch stays, through more accumulation) or --eval_batch_size, or add "
                 "--gradient_checkpointing true; --estimate_memory true plans what a run needs")
-    if worker := LOADER_WORKER_KILLED.fullmatch(str(error).strip()):
+    if (worker := LOADER_WORKER_KILLED.fullmatch(str(error).strip())) and not crashed_otherwise(error):
         how = "was killed by SIGKILL" if "Killed" in worker.group(2) else "exited unexpectedly"
         return (f"rank {rank}: a data loader worker (pid {worker.group(1).strip()}) {how}, as the out-of-memory "
                 "killer ends one (see `dmesg`): lower --num_workers or --micro_batch_size")

@@ -205,7 +205,7 @@ class Loop:
         evaluation the signal cut short is said, since nothing measures it later (a resume there has nothing to
         train): the summary's val_loss and best.json are an earlier step's."""
         state = self.state
-        if len(self.data.validation) and state["val_loss_step"] != state["step"]:
+        if self.cfg.eval_step_interval and len(self.data.validation) and state["val_loss_step"] != state["step"]:
             earlier = f"step {state['val_loss_step']}'s" if state["val_loss_step"] is not None else "none"
             self.console.print(f"step {state['step']}: the last step is saved, but the signal cut its evaluation "
                                f"short: the run's validation loss is {earlier}")

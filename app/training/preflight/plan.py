@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
+from app.checkpoint.files import read_best
 from app.data.mixture import parse_sources
 from app.optimization.schedule import (TrainingPlan, accumulation_steps, learning_rate, make_plan, scale_for_batch,
                                         steps_to_finish)
@@ -58,6 +59,9 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems:
         note_what_changed(cfg, resume.metadata, plan)
         if cfg.eval_step_interval:
             note_validation_rows(cfg, data, resume.metadata, plan)
+        elif best := read_best(cfg.out_dir):
+            note(f"--eval_step_interval 0: the run's best checkpoint stays step {best['step']}'s (best.json, from "
+                 "before validation was turned off), and --keep_last_n keeps it")
     # warmup counts schedule steps: a resume at another global batch finishes the checkpoint's schedule
     length = plan.schedule_length
     steps = (f"schedule of {length:g} steps (counted at this resume's global batch of {plan.global_batch_size})"
