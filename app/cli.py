@@ -584,17 +584,21 @@ def open_files_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def wrapped(error: BaseException) -> Iterator[BaseException]:
+    """`error` and what it wraps: its cause, or the error it was raised while handling (not after `from None`)."""
+    seen: Optional[BaseException] = error
+    for _ in range(16):  # a chain, not a cycle
+        if seen is None:
+            return
+        yield seen
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+
+
 def lost_a_worker(error: BaseException) -> bool:
     """Whether `error` is how the work meets a worker process or a pool's manager gone (EOF, a connection reset, a
     pool's timeout): perhaps the consequence of a refusal that the worker reports itself (WORKER_CAUSES)."""
-    seen: Optional[BaseException] = error
-    for _ in range(16):
-        if seen is None:
-            return False
-        if isinstance(seen, (EOFError, ConnectionError)) or type(seen).__name__ == "TimeoutError":
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(isinstance(seen, (EOFError, ConnectionError)) or type(seen).__name__ == "TimeoutError"
+               for seen in wrapped(error))
 
 
 def ending_elsewhere(ending: Any) -> bool:
@@ -606,16 +610,10 @@ def ending_elsewhere(ending: Any) -> bool:
 
 
 def exhausted(error: BaseException) -> Optional[BaseException]:
-    """The full disk or the refused thread in `error` or what it wraps (datasets wraps what its readers raise): what
-    no input or option of the command is to blame for."""
-    for _ in range(16):  # a chain, not a cycle
-        if isinstance(error, OSError) and error.errno in WRITES_REFUSED or out_of_memory(error) or (
-                isinstance(error, RuntimeError) and THREAD_REFUSED in str(error)):
-            return error
-        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)  # not `from None`'s
-        if error is None:
-            return None
-    return None
+    """The full disk, the quota, the open files, the memory or the thread refused in `error` or what it wraps
+    (datasets wraps what its readers raise): what no input or option of the command is to blame for."""
+    return next((seen for seen in wrapped(error) if isinstance(seen, OSError) and seen.errno in WRITES_REFUSED
+                 or out_of_memory(seen) or isinstance(seen, RuntimeError) and THREAD_REFUSED in str(seen)), None)
 
 
 WRITES_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE}

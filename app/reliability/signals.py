@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from app.cli import exhausted, exhausted_reason, first_line, out_of_memory
+from app.cli import exhausted, exhausted_reason, first_line, out_of_memory, wrapped
 from app.exit_codes import (EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_PREEMPTED,
                             EXIT_STALLED)
 from app.tasks import FIRST_REPORTS_S, end_with_the_launcher, srun_task, task_rank, time_limit_warned
@@ -385,14 +385,8 @@ traceback that never said SIGKILL); a worker that crashed otherwise (a bus error
 def crashed_otherwise(error: BaseException) -> bool:
     """Whether what `error` wraps says a worker died of another signal than SIGKILL ("exited unexpectedly" may wrap
     "killed by signal: Bus error", a /dev/shm too small, whose advice the traceback keeps)."""
-    seen: Optional[BaseException] = error
-    for _ in range(16):
-        if seen is None:
-            return False
-        if "killed by signal:" in str(seen) and "killed by signal: Killed" not in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any("killed by signal:" in str(seen) and "killed by signal: Killed" not in str(seen)
+               for seen in wrapped(error))
 
 
 def one_line_for(error: Exception, rank: int) -> Optional[str]:
