@@ -580,3 +580,12 @@ def test_ctrl_c_ends_prefetch_at_once_in_one_line(tmp_path) -> None:
     assert started.returncode == 130, err
     assert err.strip() == ("prefetch.py: stopped by SIGINT; run it again: the files cached so far are kept, and an "
                            "unfinished one resumes where it stopped"), err
+
+
+def test_a_cached_dataset_card_that_does_not_parse_is_left_to_load_dataset(tmp_path) -> None:
+    """Checking which config's files the cache holds read the card's YAML: a malformed card was a traceback."""
+    from app.prepare.corpus import refuse_config_not_cached
+
+    for card in ("---\nconfigs: [a\n---\n", "---\nconfigs:\n- data_files: a/*.jsonl\n---\n"):
+        (tmp_path / "README.md").write_text(card)
+        refuse_config_not_cached("org/data", tmp_path, "a")  # nothing raised: load_dataset says what is wrong

@@ -21,6 +21,7 @@ from itertools import islice
 from pathlib import Path
 
 import datasets
+import yaml
 from datasets import Dataset, DatasetDict
 from datasets.data_files import get_data_patterns, resolve_pattern
 from datasets.packaged_modules.json.json import JsonConfig
@@ -639,9 +640,13 @@ def load_dataset_problem(error: Exception) -> str:
 
 def refuse_config_not_cached(name: str, snapshot: Path, config: str | None) -> None:
     """Refuse a --dataset_config of which the cached snapshot holds no data file: prefetch.py --dataset_config fetched
-    another config's, and `load_dataset` failed with a bare `StopIteration`."""
+    another config's, and `load_dataset` failed with a bare `StopIteration`. A card this cannot read is left to
+    `load_dataset`, whose refusal is one line."""
     card = snapshot / "README.md"
-    patterns = dataset_card_configs(DatasetCard.load(card).data.to_dict()).get(config) if card.is_file() else None
+    try:
+        patterns = dataset_card_configs(DatasetCard.load(card).data.to_dict()).get(config) if card.is_file() else None
+    except (ValueError, yaml.YAMLError, KeyError, TypeError, AttributeError):  # malformed YAML or configs
+        return
     if patterns and not any(next(snapshot.glob(pattern), None) for pattern in patterns):
         raise UsageError(f"--dataset_config {config}: the Hugging Face cache holds none of its files of {name} "
                          f"({', '.join(patterns)}); run `python prefetch.py --dataset {name} --dataset_config "
