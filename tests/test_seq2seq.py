@@ -342,6 +342,10 @@ def test_generation_samples_start_the_decoder_where_its_training_inputs_start(mo
     with it (the labels shifted right behind their last token); samples started from decoder_start_token_id
     instead, and the model wrote in no language it was trained for. T5 and BART start from decoder_start_token_id."""
     reference = [5, 6, 7, 2, 40]  # "words </s> ro_RO" for mBART
-    first = decoding_for(model_config).first(torch.tensor([[9, 8, 2]]), torch.tensor([reference]))
+    first = decoding_for(model_config).first([[9, 8, 2]], [reference])
     assert first["decoder_input_ids"].tolist() == [[start]]
-    assert first["input_ids"].tolist() == [[9, 8, 2]]
+    assert first["input_ids"].tolist() == [[9, 8, 2]] and "attention_mask" not in first
+    together = decoding_for(model_config).first([[9, 8, 2], [7, 2]], [reference, reference])
+    assert together["input_ids"].tolist() == [[9, 8, 2], [7, 2, 0]], "sources padded on the right"
+    assert together["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert together["decoder_input_ids"].tolist() == [[start], [start]]

@@ -25,7 +25,7 @@ from app.data import IGNORE_INDEX, load_data
 from app.data.formats import Sample, packed_examples
 from app.data.order import StepBatches, epoch_permutation, step_rows
 from app.evaluation.samples import (CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, fit_to_context,
-                                    generate_samples, sample_metrics, write_samples)
+                                    generate_samples, generation_batches, pads_apart, sample_metrics, write_samples)
 from app.evaluation.validation import EvaluationStopped
 from app.model.isolation import probe_isolation
 from app.optimization.schedule import make_plan
@@ -564,6 +564,48 @@ def test_greedy_samples_under_fsdp_equal_transformers_generate_and_ranks_stop_at
     assert generate_through_the_application(tiny, packed, pretrained, stop_id, 4, 10, tmp_path) == expected
 
 
+def test_a_ranks_samples_go_through_together_padded_with_the_tokens_each_gets_alone(packed, pretrained) -> None:
+    """Every generated token is one forward, which under FSDP gathers every weight: a rank's prompts went one at a
+    time, and its evaluation gathered the model once per token of every prompt. Padded on the left into batches of
+    an evaluation batch's tokens, they make as many forwards as their longest answer, give each prompt the greedy
+    tokens it gets alone, and compute logits only at each row's last position."""
+    from lightning_fabric import Fabric
+
+    data = load_data(packed)
+    samples = data.format.samples(data.validation, 4)
+    assert len({len(sample.prompt) for sample in samples}) > 1, "prompts of different lengths, padded"
+    model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    forwards, logit_rows = [], []
+    model.register_forward_hook(lambda module, args, kwargs, output: forwards.append(1), with_kwargs=True)
+    model.lm_head.register_forward_hook(lambda module, args, output: logit_rows.append(output.shape[1]))
+    fabric = Fabric(accelerator="cpu", devices=1)
+
+    def generate(budget: int) -> list[list[int]]:
+        forwards.clear()
+        return generate_samples(fabric, model, samples, decoding=CAUSAL, max_new_tokens=6, stop_ids={-1},
+                                token_budget=budget)
+
+    one_at_a_time = generate(0)
+    assert len(forwards) == 4 * 6
+    assert generate(4 * (max(len(sample.prompt) for sample in samples) + 6)) == one_at_a_time and len(forwards) == 6
+    assert set(logit_rows) == {1}, "the last position's logits only"
+    assert pads_apart(AutoConfig.from_pretrained(pretrained), "sdpa")
+
+
+def test_generation_batches_fill_an_evaluation_batchs_tokens_longest_prompts_first() -> None:
+    assert generation_batches([5, 30, 10, 28], max_new_tokens=2, token_budget=64) == [[1, 3], [2, 0]]
+    assert generation_batches([5, 30, 10, 28], max_new_tokens=2, token_budget=0) == [[1], [3], [2], [0]]
+    assert generation_batches([100], max_new_tokens=2, token_budget=64) == [[0]], "alone when even one is larger"
+
+
+def test_models_whose_logits_padding_changes_generate_one_prompt_at_a_time() -> None:
+    """A state-space model reads the padding as text; GPT-2's learned positions need the padded rows' own."""
+    from transformers import GPT2Config, MambaConfig
+
+    assert not pads_apart(MambaConfig(vocab_size=400, hidden_size=64, state_size=8, num_hidden_layers=2), "eager")
+    assert pads_apart(GPT2Config(n_embd=64, n_layer=2, n_head=4), "eager")
+
+
 def test_a_stop_signal_cuts_the_generation_of_samples_short_at_the_next_token(packed, pretrained) -> None:
     """Generation samples can take minutes at each evaluation, and a stop signal during them waited for their end:
     past a preemption's grace period. Each generated token's collective now carries the stop too, so every rank
@@ -735,7 +777,7 @@ def test_samples_of_a_state_space_model_step_with_its_own_cache() -> None:
         for matrix in (parameter for parameter in model.parameters() if parameter.dim() > 1):
             matrix.mul_(8)  # far from the initialisation: every token another
     prompt = [5, 9, 13, 2, 7]
-    ours = generate_in_lockstep(Fabric(accelerator="cpu", devices=1), model, Sample(prompt=prompt, reference=prompt),
-                                decoding=CAUSAL, max_new_tokens=6, stop_ids={-1})
+    ours, = generate_in_lockstep(Fabric(accelerator="cpu", devices=1), model, [Sample(prompt=prompt, reference=prompt)],
+                                 decoding=CAUSAL, max_new_tokens=6, stop_ids={-1})
     theirs = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
     assert ours == theirs and len(set(ours)) > 3, (ours, theirs)

@@ -108,6 +108,11 @@ class DataFormat:
         return self.name in ("supervised_padded", "seq2seq")
 
     @property
+    def packs_examples(self) -> bool:
+        """Several examples in one row, which must not attend to each other (app/model/isolation.py)."""
+        return self.name == "supervised_packed"
+
+    @property
     def supervised(self) -> bool:
         return self.name != "text"
 

@@ -7,10 +7,17 @@ model's own forward (FSDP gathers and frees each layer as in evaluation), with t
 make the same number of calls: each takes every world-size-th prompt, a rank out of prompts or already finished
 feeds a placeholder token, and one small all-reduce per token tells them when every rank is done. No rank ever
 holds the whole model.
+
+A rank's prompts go through together, as many as fit in the tokens of an evaluation batch (`generation_batches`),
+padded on the left (a causal LM, with the positions each has alone) or on the right (an encoder's sources): each
+forward gathers every weight of the model, and a rank that generated its prompts one by one gathered them once per
+token of every prompt. Whether padding leaves every prompt's logits as they are alone is a property of the model
+class, probed on its small twin (`pads_apart`); where it does not, prompts go one at a time.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from dataclasses import dataclass, replace
@@ -27,8 +34,8 @@ from app.checkpoint.files import move_aside
 from app.data.formats import Sample
 from app.evaluation.validation import EvaluationStopped
 from app.folders import replace_file, written_or_warned
-from app.model.build import evaluation_mode, strategy_module
-from app.model.isolation import decoder_inputs_from_labels
+from app.model.build import evaluation_mode, hugging_face_model, strategy_module
+from app.model.isolation import TOLERANCE, decoder_inputs_from_labels, probe_examples, probe_twin
 from app.prepare.chat_template import end_of_turn_id
 
 if TYPE_CHECKING:
@@ -58,40 +65,98 @@ rougeLsum there was rougeL."""
 class Decoding:
     """How one model kind is stepped: the inputs of the first forward, and of every next one."""
 
-    first: Callable[[torch.Tensor, torch.Tensor], dict[str, Any]]
-    """(prompt, reference) -> the inputs of the first forward."""
-    next: Callable[[torch.Tensor, Any], dict[str, Any]]
-    """(last token, previous model output) -> the inputs of the next forward."""
+    first: Callable[[list[list[int]], list[list[int]]], dict[str, Any]]
+    """(prompts, their references) -> the inputs of the first forward, one row per prompt."""
+    next: Callable[[torch.Tensor, Any, dict[str, Any]], dict[str, Any]]
+    """(last tokens, the model's output, the inputs it read) -> the inputs of the next forward."""
 
 
-def causal_next(token: torch.Tensor, output: Any) -> dict[str, Any]:
+def padded(prompts: list[list[int]], left: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The prompts as rows of one tensor, and which of its tokens are theirs (None when every row is whole). The
+    padding token is 0: it is never attended to."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        columns = slice(width - len(prompt), width) if left else slice(0, len(prompt))
+        ids[row, columns], mask[row, columns] = torch.tensor(prompt), 1
+    return ids, (None if bool(mask.all()) else mask)
+
+
+def causal_first(prompts: list[list[int]], references: list[list[int]]) -> dict[str, Any]:
+    """Prompts padded on the left, so that every row's next token is its last column, with the positions each has
+    alone (transformers counts them from the first column otherwise)."""
+    ids, mask = padded(prompts, left=True)
+    if mask is None:
+        return {"input_ids": ids}
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+
+
+def causal_next(token: torch.Tensor, output: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     """The next token with the model's cache: its key/value cache, or the state of a state-space model (Mamba's
-    `cache_params`: reading `past_key_values` from its output ended the run at its first evaluation)."""
+    `cache_params`: reading `past_key_values` from its output ended the run at its first evaluation); padded rows
+    keep their mask and count their own positions."""
     state = getattr(output, "cache_params", None)
-    return {"input_ids": token, **({"cache_params": state} if state is not None
+    step = {"input_ids": token, **({"cache_params": state} if state is not None
                                    else {"past_key_values": output.past_key_values})}
+    if "attention_mask" in inputs:
+        step["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
+        step["position_ids"] = inputs["position_ids"][:, -1:] + 1
+    return step
 
 
-CAUSAL = Decoding(first=lambda prompt, reference: {"input_ids": prompt}, next=causal_next)
+CAUSAL = Decoding(first=causal_first, next=causal_next)
 
 
 def seq2seq_decoding(decoder_inputs: Callable[[torch.Tensor], torch.Tensor]) -> Decoding:
-    """An encoder-decoder reads the source once; its decoder starts from the token its inputs started with in
-    training, `decoder_inputs` built from the reference (the model's own shift of the labels: T5's and BART's
-    decoder_start_token_id, mBART's target-language code, which its labels end with; a fixed start token made an
-    mBART write in no language it was trained for), then reads its own tokens, with the encoder's output and its
-    cache passed back in."""
-    return Decoding(
-        first=lambda source, reference: {"input_ids": source,
-                                         "decoder_input_ids": decoder_inputs(reference)[:, :1].to(source.device)},
-        next=lambda token, output: {"encoder_outputs": (output.encoder_last_hidden_state,),
-                                    "decoder_input_ids": token, "past_key_values": output.past_key_values})
+    """An encoder-decoder reads the sources once (padded on the right, masked); its decoder starts from the token its
+    inputs started with in training, `decoder_inputs` built from the reference (the model's own shift of the labels:
+    T5's and BART's decoder_start_token_id, mBART's target-language code, which its labels end with; a fixed start
+    token made an mBART write in no language it was trained for), then reads its own tokens, with the encoder's
+    output, its mask and the cache passed back in."""
+    def first(sources: list[list[int]], references: list[list[int]]) -> dict[str, Any]:
+        ids, mask = padded(sources, left=False)
+        starts = torch.cat([decoder_inputs(torch.tensor([reference]))[:, :1] for reference in references])
+        return {"input_ids": ids, "decoder_input_ids": starts, **({"attention_mask": mask} if mask is not None else {})}
+
+    def next_step(token: torch.Tensor, output: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+        mask = {"attention_mask": inputs["attention_mask"]} if "attention_mask" in inputs else {}
+        return {"encoder_outputs": (output.encoder_last_hidden_state,), "decoder_input_ids": token,
+                "past_key_values": output.past_key_values, **mask}
+
+    return Decoding(first=first, next=next_step)
 
 
 def decoding_for(model_config: PretrainedConfig, trust_remote_code: bool = False) -> Decoding:
     if not model_config.is_encoder_decoder:
         return CAUSAL
     return seq2seq_decoding(decoder_inputs_from_labels(model_config, trust_remote_code))
+
+
+def pads_apart(model_config: PretrainedConfig, attn_implementation: str, trust_remote_code: bool = False) -> bool:
+    """Whether prompts of different lengths padded into one batch each get the logits they get alone, at the first
+    token and at the next (read with the cache), probed on a small twin of the model: one whose forward ignores the
+    mask, or takes no positions (Mamba's state reads the padding as text), generates its samples one at a time."""
+    model, device, dtype = probe_twin(model_config, attn_implementation, trust_remote_code)
+    decoding = decoding_for(model_config, trust_remote_code)
+    prompts = [ids.tolist() for ids in probe_examples(((3, 7),), model.config.vocab_size)[0]]
+    try:
+        together = two_tokens_logits(model, decoding, prompts, device)
+        alone = torch.cat([two_tokens_logits(model, decoding, [prompt], device) for prompt in prompts])
+    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError):  # a forward refusing a mask
+        return False
+    return float((together - alone).abs().max() / alone.abs().max().clamp_min(1e-12)) <= TOLERANCE[dtype]
+
+
+@torch.no_grad()
+def two_tokens_logits(model: torch.nn.Module, decoding: Decoding, prompts: list[list[int]],
+                      device: torch.device) -> torch.Tensor:
+    """The logits of each prompt's next token, and of the one after a fixed token: (prompts, 2, vocabulary)."""
+    inputs = {name: tensor.to(device) for name, tensor in decoding.first(prompts, prompts).items()}
+    output = model(**inputs, use_cache=True)
+    following = model(**decoding.next(torch.full((len(prompts), 1), 5, device=device), output, inputs),
+                      use_cache=True)
+    return torch.stack([output.logits[:, -1], following.logits[:, -1]], dim=1).float()
 
 
 def fit_to_context(samples: list[Sample], model_config: PretrainedConfig, max_new_tokens: int) -> list[Sample]:
@@ -178,48 +243,82 @@ def all_done(fabric: Fabric, running: torch.Tensor, stopping: bool = False) -> b
 
 
 @torch.no_grad()
-def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, sample: Optional[Sample], *, decoding: Decoding,
+def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, batch: list[Sample], *, decoding: Decoding,
                          max_new_tokens: int, stop_ids: set[int],
-                         stopping: Callable[[], bool] = lambda: False) -> list[int]:
-    """Greedy tokens after the sample's prompt (None: a placeholder), until a stop token or `max_new_tokens`;
-    EvaluationStopped as soon as a rank is `stopping` (it has seen a stop signal)."""
+                         stopping: Callable[[], bool] = lambda: False) -> list[list[int]]:
+    """Greedy tokens after each prompt of `batch` (empty: a placeholder row), until a stop token or
+    `max_new_tokens`; EvaluationStopped as soon as a rank is `stopping` (it has seen a stop signal)."""
     module = strategy_module(model)
-    real = sample is not None
     placeholder = [next(iter(stop_ids))]
-    sample = sample or Sample(prompt=placeholder, reference=placeholder)
-    inputs = decoding.first(torch.tensor([sample.prompt], device=fabric.device), torch.tensor([sample.reference]))
+    rows = batch or [Sample(prompt=placeholder, reference=placeholder)]
+    inputs = {name: tensor.to(fabric.device) for name, tensor in
+              decoding.first([row.prompt for row in rows], [row.reference for row in rows]).items()}
+    last_logits = {"logits_to_keep": 1} if keeps_last_logits(model) else {}  # not a prompt's worth of vocabularies
     stops = torch.tensor(sorted(stop_ids), device=fabric.device)
-    running = torch.tensor(real, device=fabric.device)
+    running = torch.full((len(rows),), bool(batch), device=fabric.device)
     tokens: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
         with fabric.autocast():
-            output = module(**inputs, use_cache=True)
+            output = module(**inputs, **last_logits, use_cache=True)
         token = output.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
-        running = running & ~torch.isin(token, stops).reshape(())
-        if all_done(fabric, running, stopping()):
+        running = running & ~torch.isin(token, stops).flatten()
+        if all_done(fabric, running.any(), stopping()):
             break
-        inputs = decoding.next(token, output)
-    generated = torch.cat(tokens).flatten().tolist() if real and tokens else []
-    ends = next((index for index, token in enumerate(generated) if token in stop_ids), None)
-    return generated if ends is None else generated[:ends + 1]  # the other ranks' samples may have run on
+        inputs = decoding.next(token, output, inputs)
+    generated = torch.cat(tokens, dim=1).tolist() if batch and tokens else [[] for _ in batch]
+    return [up_to_stop(row, stop_ids) for row in generated]  # other rows, and other ranks' samples, may run on
+
+
+def up_to_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    ends = next((index for index, token in enumerate(tokens) if token in stop_ids), None)
+    return tokens if ends is None else tokens[:ends + 1]
+
+
+def keeps_last_logits(model: torch.nn.Module) -> bool:
+    """Whether the model's forward can compute the logits of the last position only (transformers' causal LMs):
+    a prompt's logits over the whole vocabulary, which the loss path never builds in training, were computed at
+    every sample's first token (4.2 GB in float32 for an 8K prompt of a 128K vocabulary)."""
+    return "logits_to_keep" in inspect.signature(type(hugging_face_model(model)).forward).parameters
+
+
+def generation_batches(lengths: list[int], max_new_tokens: int, token_budget: int) -> list[list[int]]:
+    """Which prompts (indices into `lengths`) go through together: longest first, as many as fit
+    `token_budget` tokens once padded to the longest and grown by `max_new_tokens`; one at a time when the budget
+    is 0 (padding changes the model's logits) or cannot hold two."""
+    batches: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if batches and (len(batches[-1]) + 1) * (lengths[batches[-1][0]] + max_new_tokens) <= token_budget:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
 
 
 def generate_samples(fabric: Fabric, model: torch.nn.Module, samples: list[Sample], *, decoding: Decoding,
-                     max_new_tokens: int, stop_ids: set[int],
+                     max_new_tokens: int, stop_ids: set[int], token_budget: int = 0,
                      stopping: Callable[[], bool] = lambda: False) -> list[list[int]]:
-    """The generated tokens of every sample, on every rank; each rank generates every world-size-th one."""
-    mine = samples[fabric.global_rank::fabric.world_size]
-    rounds = -(-len(samples) // fabric.world_size)
+    """The generated tokens of every sample, on every rank; each rank generates every world-size-th one, in the
+    batches `generation_batches` makes of them within `token_budget`. Every rank makes as many batches' calls as
+    the rank with the most, which each rank counts from the samples alone: no collective decides it."""
+    shares = [list(range(rank, len(samples), fabric.world_size)) for rank in range(fabric.world_size)]
+    batches = [[[share[i] for i in batch] for batch in
+                generation_batches([len(samples[i].prompt) for i in share], max_new_tokens, token_budget)]
+               for share in shares]
+    mine = batches[fabric.global_rank]
+    generated: dict[int, list[int]] = {}
     with evaluation_mode(model):
-        outputs = [generate_in_lockstep(fabric, model, mine[i] if i < len(mine) else None, decoding=decoding,
-                                        max_new_tokens=max_new_tokens, stop_ids=stop_ids, stopping=stopping)
-                   for i in range(rounds)]
-    gathered = [outputs]
+        for round_ in range(max(len(rank_batches) for rank_batches in batches)):
+            batch = mine[round_] if round_ < len(mine) else []
+            generated |= zip(batch, generate_in_lockstep(fabric, model, [samples[i] for i in batch],
+                                                         decoding=decoding, max_new_tokens=max_new_tokens,
+                                                         stop_ids=stop_ids, stopping=stopping))
+    gathered = [generated]
     if fabric.world_size > 1:
-        gathered = [None] * fabric.world_size
-        dist.all_gather_object(gathered, outputs)
-    return [gathered[i % fabric.world_size][i // fabric.world_size] for i in range(len(samples))]
+        gathered = [{}] * fabric.world_size
+        dist.all_gather_object(gathered, generated)
+    every = {index: tokens for part in gathered for index, tokens in part.items()}
+    return [every[index] for index in range(len(samples))]
 
 
 class RougeWords:
@@ -292,6 +391,8 @@ class SampleEvaluator:
     decoding: Decoding
     max_new_tokens: int
     out_dir: Path
+    token_budget: int = 0
+    """The tokens of a rank's prompts generated together, padded and grown by max_new_tokens (0: one at a time)."""
 
     @property
     def stop_ids(self) -> set[int]:
@@ -301,7 +402,8 @@ class SampleEvaluator:
                  stopping: Callable[[], bool] = lambda: False) -> dict[str, float]:
         """Generate, write and score the samples; EvaluationStopped when a rank is `stopping` (a stop signal)."""
         tokens = generate_samples(fabric, model, self.samples, decoding=self.decoding,
-                                  max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, stopping=stopping)
+                                  max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids,
+                                  token_budget=self.token_budget, stopping=stopping)
         if not fabric.is_global_zero:
             return {}
         generated = [self.text(ids) for ids in tokens]

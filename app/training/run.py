@@ -332,7 +332,14 @@ def sample_evaluator(fabric: Fabric, cfg: Config, inputs: RunInputs, data: Train
             say_once(fabric, said)
     return SampleEvaluator(samples=samples, tokenizer=tokenizer,
                            decoding=decoding_for(inputs.model_config, cfg.trust_remote_code),
-                           max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir))
+                           max_new_tokens=cfg.eval_max_new_tokens, out_dir=Path(cfg.out_dir),
+                           token_budget=samples_token_budget(cfg, inputs))
+
+
+def samples_token_budget(cfg: Config, inputs: RunInputs) -> int:
+    """The tokens of a rank's --eval_samples prompts generated together: an evaluation batch's, which fit beside the
+    model as validation runs (0: one prompt at a time, for a model whose logits padding changes)."""
+    return (cfg.eval_batch_size or cfg.micro_batch_size) * inputs.plan.block_size if inputs.samples_pad_apart else 0
 
 
 def corrupt_checkpoint(fabric: Fabric, cfg: Config, path: Path, unreadable: str) -> int:

@@ -2,7 +2,8 @@
 
     python tests/helpers/probe_generation.py REPORT.json STOP_ID COUNT MAX_NEW_TOKENS <train.py options>
 
-Rank 0 writes the generated tokens of every sample to REPORT.json.
+Rank 0 writes the generated tokens of every sample to REPORT.json, and the tokens each rank's prompts were generated
+in together (their batches).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from app.exit_codes import EXIT_FINISHED  # noqa: E402
 from app.model.build import deferred_init, setup_model  # noqa: E402
 from app.reliability.signals import run_and_exit  # noqa: E402
 from app.training.preflight import preflight  # noqa: E402
+from app.training.run import samples_token_budget  # noqa: E402
 from arguments import parse_config  # noqa: E402
 
 
@@ -28,10 +30,11 @@ def probe(fabric, cfg, inputs, deferred, report: str, stop_id: int, count: int, 
     data = load_data(cfg.train_data_dir)
     samples = data.format.samples(data.validation, count)
     decoding = decoding_for(inputs.model_config, cfg.trust_remote_code)
+    budget = samples_token_budget(cfg, inputs)
     generated = generate_samples(fabric, model, samples, decoding=decoding, max_new_tokens=max_new_tokens,
-                                 stop_ids={stop_id})
+                                 stop_ids={stop_id}, token_budget=budget)
     if fabric.is_global_zero:
-        Path(report).write_text(json.dumps(generated))
+        Path(report).write_text(json.dumps({"generated": generated, "token_budget": budget}))
     return EXIT_FINISHED
 
 

@@ -33,7 +33,7 @@ from app.tasks import exit_refused
 from app.training.preflight.data import check_data, planned_blocks, reads_data
 from app.training.preflight.environment import (check_devices, check_launcher, check_precision, check_runs_here,
                                                 world_size)
-from app.training.preflight.model import check_model, check_model_with
+from app.training.preflight.model import check_model, check_model_with, samples_pad_apart
 from app.training.preflight.notes import held, note
 from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
@@ -65,6 +65,8 @@ class RunInputs:
     """How packed examples reach the model so that they stay apart (app/model/isolation.py)."""
     chunked_loss: bool = False
     """Whether the loss is computed in chunks without the full logits (app/model/loss.py)."""
+    samples_pad_apart: bool = False
+    """Whether --eval_samples generates a rank's prompts in padded batches (app/evaluation/samples.py)."""
     mixture: str = ""
     """A mixture's folders, one line each (app/data/mixture.py describe); empty for one folder."""
     target_block_size: int = 0
@@ -131,6 +133,7 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
                      resume_step=resume.metadata["step"] if resume else None,
                      resume_identity=identity(resume.metadata) if resume else "",
                      packed_layout=packed_layout, chunked_loss=chunked_loss,
+                     samples_pad_apart=samples_pad_apart(cfg, model_config),
                      mixture=describe(data.sources, data.source_rows) if data and data.sources else "",
                      target_block_size=data.target_block_size if data else 0,
                      data_folders=data.identities if data else [])

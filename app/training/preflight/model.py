@@ -18,6 +18,7 @@ from app.cli import first_line
 from app.data.formats import Layout
 from app.distributed.precision import compute_dtype
 from app.distributed.strategy import resolve_accelerator
+from app.evaluation.samples import pads_apart
 from app.hub import (CONFIG_ERRORS, REMOTE_CODE, load_problem, missing_model_problem, missing_weights_problem,
                      quiet_hub)
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
@@ -216,7 +217,7 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
                            problems: list[str]) -> Layout:
     """Packed examples must never attend to each other: the layout that keeps them apart in the run's own model
     class and attention implementation, found by a probe (app/model/isolation.py); refused when there is none."""
-    if data.format.name != "supervised_packed" or model_config.is_encoder_decoder:  # the latter refused above
+    if not data.format.packs_examples or model_config.is_encoder_decoder:  # the latter refused above
         return "position_ids"
     attention, kind = cfg.attn_implementation, model_config.model_type
     if attention == "flash_attention_2" and not is_flash_attn_2_available():
@@ -260,18 +261,32 @@ def check_length_dependent_rope(cfg: Config, model_config: PretrainedConfig, dat
         return
     fix = (f"prepare the data with --block_size {limit} or less, or with --packing false and train with "
            "--micro_batch_size 1 --eval_batch_size 1")
-    if data.format.name == "supervised_packed" and data.longest_example > limit:
+    if data.format.packs_examples and data.longest_example > limit:
         problems.append(f"--train_data_dir {cfg.train_data_dir} packs examples of up to {data.longest_example} "
                         f"tokens with shorter ones, past the {limit} positions of a {model_config.model_type} model's "
                         "longrope (original_max_position_embeddings): transformers then gives every example of the "
                         f"micro-batch the long factors, which a short one does not get alone; {fix}")
-    elif data.format.name == "supervised_padded" and data.longest_example > limit and max(
+    elif data.format.padded and data.longest_example > limit and max(
             cfg.micro_batch_size, cfg.eval_batch_size or cfg.micro_batch_size) > 1:
         problems.append(f"--train_data_dir {cfg.train_data_dir} holds examples of up to {data.longest_example} "
                         f"tokens, past the {limit} positions of a {model_config.model_type} model's longrope "
                         "(original_max_position_embeddings): padded into one micro-batch with them, a short example "
                         f"gets the long factors, which it does not get alone; train with --micro_batch_size 1 "
                         "--eval_batch_size 1")
+
+
+def samples_pad_apart(cfg: Config, model_config: PretrainedConfig) -> bool:
+    """Whether --eval_samples may pad a rank's prompts into one batch (app/evaluation/samples.py pads_apart, probed
+    on the model's twin), and no longrope gives a batch's short prompts the factors of its longest one
+    (check_length_dependent_rope)."""
+    if not cfg.eval_samples or cfg.estimate_memory or longrope_limit(model_config) is not None:
+        return False
+    if cfg.attn_implementation == "flash_attention_2" and not is_flash_attn_2_available():
+        return False
+    try:
+        return pads_apart(model_config, cfg.attn_implementation, cfg.trust_remote_code)
+    except Exception:  # noqa: BLE001 (a twin that cannot be built here: one prompt at a time, as always)
+        return False
 
 
 def longrope_limit(model_config: PretrainedConfig) -> Optional[int]:
