@@ -1,4 +1,5 @@
-"""Train a Hugging Face causal LM with Lightning Fabric and FSDP: `python train.py --help`."""
+"""Train a Hugging Face causal LM or encoder-decoder with Lightning Fabric (FSDP, FSDP2, DDP or one device):
+`python train.py --help`."""
 
 import signal
 import sys

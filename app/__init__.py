@@ -3,7 +3,7 @@ import against its order):
 
 | where | what it holds |
 | --- | --- |
-| exit_codes.py, choices.py, cli.py, tasks.py, hub.py, folders.py | what every part shares: exit statuses, option sets, how a command line meets a shell, which process of a run this is, whether a Hub name loads from here, folders and files written whole |
+| exit_codes.py, choices.py, cli.py, stopping.py, tasks.py, hub.py, folders.py | what every part shares: exit statuses, option sets, how a command line meets a shell, how a command ends when stopped or out of resources, which process of a run this is, whether a Hub name loads from here, folders and files written whole |
 | distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py, ports.py: devices, and the port ranks meet at |
 | optimization/ | optimizer.py, schedule.py: AdamW's groups and clipping, batch arithmetic and lr(step) |
 | reliability/ | signals.py, watchdog.py, workers.py, torchrun.py, spikes.py: keeping a run alive, ending it well, loss spikes |
@@ -16,14 +16,15 @@ import against its order):
 | huggingface/ | convert_cli.py, convert.py, upload.py, generate_cli.py, generate.py, prompts_file.py, prefetch.py: to and from Hugging Face (each command line parsed before torch is imported) |
 | training/ | preflight/, print_config.py, run.py, loop.py, progress.py: one run, top to bottom |
 
-Imports run one way: a part may import the parts above it in this table (within the first row, cli.py imports
-exit_codes.py), never one below it, and nothing in app/ imports the top-level scripts (arguments.py's Config only as
-a type name, under TYPE_CHECKING). The scripts (train.py,
+Imports run one way: a part may import the parts above it in this table (within the first row: tasks.py imports
+exit_codes.py; cli.py imports tasks.py; stopping.py imports exit_codes.py, cli.py, tasks.py and folders.py; hub.py
+imports cli.py and tasks.py; the others import nothing of app/), never one below it, and nothing in app/ imports the
+top-level scripts (arguments.py's Config only as a type name, under TYPE_CHECKING). The scripts (train.py,
 prepare_data.py, convert_to_hf.py, prefetch.py, plot_metrics.py, generate.py, show_samples.py) are a few lines each.
 """
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("exit_codes", "choices", "cli", "tasks", "hub", "folders"),
+    ("exit_codes", "choices", "cli", "stopping", "tasks", "hub", "folders"),
     ("distributed",),
     ("optimization",),
     ("reliability",),

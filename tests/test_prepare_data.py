@@ -582,7 +582,7 @@ def test_a_signal_to_prepare_alone_ends_its_workers(tmp_path, issue_run, code_do
 SENTENCEPIECE_STOPPED = """
 import random, sys
 sys.path.insert(0, sys.argv[1])
-from app.cli import stopped_in_one_line
+from app.stopping import stopped_in_one_line
 from app.prepare.tokenizer import train_tokenizer
 
 random.seed(0)
@@ -620,7 +620,7 @@ def test_ctrl_c_while_sentencepiece_trains_stops_at_once(tmp_path):
 POOL_TERMINATED = """
 import multiprocessing, sys, time
 sys.path.insert(0, sys.argv[1])
-from app.cli import stopped_in_one_line
+from app.stopping import stopped_in_one_line
 
 with stopped_in_one_line("prepare_data.py", "nothing was written", lambda: None):
     with multiprocessing.get_context("fork").Pool(2) as pool:  # leaving it terminates the busy workers (SIGTERM)
@@ -1172,7 +1172,7 @@ def test_a_full_disk_is_one_line_naming_it_not_a_refusal_of_the_input(tmp_path, 
 RUNS_OUT_OF_MEMORY = """
 import sys, threading
 sys.path.insert(0, sys.argv[1])
-from app.cli import stopped_in_one_line
+from app.stopping import stopped_in_one_line
 
 with stopped_in_one_line("convert_to_hf.py", "nothing was written", lambda: None, fewer_workers="--num_proc"):
     if sys.argv[2] == "thread":  # a thread of the work, as a pool's are

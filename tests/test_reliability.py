@@ -1387,7 +1387,7 @@ def test_only_what_ends_a_rank_from_outside_loses_its_traceback() -> None:
     disk, no OOM kill: they keep their tracebacks (the review of the change that added the one-line ends)."""
     import errno
 
-    from app.cli import exhausted
+    from app.stopping import exhausted
     from app.reliability.signals import one_line_for
 
     def bug_after_a_full_disk() -> Exception:

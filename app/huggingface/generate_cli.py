@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from app import cli
+from app import cli, stopping
 from app.choices import MAX_SEED
 from app.folders import unusable_folder
 
@@ -140,7 +140,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     unwritten = ("nothing was written (--output is written whole once every prompt is answered and scored)"
                  if args.output else "nothing was printed" if args.prompts is None
                  else "the answers are printed once every prompt is answered")
-    with cli.bars_only_on_a_terminal(), cli.stopped_in_one_line(PROG, unwritten, lambda: None):
+    with cli.bars_only_on_a_terminal(), stopping.stopped_in_one_line(PROG, unwritten, lambda: None):
         if args.prompts is None:
             print(cli.run_command(PROG, lambda: generate(args)))
         else:

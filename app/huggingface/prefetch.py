@@ -31,7 +31,7 @@ try:  # huggingface_hub 2 speaks HTTP through httpx2, 1.x (which transformers 5.
 except ImportError:
     from httpx import TransportError
 
-from app import cli
+from app import cli, stopping
 from app.cli import UsageError
 from app.hub import dataset_card_configs, quiet_hub, shown_endpoint
 
@@ -226,7 +226,7 @@ def offline_settings(args: PrefetchArgs) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     args = cli.run_command("prefetch.py", lambda: parse_args(argv))
     # a download in progress held Ctrl-C until its file was whole (minutes for a 5 GB shard), then a traceback
-    with cli.stopped_in_one_line("prefetch.py", "run it again: the files cached so far are kept, and an unfinished "
+    with stopping.stopped_in_one_line("prefetch.py", "run it again: the files cached so far are kept, and an unfinished "
                                  "one resumes where it stopped", lambda: None):
         lines = cli.run_command("prefetch.py", lambda: run(args))
     print("\n".join(lines))

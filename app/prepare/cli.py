@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from app import cli
+from app import cli, stopping
 from app.prepare.args import PrepareArgs
 
 Options = TypeVar("Options")
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from app.prepare.workspace import abandon
 
-    with cli.stopped_in_one_line("prepare_data.py", "nothing was written (the output appears whole, or not at all)",
+    with stopping.stopped_in_one_line("prepare_data.py", "nothing was written (the output appears whole, or not at all)",
                                  abandon, fewer_workers="--num_proc",
                                  writes_to=f"the work folder beside --output_dir {args.output_dir}"):
         stats = cli.run_command("prepare_data.py", lambda: prepare(args))

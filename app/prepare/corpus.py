@@ -28,7 +28,8 @@ from datasets.packaged_modules.json.json import JsonConfig
 from datasets.table import CastError
 from huggingface_hub import DatasetCard, constants
 
-from app.cli import counted, exhausted, first_line
+from app.cli import counted, first_line
+from app.stopping import exhausted
 from app.folders import DATASET_DICT_FILE
 from app.hub import dataset_card_configs, go_offline, hub_reachable, is_hub_id, quiet_hub
 from app.prepare.args import SHAPE_FIELDS, SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
@@ -348,7 +349,7 @@ def _read_files(
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", cache_dir=cache_dir(), **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
-        if exhausted(error):  # a full disk or a refused thread, not the input: said as such (cli.stopped_in_one_line)
+        if exhausted(error):  # a full disk or a refused thread, not the input: said as such (stopping.stopped_in_one_line)
             raise
         where = (empty_file(files) or not_utf8(files) or (_bad_json_line(files) if name == "json" else None)
                  or columns_problem(error))

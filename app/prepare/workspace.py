@@ -69,7 +69,7 @@ def removed_if_stopped(folder: Path) -> Iterator[None]:
 
 
 def abandon() -> None:
-    """Remove every open workspace now: the work stops without unwinding (app/cli.py stopped_in_one_line)."""
+    """Remove every open workspace now: the work stops without unwinding (app/stopping.py stopped_in_one_line)."""
     for discard in reversed(_unfinished):
         discard()
 

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from app.cli import exhausted, exhausted_reason, first_line, out_of_memory, wrapped
+from app.cli import first_line
+from app.stopping import exhausted, exhausted_reason, out_of_memory, wrapped
 from app.exit_codes import (EXIT_CRASHED, EXIT_ENDED_BY_SRUN, EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_PREEMPTED,
                             EXIT_STALLED)
 from app.tasks import FIRST_REPORTS_S, end_with_the_launcher, srun_task, task_rank, time_limit_warned
