@@ -307,6 +307,27 @@ def test_each_folder_is_validated_and_the_loss_is_their_token_weighted_mean(stra
     assert summary["tokens_by_source"] == {"tokens/data": 37200, "tokens/small": 12400}
 
 
+def test_a_mixtures_validation_loss_weighs_each_folder_by_the_tokens_it_read(tiny, small) -> None:
+    """32 validation rows of one folder against the small folder's 24: the run above reads as many of each, where a
+    plain mean of the folders' losses is the weighted one too."""
+    import torch
+    from lightning_fabric import Fabric
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from app.data import load_data
+    from app.evaluation.validation import validation_losses
+    from app.model.loss import LossPath
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+    losses = validation_losses(Fabric(accelerator="cpu", devices=1), model, LossPath(),
+                               load_data(f"{tiny.data}:3,{small}:1"), batch_size=8, max_batches=4)
+    rows = {"data": 32, "small": SMALL_VALIDATION}
+    weighted = sum(losses[name] * read for name, read in rows.items()) / sum(rows.values())
+    assert losses[""] == pytest.approx(weighted, rel=1e-9)
+    assert losses[""] != pytest.approx((losses["data"] + losses["small"]) / 2, rel=1e-5)
+
+
 @pytest.mark.parametrize("devices, micro_batch_size, from_step", [(1, 8, 60), (4, 2, 90)])
 def test_a_resume_on_another_number_of_processes_continues_the_same_rows(tiny, small, straight, tmp_path, devices,
                                                                          micro_batch_size, from_step) -> None:

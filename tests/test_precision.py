@@ -358,6 +358,9 @@ def test_gradient_norm_and_clipping_match_torch_in_fp32() -> None:
     expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     assert norm.item() == pytest.approx(expected.item(), rel=1e-6) and norm.item() > 1
     assert all(torch.allclose(a, p.grad) for a, p in zip(clipped, model.parameters()))
+    before = [p.grad.clone() for p in model.parameters()]
+    clip_gradients(torch.optim.AdamW(model.parameters()), norm, max_norm=2 * norm.item())
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters())), "a norm under the limit is kept"
 
 
 def test_gradient_norm_of_bf16_gradients_is_computed_in_fp32() -> None:

@@ -370,10 +370,11 @@ def test_identical_records_are_held_out_together_the_same_way_for_a_seed():
     assert 12 <= len(validation) <= 24, "ceil(0.2 * 60) records, and the copies of those held out"
     assert split(pool, seed=3) == (train, validation)
     assert set(split(pool, seed=4)[1]) != set(validation)
-    distinct = Dataset.from_list(records)
+    distinct = Dataset.from_list(records + [{"source": "def g(): pass", "target": "G."}])  # 41: 0.2 of it is 8.2
     expected = distinct.train_test_split(test_size=0.2, seed=3)
     assert split(distinct, seed=3) == tuple([tuple(row.values()) for row in expected[part]]
                                             for part in ("train", "test"))
+    assert len(expected["test"]) == 9, "ceil(0.2 * 41)"
 
 
 def test_too_few_documents_for_whole_ones_hold_out_the_end_of_each(code_documents):

@@ -211,6 +211,7 @@ def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config)).state_dict()
     assert {k: v.shape for k, v in checkpoint["model"].items()} == {k: v.shape for k, v in reference.items()}
     assert checkpoint["step"] == 16 and isinstance(checkpoint["step"], int)
+    assert checkpoint["schedule"] == {"step": 16, "length": 24}, "where a resume at another batch takes the lr from"
     assert checkpoint["config"]["lr"] == 3e-3 and checkpoint["tokenizer"] == str(tiny.tokenizer)
     assert Path(checkpoint["cwd"]).is_dir(), "where the config's relative paths lead, for convert_to_hf.py"
     assert checkpoint["model_config"]["hidden_size"] == 64
