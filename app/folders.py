@@ -123,7 +123,9 @@ def storage_error(error: OSError, writing: Path | str) -> str:
 
 UNWRITTEN: set[Path] = set()
 """The files `written_or_warned` could not write last time."""
-STORAGE_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""A full disk, a quota reached: every command says them in one line (with what else its writes may meet)."""
+STORAGE_FULL = NO_ROOM | {errno.EROFS, errno.EIO}
 """The errors of storage that refuses writes for now (full, over quota, remounted read-only, failing), which a run
 can outlast; others (a permission, a folder deleted) say the run is set up wrong, and still end it."""
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from app.cli import first_line
 from app.exit_codes import EXIT_CRASHED
-from app.folders import storage_error
+from app.folders import NO_ROOM, storage_error
 from app.tasks import end_with_the_parent, prctl
 
 END_LOOKS_S = 5.0
@@ -190,7 +190,7 @@ def exhausted(error: BaseException) -> Optional[BaseException]:
                  or out_of_memory(seen) or isinstance(seen, RuntimeError) and THREAD_REFUSED in str(seen)), None)
 
 
-WRITES_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE}
+WRITES_REFUSED = NO_ROOM | {errno.EMFILE}
 """The errors of a full disk, a quota reached and too many open files: EROFS and EIO (a disk remounted read-only or
 failing) may come of reading an input, and keep their tracebacks."""
 

@@ -67,6 +67,18 @@ class Batch:
         return Batch({name: tensor.pin_memory() for name, tensor in self.inputs.items()}, self.trained_tokens)
 
 
+def read_stats(data_dir: str | Path) -> dict[str, Any]:
+    """A prepared folder's stats.json ({} when it has none); ValueError when it is not a JSON object."""
+    stats_file = Path(data_dir) / STATS_FILE
+    try:
+        stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"its {STATS_FILE} is not JSON ({error})") from None
+    if not isinstance(stats, dict):
+        raise ValueError(f"its {STATS_FILE} is not a JSON object")
+    return stats
+
+
 @dataclass(frozen=True)
 class DataFormat:
     name: FormatName
@@ -78,13 +90,7 @@ class DataFormat:
     def of(cls, data_dir: str | Path) -> "DataFormat":
         """From the folder's stats.json; a folder prepared before formats existed holds text blocks. ValueError for a
         stats.json that is not a JSON object or names a format this version does not read."""
-        stats_file = Path(data_dir) / STATS_FILE
-        try:
-            stats = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
-        except json.JSONDecodeError as error:
-            raise ValueError(f"its {STATS_FILE} is not JSON ({error})") from None
-        if not isinstance(stats, dict):
-            raise ValueError(f"its {STATS_FILE} is not a JSON object")
+        stats = read_stats(data_dir)
         if stats.get("format", "text") not in COLUMNS:
             raise ValueError(f"its {STATS_FILE} names the format {stats['format']!r}, not one of {', '.join(COLUMNS)}")
         pad = stats.get("pad_token_id")

@@ -119,19 +119,21 @@ def load_data(train_data_dir: str | Path, layout: Layout = "position_ids") -> Tr
     sources = parse_sources(str(train_data_dir))
     data_format = replace(DataFormat.of(sources[0].path), layout=layout)
     folders = [load_from_disk(source.path) for source in sources]
-    splits = {name: concatenate_datasets([folder[name].select_columns(shared_columns(folders, name, data_format))
-                                          for folder in folders])
-              if len(folders) > 1 else folders[0][name] for name in ("train", "validation")}
+    kept = {name: shared_columns(data_format, [folder[name].column_names for folder in folders])
+            for name in ("train", "validation")}
+    splits = {name: concatenate_datasets([folder[name].select_columns(columns) for folder in folders])
+              if len(folders) > 1 else folders[0][name] for name, columns in kept.items()}
     train, counts = with_trained_tokens(splits["train"], data_format)
     validation, _ = with_trained_tokens(splits["validation"], data_format)
     return TrainingData(data_format, train, validation, counts, sources=joined(sources, folders))
 
 
-def shared_columns(folders: list[DatasetDict], split: str, data_format: DataFormat) -> list[str]:
-    """The columns a mixture's joined split keeps: the format's, and those its samples read where every folder has
-    them (without `response_spans` a sample's prompt is found from the labels, wrong where prompts were trained)."""
+def shared_columns(data_format: DataFormat, folders_columns: list[Iterable[str]]) -> list[str]:
+    """The columns a mixture's joined split keeps, given each folder's: the format's, and those its samples read
+    where every folder has them (without `response_spans` a sample's prompt is found from the labels, wrong where
+    prompts were trained)."""
     return data_format.columns + [column for column in data_format.sample_columns
-                                  if all(column in folder[split].column_names for folder in folders)]
+                                  if all(column in columns for columns in folders_columns)]
 
 
 def joined(sources: list[Source], folders: list[DatasetDict]) -> list[SourceRows]:

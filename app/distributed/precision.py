@@ -29,6 +29,8 @@ import torch
 from lightning_fabric.plugins import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 
+from app.choices import SHARDED_STRATEGIES
+
 WEIGHT_DTYPES = {"bf16-true": torch.bfloat16}
 COMPUTE_DTYPES = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,7 +149,7 @@ def fp32_modules_problem(precision: str, model: torch.nn.Module, strategy: str =
                     "under float16 (transformers' _keep_in_fp32_modules), which 16-bit training would cast down and "
                     "overflow; use --precision 32-true, or bf16-mixed on a GPU with bfloat16 (Ampere or newer)")
     _, apart = kept_in_fp32_units(model)
-    sharded = strategy in ("fsdp", "fsdp2") and apart  # FSDP gathers them in bfloat16 under bf16-mixed too
+    sharded = strategy in SHARDED_STRATEGIES and apart  # FSDP gathers them in bfloat16 under bf16-mixed too
     if precision == "bf16-true" and strict:
         return (f"--precision bf16-true: {type(model).__name__} keeps {', '.join(sorted(strict))} in float32 also "
                 "under bfloat16 (transformers' _keep_in_fp32_modules_strict), which bf16-true would round to "

@@ -47,7 +47,7 @@ from app.checkpoint.files import BEST_FILE, publish, read_best
 from app.checkpoint.sources import open_source
 from app.checkpoint.state import MODEL_PREFIX
 from app.cli import UsageError, first_line
-from app.folders import STATS_FILE, prepared_tokenizer, real_folder, staging_folder, unusable_folder
+from app.folders import NO_ROOM, prepared_tokenizer, real_folder, staging_folder, unusable_folder
 from app.hub import (CHAT_TEMPLATE_DIFFERS, CONFIG_ERRORS, REMOTE_CODE, TOKENIZER_ADVICE, hub_reachable, is_hub_id,
                      load_problem, missing_model_problem, tokenizer_difference, unloadable_tokenizer, why_unreachable)
 from app.huggingface.convert_cli import Args
@@ -662,14 +662,13 @@ def model_card(job: Job, dtype: str, lengths: Optional[str]) -> str:
 
 def data_stats(run: dict[str, Any]) -> dict[str, Any]:
     """The run's data folder's stats.json, when it is still there ({} otherwise)."""
+    from app.data.formats import read_stats
     from app.data.mixture import first_folder
 
-    data = first_folder(run["train_data_dir"]) if run.get("train_data_dir") else None
     try:
-        stats = json.loads((Path(data) / STATS_FILE).read_text()) if data else {}
+        return read_stats(first_folder(run["train_data_dir"])) if run.get("train_data_dir") else {}
     except (OSError, ValueError):
         return {}
-    return stats if isinstance(stats, dict) else {}
 
 
 def sequence_lengths_of(run: dict[str, Any]) -> Optional[str]:
@@ -989,8 +988,9 @@ def convert(job: Job, dtype: str, max_shard_size: str) -> tuple[float, Optional[
             shutil.rmtree(temporary)
 
 
-STORAGE_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
-"""What the output's storage answers a write it refuses: one line, not a traceback."""
+STORAGE_REFUSALS = NO_ROOM | {errno.EFBIG, errno.EROFS}
+"""What the output's storage answers a write it refuses: one line, not a traceback (not EIO, which reading the
+checkpoint may meet too)."""
 
 
 class VerificationFailed(Exception):

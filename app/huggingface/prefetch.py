@@ -33,6 +33,7 @@ except ImportError:
 
 from app import cli, stopping
 from app.cli import UsageError
+from app.folders import NO_ROOM
 from app.hub import dataset_card_configs, quiet_hub, shown_endpoint
 
 # Config, generation config, weight index, tokenizer.json / tokenizer_config.json, SentencePiece and tiktoken
@@ -186,7 +187,7 @@ def fetch(download: Download, cache_dir: Optional[str]) -> str:
                 ignore_patterns=IGNORED_PATTERNS,
             )
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        if error.errno not in NO_ROOM | {errno.EROFS}:
             raise
         raise PrefetchError(f"{download.flag} {download.name}: the cache {cache_dir or constants.HF_HUB_CACHE} cannot "
                             f"take its files ({os.strerror(error.errno)}): make room there, or give --cache_dir on "

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from app.cli import first_line
 from app.data import DataFormat
 from app.data.identity import folder_identity
+from app.data.loader import shared_columns
 from app.data.mixture import Source, epoch_rows, parse_sources
 from app.folders import STATS_FILE, prepared_tokenizer
 from app.hub import CHAT_TEMPLATE_DIFFERS, tokenizer_difference
@@ -105,8 +106,7 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
     def bundled(source: Source) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(prepared_tokenizer(source.path), trust_remote_code=trust_remote_code)
 
-    joined = facts[0].format.columns + [column for column in facts[0].format.sample_columns
-                                        if all(column in fact.column_types for fact in facts)]
+    joined = shared_columns(facts[0].format, [fact.column_types for fact in facts])
     if any(differ(f"storage of column {column}", [fact.column_types.get(column) for fact in facts])
            for column in joined):  # datasets cannot join them: every rank ended in a traceback after the launch
         return None
