@@ -3,7 +3,7 @@ import against its order):
 
 | where | what it holds |
 | --- | --- |
-| exit_codes.py, choices.py, cli.py, stopping.py, tasks.py, hub.py, folders.py | what every part shares: exit statuses, option sets, how a command line meets a shell, how a command ends when stopped or out of resources, which process of a run this is, whether a Hub name loads from here, folders and files written whole |
+| exit_codes.py, choices.py, cli.py, stopping.py, tasks.py, hub.py, folders.py, versions.py | what every part shares: exit statuses, option sets, how a command line meets a shell, how a command ends when stopped or out of resources, which process of a run this is, whether a Hub name loads from here, folders and files written whole, the libraries' versions |
 | distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py, ports.py: devices, and the port ranks meet at |
 | optimization/ | optimizer.py, schedule.py: AdamW's groups and clipping, batch arithmetic and lr(step) |
 | reliability/ | signals.py, watchdog.py, workers.py, torchrun.py, spikes.py: keeping a run alive, ending it well, loss spikes |
@@ -24,7 +24,7 @@ prepare_data.py, convert_to_hf.py, prefetch.py, plot_metrics.py, generate.py, sh
 """
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("exit_codes", "choices", "cli", "stopping", "tasks", "hub", "folders"),
+    ("exit_codes", "choices", "cli", "stopping", "tasks", "hub", "folders", "versions"),
     ("distributed",),
     ("optimization",),
     ("reliability",),

@@ -21,6 +21,8 @@ import psutil
 
 STATS_FILE = "stats.json"
 """A prepared folder's description: its format, pad token, counts (app/data/formats.py reads it)."""
+PREPARED_WITH = "prepared_with"
+"""stats.json's last entry: the versions of the libraries that prepared the folder (app/versions.py)."""
 DATASET_DICT_FILE = "dataset_dict.json"
 """What datasets' save_to_disk writes beside the splits."""
 TOKENIZER_FOLDER = "tokenizer"

@@ -12,6 +12,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
+import transformers
 from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 from safetensors.torch import load_file
@@ -366,6 +367,7 @@ def test_model_card_records_origin_and_training(full_run, tmp_path) -> None:
     assert "| lr | 0.003 |" in card and "trained from scratch" in card and "| Sequence length (tokens) | 32 |" in card
     assert "pipeline_tag: text-generation" in card
     assert "| Training data | data |" in card and str(full_run.parent.parent) not in card, "a user's paths, published"
+    assert f"## Framework versions\n\n- torch {torch.__version__}\n- transformers {transformers.__version__}\n" in card
 
 
 def test_the_base_model_folder_is_never_the_output_even_with_overwrite(tiny, tmp_path, capsys) -> None:

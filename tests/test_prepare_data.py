@@ -120,8 +120,10 @@ def test_issue_command_writes_blocks_of_64_and_a_tokenizer_that_round_trips_code
         assert tokenizer.decode(encode(tokenizer, text), skip_special_tokens=True) == text
 
 
-def test_stats_say_the_rows_are_raw_text_blocks(issue_run):
-    assert json.loads((issue_run / "stats.json").read_text())["format"] == "text"
+def test_stats_say_the_rows_are_raw_text_blocks_and_which_libraries_prepared_them(issue_run):
+    stats = json.loads((issue_run / "stats.json").read_text())
+    assert stats["format"] == "text"
+    assert list(stats)[-1] == "prepared_with" and stats["prepared_with"]["datasets"] == datasets.__version__
 
 
 def test_trained_tokenizer_reloads_with_bos_eos_and_exact_round_trip(issue_run):

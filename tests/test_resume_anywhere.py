@@ -379,7 +379,7 @@ def test_nodes_started_with_other_options_are_refused_before_training(tiny, move
                        nodes=2, node_args={1: ["--lr", "0.3", "--num_workers", "1"]})
     assert result.returncode != 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stderr.count("error: the nodes were not started alike: node 0 / node 1: --lr 0.003 / 0.3; give every "
-                               "node the same command line, data and code") == 2, result.stderr[-3000:]  # each node's
+                               "node the same command line, data, code and libraries") == 2, result.stderr[-3000:]  # each node's
     assert "Traceback" not in result.stderr and "step 1/" not in result.stdout
 
 
@@ -391,15 +391,17 @@ def test_what_nodes_differ_in_is_named_node_by_node(tiny, tmp_path, monkeypatch)
     from app.training.nodes import code_version, node_fingerprint, nodes_disagreement, weights_identity
 
     node = {"options": {"lr": 0.003, "seed": 7}, "data": [{"train_rows": 647}], "mixture": [], "model": {"n": 1},
-            "weights": [["model.safetensors", 8, "a"]], "code": code_version()}
+            "weights": [["model.safetensors", 8, "a"]], "code": code_version(),
+            "libraries": {"torch": "2.13.0", "transformers": "5.23.0"}}
     assert nodes_disagreement({0: node, 1: dict(node)}) is None and code_version() == node["code"]
     assert nodes_disagreement({0: node, 1: node | {"weights": None}}) is None, "not in a node's cache yet: unknown"
     other = node | {"options": {"lr": 0.003, "seed": 8}, "data": [{"train_rows": 400}], "mixture": [["a", "1/2"]],
-                    "weights": [["model.safetensors", 8, "x"]], "code": "0" * 64}
+                    "weights": [["model.safetensors", 8, "x"]], "code": "0" * 64,
+                    "libraries": {"torch": "2.12.1", "transformers": "5.23.0"}}
     assert nodes_disagreement({0: node, 1: node, 2: other}) == (
         "the nodes were not started alike: node 0 / node 2: --seed 7 / 8, the data folders' contents (stats.json or "
         "row counts), the mixture's folder names or weights, the pretrained weights, the code (app/, train.py, "
-        "arguments.py); give every node the same command line, data and code")
+        "arguments.py), torch 2.13.0 / 2.12.1; give every node the same command line, data, code and libraries")
 
     copy = tmp_path / "copy-of-data"
     shutil.copytree(tiny.data, copy)
@@ -410,12 +412,27 @@ def test_what_nodes_differ_in_is_named_node_by_node(tiny, tmp_path, monkeypatch)
         inputs = SimpleNamespace(model_config=None, data_folders=[identity[0] | {"name": data.name}], resume_from=None)
         fingerprints.append(node_fingerprint(cfg, inputs))
     assert nodes_disagreement(dict(enumerate(fingerprints))) is None
+    assert fingerprints[0]["libraries"]["torch"] == torch.__version__ and "transformers" in fingerprints[0]["libraries"]
     for name, payload in (("a", b"\0" * 4096), ("b", b"\0" * 4095 + b"\1")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(payload)
     assert weights_identity(str(tmp_path / "a")) != weights_identity(str(tmp_path / "b"))
     assert weights_identity(str(tmp_path / "a")) == weights_identity(str(tmp_path / "a"))
     assert weights_identity("owner/not-in-this-cache") is None and weights_identity(str(tmp_path / "none")) is None
+
+
+def test_a_folder_prepared_again_after_an_upgrade_is_the_same_data_to_a_resume() -> None:
+    """stats.json records the libraries that prepared it, which the folder's identity leaves out; a folder written
+    before they were recorded keeps the hash its checkpoints hold."""
+    import hashlib
+
+    from app.data.identity import stats_digest
+
+    stats = {"format": "text", "block_size": 32}
+    before = (json.dumps(stats, indent=2) + "\n").encode()
+    after = (json.dumps(stats | {"prepared_with": {"datasets": "9.0"}}, indent=2) + "\n").encode()
+    assert stats_digest(after) == stats_digest(before) == hashlib.sha256(before).hexdigest()
+    assert stats_digest((json.dumps(stats | {"block_size": 64}, indent=2) + "\n").encode()) != stats_digest(before)
 
 
 def run_files(folder: Path) -> list[str]:
@@ -602,7 +619,7 @@ def test_every_value_a_checkpoint_holds_is_resumed_restored_by_its_owner_or_desc
     inputs = SimpleNamespace(plan=SimpleNamespace(global_batch_size=8), model_config=SimpleNamespace(to_dict=dict),
                              tokenizer=None, data_folders=[])
     state = initial_state(None, None, SimpleNamespace(to_dict=dict, model_name=None), inputs)
-    describes_the_run = {"global_batch_size", "config", "cwd", "model_config", "tokenizer", "data_folders"}
+    describes_the_run = {"global_batch_size", "config", "cwd", "model_config", "tokenizer", "data_folders", "versions"}
     assert set(state) == {"model", "optimizer"} | set(PROGRESS) | set(SAVED_FOR_THE_RANKS) | describes_the_run
     resumed = saved_progress({"step": 7, "epoch": 1, "position": 24, "val_loss": 2.5, "source_tokens": None})
     assert resumed == progress_at_start() | {"step": 7, "epoch": 1, "position": 24, "val_loss": 2.5}

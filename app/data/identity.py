@@ -10,10 +10,11 @@ in its metadata) and a resume compares identities; paths only for checkpoints th
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Optional
 
-from app.folders import STATS_FILE
+from app.folders import PREPARED_WITH, STATS_FILE
 
 
 
@@ -22,8 +23,22 @@ def folder_identity(name: str, path: str | Path, train_rows: int, validation_row
     hash of its stats.json (written by prepare_data.py, copied with the folder) and its rows."""
     stats = Path(path) / STATS_FILE
     return {"name": name, "path": str(Path(path).absolute()),
-            "stats_sha256": hashlib.sha256(stats.read_bytes()).hexdigest() if stats.is_file() else None,
+            "stats_sha256": stats_digest(stats.read_bytes()) if stats.is_file() else None,
             "train_rows": train_rows, "validation_rows": validation_rows}
+
+
+def stats_digest(written: bytes) -> str:
+    """The hash of a stats.json without the library versions that prepared it (PREPARED_WITH, written last): the same
+    data prepared again after an upgrade is the same folder to a resume, and a folder written before versions were
+    recorded keeps the hash its checkpoints hold."""
+    try:
+        stats = json.loads(written)
+    except ValueError:
+        stats = None
+    if isinstance(stats, dict) and PREPARED_WITH in stats:
+        del stats[PREPARED_WITH]
+        written = (json.dumps(stats, indent=2) + "\n").encode()
+    return hashlib.sha256(written).hexdigest()
 
 
 def identity_difference(saved: dict[str, Any], now: dict[str, Any]) -> Optional[str]:

@@ -657,6 +657,9 @@ def model_card(job: Job, dtype: str, lengths: Optional[str]) -> str:
     lines += ["", "## Usage", "", "```python", f"from transformers import {auto_class}, AutoTokenizer", "",
               'tokenizer = AutoTokenizer.from_pretrained("<this folder or repo>")',
               f'model = {auto_class}.from_pretrained("<this folder or repo>")', "```", ""]
+    versions = job.metadata.get("versions") or {}  # of the run that wrote the checkpoint (none before they were kept)
+    if versions:
+        lines += ["## Framework versions", "", *(f"- {name} {number}" for name, number in versions.items()), ""]
     return "\n".join(lines)
 
 

@@ -14,7 +14,8 @@ from transformers import PreTrainedTokenizerBase
 
 from app.cli import UsageError
 from app.folders import real_folder, staging_folder
-from app.folders import STATS_FILE, TOKENIZER_FOLDER
+from app.folders import PREPARED_WITH, STATS_FILE, TOKENIZER_FOLDER
+from app.versions import PREPARING_LIBRARIES, library_versions
 from app.prepare.args import check_replaceable
 from app.prepare.workspace import removed_if_stopped
 
@@ -65,4 +66,5 @@ def save_prepared(folder: Path, blocks: DatasetDict, tokenizer: PreTrainedTokeni
     """
     blocks.save_to_disk(str(folder), num_shards={name: 1 for name, split in blocks.items() if not len(split)})
     tokenizer.save_pretrained(str(folder / TOKENIZER_FOLDER))
+    stats = stats | {PREPARED_WITH: library_versions(PREPARING_LIBRARIES)}  # last: app/data/identity.py stats_digest
     (folder / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")

@@ -18,6 +18,7 @@ from lightning_fabric import Fabric
 
 from app.checkpoint.files import holder_line, sees_lock
 from app.data.mixture import parse_sources
+from app.versions import library_versions
 
 if TYPE_CHECKING:
     from app.training.preflight import RunInputs
@@ -86,7 +87,7 @@ def node_fingerprint(cfg: Config, inputs: RunInputs) -> dict[str, Any]:
             "model": {key: value for key, value in model.items()
                       if key not in ("_name_or_path", "transformers_version")},
             "weights": None if inputs.resume_from else weights_identity(cfg.model_name),  # a resume reads none
-            "code": code_version()}
+            "code": code_version(), "libraries": library_versions()}
 
 
 PARTS = (("data", "the data folders' contents (stats.json or row counts)"),
@@ -103,12 +104,14 @@ def nodes_disagreement(fingerprints: dict[int, dict[str, Any]]) -> Optional[str]
                  if first["options"][name] != other["options"].get(name)]
         found += [what for part, what in PARTS if first[part] != other[part]
                   and not (part == "weights" and None in (first[part], other[part]))]
+        found += [f"{name} {version} / {other['libraries'].get(name)}" for name, version in first["libraries"].items()
+                  if other["libraries"].get(name) != version]
         if found:
             differences.append(f"node 0 / node {node}: {', '.join(found)}")
     if not differences:
         return None
     return (f"the nodes were not started alike: {'; '.join(differences)}; give every node the same command line, "
-            "data and code")
+            "data, code and libraries")
 
 
 def nodes_disagree(fabric: Fabric, cfg: Config, inputs: RunInputs) -> Optional[str]:

@@ -54,6 +54,7 @@ from app.training.nodes import nodes_disagree, resume_disagreement, unshared_out
 from app.training.preflight import RunInputs, note, preflight
 from app.training.print_config import resolved_run
 from app.training.progress import SAVED_FOR_THE_RANKS, progress_at_start, saved_progress
+from app.versions import library_versions
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -149,6 +150,7 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "base_revision": hub_commit(cfg.model_name),
         "tokenizer": inputs.tokenizer,  # as given; out_dir/tokenizer/ holds a copy (keep_tokenizer_with_run)
         "data_folders": inputs.data_folders,  # what identifies each data folder, for a resume from anywhere
+        "versions": library_versions(),  # of the libraries that wrote it (the converted model's card lists them)
     }
 
 
