@@ -221,7 +221,12 @@ def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_s
     cfg, plan = SimpleNamespace(eval_iters=100, eval_batch_size=None, micro_batch_size=4), SimpleNamespace(world_size=4)
     for validation_rows in (10_000, 2_000, 1_000):
         note_validation_rows(cfg, SimpleNamespace(validation_rows=validation_rows, sources=None), saved, plan)
-    note_validation_rows(cfg, SimpleNamespace(validation_rows=10_000, sources=["a", "b"]), saved, plan)
+    folders = SimpleNamespace(validation_rows=10_000, sources=["a", "b"],
+                              identities=[{"validation_rows": 6_000}, {"validation_rows": 4_000}])
+    note_validation_rows(cfg, folders, saved, plan)
+    small = SimpleNamespace(validation_rows=2_500, sources=["a", "b"],
+                            identities=[{"validation_rows": 1_300}, {"validation_rows": 1_200}])
+    note_validation_rows(cfg, small, saved, plan)  # each read whole, before and now: their sum passes 1,600
     assert capsys.readouterr().out.splitlines() == [
         "--resume: validation reads 1,600 rows (100 batches of 4 on each of 4 ranks), the checkpoint's run read "
         "3,200: val_loss moves at this resume for that alone, and best.json starts a new comparison (the losses of "
@@ -232,7 +237,7 @@ def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_s
         "--resume: validation reads up to 1,600 rows of each folder (100 batches of 4 on each of 4 ranks), the "
         "checkpoint's run read 3,200: val_loss moves at this resume for that alone, and best.json starts a new "
         "comparison (the losses of the other rows do not compare); --eval_iters 200 reads the same rows"], (
-        "1,000 rows: all of them, before and now")
+        "1,000 rows, and two folders of 1,300 and 1,200: all of them, before and now")
 
 
 def test_a_validation_split_read_in_part_is_said_with_its_count(capsys) -> None:

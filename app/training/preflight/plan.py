@@ -230,8 +230,8 @@ def rate_jump(cfg: Config, saved: dict, plan: Optional[TrainingPlan]) -> str:
 def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: TrainingPlan) -> None:
     """--eval_iters counts batches per rank, so a resume on other ranks or another evaluation batch reads other
     validation rows: val_loss moves at the resume for that alone, and best.json compares losses of other rows. A
-    mixture reads up to that many rows of each folder (its folders' own counts are not at hand: their sum bounds
-    each)."""
+    mixture reads up to that many rows of each folder: said when a folder's count changes (a note claimed it of two
+    folders of 13 and 12 rows, read whole before and after, from their sum)."""
     before, saved_world = saved.get("config") or {}, len(saved.get("rng") or [])
     if not (before.get("eval_iters") and saved_world and data.validation_rows):
         return
@@ -239,13 +239,14 @@ def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: Traini
     batch_now = cfg.eval_batch_size or cfg.micro_batch_size
     limit_then = before["eval_iters"] * batch_then * saved_world
     limit_now = cfg.eval_iters * batch_now * plan.world_size
-    if limit_then == limit_now or data.validation_rows <= min(limit_then, limit_now):
-        return
     mixture = data.sources is not None
-    then, now = (limit_then, limit_now) if mixture else (min(data.validation_rows, limit)
-                                                          for limit in (limit_then, limit_now))
+    counts = [folder["validation_rows"] for folder in data.identities] if mixture else [data.validation_rows]
+    read_then, read_now = ([min(rows, limit) for rows in counts] for limit in (limit_then, limit_now))
+    if read_then == read_now:
+        return
+    then, now = max(read_then), max(read_now)
     per_batch = batch_now * plan.world_size
-    same = (-(-then // per_batch) if then == data.validation_rows  # all of them
+    same = (-(-then // per_batch) if then == max(counts)  # all of them
             else then // per_batch if then % per_batch == 0 else None)
     rows = "rows of each folder" if mixture else "rows"
     note(f"--resume: validation reads {'up to ' if mixture else ''}{now:,} {rows} ({cfg.eval_iters} batches of "
