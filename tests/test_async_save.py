@@ -259,16 +259,18 @@ os.fsync = slow_fsync
 
 
 @pytest.mark.slow
-def test_the_summary_counts_the_last_background_write_as_checkpoint_time_not_training(tiny: TinySetup,
-                                                                                     tmp_path: Path) -> None:
+@pytest.mark.parametrize("log_model", [False, "all"])
+def test_the_summary_counts_the_last_background_write_as_checkpoint_time_not_training(tiny: TinySetup, tmp_path: Path,
+                                                                                     log_model) -> None:
     """The wait for the last background write came after the loop, outside its save timer: the summary gave it to
     training (3.4 s of training for 0.4 s, 606 tokens/s for 5,415 in an audit); and a step's "saved in" counted the
-    wait for the previous write too."""
+    wait for the previous write too. --log_model waits for each write to upload it: that wait was training's too."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_FSYNC)
     out = tmp_path / "run"
+    logged = dict(log_model=log_model, wandb_mode="offline") if log_model else {}
     result = run_train(train_args(tiny, out, async_save=True, max_step=4, save_step_interval=2,
-                                  eval_step_interval=1000, initial_validation=False, devices=1),
+                                  eval_step_interval=1000, initial_validation=False, devices=1, **logged),
                        env={"PYTHONPATH": str(tmp_path / "site")}, fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

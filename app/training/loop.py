@@ -484,14 +484,16 @@ class Loop:
             self.state["elapsed_sec"] = self.clock.run_elapsed()
             self.state["schedule"] = {"step": self.plan.schedule_step(step), "length": self.plan.schedule_length}
             self.saver.save(path, self.state, published)
+        paused = self.saving.last
         self.watchdog.beat()
         if self.saver.background:
-            self.console.print(f"step {step}: writing {path} in the background (training paused "
-                               f"{self.saving.last:.1f} s)")
-        if upload:
-            self.saver.wait()
-            upload_checkpoint(self.fabric.loggers, path, step)
-        return {"save_sec": self.saving.last}
+            self.console.print(f"step {step}: writing {path} in the background (training paused {paused:.1f} s)")
+        if upload:  # the write waited for, and the artifact logged: checkpoint time too, not the next step's
+            with self.saving.measure(counted=False):
+                self.saver.wait()
+                upload_checkpoint(self.fabric.loggers, path, step)
+            paused += self.saving.last
+        return {"save_sec": paused}
 
     def after_publishing(self, path: Path, step: int, val_loss: Optional[float], started: float,
                          incident_began: Optional[int] = None) -> None:
