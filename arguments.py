@@ -205,8 +205,9 @@ class EvalArgs:
     """Sequences per device in evaluation; default: --micro_batch_size."""
     eval_iters: int = 100
     """Maximum validation batches per evaluation (per device)."""
-    eval_step_interval: int = 500
-    """Evaluate every this many optimizer steps (and at the end of each epoch and of training); 0: never (no
+    eval_step_interval: Union[int, float] = 500
+    """Evaluate every this many optimizer steps (and at the end of each epoch and of training); below 1, that share
+    of the run's steps (0.1: every tenth of the run, as the Hugging Face Trainer reads eval_steps); 0: never (no
     validation loss, no best checkpoint), as for data without a validation split."""
     initial_validation: bool = True
     """Evaluate once before the first step of a new run: the baseline every later validation loss compares with."""
@@ -221,17 +222,19 @@ class EvalArgs:
 class SaveArgs:
     """Save"""
 
-    save_step_interval: int = 1000
-    """Write a checkpoint every this many optimizer steps (and at the end of training). 0: none, for benchmarks and
-    smoke tests (a run stopped by a signal still saves, so that it can resume)."""
+    save_step_interval: Union[int, float] = 1000
+    """Write a checkpoint every this many optimizer steps (and at the end of training); below 1, that share of the
+    run's steps (0.05: every 5% of the run). 0: none, for benchmarks and smoke tests (a run stopped by a signal still
+    saves, so that it can resume)."""
 
 
 @dataclass
 class LoggingArgs:
     """Logging"""
 
-    log_interval: int = 10
-    """Print and log training metrics every this many optimizer steps (and at the last): the mean of their losses,
+    log_interval: Union[int, float] = 10
+    """Print and log training metrics every this many optimizer steps (and at the last; below 1, that share of the
+    run's steps): the mean of their losses,
     the last step's LR and gradient norm, the throughput over them; a checkpoint keeps the losses of the steps not
     logged yet, so a resumed run logs what a run that was not stopped logs."""
     entity: Optional[str] = None
@@ -481,10 +484,14 @@ def validate_config(cfg: Config, sources: Optional[dict[str, str]] = None) -> li
 
 def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     """Each option within its own range."""
-    for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "log_interval", "eval_max_new_tokens"):
+    for name in ("num_nodes", "micro_batch_size", "number_epochs", "eval_iters", "eval_max_new_tokens"):
         require(getattr(cfg, name) >= 1, f"--{name} must be at least 1, got {getattr(cfg, name)}")
-    require(cfg.eval_step_interval >= 0, f"--eval_step_interval must be at least 1, or 0 for no validation, got "
-                                         f"{cfg.eval_step_interval}")
+    for name, off in (("eval_step_interval", ", or 0 for no validation"), ("save_step_interval", ", or 0 for no "
+                      "checkpoints"), ("log_interval", "")):
+        value = getattr(cfg, name)
+        require((value > 0 or off and value == 0) and (value < 1 or float(value).is_integer()),
+                f"--{name} must be a whole number of steps, or a share of the run's steps between 0 and 1{off}, got "
+                f"{value}")
     for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "eval_batch_size",
                  "keep_last_n", "reference_batch_size"):
         value = getattr(cfg, name)
@@ -496,8 +503,6 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     require(0 <= cfg.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED} (numpy's range, which every rank "
             f"seeds), got {cfg.seed}")
     require(cfg.eval_samples >= 0, f"--eval_samples must be 0 or more, got {cfg.eval_samples}")
-    require(cfg.save_step_interval >= 0, f"--save_step_interval must be 0 (no checkpoints) or more, got "
-            f"{cfg.save_step_interval}")
     require(cfg.stall_timeout_min >= 0, f"--stall_timeout_min must be 0 (off) or positive, got {cfg.stall_timeout_min}")
     for name in ("process_group_timeout_min", "rendezvous_timeout_min"):  # a timedelta overflows past a year or so
         require(0 < getattr(cfg, name) <= MINUTES_PER_YEAR,

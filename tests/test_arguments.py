@@ -169,7 +169,12 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--number_epochs", "2", "--max_step", "8"], "--number_epochs 2 is not read when --max_step is given"),
     (["--eval_step_interval", "0", "--eval_iters", "5", "--eval_samples", "2"],
      "--eval_iters, --eval_samples: not read with --eval_step_interval 0, which turns validation off"),
-    (["--eval_step_interval", "-1"], "--eval_step_interval must be at least 1, or 0 for no validation, got -1"),
+    (["--eval_step_interval", "-1"], "--eval_step_interval must be a whole number of steps, or a share of the run's "
+                                     "steps between 0 and 1, or 0 for no validation, got -1"),
+    (["--log_interval", "0"], "--log_interval must be a whole number of steps, or a share of the run's steps between "
+                              "0 and 1, got 0"),
+    (["--save_step_interval", "2.5"], "--save_step_interval must be a whole number of steps, or a share of the "
+                                      "run's steps between 0 and 1, or 0 for no checkpoints, got 2.5"),
     (["--accelerator", "tpu", "--strategy", "ddp"], "--strategy ddp: TPUs train with Lightning's XLA FSDP only"),
     (["--tpu", "--sharding_strategy", "NO_SHARD", "--cpu_offload", "true"],
      "--sharding_strategy, --cpu_offload: not read by Lightning's XLA FSDP"),
@@ -185,7 +190,7 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--rendezvous_timeout_min", "0"], "--rendezvous_timeout_min must be positive"),
     (["--process_group_timeout_min", "0"], "--process_group_timeout_min must be positive"),
     (["--process_group_timeout_min", "10"], "--stall_timeout_min (20) must be below --process_group_timeout_min (10)"),
-    (["--save_step_interval", "-1"], "--save_step_interval must be 0 (no checkpoints) or more"),
+    (["--save_step_interval", "-1"], "--save_step_interval must be a whole number of steps"),
     (["--save_step_interval", "0", "--spike_guard", "rollback"], "--save_step_interval 0 writes no checkpoint"),
     (["--save_step_interval", "0", "--log_model"], "--save_step_interval 0 writes no checkpoint"),
     (["--save_step_interval", "0", "--keep_last_n", "2"], "--keep_last_n is only read when checkpoints are saved"),
@@ -222,9 +227,9 @@ def test_a_whole_number_in_e_notation_is_an_integer_and_a_fraction_is_refused(tm
     assert (cfg.max_step, cfg.save_step_interval, cfg.lr) == (100000, 2500, 3e-4)
     with pytest.raises(UsageError, match="--max_step: expected an integer, got"):
         read_config(REQUIRED + ["--max_step", "1.5e0"])
-    (tmp_path / "run.yaml").write_text("max_step: 1e5\nsave_step_interval: 2.0e+3\nlr: 3e-4\n")
+    (tmp_path / "run.yaml").write_text("max_step: 1e5\neval_iters: 2.0e+3\nlr: 3e-4\n")
     with pytest.raises(UsageError, match=f"--config {tmp_path / 'run.yaml'}: max_step takes an integer: write 100000 "
-                                         r"\(e notation .*\); save_step_interval takes an integer: write 2000"):
+                                         r"\(e notation .*\); eval_iters takes an integer: write 2000"):
         read_config(REQUIRED + ["--config", str(tmp_path / "run.yaml")])
 
 

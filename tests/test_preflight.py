@@ -182,6 +182,19 @@ def test_bad_input_is_refused_with_one_line_naming_it(case, tiny, bad, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_intervals_given_as_a_share_of_the_run_become_its_steps(tiny, tmp_path, capsys) -> None:
+    """The Hugging Face Trainer reads save_steps 0.05 as every 5% of the run (seed 003 saves so): it was refused as
+    "expected an integer". The run, its config.yaml and its checkpoints hold the steps."""
+    inputs = preflight(parse_config(train_args(tiny, tmp_path / "out", max_step=40, save_step_interval=0.25,
+                                               eval_step_interval=0.1, log_interval=1e3)))
+    cfg = inputs.config
+    assert (cfg.save_step_interval, cfg.eval_step_interval, cfg.log_interval) == (10, 4, 1000)
+    assert all(isinstance(value, int) for value in (cfg.save_step_interval, cfg.eval_step_interval, cfg.log_interval))
+    said = capsys.readouterr().out
+    assert "--save_step_interval 0.25: every 10 steps of the run's 40" in said
+    assert "--eval_step_interval 0.1: every 4 steps of the run's 40" in said and "--log_interval" not in said
+
+
 def test_a_refused_run_says_none_of_its_notes(tiny, tmp_path, capsys) -> None:
     """"--resume true: no checkpoint in ... yet, starting from step 0" came before the refusal, as if the run had
     started; the notes of a run that starts are said as before."""

@@ -6,13 +6,19 @@ import math
 
 import pytest
 
-from app.optimization.schedule import (accumulation_steps, continuing_position, learning_rate, make_plan,
-                                      steps_to_finish)
+from app.optimization.schedule import (accumulation_steps, continuing_position, interval_steps, learning_rate,
+                                      make_plan, steps_to_finish)
 
 
 def lr_at(step: int, **overrides: object) -> float:
     options = dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_step=110, decay=True) | overrides
     return learning_rate(step, **options)
+
+
+def test_an_interval_below_one_is_that_share_of_the_runs_steps() -> None:
+    assert [interval_steps(0.05, 1000), interval_steps(0.05, 1010), interval_steps(0.001, 100)] == [50, 50, 1]
+    assert [interval_steps(0, 100), interval_steps(500, 100), interval_steps(2000.0, 10)] == [0, 500, 2000]
+    assert isinstance(interval_steps(2000.0, 10), int)
 
 
 def test_warmup_is_linear_from_zero_to_lr() -> None:

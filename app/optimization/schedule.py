@@ -109,6 +109,14 @@ class TrainingPlan:
         return round(self.global_batch_size * (self.row_tokens + self.target_tokens))
 
 
+def interval_steps(interval: float, max_step: int) -> int:
+    """An interval option in optimizer steps: a whole number as given, a share of the run below 1 as that many of
+    its `max_step` steps (rounded, at least 1); 0 stays 0 (off)."""
+    if interval == 0 or interval >= 1:
+        return int(interval)
+    return max(1, round(interval * max_step))
+
+
 def continuing_position(epoch: int, position: int, plan: TrainingPlan) -> tuple[int, int]:
     """Where a resumed run reads on: a checkpoint's position with no whole step of this run's global batch left in
     its epoch (the global batch grew) is the next epoch's start, as the data order has it (order.step_rows)."""

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Optional
 
 from app.checkpoint.files import read_best
 from app.data.mixture import parse_sources
-from app.optimization.schedule import (TrainingPlan, accumulation_steps, learning_rate, make_plan, scale_for_batch,
-                                        steps_to_finish)
+from app.optimization.schedule import (TrainingPlan, accumulation_steps, interval_steps, learning_rate, make_plan,
+                                       scale_for_batch, steps_to_finish)
 from app.training.preflight.data import DataFacts
 from app.training.preflight.environment import world_size
 from app.training.preflight.notes import note
@@ -254,6 +254,22 @@ def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: Traini
          "this resume for that alone, and best.json starts a new comparison (the losses of the other rows do not "
          "compare)"
          + (f"; --eval_iters {same} reads the same rows" if same else ""))
+
+
+INTERVALS = ("eval_step_interval", "save_step_interval", "log_interval")
+"""Options counted in optimizer steps that take a share of the run instead."""
+
+
+def resolve_intervals(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
+    """Intervals given as a share of the run (below 1) in steps of this run's plan, said once; the run, its
+    config.yaml and its checkpoints hold the steps."""
+    if plan is None:
+        return cfg
+    steps = {name: interval_steps(getattr(cfg, name), plan.max_step) for name in INTERVALS}
+    for name, value in steps.items():
+        if value != getattr(cfg, name):
+            note(f"--{name} {getattr(cfg, name):g}: every {value:,} steps of the run's {plan.max_step:,}")
+    return replace(cfg, **steps)
 
 
 def resolve_learning_rates(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
