@@ -15,7 +15,7 @@ from transformers import (AutoModelForCausalLM, FalconConfig, Gemma2Config, Gemm
 
 from app.data.formats import arrange, block_causal
 from app.model.build import materializes_like_from_config
-from app.model.isolation import EXAMPLE_LENGTHS, TwinUnavailable, probe_isolation, small_twin
+from app.model.isolation import EXAMPLE_LENGTHS, TwinUnavailable, column_scaled_from, probe_isolation, small_twin
 from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
 
 WIDTH = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
@@ -78,6 +78,37 @@ def test_a_leak_outside_attention_is_refused_also_when_attention_is_probed_in_ha
     assert llama.layout == "one_row", "a leak of attention alone stays the half-precision probe's to judge"
     gpt_oss, _, _ = WINDOWED["gpt_oss"]  # no SDPA; under eager its window is lost to the masks: attention's leak
     assert isolation.leak_outside_attention(gpt_oss, torch.bfloat16, False) is None
+
+
+def test_llama4s_column_scaled_layers_refuse_packed_rows_that_reach_floor_scale_and_samples_go_one_at_a_time() -> None:
+    """Llama-4's layers without RoPE scale their queries by the column a token sits in, counted by transformers from
+    the cache, not by position_ids: an example packed at column 8,191 or later trains at another scale than alone
+    (a twin whose floor_scale the probe's rows reach leaks 0.2%), which the probe's short rows cannot see at 8,192."""
+    from types import SimpleNamespace
+
+    from transformers import Llama4TextConfig
+
+    from app.data.formats import DataFormat
+    from app.training.preflight.model import check_packed_isolation, samples_pad_apart
+
+    def llama4(**overrides) -> PretrainedConfig:
+        return Llama4TextConfig(**{"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "head_dim": 16,
+                                   "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                                   "intermediate_size_mlp": 128, "num_local_experts": 2, "num_experts_per_tok": 1,
+                                   "no_rope_layers": [1, 0]} | overrides)
+
+    assert probe_isolation(llama4(), "sdpa").layout == "position_ids", "blind at 8,192"
+    assert probe_isolation(llama4(floor_scale=4), "sdpa").layout is None, "the leak, where the probe reaches it"
+    assert column_scaled_from(llama4()) == 8192 and column_scaled_from(llama4(no_rope_layers=[1, 1])) is None
+    assert column_scaled_from(CONFIGS["llama"]) is None
+    cfg = SimpleNamespace(train_data_dir="data", attn_implementation="sdpa", trust_remote_code=False, eval_samples=4,
+                          estimate_memory=False)
+    for block, refused in ((8191, False), (8192, True)):
+        problems: list[str] = []
+        data = SimpleNamespace(format=DataFormat("supervised_packed", 0), block_size=block)
+        check_packed_isolation(cfg, llama4(), data, problems)
+        assert bool(problems) == refused and all("--block_size 8191 or less" in p for p in problems), problems
+    assert not samples_pad_apart(cfg, llama4()) and samples_pad_apart(cfg, CONFIGS["llama"])
 
 
 def test_block_causal_mask_lets_a_token_see_only_its_own_examples_earlier_tokens() -> None:

@@ -8,10 +8,10 @@ make the same number of calls: each takes every world-size-th prompt, a rank out
 feeds a placeholder token, and one small all-reduce per token tells them when every rank is done. No rank ever
 holds the whole model.
 
-A rank's prompts go through together, as many as fit in the tokens of an evaluation batch (`generation_batches`),
-padded on the left (a causal LM, with the positions each has alone) or on the right (an encoder's sources): each
-forward gathers every weight of the model, and a rank that generated its prompts one by one gathered them once per
-token of every prompt. Whether padding leaves every prompt's logits as they are alone is a property of the model
+A rank's prompts go through together, as many as fit in the tokens of one prompt of a block with its answer
+(`generation_batches`), padded on the left (a causal LM, with the positions each has alone) or on the right (an
+encoder's sources): each forward gathers every weight of the model, and a rank that generated its prompts one by one
+gathered them once per token of every prompt. Whether padding leaves every prompt's logits as they are alone is a property of the model
 class, probed on its small twin (`pads_apart`); where it does not, prompts go one at a time.
 """
 
@@ -392,7 +392,8 @@ class SampleEvaluator:
     max_new_tokens: int
     out_dir: Path
     token_budget: int = 0
-    """The tokens of a rank's prompts generated together, padded and grown by max_new_tokens (0: one at a time)."""
+    """The tokens of a rank's prompts generated together, padded and grown by max_new_tokens (0: one at a time):
+    their keys and values stay in every layer until the last token."""
 
     @property
     def stop_ids(self) -> set[int]:

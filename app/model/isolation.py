@@ -112,6 +112,20 @@ def leak_outside_attention(model_config: PretrainedConfig, dtype: torch.dtype,
     return None
 
 
+def column_scaled_from(model_config: PretrainedConfig) -> Optional[int]:
+    """The column of a row from which a model's layers without RoPE scale their queries by where a token sits in the
+    row rather than by its position_ids (Llama-4's attn_temperature_tuning: transformers 5.23 counts columns from the
+    cache, and the scale moves at every multiple of floor_scale, 8192): an example packed past it, or a prompt padded
+    on the left past it, is read at another scale than alone. None for a model without such layers. The probes'
+    examples are far shorter than floor_scale, so they cannot see it."""
+    for config in (model_config, getattr(model_config, "text_config", None)):
+        layers = getattr(config, "no_rope_layers", None) or []
+        if getattr(config, "attn_temperature_tuning", False) and getattr(config, "floor_scale", None) and \
+                not all(layers):  # a 0 marks a layer without RoPE
+            return int(config.floor_scale)
+    return None
+
+
 def reads_ahead(model_config: PretrainedConfig, attn_implementation: str, trust_remote_code: bool = False) -> bool:
     """Whether a causal LM class's predictions read the tokens after them, probed on its small twin: the logits of
     the first positions change when the last token does. AutoModelForCausalLM also builds encoder models' LM heads

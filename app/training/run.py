@@ -339,9 +339,11 @@ def sample_evaluator(fabric: Fabric, cfg: Config, inputs: RunInputs, data: Train
 
 
 def samples_token_budget(cfg: Config, inputs: RunInputs) -> int:
-    """The tokens of a rank's --eval_samples prompts generated together: an evaluation batch's, which fit beside the
-    model as validation runs (0: one prompt at a time, for a model whose logits padding changes)."""
-    return (cfg.eval_batch_size or cfg.micro_batch_size) * inputs.plan.block_size if inputs.samples_pad_apart else 0
+    """The tokens of a rank's --eval_samples prompts generated together, with their answers: those of one prompt of
+    a whole block, which generation held alone before (0: one prompt at a time, for a model whose logits padding
+    changes). Each keeps its keys and values in every layer for the whole loop; a budget of an evaluation batch's
+    tokens held 2.9 times validation's memory in an audit (a 7B model's cache is 512 KiB a token)."""
+    return inputs.plan.block_size + cfg.eval_max_new_tokens if inputs.samples_pad_apart else 0
 
 
 def corrupt_checkpoint(fabric: Fabric, cfg: Config, path: Path, unreadable: str) -> int:

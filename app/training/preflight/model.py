@@ -23,7 +23,7 @@ from app.hub import (CONFIG_ERRORS, REMOTE_CODE, load_problem, missing_model_pro
                      quiet_hub)
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
                              meta_model, model_class, model_source, resolve_wrap_classes, stored_tensors, tied_names)
-from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, decoder_inputs_error,
+from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, column_scaled_from, decoder_inputs_error,
                                  decoder_tells_positions_apart, probe_isolation, reads_ahead)
 from app.metrics.observe import has_experts
 from app.model.loss import ROUTER_COEFFICIENT_NAMES, probe_chunked_loss
@@ -220,6 +220,14 @@ def check_packed_isolation(cfg: Config, model_config: PretrainedConfig, data: Da
     if not data.format.packs_examples or model_config.is_encoder_decoder:  # the latter refused above
         return "position_ids"
     attention, kind = cfg.attn_implementation, model_config.model_type
+    scaled_from = column_scaled_from(model_config)
+    if scaled_from is not None and data.block_size > scaled_from - 1:
+        problems.append(f"--train_data_dir {cfg.train_data_dir} packs examples into rows of {data.block_size} tokens, "
+                        f"but a {kind} model's layers without RoPE scale attention by a token's column in the row "
+                        f"once a row reaches {scaled_from} tokens (attn_temperature_tuning, floor_scale), not by its "
+                        "position: an example packed there would train at another scale than it has alone; prepare "
+                        f"the data with --block_size {scaled_from - 1} or less, or with --packing false")
+        return "position_ids"
     if attention == "flash_attention_2" and not is_flash_attn_2_available():
         return "one_row"  # a run is refused for it (check_runs_here); a plan made where it is missing needs no probe
     try:
@@ -278,8 +286,9 @@ def check_length_dependent_rope(cfg: Config, model_config: PretrainedConfig, dat
 def samples_pad_apart(cfg: Config, model_config: PretrainedConfig) -> bool:
     """Whether --eval_samples may pad a rank's prompts into one batch (app/evaluation/samples.py pads_apart, probed
     on the model's twin), and no longrope gives a batch's short prompts the factors of its longest one
-    (check_length_dependent_rope)."""
-    if not cfg.eval_samples or cfg.estimate_memory or longrope_limit(model_config) is not None:
+    (check_length_dependent_rope), nor a scale by the column (Llama-4's) the scale of another column."""
+    if not cfg.eval_samples or cfg.estimate_memory or longrope_limit(model_config) is not None or \
+            column_scaled_from(model_config) is not None:
         return False
     if cfg.attn_implementation == "flash_attention_2" and not is_flash_attn_2_available():
         return False
