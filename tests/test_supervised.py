@@ -763,6 +763,33 @@ def test_show_samples_keeps_answers_of_several_lines_in_their_column_and_refuses
     assert piped.returncode == 0 and piped.stderr == "", piped.stderr
 
 
+def test_a_longrope_answer_that_crosses_the_original_positions_computes_its_cache_again_as_transformers_does(
+        ) -> None:
+    """Past original_max_position_embeddings every position of a longrope model takes the long factors, and
+    transformers' Phi-3 generation computes the cache of the positions before again: the samples kept it, and
+    differed from the converted model's answers from the token that crossed it (the 8th of these)."""
+    from lightning_fabric import Fabric
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from app.evaluation.samples import decoding_for
+
+    config = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                        original_max_position_embeddings=16,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                         "long_factor": [4.0] * 8})
+    torch.manual_seed(1)
+    model = Phi3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for matrix in (parameter for parameter in model.parameters() if parameter.dim() > 1):
+            matrix.mul_(4)
+    prompt = list(range(10, 20))
+    ours = generate_samples(Fabric(accelerator="cpu", devices=1), model, [Sample(prompt=prompt, reference=prompt)],
+                            decoding=decoding_for(config), max_new_tokens=12, stop_ids={-1})[0]
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    assert ours == theirs, (ours, theirs)
+
+
 def test_samples_of_a_state_space_model_step_with_its_own_cache() -> None:
     """Mamba's outputs carry `cache_params`, not `past_key_values`: --eval_samples ended such a run at its first
     evaluation with an AttributeError. Greedy tokens equal transformers' generate."""

@@ -35,7 +35,8 @@ from app.data.formats import Sample
 from app.evaluation.validation import EvaluationStopped
 from app.folders import replace_file, written_or_warned
 from app.model.build import evaluation_mode, hugging_face_model, strategy_module
-from app.model.isolation import TOLERANCE, decoder_inputs_from_labels, probe_examples, probe_twin
+from app.model.isolation import (TOLERANCE, decoder_inputs_from_labels, longrope_limit, probe_examples,
+                                 probe_twin)
 from app.prepare.chat_template import end_of_turn_id
 
 if TYPE_CHECKING:
@@ -69,6 +70,10 @@ class Decoding:
     """(prompts, their references) -> the inputs of the first forward, one row per prompt."""
     next: Callable[[torch.Tensor, Any, dict[str, Any]], dict[str, Any]]
     """(last tokens, the model's output, the inputs it read) -> the inputs of the next forward."""
+    restart_at: Optional[int] = None
+    """A longrope model's original_max_position_embeddings: once a prompt and its answer pass it, every position
+    switches to the long factors, and the cache of the positions before is computed again, as transformers'
+    Phi-3 generation does (its answers and the converted model's differed from the token that crossed it)."""
 
 
 def padded(prompts: list[list[int]], left: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -129,7 +134,7 @@ def seq2seq_decoding(decoder_inputs: Callable[[torch.Tensor], torch.Tensor]) -> 
 
 def decoding_for(model_config: PretrainedConfig, trust_remote_code: bool = False) -> Decoding:
     if not model_config.is_encoder_decoder:
-        return CAUSAL
+        return replace(CAUSAL, restart_at=longrope_limit(model_config))
     return seq2seq_decoding(decoder_inputs_from_labels(model_config, trust_remote_code))
 
 
@@ -257,6 +262,7 @@ def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, batch: list[Sam
     stops = torch.tensor(sorted(stop_ids), device=fabric.device)
     running = torch.full((len(rows),), bool(batch), device=fabric.device)
     tokens: list[torch.Tensor] = []
+    prompt = inputs["input_ids"]
     for _ in range(max_new_tokens):
         with fabric.autocast():
             output = module(**inputs, **last_logits, use_cache=True)
@@ -265,7 +271,10 @@ def generate_in_lockstep(fabric: Fabric, model: torch.nn.Module, batch: list[Sam
         running = running & ~torch.isin(token, stops).flatten()
         if all_done(fabric, running.any(), stopping()):
             break
-        inputs = decoding.next(token, output, inputs)
+        if prompt.shape[1] + len(tokens) - 1 == decoding.restart_at and len(rows) == 1:  # the last token crosses it
+            inputs = {"input_ids": torch.cat([prompt, *tokens], dim=1)}  # no cache: every position anew
+        else:
+            inputs = decoding.next(token, output, inputs)
     generated = torch.cat(tokens, dim=1).tolist() if batch and tokens else [[] for _ in batch]
     return [up_to_stop(row, stop_ids) for row in generated]  # other rows, and other ranks' samples, may run on
 

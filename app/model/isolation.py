@@ -126,6 +126,14 @@ def column_scaled_from(model_config: PretrainedConfig) -> Optional[int]:
     return None
 
 
+def longrope_limit(model_config: PretrainedConfig) -> Optional[int]:
+    """original_max_position_embeddings of a longrope RoPE (of any layer kind), past which it switches factors."""
+    parameters = getattr(model_config, "rope_parameters", None) or {}
+    kinds = list(parameters.values()) if all(isinstance(v, dict) for v in parameters.values()) else [parameters]
+    limits = [kind.get("original_max_position_embeddings") for kind in kinds if kind.get("rope_type") == "longrope"]
+    return min((limit for limit in limits if limit), default=None)
+
+
 def reads_ahead(model_config: PretrainedConfig, attn_implementation: str, trust_remote_code: bool = False) -> bool:
     """Whether a causal LM class's predictions read the tokens after them, probed on its small twin: the logits of
     the first positions change when the last token does. AutoModelForCausalLM also builds encoder models' LM heads

@@ -24,7 +24,7 @@ from app.hub import (CONFIG_ERRORS, REMOTE_CODE, load_problem, missing_model_pro
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
                              meta_model, model_class, model_source, resolve_wrap_classes, stored_tensors, tied_names)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, column_scaled_from, decoder_inputs_error,
-                                 decoder_tells_positions_apart, probe_isolation, reads_ahead)
+                                 decoder_tells_positions_apart, longrope_limit, probe_isolation, reads_ahead)
 from app.metrics.observe import has_experts
 from app.model.loss import ROUTER_COEFFICIENT_NAMES, probe_chunked_loss
 from app.training.preflight.data import DataFacts
@@ -296,14 +296,6 @@ def samples_pad_apart(cfg: Config, model_config: PretrainedConfig) -> bool:
         return pads_apart(model_config, cfg.attn_implementation, cfg.trust_remote_code)
     except Exception:  # noqa: BLE001 (a twin that cannot be built here: one prompt at a time, as always)
         return False
-
-
-def longrope_limit(model_config: PretrainedConfig) -> Optional[int]:
-    """original_max_position_embeddings of a longrope RoPE (of any layer kind), past which it switches factors."""
-    parameters = getattr(model_config, "rope_parameters", None) or {}
-    kinds = list(parameters.values()) if all(isinstance(v, dict) for v in parameters.values()) else [parameters]
-    limits = [kind.get("original_max_position_embeddings") for kind in kinds if kind.get("rope_type") == "longrope"]
-    return min((limit for limit in limits if limit), default=None)
 
 
 def note_router_loss(model_config: PretrainedConfig, say: Callable[[str], None] = note) -> None:
