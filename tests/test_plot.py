@@ -12,7 +12,7 @@ import pytest
 from matplotlib.image import imread
 
 from app.metrics.loggers import COLUMNS
-from app.metrics.plot import distinct_labels, main, metric_series
+from app.metrics.plot import Run, distinct_labels, main, metric_series, x_at
 from tests.conftest import ROOT, run_train, train_args
 
 HEADER = ",".join(COLUMNS)
@@ -122,6 +122,30 @@ def test_overlays_runs_and_accepts_a_csv_path(two_runs, tmp_path) -> None:
     assert "shifted-run" in svg.read_text() and "real-run" in svg.read_text(), "each line is named after its run"
     assert distinct_labels([Path("/a/x/run"), Path("/b/x/run"), Path("/c/other")]) == ["a/x/run", "b/x/run", "c/other"]
     assert distinct_labels([Path("/a/run"), Path("/b/sft")]) == ["run", "sft"]  # two runs named `run` looked alike
+
+
+def test_runs_of_other_global_batches_are_compared_by_trained_tokens(two_runs, tmp_path, capsys) -> None:
+    """A step of a run with twice the global batch trains twice the tokens: over steps its curve looked twice as
+    fast. `--x tokens_seen` puts each run's points at the tokens trained so far (logged at each log row, read
+    between them for a validation loss logged elsewhere, from 0 at step 0)."""
+    real, _ = two_runs
+    series = metric_series((real / "metrics.csv").read_text())
+    steps, tokens = series["tokens_seen"]
+    assert steps == list(range(1, 9)) and tokens == [step * tokens[0] for step in steps]
+    run = Run("real", series)
+    assert x_at(run, "tokens_seen", [0, 4, 8]) == [0.0, 4 * tokens[0], 8 * tokens[0]]
+    assert x_at(run, "tokens_seen", [1, 2]) == tokens[:2] and x_at(run, "step", [3]) == [3.0]
+    assert main([str(real), "--x", "tokens_seen", "--output", str(tmp_path / "tokens.svg")]) == 0
+    assert "trained tokens" in (tmp_path / "tokens.svg").read_text()
+    (tmp_path / "earlier").mkdir()  # a metrics.csv of a version that did not log them
+    (tmp_path / "earlier" / "metrics.csv").write_text(
+        "step,train_loss,val_loss,lr,tokens_per_sec\n1,6.0,,1e-4,900\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "earlier"), "--x", "tokens_seen"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == (
+        "plot_metrics.py: error: --x tokens_seen: earlier logged no tokens_seen (its metrics.csv was written by an "
+        "earlier version); plot it with --x step; see plot_metrics.py --help")
 
 
 def test_mfu_gets_its_own_axis_and_a_panel_without_values_says_no_data(tmp_path) -> None:

@@ -238,6 +238,9 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
     elapsed = [resumed[step]["elapsed_sec"] for step in range(1, 25)]
     assert elapsed == sorted(elapsed), "the run's time continues from the checkpoint's (it began again at 0)"
     assert resumed[17]["elapsed_sec"] > straight[16]["elapsed_sec"] == resumed[16]["elapsed_sec"]
+    per_step = straight[1]["tokens_seen"]
+    assert per_step > 0 and [resumed[step]["tokens_seen"] for step in range(1, 25)] == [
+        step * per_step for step in range(1, 25)], "the trained tokens so far, continued from the checkpoint's"
 
 
 def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:

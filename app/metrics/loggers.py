@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
     from arguments import Config
 
-COLUMNS = ["step", "epoch", "train_loss", "val_loss", "val_ppl", "sample_exact_match", "sample_rouge1", "sample_rouge2",
-           "sample_rougeL", "sample_rougeLsum", "sample_length", "lr", "grad_norm", "tokens_per_sec",
+COLUMNS = ["step", "epoch", "tokens_seen", "train_loss", "val_loss", "val_ppl", "sample_exact_match", "sample_rouge1",
+           "sample_rouge2", "sample_rougeL", "sample_rougeLsum", "sample_length", "lr", "grad_norm", "tokens_per_sec",
            "samples_per_sec", "tokens_per_sec_per_device", "tflops_per_sec_per_device", "mfu", "data_wait_pct",
            "peak_rss_gb", "peak_allocated_gb", "peak_reserved_gb", "save_sec", "elapsed_sec", "spikes",
            "skipped_steps", "rollbacks", "quarantined_rows"]

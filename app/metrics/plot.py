@@ -13,8 +13,10 @@ import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import jsonargparse
+import numpy
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -44,7 +46,12 @@ class PlotArgs:
     over each other, each labelled with its folder name."""
     output: str | None = None
     """Picture to write: .png, .svg or .pdf, replaced if it exists (default: <first run's folder>/metrics.png)."""
+    x: Literal["step", "tokens_seen", "elapsed_sec"] = "step"
+    """The x axis: the optimizer step; the trained tokens so far (runs of other global batches side by side); or the
+    run's seconds."""
 
+
+X_LABELS = {"step": "step", "tokens_seen": "trained tokens", "elapsed_sec": "seconds"}
 
 @dataclass(frozen=True)
 class Run:
@@ -126,17 +133,36 @@ def output_path(output: str | None, first_run: Path) -> Path:
     return path
 
 
-def draw_lines(axes: Axes, runs: list[Run], columns: dict[str, dict]) -> bool:
-    """Draw `columns` ({column: line style}) of every run in the run's colour; False when none has a value."""
+def draw_lines(axes: Axes, runs: list[Run], columns: dict[str, dict], x: str = "step") -> bool:
+    """Draw `columns` ({column: line style}) of every run in the run's colour, over `x`; False when none has a
+    value."""
     drawn = False
     for colour, run in enumerate(runs):
         prefix = f"{run.label} " if len(runs) > 1 else ""
         for name, style in columns.items():
             steps, values = run.series.get(name, ([], []))
             if steps:
-                axes.plot(steps, values, color=f"C{colour}", label=prefix + name, **style)
+                axes.plot(x_at(run, x, steps), values, color=f"C{colour}", label=prefix + name, **style)
                 drawn = True
     return drawn
+
+
+def x_at(run: Run, x: str, steps: list[int]) -> list[float]:
+    """`x` at each of `steps`: the step itself, or the run's logged `x` column (written at log rows) between its
+    points, from 0 at step 0: a validation loss is logged at steps no log row need have."""
+    if x == "step":
+        return [float(step) for step in steps]
+    logged_steps, logged = run.series[x]
+    if logged_steps[0] > 0:
+        logged_steps, logged = [0, *logged_steps], [0.0, *logged]
+    return numpy.interp(steps, logged_steps, logged).tolist()
+
+
+def check_x(runs: list[Run], x: str) -> None:
+    lacking = [run.label for run in runs if x != "step" and not run.series.get(x, ([], []))[0]]
+    if lacking:
+        raise PlotError(f"--x {x}: {', '.join(lacking)} logged no {x} (its metrics.csv was written by an earlier "
+                        "version); plot it with --x step")
 
 
 def finish_panel(axes: Axes, drawn: bool, ylabel: str) -> None:
@@ -149,41 +175,41 @@ def finish_panel(axes: Axes, drawn: bool, ylabel: str) -> None:
         axes.text(0.5, 0.5, "no data", transform=axes.transAxes, ha="center", va="center", color="grey")
 
 
-def draw_loss(axes: Axes, runs: list[Run]) -> None:
+def draw_loss(axes: Axes, runs: list[Run], x: str) -> None:
     """Train and validation loss, and a mixture's validation loss of each folder (`val_loss/<name>`), dotted."""
     folders = sorted({name for run in runs for name in run.series if name.startswith("val_loss/")})
     drawn = draw_lines(axes, runs, {"train_loss": {"linewidth": 1},
                                     "val_loss": {"marker": "o", "linestyle": "--", "linewidth": 1},
-                                    **{name: {"marker": ".", "linestyle": ":", "linewidth": 1} for name in folders}})
+                                    **{name: {"marker": ".", "linestyle": ":", "linewidth": 1} for name in folders}}, x)
     finish_panel(axes, drawn, "loss")
 
 
-def draw_lr(axes: Axes, runs: list[Run]) -> None:
-    finish_panel(axes, draw_lines(axes, runs, {"lr": {"linewidth": 1}}), "learning rate")
+def draw_lr(axes: Axes, runs: list[Run], x: str) -> None:
+    finish_panel(axes, draw_lines(axes, runs, {"lr": {"linewidth": 1}}, x), "learning rate")
 
 
-def draw_throughput(axes: Axes, runs: list[Run]) -> None:
+def draw_throughput(axes: Axes, runs: list[Run], x: str) -> None:
     """Tokens/s in total and per device; MFU on a second axis, only for runs that report it (GPU runs)."""
     drawn = draw_lines(axes, runs, {"tokens_per_sec": {"linewidth": 1},
-                                    "tokens_per_sec_per_device": {"linestyle": "--", "linewidth": 1}})
+                                    "tokens_per_sec_per_device": {"linestyle": "--", "linewidth": 1}}, x)
     finish_panel(axes, drawn, "tokens/s")
     if any(run.series.get("mfu", ([], []))[0] for run in runs):
         mfu_axes = axes.twinx()
-        draw_lines(mfu_axes, runs, {"mfu": {"linestyle": ":", "linewidth": 1}})
+        draw_lines(mfu_axes, runs, {"mfu": {"linestyle": ":", "linewidth": 1}}, x)
         mfu_axes.set_ylabel("MFU")
         mfu_axes.legend(loc="lower right", fontsize="small")
 
 
-def draw(runs: list[Run], output: Path) -> bytes:
-    """One figure, three panels over a shared step axis, drawn with the non-interactive Agg canvas into the bytes
-    of `output`'s format."""
+def draw(runs: list[Run], output: Path, x: str = "step") -> bytes:
+    """One figure, three panels over a shared x axis (the step, or a column of `x_at`), drawn with the
+    non-interactive Agg canvas into the bytes of `output`'s format."""
     figure = Figure(figsize=(10, 10), layout="constrained")
     FigureCanvasAgg(figure)
     loss, lr, throughput = figure.subplots(3, 1, sharex=True)
-    draw_loss(loss, runs)
-    draw_lr(lr, runs)
-    draw_throughput(throughput, runs)
-    throughput.set_xlabel("step")
+    draw_loss(loss, runs, x)
+    draw_lr(lr, runs, x)
+    draw_throughput(throughput, runs, x)
+    throughput.set_xlabel(X_LABELS[x])
     figure.suptitle(" vs ".join(run.label for run in runs))
     picture = io.BytesIO()
     figure.savefig(picture, format=output.suffix[1:].lower(), dpi=100)
@@ -208,7 +234,7 @@ def build_parser() -> jsonargparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None) -> PlotArgs:
     namespace = cli.parse(build_parser(), argv)
-    args = PlotArgs(run=[*namespace.paths, *(namespace.run or [])], output=namespace.output)
+    args = PlotArgs(run=[*namespace.paths, *(namespace.run or [])], output=namespace.output, x=namespace.x)
     if not args.run:
         raise PlotError("give a run to plot: plot_metrics.py <train.py --out_dir> [more runs to overlay]")
     return args
@@ -217,14 +243,16 @@ def parse_args(argv: list[str] | None) -> PlotArgs:
 def main(argv: list[str] | None = None) -> int:
     """Plot the runs and print where the picture is; bad input is one line on stderr and exit status 2."""
 
-    def load() -> tuple[list[Run], Path]:
+    def load() -> tuple[list[Run], Path, str]:
         args = parse_args(argv)
-        runs = [load_run(Path(path)) for path in args.run]
+        loaded = [load_run(Path(path)) for path in args.run]
         labels = distinct_labels([metrics_csv(Path(path)).resolve().parent for path in args.run])
-        return [Run(label, run.series) for label, run in zip(labels, runs)], output_path(args.output, Path(args.run[0]))
+        runs = [Run(label, run.series) for label, run in zip(labels, loaded)]
+        check_x(runs, args.x)
+        return runs, output_path(args.output, Path(args.run[0])), args.x
 
-    runs, output = cli.run_command("plot_metrics.py", load)
-    picture = draw(runs, output)
+    runs, output, x = cli.run_command("plot_metrics.py", load)
+    picture = draw(runs, output, x)
     cli.run_command("plot_metrics.py", lambda: write_picture(output, picture))
     print(f"wrote {output}")
     return 0

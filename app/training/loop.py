@@ -108,10 +108,11 @@ def is_save_step(step: int, last: bool, interval: int) -> bool:
 
 
 def advance_position(state: dict[str, Any], plan: TrainingPlan, step: Step, data: TrainingData) -> bool:
-    """Count one optimizer step (`step`, read from `data`) in the state; returns True when it finished an epoch (no
-    whole step left in it, as continuing_position decides; a mixture's epoch is the rows of its plan,
-    mixture.epoch_rows)."""
+    """Count one optimizer step (`step`, read from `data`) and its trained tokens in the state; returns True when it
+    finished an epoch (no whole step left in it, as continuing_position decides; a mixture's epoch is the rows of
+    its plan, mixture.epoch_rows)."""
     state["step"] += 1
+    state["tokens_seen"] += step.trained_tokens
     if step.mixture is not None:
         state["mixture"] = step.mixture
         for part, tokens in zip(data.sources, data.tokens_by_source(step.rows)):
@@ -373,7 +374,7 @@ class Loop:
         self.ranks_at_last_log, self.trained_at_last_log = ranks, trained
         step = self.state["step"]
         loss = {"train_loss": sum(losses) / len(losses)} if losses else {}  # none when no step trained a token
-        metrics = {"epoch": self.epochs_done(), **loss, "lr": lr,
+        metrics = {"epoch": self.epochs_done(), "tokens_seen": self.state["tokens_seen"], **loss, "lr": lr,
                    "grad_norm": grad_norm, "elapsed_sec": self.clock.run_elapsed(),
                    "data_wait_pct": 100 * waited / interval,
                    **throughput, **self.guard.metrics(), **self.source_tokens()}
