@@ -487,7 +487,8 @@ def test_a_template_that_renders_a_turn_otherwise_once_the_chat_goes_on_masks_si
             messages_field="messages", tokenizer=str(work / "qwen3"))
     assert str(refusal.value).startswith(
         f"the chat template of --tokenizer {work / 'qwen3'}: it masks chats of one assistant turn only, as it renders "
-        "an earlier turn otherwise once the chat goes on (at assistant message 2: ") and \
+        "an earlier turn otherwise once the chat goes on (in a test chat of 4 messages, not your data's, at assistant "
+        "message 2: ") and \
         f"and {len(pairs):,} chats have more than one; leave those out" in str(refusal.value)
     assert not (work / "qwen3-chats").exists()
 
@@ -738,7 +739,8 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{tool_call}"],  # kept as role and content, trained without the call
      "row 1 of --input {tool_call} has a message (2, role 'assistant') with tool calls, which are not trained"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{mismatch}"],
-     "are not a prefix of the whole chat's tokens, so the prompt cannot be masked (at assistant message 2: "),
+     "are not a prefix of the whole chat's tokens, so the prompt cannot be masked (in a test chat of 4 "
+     "messages, not your data's, at assistant message 2: "),
     # kept as role and content, the answer was trained without the reasoning before it
     (["--messages_field", "messages", "--input", "{reasoning}"], "row 1 of --input {reasoning} has a message (2) with "
      "reasoning in 'reasoning_content', which would not be trained"),
@@ -936,6 +938,74 @@ def test_the_audit_finds_a_short_answer_in_its_turn_not_in_the_header(work):
     assert roles["assistant"] == {"tokens": 4, "trained": 4, "trained_share": 1.0}, roles
     assert roles["template"]["trained"] == 4, "only the EOS that ends each answer"
     check_audit({"roles": roles}, "the default chat template", False, "four answers")
+
+
+R1_TEMPLATE = (  # DeepSeek-R1's first published template (January 2025), its user and assistant branches
+    "{{ bos_token }}{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    "{{ '<\uff5cUser\uff5c>' + message['content'] }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['content'] is not none %}{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<\uff5cAssistant\uff5c>' + content + eos_token }}{%- endif %}{%- endfor -%}"
+    "{% if add_generation_prompt %}{{ '<\uff5cAssistant\uff5c>' }}{% endif %}")
+THINKING_TEMPLATE = (  # Qwen3-Thinking-2507's: the generation prompt opens the reasoning the answer goes on with
+    "{%- for m in messages -%}{%- if m.role == 'assistant' and not m.content.startswith('<think>') -%}"
+    "{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m.content + '<|im_end|>\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n<think>\n' -}}{%- endif -%}")
+
+
+def reasoning_chats(work: Path, pairs: list[dict[str, str]], template: str, name: str) -> tuple[Path, Path]:
+    tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
+    tokenizer.add_tokens(["<think>", "</think>", "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>"])
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(work / name)
+    chats = [[{"role": "user", "content": pair["code"]},
+              {"role": "assistant", "content": f"<think>\nIt reads {pair['code'].split()[1]}.\n</think>\n\n"
+                                               f"{pair['summary']}"}] for pair in pairs[:20]]
+    return write_jsonl(work / f"{name}.jsonl", [{"messages": messages} for messages in chats]), work / name
+
+
+def test_a_template_that_drops_the_reasoning_of_an_answer_is_refused(work, pairs):
+    """DeepSeek-R1's first template keeps what follows </think>: every check passed, the audit counted no
+    assistant tokens at all, and the model learnt the answers without their reasoning (exit 0)."""
+    data, tokenizer = reasoning_chats(work, pairs, R1_TEMPLATE, "r1")
+    with pytest.raises(UsageError) as refusal:
+        sft(work, "r1-data", input=[str(data)], prompt_field=None, response_field=None, messages_field="messages",
+            tokenizer=str(tokenizer), block_size=1024, packing=False, val_fraction=0.0)
+    assert str(refusal.value) == (
+        f"--messages_field messages: row 1 of --input {data} has an assistant message (2) of which the chat template "
+        "drops its reasoning (DeepSeek-R1's first template keeps only what follows </think>): the model would learn "
+        "the answer without it; give a template that renders it whole with --chat_template FILE, or mark the message "
+        "\"weight\": 0 to keep it as context only")
+    assert not (work / "r1-data").exists()
+
+
+def test_the_audit_counts_an_answer_whose_start_the_generation_prompt_writes(work, pairs):
+    """Qwen3-Thinking's generation prompt ends with <think>: the answer goes on from inside it, and the audit
+    found no assistant message, counting every trained token as template text."""
+    data, tokenizer = reasoning_chats(work, pairs, THINKING_TEMPLATE, "thinking")
+    _, stats, _ = sft(work, "thinking-data", input=[str(data)], prompt_field=None, response_field=None,
+                      messages_field="messages", tokenizer=str(tokenizer), block_size=1024, packing=False,
+                      val_fraction=0.0)
+    roles = stats["splits"]["train"]["loss_mask"]["roles"]
+    assert roles["assistant"]["trained_share"] > 0.9 and roles["user"]["trained"] == 0, roles
+
+
+def test_an_empty_answer_is_named_and_kept_as_context_with_weight_0(work, pairs, tmp_path):
+    chat = [{"role": "user", "content": "Call the tool."}, {"role": "assistant", "content": "", "weight": 0},
+            {"role": "user", "content": "Now answer."}, {"role": "assistant", "content": "Done."}]
+    write_jsonl(tmp_path / "context.jsonl", [{"messages": chat}] * 10)
+    _, stats, _ = sft(work, "empty-context", input=[str(tmp_path / "context.jsonl")], prompt_field=None,
+                      response_field=None, messages_field="messages", tokenizer=str(work / "llama3"),
+                      val_fraction=0.0)
+    assert stats["splits"]["train"]["kept"] == 10
+    write_jsonl(tmp_path / "empty.jsonl", [{"messages": [chat[0], {"role": "assistant", "content": " "}]}])
+    with pytest.raises(UsageError) as refusal:
+        sft(work, "empty-answer", input=[str(tmp_path / "empty.jsonl")], prompt_field=None, response_field=None,
+            messages_field="messages", tokenizer=str(work / "llama3"), val_fraction=0.0)
+    assert str(refusal.value).endswith(
+        "has an empty assistant message (2); give it the answer to train, or \"weight\": 0 to keep it as context "
+        "only, or leave the chat out")
 
 
 def test_docs_show_the_default_template_verbatim():

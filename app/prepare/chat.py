@@ -164,8 +164,9 @@ def chat_problem(chat: object) -> Optional[str]:
 
 
 def turns_problem(messages: list[dict]) -> Optional[str]:
-    """A chat to train on starts with a system or user message and has an assistant one; no user or assistant
-    message is empty or blank."""
+    """A chat to train on starts with a system or user message and has an assistant one; no user message, nor an
+    assistant message to train, is empty or blank (one of `"weight": 0` is context: a call-only turn whose call
+    was left out)."""
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         return "has no assistant message to train on"
@@ -173,8 +174,13 @@ def turns_problem(messages: list[dict]) -> Optional[str]:
         return "has no assistant message to train on: each has \"weight\": 0"
     if roles[0] == "assistant":
         return "starts with an assistant message; a chat starts with system or user"
-    return next((f"has an empty {role} message" for role in ("user", "assistant")
-                 if any(not m["content"].strip() for m in messages if m["role"] == role)), None)
+    empty = next((k for k, m in enumerate(messages)
+                  if m["role"] in ("user", "assistant") and not m["content"].strip() and not untrained(m)), None)
+    if empty is None:
+        return None
+    fix = ("give it the answer to train, or \"weight\": 0 to keep it as context only" if roles[empty] == "assistant"
+           else "give it its text")
+    return f"has an empty {roles[empty]} message ({empty + 1}); {fix}, or leave the chat out"
 
 
 def untrained(message: dict) -> bool:
@@ -211,7 +217,8 @@ def tools_offered(tools: object) -> Optional[str]:
 
 def check_rendered(messages: list[dict[str, str]], rendered: ChatText, row: Row) -> None:
     """Refuse a message that the chat template does not render: a template that renders only the roles it knows
-    (Qwen's skips "human") drops it silently, and the answer after it would be trained without its prompt.
+    (Qwen's skips "human") drops it silently, and the answer after it would be trained without its prompt. And an
+    answer to train that the template renders only in part (`dropped_from_answer`).
 
     The chat is rendered with each message's content replaced by a marker of its own, so that a dropped message is
     found also where its text appears elsewhere in the chat (a question asked twice, a prompt that its answer
@@ -231,6 +238,23 @@ def check_rendered(messages: list[dict[str, str]], rendered: ChatText, row: Row)
             raise row.error("messages_field", f"has a message ({k + 1}) of role {message['role']!r} that the chat "
                             f"template does not render {advice}, or give a template that renders it with "
                             "--chat_template FILE")
+    if text is not None:
+        dropped = dropped_from_answer(messages, rendered(messages) or "")
+        if dropped is not None:
+            part = ("its reasoning (DeepSeek-R1's first template keeps only what follows </think>)"
+                    if "</think>" in messages[dropped]["content"] else "part of it")
+            raise row.error("messages_field", f"has an assistant message ({dropped + 1}) of which the chat template "
+                            f"drops {part}: the model would learn the answer without it; give a template that renders "
+                            "it whole with --chat_template FILE, or mark the message \"weight\": 0 to keep it as "
+                            "context only")
+
+
+def dropped_from_answer(messages: list[dict[str, str]], text: str) -> Optional[int]:
+    """The first trained assistant message whose content is not in the chat's rendered `text`, all whitespace left
+    out (a template may trim it, or space a reasoning block its own way, as Qwen3's does); None when each is."""
+    bare = "".join(text.split())
+    return next((k for k, m in enumerate(messages) if m["role"] == "assistant" and not untrained(m)
+                 and "".join(m["content"].split()) not in bare), None)
 
 
 def _marker(k: int) -> str:

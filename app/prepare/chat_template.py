@@ -279,8 +279,9 @@ def prefix_difference(encoder: ChatEncoder, messages: list[dict[str, str]]) -> s
             i = next((i for i, token in enumerate(shorter) if i >= len(longer) or longer[i] != token), None)
             if i is not None:
                 decode = encoder.tokenizer.decode
-                return (f" (at assistant message {k + 1}: {decode(shorter[i:i + 6])!r} where the longer rendering "
-                        f"has {decode(longer[i:i + 6])!r})")
+                return (f" (in a test chat of {len(messages)} messages, not your data's, at assistant message "
+                        f"{k + 1}: {decode(shorter[i:i + 6])!r} where the longer rendering has "
+                        f"{decode(longer[i:i + 6])!r})")
     return ""
 
 

@@ -66,12 +66,19 @@ def token_roles(tokenizer: PreTrainedTokenizerBase, template: str, messages: lis
     cursor = 0
     for k, message in enumerate(messages):
         content = message["content"].strip()
-        start = text.find(content, max(cursor, _prefix_end(tokenizer, template, messages, k, text))) if content else -1
+        after = _prefix_end(tokenizer, template, messages, k, text)
+        start = text.find(content, max(cursor, after - _overlap(text, after, content))) if content else -1
         if start < 0:
             continue  # a template that rewrites the content: its characters stay template text
         owner[start:start + len(content)] = [roles[k]] * len(content)
         cursor = start + len(content)
     return [owner[a] if a < len(owner) else "template" for a, _ in encoded["offset_mapping"][: len(written)]]
+
+
+def _overlap(text: str, end: int, content: str, most: int = 64) -> int:
+    """How many characters before `end` in `text` begin `content`: a generation prompt that writes the start of the
+    answer (Qwen3-Thinking's `<think>\n`), whose answer was counted as template text."""
+    return next((j for j in range(min(end, len(content), most), 0, -1) if text[end - j:end] == content[:j]), 0)
 
 
 def _prefix_end(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, str]], k: int,
