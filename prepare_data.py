@@ -4,7 +4,7 @@ or padded): see `python prepare_data.py --help` and the README."""
 import signal
 
 if __name__ == "__main__":  # until it takes stop signals itself: Ctrl-C while the libraries import ends
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # it quietly (130), as train.py does (app/stopping.py stopped_in_one_line)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # it quietly (130), as train.py does (app/stopping.py)
 
 from app.prepare.cli import main  # noqa: E402
 

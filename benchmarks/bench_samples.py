@@ -75,8 +75,9 @@ def main() -> None:
     if fabric.is_global_zero:
         same = generated["one at a time"] == generated["batched"]
         median = {name: statistics.median(values) for name, values in seconds.items()}
-        print(f"{options.samples} prompts of {min(len(s.prompt) for s in samples)}-{max(len(s.prompt) for s in samples)}"
-              f" tokens, {options.max_new_tokens} new tokens each, 2 ranks (fsdp, gloo), {options.repeats} repeats")
+        lengths = [len(sample.prompt) for sample in samples]
+        print(f"{options.samples} prompts of {min(lengths)}-{max(lengths)} tokens, {options.max_new_tokens} new tokens "
+              f"each, 2 ranks (fsdp, gloo), {options.repeats} repeats")
         print("| generation | forwards per rank | seconds (median) | range |")
         print("| --- | --- | --- | --- |")
         for name in budgets:

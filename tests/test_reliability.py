@@ -69,7 +69,6 @@ def files_under(folder: Path) -> list[Path]:
     return [path for path in folder.rglob("*") if path.is_file()]
 
 
-@pytest.mark.slow
 def test_each_way_a_run_ends_exits_with_the_code_the_docs_promise() -> None:
     """Wrapper scripts and the sbatch scripts act on these (they requeue 4, 5 and 8, never 6): docs/reliability.md."""
     from app.training.run import EXIT_CODES
@@ -81,6 +80,7 @@ def test_each_way_a_run_ends_exits_with_the_code_the_docs_promise() -> None:
         assert phrase in documented, phrase
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_and_resume_matches_a_straight_run_exactly(tiny: TinySetup, tmp_path: Path):
     """Straight 14 steps vs SIGTERM at step k < 10 then --resume true to 14: epoch boundary and accumulation inside.
     The stopped run writes no checkpoint of its own (--save_step_interval 0) but the one the signal asks for, and its

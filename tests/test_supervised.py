@@ -566,9 +566,9 @@ def test_greedy_samples_under_fsdp_equal_transformers_generate_and_ranks_stop_at
 
 def test_a_ranks_samples_go_through_together_padded_with_the_tokens_each_gets_alone(packed, pretrained) -> None:
     """Every generated token is one forward, which under FSDP gathers every weight: a rank's prompts went one at a
-    time, and its evaluation gathered the model once per token of every prompt. Padded on the left into batches of
-    an evaluation batch's tokens, they make as many forwards as their longest answer, give each prompt the greedy
-    tokens it gets alone, and compute logits only at each row's last position."""
+    time, and its evaluation gathered the model once per token of every prompt. Padded on the left into one batch,
+    they make as many forwards as their longest answer, give each prompt the greedy tokens it gets alone, and compute
+    logits only at each row's last position."""
     from lightning_fabric import Fabric
 
     data = load_data(packed)
@@ -592,10 +592,20 @@ def test_a_ranks_samples_go_through_together_padded_with_the_tokens_each_gets_al
     assert pads_apart(AutoConfig.from_pretrained(pretrained), "sdpa")
 
 
-def test_generation_batches_fill_an_evaluation_batchs_tokens_longest_prompts_first() -> None:
+def test_generation_batches_fill_one_blocks_tokens_longest_prompts_first() -> None:
+    """A run's budget is the tokens of one prompt of a whole block with its answer, which generation held alone
+    before (the keys and values of an evaluation batch's tokens held 2.9 times validation's memory)."""
+    from types import SimpleNamespace
+
+    from app.training.run import samples_token_budget
+
     assert generation_batches([5, 30, 10, 28], max_new_tokens=2, token_budget=64) == [[1, 3], [2, 0]]
     assert generation_batches([5, 30, 10, 28], max_new_tokens=2, token_budget=0) == [[1], [3], [2], [0]]
     assert generation_batches([100], max_new_tokens=2, token_budget=64) == [[0]], "alone when even one is larger"
+    inputs = SimpleNamespace(samples_pad_apart=True, plan=SimpleNamespace(block_size=256))
+    assert samples_token_budget(SimpleNamespace(eval_max_new_tokens=16), inputs) == 272
+    unpadded = SimpleNamespace(samples_pad_apart=False, plan=inputs.plan)
+    assert samples_token_budget(SimpleNamespace(eval_max_new_tokens=16), unpadded) == 0
 
 
 def test_models_whose_logits_padding_changes_generate_one_prompt_at_a_time() -> None:

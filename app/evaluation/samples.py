@@ -11,8 +11,8 @@ holds the whole model.
 A rank's prompts go through together, as many as fit in the tokens of one prompt of a block with its answer
 (`generation_batches`), padded on the left (a causal LM, with the positions each has alone) or on the right (an
 encoder's sources): each forward gathers every weight of the model, and a rank that generated its prompts one by one
-gathered them once per token of every prompt. Whether padding leaves every prompt's logits as they are alone is a property of the model
-class, probed on its small twin (`pads_apart`); where it does not, prompts go one at a time.
+gathered them once per token of every prompt. Whether padding leaves every prompt's logits as they are alone is a
+property of the model class, probed on its small twin (`pads_apart`); where it does not, prompts go one at a time.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from typing import Literal, Optional
 from jsonargparse import ArgumentParser
 
 from app.cli import bars_only_on_a_terminal, command_parser, parse, run_command
-from app.stopping import stopped_in_one_line
 from app.folders import real_folder, remove_own_staging
 from app.huggingface.upload import HubArgs
+from app.stopping import stopped_in_one_line
 
 
 @dataclass

@@ -227,8 +227,8 @@ def offline_settings(args: PrefetchArgs) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     args = cli.run_command("prefetch.py", lambda: parse_args(argv))
     # a download in progress held Ctrl-C until its file was whole (minutes for a 5 GB shard), then a traceback
-    with stopping.stopped_in_one_line("prefetch.py", "run it again: the files cached so far are kept, and an unfinished "
-                                 "one resumes where it stopped", lambda: None):
+    with stopping.stopped_in_one_line("prefetch.py", "run it again: the files cached so far are kept, and an "
+                                      "unfinished one resumes where it stopped", lambda: None):
         lines = cli.run_command("prefetch.py", lambda: run(args))
     print("\n".join(lines))
     print(f"cached; on the compute nodes set {offline_settings(args)}")

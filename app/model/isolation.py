@@ -210,10 +210,14 @@ def probe_examples(rows: tuple[tuple[int, ...], ...], vocab_size: int) -> list[l
 
 def probe_twin(model_config: PretrainedConfig, attn_implementation: str,
                trust_remote_code: bool) -> tuple[torch.nn.Module, torch.device, torch.dtype]:
-    """The model's small twin in evaluation mode, on the device and in the dtype its attention is probed in."""
+    """The model's small twin in evaluation mode, on the device and in the dtype its attention is probed in. Its
+    weights are seeded: every rank runs the preflight, and each must find what the others find (the layout of packed
+    rows, whether samples are batched: ranks that batched otherwise would wait for each other for ever)."""
     device, dtype = probe_device(attn_implementation)
-    model = model_class(model_config).from_config(small_twin(model_config), attn_implementation=attn_implementation,
-                                                  trust_remote_code=trust_remote_code, dtype=dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_class(model_config).from_config(small_twin(model_config), attn_implementation=attn_implementation,
+                                                      trust_remote_code=trust_remote_code, dtype=dtype)
     return model.to(device).eval(), device, dtype
 
 

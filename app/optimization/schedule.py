@@ -111,10 +111,11 @@ class TrainingPlan:
 
 def interval_steps(interval: float, max_step: int) -> int:
     """An interval option in optimizer steps: a whole number as given, a share of the run below 1 as that many of
-    its `max_step` steps (rounded, at least 1); 0 stays 0 (off)."""
+    its `max_step` steps, rounded up as the Hugging Face Trainer rounds them (0.1 of 25 steps: 3); 0 stays 0
+    (off)."""
     if interval == 0 or interval >= 1:
         return int(interval)
-    return max(1, round(interval * max_step))
+    return max(1, math.ceil(interval * max_step))
 
 
 def continuing_position(epoch: int, position: int, plan: TrainingPlan) -> tuple[int, int]:

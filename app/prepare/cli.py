@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     from app.prepare.workspace import abandon
 
-    with stopping.stopped_in_one_line("prepare_data.py", "nothing was written (the output appears whole, or not at all)",
-                                 abandon, fewer_workers="--num_proc",
-                                 writes_to=f"the work folder beside --output_dir {args.output_dir}"):
+    nothing_written = "nothing was written (the output appears whole, or not at all)"
+    with stopping.stopped_in_one_line("prepare_data.py", nothing_written, abandon, fewer_workers="--num_proc",
+                                      writes_to=f"the work folder beside --output_dir {args.output_dir}"):
         stats = cli.run_command("prepare_data.py", lambda: prepare(args))
     print(summary(stats, args.output_dir), flush=True)
     return stats

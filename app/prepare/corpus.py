@@ -29,11 +29,11 @@ from datasets.table import CastError
 from huggingface_hub import DatasetCard, constants
 
 from app.cli import counted, first_line
-from app.stopping import exhausted
 from app.folders import DATASET_DICT_FILE
 from app.hub import dataset_card_configs, go_offline, hub_reachable, is_hub_id, quiet_hub
 from app.prepare.args import SHAPE_FIELDS, SHAPE_NAMES, SUPPORTED_SUFFIXES, PrepareArgs, UsageError, record_shape
 from app.prepare.workspace import arrow_file, cache_dir
+from app.stopping import exhausted
 
 STDLIB_CORPUS = ("json", "email", "http", "urllib", "logging", "html", "xml", "concurrent", "wsgiref", "collections")
 """Standard-library packages whose sources (about 1.5 MB of Python) make a corpus every machine already has."""
@@ -349,7 +349,7 @@ def _read_files(
     try:
         dataset = datasets.load_dataset(name, data_files=files, split="train", cache_dir=cache_dir(), **options)
     except Exception as error:  # datasets wraps parse errors of any kind; the user needs the file and the reason
-        if exhausted(error):  # a full disk or a refused thread, not the input: said as such (stopping.stopped_in_one_line)
+        if exhausted(error):  # a full disk or a refused thread, not the input: app/stopping.py says it
             raise
         where = (empty_file(files) or not_utf8(files) or (_bad_json_line(files) if name == "json" else None)
                  or columns_problem(error))

@@ -104,8 +104,9 @@ def nodes_disagreement(fingerprints: dict[int, dict[str, Any]]) -> Optional[str]
                  if first["options"][name] != other["options"].get(name)]
         found += [what for part, what in PARTS if first[part] != other[part]
                   and not (part == "weights" and None in (first[part], other[part]))]
-        found += [f"{name} {version} / {other['libraries'].get(name)}" for name, version in first["libraries"].items()
-                  if other["libraries"].get(name) != version]
+        libraries = other.get("libraries", {})  # none: a node of earlier code, which the code's hash names
+        found += [f"{name} {version} / {libraries.get(name)}" for name, version in first["libraries"].items()
+                  if libraries and libraries.get(name) != version]
         if found:
             differences.append(f"node 0 / node {node}: {', '.join(found)}")
     if not differences:

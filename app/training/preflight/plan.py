@@ -263,12 +263,13 @@ INTERVALS = ("eval_step_interval", "save_step_interval", "log_interval")
 def resolve_intervals(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
     """Intervals given as a share of the run (below 1) in steps of this run's plan, said once; the run, its
     config.yaml and its checkpoints hold the steps."""
-    if plan is None:
+    if plan is None or cfg.estimate_memory:  # a plan's steps are a stand-in run's
         return cfg
     steps = {name: interval_steps(getattr(cfg, name), plan.max_step) for name in INTERVALS}
     for name, value in steps.items():
         if value != getattr(cfg, name):
-            note(f"--{name} {getattr(cfg, name):g}: every {value:,} steps of the run's {plan.max_step:,}")
+            every = "every step" if value == 1 else f"every {value:,} steps"
+            note(f"--{name} {getattr(cfg, name):g}: {every} of the run's {plan.max_step:,}")
     return replace(cfg, **steps)
 
 
