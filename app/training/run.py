@@ -40,6 +40,7 @@ from app.metrics.loggers import SUMMARY_FILE, RowRecord, WandbFailed, make_logge
 from app.metrics.memory_plan import ModelShape, Unplannable, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.model.build import DeferredInit, deferred_init, setup_model
+from app.model.loss import LossPath
 from app.optimization.optimizer import GradientPolicy, build_optimizer
 from app.optimization.schedule import TrainingPlan, continuing_position
 from app.reliability.signals import (StopRequest, end_ranks_on_signal_until_training, requeue_slurm_job,
@@ -371,6 +372,31 @@ def stall_watchdog(fabric: Fabric, cfg: Config) -> StallWatchdog:
     return StallWatchdog(cfg.stall_timeout_min * 60, rank=fabric.global_rank, head_start_sec=head_start).start()
 
 
+def build_loop(fabric: Fabric, cfg: Config, inputs: RunInputs, state: dict[str, Any], data: TrainingData,
+               stop: StopRequest, console: Console, loss_path: LossPath) -> Loop:
+    """The training loop with everything it decides with: the loader workers that fit this node's shared memory,
+    how gradients are clipped and synchronised, the samples, the watchdog, the saver, the spike guard, and what
+    validation reads (for best.json)."""
+    plan = inputs.plan
+    workers, said = workers_that_fit(cfg.num_workers, data, plan.micro_batch_size, fabric.world_size // cfg.num_nodes)
+    if said and fabric.local_rank == 0:  # on each node: its own /dev/shm
+        print(said, flush=True)
+    gradients = GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
+                               scaled=uses_grad_scaler(cfg.precision),
+                               defer_sync=cfg.strategy not in SHARDED_STRATEGIES or cfg.fsdp_no_sync)
+    measured = validation_measured({"config": cfg.to_dict(), "data_folders": inputs.data_folders,
+                                    "rng": [None] * fabric.world_size})
+    return Loop(fabric=fabric, cfg=replace(cfg, num_workers=workers), plan=plan, data=data, state=state, stop=stop,
+                loss_path=loss_path, clock=step_clock(fabric, cfg, inputs, state), console=console,
+                gradients=gradients, samples=sample_evaluator(fabric, cfg, inputs, data),
+                watchdog=stall_watchdog(fabric, cfg),
+                saver=CheckpointSaver(fabric, state, sharded=cfg.state_dict_type == "sharded",
+                                      background=cfg.async_save),
+                guard=spike_guard(fabric, cfg, state, data), resumed_from=inputs.resume_from, measured=measured,
+                rows_record=RowRecord(cfg.out_dir, state["step"]) if cfg.record_rows and fabric.is_global_zero
+                else None)
+
+
 def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[DeferredInit]) -> int:
     """One rank's run, from setting up the model to the summary; its exit code."""
     stop = StopRequest(cfg.requeue_on_signal)
@@ -398,22 +424,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
                      f"{plan.world_size} ranks)" + ("; no checkpoints (--save_step_interval 0) unless a signal stops it"
                                                     if not cfg.save_step_interval else ""))
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
-    workers, said = workers_that_fit(cfg.num_workers, data, plan.micro_batch_size, fabric.world_size // cfg.num_nodes)
-    if said and fabric.local_rank == 0:  # on each node: its own /dev/shm
-        print(said, flush=True)
-    loop = Loop(fabric=fabric, cfg=replace(cfg, num_workers=workers), plan=plan, data=data, state=state, stop=stop,
-                loss_path=loss_path, clock=step_clock(fabric, cfg, inputs, state), console=console,
-                gradients=GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
-                                  scaled=uses_grad_scaler(cfg.precision),
-                                  defer_sync=cfg.strategy not in SHARDED_STRATEGIES or cfg.fsdp_no_sync),
-                samples=sample_evaluator(fabric, cfg, inputs, data), watchdog=stall_watchdog(fabric, cfg),
-                saver=CheckpointSaver(fabric, state, sharded=cfg.state_dict_type == "sharded",
-                                      background=cfg.async_save),
-                guard=spike_guard(fabric, cfg, state, data), resumed_from=inputs.resume_from,
-                measured=validation_measured({"config": cfg.to_dict(), "data_folders": inputs.data_folders,
-                                              "rng": [None] * fabric.world_size}),
-                rows_record=RowRecord(cfg.out_dir, state["step"]) if cfg.record_rows and fabric.is_global_zero
-                else None)
+    loop = build_loop(fabric, cfg, inputs, state, data, stop, console, loss_path)
     try:
         outcome: str = loop.fit()
         with loop.saving.measure(counted=False):  # checkpoint time, not training time, in the summary
