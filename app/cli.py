@@ -368,7 +368,7 @@ def one_line(parser: ArgumentParser, message: str) -> str:
     action = next((a for a in parser._actions if a.dest == key.group(1)), None)
     name = (action.option_strings[0] if action.option_strings else action.metavar) if action else f"--{key.group(1)}"
     given = re.search(r"(?:Got value|Given value): (.*)", message)
-    expected = describe(getattr(action, "_typehint", None) or getattr(action, "type", None))
+    expected = describe_type(getattr(action, "_typehint", None) or getattr(action, "type", None))
     if given and expected:
         return f"{name}: expected {expected}, got {given.group(1).strip()!r}"
     return f"{name}: " + " ".join(message[key.end():].split())
@@ -382,7 +382,7 @@ def written_name(parser: ArgumentParser, dest: str) -> str:
     return action.option_strings[0] if action.option_strings else (action.metavar or dest)
 
 
-def describe(hint: Any) -> str:
+def describe_type(hint: Any) -> str:
     """What a type hint accepts, in words: `a number`, `one of bf16-true, 32-true`, `an integer or auto`."""
     words = {int: "an integer", float: "a number", str: "text", bool: "true or false", type(None): "null"}
     parts = []

@@ -115,7 +115,7 @@ def first_folder(spec: str) -> str:
         return spec
 
 
-def describe(sources: list[Source], rows: list[int]) -> str:
+def describe_mixture(sources: list[Source], rows: list[int]) -> str:
     """One line per source, for --print_config and --estimate_memory."""
     return "\n".join(f"{source.name}: {float(source.weight):.1%} of every step, {count:,} train rows ({source.path})"
                      for source, count in zip(sources, rows))

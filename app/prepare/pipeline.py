@@ -115,7 +115,7 @@ def text_blocks(
     blocks = DatasetDict(
         {name: pack(split, args.block_size, args.num_proc, desc=f"Packing {name}") for name, split in tokenized.items()}
     )
-    return blocks, describe(args, tokenizer, counts, held, inputs)
+    return blocks, describe_text_blocks(args, tokenizer, counts, held, inputs)
 
 
 def supervised_rows(
@@ -200,7 +200,7 @@ def check_enough_tokens(counts: dict[str, SplitCounts], args: PrepareArgs, held_
         )
 
 
-def describe(
+def describe_text_blocks(
     args: PrepareArgs,
     tokenizer: PreTrainedTokenizerBase,
     counts: dict[str, SplitCounts],

@@ -24,7 +24,7 @@ from app.checkpoint.io import identity
 from app.choices import SHARDED_STRATEGIES
 from app.cli import naming_config_files
 from app.data.formats import Layout
-from app.data.mixture import describe
+from app.data.mixture import describe_mixture
 from app.distributed.precision import bf16_rounding_note
 from app.model.build import resolve_wrap_classes
 from app.optimization.schedule import TrainingPlan
@@ -68,7 +68,7 @@ class RunInputs:
     samples_pad_apart: bool = False
     """Whether --eval_samples generates a rank's prompts in padded batches (app/evaluation/samples.py)."""
     mixture: str = ""
-    """A mixture's folders, one line each (app/data/mixture.py describe); empty for one folder."""
+    """A mixture's folders, one line each (app/data/mixture.py describe_mixture); empty for one folder."""
     target_block_size: int = 0
     """Seq2seq data's longest target, for the memory planner; 0 for the other formats."""
     data_folders: list[dict] = field(default_factory=list)
@@ -134,6 +134,6 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
                      resume_identity=identity(resume.metadata) if resume else "",
                      packed_layout=packed_layout, chunked_loss=chunked_loss,
                      samples_pad_apart=samples_pad_apart(cfg, model_config),
-                     mixture=describe(data.sources, data.source_rows) if data and data.sources else "",
+                     mixture=describe_mixture(data.sources, data.source_rows) if data and data.sources else "",
                      target_block_size=data.target_block_size if data else 0,
                      data_folders=data.identities if data else [])
