@@ -48,6 +48,7 @@ def prepare(args: PrepareArgs) -> dict:
 
     Progress bars only on a terminal: in a log (Slurm, CI) their carriage returns make one unreadable line, and a
     refusal must stay a single line on stderr; there, a few lines on stdout say which stage is running."""
+    fork_the_workers()
     with nullcontext() if sys.stderr.isatty() else quiet_progress():
         args = checked_args(args)
         with workspace(Path(args.output_dir)):
@@ -55,6 +56,18 @@ def prepare(args: PrepareArgs) -> dict:
                 return prepare_folder(args)
             except UnicodeDecodeError as error:  # a local file's bytes, let through by the JSON reader
                 raise UsageError(f"--input: {not_utf8(local_files(args.input)) or error}") from error
+
+
+def fork_the_workers() -> None:
+    """--num_proc's workers (datasets' pools, of the `multiprocess` package) forked from this process, as Python
+    3.13 and earlier start them on Linux. Python 3.14 starts them from a forkserver instead (reproduced on 3.11 by
+    making it the default): each pool's workers imported datasets and transformers again at every map (5 to 13
+    times slower on small inputs), and a stop, which app/stopping.py's fork hooks follow, printed a traceback before
+    its one line, or left the workers running under a limit on threads."""
+    if sys.platform.startswith("linux"):
+        import multiprocess
+
+        multiprocess.set_start_method("fork", force=True)
 
 
 def prepare_folder(args: PrepareArgs) -> dict:
