@@ -84,6 +84,12 @@ def test_bad_rows_are_set_aside_a_broken_stretch_is_rolled_back_and_a_resume_els
     set_aside = sorted(set(spiky) | broken)
     assert quarantined(tmp_path / "guarded") == set_aside, "exactly the bad rows the spikes met, no clean row"
     assert final_val_loss(guarded.stdout) == pytest.approx(final_val_loss(clean.stdout), rel=0.02)
+    with open(tmp_path / "guarded" / "metrics.csv", newline="") as handle:  # in the order logged: 33-35 twice
+        seen = [(int(row["step"]), int(row["tokens_seen"])) for row in csv.DictReader(handle) if row["tokens_seen"]]
+    first = dict(reversed(seen))
+    assert all(first[step] == first[step - 1] for step in SPIKY_STEPS), "a step not applied trains no token"
+    replayed = [tokens for step, tokens in seen if step == 33][-1]
+    assert first[32] < replayed <= first[32] + first[1], "the rollback takes the checkpoint's count back"
 
     # Resumed into a new --out_dir from the checkpoint before the broken stretch (docs/reliability.md's way back to
     # a stretch), the run rolls back to that checkpoint: it had none of its own to roll back to, and stopped.

@@ -107,12 +107,13 @@ def is_save_step(step: int, last: bool, interval: int) -> bool:
     return interval > 0 and (step % interval == 0 or last)
 
 
-def advance_position(state: dict[str, Any], plan: TrainingPlan, step: Step, data: TrainingData) -> bool:
-    """Count one optimizer step (`step`, read from `data`) and its trained tokens in the state; returns True when it
-    finished an epoch (no whole step left in it, as continuing_position decides; a mixture's epoch is the rows of
-    its plan, mixture.epoch_rows)."""
+def advance_position(state: dict[str, Any], plan: TrainingPlan, step: Step, data: TrainingData,
+                     applied: bool = True) -> bool:
+    """Count one optimizer step (`step`, read from `data`), and its trained tokens when it was `applied` (a step the
+    spike guard skipped trained nothing), in the state; returns True when it finished an epoch (no whole step left in
+    it, as continuing_position decides; a mixture's epoch is the rows of its plan, mixture.epoch_rows)."""
     state["step"] += 1
-    state["tokens_seen"] += step.trained_tokens
+    state["tokens_seen"] += step.trained_tokens if applied else 0
     if step.mixture is not None:
         state["mixture"] = step.mixture
         for part, tokens in zip(data.sources, data.tokens_by_source(step.rows)):
@@ -183,7 +184,7 @@ class Loop:
             if step_batches.trained_tokens:
                 losses.append(verdict.loss)
             self.watchdog.beat(arm=True)
-            epoch_ended = advance_position(state, plan, step_batches, self.data)
+            epoch_ended = advance_position(state, plan, step_batches, self.data, applied=action == "apply")
             if self.rows_record:
                 self.rows_record.write(state["step"], self.data.rows_by_source(step_batches.rows))
             if action == "rollback":
@@ -342,7 +343,8 @@ class Loop:
                     Path(self.cfg.out_dir), saved["step"]):
                 self.console.print(f"step {state['step']}: moved {moved.name}, of the stretch rolled back, to {moved}")
         back = state["step"] - saved["step"]
-        state |= saved_progress(saved, ("step", "val_loss", "val_loss_step", "log_window"))  # the data goes on
+        # the data goes on; tokens_seen is the checkpoint's weights', as a resume from it counts them
+        state |= saved_progress(saved, ("step", "val_loss", "val_loss_step", "log_window", "tokens_seen"))
         restore_grad_scaler(fabric.strategy.precision, saved)
         incident = self.guard.rolled_back(saved["step"], saved.get("spike_guard"))
         if incident:
