@@ -1029,3 +1029,8 @@ def test_empty_pairs_are_skipped_and_counted_when_asked(work, tmp_path, pairs):
         assert sum(split["examples"] for split in kept["splits"].values()) == 37
     assert "skipped 3 rows with an empty prompt, response, source or target (--empty_examples skip)" in summary(
         kept, "out")
+    saved = tmp_path / "saved"  # a saved dataset's (or the Hub's) rows are counted as read too, not after the skip
+    DatasetDict(train=Dataset.from_list(rows[:30]), validation=Dataset.from_list(rows[30:])).save_to_disk(str(saved))
+    kept = sft(work, "holes-saved", input=[str(saved)], empty_examples="skip", prompt_field="code",
+               response_field="summary").stats
+    assert kept["inputs"] == [f"{saved} (train: 30 rows, own validation: 10 rows; 3 empty rows skipped)"]

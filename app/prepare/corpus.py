@@ -681,10 +681,11 @@ def _from_dataset(
         raise UsageError(f"--input {source} has no train split (it has {', '.join(loaded)}); choose one with --split")
     validation = next((loaded[name] for name in VALIDATION_SPLIT_NAMES if name in loaded), None)
     train = to_records(loaded["train"], source)
+    read = f"{source} (train: {len(loaded['train'])} rows"  # as read, as a file's count: empty rows skipped are said
     if validation is None:
-        return train, None, f"{source} (train: {len(train)} rows)"
-    validation = to_records(validation, f"{source} (validation split)")
-    return train, validation, f"{source} (train: {len(train)} rows, own validation: {len(validation)} rows)"
+        return train, None, f"{read})"
+    said = f"{read}, own validation: {len(validation)} rows)"
+    return train, to_records(validation, f"{source} (validation split)"), said
 
 
 def saved_split(loaded: DatasetDict, spec: str, source: str) -> Dataset:
