@@ -202,6 +202,9 @@ OTHER_NAMES = {
     "fp16": "--precision 16-mixed", "no_cuda": "--accelerator cpu", "use_cpu": "--accelerator cpu",
     "no_fsdp": "--strategy ddp", "resume_from_checkpoint": "--resume true",
     "wandb_project": "--project", "wandb_entity": "--entity", "report_to": "--wandb_mode",
+    "save_total_limit": "--keep_last_n", "model": "--model_name", "max_epochs": "--number_epochs",
+    **dict.fromkeys(("max_seq_length", "max_seq_len", "max_length", "seq_length", "seq_len", "sequence_len",
+                     "context_length"), "--block_size"),
 }
 """Options of the Hugging Face Trainer, accelerate, DeepSpeed and the PyTorch FSDP tutorial's script, as users bring
 them, and what this project calls them: difflib's closest name was another option (`--learning_rate` suggested
@@ -212,9 +215,22 @@ NOT_NEEDED = {
     "save_model": ("--save_step_interval", "checkpoints are saved every --save_step_interval steps and at the end"),
     "run_validation": ("--eval_step_interval", "validation runs every --eval_step_interval steps, and "
                                                "--eval_step_interval 0 turns it off"),
+    **dict.fromkeys(("max_seq_length", "max_seq_len", "max_length", "seq_length", "seq_len", "sequence_len",
+                     "context_length"), ("--train_data_dir", "a run trains on the blocks of --train_data_dir, as long "
+                                                             "as prepare_data.py's --block_size made them")),
+    "max_time": ("--resume", "stop a run after a time with `timeout -s TERM 10h python train.py ...` (or Slurm's "
+                             "--time): it saves and exits, and --resume true continues it"),
+    "load_best_model_at_end": ("--eval_step_interval", "checkpoints/best.json names the checkpoint of the lowest "
+                                                       "val_loss; convert that one with convert_to_hf.py"),
+    "save_only_model": ("--save_step_interval", "a checkpoint holds the model and the optimizer, to resume; "
+                                                "convert_to_hf.py writes the model alone"),
+    **dict.fromkeys(("push_to_hub", "hub_model_id"), ("--save_step_interval", "convert_to_hf.py --push_to_hub REPO "
+                                                                              "converts a checkpoint and pushes it")),
 }
-"""Options of those scripts for what train.py always does (difflib sent `--track_memory` to --estimate_memory,
-which plans and exits without training), with the option each answer names: said where that option is one."""
+"""Options of those scripts for what train.py always does or leaves to another script (difflib sent
+`--track_memory` to --estimate_memory, which plans and exits without training, and `--max_seq_length` to --max_step),
+with an option of train.py that each answer names or implies: said where that option is one (prepare_data.py's
+`--max_seq_length` is its --block_size)."""
 
 
 def meant_instead(name: str, options: list[str]) -> str:
@@ -229,7 +245,7 @@ def meant_instead(name: str, options: list[str]) -> str:
     written = option if flag else option.removeprefix("--")
     if option and written in options:
         return f" (did you mean {written}{((' ' if flag else ': ') + value) if value else ''}?)"
-    close = difflib.get_close_matches(name, options, n=1)
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.7)  # 0.6 sent --init_from to --min_lr
     return f" (did you mean {close[0]}?)" if close else ""
 
 

@@ -321,6 +321,29 @@ REFUSED_COMMANDS = {
 }
 
 
+def test_options_of_other_trainers_are_answered_with_what_they_mean_here() -> None:
+    """difflib sent the Trainer's --max_seq_length to --max_step (a user who followed it trained 2048 steps),
+    --lr_scheduler to --lr_scaling and --hub_model_id to --model_config."""
+    from app.cli import command_parser, meant_instead
+    from app.prepare.args import PrepareArgs
+
+    def options(parser) -> list[str]:
+        return [option for action in parser._actions for option in action.option_strings]
+
+    train, prepare = options(build_parser()), options(command_parser("prepare_data.py", "", [PrepareArgs]))
+    assert meant_instead("--max_seq_length", train) == (" (no such option here: a run trains on the blocks of "
+                                                        "--train_data_dir, as long as prepare_data.py's --block_size "
+                                                        "made them)")
+    assert meant_instead("--max_seq_length", prepare) == meant_instead("--max-length", prepare) == \
+        " (did you mean --block_size?)"
+    assert "timeout -s TERM" in meant_instead("--max_time", train)
+    assert meant_instead("--save_total_limit", train) == " (did you mean --keep_last_n?)"
+    assert meant_instead("--hub_model_id", train) == meant_instead("--push_to_hub", train) == (
+        " (no such option here: convert_to_hf.py --push_to_hub REPO converts a checkpoint and pushes it)")
+    assert meant_instead("--lr_scheduler", train) == ""  # nothing close (difflib said --lr_scaling)
+    assert meant_instead("--precison", train) == " (did you mean --precision?)"
+
+
 @pytest.mark.parametrize("case", REFUSED_COMMANDS)
 def test_every_entry_point_refuses_a_bad_command_line_in_one_line(case) -> None:
     """One line on stderr, saying what is wrong and ending with where the help is; exit 2; no usage dump, no
