@@ -184,9 +184,17 @@ class TrainingArgs:
     reference_batch_size: Optional[int] = None
     """The global batch size --lr was tuned at; needed by --lr_scaling linear/sqrt."""
     lr_decay: bool = True
-    """Cosine decay from lr to min_lr after warmup; false keeps lr constant after warmup."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warmup from 0 to lr."""
+    """Decay from lr to min_lr after warmup (cosine, or --lr_decay_type); false keeps lr constant after warmup."""
+    lr_decay_type: Literal["cosine", "linear", "sqrt"] = "cosine"
+    """The decay's shape: cosine, linear, or sqrt (1 - sqrt of the decay's progress: the cooldown of
+    warmup-stable-decay runs)."""
+    lr_decay_ratio: float = 1.0
+    """Share of the run's steps that the decay takes, at its end: 1 decays from the end of warmup on; 0.2 holds lr
+    until the last 20% of the steps, then decays (warmup-stable-decay, as torchtitan's decay_ratio and the Hugging
+    Face Trainer's warmup_stable_decay; a resume with a larger --max_step moves the decay to the new end)."""
+    warmup_steps: Union[int, float] = 0
+    """Optimizer steps of linear warmup from 0 to lr; below 1, that share of the run's steps (0.03: the Hugging Face
+    Trainer's warmup_ratio 0.03)."""
     weight_decay: float = 0.01
     """AdamW weight decay (not applied to norms and biases)."""
     beta1: float = 0.9
@@ -507,7 +515,11 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     for name in ("process_group_timeout_min", "rendezvous_timeout_min"):  # a timedelta overflows past a year or so
         require(0 < getattr(cfg, name) <= MINUTES_PER_YEAR,
                 f"--{name} must be positive and at most a year ({MINUTES_PER_YEAR}), got {getattr(cfg, name)}")
-    require(cfg.warmup_steps >= 0, f"--warmup_steps must be 0 or more, got {cfg.warmup_steps}")
+    require(cfg.warmup_steps >= 0 and (cfg.warmup_steps < 1 or float(cfg.warmup_steps).is_integer()),
+            f"--warmup_steps must be a whole number of steps, or a share of the run's steps between 0 and 1, got "
+            f"{cfg.warmup_steps}")
+    require(0 < cfg.lr_decay_ratio <= 1, f"--lr_decay_ratio must be above 0 and at most 1 (the whole run), got "
+            f"{cfg.lr_decay_ratio}")
     require(cfg.spike_min_rise >= 0, f"--spike_min_rise must be 0 or more, got {cfg.spike_min_rise}")
     for name in ("spike_z", "spike_grad_norm_z"):
         value = getattr(cfg, name)
@@ -583,9 +595,11 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
                f"--number_epochs {cfg.number_epochs} is not read when --max_step is given, which sets the run's "
                "length and its schedule: drop --max_step (or give --max_step null over a config file's) to train "
                "that many epochs, the schedule then spanning them, or drop --number_epochs")
-    if not cfg.lr_decay and cfg.min_lr != TrainingArgs.min_lr:
-        unread(["min_lr"], "lr_decay",
-               "--min_lr is only read by the cosine decay, which --lr_decay false turns off: drop one of them")
+    decay_options = [name for name in ("min_lr", "lr_decay_type", "lr_decay_ratio")
+                     if getattr(cfg, name) != getattr(TrainingArgs, name)]
+    if not cfg.lr_decay and decay_options:
+        unread(decay_options, "lr_decay", f"{flags(decay_options)}: only read by the decay, which --lr_decay false "
+                                          "turns off: drop one of them")
     changed = {f.name for f in fields(SpikeArgs) if f.name != "spike_guard" and getattr(cfg, f.name) != f.default}
     rollback_only = [name for name in ("spike_max_rollbacks", "spike_rewarm_steps") if name in changed]
     acting_only = [name for name in ("spike_incident", "spike_incident_steps") if name in changed]

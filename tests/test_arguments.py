@@ -165,7 +165,12 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--reference_batch_size", "64"], "--reference_batch_size is only read with --lr_scaling linear or sqrt"),
     (["--device_memory_gb", "80"], "--device_memory_gb is only read by --estimate_memory true"),
     (["--eval_max_new_tokens", "16"], "--eval_max_new_tokens is only read with --eval_samples N"),
-    (["--lr_decay", "false", "--min_lr", "1e-6"], "--min_lr is only read by the cosine decay, which --lr_decay false"),
+    (["--lr_decay", "false", "--min_lr", "1e-6"], "--min_lr: only read by the decay, which --lr_decay false"),
+    (["--lr_decay", "false", "--lr_decay_ratio", "0.2", "--lr_decay_type", "sqrt"],
+     "--lr_decay_type, --lr_decay_ratio: only read by the decay, which --lr_decay false turns off"),
+    (["--lr_decay_ratio", "0"], "--lr_decay_ratio must be above 0 and at most 1 (the whole run), got 0.0"),
+    (["--warmup_steps", "2.5"], "--warmup_steps must be a whole number of steps, or a share of the run's steps "
+                                "between 0 and 1, got 2.5"),
     (["--number_epochs", "2", "--max_step", "8"], "--number_epochs 2 is not read when --max_step is given"),
     (["--eval_step_interval", "0", "--eval_iters", "5", "--eval_samples", "2"],
      "--eval_iters, --eval_samples: not read with --eval_step_interval 0, which turns validation off"),
@@ -340,7 +345,9 @@ def test_options_of_other_trainers_are_answered_with_what_they_mean_here() -> No
     assert meant_instead("--save_total_limit", train) == " (did you mean --keep_last_n?)"
     assert meant_instead("--hub_model_id", train) == meant_instead("--push_to_hub", train) == (
         " (no such option here: convert_to_hf.py --push_to_hub REPO converts a checkpoint and pushes it)")
-    assert meant_instead("--lr_scheduler", train) == ""  # nothing close (difflib said --lr_scaling)
+    assert meant_instead("--lr_scheduler_type", train) == " (did you mean --lr_decay_type?)"  # not --reduce_dtype
+    assert meant_instead("--save_strategy", train) == " (did you mean --save_step_interval?)"  # not --strategy
+    assert meant_instead("--optim_type", train) == ""  # nothing close enough (difflib said --state_dict_type)
     assert meant_instead("--precison", train) == " (did you mean --precision?)"
 
 

@@ -186,11 +186,13 @@ def test_intervals_given_as_a_share_of_the_run_become_its_steps(tiny, tmp_path, 
     """The Hugging Face Trainer reads save_steps 0.05 as every 5% of the run (seed 003 saves so): it was refused as
     "expected an integer". The run, its config.yaml and its checkpoints hold the steps."""
     inputs = preflight(parse_config(train_args(tiny, tmp_path / "out", max_step=40, save_step_interval=0.25,
-                                               eval_step_interval=0.1, log_interval=1e3)))
+                                               eval_step_interval=0.1, log_interval=1e3, warmup_steps=0.03)))
     cfg = inputs.config
-    assert (cfg.save_step_interval, cfg.eval_step_interval, cfg.log_interval) == (10, 4, 1000)
-    assert all(isinstance(value, int) for value in (cfg.save_step_interval, cfg.eval_step_interval, cfg.log_interval))
+    assert (cfg.save_step_interval, cfg.eval_step_interval, cfg.log_interval, cfg.warmup_steps) == (10, 4, 1000, 2)
+    assert all(isinstance(value, int) for value in (cfg.save_step_interval, cfg.eval_step_interval, cfg.log_interval,
+                                                    cfg.warmup_steps))
     said = capsys.readouterr().out
+    assert "--warmup_steps 0.03: 2 steps of the run's 40" in said, "the Trainer's warmup_ratio, rounded up as it does"
     assert "--save_step_interval 0.25: every 10 steps of the run's 40" in said
     assert "--eval_step_interval 0.1: every 4 steps of the run's 40" in said and "--log_interval" not in said
 

@@ -11,7 +11,7 @@ from app.optimization.schedule import (accumulation_steps, continuing_position, 
 
 
 def lr_at(step: int, **overrides: object) -> float:
-    options = dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_step=110, decay=True) | overrides
+    options = dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_step=110, lr_decay=True) | overrides
     return learning_rate(step, **options)
 
 
@@ -48,7 +48,32 @@ def test_warmup_equal_to_max_step_ends_at_lr_then_min_lr() -> None:
 
 
 def test_constant_after_warmup_without_decay() -> None:
-    assert [lr_at(s, decay=False) for s in (10, 50, 110, 1000)] == [1.0] * 4
+    assert [lr_at(s, lr_decay=False) for s in (10, 50, 110, 1000)] == [1.0] * 4
+
+
+def test_the_decay_takes_its_share_of_the_steps_at_the_end_in_its_shape() -> None:
+    """Warmup-stable-decay: --lr_decay_ratio 0.2 holds lr until the last fifth of the run (step 88 of 110), then
+    decays to min_lr at max_step; 1 is the decay from the end of warmup on, as before the option."""
+    assert [lr_at(s, lr_decay_ratio=0.2) for s in (10, 50, 88)] == [1.0] * 3
+    assert lr_at(99, lr_decay_ratio=0.2) == pytest.approx(0.1 + 0.5 * 0.9)  # half way through its cosine
+    assert lr_at(110, lr_decay_ratio=0.2) == pytest.approx(0.1)
+    assert lr_at(99, lr_decay_ratio=0.2, lr_decay_type="linear") == pytest.approx(0.55)
+    assert lr_at(99, lr_decay_ratio=0.2, lr_decay_type="sqrt") == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(0.5)))
+    assert [lr_at(s, lr_decay_ratio=1.0) for s in (5, 60, 100)] == [lr_at(s) for s in (5, 60, 100)]
+    assert lr_at(60, lr_decay_type="linear") == pytest.approx(0.55), "after a warmup of 10, half way at step 60"
+    assert lr_at(20, lr_decay_ratio=0.99) == lr_at(20), "the decay never begins before the warmup ends"
+    for shape in ("cosine", "linear", "sqrt"):
+        values = [lr_at(s, lr_decay_ratio=0.3, lr_decay_type=shape) for s in range(10, 111)]
+        assert all(a >= b for a, b in zip(values, values[1:])) and values[-1] == pytest.approx(0.1), shape
+
+
+def test_a_resume_that_lengthens_a_stable_run_decays_from_where_it_stands() -> None:
+    """A run trained at a constant rate to step 12 (--lr_decay false), resumed with --max_step 16 and
+    --lr_decay_ratio 0.25, anneals over its last 4 steps: from lr at step 12 down to min_lr, without a jump."""
+    constant = [lr_at(s, warmup_steps=0, lr_decay=False, max_step=12) for s in range(1, 13)]
+    annealed = [lr_at(s, warmup_steps=0, lr_decay_ratio=0.25, max_step=16) for s in range(13, 17)]
+    assert constant == [1.0] * 12 and lr_at(12, warmup_steps=0, lr_decay_ratio=0.25, max_step=16) == 1.0
+    assert annealed[0] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4))) and annealed[-1] == 0.1
 
 
 def test_accumulation_from_global_batch_size() -> None:

@@ -601,7 +601,9 @@ def hyperparameters(run: dict[str, Any], global_batch_size: Optional[int] = None
         f"{run.get('micro_batch_size')} per device x {run.get('gradient_accumulation_steps') or 1} accumulation "
         f"x {run.get('devices')} devices x {run.get('num_nodes', 1)} nodes")
     names = ("lr", "min_lr", "warmup_steps", "weight_decay", "max_step", "precision", "seed")
-    return [("batch (sequences per step)", batch)] + [(n, run.get(n)) for n in names]
+    decay = [("lr decay", f"{run['lr_decay_type']} over the last {run['lr_decay_ratio']:g} of the steps")] if run.get(
+        "lr_decay") and run.get("lr_decay_ratio", 1) < 1 else []  # warmup-stable-decay: else the usual cosine
+    return [("batch (sequences per step)", batch)] + [(n, run.get(n)) for n in names] + decay
 
 
 def base_model_row(base: Optional[str], run: dict[str, Any], repo: Optional[str], revision: Optional[str]) -> str:

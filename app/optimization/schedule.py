@@ -3,24 +3,49 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
-def learning_rate(step: float, *, lr: float, min_lr: float, warmup_steps: int, max_step: float,
-                  decay: bool = True) -> float:
-    """LR for optimizer step `step` (1-based): linear warmup from 0 to lr, then cosine decay to min_lr at max_step.
+DECAY_SHAPES: dict[str, Callable[[float], float]] = {
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "linear": lambda progress: 1.0 - progress,
+    "sqrt": lambda progress: 1.0 - math.sqrt(progress),
+}
+"""The share of (lr - min_lr) left at a point of the decay (0: its start, 1: its end). `sqrt` is the cooldown that
+warmup-stable-decay runs end with (Hägele et al. 2024; torchtitan's decay_type sqrt)."""
+
+SCHEDULE_OPTIONS = {"lr": None, "min_lr": None, "warmup_steps": None, "lr_decay": None, "lr_decay_type": "cosine",
+                    "lr_decay_ratio": 1.0}
+"""The options learning_rate reads, with the value of those that a checkpoint of an earlier version lacks."""
+
+
+def learning_rate(step: float, *, lr: float, min_lr: float, warmup_steps: float, max_step: float,
+                  lr_decay: bool = True, lr_decay_type: str = "cosine", lr_decay_ratio: float = 1.0) -> float:
+    """LR for optimizer step `step` (1-based): linear warmup from 0 to lr, then lr until the decay begins, then the
+    decay's shape down to min_lr at max_step. The decay takes the last `lr_decay_ratio` of the steps, and never
+    begins before the warmup ends: 1 (the default) decays from the end of warmup on; 0.2 holds lr until the last
+    fifth of the run (warmup-stable-decay, which a resume can end or extend: --max_step moves the decay with it).
 
     Past max_step the LR stays at min_lr; with decay off it stays at lr after warmup.
     """
     if warmup_steps and step <= warmup_steps:
         return lr * step / warmup_steps
-    if not decay:
+    if not lr_decay:
         return lr
     if step >= max_step:
         return min_lr
-    progress = (step - warmup_steps) / (max_step - warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+    begins = max(warmup_steps, max_step * (1.0 - lr_decay_ratio))
+    if step <= begins:
+        return lr
+    progress = (step - begins) / (max_step - begins)
+    return min_lr + DECAY_SHAPES[lr_decay_type](progress) * (lr - min_lr)
+
+
+def schedule_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """learning_rate's options as a run's config (a Config's fields, or a checkpoint's `config`) gives them."""
+    return {name: config.get(name, default) for name, default in SCHEDULE_OPTIONS.items()}
 
 
 def scale_for_batch(value: float, *, rule: str, global_batch_size: int, reference_batch_size: Optional[int]) -> float:
@@ -86,10 +111,10 @@ class TrainingPlan:
             return length
         return position + (step - start) * (length - position) / (self.max_step - start)
 
-    def learning_rate(self, step: int, *, lr: float, min_lr: float, warmup_steps: int, decay: bool) -> float:
-        """Optimizer step `step`'s learning rate: the schedule's at the step's place in it."""
-        return learning_rate(self.schedule_step(step), lr=lr, min_lr=min_lr, warmup_steps=warmup_steps,
-                             max_step=self.schedule_length, decay=decay)
+    def learning_rate(self, step: int, options: dict[str, Any]) -> float:
+        """Optimizer step `step`'s learning rate: the schedule's (its `options`: schedule_options) at the step's
+        place in it."""
+        return learning_rate(self.schedule_step(step), max_step=self.schedule_length, **options)
 
     @property
     def schedule_length(self) -> float:

@@ -27,7 +27,7 @@ from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepC
                          run_summary)
 from app.evaluation.samples import SampleEvaluator, set_aside_samples_after
 from app.optimization.optimizer import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
-from app.optimization.schedule import TrainingPlan, continuing_position
+from app.optimization.schedule import TrainingPlan, continuing_position, schedule_options
 from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict, stop_agreed
 from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits, write_quarantine
 from app.reliability.watchdog import StallWatchdog
@@ -151,9 +151,12 @@ class Loop:
     state_memory: ModelStateMemory = field(default_factory=ModelStateMemory)
     ranks_at_last_log: Optional[list[RankStats]] = None
     trained_at_last_log: float = 0.0
+    schedule: dict[str, Any] = field(init=False)
+    """The learning-rate schedule's options (schedule_options)."""
 
     def __post_init__(self) -> None:
         self.clock.between_steps = (self.evaluation, self.saving)
+        self.schedule = schedule_options(vars(self.cfg))
 
     def fit(self) -> Outcome:
         """Train until max_step; returns early after saving when a stop signal arrived, or when numbers went bad."""
@@ -214,9 +217,7 @@ class Loop:
 
     def learning_rate(self, number: int) -> float:
         """Step `number`'s learning rate: the schedule's, at the step's place in it, times the spike guard's factor."""
-        cfg = self.cfg
-        return self.plan.learning_rate(number, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                                       decay=cfg.lr_decay) * self.guard.lr_factor(number)
+        return self.plan.learning_rate(number, self.schedule) * self.guard.lr_factor(number)
 
     def update(self, action: Action, verdict: StepVerdict, lr: float) -> bool:
         """Apply the step's gradients when the spike guard accepts them (the scaler may still skip them), and clear

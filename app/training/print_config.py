@@ -14,6 +14,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from app.optimization.schedule import TrainingPlan
     from app.training.preflight import RunInputs
     from arguments import Config
 
@@ -37,6 +38,16 @@ def source_of(name: str, given: Config, resolved: Config, sources: dict[str, str
     return "default"
 
 
+def learning_rate_line(resolved: Config, plan: TrainingPlan) -> str:
+    """`0.003 after 30 warmup steps, then constant until step 800, then sqrt decay to 0.0003 at step 1000`."""
+    line = f"{resolved.lr:.3g} after {resolved.warmup_steps} warmup steps, "
+    if not resolved.lr_decay or resolved.warmup_steps >= plan.schedule_length:
+        return line + "then constant"
+    stable_until = plan.schedule_length * (1 - resolved.lr_decay_ratio)
+    stable = f"then constant until step {stable_until:g}, then " if stable_until > resolved.warmup_steps else ""
+    return line + f"{stable}{resolved.lr_decay_type} decay to {resolved.min_lr:.3g} at step {plan.max_step}"
+
+
 def resolved_run(given: Config, inputs: RunInputs, sources: dict[str, str]) -> str:
     """The YAML text --print_config prints (see the module docstring)."""
     resolved, plan = inputs.config.readable_back(), inputs.plan
@@ -57,9 +68,7 @@ def resolved_run(given: Config, inputs: RunInputs, sources: dict[str, str]) -> s
         + (f", and targets of {plan.target_tokens:.0f})" if plan.target_tokens else ")"),
         f"#   optimizer steps: {plan.max_step} ({epochs}; {plan.steps_per_epoch} steps per epoch of "
         f"{plan.train_rows:,} rows)",
-        f"#   learning rate: {resolved.lr:.3g} after {resolved.warmup_steps} warmup steps, "
-        + (f"cosine decay to {resolved.min_lr:.3g} at step {plan.max_step}"
-           if resolved.lr_decay and resolved.warmup_steps < plan.schedule_length else "then constant"),
+        f"#   learning rate: {learning_rate_line(resolved, plan)}",
     ]
     if inputs.mixture:
         lines += ["#   mixture (rows of every step by weight; an epoch is one pass over the first folder):"] + [f"#     {line}" for line in inputs.mixture.splitlines()]

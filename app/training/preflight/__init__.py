@@ -37,7 +37,7 @@ from app.training.preflight.model import check_model, check_model_with, samples_
 from app.training.preflight.notes import held, note
 from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
-                                         resolve_intervals, resolve_learning_rates)
+                                         resolve_learning_rates, resolve_shares)
 from app.training.preflight.resume import check_data_resume, resolve_resume
 from app.training.preflight.tokenizer import check_run_tokenizer, check_samples, resolve_tokenizer
 from app.training.preflight.wandb_options import check_wandb, note_wandb_history, resolve_wandb
@@ -118,7 +118,7 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
         check_launcher(cfg, problems)
     if problems:
         exit_refused([f"error: {naming_config_files(p, sources or {})}" for p in problems])
-    cfg = resolve_intervals(resolve_learning_rates(cfg, plan), plan)
+    cfg = resolve_shares(resolve_learning_rates(cfg, plan), plan)
     if resume is not None:
         note_changed_options(cfg, resume.metadata, plan)
         note_wandb_history(cfg, resume.metadata["step"], resume.metadata.get("config") or {})

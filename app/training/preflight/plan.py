@@ -8,9 +8,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 from app.checkpoint.files import read_best
+from app.cli import counted
 from app.data.mixture import parse_sources
 from app.optimization.schedule import (TrainingPlan, accumulation_steps, interval_steps, learning_rate, make_plan,
-                                       scale_for_batch, steps_to_finish)
+                                       scale_for_batch, schedule_options, steps_to_finish)
 from app.training.preflight.data import DataFacts
 from app.training.preflight.environment import world_size
 from app.training.preflight.notes import note
@@ -191,10 +192,10 @@ def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
              f"batch of {plan.global_batch_size} is kept (give --global_batch_size to change it)")
 
 
-TRAINING_OPTIONS = ("precision", "reduce_dtype", "lr", "min_lr", "lr_decay", "warmup_steps", "weight_decay", "beta1",
-                    "beta2", "grad_clip", "max_step", "number_epochs", "spike_guard", "spike_z", "spike_min_rise",
-                    "spike_grad_norm_z", "spike_window", "spike_warmup", "spike_incident", "spike_incident_steps",
-                    "fsdp_no_sync", "loss_kernel", "chunked_loss", "tf32")
+TRAINING_OPTIONS = ("precision", "reduce_dtype", "lr", "min_lr", "lr_decay", "lr_decay_type", "lr_decay_ratio",
+                    "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "max_step", "number_epochs",
+                    "spike_guard", "spike_z", "spike_min_rise", "spike_grad_norm_z", "spike_window", "spike_warmup",
+                    "spike_incident", "spike_incident_steps", "fsdp_no_sync", "loss_kernel", "chunked_loss", "tf32")
 """The options whose change at a resume changes how the steps after it train (the batch is said apart)."""
 
 
@@ -215,13 +216,10 @@ def rate_jump(cfg: Config, saved: dict, plan: Optional[TrainingPlan]) -> str:
     differ by more than 1% (a change of --max_step alone may move it little); else nothing. Both at the same step:
     during warm-up the rate moves from one step to the next by more than that anyway."""
     before, schedule, step = saved.get("config") or {}, saved.get("schedule"), saved["step"]
-    options = ("lr", "min_lr", "warmup_steps", "lr_decay")
-    if plan is None or not schedule or any(name not in before for name in options):
+    if plan is None or not schedule or any(name not in before for name in ("lr", "min_lr", "warmup_steps", "lr_decay")):
         return ""
-    then = learning_rate(schedule["step"] + 1, lr=before["lr"], min_lr=before["min_lr"],
-                         warmup_steps=before["warmup_steps"], max_step=schedule["length"], decay=before["lr_decay"])
-    now = plan.learning_rate(step + 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                             decay=cfg.lr_decay)
+    then = learning_rate(schedule["step"] + 1, max_step=schedule["length"], **schedule_options(before))
+    now = plan.learning_rate(step + 1, schedule_options(vars(cfg)))
     if math.isclose(then, now, rel_tol=0.01):
         return ""
     return f": step {step + 1} trains at a learning rate of {now:.2e}, {then:.2e} with the checkpoint's options"
@@ -260,8 +258,9 @@ INTERVALS = ("eval_step_interval", "save_step_interval", "log_interval")
 """Options counted in optimizer steps that take a share of the run instead."""
 
 
-def resolve_intervals(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
-    """Intervals given as a share of the run (below 1) in steps of this run's plan, said once; the run, its
+def resolve_shares(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
+    """Intervals and the warmup given as a share of the run (below 1) in steps of this run's plan (the warmup in
+    steps of its schedule, which a resume at another global batch counts otherwise), said once; the run, its
     config.yaml and its checkpoints hold the steps."""
     if plan is None or cfg.estimate_memory:  # a plan's steps are a stand-in run's
         return cfg
@@ -270,7 +269,10 @@ def resolve_intervals(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
         if value != getattr(cfg, name):
             every = "every step" if value == 1 else f"every {value:,} steps"
             note(f"--{name} {getattr(cfg, name):g}: {every} of the run's {plan.max_step:,}")
-    return replace(cfg, **steps)
+    warmup = interval_steps(cfg.warmup_steps, plan.schedule_length)
+    if warmup != cfg.warmup_steps:
+        note(f"--warmup_steps {cfg.warmup_steps:g}: {counted(warmup, 'step')} of the run's {plan.schedule_length:,g}")
+    return replace(cfg, **steps, warmup_steps=warmup)
 
 
 def resolve_learning_rates(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
