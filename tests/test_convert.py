@@ -459,6 +459,9 @@ def test_the_card_reports_the_checkpoints_global_batch() -> None:
     run = {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "devices": 2, "num_nodes": 1}
     assert dict(converter.hyperparameters(run, 32))["batch (sequences per step)"] == 32
     assert dict(converter.hyperparameters(run))["batch (sequences per step)"].startswith("4 per device")
+    assert "lr decay" not in dict(converter.hyperparameters(run | {"lr_decay": True}))  # the usual cosine
+    wsd = run | {"lr_decay": True, "lr_decay_type": "sqrt", "lr_decay_ratio": 0.2}
+    assert dict(converter.hyperparameters(wsd))["lr decay"] == "sqrt over the last 0.2 of the steps"
 
 
 def test_all_converts_every_checkpoint_of_a_run(full_run, tmp_path) -> None:
