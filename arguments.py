@@ -78,6 +78,10 @@ class ModelArgs:
     (T5, BART) for seq2seq data."""
     model_config: Optional[str] = None
     """A config.json file, or a folder holding one: the model is initialised from scratch (pretraining, tests)."""
+    init_from: Optional[str] = None
+    """A train.py checkpoint (a file, a sharded folder, or a run folder: its newest) whose architecture and weights
+    start a new run: step 0, a fresh optimizer and schedule, in another --out_dir (a new phase of training, another
+    mixture; torchtitan's initial_load_model_only). Instead of --model_name and --model_config."""
     tokenizer: Optional[str] = None
     """Tokenizer recorded with the run for conversion; default: the data folder's tokenizer/, else the model's."""
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
@@ -561,8 +565,9 @@ def option_combinations(cfg: Config, require: Callable[[bool, str], None]) -> No
     require(cfg.block_size is None or cfg.estimate_memory and cfg.block_size > 0,
             f"--block_size {cfg.block_size}: only for --estimate_memory true, and positive; a run trains on the "
             "blocks prepare_data.py wrote")
-    require((cfg.model_name is None) != (cfg.model_config is None),
-            "give exactly one of --model_name (fine-tune a pretrained model) and --model_config (train from scratch)")
+    require([cfg.model_name, cfg.model_config, cfg.init_from].count(None) == 2,
+            "give exactly one of --model_name (fine-tune a pretrained model), --model_config (train from scratch) and "
+            "--init_from (start from a train.py checkpoint's weights)")
     require(cfg.checkpoint is None or cfg.resume,
             "--checkpoint is only read when resuming: add --resume true, or drop --checkpoint")
 

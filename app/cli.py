@@ -204,7 +204,7 @@ OTHER_NAMES = {
     "wandb_project": "--project", "wandb_entity": "--entity", "report_to": "--wandb_mode",
     "save_total_limit": "--keep_last_n", "lr_scheduler_type": "--lr_decay_type", "lr_scheduler": "--lr_decay_type",
     "decay_type": "--lr_decay_type", "decay_ratio": "--lr_decay_ratio", "warmup_ratio": "--warmup_steps",
-    "lr_warmup_steps": "--warmup_steps", "save_strategy": "--save_step_interval", "eval_strategy": "--eval_step_interval",
+    "lr_warmup_steps": "--warmup_steps", "initial_load_path": "--init_from", "initial_checkpoint_dir": "--init_from", "save_strategy": "--save_step_interval", "eval_strategy": "--eval_step_interval",
     "evaluation_strategy": "--eval_step_interval", "eval_on_start": "--initial_validation", "torch_dtype": "--precision", "model": "--model_name", "max_epochs": "--number_epochs",
     **dict.fromkeys(("max_seq_length", "max_seq_len", "max_length", "seq_length", "seq_len", "sequence_len",
                      "context_length"), "--block_size"),

@@ -167,7 +167,8 @@ def test_a_folder_whose_tokenizer_autotokenizer_loads_as_another_class_is_refuse
     from app.training.preflight.tokenizer import resolve_tokenizer
 
     model = trained_like("qwen2", len(AutoTokenizer.from_pretrained(tiny.tokenizer)))
-    cfg = SimpleNamespace(tokenizer=str(tiny.tokenizer), train_data_dir=None, trust_remote_code=False)
+    cfg = SimpleNamespace(tokenizer=str(tiny.tokenizer), train_data_dir=None, trust_remote_code=False, model_name=None,
+                          model_config="config.json", init_from=None)
     resolve_tokenizer(cfg, model.config, [])  # said when training starts, not only hours later
     assert capsys.readouterr().out.startswith("convert_to_hf.py will refuse this run's checkpoints: the tokenizer of a "
                                               "converted folder, as AutoTokenizer loads it (as Qwen2Tokenizer")
@@ -448,10 +449,11 @@ def test_the_generation_config_and_card_are_the_revision_trained_when_main_has_m
     assert "is neither cached nor on the Hub" not in said and "generation config of the base model org/tiny could " \
         "not be read" in said, "the revision is here, without a generation config: one note, that one"
     run = earlier_checkpoint(tmp_path / "folder-run", model, tokenizer=str(tiny.tokenizer),
-                             config={"model_name": str(repo / "snapshots" / trained)})
+                             config={"model_name": str(repo / "snapshots" / trained)}, versions={"torch": "0.0-test"})
     convert("--checkpoint", run, "--output_dir", tmp_path / "folder-hf", "--dtype", "float32")
     card = (tmp_path / "folder-hf" / "README.md").read_text()
     assert f"| Base model | org/tiny (revision {trained}) |" in card and "base_model: org/tiny" in card
+    assert "## Framework versions\n\n- torch 0.0-test\n" in card, "the versions that trained it, not converted it"
 
 
 def test_the_card_reports_the_checkpoints_global_batch() -> None:

@@ -401,7 +401,8 @@ def test_preflight_says_a_model_folder_without_a_tokenizer_has_none_and_a_broken
 
     folder = tmp_path / "model"
     folder.mkdir()
-    cfg = SimpleNamespace(tokenizer=None, train_data_dir=None, model_name=str(folder), trust_remote_code=False)
+    cfg = SimpleNamespace(tokenizer=None, train_data_dir=None, model_name=str(folder), trust_remote_code=False,
+                          init_from=None)
     assert resolve_tokenizer(cfg, None, []) is None
     assert capsys.readouterr().out.strip().startswith(f"no tokenizer recorded with this run: {folder} has none (no "
                                                       "tokenizer.json, tokenizer_config.json,")

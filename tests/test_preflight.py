@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -71,6 +72,15 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     run.mkdir(parents=True)
     torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config).to_dict()},
                run / "step-00000004.ckpt")
+    retokenized = root / "retokenized_run"  # a run whose kept tokenizer gives two tokens each other's ids
+    (retokenized / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "step-00000004.ckpt", retokenized / "checkpoints")
+    shutil.copytree(tiny.tokenizer, retokenized / "tokenizer")
+    vocabulary = json.loads((retokenized / "tokenizer" / "tokenizer.json").read_text())
+    ids = vocabulary["model"]["vocab"]
+    last, before_last = sorted(ids, key=ids.get)[-2:][::-1]
+    ids[last], ids[before_last] = ids[before_last], ids[last]
+    (retokenized / "tokenizer" / "tokenizer.json").write_text(json.dumps(vocabulary))
     (root / "a_file").write_text("not a folder")
     (root / "nest" / "checkpoints").mkdir(parents=True)
     (root / "earlier_run" / "samples").mkdir(parents=True)  # a run that saved no checkpoint, or a user's folder
@@ -158,6 +168,18 @@ CASES = {
     "Cut Cross-Entropy on CPU": (dict(loss_kernel="cut_cross_entropy"), "--loss_kernel cut_cross_entropy is a Triton "
                                  "kernel for CUDA GPUs and this run is on cpu: drop it"),
     "negative lr": (dict(lr=-1.0), "--lr must be positive"),
+    "init_from nowhere": (dict(model_config=None, init_from="/nonexistent/run"),
+                          "--init_from /nonexistent/run: no such file or folder"),
+    "init_from a model folder": (dict(model_config=None, init_from="{wider}"),
+                                 "--init_from {wider} is a Hugging Face model folder; give it as --model_name"),
+    "init_from a folder without checkpoints": (dict(model_config=None, init_from="{earlier_run}"),
+                                               "--init_from {earlier_run}: neither a checkpoint nor a run folder "
+                                               "holding one that reads whole; give a checkpoint of train.py"),
+    "init_from with the data of another tokenizer": (
+        dict(model_config=None, init_from="{retokenized_run}"),
+        "not with --init_from {retokenized_run}/checkpoints/step-00000004.ckpt's tokenizer"),
+    "init_from and model_config": (dict(init_from="{run}"), "give exactly one of --model_name (fine-tune a "
+                                   "pretrained model), --model_config (train from scratch) and --init_from"),
     "fsdp option with ddp": (dict(strategy="ddp", sharding_strategy="NO_SHARD"),
                              "applies only to --strategy fsdp or fsdp2"),
 }

@@ -243,6 +243,30 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
         step * per_step for step in range(1, 25)], "the trained tokens so far, continued from the checkpoint's"
 
 
+def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run, tiny, tmp_path, capsys) -> None:
+    """--init_from: the weights of the FSDP run's step 16, read into DDP's layout, with a fresh optimizer and
+    schedule; the new run's baseline is the validation loss the checkpoint's run measured at that step. A relaunch
+    with --resume true continues the new run, not the checkpoint it started from."""
+    from app.training.preflight import preflight
+    from arguments import parse_config
+
+    start = fsdp_run / "checkpoints" / "step-00000016.ckpt"
+    run = tmp_path / "phase-2"
+    result = run_train(train_args(tiny, run, model_config=None, init_from=start, strategy="ddp", max_step=3,
+                                  warmup_steps=2, save_step_interval=100))
+    assert_succeeded(result)
+    assert f"started from the weights of {start} (step 16 of its run)" in result.stdout
+    metrics, straight = read_metrics(run), read_metrics(fsdp_run)
+    assert metrics[0]["val_loss"] == pytest.approx(straight[16]["val_loss"], rel=1e-6), "the checkpoint's weights"
+    assert metrics[1]["lr"] == pytest.approx(3e-3 / 2) and metrics[1]["tokens_seen"] == straight[1]["tokens_seen"], (
+        "the schedule starts again: the first of --warmup_steps 2")
+    capsys.readouterr()
+    preflight(parse_config(train_args(tiny, run, model_config=None, init_from=fsdp_run, resume=True, max_step=4,
+                                        warmup_steps=2)))
+    assert f"--init_from {fsdp_run / 'checkpoints' / 'step-00000024.ckpt'}: not read: --resume true continues this " \
+           "run from its checkpoint at step 3" in capsys.readouterr().out, "a run folder names its newest checkpoint"
+
+
 def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:
     """Replication instead of sharding, activation checkpointing, prefetching and all-gather throttling trade memory
     for time, never the maths: the same losses, and the same gradient norm whether each rank holds half of the

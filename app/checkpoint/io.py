@@ -68,15 +68,20 @@ def snapshot(state: dict[str, Any], sharded: bool, group: Optional[dist.ProcessG
     return Snapshot.take(local_state(state["model"], state["optimizer"]), metadata_of(state), group, sharded=sharded)
 
 
-def load_checkpoint(path: Path, model: Any, optimizer: Any) -> tuple[dict[str, Any], set[tuple[str, int]]]:
-    """Read every piece of the model's and optimizer's tensors this rank holds, in place, and return the
-    checkpoint's metadata and the (name, start) of the recorded pieces read whole, and so checked. Each rank reads
-    on its own. Raises CheckpointError, before reading any tensor, when the checkpoint is another model's."""
+def load_checkpoint(path: Path, model: Any, optimizer: Any, model_only: bool = False
+                    ) -> tuple[dict[str, Any], set[tuple[str, int]]]:
+    """Read every piece of the model's and optimizer's tensors this rank holds (of the model's alone when
+    `model_only`: a new run from a checkpoint's weights, --init_from), in place, and return the checkpoint's metadata
+    and the (name, start) of the recorded pieces read whole, and so checked. Each rank reads on its own. Raises
+    CheckpointError, before reading any tensor, when the checkpoint is another model's."""
     local = local_state(model, optimizer)
+    parts = {name: part for name, part in local.parts.items() if wanted(name, model_only)}
+    label = str(path) if model_only else f"--checkpoint {path}"  # the caller names --init_from
     try:
         with open_source(path, local.parameter_order) as source:
-            check_fits(source.shapes(), local.shapes(), f"--checkpoint {path}")
-            for name, part in local.parts.items():
+            stored = {name: value for name, value in source.shapes().items() if wanted(name, model_only)}
+            check_fits(stored, {name: part.shape for name, part in parts.items()}, label)
+            for name, part in parts.items():
                 for piece in part.pieces:
                     source.read_elements_into(name, piece.start, piece.data)
             verified = source.verified
@@ -85,29 +90,38 @@ def load_checkpoint(path: Path, model: Any, optimizer: Any) -> tuple[dict[str, A
     return read_metadata(path), verified
 
 
-def load_on_every_rank(path: Path, model: Any, optimizer: Any) -> tuple[dict[str, Any], Optional[str]]:
+def wanted(name: str, model_only: bool) -> bool:
+    """Whether a checkpoint's tensor `name` is read: every one, or the model's alone."""
+    return not model_only or name.startswith(MODEL_PREFIX)
+
+
+def load_on_every_rank(path: Path, model: Any, optimizer: Any, model_only: bool = False
+                       ) -> tuple[dict[str, Any], Optional[str]]:
     """`load_checkpoint` on every rank, then a check of the recorded pieces no rank read whole (another layout than
     the one that saved, checksums.py), shared out among the ranks; and why the checkpoint could not be read whole (a
     piece whose checksum differs: it is corrupt), the same on every rank: the others would otherwise wait in their
     next collective for the rank that failed. The metadata is empty when it could not. Collective."""
     try:
-        (saved, verified), unreadable = load_checkpoint(path, model, optimizer), None
+        (saved, verified), unreadable = load_checkpoint(path, model, optimizer, model_only), None
     except CheckpointError as error:
         saved, verified, unreadable = {}, set(), str(error)
     found = every_rank((unreadable, verified))
     problem = next((problem for problem, _ in found if problem), None)
     if problem is None:
         read_whole = set().union(*(pieces for _, pieces in found))
-        problem = next((problem for problem in every_rank(check_unread_pieces(path, read_whole)) if problem), None)
+        problem = next((problem for problem in every_rank(check_unread_pieces(path, read_whole, model_only))
+                        if problem), None)
     return (saved, None) if problem is None else ({}, problem)
 
 
-def check_unread_pieces(path: Path, read_whole: set[tuple[str, int]]) -> Optional[str]:
-    """Read again and check this rank's share of the recorded pieces that no rank read whole; why one is corrupt."""
+def check_unread_pieces(path: Path, read_whole: set[tuple[str, int]], model_only: bool = False) -> Optional[str]:
+    """Read again and check this rank's share of the recorded pieces that no rank read whole (of the model's alone
+    when `model_only`); why one is corrupt."""
     rank, world_size = distributed(None)
     try:
         with open_source(path) as source:
-            unread = [piece for piece in tensor_pieces(source.checksums) if piece[:2] not in read_whole]
+            unread = [piece for piece in tensor_pieces(source.checksums)
+                      if piece[:2] not in read_whole and wanted(piece[0], model_only)]
             for name, start, numel, value in unread[rank::world_size]:
                 source.check_piece(name, start, numel, value)
     except CheckpointError as error:

@@ -607,6 +607,10 @@ def hyperparameters(run: dict[str, Any], global_batch_size: Optional[int] = None
 
 
 def base_model_row(base: Optional[str], run: dict[str, Any], repo: Optional[str], revision: Optional[str]) -> str:
+    if not base and run.get("init_from"):  # the folders' names alone: step-00001000.ckpt of run "llama3"
+        start = Path(run["init_from"])
+        return f"a train.py checkpoint: {start.name}" + (f" of run {folder.name}" if (folder := run_folder_of(start))
+                                                         else "")
     if not base:
         return f"none: trained from scratch from {folder_names(str(run.get('model_config')))}"
     if repo:

@@ -46,7 +46,12 @@ if TYPE_CHECKING:
 
 
 def model_source(cfg: Config) -> str:
-    return cfg.model_name or cfg.model_config
+    return cfg.model_name or cfg.model_config or cfg.init_from
+
+
+def model_flag(cfg: Config) -> str:
+    """The option that gives the model: --model_name, --model_config or --init_from."""
+    return "--model_name" if cfg.model_name else "--model_config" if cfg.model_config else "--init_from"
 
 
 def load_model_config(cfg: Config) -> PretrainedConfig:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
+from app.checkpoint import read_metadata
+from app.checkpoint.io import identity
 from app.checkpoint.files import holder_line, sees_lock
 from app.data.mixture import parse_sources
 from app.versions import library_versions
@@ -24,8 +26,8 @@ if TYPE_CHECKING:
     from app.training.preflight import RunInputs
     from arguments import Config
 
-NODE_OWN_OPTIONS = frozenset({"train_data_dir", "model_name", "model_config", "tokenizer", "out_dir", "checkpoint",
-                              "num_workers", "wandb_mode", "project", "entity", "run_name"})
+NODE_OWN_OPTIONS = frozenset({"train_data_dir", "model_name", "model_config", "init_from", "tokenizer", "out_dir",
+                              "checkpoint", "num_workers", "wandb_mode", "project", "entity", "run_name"})
 """Options a node may give its own way: paths (a node's copy of the data or the model lies where it lies; what they
 hold is compared instead, and out_dir and the checkpoint are checked apart), the data workers of its CPUs, and the
 W&B run's settings, which each node's WANDB_* variables fill in and only rank 0 uses."""
@@ -46,11 +48,14 @@ def code_version() -> str:
     return digest.hexdigest()
 
 
-def weights_identity(model_name: Optional[str]) -> Optional[list]:
+def weights_identity(model_name: Optional[str], init_from: Optional[str] = None) -> Optional[list]:
     """The pretrained weights this node reads (a local folder, or the Hub's snapshot in this node's cache): each
-    safetensors file's name, size and a hash of pieces spread over it. None when unknown, which compares with
-    anything: no pretrained weights, none in this node's cache yet (each rank fetches the same revision), a file
-    that cannot be read (its own rank says so when it loads)."""
+    safetensors file's name, size and a hash of pieces spread over it; for --init_from, its checkpoint's identity
+    (which holds the checksums of its tensors). None when unknown, which compares with anything: no pretrained
+    weights, none in this node's cache yet (each rank fetches the same revision), a file that cannot be read (its
+    own rank says so when it loads)."""
+    if init_from:
+        return [identity(read_metadata(Path(init_from)))]
     if not model_name:
         return None
     folder = Path(model_name)
@@ -86,7 +91,8 @@ def node_fingerprint(cfg: Config, inputs: RunInputs) -> dict[str, Any]:
             if len(folders) > 1 else [],
             "model": {key: value for key, value in model.items()
                       if key not in ("_name_or_path", "transformers_version")},
-            "weights": None if inputs.resume_from else weights_identity(cfg.model_name),  # a resume reads none
+            "weights": None if inputs.resume_from else weights_identity(cfg.model_name, cfg.init_from),  # a resume
+            # reads none
             "code": code_version(), "libraries": library_versions()}
 
 

@@ -184,6 +184,20 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
               flush=True)
 
 
+def start_from_weights(fabric: Fabric, path: Path, state: dict[str, Any]) -> bool:
+    """--init_from: the checkpoint's model weights into the model, in whatever layout this run shards them; the
+    optimizer, the step and the schedule start anew. False, said, when a piece of it is corrupt. Collective."""
+    loading = Stopwatch()
+    with loading.measure():
+        saved, unreadable = load_on_every_rank(path, state["model"], state["optimizer"], model_only=True)
+    if unreadable:
+        fabric.print(f"error: --init_from {unreadable}; start from another checkpoint", file=sys.stderr)
+        return False
+    say_once(fabric, f"started from the weights of {path} (step {saved['step']} of its run) in {loading.last:.1f} s; "
+                     "the optimizer, the step and the learning-rate schedule start anew")
+    return True
+
+
 def another_branch_at(out_dir: str, step: int, resumed_from: Path, saved: dict[str, Any]) -> bool:
     """Whether out_dir/checkpoints holds a checkpoint of `step` other than the one resumed (nor a copy of it): one
     saved after another resume from an earlier step (a rollback resumed from rolled-back/). Left in place, it stood
@@ -417,6 +431,8 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
         unreadable = resume(fabric, cfg, inputs.resume_from, state, inputs.plan)
         if unreadable:
             return corrupt_checkpoint(fabric, cfg, inputs.resume_from, unreadable)
+    elif cfg.init_from and not start_from_weights(fabric, Path(cfg.init_from), state):
+        return EXIT_BAD_INPUT
     write_run_files(fabric, cfg, inputs.tokenizer)
     plan = inputs.plan
     say_once(fabric, f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} "

@@ -13,7 +13,7 @@ launcher); notes.py says what is resolved without being a problem.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -38,7 +38,7 @@ from app.training.preflight.notes import held, note
 from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
                                          resolve_learning_rates, resolve_shares)
-from app.training.preflight.resume import check_data_resume, resolve_resume
+from app.training.preflight.resume import check_data_resume, resolve_init_from, resolve_resume
 from app.training.preflight.tokenizer import check_run_tokenizer, check_samples, resolve_tokenizer
 from app.training.preflight.wandb_options import check_wandb, note_wandb_history, resolve_wandb
 
@@ -87,7 +87,10 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     problems: list[str] = []
     cfg = resolve_wandb(cfg, problems)
     data = check_data(cfg, problems) if reads_data(cfg) else None
-    model_config = check_model(cfg, problems)
+    init = resolve_init_from(cfg, problems) if cfg.init_from else None
+    if init is not None:  # a run folder given: its checkpoint, which config.yaml records and a resume finds again
+        cfg = replace(cfg, init_from=str(init.path))
+    model_config = check_model(cfg, problems, init)
     check_runs_here(cfg, problems)
     wrap_classes: set[type[Module]] = set()
     if model_config is not None and (cfg.strategy in SHARDED_STRATEGIES or cfg.tpu):
@@ -98,6 +101,9 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     packed_layout, chunked_loss = (check_model_with(cfg, model_config, data, problems) if model_config is not None
                                    else ("position_ids", False))
     resume = resolve_resume(cfg, model_config, problems)
+    if resume is not None and init is not None:
+        note(f"--init_from {init.path}: not read: --resume true continues this run from its checkpoint at step "
+             f"{resume.metadata['step']}")
     check_data_resume(cfg, data, resume, problems)
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
     if plan is not None:

@@ -21,24 +21,30 @@ from app.distributed.strategy import resolve_accelerator
 from app.evaluation.samples import pads_apart
 from app.hub import (CONFIG_ERRORS, REMOTE_CODE, load_problem, missing_model_problem, missing_weights_problem,
                      quiet_hub)
+from app.huggingface.convert import config_from_dict
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
-                             meta_model, model_class, model_source, resolve_wrap_classes, stored_tensors, tied_names)
+                             meta_model, model_class, model_flag, model_source, resolve_wrap_classes, stored_tensors,
+                             tied_names)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, column_scaled_from, decoder_inputs_error,
                                  decoder_tells_positions_apart, longrope_limit, probe_isolation, reads_ahead)
 from app.metrics.observe import has_experts
 from app.model.loss import ROUTER_COEFFICIENT_NAMES, probe_chunked_loss
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
+from app.training.preflight.resume import Resume
 from app.training.preflight.tokenizer import TOKEN_ID_PAST_VOCAB, room_for_tokens
 
 if TYPE_CHECKING:
     from arguments import Config
 
 
-def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
-    """The model's config; a Hub id that is neither cached nor reachable is refused at once, with the prefetch.py
-    command, instead of after a minute of huggingface_hub's retries."""
-    flag = "--model_name" if cfg.model_name else "--model_config"
+def check_model(cfg: Config, problems: list[str], init: Optional[Resume] = None) -> Optional[PretrainedConfig]:
+    """The model's config (for --init_from, the one its checkpoint, `init`, recorded); a Hub id that is neither
+    cached nor reachable is refused at once, with the prefetch.py command, instead of after a minute of
+    huggingface_hub's retries."""
+    if cfg.init_from:
+        return recorded_config(init, problems) if init else None
+    flag = model_flag(cfg)
     trains = cfg.model_name and not (cfg.estimate_memory or cfg.print_config)  # a plan reads the config alone
     missing = missing_model_problem(flag, model_source(cfg)) or (
         trains and missing_weights_problem(flag, cfg.model_name))
@@ -52,6 +58,15 @@ def check_model(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
         reason = load_problem(error)
         advice = "" if reason == REMOTE_CODE else "; check the name, or log in for gated models"
         problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({reason}){advice}")
+        return None
+
+
+def recorded_config(init: Resume, problems: list[str]) -> Optional[PretrainedConfig]:
+    """The architecture a checkpoint recorded, for the run that starts from its weights."""
+    try:
+        return config_from_dict(init.metadata["model_config"])
+    except CONFIG_ERRORS as error:
+        problems.append(f"--init_from {init.path}: its recorded model config does not load ({load_problem(error)})")
         return None
 
 
@@ -404,8 +419,7 @@ def missing_decoder_start(cfg: Config, model_config: PretrainedConfig) -> list[s
         error = None
     if not error:
         return []
-    flag = "--model_name" if cfg.model_name else "--model_config"
-    return [f"{flag} {model_source(cfg)}: its config names no decoder_start_token_id, the token the "
+    return [f"{model_flag(cfg)} {model_source(cfg)}: its config names no decoder_start_token_id, the token the "
             f"{model_config.model_type} decoder starts from, which training needs; add it to the model's config.json "
             "(T5 starts from its pad token, BART from </s>)"]
 

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Optional
 import yaml
 from transformers import PretrainedConfig
 
-from app.checkpoint import (broken_checkpoint, checkpoint_dir, latest_checkpoint, read_metadata,
+from app.checkpoint import (broken_checkpoint, checkpoint_dir, is_checkpoint, latest_checkpoint, read_metadata,
                             stored_tensor_shapes)
 from app.checkpoint.files import RUN_CONFIG_FILE, list_checkpoints, run_folder_of
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.data.identity import identity_difference, same_folder_by_path
 from app.data.mixture import parse_sources
 from app.huggingface.convert import changed_fields
-from app.model.build import meta_model, model_source
+from app.model.build import meta_model, model_flag, model_source
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
@@ -58,6 +58,35 @@ def newest_whole_checkpoint(out_dir: Path) -> tuple[Optional[Path], list[str]]:
         if path.exists():
             skipped.append(f"{path.name} ({why_broken(broken, path)})")
     return None, skipped
+
+
+def resolve_init_from(cfg: Config, problems: list[str]) -> Optional[Resume]:
+    """--init_from: the checkpoint whose weights start a new run (a run folder's newest that reads whole, or its
+    checkpoints/ folder's), with its metadata, which gives the architecture; None after a problem."""
+    path = Path(cfg.init_from)
+    if not path.exists():
+        problems.append(f"--init_from {path}: no such file or folder")
+        return None
+    if (path / "config.json").is_file():
+        problems.append(f"--init_from {path} is a Hugging Face model folder; give it as --model_name")
+        return None
+    if not is_checkpoint(path):
+        run = path.parent if path.name == checkpoint_dir(".").name else path
+        newest, broken = newest_whole_checkpoint(run)
+        if newest is None:
+            problems.append(f"--init_from {path}: neither a checkpoint nor a run folder holding one that reads whole"
+                            + (f" ({'; '.join(broken)})" if broken else "") + "; give a checkpoint of train.py")
+            return None
+        path = newest
+    broken = broken_checkpoint(path)
+    if broken:
+        problems.append(f"--init_from {path}: {why_broken(broken, path)}; pick another one")
+        return None
+    metadata = read_metadata(path)
+    if not isinstance(metadata.get("step"), int) or "model_config" not in metadata:
+        problems.append(f"--init_from {path}: not a checkpoint written by train.py (no step/model_config)")
+        return None
+    return Resume(path, metadata)
 
 
 def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
@@ -147,7 +176,7 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
     except (KeyError, ValueError, TypeError):  # a recorded config that no longer loads: the shapes decide
         changes = []
     if changes:
-        source = "--model_name" if cfg.model_name else "--model_config"
+        source = model_flag(cfg)
         problems.append(f"{flag} was trained with another config than {source} {model_source(cfg)} gives: "
                         f"{', '.join(changes[:3])}{' and more' if len(changes) > 3 else ''}; the resumed steps "
                         "would train another model; resume with the config it was trained with")
@@ -247,7 +276,7 @@ def check_data_resume(cfg: Config, data: Optional[DataFacts], resume: Optional[R
         problems.append(f"--train_data_dir: the checkpoint was trained on {listed} alone, in an order a mixture does "
                         "not continue (a mixture draws each folder's rows in an order of its own): the resumed run "
                         "would read that folder again from its start; resume on that folder alone, or start the "
-                        "mixture as a new run from the checkpoint's weights (convert_to_hf.py, then --model_name)")
+                        "mixture as a new run from the checkpoint's weights (--init_from)")
         return
     for place, (saved, given) in enumerate(zip(before, now), start=1):
         why = folder_mismatch(saved, given, mixture=len(before) > 1)

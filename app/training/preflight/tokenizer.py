@@ -3,11 +3,12 @@ data and the copy the run keeps; what generation samples need of it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from transformers import AutoTokenizer, PretrainedConfig
 
-from app.checkpoint import run_tokenizer_dir
+from app.checkpoint import run_folder_of, run_tokenizer_dir
 from app.cli import counted, first_line
 from app.data.mixture import first_folder
 from app.folders import prepared_tokenizer
@@ -29,7 +30,7 @@ for it is that refusal again, with the same advice (two lines said one thing).""
 def room_for_tokens(cfg: Config, tokens: int) -> str:
     """What to do about tokens beyond a model's vocabulary: a config file says its vocab_size; pretrained embeddings
     are not resized by train.py."""
-    if not cfg.model_name:
+    if cfg.model_config:
         return (f"raise vocab_size in --model_config to at least {tokens}, or prepare the data with a tokenizer "
                 "that fits")
     return ("train.py does not resize the model's embeddings: save the model with room for them first "
@@ -43,7 +44,8 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
     (the converter then asks for --tokenizer); one given with --tokenizer must load.
     """
     bundled = prepared_tokenizer(first_folder(cfg.train_data_dir) if cfg.train_data_dir else "")
-    name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else cfg.model_name)
+    own, model = models_tokenizer(cfg)
+    name = cfg.tokenizer or (str(bundled) if bundled.is_dir() else own)
     if name is None:
         if cfg.train_data_dir and bundled.parent.is_dir() and not cfg.estimate_memory:  # (a missing folder: its line)
             note(f"no tokenizer recorded with this run: --train_data_dir {first_folder(cfg.train_data_dir)} holds no "
@@ -52,7 +54,7 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
         return None
     missing = missing_model_problem("--tokenizer" if cfg.tokenizer else "--model_name", name)
     if missing:
-        if name != cfg.model_name:  # the model's own is check_model's line already
+        if name != own:  # the model's own is check_model's line already
             problems.append(missing)
         return None
     try:
@@ -82,14 +84,25 @@ def resolve_tokenizer(cfg: Config, model_config: Optional[PretrainedConfig], pro
         if difference:
             problems.append(f"--tokenizer {name} is not the tokenizer --train_data_dir was prepared with ({bundled}): "
                             f"{difference}; drop --tokenizer (the run records the data's), or prepare the data with it")
-    if not difference and bundled.is_dir() and cfg.model_name and has_tokenizer_files(cfg.model_name):
+    if not difference and bundled.is_dir() and own and has_tokenizer_files(own):
         # also when --tokenizer names the data's: given, it once skipped this, and another tokenizer's ids trained
         fits = model_config is None or len(tokenizer) <= model_config.vocab_size
-        check_data_tokenized_for_the_model(cfg, tokenizer, name, problems, note_added=fits)
+        check_data_tokenized_for_the_model(cfg, tokenizer, name, problems, own, model, note_added=fits)
     return name
 
 
-def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, problems: list[str],
+def models_tokenizer(cfg: Config) -> tuple[Optional[str], str]:
+    """The tokenizer the model was trained with, and the model as the command line names it: --model_name's own;
+    for --init_from, the copy its run keeps (`<run>/tokenizer`), which the data must also be tokenized with; none
+    for --model_config."""
+    if cfg.init_from:
+        run = run_folder_of(Path(cfg.init_from))
+        kept = run_tokenizer_dir(run) if run else None
+        return (str(kept) if kept and kept.is_dir() else None), f"--init_from {cfg.init_from}"
+    return cfg.model_name, f"--model_name {cfg.model_name}"
+
+
+def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, problems: list[str], own: str, model: str,
                                        note_added: bool = True) -> None:
     """The data folder's tokenizer must give the pretrained model's own tokens their ids: data tokenized for another
     model (Llama-2's ids trained into Mistral, or a tokenizer trained by prepare_data.py --vocab_size) has ids within
@@ -99,26 +112,25 @@ def check_data_tokenized_for_the_model(cfg: Config, tokenizer, name: str, proble
     A model without tokenizer files has nothing to compare (transformers makes a default one up for some, T5's)."""
     try:
         with quiet_hub():
-            own = AutoTokenizer.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+            trained = AutoTokenizer.from_pretrained(own, trust_remote_code=cfg.trust_remote_code)
     except Exception:  # noqa: BLE001 (no tokenizer with the weights, or none that loads here: nothing to compare)
         return
-    data_ids, model_ids = tokenizer.get_vocab(), own.get_vocab()
+    data_ids, model_ids = tokenizer.get_vocab(), trained.get_vocab()
     if model_ids.items() <= data_ids.items():
         added = sorted(set(data_ids) - set(model_ids), key=data_ids.get)
         if added and note_added:
-            note(f"--train_data_dir's tokenizer ({name}) adds {counted(len(added), 'token')} to --model_name "
-                 f"{cfg.model_name}'s ({listed(added)}): their embeddings start as the model has them, untrained")
+            note(f"--train_data_dir's tokenizer ({name}) adds {counted(len(added), 'token')} to {model}'s "
+                 f"({listed(added)}): their embeddings start as the model has them, untrained")
         return
     if data_ids.items() <= model_ids.items():  # the model's own added tokens (chat markers) unused by the data
         lacking = sorted(set(model_ids) - set(data_ids), key=model_ids.get)
-        note(f"--train_data_dir's tokenizer ({name}) lacks {counted(len(lacking), 'token')} of --model_name "
-             f"{cfg.model_name}'s ({listed(lacking)}): the run keeps the data's tokenizer, so the converted model will "
-             "not have them")
+        note(f"--train_data_dir's tokenizer ({name}) lacks {counted(len(lacking), 'token')} of {model}'s "
+             f"({listed(lacking)}): the run keeps the data's tokenizer, so the converted model will not have them")
         return
     moved = min((token for token, i in model_ids.items() if data_ids.get(token) != i), key=model_ids.get)
-    problems.append(f"--train_data_dir was tokenized with {name}, not with --model_name {cfg.model_name}'s tokenizer: "
-                    f"{moved!r} is id {model_ids[moved]} for the model and {data_ids.get(moved, 'missing')} in the "
-                    f"data; prepare the data with --tokenizer {cfg.model_name}")
+    problems.append(f"--train_data_dir was tokenized with {name}, not with {model}'s tokenizer: {moved!r} is id "
+                    f"{model_ids[moved]} for the model and {data_ids.get(moved, 'missing')} in the data; prepare the "
+                    f"data with --tokenizer {own}")
 
 
 def listed(tokens: list[str]) -> str:
