@@ -7,6 +7,7 @@ held back on purpose; whole runs are train.py in 2 real FSDP processes on CPU, a
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -277,3 +278,6 @@ def test_the_summary_counts_the_last_background_write_as_checkpoint_time_not_tra
     assert summary["checkpoints_saved"] == 2 and summary["save_sec"] > 4 > summary["train_sec"], summary
     saved_in = [float(seconds) for seconds in re.findall(r"step \d+: saved .* in ([\d.]+) s", result.stdout)]
     assert len(saved_in) == 2 and max(saved_in) < 6.5, result.stdout  # its write (4 s), not the one before too
+    if log_model:  # each row's save_sec holds the upload's wait for its write, as the summary does
+        rows = [row for row in csv.DictReader((out / "metrics.csv").open()) if row.get("save_sec")]
+        assert [(row["step"], float(row["save_sec"]) > 4) for row in rows] == [("2", True), ("4", True)], rows

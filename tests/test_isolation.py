@@ -101,6 +101,9 @@ def test_llama4s_column_scaled_layers_refuse_packed_rows_that_reach_floor_scale_
     assert probe_isolation(llama4(floor_scale=4), "sdpa").layout is None, "the leak, where the probe reaches it"
     assert column_scaled_from(llama4()) == 8192 and column_scaled_from(llama4(no_rope_layers=[1, 1])) is None
     assert column_scaled_from(CONFIGS["llama"]) is None
+    from transformers import Llama4Config
+
+    assert column_scaled_from(Llama4Config(text_config=llama4().to_dict())) == 8192, "as the Hub's Llama-4 loads"
     cfg = SimpleNamespace(train_data_dir="data", attn_implementation="sdpa", trust_remote_code=False, eval_samples=4,
                           estimate_memory=False)
     for block, refused in ((8191, False), (8192, True)):

@@ -545,11 +545,13 @@ def test_workers_are_forked_also_where_python_starts_them_from_a_forkserver(monk
     from app.prepare.pipeline import fork_the_workers
 
     default = multiprocess.context._default_context
-    monkeypatch.setattr(default, "_default_context", multiprocess.context._concrete_contexts["forkserver"])
-    monkeypatch.setattr(default, "_actual_context", None)
-    assert multiprocess.get_start_method() == "forkserver"
-    fork_the_workers()
-    assert multiprocess.get_start_method() == "fork"
+    for start in (fork_the_workers, lambda: pytest.raises(UsageError, prepare, PrepareArgs(
+            input=["/nonexistent/corpus"], output_dir="/nonexistent/out"))):  # prepare() forks them first
+        monkeypatch.setattr(default, "_default_context", multiprocess.context._concrete_contexts["forkserver"])
+        monkeypatch.setattr(default, "_actual_context", None)
+        assert multiprocess.get_start_method() == "forkserver"
+        start()
+        assert multiprocess.get_start_method() == "fork"
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])

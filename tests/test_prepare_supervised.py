@@ -978,6 +978,13 @@ def test_a_template_that_drops_the_reasoning_of_an_answer_is_refused(work, pairs
         "the answer without it; give a template that renders it whole with --chat_template FILE, or mark the message "
         "\"weight\": 0 to keep it as context only")
     assert not (work / "r1-data").exists()
+    from app.prepare.chat import dropped_from_answer
+
+    user, answer = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "<think>r</think>A"}
+    assert dropped_from_answer([user, answer], "<|user|>Q<|assistant|>A") == 1
+    assert dropped_from_answer([user, answer | {"weight": 0}], "<|user|>Q<|assistant|>A") is None, "context only"
+    trimmed = {"role": "assistant", "content": "  Answer.\n"}  # Llama-3's template trims each message
+    assert dropped_from_answer([user, trimmed], "<|user|>Q<|assistant|>Answer.<|eot|>") is None
 
 
 def test_the_audit_counts_an_answer_whose_start_the_generation_prompt_writes(work, pairs):

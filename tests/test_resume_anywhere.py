@@ -617,7 +617,8 @@ def test_every_value_a_checkpoint_holds_is_resumed_restored_by_its_owner_or_desc
     checkpoint that predates a key resumes it at its step-0 value."""
     from types import SimpleNamespace
 
-    from app.training.progress import PROGRESS, SAVED_FOR_THE_RANKS, progress_at_start, saved_progress
+    from app.training.progress import (GOES_ON_AT_A_ROLLBACK, PROGRESS, ROLLED_BACK, SAVED_FOR_THE_RANKS,
+                                       progress_at_start, saved_progress)
     from app.training.run import initial_state
 
     inputs = SimpleNamespace(plan=SimpleNamespace(global_batch_size=8), model_config=SimpleNamespace(to_dict=dict),
@@ -629,3 +630,5 @@ def test_every_value_a_checkpoint_holds_is_resumed_restored_by_its_owner_or_desc
     assert resumed == progress_at_start() | {"step": 7, "epoch": 1, "position": 24, "val_loss": 2.5}
     resumed["log_window"].append(1.0)
     assert PROGRESS["log_window"] == [], "each resume starts from its own copy"
+    assert sorted(ROLLED_BACK + GOES_ON_AT_A_ROLLBACK) == sorted(PROGRESS), "a rollback decides for each value"
+    assert {"step", "tokens_seen"} <= set(ROLLED_BACK) and "position" in GOES_ON_AT_A_ROLLBACK

@@ -19,6 +19,7 @@ def test_an_interval_below_one_is_that_share_of_the_runs_steps() -> None:
     assert [interval_steps(0.05, 1000), interval_steps(0.05, 1010), interval_steps(0.1, 25)] == [50, 51, 3], (
         "rounded up, as the Hugging Face Trainer rounds them")
     assert interval_steps(0.001, 100) == 1
+    assert interval_steps(1, 100) == interval_steps(1.0, 100) == 1, "a whole step, not the whole run"
     assert [interval_steps(0, 100), interval_steps(500, 100), interval_steps(2000.0, 10)] == [0, 500, 2000]
     assert isinstance(interval_steps(2000.0, 10), int)
 

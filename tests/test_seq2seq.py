@@ -345,7 +345,9 @@ def test_generation_samples_start_the_decoder_where_its_training_inputs_start(mo
     first = decoding_for(model_config).first([[9, 8, 2]], [reference])
     assert first["decoder_input_ids"].tolist() == [[start]]
     assert first["input_ids"].tolist() == [[9, 8, 2]] and "attention_mask" not in first
-    together = decoding_for(model_config).first([[9, 8, 2], [7, 2]], [reference, reference])
+    other_language = [5, 6, 2, 41]  # a multilingual mixture's other target code
+    together = decoding_for(model_config).first([[9, 8, 2], [7, 2]], [reference, other_language])
     assert together["input_ids"].tolist() == [[9, 8, 2], [7, 2, 0]], "sources padded on the right"
     assert together["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
-    assert together["decoder_input_ids"].tolist() == [[start], [start]]
+    assert together["decoder_input_ids"].tolist() == ([[40], [41]] if start == 40 else [[start], [start]]), (
+        "each row from its own reference's start")

@@ -25,7 +25,8 @@ from app.data import IGNORE_INDEX, load_data
 from app.data.formats import Sample, packed_examples
 from app.data.order import StepBatches, epoch_permutation, step_rows
 from app.evaluation.samples import (CAUSAL, ROUGE_KEYS, RougeWords, SampleEvaluator, fit_to_context,
-                                    generate_samples, generation_batches, pads_apart, sample_metrics, write_samples)
+                                    generate_samples, generation_batches, keeps_last_logits, pads_apart,
+                                    sample_metrics, write_samples)
 from app.evaluation.validation import EvaluationStopped
 from app.model.isolation import probe_isolation
 from app.optimization.schedule import make_plan
@@ -252,6 +253,13 @@ def test_longrope_past_its_original_positions_is_refused_where_a_micro_batch_mix
     assert "a short example gets the long factors" in errors(padded, 64)[0]
     assert errors(padded, 64, micro_batch_size=1, eval_batch_size=1, gradient_accumulation_steps=8) == []
     assert errors(packed, BLOCK) == [], "examples within the original positions never switch"
+    from types import SimpleNamespace
+
+    from app.training.preflight.model import samples_pad_apart
+
+    cfg = SimpleNamespace(eval_samples=4, estimate_memory=False, attn_implementation="sdpa", trust_remote_code=False)
+    assert not samples_pad_apart(cfg, AutoConfig.from_pretrained(tmp_path / "phi3")), (
+        "a batch whose longest prompt crosses the limit gives every row the long factors: one at a time")
 
 
 def test_flash_attention_where_it_is_missing_is_one_line_for_packed_data_and_no_line_for_a_plan(
@@ -589,6 +597,7 @@ def test_a_ranks_samples_go_through_together_padded_with_the_tokens_each_gets_al
     assert len(forwards) == 4 * 6
     assert generate(4 * (max(len(sample.prompt) for sample in samples) + 6)) == one_at_a_time and len(forwards) == 6
     assert set(logit_rows) == {1}, "the last position's logits only"
+    assert keeps_last_logits(fabric.setup_module(model)), "read through Fabric's wrapper, as a run holds the model"
     assert pads_apart(AutoConfig.from_pretrained(pretrained), "sdpa")
 
 
@@ -602,6 +611,7 @@ def test_generation_batches_fill_one_blocks_tokens_longest_prompts_first() -> No
     assert generation_batches([5, 30, 10, 28], max_new_tokens=2, token_budget=64) == [[1, 3], [2, 0]]
     assert generation_batches([5, 30, 10, 28], max_new_tokens=2, token_budget=0) == [[1], [3], [2], [0]]
     assert generation_batches([100], max_new_tokens=2, token_budget=64) == [[0]], "alone when even one is larger"
+    assert generation_batches([30, 30], max_new_tokens=10, token_budget=64) == [[0], [1]], "answers count too"
     inputs = SimpleNamespace(samples_pad_apart=True, plan=SimpleNamespace(block_size=256))
     assert samples_token_budget(SimpleNamespace(eval_max_new_tokens=16), inputs) == 272
     unpadded = SimpleNamespace(samples_pad_apart=False, plan=inputs.plan)
@@ -612,8 +622,14 @@ def test_models_whose_logits_padding_changes_generate_one_prompt_at_a_time() -> 
     """A state-space model reads the padding as text; GPT-2's learned positions need the padded rows' own."""
     from transformers import GPT2Config, MambaConfig
 
+    from unittest import mock
+
+    from app.evaluation import samples
+
     assert not pads_apart(MambaConfig(vocab_size=400, hidden_size=64, state_size=8, num_hidden_layers=2), "eager")
     assert pads_apart(GPT2Config(n_embd=64, n_layer=2, n_head=4), "eager")
+    with mock.patch.object(samples, "two_tokens_logits", side_effect=TypeError("no attention_mask")):
+        assert not pads_apart(GPT2Config(n_embd=64, n_layer=2, n_head=4), "eager"), "a forward refusing the padding"
 
 
 def test_a_stop_signal_cuts_the_generation_of_samples_short_at_the_next_token(packed, pretrained) -> None:

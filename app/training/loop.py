@@ -31,7 +31,7 @@ from app.optimization.schedule import TrainingPlan, continuing_position, schedul
 from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict, stop_agreed
 from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits, write_quarantine
 from app.reliability.watchdog import StallWatchdog
-from app.training.progress import saved_progress
+from app.training.progress import ROLLED_BACK, saved_progress
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins import Precision
@@ -345,7 +345,7 @@ class Loop:
                 self.console.print(f"step {state['step']}: moved {moved.name}, of the stretch rolled back, to {moved}")
         back = state["step"] - saved["step"]
         # the data goes on; tokens_seen is the checkpoint's weights', as a resume from it counts them
-        state |= saved_progress(saved, ("step", "val_loss", "val_loss_step", "log_window", "tokens_seen"))
+        state |= saved_progress(saved, ROLLED_BACK)
         restore_grad_scaler(fabric.strategy.precision, saved)
         incident = self.guard.rolled_back(saved["step"], saved.get("spike_guard"))
         if incident:

@@ -24,6 +24,14 @@ PROGRESS: dict[str, Any] = {
     "base_revision": None,  # the commit of the Hub model the run started from, set at its start (run.initial_state)
 }
 
+ROLLED_BACK = ("step", "val_loss", "val_loss_step", "log_window", "tokens_seen")
+"""What a rollback (app/training/loop.py) takes back from the checkpoint it returns to: the counters of the weights
+it reloads (tokens_seen went on, counting twice the tokens of the steps rolled back)."""
+GOES_ON_AT_A_ROLLBACK = ("epoch", "position", "mixture", "source_tokens", "scaler_skipped_steps", "spike_guard",
+                         "elapsed_sec", "base_revision")
+"""What a rollback keeps: the data goes on after the incident's rows, the spike guard keeps its history (and
+rolls back its own part), the run's clock and counts of what happened run on."""
+
 SAVED_FOR_THE_RANKS = ("rng", "grad_scaler", "schedule")
 """Kept by a checkpoint and restored by their owners: each rank's random state (app/checkpoint/rng.py), the
 gradient scaler's (the precision plugin), where the learning-rate schedule stands (the preflight's plan)."""
