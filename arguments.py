@@ -82,6 +82,11 @@ class ModelArgs:
     """A train.py checkpoint (a file, a sharded folder, or a run folder: its newest) whose architecture and weights
     start a new run: step 0, a fresh optimizer and schedule, in another --out_dir (a new phase of training, another
     mixture; torchtitan's initial_load_model_only). Instead of --model_name and --model_config."""
+    model_overrides: Optional[dict[str, typing.Any]] = None
+    """Fields of the model's config to change before it is built, as JSON (or a mapping in a config file): a longer
+    context (`{"max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+    "rope_theta": 500000.0, "original_max_position_embeddings": 8192}}`), a dropout. Checkpoints and the converted
+    config.json hold the changed config; a field that reshapes pretrained weights is refused."""
     tokenizer: Optional[str] = None
     """Tokenizer recorded with the run for conversion; default: the data folder's tokenizer/, else the model's."""
     attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"

@@ -112,8 +112,17 @@ CASES = {
     "stats.json of another format": (dict(train_data_dir="{stats_of_another_format}"),
                                      "its stats.json names the format 'images', not one of text, supervised_packed"),
     "blocks too long": (dict(model_config="{short_positions}"), "exceed the model's max_position_embeddings (16); "
-                        "prepare the data with a smaller --block_size, or raise max_position_embeddings in the model's "
-                        "config where its RoPE scaling covers them"),
+                        "prepare the data with a smaller --block_size, or raise max_position_embeddings "
+                        "(--model_overrides) where the model's RoPE scaling covers them"),
+    "an override of no field": (dict(model_overrides='{{"rope_thet": 1e6}}'), "--model_overrides: rope_thet: not a field "
+                                "of the llama config; its fields: "),
+    "an override the config refuses": (dict(model_overrides='{{"rope_parameters": {{"rope_type": "yarn"}}}}'),
+                                       "--model_overrides: the llama config refuses them (\"Missing required keys in "
+                                       "`rope_parameters` for 'rope_type'='yarn': {{'factor'}}\")"),
+    "an override that reshapes pretrained weights": (
+        dict(model_config=None, init_from="{run}", model_overrides='{{"intermediate_size": 256}}'),
+        "--model_overrides reshapes the weights of --init_from {run}/checkpoints/step-00000004.ckpt "
+        "(model.layers.0.mlp.gate_proj.weight (128, 64) -> (256, 64) and more), which load only into the shapes"),
     "ids beyond vocab": (dict(model_config="{small_vocab}", tokenizer=None), "but the model's vocab_size is 100"),
     "missing model config": (dict(model_config="/nonexistent/config"), "--model_config /nonexistent/config"),
     "missing tokenizer": (dict(tokenizer="/nonexistent/tokenizer"), "--tokenizer /nonexistent/tokenizer"),
@@ -217,6 +226,17 @@ def test_intervals_given_as_a_share_of_the_run_become_its_steps(tiny, tmp_path, 
     assert "--warmup_steps 0.03: 2 steps of the run's 40" in said, "the Trainer's warmup_ratio, rounded up as it does"
     assert "--save_step_interval 0.25: every 10 steps of the run's 40" in said
     assert "--eval_step_interval 0.1: every 4 steps of the run's 40" in said and "--log_interval" not in said
+
+
+def test_model_overrides_change_the_config_the_run_builds_and_records(tiny, bad, tmp_path) -> None:
+    """A longer context for a model whose positions end short of the data: --model_overrides raises them, with a
+    RoPE scaling, without a copy of the model's folder to edit."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
+    inputs = preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=bad["short_positions"],
+                                               model_overrides=json.dumps({"max_position_embeddings": 64,
+                                                                           "rope_parameters": yarn}))))
+    assert inputs.model_config.max_position_embeddings == 64 and inputs.model_config.rope_parameters == yarn
+    assert inputs.config.model_overrides == {"max_position_embeddings": 64, "rope_parameters": yarn}
 
 
 def test_a_refused_run_says_none_of_its_notes(tiny, tmp_path, capsys) -> None:

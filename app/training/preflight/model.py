@@ -39,11 +39,41 @@ if TYPE_CHECKING:
 
 
 def check_model(cfg: Config, problems: list[str], init: Optional[Resume] = None) -> Optional[PretrainedConfig]:
-    """The model's config (for --init_from, the one its checkpoint, `init`, recorded); a Hub id that is neither
-    cached nor reachable is refused at once, with the prefetch.py command, instead of after a minute of
-    huggingface_hub's retries."""
-    if cfg.init_from:
-        return recorded_config(init, problems) if init else None
+    """The model's config (for --init_from, the one its checkpoint, `init`, recorded), with --model_overrides."""
+    config = (recorded_config(init, problems) if init else None) if cfg.init_from else loaded_config(cfg, problems)
+    return overridden_config(cfg, config, problems) if config is not None and cfg.model_overrides else config
+
+
+def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]) -> Optional[PretrainedConfig]:
+    """The config with --model_overrides, built again by its class so that it checks them as a config file's
+    (a longer context's rope_parameters without their factor is refused there). Pretrained weights must still fit:
+    an override that reshapes one is refused here, not when every rank loads them."""
+    fields = config.to_dict()
+    unknown = [name for name in cfg.model_overrides if name not in fields]
+    if unknown:
+        problems.append(f"--model_overrides: {', '.join(unknown)}: not a field of the {config.model_type} config; "
+                        f"its fields: {', '.join(sorted(fields))}")
+        return None
+    try:
+        changed = type(config).from_dict(fields | cfg.model_overrides)
+    except (TypeError, ValueError, KeyError) as error:
+        problems.append(f"--model_overrides: the {config.model_type} config refuses them ({first_line(error)})")
+        return None
+    if cfg.model_config is None:  # pretrained weights, or a checkpoint's
+        before, after = (meta_model(c, cfg.trust_remote_code).state_dict() for c in (config, changed))
+        reshaped = [f"{name} {tuple(before[name].shape)} -> {tuple(after[name].shape)}" for name in before
+                    if name in after and before[name].shape != after[name].shape] + sorted(set(before) ^ set(after))
+        if reshaped:
+            problems.append(f"--model_overrides reshapes the weights of {model_flag(cfg)} {model_source(cfg)} "
+                            f"({reshaped[0]}{' and more' if reshaped[1:] else ''}), which load only into the shapes "
+                            "they have; give only fields that keep them (positions, RoPE, dropout)")
+            return None
+    return changed
+
+
+def loaded_config(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
+    """--model_name's or --model_config's config; a Hub id that is neither cached nor reachable is refused at once,
+    with the prefetch.py command, instead of after a minute of huggingface_hub's retries."""
     flag = model_flag(cfg)
     trains = cfg.model_name and not (cfg.estimate_memory or cfg.print_config)  # a plan reads the config alone
     missing = missing_model_problem(flag, model_source(cfg)) or (
@@ -191,7 +221,7 @@ def positions_problems(data: DataFacts, max_positions: int, rotary: bool = False
     must fit, and prepare_data.py cuts them with --max_source_length and --max_target_length, not --block_size."""
     if not data.format.encoder_decoder:
         what = "examples of up to" if data.format.padded else "blocks of"
-        raise_it = ", or raise max_position_embeddings in the model's config where its RoPE scaling covers them"
+        raise_it = ", or raise max_position_embeddings (--model_overrides) where the model's RoPE scaling covers them"
         lengths = [(what, data.block_size, "a smaller --block_size" + (raise_it if rotary else ""))]
     else:
         lengths = [("sources of up to", data.block_size, f"--max_source_length {max_positions} or less"),

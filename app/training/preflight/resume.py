@@ -177,9 +177,11 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
         changes = []
     if changes:
         source = model_flag(cfg)
-        problems.append(f"{flag} was trained with another config than {source} {model_source(cfg)} gives: "
-                        f"{', '.join(changes[:3])}{' and more' if len(changes) > 3 else ''}; the resumed steps "
-                        "would train another model; resume with the config it was trained with")
+        with_overrides = " with --model_overrides" if cfg.model_overrides else ""
+        problems.append(f"{flag} was trained with another config than {source} {model_source(cfg)} gives"
+                        f"{with_overrides}: {', '.join(changes[:3])}{' and more' if len(changes) > 3 else ''}; the "
+                        "resumed steps would train another model; resume with the config it was trained with (its "
+                        "run's config.yaml records its --model_overrides)")
         return None
     model = meta_model(model_config, cfg.trust_remote_code)
     decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
