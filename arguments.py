@@ -228,6 +228,10 @@ class EvalArgs:
     validation loss, no best checkpoint), as for data without a validation split."""
     initial_validation: bool = True
     """Evaluate once before the first step of a new run: the baseline every later validation loss compares with."""
+    eval_only: bool = False
+    """Evaluate and exit without training: the model (--model_name, or a checkpoint's weights with --init_from) on
+    --train_data_dir's validation split, as a run evaluates (val_loss, per folder of a mixture, --eval_samples),
+    written as metrics.csv's step-0 row and summary.json in --out_dir (the Hugging Face Trainer's do_eval alone)."""
     eval_samples: int = 0
     """At each evaluation, greedily generate the answers of this many fixed validation prompts (supervised or
     seq2seq data), write them to out_dir/samples/ and log exact match, ROUGE-1/2/L/Lsum and their length."""
@@ -546,6 +550,10 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
 
 def option_combinations(cfg: Config, require: Callable[[bool, str], None]) -> None:
     """Options that must agree with each other."""
+    require(not (cfg.eval_only and cfg.resume), "--eval_only true evaluates a model and trains no run to continue: "
+            "drop --resume, and give the checkpoint to evaluate as --init_from CKPT")
+    require(not cfg.eval_only or cfg.eval_step_interval != 0,
+            "--eval_only true with --eval_step_interval 0 would evaluate nothing: drop one of them")
     require(cfg.save_step_interval > 0 or cfg.spike_guard != "rollback" and not cfg.log_model,
             "--save_step_interval 0 writes no checkpoint, which --spike_guard rollback and --log_model need")
     require(cfg.save_step_interval > 0 or cfg.keep_last_n is None,

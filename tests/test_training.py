@@ -260,6 +260,11 @@ def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run,
     assert metrics[0]["val_loss"] == pytest.approx(straight[16]["val_loss"], rel=1e-6), "the checkpoint's weights"
     assert metrics[1]["lr"] == pytest.approx(3e-3 / 2) and metrics[1]["tokens_seen"] == straight[1]["tokens_seen"], (
         "the schedule starts again: the first of --warmup_steps 2")
+    evaluated = tmp_path / "evaluated"  # the checkpoint alone, evaluated: --eval_only
+    assert_succeeded(run_train(train_args(tiny, evaluated, model_config=None, init_from=start, eval_only=True)))
+    assert read_metrics(evaluated) == {0: {"val_loss": metrics[0]["val_loss"], "val_ppl": metrics[0]["val_ppl"]}}
+    summary = json.loads((evaluated / "summary.json").read_text())
+    assert summary["val_loss"] == metrics[0]["val_loss"] and not (evaluated / "checkpoints").exists()
     capsys.readouterr()
     preflight(parse_config(train_args(tiny, run, model_config=None, init_from=fsdp_run, resume=True, max_step=4,
                                         warmup_steps=2)))

@@ -184,18 +184,32 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
               flush=True)
 
 
-def start_from_weights(fabric: Fabric, path: Path, state: dict[str, Any]) -> bool:
+def start_from_weights(fabric: Fabric, path: Path, state: dict[str, Any], training: bool = True) -> bool:
     """--init_from: the checkpoint's model weights into the model, in whatever layout this run shards them; the
-    optimizer, the step and the schedule start anew. False, said, when a piece of it is corrupt. Collective."""
+    optimizer, the step and the schedule start anew (when `training`). False, said, when a piece of it is corrupt.
+    Collective."""
     loading = Stopwatch()
     with loading.measure():
         saved, unreadable = load_on_every_rank(path, state["model"], state["optimizer"], model_only=True)
     if unreadable:
         fabric.print(f"error: --init_from {unreadable}; start from another checkpoint", file=sys.stderr)
         return False
-    say_once(fabric, f"started from the weights of {path} (step {saved['step']} of its run) in {loading.last:.1f} s; "
-                     "the optimizer, the step and the learning-rate schedule start anew")
+    say_once(fabric, f"started from the weights of {path} (step {saved['step']} of its run) in {loading.last:.1f} s"
+                     + ("; the optimizer, the step and the learning-rate schedule start anew" if training else ""))
     return True
+
+
+def evaluate_only(fabric: Fabric, loop: Loop) -> int:
+    """--eval_only: one evaluation, logged as step 0's row, and the summary; its exit code (a stop signal cuts the
+    evaluation short)."""
+    metrics = loop.evaluate()
+    if metrics:
+        fabric.log_dict(metrics, step=0)
+    loop.console.close()
+    report_summary(fabric, loop.cfg.out_dir, loop.summarize(), loop.console)
+    if not loop.stop.requested:
+        return EXIT_CODES["finished"]
+    return EXIT_CODES["interrupted" if loop.stop.interrupted else "preempted"]
 
 
 def another_branch_at(out_dir: str, step: int, resumed_from: Path, saved: dict[str, Any]) -> bool:
@@ -431,16 +445,20 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
         unreadable = resume(fabric, cfg, inputs.resume_from, state, inputs.plan)
         if unreadable:
             return corrupt_checkpoint(fabric, cfg, inputs.resume_from, unreadable)
-    elif cfg.init_from and not start_from_weights(fabric, Path(cfg.init_from), state):
+    elif cfg.init_from and not start_from_weights(fabric, Path(cfg.init_from), state, training=not cfg.eval_only):
         return EXIT_BAD_INPUT
     write_run_files(fabric, cfg, inputs.tokenizer)
     plan = inputs.plan
-    say_once(fabric, f"training {plan.max_step} steps of {plan.global_batch_size} sequences x {plan.row_tokens:.0f} "
-                     f"tokens ({plan.accumulation} accumulation x {plan.micro_batch_size} micro-batch x "
-                     f"{plan.world_size} ranks)" + ("; no checkpoints (--save_step_interval 0) unless a signal stops it"
-                                                    if not cfg.save_step_interval else ""))
+    if not cfg.eval_only:
+        say_once(fabric, f"training {plan.max_step} steps of {plan.global_batch_size} sequences x "
+                         f"{plan.row_tokens:.0f} tokens ({plan.accumulation} accumulation x {plan.micro_batch_size} "
+                         f"micro-batch x {plan.world_size} ranks)"
+                         + ("; no checkpoints (--save_step_interval 0) unless a signal stops it"
+                            if not cfg.save_step_interval else ""))
     console = Console(enabled=fabric.is_global_zero, start_step=state["step"], max_step=plan.max_step)
     loop = build_loop(fabric, cfg, inputs, state, data, stop, console, loss_path)
+    if cfg.eval_only:
+        return evaluate_only(fabric, loop)
     try:
         outcome: str = loop.fit()
         with loop.saving.measure(counted=False):  # checkpoint time, not training time, in the summary
