@@ -177,6 +177,9 @@ CASES = {
     "Cut Cross-Entropy on CPU": (dict(loss_kernel="cut_cross_entropy"), "--loss_kernel cut_cross_entropy is a Triton "
                                  "kernel for CUDA GPUs and this run is on cpu: drop it"),
     "negative lr": (dict(lr=-1.0), "--lr must be positive"),
+    "a run folder as the model": (dict(model_config=None, model_name="{retokenized_run}"),
+                                  "--model_name {retokenized_run} is a run folder of train.py; start a new run from "
+                                  "its weights with --init_from {retokenized_run}, or continue it with --resume true"),
     "init_from nowhere": (dict(model_config=None, init_from="/nonexistent/run"),
                           "--init_from /nonexistent/run: no such file or folder"),
     "init_from a model folder": (dict(model_config=None, init_from="{wider}"),
