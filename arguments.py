@@ -210,6 +210,9 @@ class TrainingArgs:
     """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon, added to the root of the second moment (torch's default; the Hugging Face Trainer's
+    adam_epsilon)."""
     seed: int = 42
     """Seed of model initialisation, data order and every random generator."""
 
@@ -542,6 +545,7 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     for name in ("spike_max_rollbacks", "spike_rewarm_steps"):
         require(getattr(cfg, name) >= 0, f"--{name} must be 0 or more, got {getattr(cfg, name)}")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
+    require(cfg.eps > 0, f"--eps must be positive, got {cfg.eps}")
     require(cfg.weight_decay >= 0, f"--weight_decay must be 0 or more, got {cfg.weight_decay}")
     require(cfg.grad_clip >= 0, f"--grad_clip must be 0 (off) or positive, got {cfg.grad_clip}")
     for name in ("beta1", "beta2"):

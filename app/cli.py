@@ -205,6 +205,7 @@ OTHER_NAMES = {
     "save_total_limit": "--keep_last_n", "lr_scheduler_type": "--lr_decay_type", "lr_scheduler": "--lr_decay_type",
     "decay_type": "--lr_decay_type", "decay_ratio": "--lr_decay_ratio", "warmup_ratio": "--warmup_steps",
     "lr_warmup_steps": "--warmup_steps", "initial_load_path": "--init_from", "initial_checkpoint_dir": "--init_from",
+    "adam_epsilon": "--eps", "adam_eps": "--eps", "adam_beta1": "--beta1", "adam_beta2": "--beta2",
     "config_overrides": "--model_overrides", "overrides_of_model_config": "--model_overrides",
     "rope_scaling": "--model_overrides", "save_strategy": "--save_step_interval", "eval_strategy": "--eval_step_interval",
     "evaluation_strategy": "--eval_step_interval", "eval_on_start": "--initial_validation", "torch_dtype": "--precision", "model": "--model_name", "max_epochs": "--number_epochs",

@@ -342,7 +342,8 @@ def test_the_built_optimizer_decays_exactly_the_weights_that_are_not_exempt() ->
 
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64))
     exempt = no_decay_names(gpt2)
-    optimizer = build_optimizer(gpt2, Config(weight_decay=0.1), exempt)
+    optimizer = build_optimizer(gpt2, Config(weight_decay=0.1, eps=1e-6), exempt)
+    assert {group["eps"] for group in optimizer.param_groups} == {1e-6}, "--eps reaches every group"
     names = {id(p): name for name, p in gpt2.named_parameters()}
     decays = {names[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     assert decays == {name: 0.0 if name in exempt else 0.1 for name, _ in gpt2.named_parameters()}

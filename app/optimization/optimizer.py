@@ -60,7 +60,7 @@ def build_optimizer(model: Module, cfg: Config, no_decay: set[str]) -> torch.opt
     """
     fused = not cfg.tpu and not uses_grad_scaler(cfg.precision)
     return torch.optim.AdamW(parameter_groups(model, cfg.weight_decay, no_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), fused=fused, foreach=None if fused else True)
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=None if fused else True)
 
 
 @dataclass(frozen=True)
