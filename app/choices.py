@@ -13,7 +13,7 @@ MAX_SEED = 2**32 - 1
 """The largest seed train.py and prepare_data.py take: numpy's (Lightning's seed_everything seeds numpy on every rank;
 prepare_data.py's split and SentencePiece's training take 32-bit seeds)."""
 
-FormatName = Literal["text", "supervised_packed", "supervised_padded", "seq2seq"]
+FormatName = Literal["text", "text_documents", "supervised_packed", "supervised_padded", "seq2seq"]
 """The data formats: prepare_data.py writes one (stats.json's `format`), app/data/formats.py reads it."""
 
 IGNORE_INDEX = -100

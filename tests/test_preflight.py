@@ -242,6 +242,38 @@ def test_model_overrides_change_the_config_the_run_builds_and_records(tiny, bad,
     assert inputs.config.model_overrides == {"max_position_embeddings": 64, "rope_parameters": yarn}
 
 
+def test_documents_kept_apart_in_raw_text_blocks_reach_the_model_as_packed_examples(tiny, tmp_path) -> None:
+    """--document_masking: raw text whose blocks restart positions at each document is batched as packed examples
+    are, in the layout the probe of the run's model chose, and a block's documents do not attend to each other."""
+    from app.data.formats import LAYOUTS
+    from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
+
+    documents = tmp_path / "documents.jsonl"
+    documents.write_text("".join(json.dumps({"text": part}) + "\n" for path in sorted(
+        Path(stdlib_corpus_paths(("json",))[0]).glob("*.py")) for part in path.read_text().split("\n\n")))
+    data = tmp_path / "apart"
+    prepare(PrepareArgs(input=[str(documents)], tokenizer=str(tiny.tokenizer), block_size=32, document_masking=True,
+                        output_dir=str(data)))
+    inputs = preflight(parse_config(train_args(tiny, tmp_path / "out", train_data_dir=data)))
+    assert json.loads((data / "stats.json").read_text())["format"] == "text_documents"
+    assert inputs.packed_layout in LAYOUTS
+    from transformers import AutoModelForCausalLM
+
+    from app.data import load_data
+
+    loaded = load_data(str(data), inputs.packed_layout)
+    row = next(row for row in loaded.train.with_format(None) if row["position_ids"].count(0) > 1)
+    second = row["position_ids"].index(0, 1)  # the block's second document (or piece of one), to the third's start
+    end = row["position_ids"].index(0, second + 1) if row["position_ids"].count(0) > 2 else len(row["input_ids"])
+    batch = loaded.format.collate([{name: torch.tensor(row[name]) for name in row} | {"trained_tokens": 0}])
+    model = AutoModelForCausalLM.from_config(inputs.model_config).eval()
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in batch.inputs.items() if k != "labels"}, use_cache=False  # as it trains
+                       ).logits[0, second:end]
+        alone = model(input_ids=torch.tensor([row["input_ids"][second:end]])).logits[0]
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+
+
 def test_a_refused_run_says_none_of_its_notes(tiny, tmp_path, capsys) -> None:
     """"--resume true: no checkpoint in ... yet, starting from step 0" came before the refusal, as if the run had
     started; the notes of a run that starts are said as before."""

@@ -169,6 +169,16 @@ def test_packing_is_exact_across_batches_and_processes():
     expected = stream[: len(stream) // 7 * 7].reshape(-1, 7)
     assert len(blocks) > 2000, "must span several map batches"
     np.testing.assert_array_equal(np.asarray(blocks["input_ids"]), expected)
+    apart = pack(tokenized, block_size=7, num_proc=2, desc="test", documents_apart=True)  # --document_masking
+    np.testing.assert_array_equal(np.asarray(apart["input_ids"]), expected)
+    starts = np.zeros(len(stream), dtype=bool)
+    starts[np.cumsum([0] + [len(d) for d in documents[:-1]])] = True  # each document's first token
+    starts[::7] = True  # and each block's: a document that goes on there is a new piece
+    positions = np.asarray(apart["position_ids"]).reshape(-1)
+    np.testing.assert_array_equal(positions == 0, starts[: len(positions)])
+    np.testing.assert_array_equal(np.diff(positions)[~starts[1: len(positions)]], 1)  # counting up within a piece
+    labels, ids = np.asarray(apart["labels"]).reshape(-1), expected.reshape(-1)
+    assert (labels[positions == 0] == -100).all() and (labels[positions > 0] == ids[positions > 0]).all()
 
 
 def write_format(folder: Path, kind: str, documents: list[str]) -> Path:

@@ -3,6 +3,7 @@
 | format | columns | a batch for the model |
 | --- | --- | --- |
 | text | input_ids (blocks) | labels = input_ids |
+| text_documents | input_ids, labels, position_ids (blocks) | as supervised_packed: each document apart (--document_masking) |
 | supervised_packed | input_ids, labels, position_ids (blocks) | in the layout that keeps the examples apart in the run's model (below) |
 | supervised_padded | input_ids, labels (one example per row) | padded to the longest row: pad id, label -100, attention_mask 0 |
 | seq2seq | input_ids (source), labels (target) | padded the same way; the model builds its decoder inputs from the labels |
@@ -40,7 +41,8 @@ from app.folders import STATS_FILE
 
 Layout = Literal["position_ids", "one_row", "boolean_mask", "additive_mask"]
 LAYOUTS: tuple[Layout, ...] = ("position_ids", "one_row", "boolean_mask", "additive_mask")
-COLUMNS = {"text": ["input_ids"], "supervised_packed": ["input_ids", "labels", "position_ids"],
+COLUMNS = {"text": ["input_ids"], "text_documents": ["input_ids", "labels", "position_ids"],
+           "supervised_packed": ["input_ids", "labels", "position_ids"],
            "supervised_padded": ["input_ids", "labels"], "seq2seq": ["input_ids", "labels"]}
 TRAINED_TOKENS = "trained_tokens"
 
@@ -84,7 +86,7 @@ class DataFormat:
     name: FormatName
     pad_token_id: int
     layout: Layout = "position_ids"
-    """How packed rows reach the model (supervised_packed only)."""
+    """How packed rows reach the model (the formats that pack examples only)."""
 
     @classmethod
     def of(cls, data_dir: str | Path) -> "DataFormat":
@@ -115,12 +117,13 @@ class DataFormat:
 
     @property
     def packs_examples(self) -> bool:
-        """Several examples in one row, which must not attend to each other (app/model/isolation.py)."""
-        return self.name == "supervised_packed"
+        """Several examples (or documents) in one row, which must not attend to each other
+        (app/model/isolation.py)."""
+        return self.name in ("supervised_packed", "text_documents")
 
     @property
     def supervised(self) -> bool:
-        return self.name != "text"
+        return self.name not in ("text", "text_documents")
 
     def collate(self, rows: list[dict[str, torch.Tensor]]) -> Batch:
         """The model's inputs for a list of rows (as `Dataset.__getitems__` gives them)."""
@@ -132,7 +135,7 @@ class DataFormat:
                       "labels": self._pad(rows, "labels", IGNORE_INDEX)}
             return Batch(inputs, trained)
         inputs = {name: torch.stack([row[name] for row in rows]) for name in self.columns}
-        if self.name == "supervised_packed":
+        if self.packs_examples:
             return Batch(arrange(self.layout, inputs), trained)
         if self.name == "text":  # a row may bring its own labels: -100 for evaluation's padding rows
             inputs["labels"] = torch.stack([row.get("labels", row["input_ids"]) for row in rows])

@@ -42,6 +42,10 @@ class PrepareArgs:
     """Column holding the text in .jsonl/.json/.parquet/.csv files and in datasets (default `text`)."""
     split_lines: bool | None = None
     """Treat every line of a .txt file as its own document (default: one document per file)."""
+    document_masking: bool | None = None
+    """Raw text: each document in a block attends only to itself and restarts its positions, as Llama 3 was
+    pre-trained (format text_documents; default false: a block's documents read the ones before them, as GPT-2's
+    blocks do). A document's first token is then not trained: nothing of it precedes it."""
     dataset_config: str | None = None
     """Configuration name of a Hugging Face dataset (the second argument of `load_dataset`)."""
     split: str | None = None
@@ -118,6 +122,7 @@ SUPERVISED: tuple[RecordShape, ...] = ("prompt/response", "messages")
 OPTION_SHAPES: dict[str, tuple[RecordShape, ...]] = {
     "text_field": ("text",),
     "split_lines": ("text",),
+    "document_masking": ("text",),
     "block_size": ("text", *SUPERVISED),
     "system_field": ("prompt/response",),
     "input_field": ("prompt/response",),
@@ -130,9 +135,9 @@ OPTION_SHAPES: dict[str, tuple[RecordShape, ...]] = {
     "empty_examples": ("prompt/response", "source/target"),
 }
 """Options that mean something only for some record shapes: given for another, they are refused."""
-SHAPE_OPTION_DEFAULTS = {"text_field": "text", "split_lines": False, "block_size": 2048, "train_on_prompt": False,
-                         "packing": True, "too_long": "truncate", "max_source_length": 1024, "max_target_length": 128,
-                         "empty_examples": "refuse"}
+SHAPE_OPTION_DEFAULTS = {"text_field": "text", "split_lines": False, "document_masking": False, "block_size": 2048,
+                         "train_on_prompt": False, "packing": True, "too_long": "truncate", "max_source_length": 1024,
+                         "max_target_length": 128, "empty_examples": "refuse"}
 """Their values when not given, filled in once they are checked (with_defaults): a default of the dataclass could
 not tell `--packing true --block_size 2048`, copied from a supervised command onto source/target data, from
 nothing given, and it was accepted without a word."""
@@ -153,7 +158,9 @@ def data_format(args: PrepareArgs) -> FormatName:
     shape = record_shape(args)
     if shape in SUPERVISED:
         return "supervised_packed" if args.packing else "supervised_padded"
-    return "seq2seq" if shape == "source/target" else "text"
+    if shape == "source/target":
+        return "seq2seq"
+    return "text_documents" if args.document_masking else "text"
 
 
 def checked_args(args: PrepareArgs) -> PrepareArgs:

@@ -13,6 +13,7 @@ import numpy as np
 from datasets import Dataset, Features, List, Value
 from transformers import PreTrainedTokenizerBase
 
+from app.choices import IGNORE_INDEX
 from app.prepare.args import useful_processes
 from app.prepare.tokenizer import encode_texts
 from app.prepare.workspace import arrow_file
@@ -61,19 +62,27 @@ def count(tokenized: Dataset, block_size: int) -> SplitCounts:
     return SplitCounts(len(tokenized), total, blocks, total - blocks * block_size)
 
 
-def pack(tokenized: Dataset, block_size: int, num_proc: int, desc: str) -> Dataset:
-    """Blocks of the split's token stream; each worker cuts its own range of blocks from the documents it spans."""
+def pack(tokenized: Dataset, block_size: int, num_proc: int, desc: str, documents_apart: bool = False) -> Dataset:
+    """Blocks of the split's token stream; each worker cuts its own range of blocks from the documents it spans.
+    `documents_apart` (--document_masking): each block also gets the positions of its documents' pieces, restarting
+    at each, and labels without their first tokens, in the columns of packed examples (app/data/formats.py), which
+    training keeps apart as it keeps packed examples apart."""
     lengths = _lengths(tokenized)
     ends = np.cumsum(lengths)
     blocks = int(lengths.sum()) // block_size
-    features = Features({"input_ids": List(Value("int32"), length=block_size)})
+    row = List(Value("int32"), length=block_size)
+    features = Features({"input_ids": row} | ({"labels": row, "position_ids": row} if documents_apart else {}))
     if not blocks:
         return empty_rows(features)
 
     def cut(batch: dict) -> dict:
         start, stop = batch["block"][0] * block_size, (batch["block"][-1] + 1) * block_size
         stream, stream_start = _stream_between(tokenized, ends, lengths, start, stop)
-        return {"input_ids": stream[start - stream_start : stop - stream_start].reshape(-1, block_size)}
+        ids = stream[start - stream_start : stop - stream_start].reshape(-1, block_size)
+        if not documents_apart:
+            return {"input_ids": ids}
+        positions = document_positions(ends, start, stop, block_size).reshape(-1, block_size)
+        return {"input_ids": ids, "labels": np.where(positions == 0, IGNORE_INDEX, ids), "position_ids": positions}
 
     return Dataset.from_dict({"block": np.arange(blocks, dtype=np.int64)}).map(
         cut,
@@ -84,6 +93,15 @@ def pack(tokenized: Dataset, block_size: int, num_proc: int, desc: str) -> Datas
         desc=desc,
         **arrow_file("blocks"),
     )
+
+
+def document_positions(ends: np.ndarray, start: int, stop: int, block_size: int) -> np.ndarray:
+    """The position of each token of stream range [start, stop) within its piece of a document: the tokens since
+    the document's start or the block's, whichever is later (a document that goes on into the next block starts
+    again at 0 there, as a packed example cut at a block's end would)."""
+    tokens = np.arange(start, stop, dtype=np.int64)
+    document_start = np.concatenate([[0], ends])[np.searchsorted(ends, tokens, side="right")]
+    return (tokens - np.maximum(document_start, tokens - tokens % block_size)).astype(np.int32)
 
 
 def empty_rows(features: Features) -> Dataset:

@@ -126,7 +126,8 @@ def text_blocks(
     counts = {name: count(split, args.block_size) for name, split in tokenized.items()}
     check_enough_tokens(counts, args, held.held_out)
     blocks = DatasetDict(
-        {name: pack(split, args.block_size, args.num_proc, desc=f"Packing {name}") for name, split in tokenized.items()}
+        {name: pack(split, args.block_size, args.num_proc, desc=f"Packing {name}",
+                    documents_apart=args.document_masking) for name, split in tokenized.items()}
     )
     return blocks, describe_text_blocks(args, tokenizer, counts, held, inputs)
 
@@ -222,7 +223,7 @@ def describe_text_blocks(
 ) -> dict:
     """The content of stats.json for raw text: what was read, how it was tokenized, what packing kept and dropped."""
     return {
-        "format": "text",
+        "format": data_format(args),
         "inputs": inputs,
         "text_field": args.text_field,
         **describe_tokenizer(args, tokenizer),
@@ -273,7 +274,7 @@ def summary(stats: dict, output_dir: str) -> str:
     trained tokens and padding, which roles' tokens are trained; then where it wrote (stats.json holds the same)."""
     lines, said = [], set()  # the advice on a reason for dropping examples, once
     for name, split in stats["splits"].items():
-        if stats["format"] == "text":
+        if stats["format"] in ("text", "text_documents"):
             ends = name == "validation" and stats.get("validation_held_out") == "document_ends"
             lines.append(f"{name}: {split['blocks']:,} blocks of {stats['block_size']} tokens from "
                          f"{'the last ' + format(stats['val_fraction'], '.0%') + ' of ' if ends else ''}"
