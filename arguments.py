@@ -531,6 +531,8 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     for name in ("process_group_timeout_min", "rendezvous_timeout_min"):  # a timedelta overflows past a year or so
         require(0 < getattr(cfg, name) <= MINUTES_PER_YEAR,
                 f"--{name} must be positive and at most a year ({MINUTES_PER_YEAR}), got {getattr(cfg, name)}")
+    require(not 0 < cfg.process_group_timeout_min < 1, "--process_group_timeout_min must be at least 1 (a minute): it "
+            f"also bounds the ranks' first connection to each other, got {cfg.process_group_timeout_min}")
     require(cfg.warmup_steps >= 0 and (cfg.warmup_steps < 1 or float(cfg.warmup_steps).is_integer()),
             f"--warmup_steps must be a whole number of steps, or a share of the run's steps between 0 and 1, got "
             f"{cfg.warmup_steps}")

@@ -5,7 +5,7 @@ import signal
 import sys
 
 from app.tasks import (end_by_signals_as_a_containers_first_process, end_quietly_when_srun_ends_the_task,
-                       end_with_the_launcher, remember_a_time_limit_warning)
+                       end_with_the_launcher, refuse_unreadable_variables, remember_a_time_limit_warning)
 from arguments import option_sources, parse_config
 
 if __name__ == "__main__":
@@ -18,6 +18,7 @@ if __name__ == "__main__":
     end_quietly_when_srun_ends_the_task()  # so that srun's exit code is the failed task's: app/tasks.py
     end_by_signals_as_a_containers_first_process()  # PID 1 ignores signals left to their default action
     remember_a_time_limit_warning()  # SIGUSR1 while starting: acted on once the options are known
+    refuse_unreadable_variables()
     end_with_the_launcher()  # a rank Lightning's launcher started, until training begins
     config = parse_config()
     from app.training.run import run

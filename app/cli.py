@@ -312,7 +312,24 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
     for dest, text in texts_as_written(parser, arguments).items():
         if namespace.get(dest) is None and text != "null":
             namespace[dest] = text
+    check_none_empty(parser, namespace)
     return namespace
+
+
+EMPTY_ALLOWED = {"prompt"}
+"""Options for which empty text means something: generate.py's --prompt "" generates from nothing."""
+
+
+def check_none_empty(parser: ArgumentParser, namespace: jsonargparse.Namespace) -> None:
+    """An option given as empty text (`--out_dir ""`, a list item, a config file's `tokenizer: ''`) is refused: a
+    path of "" is the current folder (a run wrote its checkpoints into the repository, prepare_data.py read the
+    whole folder it ran in), and elsewhere it read as not given, or ended in a traceback."""
+    for action in parser._actions:
+        value = namespace.get(action.dest)
+        if action.dest in EMPTY_ALLOWED or value == action.default:
+            continue
+        if any(isinstance(item, str) and not item.strip() for item in (value if isinstance(value, list) else [value])):
+            raise UsageError(f"{written_name(parser, action.dest)} is empty: give it a value, or leave it out")
 
 
 def texts_as_written(parser: ArgumentParser, arguments: list[str]) -> dict[str, str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from huggingface_hub import constants, get_session, try_to_load_from_cache
+from huggingface_hub.errors import StrictDataclassError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from app.cli import first_line, without_credentials
@@ -210,10 +211,11 @@ def unloadable_tokenizer(name: str, error: Exception) -> str:
     return f"{name}'s tokenizer does not load ({load_problem(error)})"
 
 
-CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError)
+CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError, StrictDataclassError)
 """What transformers raises for a config it cannot read: a file or name it cannot find (OSError), a model type it
 does not know (ValueError), a rope_scaling it finds incomplete (KeyError: Llama-3's without low_freq_factor, an
-older Phi-3's "su" without original_max_position_embeddings), a value of the wrong type (TypeError)."""
+older Phi-3's "su" without original_max_position_embeddings), a value of the wrong type (TypeError), values that
+do not go together (huggingface_hub's StrictDataclassError: a hidden size no multiple of the attention heads)."""
 
 
 def load_problem(error: Exception) -> str:

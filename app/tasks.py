@@ -53,6 +53,23 @@ def started_whole_per_device() -> bool:
     return srun_task() or "TORCHELASTIC_RUN_ID" in os.environ
 
 
+WHOLE_NUMBER_VARIABLES = ("LOCAL_RANK", "RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                          "MASTER_PORT", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
+                          "MALLOC_TRIM_THRESHOLD_")
+"""Variables of the environment that train.py, Lightning or torch read as whole numbers."""
+
+
+def refuse_unreadable_variables() -> None:
+    """Exit with one line where a variable of WHOLE_NUMBER_VARIABLES is set to what no whole number is
+    (`LOCAL_RANK=abc`, a script's typo): each ended in a ValueError traceback, in this code or in Lightning's."""
+    for name in WHOLE_NUMBER_VARIABLES:
+        value = os.environ.get(name)
+        if value and not value.strip().isdigit():  # (exit_refused reads them: said here, by each process)
+            print(f"error: {name}={value!r} is set, and is no whole number; unset it, or give it one",
+                  file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
+
+
 def task_rank() -> int:
     """This process's rank in the run, as its launcher numbered it (0 where no launcher did)."""
     return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)

@@ -199,6 +199,8 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--stall_timeout_min", "-1"], "--stall_timeout_min must be 0 (off) or positive"),
     (["--rendezvous_timeout_min", "0"], "--rendezvous_timeout_min must be positive"),
     (["--process_group_timeout_min", "0"], "--process_group_timeout_min must be positive"),
+    (["--process_group_timeout_min", "0.0001", "--stall_timeout_min", "0"],  # 41 lines of C++ frames in a rank
+     "--process_group_timeout_min must be at least 1 (a minute): it also bounds the ranks' first connection"),
     (["--process_group_timeout_min", "10"], "--stall_timeout_min (20) must be below --process_group_timeout_min (10)"),
     (["--save_step_interval", "-1"], "--save_step_interval must be a whole number of steps"),
     (["--save_step_interval", "0", "--spike_guard", "rollback"], "--save_step_interval 0 writes no checkpoint"),
@@ -366,6 +368,31 @@ def test_every_entry_point_refuses_a_bad_command_line_in_one_line(case) -> None:
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()
     assert line.startswith(expected) and line.endswith(f"; see {prog} --help"), line
+
+
+def test_an_option_given_as_empty_text_is_refused_rather_than_read_as_the_current_folder() -> None:
+    """`--out_dir ""` wrote a run into the folder train.py ran in; prepare_data.py's `--input ""` read all of it."""
+    from app.cli import command_parser, parse
+    from app.prepare.args import PrepareArgs
+
+    for argv, flag in ((["--out_dir", ""], "--out_dir"), (["--tokenizer", " "], "--tokenizer")):
+        with pytest.raises(UsageError, match=f"^{flag} is empty: give it a value, or leave it out$"):
+            parse(build_parser(), argv)
+    with pytest.raises(UsageError, match="^--input is empty"):
+        parse(command_parser("prepare_data.py", "", [PrepareArgs]), ["--input", "docs", "", "--output_dir", "out"])
+    assert parse(build_parser(), ["--out_dir", "runs/a"]).out_dir == "runs/a"
+
+
+@pytest.mark.parametrize("variable", ["LOCAL_RANK=abc", "MASTER_PORT=29500x", "MALLOC_TRIM_THRESHOLD_=-1"])
+def test_a_launcher_variable_that_is_no_whole_number_is_one_line(variable: str) -> None:
+    """They ended in a ValueError traceback, in train.py's code or in Lightning's (rank_zero, main_port)."""
+    import os
+
+    name, value = variable.split("=")
+    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            env=os.environ | {name: value}, timeout=120)
+    assert result.returncode == 2 and result.stderr == (f"error: {name}={value!r} is set, and is no whole number; "
+                                                        "unset it, or give it one\n"), result.stderr
 
 
 def test_every_option_has_help_text() -> None:

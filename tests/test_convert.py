@@ -383,6 +383,9 @@ def test_the_base_model_folder_is_never_the_output_even_with_overwrite(tiny, tmp
     assert "is the base model folder the run started from" in refused(
         capsys, "--checkpoint", run, "--output_dir", tmp_path / "base", "--overwrite", "true")
     assert folder_digest(tmp_path / "base") == before
+    assert "give one of --model_name and --model_config" in refused(  # the generation config came from the other
+        capsys, "--checkpoint", run, "--output_dir", tmp_path / "hf", "--model_name", tmp_path / "base",
+        "--model_config", tiny.model_config)
 
 
 def test_a_relative_base_model_is_read_where_training_ran_or_a_note_says_it_was_not(tiny, tmp_path, monkeypatch,

@@ -44,12 +44,18 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     datasets.DatasetDict({"train": ragged, "validation": ragged}).save_to_disk(str(root / "ragged"))
     examples = datasets.Dataset.from_dict({"input_ids": [[1, 5, 6, 2]], "labels": [[-100, -100, 6, 2]]})
     for name, stats in {"supervised_without_stats": None, "stats_of_a_list": "[]",
-                        "stats_of_another_format": '{"format": "images"}'}.items():
+                        "stats_of_another_format": '{"format": "images"}', "stats_without_format": '{"x": 1}'}.items():
         datasets.DatasetDict({"train": examples, "validation": examples}).save_to_disk(str(root / name))
         if stats is not None:
             (root / name / "stats.json").write_text(stats)
     datasets.DatasetDict({"train": splits["train"].select(range(0)), "validation": splits["validation"]}).save_to_disk(
         str(root / "empty_train"))  # a selection of no rows, saved as it is: datasets' reader ends in an IndexError
+    shutil.copytree(tiny.data, root / "cut_short")
+    arrow = next((root / "cut_short" / "train").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:5000])  # a copy interrupted
+    config = json.loads((tiny.model_config / "config.json").read_text()) | {"num_attention_heads": 3}
+    (root / "three_heads").mkdir()
+    (root / "three_heads" / "config.json").write_text(json.dumps(config))  # 64 wide: no multiple of 3
     for name, changes in {"short_positions": {"max_position_embeddings": 16}, "small_vocab": {"vocab_size": 100},
                           "wider": {"hidden_size": 96}}.items():
         AutoConfig.from_pretrained(tiny.model_config, **changes).save_pretrained(root / name)
@@ -103,14 +109,19 @@ CASES = {
     "ragged rows": (dict(train_data_dir="{ragged}"), "rows have different lengths"),
     # trained as text blocks, prompts and all, without a word:
     "supervised data without stats.json": (dict(train_data_dir="{supervised_without_stats}"),
-                                           "has no stats.json, and a folder without one is read as text blocks, but "
-                                           "its labels say it holds supervised or seq2seq examples"),
+                                           "would be read as text blocks (it has no stats.json), but its labels say it "
+                                           "holds supervised or seq2seq examples"),
+    "supervised data whose stats.json names no format": (dict(train_data_dir="{stats_without_format}"),
+                                                         "would be read as text blocks (its stats.json names no other "
+                                                         "format), but its labels say"),
+    "a data file cut short": (dict(train_data_dir="{cut_short}"), "its dataset files cannot be read ("),
+    "a config transformers refuses": (dict(model_config="{three_heads}"), "cannot load its config ("),
     "a split saved without a file": (dict(train_data_dir="{empty_train}"), "a split of it holds no data file"),
     # tracebacks (AttributeError, KeyError):
     "stats.json of a list": (dict(train_data_dir="{stats_of_a_list}"), "its stats.json is not a JSON object; prepare "
                              "it again with prepare_data.py"),
     "stats.json of another format": (dict(train_data_dir="{stats_of_another_format}"),
-                                     "its stats.json names the format 'images', not one of text, supervised_packed"),
+                                     "its stats.json names the format 'images', not one of text, text_documents, supervised_packed"),
     "blocks too long": (dict(model_config="{short_positions}"), "exceed the model's max_position_embeddings (16); "
                         "prepare the data with a smaller --block_size, or raise max_position_embeddings "
                         "(--model_overrides) where the model's RoPE scaling covers them"),
@@ -808,6 +819,14 @@ def test_what_wandb_needs_is_checked_before_anything_is_written(tiny, tmp_path, 
         "error: --project 'team/proj': W&B refuses it (Invalid project name 'team/proj': cannot contain characters "
         "'/,\\\\,#,?,%,:', found '/'); give another",
         "error: WANDB_RUN_ID 'bad/id': W&B refuses it (Run ID cannot contain the characters: :;,#?/'); give another"]
+    assert not (tmp_path / "out").exists()
+    monkeypatch.delenv("WANDB_RUN_ID")
+    monkeypatch.setenv("WANDB_FINISH_TIMEOUT", "abc")  # "could not start the run (1 validation error for Settings)"
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, tmp_path / "out", wandb_mode="offline")))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: a WANDB_* variable: W&B refuses finish_timeout (WANDB_FINISH_TIMEOUT='abc': Input should be a valid "
+        "number, unable to parse string as a number); fix or unset it, or use --wandb_mode disabled"]
     assert not (tmp_path / "out").exists()
 
 

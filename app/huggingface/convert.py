@@ -453,6 +453,9 @@ def given_model_problem(args: Args) -> Optional[str]:
     """A --model_name, --model_config or --tokenizer that is no folder here nor a Hub model that can be had, in one
     line at once: offline, transformers waited out a minute of the Hub's retries first, and a missing folder was
     answered with a rule about repository names."""
+    if args.model_name and args.model_config:  # the architecture from one, the generation config from the other
+        return ("give one of --model_name and --model_config: each names the architecture to write the weights "
+                "with")
     given = {"--model_name": args.model_name, "--model_config": args.model_config, "--tokenizer": args.tokenizer}
     return next(filter(None, (missing_model_problem(flag, name) for flag, name in given.items() if name)), None)
 

@@ -150,6 +150,10 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
     except (FileNotFoundError, ValueError) as error:
         problems.append(f"{flag}: not a dataset saved with save_to_disk ({error}); create it with prepare_data.py")
         return None
+    except OSError as error:  # pyarrow's reader of a file cut short (a copy interrupted, a full disk)
+        problems.append(f"{flag}: its dataset files cannot be read ({first_line(error)}); copy it again, or prepare "
+                        "it again with prepare_data.py")
+        return None
     except IndexError:  # datasets' reader of a split saved without a single file (an empty selection, saved as such)
         problems.append(f"{flag}: a split of it holds no data file (an empty split saved by hand?); prepare it again "
                         "with prepare_data.py")
@@ -163,9 +167,10 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
     except ValueError as error:  # a stats.json that is not JSON, or not prepare_data.py's
         problems.append(f"{flag}: {first_line(error)}; prepare it again with prepare_data.py")
         return None
-    if not (path / STATS_FILE).is_file() and "labels" in splits["train"].column_names:
-        problems.append(f"{flag} has no {STATS_FILE}, and a folder without one is read as text blocks, but its labels "
-                        f"say it holds supervised or seq2seq examples; restore its {STATS_FILE} or prepare it again")
+    if data_format.name == "text" and "labels" in splits["train"].column_names:
+        said = f"its {STATS_FILE} names no other format" if (path / STATS_FILE).is_file() else f"it has no {STATS_FILE}"
+        problems.append(f"{flag} would be read as text blocks ({said}), but its labels say it holds supervised or "
+                        f"seq2seq examples; restore its {STATS_FILE} or prepare it again")
         return None
     lengths, max_ids, max_positions = set(), [], []
     for name in ("train", "validation"):

@@ -200,7 +200,25 @@ def settings_problems(cfg: Config) -> list[str]:
             settings(**{setting: value})
         except Exception as error:  # noqa: BLE001 (wandb's UsageError, or pydantic's ValidationError)
             problems.append(f"{name} {value!r}: W&B refuses it ({first_line(error)}); give another")
+    if settings is not None and hasattr(settings, "update_from_env_vars") and not problems:  # (WANDB_RUN_ID: said)
+        try:  # WANDB_FINISH_TIMEOUT=abc: "could not start the run (1 validation error for Settings)", after the files
+            settings().update_from_env_vars(dict(os.environ))
+        except Exception as error:  # noqa: BLE001 (pydantic's ValidationError, naming the setting)
+            problems.append(f"a WANDB_* variable: W&B refuses {refused_setting(error)}; fix or unset it, or use "
+                            "--wandb_mode disabled")
     return problems
+
+
+def refused_setting(error: Exception) -> str:
+    """`finish_timeout (WANDB_FINISH_TIMEOUT='abc': Input should be a valid number, ...)` from pydantic's
+    ValidationError, whose first line names only the class; its first line otherwise."""
+    details = getattr(error, "errors", lambda: [])()
+    if not details:
+        return first_line(error)
+    field = str(details[0]["loc"][0]) if details[0].get("loc") else "a setting"
+    given = os.environ.get(f"WANDB_{field.upper()}")
+    shown = f"WANDB_{field.upper()}={given!r}: " if given is not None else ""
+    return f"{field} ({shown}{details[0].get('msg', '')})"
 
 
 RESERVED_IN_RUN_IDS = ":;,#?/'"
