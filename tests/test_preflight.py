@@ -121,12 +121,13 @@ CASES = {
     "stats.json of a list": (dict(train_data_dir="{stats_of_a_list}"), "its stats.json is not a JSON object; prepare "
                              "it again with prepare_data.py"),
     "stats.json of another format": (dict(train_data_dir="{stats_of_another_format}"),
-                                     "its stats.json names the format 'images', not one of text, text_documents, supervised_packed"),
+                                     "its stats.json names the format 'images', not one of text, text_documents, "
+                                     "supervised_packed"),
     "blocks too long": (dict(model_config="{short_positions}"), "exceed the model's max_position_embeddings (16); "
                         "prepare the data with a smaller --block_size, or raise max_position_embeddings "
                         "(--model_overrides) where the model's RoPE scaling covers them"),
-    "an override of no field": (dict(model_overrides='{{"rope_thet": 1e6}}'), "--model_overrides: rope_thet: not a field "
-                                "of the llama config; its fields: "),
+    "an override of no field": (dict(model_overrides='{{"rope_thet": 1e6}}'),
+                                "--model_overrides: rope_thet: not a field of the llama config; its fields: "),
     "an override the config refuses": (dict(model_overrides='{{"rope_parameters": {{"rope_type": "yarn"}}}}'),
                                        "--model_overrides: the llama config refuses them (\"Missing required keys in "
                                        "`rope_parameters` for 'rope_type'='yarn': {{'factor'}}\")"),
