@@ -78,15 +78,21 @@ def resolve_init_from(cfg: Config, problems: list[str]) -> Optional[Resume]:
                             + (f" ({'; '.join(broken)})" if broken else "") + "; give a checkpoint of train.py")
             return None
         path = newest
+    metadata = train_py_metadata(f"--init_from {path}", path, problems)
+    return Resume(path, metadata) if metadata is not None else None
+
+
+def train_py_metadata(flag: str, path: Path, problems: list[str]) -> Optional[dict]:
+    """The metadata of a checkpoint that reads whole and that train.py wrote; None after a problem naming `flag`."""
     broken = broken_checkpoint(path)
     if broken:
-        problems.append(f"--init_from {path}: {why_broken(broken, path)}; pick another one")
+        problems.append(f"{flag}: {why_broken(broken, path)}; pick another one")
         return None
     metadata = read_metadata(path)
     if not isinstance(metadata.get("step"), int) or "model_config" not in metadata:
-        problems.append(f"--init_from {path}: not a checkpoint written by train.py (no step/model_config)")
+        problems.append(f"{flag}: not a checkpoint written by train.py (no step/model_config); pick another one")
         return None
-    return Resume(path, metadata)
+    return metadata
 
 
 def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
@@ -154,15 +160,8 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
                              problems: list[str]) -> Optional[dict]:
     """The checkpoint's metadata when it is this model's, checked tensor by tensor; None after a problem."""
     flag = f"--checkpoint {path}"
-    broken = broken_checkpoint(path)
-    if broken:
-        problems.append(f"{flag}: {why_broken(broken, path)}; pick another one")
-        return None
-    metadata = read_metadata(path)
-    if not isinstance(metadata.get("step"), int) or "model_config" not in metadata:
-        problems.append(f"{flag}: not a checkpoint written by train.py (no step/model_config); pick another one")
-        return None
-    if model_config is None:
+    metadata = train_py_metadata(flag, path, problems)
+    if metadata is None or model_config is None:
         return metadata
     saved, current = metadata["model_config"], model_config.to_dict()
     differing = [k for k in SHAPE_KEYS if saved.get(k) != current.get(k)]
