@@ -231,6 +231,12 @@ class EvalArgs:
     validation loss, no best checkpoint), as for data without a validation split."""
     initial_validation: bool = True
     """Evaluate once before the first step of a new run: the baseline every later validation loss compares with."""
+    early_stopping_patience: Optional[int] = None
+    """Stop once this many evaluations in a row have not lowered the best validation loss so far (by more than
+    --early_stopping_threshold): the run saves and ends as finished, checkpoints/best.json naming its best
+    checkpoint (the Hugging Face Trainer's EarlyStoppingCallback; save at the evaluation interval to keep each)."""
+    early_stopping_threshold: float = 0.0
+    """The least fall of the validation loss that counts as an improvement for --early_stopping_patience."""
     eval_only: bool = False
     """Evaluate and exit without training: the model (--model_name, or a checkpoint's weights with --init_from) on
     --train_data_dir's validation split, as a run evaluates (val_loss, per folder of a mixture, --eval_samples),
@@ -517,7 +523,7 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
                 f"--{name} must be a whole number of steps, or a share of the run's steps between 0 and 1{off}, got "
                 f"{value}")
     for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "eval_batch_size",
-                 "keep_last_n", "reference_batch_size"):
+                 "keep_last_n", "reference_batch_size", "early_stopping_patience"):
         value = getattr(cfg, name)
         require(value in (None, "auto") or value >= 1, f"--{name} must be at least 1, got {value}")
     for name in ("device_memory_gb", "peak_tflops"):
@@ -548,6 +554,8 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
         require(getattr(cfg, name) >= 0, f"--{name} must be 0 or more, got {getattr(cfg, name)}")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
     require(cfg.eps > 0, f"--eps must be positive, got {cfg.eps}")
+    require(cfg.early_stopping_threshold >= 0, f"--early_stopping_threshold must be 0 or more, got "
+            f"{cfg.early_stopping_threshold}")
     require(cfg.weight_decay >= 0, f"--weight_decay must be 0 or more, got {cfg.weight_decay}")
     require(cfg.grad_clip >= 0, f"--grad_clip must be 0 (off) or positive, got {cfg.grad_clip}")
     for name in ("beta1", "beta2"):
@@ -611,6 +619,9 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
     if not cfg.eval_step_interval:
         unread(evaluation, "eval_step_interval", f"{flags(evaluation)}: not read with --eval_step_interval 0, which "
                                                  "turns validation off: drop them, or give an interval")
+    elif cfg.early_stopping_patience is None and cfg.early_stopping_threshold != EvalArgs.early_stopping_threshold:
+        unread(["early_stopping_threshold"], "early_stopping_patience",
+               "--early_stopping_threshold is only read with --early_stopping_patience N: add it, or drop it")
     elif not cfg.eval_samples and cfg.eval_max_new_tokens != EvalArgs.eval_max_new_tokens:
         unread(["eval_max_new_tokens"], "eval_samples",
                "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens")

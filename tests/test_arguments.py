@@ -173,6 +173,8 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--eval_only", "true", "--eval_step_interval", "0"], "--eval_only true with --eval_step_interval 0 would "
                                                            "evaluate nothing"),
     (["--eps", "0"], "--eps must be positive, got 0.0"),
+    (["--early_stopping_patience", "0"], "--early_stopping_patience must be at least 1, got 0"),
+    (["--early_stopping_threshold", "0.01"], "--early_stopping_threshold is only read with --early_stopping_patience"),
     (["--lr_decay_ratio", "0"], "--lr_decay_ratio must be above 0 and at most 1 (the whole run), got 0.0"),
     (["--warmup_steps", "2.5"], "--warmup_steps must be a whole number of steps, or a share of the run's steps "
                                 "between 0 and 1, got 2.5"),

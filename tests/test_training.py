@@ -272,6 +272,23 @@ def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run,
            "run from its checkpoint at step 3" in capsys.readouterr().out, "a run folder names its newest checkpoint"
 
 
+def test_a_run_whose_validation_loss_stops_improving_stops_early_and_saves(tiny, tmp_path) -> None:
+    """--early_stopping_patience 2: a rate too small to move the loss by --early_stopping_threshold, so the
+    evaluations after step 0's make no progress; the run saves at the second and ends as finished (exit 0)."""
+    from app.training.loop import count_improvement
+
+    state = {"best_val_loss": None, "evaluations_without_improvement": 0}
+    for loss in (3.0, 2.9, 2.895, 2.95):
+        count_improvement(state, loss, threshold=0.01)
+    assert state == {"best_val_loss": 2.9, "evaluations_without_improvement": 2}, "2.895 is no fall of 0.01"
+    result = run_train(train_args(tiny, tmp_path, devices=1, strategy="single_device", lr=1e-9, min_lr=None,
+                                  lr_decay=False, warmup_steps=0, max_step=10, eval_step_interval=1,
+                                  save_step_interval=100, early_stopping_patience=2, early_stopping_threshold=0.01))
+    assert_succeeded(result)
+    assert "step 2: 2 evaluations without a validation loss below " in result.stdout, result.stdout
+    assert sorted(read_metrics(tmp_path)) == [0, 1, 2] and (tmp_path / "checkpoints" / "step-00000002.ckpt").is_file()
+
+
 def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:
     """Replication instead of sharding, activation checkpointing, prefetching and all-gather throttling trade memory
     for time, never the maths: the same losses, and the same gradient norm whether each rank holds half of the

@@ -102,6 +102,16 @@ def skip_update(precision: Precision, gradients: GradientPolicy) -> None:
         precision.scaler.update()
 
 
+def count_improvement(state: dict[str, Any], val_loss: float, threshold: float) -> None:
+    """Keep the lowest validation loss so far, and the evaluations since one fell below it by more than
+    `threshold` (--early_stopping_patience counts them)."""
+    best = state["best_val_loss"]
+    if best is None or val_loss < best - threshold:
+        state["best_val_loss"], state["evaluations_without_improvement"] = val_loss, 0
+    else:
+        state["evaluations_without_improvement"] += 1
+
+
 def is_save_step(step: int, last: bool, interval: int) -> bool:
     """Every `interval` optimizer steps and at the last one; never with --save_step_interval 0."""
     return interval > 0 and (step % interval == 0 or last)
@@ -203,6 +213,25 @@ class Loop:
                 if state["step"] < plan.max_step:
                     return self.stopped_by_signal()
                 self.say_final_evaluation_cut()
+            if self.out_of_patience() and state["step"] < plan.max_step:
+                return self.stopped_early()
+        return "finished"
+
+    def out_of_patience(self) -> bool:
+        """Whether this step's evaluation was the --early_stopping_patience-th in a row without a new best (the
+        validation loss is the same on every rank, and so is this answer)."""
+        patience, state = self.cfg.early_stopping_patience, self.state
+        return bool(patience) and state["val_loss_step"] == state["step"] and \
+            state["evaluations_without_improvement"] >= patience
+
+    def stopped_early(self) -> Outcome:
+        """After the stop's save: wait until it is published, then say why the run ends before max_step."""
+        self.saver.wait()
+        state = self.state
+        self.console.print(f"step {state['step']}: {state['evaluations_without_improvement']} evaluations without a "
+                           f"validation loss below {state['best_val_loss']:.4f}: stopped early "
+                           f"(--early_stopping_patience {self.cfg.early_stopping_patience}); checkpoints/best.json "
+                           "names the best checkpoint saved")
         return "finished"
 
     def say_final_evaluation_cut(self) -> None:
@@ -252,7 +281,7 @@ class Loop:
             evaluated = bool(evaluation)  # else no validation loss to mark the checkpoint best by
             metrics |= evaluation
             stop = stop or stop_agreed(self.fabric, self.stop)
-        if scheduled_save or stop:
+        if scheduled_save or stop or self.out_of_patience():
             self.state["log_window"] = list(losses)
             save_time = self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
             if scheduled_save or metrics:  # a stop's own save makes no row that a run not stopped lacks
@@ -430,6 +459,7 @@ class Loop:
                 self.console.print(f"step {step}: evaluation stopped by a signal (not logged)")
                 return {}
         self.state["val_loss"], self.state["val_loss_step"] = loss, step
+        count_improvement(self.state, loss, self.cfg.early_stopping_threshold)
         self.watchdog.beat()
         self.console.print(f"step {step}: " + " | ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
         return metrics

@@ -14,6 +14,8 @@ PROGRESS: dict[str, Any] = {
     "position": 0,  # rows of the epoch trained
     "val_loss": None,
     "val_loss_step": None,  # the step val_loss was measured at (a stopped run's last one may be long ago)
+    "best_val_loss": None,  # the lowest val_loss so far, and the evaluations since it (--early_stopping_patience)
+    "evaluations_without_improvement": 0,
     "scaler_skipped_steps": 0,  # steps whose overflowed fp16 gradients the scaler did not apply (16-mixed)
     "spike_guard": None,  # the spike guard's history (app/reliability/spikes.py), set when saving
     "mixture": None,  # a mixture's positions and seeds per folder (app/data/mixture.py)
@@ -24,7 +26,8 @@ PROGRESS: dict[str, Any] = {
     "base_revision": None,  # the commit of the Hub model the run started from, set at its start (run.initial_state)
 }
 
-ROLLED_BACK = ("step", "val_loss", "val_loss_step", "log_window", "tokens_seen")
+ROLLED_BACK = ("step", "val_loss", "val_loss_step", "best_val_loss", "evaluations_without_improvement", "log_window",
+               "tokens_seen")
 """What a rollback (app/training/loop.py) takes back from the checkpoint it returns to: the counters of the weights
 it reloads (tokens_seen went on, counting twice the tokens of the steps rolled back)."""
 GOES_ON_AT_A_ROLLBACK = ("epoch", "position", "mixture", "source_tokens", "scaler_skipped_steps", "spike_guard",
