@@ -82,6 +82,10 @@ class ModelArgs:
     """A train.py checkpoint (a file, a sharded folder, or a run folder: its newest) whose architecture and weights
     start a new run: step 0, a fresh optimizer and schedule, in another --out_dir (a new phase of training, another
     mixture; torchtitan's initial_load_model_only). Instead of --model_name and --model_config."""
+    freeze: Optional[list[str]] = None
+    """Regular expressions of parameter names (the Hugging Face model's, searched in each: `embed_tokens`,
+    `model.layers.([0-9]|1[0-5])\\.`) whose parameters do not train: no gradient, no optimizer state, never
+    updated; every other parameter trains (axolotl's unfrozen_parameters, the other way round)."""
     model_overrides: Optional[dict[str, typing.Any]] = None
     """Fields of the model's config to change before it is built, as JSON (or a mapping in a config file): a longer
     context (`{"max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,

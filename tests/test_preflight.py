@@ -192,6 +192,13 @@ CASES = {
     "a run folder as the model": (dict(model_config=None, model_name="{retokenized_run}"),
                                   "--model_name {retokenized_run} is a run folder of train.py; start a new run from "
                                   "its weights with --init_from {retokenized_run}, or continue it with --resume true"),
+    "a freeze pattern that is no regular expression": (dict(freeze="['(']"), "--freeze '(': not a regular expression"),
+    "a freeze pattern that names nothing": (dict(freeze="[embed, emb_tokens]"), "--freeze 'emb_tokens' names no "
+                                            "parameter of the llama model (its names: model.embed_tokens.weight, "),
+    "freezing everything": (dict(freeze="['.']"), "--freeze names every parameter of the model: nothing would train"),
+    "a resume with another freeze": (dict(out_dir="{run}", resume=True, freeze="[embed]"),
+                                     "was trained with --freeze None, not ['embed']: its optimizer holds the state of "
+                                     "the parameters that trained; resume with the same --freeze, or start a new phase"),
     "init_from nowhere": (dict(model_config=None, init_from="/nonexistent/run"),
                           "--init_from /nonexistent/run: no such file or folder"),
     "init_from a model folder": (dict(model_config=None, init_from="{wider}"),

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from app.metrics import observe
@@ -270,6 +271,31 @@ def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run,
                                         warmup_steps=2)))
     assert f"--init_from {fsdp_run / 'checkpoints' / 'step-00000024.ckpt'}: not read: --resume true continues this " \
            "run from its checkpoint at step 3" in capsys.readouterr().out, "a run folder names its newest checkpoint"
+
+
+@pytest.mark.parametrize("layout", [dict(strategy="fsdp"), dict(strategy="ddp", gradient_checkpointing=True)],
+                         ids=["fsdp-flat-parameters", "ddp-activation-checkpointing"])
+def test_frozen_parameters_stay_as_they_were_and_the_others_train(fsdp_run, tiny, tmp_path, layout) -> None:
+    """--freeze: FSDP1 flattens frozen and trained weights of a layer into one parameter, and activation
+    checkpointing recomputes layers whose inputs (from a frozen embedding) need no gradient; either could have left
+    a frozen weight moving, or a trained one still."""
+    start = fsdp_run / "checkpoints" / "step-00000016.ckpt"
+    result = run_train(train_args(tiny, tmp_path, model_config=None, init_from=start, max_step=2, warmup_steps=0,
+                                  save_step_interval=100, freeze=r"[embed_tokens, layers\.0\.self_attn]", **layout))
+    assert_succeeded(result)
+    before, after = (read_checkpoint(path)["model"] for path in (start, tmp_path / "checkpoints" / "step-00000002.ckpt"))
+    frozen = {name for name in before if "embed_tokens" in name or "layers.0.self_attn" in name}
+    assert frozen and all(torch.equal(before[name], after[name]) for name in frozen)
+    assert all(not torch.equal(before[name], after[name]) for name in before if name not in frozen and "weight" in name
+               and "norm" not in name), "every other weight trained"
+    assert not any(name.startswith("optimizer.state.model.embed_tokens") for name in stored_names(
+        tmp_path / "checkpoints" / "step-00000002.ckpt")), "no optimizer state for what does not train"
+
+
+def stored_names(path: Path) -> set[str]:
+    from app.checkpoint import stored_tensor_shapes
+
+    return set(stored_tensor_shapes(path))
 
 
 def test_a_run_whose_validation_loss_stops_improving_stops_early_and_saves(tiny, tmp_path) -> None:

@@ -606,7 +606,8 @@ def hyperparameters(run: dict[str, Any], global_batch_size: Optional[int] = None
     names = ("lr", "min_lr", "warmup_steps", "weight_decay", "max_step", "precision", "seed")
     decay = [("lr decay", f"{run['lr_decay_type']} over the last {run['lr_decay_ratio']:g} of the steps")] if run.get(
         "lr_decay") and run.get("lr_decay_ratio", 1) < 1 else []  # warmup-stable-decay: else the usual cosine
-    return [("batch (sequences per step)", batch)] + [(n, run.get(n)) for n in names] + decay
+    frozen = [("frozen parameters", ", ".join(run["freeze"]))] if run.get("freeze") else []
+    return [("batch (sequences per step)", batch)] + [(n, run.get(n)) for n in names] + decay + frozen
 
 
 def base_model_row(base: Optional[str], run: dict[str, Any], repo: Optional[str], revision: Optional[str]) -> str:

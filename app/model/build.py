@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -265,10 +266,25 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
     for module in model.modules():  # T5's encoder and decoder stacks read copies of the config of their own
         if isinstance(getattr(module, "config", None), PretrainedConfig):
             module.config.use_cache = False  # else T5's decoder kept a key/value cache in training
+    freeze_parameters(model, cfg.freeze)
     model.train()  # from_pretrained returns it in eval mode: dropout would stay off until the first evaluation
     if checkpoints_through_transformers(cfg):
         enable_activation_checkpointing(model)
     return model
+
+
+def frozen_names(names: list[str], patterns: Optional[list[str]]) -> list[str]:
+    """The parameter names --freeze names: those a pattern is found in (a tied weight goes by its first name)."""
+    return [name for name in names if any(re.search(pattern, name) for pattern in patterns or [])]
+
+
+def freeze_parameters(model: Module, patterns: Optional[list[str]]) -> None:
+    """--freeze: the parameters it names take no gradient, and so no optimizer state (optimizer.py groups only the
+    parameters that require one); set before wrapping, where the names are the model's own."""
+    frozen = set(frozen_names([name for name, _ in model.named_parameters()], patterns))
+    for name, parameter in model.named_parameters():
+        if name in frozen:
+            parameter.requires_grad_(False)
 
 
 def checkpoints_through_transformers(cfg: Config) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -22,9 +23,9 @@ from app.evaluation.samples import pads_apart
 from app.hub import (CONFIG_ERRORS, REMOTE_CODE, load_problem, missing_model_problem, missing_weights_problem,
                      quiet_hub)
 from app.huggingface.convert import config_from_dict
-from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, load_model_config,
-                             meta_model, model_class, model_flag, model_source, resolve_wrap_classes, stored_tensors,
-                             tied_names)
+from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, frozen_names,
+                             load_model_config, meta_model, model_class, model_flag, model_source, resolve_wrap_classes,
+                             stored_tensors, tied_names)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, column_scaled_from, decoder_inputs_error,
                                  decoder_tells_positions_apart, longrope_limit, probe_isolation, reads_ahead)
 from app.metrics.observe import has_experts
@@ -91,6 +92,26 @@ def loaded_config(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig
         return None
 
 
+def check_frozen(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> None:
+    """--freeze's patterns: each a regular expression that names some parameter, and some parameter left to train
+    (a mistyped pattern froze nothing, and the run trained what was to stay)."""
+    if not cfg.freeze:
+        return
+    for pattern in cfg.freeze:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            problems.append(f"--freeze {pattern!r}: not a regular expression ({error})")
+            return
+    names = [name for name, _ in meta_model(model_config, cfg.trust_remote_code).named_parameters()]
+    for pattern in cfg.freeze:
+        if not frozen_names(names, [pattern]):
+            problems.append(f"--freeze {pattern!r} names no parameter of the {model_config.model_type} model (its "
+                            f"names: {', '.join(names[:4])}, ...; a weight tied to another goes by the other's name)")
+    if len(frozen_names(names, cfg.freeze)) == len(names):
+        problems.append("--freeze names every parameter of the model: nothing would train")
+
+
 def recorded_config(init: Resume, problems: list[str]) -> Optional[PretrainedConfig]:
     """The architecture a checkpoint recorded, for the run that starts from its weights."""
     try:
@@ -107,6 +128,7 @@ def check_model_with(cfg: Config, model_config: PretrainedConfig, data: Optional
     build the model need its attention implementation to exist here (else that is the one problem reported)."""
     attention_works = check_attention_supported(cfg, model_config, problems)
     check_ties_hold(cfg, model_config, problems)
+    check_frozen(cfg, model_config, problems)
     if attention_works:
         check_activation_checkpointing(cfg, model_config, problems)
     if data is not None:

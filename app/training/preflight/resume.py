@@ -18,7 +18,7 @@ from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.data.identity import identity_difference, same_folder_by_path
 from app.data.mixture import parse_sources
 from app.huggingface.convert import changed_fields
-from app.model.build import meta_model, model_flag, model_source
+from app.model.build import freeze_parameters, meta_model, model_flag, model_source
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
@@ -182,7 +182,14 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
                         "resumed steps would train another model; resume with the config it was trained with (its "
                         "run's config.yaml records its --model_overrides)")
         return None
+    frozen_before = (metadata.get("config") or {}).get("freeze")
+    if frozen_before != cfg.freeze:
+        problems.append(f"{flag} was trained with --freeze {frozen_before}, not {cfg.freeze}: its optimizer holds the "
+                        "state of the parameters that trained; resume with the same --freeze, or start a new phase "
+                        "from its weights with --init_from")
+        return None
     model = meta_model(model_config, cfg.trust_remote_code)
+    freeze_parameters(model, cfg.freeze)
     decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
     try:
         check_fits(stored_tensor_shapes(path, decayed + exempt), expected_shapes(model, decayed + exempt), flag)
