@@ -198,7 +198,8 @@ CASES = {
     "freezing everything": (dict(freeze="['.']"), "--freeze names every parameter of the model: nothing would train"),
     "a resume with another freeze": (dict(out_dir="{run}", resume=True, freeze="[embed]"),
                                      "was trained with --freeze None, not ['embed']: its optimizer holds the state of "
-                                     "the parameters that trained; resume with the same --freeze, or start a new phase"),
+                                     "the parameters that trained; resume with the same --freeze, or start a new "
+                                     "phase"),
     "init_from nowhere": (dict(model_config=None, init_from="/nonexistent/run"),
                           "--init_from /nonexistent/run: no such file or folder"),
     "init_from a model folder": (dict(model_config=None, init_from="{wider}"),

@@ -283,13 +283,14 @@ def test_frozen_parameters_stay_as_they_were_and_the_others_train(fsdp_run, tiny
     result = run_train(train_args(tiny, tmp_path, model_config=None, init_from=start, max_step=2, warmup_steps=0,
                                   save_step_interval=100, freeze=r"[embed_tokens, layers\.0\.self_attn]", **layout))
     assert_succeeded(result)
-    before, after = (read_checkpoint(path)["model"] for path in (start, tmp_path / "checkpoints" / "step-00000002.ckpt"))
+    saved = tmp_path / "checkpoints" / "step-00000002.ckpt"
+    before, after = (read_checkpoint(path)["model"] for path in (start, saved))
     frozen = {name for name in before if "embed_tokens" in name or "layers.0.self_attn" in name}
     assert frozen and all(torch.equal(before[name], after[name]) for name in frozen)
     assert all(not torch.equal(before[name], after[name]) for name in before if name not in frozen and "weight" in name
                and "norm" not in name), "every other weight trained"
-    assert not any(name.startswith("optimizer.state.model.embed_tokens") for name in stored_names(
-        tmp_path / "checkpoints" / "step-00000002.ckpt")), "no optimizer state for what does not train"
+    assert not any(name.startswith("optimizer.state.model.embed_tokens") for name in stored_names(saved)), (
+        "no optimizer state for what does not train")
 
 
 def stored_names(path: Path) -> set[str]:
