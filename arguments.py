@@ -190,7 +190,7 @@ class TrainingArgs:
     lr: float = 2e-5
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 2e-6
-    """Learning rate at max_step, the end of the cosine decay."""
+    """Learning rate at max_step, the end of the decay."""
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     """Move --lr and --min_lr from --reference_batch_size to the run's global batch: linear (x G/B) or sqrt
     (x sqrt(G/B), steadier); the resolved values are printed and written to config.yaml."""

@@ -210,7 +210,9 @@ OTHER_NAMES = {
     "overrides_of_model_config": "--model_overrides", "rope_scaling": "--model_overrides",
     "save_strategy": "--save_step_interval", "eval_strategy": "--eval_step_interval",
     "evaluation_strategy": "--eval_step_interval", "eval_on_start": "--initial_validation",
-    "torch_dtype": "--precision",
+    "torch_dtype": "--precision", "do_eval": "--eval_only true", "log_every": "--log_interval",
+    **dict.fromkeys(("steps", "total_steps", "num_train_steps", "train_steps"), "--max_step"),
+    **dict.fromkeys(("lr_min", "min_learning_rate"), "--min_lr"),
     **dict.fromkeys(("max_seq_length", "max_seq_len", "max_length", "seq_length", "seq_len", "sequence_len",
                      "context_length"), "--block_size"),
 }

@@ -65,7 +65,7 @@ def refuse_unreadable_variables() -> None:
     for name in WHOLE_NUMBER_VARIABLES:
         value = os.environ.get(name)
         if value and not value.strip().isdigit():  # (exit_refused reads them: said here, by each process)
-            print(f"error: {name}={value!r} is set, and is no whole number; unset it, or give it one",
+            print(f"error: {name}={value!r} is set, and is not a whole number of 0 or more; unset it, or give it one",
                   file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
 

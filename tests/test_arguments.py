@@ -356,6 +356,8 @@ def test_options_of_other_trainers_are_answered_with_what_they_mean_here() -> No
         " (no such option here: convert_to_hf.py --push_to_hub REPO converts a checkpoint and pushes it)")
     assert meant_instead("--lr_scheduler_type", train) == " (did you mean --lr_decay_type?)"  # not --reduce_dtype
     assert meant_instead("--save_strategy", train) == " (did you mean --save_step_interval?)"  # not --strategy
+    assert meant_instead("--steps", train) == " (did you mean --max_step?)"  # not --eps
+    assert meant_instead("--do_eval", train) == " (did you mean --eval_only true?)"
     assert meant_instead("--optim_type", train) == ""  # nothing close enough (difflib said --state_dict_type)
     assert meant_instead("--precison", train) == " (did you mean --precision?)"
 
@@ -393,8 +395,8 @@ def test_a_launcher_variable_that_is_no_whole_number_is_one_line(variable: str) 
     name, value = variable.split("=")
     result = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                             env=os.environ | {name: value}, timeout=120)
-    assert result.returncode == 2 and result.stderr == (f"error: {name}={value!r} is set, and is no whole number; "
-                                                        "unset it, or give it one\n"), result.stderr
+    assert result.returncode == 2 and result.stderr == (f"error: {name}={value!r} is set, and is not a whole number "
+                                                        "of 0 or more; unset it, or give it one\n"), result.stderr
 
 
 def test_every_option_has_help_text() -> None:

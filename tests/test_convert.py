@@ -445,6 +445,19 @@ def test_the_generation_config_and_card_are_the_revision_trained_when_main_has_m
     assert (written["eos_token_id"], written.get("do_sample", False)) == ([7, eos], False)
     card = (tmp_path / "hf" / "README.md").read_text()
     assert f"| Base model | org/tiny (revision {trained}) |" in card and "base_model: org/tiny" in card
+    # a run started from that run's checkpoint (--init_from) keeps its base model: stop tokens, sampling, the card
+    from app.training.preflight import inherited_base
+    from app.training.preflight.resume import ChosenCheckpoint
+
+    first = tmp_path / "run1" / "checkpoints" / "step-00000004.ckpt"
+    assert inherited_base(ChosenCheckpoint(first, {"config": {"model_name": "org/tiny"}, "base_revision": trained})) \
+        == {"base_model": "org/tiny", "base_revision": trained}
+    run = earlier_checkpoint(tmp_path / "phase-2", model, tokenizer=str(tiny.tokenizer), base_model="org/tiny",
+                             base_revision=trained, config={"init_from": str(first)})
+    convert("--checkpoint", run, "--output_dir", tmp_path / "phase-2-hf", "--dtype", "float32")
+    assert json.loads((tmp_path / "phase-2-hf" / "generation_config.json").read_text())["eos_token_id"] == [7, eos]
+    assert (f"| Base model | org/tiny (revision {trained}), continued from the train.py checkpoint step-00000004.ckpt "
+            "of run run1 |") in (tmp_path / "phase-2-hf" / "README.md").read_text()
     (repo / "snapshots" / trained / "generation_config.json").unlink()  # many repositories have none
     capsys.readouterr()
     convert("--checkpoint", run, "--output_dir", tmp_path / "none-hf", "--dtype", "float32")
@@ -467,6 +480,8 @@ def test_the_card_reports_the_checkpoints_global_batch() -> None:
     assert "lr decay" not in dict(converter.hyperparameters(run | {"lr_decay": True}))  # the usual cosine
     wsd = run | {"lr_decay": True, "lr_decay_type": "sqrt", "lr_decay_ratio": 0.2}
     assert dict(converter.hyperparameters(wsd))["lr decay"] == "sqrt over the last 0.2 of the steps"
+    linear = run | {"lr_decay": True, "lr_decay_type": "linear", "lr_decay_ratio": 1.0}
+    assert dict(converter.hyperparameters(linear))["lr decay"] == "linear over the last 1 of the steps"
 
 
 def test_all_converts_every_checkpoint_of_a_run(full_run, tmp_path) -> None:

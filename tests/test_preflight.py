@@ -131,6 +131,12 @@ CASES = {
     "an override the config refuses": (dict(model_overrides='{{"rope_parameters": {{"rope_type": "yarn"}}}}'),
                                        "--model_overrides: the llama config refuses them (\"Missing required keys in "
                                        "`rope_parameters` for 'rope_type'='yarn': {{'factor'}}\")"),
+    "an override of values that do not go together": (dict(model_overrides='{{"num_attention_heads": 3}}'),
+                                                       "--model_overrides: the llama config refuses them ("),
+    "an eval_only run into a run's folder": (dict(out_dir="{earlier_run}", eval_only=True),
+                                             "earlier_run already holds config.yaml, metrics.csv, "
+                                             "samples/step-00000004.jsonl, which --eval_only true would replace with "
+                                             "its metrics.csv and summary.json; give it an --out_dir of its own"),
     "an override that reshapes pretrained weights": (
         dict(model_config=None, init_from="{run}", model_overrides='{{"intermediate_size": 256}}'),
         "--model_overrides reshapes the weights of --init_from {run}/checkpoints/step-00000004.ckpt "
@@ -251,15 +257,23 @@ def test_intervals_given_as_a_share_of_the_run_become_its_steps(tiny, tmp_path, 
     assert "--eval_step_interval 0.1: every 4 steps of the run's 40" in said and "--log_interval" not in said
 
 
-def test_model_overrides_change_the_config_the_run_builds_and_records(tiny, bad, tmp_path) -> None:
+def test_model_overrides_change_the_config_the_run_builds_and_records(tiny, bad, tmp_path, capsys) -> None:
     """A longer context for a model whose positions end short of the data: --model_overrides raises them, with a
-    RoPE scaling, without a copy of the model's folder to edit."""
-    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
-    inputs = preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=bad["short_positions"],
+    RoPE scaling, without a copy of the model's folder to edit. A mapping is merged into the config's: the yarn
+    scaling keeps the model's own rope_theta (replaced whole, it became the class's default: 10,000 for Llama-3's
+    500,000), and the start says every field that changed."""
+    config = json.loads((bad["short_positions"] / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 500000.0
+    (tmp_path / "long").mkdir()
+    (tmp_path / "long" / "config.json").write_text(json.dumps(config))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    inputs = preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=tmp_path / "long",
                                                model_overrides=json.dumps({"max_position_embeddings": 64,
                                                                            "rope_parameters": yarn}))))
-    assert inputs.model_config.max_position_embeddings == 64 and inputs.model_config.rope_parameters == yarn
+    assert inputs.model_config.max_position_embeddings == 64
+    assert inputs.model_config.rope_parameters == yarn | {"rope_theta": 500000.0}, "the model's own theta"
     assert inputs.config.model_overrides == {"max_position_embeddings": 64, "rope_parameters": yarn}
+    assert "--model_overrides: max_position_embeddings 16 -> 64, rope_parameters {" in capsys.readouterr().out
 
 
 def test_documents_kept_apart_in_raw_text_blocks_reach_the_model_as_packed_examples(tiny, tmp_path) -> None:

@@ -447,11 +447,11 @@ def run_files(folder: Path) -> list[str]:
 def resumed_data_problems(tiny, moved_run, spec: str, metadata: dict, **options) -> list[str]:
     """What the preflight's resume check says of --train_data_dir `spec` against a checkpoint's `metadata`."""
     from app.training.preflight.data import check_data
-    from app.training.preflight.resume import Resume, check_data_resume
+    from app.training.preflight.resume import ChosenCheckpoint, check_data_resume
 
     problems: list[str] = []
     cfg = parse_config(train_args(tiny, moved_run.out_dir, train_data_dir=spec, **options))
-    check_data_resume(cfg, check_data(cfg, problems), Resume(Path("step-00000002.ckpt"), metadata), problems)
+    check_data_resume(cfg, check_data(cfg, problems), ChosenCheckpoint(Path("step-00000002.ckpt"), metadata), problems)
     return problems
 
 
@@ -622,9 +622,10 @@ def test_every_value_a_checkpoint_holds_is_resumed_restored_by_its_owner_or_desc
     from app.training.run import initial_state
 
     inputs = SimpleNamespace(plan=SimpleNamespace(global_batch_size=8), model_config=SimpleNamespace(to_dict=dict),
-                             tokenizer=None, data_folders=[])
+                             tokenizer=None, data_folders=[], base_model=None, base_revision=None)
     state = initial_state(None, None, SimpleNamespace(to_dict=dict, model_name=None), inputs)
-    describes_the_run = {"global_batch_size", "config", "cwd", "model_config", "tokenizer", "data_folders", "versions"}
+    describes_the_run = {"global_batch_size", "config", "cwd", "model_config", "tokenizer", "data_folders", "versions",
+                         "base_model"}
     assert set(state) == {"model", "optimizer"} | set(PROGRESS) | set(SAVED_FOR_THE_RANKS) | describes_the_run
     resumed = saved_progress({"step": 7, "epoch": 1, "position": 24, "val_loss": 2.5, "source_tokens": None})
     assert resumed == progress_at_start() | {"step": 7, "epoch": 1, "position": 24, "val_loss": 2.5}

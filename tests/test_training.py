@@ -246,31 +246,37 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
 
 def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run, tiny, tmp_path, capsys) -> None:
     """--init_from: the weights of the FSDP run's step 16, read into DDP's layout, with a fresh optimizer and
-    schedule; the new run's baseline is the validation loss the checkpoint's run measured at that step. A relaunch
-    with --resume true continues the new run, not the checkpoint it started from."""
+    schedule (here warmup-stable-decay: --lr_decay_ratio 0.4, linear); the new run's baseline is the validation loss
+    the checkpoint's run measured at that step. A relaunch with --resume true continues the new run, and the
+    checkpoint it started from stays the one recorded, whatever the path given names by then."""
+    from app.checkpoint import read_tensors
     from app.training.preflight import preflight
     from arguments import parse_config
 
     start = fsdp_run / "checkpoints" / "step-00000016.ckpt"
     run = tmp_path / "phase-2"
-    result = run_train(train_args(tiny, run, model_config=None, init_from=start, strategy="ddp", max_step=3,
-                                  warmup_steps=2, save_step_interval=100))
+    result = run_train(train_args(tiny, run, model_config=None, init_from=start, strategy="ddp", max_step=5,
+                                  warmup_steps=2, lr_decay_ratio=0.4, lr_decay_type="linear", save_step_interval=100))
     assert_succeeded(result)
     assert f"started from the weights of {start} (step 16 of its run)" in result.stdout
     metrics, straight = read_metrics(run), read_metrics(fsdp_run)
     assert metrics[0]["val_loss"] == pytest.approx(straight[16]["val_loss"], rel=1e-6), "the checkpoint's weights"
-    assert metrics[1]["lr"] == pytest.approx(3e-3 / 2) and metrics[1]["tokens_seen"] == straight[1]["tokens_seen"], (
-        "the schedule starts again: the first of --warmup_steps 2")
-    evaluated = tmp_path / "evaluated"  # the checkpoint alone, evaluated: --eval_only
-    assert_succeeded(run_train(train_args(tiny, evaluated, model_config=None, init_from=start, eval_only=True)))
+    assert [metrics[step]["lr"] for step in range(1, 6)] == pytest.approx([1.5e-3, 3e-3, 3e-3, 1.65e-3, 3e-4]), (
+        "warmup over 2 steps from the first, lr until the last 40% of 5 steps, then a linear fall to --min_lr")
+    assert metrics[1]["tokens_seen"] == straight[1]["tokens_seen"]
+    moments = read_tensors(run / "checkpoints" / "step-00000005.ckpt", "optimizer.state.model.norm.weight.step")
+    assert [float(value) for value in moments.values()] == [5.0], "AdamW's own 5 steps, not 21 with the checkpoint's 16"
+    evaluated = tmp_path / "evaluated"  # the checkpoint alone, evaluated: --eval_only, a batch no step could fill
+    assert_succeeded(run_train(train_args(tiny, evaluated, model_config=None, init_from=start, eval_only=True,
+                                          gradient_accumulation_steps=10_000)))
     assert read_metrics(evaluated) == {0: {"val_loss": metrics[0]["val_loss"], "val_ppl": metrics[0]["val_ppl"]}}
     summary = json.loads((evaluated / "summary.json").read_text())
     assert summary["val_loss"] == metrics[0]["val_loss"] and not (evaluated / "checkpoints").exists()
     capsys.readouterr()
-    preflight(parse_config(train_args(tiny, run, model_config=None, init_from=fsdp_run, resume=True, max_step=4,
-                                        warmup_steps=2)))
-    assert f"--init_from {fsdp_run / 'checkpoints' / 'step-00000024.ckpt'}: not read: --resume true continues this " \
-           "run from its checkpoint at step 3" in capsys.readouterr().out, "a run folder names its newest checkpoint"
+    inputs = preflight(parse_config(train_args(tiny, run, model_config=None, init_from=fsdp_run, resume=True,
+                                               max_step=6, warmup_steps=2)))
+    assert f"--init_from {fsdp_run}: not read: --resume true continues this run from its checkpoint at step 5 (it " \
+           f"started from {start})" in capsys.readouterr().out and inputs.config.init_from == str(start)
 
 
 @pytest.mark.parametrize("layout", [dict(strategy="fsdp"), dict(strategy="ddp", gradient_checkpointing=True)],

@@ -253,9 +253,10 @@ def from_where_trained(metadata: dict[str, Any], path: Optional[str]) -> Optiona
 
 
 def recorded_base_model(metadata: dict[str, Any]) -> Optional[str]:
-    """The run's --model_name; a relative path that is not there from here is taken from where training ran, when
-    the checkpoint records it (`cwd`), so the base model's generation config and name are found."""
-    return from_where_trained(metadata, (metadata.get("config") or {}).get("model_name"))
+    """The run's --model_name (for a run started with --init_from, the base model its checkpoint's run recorded); a
+    relative path that is not there from here is taken from where training ran, when the checkpoint records it
+    (`cwd`), so the base model's generation config and name are found."""
+    return from_where_trained(metadata, metadata.get("base_model") or (metadata.get("config") or {}).get("model_name"))
 
 
 def hub_id(base: Optional[str]) -> Optional[str]:
@@ -604,17 +605,33 @@ def hyperparameters(run: dict[str, Any], global_batch_size: Optional[int] = None
         f"{run.get('micro_batch_size')} per device x {run.get('gradient_accumulation_steps') or 1} accumulation "
         f"x {run.get('devices')} devices x {run.get('num_nodes', 1)} nodes")
     names = ("lr", "min_lr", "warmup_steps", "weight_decay", "max_step", "precision", "seed")
-    decay = [("lr decay", f"{run['lr_decay_type']} over the last {run['lr_decay_ratio']:g} of the steps")] if run.get(
-        "lr_decay") and run.get("lr_decay_ratio", 1) < 1 else []  # warmup-stable-decay: else the usual cosine
     frozen = [("frozen parameters", ", ".join(run["freeze"]))] if run.get("freeze") else []
-    return [("batch (sequences per step)", batch)] + [(n, run.get(n)) for n in names] + decay + frozen
+    return [("batch (sequences per step)", batch)] + [(n, run.get(n)) for n in names] + decay_rows(run) + frozen
+
+
+def decay_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
+    """The learning rate's decay when it is not the cosine over every step after warmup (warmup-stable-decay, a
+    linear or sqrt shape); none for that usual one, or without a decay."""
+    shape, ratio = run.get("lr_decay_type", "cosine"), run.get("lr_decay_ratio", 1)
+    if not run.get("lr_decay") or (shape, ratio) == ("cosine", 1):
+        return []
+    return [("lr decay", f"{shape} over the last {ratio:g} of the steps")]
 
 
 def base_model_row(base: Optional[str], run: dict[str, Any], repo: Optional[str], revision: Optional[str]) -> str:
-    if not base and run.get("init_from"):  # the folders' names alone: step-00001000.ckpt of run "llama3"
-        start = Path(run["init_from"])
-        return f"a train.py checkpoint: {start.name}" + (f" of run {folder.name}" if (folder := run_folder_of(start))
-                                                         else "")
+    """The base model (for a run started with --init_from, the one its checkpoint's run started from), and that
+    checkpoint by its folders' names alone: `org/tiny (revision ...), continued from step-00001000.ckpt of run
+    llama3`."""
+    origin = base_origin(base, run, repo, revision)
+    if not run.get("init_from"):
+        return origin
+    start = Path(run["init_from"])
+    checkpoint = start.name + (f" of run {folder.name}" if (folder := run_folder_of(start)) else "")
+    return f"{origin}, continued from the train.py checkpoint {checkpoint}" if base else \
+        f"a train.py checkpoint: {checkpoint}"
+
+
+def base_origin(base: Optional[str], run: dict[str, Any], repo: Optional[str], revision: Optional[str]) -> str:
     if not base:
         return f"none: trained from scratch from {folder_names(str(run.get('model_config')))}"
     if repo:

@@ -91,8 +91,8 @@ def node_fingerprint(cfg: Config, inputs: RunInputs) -> dict[str, Any]:
             if len(folders) > 1 else [],
             "model": {key: value for key, value in model.items()
                       if key not in ("_name_or_path", "transformers_version")},
-            "weights": None if inputs.resume_from else weights_identity(cfg.model_name, cfg.init_from),  # a resume
-            # reads none
+            # a resume reads no pretrained weights
+            "weights": None if inputs.resume_from else weights_identity(cfg.model_name, cfg.init_from),
             "code": code_version(), "libraries": library_versions()}
 
 

@@ -148,7 +148,8 @@ def initial_state(model: Any, optimizer: Any, cfg: Config, inputs: RunInputs) ->
         "model_config": inputs.model_config.to_dict(),
         # the commit of a Hub model's files (none for a folder), which a resume keeps whatever the Hub id loads by
         # then: conversion reads the model's generation config there
-        "base_revision": hub_commit(cfg.model_name),
+        "base_revision": inputs.base_revision or hub_commit(cfg.model_name),
+        "base_model": inputs.base_model,  # for --init_from: the model its checkpoint's run started from
         "tokenizer": inputs.tokenizer,  # as given; out_dir/tokenizer/ holds a copy (keep_tokenizer_with_run)
         "data_folders": inputs.data_folders,  # what identifies each data folder, for a resume from anywhere
         "versions": library_versions(),  # of the libraries that wrote it (the converted model's card lists them)

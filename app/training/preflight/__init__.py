@@ -26,6 +26,7 @@ from app.cli import naming_config_files
 from app.data.formats import Layout
 from app.data.mixture import describe_mixture
 from app.distributed.precision import bf16_rounding_note
+from app.huggingface.convert import recorded_base_model
 from app.model.build import resolve_wrap_classes
 from app.optimization.schedule import TrainingPlan
 from app.reliability.signals import first_of_the_run
@@ -38,7 +39,7 @@ from app.training.preflight.notes import held, note
 from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
                                          resolve_learning_rates, resolve_shares)
-from app.training.preflight.resume import check_data_resume, resolve_init_from, resolve_resume
+from app.training.preflight.resume import ChosenCheckpoint, check_data_resume, resolve_resume, starting_checkpoint
 from app.training.preflight.tokenizer import check_run_tokenizer, check_samples, resolve_tokenizer
 from app.training.preflight.wandb_options import check_wandb, note_wandb_history, resolve_wandb
 
@@ -73,6 +74,10 @@ class RunInputs:
     """Seq2seq data's longest target, for the memory planner; 0 for the other formats."""
     data_folders: list[dict] = field(default_factory=list)
     """What identifies each data folder (app/data/identity.py), recorded by every checkpoint for a resume anywhere."""
+    base_model: Optional[str] = None
+    """For --init_from, the base model (and its Hub commit) of the run that wrote the checkpoint, which the converted
+    model's generation config and card come from."""
+    base_revision: Optional[str] = None
 
 
 def preflight(cfg: Config, sources: Optional[dict[str, str]] = None) -> RunInputs:
@@ -83,12 +88,21 @@ def preflight(cfg: Config, sources: Optional[dict[str, str]] = None) -> RunInput
         return checked_inputs(cfg, sources)
 
 
+def inherited_base(init: Optional[ChosenCheckpoint]) -> dict[str, Optional[str]]:
+    """The base model a --init_from checkpoint's run started from (or inherited itself), and its commit."""
+    if init is None:
+        return {}
+    metadata = init.metadata
+    return {"base_model": recorded_base_model(metadata), "base_revision": metadata.get("base_revision")}
+
+
 def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     problems: list[str] = []
     cfg = resolve_wandb(cfg, problems)
     data = check_data(cfg, problems) if reads_data(cfg) else None
-    init = resolve_init_from(cfg, problems) if cfg.init_from else None
-    if init is not None:  # a run folder given: its checkpoint, which config.yaml records and a resume finds again
+    given_init = cfg.init_from
+    init = starting_checkpoint(cfg, problems) if cfg.init_from else None
+    if init is not None:  # a run folder given: its checkpoint, which config.yaml records and a resume keeps
         cfg = replace(cfg, init_from=str(init.path))
     model_config = check_model(cfg, problems, init)
     check_runs_here(cfg, problems)
@@ -102,8 +116,8 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
                                    else ("position_ids", False))
     resume = resolve_resume(cfg, model_config, problems)
     if resume is not None and init is not None:
-        note(f"--init_from {init.path}: not read: --resume true continues this run from its checkpoint at step "
-             f"{resume.metadata['step']}")
+        note(f"--init_from {given_init}: not read: --resume true continues this run from its checkpoint at step "
+             f"{resume.metadata['step']} (it started from {init.path})")
     check_data_resume(cfg, data, resume, problems)
     plan = check_plan(cfg, data or planned_blocks(cfg), resume, problems) if data or cfg.block_size else None
     if plan is not None:
@@ -142,4 +156,4 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
                      samples_pad_apart=samples_pad_apart(cfg, model_config),
                      mixture=describe_mixture(data.sources, data.source_rows) if data and data.sources else "",
                      target_block_size=data.target_block_size if data else 0,
-                     data_folders=data.identities if data else [])
+                     data_folders=data.identities if data else [], **inherited_base(init))

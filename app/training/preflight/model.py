@@ -32,32 +32,42 @@ from app.metrics.observe import has_experts
 from app.model.loss import ROUTER_COEFFICIENT_NAMES, probe_chunked_loss
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
-from app.training.preflight.resume import Resume
+from app.training.preflight.resume import ChosenCheckpoint
 from app.training.preflight.tokenizer import TOKEN_ID_PAST_VOCAB, room_for_tokens
 
 if TYPE_CHECKING:
     from arguments import Config
 
 
-def check_model(cfg: Config, problems: list[str], init: Optional[Resume] = None) -> Optional[PretrainedConfig]:
+def check_model(cfg: Config, problems: list[str],
+                init: Optional[ChosenCheckpoint] = None) -> Optional[PretrainedConfig]:
     """The model's config (for --init_from, the one its checkpoint, `init`, recorded), with --model_overrides."""
-    config = (recorded_config(init, problems) if init else None) if cfg.init_from else loaded_config(cfg, problems)
+    if not cfg.init_from:
+        config = loaded_config(cfg, problems)
+    elif init is not None:
+        config = recorded_config(init, problems)
+    else:  # --init_from's checkpoint was refused
+        return None
     return overridden_config(cfg, config, problems) if config is not None and cfg.model_overrides else config
 
 
 def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]) -> Optional[PretrainedConfig]:
     """The config with --model_overrides, built again by its class so that it checks them as a config file's
-    (a longer context's rope_parameters without their factor is refused there). Pretrained weights must still fit:
-    an override that reshapes one is refused here, not when every rank loads them."""
+    (a longer context's rope_parameters without their factor is refused there). A mapping's fields are merged into
+    the config's own (the yarn scaling of a `rope_parameters` override keeps the model's rope_theta, which replacing
+    it reset to the class's default, 10,000 for Llama-3's 500,000), and every field that changes is said. Pretrained
+    weights must still fit: an override that reshapes one is refused here, not when every rank loads them."""
     fields = config.to_dict()
     unknown = [name for name in cfg.model_overrides if name not in fields]
     if unknown:
         problems.append(f"--model_overrides: {', '.join(unknown)}: not a field of the {config.model_type} config; "
                         f"its fields: {', '.join(sorted(fields))}")
         return None
+    merged = {name: fields[name] | value if isinstance(value, dict) and isinstance(fields[name], dict) else value
+              for name, value in cfg.model_overrides.items()}
     try:
-        changed = type(config).from_dict(fields | cfg.model_overrides)
-    except (TypeError, ValueError, KeyError) as error:
+        changed = type(config).from_dict(fields | merged)
+    except CONFIG_ERRORS as error:
         problems.append(f"--model_overrides: the {config.model_type} config refuses them ({first_line(error)})")
         return None
     if cfg.model_config is None:  # pretrained weights, or a checkpoint's
@@ -69,6 +79,11 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
                             f"({reshaped[0]}{' and more' if reshaped[1:] else ''}), which load only into the shapes "
                             "they have; give only fields that keep them (positions, RoPE, dropout)")
             return None
+    after = changed.to_dict()
+    moved = [f"{name} {fields.get(name)} -> {after[name]}" for name in sorted(after)
+             if after[name] != fields.get(name) and name != "transformers_version"]
+    if moved:
+        note(f"--model_overrides: {', '.join(moved)}")
     return changed
 
 
@@ -112,7 +127,7 @@ def check_frozen(cfg: Config, model_config: PretrainedConfig, problems: list[str
         problems.append("--freeze names every parameter of the model: nothing would train")
 
 
-def recorded_config(init: Resume, problems: list[str]) -> Optional[PretrainedConfig]:
+def recorded_config(init: ChosenCheckpoint, problems: list[str]) -> Optional[PretrainedConfig]:
     """The architecture a checkpoint recorded, for the run that starts from its weights."""
     try:
         return config_from_dict(init.metadata["model_config"])

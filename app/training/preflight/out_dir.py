@@ -54,9 +54,12 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
         problems.append(f"--train_data_dir {written_in} is a folder the run writes in (its checkpoints, tokenizer or "
                         f"samples under --out_dir {out_dir}); move the data elsewhere, or choose another --out_dir")
     written = files_a_new_run_replaces(out_dir)
-    if not written or latest_checkpoint(out_dir):  # with checkpoints: resolve_resume's line
+    if not written or latest_checkpoint(out_dir) and not cfg.eval_only:  # with checkpoints: resolve_resume's line
         return
-    if not cfg.resume:
+    if cfg.eval_only:
+        problems.append(f"--out_dir {out_dir} already holds {', '.join(written)}, which --eval_only true would "
+                        "replace with its metrics.csv and summary.json; give it an --out_dir of its own")
+    elif not cfg.resume:
         problems.append(f"--out_dir {out_dir} already holds {', '.join(written)} (of an earlier run, or yours), which "
                         "a new run would overwrite; it holds no checkpoint, so nothing of that run can be continued: "
                         "choose another --out_dir, or add --resume true to start that run again from step 0 there, "

@@ -15,15 +15,22 @@ from app.optimization.schedule import (TrainingPlan, accumulation_steps, interva
 from app.training.preflight.data import DataFacts
 from app.training.preflight.environment import world_size
 from app.training.preflight.notes import note
-from app.training.preflight.resume import Resume
+from app.training.preflight.resume import ChosenCheckpoint
 
 if TYPE_CHECKING:
     from arguments import Config
 
 
-def check_plan(cfg: Config, data: DataFacts, resume: Optional[Resume], problems: list[str]) -> Optional[TrainingPlan]:
+def check_plan(cfg: Config, data: DataFacts, resume: Optional[ChosenCheckpoint],
+               problems: list[str]) -> Optional[TrainingPlan]:
     """The batch arithmetic. A resumed run keeps its checkpoint's global batch unless --global_batch_size is given:
     the accumulation follows the devices and micro batch it resumes with."""
+    if cfg.eval_only:  # nothing trains: no step to fill, nor a schedule to check
+        plan = TrainingPlan(world_size=world_size(cfg), micro_batch_size=cfg.micro_batch_size, accumulation=1,
+                            train_rows=data.train_rows, max_step=0, block_size=data.block_size,
+                            row_tokens=data.mean_row_tokens or data.block_size, target_tokens=data.mean_target_tokens)
+        note_validation_share(cfg, data, plan)
+        return plan
     kept = resume is not None and cfg.global_batch_size is None
     global_batch_size = resume.metadata["global_batch_size"] if kept else cfg.global_batch_size
     try:
@@ -262,7 +269,7 @@ def resolve_shares(cfg: Config, plan: Optional[TrainingPlan]) -> Config:
     """Intervals and the warmup given as a share of the run (below 1) in steps of this run's plan (the warmup in
     steps of its schedule, which a resume at another global batch counts otherwise), said once; the run, its
     config.yaml and its checkpoints hold the steps."""
-    if plan is None or cfg.estimate_memory:  # a plan's steps are a stand-in run's
+    if plan is None or cfg.estimate_memory or cfg.eval_only:  # a plan's steps are a stand-in run's; none trains
         return cfg
     steps = {name: interval_steps(getattr(cfg, name), plan.max_step) for name in INTERVALS}
     for name, value in steps.items():

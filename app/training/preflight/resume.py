@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Resume:
-    """The checkpoint a run continues from, and what it says about the run that wrote it."""
+class ChosenCheckpoint:
+    """The checkpoint a run continues from (--resume) or starts from (--init_from), and what it says about the run
+    that wrote it."""
 
     path: Path
     metadata: dict
@@ -60,7 +61,20 @@ def newest_whole_checkpoint(out_dir: Path) -> tuple[Optional[Path], list[str]]:
     return None, skipped
 
 
-def resolve_init_from(cfg: Config, problems: list[str]) -> Optional[Resume]:
+def starting_checkpoint(cfg: Config, problems: list[str]) -> Optional[ChosenCheckpoint]:
+    """The checkpoint --init_from starts a run from. Where --resume true continues a run that started so, the one its
+    newest checkpoint records, with that checkpoint's metadata (the architecture, the base model): the path given
+    may name another checkpoint by then (a run folder's newest), or none (a copy deleted)."""
+    if cfg.resume:
+        newest, _ = newest_whole_checkpoint(Path(cfg.out_dir))
+        metadata = read_metadata(newest) if newest is not None else {}
+        started = (metadata.get("config") or {}).get("init_from")
+        if started:
+            return ChosenCheckpoint(Path(started), metadata)
+    return resolve_init_from(cfg, problems)
+
+
+def resolve_init_from(cfg: Config, problems: list[str]) -> Optional[ChosenCheckpoint]:
     """--init_from: the checkpoint whose weights start a new run (a run folder's newest that reads whole, or its
     checkpoints/ folder's), with its metadata, which gives the architecture; None after a problem."""
     path = Path(cfg.init_from)
@@ -79,7 +93,7 @@ def resolve_init_from(cfg: Config, problems: list[str]) -> Optional[Resume]:
             return None
         path = newest
     metadata = train_py_metadata(f"--init_from {path}", path, problems)
-    return Resume(path, metadata) if metadata is not None else None
+    return ChosenCheckpoint(path, metadata) if metadata is not None else None
 
 
 def train_py_metadata(flag: str, path: Path, problems: list[str]) -> Optional[dict]:
@@ -95,9 +109,10 @@ def train_py_metadata(flag: str, path: Path, problems: list[str]) -> Optional[di
     return metadata
 
 
-def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
+def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig],
+                   problems: list[str]) -> Optional[ChosenCheckpoint]:
     if not cfg.resume:
-        if latest_checkpoint(cfg.out_dir) and not cfg.estimate_memory:
+        if latest_checkpoint(cfg.out_dir) and not cfg.estimate_memory and not cfg.eval_only:  # (out_dir.py's line)
             problems.append(f"--out_dir {cfg.out_dir} already holds checkpoints; add --resume true to continue that "
                             "run, or choose another --out_dir (nothing is overwritten)")
         return None
@@ -114,10 +129,11 @@ def resolve_resume(cfg: Config, model_config: Optional[PretrainedConfig], proble
         return None
     if relaunched_after(cfg, path, metadata):
         return resolve_latest(cfg, model_config, problems)
-    return Resume(path, metadata)
+    return ChosenCheckpoint(path, metadata)
 
 
-def resolve_latest(cfg: Config, model_config: Optional[PretrainedConfig], problems: list[str]) -> Optional[Resume]:
+def resolve_latest(cfg: Config, model_config: Optional[PretrainedConfig],
+                   problems: list[str]) -> Optional[ChosenCheckpoint]:
     """The newest checkpoint in out_dir that reads whole, checked; newer broken ones are named, and the resume sets
     them aside as it does every checkpoint newer than the one it continues from. A run still writing that folder
     (the same job submitted twice; the lock refuses the second once its ranks start) deletes its older checkpoints as
@@ -146,7 +162,7 @@ def resolve_latest(cfg: Config, model_config: Optional[PretrainedConfig], proble
             if metadata is not None and broken:
                 note(f"--resume true: {'; '.join(broken)}; continuing from {path.name}, the newest checkpoint that "
                      f"reads whole (the resume moves the broken ones to {folder / 'rolled-back'})")
-            return Resume(path, metadata) if metadata is not None else None
+            return ChosenCheckpoint(path, metadata) if metadata is not None else None
     problems.append(f"--resume true: {VANISHED_READS} checkpoints in {checkpoint_dir(cfg.out_dir)} were deleted while "
                     "they were read; another run is writing --out_dir: wait for it to end, or choose another --out_dir")
     return None
@@ -256,7 +272,8 @@ def started_from(out_dir: Path) -> Optional[Path]:
     return Path(recorded).resolve() if recorded else None
 
 
-def check_data_resume(cfg: Config, data: Optional[DataFacts], resume: Optional[Resume], problems: list[str]) -> None:
+def check_data_resume(cfg: Config, data: Optional[DataFacts], resume: Optional[ChosenCheckpoint],
+                      problems: list[str]) -> None:
     """A resumed run reads the checkpoint's folders in their order: its position counts rows of that order, a
     mixture's positions and seeds are kept per folder name and its quarantined rows are numbered folder after folder.
     Weights may change and folders may be added at the end of a mixture's (not to a run of one folder, whose position
