@@ -372,6 +372,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
              f"{format_duration(s['train_sec'])}, evaluation {format_duration(s['eval_sec'])}, "
              f"checkpoints {format_duration(s['save_sec'])} for {s['checkpoints_saved']} saved)"
              + validation_part(s)]
+    if not s["steps"] and not s["checkpoints_saved"] and s["eval_sec"]:  # --eval_only
+        lines = [f"summary: evaluated in {format_duration(s['eval_sec'])}" + validation_part(s)]
     if s["steps"]:
         speed = (f"  throughput: {s['tokens_per_sec']:,.0f} tokens/s ({s['tokens_per_sec_per_device']:,.0f} per "
                  f"device), {s['step_sec']:.3f} s per step, data wait {s['data_wait_pct']:.1f}% of training time")

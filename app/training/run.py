@@ -207,7 +207,9 @@ def evaluate_only(fabric: Fabric, loop: Loop) -> int:
     if metrics:
         fabric.log_dict(metrics, step=0)
     loop.console.close()
-    report_summary(fabric, loop.cfg.out_dir, loop.summarize(), loop.console)
+    summary = loop.summarize()
+    summary.pop("spike_guard", None)  # nothing trained
+    report_summary(fabric, loop.cfg.out_dir, summary, loop.console)
     if not loop.stop.requested:
         return EXIT_CODES["finished"]
     return EXIT_CODES["interrupted" if loop.stop.interrupted else "preempted"]
