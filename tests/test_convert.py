@@ -480,6 +480,8 @@ def test_the_card_reports_the_checkpoints_global_batch() -> None:
     assert "lr decay" not in dict(converter.hyperparameters(run | {"lr_decay": True}))  # the usual cosine
     wsd = run | {"lr_decay": True, "lr_decay_type": "sqrt", "lr_decay_ratio": 0.2}
     assert dict(converter.hyperparameters(wsd))["lr decay"] == "sqrt over the last 0.2 of the steps"
+    overridden = dict(converter.hyperparameters(run | {"model_overrides": {"max_position_embeddings": 32768}}))
+    assert overridden["model config overrides"] == '{"max_position_embeddings": 32768}'
     linear = run | {"lr_decay": True, "lr_decay_type": "linear", "lr_decay_ratio": 1.0}
     assert dict(converter.hyperparameters(linear))["lr decay"] == "linear over the last 1 of the steps"
 

@@ -87,6 +87,8 @@ def bad(tiny: TinySetup, tmp_path_factory) -> dict[str, Path]:
     last, before_last = sorted(ids, key=ids.get)[-2:][::-1]
     ids[last], ids[before_last] = ids[before_last], ids[last]
     (retokenized / "tokenizer" / "tokenizer.json").write_text(json.dumps(vocabulary))
+    torch.save({"step": 4, "model_config": AutoConfig.from_pretrained(tiny.model_config).to_dict(),
+                "tokenizer": str(retokenized / "tokenizer")}, root / "lone_checkpoint.ckpt")
     (root / "a_file").write_text("not a folder")
     (root / "nest" / "checkpoints").mkdir(parents=True)
     (root / "earlier_run" / "samples").mkdir(parents=True)  # a run that saved no checkpoint, or a user's folder
@@ -139,8 +141,14 @@ CASES = {
                                              "its metrics.csv and summary.json; give it an --out_dir of its own"),
     "an override that reshapes pretrained weights": (
         dict(model_config=None, init_from="{run}", model_overrides='{{"intermediate_size": 256}}'),
-        "--model_overrides reshapes the weights of --init_from {run}/checkpoints/step-00000004.ckpt "
-        "(model.layers.0.mlp.gate_proj.weight (128, 64) -> (256, 64) and more), which load only into the shapes"),
+        "--model_overrides changes the weights of --init_from {run}/checkpoints/step-00000004.ckpt "
+        "(model.layers.0.mlp.gate_proj.weight (128, 64) -> (256, 64) and more: a shape, or a weight tied or untied), "
+        "which load only as they are"),
+    "an override that ties a checkpoint's weights": (
+        dict(model_config=None, init_from="{run}", model_overrides='{{"tie_word_embeddings": true}}'),
+        "--model_overrides changes the weights of --init_from {run}/checkpoints/step-00000004.ckpt (lm_head.weight: "),
+    "an override the model's code refuses": (dict(model_overrides='{{"hidden_act": "nonexistent"}}'),
+                                             "--model_overrides: the llama config refuses them ("),
     "ids beyond vocab": (dict(model_config="{small_vocab}", tokenizer=None), "but the model's vocab_size is 100"),
     "missing model config": (dict(model_config="/nonexistent/config"), "--model_config /nonexistent/config"),
     "missing tokenizer": (dict(tokenizer="/nonexistent/tokenizer"), "--tokenizer /nonexistent/tokenizer"),
@@ -195,6 +203,9 @@ CASES = {
     "Cut Cross-Entropy on CPU": (dict(loss_kernel="cut_cross_entropy"), "--loss_kernel cut_cross_entropy is a Triton "
                                  "kernel for CUDA GPUs and this run is on cpu: drop it"),
     "negative lr": (dict(lr=-1.0), "--lr must be positive"),
+    "a checkpoint as the model config": (dict(model_config="{lone_checkpoint}"), "--model_config {lone_checkpoint} "
+                                         "is a checkpoint of train.py; start a new run from its weights with "
+                                         "--init_from {lone_checkpoint}"),
     "a run folder as the model": (dict(model_config=None, model_name="{retokenized_run}"),
                                   "--model_name {retokenized_run} is a run folder of train.py; start a new run from "
                                   "its weights with --init_from {retokenized_run}, or continue it with --resume true"),
@@ -216,6 +227,9 @@ CASES = {
     "init_from with the data of another tokenizer": (
         dict(model_config=None, init_from="{retokenized_run}"),
         "not with --init_from {retokenized_run}/checkpoints/step-00000004.ckpt's tokenizer"),
+    "init_from a checkpoint copied out of its run, with the data of another tokenizer": (
+        dict(model_config=None, init_from="{lone_checkpoint}"),  # the tokenizer it recorded, then
+        "not with --init_from {lone_checkpoint}'s tokenizer"),
     "init_from and model_config": (dict(init_from="{run}"), "give exactly one of --model_name (fine-tune a "
                                    "pretrained model), --model_config (train from scratch) and --init_from"),
     "fsdp option with ddp": (dict(strategy="ddp", sharding_strategy="NO_SHARD"),

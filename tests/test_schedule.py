@@ -193,6 +193,8 @@ def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_with
     again = plan_from_checkpoint(cfg, saved | {"step": 50, "epoch": 1, "position": 320, "global_batch_size": 32,
                                                      "schedule": {"step": 60, "length": 80}}, plan(32))
     assert again.schedule_step(51) == pytest.approx(62) and again.schedule_step(60) == pytest.approx(80)
+    assert [again.run_step(again.schedule_step(step)) for step in (51, 55, 60)] == pytest.approx([51, 55, 60]), (
+        "where a stretch of the schedule begins, in this run's steps (--print_config's decay)")
     same = plan_from_checkpoint(cfg, saved, plan(16))
     assert same.resumed_schedule is None and same.schedule_step(41) == 41 and same.schedule_length == 80
     three_epochs = SimpleNamespace(max_step=None, number_epochs=3)

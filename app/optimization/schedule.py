@@ -111,6 +111,16 @@ class TrainingPlan:
             return length
         return position + (step - start) * (length - position) / (self.max_step - start)
 
+    def run_step(self, schedule_step: float) -> float:
+        """The optimizer step at which the schedule stands at `schedule_step` (schedule_step's inverse), for saying
+        where a stretch of it begins in this run's steps."""
+        if self.resumed_schedule is None:
+            return schedule_step
+        start, position, length = self.resumed_schedule
+        if length <= position:
+            return self.max_step
+        return start + (schedule_step - position) * (self.max_step - start) / (length - position)
+
     def learning_rate(self, step: int, options: dict[str, Any]) -> float:
         """Optimizer step `step`'s learning rate: the schedule's (its `options`: schedule_options) at the step's
         place in it."""

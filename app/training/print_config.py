@@ -43,8 +43,9 @@ def learning_rate_line(resolved: Config, plan: TrainingPlan) -> str:
     line = f"{resolved.lr:.3g} after {resolved.warmup_steps} warmup steps, "
     if not resolved.lr_decay or resolved.warmup_steps >= plan.schedule_length:
         return line + "then constant"
-    stable_until = plan.schedule_length * (1 - resolved.lr_decay_ratio)
-    stable = f"then constant until step {stable_until:g}, then " if stable_until > resolved.warmup_steps else ""
+    stable_until = plan.schedule_length * (1 - resolved.lr_decay_ratio)  # in the schedule's steps
+    stable = (f"then constant until step {plan.run_step(stable_until):.0f}, then "
+              if stable_until > resolved.warmup_steps else "")
     return line + f"{stable}{resolved.lr_decay_type} decay to {resolved.min_lr:.3g} at step {plan.max_step}"
 
 

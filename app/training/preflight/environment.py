@@ -66,10 +66,8 @@ def check_runs_here(cfg: Config, problems: list[str]) -> None:
                         "none here ($CC, gcc or clang; PyTorch's CUDA runtime Docker images long had none); install "
                         "gcc, or use --compile false")
     folder = Path(cfg.model_name) if cfg.model_name else None
-    if folder and (folder / "checkpoints").is_dir() and not (folder / "config.json").exists():
-        problems.append(f"--model_name {folder} is a run folder of train.py; start a new run from its weights with "
-                        f"--init_from {folder}, or continue it with --resume true --out_dir {folder}")
-    elif folder and folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin")):
+    weights = folder and any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin"))
+    if folder and folder.is_dir() and not (folder / "checkpoints").is_dir() and not weights:
         problems.append(f"--model_name {folder}: the folder holds no weights (*.safetensors or *.bin); to train "
                         f"from its config.json alone, give it as --model_config {folder}")
 

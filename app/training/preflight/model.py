@@ -15,6 +15,7 @@ from huggingface_hub import snapshot_download
 from transformers import PretrainedConfig
 from transformers.utils import is_flash_attn_2_available
 
+from app.checkpoint import is_checkpoint
 from app.cli import first_line
 from app.data.formats import Layout
 from app.distributed.precision import compute_dtype
@@ -65,19 +66,21 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
         return None
     merged = {name: fields[name] | value if isinstance(value, dict) and isinstance(fields[name], dict) else value
               for name, value in cfg.model_overrides.items()}
-    try:
+    try:  # the model too: a value its config takes and its code does not (`"hidden_act": "nonexistent"`)
         changed = type(config).from_dict(fields | merged)
+        before, after = ({name: parameter.shape for name, parameter in meta_model(
+            c, cfg.trust_remote_code).named_parameters()} for c in (config, changed))
     except CONFIG_ERRORS as error:
         problems.append(f"--model_overrides: the {config.model_type} config refuses them ({first_line(error)})")
         return None
-    if cfg.model_config is None:  # pretrained weights, or a checkpoint's
-        before, after = (meta_model(c, cfg.trust_remote_code).state_dict() for c in (config, changed))
-        reshaped = [f"{name} {tuple(before[name].shape)} -> {tuple(after[name].shape)}" for name in before
-                    if name in after and before[name].shape != after[name].shape] + sorted(set(before) ^ set(after))
+    if cfg.model_config is None:  # pretrained weights, or a checkpoint's: a weight reshaped, or tied to another
+        reshaped = [f"{name} {tuple(before[name])} -> {tuple(after[name])}" for name in before
+                    if name in after and before[name] != after[name]] + sorted(set(before) ^ set(after))
         if reshaped:
-            problems.append(f"--model_overrides reshapes the weights of {model_flag(cfg)} {model_source(cfg)} "
-                            f"({reshaped[0]}{' and more' if reshaped[1:] else ''}), which load only into the shapes "
-                            "they have; give only fields that keep them (positions, RoPE, dropout)")
+            more = " and more" if reshaped[1:] else ""
+            problems.append(f"--model_overrides changes the weights of {model_flag(cfg)} {model_source(cfg)} "
+                            f"({reshaped[0]}{more}: a shape, or a weight tied or untied), which load only as they "
+                            "are; give only fields that keep them (positions, RoPE, dropout)")
             return None
     after = changed.to_dict()
     moved = [f"{name} {fields.get(name)} -> {after[name]}" for name in sorted(after)
@@ -87,10 +90,26 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
     return changed
 
 
+def output_of_train_py(path: Path) -> Optional[str]:
+    """`a run folder` or `a checkpoint` where a model option names what train.py writes rather than a model."""
+    if (path / "config.json").exists():
+        return None
+    if (path / "checkpoints").is_dir():
+        return "a run folder"
+    return "a checkpoint" if path.suffix == ".ckpt" or path.is_dir() and is_checkpoint(path) else None
+
+
 def loaded_config(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:
     """--model_name's or --model_config's config; a Hub id that is neither cached nor reachable is refused at once,
     with the prefetch.py command, instead of after a minute of huggingface_hub's retries."""
     flag = model_flag(cfg)
+    output = output_of_train_py(Path(model_source(cfg)))
+    if output:  # its config.json (none) was the first line, and the advice another option than the one it needs
+        continued = f", or continue it with --resume true --out_dir {model_source(cfg)}" if output == "a run folder" \
+            else ""
+        problems.append(f"{flag} {model_source(cfg)} is {output} of train.py; start a new run from its weights with "
+                        f"--init_from {model_source(cfg)}{continued}")
+        return None
     trains = cfg.model_name and not (cfg.estimate_memory or cfg.print_config)  # a plan reads the config alone
     missing = missing_model_problem(flag, model_source(cfg)) or (
         trains and missing_weights_problem(flag, cfg.model_name))

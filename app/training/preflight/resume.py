@@ -91,6 +91,8 @@ def resolve_init_from(cfg: Config, problems: list[str]) -> Optional[ChosenCheckp
             problems.append(f"--init_from {path}: neither a checkpoint nor a run folder holding one that reads whole"
                             + (f" ({'; '.join(broken)})" if broken else "") + "; give a checkpoint of train.py")
             return None
+        if broken:
+            note(f"--init_from {path}: {'; '.join(broken)}; starting from {newest.name}, the newest that reads whole")
         path = newest
     metadata = train_py_metadata(f"--init_from {path}", path, problems)
     return ChosenCheckpoint(path, metadata) if metadata is not None else None

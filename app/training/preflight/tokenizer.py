@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Optional
 
 from transformers import AutoTokenizer, PretrainedConfig
 
-from app.checkpoint import run_folder_of, run_tokenizer_dir
+from app.checkpoint import CheckpointError, read_metadata, run_folder_of, run_tokenizer_dir
 from app.cli import counted, first_line
 from app.data.mixture import first_folder
 from app.folders import prepared_tokenizer
 from app.hub import (TOKENIZER_ADVICE, has_tokenizer_files, missing_model_problem, quiet_hub, tokenizer_difference,
                      unloadable_tokenizer)
-from app.huggingface.convert import converted_tokenizer_problem
+from app.huggingface.convert import converted_tokenizer_problem, from_where_trained
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
 
@@ -95,10 +95,22 @@ def models_tokenizer(cfg: Config) -> tuple[Optional[str], str]:
     """The tokenizer the model was trained with, and the model as the command line names it: --model_name's own;
     for --init_from, the copy its run keeps (`<run>/tokenizer`), which the data must also be tokenized with; none
     for --model_config."""
+    if cfg.init_from and not Path(cfg.init_from).exists():  # a resumed run's start, gone: its own copy is checked
+        return None, f"--init_from {cfg.init_from}"
     if cfg.init_from:
         run = run_folder_of(Path(cfg.init_from))
         kept = run_tokenizer_dir(run) if run else None
-        return (str(kept) if kept and kept.is_dir() else None), f"--init_from {cfg.init_from}"
+        if not (kept and kept.is_dir()):  # a checkpoint copied out of its run: the tokenizer it recorded
+            try:
+                metadata = read_metadata(Path(cfg.init_from))
+            except CheckpointError:  # no checkpoint: refused by resolve_init_from already
+                return None, f"--init_from {cfg.init_from}"
+            kept = from_where_trained(metadata, metadata.get("tokenizer"))
+            kept = Path(kept) if kept and Path(kept).is_dir() else None
+        if kept is None:
+            note(f"--init_from {cfg.init_from}: neither its run's copy of the tokenizer nor the one it recorded is "
+                 "here, so --train_data_dir's tokenizer is not checked against it")
+        return (str(kept) if kept else None), f"--init_from {cfg.init_from}"
     return cfg.model_name, f"--model_name {cfg.model_name}"
 
 
