@@ -206,6 +206,7 @@ def evaluate_only(fabric: Fabric, loop: Loop) -> int:
     metrics = loop.evaluate()
     if metrics:
         fabric.log_dict(metrics, step=0)
+    loop.watchdog.disarm()
     loop.console.close()
     summary = loop.summarize()
     summary.pop("spike_guard", None)  # nothing trained
