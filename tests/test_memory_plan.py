@@ -144,6 +144,24 @@ def test_activation_checkpointing_frees_activations_under_ddp_and_on_one_device_
         assert stored.activations > 2 * checkpointed.activations, strategy
 
 
+def test_frozen_parameters_take_no_optimizer_state_and_fsdp1_units_keep_their_gradient_whole() -> None:
+    """--freeze: the plan counted every parameter's gradient and moments (a job freezing most of a model was told
+    it did not fit). FSDP1 keeps a unit's flat gradient whole while any parameter of the unit trains."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         vocab_size=1000, tie_word_embeddings=False)
+    wrap = resolve_wrap_classes(config, None)
+    full, layers_frozen, embeddings_frozen = (ModelShape.of(config, wrap, freeze=freeze)
+                                              for freeze in (None, [r"model\.layers\."], ["embed_tokens"]))
+    setup = replace(EIGHT_GPUS, strategy="fsdp2", precision="32-true")
+    assert layers_frozen.trained_parameters == full.parameters - 4 * full.layer_parameters
+    assert estimate_memory(layers_frozen, setup).optimizer == pytest.approx(
+        estimate_memory(full, setup).optimizer * layers_frozen.trained_parameters / full.parameters)
+    fsdp1 = replace(setup, strategy="fsdp")
+    assert estimate_memory(embeddings_frozen, fsdp1).gradients == estimate_memory(full, fsdp1).gradients, (
+        "the embedding shares FSDP1's root unit with the head, which trains")
+    assert estimate_memory(embeddings_frozen, setup).gradients < estimate_memory(full, setup).gradients
+
+
 def test_llama_3_8b_on_eight_80gb_gpus_fits_as_users_run_it(llama_3_8b) -> None:
     """FULL_SHARD, bf16-mixed, 8k tokens with activation checkpointing on 8 x 80 GB: what torchtitan and peers run."""
     estimate = estimate_memory(llama_3_8b, EIGHT_GPUS)

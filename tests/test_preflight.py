@@ -149,6 +149,8 @@ CASES = {
         "--model_overrides changes the weights of --init_from {run}/checkpoints/step-00000004.ckpt (lm_head.weight: "),
     "an override the model's code refuses": (dict(model_overrides='{{"hidden_act": "nonexistent"}}'),
                                              "--model_overrides: the llama config refuses them ("),
+    "an override the model cannot run with": (dict(model_overrides='{{"num_key_value_heads": 3}}'),
+                                              "--model_overrides: the llama model does not run with them ("),
     "ids beyond vocab": (dict(model_config="{small_vocab}", tokenizer=None), "but the model's vocab_size is 100"),
     "missing model config": (dict(model_config="/nonexistent/config"), "--model_config /nonexistent/config"),
     "missing tokenizer": (dict(tokenizer="/nonexistent/tokenizer"), "--tokenizer /nonexistent/tokenizer"),
@@ -269,6 +271,17 @@ def test_intervals_given_as_a_share_of_the_run_become_its_steps(tiny, tmp_path, 
     assert "--warmup_steps 0.03: 2 steps of the run's 40" in said, "the Trainer's warmup_ratio, rounded up as it does"
     assert "--save_step_interval 0.25: every 10 steps of the run's 40" in said
     assert "--eval_step_interval 0.1: every 4 steps of the run's 40" in said and "--log_interval" not in said
+
+
+def test_a_sharded_checkpoint_given_as_the_model_is_named_once_as_such(tiny, bad, tmp_path, capsys) -> None:
+    """It was also said to be a model folder without weights, to be given as --model_config; and a missing path
+    ending in .ckpt was called a checkpoint."""
+    for given, said in ((bad["truncated_folder"], "is a checkpoint of train.py; start a new run from its weights"),
+                        (tmp_path / "gone.ckpt", "no such")):
+        with pytest.raises(SystemExit):
+            preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=given)))
+        errors = [line for line in capsys.readouterr().err.splitlines() if "--model_name" in line]
+        assert len(errors) == 1 and said in errors[0], errors
 
 
 def test_model_overrides_change_the_config_the_run_builds_and_records(tiny, bad, tmp_path, capsys) -> None:

@@ -77,6 +77,24 @@ def test_a_resume_that_lengthens_a_stable_run_decays_from_where_it_stands() -> N
     assert annealed[0] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4))) and annealed[-1] == 0.1
 
 
+def test_print_config_says_where_the_decay_begins_in_this_runs_steps() -> None:
+    """After a resume at another global batch the schedule's steps are the checkpoint's: the start of the decay was
+    said in them (step 40 of 80 for this run's step 60), or, begun before the resume, as a negative step."""
+    from types import SimpleNamespace
+
+    from app.optimization.schedule import TrainingPlan
+    from app.training.print_config import learning_rate_line
+
+    plan = TrainingPlan(world_size=1, micro_batch_size=4, accumulation=1, train_rows=100, max_step=120, block_size=32,
+                        row_tokens=32, resumed_schedule=(40, 40, 80))  # 40 schedule steps left over 80 of this run
+    cfg = SimpleNamespace(lr=2e-5, warmup_steps=2, lr_decay=True, lr_decay_ratio=0.25, lr_decay_type="linear",
+                          min_lr=2e-6)
+    assert learning_rate_line(cfg, plan) == ("2e-05 after 2 warmup steps, then constant until step 80, then linear "
+                                             "decay to 2e-06 at step 120")
+    assert learning_rate_line(SimpleNamespace(**vars(cfg) | {"lr_decay_ratio": 0.9}), plan) == (
+        "2e-05 after 2 warmup steps, then (decaying since before step 40) linear decay to 2e-06 at step 120")
+
+
 def test_accumulation_from_global_batch_size() -> None:
     assert accumulation_steps(world_size=4, micro_batch_size=2, gradient_accumulation_steps=None,
                               global_batch_size=64) == 8

@@ -50,7 +50,7 @@ from app.distributed.strategy import resolve_accelerator
 from app.metrics.activations import FAKE_TENSOR_LIMITS, READS_VALUES, KeptForBackward, kept_for_backward
 from app.metrics.console import format_gb
 from app.metrics.observe import GB, has_experts
-from app.model.build import meta_model
+from app.model.build import freeze_parameters, meta_model
 from app.model.loss import chunk_tokens
 
 if TYPE_CHECKING:
@@ -86,24 +86,35 @@ class ModelShape:
     model_config: PretrainedConfig = field(compare=False, repr=False)
     wrap_classes: set[type[Module]] = field(compare=False, repr=False)
     trust_remote_code: bool = False
+    trained_parameters: int = -1
+    """Parameters that take gradients and optimizer state: all but those --freeze names (-1: all)."""
+    unit_trained_parameters: int = -1
+    """Parameters of the FSDP1 units that hold a trained one: FSDP1 keeps a unit's flat gradient whole (-1: all)."""
     measured: dict[tuple, KeptForBackward] = field(default_factory=dict, compare=False, repr=False)
     """What backward keeps of one sequence, by (tokens, target tokens, dtype, attention, gpu, autocast): measured
     once each."""
 
     @classmethod
     def of(cls, model_config: PretrainedConfig, wrap_classes: set[type[Module]],
-           trust_remote_code: bool = False) -> "ModelShape":
+           trust_remote_code: bool = False, freeze: Optional[list[str]] = None) -> "ModelShape":
         """`wrap_classes`: FSDP's units; none (DDP, one device) stands for the model's own layer classes, which
         activation checkpointing recomputes there too (transformers' own): without them the plan counted every
         activation outside a layer, and so checkpointing freed none (1.5x the measured peak under DDP)."""
         model = meta_model(model_config, trust_remote_code)
+        freeze_parameters(model, freeze)
         own = set(model._no_split_modules or [])
         wrap_classes = wrap_classes or {type(m) for m in model.modules() if type(m).__name__ in own}
         layers = [m for m in model.modules() if type(m) in wrap_classes]
         total = parameter_count(model)
         per_layer = [parameter_count(layer) for layer in layers] or [0]
         _, input_embeddings = separate_embeddings(model, layers)
+        trained = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+        in_layers = {id(parameter) for layer in layers for parameter in layer.parameters()}
+        units = [list(layer.parameters()) for layer in layers] + [
+            [parameter for parameter in model.parameters() if id(parameter) not in in_layers]]
+        unit_trained = sum(sum(p.numel() for p in unit) for unit in units if any(p.requires_grad for p in unit))
         return cls(parameters=total, root_parameters=total - sum(per_layer), layer_parameters=max(per_layer),
+                   trained_parameters=trained, unit_trained_parameters=unit_trained,
                    input_embedding_unit=parameter_count(input_embeddings) if input_embeddings else 0,
                    hidden_size=model_config.hidden_size,
                    vocab_size=model_config.vocab_size, model_config=model_config, wrap_classes=wrap_classes,
@@ -279,12 +290,15 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     stored = dtype_bytes(weights_dtype(setup.precision))
     computed = dtype_bytes(compute_dtype(setup.precision))
     on_device = 0 if setup.cpu_offload else 1
+    trained = shape.parameters if shape.trained_parameters < 0 else shape.trained_parameters
+    with_gradients = (shape.unit_trained_parameters if setup.strategy == "fsdp" else shape.trained_parameters)
+    with_gradients = shape.parameters if with_gradients < 0 else with_gradients
     parameters = on_device * shape.parameters * stored / setup.shards
-    gradients = on_device * shape.parameters * stored / setup.shards
+    gradients = on_device * with_gradients * stored / setup.shards
     if setup.unsharded_accumulation:
-        gradients = shape.parameters * (dtype_bytes(setup.reduce_dtype) if setup.strategy == "fsdp2"
-                                        and setup.reduce_dtype is not None else computed)
-    optimizer = on_device * 2 * shape.parameters * stored / setup.shards
+        gradients = with_gradients * (dtype_bytes(setup.reduce_dtype) if setup.strategy == "fsdp2"
+                                      and setup.reduce_dtype is not None else computed)
+    optimizer = on_device * 2 * trained * stored / setup.shards  # AdamW's two moments, of what trains
     if setup.strategy not in SHARDED_STRATEGIES:  # one device, or DDP, whose gradients are its buckets' views
         working = 0.0
     elif setup.sharding_strategy == "NO_SHARD":  # under *-mixed every unit's compute-dtype copy, forward to backward

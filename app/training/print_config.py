@@ -44,8 +44,13 @@ def learning_rate_line(resolved: Config, plan: TrainingPlan) -> str:
     if not resolved.lr_decay or resolved.warmup_steps >= plan.schedule_length:
         return line + "then constant"
     stable_until = plan.schedule_length * (1 - resolved.lr_decay_ratio)  # in the schedule's steps
-    stable = (f"then constant until step {plan.run_step(stable_until):.0f}, then "
-              if stable_until > resolved.warmup_steps else "")
+    resumed_at = plan.resumed_schedule[1] if plan.resumed_schedule else 0.0
+    if stable_until <= resolved.warmup_steps:
+        stable = ""
+    elif stable_until <= resumed_at:  # the decay began before the checkpoint this run resumes from
+        stable = f"then (decaying since before step {plan.resumed_schedule[0]}) "
+    else:
+        stable = f"then constant until step {plan.run_step(stable_until):.0f}, then "
     return line + f"{stable}{resolved.lr_decay_type} decay to {resolved.min_lr:.3g} at step {plan.max_step}"
 
 

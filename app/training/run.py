@@ -75,7 +75,7 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
         return
     cfg = inputs.config
     if cfg.estimate_memory:
-        shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code)
+        shape = ModelShape.of(inputs.model_config, inputs.wrap_classes, cfg.trust_remote_code, cfg.freeze)
         block_size = cfg.block_size or inputs.plan.block_size
         try:
             report, fits = memory_report(cfg, shape, setup_of(cfg, inputs.plan.world_size, block_size,

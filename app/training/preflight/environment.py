@@ -17,6 +17,7 @@ from lightning_fabric.plugins.environments import (LSFEnvironment, MPIEnvironmen
 from transformers import PretrainedConfig
 from transformers.utils import is_flash_attn_2_available
 
+from app.checkpoint import is_checkpoint
 from app.cli import first_line
 from app.distributed.precision import bf16_moment_problem, bf16_support_problem, fp32_modules_problem
 from app.distributed.strategy import resolve_accelerator, without_srun_hint
@@ -67,9 +68,18 @@ def check_runs_here(cfg: Config, problems: list[str]) -> None:
                         "gcc, or use --compile false")
     folder = Path(cfg.model_name) if cfg.model_name else None
     weights = folder and any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin"))
-    if folder and folder.is_dir() and not (folder / "checkpoints").is_dir() and not weights:
+    if folder and folder.is_dir() and not output_of_train_py(folder) and not weights:  # (that: check_model's line)
         problems.append(f"--model_name {folder}: the folder holds no weights (*.safetensors or *.bin); to train "
                         f"from its config.json alone, give it as --model_config {folder}")
+
+
+def output_of_train_py(path: Path) -> Optional[str]:
+    """`a run folder` or `a checkpoint` where a model option names what train.py writes rather than a model."""
+    if not path.exists() or (path / "config.json").exists():
+        return None
+    if (path / "checkpoints").is_dir():
+        return "a run folder"
+    return "a checkpoint" if path.suffix == ".ckpt" or path.is_dir() and is_checkpoint(path) else None
 
 
 def missing_cpp_compiler() -> Optional[str]:

@@ -15,7 +15,6 @@ from huggingface_hub import snapshot_download
 from transformers import PretrainedConfig
 from transformers.utils import is_flash_attn_2_available
 
-from app.checkpoint import is_checkpoint
 from app.cli import first_line
 from app.data.formats import Layout
 from app.distributed.precision import compute_dtype
@@ -32,6 +31,7 @@ from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, column_
 from app.metrics.observe import has_experts
 from app.model.loss import ROUTER_COEFFICIENT_NAMES, probe_chunked_loss
 from app.training.preflight.data import DataFacts
+from app.training.preflight.environment import output_of_train_py
 from app.training.preflight.notes import note
 from app.training.preflight.resume import ChosenCheckpoint
 from app.training.preflight.tokenizer import TOKEN_ID_PAST_VOCAB, room_for_tokens
@@ -82,6 +82,10 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
                             f"({reshaped[0]}{more}: a shape, or a weight tied or untied), which load only as they "
                             "are; give only fields that keep them (positions, RoPE, dropout)")
             return None
+    broken = meta_forward_error(changed, cfg.trust_remote_code)
+    if broken and not meta_forward_error(config, cfg.trust_remote_code):  # (a model the probe cannot run: not this)
+        problems.append(f"--model_overrides: the {config.model_type} model does not run with them ({broken})")
+        return None
     after = changed.to_dict()
     moved = [f"{name} {fields.get(name)} -> {after[name]}" for name in sorted(after)
              if after[name] != fields.get(name) and name != "transformers_version"]
@@ -90,13 +94,17 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
     return changed
 
 
-def output_of_train_py(path: Path) -> Optional[str]:
-    """`a run folder` or `a checkpoint` where a model option names what train.py writes rather than a model."""
-    if (path / "config.json").exists():
-        return None
-    if (path / "checkpoints").is_dir():
-        return "a run folder"
-    return "a checkpoint" if path.suffix == ".ckpt" or path.is_dir() and is_checkpoint(path) else None
+def meta_forward_error(config: PretrainedConfig, trust_remote_code: bool) -> Optional[str]:
+    """Why a forward of the weightless model fails (values that build a model that cannot run: 3 key/value heads
+    for 4 query heads ended every rank at its first step), or None."""
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    try:
+        with torch.no_grad():
+            meta_model(config, trust_remote_code)(input_ids=ids, **({"decoder_input_ids": ids}
+                                                                   if config.is_encoder_decoder else {}))
+    except Exception as error:  # noqa: BLE001 (whatever the model's code raises)
+        return first_line(error)
+    return None
 
 
 def loaded_config(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig]:

@@ -18,7 +18,7 @@ from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.data.identity import identity_difference, same_folder_by_path
 from app.data.mixture import parse_sources
 from app.huggingface.convert import changed_fields
-from app.model.build import freeze_parameters, meta_model, model_flag, model_source
+from app.model.build import freeze_parameters, frozen_names, meta_model, model_flag, model_source
 from app.optimization.optimizer import grouped_parameter_names, no_decay_names
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
@@ -200,13 +200,14 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
                         "resumed steps would train another model; resume with the config it was trained with (its "
                         "run's config.yaml records its --model_overrides)")
         return None
+    model = meta_model(model_config, cfg.trust_remote_code)
+    names = [name for name, _ in model.named_parameters()]
     frozen_before = (metadata.get("config") or {}).get("freeze")
-    if frozen_before != cfg.freeze:
+    if set(frozen_names(names, frozen_before)) != set(frozen_names(names, cfg.freeze)):  # what they name counts
         problems.append(f"{flag} was trained with --freeze {frozen_before}, not {cfg.freeze}: its optimizer holds the "
                         "state of the parameters that trained; resume with the same --freeze, or start a new phase "
                         "from its weights with --init_from")
         return None
-    model = meta_model(model_config, cfg.trust_remote_code)
     freeze_parameters(model, cfg.freeze)
     decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
     try:
