@@ -90,7 +90,7 @@ def route(tiny, *extra: str, config_changes: dict | None = None):
 def test_meta_device_route_only_where_it_is_exact(tiny) -> None:
     assert route(tiny) is not None
     assert route(tiny, "--strategy", "ddp") is not None, "from a config: materialised at once, as FSDP would"
-    assert route(tiny, "--strategy", "ddp", "--model_config", "", "--model_name", str(tiny.model_config)) is None
+    assert route(tiny, "--strategy", "ddp", "--model_config", "null", "--model_name", str(tiny.model_config)) is None
     assert route(tiny, config_changes={"tie_word_embeddings": True}) is None
 
 
