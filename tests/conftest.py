@@ -32,6 +32,10 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# One module under both names the tests import it by: `conftest`, as pytest loads it, and `tests.conftest`. As two
+# modules, each started a fork server of its own in a worker that ran files of both kinds (6 CPU-s of imports).
+sys.modules.setdefault("tests.conftest" if __name__ == "conftest" else "conftest", sys.modules[__name__])
 BLOCK_SIZE = 32
 
 # `make test` hands whole files to its workers (xdist's --dist loadfile) in this order (--no-loadscope-reorder):
@@ -208,8 +212,8 @@ def run_train(args: list[str], timeout: float = 300, env: dict[str, str] | None 
 
     Its processes are forked by tests/forkserver.py, past the imports (about 6 CPU-s per process); `fresh` asks for
     processes started from scratch: for runs whose peak RSS is measured, and for variables in `env` that a library
-    reads when it is imported (HF_HUB_OFFLINE, PYTHONPATH) rather than when it is used. `node_args` adds options
-    to some nodes' command lines (a node given another folder)."""
+    reads when it is imported (HF_HUB_OFFLINE, a sitecustomize on PYTHONPATH) rather than when it is used.
+    `node_args` adds options to some nodes' command lines (a node given another folder)."""
     python, variables = interpreter(fresh)
     command = [python, str(ROOT / "train.py"), *args]
     return run_script(command if nodes == 1 else on_nodes(command, nodes, node_args), timeout,
@@ -319,6 +323,9 @@ class Launched:
 
     process: subprocess.Popen
     log: Path
+    forked: bool = False
+    """Whether the fork server runs it: `process` is then the client, which relays its signals to the launcher
+    alone, and the run's processes are in sessions of their own (`processes()` finds them by their output)."""
 
     def output(self) -> str:
         return self.log.read_text()
@@ -354,11 +361,14 @@ class Launched:
         return self.process.wait(timeout=timeout)
 
     def processes(self) -> list[psutil.Process]:
-        """Every live process of the run: ranks, data loader workers, forkservers (zombies are dead)."""
+        """Every live process of the run: ranks, data loader workers, forkservers (zombies are dead). A forked
+        run's are those whose output is the run's log."""
         found = []
         for process in psutil.process_iter(["status"]):
-            with suppress(ProcessLookupError, psutil.Error):
-                if os.getpgid(process.pid) == self.process.pid and process.info["status"] != psutil.STATUS_ZOMBIE:
+            with suppress(OSError, psutil.Error):
+                ours = (os.readlink(f"/proc/{process.pid}/fd/1") == str(self.log) if self.forked
+                        else os.getpgid(process.pid) == self.process.pid)
+                if ours and process.info["status"] != psutil.STATUS_ZOMBIE:
                     found.append(process)
         return found
 
@@ -367,6 +377,7 @@ class Launched:
 
     def other_rank(self) -> psutil.Process:
         """Rank 1, which Lightning's launcher (rank 0, the launched process) started."""
+        assert not self.forked, "a forked run's rank 1 is not a child of the launched process"
         return next(child for child in psutil.Process(self.process.pid).children()
                     if "train.py" in " ".join(child.cmdline()))
 
@@ -380,6 +391,9 @@ class Launched:
         """Whatever happened, leave no process behind."""
         with suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        for process in self.processes() if self.forked else []:
+            with suppress(psutil.Error):
+                process.kill()
 
 
 def catches(pid: int, signum: int) -> bool:
@@ -390,18 +404,23 @@ def catches(pid: int, signum: int) -> bool:
     return False
 
 
-def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Launched:
+def launch(args: list[str], log: Path, env: dict[str, str] | None = None, forked: bool = False) -> Launched:
+    """train.py started from scratch in a process group of its own, as a terminal or Slurm starts it: a signal to
+    the group reaches every rank and data loader worker. `forked` runs it from the fork server (6 CPU-s of imports
+    less per rank), for runs that take signals only through the launcher or SIGKILL (see Launched.forked)."""
+    python, variables = interpreter(fresh=not forked)
     with open(log, "w") as handle:
-        process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
-                                   env=run_environment(env), stdout=handle, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    return Launched(process, log)
+        process = subprocess.Popen([python, str(ROOT / "train.py"), *args], cwd=ROOT,
+                                   env=run_environment(variables | (env or {})), stdout=handle,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    return Launched(process, log, forked=python != sys.executable)
 
 
 @contextmanager
-def launched(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[Launched]:
+def launched(args: list[str], log: Path, env: dict[str, str] | None = None,
+             forked: bool = False) -> Iterator[Launched]:
     """`launch`, and whatever happens, no process of the run left afterwards."""
-    run = launch(args, log, env)
+    run = launch(args, log, env, forked)
     try:
         yield run
     finally:

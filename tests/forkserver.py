@@ -17,7 +17,10 @@ is exec'd with the real interpreter.
 
 Not for runs that measure what a fresh process would: peak RSS starts at the server's (a forked child inherits the
 high-water mark), the environment at import time is the server's (a variable a library reads on import, such as
-HF_HUB_OFFLINE, must not differ), and signals reach the program through the client. tests/conftest.py's run_train
+HF_HUB_OFFLINE, must not differ; PYTHONPATH's folders are put on sys.path, but a module there that the server
+imported from elsewhere is refused), and signals reach the program through the client. A program leaves with
+os._exit once its threads and exit hooks are done: the interpreter's teardown of everything the server imported
+took 1.8 s per process, longer than a refused train.py run took in all. tests/conftest.py's run_train
 uses it for single-node runs without an environment of their own, unless a test asks for a fresh process.
 """
 
@@ -35,9 +38,10 @@ import sys
 
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 SOCKET_VARIABLE, PYTHON_VARIABLE = "FORKSERVER_SOCKET", "FORKSERVER_PYTHON"
-FORKED = ("train.py", "gpu_check.py", "convert_to_hf.py", "prepare_data.py", "generate.py", "bench_loss.py")
-"""Scripts whose processes are forked (by file name): what the suite starts most, each importing what the server
-has imported."""
+FORKED = ("train.py", "gpu_check.py", "convert_to_hf.py", "prepare_data.py", "generate.py", "bench_loss.py",
+          "probe_setup.py", "write_pieces.py", "probe_group_timeouts.py")
+"""Scripts whose processes are forked (by file name): what the suite starts most, and the tests' helpers that set
+ranks up as train.py does (tests/helpers/), each importing what the server has imported."""
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver-python")
 """The executable a forked program sees as sys.executable: `forkserver.py client` under the real interpreter."""
 
@@ -149,11 +153,56 @@ def run_program(request: dict, fds: list[int]) -> None:
     script = os.path.abspath(request["argv"][0])
     sys.argv = [script, *request["argv"][1:]]
     sys.path[0] = os.path.dirname(script)
+    sys.path[1:1] = python_path(request["env"].get("PYTHONPATH", ""))
     sys.executable = SHIM
+    import atexit
     import runpy
+    import threading
 
-    runpy.run_path(script, run_name="__main__")
-    sys.exit(0)
+    code: object = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as leaving:
+        code = leaving.code
+    threading._shutdown()  # what the interpreter's own exit waits for, in its order
+    atexit._run_exitfuncs()
+    status = exit_status(code)
+    for stream in (sys.stdout, sys.stderr):
+        with_suppressed_flush(stream)
+    os._exit(status)
+
+
+def python_path(variable: str) -> list[str]:
+    """PYTHONPATH's folders, as a fresh interpreter puts them after the script's. A module they hold that the
+    server imported from elsewhere, or that only a fresh interpreter runs (sitecustomize), would not be the one the
+    test meant: such a run must start from scratch."""
+    folders = [os.path.abspath(folder) for folder in variable.split(os.pathsep) if folder]
+    for folder in folders:
+        for entry in os.listdir(folder) if os.path.isdir(folder) and folder not in sys.path else []:
+            name = entry.removesuffix(".py")
+            imported = getattr(sys.modules.get(name), "__file__", None) or ""
+            if (name in sys.modules and not imported.startswith(folder + os.sep)) or name in ("sitecustomize",
+                                                                                              "usercustomize"):
+                raise SystemExit(f"forkserver: PYTHONPATH's {os.path.join(folder, entry)} would not be imported "
+                                 "in a forked process; run it from scratch (fresh=True)")
+    return folders
+
+
+def with_suppressed_flush(stream) -> None:
+    try:
+        stream.flush()
+    except (OSError, ValueError):  # a closed pipe or stream: as the interpreter's own exit, nothing to say
+        pass
+
+
+def exit_status(code: object) -> int:
+    """The status `raise SystemExit(code)` ends a Python process with (a message is printed and gives 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
 
 
 def with_suppressed_signal(number: int) -> None:

@@ -289,8 +289,7 @@ def test_a_problem_with_an_option_from_a_config_file_names_the_file(tmp_path) ->
     (tmp_path / "data.yaml").write_text(f"train_data_dir: {tmp_path / 'none'}\n")
     said = {}
     for config, extra in (("values.yaml", ["--beta2", "2"]), ("data.yaml", ["--model_config", str(tmp_path)])):
-        result = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / config), "--accelerator",
-                                 "cpu", *extra], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        result = run_entry(["train.py", "--config", str(tmp_path / config), "--accelerator", "cpu", *extra], 120)
         assert result.returncode == 2, result.stderr
         said |= {line.split()[1]: line for line in result.stderr.splitlines() if line.startswith("error: --")}
     assert said["--lr"].endswith(f"(lr: from {tmp_path / 'values.yaml'})"), said

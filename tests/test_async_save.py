@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
-import signal
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -229,10 +227,11 @@ def test_async_save_returns_before_the_write_and_a_sigkill_mid_write_leaves_the_
                       micro_batch_size=1, gradient_accumulation_steps=1, save_step_interval=2, eval_step_interval=1000,
                       initial_validation=False, max_step=100)
     writing = out / "checkpoints" / ".step-00000004.ckpt.partial"
-    with launched(args, tmp_path / "async.log") as run:
+    with launched(args, tmp_path / "async.log", forked=True) as run:
         run.wait_until(lambda _: writing.exists(), "step 4's write")  # step 2's was published before it began
-        os.killpg(run.process.pid, signal.SIGKILL)
+        run.kill()  # every process of the run
         run.finish()
+        run.assert_nothing_left()
         output = run.output()
     assert output.index("step 2: writing") < output.index("step 2: saved"), "the step returned before the write"
     assert sorted(list_checkpoints(out)) == [2], "step 4 was killed mid-write: only step 2 is a checkpoint"

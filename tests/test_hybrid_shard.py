@@ -6,14 +6,12 @@ ranks on 2 nodes, resume under the other strategy: on 2 nodes again, and on the 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, run_train, train_args
+from tests.conftest import ROOT, free_port, interpreter, run_environment, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 CONSTANT_LR = dict(lr_decay=False, min_lr=None, warmup_steps=0, eval_step_interval=100, micro_batch_size=2,
@@ -78,9 +76,10 @@ def test_every_process_group_a_run_creates_times_out_after_process_group_timeout
     """Lightning's default group, the device meshes of HYBRID_SHARD under fsdp and fsdp2 and the checkpoint writer's
     gloo group: all 7 min as asked (the mesh and writer groups were 30 min, torch's default; NCCL's is 10)."""
     ports = [str(free_port()), str(free_port())]
-    ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "probe_group_timeouts.py"), str(rank),
-                               *ports], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    python, variables = interpreter()
+    ranks = [subprocess.Popen([python, str(ROOT / "tests" / "helpers" / "probe_group_timeouts.py"), str(rank), *ports],
+                              cwd=ROOT, env=run_environment(variables | {"PYTHONPATH": str(ROOT)}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outputs = [rank.communicate(timeout=120) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     lines = [line for line in outputs[0][0].splitlines() if " group " in line]

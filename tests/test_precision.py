@@ -29,7 +29,8 @@ from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, 
 from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
 from app.model.build import meta_model
 from app.optimization.optimizer import build_optimizer, clip_gradients, gradient_square_sum, no_decay_names
-from tests.conftest import ROOT, read_checkpoint, run_script, run_train, train_args
+from tests.conftest import (ROOT, interpreter, read_checkpoint, run_environment, run_script, run_train,
+                            train_args)
 from tests.test_training import assert_succeeded, read_metrics
 
 # --- decisions that depend on the GPU, as pure functions ---------------------------------------------------------
@@ -379,7 +380,9 @@ def probe(tiny, tmp_path: Path, **overrides: object) -> dict:
     """tests/helpers/probe_setup.py: the model set up by train.py's own code in 2 processes, one forward."""
     report = tmp_path / "probe.json"
     args = train_args(tiny, tmp_path / "out", **overrides)
-    result = run_script([sys.executable, str(ROOT / "tests/helpers/probe_setup.py"), str(report), *args], timeout=300)
+    python, variables = interpreter()
+    result = run_script([python, str(ROOT / "tests/helpers/probe_setup.py"), str(report), *args], timeout=300,
+                        env=run_environment(variables))
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(report.read_text())
 

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 from dataclasses import replace
@@ -22,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from app.training.preflight import preflight
 from app.training.preflight.environment import world_size
 from arguments import parse_config
-from tests.conftest import ROOT, TinySetup, train_args
+from tests.conftest import TinySetup, interpreter, run_environment, run_script, train_args
 
 
 def digest(folder: Path) -> str:
@@ -545,8 +544,8 @@ def test_every_problem_is_reported_at_once_by_the_cli_without_traceback(tiny, ba
     args = train_args(tiny, bad["run"], model_config=bad["small_vocab"], tokenizer="/nonexistent/tokenizer",
                       auto_wrap_policy="[GPT2Block]")
     before = digest(bad["run"])
-    result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "LOCAL_RANK": "0"})
+    python, variables = interpreter()
+    result = run_script([python, "train.py", *args], 120, run_environment(variables | {"LOCAL_RANK": "0"}))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     errors = result.stderr.strip().splitlines()
     for expected in ("vocab_size is 100", "--tokenizer /nonexistent/tokenizer", "--auto_wrap_policy GPT2Block",

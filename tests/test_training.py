@@ -396,7 +396,7 @@ def test_a_wandb_run_that_cannot_start_ends_every_rank_with_one_line(tiny, tmp_p
     fake = tmp_path / "site" / "wandb"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(f"def init(**options):\n    raise RuntimeError({failure!r})\n")
-    result = run_train(train_args(tiny, tmp_path / "out", wandb_mode="offline"), fresh=True,
+    result = run_train(train_args(tiny, tmp_path / "out", wandb_mode="offline"),
                        env={"PYTHONPATH": str(tmp_path / "site")})
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"error: Weights & Biases could not start the run ({failure}); {advice}, or use --wandb_mode disabled" \
