@@ -40,25 +40,25 @@ BLOCK_SIZE = 32
 
 # `make test` hands whole files to its workers (xdist's --dist loadfile) in this order (--no-loadscope-reorder):
 # the files holding the longest multi-process runs first, so that none of them starts near the end and keeps one
-# worker busy while the others sit idle (longest-first scheduling). Seconds per file in the suite of 2026-11-27;
-# the files not listed follow in their usual order.
+# worker busy while the others sit idle (longest-first scheduling). Seconds per file in the suite of 2026-12-01
+# (915 s in all); the files not listed follow in their usual order.
 LONGEST_FILES_FIRST = (
-    "test_slurm.py",  # 285 s in the suite, 122 s alone, most of it waiting on Slurm: started first, its waits overlap
-    # the other files' work
-    "test_reliability.py",  # 402 s
-    "test_resume_anywhere.py",  # 332 s
-    "test_fsdp2.py",  # 305 s
-    "test_precision.py",  # 225 s
-    "test_async_save.py",  # 223 s
-    "test_training.py",  # 132 s
-    "test_spike_guard.py",  # 123 s (one test: three runs)
-    "test_memory_plan.py",  # 118 s
-    "test_hybrid_shard.py",  # 109 s
-    "test_mixture.py",  # about 100 s: a 100-step run, resumed on 1 and on 4 processes
-    "test_gpu_check.py",  # 104 s alone (one test: about 10 processes)
-    "test_convert.py",  # 86 s
-    "test_seq2seq.py",  # 79 s
-    "test_model_loading.py",  # 75 s
+    "test_slurm.py",  # 506 s, most of it waiting on Slurm: started first, its waits overlap the other files' work
+    "test_reliability.py",  # 627 s
+    "test_fsdp2.py",  # 177 s (one test compiles: 144 s)
+    "test_async_save.py",  # 126 s
+    "test_resume_anywhere.py",  # 112 s
+    "test_precision.py",  # 108 s
+    "test_prepare_data.py",  # 108 s
+    "test_prefetch.py",  # 93 s
+    "test_memory_plan.py",  # 73 s
+    "test_convert.py",  # 70 s
+    "test_training.py",  # 65 s
+    "test_supervised.py",  # 60 s
+    "test_seq2seq.py",  # 55 s
+    "test_gpu_check.py",  # 53 s (one test: about 10 processes)
+    "test_mixture.py",  # 44 s: a 100-step run, resumed on 1 and on 4 processes
+    "test_spike_guard.py",  # 41 s (one test: three runs)
 )
 
 
