@@ -43,7 +43,7 @@ def poisoned_copy(tiny: TinySetup, target: Path, rows: set[int]) -> Path:
             example["input_ids"] = [REPEATED_TOKEN] * len(example["input_ids"])
         return example
 
-    DatasetDict(train=splits["train"].map(poison, with_indices=True),
+    DatasetDict(train=splits["train"].map(poison, with_indices=True, keep_in_memory=True),  # no cache file in tiny
                 validation=splits["validation"]).save_to_disk(str(target))
     shutil.copy(tiny.data / "stats.json", target / "stats.json")
     return target
