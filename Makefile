@@ -29,7 +29,12 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # fixes and their tests: 668 s in place (664 tests) and 658 s in a fresh clone (671 tests). On 2026-11-29 (evening):
 # 760 s in place (815 tests), 803 s in a fresh clone (816 tests). On 2026-11-30, fresh clones: 848 s and 788 s
 # (831 tests); later that day 494 s (852 tests) on a quieter machine; in a later session 617 s in a fresh clone
-# (958 tests), 774 s with an audit running beside it.
+# (958 tests), 774 s with an audit running beside it. On 2026-12-01, on a machine 1.5x slower (`make demo`: 3m23s
+# against 2m17s): 1,096 s in place (1,167 tests); 915 s once the tests' helper ranks and the runs that take signals
+# only through their launcher were forked too, and a forked program left without the interpreter's teardown of
+# the server's imports (1.8 s a process). Measured with every process's CPU sampled: the suite is CPU-bound (28 s
+# idle of 918), and a third of its CPU goes to train.py processes that must start from scratch (signals to a
+# process group, Slurm jobs, peak RSS), 6 CPU-s of imports each.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 

@@ -325,7 +325,9 @@ class Launched:
     log: Path
     forked: bool = False
     """Whether the fork server runs it: `process` is then the client, which relays its signals to the launcher
-    alone, and the run's processes are in sessions of their own (`processes()` finds them by their output)."""
+    alone, and the run's processes are in sessions of their own (`processes()` finds them by their output). Once
+    the launcher has ended, the server kills what is left in its session: `assert_nothing_left` cannot see a
+    process a forked run leaves behind."""
 
     def output(self) -> str:
         return self.log.read_text()
@@ -363,11 +365,14 @@ class Launched:
     def processes(self) -> list[psutil.Process]:
         """Every live process of the run: ranks, data loader workers, forkservers (zombies are dead). A forked
         run's are those whose output is the run's log."""
-        found = []
+        found, log = [], os.stat(self.log)
         for process in psutil.process_iter(["status"]):
             with suppress(OSError, psutil.Error):
-                ours = (os.readlink(f"/proc/{process.pid}/fd/1") == str(self.log) if self.forked
-                        else os.getpgid(process.pid) == self.process.pid)
+                if self.forked:
+                    output = os.stat(f"/proc/{process.pid}/fd/1")
+                    ours = (output.st_dev, output.st_ino) == (log.st_dev, log.st_ino)
+                else:
+                    ours = os.getpgid(process.pid) == self.process.pid
                 if ours and process.info["status"] != psutil.STATUS_ZOMBIE:
                     found.append(process)
         return found
@@ -388,10 +393,15 @@ class Launched:
             time.sleep(0.2)
 
     def kill(self) -> None:
-        """Whatever happened, leave no process behind."""
+        """Whatever happened, leave no process behind: at one moment, as a SIGKILL to a process group. A forked
+        run's processes are stopped first, then killed: none goes on while another is already dead."""
+        found = self.processes() if self.forked else []
+        for process in found:
+            with suppress(psutil.Error):
+                process.suspend()
         with suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        for process in self.processes() if self.forked else []:
+        for process in found:
             with suppress(psutil.Error):
                 process.kill()
 

@@ -27,6 +27,7 @@ uses it for single-node runs without an environment of their own, unless a test 
 from __future__ import annotations
 
 import array
+import inspect
 import json
 import os
 import select
@@ -39,9 +40,11 @@ import sys
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 SOCKET_VARIABLE, PYTHON_VARIABLE = "FORKSERVER_SOCKET", "FORKSERVER_PYTHON"
 FORKED = ("train.py", "gpu_check.py", "convert_to_hf.py", "prepare_data.py", "generate.py", "bench_loss.py",
-          "probe_setup.py", "write_pieces.py", "probe_group_timeouts.py")
+          "probe_setup.py", "probe_group_timeouts.py")
 """Scripts whose processes are forked (by file name): what the suite starts most, and the tests' helpers that set
-ranks up as train.py does (tests/helpers/), each importing what the server has imported."""
+ranks up as train.py does (tests/helpers/), each importing what the server has imported. Not write_pieces.py:
+its ranks exchange a checkpoint's pieces, and forked ones would share the string hash seed that orders sets of
+names differently on each rank of a real run."""
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver-python")
 """The executable a forked program sees as sys.executable: `forkserver.py client` under the real interpreter."""
 
@@ -146,6 +149,9 @@ def run_program(request: dict, fds: list[int]) -> None:
     for number in range(1, signal.NSIG):
         if number not in (signal.SIGKILL, signal.SIGSTOP):
             with_suppressed_signal(number)
+    for number in (signal.SIGPIPE, signal.SIGXFSZ):  # as a Python interpreter starts: BrokenPipeError, not death
+        signal.signal(number, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -155,21 +161,54 @@ def run_program(request: dict, fds: list[int]) -> None:
     sys.path[0] = os.path.dirname(script)
     sys.path[1:1] = python_path(request["env"].get("PYTHONPATH", ""))
     sys.executable = SHIM
+    set_apart_from_the_server()
     import atexit
-    import runpy
+    import gc
     import threading
+    import types
 
-    code: object = 0
+    main = types.ModuleType("__main__")  # as `python script` (and runpy.run_path) run it
+    main.__dict__.update(__file__=script, __cached__=None, __loader__=None, __package__="", __spec__=None)
+    sys.modules["__main__"] = main
+    with open(script, "rb") as source:
+        code = compile(source.read(), script, "exec")
     try:
-        runpy.run_path(script, run_name="__main__")
+        exec(code, main.__dict__)
+        left: object = 0
     except SystemExit as leaving:
-        code = leaving.code
-    threading._shutdown()  # what the interpreter's own exit waits for, in its order
+        left = leaving.code
+    status = exit_status(left)  # its message first, as the interpreter prints it
+    threading._shutdown()  # then what the interpreter's own exit waits for, in its order
     atexit._run_exitfuncs()
-    status = exit_status(code)
+    clear_module(main.__dict__)  # the teardown's first work: the script's objects freed (its open files written)
+    gc.collect()
     for stream in (sys.stdout, sys.stderr):
-        with_suppressed_flush(stream)
+        if not flushed(stream):
+            status = 120  # as the interpreter's exit
     os._exit(status)
+
+
+def clear_module(namespace: dict) -> None:
+    """A module's names set to None as the interpreter's teardown does (underscored ones first). A garbage
+    collection alone loses what a text file left open had buffered: it may close the file under its text layer."""
+    for names in ([name for name in namespace if name.startswith("_")], list(namespace)):
+        for name in names:
+            if name != "__builtins__":
+                namespace[name] = None
+
+
+def set_apart_from_the_server() -> None:
+    """What a fresh process would not share with the server and its other forks: the random generators seeded at
+    import (Python's, numpy's), and Lightning's rank for rank_zero_only, read from LOCAL_RANK and the like at import.
+    The string hash seed cannot be changed after start: every forked process has the server's."""
+    import random
+
+    import numpy
+    from lightning_fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+    random.seed()
+    numpy.random.seed()
+    rank_zero_only.rank = _get_rank() or 0
 
 
 def python_path(variable: str) -> list[str]:
@@ -179,7 +218,7 @@ def python_path(variable: str) -> list[str]:
     folders = [os.path.abspath(folder) for folder in variable.split(os.pathsep) if folder]
     for folder in folders:
         for entry in os.listdir(folder) if os.path.isdir(folder) and folder not in sys.path else []:
-            name = entry.removesuffix(".py")
+            name = inspect.getmodulename(entry) or entry  # a module (.py, .pyc, .so) or a package's folder
             imported = getattr(sys.modules.get(name), "__file__", None) or ""
             if (name in sys.modules and not imported.startswith(folder + os.sep)) or name in ("sitecustomize",
                                                                                               "usercustomize"):
@@ -188,11 +227,14 @@ def python_path(variable: str) -> list[str]:
     return folders
 
 
-def with_suppressed_flush(stream) -> None:
+def flushed(stream) -> bool:
+    """Whether `stream`'s buffered output is written; the interpreter's exit says so too when it is not."""
     try:
         stream.flush()
-    except (OSError, ValueError):  # a closed pipe or stream: as the interpreter's own exit, nothing to say
-        pass
+    except (OSError, ValueError) as error:
+        print(f"Exception ignored on flushing {getattr(stream, 'name', stream)}: {error!r}", file=sys.__stderr__)
+        return False
+    return True
 
 
 def exit_status(code: object) -> int:

@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from math import prod
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,7 +37,7 @@ from app.checkpoint.sources import open_source
 from app.checkpoint.state import LocalState, Part, Piece, blocks, flat_range
 from app.checkpoint.tensor_file import read_header
 from app.checkpoint.writers import Snapshot, StagingArea, lowest_holders
-from conftest import ROOT, free_port, interpreter, overwrite_in_place, run_environment
+from conftest import ROOT, free_port, overwrite_in_place
 
 
 def test_blocks_cover_a_range_in_order_and_each_is_one_range_again() -> None:
@@ -436,13 +437,12 @@ def test_a_sharded_folder_whose_metadata_would_run_code_is_refused_before_the_co
 
 
 def write_pieces_on_two_ranks(folder: Path, *options: str) -> list[str]:
-    """tests/helpers/write_pieces.py on ranks 0 and 1; what each printed."""
-    python, variables = interpreter()
+    """tests/helpers/write_pieces.py on ranks 0 and 1, each a fresh interpreter (see tests/forkserver.py's FORKED);
+    what each printed."""
     for attempt in range(3):  # the free port can be taken before rank 0 listens on it (the other test worker)
         port = str(free_port())
-        ranks = [subprocess.Popen([python, str(ROOT / "tests/helpers/write_pieces.py"), str(rank), port, str(folder),
-                                   *options], env=run_environment(variables), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests/helpers/write_pieces.py"), str(rank), port,
+                                   str(folder), *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for rank in (0, 1)]
         outputs = [rank.communicate(timeout=120) for rank in ranks]
         if not any("EADDRINUSE" in error for _, error in outputs):

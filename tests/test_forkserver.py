@@ -31,6 +31,17 @@ if sys.argv[1] == "leave":  # what the interpreter's exit owes: threads, exit ho
     atexit.register(lambda: print("exit hook ran"))
     print("buffered", end="")
     sys.exit("the message")
+if sys.argv[1] == "state":  # what a fresh interpreter has of its own
+    import random
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+    print("SIGINT", signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+          "SIGPIPE", signal.getsignal(signal.SIGPIPE) is signal.SIG_IGN, "rank", rank_zero_only.rank,
+          "random", random.random())
+    left_open = open(sys.argv[2], "w")  # closed, and its line written, by the objects' collection at exit
+    left_open.write("written at exit")
+    def keeps_the_globals_in_a_cycle():
+        return left_open
+    sys.exit(0)
 if sys.argv[1] == "import":
     import fake_module
     sys.exit(fake_module.CODE)
@@ -50,7 +61,7 @@ def program(tmp_path):
 def start(program, *arguments: str, env_extra: dict[str, str] | None = None, **options) -> subprocess.Popen:
     env = run_environment(FORK_SERVER.variables() | {"FORKED_VARIABLE": "passed"} | (env_extra or {}))
     return subprocess.Popen([FORK_SERVER.shim, str(program), *arguments], cwd=program.parent, env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **options)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, **{"stderr": subprocess.PIPE} | options)
 
 
 def test_a_forked_program_gets_what_a_started_one_would_and_ends_the_same(program) -> None:
@@ -73,6 +84,23 @@ def test_a_forked_program_leaves_as_the_interpreter_would_without_tearing_down_t
     out, err = leaving.communicate("\n", timeout=60)
     assert leaving.returncode == 1 and err == "the message\n", out + err
     assert out.endswith("buffered" "thread done\n" "exit hook ran\n"), out
+    both = start(program, "leave", stderr=subprocess.STDOUT)
+    out, _ = both.communicate("\n", timeout=60)
+    assert out.endswith("bufferedthe message\n" "thread done\n" "exit hook ran\n"), out  # the message first
+
+
+def test_a_forked_program_has_what_a_fresh_interpreter_has_of_its_own(program, tmp_path) -> None:
+    """Python's signal handlers at start, its own random state, Lightning's rank from LOCAL_RANK, and what it left
+    for the interpreter's exit to close."""
+    printed = []
+    for rank in ("0", "1"):
+        started = start(program, "state", str(tmp_path / f"left-open-{rank}"), env_extra={"LOCAL_RANK": rank})
+        out, err = started.communicate("\n", timeout=60)
+        assert started.returncode == 0, out + err
+        printed.append(out.splitlines()[-1].split())
+        assert (tmp_path / f"left-open-{rank}").read_text() == "written at exit"
+    assert [line[:6] for line in printed] == [["SIGINT", "True", "SIGPIPE", "True", "rank", rank] for rank in "01"]
+    assert printed[0][7] != printed[1][7], "each process its own random state"
 
 
 def test_pythonpath_is_read_as_a_fresh_interpreter_would_unless_the_server_cannot_honour_it(program,
