@@ -228,7 +228,12 @@ class EvalArgs:
     eval_batch_size: Optional[int] = None
     """Sequences per device in evaluation; default: --micro_batch_size."""
     eval_iters: int = 100
-    """Maximum validation batches per evaluation (per device)."""
+    """Maximum validation batches per evaluation (per device), of each folder evaluated."""
+    eval_data_dir: Optional[str] = None
+    """Folders evaluated at every evaluation besides --train_data_dir's validation split and never trained on, each
+    logged as val_loss/<name>: `general=data/web,code=data/code-eval`, each `[name=]folder`, prepared by
+    prepare_data.py with the training data's format and tokenizer (their validation split is read). val_loss, the
+    best checkpoint and early stopping stay the training data's (docs/training.md#evaluation-folders)."""
     eval_step_interval: Union[int, float] = 500
     """Evaluate every this many optimizer steps (and at the end of each epoch and of training); below 1, that share
     of the run's steps (0.1: every tenth of the run, as the Hugging Face Trainer reads eval_steps); 0: never (no

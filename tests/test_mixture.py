@@ -1,6 +1,6 @@
 """Weighted mixtures of prepared folders: the shares of every step, each folder's own epochs, the position a resume
 continues from (pure), the joined data, the preflight's refusals, and real runs that resume on 1 and 4 processes
-with the rows of a straight run."""
+with the rows of a straight run; and folders evaluated without training (--eval_data_dir), named as a mixture's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from transformers import AutoTokenizer
 
 from app.checkpoint import list_checkpoints, read_metadata
-from app.data.mixture import (Position, Source, epoch_rows, interleave, mixture_steps, parse_sources, step_counts)
+from app.data.mixture import (Position, Source, epoch_rows, interleave, mixture_steps, parse_eval_folders,
+                              parse_sources, step_counts)
 from app.data.order import epoch_permutation, epochs_of_steps, step_rows
 from app.optimization.schedule import make_plan
 from conftest import BLOCK_SIZE, TinySetup, run_train, train_args
@@ -45,6 +46,19 @@ def test_the_command_line_names_folders_weights_and_refuses_what_it_cannot_read_
                           ("a:1,b:NaN", "the weight of b must be a finite positive number, got NaN")):
         with pytest.raises(ValueError, match=message):
             parse_sources(spec)
+
+
+def test_evaluation_folders_are_named_as_a_mixtures_folders_and_refused_in_one_line() -> None:
+    assert parse_eval_folders("/data/wiki-en,code=/data/code-eval/", "/data/es") == {
+        "wiki-en": "/data/wiki-en", "code": "/data/code-eval/"}
+    assert parse_eval_folders("es=/data/es", "/data/es") == {"es": "/data/es"}, "a single training folder is val_loss"
+    for spec, train, message in (("a,,b", "t", "--eval_data_dir 'a,,b': an empty entry"),
+                                 ("x=", "t", "an empty entry"),
+                                 ("/x/a,/y/a", "t", "two folders are named a; name them"),
+                                 ("/x/a b", "t", "/x/a b needs a name of letters"),
+                                 ("/y/es", "/x/es:3,/x/en:1", "es names a folder of the training mixture too")):
+        with pytest.raises(ValueError, match=message):
+            parse_eval_folders(spec, train)
 
 
 def test_every_step_holds_each_share_as_exactly_as_integers_allow() -> None:
@@ -328,14 +342,85 @@ def test_a_mixtures_validation_loss_weighs_each_folder_by_the_tokens_it_read(tin
     assert losses[""] != pytest.approx((losses["data"] + losses["small"]) / 2, rel=1e-5)
 
 
+def test_an_evaluation_folder_is_validated_apart_and_left_out_of_the_validation_loss(tiny, small) -> None:
+    import torch
+    from lightning_fabric import Fabric
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from app.data import load_data
+    from app.evaluation.validation import validation_losses
+    from app.model.loss import LossPath
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.model_config))
+
+    def losses(train_data_dir: str, eval_data_dir: str | None = None) -> dict[str, float]:
+        return validation_losses(Fabric(accelerator="cpu", devices=1), model, LossPath(),
+                                 load_data(train_data_dir, eval_data_dir=eval_data_dir), batch_size=8, max_batches=4)
+
+    alone, held = losses(str(tiny.data)), losses(str(small))[""]
+    assert losses(str(tiny.data), f"held={small}") == {"": alone[""], "held": held}
+    mixture = losses(f"{tiny.data}:3,{small}:1")
+    assert losses(f"{tiny.data}:3,{small}:1", f"held={small},again={tiny.data}") == mixture | {
+        "held": held, "again": alone[""]}
+
+
+def test_evaluation_folders_unlike_the_training_data_are_refused_before_any_work(tiny, small, long_blocks, tmp_path,
+                                                                                 capsys) -> None:
+    """Another format or tokenizer (a loss that compares with nothing), longer rows than the run plans for, a folder
+    with nothing to evaluate, an interval that never evaluates; another chat template is evaluated."""
+    from app.training.preflight import preflight
+    from arguments import parse_config
+
+    rows = load_from_disk(str(small))
+    documents = tmp_path / "documents"  # text_documents: each document apart
+    DatasetDict({name: split.map(lambda row: {"labels": row["input_ids"], "position_ids": list(range(BLOCK_SIZE))})
+                 for name, split in rows.items()}).save_to_disk(str(documents))
+    shutil.copytree(small / "tokenizer", documents / "tokenizer")
+    stats = json.loads((small / "stats.json").read_text())
+    (documents / "stats.json").write_text(json.dumps(stats | {"format": "text_documents"}))
+    empty = tmp_path / "empty"
+    DatasetDict(train=rows["train"], validation=rows["validation"].select([])).save_to_disk(
+        str(empty), num_shards={"validation": 1})
+    other_tokenizer, templated = shutil.copytree(small, tmp_path / "other"), shutil.copytree(small, tmp_path / "chat")
+    for folder in (empty,):
+        shutil.copy(small / "stats.json", folder / "stats.json")
+        shutil.copytree(small / "tokenizer", folder / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(other_tokenizer / "tokenizer")
+    tokenizer.add_tokens(["<an-added-token>"])
+    tokenizer.save_pretrained(other_tokenizer / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(templated / "tokenizer")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}"
+    tokenizer.save_pretrained(templated / "tokenizer")
+    for spec, options, message in (
+            (str(documents), {}, f"--eval_data_dir {documents} holds text_documents data, and --train_data_dir text "
+                                 "data; prepare it as the training data was"),
+            (str(other_tokenizer), {}, f"--eval_data_dir {other_tokenizer} was prepared with another tokenizer than "
+                                       "--train_data_dir ("),
+            (str(long_blocks), {}, f"--eval_data_dir {long_blocks} holds rows of up to 1024 tokens, longer than "
+                                   f"--train_data_dir's, which the run's memory and the model's positions are planned "
+                                   f"for; prepare it with --block_size {BLOCK_SIZE}"),
+            (str(empty), {}, f"--eval_data_dir {empty}: no validation rows to evaluate"),
+            (str(tmp_path / "absent"), {}, f"--eval_data_dir {tmp_path / 'absent'}: no such folder"),
+            (str(small), dict(eval_step_interval=0), "--eval_data_dir: not read with --eval_step_interval 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            preflight(parse_config(train_args(tiny, tmp_path / "out", eval_data_dir=spec, **options)))
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, spec
+    assert not (tmp_path / "out").exists()
+    inputs = preflight(parse_config(train_args(tiny, tmp_path / "out", eval_data_dir=f"{templated},{small}")))
+    assert inputs.config.eval_data_dir == f"{templated},{small}"
+
+
 @pytest.mark.parametrize("devices, micro_batch_size, from_step", [(1, 8, 60), (4, 2, 90)])
 def test_a_resume_on_another_number_of_processes_continues_the_same_rows(tiny, small, straight, tmp_path, devices,
                                                                          micro_batch_size, from_step) -> None:
+    """Also evaluating the small folder again as a folder of --eval_data_dir: the same loss, left out of val_loss."""
     out_dir = tmp_path / "resumed"
     checkpoint = straight / "checkpoints" / f"step-{from_step:08d}.ckpt"
     result = run_train(train_args(tiny, out_dir, train_data_dir=f"{tiny.data}:3,{small}:1", devices=devices,
                                   micro_batch_size=micro_batch_size, resume=True, checkpoint=checkpoint,
-                                  **MIXTURE_RUN))
+                                  eval_data_dir=f"held={small}", **MIXTURE_RUN))
     assert result.returncode == 0, result.stdout + result.stderr
     resumed, expected = rows_of(out_dir), rows_of(straight)
     assert sorted(resumed) == list(range(from_step + 1, 101))
@@ -345,6 +430,9 @@ def test_a_resume_on_another_number_of_processes_continues_the_same_rows(tiny, s
         assert float(metrics[step]["train_loss"]) == pytest.approx(float(reference[step]["train_loss"]), rel=1e-4)
     assert float(metrics[100]["val_loss/small"]) == pytest.approx(float(reference[100]["val_loss/small"]), rel=1e-4)
     assert int(metrics[100]["tokens/small"]) == int(reference[100]["tokens/small"]), "counted on from the checkpoint"
+    assert float(metrics[100]["val_loss/held"]) == pytest.approx(float(metrics[100]["val_loss/small"]), rel=1e-6)
+    assert float(metrics[100]["val_loss"]) == pytest.approx(float(reference[100]["val_loss"]), rel=1e-4)
+    assert "step 100: val_loss " in result.stdout and " | val_loss/held " in result.stdout
 
 
 def test_a_resume_at_a_larger_global_batch_counts_the_epochs_as_its_plan_did(tiny, small, straight, tmp_path) -> None:

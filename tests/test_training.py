@@ -268,10 +268,11 @@ def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run,
     assert [float(value) for value in moments.values()] == [5.0], "AdamW's own 5 steps, not 21 with the checkpoint's 16"
     evaluated = tmp_path / "evaluated"  # the checkpoint alone, evaluated: --eval_only, a batch no step could fill
     result = run_train(train_args(tiny, evaluated, model_config=None, init_from=start, eval_only=True,
-                                  gradient_accumulation_steps=10_000))
+                                  gradient_accumulation_steps=10_000, eval_data_dir=f"again={tiny.data}"))
     assert_succeeded(result)
     assert "summary: evaluated in " in result.stdout and "spike guard" not in result.stdout
-    assert read_metrics(evaluated) == {0: {"val_loss": metrics[0]["val_loss"], "val_ppl": metrics[0]["val_ppl"]}}
+    assert read_metrics(evaluated) == {0: {"val_loss": metrics[0]["val_loss"], "val_ppl": metrics[0]["val_ppl"],
+                                           "val_loss/again": metrics[0]["val_loss"]}}, "--eval_data_dir's too"
     summary = json.loads((evaluated / "summary.json").read_text())
     assert summary["val_loss"] == metrics[0]["val_loss"] and not (evaluated / "checkpoints").exists()
     capsys.readouterr()
@@ -602,6 +603,21 @@ def test_a_resume_that_cannot_rewrite_metrics_csv_leaves_its_history(tmp_path, m
     assert (tmp_path / "metrics.csv").read_text() == before and os.listdir(tmp_path) == ["metrics.csv"]
     CSVMetrics(tmp_path, resume_step=2).log_hyperparams({})
     assert list(read_metrics(tmp_path)) == [1, 2]
+
+
+def test_a_resume_keeps_the_columns_of_folders_no_longer_evaluated(tmp_path) -> None:
+    """A resume with another --eval_data_dir (or mixture) rewrote metrics.csv under its own header: the history of a
+    folder it no longer evaluates was dropped with its column."""
+    from app.metrics.loggers import CSVMetrics
+
+    CSVMetrics(tmp_path, evaluated=("forgetting",)).log_hyperparams({})
+    for step in (1, 2, 3):
+        CSVMetrics(tmp_path, evaluated=("forgetting",)).log_metrics({"val_loss/forgetting": 5.0 - step}, step=step)
+    resumed = CSVMetrics(tmp_path, resume_step=2, evaluated=("code",))
+    resumed.log_hyperparams({})
+    resumed.log_metrics({"val_loss/code": 1.5}, step=3)
+    assert read_metrics(tmp_path) == {1: {"val_loss/forgetting": 4.0}, 2: {"val_loss/forgetting": 3.0},
+                                      3: {"val_loss/code": 1.5}}
 
 
 def test_a_resume_keeps_the_history_of_metrics_csv_and_rows_jsonl_in_constant_memory(tmp_path) -> None:

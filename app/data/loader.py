@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from app.data.formats import Batch, DataFormat, Layout, Sample, with_trained_tokens, without_training
-from app.data.mixture import Position, Source, mixture_steps, parse_sources
+from app.data.mixture import Position, Source, mixture_steps, parse_eval_folders, parse_sources
 from app.data.order import StepBatches, epoch_permutation, epochs_of_steps, eval_plan
 from app.optimization.schedule import TrainingPlan
 from app.reliability.workers import worker_options
@@ -51,6 +51,8 @@ class TrainingData:
     """Train rows in quarantine (the spike guard's): read as every other row, trained on by no token."""
     sources: list[SourceRows] = field(default_factory=list)
     """The folders read, in order: more than one make a mixture."""
+    evaluated: dict[str, Dataset] = field(default_factory=dict)
+    """--eval_data_dir's folders' validation splits by name: evaluated alongside, never trained on."""
 
     @property
     def mixture(self) -> bool:
@@ -113,9 +115,11 @@ class WithoutRows(TorchDataset):
         return [without_training(item) if row in self.excluded else item for row, item in zip(rows, found)]
 
 
-def load_data(train_data_dir: str | Path, layout: Layout = "position_ids") -> TrainingData:
-    """The folder's splits, or a mixture's (`--train_data_dir`, mixture.py) joined folder after folder; packed rows
-    reach the model in `layout` (the one the preflight's probe chose)."""
+def load_data(train_data_dir: str | Path, layout: Layout = "position_ids",
+              eval_data_dir: Optional[str] = None) -> TrainingData:
+    """The folder's splits, or a mixture's (`--train_data_dir`, mixture.py) joined folder after folder, and the
+    validation splits of `--eval_data_dir`'s folders; packed rows reach the model in `layout` (the one the
+    preflight's probe chose)."""
     sources = parse_sources(str(train_data_dir))
     data_format = replace(DataFormat.of(sources[0].path), layout=layout)
     folders = [load_from_disk(source.path) for source in sources]
@@ -125,7 +129,17 @@ def load_data(train_data_dir: str | Path, layout: Layout = "position_ids") -> Tr
               if len(folders) > 1 else folders[0][name] for name, columns in kept.items()}
     train, counts = with_trained_tokens(splits["train"], data_format)
     validation, _ = with_trained_tokens(splits["validation"], data_format)
-    return TrainingData(data_format, train, validation, counts, sources=joined(sources, folders))
+    return TrainingData(data_format, train, validation, counts, sources=joined(sources, folders),
+                        evaluated=evaluated_splits(eval_data_dir, str(train_data_dir), data_format))
+
+
+def evaluated_splits(eval_data_dir: Optional[str], train_data_dir: str, data_format: DataFormat) -> dict[str, Dataset]:
+    """The validation split of each folder of --eval_data_dir, by name (the preflight checked their format and
+    tokenizer against the training data's)."""
+    if not eval_data_dir:
+        return {}
+    return {name: with_trained_tokens(load_from_disk(path)["validation"], data_format)[0]
+            for name, path in parse_eval_folders(eval_data_dir, train_data_dir).items()}
 
 
 def shared_columns(data_format: DataFormat, folders_columns: list[Iterable[str]]) -> list[str]:

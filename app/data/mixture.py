@@ -106,6 +106,31 @@ def _parse_item(item: str) -> tuple[str, str, Fraction | None]:
     return name or Path(path.rstrip("/")).name, path, weight
 
 
+def parse_eval_folders(spec: str, train_data_dir: str) -> dict[str, str]:
+    """`--eval_data_dir`: `[name=]folder,...`, folders evaluated and never trained on, as {name: folder}. Named as a
+    mixture's folders are (their metrics are val_loss/<name>), by no name a training folder of a mixture has. Raises
+    ValueError with one line naming the flag."""
+    evaluated: dict[str, str] = {}
+    for item in (item.strip() for item in spec.split(",")):
+        name, path = item.split("=", 1) if "=" in item else (None, item)
+        name = name if name is not None else Path(path.rstrip("/")).name
+        if not item or not path:
+            raise ValueError(f"--eval_data_dir {spec!r}: an empty entry; write name=folder,name=folder")
+        if not NAME.fullmatch(name):
+            raise ValueError(f"--eval_data_dir: {path} needs a name of letters, digits, '.', '_' or '-' for its "
+                             "metrics; write name=folder")
+        if name in evaluated:
+            raise ValueError(f"--eval_data_dir: two folders are named {name}; name them (name=folder)")
+        evaluated[name] = path
+    trained = parse_sources(train_data_dir)
+    mixture_names = {source.name for source in trained} if len(trained) > 1 else set()
+    clash = next((name for name in evaluated if name in mixture_names), None)
+    if clash:
+        raise ValueError(f"--eval_data_dir: {clash} names a folder of the training mixture too, whose metrics are "
+                         f"val_loss/{clash}; name it otherwise (name=folder)")
+    return evaluated
+
+
 def first_folder(spec: str) -> str:
     """The first folder of `--train_data_dir` (the one whose tokenizer/ the run records); the text itself when it
     does not parse (the preflight says why)."""

@@ -31,7 +31,8 @@ two checks nothing synchronises."""
 def validation_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: TrainingData, *, batch_size: int,
                       max_batches: int, stopping: Callable[[], bool] = lambda: False) -> dict[str, float]:
     """Token-weighted mean loss over up to max_batches batches per rank, reduced over all ranks: {"": the loss}, and
-    for a mixture also each folder's by name (up to max_batches batches of each), "" being their token-weighted mean.
+    for a mixture also each folder's by name (up to max_batches batches of each), "" being their token-weighted mean;
+    and each folder of --eval_data_dir's by name, left out of "" (the training data's; absent when it has none).
 
     Every rank runs the same number of forward passes (FSDP gathers parameters collectively). Batches' summed
     token losses are added up and divided by their trained tokens (counted on the host), so batches and ranks with
@@ -39,7 +40,8 @@ def validation_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: 
     STOP_CHECK_BATCHES batches: whether any rank has seen a stop signal (then EvaluationStopped). The loss is asked
     for as training asks (`loss_path`): chunked, it never holds a batch's full logits.
     """
-    splits = {name: split for name, split in data.validation_splits().items() if len(split)}
+    trained = {name: split for name, split in data.validation_splits().items() if len(split)}
+    splits = trained | data.evaluated  # other names: parse_eval_folders
     totals = torch.zeros(len(splits), 2, device=fabric.device, dtype=torch.float64)
     with evaluation_mode(model):
         for index, split in enumerate(splits.values()):
@@ -55,7 +57,9 @@ def validation_losses(fabric: Fabric, model: Module, loss_path: LossPath, data: 
             totals[index, 1] = token_count
     totals = all_reduce_sum(fabric, totals).tolist()  # without Lightning's barrier before it
     losses = {name: loss_sum / tokens for name, (loss_sum, tokens) in zip(splits, totals) if tokens}
-    return losses | {"": sum(loss_sum for loss_sum, _ in totals) / sum(tokens for _, tokens in totals)}
+    trained_totals = totals[:len(trained)]  # the training data's folders come first
+    trained_tokens = sum(tokens for _, tokens in trained_totals)
+    return losses | ({"": sum(loss_sum for loss_sum, _ in trained_totals) / trained_tokens} if trained_tokens else {})
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from lightning_fabric.loggers.logger import rank_zero_experiment
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 from app.cli import first_line
-from app.data.mixture import parse_sources
+from app.data.mixture import parse_eval_folders, parse_sources
 from app.exit_codes import EXIT_PREEMPTED
 from app.folders import append_whole, replace_file, written_or_warned
 from app.metrics.console import Console
@@ -47,11 +47,14 @@ class CSVMetrics(Logger):
     one continuous run.
     """
 
-    def __init__(self, out_dir: str | Path, resume_step: Optional[int] = None, sources: tuple[str, ...] = ()) -> None:
+    def __init__(self, out_dir: str | Path, resume_step: Optional[int] = None, sources: tuple[str, ...] = (),
+                 evaluated: tuple[str, ...] = ()) -> None:
         self.path = Path(out_dir) / METRICS_FILE
         self._resume_step = resume_step
-        self.columns = COLUMNS + [f"{metric}/{name}" for metric in ("val_loss", "tokens") for name in sources]
-        """With a mixture's folders (`sources`), their validation losses and trained tokens."""
+        self.columns = (COLUMNS + [f"{metric}/{name}" for metric in ("val_loss", "tokens") for name in sources]
+                        + [f"val_loss/{name}" for name in evaluated])
+        """With a mixture's folders (`sources`), their validation losses and trained tokens; with --eval_data_dir's
+        (`evaluated`), their validation losses."""
 
     @property
     def name(self) -> str:
@@ -65,7 +68,16 @@ class CSVMetrics(Logger):
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         """Prepare the file once: the hyperparameters themselves live in config.yaml."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.columns += [column for column in self.earlier_columns() if column not in self.columns]
         replace_file(self.path, self.lines_kept())
+
+    def earlier_columns(self) -> list[str]:
+        """The columns of the metrics.csv a resumed run continues, kept after this run's own: the history of a folder
+        no longer evaluated (--eval_data_dir, a mixture's) was dropped with its column."""
+        if self._resume_step is None or not self.path.exists():
+            return []
+        with open(self.path, newline="") as handle:
+            return next(csv.reader(handle), [])
 
     def lines_kept(self) -> Iterator[str]:
         """The header, then the rows up to the step the run resumes from (`kept_rows`), one at a time: a week's
@@ -287,8 +299,10 @@ class WandbMetrics(Logger):
 
 def make_loggers(cfg: Config, resume_step: Optional[int]) -> list[Logger]:
     sources = parse_sources(cfg.train_data_dir) if cfg.train_data_dir else []
+    evaluated = parse_eval_folders(cfg.eval_data_dir, cfg.train_data_dir) if cfg.eval_data_dir else {}
     loggers: list[Logger] = [CSVMetrics(cfg.out_dir, resume_step,
-                                        tuple(source.name for source in sources) if len(sources) > 1 else ())]
+                                        tuple(source.name for source in sources) if len(sources) > 1 else (),
+                                        tuple(evaluated))]
     if cfg.wandb_mode != "disabled":
         loggers.append(WandbMetrics(cfg, resuming=bool(resume_step)))
     return loggers

@@ -278,7 +278,7 @@ class Loop:
         stop = verdict.stop_requested
         if evaluated:
             evaluation = self.evaluate()
-            evaluated = bool(evaluation)  # else no validation loss to mark the checkpoint best by
+            evaluated = "val_loss" in evaluation  # else no validation loss to mark the checkpoint best by
             metrics |= evaluation
             stop = stop or stop_agreed(self.fabric, self.stop)
         if scheduled_save or stop or self.out_of_patience():
@@ -438,10 +438,11 @@ class Loop:
                 for name in (part.source.name for part in self.data.sources)}
 
     def evaluate(self) -> dict[str, float]:
-        """Validation loss (and generation samples) on every rank; nothing when the data has no validation split, or
-        when a stop signal cut the evaluation short (on every rank alike: the run then saves and stops)."""
+        """Validation loss (and generation samples) on every rank; nothing when the data has no validation split and
+        no --eval_data_dir, or when a stop signal cut the evaluation short (on every rank alike: the run then saves
+        and stops). Without the training data's validation loss there is no val_loss, so no best checkpoint."""
         cfg, step = self.cfg, self.state["step"]
-        if not len(self.data.validation):
+        if not len(self.data.validation) and not self.data.evaluated:
             return {}
         with self.evaluation.measure():
             try:
@@ -449,17 +450,18 @@ class Loop:
                                            batch_size=cfg.eval_batch_size or cfg.micro_batch_size,
                                            max_batches=cfg.eval_iters, stopping=partial(stop_agreed, self.fabric,
                                                                                         self.stop))
-                loss = losses.pop("")
-                metrics = {"val_loss": loss, "val_ppl": perplexity(loss)} | {f"val_loss/{name}": value
-                                                                             for name, value in losses.items()}
+                loss = losses.pop("", None)
+                metrics = ({"val_loss": loss, "val_ppl": perplexity(loss)} if loss is not None else {}) | {
+                    f"val_loss/{name}": value for name, value in losses.items()}
                 if self.samples:
                     metrics |= self.samples.evaluate(self.fabric, self.state["model"], step,
                                                      stopping=lambda: self.stop.requested)
             except EvaluationStopped:
                 self.console.print(f"step {step}: evaluation stopped by a signal (not logged)")
                 return {}
-        self.state["val_loss"], self.state["val_loss_step"] = loss, step
-        count_improvement(self.state, loss, self.cfg.early_stopping_threshold)
+        if loss is not None:
+            self.state["val_loss"], self.state["val_loss_step"] = loss, step
+            count_improvement(self.state, loss, self.cfg.early_stopping_threshold)
         self.watchdog.beat()
         self.console.print(f"step {step}: " + " | ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
         return metrics

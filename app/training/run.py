@@ -441,7 +441,7 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
         remove_leftovers(checkpoint_dir(cfg.out_dir))  # the first save (a whole checkpoint's size, on a full disk)
     fabric.seed_everything(cfg.seed, verbose=False)
     set_matmul_precision(fabric, cfg)
-    data = load_data(cfg.train_data_dir, inputs.packed_layout)
+    data = load_data(cfg.train_data_dir, inputs.packed_layout, cfg.eval_data_dir)
     model, no_decay, loss_path = setup_model(fabric, cfg, inputs.model_config, deferred, inputs.chunked_loss)
     optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
     state = initial_state(model, optimizer, cfg, inputs)

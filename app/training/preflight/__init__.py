@@ -31,7 +31,7 @@ from app.model.build import resolve_wrap_classes
 from app.optimization.schedule import TrainingPlan
 from app.reliability.signals import first_of_the_run
 from app.tasks import exit_refused
-from app.training.preflight.data import check_data, planned_blocks, reads_data
+from app.training.preflight.data import check_data, check_eval_folders, planned_blocks, reads_data
 from app.training.preflight.environment import (check_devices, check_launcher, check_precision, check_runs_here,
                                                 world_size)
 from app.training.preflight.model import check_model, check_model_with, samples_pad_apart
@@ -100,6 +100,8 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     problems: list[str] = []
     cfg = resolve_wandb(cfg, problems)
     data = check_data(cfg, problems) if reads_data(cfg) else None
+    if data is not None and cfg.eval_data_dir:
+        data = check_eval_folders(cfg, data, problems)
     given_init = cfg.init_from
     init = starting_checkpoint(cfg, problems) if cfg.init_from else None
     if init is not None:  # a run folder given: its checkpoint, which config.yaml records and a resume keeps

@@ -16,7 +16,7 @@ from app.cli import first_line
 from app.data import DataFormat
 from app.data.identity import folder_identity
 from app.data.loader import shared_columns
-from app.data.mixture import Source, epoch_rows, parse_sources
+from app.data.mixture import Source, epoch_rows, parse_eval_folders, parse_sources
 from app.folders import STATS_FILE, prepared_tokenizer
 from app.hub import CHAT_TEMPLATE_DIFFERS, tokenizer_difference
 from app.training.preflight.environment import world_size
@@ -60,9 +60,15 @@ def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
     except ValueError as error:
         problems.append(str(error))
         return None
-    facts = [check_folder(Path(source.path), problems, mixed=len(sources) > 1) for source in sources]
+    facts = [check_folder(Path(source.path), problems) for source in sources]
     if any(fact is None for fact in facts):
         return None
+    for source, fact in zip(sources, facts):
+        if not fact.validation_rows:
+            alone = ("the run trains without evaluating" if not cfg.eval_data_dir else
+                     "no val_loss, nor best checkpoint: only --eval_data_dir's folders are evaluated")
+            note(f"--train_data_dir {source.path} has no validation rows (prepared with --val_fraction 0): "
+                 + ("it is not validated on its own" if len(sources) > 1 else alone))
     together = mixture_facts(sources, facts, problems, cfg.trust_remote_code) if len(sources) > 1 else facts[0]
     identities = [folder_identity(source.name, source.path, fact.train_rows, fact.validation_rows)
                   for source, fact in zip(sources, facts)]
@@ -103,16 +109,13 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
         return None
     if not facts[0].format.padded and differ("block length", [fact.block_size for fact in facts]):
         return None
-    def bundled(source: Source) -> PreTrainedTokenizerBase:
-        return AutoTokenizer.from_pretrained(prepared_tokenizer(source.path), trust_remote_code=trust_remote_code)
-
     joined = shared_columns(facts[0].format, [fact.column_types for fact in facts])
     if any(differ(f"storage of column {column}", [fact.column_types.get(column) for fact in facts])
            for column in joined):  # datasets cannot join them: every rank ended in a traceback after the launch
         return None
-    first = bundled(sources[0])
+    first = bundled_tokenizer(sources[0].path, trust_remote_code)
     for source in sources[1:]:
-        difference = tokenizer_difference(bundled(source), first)
+        difference = tokenizer_difference(bundled_tokenizer(source.path, trust_remote_code), first)
         if difference == CHAT_TEMPLATE_DIFFERS:  # one tokenizer, another --chat_template: renders unlike the rest
             problems.append(f"--train_data_dir: {source.path} was prepared with another chat template than "
                             f"{sources[0].path}: the model would learn two renderings and be converted with one; "
@@ -136,8 +139,50 @@ def mixture_facts(sources: list[Source], facts: list[DataFacts], problems: list[
                      source_rows=[fact.train_rows for fact in facts])
 
 
-def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Optional[DataFacts]:
-    flag = f"--train_data_dir {path}"
+def bundled_tokenizer(folder: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer prepare_data.py wrote into a data folder."""
+    return AutoTokenizer.from_pretrained(prepared_tokenizer(folder), trust_remote_code=trust_remote_code)
+
+
+def check_eval_folders(cfg: Config, data: DataFacts, problems: list[str]) -> DataFacts:
+    """--eval_data_dir's folders: each a prepared folder with validation rows, of the training data's format and
+    tokenizer (another tokenizer's loss compares with nothing; another chat template is allowed: how a model does on
+    another rendering is a question worth asking), its rows no longer than the training data's, which the memory and
+    the model's positions are planned for. The facts with the largest token id of all, which the model's vocabulary
+    is checked against."""
+    try:
+        evaluated = parse_eval_folders(cfg.eval_data_dir, cfg.train_data_dir)
+    except ValueError as error:
+        problems.append(str(error))
+        return data
+    first = bundled_tokenizer(data.sources[0].path if data.sources else cfg.train_data_dir, cfg.trust_remote_code)
+    largest = data.max_token_id
+    for path in evaluated.values():
+        fact, flag = check_folder(Path(path), problems, option="--eval_data_dir"), f"--eval_data_dir {path}"
+        if fact is None:
+            continue
+        if not fact.validation_rows:
+            problems.append(f"{flag}: no validation rows to evaluate (prepared with --val_fraction 0); prepare it "
+                            "with --val_fraction > 0")
+        elif fact.format.name != data.format.name:
+            problems.append(f"{flag} holds {fact.format.name} data, and --train_data_dir {data.format.name} data; "
+                            "prepare it as the training data was")
+        elif fact.block_size > data.block_size or fact.target_block_size > data.target_block_size:
+            longer = (f"rows of up to {fact.block_size} tokens" if fact.block_size > data.block_size
+                      else f"targets of up to {fact.target_block_size} tokens")
+            problems.append(f"{flag} holds {longer}, longer than --train_data_dir's, which the run's memory and the "
+                            f"model's positions are planned for; prepare it with --block_size {data.block_size}")
+        else:
+            difference = tokenizer_difference(bundled_tokenizer(path, cfg.trust_remote_code), first)
+            if difference and difference != CHAT_TEMPLATE_DIFFERS:
+                problems.append(f"{flag} was prepared with another tokenizer than --train_data_dir ({difference}): "
+                                "its loss would compare with nothing; prepare it with the training data's tokenizer")
+            largest = max(largest, fact.max_token_id)
+    return replace(data, max_token_id=largest)
+
+
+def check_folder(path: Path, problems: list[str], option: str = "--train_data_dir") -> Optional[DataFacts]:
+    flag = f"{option} {path}"
     if not path.is_dir():
         weight = path.name.rpartition(":")[2] if ":" in path.name else ""
         what = "a file, not the folder prepare_data.py writes" if path.is_file() else "no such folder"
@@ -181,8 +226,6 @@ def check_folder(path: Path, problems: list[str], mixed: bool = False) -> Option
                             f"({data_format.name} data; columns: {split.column_names}); prepare it again")
             return None
         if len(split) == 0:
-            note(f"{flag} has no validation rows (prepared with --val_fraction 0): "
-                 + ("it is not validated on its own" if mixed else "the run trains without evaluating"))
             continue
         row_lengths = pc.list_value_length(split.data.column("input_ids"))
         lengths |= {pc.min(row_lengths).as_py(), pc.max(row_lengths).as_py()}

@@ -179,9 +179,9 @@ def check_samples(cfg: Config, data: DataFacts, tokenizer: Optional[str], proble
                 else "leaves no room for a prompt in the model's")
         problems.append(f"--eval_max_new_tokens {cfg.eval_max_new_tokens} {room} {positions} positions "
                         "(max_position_embeddings); lower it")
-    if cfg.eval_only and not data.validation_rows:
+    if cfg.eval_only and not data.validation_rows and not cfg.eval_data_dir:
         problems.append(f"--eval_only true evaluates on the validation split, and --train_data_dir "
-                        f"{cfg.train_data_dir} has none; prepare it with --val_fraction > 0")
+                        f"{cfg.train_data_dir} has none; prepare it with --val_fraction > 0, or give --eval_data_dir")
     if cfg.eval_samples and not data.validation_rows:
         problems.append(f"--eval_samples {cfg.eval_samples} takes its prompts from the validation split, but "
                         f"--train_data_dir {cfg.train_data_dir} has none; drop it or prepare with --val_fraction > 0")
