@@ -288,6 +288,10 @@ class LoggingArgs:
     """Weights & Biases: online needs WANDB_API_KEY or `wandb login`; offline writes to out_dir/wandb for a later
     `wandb sync`; default: $WANDB_MODE, else disabled (nothing written). WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME and
     WANDB_DIR are honoured the same way."""
+    tensorboard: bool = False
+    """Also write every metrics.csv column, at the same steps, and the run's options as TensorBoard event files in
+    out_dir/tensorboard (no network; a resume continues that TensorBoard run without the steps it abandons); needs
+    the tensorboardX package (requirements.txt). View with `tensorboard --logdir out_dir/tensorboard`."""
     peak_tflops: Optional[float] = None
     """Dense peak TFLOP/s of one device in the run's compute dtype, for MFU; default: app/metrics/peaks.py's table of
     NVIDIA GPUs (a GPU it does not list has no MFU)."""

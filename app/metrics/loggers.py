@@ -1,4 +1,5 @@
-"""Where numbers go: `<out_dir>/metrics.csv`, `<out_dir>/summary.json`, and Weights & Biases when enabled."""
+"""Where numbers go: `<out_dir>/metrics.csv`, `<out_dir>/summary.json`, and Weights & Biases and TensorBoard when
+enabled."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
-from lightning_fabric.loggers import Logger
+from lightning_fabric.loggers import Logger, TensorBoardLogger
 from lightning_fabric.loggers.logger import rank_zero_experiment
+from lightning_fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE
+from lightning_fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 from app.cli import first_line
@@ -37,6 +40,7 @@ RUN_ID_FILE = "wandb_run_id"
 METRICS_FILE = "metrics.csv"
 SUMMARY_FILE = "summary.json"
 ROWS_FILE = "rows.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 class CSVMetrics(Logger):
@@ -297,6 +301,53 @@ class WandbMetrics(Logger):
         wandb.teardown()
 
 
+class TensorBoardMetrics(TensorBoardLogger):
+    """`out_dir/tensorboard/` (--tensorboard): metrics.csv's rows as TensorBoard scalars at the same steps, and the
+    run's options as its hyperparameters, written by rank 0 with Fabric's logger.
+
+    Every start of the run writes its own event file into the one folder, which TensorBoard reads as one run. A
+    resume from step N starts its file with TensorBoard's purge marker at N + 1 (`purge_step`): TensorBoard then
+    hides what the abandoned stretch logged after step N, as metrics.csv drops those rows. The writer queues events
+    for a thread of its own and flushes every two minutes, so it is closed as the process exits (`before_exit`),
+    whichever way the run ends: finished, stopped or crashed.
+    """
+
+    def __init__(self, out_dir: str | Path, resume_step: Optional[int] = None) -> None:
+        super().__init__(Path(out_dir) / TENSORBOARD_DIR, name="", version="", purge_step=purge_step(resume_step))
+        self._start_step = resume_step or 0
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        """The writer, made at its first use on rank 0."""
+        if self._experiment is None:
+            before_exit(self.close)
+        return super().experiment
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """The options once per start, at the step it starts from. They are config.yaml's, which W&B receives too:
+        no option holds a credential (tokens and keys come from the environment). Fabric's own method writes them
+        only beside a metric, a placeholder `hp_metric` that metrics.csv has not."""
+        if _TENSORBOARD_AVAILABLE:
+            from torch.utils.tensorboard.summary import hparams
+        else:
+            from tensorboardX.summary import hparams
+        writer = self.experiment._get_file_writer()
+        for summary in hparams(self._sanitize_params(_flatten_dict(_convert_params(params))), {}):
+            writer.add_summary(summary, self._start_step)
+
+    def close(self, code: int) -> None:
+        """Write what is queued and close the file (an exit hook: the run's exit code does not matter here)."""
+        self.finalize("success" if code == 0 else "failed")
+
+
+def purge_step(resume_step: Optional[int]) -> int:
+    """The first step whose earlier events TensorBoard hides: all of them for a run starting at step 0 (a relaunch
+    without a checkpoint replaces the earlier start's metrics.csv too), those after the checkpoint's for a resume."""
+    return 0 if resume_step is None else resume_step + 1
+
+
 def make_loggers(cfg: Config, resume_step: Optional[int]) -> list[Logger]:
     sources = parse_sources(cfg.train_data_dir) if cfg.train_data_dir else []
     evaluated = parse_eval_folders(cfg.eval_data_dir, cfg.train_data_dir) if cfg.eval_data_dir else {}
@@ -305,6 +356,8 @@ def make_loggers(cfg: Config, resume_step: Optional[int]) -> list[Logger]:
                                         tuple(evaluated))]
     if cfg.wandb_mode != "disabled":
         loggers.append(WandbMetrics(cfg, resuming=bool(resume_step)))
+    if cfg.tensorboard:
+        loggers.append(TensorBoardMetrics(cfg.out_dir, resume_step))
     return loggers
 
 

@@ -8,7 +8,7 @@ checkpoint to resume from) is returned, so the workers never re-derive it differ
 One module per concern (`preflight` runs a check once what it needs is resolved): wandb_options.py, data.py
 (--train_data_dir), model.py (the model against the options and the data), resume.py (the checkpoint, and the data
 it was trained on), plan.py (batches and schedule), tokenizer.py, out_dir.py, environment.py (this machine and the
-launcher); notes.py says what is resolved without being a problem.
+launcher), tensorboard_option.py; notes.py says what is resolved without being a problem.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
                                          resolve_learning_rates, resolve_shares)
 from app.training.preflight.resume import ChosenCheckpoint, check_data_resume, resolve_resume, starting_checkpoint
+from app.training.preflight.tensorboard_option import check_tensorboard
 from app.training.preflight.tokenizer import check_run_tokenizer, check_samples, resolve_tokenizer
 from app.training.preflight.wandb_options import check_wandb, note_wandb_history, resolve_wandb
 
@@ -137,6 +138,7 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     if not cfg.estimate_memory:  # planning logs nothing and starts no node: it plans a cluster from a laptop
         if first_of_the_run():  # only rank 0 logs: another node's WANDB_* (or network) is not the run's
             check_wandb(cfg, problems)
+        check_tensorboard(cfg, problems)  # on every node: each rank makes Fabric's logger, which needs the package
         check_launcher(cfg, problems)
     if problems:
         exit_refused([f"error: {naming_config_files(p, sources or {})}" for p in problems])
