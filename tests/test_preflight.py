@@ -833,6 +833,26 @@ def test_a_wandb_server_address_with_a_password_is_reached_and_never_shown(tiny,
     assert f"(for {wandb_server})" in captured.err and "hunter2" not in captured.out + captured.err, captured.err
 
 
+def test_tensorboard_without_its_package_is_refused_in_one_line_before_any_rank_starts(tiny, tmp_path, capsys,
+                                                                                        monkeypatch) -> None:
+    """Fabric's TensorBoardLogger raised ModuleNotFoundError on every rank as the loggers were made; its line names
+    the package pinned in requirements.txt."""
+    from app.training.preflight.tensorboard_option import TENSORBOARDX
+    from tests.conftest import ROOT
+
+    assert TENSORBOARDX in (ROOT / "requirements.txt").read_text().splitlines()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("tensorboardX", "tensorboard") else find_spec(name, *a))
+    assert not preflight(parse_config(train_args(tiny, tmp_path / "out"))).config.tensorboard, "off: nothing needed"
+    with pytest.raises(SystemExit) as refused:
+        preflight(parse_config(train_args(tiny, tmp_path / "out", tensorboard=True)))
+    assert refused.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        f"error: --tensorboard true needs the tensorboardX package: pip install {TENSORBOARDX} (or pip install -r "
+        "requirements.txt), or drop --tensorboard"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_what_wandb_needs_is_checked_before_anything_is_written(tiny, tmp_path, capsys, monkeypatch) -> None:
     """wandb missing, or a WANDB_DIR that cannot be made, was a traceback from wandb.init, after the run's files."""
     a_file = tmp_path / "a-file"

@@ -7,7 +7,10 @@ import json
 import os
 import re
 import shutil
+import struct
+import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -30,6 +33,54 @@ def read_metrics(out_dir: Path) -> dict[int, dict[str, float]]:
     return merged
 
 
+Points = dict[str, list[tuple[int, float]]]
+"""TensorBoard's scalars: each tag's (step, value) points, in the order they were written."""
+
+
+def tensorboard_events(folder: Path) -> Iterator[Any]:
+    """The events of `folder`'s files in the order TensorBoard reads them: the files by name (a start's file is named
+    by its time), each record as tensorboardX writes it: a length (8 bytes), its checksum (4), the event, the event's
+    checksum (4)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            yield Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+
+
+def tensorboard_scalars(folder: Path) -> tuple[Points, Points]:
+    """The scalars as written, and as TensorBoard shows them: at a session's start marker (a resume's purge_step) it
+    forgets every point at that step or later (event_accumulator's _CheckForRestartAndMaybePurge)."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    written: Points = {}
+    shown: Points = {}
+    for event in tensorboard_events(folder):
+        if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+            shown = {tag: [point for point in points if point[0] < event.step] for tag, points in shown.items()}
+        for value in event.summary.value:
+            if value.HasField("simple_value"):
+                for points in (written, shown):
+                    points.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return written, shown
+
+
+def tensorboard_options(folder: Path) -> dict[str, Any]:
+    """The options the last start wrote as hyperparameters (TensorBoard's HPARAMS tab)."""
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
+
+    options: dict[str, Any] = {}
+    for event in tensorboard_events(folder):
+        for value in event.summary.value:
+            if value.tag == "_hparams_/session_start_info":
+                hparams = HParamsPluginData.FromString(value.metadata.plugin_data.content).session_start_info.hparams
+                options = {name: getattr(given, given.WhichOneof("kind")) for name, given in hparams.items()}
+    return options
+
+
 def assert_succeeded(result) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -38,7 +89,7 @@ def assert_succeeded(result) -> None:
 def fsdp_run(tiny, tmp_path_factory) -> Path:
     """The issue's reference run: FSDP over 2 CPU processes, 24 steps, evaluation and checkpoints every 8."""
     out_dir = tmp_path_factory.mktemp("fsdp")
-    result = run_train(train_args(tiny, out_dir))
+    result = run_train(train_args(tiny, out_dir, tensorboard=True))
     assert_succeeded(result)
     stderr_of(out_dir).write_text(result.stderr)
     shutil.copy(out_dir / "metrics.csv", out_dir / "straight_metrics.csv")
@@ -224,7 +275,7 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
     straight = read_metrics(fsdp_run)
     checkpoint = tmp_path / "chosen.ckpt"
     shutil.copy(fsdp_run / "checkpoints" / "step-00000016.ckpt", checkpoint)
-    result = run_train(train_args(tiny, fsdp_run, resume=True, checkpoint=checkpoint))
+    result = run_train(train_args(tiny, fsdp_run, resume=True, checkpoint=checkpoint, tensorboard=True))
     assert_succeeded(result)
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert progress[0].startswith("step 17/24"), progress[:2]
@@ -242,6 +293,24 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
     per_step = straight[1]["tokens_seen"]
     assert per_step > 0 and [resumed[step]["tokens_seen"] for step in range(1, 25)] == [
         step * per_step for step in range(1, 25)], "the trained tokens so far, continued from the checkpoint's"
+    assert_tensorboard_shows_metrics_csv(fsdp_run, resumed, abandoned=range(17, 25))
+
+
+def assert_tensorboard_shows_metrics_csv(out_dir: Path, metrics: dict[int, dict[str, float]],
+                                         abandoned: range) -> None:
+    """out_dir/tensorboard as TensorBoard shows it: every metrics.csv cell at its step, each step once, though the
+    steps a resume abandoned were written twice; and the run's options as hyperparameters."""
+    written, shown = tensorboard_scalars(out_dir / "tensorboard")
+    assert [step for step, _ in written["train_loss"]].count(abandoned[0]) == 2, "the abandoned stretch was logged"
+    assert {tag: sorted({step for step, _ in points}) for tag, points in shown.items()} == {
+        tag: [step for step, _ in points] for tag, points in shown.items()}, "a step shown twice"
+    assert {(tag, step) for tag, points in shown.items() for step, _ in points} == {
+        (column, step) for step, row in metrics.items() for column in row}
+    for tag in ("train_loss", "val_loss", "lr"):
+        assert {step: value for step, value in shown[tag]} == pytest.approx(
+            {step: row[tag] for step, row in metrics.items() if tag in row}, rel=1e-6), tag
+    options = tensorboard_options(out_dir / "tensorboard")
+    assert options["micro_batch_size"] == 4 and options["resume"] is True and options["tensorboard"] is True
 
 
 def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run, tiny, tmp_path, capsys) -> None:
@@ -731,3 +800,27 @@ def test_a_resume_after_a_rollback_keeps_metrics_csv_and_rows_jsonl_as_the_run_w
         [0], [1], [2], [3]]
     CSVMetrics(tmp_path, resume_step=32).log_hyperparams({})
     assert list(read_metrics(tmp_path)) == [32], "a resume from before the rollback drops all of its stretch"
+
+
+def test_tensorboard_shows_a_resumed_run_once_and_its_writer_is_closed_as_the_process_exits(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """A start logs steps 1-4; a resume from step 2 logs 3-5 again: TensorBoard shows 1-2 of the first and 3-5 of the
+    second (the purge marker at 3), per-folder keys included. The writer flushes every two minutes: its rows reach
+    the file through the exit hook that every end of a run calls."""
+    from app.metrics.loggers import TensorBoardMetrics, purge_step
+    from app.reliability import watchdog
+
+    assert (purge_step(None), purge_step(0), purge_step(2)) == (0, 1, 3)
+    monkeypatch.setattr(watchdog, "EXIT_HOOKS", [])
+    for start, steps in ((None, range(1, 5)), (2, range(3, 6))):
+        logger = TensorBoardMetrics(tmp_path, resume_step=start)
+        logger.log_hyperparams({"lr": 0.1, "freeze": ["embed"], "model_overrides": None})
+        for step in steps:
+            logger.log_metrics({"train_loss": 10.0 * (start or 1) + step, "val_loss/code": 0.5}, step=step)
+        watchdog.run_exit_hooks(0, timeout_sec=None)
+        time.sleep(1.01 - time.time() % 1)  # a file is named by its start's second: a run's starts are seconds apart
+    _, shown = tensorboard_scalars(tmp_path / "tensorboard")
+    assert shown["train_loss"] == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0), (5, 25.0)]
+    assert shown["val_loss/code"] == [(step, 0.5) for step in range(1, 6)]
+    assert tensorboard_options(tmp_path / "tensorboard") == {"lr": 0.1, "freeze": "['embed']",
+                                                             "model_overrides": "None"}
