@@ -9,6 +9,7 @@ import re
 import shutil
 import struct
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,6 +21,7 @@ from app.metrics import observe
 from app.metrics.console import Console
 from app.metrics.observe import StepClock, Stopwatch
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
+from arguments import Config
 from tests.conftest import BLOCK_SIZE, one_process_llama, read_checkpoint, run_train, train_args
 
 
@@ -311,6 +313,7 @@ def assert_tensorboard_shows_metrics_csv(out_dir: Path, metrics: dict[int, dict[
             {step: row[tag] for step, row in metrics.items() if tag in row}, rel=1e-6), tag
     options = tensorboard_options(out_dir / "tensorboard")
     assert options["micro_batch_size"] == 4 and options["resume"] is True and options["tensorboard"] is True
+    assert {name.split("/")[0] for name in options} <= {option.name for option in fields(Config)}, "options only"
 
 
 def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run, tiny, tmp_path, capsys) -> None:

@@ -354,10 +354,10 @@ def make_loggers(cfg: Config, resume_step: Optional[int]) -> list[Logger]:
     loggers: list[Logger] = [CSVMetrics(cfg.out_dir, resume_step,
                                         tuple(source.name for source in sources) if len(sources) > 1 else (),
                                         tuple(evaluated))]
+    if cfg.tensorboard:  # before W&B: its exit hook, quick, runs first (W&B's may wait out a crash's 15 s)
+        loggers.append(TensorBoardMetrics(cfg.out_dir, resume_step))
     if cfg.wandb_mode != "disabled":
         loggers.append(WandbMetrics(cfg, resuming=bool(resume_step)))
-    if cfg.tensorboard:
-        loggers.append(TensorBoardMetrics(cfg.out_dir, resume_step))
     return loggers
 
 
