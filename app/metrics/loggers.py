@@ -343,8 +343,9 @@ class TensorBoardMetrics(TensorBoardLogger):
 
 
 def purge_step(resume_step: Optional[int]) -> int:
-    """The first step whose earlier events TensorBoard hides: all of them for a run starting at step 0 (a relaunch
-    without a checkpoint replaces the earlier start's metrics.csv too), those after the checkpoint's for a resume."""
+    """The step from which TensorBoard hides what earlier starts wrote: everything for a run starting at step 0 (a
+    relaunch without a checkpoint replaces the earlier start's metrics.csv too), the steps after the checkpoint's for
+    a resume."""
     return 0 if resume_step is None else resume_step + 1
 
 
