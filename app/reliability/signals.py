@@ -435,7 +435,7 @@ def leave(code: int) -> NoReturn:
     What that teardown would still do for us is done first, by the interpreter's own functions: thread pools are
     told to finish and other threads are waited for, exit handlers run (W&B's finish, logging, multiprocessing's
     children) and the standard streams are flushed. Nothing else holds buffered output: metrics.csv and every
-    checkpoint are closed when written."""
+    checkpoint are closed when written, and --tensorboard's writer by its exit hook, before this."""
     threading._shutdown()  # the interpreter's first step: thread pools told to finish, other threads waited for
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
