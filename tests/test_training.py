@@ -303,6 +303,7 @@ def assert_tensorboard_shows_metrics_csv(out_dir: Path, metrics: dict[int, dict[
     """out_dir/tensorboard as TensorBoard shows it: every metrics.csv cell at its step, each step once, though the
     steps a resume abandoned were written twice; and the run's options as hyperparameters."""
     written, shown = tensorboard_scalars(out_dir / "tensorboard")
+    assert len(list((out_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2, "one file a start, rank 0's"
     assert [step for step, _ in written["train_loss"]].count(abandoned[0]) == 2, "the abandoned stretch was logged"
     assert {tag: sorted({step for step, _ in points}) for tag, points in shown.items()} == {
         tag: [step for step, _ in points] for tag, points in shown.items()}, "a step shown twice"
