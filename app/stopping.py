@@ -114,6 +114,7 @@ def stopped_in_one_line(prog: str, nothing_written: str | Callable[[], str], cle
     FORKING.append(write_end)
     previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
     threading.Thread(target=take_from_the_pipe, args=(read_end,), name="stop-signals", daemon=True).start()
+    create_the_multiprocessing_folders()
     try:
         yield
     except Exception as error:
@@ -218,6 +219,17 @@ def exhausted_reason(cause: BaseException, fewer_workers: str = "", writes_to: s
         return f"the storage refused a write: {storage_error(cause, writes_to)}: make room, then run it again"
     return ("the system refused a new thread: the limit on processes and threads is reached (a cgroup's pids.max, "
             f"docker's --pids-limit, ulimit -u); {fewer}raise the limit")
+
+
+def create_the_multiprocessing_folders() -> None:
+    """This process's `pymp-*` folder of multiprocessing and of datasets' multiprocess, made now, before any worker
+    forks: a forked worker or manager inherits the folder instead of making one of its own, whose socket a stop
+    could find only while that process still listened (CI saw one left when the manager died first)."""
+    import importlib
+
+    for name in ("multiprocessing", "multiprocess"):
+        with suppress(ImportError):
+            importlib.import_module(f"{name}.util").get_temp_dir()
 
 
 def multiprocessing_folders(children: list) -> set[str]:
