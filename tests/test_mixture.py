@@ -52,6 +52,9 @@ def test_evaluation_folders_are_named_as_a_mixtures_folders_and_refused_in_one_l
     assert parse_eval_folders("/data/wiki-en,code=/data/code-eval/", "/data/es") == {
         "wiki-en": "/data/wiki-en", "code": "/data/code-eval/"}
     assert parse_eval_folders("es=/data/es", "/data/es") == {"es": "/data/es"}, "a single training folder is val_loss"
+    assert parse_eval_folders("runs/lr=3e-4/wiki,a=b=c", "t") == {"wiki": "runs/lr=3e-4/wiki", "a": "b=c"}, \
+        "a '=' in a folder's path is no name"
+    assert parse_sources("runs/lr=3e-4/data:2")[0].path == "runs/lr=3e-4/data"
     for spec, train, message in (("a,,b", "t", "--eval_data_dir 'a,,b': an empty entry"),
                                  ("x=", "t", "an empty entry"),
                                  ("/x/a,/y/a", "t", "two folders are named a; name them"),
@@ -410,6 +413,8 @@ def test_evaluation_folders_unlike_the_training_data_are_refused_before_any_work
     assert not (tmp_path / "out").exists()
     inputs = preflight(parse_config(train_args(tiny, tmp_path / "out", eval_data_dir=f"{templated},{small}")))
     assert inputs.config.eval_data_dir == f"{templated},{small}"
+    for single in (f"name={tiny.data}", f"{tiny.data}:1"):  # one training folder, named or weighted: a traceback once
+        preflight(parse_config(train_args(tiny, tmp_path / "out", train_data_dir=single, eval_data_dir=str(small))))
 
 
 @pytest.mark.parametrize("devices, micro_batch_size, from_step", [(1, 8, 60), (4, 2, 90)])

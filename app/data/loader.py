@@ -58,6 +58,10 @@ class TrainingData:
     def mixture(self) -> bool:
         return len(self.sources) > 1
 
+    def evaluable(self) -> bool:
+        """Whether an evaluation has rows to measure: the training data's validation split, or --eval_data_dir's."""
+        return bool(len(self.validation) or self.evaluated)
+
     def quarantine(self, rows: Iterable[int]) -> None:
         """From the next step on (and in the loaders made after this call) `rows` train nothing."""
         rows = set(rows)

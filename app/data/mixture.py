@@ -85,8 +85,15 @@ SMALLEST_SHARE = Fraction(1, 10**6)  # said in words in parse_sources
 """The smallest share of a step a mixture's folder may have: less is no useful mixture."""
 
 
+def _named(item: str) -> tuple[str | None, str]:
+    """`name=folder` as (name, folder), and (None, item) where what comes before a '=' is no name: a '=' inside a
+    folder's path (`runs/lr=3e-4/data`)."""
+    name, equals, path = item.partition("=")
+    return (name, path) if equals and NAME.fullmatch(name) else (None, item)
+
+
 def _parse_item(item: str) -> tuple[str, str, Fraction | None]:
-    name, path = (item.split("=", 1) if "=" in item and NAME.fullmatch(item.split("=", 1)[0]) else (None, item))
+    name, path = _named(item)
     weight = None
     if ":" in path:
         folder, text = path.rsplit(":", 1)
@@ -112,7 +119,7 @@ def parse_eval_folders(spec: str, train_data_dir: str) -> dict[str, str]:
     ValueError with one line naming the flag."""
     evaluated: dict[str, str] = {}
     for item in (item.strip() for item in spec.split(",")):
-        name, path = item.split("=", 1) if "=" in item else (None, item)
+        name, path = _named(item)
         name = name if name is not None else Path(path.rstrip("/")).name
         if not item or not path:
             raise ValueError(f"--eval_data_dir {spec!r}: an empty entry; write name=folder,name=folder")

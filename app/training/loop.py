@@ -173,7 +173,7 @@ class Loop:
         state, plan, cfg = self.state, self.plan, self.cfg
         steps = self.steps()
         self.state_memory.watch(state["model"], state["optimizer"])
-        if state["step"] == 0 and cfg.initial_validation and cfg.eval_step_interval and len(self.data.validation):
+        if state["step"] == 0 and cfg.initial_validation and cfg.eval_step_interval and self.data.evaluable():
             self.fabric.log_dict(self.evaluate(), step=0)
         losses = self.unlogged_losses()
         self.stop.begin_training(self.fabric)
@@ -442,7 +442,7 @@ class Loop:
         no --eval_data_dir, or when a stop signal cut the evaluation short (on every rank alike: the run then saves
         and stops). Without the training data's validation loss there is no val_loss, so no best checkpoint."""
         cfg, step = self.cfg, self.state["step"]
-        if not len(self.data.validation) and not self.data.evaluated:
+        if not self.data.evaluable():
             return {}
         with self.evaluation.measure():
             try:

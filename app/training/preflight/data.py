@@ -16,7 +16,7 @@ from app.cli import first_line
 from app.data import DataFormat
 from app.data.identity import folder_identity
 from app.data.loader import shared_columns
-from app.data.mixture import Source, epoch_rows, parse_eval_folders, parse_sources
+from app.data.mixture import Source, epoch_rows, first_folder, parse_eval_folders, parse_sources
 from app.folders import STATS_FILE, prepared_tokenizer
 from app.hub import CHAT_TEMPLATE_DIFFERS, tokenizer_difference
 from app.training.preflight.environment import world_size
@@ -155,7 +155,7 @@ def check_eval_folders(cfg: Config, data: DataFacts, problems: list[str]) -> Dat
     except ValueError as error:
         problems.append(str(error))
         return data
-    first = bundled_tokenizer(data.sources[0].path if data.sources else cfg.train_data_dir, cfg.trust_remote_code)
+    first = bundled_tokenizer(first_folder(cfg.train_data_dir), cfg.trust_remote_code)
     largest = data.max_token_id
     for path in evaluated.values():
         fact, flag = check_folder(Path(path), problems, option="--eval_data_dir"), f"--eval_data_dir {path}"
