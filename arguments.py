@@ -20,7 +20,7 @@ from typing import Callable, Literal, Optional, Union
 import yaml
 from jsonargparse import ArgumentParser
 
-from app.choices import FSDP1_ONLY_OPTIONS, MAX_SEED, SHARDED_STRATEGIES
+from app.choices import CHECKPOINTING_OPTIONS, FSDP1_ONLY_OPTIONS, MAX_SEED, SHARDED_STRATEGIES
 from app.cli import (UsageError, command_parser, config_files_first, naming_config_files, nested_config_files, parse,
                      refuse)
 from app.tasks import exit_refused, launching_process
@@ -133,6 +133,10 @@ class FSDPArgs:
     """Keep sharded parameters and gradients in CPU memory; several times slower, for models that do not fit."""
     gradient_checkpointing: bool = False
     """Recompute the activations of each wrapped layer in backward: much less memory, about 30% more compute."""
+    gradient_checkpointing_every: int = 1
+    """With --gradient_checkpointing: recompute one layer in every N, from the first (2: layers 0, 2, 4, ...), the
+    others keeping their activations: less recomputation for more memory (torchtitan's selective layer
+    checkpointing); --estimate_memory plans it."""
     fsdp_no_sync: bool = False
     """With gradient accumulation, keep gradients unsharded until the last micro-batch (FSDP's no_sync): one
     reduce-scatter per step instead of one per micro-batch, but every rank holds the whole model's gradient, summed
@@ -539,6 +543,8 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
                  "keep_last_n", "reference_batch_size", "early_stopping_patience"):
         value = getattr(cfg, name)
         require(value in (None, "auto") or value >= 1, f"--{name} must be at least 1, got {value}")
+    require(cfg.gradient_checkpointing_every >= 1,
+            f"--gradient_checkpointing_every must be at least 1, got {cfg.gradient_checkpointing_every}")
     for name in ("device_memory_gb", "peak_tflops"):
         value = getattr(cfg, name)
         require(value is None or value > 0, f"--{name} must be positive, got {value}")
@@ -624,6 +630,9 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
     if cfg.lr_scaling == "none" and cfg.reference_batch_size is not None:
         unread(["reference_batch_size"], "lr_scaling",
                "--reference_batch_size is only read with --lr_scaling linear or sqrt: add one, or drop it")
+    if not cfg.gradient_checkpointing and cfg.gradient_checkpointing_every != FSDPArgs.gradient_checkpointing_every:
+        unread(["gradient_checkpointing_every"], "gradient_checkpointing",
+               "--gradient_checkpointing_every is only read with --gradient_checkpointing true: add it, or drop it")
     if not cfg.estimate_memory and cfg.device_memory_gb is not None:
         unread(["device_memory_gb"], "estimate_memory",
                "--device_memory_gb is only read by --estimate_memory true: add it, or drop --device_memory_gb")
@@ -683,14 +692,15 @@ def strategy_rules(cfg: Config, require: Callable[[bool, str], None]) -> None:
         require(cfg.strategy == "fsdp", f"--strategy {cfg.strategy}: TPUs train with Lightning's XLA FSDP only; "
                                         "drop --strategy")
         unread = [f"--{f.name}" for f in fields(FSDPArgs) if getattr(cfg, f.name) != f.default
-                  and f.name not in ("auto_wrap_policy", "gradient_checkpointing")]
+                  and f.name not in ("auto_wrap_policy", "gradient_checkpointing")]  # XLA's checks every layer
         require(not unread, f"{', '.join(unread)}: not read by Lightning's XLA FSDP, which TPUs train with; drop them")
     require(cfg.strategy != "single_device" or cfg.devices in (1, "auto") and cfg.num_nodes == 1,
             "--strategy single_device runs one process: use --devices 1 --num_nodes 1, or --strategy fsdp/ddp")
     fsdp1_only = FSDP1_ONLY_OPTIONS if cfg.strategy == "fsdp2" else ()
     if cfg.strategy != "fsdp":
         changed = [f.name for f in fields(FSDPArgs) if getattr(cfg, f.name) != f.default
-                   and f.name != "gradient_checkpointing" and (cfg.strategy not in SHARDED_STRATEGIES or f.name in fsdp1_only)]
+                   and f.name not in CHECKPOINTING_OPTIONS
+                   and (cfg.strategy not in SHARDED_STRATEGIES or f.name in fsdp1_only)]
         fsdp1 = cfg.strategy == "fsdp2" or all(n in FSDP1_ONLY_OPTIONS for n in changed)
         allowed = "fsdp" if fsdp1 else "fsdp or fsdp2"
         require(not changed, f"{', '.join('--' + n for n in changed)} {'applies' if len(changed) == 1 else 'apply'} "

@@ -8,6 +8,9 @@ SHARDED_STRATEGIES = ("fsdp", "fsdp2")
 
 FSDP1_ONLY_OPTIONS = ("limit_all_gathers", "backward_prefetch", "forward_prefetch")
 """FSDP options FSDP2 has no use for: it bounds its all-gathers and prefetches one unit ahead by itself."""
+CHECKPOINTING_OPTIONS = ("gradient_checkpointing", "gradient_checkpointing_every")
+"""Options of the FSDP group that every strategy reads: ddp, fsdp2 and one device through transformers' own
+activation checkpointing."""
 
 MAX_SEED = 2**32 - 1
 """The largest seed train.py and prepare_data.py take: numpy's (Lightning's seed_everything seeds numpy on every rank;

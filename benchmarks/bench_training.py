@@ -18,7 +18,9 @@
    time (target: <= 1.05x);
 8. the memory planner: what `--estimate_memory` plans against the largest rank's peak RSS in a run of the same
    options, for the Llama, GPT-2 and T5 demo shapes at two micro batches, Llama under bf16-mixed, and the 170M
-   model without and with activation checkpointing (target: within 10%).
+   model without and with activation checkpointing (target: within 10%);
+9. activation checkpointing of one layer in two (`--gradient_checkpointing_every 2`) against every layer's (target:
+   a shorter step) and none: step times, and the 170M model's peak RSS, measured and planned (target: within 10%).
 
 Every contender runs in 2 processes on this machine's CPU with the same threads per process, started by torchrun
 unless a row says otherwise. A step time is the difference of the training time of a long and a short run divided
@@ -27,8 +29,8 @@ save cancel out. The contenders of a row run back to back, `--repeats` times in 
 median of the repeats' ratios, and its range is printed next to it, because this machine's speed drifts by +-10%
 over tens of minutes. Prints a Markdown table (the one in docs/performance.md). All parts take about an hour.
 
-Run: python benchmarks/bench_training.py [--parts overhead trainer fsdp2 memory checkpoint async_save loss planner]
-[--repeats 5]
+Run: python benchmarks/bench_training.py [--parts overhead trainer fsdp2 memory checkpoint async_save loss planner
+checkpointing] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -535,9 +537,42 @@ def row(name: str, ours: str, baseline: str, ratio: float, target: str = "", met
     return f"| {name} | {ours} | {baseline} | {shown} | {target}{verdict} |"
 
 
+CHECKPOINTING = {"none": {}, "every-2": {"gradient_checkpointing": True, "gradient_checkpointing_every": 2},
+                 "every-1": {"gradient_checkpointing": True}}
+"""--gradient_checkpointing_every's contenders: no activation checkpointing, one layer in two, every layer."""
+
+
+def bench_checkpointing(data: Path, work_dir: Path, options: argparse.Namespace) -> list[str]:
+    """Activation checkpointing of one layer in two (--gradient_checkpointing_every 2) between none and every
+    layer's: step times of the 4-layer demo model in the compute-bound regime, then the 170M model's peak RSS of the
+    largest rank at micro batch 8 (`python train.py`, as the planner's rows), measured and planned."""
+    contenders = {name: app_contender(data, work_dir, f"checkpointing-{name}", **choice)
+                  for name, choice in CHECKPOINTING.items()}
+    rows = compare_step_times(contenders, {REGIMES[0]: [
+        Comparison("step time: activation checkpointing of 1 layer in 2 / of every layer", "every-2", "every-1",
+                   target=1.0),
+        Comparison("step time: activation checkpointing of every layer / none", "every-1", "none")]}, options)
+    peaks, planned = {}, {}
+    for name, choice in CHECKPOINTING.items():
+        work = Workload(model_config=str(STATE_MODEL), data=str(data), out_dir=str(work_dir / f"peak-{name}"),
+                        steps=6, micro_batch_size=8, warmup_steps=1, log_interval=1)
+        planned[name] = report_total_gb(train_app(work, launcher="python", estimate_memory=True, **choice))
+        train_app(work, launcher="python", **choice)
+        peaks[name] = peak_rss_while_training(work.out_dir)
+        print(f"  {name}: planned {planned[name]:.2f} GB, measured {peaks[name]:.2f} GB", flush=True)
+    rows += [row(f"peak RSS, largest rank, 170M model, micro batch 8: activation checkpointing of {said} / none",
+                 f"{peaks[name]:.2f} GB", f"{peaks['none']:.2f} GB", peaks[name] / peaks["none"])
+             for name, said in (("every-2", "1 layer in 2"), ("every-1", "every layer"))]
+    return rows + [row("peak RSS, largest rank: `--estimate_memory` / measured, 170M model, micro batch 8, "
+                       "activation checkpointing of 1 layer in 2", f"{planned['every-2']:.2f} GB",
+                       f"{peaks['every-2']:.2f} GB", planned["every-2"] / peaks["every-2"],
+                       f"within {PLANNER_TOLERANCE:.0%}", abs(planned["every-2"] / peaks["every-2"] - 1)
+                       <= PLANNER_TOLERANCE)]
+
+
 PARTS = {"overhead": bench_overhead, "trainer": bench_trainer, "fsdp2": bench_fsdp2, "memory": bench_memory,
          "checkpoint": bench_checkpoint, "async_save": bench_async_save, "loss": bench_loss,
-         "spike_guard": bench_spike_guard, "planner": bench_planner}
+         "spike_guard": bench_spike_guard, "planner": bench_planner, "checkpointing": bench_checkpointing}
 
 
 def main() -> None:

@@ -190,6 +190,12 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--accelerator", "tpu", "--strategy", "ddp"], "--strategy ddp: TPUs train with Lightning's XLA FSDP only"),
     (["--tpu", "--sharding_strategy", "NO_SHARD", "--cpu_offload", "true"],
      "--sharding_strategy, --cpu_offload: not read by Lightning's XLA FSDP"),
+    (["--tpu", "--gradient_checkpointing", "true", "--gradient_checkpointing_every", "2"],
+     "--gradient_checkpointing_every: not read by Lightning's XLA FSDP"),
+    (["--gradient_checkpointing_every", "2"], "--gradient_checkpointing_every is only read with "
+                                              "--gradient_checkpointing true"),
+    (["--gradient_checkpointing", "true", "--gradient_checkpointing_every", "0"],
+     "--gradient_checkpointing_every must be at least 1, got 0"),
     (["--spike_guard", "off", "--spike_z", "3", "--spike_window", "20"],
      "--spike_z, --spike_window: only read by the spike guard, which --spike_guard off turns off"),
     (["--model_name", "m"], "give exactly one of --model_name"),

@@ -144,6 +144,48 @@ def test_activation_checkpointing_frees_activations_under_ddp_and_on_one_device_
         assert stored.activations > 2 * checkpointed.activations, strategy
 
 
+def test_recomputing_one_layer_in_two_keeps_what_the_plan_counts_for_it() -> None:
+    """--gradient_checkpointing_every 2: a recomputed layer keeps its inputs alone, the others all they computed.
+    FSDP1's checkpoint wrapper (EveryNthLayer) and transformers' own keep the same, and the gradients are those of a
+    run without checkpointing."""
+    from lightning_fabric.strategies.fsdp import _activation_checkpointing_kwargs, _setup_activation_checkpointing
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from app.distributed.strategy import EveryNthLayer
+    from app.metrics.activations import KeptForBackward
+    from app.model.build import enable_activation_checkpointing
+
+    kept = KeptForBackward(layers=(10, 20, 30, 40), layer_inputs=(1, 1, 1, 1), outside=5)
+    assert [kept.peak(every) for every in (0, 1, 2, 3)] == [100 + 5 + 40, 4 + 5 + 40 + 40, 62 + 5 + 30 + 40,
+                                                           52 + 5 + 40 + 40]
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         vocab_size=256)
+    input_ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def saved_and_gradients(checkpointing) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).train()
+        checkpointing(model)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().nbytes()) or t,
+                                                      lambda t: t):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        return sum(saved), [parameter.grad for parameter in model.parameters()]
+
+    def wrapped(every: int):
+        policy = EveryNthLayer({LlamaDecoderLayer}, every)
+        return lambda model: _setup_activation_checkpointing(model, _activation_checkpointing_kwargs(None, policy))
+
+    none, gradients = saved_and_gradients(lambda model: None)
+    every_layer, _ = saved_and_gradients(lambda model: enable_activation_checkpointing(model, 1))
+    every_second, second_gradients = saved_and_gradients(lambda model: enable_activation_checkpointing(model, 2))
+    assert saved_and_gradients(wrapped(2))[0] == every_second and saved_and_gradients(wrapped(1))[0] == every_layer
+    assert every_second == pytest.approx((none + every_layer) / 2, rel=0.02), (none, every_second, every_layer)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(gradients, second_gradients))
+
+
 def test_frozen_parameters_take_no_optimizer_state_and_fsdp1_units_keep_their_gradient_whole() -> None:
     """--freeze: the plan counted every parameter's gradient and moments (a job freezing most of a model was told
     it did not fit). FSDP1 keeps a unit's flat gradient whole while any parameter of the unit trains."""

@@ -43,6 +43,34 @@ def test_a_model_that_names_no_layer_classes_says_which_to_give() -> None:
         "PegasusEncoderLayer", "PegasusDecoderLayer"}
 
 
+def test_choosing_one_layer_in_n_is_refused_where_transformers_would_recompute_them_all(tiny) -> None:
+    """transformers' every_n_layers chooses among GradientCheckpointingLayer modules; a model whose blocks only carry
+    a `gradient_checkpointing` flag (older and remote-code ones) has them all recomputed whatever it says."""
+    from torch import nn
+    from transformers import LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+
+    from app.model.build import enable_activation_checkpointing, recomputes_every_layer
+
+    class Stack(nn.Module):
+        gradient_checkpointing = False
+
+    class OldStyle(PreTrainedModel):
+        config_class = PretrainedConfig
+        supports_gradient_checkpointing = True
+
+        def __init__(self, config: PretrainedConfig) -> None:
+            super().__init__(config)
+            self.stack = Stack()
+
+    old_style = OldStyle(PretrainedConfig())
+    enable_activation_checkpointing(old_style, 2)
+    assert old_style.stack.gradient_checkpointing and recomputes_every_layer(old_style)
+    llama = LlamaForCausalLM(AutoConfig.from_pretrained(tiny.model_config))
+    enable_activation_checkpointing(llama, 2)
+    assert not recomputes_every_layer(llama)
+    assert [layer.gradient_checkpointing for layer in llama.model.layers] == [True, False]
+
+
 def test_true_precisions_store_half_weights_and_mixed_keep_fp32() -> None:
     assert weights_dtype("bf16-true") == torch.bfloat16
     assert weights_dtype("bf16-mixed") == weights_dtype("32-true") == torch.float32

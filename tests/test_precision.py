@@ -424,6 +424,17 @@ def test_rotary_frequencies_stay_fp32_and_exact_under_fsdp(tiny, tmp_path, strat
         assert report["checkpoint_wrappers"] == 2 and not report["hf_gradient_checkpointing"], "each layer wrapped once"
     else:
         assert report["checkpoint_wrappers"] == 0 and report["hf_gradient_checkpointing"], "transformers' own"
+    assert report["recomputed_layers"] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_gradient_checkpointing_every_2_recomputes_the_first_of_every_two_layers(tiny, tmp_path, strategy) -> None:
+    """FSDP1's checkpoint wrapper (EveryNthLayer) and transformers' own (every_n_layers, under fsdp2, ddp and one
+    device) choose the same layers."""
+    report = probe(tiny, tmp_path, strategy=strategy, gradient_checkpointing=True, gradient_checkpointing_every=2)
+    assert report["recomputed_layers"] == [0]
+    assert report["checkpoint_wrappers"] == (1 if strategy == "fsdp" else 0)
 
 
 @pytest.mark.slow
@@ -575,6 +586,6 @@ def test_tpu_runs_checkpoint_their_layers_when_asked(checkpointing, monkeypatch)
     for module in (xla_fsdp, xla_environment):
         monkeypatch.setattr(module, "_XLA_AVAILABLE", True)
     cfg = SimpleNamespace(tpu=True, accelerator="auto", strategy="fsdp", state_dict_type="sharded",
-                          gradient_checkpointing=checkpointing)
+                          gradient_checkpointing=checkpointing, gradient_checkpointing_every=1)
     strategy = build_strategy(cfg, world_size=8, wrap_classes={LlamaDecoderLayer})
     assert strategy._activation_checkpointing_policy == ({LlamaDecoderLayer} if checkpointing else None)

@@ -445,7 +445,8 @@ def test_activation_checkpointing_is_refused_only_where_the_strategy_needs_the_m
     def problems(config, strategy: str, checkpointing: bool = True) -> list[str]:
         found: list[str] = []
         check_activation_checkpointing(SimpleNamespace(gradient_checkpointing=checkpointing, strategy=strategy,
-                                                       trust_remote_code=False, auto_wrap_policy=None), config, found)
+                                                       gradient_checkpointing_every=1, trust_remote_code=False,
+                                                       auto_wrap_policy=None), config, found)
         return found
 
     jetmoe, ctrl = AutoConfig.from_pretrained(bad["jetmoe"]), CTRLConfig(n_embd=64, dff=128, n_layer=2, n_head=4)

@@ -399,12 +399,12 @@ def test_a_run_whose_validation_loss_stops_improving_stops_early_and_saves(tiny,
 
 
 def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:
-    """Replication instead of sharding, activation checkpointing, prefetching and all-gather throttling trade memory
-    for time, never the maths: the same losses, and the same gradient norm whether each rank holds half of the
+    """Replication instead of sharding, activation checkpointing (of one layer in two), prefetching and all-gather
+    throttling trade memory for time, never the maths: the same losses, and the same gradient norm whether each rank holds half of the
     gradient (FULL_SHARD) or all of it (NO_SHARD)."""
     result = run_train(train_args(tiny, tmp_path, max_step=4, gradient_checkpointing=True, save_step_interval=100,
-                                  sharding_strategy="NO_SHARD", backward_prefetch="BACKWARD_POST",
-                                  forward_prefetch=True, limit_all_gathers=False))
+                                  gradient_checkpointing_every=2, sharding_strategy="NO_SHARD",
+                                  backward_prefetch="BACKWARD_POST", forward_prefetch=True, limit_all_gathers=False))
     assert_succeeded(result)
     output = result.stdout + result.stderr  # torch's deprecation of FSDP1's NO_SHARD, twice on every rank, was
     assert "deprecated" not in output and output.count("torch deprecates --sharding_strategy NO_SHARD") == 1
@@ -498,6 +498,12 @@ def test_a_one_process_run_without_validation_prints_only_what_a_user_can_act_on
     metrics = read_metrics(tmp_path / "out")
     assert sorted(metrics) == [1, 2, 3, 4] and not any("val_loss" in row for row in metrics.values())
     assert (tmp_path / "out" / "checkpoints" / "step-00000004.ckpt").is_dir()
+    evaluated = tmp_path / "evaluated"  # the same data with a folder of --eval_data_dir: measured from step 0 on
+    assert_succeeded(run_train(train_args(tiny, evaluated, train_data_dir=data, devices=1, max_step=2, warmup_steps=0,
+                                          eval_step_interval=2, eval_data_dir=f"held={tiny.data}")))
+    metrics = read_metrics(evaluated)
+    assert [step for step, row in sorted(metrics.items()) if "val_loss/held" in row] == [0, 2]
+    assert not any("val_loss" in row for row in metrics.values()), "val_loss is the training data's alone"
     for noise in ("NO_SHARD", "torch.distributed is disabled", "srun", "Initializing distributed", "distributed_backend",
                   "Seed set", "Warning"):
         assert noise not in output, noise

@@ -28,6 +28,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -61,6 +62,32 @@ class CPUFSDPStrategy(FSDPStrategy):
         return module
 
 
+class EveryNthLayer(CustomPolicy):
+    """FSDP1's activation checkpointing of one module of the wrap classes in every `every`, from the first, in the
+    model's order (--gradient_checkpointing_every): the layers transformers' own `every_n_layers` chooses under the
+    other strategies (app/model/build.py). Which modules depends on all of them, so the policy lists them from the
+    root (`_run_policy`, which torch's apply_activation_checkpointing calls for a policy object that is not callable,
+    as ModuleWrapPolicy is) rather than judging one module at a time."""
+
+    def __init__(self, classes: set[type[Module]], every: int) -> None:
+        super().__init__(lambda module: False)  # not asked: _run_policy chooses
+        self.classes, self.every = tuple(classes), every
+
+    def _run_policy(self, root_module: Module, ignored_modules: set[Module],
+                    root_kwargs: dict[str, Any]) -> dict[Module, dict[str, Any]]:
+        layers = [module for module in root_module.modules()
+                  if isinstance(module, self.classes) and module not in ignored_modules]
+        return {layer: dict(root_kwargs) for layer in layers[::self.every]}
+
+
+def checkpointed_layers(cfg: Config, wrap_classes: set[type[Module]]) -> Optional[set[type[Module]] | EveryNthLayer]:
+    """The activation checkpointing policy of Lightning's FSDP1 strategies: None without --gradient_checkpointing."""
+    if not cfg.gradient_checkpointing:
+        return None
+    return wrap_classes if cfg.gradient_checkpointing_every == 1 else EveryNthLayer(wrap_classes,
+                                                                                  cfg.gradient_checkpointing_every)
+
+
 def resolve_accelerator(cfg: Config) -> str:
     if cfg.tpu:
         return "tpu"
@@ -84,7 +111,7 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
     accelerator = resolve_accelerator(cfg)
     if accelerator == "tpu":  # its own checkpoint wrapper, as FSDP1's below: transformers' is not asked (build.py)
         return XLAFSDPStrategy(auto_wrap_policy=wrap_classes, state_dict_type=cfg.state_dict_type,
-                               activation_checkpointing_policy=wrap_classes if cfg.gradient_checkpointing else None)
+                               activation_checkpointing_policy=checkpointed_layers(cfg, wrap_classes))
     if cfg.strategy == "single_device":
         return SingleDeviceStrategy(device=torch.device("cuda", 0) if accelerator == "cuda" else torch.device(accelerator))
     timeout = timedelta(minutes=cfg.process_group_timeout_min)
@@ -97,7 +124,7 @@ def build_strategy(cfg: Config, world_size: int, wrap_classes: set[type[Module]]
     fsdp_class = CPUFSDPStrategy if accelerator == "cpu" else FSDPStrategy
     return fsdp_class(
         auto_wrap_policy=UnitsWithEmbeddings(wrap_classes),
-        activation_checkpointing_policy=wrap_classes if cfg.gradient_checkpointing else None,
+        activation_checkpointing_policy=checkpointed_layers(cfg, wrap_classes),
         sharding_strategy=fsdp1_sharding(cfg, world_size),
         state_dict_type=cfg.state_dict_type,
         limit_all_gathers=cfg.limit_all_gathers,

@@ -80,13 +80,14 @@ class KeptForBackward:
                                outside=round(self.outside * factor), weight_copies=round(self.weight_copies * factor),
                                autocast_unmeasured=self.autocast_unmeasured)
 
-    def peak(self, checkpointed: bool) -> int:
-        """At the peak of backward: what forward kept, the largest layer recomputed (with activation checkpointing)
-        and the gradients of its activations."""
-        largest = max(self.layers, default=0)
-        if checkpointed:
-            return sum(self.layer_inputs) + self.outside + 2 * largest
-        return sum(self.layers) + self.outside + largest
+    def peak(self, checkpoint_every: int) -> int:
+        """At the peak of backward: what forward kept, the largest recomputed layer's activations (with activation
+        checkpointing of one layer in every `checkpoint_every`, from the first; 0: none) and the gradients of a
+        layer's activations. A recomputed layer keeps its inputs alone until backward reaches it."""
+        recomputed = [bool(checkpoint_every) and index % checkpoint_every == 0 for index in range(len(self.layers))]
+        kept = sum(inputs if again else kept for kept, inputs, again in zip(self.layers, self.layer_inputs, recomputed))
+        largest_recomputed = max((kept for kept, again in zip(self.layers, recomputed) if again), default=0)
+        return kept + self.outside + largest_recomputed + max(self.layers, default=0)
 
 
 def kept_for_backward(model: Module, wrap_classes: set[type[Module]], tokens: int, target_tokens: int,

@@ -170,6 +170,8 @@ class Setup:
     block_size: int
     gradient_checkpointing: bool
     cpu_offload: bool
+    checkpoint_every: int = 1
+    """--gradient_checkpointing_every: one layer in this many is recomputed."""
     unsharded_accumulation: bool = False
     """--fsdp_no_sync with more than one micro-batch per step."""
     chunked_loss: bool = False
@@ -244,7 +246,8 @@ def activation_bytes_per_sequence(shape: ModelShape, setup: Setup) -> float:
     fp32_copy = 0 if size == 4 else 4
     loss = size * shape.hidden_size if setup.chunked_loss else shape.vocab_size * (size + fp32_copy + 4 + 4)
     target_tokens = setup.target_block_size or setup.block_size
-    return kept_by_body(shape, setup).peak(setup.gradient_checkpointing) + target_tokens * loss
+    every = setup.checkpoint_every if setup.gradient_checkpointing else 0
+    return kept_by_body(shape, setup).peak(every) + target_tokens * loss
 
 
 def runtime_bytes(cfg: Config) -> tuple[float, float]:
@@ -342,6 +345,7 @@ def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int, c
                  world_size=world_size, devices_per_node=world_size // cfg.num_nodes,
                  micro_batch_size=cfg.micro_batch_size, block_size=block_size,
                  gradient_checkpointing=cfg.gradient_checkpointing, cpu_offload=cfg.cpu_offload,
+                 checkpoint_every=cfg.gradient_checkpointing_every,
                  chunked_loss=chunked_loss, loss_kernel=cfg.loss_kernel, target_block_size=target_block_size,
                  attention=cfg.attn_implementation,
                  reduce_dtype=reduce_dtype(cfg.precision, cfg.reduce_dtype), gpu=gpu, autocast=autocast,
@@ -361,6 +365,12 @@ def report_total_gb(printed: str) -> Optional[float]:
     `printed` holds none (benchmarks read their plans from train.py's output)."""
     total = re.search(r"^\s+total\s+([\d.]+) (GB|MB)$", printed, re.MULTILINE)
     return None if total is None else float(total.group(1)) / (1024 if total.group(2) == "MB" else 1)
+
+
+def checkpointing_said(setup: Setup) -> str:
+    if not setup.gradient_checkpointing:
+        return "off"
+    return "on" if setup.checkpoint_every == 1 else f"of 1 layer in {setup.checkpoint_every}"
 
 
 def fit_advice(setup: Setup) -> str:
@@ -389,7 +399,7 @@ def memory_report(cfg: Config, shape: ModelShape, setup: Setup,
     sharding = {"fsdp": setup.sharding_strategy, "fsdp2": f"FSDP2 {setup.sharding_strategy}"}.get(setup.strategy,
                                                                                                   setup.strategy)
     lines = [f"memory per device: {shape.parameters / 1e6:,.1f}M parameters, {sharding} over {setup.world_size} "
-             f"device(s), {setup.precision}, activation checkpointing {'on' if setup.gradient_checkpointing else 'off'}"
+             f"device(s), {setup.precision}, activation checkpointing {checkpointing_said(setup)}"
              f"{', cpu offload' if setup.cpu_offload else ''}"
              f"{', unsharded gradient accumulation (--fsdp_no_sync)' if setup.unsharded_accumulation else ''}"
              f", {'chunked loss' if setup.chunked_loss else 'full logits'}"]

@@ -269,7 +269,7 @@ def build_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
     freeze_parameters(model, cfg.freeze)
     model.train()  # from_pretrained returns it in eval mode: dropout would stay off until the first evaluation
     if checkpoints_through_transformers(cfg):
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, cfg.gradient_checkpointing_every)
     return model
 
 
@@ -293,16 +293,30 @@ def checkpoints_through_transformers(cfg: Config) -> bool:
     return cfg.gradient_checkpointing and cfg.strategy != "fsdp"
 
 
-def enable_activation_checkpointing(model: PreTrainedModel) -> None:
-    """Each layer's activations recomputed in backward, non-reentrant (the variant that composes with DDP, FSDP2 and
-    torch.compile). ValueError for a model class without it (CTRL, JetMoE): the preflight refuses those.
+def enable_activation_checkpointing(model: PreTrainedModel, every: int = 1) -> None:
+    """The activations of one layer in every `every` (--gradient_checkpointing_every) recomputed in backward,
+    non-reentrant (the variant that composes with DDP, FSDP2 and torch.compile). ValueError for a model class
+    without it (CTRL, JetMoE): the preflight refuses those.
 
-    transformers 5.23 renamed gradient_checkpointing_enable (deprecated there, with a warning at every start); the
-    5.17 of the GPU image (benchmarks/gpu_check.py) has only the old name."""
+    transformers chooses the layers among its GradientCheckpointingLayer modules (`every_n_layers`); a model whose
+    layers are not such modules is checkpointed whole, which the preflight refuses for `every` > 1
+    (`recomputes_every_layer`). transformers 5.23 renamed gradient_checkpointing_enable (deprecated there, with a
+    warning at every start); the 5.17 of the GPU image (benchmarks/gpu_check.py) has only the old name."""
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=every)
+    elif every == 1:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ValueError("transformers before 5.23 checkpoints every layer: --gradient_checkpointing_every needs 5.23")
+
+
+def recomputes_every_layer(model: Module) -> bool:
+    """Whether transformers' activation checkpointing, enabled on `model`, recomputes each of its checkpointed
+    modules whatever `every_n_layers` said: it chooses among GradientCheckpointingLayer modules only."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return not any(isinstance(module, GradientCheckpointingLayer) for module in model.modules())
 
 
 def check_all_weights_loaded(source: str, missing: set[str], unexpected: set[str]) -> None:

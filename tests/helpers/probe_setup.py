@@ -4,7 +4,7 @@
 
 Runs on every rank (Lightning's launcher re-runs this script for the other ranks); rank 0 writes the report:
 the rotary buffers' dtype and their largest difference from transformers' own fp32 values, the wrappers applied
-for activation checkpointing, and FSDP's (or FSDP2's) mixed-precision policy.
+for activation checkpointing and the layers they recompute, and FSDP's (or FSDP2's) mixed-precision policy.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
 
 from app.data import load_data  # noqa: E402
 from app.distributed.strategy import build_fabric  # noqa: E402
@@ -34,6 +35,13 @@ def rotary_report(module: torch.nn.Module, model_config) -> dict:
     rotary = hugging_face_model(module).model.rotary_emb
     return {"dtype": str(rotary.inv_freq.dtype), "original_dtype": str(rotary.original_inv_freq.dtype),
             "max_difference": (rotary.inv_freq.cpu().double() - reference.double()).abs().max().item()}
+
+
+def recomputed_layers(module: torch.nn.Module) -> list[int]:
+    """The decoder layers recomputed in backward, by index: in FSDP1's checkpoint wrapper, or by transformers."""
+    layers = [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
+    wrapped = {id(m._checkpoint_wrapped_module) for m in module.modules() if isinstance(m, CheckpointWrapper)}
+    return [index for index, layer in enumerate(layers) if layer.gradient_checkpointing or id(layer) in wrapped]
 
 
 def probe(fabric, cfg, inputs, deferred, report: str) -> int:
@@ -52,6 +60,7 @@ def probe(fabric, cfg, inputs, deferred, report: str) -> int:
             "after_forward": rotary_report(module, inputs.model_config),
             "checkpoint_wrappers": sum(isinstance(m, CheckpointWrapper) for m in module.modules()),
             "hf_gradient_checkpointing": hugging_face_model(module).is_gradient_checkpointing,
+            "recomputed_layers": recomputed_layers(module),
             "reduce_dtype": str(mixed_precision.reduce_dtype) if mixed_precision else None,
             "buffer_dtype": str(getattr(mixed_precision, "buffer_dtype", None)) if mixed_precision else None,
             "param_dtype": str(mixed_precision.param_dtype) if mixed_precision else None,

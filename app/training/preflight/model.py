@@ -24,8 +24,8 @@ from app.hub import (CONFIG_ERRORS, REMOTE_CODE, load_problem, missing_model_pro
                      quiet_hub)
 from app.huggingface.convert import config_from_dict
 from app.model.build import (checkpoints_through_transformers, enable_activation_checkpointing, frozen_names,
-                             load_model_config, meta_model, model_class, model_flag, model_source, resolve_wrap_classes,
-                             stored_tensors, tied_names)
+                             load_model_config, meta_model, model_class, model_flag, model_source,
+                             recomputes_every_layer, resolve_wrap_classes, stored_tensors, tied_names)
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, column_scaled_from, decoder_inputs_error,
                                  decoder_tells_positions_apart, longrope_limit, probe_isolation, reads_ahead)
 from app.metrics.observe import has_experts
@@ -248,8 +248,9 @@ def check_activation_checkpointing(cfg: Config, model_config: PretrainedConfig, 
         model = meta_model(model_config, cfg.trust_remote_code)
     except Exception:  # noqa: BLE001 (a model that cannot be built is another check's to refuse)
         return
+    every = cfg.gradient_checkpointing_every
     try:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, every)
     except ValueError as error:
         try:
             resolve_wrap_classes(model_config, cfg.auto_wrap_policy, cfg.trust_remote_code)
@@ -260,6 +261,11 @@ def check_activation_checkpointing(cfg: Config, model_config: PretrainedConfig, 
         problems.append(f"--gradient_checkpointing true: a {model_config.model_type} model has no activation "
                         f"checkpointing of its own, which --strategy {cfg.strategy} uses ({reason}); use {instead}"
                         "--gradient_checkpointing false")
+        return
+    if every > 1 and recomputes_every_layer(model):
+        problems.append(f"--gradient_checkpointing_every {every}: a {model_config.model_type} model's own activation "
+                        f"checkpointing, which --strategy {cfg.strategy} uses, recomputes all of its layers; use "
+                        "--strategy fsdp (its checkpoint wrapper chooses among the wrapped layers), or drop it")
 
 
 def check_model_fits_data(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
