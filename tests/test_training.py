@@ -348,6 +348,7 @@ def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run,
                                            "val_loss/again": metrics[0]["val_loss"]}}, "--eval_data_dir's too"
     summary = json.loads((evaluated / "summary.json").read_text())
     assert summary["val_loss"] == metrics[0]["val_loss"] and not (evaluated / "checkpoints").exists()
+    assert summary["val_loss/again"] == metrics[0]["val_loss"], "each evaluated folder's loss in the summary too"
     capsys.readouterr()
     inputs = preflight(parse_config(train_args(tiny, run, model_config=None, init_from=fsdp_run, resume=True,
                                                max_step=6, warmup_steps=2)))

@@ -201,14 +201,14 @@ def start_from_weights(fabric: Fabric, path: Path, state: dict[str, Any], traini
 
 
 def evaluate_only(fabric: Fabric, loop: Loop) -> int:
-    """--eval_only: one evaluation, logged as step 0's row, and the summary; its exit code (a stop signal cuts the
-    evaluation short)."""
+    """--eval_only: one evaluation, logged as step 0's row, and the summary (with each --eval_data_dir folder's
+    loss: the numbers such a run is for); its exit code (a stop signal cuts the evaluation short)."""
     metrics = loop.evaluate()
     if metrics:
         fabric.log_dict(metrics, step=0)
     loop.watchdog.disarm()
     loop.console.close()
-    summary = loop.summarize()
+    summary = loop.summarize() | {name: value for name, value in metrics.items() if name.startswith("val_loss/")}
     summary.pop("spike_guard", None)  # nothing trained
     report_summary(fabric, loop.cfg.out_dir, summary, loop.console)
     if not loop.stop.requested:
