@@ -12,13 +12,14 @@ import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 import pytest
@@ -556,3 +557,38 @@ def wandb_record(path: Path) -> WandbRecord:
         exit_codes=[record.exit.exit_code for record, kind in zip(records, kinds) if kind == "exit"],
         steps=[int(item.value_json) for record, kind in zip(records, kinds) if kind == "history"
                for item in record.history.item if list(item.nested_key) == ["trainer/global_step"]])
+
+
+Points = dict[str, list[tuple[int, float]]]
+"""TensorBoard's scalars: each tag's (step, value) points, in the order they were written."""
+
+
+def tensorboard_events(folder: Path) -> Iterator[Any]:
+    """The events of `folder`'s files in the order TensorBoard reads them: the files by name (a start's file is named
+    by its time), each record as tensorboardX writes it: a length (8 bytes), its checksum (4), the event, the event's
+    checksum (4)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            yield Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+
+
+def tensorboard_scalars(folder: Path) -> tuple[Points, Points]:
+    """The scalars as written, and as TensorBoard shows them: at a session's start marker (a resume's purge_step) it
+    forgets every point at that step or later (event_accumulator's _CheckForRestartAndMaybePurge)."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    written: Points = {}
+    shown: Points = {}
+    for event in tensorboard_events(folder):
+        if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+            shown = {tag: [point for point in points if point[0] < event.step] for tag, points in shown.items()}
+        for value in event.summary.value:
+            if value.HasField("simple_value"):
+                for points in (written, shown):
+                    points.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return written, shown

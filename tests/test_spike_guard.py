@@ -21,7 +21,7 @@ from datasets import DatasetDict, load_from_disk
 
 from app.data.order import epoch_permutation
 from app.exit_codes import EXIT_FINISHED
-from conftest import TinySetup, read_checkpoint, run_train, train_args
+from conftest import TinySetup, read_checkpoint, run_train, tensorboard_scalars, train_args
 
 SEED, GLOBAL_BATCH, REPEATED_TOKEN = 7, 16, 399
 SPIKY_STEPS, BROKEN_STEPS = (23, 25, 28), (33, 34, 35)
@@ -75,7 +75,8 @@ def test_bad_rows_are_set_aside_a_broken_stretch_is_rolled_back_and_a_resume_els
     assert clean.returncode == EXIT_FINISHED, clean.stderr[-3000:]
     assert "spike guard: 0 spikes" in clean.stdout, "no false positive on clean data"
 
-    guarded = run_train(train_args(tiny, tmp_path / "guarded", train_data_dir=data, spike_guard="rollback", **GUARD))
+    guarded = run_train(train_args(tiny, tmp_path / "guarded", train_data_dir=data, spike_guard="rollback",
+                                   tensorboard=True, **GUARD))
     assert guarded.returncode == EXIT_FINISHED, guarded.stderr[-3000:]
     spikes = [int(step) for step in re.findall(r"^step (\d+): loss spike", guarded.stdout, re.MULTILINE)]
     assert spikes == [*SPIKY_STEPS, *BROKEN_STEPS], guarded.stdout
@@ -90,6 +91,9 @@ def test_bad_rows_are_set_aside_a_broken_stretch_is_rolled_back_and_a_resume_els
     assert all(first[step] == first[step - 1] for step in SPIKY_STEPS), "a step not applied trains no token"
     replayed = [tokens for step, tokens in seen if step == 33][-1]
     assert first[32] < replayed <= first[32] + first[1], "the rollback takes the checkpoint's count back"
+    _, shown = tensorboard_scalars(tmp_path / "guarded" / "tensorboard")
+    assert dict(shown["train_loss"]) == pytest.approx(logged_losses(tmp_path / "guarded"), rel=1e-6)
+    assert len(shown["train_loss"]) == len(dict(shown["train_loss"])), "TensorBoard shows a rolled-back step once"
 
     # Resumed into a new --out_dir from the checkpoint before the broken stretch (docs/reliability.md's way back to
     # a stretch), the run rolls back to that checkpoint: it had none of its own to roll back to, and stopped.

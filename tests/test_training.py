@@ -7,11 +7,10 @@ import json
 import os
 import re
 import shutil
-import struct
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +21,8 @@ from app.metrics.console import Console
 from app.metrics.observe import StepClock, Stopwatch
 from app.prepare import PrepareArgs, prepare, stdlib_corpus_paths
 from arguments import Config
-from tests.conftest import BLOCK_SIZE, one_process_llama, read_checkpoint, run_train, train_args
+from tests.conftest import (BLOCK_SIZE, one_process_llama, read_checkpoint, run_train, tensorboard_events,
+                            tensorboard_scalars, train_args)
 
 
 def read_metrics(out_dir: Path) -> dict[int, dict[str, float]]:
@@ -33,41 +33,6 @@ def read_metrics(out_dir: Path) -> dict[int, dict[str, float]]:
     for row in rows:
         merged.setdefault(int(row["step"]), {}).update({k: float(v) for k, v in row.items() if v and k != "step"})
     return merged
-
-
-Points = dict[str, list[tuple[int, float]]]
-"""TensorBoard's scalars: each tag's (step, value) points, in the order they were written."""
-
-
-def tensorboard_events(folder: Path) -> Iterator[Any]:
-    """The events of `folder`'s files in the order TensorBoard reads them: the files by name (a start's file is named
-    by its time), each record as tensorboardX writes it: a length (8 bytes), its checksum (4), the event, the event's
-    checksum (4)."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    for path in sorted(folder.glob("events.out.tfevents.*")):
-        data, offset = path.read_bytes(), 0
-        while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            yield Event.FromString(data[offset + 12:offset + 12 + length])
-            offset += 12 + length + 4
-
-
-def tensorboard_scalars(folder: Path) -> tuple[Points, Points]:
-    """The scalars as written, and as TensorBoard shows them: at a session's start marker (a resume's purge_step) it
-    forgets every point at that step or later (event_accumulator's _CheckForRestartAndMaybePurge)."""
-    from tensorboardX.proto.event_pb2 import SessionLog
-
-    written: Points = {}
-    shown: Points = {}
-    for event in tensorboard_events(folder):
-        if event.HasField("session_log") and event.session_log.status == SessionLog.START:
-            shown = {tag: [point for point in points if point[0] < event.step] for tag, points in shown.items()}
-        for value in event.summary.value:
-            if value.HasField("simple_value"):
-                for points in (written, shown):
-                    points.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return written, shown
 
 
 def tensorboard_options(folder: Path) -> dict[str, Any]:
@@ -816,22 +781,31 @@ def test_a_resume_after_a_rollback_keeps_metrics_csv_and_rows_jsonl_as_the_run_w
 def test_tensorboard_shows_a_resumed_run_once_and_its_writer_is_closed_as_the_process_exits(tmp_path,
                                                                                           monkeypatch) -> None:
     """A start logs steps 1-4; a resume from step 2 logs 3-5 again: TensorBoard shows 1-2 of the first and 3-5 of the
-    second (the purge marker at 3), per-folder keys included. The writer flushes every two minutes: its rows reach
-    the file through the exit hook that every end of a run calls."""
-    from app.metrics.loggers import TensorBoardMetrics, purge_step
+    second (the purge marker at 3), per-folder keys included. A resume from 3 with --tensorboard off trains 4-6
+    unseen, and one from 6 with it on again shows 7: 4 and 5 of the second start are gone, which that resume
+    abandoned. A rollback from 8 to 7 logs 8 again: shown once, its second value. The writer flushes every two
+    minutes: its rows reach the file through the exit hook that every end of a run calls."""
+    from app.metrics.loggers import TensorBoardMetrics, forget_after, forget_in_folder, purge_step
     from app.reliability import watchdog
 
     assert (purge_step(None), purge_step(0), purge_step(2)) == (0, 1, 3)
     monkeypatch.setattr(watchdog, "EXIT_HOOKS", [])
-    for start, steps in ((None, range(1, 5)), (2, range(3, 6))):
-        logger = TensorBoardMetrics(tmp_path, resume_step=start)
-        logger.log_hyperparams({"lr": 0.1, "freeze": ["embed"], "model_overrides": None})
-        for step in steps:
-            logger.log_metrics({"train_loss": 10.0 * (start or 1) + step, "val_loss/code": 0.5}, step=step)
-        watchdog.run_exit_hooks(0, timeout_sec=None)
+    for start, steps in ((None, range(1, 5)), (2, range(3, 6)), (3, None), (6, (7, 8, "rollback to 7", 8))):
+        if steps is None:  # --tensorboard off
+            forget_in_folder(tmp_path, start)
+        else:
+            logger = TensorBoardMetrics(tmp_path, resume_step=start)
+            logger.log_hyperparams({"lr": 0.1, "freeze": ["embed"], "model_overrides": None})
+            for step in steps:
+                if step == "rollback to 7":
+                    forget_after([logger], 7)
+                    start = 9
+                else:
+                    logger.log_metrics({"train_loss": 10.0 * (start or 1) + step, "val_loss/code": 0.5}, step=step)
+            watchdog.run_exit_hooks(0, timeout_sec=None)
         time.sleep(1.01 - time.time() % 1)  # a file is named by its start's second: a run's starts are seconds apart
     _, shown = tensorboard_scalars(tmp_path / "tensorboard")
-    assert shown["train_loss"] == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0), (5, 25.0)]
-    assert shown["val_loss/code"] == [(step, 0.5) for step in range(1, 6)]
+    assert shown["train_loss"] == [(1, 11.0), (2, 12.0), (3, 23.0), (7, 67.0), (8, 98.0)]
+    assert shown["val_loss/code"] == [(step, 0.5) for step in (1, 2, 3, 7, 8)]
     assert tensorboard_options(tmp_path / "tensorboard") == {"lr": 0.1, "freeze": "['embed']",
                                                              "model_overrides": "None"}

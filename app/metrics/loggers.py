@@ -307,7 +307,10 @@ class TensorBoardMetrics(TensorBoardLogger):
 
     Every start of the run writes its own event file into the one folder, which TensorBoard reads as one run. A
     resume from step N starts its file with TensorBoard's purge marker at N + 1 (`purge_step`): TensorBoard then
-    hides what the abandoned stretch logged after step N, as metrics.csv drops those rows. The writer queues events
+    hides what the abandoned stretch logged after step N, as metrics.csv drops those rows. A rollback to step N
+    writes the same marker into the open file (`forget_after`), and a start with --tensorboard off writes a file
+    of it alone (`forget_in_folder`): a later start with it on would otherwise show the stretch that start
+    abandoned, beside the steps it trained again unseen. The writer queues events
     for a thread of its own and flushes every two minutes, so it is closed as the process exits (`before_exit`),
     whichever way the run ends: finished, stopped or crashed.
     """
@@ -337,9 +340,36 @@ class TensorBoardMetrics(TensorBoardLogger):
         for summary in hparams(self._sanitize_params(_flatten_dict(_convert_params(params))), {}):
             writer.add_summary(summary, self._start_step)
 
+    @rank_zero_only
+    def forget_after(self, step: int) -> None:
+        """TensorBoard's purge marker at `step` + 1: it forgets what the file showed after `step` (a rollback's)."""
+        if _TENSORBOARD_AVAILABLE:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        else:
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+        marker = Event(step=step + 1, session_log=SessionLog(status=SessionLog.START))
+        self.experiment._get_file_writer().add_event(marker)
+
     def close(self, code: int) -> None:
         """Write what is queued and close the file (an exit hook: the run's exit code does not matter here)."""
         self.finalize("success" if code == 0 else "failed")
+
+
+def forget_after(loggers: list[Logger], step: int) -> None:
+    """A rollback to `step`: TensorBoard forgets the steps after it, which the run logs again. metrics.csv keeps
+    both, in the order logged (a resume keeps them: kept_rows); W&B cannot take a point back."""
+    for logger in loggers:
+        if isinstance(logger, TensorBoardMetrics):
+            logger.forget_after(step)
+
+
+@rank_zero_only
+def forget_in_folder(out_dir: str | Path, resume_step: Optional[int]) -> None:
+    """A start with --tensorboard off, of a run whose TensorBoard folder is there: a file holding only the purge
+    marker (`purge_step`), for what that folder shows after `resume_step` is abandoned."""
+    folder = Path(out_dir) / TENSORBOARD_DIR
+    if folder.is_dir():
+        TensorBoardLogger(folder, name="", version="", purge_step=purge_step(resume_step)).experiment.close()
 
 
 def purge_step(resume_step: Optional[int]) -> int:
@@ -357,6 +387,8 @@ def make_loggers(cfg: Config, resume_step: Optional[int]) -> list[Logger]:
                                         tuple(evaluated))]
     if cfg.tensorboard:  # before W&B: its exit hook, quick, runs first (W&B's may wait out a crash's 15 s)
         loggers.append(TensorBoardMetrics(cfg.out_dir, resume_step))
+    else:
+        forget_in_folder(cfg.out_dir, resume_step)
     if cfg.wandb_mode != "disabled":
         loggers.append(WandbMetrics(cfg, resuming=bool(resume_step)))
     return loggers

@@ -22,7 +22,7 @@ from app.distributed.precision import restore_grad_scaler
 from app.evaluation.validation import EvaluationStopped, perplexity, row_losses, validation_losses
 from app.metrics.console import Console
 from app.model.loss import LossPath
-from app.metrics.loggers import RowRecord, should_upload_checkpoint, upload_checkpoint
+from app.metrics.loggers import RowRecord, forget_after, should_upload_checkpoint, upload_checkpoint
 from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepClock, Stopwatch, gather_rows, largest,
                          run_summary)
 from app.evaluation.samples import SampleEvaluator, set_aside_samples_after
@@ -373,6 +373,7 @@ class Loop:
                     Path(self.cfg.out_dir), saved["step"]):
                 self.console.print(f"step {state['step']}: moved {moved.name}, of the stretch rolled back, to {moved}")
         back = state["step"] - saved["step"]
+        forget_after(fabric.loggers, saved["step"])
         # the data goes on; tokens_seen is the checkpoint's weights', as a resume from it counts them
         state |= saved_progress(saved, ROLLED_BACK)
         restore_grad_scaler(fabric.strategy.precision, saved)
