@@ -305,9 +305,10 @@ def test_a_validation_split_read_in_part_is_said_with_its_count(capsys) -> None:
                      max_step=None)
     cfg = SimpleNamespace(eval_iters=100, eval_batch_size=None, micro_batch_size=1)
 
-    def said(validation_rows: int, folders: list[int] = ()) -> str:
+    def said(validation_rows: int, folders: list[int] = (), evaluated: dict[str, int] = {}) -> str:
         note_validation_share(cfg, SimpleNamespace(validation_rows=validation_rows, sources=folders or None,
-                                                   identities=[{"validation_rows": rows} for rows in folders]), plan)
+                                                   identities=[{"validation_rows": rows} for rows in folders],
+                                                   evaluated_rows=evaluated), plan)
         return capsys.readouterr().out.strip()
 
     assert said(299) == ("validation reads 200 of its 299 rows at each evaluation (--eval_iters 100 batches of 1 on "
@@ -315,3 +316,8 @@ def test_a_validation_split_read_in_part_is_said_with_its_count(capsys) -> None:
     assert said(200) == ""
     assert said(900, [600, 300]).startswith("validation reads up to 200 rows of each folder of the mixture")
     assert said(450, [150, 150, 150]) == "", "each folder is read whole"
+    assert said(200, evaluated={"code": 200, "chat": 5000}) == (
+        "validation reads 200 of --eval_data_dir chat's 5,000 at each evaluation (--eval_iters 100 batches of 1 on "
+        "each of 2 ranks), the same rows each time; raise --eval_iters to read more"), "an evaluated folder is too"
+    assert said(299, evaluated={"code": 300}).startswith(
+        "validation reads 200 of its 299 rows and 200 of --eval_data_dir code's 300 at each evaluation")

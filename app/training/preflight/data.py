@@ -51,6 +51,8 @@ class DataFacts:
     reads as a micro-batch's length; else the longest row."""
     column_types: dict[str, str] = field(default_factory=dict)
     """How each column of the train split is stored (`List(Value('int32'), length=2048)`), for a mixture's join."""
+    evaluated_rows: dict[str, int] = field(default_factory=dict)
+    """The validation rows of each --eval_data_dir folder, by name."""
 
 
 def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
@@ -149,15 +151,15 @@ def check_eval_folders(cfg: Config, data: DataFacts, problems: list[str]) -> Dat
     tokenizer (another tokenizer's loss compares with nothing; another chat template is allowed: how a model does on
     another rendering is a question worth asking), its rows no longer than the training data's, which the memory and
     the model's positions are planned for. The facts with the largest token id of all, which the model's vocabulary
-    is checked against."""
+    is checked against, and the rows of each folder."""
     try:
         evaluated = parse_eval_folders(cfg.eval_data_dir, cfg.train_data_dir)
     except ValueError as error:
         problems.append(str(error))
         return data
     first = bundled_tokenizer(first_folder(cfg.train_data_dir), cfg.trust_remote_code)
-    largest = data.max_token_id
-    for path in evaluated.values():
+    largest, rows = data.max_token_id, {}
+    for name, path in evaluated.items():
         fact, flag = check_folder(Path(path), problems, option="--eval_data_dir"), f"--eval_data_dir {path}"
         if fact is None:
             continue
@@ -178,7 +180,8 @@ def check_eval_folders(cfg: Config, data: DataFacts, problems: list[str]) -> Dat
                 problems.append(f"{flag} was prepared with another tokenizer than --train_data_dir ({difference}): "
                                 "its loss would compare with nothing; prepare it with the training data's tokenizer")
             largest = max(largest, fact.max_token_id)
-    return replace(data, max_token_id=largest)
+            rows[name] = fact.validation_rows
+    return replace(data, max_token_id=largest, evaluated_rows=rows)
 
 
 def check_folder(path: Path, problems: list[str], option: str = "--train_data_dir") -> Optional[DataFacts]:

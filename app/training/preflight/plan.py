@@ -122,16 +122,19 @@ def note_rows_left_out(plan: TrainingPlan, mixture: bool = False) -> None:
 def note_validation_share(cfg: Config, data: DataFacts, plan: TrainingPlan) -> None:
     """--eval_iters counts batches per rank: a validation split larger than they hold is read in part, the same rows
     at every evaluation, and val_loss was taken for the whole split's, unsaid (the arguments.py this project started
-    from read the whole split)."""
+    from read the whole split). --eval_data_dir's folders are read up to the same limit, each."""
     batch = cfg.eval_batch_size or cfg.micro_batch_size
     limit = cfg.eval_iters * batch * plan.world_size
     folders = [identity["validation_rows"] for identity in data.identities] if data.sources is not None else []
-    if max(folders, default=data.validation_rows) <= limit:  # a mixture reads up to the limit of each folder
-        return
-    read = (f"up to {limit:,} rows of each folder of the mixture" if data.sources is not None
-            else f"{limit:,} of its {data.validation_rows:,} rows")
-    note(f"validation reads {read} at each evaluation (--eval_iters {cfg.eval_iters} batches of {batch} on each of "
-         f"{plan.world_size} ranks), the same rows each time; raise --eval_iters to read more")
+    read = []
+    if max(folders, default=data.validation_rows) > limit:  # a mixture reads up to the limit of each folder
+        read.append(f"up to {limit:,} rows of each folder of the mixture" if data.sources is not None
+                    else f"{limit:,} of its {data.validation_rows:,} rows")
+    read += [f"{limit:,} of --eval_data_dir {name}'s {rows:,}"
+             for name, rows in data.evaluated_rows.items() if rows > limit]
+    if read:
+        note(f"validation reads {' and '.join(read)} at each evaluation (--eval_iters {cfg.eval_iters} batches of "
+             f"{batch} on each of {plan.world_size} ranks), the same rows each time; raise --eval_iters to read more")
 
 
 def plan_from_checkpoint(cfg: Config, saved: dict, plan: TrainingPlan) -> TrainingPlan:
