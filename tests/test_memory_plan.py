@@ -157,8 +157,10 @@ def test_recomputing_one_layer_in_two_keeps_what_the_plan_counts_for_it() -> Non
     from app.model.build import enable_activation_checkpointing
 
     kept = KeptForBackward(layers=(10, 20, 30, 40), layer_inputs=(1, 1, 1, 1), outside=5)
-    assert [kept.peak(every) for every in (0, 1, 2, 3)] == [100 + 5 + 40, 4 + 5 + 40 + 40, 62 + 5 + 30 + 40,
-                                                           52 + 5 + 40 + 40]
+    assert [kept.peak(every) for every in (0, 1, 2, 3)] == [100 + 5 + 40, 3 + 40 + 5 + 40, 22 + 40 + 5 + 40,
+                                                           51 + 40 + 5 + 40], "at the last layer's backward"
+    assert KeptForBackward(layers=(40, 10), layer_inputs=(1, 1), outside=5).peak(2) == 40 + 5 + 40, (
+        "the recomputed first layer's activations are the most, once the second's are freed")
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                          vocab_size=256)
     input_ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
