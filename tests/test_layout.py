@@ -1,4 +1,5 @@
-"""The map of app/ in its package docstring matches the tree, and imports run one way through it."""
+"""The map of app/ in its package docstring matches the tree, imports run one way through it, and the docs link to
+what is there."""
 
 from __future__ import annotations
 
@@ -74,3 +75,37 @@ def test_imports_run_one_way_through_the_map_and_never_into_a_script() -> None:
             elif layer[part] > layer[own]:
                 wrong.append(f"{relative} ({own}) imports {part}, which comes after it in the map")
     assert not wrong, wrong
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings (lower case, spaces as '-', punctuation dropped, a repeated one
+    numbered `-1`, `-2`) and its own (`<a id="...">`). Fenced code is no heading."""
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.MULTILINE | re.DOTALL)
+    anchors = set(re.findall(r"<a (?:id|name)=\"([^\"]+)\"", prose))
+    for heading in re.findall(r"^#{1,6} (.+?)\s*$", prose, re.MULTILINE):
+        anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        numbered, count = anchor, 0
+        while numbered in anchors:
+            count += 1
+            numbered = f"{anchor}-{count}"
+        anchors.add(numbered)
+    return anchors
+
+
+def test_every_link_between_the_docs_reaches_a_file_and_its_heading() -> None:
+    """README.md and docs/: a relative link names a file of the repository and, with `#`, one of its headings (a
+    renamed heading once left a link pointing nowhere)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert broken == []
