@@ -223,6 +223,10 @@ class TrainingArgs:
     adam_epsilon)."""
     seed: int = 42
     """Seed of model initialisation, data order and every random generator."""
+    neftune_noise_alpha: float = 0.0
+    """NEFTune: while training, uniform noise of alpha / sqrt(L x d) on the input embeddings, L the length of each
+    example (packed or padded: its own, where the Hugging Face Trainer and TRL take the whole row's) and d their
+    width; 5 is the paper's usual value for supervised fine-tuning. 0: off. Causal models only."""
 
 
 @dataclass
@@ -572,6 +576,8 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     for name in ("spike_max_rollbacks", "spike_rewarm_steps"):
         require(getattr(cfg, name) >= 0, f"--{name} must be 0 or more, got {getattr(cfg, name)}")
     require(cfg.lr > 0, f"--lr must be positive, got {cfg.lr}")
+    require(cfg.neftune_noise_alpha >= 0, f"--neftune_noise_alpha must be 0 (off) or more, got "
+            f"{cfg.neftune_noise_alpha}")
     require(cfg.eps > 0, f"--eps must be positive, got {cfg.eps}")
     require(cfg.early_stopping_threshold >= 0, f"--early_stopping_threshold must be 0 or more, got "
             f"{cfg.early_stopping_threshold}")

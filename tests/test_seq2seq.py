@@ -261,6 +261,14 @@ def test_t5_in_float16_is_refused_naming_a_precision_without_bfloat16(tiny, summ
         "use --precision 32-true, or bf16-mixed" in line, line
 
 
+def test_neftune_on_an_encoder_decoder_is_refused_in_one_line(tiny, summaries, t5_config, tmp_path, capsys) -> None:
+    """T5's one embedding table embeds sources and targets: NEFTune's noise on both is not what it is defined as."""
+    (line,) = refusals(tiny, tmp_path, capsys, model_config=t5_config, train_data_dir=summaries,
+                       neftune_noise_alpha=5)
+    assert line == ("error: --neftune_noise_alpha: a t5 model embeds its sources and its targets with one table, "
+                    "and NEFTune's noise is for a causal model's inputs; drop it"), line
+
+
 def test_data_for_another_kind_of_model_is_refused_naming_the_options_that_prepare_the_right_kind(
         tiny, summaries, t5_config, tmp_path, capsys) -> None:
     causal = " ".join(refusals(tiny, tmp_path, capsys, train_data_dir=summaries))

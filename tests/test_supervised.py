@@ -434,6 +434,22 @@ def test_generation_samples_are_written_and_scored_at_each_evaluation(two_ranks)
         assert 0 <= metrics[step]["sample_rougeL"] <= 1 and 1 <= metrics[step]["sample_length"] <= 8
 
 
+def test_neftune_noises_training_alone_under_fsdp(tiny, padded, pretrained, two_ranks, tmp_path) -> None:
+    """--neftune_noise_alpha 5, the run of `two_ranks` otherwise: the same validation before training (no noise in
+    evaluation), other training losses (noise on every rank's embeddings), and the loss still falls. Resumed from
+    step 2, step 3 draws the same noise: the same loss."""
+    options = dict(micro_batch_size=4, gradient_accumulation_steps=2, lr_scaling="sqrt", reference_batch_size=4,
+                   neftune_noise_alpha=5, save_step_interval=2)
+    noised = run_supervised(tiny, padded, pretrained, tmp_path / "noised", **options)
+    clean = read_metrics(two_ranks)
+    assert noised[0]["val_loss"] == clean[0]["val_loss"]
+    assert all(noised[step]["train_loss"] != clean[step]["train_loss"] for step in (1, 2, 3))
+    assert noised[3]["val_loss"] < noised[0]["val_loss"]
+    resumed = run_supervised(tiny, padded, pretrained, tmp_path / "resumed", resume=True,
+                             checkpoint=tmp_path / "noised" / "checkpoints" / "step-00000002.ckpt", **options)
+    assert resumed[3]["train_loss"] == pytest.approx(noised[3]["train_loss"], rel=1e-6)
+
+
 def test_samples_load_a_tokenizer_with_custom_code_under_trust_remote_code(tiny, padded, pretrained, tmp_path) -> None:
     """The preflight and the model loaded it with --trust_remote_code, the samples' evaluator without: every rank
     asked "Do you wish to run the custom code? [y/N]" and ended in a traceback (at once under Slurm, with no stdin).

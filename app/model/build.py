@@ -38,6 +38,7 @@ from app.distributed.fsdp2 import shard_like, sharding_units
 from app.distributed.precision import weights_dtype
 from app.distributed.strategy import resolve_accelerator
 from app.model.loss import LossPath, adds_router_loss, install_loss_head
+from app.model.noise import add_embedding_noise
 from app.optimization.optimizer import canonical_name, no_decay_names
 
 if TYPE_CHECKING:
@@ -422,6 +423,7 @@ def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
     model = build_model(fabric, cfg, model_config, deferred)
     loss_path = (install_loss_head(model, cfg.loss_kernel) if chunked_loss
                  else LossPath(router_loss=adds_router_loss(model)))
+    loss_path.noise = add_embedding_noise(model, cfg.neftune_noise_alpha)
     no_decay = no_decay_names(model)
     expected = set(model.state_dict())
     model = fabric.setup_module(compiled(model) if cfg.compile else model)

@@ -31,7 +31,7 @@ and keeps the chunked path only when its loss equals transformers' own. Otherwis
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -42,6 +42,7 @@ from torch.nn import Linear, Module
 from transformers import PretrainedConfig
 
 from app.data.formats import IGNORE_INDEX, Batch
+from app.model.noise import EmbeddingNoise
 
 CHUNK_LOGITS = 2**27
 """fp32 logits per chunk (512 MiB): 1,046 tokens of Llama-3's vocabulary, 4,194 of Llama-2's."""
@@ -218,10 +219,16 @@ class LossPath:
     router_coefficient: float = 0.0
     """What the model's own loss multiplies that auxiliary loss by before adding it to the mean cross-entropy; the
     chunked path adds it times the trained tokens to the summed cross-entropy: the same."""
+    noise: Optional[EmbeddingNoise] = None
+    """--neftune_noise_alpha's hook on the input embeddings, told each micro-batch's example lengths."""
 
     def summed_loss(self, model: Module, batch: Batch, auxiliary: bool = True) -> Tensor:
         """The micro-batch's token losses summed (0 with the graph intact when it trains no token: FSDP's
         collectives need every rank's backward); without the router's auxiliary loss unless `auxiliary`."""
+        with self.noise.of(batch.inputs) if self.noise else nullcontext():
+            return self._summed_loss(model, batch, auxiliary)
+
+    def _summed_loss(self, model: Module, batch: Batch, auxiliary: bool) -> Tensor:
         without_router = {"output_router_logits": False} if self.router_loss and not auxiliary else {}
         if self.head is None:
             output = model(**batch.inputs, **without_router)

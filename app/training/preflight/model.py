@@ -175,6 +175,9 @@ def check_model_with(cfg: Config, model_config: PretrainedConfig, data: Optional
         check_activation_checkpointing(cfg, model_config, problems)
     if data is not None:
         check_model_fits_data(cfg, model_config, data, problems)
+    if cfg.neftune_noise_alpha and model_config.is_encoder_decoder:
+        problems.append(f"--neftune_noise_alpha: a {model_config.model_type} model embeds its sources and its "
+                        "targets with one table, and NEFTune's noise is for a causal model's inputs; drop it")
     if not attention_works:
         return "position_ids", False
     if not model_config.is_encoder_decoder:
