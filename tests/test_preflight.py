@@ -276,7 +276,9 @@ def test_a_sharded_checkpoint_given_as_the_model_is_named_once_as_such(tiny, bad
     """It was also said to be a model folder without weights, to be given as --model_config; and a missing path
     ending in .ckpt was called a checkpoint."""
     for given, said in ((bad["truncated_folder"], "is a checkpoint of train.py; start a new run from its weights"),
-                        (tmp_path / "gone.ckpt", "no such")):
+                        (tmp_path / "gone.ckpt", "no such"),
+                        (Path(tiny.model_config) / "config.json", "is a file; give the folder of the model's "
+                                                                  "config.json and weights")):
         with pytest.raises(SystemExit):
             preflight(parse_config(train_args(tiny, tmp_path / "out", model_config=None, model_name=given)))
         errors = [line for line in capsys.readouterr().err.splitlines() if "--model_name" in line]

@@ -118,6 +118,11 @@ def loaded_config(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig
         problems.append(f"{flag} {model_source(cfg)} is {output} of train.py; start a new run from its weights with "
                         f"--init_from {model_source(cfg)}{continued}")
         return None
+    if cfg.model_name and Path(cfg.model_name).is_file():  # its config loaded, and every rank failed to find weights
+        problems.append(f"--model_name {cfg.model_name} is a file; give the folder of the model's config.json and "
+                        f"weights ({Path(cfg.model_name).parent}), or --model_config {cfg.model_name} to train that "
+                        "config from scratch")
+        return None
     trains = cfg.model_name and not (cfg.estimate_memory or cfg.print_config)  # a plan reads the config alone
     missing = missing_model_problem(flag, model_source(cfg)) or (
         trains and missing_weights_problem(flag, cfg.model_name))
