@@ -176,7 +176,8 @@ def finish_panel(axes: Axes, drawn: bool, ylabel: str) -> None:
 
 
 def draw_loss(axes: Axes, runs: list[Run], x: str) -> None:
-    """Train and validation loss, and a mixture's validation loss of each folder (`val_loss/<name>`), dotted."""
+    """Train and validation loss, and each folder's validation loss (`val_loss/<name>`: a mixture's folders',
+    --eval_data_dir's), dotted."""
     folders = sorted({name for run in runs for name in run.series if name.startswith("val_loss/")})
     drawn = draw_lines(axes, runs, {"train_loss": {"linewidth": 1},
                                     "val_loss": {"marker": "o", "linestyle": "--", "linewidth": 1},
