@@ -219,8 +219,8 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--spike_guard", "detect", "--spike_incident", "1"], "--spike_incident: not read by --spike_guard detect"),
     (["--process_group_timeout_min", "1e15", "--stall_timeout_min", "0"],  # an OverflowError in every rank
      "--process_group_timeout_min must be positive and at most a year (525600)"),
-    (["--seed", "-1"], "--seed must be between 0 and 4294967295"),
-    (["--neftune_noise_alpha", "-5"], "--neftune_noise_alpha must be 0 (off) or more"),  # every rank's traceback from numpy's seeding
+    (["--seed", "-1"], "--seed must be between 0 and 4294967295"),  # every rank's traceback from numpy's seeding
+    (["--neftune_noise_alpha", "-5"], "--neftune_noise_alpha must be 0 (off) or more"),
     (["--seed", "4294967296"], "--seed must be between 0 and 4294967295"),
 ])
 def test_invalid_values_are_named(argv, message) -> None:

@@ -366,8 +366,8 @@ def test_a_run_whose_validation_loss_stops_improving_stops_early_and_saves(tiny,
 
 def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:
     """Replication instead of sharding, activation checkpointing (of one layer in two), prefetching and all-gather
-    throttling trade memory for time, never the maths: the same losses, and the same gradient norm whether each rank holds half of the
-    gradient (FULL_SHARD) or all of it (NO_SHARD)."""
+    throttling trade memory for time, never the maths: the same losses, and the same gradient norm whether each rank
+    holds half of the gradient (FULL_SHARD) or all of it (NO_SHARD)."""
     result = run_train(train_args(tiny, tmp_path, max_step=4, gradient_checkpointing=True, save_step_interval=100,
                                   gradient_checkpointing_every=2, sharding_strategy="NO_SHARD",
                                   backward_prefetch="BACKWARD_POST", forward_prefetch=True, limit_all_gathers=False))
