@@ -117,6 +117,10 @@ def check_config_file(parser: ArgumentParser, path: str, naming: tuple[str, ...]
                          "remove the line that leads back")
     try:
         values = yaml.load(Path(path).read_text(), Loader=UniqueKeysLoader)
+    except UnicodeDecodeError:
+        raise UsageError(f"{CONFIG_FLAG} {path}: not UTF-8 text; save it as UTF-8") from None
+    except OSError as error:
+        raise UsageError(f"{CONFIG_FLAG} {path}: cannot be read ({first_line(error)})") from None
     except MisreadLine as line:
         raise UsageError(f"{CONFIG_FLAG} {path}: {line}") from None
     except yaml.YAMLError as error:
@@ -310,7 +314,7 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
     for action in parser._actions:
         value = namespace.get(action.dest) if getattr(action, "bracketed_too", False) else None
         if isinstance(value, list) and len(value) == 1 and value[0].strip().startswith("["):
-            namespace[action.dest] = [str(item) for item in yaml.safe_load(value[0]) or []]  # `--input '[a, b]'`
+            namespace[action.dest] = bracketed_list(value[0])
         elif value == ["null"] and action.nullable:  # a flag resets a config file's list to the default
             namespace[action.dest] = None
     for dest, text in texts_as_written(parser, arguments).items():
@@ -318,6 +322,16 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
             namespace[dest] = text
     check_none_empty(parser, namespace)
     return namespace
+
+
+def bracketed_list(text: str) -> list[str]:
+    """`--input '[a, b]'` as its items; text that only starts with a bracket (a file named `[draft].txt`, a pattern
+    `[0-9]+`) as itself: YAML's error ended every script in a traceback."""
+    try:
+        items = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return [text]
+    return [str(item) for item in items or []] if isinstance(items, list) else [text]
 
 
 EMPTY_ALLOWED = {"prompt"}

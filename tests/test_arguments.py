@@ -128,6 +128,18 @@ def test_bare_boolean_flags_and_plain_lists_as_in_prepare_data() -> None:
                                    "all"])
     assert cfg.resume is False and cfg.auto_wrap_policy == ["LlamaDecoderLayer"] and cfg.log_model == "all"
     assert parse_config(REQUIRED + ["--auto_wrap_policy", "null"]).auto_wrap_policy is None, "was ['null']"
+    assert parse_config(REQUIRED + ["--freeze", "[0-9]+"]).freeze == ["[0-9]+"], "YAML's error was a traceback"
+    assert parse_config(REQUIRED + ["--auto_wrap_policy", "[a"]).auto_wrap_policy == ["[a"]
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys) -> None:
+    """Its UnicodeDecodeError was every script's traceback."""
+    (tmp_path / "latin1.yaml").write_bytes("lr: 0.01  # réglé\n".encode("latin-1"))
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(REQUIRED + ["--config", str(tmp_path / "latin1.yaml")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"train.py: error: --config {tmp_path / 'latin1.yaml'}: not UTF-8 text; save it "
+                                       "as UTF-8; see train.py --help\n")
 
 
 def test_an_optional_text_keeps_what_was_typed_and_only_null_is_none() -> None:
