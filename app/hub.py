@@ -211,11 +211,12 @@ def unloadable_tokenizer(name: str, error: Exception) -> str:
     return f"{name}'s tokenizer does not load ({load_problem(error)})"
 
 
-CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError, StrictDataclassError)
+CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError, StrictDataclassError, ArithmeticError)
 """What transformers raises for a config it cannot read: a file or name it cannot find (OSError), a model type it
 does not know (ValueError), a rope_scaling it finds incomplete (KeyError: Llama-3's without low_freq_factor, an
 older Phi-3's "su" without original_max_position_embeddings), a value of the wrong type (TypeError), values that
-do not go together (huggingface_hub's StrictDataclassError: a hidden size no multiple of the attention heads)."""
+do not go together (huggingface_hub's StrictDataclassError: a hidden size no multiple of the attention heads), a
+count of 0 that its checks divide by (ZeroDivisionError: 0 attention heads)."""
 
 
 def load_problem(error: Exception) -> str:

@@ -155,6 +155,37 @@ def test_a_model_whose_config_transformers_finds_incomplete_is_one_line(tiny, tm
         "'rope_type'='llama3': {'") in error and "'}); fix its config.json; see generate.py --help\n" in error, error
 
 
+def test_weights_that_do_not_fit_the_config_or_are_missing_and_a_count_of_0_are_one_line(tiny, tmp_path,
+                                                                                         capsys) -> None:
+    """Weights of other shapes than config.json's ended in transformers' RuntimeError; weights missing from the file
+    were started at random, and the folder generated from them with exit 0; 0 attention heads divided by zero."""
+    from safetensors.torch import load_file, save_file
+
+    def refusal(folder: Path) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            generate_main([str(folder), "--prompt", "x", "--max_new_tokens", "2"])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(lines) == 1, lines
+        return lines[0]
+
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    capsys.readouterr()  # save_pretrained's progress
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"intermediate_size": config["intermediate_size"] * 2}))
+    assert refusal(folder) == (f"generate.py: error: MODEL {folder}: its weights do not load (other shapes than its "
+                               "config.json says); convert the checkpoint again (convert_to_hf.py) or copy the folder "
+                               "again; see generate.py --help")
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(folder / "model.safetensors")
+    save_file({name: tensor for name, tensor in weights.items() if "layers.1.mlp" not in name},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    assert refusal(folder) == (f"generate.py: error: MODEL {folder}: its weights lack "
+                               "model.layers.1.mlp.down_proj.weight and 2 more; convert the checkpoint again "
+                               "(convert_to_hf.py) or copy the folder again; see generate.py --help")
+    (folder / "config.json").write_text(json.dumps(config | {"num_attention_heads": 0}))
+    assert refusal(folder).startswith(f"generate.py: error: MODEL {folder}: its config does not load (")
+
+
 def test_an_mbart_decoder_starts_from_its_target_language_as_in_training(tiny, tmp_path) -> None:
     """mBART's labels end with the target language's code, which its shift puts first: train.py's samples start
     there, and generate.py started from the config's decoder_start_token_id (EOS), in no language it was trained

@@ -11,10 +11,12 @@ One prompt and a file of them take the same path (`answer_batch`): a prompt answ
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -298,19 +300,47 @@ def generation_device(name: str) -> torch.device:
 
 def load_model(args: GenerateArgs, config: Any, tokenizer: Any) -> Any:
     """The folder's weights, decoding as --temperature says (`decoding`) from the decoder start training used
-    (`trained_decoder_start`); a folder without them, or with a file cut short (an interrupted copy), in one line."""
+    (`trained_decoder_start`); a folder without them, with a file cut short (an interrupted copy), with weights of
+    other shapes than its config.json's, or without some of them (transformers would start those at random and
+    generate from them), in one line."""
     try:
-        with quiet_hub():
-            model = model_class(config).from_pretrained(args.model, trust_remote_code=args.trust_remote_code).eval()
-    except (OSError, ValueError, SafetensorError) as error:
-        raise UsageError(f"MODEL {args.model}: its weights do not load ({first_line(error)}); convert the checkpoint "
+        with quiet_hub(), without_load_report():
+            model, loading = model_class(config).from_pretrained(args.model, trust_remote_code=args.trust_remote_code,
+                                                                 output_loading_info=True)
+    except (OSError, ValueError, SafetensorError, RuntimeError) as error:
+        reason = ("other shapes than its config.json says" if "mismatched" in str(error)
+                  else first_line(error))
+        raise UsageError(f"MODEL {args.model}: its weights do not load ({reason}); convert the checkpoint "
                          "again (convert_to_hf.py) or copy the folder again") from None
+    if loading["missing_keys"]:
+        missing = sorted(loading["missing_keys"])
+        raise UsageError(f"MODEL {args.model}: its weights lack {missing[0]}" + (
+            f" and {len(missing) - 1} more" if missing[1:] else "") + "; convert the checkpoint again "
+            "(convert_to_hf.py) or copy the folder again")
+    model.eval()
     model.generation_config = decoding(args, model.generation_config)
     if config.is_encoder_decoder:
         model.generation_config.decoder_start_token_id = trained_decoder_start(model, tokenizer)
     if getattr(model.config, "output_router_logits", False):  # a mixture of experts trained with its router's loss:
         model.config.output_router_logits = False  # computed while decoding a padded batch, that loss raised
     return model
+
+
+@contextmanager
+def without_load_report() -> Iterator[None]:
+    """transformers' LOAD REPORT table of the weights that did not fit or were missing, printed before its error:
+    load_model says what matters in one line. A filter, not a level: below WARNING, transformers checks a tensor
+    parallel plan and logs what it did not shard."""
+    logger = logging.getLogger("transformers.modeling_utils")  # the logger the report is written to
+
+    def not_the_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+    logger.addFilter(not_the_report)
+    try:
+        yield
+    finally:
+        logger.removeFilter(not_the_report)
 
 
 def trained_decoder_start(model: Any, tokenizer: Any) -> Optional[int]:
@@ -336,7 +366,7 @@ def load_tokenizer_and_config(args: GenerateArgs) -> tuple[Any, Any]:
         with quiet_hub():
             config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except CONFIG_ERRORS as error:
-        if isinstance(error, (KeyError, TypeError)):  # read, and found wanting
+        if isinstance(error, (KeyError, TypeError, ArithmeticError)):  # read, and found wanting
             raise UsageError(f"MODEL {args.model}: its config does not load ({load_problem(error)}); fix its "
                              "config.json")
         raise UsageError(f"MODEL {args.model}: not a model folder or Hub id it can load ({load_problem(error)}); "
