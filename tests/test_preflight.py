@@ -285,6 +285,29 @@ def test_a_sharded_checkpoint_given_as_the_model_is_named_once_as_such(tiny, bad
         assert len(errors) == 1 and said in errors[0], errors
 
 
+def test_a_size_of_0_in_the_config_or_its_overrides_is_one_line(tiny, tmp_path, capsys) -> None:
+    """hidden_size 0 ended every rank in FSDP's assertion after the launch, max_position_embeddings 0 trained, and
+    0 attention heads was a ZeroDivisionError traceback."""
+    def refusal(**options) -> str:
+        with pytest.raises(SystemExit):
+            preflight(parse_config(train_args(tiny, tmp_path / "out", **options)))
+        (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+        return line
+
+    for override in ({"hidden_size": 0}, {"max_position_embeddings": 0}):
+        (name, value), = override.items()
+        assert refusal(model_overrides=json.dumps(override)) == (
+            f"error: --model_overrides: {name} {value}: a model's sizes and counts are positive")
+    assert refusal(model_overrides=json.dumps({"num_attention_heads": 0})).startswith(
+        "error: --model_overrides: the llama config refuses them (")
+    (tmp_path / "zero").mkdir()
+    config = json.loads((Path(tiny.model_config) / "config.json").read_text())
+    (tmp_path / "zero" / "config.json").write_text(json.dumps(config | {"intermediate_size": 0}))
+    assert refusal(model_config=tmp_path / "zero") == (f"error: --model_config {tmp_path / 'zero'}: intermediate_size "
+                                                       "0: a model's sizes and counts are positive")
+    assert not (tmp_path / "out").exists()
+
+
 def test_model_overrides_change_the_config_the_run_builds_and_records(tiny, bad, tmp_path, capsys) -> None:
     """A longer context for a model whose positions end short of the data: --model_overrides raises them, with a
     RoPE scaling, without a copy of the model's folder to edit. A mapping is merged into the config's: the yarn

@@ -49,7 +49,27 @@ def check_model(cfg: Config, problems: list[str],
         config = recorded_config(init, problems)
     else:  # --init_from's checkpoint was refused
         return None
-    return overridden_config(cfg, config, problems) if config is not None and cfg.model_overrides else config
+    config = overridden_config(cfg, config, problems) if config is not None and cfg.model_overrides else config
+    return config if config is None or sizes_positive(cfg, config, problems) else None
+
+
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings", "d_model", "d_ff", "d_kv", "num_layers",
+         "num_decoder_layers", "num_heads", "n_embd", "n_inner", "n_layer", "n_head", "n_positions", "encoder_layers",
+         "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim", "encoder_attention_heads", "decoder_attention_heads")
+"""A config's sizes and counts, by the names of the architectures the project trains."""
+
+
+def sizes_positive(cfg: Config, config: PretrainedConfig, problems: list[str]) -> bool:
+    """Every size of the config above 0: hidden_size 0 built a model that ended every rank in FSDP's assertion after
+    the launch, and max_position_embeddings 0 passed for no limit and trained."""
+    bad = [name for name in SIZES if type(getattr(config, name, None)) is int and getattr(config, name) <= 0]
+    if bad:
+        given = ("--model_overrides" if set(bad) & set(cfg.model_overrides or {})
+                 else f"{model_flag(cfg)} {model_source(cfg)}")
+        problems.append(f"{given}: {', '.join(f'{name} {getattr(config, name)}' for name in bad)}: a model's sizes "
+                        "and counts are positive")
+    return not bad
 
 
 def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]) -> Optional[PretrainedConfig]:
