@@ -503,6 +503,11 @@ def test_chat_template_file_overrides_the_tokenizers_and_is_saved(work):
         (response,) = trained_runs(ids, labels)
         assert response[-1] == end, "the end-of-turn token is trained"
         assert ids[len(ids) - len(newline["input_ids"]) :] == newline["input_ids"] and labels[-1] == -100
+    (work / "latin1.jinja").write_bytes(CHATML_TEMPLATE.replace("im_end", "fin_réglée").encode("latin-1"))
+    with pytest.raises(UsageError) as refusal:  # it was said of --input
+        sft(work, "latin1", chat_template=str(work / "latin1.jinja"))
+    assert str(refusal.value) == f"--chat_template {work / 'latin1.jinja'}: not UTF-8 text; save it as UTF-8"
+    assert not (work / "latin1").exists()
 
 
 def test_an_example_the_template_cannot_mask_is_dropped_and_counted(work, pairs):

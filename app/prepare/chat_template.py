@@ -81,7 +81,10 @@ def choose_template(tokenizer: Optional[PreTrainedTokenizerBase], args: PrepareA
     """--chat_template FILE, else the tokenizer's own template, else the default one (also for the tokenizer that
     --vocab_size trains, None until the training split is read)."""
     if args.chat_template is not None:
-        text = Path(args.chat_template).read_text(encoding="utf-8")
+        try:
+            text = Path(args.chat_template).read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # else said of --input (pipeline.prepare)
+            raise UsageError(f"--chat_template {args.chat_template}: not UTF-8 text; save it as UTF-8") from None
         if not text.strip():
             raise UsageError(f"--chat_template {args.chat_template} is empty; give a Jinja chat template")
         return ChatTemplate(text, f"--chat_template {args.chat_template}")
