@@ -300,6 +300,12 @@ def test_a_size_of_0_in_the_config_or_its_overrides_is_one_line(tiny, tmp_path, 
             f"error: --model_overrides: {name} {value}: a model's sizes and counts are positive")
     assert refusal(model_overrides=json.dumps({"num_attention_heads": 0})).startswith(
         "error: --model_overrides: the llama config refuses them (")
+    linear = {"rope_type": "linear", "rope_theta": 10000.0}  # a factor of 0 trained to NaN at step 1
+    assert refusal(model_overrides=json.dumps({"rope_parameters": linear | {"factor": 0}})) == (
+        "error: --model_overrides: `rope_parameters`'s factor field must be a float or int >= 1, got 0 (transformers' "
+        "check of RoPE, which builds the model anyway)")
+    assert "Unrecognized keys in `rope_parameters`" in refusal(model_overrides=json.dumps(
+        {"rope_parameters": linear | {"factor": 2.0, "factr": 2.0}}))
     (tmp_path / "zero").mkdir()
     config = json.loads((Path(tiny.model_config) / "config.json").read_text())
     (tmp_path / "zero" / "config.json").write_text(json.dumps(config | {"intermediate_size": 0}))

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 from huggingface_hub import snapshot_download
@@ -87,7 +89,15 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
     merged = {name: fields[name] | value if isinstance(value, dict) and isinstance(fields[name], dict) else value
               for name, value in cfg.model_overrides.items()}
     try:  # the model too: a value its config takes and its code does not (`"hidden_act": "nonexistent"`)
-        changed = type(config).from_dict(fields | merged)
+        with rope_warnings() as warned:
+            changed = type(config).from_dict(fields | merged)
+        refused = [line for line in warned if "must be" in line or "Unrecognized keys" in line]
+        if refused:
+            problems.append(f"--model_overrides: {refused[0]} (transformers' check of RoPE, which builds the model "
+                            "anyway)")
+            return None
+        for line in warned:
+            note(f"--model_overrides: {line}")
         before, after = ({name: parameter.shape for name, parameter in meta_model(
             c, cfg.trust_remote_code).named_parameters()} for c in (config, changed))
     except CONFIG_ERRORS as error:
@@ -112,6 +122,24 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
     if moved:
         note(f"--model_overrides: {', '.join(moved)}")
     return changed
+
+
+@contextmanager
+def rope_warnings() -> Iterator[list[str]]:
+    """What transformers' check of a config's RoPE values warns of while it builds the config anyway, kept from the
+    console: a factor of 0 trained to NaN at step 1, its one warning lost among the start's lines, and a misspelt
+    key was left out."""
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield warned
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def meta_forward_error(config: PretrainedConfig, trust_remote_code: bool) -> Optional[str]:
