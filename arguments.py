@@ -604,7 +604,7 @@ def option_combinations(cfg: Config, require: Callable[[bool, str], None]) -> No
     require(3 <= cfg.spike_warmup <= cfg.spike_window,
             f"--spike_warmup ({cfg.spike_warmup}) must be at least 3 and at most --spike_window ({cfg.spike_window}): "
             "the statistics hold the last --spike_window steps")
-    require(not cfg.lr_decay or 0 <= cfg.min_lr <= cfg.lr,  # without the decay --min_lr is never read
+    require(not cfg.lr_decay or cfg.lr <= 0 or 0 <= cfg.min_lr <= cfg.lr,  # never read without the decay; --lr said
             f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}"
             + (" (its default): give a lower --min_lr" if cfg.min_lr == TrainingArgs.min_lr else ""))
     require(cfg.max_step is None or cfg.max_step < 1 or cfg.warmup_steps <= cfg.max_step,  # else said above

@@ -240,6 +240,10 @@ def test_invalid_values_are_named(argv, message) -> None:
     assert any(message in problem for problem in validate_config(cfg)), validate_config(cfg)
 
 
+def test_a_negative_lr_is_said_once_without_advice_to_lower_min_lr_below_it() -> None:
+    assert validate_config(read_config(REQUIRED + ["--lr", "-1"])) == ["--lr must be positive, got -1.0"]
+
+
 def test_an_infinite_value_from_a_config_file_is_refused_as_on_the_command_line(tmp_path) -> None:
     """`--lr inf` is refused by the parser; a YAML `lr: .inf` passed every check, and the run logged `lr inf` until
     its loss went non-finite at step 2 (exit 3)."""
