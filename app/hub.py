@@ -224,6 +224,8 @@ def load_problem(error: Exception) -> str:
     reason ends with `trust_remote_code=True`, a Python argument, on a line the one-line message leaves out."""
     if isinstance(error, KeyError) and error.args:  # str() of a KeyError is its message in quotes
         return first_line(ValueError(str(error.args[0])))
+    if isinstance(error, StrictDataclassError):  # its first line names a validator; the next says what is wrong
+        return first_line(ValueError(" ".join(line.strip() for line in str(error).splitlines()).rstrip(".")))
     return REMOTE_CODE if "contains custom code" in str(error) else first_line(error)
 
 

@@ -182,7 +182,8 @@ def loaded_config(cfg: Config, problems: list[str]) -> Optional[PretrainedConfig
             return load_model_config(cfg)
     except CONFIG_ERRORS as error:
         reason = load_problem(error)
-        advice = "" if reason == REMOTE_CODE else "; check the name, or log in for gated models"
+        advice = ("" if reason == REMOTE_CODE else "; fix its config.json" if Path(model_source(cfg)).is_dir()
+                  else "; check the name, or log in for gated models")
         problems.append(f"{flag} {model_source(cfg)}: cannot load its config ({reason}){advice}")
         return None
 
