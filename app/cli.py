@@ -451,6 +451,8 @@ def describe_type(hint: Any) -> str:
             parts.append(("one of " if len(get_args(member)) > 1 else "") + ", ".join(map(str, get_args(member))))
         elif get_origin(member) is list:
             parts.append("a list")
+        elif get_origin(member) is dict:
+            parts.append('a JSON object ({"name": value, ...})')
         else:
             return ""
     return " or ".join(parts)

@@ -240,6 +240,16 @@ def test_invalid_values_are_named(argv, message) -> None:
     assert any(message in problem for problem in validate_config(cfg)), validate_config(cfg)
 
 
+def test_model_overrides_that_are_no_json_object_say_what_they_take(capsys) -> None:
+    """jsonargparse's own words were "Does not validate against any of the Union subtypes Subtypes: [dict[str,
+    typing.Any], <class 'NoneType'>] Errors: ..."."""
+    for given in ("{bad", "[1]"):
+        with pytest.raises(SystemExit):
+            parse_config(REQUIRED + ["--model_overrides", given])
+        assert capsys.readouterr().err == (f"train.py: error: --model_overrides: expected a JSON object "
+                                           f"({{\"name\": value, ...}}), got {given!r}; see train.py --help\n")
+
+
 def test_a_negative_lr_is_said_once_without_advice_to_lower_min_lr_below_it() -> None:
     assert validate_config(read_config(REQUIRED + ["--lr", "-1"])) == ["--lr must be positive, got -1.0"]
 
