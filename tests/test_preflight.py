@@ -306,6 +306,9 @@ def test_a_size_of_0_in_the_config_or_its_overrides_is_one_line(tiny, tmp_path, 
     assert refusal(model_overrides=json.dumps({"rope_parameters": linear | {"factor": 0}})) == (
         "error: --model_overrides: `rope_parameters`'s factor field must be a float or int >= 1, got 0 (transformers' "
         "check of RoPE, which builds the model anyway)")
+    assert refusal(model_overrides=json.dumps({"model_type": "gpt2"})) == (
+        "error: --model_overrides: model_type names the model's class, which a llama config keeps; give "
+        "--model_config a config of the other type")
     assert "Unrecognized keys in `rope_parameters`" in refusal(model_overrides=json.dumps(
         {"rope_parameters": linear | {"factor": 2.0, "factr": 2.0}}))
     (tmp_path / "zero").mkdir()

@@ -86,6 +86,11 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
         problems.append(f"--model_overrides: {', '.join(unknown)}: not a field of the {config.model_type} config; "
                         f"its fields: {', '.join(sorted(fields))}")
         return None
+    if cfg.model_overrides.get("model_type", config.model_type) != config.model_type:
+        # the run kept the config's class, and the converted folder's config.json named another
+        problems.append(f"--model_overrides: model_type names the model's class, which a {config.model_type} config "
+                        "keeps; give --model_config a config of the other type")
+        return None
     merged = {name: fields[name] | value if isinstance(value, dict) and isinstance(fields[name], dict) else value
               for name, value in cfg.model_overrides.items()}
     try:  # the model too: a value its config takes and its code does not (`"hidden_act": "nonexistent"`)
