@@ -94,14 +94,16 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
     merged = {name: fields[name] | value if isinstance(value, dict) and isinstance(fields[name], dict) else value
               for name, value in cfg.model_overrides.items()}
     try:  # the model too: a value its config takes and its code does not (`"hidden_act": "nonexistent"`)
-        with rope_warnings() as warned:
+        with config_warnings() as warned:
             changed = type(config).from_dict(fields | merged)
-        refused = [line for line in warned if "must be" in line or "Unrecognized keys" in line]
+        refused = [line for line in warned["rope"] if "must be" in line or "Unrecognized keys" in line]
         if refused:
             problems.append(f"--model_overrides: {refused[0]} (transformers' check of RoPE, which builds the model "
                             "anyway)")
             return None
-        for line in warned:
+        if not sizes_positive(cfg, changed, problems):  # before a model of them is built, with torch's warnings
+            return None
+        for line in warned["rope"] + warned["config"]:
             note(f"--model_overrides: {line}")
         before, after = ({name: parameter.shape for name, parameter in meta_model(
             c, cfg.trust_remote_code).named_parameters()} for c in (config, changed))
@@ -129,22 +131,30 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
     return changed
 
 
+CONFIG_LOGGERS = {"rope": "transformers.modeling_rope_utils", "config": "transformers.configuration_utils"}
+"""Where transformers warns of a config's values while it builds the config anyway."""
+
+
 @contextmanager
-def rope_warnings() -> Iterator[list[str]]:
-    """What transformers' check of a config's RoPE values warns of while it builds the config anyway, kept from the
-    console: a factor of 0 trained to NaN at step 1, its one warning lost among the start's lines, and a misspelt
-    key was left out."""
-    warned: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("transformers.modeling_rope_utils")
-    logger.addHandler(handler)
-    propagate, logger.propagate = logger.propagate, False
+def config_warnings() -> Iterator[dict[str, list[str]]]:
+    """What transformers warns of as it builds a config, by CONFIG_LOGGERS' keys, kept from the console for the
+    preflight to refuse or note: a RoPE factor of 0 trained to NaN at step 1, its one warning lost among the start's
+    lines, and a misspelt RoPE key was left out."""
+    warned: dict[str, list[str]] = {key: [] for key in CONFIG_LOGGERS}
+    kept = []
+    for key, name in CONFIG_LOGGERS.items():
+        handler = logging.Handler()
+        handler.emit = lambda record, said=warned[key]: said.append(record.getMessage())  # type: ignore
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        kept.append((logger, handler, logger.propagate))
+        logger.propagate = False
     try:
         yield warned
     finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
+        for logger, handler, propagate in kept:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
 
 
 def meta_forward_error(config: PretrainedConfig, trust_remote_code: bool) -> Optional[str]:
