@@ -255,7 +255,16 @@ def test_longrope_past_its_original_positions_is_refused_where_a_micro_batch_mix
     assert errors(packed, BLOCK) == [], "examples within the original positions never switch"
     from types import SimpleNamespace
 
-    from app.training.preflight.model import samples_pad_apart
+    from app.data.formats import DataFormat
+    from app.training.preflight.model import check_length_dependent_rope, samples_pad_apart
+
+    problems: list[str] = []  # an --eval_data_dir folder evaluated with the long factors measured another model
+    check_length_dependent_rope(SimpleNamespace(train_data_dir="short", micro_batch_size=4, eval_batch_size=None),
+                                AutoConfig.from_pretrained(tmp_path / "phi3-64"), SimpleNamespace(
+                                    format=DataFormat.of(packed), longest_example=40, evaluated_longest={"held": 100}),
+                                problems)
+    assert [problem.split(", past")[0] for problem in problems] == [
+        "--eval_data_dir held packs examples of up to 100 tokens with shorter ones"]
 
     cfg = SimpleNamespace(eval_samples=4, estimate_memory=False, attn_implementation="sdpa", trust_remote_code=False)
     assert not samples_pad_apart(cfg, AutoConfig.from_pretrained(tmp_path / "phi3")), (

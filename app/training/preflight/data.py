@@ -53,6 +53,8 @@ class DataFacts:
     """How each column of the train split is stored (`List(Value('int32'), length=2048)`), for a mixture's join."""
     evaluated_rows: dict[str, int] = field(default_factory=dict)
     """The validation rows of each --eval_data_dir folder, by name."""
+    evaluated_longest: dict[str, int] = field(default_factory=dict)
+    """The longest example of each --eval_data_dir folder (`longest_example`), by name."""
 
 
 def check_data(cfg: Config, problems: list[str]) -> Optional[DataFacts]:
@@ -158,7 +160,7 @@ def check_eval_folders(cfg: Config, data: DataFacts, problems: list[str]) -> Dat
         problems.append(str(error))
         return data
     first = bundled_tokenizer(first_folder(cfg.train_data_dir), cfg.trust_remote_code)
-    largest, rows = data.max_token_id, {}
+    largest, rows, longest = data.max_token_id, {}, {}
     for name, path in evaluated.items():
         fact, flag = check_folder(Path(path), problems, option="--eval_data_dir"), f"--eval_data_dir {path}"
         if fact is None:
@@ -180,8 +182,8 @@ def check_eval_folders(cfg: Config, data: DataFacts, problems: list[str]) -> Dat
                 problems.append(f"{flag} was prepared with another tokenizer than --train_data_dir ({difference}): "
                                 "its loss would compare with nothing; prepare it with the training data's tokenizer")
             largest = max(largest, fact.max_token_id)
-            rows[name] = fact.validation_rows
-    return replace(data, max_token_id=largest, evaluated_rows=rows)
+            rows[name], longest[name] = fact.validation_rows, fact.longest_example
+    return replace(data, max_token_id=largest, evaluated_rows=rows, evaluated_longest=longest)
 
 
 def check_folder(path: Path, problems: list[str], option: str = "--train_data_dir") -> Optional[DataFacts]:

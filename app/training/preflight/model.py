@@ -449,25 +449,28 @@ def check_length_dependent_rope(cfg: Config, model_config: PretrainedConfig, dat
     """Phi-3's longrope switches every position of a micro-batch to its long factors once the batch's largest
     position passes original_max_position_embeddings (transformers' longrope_frequency_update): a short example
     packed or padded with a longer one trained with factors it never gets alone, nor at inference (an audit: its
-    per-token loss moved by 4e-3). Refused where a micro-batch can mix lengths across that limit; blocks of raw text
-    are all one length, each of them trained as it runs alone."""
+    per-token loss moved by 4e-3). Refused where a micro-batch can mix lengths across that limit, of the training
+    data or of an --eval_data_dir folder (evaluated so, its loss was not the model's on its examples); blocks of raw
+    text are all one length, each of them trained as it runs alone."""
     limit = longrope_limit(model_config)
     if limit is None:
         return
     fix = (f"prepare the data with --block_size {limit} or less, or with --packing false and train with "
            "--micro_batch_size 1 --eval_batch_size 1")
-    if data.format.packs_examples and data.longest_example > limit:
-        problems.append(f"--train_data_dir {cfg.train_data_dir} packs examples of up to {data.longest_example} "
-                        f"tokens with shorter ones, past the {limit} positions of a {model_config.model_type} model's "
-                        "longrope (original_max_position_embeddings): transformers then gives every example of the "
-                        f"micro-batch the long factors, which a short one does not get alone; {fix}")
-    elif data.format.padded and data.longest_example > limit and max(
-            cfg.micro_batch_size, cfg.eval_batch_size or cfg.micro_batch_size) > 1:
-        problems.append(f"--train_data_dir {cfg.train_data_dir} holds examples of up to {data.longest_example} "
-                        f"tokens, past the {limit} positions of a {model_config.model_type} model's longrope "
-                        "(original_max_position_embeddings): padded into one micro-batch with them, a short example "
-                        f"gets the long factors, which it does not get alone; train with --micro_batch_size 1 "
-                        "--eval_batch_size 1")
+    folders = {f"--train_data_dir {cfg.train_data_dir}": data.longest_example} | {
+        f"--eval_data_dir {name}": longest for name, longest in data.evaluated_longest.items()}
+    for given, longest in folders.items():
+        if data.format.packs_examples and longest > limit:
+            problems.append(f"{given} packs examples of up to {longest} tokens with shorter ones, past the {limit} "
+                            f"positions of a {model_config.model_type} model's longrope "
+                            "(original_max_position_embeddings): transformers then gives every example of the "
+                            f"micro-batch the long factors, which a short one does not get alone; {fix}")
+        elif data.format.padded and longest > limit and max(
+                cfg.micro_batch_size, cfg.eval_batch_size or cfg.micro_batch_size) > 1:
+            problems.append(f"{given} holds examples of up to {longest} tokens, past the {limit} positions of a "
+                            f"{model_config.model_type} model's longrope (original_max_position_embeddings): padded "
+                            "into one micro-batch with them, a short example gets the long factors, which it does "
+                            "not get alone; train with --micro_batch_size 1 --eval_batch_size 1")
 
 
 def samples_pad_apart(cfg: Config, model_config: PretrainedConfig) -> bool:
