@@ -28,7 +28,9 @@ def example_lengths(inputs: dict[str, Tensor]) -> Tensor:
     if inputs.get("position_ids") is not None:
         example = (inputs["position_ids"] == 0).cumsum(-1)  # from 1 in each row (0 before a row's first start)
         example = example + torch.arange(rows, device=example.device)[:, None] * (tokens + 1)
-        return torch.bincount(example.flatten(), minlength=rows * (tokens + 1))[example]
+        counts = torch.zeros(rows * (tokens + 1), dtype=torch.long, device=example.device)  # not bincount: on a GPU
+        counts.scatter_add_(0, example.flatten(), torch.ones_like(example.flatten()))  # it waits for the max id
+        return counts[example]
     if inputs.get("attention_mask") is not None:
         mask = inputs["attention_mask"]
         return mask.sum(-1, keepdim=True) * mask
