@@ -116,9 +116,10 @@ CASES = {
                                                          "would be read as text blocks (its stats.json names no other "
                                                          "format), but its labels say"),
     "a data file cut short": (dict(train_data_dir="{cut_short}"), "its dataset files cannot be read ("),
-    "a config transformers refuses": (dict(model_config="{three_heads}"), "cannot load its config (Class validation "
-                                      "error for validator 'validate_architecture': ValueError: The hidden size (64) is "
-                                      "not a multiple of the number of attention heads (3)); fix its config.json"),
+    "a config transformers refuses": (dict(model_config="{three_heads}"),
+                                      "cannot load its config (Class validation error for validator "
+                                      "'validate_architecture': ValueError: The hidden size (64) is not a multiple of "
+                                      "the number of attention heads (3)); fix its config.json"),
     "a split saved without a file": (dict(train_data_dir="{empty_train}"), "a split of it holds no data file"),
     # tracebacks (AttributeError, KeyError):
     "stats.json of a list": (dict(train_data_dir="{stats_of_a_list}"), "its stats.json is not a JSON object; prepare "
