@@ -35,8 +35,9 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # the server's imports (1.8 s a process). Measured with every process's CPU sampled: the suite is CPU-bound (28 s
 # idle of 918), and a third of its CPU goes to train.py processes that must start from scratch (signals to a
 # process group, Slurm jobs, peak RSS), 6 CPU-s of imports each. On 2026-12-02: 1,428 s in place (1,191 tests) with
-# an audit's probes (one train.py or prepare_data.py preflight at a time) running beside it: over the 15 minutes this
-# file aims at, on such a day the Slurm and signal files alone take 620 and 690 s of one worker each.
+# an audit's probes (one train.py or prepare_data.py preflight at a time) running beside it, where the Slurm and
+# signal files alone took 620 and 690 s of one worker each; 907 s in a fresh clone with nothing beside it (1,196
+# tests; `make demo` 2m54s, against 2m17s and 3m23s on the fast and slow days above).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
