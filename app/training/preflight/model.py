@@ -94,8 +94,11 @@ def overridden_config(cfg: Config, config: PretrainedConfig, problems: list[str]
     merged = {name: fields[name] | value if isinstance(value, dict) and isinstance(fields[name], dict) else value
               for name, value in cfg.model_overrides.items()}
     try:  # the model too: a value its config takes and its code does not (`"hidden_act": "nonexistent"`)
+        with config_warnings() as already:  # of the config as it was: not the overrides'
+            type(config).from_dict(fields)
         with config_warnings() as warned:
             changed = type(config).from_dict(fields | merged)
+        warned = {key: [line for line in lines if line not in already[key]] for key, lines in warned.items()}
         refused = [line for line in warned["rope"] if "must be" in line or "Unrecognized keys" in line]
         if refused:
             problems.append(f"--model_overrides: {refused[0]} (transformers' check of RoPE, which builds the model "
