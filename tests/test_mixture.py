@@ -51,7 +51,7 @@ def test_the_command_line_names_folders_weights_and_refuses_what_it_cannot_read_
 def test_evaluation_folders_are_named_as_a_mixtures_folders_and_refused_in_one_line() -> None:
     assert parse_eval_folders("/data/wiki-en,code=/data/code-eval/", "/data/es") == {
         "wiki-en": "/data/wiki-en", "code": "/data/code-eval/"}
-    assert parse_eval_folders("es=/data/es", "/data/es") == {"es": "/data/es"}, "a single training folder is val_loss"
+    assert parse_eval_folders("es=/data/es-2", "/data/es") == {"es": "/data/es-2"}, "a single training folder is val_loss"
     assert parse_eval_folders("runs/lr=3e-4/wiki,a=b=c", "t") == {"wiki": "runs/lr=3e-4/wiki", "a": "b=c"}, \
         "a '=' in a folder's path is no name"
     assert parse_sources("runs/lr=3e-4/data:2")[0].path == "runs/lr=3e-4/data"
@@ -59,7 +59,11 @@ def test_evaluation_folders_are_named_as_a_mixtures_folders_and_refused_in_one_l
                                  ("x=", "t", "an empty entry"),
                                  ("/x/a,/y/a", "t", "two folders are named a; name them"),
                                  ("/x/a b", "t", "/x/a b needs a name of letters"),
-                                 ("/y/es", "/x/es:3,/x/en:1", "es names a folder of the training mixture too")):
+                                 ("/y/es", "/x/es:3,/x/en:1", "es names a folder of the training mixture too"),
+                                 ("/x/es/", "/x/es", r"/x/es/ is a --train_data_dir folder, whose validation rows "
+                                  r"val_loss scores already; give a folder the run does not train on"),
+                                 ("held=/x/./en", "/x/es:3,/x/en:1", "rows val_loss/en scores already"),
+                                 ("a=/x/es,b=/x/../x/es", "t", "/x/es and /x/../x/es are the same folder; give it once")):
         with pytest.raises(ValueError, match=message):
             parse_eval_folders(spec, train)
 
@@ -345,7 +349,8 @@ def test_a_mixtures_validation_loss_weighs_each_folder_by_the_tokens_it_read(tin
     assert losses[""] != pytest.approx((losses["data"] + losses["small"]) / 2, rel=1e-5)
 
 
-def test_an_evaluation_folder_is_validated_apart_and_left_out_of_the_validation_loss(tiny, small) -> None:
+def test_an_evaluation_folder_is_validated_apart_and_left_out_of_the_validation_loss(tiny, small, tmp_path) -> None:
+    """Copies of the training folders, evaluated (the folders themselves are refused: their rows are val_loss's)."""
     import torch
     from lightning_fabric import Fabric
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -361,10 +366,11 @@ def test_an_evaluation_folder_is_validated_apart_and_left_out_of_the_validation_
         return validation_losses(Fabric(accelerator="cpu", devices=1), model, LossPath(),
                                  load_data(train_data_dir, eval_data_dir=eval_data_dir), batch_size=8, max_batches=4)
 
+    copies = {name: shutil.copytree(folder, tmp_path / name) for name, folder in (("held", small), ("again", tiny.data))}
     alone, held = losses(str(tiny.data)), losses(str(small))[""]
-    assert losses(str(tiny.data), f"held={small}") == {"": alone[""], "held": held}
+    assert losses(str(tiny.data), f"held={copies['held']}") == {"": alone[""], "held": held}
     mixture = losses(f"{tiny.data}:3,{small}:1")
-    assert losses(f"{tiny.data}:3,{small}:1", f"held={small},again={tiny.data}") == mixture | {
+    assert losses(f"{tiny.data}:3,{small}:1", f"held={copies['held']},again={copies['again']}") == mixture | {
         "held": held, "again": alone[""]}
 
 
@@ -420,12 +426,14 @@ def test_evaluation_folders_unlike_the_training_data_are_refused_before_any_work
 @pytest.mark.parametrize("devices, micro_batch_size, from_step", [(1, 8, 60), (4, 2, 90)])
 def test_a_resume_on_another_number_of_processes_continues_the_same_rows(tiny, small, straight, tmp_path, devices,
                                                                          micro_batch_size, from_step) -> None:
-    """Also evaluating the small folder again as a folder of --eval_data_dir: the same loss, left out of val_loss."""
-    out_dir = tmp_path / "resumed"
+    """Also evaluating a copy of the small folder as a folder of --eval_data_dir: the same loss, left out of
+    val_loss."""
+    out_dir, held = tmp_path / "resumed", tmp_path / "held"
+    shutil.copytree(small, held)
     checkpoint = straight / "checkpoints" / f"step-{from_step:08d}.ckpt"
     result = run_train(train_args(tiny, out_dir, train_data_dir=f"{tiny.data}:3,{small}:1", devices=devices,
                                   micro_batch_size=micro_batch_size, resume=True, checkpoint=checkpoint,
-                                  eval_data_dir=f"held={small}", **MIXTURE_RUN))
+                                  eval_data_dir=f"held={held}", **MIXTURE_RUN))
     assert result.returncode == 0, result.stdout + result.stderr
     resumed, expected = rows_of(out_dir), rows_of(straight)
     assert sorted(resumed) == list(range(from_step + 1, 101))

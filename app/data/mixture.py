@@ -115,8 +115,9 @@ def _parse_item(item: str) -> tuple[str, str, Fraction | None]:
 
 def parse_eval_folders(spec: str, train_data_dir: str) -> dict[str, str]:
     """`--eval_data_dir`: `[name=]folder,...`, folders evaluated and never trained on, as {name: folder}. Named as a
-    mixture's folders are (their metrics are val_loss/<name>), by no name a training folder of a mixture has. Raises
-    ValueError with one line naming the flag."""
+    mixture's folders are (their metrics are val_loss/<name>), by no name a training folder of a mixture has; each
+    folder given once and none a training folder (whose validation rows val_loss scores already: the same rows under
+    two names, where a user may have meant its training rows). Raises ValueError with one line naming the flag."""
     evaluated: dict[str, str] = {}
     for item in (item.strip() for item in spec.split(",")):
         name, path = _named(item)
@@ -135,7 +136,25 @@ def parse_eval_folders(spec: str, train_data_dir: str) -> dict[str, str]:
     if clash:
         raise ValueError(f"--eval_data_dir: {clash} names a folder of the training mixture too, whose metrics are "
                          f"val_loss/{clash}; name it otherwise (name=folder)")
+    _refuse_folders_twice(evaluated, {_same_folder(source.path): source for source in trained}, len(trained) > 1)
     return evaluated
+
+
+def _same_folder(path: str) -> Path:
+    return Path(path).expanduser().resolve()
+
+
+def _refuse_folders_twice(evaluated: dict[str, str], trained: dict[Path, Source], mixture: bool) -> None:
+    seen: dict[Path, str] = {}
+    for path in evaluated.values():
+        folder = _same_folder(path)
+        if folder in trained:
+            metric = f"val_loss/{trained[folder].name}" if mixture else "val_loss"
+            raise ValueError(f"--eval_data_dir {path} is a --train_data_dir folder, whose validation rows {metric} "
+                             "scores already; give a folder the run does not train on")
+        if folder in seen:
+            raise ValueError(f"--eval_data_dir: {seen[folder]} and {path} are the same folder; give it once")
+        seen[folder] = path
 
 
 def first_folder(spec: str) -> str:
