@@ -227,6 +227,14 @@ class TrainingArgs:
     """NEFTune: while training, uniform noise of alpha / sqrt(L x d) on the input embeddings, L the length of each
     example (packed or padded: its own, where the Hugging Face Trainer and TRL take the whole row's) and d their
     width; 5 is the paper's usual value for supervised fine-tuning. 0: off. Causal models only."""
+    label_smoothing: float = 0.0
+    """Share of each trained token's target spread evenly over the vocabulary (torch's label_smoothing, the Hugging
+    Face Trainer's label_smoothing_factor; 0.1 in the usual summarisation and translation recipes of T5 and BART).
+    train_loss includes it; val_loss, its perplexity and the best checkpoint stay the plain cross-entropy. 0: off."""
+    z_loss: float = 0.0
+    """Add this times the square of each trained token's log softmax normaliser (log-sum-exp of its logits) to its
+    loss: PaLM's z-loss (1e-4 there, and in OLMo 2), which keeps the logits from drifting over long pre-training.
+    train_loss includes it; val_loss stays the plain cross-entropy. 0: off."""
 
 
 @dataclass
@@ -579,6 +587,9 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     require(cfg.neftune_noise_alpha >= 0, f"--neftune_noise_alpha must be 0 (off) or more, got "
             f"{cfg.neftune_noise_alpha}")
     require(cfg.eps > 0, f"--eps must be positive, got {cfg.eps}")
+    require(0 <= cfg.label_smoothing < 1, f"--label_smoothing must be at least 0 and below 1, got "
+            f"{cfg.label_smoothing}")
+    require(0 <= cfg.z_loss < math.inf, f"--z_loss must be 0 (off) or more, got {cfg.z_loss}")
     require(cfg.early_stopping_threshold >= 0, f"--early_stopping_threshold must be 0 or more, got "
             f"{cfg.early_stopping_threshold}")
     require(cfg.weight_decay >= 0, f"--weight_decay must be 0 or more, got {cfg.weight_decay}")

@@ -233,6 +233,8 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
      "--process_group_timeout_min must be positive and at most a year (525600)"),
     (["--seed", "-1"], "--seed must be between 0 and 4294967295"),  # every rank's traceback from numpy's seeding
     (["--neftune_noise_alpha", "-5"], "--neftune_noise_alpha must be 0 (off) or more"),
+    (["--label_smoothing", "1"], "--label_smoothing must be at least 0 and below 1, got 1.0"),
+    (["--z_loss=-1e-4"], "--z_loss must be 0 (off) or more, got -0.0001"),
     (["--seed", "4294967296"], "--seed must be between 0 and 4294967295"),
 ])
 def test_invalid_values_are_named(argv, message) -> None:

@@ -17,8 +17,8 @@ from app.data.formats import IGNORE_INDEX, Batch, arrange
 from app.metrics.memory_plan import ModelShape, Setup, chunked_loss_bytes
 from app.model import loss as loss_module
 from app.model.build import resolve_wrap_classes
-from app.model.loss import (LossHead, LossPath, accumulate_product, chunk_tokens, chunked_cross_entropy,
-                            install_loss_head, probe_chunked_loss)
+from app.model.loss import (LossHead, LossPath, LossTerms, accumulate_product, chunk_tokens, chunked_cross_entropy,
+                            install_loss_head, own_loss_path, probe_chunked_loss)
 from tests.conftest import run_entry
 
 LLAMA = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -50,6 +50,64 @@ def test_chunks_give_the_loss_and_gradients_of_the_whole_logits(bias: bool) -> N
         torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
         for got, want in zip(grads, expected_grads):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("terms", [LossTerms(label_smoothing=0.1), LossTerms(z_loss=1e-2),
+                                   LossTerms(label_smoothing=0.2, z_loss=1e-4)], ids=str)
+def test_label_smoothing_and_the_z_loss_in_chunks_give_the_loss_and_gradients_of_the_whole_logits(terms) -> None:
+    """Against torch's cross_entropy with its label_smoothing, plus c x logsumexp^2 of each trained token."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    bias = torch.randn(50, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=generator)
+    targets[::4] = IGNORE_INDEX
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    expected = torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum",
+                                                 label_smoothing=terms.label_smoothing)
+    expected = expected + terms.z_loss * torch.logsumexp(logits, -1)[targets != IGNORE_INDEX].square().sum()
+    assert abs(expected - reference_loss(logits, targets)) > 1e-3 * expected, "the terms change the cross-entropy"
+    expected_grads = torch.autograd.grad(expected * 0.3, [hidden, weight, bias])
+    for chunk in (1, 5, 100):
+        loss = chunked_cross_entropy(hidden, weight, bias, targets, chunk, terms)
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        for got, want in zip(torch.autograd.grad(loss * 0.3, [hidden, weight, bias]), expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", [LLAMA, T5], ids=["llama", "t5"])
+def test_label_smoothing_is_the_trainers_and_the_same_chunked_or_from_the_models_logits(config) -> None:
+    """The Hugging Face Trainer's LabelSmoother (label_smoothing_factor) on transformers' own model, this project's
+    chunked loss and its loss from the model's logits (models without the chunked path): the same loss and
+    gradients. Evaluation (`auxiliary=False`) gets the plain cross-entropy. In eval mode: no dropout to match."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    own, chunked, path = model_pair(config)
+    own.eval(), chunked.eval()
+    materialising = copy.deepcopy(own)
+    plain = own_loss_path(materialising)
+    if config.is_encoder_decoder:
+        generator = torch.Generator().manual_seed(3)
+        labels = torch.randint(3, 1000, (2, 9), generator=generator)
+        labels[1, 6:] = IGNORE_INDEX
+        batch = Batch({"input_ids": torch.randint(3, 1000, (2, 11), generator=generator), "labels": labels},
+                      int((labels != IGNORE_INDEX).sum()))
+    else:
+        batch = causal_batch(True, True, config.vocab_size)
+    expected = LossPath().summed_loss(own, batch, auxiliary=False)
+    for loss_path in (path, plain):
+        loss_path.terms = LossTerms(label_smoothing=0.1)
+        torch.testing.assert_close(loss_path.summed_loss(chunked if loss_path is path else materialising, batch,
+                                                         auxiliary=False), expected.detach(), rtol=1e-5, atol=0)
+    output = own(**batch.inputs)
+    trainers = LabelSmoother(0.1)(output, batch.inputs["labels"], shift_labels=not config.is_encoder_decoder)
+    (trainers * batch.trained_tokens / 7).backward()
+    for model, loss_path in ((chunked, path), (materialising, plain)):
+        loss = loss_path.summed_loss(model, batch)
+        torch.testing.assert_close(loss, trainers * batch.trained_tokens, rtol=1e-5, atol=0)
+        (loss / 7).backward()
+        for (name, a), (_, b) in zip(own.named_parameters(), model.named_parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_without_gradients_only_the_loss_is_computed() -> None:
@@ -315,6 +373,11 @@ def test_a_mixture_of_experts_takes_the_chunked_loss_with_its_router_loss(name: 
     targets = torch.nn.functional.pad(batch.inputs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
     torch.testing.assert_close(cross_entropy, reference_loss(logits.flatten(0, 1), targets.flatten()), rtol=1e-5,
                                atol=0)
+    materialising = own_loss_path(own)  # with the z-loss, from its logits: the router's loss added alike
+    path.terms = materialising.terms = LossTerms(z_loss=1e-3)
+    with torch.no_grad():
+        torch.testing.assert_close(materialising.summed_loss(own, batch), path.summed_loss(ours, batch), rtol=1e-5,
+                                   atol=0)
 
 
 def test_a_mixture_of_experts_trains_with_its_router_loss_and_reports_the_cross_entropy(tiny, tmp_path) -> None:

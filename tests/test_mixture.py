@@ -51,7 +51,8 @@ def test_the_command_line_names_folders_weights_and_refuses_what_it_cannot_read_
 def test_evaluation_folders_are_named_as_a_mixtures_folders_and_refused_in_one_line() -> None:
     assert parse_eval_folders("/data/wiki-en,code=/data/code-eval/", "/data/es") == {
         "wiki-en": "/data/wiki-en", "code": "/data/code-eval/"}
-    assert parse_eval_folders("es=/data/es-2", "/data/es") == {"es": "/data/es-2"}, "a single training folder is val_loss"
+    assert parse_eval_folders("es=/data/es-2", "/data/es") == {"es": "/data/es-2"}, \
+        "a single training folder is val_loss"
     assert parse_eval_folders("runs/lr=3e-4/wiki,a=b=c", "t") == {"wiki": "runs/lr=3e-4/wiki", "a": "b=c"}, \
         "a '=' in a folder's path is no name"
     assert parse_sources("runs/lr=3e-4/data:2")[0].path == "runs/lr=3e-4/data"
@@ -63,7 +64,8 @@ def test_evaluation_folders_are_named_as_a_mixtures_folders_and_refused_in_one_l
                                  ("/x/es/", "/x/es", r"/x/es/ is a --train_data_dir folder, whose validation rows "
                                   r"val_loss scores already; give a folder the run does not train on"),
                                  ("held=/x/./en", "/x/es:3,/x/en:1", "rows val_loss/en scores already"),
-                                 ("a=/x/es,b=/x/../x/es", "t", "/x/es and /x/../x/es are the same folder; give it once")):
+                                 ("a=/x/es,b=/x/../x/es", "t",
+                                  "/x/es and /x/../x/es are the same folder; give it once")):
         with pytest.raises(ValueError, match=message):
             parse_eval_folders(spec, train)
 
@@ -366,7 +368,8 @@ def test_an_evaluation_folder_is_validated_apart_and_left_out_of_the_validation_
         return validation_losses(Fabric(accelerator="cpu", devices=1), model, LossPath(),
                                  load_data(train_data_dir, eval_data_dir=eval_data_dir), batch_size=8, max_batches=4)
 
-    copies = {name: shutil.copytree(folder, tmp_path / name) for name, folder in (("held", small), ("again", tiny.data))}
+    copies = {name: shutil.copytree(folder, tmp_path / name)
+              for name, folder in (("held", small), ("again", tiny.data))}
     alone, held = losses(str(tiny.data)), losses(str(small))[""]
     assert losses(str(tiny.data), f"held={copies['held']}") == {"": alone[""], "held": held}
     mixture = losses(f"{tiny.data}:3,{small}:1")

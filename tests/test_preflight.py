@@ -578,6 +578,33 @@ def test_cut_cross_entropy_on_gpus_needs_its_package_the_chunked_loss_and_a_head
         "kernel has no place for: drop it"]
 
 
+def test_label_smoothing_and_the_z_loss_are_refused_where_the_loss_cannot_add_them(tiny, tmp_path,
+                                                                                    monkeypatch) -> None:
+    """Cut Cross-Entropy's kernel computes the plain cross-entropy; a mixture of experts whose model does not show its
+    router loss's coefficient would lose its router loss in a loss computed from its logits (every one transformers
+    5.23 holds shows it, Mixtral here; a model of remote code may not: the stand-in below)."""
+    from app.training.preflight import model as checks
+
+    mixtral = AutoConfig.for_model("mixtral", vocab_size=300, hidden_size=64, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                   num_local_experts=2, output_router_logits=True)
+
+    def problems(config, **options) -> list[str]:
+        found: list[str] = []
+        checks.check_loss_terms(parse_config(train_args(tiny, tmp_path / "out", **options)), config, found)
+        return found
+
+    assert problems(mixtral, z_loss=1e-4, label_smoothing=0.1) == []
+    assert problems(mixtral, label_smoothing=0.1, loss_kernel="cut_cross_entropy") == [
+        "--label_smoothing 0.1: --loss_kernel cut_cross_entropy computes the plain cross-entropy; drop it (the "
+        "default, torch, adds them)"]
+    monkeypatch.setattr(checks, "router_coefficient", lambda model: None)
+    assert problems(mixtral) == []
+    assert problems(mixtral, z_loss=1e-4) == [
+        "--z_loss 0.0001: a mixtral model adds its router's loss at a coefficient it does not show, which a loss "
+        "computed from its logits must add too: drop them"]
+
+
 def test_every_problem_is_reported_at_once_by_the_cli_without_traceback(tiny, bad, tmp_path) -> None:
     args = train_args(tiny, bad["run"], model_config=bad["small_vocab"], tokenizer="/nonexistent/tokenizer",
                       auto_wrap_policy="[GPT2Block]")

@@ -459,6 +459,24 @@ def test_neftune_noises_training_alone_under_fsdp(tiny, padded, pretrained, two_
     assert resumed[3]["train_loss"] == pytest.approx(noised[3]["train_loss"], rel=1e-6)
 
 
+def test_label_smoothing_and_the_z_loss_train_alike_chunked_or_not_and_leave_validation_alone(
+        tiny, padded, pretrained, two_ranks, tmp_path) -> None:
+    """--label_smoothing 0.1 --z_loss 1e-3, the run of `two_ranks` otherwise, through the chunked loss and through
+    the model's logits (--chunked_loss false): the same validation before training as without them (the plain
+    cross-entropy), the same training losses in both paths, other ones than without them, and the loss falls."""
+    options = dict(micro_batch_size=4, gradient_accumulation_steps=2, lr_scaling="sqrt", reference_batch_size=4,
+                   label_smoothing=0.1, z_loss=1e-3)
+    chunked = run_supervised(tiny, padded, pretrained, tmp_path / "chunked", **options)
+    materialised = run_supervised(tiny, padded, pretrained, tmp_path / "materialised", chunked_loss=False, **options)
+    clean = read_metrics(two_ranks)
+    for run in (chunked, materialised):
+        assert run[0]["val_loss"] == pytest.approx(clean[0]["val_loss"], rel=1e-6)
+        assert run[3]["val_loss"] < run[0]["val_loss"]
+    for step in (1, 2, 3):
+        assert chunked[step]["train_loss"] == pytest.approx(materialised[step]["train_loss"], rel=1e-5), step
+        assert chunked[step]["train_loss"] != pytest.approx(clean[step]["train_loss"], rel=1e-3), step
+
+
 def test_samples_load_a_tokenizer_with_custom_code_under_trust_remote_code(tiny, padded, pretrained, tmp_path) -> None:
     """The preflight and the model loaded it with --trust_remote_code, the samples' evaluator without: every rank
     asked "Do you wish to run the custom code? [y/N]" and ended in a traceback (at once under Slurm, with no stdin).

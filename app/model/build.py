@@ -37,7 +37,7 @@ from app.choices import SHARDED_STRATEGIES
 from app.distributed.fsdp2 import shard_like, sharding_units
 from app.distributed.precision import weights_dtype
 from app.distributed.strategy import resolve_accelerator
-from app.model.loss import LossPath, adds_router_loss, install_loss_head
+from app.model.loss import LossPath, LossTerms, install_loss_head, own_loss_path
 from app.model.noise import add_embedding_noise
 from app.optimization.optimizer import canonical_name, no_decay_names
 
@@ -421,8 +421,8 @@ def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
     Returns the Fabric module, the names of the parameters exempt from weight decay (read before wrapping) and how
     to ask it for a loss (chunked, without full logits, when the preflight's probe found that it may)."""
     model = build_model(fabric, cfg, model_config, deferred)
-    loss_path = (install_loss_head(model, cfg.loss_kernel) if chunked_loss
-                 else LossPath(router_loss=adds_router_loss(model)))
+    loss_path = install_loss_head(model, cfg.loss_kernel) if chunked_loss else own_loss_path(model)
+    loss_path.terms = LossTerms(cfg.label_smoothing, cfg.z_loss)
     loss_path.noise = add_embedding_noise(model, cfg.neftune_noise_alpha)
     no_decay = no_decay_names(model)
     expected = set(model.state_dict())

@@ -23,6 +23,11 @@ The 2.76 GB were backward's second fp32 copy of the weight's gradient and torch.
 both gone since: 1.86 GB planned (`memory_plan.chunked_loss_bytes`, checked against torch's profiler on CPU), not
 yet measured on a GPU.
 
+Two regularisers enter each trained token's loss where training asks for them (`LossTerms`): label smoothing and
+the z-loss. Evaluation and the spike guard's scores take the plain cross-entropy. Without the chunked path the loss
+is then computed from the model's logits (`regularised_cross_entropy`), as the Hugging Face Trainer's LabelSmoother
+does: transformers' models have no place for either.
+
 Whether a model hands its output layer's result back untouched (BART adds `final_logits_bias`, Gemma-2 soft-caps the
 logits, others scale them) is not listed by name: `probe_chunked_loss` runs a small random twin of the run's config
 and keeps the chunked path only when its loss equals transformers' own. Otherwise the model's own loss is used.
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -60,18 +65,49 @@ def chunk_tokens(vocab_size: int) -> int:
     return max(1, CHUNK_LOGITS // vocab_size)
 
 
+@dataclass(frozen=True)
+class LossTerms:
+    """What training adds to each trained token's cross-entropy: with logits z over V tokens, target t and
+    lse = logsumexp(z), the token's loss is (1 - s) (lse - z_t) + s (lse - mean(z)) + c lse^2."""
+
+    label_smoothing: float = 0.0
+    """s (--label_smoothing): the target's probability spread over the vocabulary, as torch's cross_entropy and the
+    Hugging Face Trainer's label_smoothing_factor take it."""
+    z_loss: float = 0.0
+    """c (--z_loss): PaLM's penalty on the softmax's log-normaliser, which keeps the logits from drifting."""
+
+    def __bool__(self) -> bool:
+        return bool(self.label_smoothing or self.z_loss)
+
+
+PLAIN = LossTerms()
+"""The cross-entropy alone: evaluation, the spike guard's scores."""
+
+
+def regularised_cross_entropy(logits: Tensor, targets: Tensor, terms: LossTerms) -> Tensor:
+    """The summed loss (fp32) of materialised `logits` (tokens x vocabulary) against `targets`, with `terms`: the
+    path of models without the chunked loss. torch's cross_entropy leaves the masked targets out of its smoothing
+    too; the z-loss is masked by multiplying (indexing by the mask would wait for the GPU)."""
+    logits = logits.float()
+    loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum",
+                           label_smoothing=terms.label_smoothing)
+    if terms.z_loss:
+        loss = loss + terms.z_loss * (torch.logsumexp(logits, dim=-1).square() * (targets != IGNORE_INDEX)).sum()
+    return loss
+
+
 @torch.compiler.disable
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
-                          chunk: int) -> Tensor:
+                          chunk: int, terms: LossTerms = PLAIN) -> Tensor:
     """The summed cross-entropy (fp32) of `hidden` (tokens x hidden) through the output layer against `targets`
-    (tokens; IGNORE_INDEX where nothing is learnt), `chunk` tokens at a time. Differentiable in hidden, weight and
-    bias; without gradients (evaluation) only the loss is computed.
+    (tokens; IGNORE_INDEX where nothing is learnt), `chunk` tokens at a time, with `terms`. Differentiable in
+    hidden, weight and bias; without gradients (evaluation) only the loss is computed.
 
     Left out of `--compile`'s graphs: its loop of large matrix products gains nothing from fusion, and tracing it
     doubled a small model's compilation time (57 s against 27 s for 4 steps on CPU)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return _ChunkedCrossEntropy.apply(hidden, weight, bias, targets, chunk)
-    return _chunked_loss_and_gradients(hidden, weight, bias, targets, chunk, needs=(False, False, False))[0]
+        return _ChunkedCrossEntropy.apply(hidden, weight, bias, targets, chunk, terms)
+    return _chunked_loss_and_gradients(hidden, weight, bias, targets, chunk, (False, False, False), terms)[0]
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -79,9 +115,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     backward."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk: int,
+                terms: LossTerms) -> Tensor:
         loss, *gradients = _chunked_loss_and_gradients(hidden, weight, bias, targets, chunk,
-                                                       needs=tuple(ctx.needs_input_grad[:3]))
+                                                       tuple(ctx.needs_input_grad[:3]), terms)
         ctx.gradients = gradients
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
@@ -92,15 +129,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         del ctx.gradients  # freed as soon as autograd has them
         scaled = [None if gradient is None else gradient.mul_(grad_loss).to(dtype)  # in place: no second fp32 copy
                   for gradient, dtype in zip(gradients, dtypes)]
-        return *scaled, None, None
+        return *scaled, None, None, None
 
 
 def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk: int,
-                                needs: tuple[bool, bool, bool]) -> tuple[Tensor, ...]:
+                                needs: tuple[bool, bool, bool], terms: LossTerms = PLAIN) -> tuple[Tensor, ...]:
     """The summed loss and the gradients `needs` asks for (hidden, weight, bias; None for the others).
 
     Per chunk: logits in the compute dtype, upcast to fp32 as transformers' loss does; loss = logsumexp - target
-    logit; d(loss)/d(logits) = softmax - one-hot; then its products with the weight (the hidden states' gradient)
+    logit; d(loss)/d(logits) = softmax - one-hot (with `terms`, LossTerms' loss: softmax x (1 + 2 c lse) - (1 - s)
+    one-hot - s / V); then its products with the weight (the hidden states' gradient)
     and with the hidden states (the weight's, summed in fp32 over chunks). The softmax is computed over the logits
     in place (torch.logsumexp makes a chunk-sized temporary, and a chunk of Llama-3's fp32 logits is 512 MiB), and
     the previous chunk's gradient is let go before the next chunk's logits are made: at most one chunk's fp32 logits
@@ -116,21 +154,31 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
     grad_hidden = torch.empty_like(hidden) if needs[0] else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None
+    smoothing, target_share = terms.label_smoothing, 1.0 - terms.label_smoothing
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start:start + chunk], targets[start:start + chunk]
         logits = F.linear(h, weight, bias).float()
         trained = t != IGNORE_INDEX
         safe_targets = torch.where(trained, t, 0)
         target_logits = logits.gather(1, safe_targets[:, None]).squeeze(1)
+        if smoothing:
+            target_logits = target_share * target_logits + smoothing * logits.mean(dim=-1)
         maxima = logits.amax(dim=-1, keepdim=True)
         exponentials = logits.sub_(maxima).exp_()  # the logits are not needed any more
         sums = exponentials.sum(dim=-1, keepdim=True)
         log_normaliser = (sums.log() + maxima).squeeze(1)
-        loss += ((log_normaliser - target_logits) * trained).sum()
+        token_losses = log_normaliser - target_logits
+        if terms.z_loss:
+            token_losses = token_losses + terms.z_loss * log_normaliser.square()
+        loss += (token_losses * trained).sum()
         if not any(needs):
             continue
         probabilities = exponentials.div_(sums)
-        d_logits = probabilities.scatter_add_(1, safe_targets[:, None], -trained[:, None].float())
+        if terms.z_loss:
+            probabilities.mul_((1 + 2 * terms.z_loss * log_normaliser)[:, None])
+        d_logits = probabilities.scatter_add_(1, safe_targets[:, None], -target_share * trained[:, None].float())
+        if smoothing:
+            d_logits.sub_(smoothing / d_logits.shape[1])
         d_logits.mul_(trained[:, None])
         if grad_bias is not None:
             grad_bias += d_logits.sum(0)
@@ -186,14 +234,15 @@ class LossHead(Linear):
         self.kernel = kernel
         """--loss_kernel: "torch" (`chunked_cross_entropy`) or "cut_cross_entropy" (no bias: the preflight checks)."""
 
+        self.terms = PLAIN
+
     @contextmanager
-    def scoring(self, labels: Tensor) -> Iterator[None]:
-        targets = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX) if self.shift else labels
-        self.targets = targets.reshape(-1)
+    def scoring(self, labels: Tensor, terms: LossTerms = PLAIN) -> Iterator[None]:
+        self.targets, self.terms = model_targets(labels, self.shift).reshape(-1), terms
         try:
             yield
         finally:
-            self.targets = None
+            self.targets, self.terms = None, PLAIN
 
     def forward(self, hidden: Tensor) -> Tensor:
         if self.targets is None:
@@ -201,7 +250,13 @@ class LossHead(Linear):
         hidden = hidden.reshape(-1, hidden.shape[-1])
         if self.kernel == "cut_cross_entropy":
             return cut_cross_entropy_loss(hidden, self.weight, self.targets)
-        return chunked_cross_entropy(hidden, self.weight, self.bias, self.targets, chunk_tokens(self.out_features))
+        return chunked_cross_entropy(hidden, self.weight, self.bias, self.targets, chunk_tokens(self.out_features),
+                                     self.terms)
+
+
+def model_targets(labels: Tensor, shift: bool) -> Tensor:
+    """What each position's logits are scored against: a causal model's next label (`shift`), else its own."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX) if shift else labels
 
 
 @dataclass
@@ -216,11 +271,14 @@ class LossPath:
     """The model adds its router's auxiliary loss (a mixture of experts with output_router_logits): training
     minimises it, as intended; evaluation (`auxiliary=False`) asks for the cross-entropy alone, which val_loss and
     its perplexity are."""
-    router_coefficient: float = 0.0
+    router_coefficient: Optional[float] = 0.0
     """What the model's own loss multiplies that auxiliary loss by before adding it to the mean cross-entropy; the
-    chunked path adds it times the trained tokens to the summed cross-entropy: the same."""
+    chunked path adds it times the trained tokens to the summed cross-entropy: the same. None where the model does
+    not show it (the preflight then refuses `terms`, whose loss must add it)."""
     noise: Optional[EmbeddingNoise] = None
     """--neftune_noise_alpha's hook on the input embeddings, told each micro-batch's example lengths."""
+    terms: LossTerms = PLAIN
+    """--label_smoothing and --z_loss: in training's loss, not in evaluation's (`auxiliary=False`)."""
 
     def summed_loss(self, model: Module, batch: Batch, auxiliary: bool = True) -> Tensor:
         """The micro-batch's token losses summed (0 with the graph intact when it trains no token: FSDP's
@@ -230,7 +288,8 @@ class LossPath:
 
     def _summed_loss(self, model: Module, batch: Batch, auxiliary: bool) -> Tensor:
         without_router = {"output_router_logits": False} if self.router_loss and not auxiliary else {}
-        if self.head is None:
+        terms = self.terms if auxiliary else PLAIN
+        if self.head is None and not terms:
             output = model(**batch.inputs, **without_router)
             if not batch.trained_tokens:
                 return output.logits.sum() * 0.0
@@ -239,11 +298,13 @@ class LossPath:
         labels = inputs.pop("labels")
         if self.decoder_inputs is not None and "decoder_input_ids" not in inputs:
             inputs["decoder_input_ids"] = self.decoder_inputs(labels)
-        with self.head.scoring(labels):
+        with self.head.scoring(labels, terms) if self.head is not None else nullcontext():
             output = model(**inputs, **without_router)
+        loss = output.logits if self.head is not None else regularised_cross_entropy(
+            output.logits.flatten(0, -2), model_targets(labels, self.decoder_inputs is None).reshape(-1), terms)
         if self.router_loss and auxiliary:
-            return output.logits + self.router_coefficient * output.aux_loss * batch.trained_tokens
-        return output.logits
+            return loss + self.router_coefficient * output.aux_loss * batch.trained_tokens
+        return loss
 
 
 def install_loss_head(model: Module, kernel: str = "torch") -> LossPath:
@@ -251,15 +312,19 @@ def install_loss_head(model: Module, kernel: str = "torch") -> LossPath:
     `kernel` (--loss_kernel); the model's own loss when its output layer is not a Linear, or when it adds a router's
     loss whose coefficient it does not show."""
     output_layer = model.get_output_embeddings()
-    router_loss = adds_router_loss(model)
-    coefficient = router_coefficient(model) if router_loss else 0.0
-    if type(output_layer) is not Linear or coefficient is None:
-        return LossPath(router_loss=router_loss)
-    encoder_decoder = bool(model.config.is_encoder_decoder)
-    head = LossHead(output_layer, shift=not encoder_decoder, kernel=kernel)
+    path = own_loss_path(model)
+    if type(output_layer) is not Linear or path.router_coefficient is None:
+        return path
+    head = LossHead(output_layer, shift=path.decoder_inputs is None, kernel=kernel)
     model.set_output_embeddings(head)
-    return LossPath(head, model.prepare_decoder_input_ids_from_labels if encoder_decoder else None, router_loss,
-                    coefficient)
+    return replace(path, head=head)
+
+
+def own_loss_path(model: Module) -> LossPath:
+    """The path of the model's own loss (from its logits with `LossPath.terms`)."""
+    router_loss = adds_router_loss(model)
+    return LossPath(None, model.prepare_decoder_input_ids_from_labels if model.config.is_encoder_decoder else None,
+                    router_loss, router_coefficient(model) if router_loss else 0.0)
 
 
 def adds_router_loss(model: Module) -> bool:

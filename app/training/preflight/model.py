@@ -31,7 +31,7 @@ from app.model.build import (checkpoints_through_transformers, enable_activation
 from app.model.isolation import (LOCAL_ATTENTION_NAMES, TwinUnavailable, column_scaled_from, decoder_inputs_error,
                                  decoder_tells_positions_apart, longrope_limit, probe_isolation, reads_ahead)
 from app.metrics.observe import has_experts
-from app.model.loss import ROUTER_COEFFICIENT_NAMES, probe_chunked_loss
+from app.model.loss import ROUTER_COEFFICIENT_NAMES, adds_router_loss, probe_chunked_loss, router_coefficient
 from app.training.preflight.data import DataFacts
 from app.training.preflight.environment import output_of_train_py
 from app.training.preflight.notes import note
@@ -262,6 +262,7 @@ def check_model_with(cfg: Config, model_config: PretrainedConfig, data: Optional
     # refused already: a note on the loss (its probe failing for the same reason) would read as going ahead
     chunked_loss = check_chunked_loss(cfg, model_config, note if not problems else lambda _: None)
     check_loss_kernel(cfg, model_config, chunked_loss, problems)
+    check_loss_terms(cfg, model_config, problems)
     return packed_layout, chunked_loss
 
 
@@ -561,6 +562,24 @@ def check_loss_kernel(cfg: Config, model_config: PretrainedConfig, chunked_loss:
     elif meta_model(model_config, cfg.trust_remote_code).get_output_embeddings().bias is not None:
         problems.append(f"{flag}: a {model_config.model_type} model's output layer adds a bias, which Cut "
                         "Cross-Entropy's kernel has no place for: drop it")
+
+
+def check_loss_terms(cfg: Config, model_config: PretrainedConfig, problems: list[str]) -> None:
+    """--label_smoothing and --z_loss enter the loss this project computes, chunked or from the model's logits, to
+    which a mixture of experts' router loss is added at the coefficient its model shows; Cut Cross-Entropy's kernel
+    computes the plain cross-entropy."""
+    given = [f"--{name} {getattr(cfg, name)}" for name in ("label_smoothing", "z_loss") if getattr(cfg, name)]
+    if not given:
+        return
+    if cfg.loss_kernel != "torch":
+        problems.append(f"{' and '.join(given)}: --loss_kernel {cfg.loss_kernel} computes the plain cross-entropy; "
+                        "drop it (the default, torch, adds them)")
+    if getattr(model_config, "output_router_logits", False):
+        model = meta_model(model_config, cfg.trust_remote_code)
+        if adds_router_loss(model) and router_coefficient(model) is None:
+            problems.append(f"{' and '.join(given)}: a {model_config.model_type} model adds its router's loss at a "
+                            "coefficient it does not show, which a loss computed from its logits must add too: drop "
+                            "them")
 
 
 def check_decoder_start(cfg: Config, model_config: PretrainedConfig, data: DataFacts, problems: list[str]) -> None:
