@@ -44,9 +44,14 @@ class DeviceArgs:
     fully_shard (DTensors); ddp replicates the model (what the original script's --no_fsdp did)."""
     precision: Precision = "bf16-true"
     """bf16-true keeps weights and optimizer state in bf16 (least memory; steps much smaller than a weight, as at a
-    fine-tune's lr of 2e-5, are rounded away); bf16-mixed keeps fp32 master weights (for pre-training, long runs);
-    16-mixed (fp16 with loss scaling) is for GPUs without bf16 (V100, T4). (No 16-true: AdamW's state in fp16 loses
-    the squared gradients of most weights, and the run diverges.)"""
+    fine-tune's lr of 2e-5, are rounded away, unless --stochastic_rounding); bf16-mixed keeps fp32 master weights
+    (for pre-training, long runs); 16-mixed (fp16 with loss scaling) is for GPUs without bf16 (V100, T4). (No
+    16-true: AdamW's state in fp16 loses the squared gradients of most weights, and the run diverges.)"""
+    stochastic_rounding: bool = False
+    """Under bf16-true, round each AdamW step of the bf16 weights stochastically instead of to nearest: a step
+    smaller than half a bf16 spacing (a fine-tune's lr of 2e-5 on a weight above 0.01) then moves the weight by the
+    step on average instead of not at all, for no memory (docs/training.md#precision). An AdamW of this project's
+    own, not torch's fused one; the same state, so checkpoints move between the two."""
     tf32: bool = True
     """With 32-true on Ampere or newer GPUs, run fp32 matmuls on TF32 tensor cores (10-bit mantissa, several times
     faster); false keeps full fp32."""
@@ -590,6 +595,8 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     require(0 <= cfg.label_smoothing < 1, f"--label_smoothing must be at least 0 and below 1, got "
             f"{cfg.label_smoothing}")
     require(0 <= cfg.z_loss < math.inf, f"--z_loss must be 0 (off) or more, got {cfg.z_loss}")
+    require(not cfg.stochastic_rounding or cfg.precision == "bf16-true", "--stochastic_rounding rounds bf16 weights, "
+            f"which only --precision bf16-true trains (under {cfg.precision} they are fp32): drop it")
     require(cfg.early_stopping_threshold >= 0, f"--early_stopping_threshold must be 0 or more, got "
             f"{cfg.early_stopping_threshold}")
     require(cfg.weight_decay >= 0, f"--weight_decay must be 0 or more, got {cfg.weight_decay}")

@@ -8,11 +8,20 @@ from __future__ import annotations
 from argparse import Namespace
 
 import pytest
+import torch
 
 from app.metrics.memory_plan import report_total_gb
 from benchmarks.bench_training import Comparison, Regime, step_times, time_lost_to_saves
 
 REGIME = Regime("test", micro_batch_size=4, long_steps=30)
+
+
+def test_the_optimizer_benchmark_times_both_contenders_at_each_repeat() -> None:
+    from benchmarks.bench_optimizer import CONTENDERS, measure
+
+    times = measure(10_000, 3, torch.device("cpu"))
+    assert list(times) == list(CONTENDERS) and all(len(seconds) == 3 and min(seconds) > 0
+                                                   for seconds in times.values())
 
 
 def test_a_step_time_is_the_long_run_less_the_short_one_per_extra_step_and_contenders_alternate() -> None:

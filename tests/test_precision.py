@@ -213,8 +213,9 @@ def test_bf16_true_says_that_norm_gains_and_weight_decay_stand_still_at_a_pre_tr
     assert bf16_rounding_note("bf16-true", 1e-3, 0.1) == (
         "note: --precision bf16-true with --lr 0.001: bf16 keeps 8 significant bits, and AdamW's steps are rounded "
         "away on the norm layers' gains (~1; every weight above 5.1e-01) and on --weight_decay 0.1 (a relative "
-        "shrink of 1e-04 per step), more as lr decays; --precision bf16-mixed keeps fp32 master weights (twice the "
-        "training state: --estimate_memory true shows whether it fits)")
+        "shrink of 1e-04 per step), more as lr decays; --stochastic_rounding true moves them by their steps on average "
+        "for no memory, and --precision bf16-mixed keeps fp32 master weights (twice the training state: "
+        "--estimate_memory true shows whether it fits)")
     assert bf16_rounding_note("bf16-true", 3e-3, 0.0) is None
 
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 from app.distributed.precision import uses_grad_scaler
+from app.optimization.stochastic_rounding import StochasticRoundingAdamW
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -57,10 +58,14 @@ def build_optimizer(model: Module, cfg: Config, no_decay: set[str]) -> torch.opt
 
     Fused AdamW (one kernel over all parameters) unscales fp16 gradients inside its step, so Lightning cannot clip
     them first: with a gradient scaler (16-mixed) the multi-tensor (foreach) implementation is used instead.
+    --stochastic_rounding takes this project's AdamW (app/optimization/stochastic_rounding.py).
     """
+    groups = parameter_groups(model, cfg.weight_decay, no_decay)
+    options = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.stochastic_rounding:
+        return StochasticRoundingAdamW(groups, seed=cfg.seed, **options)
     fused = not cfg.tpu and not uses_grad_scaler(cfg.precision)
-    return torch.optim.AdamW(parameter_groups(model, cfg.weight_decay, no_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused, foreach=None if fused else True)
+    return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **options)
 
 
 @dataclass(frozen=True)

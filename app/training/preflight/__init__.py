@@ -146,7 +146,7 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     if resume is not None:
         note_changed_options(cfg, resume.metadata, plan)
         note_wandb_history(cfg, resume.metadata["step"], resume.metadata.get("config") or {})
-    rounding = bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay)
+    rounding = bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay, cfg.stochastic_rounding)
     if rounding:
         note(rounding)
     if cfg.strategy == "fsdp" and cfg.sharding_strategy == "NO_SHARD" and world_size(cfg) > 1:
