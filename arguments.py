@@ -539,11 +539,19 @@ def validate_config(cfg: Config, sources: Optional[dict[str, str]] = None) -> li
                 f"--{option.name} must be a finite number, got {value}")
     if problems:
         return problems
-    for rules in (value_ranges, option_combinations, strategy_rules):
+    refused_unread = [(unread, message) for unread, switch, message in unread_options(cfg)
+                      if not turned_off_by_a_flag(unread, switch, sources or {})]
+    unread_flags = tuple(f"--{name} " for unread, _ in refused_unread for name in unread)
+
+    def require_of_read(condition: bool, message: str) -> None:
+        """An option refused as unread is not refused for its value as well: one line, saying to drop it."""
+        if not message.startswith(unread_flags):
+            require(condition, message)
+
+    value_ranges(cfg, require_of_read)
+    for rules in (option_combinations, strategy_rules):
         rules(cfg, require)
-    problems += [message for unread, switch, message in unread_options(cfg)
-                 if not turned_off_by_a_flag(unread, switch, sources or {})]
-    return problems
+    return problems + [message for _, message in refused_unread]
 
 
 def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:

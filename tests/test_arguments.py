@@ -242,6 +242,18 @@ def test_invalid_values_are_named(argv, message) -> None:
     assert any(message in problem for problem in validate_config(cfg)), validate_config(cfg)
 
 
+def test_an_unread_option_with_a_bad_value_is_one_line_saying_to_drop_it() -> None:
+    """`--device_memory_gb 0` without --estimate_memory was two true lines: that it must be positive, and that it is
+    not read. Dropping it is the fix for both."""
+    for argv, message in ((["--device_memory_gb", "0"], "--device_memory_gb is only read by --estimate_memory true"),
+                          (["--eval_step_interval", "0", "--eval_iters", "0"], "--eval_iters: not read with "
+                                                                             "--eval_step_interval 0")):
+        problems = validate_config(read_config(REQUIRED + argv))
+        assert len(problems) == 1 and problems[0].startswith(message), problems
+    assert validate_config(read_config(REQUIRED + ["--device_memory_gb", "0", "--estimate_memory", "true"])) == [
+        "--device_memory_gb must be positive, got 0.0"]
+
+
 def test_model_overrides_that_are_no_json_object_say_what_they_take(capsys) -> None:
     """jsonargparse's own words were "Does not validate against any of the Union subtypes Subtypes: [dict[str,
     typing.Any], <class 'NoneType'>] Errors: ..."."""
