@@ -186,6 +186,18 @@ def arrange(layout: Layout, inputs: dict[str, torch.Tensor]) -> dict[str, torch.
     return inputs | {"attention_mask": additive}
 
 
+def per_example_counts(position_ids: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """For each token of packed rows (rows x tokens), the sum of `counted` (integers, same shape) over the example it
+    belongs to: the runs of `position_ids` from 0, the padding that ends a row a run of its own. On the device, with
+    no host synchronisation (scatter_add, not bincount, which waits for its largest index on a GPU)."""
+    rows, tokens = position_ids.shape
+    example = (position_ids == 0).cumsum(-1)  # from 1 in each row (0 before a row's first start)
+    example = example + torch.arange(rows, device=example.device)[:, None] * (tokens + 1)
+    sums = torch.zeros(rows * (tokens + 1), dtype=counted.dtype, device=example.device)
+    sums.scatter_add_(0, example.flatten(), counted.flatten())
+    return sums[example]
+
+
 def block_causal(position_ids: torch.Tensor) -> torch.Tensor:
     """(rows, 1, T, T) booleans: query i may attend to key j when j <= i and both belong to the same example (an
     example starts wherever the positions restart at 0)."""

@@ -36,9 +36,11 @@ and keeps the chunked path only when its loss equals transformers' own. Otherwis
 from __future__ import annotations
 
 import inspect
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional
+from functools import partial
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +48,7 @@ from torch import Tensor
 from torch.nn import Linear, Module
 from transformers import PretrainedConfig
 
-from app.data.formats import IGNORE_INDEX, Batch
+from app.data.formats import IGNORE_INDEX, Batch, per_example_counts
 from app.model.noise import EmbeddingNoise
 
 CHUNK_LOGITS = 2**27
@@ -279,6 +281,9 @@ class LossPath:
     """--neftune_noise_alpha's hook on the input embeddings, told each micro-batch's example lengths."""
     terms: LossTerms = PLAIN
     """--label_smoothing and --z_loss: in training's loss, not in evaluation's (`auxiliary=False`)."""
+    router_balance: Optional[Callable[..., Tensor]] = None
+    """transformers' load-balancing loss of the model's class (`router_balance`), which the path calls with the
+    tokens it counts in packed rows (`routed_tokens`); None: the model's own, as it computed it."""
 
     def summed_loss(self, model: Module, batch: Batch, auxiliary: bool = True) -> Tensor:
         """The micro-batch's token losses summed (0 with the graph intact when it trains no token: FSDP's
@@ -293,6 +298,9 @@ class LossPath:
             output = model(**batch.inputs, **without_router)
             if not batch.trained_tokens:
                 return output.logits.sum() * 0.0
+            if self.router_loss and auxiliary and self.router_coefficient is not None:  # the model's own, recounted
+                mean = output.loss + self.router_coefficient * (self._router_loss(output, batch) - output.aux_loss)
+                return mean * batch.trained_tokens
             return output.loss * batch.trained_tokens
         inputs = dict(batch.inputs)
         labels = inputs.pop("labels")
@@ -303,8 +311,38 @@ class LossPath:
         loss = output.logits if self.head is not None else regularised_cross_entropy(
             output.logits.flatten(0, -2), model_targets(labels, self.decoder_inputs is None).reshape(-1), terms)
         if self.router_loss and auxiliary:
-            return loss + self.router_coefficient * output.aux_loss * batch.trained_tokens
+            return loss + self.router_coefficient * self._router_loss(output, batch) * batch.trained_tokens
         return loss
+
+    def _router_loss(self, output: Any, batch: Batch) -> Tensor:
+        """The router's load-balancing loss over the tokens of packed rows' examples, without the padding that ends a
+        row: transformers counts the tokens its attention mask keeps, and packed rows reach the model without one."""
+        counted = routed_tokens(batch.inputs) if self.router_balance is not None else None
+        if counted is None:
+            return output.aux_loss
+        return self.router_balance(output.router_logits, attention_mask=counted)
+
+
+def routed_tokens(inputs: dict[str, Tensor]) -> Optional[Tensor]:
+    """Of packed rows (position_ids), the tokens of the examples with a trained label: not the padding run that ends
+    a row, nor an example that trains nothing. None for other batches: padded rows bring the attention mask that
+    transformers' balancing loss reads, and raw text's blocks hold no padding."""
+    if inputs.get("position_ids") is None or inputs.get("labels") is None:
+        return None
+    trained = (inputs["labels"] != IGNORE_INDEX).long()
+    return per_example_counts(inputs["position_ids"], trained) > 0
+
+
+def router_balance(model: Module) -> Optional[Callable[..., Tensor]]:
+    """transformers' load-balancing loss as the model's class computes it (`load_balancing_loss_func` of its module,
+    called with the model's num_experts and num_experts_per_tok, as every mixture of experts of transformers 5
+    does); None where the model does not hold those (a model of remote code)."""
+    function = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+    if function is None or not isinstance(experts, int) or not isinstance(top_k, int) or list(
+            inspect.signature(function).parameters) != ["gate_logits", "num_experts", "top_k", "attention_mask"]:
+        return None
+    return partial(function, num_experts=experts, top_k=top_k)
 
 
 def install_loss_head(model: Module, kernel: str = "torch") -> LossPath:
@@ -324,7 +362,8 @@ def own_loss_path(model: Module) -> LossPath:
     """The path of the model's own loss (from its logits with `LossPath.terms`)."""
     router_loss = adds_router_loss(model)
     return LossPath(None, model.prepare_decoder_input_ids_from_labels if model.config.is_encoder_decoder else None,
-                    router_loss, router_coefficient(model) if router_loss else 0.0)
+                    router_loss, router_coefficient(model) if router_loss else 0.0,
+                    router_balance=router_balance(model) if router_loss else None)
 
 
 def adds_router_loss(model: Module) -> bool:

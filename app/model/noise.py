@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from app.data.formats import per_example_counts
+
 
 def example_lengths(inputs: dict[str, Tensor]) -> Tensor:
     """For each token of a micro-batch (rows x tokens), the length of the example it belongs to, and 0 for padding:
@@ -26,11 +28,7 @@ def example_lengths(inputs: dict[str, Tensor]) -> Tensor:
     input_ids = inputs["input_ids"]
     rows, tokens = input_ids.shape
     if inputs.get("position_ids") is not None:
-        example = (inputs["position_ids"] == 0).cumsum(-1)  # from 1 in each row (0 before a row's first start)
-        example = example + torch.arange(rows, device=example.device)[:, None] * (tokens + 1)
-        counts = torch.zeros(rows * (tokens + 1), dtype=torch.long, device=example.device)  # not bincount: on a GPU
-        counts.scatter_add_(0, example.flatten(), torch.ones_like(example.flatten()))  # it waits for the max id
-        return counts[example]
+        return per_example_counts(inputs["position_ids"], torch.ones_like(input_ids, dtype=torch.long))
     if inputs.get("attention_mask") is not None:
         mask = inputs["attention_mask"]
         return mask.sum(-1, keepdim=True) * mask
