@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.distributed.precision import bf16_rounding_note
+from app.distributed.precision import bf16_rounding_note, offloaded_rounding_note
 from app.optimization.stochastic_rounding import StochasticRoundingAdamW, round_stochastically
 from tests.conftest import run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
@@ -104,6 +104,9 @@ def test_no_rounding_note_under_stochastic_rounding_and_only_under_bf16_true(tin
     from arguments import parse_config
 
     assert bf16_rounding_note("bf16-true", 2e-5) and bf16_rounding_note("bf16-true", 2e-5, 0.01, True) is None
+    assert offloaded_rounding_note(True, True).startswith("note: --stochastic_rounding with --cpu_offload: the "
+                                                         "optimizer steps on the CPU, where its AdamW took 27x")
+    assert offloaded_rounding_note(True, False) is None and offloaded_rounding_note(False, True) is None
     with pytest.raises(SystemExit):
         parse_config(train_args(tiny, tmp_path / "out", precision="bf16-mixed", stochastic_rounding=True))
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(

@@ -203,6 +203,16 @@ def bf16_rounding_note(precision: str, lr: float, weight_decay: float = 0.0,
             "training state: --estimate_memory true shows whether it fits)")
 
 
+def offloaded_rounding_note(stochastic_rounding: bool, cpu_offload: bool) -> Optional[str]:
+    """--cpu_offload moves the optimizer step to the CPU, where --stochastic_rounding's AdamW (elementwise passes and
+    a random number per weight) took 27x torch's fused AdamW (benchmarks/bench_optimizer.py): a slow step, said."""
+    if not (stochastic_rounding and cpu_offload):
+        return None
+    return ("note: --stochastic_rounding with --cpu_offload: the optimizer steps on the CPU, where its AdamW took 27x "
+            "torch's fused one (0.9 s per 50M weights on 2 cores, docs/training.md#precision); without --cpu_offload "
+            "it steps on the GPU")
+
+
 def bf16_moment_problem(precision: str, beta2: float) -> Optional[str]:
     """AdamW's second moment is kept in the weights' dtype: under bf16-true, beta2 x v differs from v by (1 - beta2) of
     it, and below about 2^-8 that is rounded away: v can grow but never decrease, so after a burst of large

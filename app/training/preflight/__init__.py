@@ -25,7 +25,7 @@ from app.choices import SHARDED_STRATEGIES
 from app.cli import naming_config_files
 from app.data.formats import Layout
 from app.data.mixture import describe_mixture
-from app.distributed.precision import bf16_rounding_note
+from app.distributed.precision import bf16_rounding_note, offloaded_rounding_note
 from app.huggingface.convert import recorded_base_model
 from app.model.build import resolve_wrap_classes
 from app.optimization.schedule import TrainingPlan
@@ -146,9 +146,10 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     if resume is not None:
         note_changed_options(cfg, resume.metadata, plan)
         note_wandb_history(cfg, resume.metadata["step"], resume.metadata.get("config") or {})
-    rounding = bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay, cfg.stochastic_rounding)
-    if rounding:
-        note(rounding)
+    for said in (bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay, cfg.stochastic_rounding),
+                 offloaded_rounding_note(cfg.stochastic_rounding, cfg.cpu_offload)):
+        if said:
+            note(said)
     if cfg.strategy == "fsdp" and cfg.sharding_strategy == "NO_SHARD" and world_size(cfg) > 1:
         note("torch deprecates --sharding_strategy NO_SHARD under --strategy fsdp (FSDP1): --strategy ddp, or "
              "--strategy fsdp2 with NO_SHARD, trains the same")
