@@ -50,8 +50,9 @@ class DeviceArgs:
     stochastic_rounding: bool = False
     """Under bf16-true, round each AdamW step of the bf16 weights stochastically instead of to nearest: a step
     smaller than half a bf16 spacing (a fine-tune's lr of 2e-5 on a weight above 0.01) then moves the weight by the
-    step on average instead of not at all, for no memory (docs/training.md#precision). An AdamW of this project's
-    own, not torch's fused one; the same state, so checkpoints move between the two."""
+    step on average instead of not at all, for no memory (docs/training.md#precision); AdamW's second moment too,
+    so --beta2 0.999 is taken. An AdamW of this project's own, not torch's fused one; the same state, so checkpoints
+    move between the two."""
     tf32: bool = True
     """With 32-true on Ampere or newer GPUs, run fp32 matmuls on TF32 tensor cores (10-bit mantissa, several times
     faster); false keeps full fp32."""

@@ -227,7 +227,7 @@ def test_bf16_true_refuses_a_beta2_whose_second_moment_could_never_decrease() ->
     assert bf16_moment_problem("bf16-true", 0.999) == (
         "--beta2 0.999 under --precision bf16-true: AdamW's second moment is stored in bf16, where 0.999 x v rounds "
         "back to v, so it can never decrease after a large gradient; use --beta2 0.99 or lower (0.95, the default), "
-        "or --precision bf16-mixed")
+        "--stochastic_rounding true, or --precision bf16-mixed")
     assert bf16_moment_problem("bf16-true", 0.99) is None and bf16_moment_problem("bf16-mixed", 0.999) is None
 
 

@@ -213,17 +213,18 @@ def offloaded_rounding_note(stochastic_rounding: bool, cpu_offload: bool) -> Opt
             "it steps on the GPU")
 
 
-def bf16_moment_problem(precision: str, beta2: float) -> Optional[str]:
+def bf16_moment_problem(precision: str, beta2: float, stochastic_rounding: bool = False) -> Optional[str]:
     """AdamW's second moment is kept in the weights' dtype: under bf16-true, beta2 x v differs from v by (1 - beta2) of
     it, and below about 2^-8 that is rounded away: v can grow but never decrease, so after a burst of large
     gradients (the first steps, a spike) the steps of those weights stay small for good (14x too small after 20
     steps of gradient 1 then 0.01 at --beta2 0.999, measured with this project's optimizer). Refused, not noted:
-    0.999 is torch's and transformers' default, which users copy."""
-    if precision != "bf16-true" or 1 - beta2 >= BF16_MOMENT_DECAY:
+    0.999 is torch's and transformers' default, which users copy. None with --stochastic_rounding, whose AdamW
+    rounds v stochastically: it decreases by its share on average."""
+    if precision != "bf16-true" or 1 - beta2 >= BF16_MOMENT_DECAY or stochastic_rounding:
         return None
     return (f"--beta2 {beta2:g} under --precision bf16-true: AdamW's second moment is stored in bf16, where "
             f"{beta2:g} x v rounds back to v, so it can never decrease after a large gradient; use --beta2 0.99 or "
-            "lower (0.95, the default), or --precision bf16-mixed")
+            "lower (0.95, the default), --stochastic_rounding true, or --precision bf16-mixed")
 
 
 def bf16_support_problem(precision: str, device_name: str, capability: tuple[int, int]) -> Optional[str]:

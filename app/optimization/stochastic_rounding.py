@@ -5,7 +5,10 @@ of 0.02 at a fine-tune's lr of 2e-5) rounds back to the weight: to nearest, it n
 (up with the probability of the fraction that rounding drops), the same step moves it by the step on average, so
 bf16-true trains without fp32 master weights' 4 bytes per parameter (Zamirai et al., "Revisiting BFloat16
 Training", 2020). The update is computed in fp32 from bf16 weights, gradients and moments, as torch's fused AdamW
-computes it; the moments are stored to nearest, as torch's are.
+computes it. The second moment is rounded stochastically too: beta2 x v differs from v by (1 - beta2) of it, which
+to nearest rounds away at torch's 0.999, so that v could never decrease after a large gradient (the preflight
+refuses that --beta2 under bf16-true without this option). The first moment, which moves by a tenth of itself at
+beta1 0.9, is stored to nearest, as torch stores it.
 
 Written here rather than taken from torchao (`torchao.optim._AdamW(bf16_stochastic_round=True)`): that one compiles
 every parameter's step with torch.compile (minutes on CPU, a warm-up on GPUs), takes its learning rate as a tensor,
@@ -96,7 +99,7 @@ def adamw_update(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
         m32 = m.float().lerp_(g32, 1 - beta1)
         v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
         m.copy_(m32)
-        v.copy_(v32)
+        v.copy_(round_stochastically(v32, generator) if v.dtype == torch.bfloat16 else v32)
         denominator = v32.sqrt().div_(root_correction).add_(eps)
         w32 = w.float().mul_(1 - lr * weight_decay).addcdiv_(m32, denominator, value=-step_size)
         w.copy_(round_stochastically(w32, generator) if w.dtype == torch.bfloat16 else w32)

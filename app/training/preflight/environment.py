@@ -109,7 +109,7 @@ def check_precision(cfg: Config, model_config: Optional[PretrainedConfig], probl
         problem = fp32_modules_problem(cfg.precision, meta_model(model_config, cfg.trust_remote_code), cfg.strategy)
         if problem:
             problems.append(problem)
-    moment = bf16_moment_problem(cfg.precision, cfg.beta2)
+    moment = bf16_moment_problem(cfg.precision, cfg.beta2, cfg.stochastic_rounding)
     if moment:
         problems.append(moment)
     if resolve_accelerator(cfg) == "cuda" and torch.cuda.is_available():
