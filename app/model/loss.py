@@ -235,8 +235,8 @@ class LossHead(Linear):
         self.targets: Optional[Tensor] = None
         self.kernel = kernel
         """--loss_kernel: "torch" (`chunked_cross_entropy`) or "cut_cross_entropy" (no bias: the preflight checks)."""
-
         self.terms = PLAIN
+        """What `scoring` adds to the cross-entropy (LossTerms): training's --label_smoothing and --z_loss."""
 
     @contextmanager
     def scoring(self, labels: Tensor, terms: LossTerms = PLAIN) -> Iterator[None]:
@@ -298,7 +298,8 @@ class LossPath:
             output = model(**batch.inputs, **without_router)
             if not batch.trained_tokens:
                 return output.logits.sum() * 0.0
-            if self.router_loss and auxiliary and self.router_coefficient is not None:  # the model's own, recounted
+            recount = self.router_balance is not None and self.router_coefficient is not None
+            if self.router_loss and auxiliary and recount:  # its router's term recounted over the examples' tokens
                 mean = output.loss + self.router_coefficient * (self._router_loss(output, batch) - output.aux_loss)
                 return mean * batch.trained_tokens
             return output.loss * batch.trained_tokens

@@ -26,13 +26,12 @@ def example_lengths(inputs: dict[str, Tensor]) -> Tensor:
     packed examples are the runs of `position_ids` from 0 (the padding that ends a packed row is a run of its own,
     which attends to nothing else), padded ones their `attention_mask`, otherwise the whole row."""
     input_ids = inputs["input_ids"]
-    rows, tokens = input_ids.shape
     if inputs.get("position_ids") is not None:
         return per_example_counts(inputs["position_ids"], torch.ones_like(input_ids, dtype=torch.long))
     if inputs.get("attention_mask") is not None:
         mask = inputs["attention_mask"]
         return mask.sum(-1, keepdim=True) * mask
-    return torch.full_like(input_ids, tokens)
+    return torch.full_like(input_ids, input_ids.shape[1])
 
 
 class EmbeddingNoise:
