@@ -186,7 +186,7 @@ class TrainingArgs:
     """Training"""
 
     number_epochs: int = 1
-    """Passes over the training split, used when --max_step is not given."""
+    """Passes over the training split, used when neither --max_step nor --max_tokens is given."""
     micro_batch_size: int = 1
     """Sequences per device in one forward/backward pass."""
     gradient_accumulation_steps: Optional[int] = None
@@ -196,7 +196,12 @@ class TrainingArgs:
     grad_clip: float = 1.0
     """Maximum global gradient norm; 0 disables clipping (the norm is still measured, logged and checked)."""
     max_step: Optional[int] = None
-    """Optimizer steps to train; default: number_epochs x steps per epoch. Give it or --number_epochs, not both."""
+    """Optimizer steps to train; default: number_epochs x steps per epoch. Give it, --max_tokens or --number_epochs."""
+    max_tokens: Optional[int] = None
+    """Tokens to train on (`2e9`), counted as LitGPT and Megatron count them: every position of a step's sequences,
+    global batch x block size (for seq2seq data, its mean source and target lengths). The run trains the steps that
+    reach it, its schedule spanning them, over as many passes as the data needs. Give it, --max_step or
+    --number_epochs."""
     lr: float = 2e-5
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 2e-6
@@ -565,7 +570,8 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
         require((value > 0 or off and value == 0) and (value < 1 or float(value).is_integer()),
                 f"--{name} must be a whole number of steps, or a share of the run's steps between 0 and 1{off}, got "
                 f"{value}")
-    for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "eval_batch_size",
+    for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "max_tokens",
+                 "eval_batch_size",
                  "keep_last_n", "reference_batch_size", "early_stopping_patience"):
         value = getattr(cfg, name)
         require(value in (None, "auto") or value >= 1, f"--{name} must be at least 1, got {value}")
@@ -634,6 +640,9 @@ def option_combinations(cfg: Config, require: Callable[[bool, str], None]) -> No
     require(not cfg.lr_decay or cfg.lr <= 0 or 0 <= cfg.min_lr <= cfg.lr,  # never read without the decay; --lr said
             f"--min_lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}"
             + (" (its default): give a lower --min_lr" if cfg.min_lr == TrainingArgs.min_lr else ""))
+    require(cfg.max_step is None or cfg.max_tokens is None,
+            f"--max_step {cfg.max_step} and --max_tokens {cfg.max_tokens} both set the run's length: give one "
+            "(--max_step null or --max_tokens null drops a config file's)")
     require(cfg.max_step is None or cfg.max_step < 1 or cfg.warmup_steps <= cfg.max_step,  # else said above
             f"--warmup_steps ({cfg.warmup_steps}) exceeds --max_step ({cfg.max_step}): lower one of them")
     require(cfg.lr_scaling == "none" or cfg.reference_batch_size is not None,
@@ -680,10 +689,11 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
     elif not cfg.eval_samples and cfg.eval_max_new_tokens != EvalArgs.eval_max_new_tokens:
         unread(["eval_max_new_tokens"], "eval_samples",
                "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens")
-    if cfg.max_step is not None and cfg.number_epochs != TrainingArgs.number_epochs:
-        unread(["number_epochs"], "max_step",
-               f"--number_epochs {cfg.number_epochs} is not read when --max_step is given, which sets the run's "
-               "length and its schedule: drop --max_step (or give --max_step null over a config file's) to train "
+    length = "max_step" if cfg.max_step is not None else "max_tokens" if cfg.max_tokens is not None else None
+    if length and cfg.number_epochs != TrainingArgs.number_epochs:
+        unread(["number_epochs"], length,
+               f"--number_epochs {cfg.number_epochs} is not read when --{length} is given, which sets the run's "
+               f"length and its schedule: drop --{length} (or give --{length} null over a config file's) to train "
                "that many epochs, the schedule then spanning them, or drop --number_epochs")
     decay_options = [name for name in ("min_lr", "lr_decay_type", "lr_decay_ratio")
                      if getattr(cfg, name) != getattr(TrainingArgs, name)]

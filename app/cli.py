@@ -217,6 +217,7 @@ OTHER_NAMES = {
     "torch_dtype": "--precision", "do_eval": "--eval_only true", "log_every": "--log_interval",
     **dict.fromkeys(("steps", "total_steps", "num_train_steps", "train_steps"), "--max_step"),
     **dict.fromkeys(("lr_min", "min_learning_rate"), "--min_lr"),
+    **dict.fromkeys(("train_tokens", "total_tokens", "num_tokens", "token_budget", "training_tokens"), "--max_tokens"),
     **dict.fromkeys(("max_seq_length", "max_seq_len", "max_length", "seq_length", "seq_len", "sequence_len",
                      "context_length"), "--block_size"),
 }

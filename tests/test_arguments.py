@@ -191,6 +191,11 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
     (["--warmup_steps", "2.5"], "--warmup_steps must be a whole number of steps, or a share of the run's steps "
                                 "between 0 and 1, got 2.5"),
     (["--number_epochs", "2", "--max_step", "8"], "--number_epochs 2 is not read when --max_step is given"),
+    (["--number_epochs", "2", "--max_tokens", "1e6"], "--number_epochs 2 is not read when --max_tokens is given"),
+    (["--max_tokens", "1e6", "--max_step", "8"], "--max_step 8 and --max_tokens 1000000 both set the run's length: "
+                                                 "give one (--max_step null or --max_tokens null drops a config "
+                                                 "file's)"),
+    (["--max_tokens", "0"], "--max_tokens must be at least 1, got 0"),
     (["--eval_step_interval", "0", "--eval_iters", "5", "--eval_samples", "2"],
      "--eval_iters, --eval_samples: not read with --eval_step_interval 0, which turns validation off"),
     (["--eval_step_interval", "-1"], "--eval_step_interval must be a whole number of steps, or a share of the run's "

@@ -250,6 +250,36 @@ def test_a_resume_at_a_larger_global_batch_trains_the_epochs_left_and_resumes_ag
     assert recorded_rows(again)[32] == recorded_rows(larger)[32]
 
 
+def test_max_tokens_ends_at_the_step_that_reads_them_and_a_resume_at_another_batch_trains_what_is_left(
+        tiny, tmp_path, capsys) -> None:
+    """--max_tokens 700 at 4 sequences of 32 tokens a step: 6 steps, the last reading past it (768 tokens). Resumed
+    from step 2 (256 read) at 8 sequences a step, 2 steps are left, not the 4 step numbers that would read twice the
+    budget's rest; the schedule finishes over them, at --min_lr as the straight run's did. A smaller budget than the
+    checkpoint read is refused."""
+    one = dict(devices=1, strategy="single_device", gradient_accumulation_steps=None, warmup_steps=0,
+               eval_step_interval=100, max_step=None, max_tokens=700, save_step_interval=2)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    result = run_train(train_args(tiny, straight, **one, micro_batch_size=4))
+    assert_succeeded(result)
+    assert ("--max_tokens 700: the run ends at step 6, each step reading 4 sequences of 32 tokens (128); 0.04 passes "
+            "over the 647 training rows") in result.stdout, result.stdout
+    assert max(read_metrics(straight)) == 6 and read_metadata(list_checkpoints(straight)[6])["tokens_read"] == 768
+    shutil.copytree(straight / "checkpoints", resumed / "checkpoints")
+    for step in (4, 6):
+        list_checkpoints(resumed)[step].unlink()
+    assert_succeeded(run_train(train_args(tiny, resumed, **one, micro_batch_size=8, global_batch_size=8,
+                                          resume=True)))
+    metrics = read_metrics(resumed)
+    assert max(metrics) == 4 and read_metadata(list_checkpoints(resumed)[4])["tokens_read"] == 256 + 2 * 256
+    assert metrics[4]["lr"] == pytest.approx(read_metrics(straight)[6]["lr"]) == pytest.approx(3e-4)
+    assert metrics[3]["lr"] == pytest.approx(read_metrics(straight)[4]["lr"]), "two of the straight run's steps each"
+    with pytest.raises(SystemExit):
+        preflight(parse_config(train_args(tiny, resumed, **(one | dict(max_tokens=200)), micro_batch_size=8,
+                                          global_batch_size=8, resume=True, checkpoint=list_checkpoints(resumed)[2])))
+    assert ("--max_tokens 200: the checkpoint has read 256 tokens already (step 2); give a larger --max_tokens to "
+            "train on, or convert the checkpoint as it is") in capsys.readouterr().err
+
+
 def test_a_run_resumes_where_its_data_and_out_dir_moved_to(tiny, moved_run, tmp_path) -> None:
     """Preempted, then resumed on another node where the mount differs: the data folder (renamed too) and the run
     folder lie elsewhere. The folder is known by what it holds (stats.json, rows), not by its path; it was refused:

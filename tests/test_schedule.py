@@ -7,7 +7,7 @@ import math
 import pytest
 
 from app.optimization.schedule import (accumulation_steps, continuing_position, interval_steps, learning_rate,
-                                      make_plan, steps_to_finish)
+                                      make_plan, steps_for_tokens, steps_to_finish, tokens_read)
 
 
 def lr_at(step: int, **overrides: object) -> float:
@@ -196,7 +196,7 @@ def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_with
         return make_plan(train_rows=647, block_size=32, world_size=1, micro_batch_size=global_batch_size,
                          accumulation=1, number_epochs=2, max_step=None)
 
-    cfg = SimpleNamespace(max_step=None, number_epochs=2)
+    cfg = SimpleNamespace(max_step=None, max_tokens=None, number_epochs=2)
     saved = {"step": 40, "epoch": 1, "position": 0, "global_batch_size": 16,
              "config": {"max_step": None, "number_epochs": 2}}
     straight = dict(lr=3e-3, min_lr=3e-4, warmup_steps=0, max_step=80)
@@ -215,7 +215,7 @@ def test_a_resume_at_another_global_batch_finishes_the_checkpoints_schedule_with
         "where a stretch of the schedule begins, in this run's steps (--print_config's decay)")
     same = plan_from_checkpoint(cfg, saved, plan(16))
     assert same.resumed_schedule is None and same.schedule_step(41) == 41 and same.schedule_length == 80
-    three_epochs = SimpleNamespace(max_step=None, number_epochs=3)
+    three_epochs = SimpleNamespace(max_step=None, max_tokens=None, number_epochs=3)
     longer = plan_from_checkpoint(three_epochs, saved, plan(16))
     assert longer.resumed_schedule is None and longer.max_step == 120, "more epochs: the schedule's new end"
     longer_and_larger = plan_from_checkpoint(three_epochs, saved, plan(32))
@@ -238,7 +238,7 @@ def test_a_mixture_resumed_at_another_global_batch_counts_the_steps_left_from_it
 
     saved = {"step": 50, "epoch": 0, "position": 800, "global_batch_size": 16,
              "config": {"max_step": None, "number_epochs": 1, "train_data_dir": "a:3,b:1"}}
-    cfg = SimpleNamespace(max_step=None, number_epochs=1)
+    cfg = SimpleNamespace(max_step=None, max_tokens=None, number_epochs=1)
     assert plan_from_checkpoint(cfg, saved, plan(32)).max_step == 75
     assert plan_from_checkpoint(cfg, saved, plan(8)).max_step == 150
 
@@ -253,14 +253,15 @@ def test_a_mixture_resumed_with_another_weight_for_its_first_folder_needs_max_st
 
     saved = {"config": {"train_data_dir": "a:3,b:1"}}
     problems: list[str] = []
-    for spec, max_step in (("a:3,b:1", None), ("a:0.75,b:0.1,c:0.15", None), ("a:1,b:1", 200)):
-        assert not changed_epochs(SimpleNamespace(max_step=max_step), SimpleNamespace(sources=parse_sources(spec)),
-                                  saved, problems)
-    assert changed_epochs(SimpleNamespace(max_step=None), SimpleNamespace(sources=parse_sources("a:1,b:1")), saved,
-                          problems)
+    for spec, max_step, max_tokens in (("a:3,b:1", None, None), ("a:0.75,b:0.1,c:0.15", None, None),
+                                       ("a:1,b:1", 200, None), ("a:1,b:1", None, 10**6)):
+        assert not changed_epochs(SimpleNamespace(max_step=max_step, max_tokens=max_tokens),
+                                  SimpleNamespace(sources=parse_sources(spec)), saved, problems)
+    assert changed_epochs(SimpleNamespace(max_step=None, max_tokens=None),
+                          SimpleNamespace(sources=parse_sources("a:1,b:1")), saved, problems)
     assert problems == ["--train_data_dir: the first folder (a) was 75.0% of every step and is 50.0% at this resume, "
-                        "and --number_epochs counts passes over it at the checkpoint's share; give --max_step to say "
-                        "where the resumed run ends"]
+                        "and --number_epochs counts passes over it at the checkpoint's share; give --max_step or "
+                        "--max_tokens to say where the resumed run ends"]
 
 
 def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_same(capsys) -> None:
@@ -321,3 +322,29 @@ def test_a_validation_split_read_in_part_is_said_with_its_count(capsys) -> None:
         "each of 2 ranks), the same rows each time; raise --eval_iters to read more"), "an evaluated folder is too"
     assert said(299, evaluated={"code": 300}).startswith(
         "validation reads 200 of its 299 rows and 200 of --eval_data_dir code's 300 at each evaluation")
+
+
+def test_a_token_budget_counts_its_steps_at_each_global_batch_and_another_budget_recounts_the_schedule() -> None:
+    """--max_tokens 10,240 at 8 rows of 32 tokens a step (256) is 40 steps. Saved at step 10 (2,560 read) and resumed
+    at 16 rows a step, 15 are left: for the same budget the checkpoint's schedule is finished over them (two of its
+    steps each); for twice the budget it is recounted to the new end, where the tokens read stand (step 5 of 40 at
+    this batch). A checkpoint written before the count is read as its steps at its own global batch."""
+    from types import SimpleNamespace
+
+    from app.training.preflight.plan import plan_from_token_budget
+
+    def plan(global_batch_size: int):
+        return make_plan(train_rows=647, block_size=32, world_size=1, micro_batch_size=global_batch_size,
+                         accumulation=1, number_epochs=1, max_step=None)
+
+    assert [steps_for_tokens(tokens, plan(8)) for tokens in (1, 256, 257, 10_240)] == [1, 1, 2, 40]
+    saved = {"step": 10, "global_batch_size": 8, "tokens_read": 2_560, "schedule": {"step": 10, "length": 40},
+             "config": {"max_tokens": 10_240}}
+    budget = SimpleNamespace(max_tokens=10_240)
+    same = plan_from_token_budget(budget, saved, plan(16))
+    assert same.max_step == 25 and same.schedule_step(11) == 12 and same.schedule_step(25) == 40
+    assert plan_from_token_budget(budget, saved, plan(8)).resumed_schedule is None, "the same batch: as planned"
+    doubled = plan_from_token_budget(SimpleNamespace(max_tokens=20_480), saved, plan(16))
+    assert doubled.max_step == 10 + 35 and doubled.resumed_schedule == (10, 5, 40)
+    older = {key: value for key, value in saved.items() if key != "tokens_read"}
+    assert tokens_read(older, plan(16)) == 2_560 and plan_from_token_budget(budget, older, plan(16)).max_step == 25

@@ -161,6 +161,19 @@ def continuing_position(epoch: int, position: int, plan: TrainingPlan) -> tuple[
     return epoch, position
 
 
+def steps_for_tokens(tokens: int, plan: TrainingPlan) -> int:
+    """Optimizer steps of this plan that read `tokens` positions (--max_tokens): the last one may read past them."""
+    return max(0, math.ceil(tokens / plan.tokens_per_step))
+
+
+def tokens_read(saved: dict[str, Any], plan: TrainingPlan) -> int:
+    """The positions a checkpoint's steps read, which --max_tokens counts: its own count, or for a checkpoint written
+    before it kept one, its steps at its global batch."""
+    if saved.get("tokens_read") is not None:
+        return saved["tokens_read"]
+    return round(saved["step"] * saved["global_batch_size"] * plan.tokens_per_step / plan.global_batch_size)
+
+
 def steps_to_finish(plan: TrainingPlan, *, epoch: int, position: int, number_epochs: int) -> int:
     """Optimizer steps from a resumed position to the end of --number_epochs, at this run's global batch (a
     checkpoint's step count was made at its own)."""

@@ -124,6 +124,7 @@ def advance_position(state: dict[str, Any], plan: TrainingPlan, step: Step, data
     it, as continuing_position decides; a mixture's epoch is the rows of its plan, mixture.epoch_rows)."""
     state["step"] += 1
     state["tokens_seen"] += step.trained_tokens if applied else 0
+    state["tokens_read"] += plan.tokens_per_step
     if step.mixture is not None:
         state["mixture"] = step.mixture
         for part, tokens in zip(data.sources, data.tokens_by_source(step.rows)):

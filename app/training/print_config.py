@@ -63,7 +63,8 @@ def resolved_run(given: Config, inputs: RunInputs, sources: dict[str, str]) -> s
             continue
         entry = f"{option.name}: {json.dumps(getattr(resolved, option.name))}"  # JSON values are YAML
         lines.append(f"{entry:<{COMMENT_COLUMN}} # {source_of(option.name, given, resolved, sources)}")
-    epochs = "--max_step" if given.max_step else f"--number_epochs {given.number_epochs}"
+    epochs = ("--max_step" if given.max_step else f"--max_tokens {given.max_tokens:,}" if given.max_tokens else
+              f"--number_epochs {given.number_epochs}")
     lines += [
         "# derived:",
         f"#   world size: {plan.world_size} ranks (--devices x --num_nodes)",

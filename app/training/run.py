@@ -42,7 +42,7 @@ from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, pea
 from app.model.build import DeferredInit, deferred_init, setup_model
 from app.model.loss import LossPath
 from app.optimization.optimizer import GradientPolicy, build_optimizer
-from app.optimization.schedule import TrainingPlan, continuing_position
+from app.optimization.schedule import TrainingPlan, continuing_position, tokens_read
 from app.reliability.signals import (StopRequest, end_ranks_on_signal_until_training, requeue_slurm_job,
                                      requeues_itself, run_and_exit)
 from app.reliability.spikes import QUARANTINE_FILE, SpikeGuard, SpikeHistory, SpikeRules, write_quarantine
@@ -89,7 +89,7 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
         return
     if inputs.resume_step is not None and inputs.resume_step >= inputs.plan.max_step:
         note(f"--resume: the checkpoint at step {inputs.resume_step} is where this run ends: nothing to train, "
-             "nothing written (give a larger --max_step or --number_epochs to train on)")
+             "nothing written (give a larger --max_step, --max_tokens or --number_epochs to train on)")
         return  # a relaunch of a finished run replaced its summary.json with one of 0 steps
     if resolve_accelerator(cfg) == "cpu":
         tune_cpu_heap()
@@ -166,6 +166,7 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     if unreadable:
         return unreadable
     state |= saved_progress(saved)
+    state["tokens_read"] = tokens_read(saved, plan)
     if state["mixture"]:  # its rows follow state["mixture"]; its epoch is a pass over the first folder, at its weight
         state["position"] = position_at_weight(state["position"], state["mixture"], parse_sources(cfg.train_data_dir))
     state["epoch"], state["position"] = continuing_position(state["epoch"], state["position"], plan)

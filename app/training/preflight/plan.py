@@ -11,7 +11,8 @@ from app.checkpoint.files import read_best
 from app.cli import counted
 from app.data.mixture import parse_sources
 from app.optimization.schedule import (TrainingPlan, accumulation_steps, interval_steps, learning_rate, make_plan,
-                                       scale_for_batch, schedule_options, steps_to_finish)
+                                       scale_for_batch, schedule_options, steps_for_tokens, steps_to_finish,
+                                       tokens_read)
 from app.training.preflight.data import DataFacts
 from app.training.preflight.environment import world_size
 from app.training.preflight.notes import note
@@ -50,6 +51,8 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[ChosenCheckpoint],
     except ValueError as error:  # the data fills no step
         problems.append(shorter_than_a_step(data) if data.sources else str(error))
         return None
+    if cfg.max_tokens is not None:
+        plan = replace(plan, max_step=steps_for_tokens(cfg.max_tokens, plan))
     if resume is not None:
         if changed_epochs(cfg, data, resume.metadata, problems):
             return None
@@ -57,8 +60,10 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[ChosenCheckpoint],
             problems.append(f"--max_step {cfg.max_step}: the checkpoint is at step {resume.metadata['step']} "
                             "already; give a larger --max_step to train on, or convert the checkpoint as it is")
             return None
+        if passed_the_token_budget(cfg, resume.metadata, plan, problems):
+            return None
         epoch, position = resume.metadata["epoch"], resume.metadata["position"]
-        if cfg.max_step is None and (epoch, position) > (cfg.number_epochs, 0):  # said "where this run ends", exit 0
+        if counts_epochs(cfg) and (epoch, position) > (cfg.number_epochs, 0):  # said "where this run ends", exit 0
             problems.append(f"--number_epochs {cfg.number_epochs}: the checkpoint is past it already (epoch "
                             f"{epoch + position / plan.train_rows:.2f}, step {resume.metadata['step']}); give more "
                             "epochs to train on, or convert the checkpoint as it is")
@@ -77,16 +82,47 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[ChosenCheckpoint],
     if cfg.warmup_steps > length and not cfg.estimate_memory:  # a plan needs no schedule (nor real data)
         problems.append(f"--warmup_steps ({cfg.warmup_steps}) exceeds the run's {steps}"
                         + (f" (--number_epochs {cfg.number_epochs} at {plan.global_batch_size} sequences per step)"
-                           if cfg.max_step is None and not plan.resumed_schedule else "")
-                        + ": lower it" + (", or give --max_step" if cfg.max_step is None else ""))
+                           if counts_epochs(cfg) and not plan.resumed_schedule else "")
+                        + (f" (--max_tokens {cfg.max_tokens:,} at {plan.tokens_per_step:,} tokens per step)"
+                           if cfg.max_tokens is not None and not plan.resumed_schedule else "")
+                        + ": lower it" + (", or give --max_step" if counts_epochs(cfg) else
+                                          ", or give a larger --max_tokens" if cfg.max_tokens is not None else ""))
     elif cfg.warmup_steps == length and cfg.lr_decay and not cfg.estimate_memory:
         note(f"--warmup_steps {cfg.warmup_steps} fills the run's {steps}: the rate rises to --lr and ends there, "
              "never decaying to --min_lr (fewer warmup steps leave some for the decay)")
     if not cfg.estimate_memory:
+        if cfg.max_tokens is not None:
+            note_token_budget(cfg, plan)
         note_rows_left_out(plan, mixture=data.sources is not None)
         if resume is None and cfg.eval_step_interval:  # a resume says what changed (note_validation_rows)
             note_validation_share(cfg, data, plan)
     return plan
+
+
+def counts_epochs(cfg: Config) -> bool:
+    """The run ends after --number_epochs: neither --max_step nor --max_tokens says where."""
+    return cfg.max_step is None and cfg.max_tokens is None
+
+
+def passed_the_token_budget(cfg: Config, saved: dict, plan: TrainingPlan, problems: list[str]) -> bool:
+    """A --max_tokens the checkpoint has read past already, unless it is the checkpoint's own: that run has ended
+    (its last step read past the budget), which the run says, exit 0."""
+    read = tokens_read(saved, plan)
+    if cfg.max_tokens is None or read <= cfg.max_tokens or cfg.max_tokens == (saved.get("config") or {}).get(
+            "max_tokens"):
+        return False
+    problems.append(f"--max_tokens {cfg.max_tokens:,}: the checkpoint has read {read:,} tokens already (step "
+                    f"{saved['step']}); give a larger --max_tokens to train on, or convert the checkpoint as it is")
+    return True
+
+
+def note_token_budget(cfg: Config, plan: TrainingPlan) -> None:
+    """What --max_tokens comes to in steps and passes over the data (at this run's global batch)."""
+    row_tokens = plan.tokens_per_step // plan.global_batch_size
+    passes = steps_for_tokens(cfg.max_tokens, plan) * plan.global_batch_size / plan.train_rows
+    note(f"--max_tokens {cfg.max_tokens:,}: the run ends at step {plan.max_step}, each step reading "
+         f"{plan.global_batch_size} sequences of {row_tokens:,} tokens ({plan.tokens_per_step:,}); {passes:.2f} passes "
+         f"over the {plan.train_rows:,} training rows")
 
 
 def shorter_than_a_step(data: DataFacts) -> str:
@@ -148,6 +184,8 @@ def plan_from_checkpoint(cfg: Config, saved: dict, plan: TrainingPlan) -> Traini
     changed_epochs)."""
     if cfg.max_step is not None:
         return plan
+    if cfg.max_tokens is not None:
+        return plan_from_token_budget(cfg, saved, plan)
     left = steps_to_finish(plan, epoch=saved["epoch"], position=saved["position"], number_epochs=cfg.number_epochs)
     resumed = replace(plan, max_step=saved["step"] + left)
     before = saved.get("config") or {}
@@ -164,12 +202,30 @@ def plan_from_checkpoint(cfg: Config, saved: dict, plan: TrainingPlan) -> Traini
     return replace(resumed, resumed_schedule=(saved["step"], schedule["step"], schedule["length"]))
 
 
+def plan_from_token_budget(cfg: Config, saved: dict, plan: TrainingPlan) -> TrainingPlan:
+    """A resumed run that ends after --max_tokens counts the steps left from the tokens its checkpoint read, at this
+    run's global batch. For the same budget it finishes the checkpoint's schedule over those steps; for another, it
+    recounts the schedule to that end in this run's steps, where the tokens read so far stand among them (as
+    plan_from_checkpoint does for --number_epochs)."""
+    left = steps_for_tokens(cfg.max_tokens - tokens_read(saved, plan), plan)
+    resumed = replace(plan, max_step=saved["step"] + left)
+    schedule = saved.get("schedule")
+    if schedule and (saved.get("config") or {}).get("max_tokens") == cfg.max_tokens:
+        position, length = schedule["step"], schedule["length"]
+    else:
+        length = steps_for_tokens(cfg.max_tokens, plan)
+        position = length - left
+    if (position, length) == (saved["step"], resumed.max_step):
+        return resumed
+    return replace(resumed, resumed_schedule=(saved["step"], position, length))
+
+
 def changed_epochs(cfg: Config, data: DataFacts, saved: dict, problems: list[str]) -> bool:
     """A mixture's epoch is a pass over its first folder, counted in rows of the mixture at that folder's weight
     (mixture.epoch_rows): resumed with another weight for it, the checkpoint's epoch and position count other rows,
     and the run would end after more or fewer passes than --number_epochs says, its schedule jumping at the resume.
-    Refused unless --max_step says where the run ends."""
-    if cfg.max_step is not None or data.sources is None:
+    Refused unless --max_step or --max_tokens says where the run ends."""
+    if not counts_epochs(cfg) or data.sources is None:
         return False
     try:
         before = parse_sources((saved.get("config") or {}).get("train_data_dir") or "")[0].weight
@@ -180,7 +236,7 @@ def changed_epochs(cfg: Config, data: DataFacts, saved: dict, problems: list[str
         return False
     problems.append(f"--train_data_dir: the first folder ({data.sources[0].name}) was {float(before):.1%} of every "
                     f"step and is {float(now):.1%} at this resume, and --number_epochs counts passes over it at the "
-                    "checkpoint's share; give --max_step to say where the resumed run ends")
+                    "checkpoint's share; give --max_step or --max_tokens to say where the resumed run ends")
     return True
 
 
@@ -203,7 +259,8 @@ def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
 
 
 TRAINING_OPTIONS = ("precision", "reduce_dtype", "lr", "min_lr", "lr_decay", "lr_decay_type", "lr_decay_ratio",
-                    "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "max_step", "number_epochs",
+                    "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "max_step", "max_tokens",
+                    "number_epochs",
                     "spike_guard", "spike_z", "spike_min_rise", "spike_grad_norm_z", "spike_window", "spike_warmup",
                     "spike_incident", "spike_incident_steps", "fsdp_no_sync", "loss_kernel", "chunked_loss", "tf32",
                     "neftune_noise_alpha", "label_smoothing", "z_loss", "stochastic_rounding")
