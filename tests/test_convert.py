@@ -482,6 +482,8 @@ def test_the_card_reports_the_checkpoints_global_batch() -> None:
     assert dict(converter.hyperparameters(wsd))["lr decay"] == "sqrt over the last 0.2 of the steps"
     overridden = dict(converter.hyperparameters(run | {"model_overrides": {"max_position_embeddings": 32768}}))
     assert overridden["model config overrides"] == '{"max_position_embeddings": 32768}'
+    assert dict(converter.hyperparameters(run | {"max_tokens": 2 * 10**9}))["max_tokens"] == 2 * 10**9
+    assert "max_tokens" not in dict(converter.hyperparameters(run | {"max_tokens": None}))
     linear = run | {"lr_decay": True, "lr_decay_type": "linear", "lr_decay_ratio": 1.0}
     assert dict(converter.hyperparameters(linear))["lr decay"] == "linear over the last 1 of the steps"
 

@@ -605,7 +605,8 @@ def hyperparameters(run: dict[str, Any], global_batch_size: Optional[int] = None
         f"{run.get('micro_batch_size')} per device x {run.get('gradient_accumulation_steps') or 1} accumulation "
         f"x {run.get('devices')} devices x {run.get('num_nodes', 1)} nodes")
     names = ("lr", "min_lr", "warmup_steps", "weight_decay", "max_step", "precision", "seed")
-    given = [("frozen parameters", ", ".join(run["freeze"]))] if run.get("freeze") else []
+    given = [("max_tokens", run["max_tokens"])] if run.get("max_tokens") else []
+    given += [("frozen parameters", ", ".join(run["freeze"]))] if run.get("freeze") else []
     given += [("model config overrides", json.dumps(run["model_overrides"]))] if run.get("model_overrides") else []
     return [("batch (sequences per step)", batch)] + [(n, run.get(n)) for n in names] + decay_rows(run) + given
 
