@@ -23,6 +23,7 @@ from jsonargparse import ArgumentParser
 from app.choices import CHECKPOINTING_OPTIONS, FSDP1_ONLY_OPTIONS, MAX_SEED, SHARDED_STRATEGIES
 from app.cli import (UsageError, command_parser, config_files_first, naming_config_files, nested_config_files, parse,
                      refuse)
+from app.metrics.profiling import profile_window
 from app.tasks import exit_refused, launching_process
 
 Precision = Literal["bf16-true", "bf16-mixed", "16-mixed", "32-true"]
@@ -322,6 +323,10 @@ class LoggingArgs:
     peak_tflops: Optional[float] = None
     """Dense peak TFLOP/s of one device in the run's compute dtype, for MFU; default: app/metrics/peaks.py's table of
     NVIDIA GPUs (a GPU it does not list has no MFU)."""
+    profile_steps: Optional[str] = None
+    """Trace these optimizer steps with torch.profiler, `FIRST:LAST` (`10:12`) or one step: each rank writes
+    out_dir/profile/steps-FIRST-LAST-rank-R.json.gz (CPU operators and GPU kernels with their memory, for
+    https://ui.perfetto.dev) and a .txt table of the operators that took the most time."""
 
 
 @dataclass
@@ -584,6 +589,10 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
     require(0 <= cfg.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED} (numpy's range, which every rank "
             f"seeds), got {cfg.seed}")
     require(cfg.eval_samples >= 0, f"--eval_samples must be 0 or more, got {cfg.eval_samples}")
+    try:
+        profile_window(cfg.profile_steps)
+    except ValueError as error:
+        require(False, str(error))
     require(cfg.stall_timeout_min >= 0, f"--stall_timeout_min must be 0 (off) or positive, got {cfg.stall_timeout_min}")
     for name in ("process_group_timeout_min", "rendezvous_timeout_min"):  # a timedelta overflows past a year or so
         require(0 < getattr(cfg, name) <= MINUTES_PER_YEAR,

@@ -11,7 +11,7 @@ import against its order):
 | data/ | formats.py, order.py, mixture.py, identity.py, loader.py: the prepared folder (or a weighted mixture of folders) read as steps and batches |
 | model/ | build.py, isolation.py, loss.py, noise.py: the Hugging Face model on every rank; packed examples kept apart; the loss without full logits; NEFTune |
 | checkpoint/ | saving, loading and reading checkpoints in either format, now or in the background |
-| metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, memory_plan.py, activations.py: measuring a run and planning its memory |
+| metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, profiling.py, memory_plan.py, activations.py: measuring a run, tracing its steps and planning its memory |
 | evaluation/ | validation.py, samples.py, show.py: validation loss and generation samples, and show_samples.py |
 | huggingface/ | convert_cli.py, convert.py, upload.py, generate_cli.py, generate.py, prompts_file.py, prefetch.py: to and from Hugging Face (each command line parsed before torch is imported) |
 | training/ | preflight/, print_config.py, run.py, loop.py, progress.py: one run, top to bottom |

@@ -196,6 +196,10 @@ def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_value
                                                  "give one (--max_step null or --max_tokens null drops a config "
                                                  "file's)"),
     (["--max_tokens", "0"], "--max_tokens must be at least 1, got 0"),
+    (["--profile_steps", "5-7"], "--profile_steps 5-7: give the optimizer steps to trace as FIRST:LAST (10:12) or one "
+                                 "step"),
+    (["--profile_steps", "7:5"], "--profile_steps 7:5: the first step must be 1 or more, and the last at least the "
+                                 "first"),
     (["--eval_step_interval", "0", "--eval_iters", "5", "--eval_samples", "2"],
      "--eval_iters, --eval_samples: not read with --eval_step_interval 0, which turns validation off"),
     (["--eval_step_interval", "-1"], "--eval_step_interval must be a whole number of steps, or a share of the run's "

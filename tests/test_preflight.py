@@ -161,6 +161,11 @@ CASES = {
     "global batch": (dict(global_batch_size=12, gradient_accumulation_steps=None), "--global_batch_size 12"),
     "data below one step": (dict(micro_batch_size=400), "fewer than one optimizer step"),
     "warmup beyond the epochs": (dict(max_step=None, warmup_steps=10000), "--warmup_steps (10000) exceeds the run's"),
+    "warmup beyond the token budget": (dict(max_step=None, max_tokens=1024, warmup_steps=10),
+                                       "--warmup_steps (10) exceeds the run's 2 optimizer steps (--max_tokens 1,024 at "
+                                       "512 tokens per step): lower it, or give a larger --max_tokens"),
+    "a profile after the run": (dict(profile_steps="25:26"), "--profile_steps 25:26: the run ends at step 24; give "
+                                                             "steps up to it"),
     "missing checkpoint": (dict(resume=True, checkpoint="/nonexistent.ckpt"), "--checkpoint /nonexistent.ckpt"),
     "corrupt checkpoint": (dict(resume=True, checkpoint="{corrupt}"), "not a readable checkpoint"),
     "other model's checkpoint": (dict(resume=True, checkpoint="{other_model}"), "is from a different model"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import os
 import re
@@ -238,12 +239,15 @@ def test_checkpoints_hold_the_hugging_face_state_dict(fsdp_run, tiny) -> None:
 
 def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run, tiny, tmp_path) -> None:
     """From a checkpoint copied under a name of the user's (the step is read from it), older than the run's newest:
-    that one is set aside, else the next --resume true would continue from it and undo this run."""
+    that one is set aside, else the next --resume true would continue from it and undo this run. The resumed run
+    also traces steps 18 and 19 with --profile_steps, which changes none of its numbers."""
     straight = read_metrics(fsdp_run)
     checkpoint = tmp_path / "chosen.ckpt"
     shutil.copy(fsdp_run / "checkpoints" / "step-00000016.ckpt", checkpoint)
-    result = run_train(train_args(tiny, fsdp_run, resume=True, checkpoint=checkpoint, tensorboard=True))
+    result = run_train(train_args(tiny, fsdp_run, resume=True, checkpoint=checkpoint, tensorboard=True,
+                                  profile_steps="18:19"))
     assert_succeeded(result)
+    assert_profiled(fsdp_run / "profile", result.stdout, first=18, last=19, ranks=2)
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert progress[0].startswith("step 17/24"), progress[:2]
     set_aside = fsdp_run / "checkpoints" / "rolled-back" / "step-00000024.ckpt"
@@ -261,6 +265,42 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
     assert per_step > 0 and [resumed[step]["tokens_seen"] for step in range(1, 25)] == [
         step * per_step for step in range(1, 25)], "the trained tokens so far, continued from the checkpoint's"
     assert_tensorboard_shows_metrics_csv(fsdp_run, resumed, abandoned=range(17, 25))
+
+
+def assert_profiled(folder: Path, stdout: str, first: int, last: int, ranks: int) -> None:
+    """Each rank's trace of the steps first..last, with the model's matrix products and FSDP's collectives, and its
+    table of operators; said once."""
+    name = f"steps-{first}-{last}-rank"
+    assert sorted(path.name for path in folder.iterdir()) == sorted(
+        f"{name}-{rank}.{kind}" for rank in range(ranks) for kind in ("json.gz", "txt"))
+    for rank in range(ranks):
+        events = {event.get("name", "") for event in json.loads(
+            gzip.decompress((folder / f"{name}-{rank}.json.gz").read_bytes()))["traceEvents"]}
+        assert len({event for event in events if event.startswith("ProfilerStep#")}) == last - first + 1, rank
+        assert "aten::mm" in events and any(event.startswith("c10d::") for event in events), rank
+        assert "aten::mm" in (folder / f"{name}-{rank}.txt").read_text()
+    assert stdout.count(f"step {last}: steps {first}-{last} traced in {folder}: a trace per rank for") == 1
+
+
+def test_a_resumed_run_traces_what_is_left_of_its_profile_window() -> None:
+    from app.metrics.profiling import profile_window, steps_to_trace
+
+    assert profile_window("10:12") == (10, 12) and profile_window(" 10 ") == (10, 10) and profile_window(None) is None
+    assert steps_to_trace((10, 12), start_step=0) == (10, 12)
+    assert steps_to_trace((10, 12), start_step=10) == (11, 12), "resumed inside the window: its rest"
+    assert steps_to_trace((10, 12), start_step=12) is None, "resumed after it: nothing"
+
+
+def test_a_trace_the_disk_refuses_is_one_warning_and_training_goes_on(read_only_folder, capsys) -> None:
+    from app.metrics.profiling import profiled_steps
+
+    said: list[str] = []
+    with profiled_steps((1, 1), 0, read_only_folder, 3, said.append) as after_step:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+        after_step()
+    assert said == [] and capsys.readouterr().err.count(
+        "warning: rank 3: --profile_steps: the trace of steps 1-1 could not be written (Read-only file system); "
+        "training goes on") == 1
 
 
 def assert_tensorboard_shows_metrics_csv(out_dir: Path, metrics: dict[int, dict[str, float]],

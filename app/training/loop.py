@@ -160,6 +160,8 @@ class Loop:
     evaluation: Stopwatch = field(default_factory=Stopwatch)
     saving: Stopwatch = field(default_factory=Stopwatch)
     state_memory: ModelStateMemory = field(default_factory=ModelStateMemory)
+    after_step: Callable[[], None] = lambda: None
+    """Called after each optimizer step: --profile_steps's recorder (app/metrics/profiling.py)."""
     ranks_at_last_log: Optional[list[RankStats]] = None
     trained_at_last_log: float = 0.0
     schedule: dict[str, Any] = field(init=False)
@@ -199,6 +201,7 @@ class Loop:
                 losses.append(verdict.loss)
             self.watchdog.beat(arm=True)
             epoch_ended = advance_position(state, plan, step_batches, self.data, applied=action == "apply")
+            self.after_step()
             if self.rows_record:
                 self.rows_record.write(state["step"], self.data.rows_by_source(step_batches.rows))
             if action == "rollback":

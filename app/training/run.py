@@ -39,6 +39,7 @@ from app.metrics.console import Console
 from app.metrics.loggers import SUMMARY_FILE, RowRecord, WandbFailed, make_loggers, report_summary
 from app.metrics.memory_plan import ModelShape, Unplannable, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
+from app.metrics.profiling import profile_window, profiled_steps
 from app.model.build import DeferredInit, deferred_init, setup_model
 from app.model.loss import LossPath
 from app.optimization.optimizer import GradientPolicy, build_optimizer
@@ -465,7 +466,9 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     if cfg.eval_only:
         return evaluate_only(fabric, loop)
     try:
-        outcome: str = loop.fit()
+        with profiled_steps(profile_window(cfg.profile_steps), state["step"], Path(cfg.out_dir), fabric.global_rank,
+                            console.print) as loop.after_step:
+            outcome: str = loop.fit()
         with loop.saving.measure(counted=False):  # checkpoint time, not training time, in the summary
             loop.saver.close()  # a background write of the last step may fail here
     except SaveFailed as failure:  # on every rank alike

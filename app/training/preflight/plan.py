@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional
 from app.checkpoint.files import read_best
 from app.cli import counted
 from app.data.mixture import parse_sources
+from app.metrics.profiling import profile_window, steps_to_trace
 from app.optimization.schedule import (TrainingPlan, accumulation_steps, interval_steps, learning_rate, make_plan,
                                        scale_for_batch, schedule_options, steps_for_tokens, steps_to_finish,
                                        tokens_read)
@@ -90,6 +91,7 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[ChosenCheckpoint],
     elif cfg.warmup_steps == length and cfg.lr_decay and not cfg.estimate_memory:
         note(f"--warmup_steps {cfg.warmup_steps} fills the run's {steps}: the rate rises to --lr and ends there, "
              "never decaying to --min_lr (fewer warmup steps leave some for the decay)")
+    check_profile_window(cfg, plan, resume.metadata["step"] if resume else 0, problems)
     if not cfg.estimate_memory:
         if cfg.max_tokens is not None:
             note_token_budget(cfg, plan)
@@ -97,6 +99,20 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[ChosenCheckpoint],
         if resume is None and cfg.eval_step_interval:  # a resume says what changed (note_validation_rows)
             note_validation_share(cfg, data, plan)
     return plan
+
+
+def check_profile_window(cfg: Config, plan: TrainingPlan, start_step: int, problems: list[str]) -> None:
+    """--profile_steps past the run's last step traces nothing: refused. A resume after them (the same command
+    relaunched) traces nothing either, which is said."""
+    window = profile_window(cfg.profile_steps)
+    if window is None:
+        return
+    if window[0] > plan.max_step:
+        problems.append(f"--profile_steps {cfg.profile_steps}: the run ends at step {plan.max_step}; give steps up to "
+                        "it")
+    elif steps_to_trace(window, start_step) is None:
+        note(f"--profile_steps {cfg.profile_steps}: this run resumes at step {start_step}, after them: nothing is "
+             "traced")
 
 
 def counts_epochs(cfg: Config) -> bool:
