@@ -12,7 +12,8 @@ separate processes on one device, nothing downloaded (models from configs, data 
 4. an `--async_save` half-way, then a resume from it in a new run folder: its losses against the uninterrupted run's
    (the first resumed step's forward reads exactly the saved weights); later, the same from GPT-2's synchronous save
    (on a GPU copied through pinned memory);
-5. `convert_to_hf.py` on the last checkpoint, whose logits it verifies against the training model's;
+5. `convert_to_hf.py` on the last checkpoint, whose logits it verifies against the training model's, and the trace
+   `--profile_steps` wrote of the resumed run's last step (on a GPU, with its kernels);
 6. GPT-2 and T5 under bf16-mixed: what `train.py --estimate_memory` plans for each run against its peak;
 7. a supervised step on packed examples under flash_attention_2 where the image has flash-attn, else SDPA;
 8. on a GPU, the fsdp run again with `--loss_kernel cut_cross_entropy` (Triton: not in the tiny mode).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import importlib.util
 import json
 import os
@@ -526,19 +528,20 @@ def delete_checkpoints(run: Path, keep: Optional[int]) -> None:
 
 
 def check_resume(check: Check, model: Path, data: Path, straight: dict, run: str, options: list[str], kind: str,
-                 save_last: bool = False) -> None:
+                 save_last: bool = False, profile: bool = False) -> None:
     """Resume the straight run in folder `run` (trained with `options`) from its half-way `kind` save, in the
     folder `run`-resumed: the same losses. With `save_last` the resumed run saves its last step, which the
-    conversion reads."""
+    conversion reads; with `profile` it traces its last step (--profile_steps), which changes none of its losses."""
     from app.checkpoint import list_checkpoints
 
-    middle = check.scale.steps // 2
+    middle, last = check.scale.steps // 2, check.scale.steps
     saved = list_checkpoints(check.work / run).get(middle)
     if saved is None:
         check.add(Row(f"resume ({run})", f"no checkpoint of step {middle} was written", ok=False))
         return
+    traced = ["--profile_steps", str(last)] if profile else []
     resumed = check.train(f"{run}-resumed", model, data, *options, "--resume", "true", "--checkpoint", str(saved),
-                          "--save_step_interval", str(check.scale.steps if save_last else 0))
+                          "--save_step_interval", str(last if save_last else 0), *traced)
     delete_checkpoints(check.work / run, keep=None)
     if resumed:
         first = middle + 1
@@ -547,6 +550,21 @@ def check_resume(check: Check, model: Path, data: Path, straight: dict, run: str
         check.add(Row(f"resume from the {kind} save of step {middle} ({run})", f"step {first} loss "
                       f"{resumed['losses'][first]:.6f} against {straight['losses'][first]:.6f}; later steps within "
                       f"{rest:.1e}", "the first resumed step's loss identical", exact, {"later": rest}))
+        if profile:
+            check_trace(check, check.work / f"{run}-resumed" / "profile" / f"steps-{last}-{last}-rank-0.json.gz")
+
+
+def check_trace(check: Check, path: Path) -> None:
+    """The trace --profile_steps wrote: the model's matrix products, and on a GPU the kernels that ran them."""
+    if not path.is_file():
+        check.add(Row("--profile_steps", f"no trace at {path}", "a trace of the step", False))
+        return
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    kernels = sum(event.get("cat") == "kernel" for event in events)
+    products = sum(event.get("name") in ("aten::mm", "aten::addmm", "aten::matmul") for event in events)
+    check.add(Row("--profile_steps", f"{products} matrix products and {kernels} GPU kernels traced in one step",
+                  "matrix products, and kernels on a GPU", products > 0 and (kernels > 0 or not check.on_gpu),
+                  {"kernels": kernels, "products": products}))
 
 
 def check_conversion(check: Check, run: str) -> None:
@@ -628,7 +646,7 @@ def run_checks(check: Check, scale: Scale) -> None:
     if straight["fsdp"] and check.time_left("resume"):
         precision = scale.precisions["bf16-mixed"]
         check_resume(check, model, data, straight["fsdp"], f"fsdp-{precision}",
-                     ["--strategy", "fsdp", "--precision", precision], "async", save_last=True)
+                     ["--strategy", "fsdp", "--precision", precision], "async", save_last=True, profile=True)
         if check.time_left("convert_to_hf.py"):
             check_conversion(check, f"fsdp-{precision}-resumed")
     check_architectures(check, data)
