@@ -233,6 +233,9 @@ NOT_NEEDED = {
     **dict.fromkeys(("max_seq_length", "max_seq_len", "max_length", "seq_length", "seq_len", "sequence_len",
                      "context_length"), ("--train_data_dir", "a run trains on the blocks of --train_data_dir, as long "
                                                              "as prepare_data.py's --block_size made them")),
+    **dict.fromkeys(("optim", "optimizer", "optimizer_type", "optimizer_name"), (
+        "--weight_decay", "train.py trains with AdamW (fused on GPUs; --beta1, --beta2, --eps and --weight_decay set "
+                          "it, and --stochastic_rounding true keeps its small steps under bf16-true)")),
     "max_time": ("--resume", "stop a run after a time with `timeout -s TERM 10h python train.py ...` (or Slurm's "
                              "--time): it saves and exits, and --resume true continues it"),
     "load_best_model_at_end": ("--eval_step_interval", "checkpoints/best.json names the checkpoint of the lowest "

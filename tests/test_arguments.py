@@ -406,6 +406,8 @@ def test_options_of_other_trainers_are_answered_with_what_they_mean_here() -> No
     assert meant_instead("--max_seq_length", prepare) == meant_instead("--max-length", prepare) == \
         " (did you mean --block_size?)"
     assert "timeout -s TERM" in meant_instead("--max_time", train)
+    assert meant_instead("--optim", train).startswith(" (no such option here: train.py trains with AdamW")
+    assert meant_instead("--train_tokens", train) == " (did you mean --max_tokens?)"
     assert meant_instead("--save_total_limit", train) == " (did you mean --keep_last_n?)"
     assert meant_instead("--hub_model_id", train) == meant_instead("--push_to_hub", train) == (
         " (no such option here: convert_to_hf.py --push_to_hub REPO converts a checkpoint and pushes it)")
