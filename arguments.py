@@ -200,7 +200,7 @@ class TrainingArgs:
     """Optimizer steps to train; default: number_epochs x steps per epoch. Give it, --max_tokens or --number_epochs."""
     max_tokens: Optional[int] = None
     """Tokens to train on (`2e9`), counted as LitGPT and Megatron count them: every position of a step's sequences,
-    global batch x block size (for seq2seq data, its mean source and target lengths). The run trains the steps that
+    global batch x block size (for one example per row, its mean lengths in stats.json). The run trains the steps that
     reach it, its schedule spanning them, over as many passes as the data needs. Give it, --max_step or
     --number_epochs."""
     lr: float = 2e-5
