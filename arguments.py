@@ -576,8 +576,7 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
                 f"--{name} must be a whole number of steps, or a share of the run's steps between 0 and 1{off}, got "
                 f"{value}")
     for name in ("devices", "gradient_accumulation_steps", "global_batch_size", "max_step", "max_tokens",
-                 "eval_batch_size",
-                 "keep_last_n", "reference_batch_size", "early_stopping_patience"):
+                 "eval_batch_size", "keep_last_n", "reference_batch_size", "early_stopping_patience"):
         value = getattr(cfg, name)
         require(value in (None, "auto") or value >= 1, f"--{name} must be at least 1, got {value}")
     require(cfg.gradient_checkpointing_every >= 1,

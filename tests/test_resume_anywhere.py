@@ -261,8 +261,8 @@ def test_max_tokens_ends_at_the_step_that_reads_them_and_a_resume_at_another_bat
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = run_train(train_args(tiny, straight, **one, micro_batch_size=4))
     assert_succeeded(result)
-    assert ("--max_tokens 700: the run ends at step 6, each step reading 4 sequences of 32 tokens (128); 0.04 passes "
-            "over the 647 training rows") in result.stdout, result.stdout
+    assert ("--max_tokens 700: the run ends at step 6, each step reading 4 sequences of 32 tokens (128); 0.04 epochs "
+            "of 647 rows") in result.stdout, result.stdout
     assert max(read_metrics(straight)) == 6 and read_metadata(list_checkpoints(straight)[6])["tokens_read"] == 768
     shutil.copytree(straight / "checkpoints", resumed / "checkpoints")
     for step in (4, 6):

@@ -286,18 +286,63 @@ def test_a_resumed_run_traces_what_is_left_of_its_profile_window() -> None:
     from app.metrics.profiling import profile_window, steps_to_trace
 
     assert profile_window("10:12") == (10, 12) and profile_window(" 10 ") == (10, 10) and profile_window(None) is None
-    assert steps_to_trace((10, 12), start_step=0) == (10, 12)
-    assert steps_to_trace((10, 12), start_step=10) == (11, 12), "resumed inside the window: its rest"
-    assert steps_to_trace((10, 12), start_step=12) is None, "resumed after it: nothing"
+    assert steps_to_trace((10, 12), start_step=0, max_step=20) == (10, 12)
+    assert steps_to_trace((10, 12), start_step=10, max_step=20) == (11, 12), "resumed inside the window: its rest"
+    assert steps_to_trace((10, 12), start_step=12, max_step=20) is None, "resumed after it: nothing"
+    assert steps_to_trace((10, 12), start_step=0, max_step=11) == (10, 11), "up to the run's last step"
+
+
+def test_the_start_says_which_steps_of_the_window_the_run_traces(capsys) -> None:
+    from types import SimpleNamespace
+
+    from app.optimization.schedule import make_plan
+    from app.training.preflight.plan import check_profile_window
+
+    plan = make_plan(train_rows=647, block_size=32, world_size=1, micro_batch_size=4, accumulation=1, number_epochs=1,
+                     max_step=20)
+
+    def said(window: str, start_step: int) -> tuple[list[str], str]:
+        problems: list[str] = []
+        check_profile_window(SimpleNamespace(profile_steps=window), plan, start_step, problems)
+        return problems, capsys.readouterr().out.strip()
+
+    assert said("18:25", 0) == ([], "--profile_steps 18:25: the run ends at step 20: steps 18-20 are traced")
+    assert said("5:8", 6) == ([], "--profile_steps 5:8: this run resumes at step 6: steps 7-8 are traced")
+    assert said("5:8", 9) == ([], "--profile_steps 5:8: this run resumes at step 9: nothing is traced")
+    assert said("5:8", 0) == ([], "")
+    assert said("21:22", 0) == (["--profile_steps 21:22: the run ends at step 20; give steps up to it"], "")
+
+
+def test_a_trace_holds_its_steps_after_a_warm_up_step_and_a_window_cut_short_is_named_by_the_steps_it_holds(
+        tmp_path) -> None:
+    """--profile_steps 2:4 in a run that a signal ends after step 3: steps 2 and 3 are traced (step 1 warmed the
+    profiler up and is not), under their own numbers."""
+    from torch.profiler import record_function
+
+    from app.metrics.profiling import profiled_steps
+
+    said: list[str] = []
+    with profiled_steps((2, 4), 0, 10, tmp_path, 0, said.append) as trace_step:
+        for step in (1, 2, 3):
+            trace_step(step - 1)
+            with record_function(f"work of step {step}"):
+                torch.ones(8, 8) @ torch.ones(8, 8)
+    folder = tmp_path / "profile"
+    assert said == [f"step 3: steps 2-3 traced in {folder}: a trace per rank for https://ui.perfetto.dev, and the "
+                    "slowest operators"]
+    events = {event.get("name") for event in json.loads(
+        gzip.decompress((folder / "steps-2-3-rank-0.json.gz").read_bytes()))["traceEvents"]}
+    assert {"work of step 2", "work of step 3"} <= events and "work of step 1" not in events
 
 
 def test_a_trace_the_disk_refuses_is_one_warning_and_training_goes_on(read_only_folder, capsys) -> None:
     from app.metrics.profiling import profiled_steps
 
     said: list[str] = []
-    with profiled_steps((1, 1), 0, read_only_folder, 3, said.append) as after_step:
+    with profiled_steps((1, 1), 0, 10, read_only_folder, 3, said.append) as trace_step:
+        trace_step(0)
         torch.ones(8, 8) @ torch.ones(8, 8)
-        after_step()
+        trace_step(1)
     assert said == [] and capsys.readouterr().err.count(
         "warning: rank 3: --profile_steps: the trace of steps 1-1 could not be written (Read-only file system); "
         "training goes on") == 1

@@ -27,7 +27,7 @@ from app.metrics.observe import (PEAK_MEMORY, ModelStateMemory, RankStats, StepC
                          run_summary)
 from app.evaluation.samples import SampleEvaluator, set_aside_samples_after
 from app.optimization.optimizer import GradientPolicy, clip_gradients, gradient_square_sum, set_learning_rate
-from app.optimization.schedule import TrainingPlan, continuing_position, schedule_options
+from app.optimization.schedule import TrainingPlan, continuing_position, schedule_options, tokens_read
 from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict, stop_agreed
 from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits, write_quarantine
 from app.reliability.watchdog import StallWatchdog
@@ -160,15 +160,17 @@ class Loop:
     evaluation: Stopwatch = field(default_factory=Stopwatch)
     saving: Stopwatch = field(default_factory=Stopwatch)
     state_memory: ModelStateMemory = field(default_factory=ModelStateMemory)
-    after_step: Callable[[], None] = lambda: None
-    """Called after each optimizer step: --profile_steps's recorder (app/metrics/profiling.py)."""
+    trace_step: Callable[[int], None] = lambda done: None
+    """Called with the last finished step before each step begins: --profile_steps's tracer (app/metrics/profiling.py),
+    timed apart from training (its export) by `tracing`."""
+    tracing: Stopwatch = field(default_factory=Stopwatch)
     ranks_at_last_log: Optional[list[RankStats]] = None
     trained_at_last_log: float = 0.0
     schedule: dict[str, Any] = field(init=False)
     """The learning-rate schedule's options (schedule_options)."""
 
     def __post_init__(self) -> None:
-        self.clock.between_steps = (self.evaluation, self.saving)
+        self.clock.between_steps = (self.evaluation, self.saving, self.tracing)
         self.schedule = schedule_options(vars(self.cfg))
 
     def fit(self) -> Outcome:
@@ -179,6 +181,7 @@ class Loop:
         if state["step"] == 0 and cfg.initial_validation and cfg.eval_step_interval and self.data.evaluable():
             self.fabric.log_dict(self.evaluate(), step=0)
         losses = self.unlogged_losses()
+        self.before_next_step()
         self.stop.begin_training(self.fabric)
         while state["step"] < plan.max_step:
             lr = self.learning_rate(state["step"] + 1)
@@ -201,13 +204,13 @@ class Loop:
                 losses.append(verdict.loss)
             self.watchdog.beat(arm=True)
             epoch_ended = advance_position(state, plan, step_batches, self.data, applied=action == "apply")
-            self.after_step()
             if self.rows_record:
                 self.rows_record.write(state["step"], self.data.rows_by_source(step_batches.rows))
             if action == "rollback":
                 if not self.roll_back():
                     return "spikes"
                 steps, losses = self.steps(), self.unlogged_losses()
+                self.before_next_step()
                 continue
             if len(self.data.set_aside) != quarantined:  # read again from here: the loader's rows train nothing
                 steps = self.steps()
@@ -219,7 +222,12 @@ class Loop:
                 self.say_final_evaluation_cut()
             if self.out_of_patience() and state["step"] < plan.max_step:
                 return self.stopped_early()
+            self.before_next_step()
         return "finished"
+
+    def before_next_step(self) -> None:
+        with self.tracing.measure():
+            self.trace_step(self.state["step"])
 
     def out_of_patience(self) -> bool:
         """Whether this step's evaluation was the --early_stopping_patience-th in a row without a new best (the
@@ -380,6 +388,7 @@ class Loop:
         forget_after(fabric.loggers, saved["step"])
         # the data goes on; tokens_seen is the checkpoint's weights', as a resume from it counts them
         state |= saved_progress(saved, ROLLED_BACK)
+        state["tokens_read"] = tokens_read(saved, self.plan)  # a checkpoint from before the count: estimated
         restore_grad_scaler(fabric.strategy.precision, saved)
         incident = self.guard.rolled_back(saved["step"], saved.get("spike_guard"))
         if incident:

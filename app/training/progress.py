@@ -21,7 +21,7 @@ PROGRESS: dict[str, Any] = {
     "mixture": None,  # a mixture's positions and seeds per folder (app/data/mixture.py)
     "source_tokens": {},  # tokens trained per mixture folder
     "tokens_seen": 0,  # trained tokens (labels not -100) of the steps the weights took, over every attempt
-    "tokens_read": 0,  # positions of those steps (TrainingPlan.tokens_per_step each), which --max_tokens counts
+    "tokens_read": 0,  # positions of every step, skipped ones too (TrainingPlan.tokens_per_step each): --max_tokens
     "log_window": [],  # the losses of the steps since the last log point, set when saving (Loop.unlogged_losses)
     "elapsed_sec": 0.0,  # the run's seconds at the save, over every attempt (StepClock.run_elapsed)
     "base_revision": None,  # the commit of the Hub model the run started from, set at its start (run.initial_state)

@@ -466,8 +466,8 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     if cfg.eval_only:
         return evaluate_only(fabric, loop)
     try:
-        with profiled_steps(profile_window(cfg.profile_steps), state["step"], Path(cfg.out_dir), fabric.global_rank,
-                            console.print) as loop.after_step:
+        with profiled_steps(profile_window(cfg.profile_steps), state["step"], plan.max_step, Path(cfg.out_dir),
+                            fabric.global_rank, console.print) as loop.trace_step:
             outcome: str = loop.fit()
         with loop.saving.measure(counted=False):  # checkpoint time, not training time, in the summary
             loop.saver.close()  # a background write of the last step may fail here

@@ -91,8 +91,8 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[ChosenCheckpoint],
     elif cfg.warmup_steps == length and cfg.lr_decay and not cfg.estimate_memory:
         note(f"--warmup_steps {cfg.warmup_steps} fills the run's {steps}: the rate rises to --lr and ends there, "
              "never decaying to --min_lr (fewer warmup steps leave some for the decay)")
-    check_profile_window(cfg, plan, resume.metadata["step"] if resume else 0, problems)
     if not cfg.estimate_memory:
+        check_profile_window(cfg, plan, resume.metadata["step"] if resume else 0, problems)
         if cfg.max_tokens is not None:
             note_token_budget(cfg, plan)
         note_rows_left_out(plan, mixture=data.sources is not None)
@@ -102,17 +102,21 @@ def check_plan(cfg: Config, data: DataFacts, resume: Optional[ChosenCheckpoint],
 
 
 def check_profile_window(cfg: Config, plan: TrainingPlan, start_step: int, problems: list[str]) -> None:
-    """--profile_steps past the run's last step traces nothing: refused. A resume after them (the same command
-    relaunched) traces nothing either, which is said."""
+    """--profile_steps past the run's last step traces nothing: refused; one that ends past it traces the steps up
+    to it, which is said. A resume after them (the same command relaunched) traces nothing either, which is said."""
     window = profile_window(cfg.profile_steps)
     if window is None:
         return
     if window[0] > plan.max_step:
         problems.append(f"--profile_steps {cfg.profile_steps}: the run ends at step {plan.max_step}; give steps up to "
                         "it")
-    elif steps_to_trace(window, start_step) is None:
-        note(f"--profile_steps {cfg.profile_steps}: this run resumes at step {start_step}, after them: nothing is "
-             "traced")
+    elif window[0] <= start_step:
+        taken = steps_to_trace(window, start_step, plan.max_step)
+        note(f"--profile_steps {cfg.profile_steps}: this run resumes at step {start_step}: "
+             + (f"steps {taken[0]}-{taken[1]} are traced" if taken else "nothing is traced"))
+    elif window[1] > plan.max_step:
+        note(f"--profile_steps {cfg.profile_steps}: the run ends at step {plan.max_step}: steps {window[0]}-"
+             f"{plan.max_step} are traced")
 
 
 def counts_epochs(cfg: Config) -> bool:
@@ -133,12 +137,13 @@ def passed_the_token_budget(cfg: Config, saved: dict, plan: TrainingPlan, proble
 
 
 def note_token_budget(cfg: Config, plan: TrainingPlan) -> None:
-    """What --max_tokens comes to in steps and passes over the data (at this run's global batch)."""
+    """What --max_tokens comes to in steps and epochs (a mixture's are passes over its first folder, counted in rows
+    of the mixture), at this run's global batch."""
     row_tokens = plan.tokens_per_step // plan.global_batch_size
-    passes = steps_for_tokens(cfg.max_tokens, plan) * plan.global_batch_size / plan.train_rows
+    epochs = steps_for_tokens(cfg.max_tokens, plan) * plan.global_batch_size / plan.train_rows
     note(f"--max_tokens {cfg.max_tokens:,}: the run ends at step {plan.max_step}, each step reading "
-         f"{plan.global_batch_size} sequences of {row_tokens:,} tokens ({plan.tokens_per_step:,}); {passes:.2f} passes "
-         f"over the {plan.train_rows:,} training rows")
+         f"{plan.global_batch_size} sequences of {row_tokens:,} tokens ({plan.tokens_per_step:,}); {epochs:.2f} epochs "
+         f"of {plan.train_rows:,} rows")
 
 
 def shorter_than_a_step(data: DataFacts) -> str:
@@ -276,10 +281,9 @@ def note_what_changed(cfg: Config, saved: dict, plan: TrainingPlan) -> None:
 
 TRAINING_OPTIONS = ("precision", "reduce_dtype", "lr", "min_lr", "lr_decay", "lr_decay_type", "lr_decay_ratio",
                     "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "max_step", "max_tokens",
-                    "number_epochs",
-                    "spike_guard", "spike_z", "spike_min_rise", "spike_grad_norm_z", "spike_window", "spike_warmup",
-                    "spike_incident", "spike_incident_steps", "fsdp_no_sync", "loss_kernel", "chunked_loss", "tf32",
-                    "neftune_noise_alpha", "label_smoothing", "z_loss", "stochastic_rounding")
+                    "number_epochs", "spike_guard", "spike_z", "spike_min_rise", "spike_grad_norm_z", "spike_window",
+                    "spike_warmup", "spike_incident", "spike_incident_steps", "fsdp_no_sync", "loss_kernel",
+                    "chunked_loss", "tf32", "neftune_noise_alpha", "label_smoothing", "z_loss", "stochastic_rounding")
 """The options whose change at a resume changes how the steps after it train (the batch is said apart)."""
 
 
