@@ -208,19 +208,23 @@ def plan_from_checkpoint(cfg: Config, saved: dict, plan: TrainingPlan) -> Traini
     if cfg.max_tokens is not None:
         return plan_from_token_budget(cfg, saved, plan)
     left = steps_to_finish(plan, epoch=saved["epoch"], position=saved["position"], number_epochs=cfg.number_epochs)
-    resumed = replace(plan, max_step=saved["step"] + left)
     before = saved.get("config") or {}
     if before.get("max_step") is not None or before.get("number_epochs") != cfg.number_epochs:
         length = steps_to_finish(plan, epoch=0, position=0, number_epochs=cfg.number_epochs)
-        if length - left == saved["step"]:
-            return resumed
-        return replace(resumed, resumed_schedule=(saved["step"], length - left, length))
+        return finishing(plan, saved["step"], left, length - left, length)
     schedule = saved.get("schedule") or {"step": saved["step"], "length": saved["step"] + steps_to_finish(
         replace(plan, micro_batch_size=saved["global_batch_size"], world_size=1, accumulation=1),
         epoch=saved["epoch"], position=saved["position"], number_epochs=cfg.number_epochs)}
-    if (schedule["step"], schedule["length"]) == (saved["step"], resumed.max_step):
+    return finishing(plan, saved["step"], left, schedule["step"], schedule["length"])
+
+
+def finishing(plan: TrainingPlan, step: int, left: int, position: float, length: float) -> TrainingPlan:
+    """The plan of a run resumed at `step` with `left` steps to train, whose schedule stands at `position` of
+    `length` steps: counted in this run's steps where they agree, else what is left of it spread over them."""
+    resumed = replace(plan, max_step=step + left)
+    if (position, length) == (step, resumed.max_step):
         return resumed
-    return replace(resumed, resumed_schedule=(saved["step"], schedule["step"], schedule["length"]))
+    return replace(resumed, resumed_schedule=(step, position, length))
 
 
 def plan_from_token_budget(cfg: Config, saved: dict, plan: TrainingPlan) -> TrainingPlan:
@@ -229,16 +233,11 @@ def plan_from_token_budget(cfg: Config, saved: dict, plan: TrainingPlan) -> Trai
     recounts the schedule to that end in this run's steps, where the tokens read so far stand among them (as
     plan_from_checkpoint does for --number_epochs)."""
     left = steps_for_tokens(cfg.max_tokens - tokens_read(saved, plan), plan)
-    resumed = replace(plan, max_step=saved["step"] + left)
     schedule = saved.get("schedule")
     if schedule and (saved.get("config") or {}).get("max_tokens") == cfg.max_tokens:
-        position, length = schedule["step"], schedule["length"]
-    else:
-        length = steps_for_tokens(cfg.max_tokens, plan)
-        position = length - left
-    if (position, length) == (saved["step"], resumed.max_step):
-        return resumed
-    return replace(resumed, resumed_schedule=(saved["step"], position, length))
+        return finishing(plan, saved["step"], left, schedule["step"], schedule["length"])
+    length = steps_for_tokens(cfg.max_tokens, plan)
+    return finishing(plan, saved["step"], left, length - left, length)
 
 
 def changed_epochs(cfg: Config, data: DataFacts, saved: dict, problems: list[str]) -> bool:
