@@ -248,6 +248,9 @@ def test_resume_continues_at_the_next_step_with_the_same_lr_and_losses(fsdp_run,
                                   profile_steps="18:19"))
     assert_succeeded(result)
     assert_profiled(fsdp_run / "profile", result.stdout, first=18, last=19, ranks=2)
+    summary = json.loads((fsdp_run / "summary.json").read_text())
+    assert summary["train_sec"] + summary["eval_sec"] + summary["save_sec"] + summary["trace_sec"] == pytest.approx(
+        summary["elapsed_sec"]) and summary["trace_sec"] > 0, "writing the trace is not training time"
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert progress[0].startswith("step 17/24"), progress[:2]
     set_aside = fsdp_run / "checkpoints" / "rolled-back" / "step-00000024.ckpt"

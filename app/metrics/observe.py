@@ -370,8 +370,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     s = summary
     lines = [f"summary: {s['steps']} steps in {format_duration(s['elapsed_sec'])} (training "
              f"{format_duration(s['train_sec'])}, evaluation {format_duration(s['eval_sec'])}, "
-             f"checkpoints {format_duration(s['save_sec'])} for {s['checkpoints_saved']} saved)"
-             + validation_part(s)]
+             f"checkpoints {format_duration(s['save_sec'])} for {s['checkpoints_saved']} saved"
+             + (f", tracing {format_duration(s['trace_sec'])})" if "trace_sec" in s else ")") + validation_part(s)]
     if not s["steps"] and not s["checkpoints_saved"] and s["eval_sec"]:  # --eval_only
         lines = [f"summary: evaluated in {format_duration(s['eval_sec'])}" + validation_part(s)]
     if s["steps"]:

@@ -113,12 +113,12 @@ class StepTracer:
 
 @contextmanager
 def profiled_steps(window: Optional[tuple[int, int]], start_step: int, max_step: int, out_dir: Path, rank: int,
-                   say: Callable[[str], None]) -> Iterator[Callable[[int], None]]:
+                   say: Callable[[str], None]) -> Iterator[Optional[Callable[[int], None]]]:
     """Yields what the loop calls with the last finished step before each step: a StepTracer for the steps of
-    `window` this run takes, else nothing to do."""
+    `window` this run takes, else None."""
     steps = steps_to_trace(window, start_step, max_step) if window else None
     if steps is None:
-        yield lambda done: None
+        yield None
         return
     tracer = StepTracer(*steps, folder=out_dir / "profile", rank=rank, say=say)
     try:

@@ -160,9 +160,9 @@ class Loop:
     evaluation: Stopwatch = field(default_factory=Stopwatch)
     saving: Stopwatch = field(default_factory=Stopwatch)
     state_memory: ModelStateMemory = field(default_factory=ModelStateMemory)
-    trace_step: Callable[[int], None] = lambda done: None
+    trace_step: Optional[Callable[[int], None]] = None
     """Called with the last finished step before each step begins: --profile_steps's tracer (app/metrics/profiling.py),
-    timed apart from training (its export) by `tracing`."""
+    timed apart from training (its export) by `tracing`, which the summary reports as trace_sec."""
     tracing: Stopwatch = field(default_factory=Stopwatch)
     ranks_at_last_log: Optional[list[RankStats]] = None
     trained_at_last_log: float = 0.0
@@ -226,8 +226,9 @@ class Loop:
         return "finished"
 
     def before_next_step(self) -> None:
-        with self.tracing.measure():
-            self.trace_step(self.state["step"])
+        if self.trace_step is not None:
+            with self.tracing.measure():
+                self.trace_step(self.state["step"])
 
     def out_of_patience(self) -> bool:
         """Whether this step's evaluation was the --early_stopping_patience-th in a row without a new best (the
@@ -442,7 +443,8 @@ class Loop:
         return (summary | ({"spike_guard": self.guard.metrics()} if self.guard.active else {})
                 | ({"scaler_skipped_steps": self.state["scaler_skipped_steps"]} if self.gradients.scaled
                    else {})
-                | ({"tokens_by_source": self.source_tokens()} if self.data.mixture else {}))
+                | ({"tokens_by_source": self.source_tokens()} if self.data.mixture else {})
+                | ({"trace_sec": self.tracing.total} if self.trace_step is not None else {}))
 
     def source_tokens(self) -> dict[str, int]:
         """A mixture's trained tokens read so far from each folder (`tokens/<name>`)."""
