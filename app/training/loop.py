@@ -226,6 +226,7 @@ class Loop:
         return "finished"
 
     def before_next_step(self) -> None:
+        """Tell --profile_steps's tracer which step ended last (before the first step: the one the run starts at)."""
         if self.trace_step is not None:
             with self.tracing.measure():
                 self.trace_step(self.state["step"])
