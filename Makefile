@@ -37,7 +37,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # process group, Slurm jobs, peak RSS), 6 CPU-s of imports each. On 2026-12-02: 1,428 s in place (1,191 tests) with
 # an audit's probes (one train.py or prepare_data.py preflight at a time) running beside it, where the Slurm and
 # signal files alone took 620 and 690 s of one worker each; 907 s in a fresh clone with nothing beside it (1,196
-# tests; `make demo` 2m54s, against 2m17s and 3m23s on the fast and slow days above).
+# tests; `make demo` 2m54s, against 2m17s and 3m23s on the fast and slow days above). In a later session that day:
+# 657 s in place (1,217 tests), then 801-817 s in three fresh clones (1,230 tests; `make demo` 2m47s-2m56s).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
