@@ -436,6 +436,19 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
     assert refused_file(json.dumps({"prompt": "def f(", "answer": None}) + "\n", "--reference_field", "answer") == (
         f"--prompts {prompts}: line 1 has null in 'answer' (--reference_field); its fields: prompt, answer")
     assert refused_file("\n \n") == f"--prompts {prompts}: holds no prompts"
+    chats = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    chats.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+    chats.save_pretrained(folder)
+    chat = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "Sun."}, {"role": "assistant", "content": "Sunny."}]
+    assert refused_file(json.dumps({"messages": chat}) + "\n", "--messages_field", "messages") == (
+        f"--prompts {prompts}: line 1: 'messages' has a message (2) with tool calls, which generate.py does not "
+        "render; leave such chats out")  # prepare_data.py trains them: the answer would be asked without its call
+    tools = {"messages": chat[:1] + chat[-1:], "tools": [{"type": "function", "function": {"name": "weather"}}]}
+    assert refused_file(json.dumps(tools) + "\n", "--messages_field", "messages") == (
+        f"--prompts {prompts}: line 1: 'messages' offers tools (its 'tools' field), which generate.py does not give "
+        "the model; leave such chats out")
     too_long = refused_file(good + json.dumps({"prompt": "def f(x): return x " * 2}) + "\n" + good,
                             "--max_new_tokens", "40")  # checked on the longest prompt: its limit fits every line
     assert too_long.startswith("--max_new_tokens 40 passes a prompt of ") and too_long.endswith(

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import datasets
+import pyarrow
+import pyarrow.parquet
 import pytest
 import sentencepiece
 import torch
@@ -287,12 +289,13 @@ def test_a_chat_cut_inside_a_later_prompt_ends_with_the_last_trained_token(work)
 
 
 def test_what_a_chat_carries_beside_its_messages_is_refused_only_where_it_would_train_wrongly() -> None:
-    """Tools written as JSON text offer none when they are "[]"; OpenAI reads "weight" on assistant messages only,
-    as 0 or 1."""
-    from app.prepare.chat import tools_offered, untrained, weight_problem
+    """Tools written as JSON text offer none when they are "[]", and text that is not JSON is no tools; OpenAI reads
+    "weight" on assistant messages only, as 0 or 1."""
+    from app.prepare.chat import read_tools, tools_problem, untrained, weight_problem
 
-    assert [tools_offered(tools) is None for tools in (None, "", "[]", "null", [], '[{"type": "function"}]',
-                                                       [{"type": "function"}], "some tool")] == [True] * 5 + [False] * 3
+    offered = (None, "", "[]", "null", [], '[{"type": "function"}]', [{"type": "function", "x": None}], "some tool")
+    assert [read_tools(tools) for tools in offered] == [None] * 5 + [[{"type": "function"}]] * 2 + ["some tool"]
+    assert [tools_problem(tools) is None for tools in offered] == [True] * 7 + [False]
     asked = [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a", "weight": 1}]
     assert weight_problem(asked) is None and not any(map(untrained, asked))
     assert untrained({"role": "assistant", "content": "b", "weight": 0})
@@ -415,6 +418,82 @@ def test_multi_turn_chats_with_a_llama3_template_train_every_assistant_turn_thro
     audit = stats["splits"]["train"]["loss_mask"]
     assert (audit["audited_examples"], audit["unaudited_examples"]) == (0, checked), \
         "a message holding special-token text is encoded piece by piece, which character offsets cannot follow"
+
+
+TOOLS_TEMPLATE = (  # Qwen2.5's way with tools (Hermes' <tool_call>), reduced to it
+    "{%- if tools -%}{{- '<|im_start|>system\n# Tools\n<tools>' -}}{%- for tool in tools -%}"
+    "{{- '\n' + tool | tojson -}}{%- endfor -%}{{- '\n</tools><|im_end|>\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\n' + m.content -}}"
+    "{%- for call in m.tool_calls or [] -%}{{- '<tool_call>\n{\"name\": \"' + call.function.name + '\", "
+    "\"arguments\": ' + call.function.arguments | tojson + '}\n</tool_call>' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif m.role == 'tool' -%}{{- '<|im_start|>user\n<tool_response>\n' + m.content + "
+    "'\n</tool_response><|im_end|>\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def tool_chat(k: int, pair: dict[str, str], as_text: bool) -> dict:
+    """A chat that offers two tools and calls one, with its result, then answers: the two tools' schemas and
+    arguments have other keys (a Parquet file gives every row the keys of all rows, as null); the arguments and the
+    tools are objects, or `as_text` JSON text (OpenAI's arguments), where a null argument is the data's own. Keys are
+    in the order a Parquet file keeps them (that of their first row), which templates write."""
+    name, arguments = (("count_lines", {"code": pair["code"][:30]}) if k % 2
+                       else ("find_name", {"pattern": "def", "limit": 3, **({"unit": None} if as_text else {})}))
+    tools = [{"type": "function", "function": {"name": "count_lines", "parameters": {
+                "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
+             {"type": "function", "function": {"name": "find_name", "parameters": {"type": "object", "properties": {
+                 "pattern": {"type": "string", "enum": ["def", "class"]}}}, "description": "Names in the code."}}]
+    call = {"id": f"call{k}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments) if as_text else arguments}}
+    return {"tools": json.dumps(tools) if as_text else tools, "messages": [
+        {"role": "user", "content": pair["code"]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call{k}", "content": f"result {k}: 7"},
+        {"role": "assistant", "content": pair["summary"]}]}
+
+
+def test_chats_that_call_tools_train_the_calls_and_answers_as_inference_renders_them(work, pairs, tmp_path):
+    """Each example is the chat exactly as apply_chat_template renders it at inference, given its tools (the
+    arguments and schemas without the keys Arrow added from other rows, the null written in JSON text kept); the
+    call and the answer are trained, through their end-of-turn; the tools, the question and the tool's result are
+    not."""
+    chats = [tool_chat(k, pair, as_text) for as_text in (False, True) for k, pair in enumerate(pairs[:20])]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(chats[:20]), tmp_path / "objects.parquet")  # with nulls
+    write_jsonl(tmp_path / "texts.jsonl", chats[20:])
+    tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "tools-tokenizer")
+    inputs = [str(tmp_path / "objects.parquet"), str(tmp_path / "texts.jsonl")]
+    rows, stats, _ = sft(work, "tool-calls", input=inputs, prompt_field=None,
+                         response_field=None, messages_field="messages", tokenizer=str(tmp_path / "tools-tokenizer"),
+                         block_size=1024, packing=False, val_fraction=0.0)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    expected = {}
+    for chat in chats:
+        tools = json.loads(chat["tools"]) if isinstance(chat["tools"], str) else chat["tools"]
+        messages = [m | {"content": m["content"] or "", "tool_calls": [
+            c | {"function": c["function"] | {"arguments": json.loads(c["function"]["arguments"])}}
+            if isinstance(c["function"]["arguments"], str) else c for c in m["tool_calls"]]} if "tool_calls" in m
+            else m for m in chat["messages"]]
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"]
+        expected[tuple(ids)] = chat
+    assert stats["splits"]["train"]["kept"] == len(chats) == len(rows["train"])
+    for row in rows["train"]:
+        chat = expected[tuple(row["input_ids"])]  # a KeyError: not rendered as inference renders it
+        call, answer = trained_runs(row["input_ids"], row["labels"])
+        arguments = chat["messages"][1]["tool_calls"][0]["function"]["arguments"]
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        assert call[-1] == answer[-1] == im_end
+        assert tokenizer.decode(call[:-1]) == (f'<tool_call>\n{{"name": "'
+                                               f'{chat["messages"][1]["tool_calls"][0]["function"]["name"]}", '
+                                               f'"arguments": {arguments}}}\n</tool_call>')
+        assert tokenizer.decode(answer[:-1]) == chat["messages"][3]["content"]
+        masked = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label == -100])
+        assert "<tools>" in masked and chat["messages"][2]["content"] in masked
+    roles = stats["splits"]["train"]["loss_mask"]["roles"]
+    assert roles["other"]["trained"] == roles["user"]["trained"] == 0 and roles["assistant"]["trained_share"] == 1
 
 
 REASONING_TEMPLATE = (  # Qwen3's handling of an assistant's reasoning, reduced to it
@@ -741,8 +820,15 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{no_assistant}"], "has no assistant message"),
     (["--messages_field", "messages", "--input", "{assistant_first}"], "starts with an assistant message"),
     (["--messages_field", "messages", "--input", "{not_chat}"], "is not a list of {role, content}"),
-    (["--messages_field", "messages", "--input", "{tool_call}"],  # kept as role and content, trained without the call
-     "row 1 of --input {tool_call} has a message (2, role 'assistant') with tool calls, which are not trained"),
+    # The default template writes role and content: the call would be trained without it, the tools not offered.
+    (["--messages_field", "messages", "--input", "{tool_call}"], "row 1 of --input {tool_call} has a message (2) "
+     "whose tool calls the chat template does not write: the answer after them would be trained without them"),
+    (["--messages_field", "messages", "--input", "{legacy_call}"], "row 1 of --input {legacy_call} has a message (2) "
+     "with OpenAI's legacy function_call: write it as tool_calls"),
+    (["--messages_field", "messages", "--input", "{bad_arguments}"], "row 1 of --input {bad_arguments} has a message "
+     "(2) whose tool_calls are not a list of"),
+    (["--messages_field", "messages", "--input", "{user_calls}"], "row 1 of --input {user_calls} has a message (1) "
+     "with tool calls, which only an assistant message makes (role 'user')"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{mismatch}"],
      "are not a prefix of the whole chat's tokens, so the prompt cannot be masked (in a test chat of 4 "
      "messages, not your data's, at assistant message 2: "),
@@ -789,7 +875,9 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{weight_half}"], "row 1 of --input {weight_half} has an assistant "
      "message (2) with \"weight\": 0.5: write 1 to train it or 0 to keep it as context only"),
     (["--messages_field", "messages", "--input", "{tools}"], "row 1 of --input {tools} offers tools (its 'tools' "
-     "field), which the chat template would write before the chat"),
+     "field) that the chat template does not write: the answers would be trained without them"),
+    (["--messages_field", "messages", "--input", "{not_tools}"], "row 1 of --input {not_tools} offers 'tools' that "
+     "are not a list of tool schemas"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_line}"],
      "could not read it as json: {bad_line} line 3, column 25: Expecting value"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_document}"],
@@ -814,6 +902,20 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
             {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
                 "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
             {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "18 C in Paris."}]}]),
+        "legacy_call": write_jsonl(tmp_path / "t2.jsonl", [{"messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": "{}"}},
+            {"role": "assistant", "content": "18 C in Paris."}]}]),
+        "bad_arguments": write_jsonl(tmp_path / "t3.jsonl", [{"messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": "{city: Paris}"}}]},
+            {"role": "assistant", "content": "18 C in Paris."}]}]),
+        "user_calls": write_jsonl(tmp_path / "t4.jsonl", [{"messages": [
+            {"role": "user", "content": "Weather?", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+            {"role": "assistant", "content": "18 C in Paris."}]}]),
+        "not_tools": write_jsonl(tmp_path / "t5.jsonl", [{"tools": "get_weather(city)", "messages": [
+            {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]}]),
         "numbers": write_jsonl(tmp_path / "n.jsonl", [{"code": "x = 1", "summary": "Set x.", "n": 3}]),
         "mismatch": tmp_path / "mismatch.jinja",
         "no_eot": tmp_path / "no_eot.jinja",

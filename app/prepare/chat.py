@@ -8,6 +8,13 @@ template does not render, or a value that is not text.
 
 An assistant message with OpenAI's `"weight": 0` stays in the chat as context and is not trained: its records keep
 `weight` 0 (None for every other message), which the masks (`chat_template.ChatEncoder`) and the loss-mask audit read.
+
+Chats that call tools are read in OpenAI's shape, as transformers' chat templates take them: `tools` beside the
+messages (JSON schemas), an assistant's `tool_calls` and the `tool` messages that answer them. The chat template must
+write the tools and every call (each checked per chat, `check_rendered`): one that leaves them out would train the
+answers without them. Records keep the calls and the tools as JSON text, since their arguments and schemas differ
+from row to row, and an Arrow struct would give every row the keys of all rows (`template_messages` reads them
+back).
 """
 
 from __future__ import annotations
@@ -34,7 +41,14 @@ PROBE_CHAT = [
 ]
 """A chat every template must handle (chat_template.check_template), checked before any data is encoded."""
 
-MESSAGES = Features({"messages": List({"role": Value("string"), "content": Value("string"), "weight": Value("int8")})})
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+"""What a message of a chat that calls tools carries beside its role and content, as templates read it (Mistral's
+needs the calls' ids and the tool messages' tool_call_id; some templates name a tool's answer by `name`)."""
+MESSAGES = Features({
+    "messages": List({"role": Value("string"), "content": Value("string"), "weight": Value("int8"),
+                      **{key: Value("string") for key in TOOL_KEYS}}),
+    "tools": Value("string"),
+})
 PAIR_OPTIONS = ("prompt_field", "response_field", "input_field", "system_field")
 
 
@@ -62,7 +76,8 @@ def _records(
         values = [{option: batch[field][i] for option, field in fields.items()} for i in range(len(indices))]
         if "messages_field" in fields and "tools" in batch:  # read beside the messages, to refuse what they offer
             values = [value | {"tools": batch["tools"][i]} for i, value in enumerate(values)]
-        return {"messages": [to_messages(row, Row(fields, index, source)) for index, row in zip(indices, values)]}
+        return {"messages": [to_messages(row, Row(fields, index, source)) for index, row in zip(indices, values)],
+                "tools": [stored_tools(row.get("tools")) for row in values]}
 
     with quiet_progress():
         chats = table.map(
@@ -98,8 +113,6 @@ def pair_prompt(prompt: str, extra: str = "", system: str = "") -> list[dict[str
     return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": user}]
 
 
-TOOL_CALL_KEYS = ("tool_calls", "function_call")
-"""Where OpenAI-style chats put an assistant's calls (`content` may then be null)."""
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 """Where chats of reasoning models put an assistant's reasoning beside its answer (Qwen3's template reads the first)."""
 
@@ -114,17 +127,88 @@ RENAMED = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "as
 def chat_messages(
     values: dict, row: Row, rendered: Optional[ChatText] = None
 ) -> list[dict[str, str]]:
-    """A chat as {role, content} messages (`chat_problem` says what a chat must be), which the chat template must
-    render whole (`rendered`); a row that offers tools is refused (`tools_offered`)."""
-    chat = values["messages_field"]
-    problem = (chat_problem(chat) or tools_offered(values.get("tools")) or weight_problem(chat)
-               or turns_problem(chat))
+    """A chat as {role, content} messages (`chat_problem` says what a chat must be), with the tool calls of its
+    assistant messages and the tools beside it, which the chat template must render whole (`rendered`)."""
+    chat, tools = values["messages_field"], values.get("tools")
+    problem = chat_problem(chat) or tools_problem(tools) or weight_problem(chat) or turns_problem(chat)
     if problem:
         raise row.error("messages_field", problem)
-    messages = [{"role": m["role"], "content": m["content"], "weight": 0 if untrained(m) else None} for m in chat]
+    messages = [stored_message(m) for m in chat]
     if rendered is not None:
-        check_rendered(messages, rendered, row)
+        check_rendered(messages, read_tools(tools), rendered, row)
     return messages
+
+
+def stored_message(message: dict) -> dict:
+    """A message as records keep it (`MESSAGES`): an assistant's tool calls as JSON text (`tool_call`), the content
+    of a message that only calls tools as ""."""
+    calls = message.get("tool_calls")
+    return {"role": message["role"], "content": message.get("content") or "",
+            "weight": 0 if untrained(message) else None,
+            "tool_calls": json.dumps([tool_call(call) for call in calls]) if calls else None,
+            **{key: message.get(key) if isinstance(message.get(key), str) else None for key in TOOL_KEYS[1:]}}
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Records' messages as chat templates read them, and as inference renders them: role, content, and where they
+    have them the tool calls (read back from JSON text), the id a tool message answers and its name."""
+    return [{"role": m["role"], "content": m["content"],
+             **{key: json.loads(m[key]) if key == "tool_calls" else m[key] for key in TOOL_KEYS if m.get(key)}}
+            for m in messages]
+
+
+def tool_call(call: dict) -> dict:
+    """One call of `tool_calls` as transformers' templates read it: {"type": "function", "function": {name,
+    arguments}} (and its id), the arguments an object. OpenAI writes them as JSON text, which a template's `tojson`
+    would write quoted; an object read from Parquet or a Hub dataset has the keys of every row's arguments, those of
+    other rows null (left out here: `without_nulls`)."""
+    function = call.get("function", call)
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        arguments = (json.loads(arguments) if arguments.strip() else None) or {}
+    else:
+        arguments = without_nulls(arguments or {})
+    return {"type": "function", "function": {"name": function["name"], "arguments": arguments},
+            **({"id": call["id"]} if isinstance(call.get("id"), str) else {})}
+
+
+def tool_call_problem(message: dict) -> Optional[str]:
+    """What is wrong with a message's tool calls, or None: they must be a list of calls each with a name and
+    arguments that are an object or its JSON text, and only an assistant calls tools."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return None
+    if message.get("role") != "assistant":
+        return f"with tool calls, which only an assistant message makes (role {message.get('role')!r})"
+    if not isinstance(calls, list) or not all(_is_call(call) for call in calls):
+        return ("whose tool_calls are not a list of {\"type\": \"function\", \"function\": {\"name\", "
+                "\"arguments\"}}, each with a name and its arguments as an object or its JSON text")
+    return None
+
+
+def _is_call(call: object) -> bool:
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"].strip():
+        return False
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments.strip():
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return False
+    return arguments is None or isinstance(arguments, dict) or arguments == ""
+
+
+def without_nulls(value: object) -> object:
+    """A value read from an Arrow struct (Parquet, a Hub dataset) without the null entries of its objects, at every
+    depth: a struct gives each row's objects the keys of every row's (a tool's schema the `enum` of another's), null
+    where a row has none. A null the data itself holds is left out with them (JSON text keeps it; datasets reads a
+    JSON file's objects as JSON, without added keys)."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
 
 
 def chat_problem(chat: object) -> Optional[str]:
@@ -135,12 +219,14 @@ def chat_problem(chat: object) -> Optional[str]:
     if messages and all(isinstance(m, dict) and {"from", "value"} <= m.keys() for m in messages):
         return ("holds ShareGPT messages ({from, value}): write them as {role, content}, human as user and gpt as "
                 "assistant")
-    calling = next((k for k, m in enumerate(messages) if isinstance(m, dict)
-                    and any(m.get(key) for key in TOOL_CALL_KEYS)), None)
-    if calling is not None:  # kept as {role, content}, the assistant's call was trained without it
-        return (f"has a message ({calling + 1}, role {messages[calling].get('role')!r}) with tool calls, which are not "
-                "trained: its text would be trained without the call, and the tool's answer would follow a call never "
-                "made; leave out chats with tool calls")
+    legacy = next((k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("function_call")), None)
+    if legacy is not None:  # kept as {role, content}, the assistant's call was trained without it
+        return (f"has a message ({legacy + 1}) with OpenAI's legacy function_call: write it as tool_calls, "
+                "[{\"type\": \"function\", \"function\": {\"name\", \"arguments\"}}]")
+    calls = next(((k, problem) for k, m in enumerate(messages) if isinstance(m, dict)
+                  for problem in [tool_call_problem(m)] if problem), None)
+    if calls is not None:
+        return f"has a message ({calls[0] + 1}) {calls[1]}"
     reasoning = next(((k, key) for k, m in enumerate(messages) if isinstance(m, dict)
                       for key in REASONING_KEYS if m.get(key)), None)
     if reasoning is not None:  # kept as {role, content}, the answer was trained without the reasoning before it
@@ -174,8 +260,8 @@ def turns_problem(messages: list[dict]) -> Optional[str]:
         return "has no assistant message to train on: each has \"weight\": 0"
     if roles[0] == "assistant":
         return "starts with an assistant message; a chat starts with system or user"
-    empty = next((k for k, m in enumerate(messages)
-                  if m["role"] in ("user", "assistant") and not m["content"].strip() and not untrained(m)), None)
+    empty = next((k for k, m in enumerate(messages) if m["role"] in ("user", "assistant")
+                  and not (m.get("content") or "").strip() and not m.get("tool_calls") and not untrained(m)), None)
     if empty is None:
         return None
     fix = ("give it the answer to train, or \"weight\": 0 to keep it as context only" if roles[empty] == "assistant"
@@ -200,22 +286,33 @@ def weight_problem(messages: list[dict]) -> Optional[str]:
             "or 0 to keep it as context only (OpenAI's weights)")
 
 
-def tools_offered(tools: object) -> Optional[str]:
-    """A chat that offers tools (OpenAI's and Qwen's `tools` beside the messages), whose template writes them before
-    the chat: the answers would be trained without the tools they were given. Tools written as JSON text (many
-    function-calling datasets) are read first: "[]" offers none."""
+def read_tools(tools: object) -> Optional[list]:
+    """The tools a chat offers (OpenAI's and Qwen's `tools` beside the messages: JSON schemas), None for none. Tools
+    written as JSON text (many function-calling datasets) are read as such: "[]" offers none; objects without the
+    nulls of other rows' schemas (`without_nulls`)."""
     if isinstance(tools, str):
         try:
-            tools = json.loads(tools) if tools.strip() else None
+            return json.loads(tools) or None if tools.strip() else None
         except ValueError:
-            pass  # text that is not JSON: offered as it is
-    if tools:
-        return ("offers tools (its 'tools' field), which the chat template would write before the chat and are not "
-                "passed to it: the answers would be trained without them; leave such chats out")
-    return None
+            return tools  # text that is not JSON: `tools_problem` refuses it
+    return without_nulls(tools) or None
 
 
-def check_rendered(messages: list[dict[str, str]], rendered: ChatText, row: Row) -> None:
+def tools_problem(tools: object) -> Optional[str]:
+    """What is wrong with a chat's tools, or None: a list of JSON objects, or its text."""
+    offered = read_tools(tools)
+    if offered is None or (isinstance(offered, list) and all(isinstance(tool, dict) for tool in offered)):
+        return None
+    return "offers 'tools' that are not a list of tool schemas (JSON objects, or their JSON text)"
+
+
+def stored_tools(tools: object) -> Optional[str]:
+    """A chat's tools as records keep them: JSON text, None for none."""
+    offered = read_tools(tools)
+    return json.dumps(offered) if offered else None
+
+
+def check_rendered(messages: list[dict[str, str]], tools: Optional[list], rendered: ChatText, row: Row) -> None:
     """Refuse a message that the chat template does not render: a template that renders only the roles it knows
     (Qwen's skips "human") drops it silently, and the answer after it would be trained without its prompt. And an
     answer to train that the template renders only in part (`dropped_from_answer`).
@@ -224,9 +321,12 @@ def check_rendered(messages: list[dict[str, str]], rendered: ChatText, row: Row)
     found also where its text appears elsewhere in the chat (a question asked twice, a prompt that its answer
     quotes): searching the rendered chat for the text itself missed both. One render per chat. A template that
     raises on this chat's roles (Gemma's on a system message, turns that do not alternate) refuses the row; one that
-    fails on every chat is check_template's to report, and a message with blank content (a system message) too."""
-    marked = [{"role": m["role"], "content": _marker(k)} for k, m in enumerate(messages)]
-    text = rendered(marked)
+    fails on every chat is check_template's to report, and a message with blank content (a system message) too.
+    Each tool call is marked by its name, and the tools must change what the template writes."""
+    marked = [m | {"content": _marker(k)} | ({"tool_calls": [{**call, "function": call["function"] | {
+        "name": _marker(k, j)}} for j, call in enumerate(m["tool_calls"])]} if "tool_calls" in m else {})
+        for k, m in enumerate(template_messages(messages))]
+    text = rendered(marked, tools=tools)
     if text is None and rendered(PROBE_CHAT) is not None:
         raise row.error("messages_field", f"is refused by the chat template ({rendered.failure(marked)}); leave such "
                         "chats out or give a template that takes them with --chat_template FILE")
@@ -238,8 +338,18 @@ def check_rendered(messages: list[dict[str, str]], rendered: ChatText, row: Row)
             raise row.error("messages_field", f"has a message ({k + 1}) of role {message['role']!r} that the chat "
                             f"template does not render {advice}, or give a template that renders it with "
                             "--chat_template FILE")
+    unwritten = next((k for k, m in enumerate(marked) for j in range(len(m.get("tool_calls", ())))
+                      if text is not None and _marker(k, j) not in text), None)
+    if unwritten is not None:
+        raise row.error("messages_field", f"has a message ({unwritten + 1}) whose tool calls the chat template does "
+                        "not write: the answer after them would be trained without them; give a template that "
+                        "renders tool_calls with --chat_template FILE, or leave such chats out")
+    if text is not None and tools and rendered(marked) == text:
+        raise row.error("messages_field", "offers tools (its 'tools' field) that the chat template does not write: "
+                        "the answers would be trained without them; give a template that renders tools with "
+                        "--chat_template FILE, or leave the field out")
     if text is not None:
-        dropped = dropped_from_answer(messages, rendered(messages) or "")
+        dropped = dropped_from_answer(messages, rendered(template_messages(messages), tools=tools) or "")
         if dropped is not None:
             part = ("its reasoning (DeepSeek-R1's first template keeps only what follows </think>)"
                     if "</think>" in messages[dropped]["content"] else "part of it")
@@ -257,22 +367,25 @@ def dropped_from_answer(messages: list[dict[str, str]], text: str) -> Optional[i
                  and "".join(m["content"].split()) not in bare), None)
 
 
-def _marker(k: int) -> str:
-    """Message k's stand-in content: text no template writes, and no marker inside another (k=1 in k=10)."""
-    return f"@@message-{k}@@"
+def _marker(k: int, call: Optional[int] = None) -> str:
+    """Message k's stand-in content, or the stand-in name of its call: text no template writes, and no marker
+    inside another (k=1 in k=10)."""
+    return f"@@message-{k}@@" if call is None else f"@@message-{k}-call-{call}@@"
 
 
 def _is_message(message: object) -> bool:
+    """A role, and text content (none, or null, in an assistant message that calls tools)."""
     return (
         isinstance(message, dict)
         and isinstance(message.get("role"), str)
         and bool(message["role"])
-        and isinstance(message.get("content"), str)
+        and (isinstance(message.get("content"), str) or (message.get("content") is None and message.get("tool_calls")))
     )
 
 
 def chat_texts(records: Dataset) -> Iterator[str]:
     """Every message's text, to train a tokenizer on (--vocab_size)."""
     for batch in records.iter(batch_size=1000):
-        for chat in batch["messages"]:
-            yield from (message["content"] for message in chat)
+        for chat, tools in zip(batch["messages"], batch["tools"]):
+            yield from (text for message in chat for text in (message["content"], message["tool_calls"]) if text)
+            yield from [tools] if tools else []

@@ -30,6 +30,7 @@ tokens (Qwen3's `<think>`) are matched as `apply_chat_template` matches them at 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from app.choices import IGNORE_INDEX
 from app.prepare.args import PrepareArgs, UsageError
-from app.prepare.chat import PROBE_CHAT, untrained
+from app.prepare.chat import PROBE_CHAT, template_messages, untrained
 from app.prepare.examples import Example, causal_advice, dropped, encode_examples, fit_to_block
 from app.prepare.mask_audit import audit, check_audit
 from app.prepare.tokenizer import render_chat, special_token_ids
@@ -101,11 +102,12 @@ class ChatText:
     template: str
     variables: dict[str, str]
 
-    def __call__(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> Optional[str]:
-        """The rendered chat; None when the template fails on it (the encoder refuses that, with the template's
-        error)."""
+    def __call__(self, messages: list[dict], generation_prompt: bool = False,
+                 tools: Optional[list] = None) -> Optional[str]:
+        """The rendered chat (offered `tools`); None when the template fails on it (the encoder refuses that, with
+        the template's error)."""
         try:
-            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.template,
+            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.template, tools=tools,
                                                 add_generation_prompt=generation_prompt, **self.variables)
         except Exception:  # noqa: BLE001 (reported by `failure`, or ChatEncoder.tokens, which renders it again)
             return None
@@ -138,11 +140,12 @@ class ChatEncoder:
         self.tokenizer, self.template, self.train_on_prompt = tokenizer, template, train_on_prompt
         self.special_ids = special_token_ids(tokenizer)
 
-    def tokens(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # as inference renders them
+    def tokens(self, messages: list[dict], generation_prompt: bool, tools: Optional[list] = None) -> list[int]:
+        """The chat's tokens, offered `tools`, as inference renders it (`template_messages`)."""
+        messages = template_messages(messages)
         try:
             return render_chat(self.tokenizer, messages, generation_prompt, chat_template=self.template.text,
-                               tokenizer_kwargs={"verbose": False})["input_ids"]
+                               tools=tools, tokenizer_kwargs={"verbose": False})["input_ids"]
         except Exception as error:  # a template error (raise_exception, a Jinja error): the user's template or data
             first = " ".join(str(error).split()) or type(error).__name__
             raise UsageError(
@@ -150,16 +153,19 @@ class ChatEncoder:
                 "fix the data or give another template with --chat_template FILE"
             ) from error
 
-    def encode(self, messages: list[dict[str, str]]) -> Example:
-        """The chat's tokens and labels, or a dropped example naming what the template did wrong. The turns of
-        untrained messages are found only to mask them under --train_on_prompt."""
-        chat = self.tokens(messages, generation_prompt=False)
+    def encode(self, messages: list[dict], tools: Optional[str] = None) -> Example:
+        """The chat's tokens and labels (offered the `tools` of its record, JSON text), or a dropped example naming
+        what the template did wrong. The turns of untrained messages are found only to mask them under
+        --train_on_prompt. A turn that calls tools is trained like any other: the calls are what it writes."""
+        offered = json.loads(tools) if tools else None
+        chat = self.tokens(messages, generation_prompt=False, tools=offered)
         spans, untrained_spans = [], []
         for k, message in enumerate(messages):
             if message["role"] != "assistant" or (untrained(message) and not self.train_on_prompt):
                 continue
-            before = self.tokens(messages[:k], generation_prompt=True)
-            through = chat if k == len(messages) - 1 else self.tokens(messages[: k + 1], generation_prompt=False)
+            before = self.tokens(messages[:k], generation_prompt=True, tools=offered)
+            through = (chat if k == len(messages) - 1
+                       else self.tokens(messages[: k + 1], generation_prompt=False, tools=offered))
             if through[: len(before)] != before or chat[: len(through)] != through:
                 return dropped(PREFIX_MISMATCH)
             if len(through) == len(before):
@@ -312,7 +318,7 @@ def encode_chats(records: Dataset, encoder: ChatEncoder, args: PrepareArgs, desc
     """Every chat's tokens and labels, fitted to --block_size (rows of `EXAMPLE_FEATURES`)."""
 
     def encode(batch: dict) -> list[Example]:
-        examples = (encoder.encode(messages) for messages in batch["messages"])
+        examples = (encoder.encode(messages, tools) for messages, tools in zip(batch["messages"], batch["tools"]))
         return [fit_to_block(example, args.block_size, args.too_long) for example in examples]
 
     return encode_examples(records, encode, args.num_proc, desc)

@@ -19,8 +19,11 @@ reproduce (a message holding special-token text, or a tokenizer without offsets)
 
 from __future__ import annotations
 
+import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
+from itertools import repeat
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from app.choices import IGNORE_INDEX
 from app.prepare.args import UsageError
-from app.prepare.chat import untrained
+from app.prepare.chat import template_messages, untrained
 
 AUDITED_EXAMPLES = 1000
 UNTRAINED = "assistant (weight 0)"
@@ -51,11 +54,14 @@ class RoleCount:
 
 
 def token_roles(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, str]],
-                written: list[int]) -> Optional[list[str]]:
-    """The role of each of the `written` tokens of a chat, from its rendered text; None when unauditable."""
+                written: list[int], tools: Optional[str] = None) -> Optional[list[str]]:
+    """The role of each of the `written` tokens of a chat (offered the `tools` of its record), from its rendered
+    text; None when unauditable. Tool calls and tools are template text, as headers are."""
     roles = [UNTRAINED if untrained(m) else m["role"] if m["role"] in ROLES[:3] else "other" for m in messages]
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # as the encoder renders them
-    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    messages = template_messages(messages)  # as the encoder renders them
+    render = partial(tokenizer.apply_chat_template, chat_template=template, tokenize=False,
+                     tools=json.loads(tools) if tools else None)
+    text = render(messages)
     try:
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     except NotImplementedError:  # a tokenizer without character offsets
@@ -66,7 +72,7 @@ def token_roles(tokenizer: PreTrainedTokenizerBase, template: str, messages: lis
     cursor = 0
     for k, message in enumerate(messages):
         content = message["content"].strip()
-        after = _prefix_end(tokenizer, template, messages, k, text)
+        after = _prefix_end(render, messages, k, text)
         start = text.find(content, max(cursor, after - _overlap(text, after, content))) if content else -1
         if start < 0:
             continue  # a template that rewrites the content: its characters stay template text
@@ -81,8 +87,7 @@ def _overlap(text: str, end: int, content: str, most: int = 64) -> int:
     return next((j for j in range(min(end, len(content), most), 0, -1) if text[end - j:end] == content[:j]), 0)
 
 
-def _prefix_end(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict[str, str]], k: int,
-                text: str) -> int:
+def _prefix_end(render: Callable[..., str], messages: list[dict[str, str]], k: int, text: str) -> int:
     """Where message k can start in the chat's `text`: after the render of the messages before it (with the
     generation prompt before an assistant message), so that its content is never found in a header ("A" in
     "### Assistant:"); 0 when that render is not a prefix of the text or fails (the search starts after the previous
@@ -90,8 +95,7 @@ def _prefix_end(tokenizer: PreTrainedTokenizerBase, template: str, messages: lis
     if k == 0:
         return 0
     try:
-        prefix = tokenizer.apply_chat_template(messages[:k], chat_template=template, tokenize=False,
-                                               add_generation_prompt=messages[k]["role"] == "assistant")
+        prefix = render(messages[:k], add_generation_prompt=messages[k]["role"] == "assistant")
     except Exception:  # noqa: BLE001 (a template that needs the whole chat: the cursor alone bounds the search)
         return 0
     return len(prefix) if text.startswith(prefix) else 0
@@ -101,19 +105,20 @@ def audit_split(records: Dataset, encoded: Dataset, tokenizer: PreTrainedTokeniz
                 template: str) -> dict[str, object]:
     """The audit of a split's first `AUDITED_EXAMPLES` examples (its records, and their encoded examples)."""
     count = min(len(records), AUDITED_EXAMPLES)
-    return audit(records.select(range(count))["messages"], encoded.select(range(count)), tokenizer, template)
+    audited = records.select(range(count))
+    return audit(audited["messages"], encoded.select(range(count)), tokenizer, template, audited["tools"])
 
 
 def audit(chats: Iterable[list[dict[str, str]]], examples: Iterable[dict], tokenizer: PreTrainedTokenizerBase,
-          template: str) -> dict[str, object]:
+          template: str, tools: Optional[Iterable[Optional[str]]] = None) -> dict[str, object]:
     """Tokens and trained tokens per role over the chats' examples that were kept (`input_ids`, `labels`, `dropped`
-    as encoded)."""
+    as encoded), each chat offered its record's `tools` (none when not given)."""
     tokens, trained = Counter(), Counter()
     audited = unaudited = 0
-    for chat, example in zip(chats, examples):
+    for chat, example, offered in zip(chats, examples, repeat(None) if tools is None else tools):
         if example["dropped"]:
             continue
-        roles = token_roles(tokenizer, template, chat, example["input_ids"])
+        roles = token_roles(tokenizer, template, chat, example["input_ids"], offered)
         if roles is None:
             unaudited += 1
             continue
