@@ -507,3 +507,15 @@ def test_a_prompts_file_with_unicode_line_separators_inside_its_strings_is_read(
     assert [row.prompt for row in read_prompts(prompts, "prompt", None)] == texts
     prompts.write_bytes(b'\xef\xbb\xbf{"prompt": "x"}\n')  # a byte-order mark, as Windows editors write: not line 1's
     assert [row.prompt for row in read_prompts(prompts, "prompt", None)] == ["x"]
+
+
+def test_sharegpt_prompts_are_the_chats_of_role_and_content_prepare_data_trains(tmp_path) -> None:
+    from app.huggingface.prompts_file import read_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"conversations": [{"from": "system", "value": "Be brief."},
+                                                     {"from": "human", "value": "Hi."},
+                                                     {"from": "gpt", "value": "Hello."}]}) + "\n")
+    row, = read_prompts(prompts, "prompt", None, messages_field="conversations")
+    assert row.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    assert row.reference == "Hello."

@@ -420,6 +420,26 @@ def test_multi_turn_chats_with_a_llama3_template_train_every_assistant_turn_thro
         "a message holding special-token text is encoded piece by piece, which character offsets cannot follow"
 
 
+def test_sharegpt_chats_are_prepared_as_the_same_chats_of_role_and_content(work, tmp_path):
+    """ShareGPT's {from, value} messages (human, gpt, system), as many Hub datasets hold them, are the chats of
+    {role, content} they stand for, byte for byte; a "weight" beside them is read as OpenAI's."""
+    chats = [json.loads(line)["messages"] for line in (work / "chats.jsonl").read_text().splitlines()]
+    renamed = {"user": "human", "assistant": "gpt", "system": "system"}
+    as_sharegpt = [[{"from": renamed[m["role"]], "value": m["content"], **({"weight": 0} if k == 2 else {})}
+                    for k, m in enumerate(chat)] for chat in chats]
+    write_jsonl(tmp_path / "sharegpt.jsonl", [{"conversations": chat} for chat in as_sharegpt])
+    write_jsonl(tmp_path / "openai.jsonl", [{"messages": [m | ({"weight": 0} if k == 2 else {})
+                                                          for k, m in enumerate(chat)]} for chat in chats])
+    prepared = [sft(work, name, input=[str(tmp_path / f"{name}.jsonl")], prompt_field=None, response_field=None,
+                    messages_field=field, tokenizer=str(work / "llama3"), block_size=512)
+                for name, field in (("sharegpt", "conversations"), ("openai", "messages"))]
+    for split in ("train", "validation"):
+        assert prepared[0].rows[split].to_dict() == prepared[1].rows[split].to_dict()
+    assert prepared[0].stats["splits"]["train"]["kept"] > 50
+    examples = [segment for row in prepared[0].rows["train"] for segment in segments(row) if set(segment[1]) != {-100}]
+    assert {len(trained_runs(*example)) for example in examples} == {1}, "the first answer, weight 0, is not trained"
+
+
 TOOLS_TEMPLATE = (  # Qwen2.5's way with tools (Hermes' <tool_call>), reduced to it
     "{%- if tools -%}{{- '<|im_start|>system\n# Tools\n<tools>' -}}{%- for tool in tools -%}"
     "{{- '\n' + tool | tojson -}}{%- endfor -%}{{- '\n</tools><|im_end|>\n' -}}{%- endif -%}"
@@ -863,8 +883,8 @@ REFUSED = [
     # Chats as they come: each was refused as "not a list of {role, content}" without saying why, or worse, trained:
     # a "gpt" answer never (a template wrote the role under its own name), an answer marked weight 0 as any other,
     # answers given tools without them.
-    (["--messages_field", "conversations", "--input", "{sharegpt}"], "row 1 of --input {sharegpt} holds ShareGPT "
-     "messages ({from, value}): write them as {role, content}, human as user and gpt as assistant"),
+    (["--messages_field", "conversations", "--input", "{sharegpt}"], "row 1 of --input {sharegpt} has a message of "
+     "role 'observation', not one of system, user, assistant"),  # LLaMA-Factory's tool results, in ShareGPT's shape
     (["--messages_field", "messages", "--input", "{parts}"], "row 1 of --input {parts} has a message (1) whose content "
      "is a list of parts, not text: join its text parts into one string"),
     (["--messages_field", "messages", "--input", "{gpt}"], "row 1 of --input {gpt} has a message of role 'gpt', not "
@@ -938,7 +958,8 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "blank_user": write_jsonl(tmp_path / "u.jsonl", [{"messages": [{"role": "user", "content": "  "},
                                                                        {"role": "assistant", "content": "Hi."}]}]),
         "sharegpt": write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [
-            {"from": "human", "value": "Hello."}, {"from": "gpt", "value": "Hi."}]}]),
+            {"from": "human", "value": "Hello."}, {"from": "observation", "value": "Hi."},
+            {"from": "gpt", "value": "Hi."}]}]),
         "parts": write_jsonl(tmp_path / "pt.jsonl", [{"messages": [
             {"role": "user", "content": [{"type": "text", "text": "Hello."}]},
             {"role": "assistant", "content": "Hi."}]}]),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from app.cli import UsageError
-from app.prepare.chat import chat_problem, pair_prompt, read_tools
+from app.prepare.chat import chat_problem, from_sharegpt, pair_prompt, read_tools
 
 
 Messages = list[dict[str, str]]
@@ -87,7 +87,7 @@ def text_field(path: Path, number: int, record: dict, flag: str, field: str, opt
 
 def chat_row(path: Path, number: int, record: dict, field: str) -> PromptRow:
     """A chat whose last message, an assistant's, is the reference, and the messages before it the prompt."""
-    chat = record.get(field)
+    chat = from_sharegpt(record.get(field))
     where = f"--prompts {path}: line {number}"
     if chat is None:
         raise UsageError(f"{where} has no field {field!r} (--messages_field); its fields: "

@@ -69,8 +69,9 @@ class PrepareArgs:
     input_field: str | None = None
     """With --prompt_field (Alpaca style): a field appended to the prompt after a blank line, when not empty."""
     messages_field: str | None = None
-    """Supervised fine-tuning on chats: the field holding a list of {role, content} messages; every assistant
-    message is trained, its tool calls included (OpenAI's `tool_calls`, with the row's `tools`)."""
+    """Supervised fine-tuning on chats: the field holding a list of {role, content} messages (or ShareGPT's {from,
+    value}); every assistant message is trained, its tool calls included (OpenAI's `tool_calls`, with the row's
+    `tools`)."""
     chat_template: str | None = None
     """A Jinja chat template file to render examples with, instead of the tokenizer's own (or the default one for a
     tokenizer without a template). It is saved with the tokenizer."""

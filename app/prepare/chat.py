@@ -129,7 +129,7 @@ def chat_messages(
 ) -> list[dict[str, str]]:
     """A chat as {role, content} messages (`chat_problem` says what a chat must be), with the tool calls of its
     assistant messages and the tools beside it, which the chat template must render whole (`rendered`)."""
-    chat, tools = values["messages_field"], values.get("tools")
+    chat, tools = from_sharegpt(values["messages_field"]), values.get("tools")
     problem = chat_problem(chat) or tools_problem(tools) or weight_problem(chat) or turns_problem(chat)
     if problem:
         raise row.error("messages_field", problem)
@@ -137,6 +137,18 @@ def chat_messages(
     if rendered is not None:
         check_rendered(messages, read_tools(tools), rendered, row)
     return messages
+
+
+def from_sharegpt(chat: object) -> object:
+    """ShareGPT's messages ({from, value}, as axolotl and LLaMA-Factory read them) as {role, content}, human as user
+    and gpt as assistant (`RENAMED`), their other keys kept ("weight"); any other chat as it is. Many chat datasets
+    on the Hub are written so, and were refused with the advice to convert them."""
+    if not (isinstance(chat, list) and chat and all(isinstance(m, dict) and {"from", "value"} <= m.keys()
+                                                    for m in chat)):
+        return chat
+    return [{key: item for key, item in m.items() if key not in ("from", "value")}
+            | {"role": RENAMED.get(m["from"].lower(), m["from"]) if isinstance(m["from"], str) else m["from"],
+               "content": m["value"]} for m in chat]
 
 
 def stored_message(message: dict) -> dict:
@@ -216,9 +228,6 @@ def chat_problem(chat: object) -> Optional[str]:
     it must be {role, content} messages with text, of the known roles, with nothing beside the text that would not
     be trained (tool calls, reasoning)."""
     messages = chat if isinstance(chat, list) else []
-    if messages and all(isinstance(m, dict) and {"from", "value"} <= m.keys() for m in messages):
-        return ("holds ShareGPT messages ({from, value}): write them as {role, content}, human as user and gpt as "
-                "assistant")
     legacy = next((k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("function_call")), None)
     if legacy is not None:  # kept as {role, content}, the assistant's call was trained without it
         return (f"has a message ({legacy + 1}) with OpenAI's legacy function_call: write it as tool_calls, "
