@@ -376,6 +376,54 @@ def test_held_out_chats_are_answered_from_the_messages_before_their_last_and_sco
         "drop --reference_field, --chat")
 
 
+TOOLS_TEMPLATE = ("{% if tools %}<tools>\n{{ tools | tojson }}\n{% endif %}{% for m in messages %}<{{ m['role'] }}>\n"
+                  "{{ m['content'] }}{% for c in m.tool_calls or [] %}<call> {{ c.function.name }} "
+                  "{{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+
+
+def test_chats_with_tools_are_asked_with_them_and_a_call_is_scored_as_the_template_writes_it(tiny, tmp_path,
+                                                                                              capsys) -> None:
+    """A chat test set of prepare_data.py's tool calls: the prompt holds the tools the chat offers (and its earlier
+    calls), and a last message that calls a tool is scored as the chat template writes the call, which is what the
+    model learnt to write."""
+    folder = model_folder(tiny, tmp_path / "model", "llama")
+    config = AutoConfig.from_pretrained(folder)
+    config.max_position_embeddings = 512  # rotary: the tools' JSON is longer than the tiny model's 64 positions
+    config.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    user = {"role": "user", "content": "Weather in Paris?"}
+    chats = [{"tools": [WEATHER], "messages": [user, CALL]},
+             {"tools": json.dumps([WEATHER]), "messages": [user, CALL, {"role": "tool", "content": "18 C"},
+                                                           {"role": "assistant", "content": "18 C."}]}]
+    (tmp_path / "tools.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats))
+    capsys.readouterr()
+    generate_main([str(folder), "--prompts", str(tmp_path / "tools.jsonl"), "--messages_field", "messages",
+                   "--output", str(tmp_path / "answers.jsonl"), "--temperature", "0", "--max_new_tokens", "4"])
+    records = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    prompts = [[user], [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "18 C"}]]
+    assert [(r["prompt"], r["reference"]) for r in records] == [
+        (prompts[0], '<call> weather {"city": "Paris"}'), (prompts[1], "18 C.")]
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    for prompt, record in zip(prompts, records):
+        inputs = model_input(tokenizer, prompt, False, model.config, [WEATHER])
+        asked = tokenizer.decode(inputs["input_ids"][0])
+        assert asked.startswith('<tools>\n[{"type": "function", "function": {"name": "weather", "parameters"')
+        assert asked.count('<call> weather {"city": "Paris"}') == (len(prompt) > 1)
+        output = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        assert record["generated"] == tokenizer.decode(output[0, inputs["input_ids"].shape[1]:],
+                                                       skip_special_tokens=True)
+    assert "2 answers scored against the last assistant message of 'messages'" in capsys.readouterr().out
+
+
 def test_alpaca_style_prompts_are_asked_as_prepare_data_made_them(tiny, tmp_path, capsys) -> None:
     """A prompt/response test set with an input and a system field (Alpaca's): the model was trained on the chat
     prepare_data.py makes of a row (system message; prompt, blank line, input); generate.py asked the prompt alone,
@@ -436,19 +484,6 @@ def test_a_file_of_prompts_that_cannot_be_answered_is_one_line_before_the_model_
     assert refused_file(json.dumps({"prompt": "def f(", "answer": None}) + "\n", "--reference_field", "answer") == (
         f"--prompts {prompts}: line 1 has null in 'answer' (--reference_field); its fields: prompt, answer")
     assert refused_file("\n \n") == f"--prompts {prompts}: holds no prompts"
-    chats = AutoTokenizer.from_pretrained(tiny.tokenizer)
-    chats.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
-    chats.save_pretrained(folder)
-    chat = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
-        {"role": "tool", "content": "Sun."}, {"role": "assistant", "content": "Sunny."}]
-    assert refused_file(json.dumps({"messages": chat}) + "\n", "--messages_field", "messages") == (
-        f"--prompts {prompts}: line 1: 'messages' has a message (2) with tool calls, which generate.py does not "
-        "render; leave such chats out")  # prepare_data.py trains them: the answer would be asked without its call
-    tools = {"messages": chat[:1] + chat[-1:], "tools": [{"type": "function", "function": {"name": "weather"}}]}
-    assert refused_file(json.dumps(tools) + "\n", "--messages_field", "messages") == (
-        f"--prompts {prompts}: line 1: 'messages' offers tools (its 'tools' field), which generate.py does not give "
-        "the model; leave such chats out")
     too_long = refused_file(good + json.dumps({"prompt": "def f(x): return x " * 2}) + "\n" + good,
                             "--max_new_tokens", "40")  # checked on the longest prompt: its limit fits every line
     assert too_long.startswith("--max_new_tokens 40 passes a prompt of ") and too_long.endswith(

@@ -15,6 +15,7 @@ import logging
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -32,7 +33,7 @@ from app.huggingface.generate_cli import GenerateArgs
 from app.huggingface.prompts_file import Answer, Messages, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
 from app.prepare.seq2seq import fit
-from app.prepare.tokenizer import document_frame, document_suffix, encode_texts, render_chat
+from app.prepare.tokenizer import document_frame, document_suffix, encode_texts, render_chat, special_token_ids
 
 
 DEFAULT_PROMPT = "def "
@@ -41,22 +42,24 @@ TRAINED_LENGTHS_FILE = "trained_lengths.json"
 PROGRESS_EVERY_SEC = 10
 
 
-def model_input(tokenizer, text: Union[str, Messages], chat: bool, config: Any) -> dict[str, torch.Tensor]:
+def model_input(tokenizer, text: Union[str, Messages], chat: bool, config: Any,
+                tools: Optional[list] = None) -> dict[str, torch.Tensor]:
     """A prompt encoded as prepare_data.py encodes training text: special-token text in it ("</s>",
     "<|eot_id|>" in code about tokenizers) stays text, where the tokenizer alone made it an end of sequence in the
     middle of the prompt, which the model never saw in training. A chat's messages (or `text` as a user's message,
-    when `chat`) go through the chat template, ending with the assistant's turn."""
+    when `chat`) go through the chat template with the `tools` it offers, ending with the assistant's turn."""
     if chat or not isinstance(text, str):
         messages = text if not isinstance(text, str) else [{"role": "user", "content": text}]
-        return render_chat(tokenizer, messages, generation_prompt=True, return_tensors="pt")
+        return render_chat(tokenizer, messages, generation_prompt=True, return_tensors="pt", tools=tools)
     if config.is_encoder_decoder:
         return source_input(tokenizer, text)
     return tokenizer(text, return_tensors="pt", split_special_tokens=True)
 
 
-def encoded_prompt(tokenizer, config: Any, text: Union[str, Messages], args: GenerateArgs, what: str) -> list[int]:
+def encoded_prompt(tokenizer, config: Any, text: Union[str, Messages], args: GenerateArgs, what: str,
+                   tools: Optional[list] = None) -> list[int]:
     """A prompt's tokens, refused in one line (naming `what`) when empty."""
-    ids = model_input(tokenizer, text, args.chat, config)["input_ids"][0].tolist()
+    ids = model_input(tokenizer, text, args.chat, config, tools)["input_ids"][0].tolist()
     if not ids:
         raise UsageError(f"{what} is empty and the tokenizer adds no BOS token to begin with: give some text")
     return ids
@@ -130,7 +133,8 @@ def answer_file(args: GenerateArgs) -> None:
     tokenizer, config, device = tokenizer_config_and_device(args)
     rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field, args.messages_field,
                         args.input_field, args.system_field)
-    encoded = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args)) for row in rows]
+    rows = [with_reference(tokenizer, row, line_of(row, args)) for row in rows]
+    encoded = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args), row.tools) for row in rows]
     prompts = trained_sources(tokenizer, config, encoded, args)
     longest = max(range(len(rows)), key=lambda index: len(prompts[index]))  # what fits it fits every prompt
     check_positions(config, len(prompts[longest]), args.max_new_tokens, f"{line_of(rows[longest], args)}, the longest")
@@ -191,6 +195,24 @@ def trained_sources(tokenizer: Any, config: Any, prompts: list[list[int]], args:
               f"cut to them before their end, keeping the EOS ({given})", file=sys.stderr, flush=True)
     tail = document_frame(tokenizer).tail
     return [fit(prompt, limit, tail) for prompt in prompts]
+
+
+def with_reference(tokenizer: Any, row: PromptRow, what: str) -> PromptRow:
+    """A chat whose last message calls tools has for reference the text the chat template writes for that turn (its
+    content, then its calls in the template's format), up to its end-of-turn: what the model learnt to write
+    (prepare_data.py trains the turn so). Any other row as it is."""
+    if row.reference_turn is None:
+        return row
+    before = render_chat(tokenizer, row.prompt, generation_prompt=True, tools=row.tools)["input_ids"]
+    whole = render_chat(tokenizer, [*row.prompt, row.reference_turn], generation_prompt=False,
+                        tools=row.tools)["input_ids"]
+    if whole[:len(before)] != before:
+        raise UsageError(f"{what}: the chat template renders the chat before its last message otherwise than the "
+                         "whole chat, so the tool calls to score cannot be read from it; leave such chats out")
+    turn = whole[len(before):]
+    special = special_token_ids(tokenizer)
+    end = next((index for index, token in enumerate(turn) if token in special), len(turn))
+    return replace(row, reference=tokenizer.decode(turn[:end], skip_special_tokens=True))
 
 
 def as_the_model_writes(tokenizer: Any, reference: str) -> str:

@@ -45,7 +45,8 @@ class GenerateArgs:
     messages_field: Optional[str] = None
     """With --prompts, instead of --prompt_field: the field holding a chat ({role, content} messages, as
     prepare_data.py --messages_field reads them); the model answers its last message, an assistant's, from the
-    messages before it through the chat template, and is scored against it."""
+    messages before it through the chat template (with the chat's `tools`), and is scored against it (a tool call
+    as the template writes it)."""
     output: Optional[str] = None
     """With --prompts: a new JSON lines file for the answers, one line per prompt in the file's order (prompt,
     reference, generated, new_tokens, stopped); an existing file is refused, not overwritten."""

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Optional, Union
 
 from app.cli import UsageError
-from app.prepare.chat import chat_problem, from_sharegpt, pair_prompt, read_tools
+from app.prepare.chat import (chat_problem, from_sharegpt, pair_prompt, read_tools, stored_message,
+                              template_messages, tools_problem)
 
 
 Messages = list[dict[str, str]]
@@ -24,6 +25,11 @@ class PromptRow:
     line: int
     prompt: Union[str, Messages]
     reference: Optional[str]
+    tools: Optional[list] = None
+    """The tools a chat offers, which the chat template writes with its messages, as prepare_data.py trained it."""
+    reference_turn: Optional[dict] = None
+    """A chat's last message when it calls tools: its reference is the text the chat template writes for the turn
+    (`generate.with_reference`), not its content."""
 
 
 @dataclass(frozen=True)
@@ -92,25 +98,15 @@ def chat_row(path: Path, number: int, record: dict, field: str) -> PromptRow:
     if chat is None:
         raise UsageError(f"{where} has no field {field!r} (--messages_field); its fields: "
                          f"{', '.join(map(str, record)) or 'none'}")
-    problem = chat_problem(chat) or tools_unanswered(chat, record.get("tools"))  # as prepare_data.py reads a chat
+    problem = chat_problem(chat) or tools_problem(record.get("tools"))  # as prepare_data.py reads a chat
     if problem:
         raise UsageError(f"{where}: {field!r} {problem}")
     if len(chat) < 2 or chat[-1]["role"] != "assistant" or chat[0]["role"] == "assistant":
         raise UsageError(f"{where}: {field!r} does not end with an assistant message after a system or user one; "
                          "the last assistant message is the answer to score")
-    return PromptRow(number, [{"role": m["role"], "content": m["content"]} for m in chat[:-1]], chat[-1]["content"])
-
-
-def tools_unanswered(chat: list[dict], tools: object) -> Optional[str]:
-    """generate.py renders a chat's messages alone: a chat that offers tools, or calls them, is refused rather than
-    answered without them."""
-    if read_tools(tools) is not None:
-        return "offers tools (its 'tools' field), which generate.py does not give the model; leave such chats out"
-    calling = next((k for k, m in enumerate(chat) if m.get("tool_calls")), None)
-    if calling is not None:
-        return (f"has a message ({calling + 1}) with tool calls, which generate.py does not render; leave such chats "
-                "out")
-    return None
+    *prompt, last = template_messages([stored_message(m) for m in chat])
+    return PromptRow(number, prompt, last["content"], read_tools(record.get("tools")),
+                     last if "tool_calls" in last else None)
 
 
 def answer_record(row: PromptRow, answer: Answer) -> dict[str, object]:
