@@ -440,6 +440,47 @@ def test_sharegpt_chats_are_prepared_as_the_same_chats_of_role_and_content(work,
     assert {len(trained_runs(*example)) for example in examples} == {1}, "the first answer, weight 0, is not trained"
 
 
+def test_reasoning_beside_an_answer_is_trained_as_the_template_writes_it_and_refused_where_it_does_not(work, pairs,
+                                                                                                        tmp_path):
+    """Qwen3's template writes an assistant's `reasoning_content` before its answer: such chats are the same
+    examples as those with the reasoning in the content, as at inference. A template that reads only the content
+    (REASONING_TEMPLATE) would have trained the answer without it: refused."""
+    tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = REASONING_TEMPLATE.replace(  # Qwen3's: the field, else the content's <think> block
+        "{%- if m.role == 'assistant' and '</think>' in m.content -%}"
+        "{%- set reasoning = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}",
+        "{%- if m.role == 'assistant' and (m.reasoning_content is string or '</think>' in m.content) -%}"
+        "{%- set reasoning = m.reasoning_content if m.reasoning_content is string else "
+        "m.content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}")
+    assert "reasoning_content" in tokenizer.chat_template
+    tokenizer.save_pretrained(tmp_path / "qwen3")
+    chats = {"field": [[{"role": "user", "content": pair["code"]},
+                        {"role": "assistant", "content": pair["summary"], "reasoning_content": f"It reads {k}."}]
+                       for k, pair in enumerate(pairs[:20])]}
+    chats["content"] = [[user, {"role": "assistant", "content": f"<think>\n{answer['reasoning_content']}\n</think>"
+                                                                f"\n\n{answer['content']}"}]
+                        for user, answer in chats["field"]]
+    rows = {}
+    for name, messages in chats.items():
+        write_jsonl(tmp_path / f"{name}.jsonl", [{"messages": chat} for chat in messages])
+        rows[name] = sft(work, f"reasoning-{name}", input=[str(tmp_path / f"{name}.jsonl")], prompt_field=None,
+                         response_field=None, messages_field="messages", tokenizer=str(tmp_path / "qwen3"),
+                         block_size=1024, packing=False, val_fraction=0.0).rows["train"].to_dict()
+    assert rows["field"] == rows["content"] and len(rows["field"]["input_ids"]) == 20
+    at_inference = {tuple(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"])
+                    for chat in chats["field"]}
+    assert {tuple(ids) for ids in rows["field"]["input_ids"]} == at_inference
+    assert all("It reads" in tokenizer.decode(trained_runs(ids, labels)[0])
+               for ids, labels in zip(rows["field"]["input_ids"], rows["field"]["labels"]))
+    tokenizer.chat_template = REASONING_TEMPLATE  # the content's <think> block only
+    tokenizer.save_pretrained(tmp_path / "content-only")
+    with pytest.raises(UsageError, match=r"row 1 of --input .*field.jsonl has a message \(2\) with reasoning in "
+                                         "'reasoning_content' that the chat template does not write there"):
+        sft(work, "reasoning-unwritten", input=[str(tmp_path / "field.jsonl")], prompt_field=None, response_field=None,
+            messages_field="messages", tokenizer=str(tmp_path / "content-only"), val_fraction=0.0)
+
+
 TOOLS_TEMPLATE = (  # Qwen2.5's way with tools (Hermes' <tool_call>), reduced to it
     "{%- if tools -%}{{- '<|im_start|>system\n# Tools\n<tools>' -}}{%- for tool in tools -%}"
     "{{- '\n' + tool | tojson -}}{%- endfor -%}{{- '\n</tools><|im_end|>\n' -}}{%- endif -%}"
@@ -854,7 +895,9 @@ REFUSED = [
      "messages, not your data's, at assistant message 2: "),
     # kept as role and content, the answer was trained without the reasoning before it
     (["--messages_field", "messages", "--input", "{reasoning}"], "row 1 of --input {reasoning} has a message (2) with "
-     "reasoning in 'reasoning_content', which would not be trained"),
+     "reasoning in 'reasoning_content' that the chat template does not write there"),
+    (["--messages_field", "messages", "--input", "{user_reasons}"], "row 1 of --input {user_reasons} has a message "
+     "(1, role 'user') with 'thinking' that is not an assistant's reasoning as text"),
     # Gemma's template raises on a system message: the line named no row (and quoted the chat's first 40 characters)
     (["--messages_field", "messages", "--input", "{system}", "--chat_template", "{no_system}"],
      "--messages_field messages: row 2 of --input {system} is refused by the chat template (System role not "
@@ -976,6 +1019,8 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "reasoning": write_jsonl(tmp_path / "r.jsonl", [{"messages": [
             {"role": "user", "content": "Two plus two?"},
             {"role": "assistant", "content": "Four.", "reasoning_content": "Two and two make four."}]}]),
+        "user_reasons": write_jsonl(tmp_path / "r2.jsonl", [{"messages": [
+            {"role": "user", "content": "Two plus two?", "thinking": "Hm."}, {"role": "assistant", "content": "4"}]}]),
         "system": write_jsonl(tmp_path / "s.jsonl", [{"messages": [
             *([{"role": "system", "content": "Be brief."}] if with_system else []),
             {"role": "user", "content": "x = 1"}, {"role": "assistant", "content": "Set x."}]}

@@ -9,6 +9,9 @@ template does not render, or a value that is not text.
 An assistant message with OpenAI's `"weight": 0` stays in the chat as context and is not trained: its records keep
 `weight` 0 (None for every other message), which the masks (`chat_template.ChatEncoder`) and the loss-mask audit read.
 
+An assistant's reasoning beside its answer (`reasoning_content`, `reasoning` or `thinking`) is given to the template,
+which must write it where the answer is trained (Qwen3's writes `reasoning_content`), as tool calls are.
+
 Chats that call tools are read in OpenAI's shape, as transformers' chat templates take them: `tools` beside the
 messages (JSON schemas), an assistant's `tool_calls` and the `tool` messages that answer them. The chat template must
 write the tools and every call (each checked per chat, `check_rendered`): one that leaves them out would train the
@@ -41,12 +44,16 @@ PROBE_CHAT = [
 ]
 """A chat every template must handle (chat_template.check_template), checked before any data is encoded."""
 
-TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
-"""What a message of a chat that calls tools carries beside its role and content, as templates read it (Mistral's
-needs the calls' ids and the tool messages' tool_call_id; some templates name a tool's answer by `name`)."""
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+"""Where chats of reasoning models put an assistant's reasoning beside its answer: Qwen3's template reads the first,
+GPT-OSS's the last."""
+TEMPLATE_KEYS = ("tool_calls", "tool_call_id", "name", *REASONING_KEYS)
+"""What a message carries beside its role and content for the chat template to write: the calls of a chat that calls
+tools (Mistral's needs the calls' ids and the tool messages' tool_call_id; some templates name a tool's answer by
+`name`), and an assistant's reasoning."""
 MESSAGES = Features({
     "messages": List({"role": Value("string"), "content": Value("string"), "weight": Value("int8"),
-                      **{key: Value("string") for key in TOOL_KEYS}}),
+                      **{key: Value("string") for key in TEMPLATE_KEYS}}),
     "tools": Value("string"),
 })
 PAIR_OPTIONS = ("prompt_field", "response_field", "input_field", "system_field")
@@ -113,10 +120,6 @@ def pair_prompt(prompt: str, extra: str = "", system: str = "") -> list[dict[str
     return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": user}]
 
 
-REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
-"""Where chats of reasoning models put an assistant's reasoning beside its answer (Qwen3's template reads the first)."""
-
-
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
 """The roles chat templates are written for. Only assistant messages are trained; a role outside these (ShareGPT's
 human and gpt, Gemma's model, an Assistant capitalised) was written by the templates that write any role under its
@@ -158,14 +161,14 @@ def stored_message(message: dict) -> dict:
     return {"role": message["role"], "content": message.get("content") or "",
             "weight": 0 if untrained(message) else None,
             "tool_calls": json.dumps([tool_call(call) for call in calls]) if calls else None,
-            **{key: message.get(key) if isinstance(message.get(key), str) else None for key in TOOL_KEYS[1:]}}
+            **{key: message.get(key) if isinstance(message.get(key), str) else None for key in TEMPLATE_KEYS[1:]}}
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Records' messages as chat templates read them, and as inference renders them: role, content, and where they
     have them the tool calls (read back from JSON text), the id a tool message answers and its name."""
     return [{"role": m["role"], "content": m["content"],
-             **{key: json.loads(m[key]) if key == "tool_calls" else m[key] for key in TOOL_KEYS if m.get(key)}}
+             **{key: json.loads(m[key]) if key == "tool_calls" else m[key] for key in TEMPLATE_KEYS if m.get(key)}}
             for m in messages]
 
 
@@ -225,8 +228,8 @@ def without_nulls(value: object) -> object:
 
 def chat_problem(chat: object) -> Optional[str]:
     """What is wrong with a chat's messages, said after its row (prepare_data.py) or line (generate.py --prompts):
-    it must be {role, content} messages with text, of the known roles, with nothing beside the text that would not
-    be trained (tool calls, reasoning)."""
+    it must be {role, content} messages with text, of the known roles, an assistant's tool calls and reasoning in
+    the shapes templates read (whether the template writes them is `check_rendered`'s to say)."""
     messages = chat if isinstance(chat, list) else []
     legacy = next((k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("function_call")), None)
     if legacy is not None:  # kept as {role, content}, the assistant's call was trained without it
@@ -236,13 +239,13 @@ def chat_problem(chat: object) -> Optional[str]:
                   for problem in [tool_call_problem(m)] if problem), None)
     if calls is not None:
         return f"has a message ({calls[0] + 1}) {calls[1]}"
-    reasoning = next(((k, key) for k, m in enumerate(messages) if isinstance(m, dict)
-                      for key in REASONING_KEYS if m.get(key)), None)
-    if reasoning is not None:  # kept as {role, content}, the answer was trained without the reasoning before it
+    reasoning = next(((k, key) for k, m in enumerate(messages) if isinstance(m, dict) for key in REASONING_KEYS
+                      if m.get(key) is not None and (m.get("role") != "assistant" or not isinstance(m[key], str))),
+                     None)
+    if reasoning is not None:
         k, key = reasoning
-        return (f"has a message ({k + 1}) with reasoning in {key!r}, which would not be trained: the answer would be "
-                "learnt without it; put the reasoning in the message's content as the model writes it (Qwen3: "
-                "'<think>\\n...\\n</think>\\n\\n' before the answer), or leave the field out")
+        return (f"has a message ({k + 1}, role {messages[k].get('role')!r}) with {key!r} that is not an assistant's "
+                "reasoning as text")
     parts = next((k for k, m in enumerate(messages) if isinstance(m, dict) and isinstance(m.get("content"), list)),
                  None)
     if parts is not None:
@@ -331,10 +334,12 @@ def check_rendered(messages: list[dict[str, str]], tools: Optional[list], render
     quotes): searching the rendered chat for the text itself missed both. One render per chat. A template that
     raises on this chat's roles (Gemma's on a system message, turns that do not alternate) refuses the row; one that
     fails on every chat is check_template's to report, and a message with blank content (a system message) too.
-    Each tool call is marked by its name, and the tools must change what the template writes."""
-    marked = [m | {"content": _marker(k)} | ({"tool_calls": [{**call, "function": call["function"] | {
-        "name": _marker(k, j)}} for j, call in enumerate(m["tool_calls"])]} if "tool_calls" in m else {})
-        for k, m in enumerate(template_messages(messages))]
+    Each tool call is marked by its name, and the tools must change what the template writes; a trained answer's
+    reasoning is marked as its content is."""
+    marked = [m | {"content": _marker(k)} | {key: _marker(k, key) for key in REASONING_KEYS if key in m}
+              | ({"tool_calls": [{**call, "function": call["function"] | {"name": _marker(k, f"call-{j}")}}
+                                 for j, call in enumerate(m["tool_calls"])]} if "tool_calls" in m else {})
+              for k, m in enumerate(template_messages(messages))]
     text = rendered(marked, tools=tools)
     if text is None and rendered(PROBE_CHAT) is not None:
         raise row.error("messages_field", f"is refused by the chat template ({rendered.failure(marked)}); leave such "
@@ -348,11 +353,19 @@ def check_rendered(messages: list[dict[str, str]], tools: Optional[list], render
                             f"template does not render {advice}, or give a template that renders it with "
                             "--chat_template FILE")
     unwritten = next((k for k, m in enumerate(marked) for j in range(len(m.get("tool_calls", ())))
-                      if text is not None and _marker(k, j) not in text), None)
+                      if text is not None and _marker(k, f"call-{j}") not in text), None)
     if unwritten is not None:
         raise row.error("messages_field", f"has a message ({unwritten + 1}) whose tool calls the chat template does "
                         "not write: the answer after them would be trained without them; give a template that "
                         "renders tool_calls with --chat_template FILE, or leave such chats out")
+    unthought = next(((k, key) for k, m in enumerate(marked) for key in REASONING_KEYS
+                      if key in m and not untrained(m) and text is not None and m[key] not in text), None)
+    if unthought is not None:
+        raise row.error("messages_field", f"has a message ({unthought[0] + 1}) with reasoning in {unthought[1]!r} that "
+                        "the chat template does not write there (Qwen3's writes reasoning_content only after the last "
+                        "user message): the answer would be learnt without it; give a template that renders it with "
+                        "--chat_template FILE, put the reasoning in the message's content as the model writes it "
+                        "(Qwen3: '<think>\\n...\\n</think>\\n\\n' before the answer), or leave the field out")
     if text is not None and tools and rendered(marked) == text:
         raise row.error("messages_field", "offers tools (its 'tools' field) that the chat template does not write: "
                         "the answers would be trained without them; give a template that renders tools with "
@@ -376,10 +389,10 @@ def dropped_from_answer(messages: list[dict[str, str]], text: str) -> Optional[i
                  and "".join(m["content"].split()) not in bare), None)
 
 
-def _marker(k: int, call: Optional[int] = None) -> str:
-    """Message k's stand-in content, or the stand-in name of its call: text no template writes, and no marker
-    inside another (k=1 in k=10)."""
-    return f"@@message-{k}@@" if call is None else f"@@message-{k}-call-{call}@@"
+def _marker(k: int, part: str = "") -> str:
+    """Message k's stand-in content, or that of another part of it (a call's name, its reasoning): text no template
+    writes, and no marker inside another (k=1 in k=10)."""
+    return f"@@message-{k}{'-' + part if part else ''}@@"
 
 
 def _is_message(message: object) -> bool:
@@ -396,5 +409,6 @@ def chat_texts(records: Dataset) -> Iterator[str]:
     """Every message's text, to train a tokenizer on (--vocab_size)."""
     for batch in records.iter(batch_size=1000):
         for chat, tools in zip(batch["messages"], batch["tools"]):
-            yield from (text for message in chat for text in (message["content"], message["tool_calls"]) if text)
+            yield from (text for message in chat for key in ("content", "tool_calls", *REASONING_KEYS)
+                        if (text := message[key]))
             yield from [tools] if tools else []
