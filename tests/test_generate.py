@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GPT2Config,
-                          MixtralConfig, T5Config)
+                          MixtralConfig, PreTrainedTokenizerBase, T5Config)
 
 from app.huggingface.generate import GenerateArgs, generate, model_input
 from app.huggingface.generate_cli import main as generate_main
@@ -386,18 +386,52 @@ CALL = {"role": "assistant", "content": None, "tool_calls": [
     {"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]}
 
 
+def tools_model(tiny, folder: Path) -> tuple[Path, PreTrainedTokenizerBase]:
+    """The tiny Llama with TOOLS_TEMPLATE, and room for the tools' JSON (rotary: more than its 64 positions)."""
+    model_folder(tiny, folder, "llama")
+    config = AutoConfig.from_pretrained(folder)
+    config.max_position_embeddings = 512
+    config.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer
+
+
+def test_a_chat_prompt_is_offered_the_tools_of_a_file(tiny, tmp_path, capsys) -> None:
+    """generate.py --chat --tools FILE: a quick check of a tool-calling model asks with tools, as it was trained."""
+    folder, tokenizer = tools_model(tiny, tmp_path / "model")
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    written = generate(GenerateArgs(str(folder), prompt="Weather?", chat=True, tools=str(tmp_path / "tools.json"),
+                                    temperature=0, max_new_tokens=4))
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    inputs = model_input(tokenizer, [{"role": "user", "content": "Weather?"}], False, model.config, [WEATHER])
+    assert tokenizer.decode(inputs["input_ids"][0]).startswith("<tools>\n[{")
+    output = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert written.startswith("Weather?\n--> " + tokenizer.decode(output[0, inputs["input_ids"].shape[1]:],
+                                                                   skip_special_tokens=True) + "\n(")
+    for argv, message in [
+        (["--tools", "{tools}"], "--tools offers tools to the chat of each prompt: add --chat true"),
+        (["--chat", "true", "--tools", "{folder}/none.json"], "--tools {folder}/none.json: not readable as UTF-8 text"),
+        (["--chat", "true", "--tools", "{bad}"], "--tools {bad}: not a JSON list of tool schemas (objects, as "
+                                                 "OpenAI's tools)"),
+        (["--chat", "true", "--tools", "{empty}"], "--tools {empty}: not a JSON list of tool schemas"),
+        (["--prompts", "{tools}", "--messages_field", "m", "--tools", "{tools}"],
+         "--tools: a chat of --messages_field offers its own (its 'tools' field); drop --tools")]:
+        (tmp_path / "bad.json").write_text('{"name": "weather"}')
+        (tmp_path / "empty.json").write_text("[]")
+        fill = {"tools": tmp_path / "tools.json", "folder": tmp_path, "bad": tmp_path / "bad.json",
+                "empty": tmp_path / "empty.json"}
+        assert refusal([str(folder), *(item.format(**fill) for item in argv)], capsys).startswith(
+            message.format(**fill))
+
+
 def test_chats_with_tools_are_asked_with_them_and_a_call_is_scored_as_the_template_writes_it(tiny, tmp_path,
                                                                                               capsys) -> None:
     """A chat test set of prepare_data.py's tool calls: the prompt holds the tools the chat offers (and its earlier
     calls), and a last message that calls a tool is scored as the chat template writes the call, which is what the
     model learnt to write."""
-    folder = model_folder(tiny, tmp_path / "model", "llama")
-    config = AutoConfig.from_pretrained(folder)
-    config.max_position_embeddings = 512  # rotary: the tools' JSON is longer than the tiny model's 64 positions
-    config.save_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = TOOLS_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    folder, tokenizer = tools_model(tiny, tmp_path / "model")
     user = {"role": "user", "content": "Weather in Paris?"}
     chats = [{"tools": [WEATHER], "messages": [user, CALL]},
              {"tools": json.dumps([WEATHER]), "messages": [user, CALL, {"role": "tool", "content": "18 C"},

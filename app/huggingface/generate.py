@@ -29,7 +29,7 @@ from app.cli import UsageError, first_line
 from app.folders import DATASET_DICT_FILE, replace_file
 from app.hub import (CONFIG_ERRORS, load_problem, missing_model_problem, missing_weights_problem, quiet_hub,
                      unloadable_tokenizer)
-from app.huggingface.generate_cli import GenerateArgs
+from app.huggingface.generate_cli import GenerateArgs, offered_tools
 from app.huggingface.prompts_file import Answer, Messages, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
 from app.prepare.seq2seq import fit
@@ -118,7 +118,8 @@ def generate(args: GenerateArgs) -> str:
     """What the model writes for --prompt: see `shown`."""
     tokenizer, config, device = tokenizer_config_and_device(args)
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
-    (ids,) = trained_sources(tokenizer, config, [encoded_prompt(tokenizer, config, prompt, args, "--prompt")], args)
+    ids = encoded_prompt(tokenizer, config, prompt, args, "--prompt", offered_tools(args))
+    (ids,) = trained_sources(tokenizer, config, [ids], args)
     check_positions(config, len(ids), args.max_new_tokens)
     model = load_model(args, config, tokenizer).to(device)
     torch.manual_seed(args.seed)
@@ -134,7 +135,9 @@ def answer_file(args: GenerateArgs) -> None:
     rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field, args.messages_field,
                         args.input_field, args.system_field)
     rows = [with_reference(tokenizer, row, line_of(row, args)) for row in rows]
-    encoded = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args), row.tools) for row in rows]
+    tools = offered_tools(args)
+    encoded = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args), row.tools or tools)
+               for row in rows]
     prompts = trained_sources(tokenizer, config, encoded, args)
     longest = max(range(len(rows)), key=lambda index: len(prompts[index]))  # what fits it fits every prompt
     check_positions(config, len(prompts[longest]), args.max_new_tokens, f"{line_of(rows[longest], args)}, the longest")

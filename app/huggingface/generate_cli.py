@@ -54,6 +54,10 @@ class GenerateArgs:
     """With --prompts: prompts generated at once (left-padded for a decoder-only model)."""
     chat: bool = False
     """Wrap the prompt in the tokenizer's chat template, as a user message followed by the assistant's turn."""
+    tools: Optional[str] = None
+    """With --chat: a JSON file of the tools offered with each prompt (a list of OpenAI tool schemas, as a chat's
+    `tools` that prepare_data.py trains), which the chat template writes; a chat of --messages_field offers its
+    own."""
     max_new_tokens: int = 80
     """Tokens to generate."""
     max_source_length: Optional[int] = None
@@ -99,6 +103,9 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
 def check_prompt_options(args: GenerateArgs) -> None:
     """One prompt or a file of them, never both (one would be ignored); the file's options only with the file; an
     --output that exists is refused before the model loads (a finished test set's answers are never overwritten)."""
+    if args.tools is not None and args.messages_field is not None:
+        raise cli.UsageError("--tools: a chat of --messages_field offers its own (its 'tools' field); drop --tools")
+    offered_tools(args)
     if args.prompts is None:
         given = [name for name in ("reference_field", "messages_field", "input_field", "system_field", "output")
                  if getattr(args, name) is not None]
@@ -130,6 +137,24 @@ def check_prompt_options(args: GenerateArgs) -> None:
     unusable = unusable_folder(Path(args.output).absolute().parent) if args.output is not None else None
     if unusable:  # found after every prompt was answered (hours of a test set), the answers were lost
         raise cli.UsageError(f"--output {args.output}: {unusable}; give a file in a folder you can write to")
+
+
+def offered_tools(args: GenerateArgs) -> Optional[list]:
+    """The tools of --tools FILE, read as prepare_data.py reads a chat's; None without it. Refused in one line: a file
+    that is not a list of tool schemas, or --tools without --chat (a plain prompt has no template to write them)."""
+    from app.prepare.chat import read_tools, tools_problem  # (datasets: only when tools are given)
+
+    if args.tools is None:
+        return None
+    if not args.chat:
+        raise cli.UsageError("--tools offers tools to the chat of each prompt: add --chat true")
+    try:
+        text = Path(args.tools).read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as error:
+        raise cli.UsageError(f"--tools {args.tools}: not readable as UTF-8 text ({error})") from None
+    if tools_problem(text) or read_tools(text) is None:
+        raise cli.UsageError(f"--tools {args.tools}: not a JSON list of tool schemas (objects, as OpenAI's tools)")
+    return read_tools(text)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
