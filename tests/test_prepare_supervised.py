@@ -893,7 +893,7 @@ REFUSED = [
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{mismatch}"],
      "are not a prefix of the whole chat's tokens, so the prompt cannot be masked (in a test chat of 4 "
      "messages, not your data's, at assistant message 2: "),
-    # kept as role and content, the answer was trained without the reasoning before it
+    # The default template writes no reasoning: the answer would be trained without the reasoning before it.
     (["--messages_field", "messages", "--input", "{reasoning}"], "row 1 of --input {reasoning} has a message (2) with "
      "reasoning in 'reasoning_content' that the chat template does not write there"),
     (["--messages_field", "messages", "--input", "{user_reasons}"], "row 1 of --input {user_reasons} has a message "
