@@ -293,7 +293,7 @@ def test_what_a_chat_carries_beside_its_messages_is_refused_only_where_it_would_
     "weight" on assistant messages only, as 0 or 1."""
     from app.prepare.chat import read_tools, tools_problem, untrained, weight_problem
 
-    offered = (None, "", "[]", "null", [], '[{"type": "function"}]', [{"type": "function", "x": None}], "some tool")
+    offered = (None, "", "[]", "null", [], '[{"type": "function"}]', [{"type": "function"}], "some tool")
     assert [read_tools(tools) for tools in offered] == [None] * 5 + [[{"type": "function"}]] * 2 + ["some tool"]
     assert [tools_problem(tools) is None for tools in offered] == [True] * 7 + [False]
     asked = [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a", "weight": 1}]
@@ -495,15 +495,17 @@ TOOLS_TEMPLATE = (  # Qwen2.5's way with tools (Hermes' <tool_call>), reduced to
     "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
 
 
-def tool_chat(k: int, pair: dict[str, str], as_text: bool) -> dict:
+def tool_chat(k: int, pair: dict[str, str], as_text: bool, own_nulls: bool = True) -> dict:
     """A chat that offers two tools and calls one, with its result, then answers: the two tools' schemas and
     arguments have other keys (a Parquet file gives every row the keys of all rows, as null); the arguments and the
-    tools are objects, or `as_text` JSON text (OpenAI's arguments), where a null argument is the data's own. Keys are
-    in the order a Parquet file keeps them (that of their first row), which templates write."""
+    tools are objects, or `as_text` JSON text (OpenAI's arguments). With `own_nulls`, a null argument and a schema's
+    null default are the data's own. Keys are in the order a Parquet file keeps them (that of their first row), which
+    templates write."""
     name, arguments = (("count_lines", {"code": pair["code"][:30]}) if k % 2
-                       else ("find_name", {"pattern": "def", "limit": 3, **({"unit": None} if as_text else {})}))
+                       else ("find_name", {"pattern": "def", "limit": 3, **({"unit": None} if own_nulls else {})}))
+    code = {"type": "string", **({"default": None} if own_nulls else {})}
     tools = [{"type": "function", "function": {"name": "count_lines", "parameters": {
-                "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
+                "type": "object", "properties": {"code": code}, "required": ["code"]}}},
              {"type": "function", "function": {"name": "find_name", "parameters": {"type": "object", "properties": {
                  "pattern": {"type": "string", "enum": ["def", "class"]}}}, "description": "Names in the code."}}]
     call = {"id": f"call{k}", "type": "function",
@@ -517,21 +519,25 @@ def tool_chat(k: int, pair: dict[str, str], as_text: bool) -> dict:
 
 def test_chats_that_call_tools_train_the_calls_and_answers_as_inference_renders_them(work, pairs, tmp_path):
     """Each example is the chat exactly as apply_chat_template renders it at inference, given its tools (the
-    arguments and schemas without the keys Arrow added from other rows, the null written in JSON text kept); the
+    arguments and schemas of a Parquet file without the keys its structs added from other rows, the nulls of JSON
+    text and of a JSON file's objects kept); the
     call and the answer are trained, through their end-of-turn; the tools, the question and the tool's result are
     not."""
-    chats = [tool_chat(k, pair, as_text) for as_text in (False, True) for k, pair in enumerate(pairs[:20])]
-    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(chats[:20]), tmp_path / "objects.parquet")  # with nulls
-    write_jsonl(tmp_path / "texts.jsonl", chats[20:])
+    chats = [tool_chat(k, pair, as_text, own_nulls) for as_text, own_nulls in ((False, False), (True, True),
+                                                                                (False, True))
+             for k, pair in enumerate(pairs[:12])]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(chats[:12]), tmp_path / "objects.parquet")  # with nulls
+    write_jsonl(tmp_path / "texts.jsonl", chats[12:24])
+    write_jsonl(tmp_path / "objects.jsonl", chats[24:])
     tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(tmp_path / "tools-tokenizer")
-    inputs = [str(tmp_path / "objects.parquet"), str(tmp_path / "texts.jsonl")]
+    inputs = [str(tmp_path / name) for name in ("objects.parquet", "texts.jsonl", "objects.jsonl")]
     rows, stats, _ = sft(work, "tool-calls", input=inputs, prompt_field=None,
                          response_field=None, messages_field="messages", tokenizer=str(tmp_path / "tools-tokenizer"),
                          block_size=1024, packing=False, val_fraction=0.0)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    expected = {}
+    expected, rendered = {}, []
     for chat in chats:
         tools = json.loads(chat["tools"]) if isinstance(chat["tools"], str) else chat["tools"]
         messages = [m | {"content": m["content"] or "", "tool_calls": [
@@ -540,9 +546,11 @@ def test_chats_that_call_tools_train_the_calls_and_answers_as_inference_renders_
             else m for m in chat["messages"]]
         ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"]
         expected[tuple(ids)] = chat
+        rendered.append(tuple(ids))
     assert stats["splits"]["train"]["kept"] == len(chats) == len(rows["train"])
+    assert sorted(map(tuple, rows["train"]["input_ids"])) == sorted(rendered), "as inference renders each chat"
     for row in rows["train"]:
-        chat = expected[tuple(row["input_ids"])]  # a KeyError: not rendered as inference renders it
+        chat = expected[tuple(row["input_ids"])]
         call, answer = trained_runs(row["input_ids"], row["labels"])
         arguments = chat["messages"][1]["tool_calls"][0]["function"]["arguments"]
         arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)

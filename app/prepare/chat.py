@@ -17,7 +17,7 @@ messages (JSON schemas), an assistant's `tool_calls` and the `tool` messages tha
 write the tools and every call (each checked per chat, `check_rendered`): one that leaves them out would train the
 answers without them. Records keep the calls and the tools as JSON text, since their arguments and schemas differ
 from row to row, and an Arrow struct would give every row the keys of all rows (`template_messages` reads them
-back).
+back; `without_struct_nulls` takes those out of inputs read as structs).
 """
 
 from __future__ import annotations
@@ -78,11 +78,14 @@ def _records(
     """The messages of every row of one input; `fields` maps each option to the input field it names; without the
     empty chats `to_messages` makes of empty rows under `skip_empty`."""
     require_fields(table, fields, source)
+    exact_objects = table.info.builder_name == "json"  # datasets reads a JSON file's objects with their own keys
 
     def convert(batch: dict, indices: list[int]) -> dict:
         values = [{option: batch[field][i] for option, field in fields.items()} for i in range(len(indices))]
         if "messages_field" in fields and "tools" in batch:  # read beside the messages, to refuse what they offer
             values = [value | {"tools": batch["tools"][i]} for i, value in enumerate(values)]
+        if "messages_field" in fields and not exact_objects:
+            values = [without_struct_nulls(value) for value in values]
         return {"messages": [to_messages(row, Row(fields, index, source)) for index, row in zip(indices, values)],
                 "tools": [stored_tools(row.get("tools")) for row in values]}
 
@@ -175,14 +178,13 @@ def template_messages(messages: list[dict]) -> list[dict]:
 def tool_call(call: dict) -> dict:
     """One call of `tool_calls` as transformers' templates read it: {"type": "function", "function": {name,
     arguments}} (and its id), the arguments an object. OpenAI writes them as JSON text, which a template's `tojson`
-    would write quoted; an object read from Parquet or a Hub dataset has the keys of every row's arguments, those of
-    other rows null (left out here: `without_nulls`)."""
+    would write quoted."""
     function = call.get("function", call)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         arguments = (json.loads(arguments) if arguments.strip() else None) or {}
     else:
-        arguments = without_nulls(arguments or {})
+        arguments = arguments or {}
     return {"type": "function", "function": {"name": function["name"], "arguments": arguments},
             **({"id": call["id"]} if isinstance(call.get("id"), str) else {})}
 
@@ -214,11 +216,21 @@ def _is_call(call: object) -> bool:
     return arguments is None or isinstance(arguments, dict) or arguments == ""
 
 
+def without_struct_nulls(values: dict) -> dict:
+    """A chat row read from Arrow structs (Parquet, a Hub or saved dataset) without the null entries of its tool
+    calls and tools, at every depth: a struct gives each row's objects the keys of every row's (a tool's schema the
+    `enum` of another's, a call the arguments of another function), null where a row has none. A null the data
+    itself holds is left out with them; a JSON file's objects are read as written (datasets keeps each row's keys,
+    and its nulls), and so is JSON text."""
+    chat = values["messages_field"]
+    if isinstance(chat, list):
+        chat = [m | {"tool_calls": without_nulls(m["tool_calls"])} if isinstance(m, dict) and m.get("tool_calls")
+                else m for m in chat]
+    return values | {"messages_field": chat, "tools": without_nulls(values.get("tools"))}
+
+
 def without_nulls(value: object) -> object:
-    """A value read from an Arrow struct (Parquet, a Hub dataset) without the null entries of its objects, at every
-    depth: a struct gives each row's objects the keys of every row's (a tool's schema the `enum` of another's), null
-    where a row has none. A null the data itself holds is left out with them (JSON text keeps it; datasets reads a
-    JSON file's objects as JSON, without added keys)."""
+    """`value` without the null entries of its objects, at every depth."""
     if isinstance(value, dict):
         return {key: without_nulls(item) for key, item in value.items() if item is not None}
     if isinstance(value, list):
@@ -300,14 +312,13 @@ def weight_problem(messages: list[dict]) -> Optional[str]:
 
 def read_tools(tools: object) -> Optional[list]:
     """The tools a chat offers (OpenAI's and Qwen's `tools` beside the messages: JSON schemas), None for none. Tools
-    written as JSON text (many function-calling datasets) are read as such: "[]" offers none; objects without the
-    nulls of other rows' schemas (`without_nulls`)."""
+    written as JSON text (many function-calling datasets) are read as such: "[]" offers none."""
     if isinstance(tools, str):
         try:
             return json.loads(tools) or None if tools.strip() else None
         except ValueError:
             return tools  # text that is not JSON: `tools_problem` refuses it
-    return without_nulls(tools) or None
+    return tools or None
 
 
 def tools_problem(tools: object) -> Optional[str]:
