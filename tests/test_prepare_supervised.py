@@ -891,7 +891,8 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{not_chat}"], "is not a list of {role, content}"),
     # The default template writes role and content: the call would be trained without it, the tools not offered.
     (["--messages_field", "messages", "--input", "{tool_call}"], "row 1 of --input {tool_call} has a message (2) "
-     "whose tool calls the chat template does not write: the answer after them would be trained without them"),
+     "whose tool calls the chat template does not write whole (their names and arguments): the answer after them "
+     "would be trained without them"),
     (["--messages_field", "messages", "--input", "{legacy_call}"], "row 1 of --input {legacy_call} has a message (2) "
      "with OpenAI's legacy function_call: write it as tool_calls"),
     (["--messages_field", "messages", "--input", "{bad_arguments}"], "row 1 of --input {bad_arguments} has a message "

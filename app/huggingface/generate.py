@@ -32,6 +32,8 @@ from app.hub import (CONFIG_ERRORS, load_problem, missing_model_problem, missing
 from app.huggingface.generate_cli import GenerateArgs, offered_tools
 from app.huggingface.prompts_file import Answer, Messages, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
+from app.prepare.chat import rendering_problem, template_messages
+from app.prepare.chat_template import ChatText, end_of_turn
 from app.prepare.seq2seq import fit
 from app.prepare.tokenizer import document_frame, document_suffix, encode_texts, render_chat, special_token_ids
 
@@ -201,20 +203,27 @@ def trained_sources(tokenizer: Any, config: Any, prompts: list[list[int]], args:
 
 
 def with_reference(tokenizer: Any, row: PromptRow, what: str) -> PromptRow:
-    """A chat whose last message calls tools has for reference the text the chat template writes for that turn (its
-    content, then its calls in the template's format), up to its end-of-turn: what the model learnt to write
-    (prepare_data.py trains the turn so). Any other row as it is."""
-    if row.reference_turn is None:
+    """A chat line checked against the chat template as prepare_data.py checks a row (a message, a tool call, the
+    tools or reasoning it would leave out is refused: the model would be asked without them, or scored against
+    nothing). One whose last message calls tools has for reference the text the template writes for that turn (its
+    content, then its calls in the template's format) through its end-of-turn, decoded as answers are: what the
+    model learnt to write. Any other row as it is."""
+    if row.chat is None:
+        return row
+    problem = rendering_problem(row.chat, row.tools, ChatText(tokenizer.get_chat_template(),
+                                                              dict(tokenizer.special_tokens_map)), with_template="")
+    if problem:
+        raise UsageError(f"{what}: its chat {problem}")
+    *_, last = template_messages(row.chat)
+    if "tool_calls" not in last:
         return row
     before = render_chat(tokenizer, row.prompt, generation_prompt=True, tools=row.tools)["input_ids"]
-    whole = render_chat(tokenizer, [*row.prompt, row.reference_turn], generation_prompt=False,
-                        tools=row.tools)["input_ids"]
+    whole = render_chat(tokenizer, [*row.prompt, last], generation_prompt=False, tools=row.tools)["input_ids"]
     if whole[:len(before)] != before:
         raise UsageError(f"{what}: the chat template renders the chat before its last message otherwise than the "
                          "whole chat, so the tool calls to score cannot be read from it; leave such chats out")
     turn = whole[len(before):]
-    special = special_token_ids(tokenizer)
-    end = next((index for index, token in enumerate(turn) if token in special), len(turn))
+    end = end_of_turn(tokenizer, special_token_ids(tokenizer), turn, 0) or len(turn)
     return replace(row, reference=tokenizer.decode(turn[:end], skip_special_tokens=True))
 
 

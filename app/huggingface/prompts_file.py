@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from app.cli import UsageError
 from app.prepare.chat import (chat_problem, from_sharegpt, pair_prompt, read_tools, stored_message,
-                              template_messages, tools_problem)
+                              template_messages, tools_problem, unoffered_call)
 
 
 Messages = list[dict[str, str]]
@@ -27,9 +27,10 @@ class PromptRow:
     reference: Optional[str]
     tools: Optional[list] = None
     """The tools a chat offers, which the chat template writes with its messages, as prepare_data.py trained it."""
-    reference_turn: Optional[dict] = None
-    """A chat's last message when it calls tools: its reference is the text the chat template writes for the turn
-    (`generate.with_reference`), not its content."""
+    chat: Optional[list[dict]] = None
+    """A chat line's messages as prepare_data.py records them, its last one included: generate.py checks them
+    against the chat template, and scores a last message that calls tools as the template writes it
+    (`generate.with_reference`)."""
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,16 @@ def chat_row(path: Path, number: int, record: dict, field: str) -> PromptRow:
     if chat is None:
         raise UsageError(f"{where} has no field {field!r} (--messages_field); its fields: "
                          f"{', '.join(map(str, record)) or 'none'}")
-    problem = chat_problem(chat) or tools_problem(record.get("tools"))  # as prepare_data.py reads a chat
+    problem = (chat_problem(chat) or tools_problem(record.get("tools"))  # as prepare_data.py reads a chat
+               or unoffered_call(chat, record.get("tools")))
     if problem:
         raise UsageError(f"{where}: {field!r} {problem}")
     if len(chat) < 2 or chat[-1]["role"] != "assistant" or chat[0]["role"] == "assistant":
         raise UsageError(f"{where}: {field!r} does not end with an assistant message after a system or user one; "
                          "the last assistant message is the answer to score")
-    *prompt, last = template_messages([stored_message(m) for m in chat])
-    return PromptRow(number, prompt, last["content"], read_tools(record.get("tools")),
-                     last if "tool_calls" in last else None)
+    stored = [stored_message(m) for m in chat]
+    *prompt, last = template_messages(stored)
+    return PromptRow(number, prompt, last["content"], read_tools(record.get("tools")), stored)
 
 
 def answer_record(row: PromptRow, answer: Answer) -> dict[str, object]:

@@ -14,7 +14,7 @@ which must write it where the answer is trained (Qwen3's writes `reasoning_conte
 
 Chats that call tools are read in OpenAI's shape, as transformers' chat templates take them: `tools` beside the
 messages (JSON schemas), an assistant's `tool_calls` and the `tool` messages that answer them. The chat template must
-write the tools and every call (each checked per chat, `check_rendered`): one that leaves them out would train the
+write the tools and every call (each checked per chat, `rendering_problem`): one that leaves them out would train the
 answers without them. Records keep the calls and the tools as JSON text, since their arguments and schemas differ
 from row to row, and an Arrow struct would give every row the keys of all rows (`template_messages` reads them
 back; `without_struct_nulls` takes those out of inputs read as structs).
@@ -136,12 +136,14 @@ def chat_messages(
     """A chat as {role, content} messages (`chat_problem` says what a chat must be), with the tool calls of its
     assistant messages and the tools beside it, which the chat template must render whole (`rendered`)."""
     chat, tools = from_sharegpt(values["messages_field"]), values.get("tools")
-    problem = chat_problem(chat) or tools_problem(tools) or weight_problem(chat) or turns_problem(chat)
+    problem = (chat_problem(chat) or tools_problem(tools) or unoffered_call(chat, tools) or weight_problem(chat)
+               or turns_problem(chat))
     if problem:
         raise row.error("messages_field", problem)
     messages = [stored_message(m) for m in chat]
-    if rendered is not None:
-        check_rendered(messages, read_tools(tools), rendered, row)
+    problem = None if rendered is None else rendering_problem(messages, read_tools(tools), rendered)
+    if problem:
+        raise row.error("messages_field", problem)
     return messages
 
 
@@ -241,7 +243,7 @@ def without_nulls(value: object) -> object:
 def chat_problem(chat: object) -> Optional[str]:
     """What is wrong with a chat's messages, said after its row (prepare_data.py) or line (generate.py --prompts):
     it must be {role, content} messages with text, of the known roles, an assistant's tool calls and reasoning in
-    the shapes templates read (whether the template writes them is `check_rendered`'s to say)."""
+    the shapes templates read (whether the template writes them is `rendering_problem`'s to say)."""
     messages = chat if isinstance(chat, list) else []
     legacy = next((k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("function_call")), None)
     if legacy is not None:  # kept as {role, content}, the assistant's call was trained without it
@@ -329,67 +331,89 @@ def tools_problem(tools: object) -> Optional[str]:
     return "offers 'tools' that are not a list of tool schemas (JSON objects, or their JSON text)"
 
 
+def unoffered_call(chat: list[dict], tools: object) -> Optional[str]:
+    """A call of a tool the chat does not offer, where it offers some: the call would be learnt for a tool the
+    model is not shown (tools kept under another field, a misspelt name). A chat that offers none is trained as
+    inference without tools renders it."""
+    offered = read_tools(tools) or []
+    names = {tool.get("function", tool).get("name") for tool in offered
+             if isinstance(tool.get("function", tool), dict)} - {None}
+    if not names:
+        return None
+    called = next(((k, tool_call(call)["function"]["name"]) for k, m in enumerate(chat) for call in m.get("tool_calls")
+                   or () if tool_call(call)["function"]["name"] not in names), None)
+    if called is None:
+        return None
+    return (f"has a message ({called[0] + 1}) that calls {called[1]!r}, which is not one of the tools it offers "
+            f"({', '.join(sorted(map(str, names)))}): the call would be learnt for a tool the model is not shown")
+
+
 def stored_tools(tools: object) -> Optional[str]:
     """A chat's tools as records keep them: JSON text, None for none."""
     offered = read_tools(tools)
     return json.dumps(offered) if offered else None
 
 
-def check_rendered(messages: list[dict[str, str]], tools: Optional[list], rendered: ChatText, row: Row) -> None:
-    """Refuse a message that the chat template does not render: a template that renders only the roles it knows
-    (Qwen's skips "human") drops it silently, and the answer after it would be trained without its prompt. And an
-    answer to train that the template renders only in part (`dropped_from_answer`).
+def rendering_problem(messages: list[dict], tools: Optional[list], rendered: ChatText,
+                      with_template: str = " with --chat_template FILE") -> Optional[str]:
+    """What the chat template would leave out of a chat (records' `messages`, offered `tools`), or None: a message
+    that the chat template does not render (a template that renders only the roles it knows, Qwen's skips "human",
+    drops it silently, and the answer after it would be trained without its prompt), a tool call, the tools, an
+    answer's reasoning, or part of an answer to train (`dropped_from_answer`). prepare_data.py refuses such a row;
+    generate.py such a line (`with_template` says where a template that renders it is given).
 
     The chat is rendered with each message's content replaced by a marker of its own, so that a dropped message is
     found also where its text appears elsewhere in the chat (a question asked twice, a prompt that its answer
     quotes): searching the rendered chat for the text itself missed both. One render per chat. A template that
     raises on this chat's roles (Gemma's on a system message, turns that do not alternate) refuses the row; one that
     fails on every chat is check_template's to report, and a message with blank content (a system message) too.
-    Each tool call is marked by its name, and the tools must change what the template writes; a trained answer's
-    reasoning is marked as its content is."""
+    Each tool call is marked by its name and its arguments, and the tools must change what the template writes; a
+    trained answer's reasoning is marked as its content is."""
     marked = [m | {"content": _marker(k)} | {key: _marker(k, key) for key in REASONING_KEYS if key in m}
-              | ({"tool_calls": [{**call, "function": call["function"] | {"name": _marker(k, f"call-{j}")}}
+              | ({"tool_calls": [{**call, "function": {"name": _marker(k, f"call-{j}"),
+                                                       "arguments": {_marker(k, f"arguments-{j}"): 0}}}
                                  for j, call in enumerate(m["tool_calls"])]} if "tool_calls" in m else {})
               for k, m in enumerate(template_messages(messages))]
     text = rendered(marked, tools=tools)
-    if text is None and rendered(PROBE_CHAT) is not None:
-        raise row.error("messages_field", f"is refused by the chat template ({rendered.failure(marked)}); leave such "
-                        "chats out or give a template that takes them with --chat_template FILE")
+    if text is None:
+        if rendered(PROBE_CHAT) is None:
+            return None  # a template that fails on every chat: check_template says so
+        return (f"is refused by the chat template ({rendered.failure(marked, tools)}); leave such chats out or give a "
+                f"template that takes them{with_template}")
     for k, message in enumerate(messages):
-        if text is not None and message["content"].strip() and _marker(k) not in text:
-            advice = ("where it stands (Mistral's v0.3 template writes a system message only before the last user "
-                      "message); leave it out" if message["role"] in ("system", "user", "assistant")
+        if message["content"].strip() and _marker(k) not in text:
+            advice = ("where it stands, beside its tool calls (a template that writes only the calls of such a "
+                      "message: Llama-3.1's, Mistral's); leave the content out" if message.get("tool_calls")
+                      else "where it stands (Mistral's v0.3 template writes a system message only before the last "
+                      "user message); leave it out" if message["role"] in ("system", "user", "assistant")
                       else "(a template for system, user and assistant only); leave it out")
-            raise row.error("messages_field", f"has a message ({k + 1}) of role {message['role']!r} that the chat "
-                            f"template does not render {advice}, or give a template that renders it with "
-                            "--chat_template FILE")
+            return (f"has a message ({k + 1}) of role {message['role']!r} that the chat template does not render "
+                    f"{advice}, or give a template that renders it{with_template}")
     unwritten = next((k for k, m in enumerate(marked) for j in range(len(m.get("tool_calls", ())))
-                      if text is not None and _marker(k, f"call-{j}") not in text), None)
+                      if _marker(k, f"call-{j}") not in text or _marker(k, f"arguments-{j}") not in text), None)
     if unwritten is not None:
-        raise row.error("messages_field", f"has a message ({unwritten + 1}) whose tool calls the chat template does "
-                        "not write: the answer after them would be trained without them; give a template that "
-                        "renders tool_calls with --chat_template FILE, or leave such chats out")
+        return (f"has a message ({unwritten + 1}) whose tool calls the chat template does not write whole (their "
+                "names and arguments): the answer after them would be trained without them; give a template that "
+                f"renders tool_calls{with_template}, or leave such chats out")
     unthought = next(((k, key) for k, m in enumerate(marked) for key in REASONING_KEYS
-                      if key in m and not untrained(m) and text is not None and m[key] not in text), None)
+                      if key in m and not untrained(m) and m[key] not in text), None)
     if unthought is not None:
-        raise row.error("messages_field", f"has a message ({unthought[0] + 1}) with reasoning in {unthought[1]!r} that "
-                        "the chat template does not write there (Qwen3's writes reasoning_content only after the last "
-                        "user message): the answer would be learnt without it; give a template that renders it with "
-                        "--chat_template FILE, put the reasoning in the message's content as the model writes it "
-                        "(Qwen3: '<think>\\n...\\n</think>\\n\\n' before the answer), or leave the field out")
-    if text is not None and tools and rendered(marked) == text:
-        raise row.error("messages_field", "offers tools (its 'tools' field) that the chat template does not write: "
-                        "the answers would be trained without them; give a template that renders tools with "
-                        "--chat_template FILE, or leave the field out")
-    if text is not None:
-        dropped = dropped_from_answer(messages, rendered(template_messages(messages), tools=tools) or "")
-        if dropped is not None:
-            part = ("its reasoning (DeepSeek-R1's first template keeps only what follows </think>)"
-                    if "</think>" in messages[dropped]["content"] else "part of it")
-            raise row.error("messages_field", f"has an assistant message ({dropped + 1}) of which the chat template "
-                            f"drops {part}: the model would learn the answer without it; give a template that renders "
-                            "it whole with --chat_template FILE, or mark the message \"weight\": 0 to keep it as "
-                            "context only")
+        return (f"has a message ({unthought[0] + 1}) with reasoning in {unthought[1]!r} that the chat template does "
+                "not write there (Qwen3's writes reasoning_content only after the last user message): the answer "
+                f"would be learnt without it; give a template that renders it{with_template}, put the reasoning in "
+                "the message's content as the model writes it (Qwen3: '<think>\\n...\\n</think>\\n\\n' before the "
+                "answer), or leave the field out")
+    if tools and rendered(marked) == text:
+        return ("offers tools (its 'tools' field) that the chat template does not write: the answers would be "
+                f"trained without them; give a template that renders tools{with_template}, or leave the field out")
+    dropped = dropped_from_answer(messages, rendered(template_messages(messages), tools=tools) or "")
+    if dropped is not None:
+        part = ("its reasoning (DeepSeek-R1's first template keeps only what follows </think>)"
+                if "</think>" in messages[dropped]["content"] else "part of it")
+        return (f"has an assistant message ({dropped + 1}) of which the chat template drops {part}: the model would "
+                f"learn the answer without it; give a template that renders it whole{with_template}, or mark the "
+                "message \"weight\": 0 to keep it as context only")
+    return None
 
 
 def dropped_from_answer(messages: list[dict[str, str]], text: str) -> Optional[int]:

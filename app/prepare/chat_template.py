@@ -113,10 +113,10 @@ class ChatText:
             return None
         return rendered[0]
 
-    def failure(self, messages: list[dict[str, str]]) -> str:
-        """Why the template fails on the chat, in one line (its own raise_exception message)."""
+    def failure(self, messages: list[dict], tools: Optional[list] = None) -> str:
+        """Why the template fails on the chat (offered `tools`), in one line (its own raise_exception message)."""
         try:
-            render_jinja_template(conversations=[messages], chat_template=self.template, **self.variables)
+            render_jinja_template(conversations=[messages], chat_template=self.template, tools=tools, **self.variables)
         except Exception as error:  # noqa: BLE001 (whatever the template raised)
             return " ".join(str(error).split()) or type(error).__name__
         return "it renders"
@@ -170,20 +170,24 @@ class ChatEncoder:
                 return dropped(PREFIX_MISMATCH)
             if len(through) == len(before):
                 return dropped(NOTHING_TRAINED)
-            end = self._end_of_turn(through, len(before))
+            end = end_of_turn(self.tokenizer, self.special_ids, through, len(before))
             if end is None:
                 return dropped(NO_END_OF_TURN)
             (untrained_spans if untrained(message) else spans).append((len(before), end))
         (first_start, first_end), *_ = spans
         return Example(chat, chat_labels(chat, spans, self.train_on_prompt, untrained_spans), first_start, first_end)
 
-    def _end_of_turn(self, tokens: list[int], start: int) -> int | None:
-        """Where the turn `tokens[start:]` ends: after its last special token, when only whitespace follows that."""
-        for end in range(len(tokens), start, -1):
-            if tokens[end - 1] in self.special_ids:
-                trailing = self.tokenizer.decode(tokens[end:]) if end < len(tokens) else ""
-                return None if trailing.strip() else end
-        return None
+
+
+def end_of_turn(tokenizer: PreTrainedTokenizerBase, special_ids: set[int], tokens: list[int],
+                start: int) -> Optional[int]:
+    """Where the turn `tokens[start:]` ends: after its last special token, when only whitespace follows that (a
+    turn may start with one of its own, Mistral's [TOOL_CALLS])."""
+    for end in range(len(tokens), start, -1):
+        if tokens[end - 1] in special_ids:
+            trailing = tokenizer.decode(tokens[end:]) if end < len(tokens) else ""
+            return None if trailing.strip() else end
+    return None
 
 
 def chat_labels(tokens: list[int], spans: list[tuple[int, int]], train_on_prompt: bool,
