@@ -458,6 +458,40 @@ def test_chats_with_tools_are_asked_with_them_and_a_call_is_scored_as_the_templa
     assert "2 answers scored against the last assistant message of 'messages'" in capsys.readouterr().out
 
 
+def test_a_call_turn_that_starts_with_a_special_token_is_its_reference_and_a_template_without_tools_is_refused(
+        tiny, tmp_path) -> None:
+    """Mistral's call turn starts with its special [TOOL_CALLS]: the reference was cut there, empty. A template that
+    writes no tools, or no calls, would ask without them and score against nothing: refused as prepare_data.py
+    refuses such a row."""
+    from app.cli import UsageError
+    from app.huggingface.generate import with_reference
+    from app.huggingface.prompts_file import read_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]"]})
+    tokenizer.chat_template = (
+        "{% if tools %}{{ '[AVAILABLE_TOOLS]' + tools | tojson }}{% endif %}{% for m in messages %}"
+        "{% if m.tool_calls %}{{ '[TOOL_CALLS]' + m.tool_calls | map(attribute='function') | list | tojson + eos_token }}"
+        "{% elif m.role == 'assistant' %}{{ m.content + eos_token }}{% else %}{{ '[INST]' + m.content + '[/INST]' }}"
+        "{% endif %}{% endfor %}")
+    prompts = tmp_path / "calls.jsonl"
+    prompts.write_text(json.dumps({"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Paris?"}, CALL]}) + "\n")
+    row, = read_prompts(prompts, "prompt", None, messages_field="messages")
+    assert with_reference(tokenizer, row, "line 1").reference.strip() == (
+        '[{"name": "weather", "arguments": {"city": "Paris"}}]')
+    tokenizer.chat_template = TEMPLATE  # role and content only
+    with pytest.raises(UsageError, match="line 1: its chat has a message \\(2\\) whose tool calls the chat template "
+                                         "does not write whole"):
+        with_reference(tokenizer, row, "line 1")
+    prompts.write_text(json.dumps({"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."}]}) + "\n")
+    row, = read_prompts(prompts, "prompt", None, messages_field="messages")
+    with pytest.raises(UsageError, match="line 1: its chat offers tools \\(its 'tools' field\\) that the chat "
+                                         "template does not write"):
+        with_reference(tokenizer, row, "line 1")
+
+
 def test_alpaca_style_prompts_are_asked_as_prepare_data_made_them(tiny, tmp_path, capsys) -> None:
     """A prompt/response test set with an input and a system field (Alpaca's): the model was trained on the chat
     prepare_data.py makes of a row (system message; prompt, blank line, input); generate.py asked the prompt alone,

@@ -498,7 +498,7 @@ TOOLS_TEMPLATE = (  # Qwen2.5's way with tools (Hermes' <tool_call>), reduced to
 def tool_chat(k: int, pair: dict[str, str], as_text: bool, own_nulls: bool = True) -> dict:
     """A chat that offers two tools and calls one, with its result, then answers: the two tools' schemas and
     arguments have other keys (a Parquet file gives every row the keys of all rows, as null); the arguments and the
-    tools are objects, or `as_text` JSON text (OpenAI's arguments). With `own_nulls`, a null argument and a schema's
+    tools are objects, or `as_text` JSON text (OpenAI's arguments; and the calls). With `own_nulls`, a null argument and a schema's
     null default are the data's own. Keys are in the order a Parquet file keeps them (that of their first row), which
     templates write."""
     name, arguments = (("count_lines", {"code": pair["code"][:30]}) if k % 2
@@ -512,7 +512,7 @@ def tool_chat(k: int, pair: dict[str, str], as_text: bool, own_nulls: bool = Tru
             "function": {"name": name, "arguments": json.dumps(arguments) if as_text else arguments}}
     return {"tools": json.dumps(tools) if as_text else tools, "messages": [
         {"role": "user", "content": pair["code"]},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "assistant", "content": None, "tool_calls": json.dumps([call]) if as_text else [call]},
         {"role": "tool", "tool_call_id": f"call{k}", "content": f"result {k}: 7"},
         {"role": "assistant", "content": pair["summary"]}]}
 
@@ -537,6 +537,9 @@ def test_chats_that_call_tools_train_the_calls_and_answers_as_inference_renders_
                          response_field=None, messages_field="messages", tokenizer=str(tmp_path / "tools-tokenizer"),
                          block_size=1024, packing=False, val_fraction=0.0)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for chat in chats:  # the calls as the chats hold them, for what follows
+        chat["messages"][1]["tool_calls"] = json.loads(chat["messages"][1]["tool_calls"]) if isinstance(
+            chat["messages"][1]["tool_calls"], str) else chat["messages"][1]["tool_calls"]
     expected, rendered = {}, []
     for chat in chats:
         tools = json.loads(chat["tools"]) if isinstance(chat["tools"], str) else chat["tools"]
@@ -899,6 +902,21 @@ REFUSED = [
      "(2) whose tool_calls are not a list of"),
     (["--messages_field", "messages", "--input", "{user_calls}"], "row 1 of --input {user_calls} has a message (1) "
      "with tool calls, which only an assistant message makes (role 'user')"),
+    # A template that writes a call's name alone: the arguments would not be trained.
+    (["--messages_field", "messages", "--input", "{tool_call}", "--chat_template", "{names_only}"], "row 1 of --input "
+     "{tool_call} has a message (2) whose tool calls the chat template does not write whole (their names and "
+     "arguments)"),
+    # Llama-3.1's and Mistral's write only the calls of a message that makes some: its text would vanish.
+    (["--messages_field", "messages", "--input", "{said_and_called}", "--chat_template", "{calls_only}"],
+     "row 1 of --input {said_and_called} has a message (2) of role 'assistant' that the chat template does not render "
+     "where it stands, beside its tool calls (a template that writes only the calls of such a message"),
+    (["--messages_field", "messages", "--input", "{unoffered}"], "row 1 of --input {unoffered} has a message (2) that "
+     "calls 'get_weather', which is not one of the tools it offers (count_lines): the call would be learnt for a tool "
+     "the model is not shown"),
+    # The template's own error, which it raises only when given the tools (a rendering without them said "it renders")
+    (["--messages_field", "messages", "--input", "{flat_tools}", "--chat_template", "{calls_only}"],
+     "row 1 of --input {flat_tools} is refused by the chat template (each tool needs a function); leave such chats "
+     "out"),
     (["--prompt_field", "code", "--response_field", "summary", "--chat_template", "{mismatch}"],
      "are not a prefix of the whole chat's tokens, so the prompt cannot be masked (in a test chat of 4 "
      "messages, not your data's, at assistant message 2: "),
@@ -950,6 +968,8 @@ REFUSED = [
      "field) that the chat template does not write: the answers would be trained without them"),
     (["--messages_field", "messages", "--input", "{not_tools}"], "row 1 of --input {not_tools} offers 'tools' that "
      "are not a list of tool schemas"),
+    (["--messages_field", "messages", "--input", "{calls_as_text}"], "row 1 of --input {calls_as_text} has a message "
+     "(2) whose tool_calls are not a list of"),  # read as JSON text, as OpenAI's arguments are: this one is not JSON
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_line}"],
      "could not read it as json: {bad_line} line 3, column 25: Expecting value"),
     (["--prompt_field", "code", "--response_field", "summary", "--input", "{bad_document}"],
@@ -974,6 +994,19 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
             {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
                 "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
             {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "18 C in Paris."}]}]),
+        "said_and_called": write_jsonl(tmp_path / "t6.jsonl", [{"messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "18 C in Paris."}]}]),
+        "unoffered": write_jsonl(tmp_path / "t7.jsonl", [{"tools": [{"type": "function", "function": {
+            "name": "count_lines"}}], "messages": [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": {}}}]}]}]),
+        "flat_tools": write_jsonl(tmp_path / "t8.jsonl", [{"tools": [{"name": "get_weather"}], "messages": [
+            {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."}]}]),
+        "names_only": tmp_path / "names_only.jinja",
+        "calls_only": tmp_path / "calls_only.jinja",
         "legacy_call": write_jsonl(tmp_path / "t2.jsonl", [{"messages": [
             {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": "{}"}},
@@ -986,6 +1019,9 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "user_calls": write_jsonl(tmp_path / "t4.jsonl", [{"messages": [
             {"role": "user", "content": "Weather?", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
             {"role": "assistant", "content": "18 C in Paris."}]}]),
+        "calls_as_text": write_jsonl(tmp_path / "t9.jsonl", [{"messages": [
+            {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": "weather("},
+            {"role": "assistant", "content": "Sunny."}]}]),
         "not_tools": write_jsonl(tmp_path / "t5.jsonl", [{"tools": "get_weather(city)", "messages": [
             {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]}]),
         "numbers": write_jsonl(tmp_path / "n.jsonl", [{"code": "x = 1", "summary": "Set x.", "n": 3}]),
@@ -1046,6 +1082,16 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}" + turns)
     # Renders only the roles it knows, as Qwen's does with other roles: a "tool" message would vanish, its answer
     # trained alone.
+    (tmp_path / "names_only.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] + ':\n' + m['content'] }}{% for c in m.tool_calls or [] %}"
+        "{{ 'call ' + c.function.name }}{% endfor %}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}")
+    (tmp_path / "calls_only.jinja").write_text(
+        "{% for t in tools or [] %}{% if t.function is not defined %}{{ raise_exception('each tool needs a function') }}"
+        "{% endif %}{{ t.function.name + '\n' }}{% endfor %}{% for m in messages %}{{ m['role'] + ':\n' }}"
+        "{% if m.tool_calls %}{% for c in m.tool_calls %}{{ c.function.name + (c.function.arguments | tojson) }}"
+        "{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}")
     (tmp_path / "known_roles.jinja").write_text(
         "{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}"
         "{{ m['role'] + ':\n' + m['content'] + eos_token }}{% endif %}{% endfor %}"

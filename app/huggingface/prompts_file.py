@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from app.cli import UsageError
-from app.prepare.chat import (chat_problem, from_sharegpt, pair_prompt, read_tools, stored_message,
+from app.prepare.chat import (chat_problem, openai_messages, pair_prompt, read_tools, stored_message,
                               template_messages, tools_problem, unoffered_call)
 
 
@@ -94,7 +94,7 @@ def text_field(path: Path, number: int, record: dict, flag: str, field: str, opt
 
 def chat_row(path: Path, number: int, record: dict, field: str) -> PromptRow:
     """A chat whose last message, an assistant's, is the reference, and the messages before it the prompt."""
-    chat = from_sharegpt(record.get(field))
+    chat = openai_messages(record.get(field))
     where = f"--prompts {path}: line {number}"
     if chat is None:
         raise UsageError(f"{where} has no field {field!r} (--messages_field); its fields: "

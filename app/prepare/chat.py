@@ -135,7 +135,7 @@ def chat_messages(
 ) -> list[dict[str, str]]:
     """A chat as {role, content} messages (`chat_problem` says what a chat must be), with the tool calls of its
     assistant messages and the tools beside it, which the chat template must render whole (`rendered`)."""
-    chat, tools = from_sharegpt(values["messages_field"]), values.get("tools")
+    chat, tools = openai_messages(values["messages_field"]), values.get("tools")
     problem = (chat_problem(chat) or tools_problem(tools) or unoffered_call(chat, tools) or weight_problem(chat)
                or turns_problem(chat))
     if problem:
@@ -147,16 +147,27 @@ def chat_messages(
     return messages
 
 
-def from_sharegpt(chat: object) -> object:
-    """ShareGPT's messages ({from, value}, as axolotl and LLaMA-Factory read them) as {role, content}, human as user
-    and gpt as assistant (`RENAMED`), their other keys kept ("weight"); any other chat as it is. Many chat datasets
-    on the Hub are written so, and were refused with the advice to convert them."""
-    if not (isinstance(chat, list) and chat and all(isinstance(m, dict) and {"from", "value"} <= m.keys()
-                                                    for m in chat)):
+def openai_messages(chat: object) -> object:
+    """A chat's messages in OpenAI's shape: ShareGPT's ({from, value}, as axolotl and LLaMA-Factory read them) as
+    {role, content}, human as user and gpt as assistant (`RENAMED`), their other keys kept ("weight"); tool calls
+    written as JSON text read (as tools may be). Many chat datasets on the Hub are written so, and were refused.
+    Anything else as it is, for `chat_problem` to judge."""
+    if not isinstance(chat, list):
         return chat
-    return [{key: item for key, item in m.items() if key not in ("from", "value")}
-            | {"role": RENAMED.get(m["from"].lower(), m["from"]) if isinstance(m["from"], str) else m["from"],
-               "content": m["value"]} for m in chat]
+    if chat and all(isinstance(m, dict) and {"from", "value"} <= m.keys() for m in chat):
+        chat = [{key: item for key, item in m.items() if key not in ("from", "value")}
+                | {"role": RENAMED.get(m["from"].lower(), m["from"]) if isinstance(m["from"], str) else m["from"],
+                   "content": m["value"]} for m in chat]
+    return [m | {"tool_calls": _json_or_text(m["tool_calls"])} if isinstance(m, dict)
+            and isinstance(m.get("tool_calls"), str) else m for m in chat]
+
+
+def _json_or_text(text: str) -> object:
+    """JSON text read, or the text itself where it is not JSON (for the checks to refuse); blank text is none."""
+    try:
+        return json.loads(text) if text.strip() else None
+    except ValueError:
+        return text
 
 
 def stored_message(message: dict) -> dict:
@@ -165,7 +176,7 @@ def stored_message(message: dict) -> dict:
     calls = message.get("tool_calls")
     return {"role": message["role"], "content": message.get("content") or "",
             "weight": 0 if untrained(message) else None,
-            "tool_calls": json.dumps([tool_call(call) for call in calls]) if calls else None,
+            "tool_calls": json.dumps([tool_call(call) for call in calls], ensure_ascii=False) if calls else None,
             **{key: message.get(key) if isinstance(message.get(key), str) else None for key in TEMPLATE_KEYS[1:]}}
 
 
@@ -315,12 +326,8 @@ def weight_problem(messages: list[dict]) -> Optional[str]:
 def read_tools(tools: object) -> Optional[list]:
     """The tools a chat offers (OpenAI's and Qwen's `tools` beside the messages: JSON schemas), None for none. Tools
     written as JSON text (many function-calling datasets) are read as such: "[]" offers none."""
-    if isinstance(tools, str):
-        try:
-            return json.loads(tools) or None if tools.strip() else None
-        except ValueError:
-            return tools  # text that is not JSON: `tools_problem` refuses it
-    return tools or None
+    read = _json_or_text(tools) if isinstance(tools, str) else tools  # text that is not JSON: tools_problem refuses it
+    return read or None
 
 
 def tools_problem(tools: object) -> Optional[str]:
@@ -328,7 +335,7 @@ def tools_problem(tools: object) -> Optional[str]:
     offered = read_tools(tools)
     if offered is None or (isinstance(offered, list) and all(isinstance(tool, dict) for tool in offered)):
         return None
-    return "offers 'tools' that are not a list of tool schemas (JSON objects, or their JSON text)"
+    return "offers 'tools' that are not a list of tool schemas (JSON objects, or the JSON text of that list)"
 
 
 def unoffered_call(chat: list[dict], tools: object) -> Optional[str]:
@@ -351,7 +358,7 @@ def unoffered_call(chat: list[dict], tools: object) -> Optional[str]:
 def stored_tools(tools: object) -> Optional[str]:
     """A chat's tools as records keep them: JSON text, None for none."""
     offered = read_tools(tools)
-    return json.dumps(offered) if offered else None
+    return json.dumps(offered, ensure_ascii=False) if offered else None
 
 
 def rendering_problem(messages: list[dict], tools: Optional[list], rendered: ChatText,
