@@ -471,7 +471,8 @@ def test_a_call_turn_that_starts_with_a_special_token_is_its_reference_and_a_tem
     tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]"]})
     tokenizer.chat_template = (
         "{% if tools %}{{ '[AVAILABLE_TOOLS]' + tools | tojson }}{% endif %}{% for m in messages %}"
-        "{% if m.tool_calls %}{{ '[TOOL_CALLS]' + m.tool_calls | map(attribute='function') | list | tojson + eos_token }}"
+        "{% if m.tool_calls %}"
+        "{{ '[TOOL_CALLS]' + m.tool_calls | map(attribute='function') | list | tojson + eos_token }}"
         "{% elif m.role == 'assistant' %}{{ m.content + eos_token }}{% else %}{{ '[INST]' + m.content + '[/INST]' }}"
         "{% endif %}{% endfor %}")
     prompts = tmp_path / "calls.jsonl"

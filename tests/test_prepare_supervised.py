@@ -498,9 +498,9 @@ TOOLS_TEMPLATE = (  # Qwen2.5's way with tools (Hermes' <tool_call>), reduced to
 def tool_chat(k: int, pair: dict[str, str], as_text: bool, own_nulls: bool = True) -> dict:
     """A chat that offers two tools and calls one, with its result, then answers: the two tools' schemas and
     arguments have other keys (a Parquet file gives every row the keys of all rows, as null); the arguments and the
-    tools are objects, or `as_text` JSON text (OpenAI's arguments; and the calls). With `own_nulls`, a null argument and a schema's
-    null default are the data's own. Keys are in the order a Parquet file keeps them (that of their first row), which
-    templates write."""
+    tools are objects, or `as_text` JSON text (OpenAI's arguments; and the calls). With `own_nulls`, a null
+    argument and a schema's null default are the data's own. Keys are in the order a Parquet file keeps them (that of
+    their first row), which templates write."""
     name, arguments = (("count_lines", {"code": pair["code"][:30]}) if k % 2
                        else ("find_name", {"pattern": "def", "limit": 3, **({"unit": None} if own_nulls else {})}))
     code = {"type": "string", **({"default": None} if own_nulls else {})}
@@ -1087,8 +1087,8 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "{{ 'call ' + c.function.name }}{% endfor %}{{ eos_token }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}")
     (tmp_path / "calls_only.jinja").write_text(
-        "{% for t in tools or [] %}{% if t.function is not defined %}{{ raise_exception('each tool needs a function') }}"
-        "{% endif %}{{ t.function.name + '\n' }}{% endfor %}{% for m in messages %}{{ m['role'] + ':\n' }}"
+        "{% for t in tools or [] %}{% if t.function is not defined %}"
+        "{{ raise_exception('each tool needs a function') }}{% endif %}{{ t.function.name + '\n' }}{% endfor %}{% for m in messages %}{{ m['role'] + ':\n' }}"
         "{% if m.tool_calls %}{% for c in m.tool_calls %}{{ c.function.name + (c.function.arguments | tojson) }}"
         "{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}")
