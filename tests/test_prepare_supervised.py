@@ -1088,7 +1088,8 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}")
     (tmp_path / "calls_only.jinja").write_text(
         "{% for t in tools or [] %}{% if t.function is not defined %}"
-        "{{ raise_exception('each tool needs a function') }}{% endif %}{{ t.function.name + '\n' }}{% endfor %}{% for m in messages %}{{ m['role'] + ':\n' }}"
+        "{{ raise_exception('each tool needs a function') }}{% endif %}{{ t.function.name + '\n' }}{% endfor %}"
+        "{% for m in messages %}{{ m['role'] + ':\n' }}"
         "{% if m.tool_calls %}{% for c in m.tool_calls %}{{ c.function.name + (c.function.arguments | tojson) }}"
         "{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}")
