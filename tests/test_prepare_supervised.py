@@ -892,6 +892,8 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{no_assistant}"], "has no assistant message"),
     (["--messages_field", "messages", "--input", "{assistant_first}"], "starts with an assistant message"),
     (["--messages_field", "messages", "--input", "{not_chat}"], "is not a list of {role, content}"),
+    (["--messages_field", "messages", "--input", "{null_result}"], "row 1 of --input {null_result} has a message (3) "
+     "without a role and text content (null content only in an assistant's message that calls tools)"),
     # The default template writes role and content: the call would be trained without it, the tools not offered.
     (["--messages_field", "messages", "--input", "{tool_call}"], "row 1 of --input {tool_call} has a message (2) "
      "whose tool calls the chat template does not write whole (their names and arguments): the answer after them "
@@ -1019,6 +1021,10 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "user_calls": write_jsonl(tmp_path / "t4.jsonl", [{"messages": [
             {"role": "user", "content": "Weather?", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
             {"role": "assistant", "content": "18 C in Paris."}]}]),
+        "null_result": write_jsonl(tmp_path / "t10.jsonl", [{"messages": [
+            {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "weather", "arguments": {}}}]},
+            {"role": "tool", "content": None}, {"role": "assistant", "content": "Sunny."}]}]),
         "calls_as_text": write_jsonl(tmp_path / "t9.jsonl", [{"messages": [
             {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": "weather("},
             {"role": "assistant", "content": "Sunny."}]}]),

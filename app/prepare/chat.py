@@ -276,8 +276,12 @@ def chat_problem(chat: object) -> Optional[str]:
     if parts is not None:
         return (f"has a message ({parts + 1}) whose content is a list of parts, not text: join its text parts into "
                 "one string (text alone is trained)")
-    if not messages or not all(_is_message(m) for m in messages):
+    if not messages:
         return "is not a list of {role, content} messages with text content"
+    bad = next((k for k, m in enumerate(messages) if not _is_message(m)), None)
+    if bad is not None:
+        return (f"has a message ({bad + 1}) without a role and text content (null content only in an assistant's "
+                "message that calls tools): it is not a {role, content} message")
     unknown = next((m["role"] for m in messages if m["role"] not in KNOWN_ROLES), None)
     if unknown is not None:
         rename = f" (write {unknown!r} as {RENAMED[unknown.lower()]!r})" if unknown.lower() in RENAMED else ""
