@@ -479,6 +479,15 @@ def test_reasoning_beside_an_answer_is_trained_as_the_template_writes_it_and_ref
                                          "'reasoning_content' that the chat template does not write there"):
         sft(work, "reasoning-unwritten", input=[str(tmp_path / "field.jsonl")], prompt_field=None, response_field=None,
             messages_field="messages", tokenizer=str(tmp_path / "content-only"), val_fraction=0.0)
+    context = [[*chat, {"role": "user", "content": "Shorter?"}, {"role": "assistant", "content": "Yes."}]
+               for chat in chats["field"]]
+    for chat in context:
+        chat[1] = chat[1] | {"weight": 0}  # context, as inference renders it: its reasoning left out as there
+    write_jsonl(tmp_path / "context.jsonl", [{"messages": chat} for chat in context])
+    kept = sft(work, "reasoning-context", input=[str(tmp_path / "context.jsonl")], prompt_field=None,
+               response_field=None, messages_field="messages", tokenizer=str(tmp_path / "content-only"),
+               block_size=1024, val_fraction=0.0).stats["splits"]["train"]["kept"]
+    assert kept == 20
 
 
 TOOLS_TEMPLATE = (  # Qwen2.5's way with tools (Hermes' <tool_call>), reduced to it

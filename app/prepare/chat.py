@@ -407,7 +407,7 @@ def rendering_problem(messages: list[dict], tools: Optional[list], rendered: Cha
                 "names and arguments): the answer after them would be trained without them; give a template that "
                 f"renders tool_calls{with_template}, or leave such chats out")
     unthought = next(((k, key) for k, m in enumerate(marked) for key in REASONING_KEYS
-                      if key in m and not untrained(m) and m[key] not in text), None)
+                      if key in m and not untrained(messages[k]) and m[key] not in text), None)
     if unthought is not None:
         return (f"has a message ({unthought[0] + 1}) with reasoning in {unthought[1]!r} that the chat template does "
                 "not write there (Qwen3's writes reasoning_content only after the last user message): the answer "
