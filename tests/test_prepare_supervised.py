@@ -575,6 +575,14 @@ def test_chats_that_call_tools_train_the_calls_and_answers_as_inference_renders_
         assert "<tools>" in masked and chat["messages"][2]["content"] in masked
     roles = stats["splits"]["train"]["loss_mask"]["roles"]
     assert roles["other"]["trained"] == roles["user"]["trained"] == 0 and roles["assistant"]["trained_share"] == 1
+    renamed = [{"functions": chat["tools"], "messages": chat["messages"]} for chat in chats[12:24]]
+    write_jsonl(tmp_path / "functions.jsonl", renamed)  # the tools under another field: --tools_field names it
+    rows_named, stats, _ = sft(work, "tool-calls-named", input=[str(tmp_path / "functions.jsonl")], prompt_field=None,
+                               response_field=None, messages_field="messages", tools_field="functions",
+                               tokenizer=str(tmp_path / "tools-tokenizer"), block_size=1024, packing=False,
+                               val_fraction=0.0)
+    assert stats["fields"] == {"messages_field": "messages", "tools_field": "functions"}
+    assert sorted(map(tuple, rows_named["train"]["input_ids"])) == sorted(rendered[12:24])
 
 
 REASONING_TEMPLATE = (  # Qwen3's handling of an assistant's reasoning, reduced to it
@@ -977,6 +985,10 @@ REFUSED = [
      "message (2) with \"weight\": 0.5: write 1 to train it or 0 to keep it as context only"),
     (["--messages_field", "messages", "--input", "{tools}"], "row 1 of --input {tools} offers tools (its 'tools' "
      "field) that the chat template does not write: the answers would be trained without them"),
+    (["--messages_field", "messages", "--input", "{tools}", "--tools_field", "functions"], "--tools_field functions: no "
+     "such field in --input {tools}; it has: "),
+    (["--prompt_field", "code", "--response_field", "summary", "--tools_field", "tools"], "--tools_field applies only "
+     "to --messages_field data"),
     (["--messages_field", "messages", "--input", "{not_tools}"], "row 1 of --input {not_tools} offers 'tools' that "
      "are not a list of tool schemas"),
     (["--messages_field", "messages", "--input", "{calls_as_text}"], "row 1 of --input {calls_as_text} has a message "

@@ -72,6 +72,9 @@ class PrepareArgs:
     """Supervised fine-tuning on chats: the field holding a list of {role, content} messages (or ShareGPT's {from,
     value}); every assistant message is trained, its tool calls included (OpenAI's `tool_calls`, with the row's
     `tools`)."""
+    tools_field: str | None = None
+    """With --messages_field: the field holding the tools each chat offers (OpenAI's JSON schemas, or their JSON
+    text), which the chat template writes; default: `tools`, where the input has such a field."""
     chat_template: str | None = None
     """A Jinja chat template file to render examples with, instead of the tokenizer's own (or the default one for a
     tokenizer without a template). It is saved with the tokenizer."""
@@ -127,6 +130,7 @@ OPTION_SHAPES: dict[str, tuple[RecordShape, ...]] = {
     "block_size": ("text", *SUPERVISED),
     "system_field": ("prompt/response",),
     "input_field": ("prompt/response",),
+    "tools_field": ("messages",),
     "chat_template": SUPERVISED,
     "train_on_prompt": SUPERVISED,
     "packing": SUPERVISED,

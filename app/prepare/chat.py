@@ -64,7 +64,8 @@ def chat_records(args: PrepareArgs, rendered: Optional[ChatText] = None) -> ToRe
     `rendered` gives a chat's text as the chat template renders it (or None), to refuse messages it leaves out."""
     if args.messages_field is not None:
         to_messages = partial(chat_messages, rendered=rendered)
-        return partial(_records, fields={"messages_field": args.messages_field}, to_messages=to_messages)
+        return partial(_records, fields={"messages_field": args.messages_field}, to_messages=to_messages,
+                       tools_field=args.tools_field)
     fields = {option: getattr(args, option) for option in PAIR_OPTIONS if getattr(args, option) is not None}
     skip_empty = args.empty_examples == "skip"
     return partial(_records, fields=fields, to_messages=partial(pair_messages, skip_empty=skip_empty),
@@ -73,17 +74,19 @@ def chat_records(args: PrepareArgs, rendered: Optional[ChatText] = None) -> ToRe
 
 def _records(
     table: Dataset, source: str, fields: dict[str, str], to_messages: Callable[[dict, Row], list[dict[str, str]]],
-    skip_empty: bool = False
+    skip_empty: bool = False, tools_field: Optional[str] = None
 ) -> Dataset:
-    """The messages of every row of one input; `fields` maps each option to the input field it names; without the
-    empty chats `to_messages` makes of empty rows under `skip_empty`."""
-    require_fields(table, fields, source)
+    """The messages of every row of one input, and the tools a chat offers (`tools_field`, else a `tools` field);
+    `fields` maps each option to the input field it names; without the empty chats `to_messages` makes of empty rows
+    under `skip_empty`."""
+    require_fields(table, fields | ({"tools_field": tools_field} if tools_field else {}), source)
+    tools = tools_field or ("tools" if "messages_field" in fields and "tools" in table.column_names else None)
     exact_objects = table.info.builder_name == "json"  # datasets reads a JSON file's objects with their own keys
 
     def convert(batch: dict, indices: list[int]) -> dict:
         values = [{option: batch[field][i] for option, field in fields.items()} for i in range(len(indices))]
-        if "messages_field" in fields and "tools" in batch:  # read beside the messages, to refuse what they offer
-            values = [value | {"tools": batch["tools"][i]} for i, value in enumerate(values)]
+        if tools is not None:  # read beside the messages
+            values = [value | {"tools": batch[tools][i]} for i, value in enumerate(values)]
         if "messages_field" in fields and not exact_objects:
             values = [without_struct_nulls(value) for value in values]
         return {"messages": [to_messages(row, Row(fields, index, source)) for index, row in zip(indices, values)],

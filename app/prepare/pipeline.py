@@ -38,6 +38,7 @@ FIELD_OPTIONS = (
     "system_field",
     "input_field",
     "messages_field",
+    "tools_field",
     "source_field",
     "target_field",
 )
