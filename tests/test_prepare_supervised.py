@@ -985,8 +985,8 @@ REFUSED = [
      "message (2) with \"weight\": 0.5: write 1 to train it or 0 to keep it as context only"),
     (["--messages_field", "messages", "--input", "{tools}"], "row 1 of --input {tools} offers tools (its 'tools' "
      "field) that the chat template does not write: the answers would be trained without them"),
-    (["--messages_field", "messages", "--input", "{tools}", "--tools_field", "functions"], "--tools_field functions: no "
-     "such field in --input {tools}; it has: "),
+    (["--messages_field", "messages", "--input", "{tools}", "--tools_field", "functions"],
+     "--tools_field functions: no such field in --input {tools}; it has: "),
     (["--prompt_field", "code", "--response_field", "summary", "--tools_field", "tools"], "--tools_field applies only "
      "to --messages_field data"),
     (["--messages_field", "messages", "--input", "{not_tools}"], "row 1 of --input {not_tools} offers 'tools' that "
