@@ -440,6 +440,32 @@ def test_sharegpt_chats_are_prepared_as_the_same_chats_of_role_and_content(work,
     assert {len(trained_runs(*example)) for example in examples} == {1}, "the first answer, weight 0, is not trained"
 
 
+def test_json_files_read_as_one_struct_give_no_tool_the_keys_of_another(work, pairs, tmp_path):
+    """Two JSON-lines files in a folder are read with the first one's struct: the second file's tool (without a
+    description, or `required`) came back with them as null, and was trained so."""
+    tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "tools-tokenizer")
+    described = {"type": "function", "function": {"name": "count_lines", "description": "Lines of code.", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+    bare = {"type": "function", "function": {"name": "count_lines", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}}}}}
+    chats = [{"tools": [tool], "messages": [
+        {"role": "user", "content": pair["summary"]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "count_lines", "arguments": {"code": pair["code"][:20]}}}]}]}
+        for tool, pair in zip([described] * 6 + [bare] * 6, pairs)]
+    (tmp_path / "parts").mkdir()
+    write_jsonl(tmp_path / "parts" / "part-0.jsonl", chats[:6])
+    write_jsonl(tmp_path / "parts" / "part-1.jsonl", chats[6:])
+    rows = sft(work, "two-files", input=[str(tmp_path / "parts")], prompt_field=None, response_field=None,
+               messages_field="messages", tokenizer=str(tmp_path / "tools-tokenizer"), block_size=1024,
+               packing=False, val_fraction=0.0).rows["train"]
+    at_inference = [tokenizer.apply_chat_template(chat["messages"], tools=chat["tools"], tokenize=True,
+                                                  return_dict=True)["input_ids"] for chat in chats]
+    assert sorted(rows["input_ids"]) == sorted(at_inference)
+
+
 def test_reasoning_beside_an_answer_is_trained_as_the_template_writes_it_and_refused_where_it_does_not(work, pairs,
                                                                                                         tmp_path):
     """Qwen3's template writes an assistant's `reasoning_content` before its answer: such chats are the same

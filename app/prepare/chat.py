@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Optional
 
-from datasets import Dataset, Features, List, Value
+from datasets import Dataset, Features, LargeList, List, Sequence, Value
 
 from app.prepare.args import PrepareArgs
 from app.prepare.corpus import Row, ToRecords, quiet_progress, require_fields
@@ -81,14 +81,16 @@ def _records(
     under `skip_empty`."""
     require_fields(table, fields | ({"tools_field": tools_field} if tools_field else {}), source)
     tools = tools_field or ("tools" if "messages_field" in fields and "tools" in table.column_names else None)
-    exact_objects = table.info.builder_name == "json"  # datasets reads a JSON file's objects with their own keys
+    message = element(table.features[fields["messages_field"]]) if "messages_field" in fields else None
+    calls_feature = message.get("tool_calls") if isinstance(message, dict) else None
+    tools_feature = table.features[tools] if tools is not None else None
 
     def convert(batch: dict, indices: list[int]) -> dict:
         values = [{option: batch[field][i] for option, field in fields.items()} for i in range(len(indices))]
         if tools is not None:  # read beside the messages
             values = [value | {"tools": batch[tools][i]} for i, value in enumerate(values)]
-        if "messages_field" in fields and not exact_objects:
-            values = [without_struct_nulls(value) for value in values]
+        if "messages_field" in fields:
+            values = [without_struct_nulls(value, calls_feature, tools_feature) for value in values]
         return {"messages": [to_messages(row, Row(fields, index, source)) for index, row in zip(indices, values)],
                 "tools": [stored_tools(row.get("tools")) for row in values]}
 
@@ -232,26 +234,36 @@ def _is_call(call: object) -> bool:
     return arguments is None or isinstance(arguments, dict) or arguments == ""
 
 
-def without_struct_nulls(values: dict) -> dict:
-    """A chat row read from Arrow structs (Parquet, a Hub or saved dataset) without the null entries of its tool
-    calls and tools, at every depth: a struct gives each row's objects the keys of every row's (a tool's schema the
-    `enum` of another's, a call the arguments of another function), null where a row has none. A null the data
-    itself holds is left out with them; a JSON file's objects are read as written (datasets keeps each row's keys,
-    and its nulls), and so is JSON text."""
+def without_struct_nulls(values: dict, calls_feature: object, tools_feature: object) -> dict:
+    """A chat row without the null entries that Arrow structs gave its tool calls and tools (features `calls_feature`
+    and `tools_feature`, the input's): a struct gives each row's objects the keys of every row's (a tool's schema the
+    `enum` of another's, a call the arguments of another function), null where a row has none. Parquet files and
+    Hub datasets hold structs, and so does a JSON input when datasets reads it as one (several files, or a first
+    block of rows alike, give the others' objects their keys); a null the data itself holds there is left out with
+    them. Objects read as JSON (datasets' Json feature: a JSON file's rows whose keys differ) and JSON text keep
+    their own."""
     chat = values["messages_field"]
     if isinstance(chat, list):
-        chat = [m | {"tool_calls": without_nulls(m["tool_calls"])} if isinstance(m, dict) and m.get("tool_calls")
-                else m for m in chat]
-    return values | {"messages_field": chat, "tools": without_nulls(values.get("tools"))}
+        chat = [m | {"tool_calls": struct_nulls_out(m["tool_calls"], calls_feature)}
+                if isinstance(m, dict) and m.get("tool_calls") else m for m in chat]
+    return values | {"messages_field": chat, "tools": struct_nulls_out(values.get("tools"), tools_feature)}
 
 
-def without_nulls(value: object) -> object:
-    """`value` without the null entries of its objects, at every depth."""
-    if isinstance(value, dict):
-        return {key: without_nulls(item) for key, item in value.items() if item is not None}
-    if isinstance(value, list):
-        return [without_nulls(item) for item in value]
+def struct_nulls_out(value: object, feature: object) -> object:
+    """`value` without the null entries of the objects its `feature` reads as structs, at every depth."""
+    if isinstance(value, dict) and isinstance(feature, dict):
+        return {key: struct_nulls_out(item, feature.get(key)) for key, item in value.items() if item is not None}
+    if isinstance(value, list) and element(feature) is not None:
+        return [struct_nulls_out(item, element(feature)) for item in value]
     return value
+
+
+def element(feature: object) -> object:
+    """What each item of a list feature is (datasets' List, LargeList or Sequence, or a Python list); None for
+    another feature."""
+    if isinstance(feature, list):
+        return feature[0] if feature else None
+    return getattr(feature, "feature", None) if isinstance(feature, (List, LargeList, Sequence)) else None
 
 
 def chat_problem(chat: object) -> Optional[str]:
