@@ -459,7 +459,7 @@ def test_chats_with_tools_are_asked_with_them_and_a_call_is_scored_as_the_templa
 
 
 def test_a_call_turn_that_starts_with_a_special_token_is_its_reference_and_a_template_without_tools_is_refused(
-        tiny, tmp_path) -> None:
+        tiny, tmp_path, capsys) -> None:
     """Mistral's call turn starts with its special [TOOL_CALLS]: the reference was cut there, empty. A template that
     writes no tools, or no calls, would ask without them and score against nothing: refused as prepare_data.py
     refuses such a row."""
@@ -485,6 +485,22 @@ def test_a_call_turn_that_starts_with_a_special_token_is_its_reference_and_a_tem
     with pytest.raises(UsageError, match="line 1: its chat has a message \\(2\\) whose tool calls the chat template "
                                          "does not write whole"):
         with_reference(tokenizer, row, "line 1")
+    folder = chat_model(tiny, tmp_path / "model")
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    assert refusal([str(folder), "--chat", "true", "--tools", str(tmp_path / "tools.json"), "--prompt", "Hi"],
+                   capsys) == (f"--tools {tmp_path / 'tools.json'}: the model's chat template does not write tools, so "
+                               "it would be asked without them")
+    # An earlier answer is context, rendered as inference renders it (Qwen3's leaves out its reasoning): not refused.
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.role + ': ' }}{% if loop.last and m.reasoning_content %}"
+                               "{{ '<think>' + m.reasoning_content + '</think>' }}{% endif %}"
+                               "{{ m.content + eos_token }}{% endfor %}"
+                               "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    prompts.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "Sun."},
+        {"role": "user", "content": "Paris?"}, {"role": "assistant", "content": "Rainy."}]}) + "\n")
+    row, = read_prompts(prompts, "prompt", None, messages_field="messages")
+    assert with_reference(tokenizer, row, "line 1").reference == "Rainy."
     prompts.write_text(json.dumps({"tools": [WEATHER], "messages": [
         {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."}]}) + "\n")
     row, = read_prompts(prompts, "prompt", None, messages_field="messages")

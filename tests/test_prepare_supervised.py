@@ -446,8 +446,9 @@ def test_json_files_read_as_one_struct_give_no_tool_the_keys_of_another(work, pa
     tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(tmp_path / "tools-tokenizer")
-    described = {"type": "function", "function": {"name": "count_lines", "description": "Lines of code.", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+    described = {"type": "function", "function": {"name": "count_lines", "description": "Lines of code.",
+                                                   "parameters": {"type": "object", "properties": {
+                                                       "code": {"type": "string"}}, "required": ["code"]}}}
     bare = {"type": "function", "function": {"name": "count_lines", "parameters": {
         "type": "object", "properties": {"code": {"type": "string"}}}}}
     chats = [{"tools": [tool], "messages": [
@@ -955,6 +956,11 @@ REFUSED = [
     (["--messages_field", "messages", "--input", "{said_and_called}", "--chat_template", "{calls_only}"],
      "row 1 of --input {said_and_called} has a message (2) of role 'assistant' that the chat template does not render "
      "where it stands, beside its tool calls (a template that writes only the calls of such a message"),
+    # Arguments written without tojson: a dict's repr, which no tool-call parser reads.
+    (["--messages_field", "messages", "--input", "{tool_call}", "--chat_template", "{python_arguments}"], "row 1 of "
+     "--input {tool_call} has a message (2) whose tool calls' arguments the chat template writes as Python"),
+    (["--messages_field", "messages", "--input", "{unnamed_tool}"], "row 1 of --input {unnamed_tool} offers 'tools' "
+     "that are not a list of tool schemas (JSON objects, or the JSON text of that list, each named by text)"),
     (["--messages_field", "messages", "--input", "{unoffered}"], "row 1 of --input {unoffered} has a message (2) that "
      "calls 'get_weather', which is not one of the tools it offers (count_lines): the call would be learnt for a tool "
      "the model is not shown"),
@@ -1052,6 +1058,10 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
             "name": "count_lines"}}], "messages": [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
                 "name": "get_weather", "arguments": {}}}]}]}]),
+        "unnamed_tool": write_jsonl(tmp_path / "t11.jsonl", [{"tools": [{"type": "function", "function": {
+            "name": {"x": 1}}}], "messages": [{"role": "user", "content": "Hi."},
+                                              {"role": "assistant", "content": "Hi."}]}]),
+        "python_arguments": tmp_path / "python_arguments.jinja",
         "flat_tools": write_jsonl(tmp_path / "t8.jsonl", [{"tools": [{"name": "get_weather"}], "messages": [
             {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."}]}]),
         "names_only": tmp_path / "names_only.jinja",
@@ -1135,6 +1145,10 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
         "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}" + turns)
     # Renders only the roles it knows, as Qwen's does with other roles: a "tool" message would vanish, its answer
     # trained alone.
+    (tmp_path / "python_arguments.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] + ':\n' + m['content'] }}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.name }}{{ c.function.arguments }}{% endfor %}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}")
     (tmp_path / "names_only.jinja").write_text(
         "{% for m in messages %}{{ m['role'] + ':\n' + m['content'] }}{% for c in m.tool_calls or [] %}"
         "{{ 'call ' + c.function.name }}{% endfor %}{{ eos_token }}{% endfor %}"

@@ -120,6 +120,7 @@ def generate(args: GenerateArgs) -> str:
     """What the model writes for --prompt: see `shown`."""
     tokenizer, config, device = tokenizer_config_and_device(args)
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    check_tools_written(tokenizer, offered_tools(args), f"--tools {args.tools}")
     ids = encoded_prompt(tokenizer, config, prompt, args, "--prompt", offered_tools(args))
     (ids,) = trained_sources(tokenizer, config, [ids], args)
     check_positions(config, len(ids), args.max_new_tokens)
@@ -138,6 +139,7 @@ def answer_file(args: GenerateArgs) -> None:
                         args.input_field, args.system_field)
     rows = [with_reference(tokenizer, row, line_of(row, args)) for row in rows]
     tools = offered_tools(args)
+    check_tools_written(tokenizer, tools, f"--tools {args.tools}")
     encoded = [encoded_prompt(tokenizer, config, row.prompt, args, line_of(row, args), row.tools or tools)
                for row in rows]
     prompts = trained_sources(tokenizer, config, encoded, args)
@@ -202,6 +204,24 @@ def trained_sources(tokenizer: Any, config: Any, prompts: list[list[int]], args:
     return [fit(prompt, limit, tail) for prompt in prompts]
 
 
+def template_text(tokenizer: Any) -> ChatText:
+    """What renders chats to text with the tokenizer's chat template, as prepare_data.py checks them."""
+    return ChatText(tokenizer.get_chat_template(), dict(tokenizer.special_tokens_map))
+
+
+def check_tools_written(tokenizer: Any, tools: Optional[list], what: str) -> None:
+    """Refuse --tools where the chat template fails on them or does not write them: the model would be asked
+    without them, unsaid, or the template's error would end in a traceback."""
+    if tools is None:
+        return
+    rendered, chat = template_text(tokenizer), [{"role": "user", "content": "Hello."}]
+    if rendered(chat, tools=tools) is None and rendered(chat) is not None:
+        raise UsageError(f"{what}: the model's chat template fails on these tools ({rendered.failure(chat, tools)}); "
+                         "give them in the shape it reads")
+    if rendered(chat, tools=tools) == rendered(chat):
+        raise UsageError(f"{what}: the model's chat template does not write tools, so it would be asked without them")
+
+
 def with_reference(tokenizer: Any, row: PromptRow, what: str) -> PromptRow:
     """A chat line checked against the chat template as prepare_data.py checks a row (a message, a tool call, the
     tools or reasoning it would leave out is refused: the model would be asked without them, or scored against
@@ -210,8 +230,8 @@ def with_reference(tokenizer: Any, row: PromptRow, what: str) -> PromptRow:
     model learnt to write. Any other row as it is."""
     if row.chat is None:
         return row
-    problem = rendering_problem(row.chat, row.tools, ChatText(tokenizer.get_chat_template(),
-                                                              dict(tokenizer.special_tokens_map)), with_template="")
+    context = [m | {"weight": 0} if m["role"] == "assistant" else m for m in row.chat[:-1]]  # as inference renders
+    problem = rendering_problem([*context, row.chat[-1]], row.tools, template_text(tokenizer), with_template="")
     if problem:
         raise UsageError(f"{what}: its chat {problem}")
     *_, last = template_messages(row.chat)

@@ -352,18 +352,24 @@ def read_tools(tools: object) -> Optional[list]:
 def tools_problem(tools: object) -> Optional[str]:
     """What is wrong with a chat's tools, or None: a list of JSON objects, or its text."""
     offered = read_tools(tools)
-    if offered is None or (isinstance(offered, list) and all(isinstance(tool, dict) for tool in offered)):
+    if offered is None or (isinstance(offered, list) and all(isinstance(tool, dict) for tool in offered)
+                           and all(isinstance(tool_name(tool), (str, type(None))) for tool in offered)):
         return None
-    return "offers 'tools' that are not a list of tool schemas (JSON objects, or the JSON text of that list)"
+    return ("offers 'tools' that are not a list of tool schemas (JSON objects, or the JSON text of that list, each "
+            "named by text)")
+
+
+def tool_name(tool: dict) -> object:
+    """The name of an offered tool: OpenAI's {"type": "function", "function": {"name", ...}}, or {"name", ...}."""
+    function = tool.get("function", tool)
+    return function.get("name") if isinstance(function, dict) else None
 
 
 def unoffered_call(chat: list[dict], tools: object) -> Optional[str]:
     """A call of a tool the chat does not offer, where it offers some: the call would be learnt for a tool the
     model is not shown (tools kept under another field, a misspelt name). A chat that offers none is trained as
     inference without tools renders it."""
-    offered = read_tools(tools) or []
-    names = {tool.get("function", tool).get("name") for tool in offered
-             if isinstance(tool.get("function", tool), dict)} - {None}
+    names = {tool_name(tool) for tool in read_tools(tools) or []} - {None}
     if not names:
         return None
     called = next(((k, tool_call(call)["function"]["name"]) for k, m in enumerate(chat) for call in m.get("tool_calls")
@@ -421,6 +427,12 @@ def rendering_problem(messages: list[dict], tools: Optional[list], rendered: Cha
         return (f"has a message ({unwritten + 1}) whose tool calls the chat template does not write whole (their "
                 "names and arguments): the answer after them would be trained without them; give a template that "
                 f"renders tool_calls{with_template}, or leave such chats out")
+    in_python = next((k for k, m in enumerate(marked) for j in range(len(m.get("tool_calls", ())))
+                      if f"'{_marker(k, f'arguments-{j}')}'" in text), None)
+    if in_python is not None:  # `{{ tool_call.arguments }}` without tojson: a dict's repr, which no parser reads
+        return (f"has a message ({in_python + 1}) whose tool calls' arguments the chat template writes as Python "
+                "({'city': 'Paris'}), not JSON: the model would learn to call tools so; give a template that writes "
+                f"them with tojson{with_template}")
     unthought = next(((k, key) for k, m in enumerate(marked) for key in REASONING_KEYS
                       if key in m and not untrained(messages[k]) and m[key] not in text), None)
     if unthought is not None:
