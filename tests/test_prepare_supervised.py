@@ -684,8 +684,59 @@ def test_a_template_that_renders_a_turn_otherwise_once_the_chat_goes_on_masks_si
         f"the chat template of --tokenizer {work / 'qwen3'}: it masks chats of one assistant turn only, as it renders "
         "an earlier turn otherwise once the chat goes on (in a test chat of 4 messages, not your data's, at assistant "
         "message 2: ") and \
-        f"and {len(pairs):,} chats have more than one; leave those out" in str(refusal.value)
+        f"and {len(pairs):,} chats have more than one; leave those out" in str(refusal.value)  # at once
     assert not (work / "qwen3-chats").exists()
+
+
+QWEN3_AGENT_TEMPLATE = (  # Qwen3's stock template, reduced to the turns after the last user message, with reasoning
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\n' -}}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or m.reasoning_content) -%}"
+    "{{- '<think>\n' + (m.reasoning_content or '') + '\n</think>\n\n' -}}{%- endif -%}{{- m.content -}}"
+    "{%- for c in m.tool_calls or [] -%}{{- '<tool_call>' + c.function | tojson + '</tool_call>' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def test_an_agents_turns_after_the_last_user_message_are_masked_under_qwen3s_template(work, pairs, tmp_path,
+                                                                                      monkeypatch):
+    """Qwen3's template writes an earlier turn otherwise once the chat goes on, so chats of more than one assistant
+    turn were refused by their shape; an agent's turns after the last user message (a call with its reasoning, the
+    tool's result, the answer with its own) it renders alike, and they are masked as at inference."""
+    tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_AGENT_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "qwen3-agent")
+    call = {"type": "function", "function": {"name": "count_lines", "arguments": {"n": 1}}}
+    chats = [[{"role": "user", "content": pair["code"]},
+              {"role": "assistant", "content": "", "reasoning_content": "I count.", "tool_calls": [call]},
+              {"role": "tool", "content": "7"},
+              {"role": "assistant", "content": pair["summary"], "reasoning_content": "Seven lines."}]
+             for pair in pairs[:20]]
+    write_jsonl(tmp_path / "agent.jsonl", [{"messages": chat} for chat in chats])
+    rows = sft(work, "qwen3-agent", input=[str(tmp_path / "agent.jsonl")], prompt_field=None, response_field=None,
+               messages_field="messages", tokenizer=str(tmp_path / "qwen3-agent"), block_size=1024, packing=False,
+               val_fraction=0.0).rows["train"]
+    at_inference = [tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+                    for chat in chats]
+    assert sorted(rows["input_ids"]) == sorted(at_inference)
+    for ids, labels in zip(rows["input_ids"], rows["labels"]):
+        calling, answering = trained_runs(ids, labels)
+        assert tokenizer.decode(calling).startswith("<think>\nI count.\n</think>")
+        assert tokenizer.decode(answering).startswith("<think>\nSeven lines.\n</think>")
+    # A longer chat it renders otherwise, after the chats probed before encoding: refused once encoded, not dropped.
+    monkeypatch.setattr("app.prepare.chat_template.PROBED_CHATS", 1)
+    follow_up = [chats[0][0], {"role": "assistant", "content": "7."}, {"role": "user", "content": "Why?"},
+                 {"role": "assistant", "content": "It counts."}]
+    write_jsonl(tmp_path / "mixed.jsonl", [{"messages": chat} for chat in [*chats, follow_up]])
+    with pytest.raises(UsageError, match="it masks chats of one assistant turn only, .* and 1 chat has an earlier turn "
+                                         "it renders so; leave those out"):
+        sft(work, "qwen3-mixed", input=[str(tmp_path / "mixed.jsonl")], prompt_field=None, response_field=None,
+            messages_field="messages", tokenizer=str(tmp_path / "qwen3-agent"), block_size=1024, packing=False,
+            val_fraction=0.0)
+    assert not (work / "qwen3-mixed").exists()
 
 
 def test_chat_template_file_overrides_the_tokenizers_and_is_saved(work):

@@ -45,7 +45,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from app.choices import IGNORE_INDEX
 from app.prepare.args import PrepareArgs, UsageError
 from app.prepare.chat import PROBE_CHAT, template_messages, untrained
-from app.prepare.examples import Example, causal_advice, dropped, encode_examples, fit_to_block
+from app.prepare.examples import Example, causal_advice, drop_reasons, dropped, encode_examples, fit_to_block
 from app.prepare.mask_audit import audit, check_audit
 from app.prepare.tokenizer import render_chat, special_token_ids
 
@@ -209,17 +209,17 @@ def check_template(encoder: ChatEncoder, chats: Iterable[Dataset] = ()) -> None:
     on every example, and the loss-mask audit on the first ones of each split).
 
     A template that masks a chat of one assistant turn but renders that turn otherwise once the chat goes on (the
-    stock templates of Qwen3 and Phi-3) is taken when none of `chats` has more than one assistant message: each
-    chat is then rendered as at inference. It was refused for single-turn data too."""
+    stock templates of Qwen3 and Phi-3) is taken when the data's chats of more than one assistant turn are masked
+    (Qwen3's renders every turn after the last user message alike: an agent's calls and answer): the first
+    `PROBED_CHATS` of them are encoded here, and any that is not refuses the data at once; the others are checked as
+    they are encoded (`check_turns_found`). It was refused for single-turn data, then for any longer chat."""
     probe, where = PROBE_CHAT, "a two-turn chat"
     example = encoder.encode(probe)
     if example.dropped == PREFIX_MISMATCH and not encoder.encode(PROBE_CHAT[:2]).dropped:
-        longer = sum(multi_turn_chats(records, encoder.train_on_prompt) for records in chats)
-        if longer:
-            raise UsageError(f"{encoder.template.origin}: it masks chats of one assistant turn only, as it renders an "
-                             f"earlier turn otherwise once the chat goes on{prefix_difference(encoder, PROBE_CHAT)}, "
-                             f"and {longer:,} chat{'s have' if longer > 1 else ' has'} more than one; leave those out, "
-                             "or give a template that renders every turn alike with --chat_template FILE")
+        longer = [records.select(multi_turn_chats(records, encoder.train_on_prompt)) for records in chats]
+        probed = (chat for records in longer for chat in records.select(range(min(len(records), PROBED_CHATS))))
+        if any(encoder.encode(chat["messages"], chat["tools"]).dropped == PREFIX_MISMATCH for chat in probed):
+            raise UsageError(turns_otherwise(encoder, sum(map(len, longer)), "have more than one"))
         probe, where = PROBE_CHAT[:2], "a one-turn chat"
         example = encoder.encode(probe)
     if example.dropped:
@@ -231,12 +231,34 @@ def check_template(encoder: ChatEncoder, chats: Iterable[Dataset] = ()) -> None:
     check_audit(masks, encoder.template.origin, encoder.train_on_prompt, where)
 
 
-def multi_turn_chats(records: Dataset, train_on_prompt: bool = False) -> int:
-    """How many chats of `records` (rows of `messages`) have an assistant message whose turn is found (a trained
-    one; under --train_on_prompt also one of "weight": 0, which is masked) before another assistant message, counted
-    with Arrow and numpy: a template that renders an earlier turn otherwise once the chat goes on cannot find it. An
+PROBED_CHATS = 1000
+"""Chats of more than one assistant turn encoded before the data, under a template that renders a turn otherwise
+once the chat goes on: a data set of such chats that it cannot mask is refused at once, not once all is encoded."""
+
+
+def turns_otherwise(encoder: ChatEncoder, count: int, which: str) -> str:
+    """The refusal of data whose chats of more than one assistant turn the template renders otherwise."""
+    return (f"{encoder.template.origin}: it masks chats of one assistant turn only, as it renders an earlier turn "
+            f"otherwise once the chat goes on{prefix_difference(encoder, PROBE_CHAT)}, and {count:,} "
+            f"chat{'s' if count > 1 else ''} {which if count > 1 else which.replace('have', 'has')}; leave those out, "
+            "or give a template that renders every turn alike with --chat_template FILE")
+
+
+def check_turns_found(encoder: ChatEncoder, encoded: dict[str, Dataset]) -> None:
+    """Refuse data of which some chats' earlier turns the template renders otherwise once the chat goes on, after
+    `check_template` took the template (the first chats of more than one turn were masked): dropped, they would be
+    left out of training unsaid."""
+    mismatched = sum(drop_reasons(split)[PREFIX_MISMATCH] for split in encoded.values())
+    if mismatched and encoder.encode(PROBE_CHAT).dropped == PREFIX_MISMATCH:
+        raise UsageError(turns_otherwise(encoder, mismatched, "have an earlier turn it renders so"))
+
+
+def multi_turn_chats(records: Dataset, train_on_prompt: bool = False) -> list[int]:
+    """The chats of `records` (rows of `messages`) with an assistant message whose turn is found (a trained one;
+    under --train_on_prompt also one of "weight": 0, which is masked) before another assistant message, found with
+    Arrow and numpy: a template that renders an earlier turn otherwise once the chat goes on may not find it. An
     untrained answer after the last trained one, or before a trained one, is only rendered, as at inference."""
-    count = 0
+    found_in, offset = [], 0
     for batch in records.with_format("arrow").iter(batch_size=100_000):
         chats = batch.column("messages").combine_chunks()
         messages = pc.list_flatten(chats)
@@ -247,8 +269,9 @@ def multi_turn_chats(records: Dataset, train_on_prompt: bool = False) -> int:
         position = np.arange(len(chat_of))
         last_answer = np.full(len(chats), -1)
         np.maximum.at(last_answer, chat_of[assistant], position[assistant])
-        count += len(np.unique(chat_of[found & (position < last_answer[chat_of])]))
-    return count
+        found_in += (offset + np.unique(chat_of[found & (position < last_answer[chat_of])])).tolist()
+        offset += len(chats)
+    return found_in
 
 
 def check_generation_prompt(encoder: ChatEncoder) -> None:

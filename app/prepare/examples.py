@@ -175,8 +175,12 @@ def count_examples(encoded: Dataset, rows: Dataset) -> ExampleCounts:
     )
 
 
+def drop_reasons(examples: Dataset) -> Counter:
+    """How many of the encoded `examples` were dropped for each reason; the kept ones count under ""."""
+    return _drop_reasons(_table(examples))
+
+
 def _drop_reasons(table: pa.Table) -> Counter:
-    """How many examples were dropped for each reason; the kept ones count under ""."""
     return Counter({item["values"]: item["counts"] for item in pc.value_counts(table.column("dropped")).to_pylist()})
 
 
@@ -193,7 +197,7 @@ def check_kept(encoded: dict[str, Dataset], advice: dict[str, str]) -> None:
     """Refuse a split of which no example is left (it would train or evaluate on nothing), in one line that says
     what to change: `advice` maps each drop reason to that line (naming the option)."""
     for split, examples in encoded.items():
-        reasons = _drop_reasons(_table(examples))
+        reasons = drop_reasons(examples)
         if len(examples) and not reasons[""]:
             reason, count = reasons.most_common(1)[0]
             raise UsageError(

@@ -16,8 +16,8 @@ from transformers import PreTrainedTokenizerBase
 from app.folders import TOKENIZER_FOLDER
 from app.prepare.args import PrepareArgs, RecordShape, UsageError, checked_args, data_format, record_shape
 from app.prepare.chat import chat_records, chat_texts
-from app.prepare.chat_template import (ChatEncoder, chat_advice, chat_text, check_template, choose_template,
-                                       encode_chats, end_of_turn_id)
+from app.prepare.chat_template import (PREFIX_MISMATCH, ChatEncoder, chat_advice, chat_text, check_template,
+                                       check_turns_found, choose_template, encode_chats, end_of_turn_id)
 from app.prepare.corpus import (Documents, ToRecords, document_texts, local_files, not_utf8, quiet_progress,
                                 read_documents)
 from app.prepare.examples import (PROMPT_FILLS_BLOCK, TOO_LONG, ExampleCounts, examples_to_rows,
@@ -141,6 +141,7 @@ def supervised_rows(
     encoder = ChatEncoder(tokenizer, template, args.train_on_prompt)
     check_template(encoder, splits.values())
     encoded = {name: encode_chats(split, encoder, args, desc=f"Encoding {name}") for name, split in splits.items()}
+    check_turns_found(encoder, encoded)
     rows, counts = examples_to_rows(encoded, chat_advice(template, args.block_size), _arrange(tokenizer, args))
     for name, split in encoded.items():
         audit = audit_split(splits[name], split, tokenizer, template.text)
@@ -267,7 +268,10 @@ run went as `prompt_fills_block` with no word of what to do)."""
 DROP_ADVICE = {PROMPT_FILLS_BLOCK: "the prompt alone fills --block_size, so no response token is kept: raise it",
                TOO_LONG: "longer than --block_size under --too_long drop: raise it, or use --too_long truncate",
                SOURCE_TOO_LONG: "sources longer than --max_source_length: raise it, or use --too_long truncate",
-               TARGET_TOO_LONG: "targets longer than --max_target_length: raise it, or use --too_long truncate"}
+               TARGET_TOO_LONG: "targets longer than --max_target_length: raise it, or use --too_long truncate",
+               PREFIX_MISMATCH: "the chat template renders an earlier turn otherwise once the chat goes on (Mistral's "
+                                "writes the tools before the last user message): leave such chats out, or give a "
+                                "template that renders every turn alike with --chat_template FILE"}
 
 
 def summary(stats: dict, output_dir: str) -> str:
