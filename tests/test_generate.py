@@ -415,7 +415,7 @@ def test_a_chat_prompt_is_offered_the_tools_of_a_file(tiny, tmp_path, capsys) ->
         (["--chat", "true", "--tools", "{folder}/none.json"], "--tools {folder}/none.json: not readable as UTF-8 text"),
         (["--chat", "true", "--tools", "{bad}"], "--tools {bad}: not a JSON list of tool schemas (objects, as "
                                                  "OpenAI's tools)"),
-        (["--chat", "true", "--tools", "{empty}"], "--tools {empty}: not a JSON list of tool schemas"),
+        (["--chat", "true", "--tools", "{empty}"], "--tools {empty} offers no tools; drop --tools"),
         (["--prompts", "{tools}", "--messages_field", "m", "--tools", "{tools}"],
          "--tools: a chat of --messages_field offers its own (its 'tools' field); drop --tools")]:
         (tmp_path / "bad.json").write_text('{"name": "weather"}')

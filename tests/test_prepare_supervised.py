@@ -1179,7 +1179,8 @@ def test_bad_options_and_records_are_refused_in_one_line(argv, expected, work, t
             {"role": "user", "content": "Two plus two?"},
             {"role": "assistant", "content": "Four.", "reasoning_content": "Two and two make four."}]}]),
         "user_reasons": write_jsonl(tmp_path / "r2.jsonl", [{"messages": [
-            {"role": "user", "content": "Two plus two?", "thinking": "Hm."}, {"role": "assistant", "content": "4"}]}]),
+            {"role": "user", "content": "Two plus two?", "thinking": "Hm.", "reasoning_content": ""},
+            {"role": "assistant", "content": "4"}]}]),
         "system": write_jsonl(tmp_path / "s.jsonl", [{"messages": [
             *([{"role": "system", "content": "Be brief."}] if with_system else []),
             {"role": "user", "content": "x = 1"}, {"role": "assistant", "content": "Set x."}]}

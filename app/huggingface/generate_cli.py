@@ -152,8 +152,10 @@ def offered_tools(args: GenerateArgs) -> Optional[list]:
         text = Path(args.tools).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as error:
         raise cli.UsageError(f"--tools {args.tools}: not readable as UTF-8 text ({error})") from None
-    if tools_problem(text) or read_tools(text) is None:
+    if tools_problem(text):
         raise cli.UsageError(f"--tools {args.tools}: not a JSON list of tool schemas (objects, as OpenAI's tools)")
+    if read_tools(text) is None:
+        raise cli.UsageError(f"--tools {args.tools} offers no tools; drop --tools")
     return read_tools(text)
 
 

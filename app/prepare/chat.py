@@ -280,8 +280,8 @@ def chat_problem(chat: object) -> Optional[str]:
     if calls is not None:
         return f"has a message ({calls[0] + 1}) {calls[1]}"
     reasoning = next(((k, key) for k, m in enumerate(messages) if isinstance(m, dict) for key in REASONING_KEYS
-                      if m.get(key) is not None and (m.get("role") != "assistant" or not isinstance(m[key], str))),
-                     None)
+                      if m.get(key) not in (None, "")  # blank: none (a table's export fills every row's field)
+                      and (m.get("role") != "assistant" or not isinstance(m[key], str))), None)
     if reasoning is not None:
         k, key = reasoning
         return (f"has a message ({k + 1}, role {messages[k].get('role')!r}) with {key!r} that is not an assistant's "
@@ -440,7 +440,7 @@ def rendering_problem(messages: list[dict], tools: Optional[list], rendered: Cha
                 "not write there (Qwen3's writes reasoning_content only after the last user message): the answer "
                 f"would be learnt without it; give a template that renders it{with_template}, put the reasoning in "
                 "the message's content as the model writes it (Qwen3: '<think>\\n...\\n</think>\\n\\n' before the "
-                "answer), or leave the field out")
+                "answer), mark an earlier answer \"weight\": 0 to keep it as context, or leave the field out")
     if tools and rendered(marked) == text:
         return ("offers tools (its 'tools' field) that the chat template does not write: the answers would be "
                 f"trained without them; give a template that renders tools{with_template}, or leave the field out")
