@@ -38,7 +38,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # an audit's probes (one train.py or prepare_data.py preflight at a time) running beside it, where the Slurm and
 # signal files alone took 620 and 690 s of one worker each; 907 s in a fresh clone with nothing beside it (1,196
 # tests; `make demo` 2m54s, against 2m17s and 3m23s on the fast and slow days above). In a later session that day:
-# 657 s in place (1,217 tests), then 801-817 s in three fresh clones (1,230 tests; `make demo` 2m47s-2m56s).
+# 657 s in place (1,217 tests), then 801-817 s in three fresh clones (1,230 tests; `make demo` 2m47s-2m56s). In
+# a later session: 787 s in place (1,248 tests), 808 s in a fresh clone (1,254 tests; `make demo` 3m06s).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
