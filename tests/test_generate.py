@@ -639,3 +639,20 @@ def test_sharegpt_prompts_are_the_chats_of_role_and_content_prepare_data_trains(
     row, = read_prompts(prompts, "prompt", None, messages_field="conversations")
     assert row.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
     assert row.reference == "Hello."
+
+
+def test_a_chats_tools_are_read_from_the_field_tools_field_names(tmp_path, capsys) -> None:
+    from app.cli import UsageError
+    from app.huggingface.prompts_file import read_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"functions": [WEATHER], "messages": [{"role": "user", "content": "Paris?"},
+                                                                        CALL]}) + "\n")
+    row, = read_prompts(prompts, "prompt", None, messages_field="messages", tools_field="functions")
+    assert row.tools == [WEATHER]
+    with pytest.raises(UsageError, match="calls 'weather', which is not one of the tools it offers \\(count\\)"):
+        prompts.write_text(json.dumps({"functions": [{"type": "function", "function": {"name": "count"}}],
+                                       "messages": [{"role": "user", "content": "Paris?"}, CALL]}) + "\n")
+        read_prompts(prompts, "prompt", None, messages_field="messages", tools_field="functions")
+    assert refusal([str(tmp_path), "--prompt", "x", "--tools_field", "functions"], capsys) == (
+        "--tools_field names the tools of each chat of --messages_field: give --prompts FILE --messages_field FIELD")

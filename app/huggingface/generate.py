@@ -136,7 +136,7 @@ def answer_file(args: GenerateArgs) -> None:
     is checked before the model loads."""
     tokenizer, config, device = tokenizer_config_and_device(args)
     rows = read_prompts(Path(args.prompts), args.prompt_field, args.reference_field, args.messages_field,
-                        args.input_field, args.system_field)
+                        args.input_field, args.system_field, args.tools_field or "tools")
     rows = [with_reference(tokenizer, row, line_of(row, args)) for row in rows]
     tools = offered_tools(args)
     check_tools_written(tokenizer, tools, f"--tools {args.tools}")

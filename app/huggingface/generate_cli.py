@@ -47,6 +47,9 @@ class GenerateArgs:
     prepare_data.py --messages_field reads them); the model answers its last message, an assistant's, from the
     messages before it through the chat template (with the chat's `tools`), and is scored against it (a tool call
     as the template writes it)."""
+    tools_field: Optional[str] = None
+    """With --messages_field: the field of each line holding the tools its chat offers (as prepare_data.py
+    --tools_field); default: `tools`."""
     output: Optional[str] = None
     """With --prompts: a new JSON lines file for the answers, one line per prompt in the file's order (prompt,
     reference, generated, new_tokens, stopped); an existing file is refused, not overwritten."""
@@ -103,6 +106,9 @@ def parse_args(argv: Optional[list[str]] = None) -> GenerateArgs:
 def check_prompt_options(args: GenerateArgs) -> None:
     """One prompt or a file of them, never both (one would be ignored); the file's options only with the file; an
     --output that exists is refused before the model loads (a finished test set's answers are never overwritten)."""
+    if args.tools_field is not None and args.messages_field is None:
+        raise cli.UsageError("--tools_field names the tools of each chat of --messages_field: give --prompts FILE "
+                             "--messages_field FIELD")
     if args.tools is not None and args.messages_field is not None:
         raise cli.UsageError("--tools: a chat of --messages_field offers its own (its 'tools' field); drop --tools")
     offered_tools(args)

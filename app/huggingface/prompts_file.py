@@ -44,7 +44,8 @@ class Answer:
 
 
 def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str], messages_field: Optional[str] = None,
-                 input_field: Optional[str] = None, system_field: Optional[str] = None) -> list[PromptRow]:
+                 input_field: Optional[str] = None, system_field: Optional[str] = None,
+                 tools_field: str = "tools") -> list[PromptRow]:
     """Every non-blank line of a JSON lines file, each an object with text in `prompt_field` (and in
     `reference_field` when given), or a chat in `messages_field`; the first line that is not is refused, with its
     number and its fields. With `input_field` or `system_field` the prompt is the chat prepare_data.py makes of a
@@ -64,7 +65,7 @@ def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str], 
         if not isinstance(record, dict):
             raise UsageError(f"--prompts {path}: line {number} is not a JSON object; give one object a line")
         if messages_field is not None:
-            rows.append(chat_row(path, number, record, messages_field))
+            rows.append(chat_row(path, number, record, messages_field, tools_field))
             continue
         prompt: Union[str, Messages] = text_field(path, number, record, "--prompt_field", prompt_field)
         if input_field is not None or system_field is not None:
@@ -92,15 +93,15 @@ def text_field(path: Path, number: int, record: dict, flag: str, field: str, opt
     return value
 
 
-def chat_row(path: Path, number: int, record: dict, field: str) -> PromptRow:
+def chat_row(path: Path, number: int, record: dict, field: str, tools_field: str = "tools") -> PromptRow:
     """A chat whose last message, an assistant's, is the reference, and the messages before it the prompt."""
     chat = openai_messages(record.get(field))
     where = f"--prompts {path}: line {number}"
     if chat is None:
         raise UsageError(f"{where} has no field {field!r} (--messages_field); its fields: "
                          f"{', '.join(map(str, record)) or 'none'}")
-    problem = (chat_problem(chat) or tools_problem(record.get("tools"))  # as prepare_data.py reads a chat
-               or unoffered_call(chat, record.get("tools")))
+    tools = record.get(tools_field)
+    problem = chat_problem(chat) or tools_problem(tools) or unoffered_call(chat, tools)  # as prepare_data.py reads it
     if problem:
         raise UsageError(f"{where}: {field!r} {problem}")
     if len(chat) < 2 or chat[-1]["role"] != "assistant" or chat[0]["role"] == "assistant":
@@ -108,7 +109,7 @@ def chat_row(path: Path, number: int, record: dict, field: str) -> PromptRow:
                          "the last assistant message is the answer to score")
     stored = [stored_message(m) for m in chat]
     *prompt, last = template_messages(stored)
-    return PromptRow(number, prompt, last["content"], read_tools(record.get("tools")), stored)
+    return PromptRow(number, prompt, last["content"], read_tools(tools), stored)
 
 
 def answer_record(row: PromptRow, answer: Answer) -> dict[str, object]:
