@@ -440,6 +440,36 @@ def test_sharegpt_chats_are_prepared_as_the_same_chats_of_role_and_content(work,
     assert {len(trained_runs(*example)) for example in examples} == {1}, "the first answer, weight 0, is not trained"
 
 
+MISTRAL_TOOLS_TEMPLATE = (  # Mistral v0.3's way with tools: written before the last user message
+    "{%- set ns = namespace(last=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+    "{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}{%- for m in messages -%}"
+    "{%- if loop.index0 == ns.last and tools -%}{{- '[TOOLS]' + tools | tojson -}}{%- endif -%}"
+    "{%- if m.role == 'assistant' -%}{{- m.content -}}{%- for c in m.tool_calls or [] -%}"
+    "{{- c.function.name + (c.function.arguments | tojson) -}}{%- endfor -%}{{- eos_token -}}"
+    "{%- else -%}{{- '[INST]' + m.content + '[/INST]' -}}{%- endif -%}{%- endfor -%}")
+
+
+def test_chats_a_template_renders_otherwise_once_they_go_on_are_dropped_and_said(work, pairs, tmp_path):
+    """Mistral's template moves the tools to the last user message: a chat of two user messages cannot be masked,
+    and is dropped; a split that loses 5% or more so says why (it was counted in stats.json alone)."""
+    tokenizer = AutoTokenizer.from_pretrained(work / "llama3")
+    tokenizer.chat_template = MISTRAL_TOOLS_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "mistral")
+    tools = [{"type": "function", "function": {"name": "count_lines"}}]
+    chats = [{"tools": tools, "messages": [{"role": "user", "content": pair["code"][:80]},
+                                           {"role": "assistant", "content": pair["summary"]}]} for pair in pairs[:16]]
+    chats += [{"tools": tools, "messages": [*chat["messages"], {"role": "user", "content": "Shorter?"},
+                                            {"role": "assistant", "content": "Yes."}]} for chat in chats[:4]]
+    write_jsonl(tmp_path / "mistral.jsonl", chats)
+    stats = sft(work, "mistral-tools", input=[str(tmp_path / "mistral.jsonl")], prompt_field=None,
+                response_field=None, messages_field="messages", tokenizer=str(tmp_path / "mistral"), block_size=1024,
+                packing=False, val_fraction=0.0).stats
+    assert stats["splits"]["train"]["kept"] == 16
+    assert stats["splits"]["train"]["dropped"] == {"template_prefix_mismatch": 4}
+    assert ("  4 examples (20%) dropped as template_prefix_mismatch: the chat template renders an earlier turn "
+            "otherwise once the chat goes on") in summary(stats, "out")
+
+
 def test_json_files_read_as_one_struct_give_no_tool_the_keys_of_another(work, pairs, tmp_path):
     """Two JSON-lines files in a folder are read with the first one's struct: the second file's tool (without a
     description, or `required`) came back with them as null, and was trained so."""

@@ -120,8 +120,9 @@ def generate(args: GenerateArgs) -> str:
     """What the model writes for --prompt: see `shown`."""
     tokenizer, config, device = tokenizer_config_and_device(args)
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
-    check_tools_written(tokenizer, offered_tools(args), f"--tools {args.tools}")
-    ids = encoded_prompt(tokenizer, config, prompt, args, "--prompt", offered_tools(args))
+    tools = offered_tools(args)
+    check_tools_written(tokenizer, tools, f"--tools {args.tools}")
+    ids = encoded_prompt(tokenizer, config, prompt, args, "--prompt", tools)
     (ids,) = trained_sources(tokenizer, config, [ids], args)
     check_positions(config, len(ids), args.max_new_tokens)
     model = load_model(args, config, tokenizer).to(device)
