@@ -656,3 +656,83 @@ def test_a_chats_tools_are_read_from_the_field_tools_field_names(tmp_path, capsy
         read_prompts(prompts, "prompt", None, messages_field="messages", tools_field="functions")
     assert refusal([str(tmp_path), "--prompt", "x", "--tools_field", "functions"], capsys) == (
         "--tools_field names the tools of each chat of --messages_field: give --prompts FILE --messages_field FIELD")
+
+
+REASONING_CHAT_TEMPLATE = (  # Qwen3's way: the last answer's reasoning_content in a <think> block before its content
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and loop.last %}"
+    "{{ '<think>\n' + (m.reasoning_content or '') + '\n</think>\n\n' }}{% endif %}{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def scripted_model(tiny, folder: Path, writes: list[str]) -> tuple[Path, PreTrainedTokenizerBase]:
+    """The tiny Llama with REASONING_CHAT_TEMPLATE, made to write `writes` greedily after any chat prompt: its
+    layers add nothing (zero output projections), so each position's hidden state is its token's embedding, one
+    of orthogonal vectors for the prompt's last token and the tokens of `writes` (whole added tokens, each once),
+    and lm_head maps each of those to the next (the last to EOS)."""
+    model_folder(tiny, folder, "llama")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["<|im_start|>", "<|im_end|>", *writes])
+    tokenizer.chat_template = REASONING_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    trigger = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"][-1]
+    chain = [trigger, *tokenizer.convert_tokens_to_ids(writes), tokenizer.eos_token_id]
+    assert len(set(chain)) == len(chain) <= model.config.hidden_size, "each token of the chain names its next"
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for dimension, (token, following) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[token, dimension] = 1.0
+            model.lm_head.weight[following, dimension] = 10.0
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    return folder, tokenizer
+
+
+def test_a_reasoning_models_answers_are_scored_after_their_reasoning_block(tiny, tmp_path, capsys) -> None:
+    """A reasoning model (Qwen3) writes `<think>...</think>` before its answer, and a test chat's reference is the
+    answer: scored whole, the answer equal to the reference had exact match 0. The block is read from the chat
+    template; --output keeps what the model wrote, its reasoning and its answer; one cut off while it reasoned has
+    no answer."""
+    folder, _ = scripted_model(tiny, tmp_path / "model", ["<think>", "Reasoning:sunny", "</think>", "Sunny."])
+    chats = [[{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}],
+             [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": "Sunny.", "reasoning_content": "It is."}]]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
+    capsys.readouterr()
+    generate_main([str(folder), "--prompts", str(tmp_path / "chats.jsonl"), "--messages_field", "messages",
+                   "--output", str(tmp_path / "answers.jsonl"), "--temperature", "0", "--max_new_tokens", "8"])
+    records = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    for record in records:
+        assert (record["generated"], record["reasoning"], record["answer"]) == (
+            "<think>Reasoning:sunny</think>Sunny.", "Reasoning:sunny", "Sunny.")
+    assert ("2 answers scored against the last assistant message of 'messages' (the answers after their "
+            "reasoning's </think>): exact match 1.0000 | ROUGE-1 1.0000") in capsys.readouterr().out
+    generate_main([str(folder), "--prompts", str(tmp_path / "chats.jsonl"), "--messages_field", "messages",
+                   "--output", str(tmp_path / "cut.jsonl"), "--temperature", "0", "--max_new_tokens", "3"])
+    cut = [json.loads(line) for line in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    assert [(record["answer"], record["stopped"]) for record in cut] == [("", "--max_new_tokens reached")] * 2
+    assert "exact match 0.0000 | ROUGE-1 0.0000" in capsys.readouterr().out
+
+
+def test_the_reasoning_block_is_read_from_the_template_and_an_answer_without_one_is_scored_whole() -> None:
+    from app.prepare.chat_template import DEFAULT_CHAT_TEMPLATE, ChatText, ReasoningBlock, reasoning_block
+    from tests.test_prepare_supervised import QWEN3_AGENT_TEMPLATE
+
+    assert reasoning_block(ChatText(QWEN3_AGENT_TEMPLATE, {})) == ReasoningBlock("<think>", "</think>")
+    gpt_oss_like = ("{% for m in messages %}{{ m.role }}: {% if m.thinking %}[thinking] {{ m.thinking }} [/thinking]"
+                    "{% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    assert reasoning_block(ChatText(gpt_oss_like, {})) == ReasoningBlock("[thinking]", "[/thinking]")
+    assert reasoning_block(ChatText(DEFAULT_CHAT_TEMPLATE, {"eos_token": "</s>"})) is None  # writes no reasoning
+    after = "{% for m in messages %}{{ m.content }}{{ m.reasoning_content or '' }}|{% endfor %}"
+    assert reasoning_block(ChatText(after, {})) is None  # after the answer: nothing to split off
+    block = ReasoningBlock("<think>", "</think>")
+    assert block.split("Paris.") == (None, "Paris.")  # no block: the whole answer
+    assert block.split("<think>\nA map.\n</think>\n\nParis.") == ("A map.", "Paris.")
+    assert block.split("A map.</think>Paris.") == ("A map.", "Paris.")  # opened by the prompt (DeepSeek-R1's)
+    assert block.split("<think>\nA map and") == ("A map and", "")  # cut off while reasoning: no answer

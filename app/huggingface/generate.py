@@ -33,7 +33,7 @@ from app.huggingface.generate_cli import GenerateArgs, offered_tools
 from app.huggingface.prompts_file import Answer, Messages, PromptRow, answer_record, read_prompts, scores_line
 from app.model.build import model_class
 from app.prepare.chat import rendering_problem, template_messages
-from app.prepare.chat_template import ChatText, end_of_turn
+from app.prepare.chat_template import ChatText, ReasoningBlock, end_of_turn, reasoning_block
 from app.prepare.seq2seq import fit
 from app.prepare.tokenizer import document_frame, document_suffix, encode_texts, render_chat, special_token_ids
 
@@ -148,12 +148,14 @@ def answer_file(args: GenerateArgs) -> None:
     check_positions(config, len(prompts[longest]), args.max_new_tokens, f"{line_of(rows[longest], args)}, the longest")
     model = load_model(args, config, tokenizer).to(device)
     torch.manual_seed(args.seed)
+    reasoning = written_reasoning(tokenizer, args)
     order = sorted(range(len(rows)), key=lambda index: len(prompts[index]))
     found: dict[int, Answer] = {}
     said = time.monotonic()
     for start in range(0, len(order), args.batch_size):
         batch = order[start:start + args.batch_size]
-        found |= zip(batch, answer_batch(model, tokenizer, config, [prompts[index] for index in batch], args, device))
+        found |= zip(batch, answer_batch(model, tokenizer, config, [prompts[index] for index in batch], args, device,
+                                         reasoning))
         if time.monotonic() - said > PROGRESS_EVERY_SEC or len(found) == len(rows):
             print(f"answered {len(found)} of {len(rows)} prompts", file=sys.stderr, flush=True)
             said = time.monotonic()
@@ -161,6 +163,9 @@ def answer_file(args: GenerateArgs) -> None:
     against = (repr(args.reference_field) if args.reference_field is not None else
                f"the last assistant message of {args.messages_field!r}" if args.messages_field is not None else None)
     references = [as_the_model_writes(tokenizer, row.reference or "") for row in rows]
+    if reasoning is not None:  # a reference with reasoning (a tool call's turn as the template writes it) alike
+        references = [reasoning.split(reference)[1] for reference in references]
+        against = against and f"{against} (the answers after their reasoning's {reasoning.closing})"
     scores = scores_line(references, answers, against) if against else None  # seconds of ROUGE: before --output
     if args.output is None:
         alone = answered_alone(args, config)
@@ -248,6 +253,12 @@ def with_reference(tokenizer: Any, row: PromptRow, what: str) -> PromptRow:
     return replace(row, reference=tokenizer.decode(turn[:end], skip_special_tokens=True))
 
 
+def written_reasoning(tokenizer: Any, args: GenerateArgs) -> Optional[ReasoningBlock]:
+    """How the chat template writes an answer's reasoning, for chat answers: a reasoning model (Qwen3) writes its
+    reasoning block before the answer, and that block is not part of what the test set's answer is scored against."""
+    return reasoning_block(template_text(tokenizer)) if args.chat or args.messages_field is not None else None
+
+
 def as_the_model_writes(tokenizer: Any, reference: str) -> str:
     """A reference as its tokens decode, as train.py's references are (its tokenized targets): a tokenizer that
     normalises (T5's and mT5's NFKC: full-width `２０２４`, half-width kana) or lacks a character cannot write the
@@ -281,11 +292,12 @@ def tokenizer_config_and_device(args: GenerateArgs) -> tuple[Any, Any, torch.dev
 
 
 def answer_batch(model: Any, tokenizer: Any, config: Any, prompts: list[list[int]], args: GenerateArgs,
-                 device: torch.device) -> list[Answer]:
+                 device: torch.device, reasoning: Optional[ReasoningBlock] = None) -> list[Answer]:
     """The answers to a batch of encoded prompts, generated at once. A decoder-only model's prompts are padded on
     the left, so that every answer follows its prompt directly (generate() derives the positions from the attention
     mask); an encoder-decoder's sources on the right. Each answer ends at its first stop token: generate() fills a
-    finished one with padding until the batch ends."""
+    finished one with padding until the batch ends. An answer that starts with `reasoning`'s block is split into
+    its reasoning and what follows."""
     pad = next((token for token in (tokenizer.pad_token_id, tokenizer.eos_token_id,
                                      *stop_tokens(model.generation_config)) if token is not None), 0)  # masked out
     inputs = padded(prompts, pad, left=not config.is_encoder_decoder)
@@ -298,8 +310,10 @@ def answer_batch(model: Any, tokenizer: Any, config: Any, prompts: list[list[int
         new = up_to_first_stop(row[start:].tolist(), stops)
         text = (tokenizer.decode(new, skip_special_tokens=True) if answered_alone(args, config)
                 else continuation(tokenizer, prompt, prompt + new))
+        thought, final = reasoning.split(text) if reasoning is not None else (None, text)
         answers.append(Answer(text, len(new), why_it_stopped(new, model.generation_config, tokenizer,
-                                                             args.max_new_tokens)))
+                                                             args.max_new_tokens),
+                              thought, final if thought is not None else None))
     return answers
 
 

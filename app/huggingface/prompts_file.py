@@ -41,6 +41,17 @@ class Answer:
     text: str
     new_tokens: int
     stopped: str
+    reasoning: Optional[str] = None
+    """The reasoning the model wrote before its answer, in its chat template's block (Qwen3's `<think>`); None
+    without one."""
+    final: Optional[str] = None
+    """What follows that block, the answer proper; None without one."""
+
+    @property
+    def scored(self) -> str:
+        """What is scored against the reference: the answer after its reasoning, as a reasoning model is evaluated
+        (the reference is the test chat's answer, and the reasoning scored with it lowered every score)."""
+        return self.text if self.final is None else self.final
 
 
 def read_prompts(path: Path, prompt_field: str, reference_field: Optional[str], messages_field: Optional[str] = None,
@@ -117,6 +128,8 @@ def answer_record(row: PromptRow, answer: Answer) -> dict[str, object]:
     record: dict[str, object] = {"prompt": row.prompt}
     if row.reference is not None:
         record["reference"] = row.reference
+    if answer.final is not None:
+        record |= {"reasoning": answer.reasoning, "answer": answer.final}
     return record | {"generated": answer.text, "new_tokens": answer.new_tokens, "stopped": answer.stopped}
 
 
@@ -124,7 +137,7 @@ def scores_line(references: list[str], answers: list[Answer], against: str) -> s
     """The answers scored against the references as train.py scores its generation samples."""
     from app.evaluation.samples import sample_metrics
 
-    metrics = sample_metrics([answer.text for answer in answers], references, [answer.new_tokens for answer in answers])
+    metrics = sample_metrics([answer.scored for answer in answers], references, [answer.new_tokens for answer in answers])
     return (f"{len(answers)} answers scored against {against}: exact match "
             f"{metrics['sample_exact_match']:.4f} | ROUGE-1 {metrics['sample_rouge1']:.4f} | ROUGE-2 "
             f"{metrics['sample_rouge2']:.4f} | ROUGE-L {metrics['sample_rougeL']:.4f} | ROUGE-Lsum "

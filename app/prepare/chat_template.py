@@ -44,7 +44,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from app.choices import IGNORE_INDEX
 from app.prepare.args import PrepareArgs, UsageError
-from app.prepare.chat import PROBE_CHAT, template_messages, untrained
+from app.prepare.chat import PROBE_CHAT, REASONING_KEYS, template_messages, untrained
 from app.prepare.examples import Example, causal_advice, drop_reasons, dropped, encode_examples, fit_to_block
 from app.prepare.mask_audit import audit, check_audit
 from app.prepare.tokenizer import render_chat, special_token_ids
@@ -127,6 +127,46 @@ def chat_text(tokenizer: Optional[PreTrainedTokenizerBase], args: PrepareArgs) -
     tokens (`train_tokenizer`) before it exists."""
     variables = dict(tokenizer.special_tokens_map) if tokenizer is not None else TRAINED_SPECIAL_TOKENS
     return ChatText(choose_template(tokenizer, args).text, variables)
+
+
+REASONING_PROBE = ("Which?", "REASONING-0d1f", "ANSWER-7c2e")
+"""A question, and an answer's reasoning and content to find in what the template renders of them."""
+
+
+@dataclass(frozen=True)
+class ReasoningBlock:
+    """How a chat template writes an answer's reasoning before it: between `opening` and `closing` (Qwen3's
+    `<think>` and `</think>`), as a reasoning model writes it before its answer at inference."""
+
+    opening: str
+    closing: str
+
+    def split(self, text: str) -> tuple[Optional[str], str]:
+        """A written answer's reasoning (None without a block) and its answer: what follows the last `closing`, or
+        nothing when the block was opened and never closed (the tokens ran out while it reasoned)."""
+        head, closed, answer = text.rpartition(self.closing)
+        if closed:
+            return head.strip().removeprefix(self.opening).strip(), answer.strip()
+        if self.opening and text.lstrip().startswith(self.opening):
+            return text.strip().removeprefix(self.opening).strip(), ""
+        return None, text
+
+
+def reasoning_block(rendered: ChatText) -> Optional[ReasoningBlock]:
+    """How the template writes an answer's reasoning, read from what it renders of a probe answer with reasoning
+    (in any of the fields chats carry it in, Qwen3's `reasoning_content` first); None for a template that writes
+    none, or writes it after the answer."""
+    question, reasoning, answer = REASONING_PROBE
+    asked = [{"role": "user", "content": question}]
+    prompt = rendered(asked, generation_prompt=True) or ""
+    for key in REASONING_KEYS:
+        text = rendered([*asked, {"role": "assistant", "content": answer, key: reasoning}]) or ""
+        start, end = text.find(reasoning), text.find(answer)
+        if -1 < start < end:
+            opening = text[len(prompt):start] if text.startswith(prompt) else ""
+            closing = text[start + len(reasoning):end].strip()
+            return ReasoningBlock(opening.strip(), closing) if closing else None
+    return None
 
 
 TRAINED_SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
