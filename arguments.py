@@ -224,8 +224,16 @@ class TrainingArgs:
     warmup_steps: Union[int, float] = 0
     """Optimizer steps of linear warmup from 0 to lr; below 1, that share of the run's steps (0.03: the Hugging Face
     Trainer's warmup_ratio 0.03)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon: each weight matrix's momentum orthogonalised by
+    Newton-Schulz) for the weight matrices of the model's layers, AdamW for the embeddings, the output layer, norms
+    and biases, as Muon is used (Kimi K2 and GLM-4.5 were trained so); one --lr for both, Muon's update scaled to
+    AdamW's size (match_rms_adamw). Muon needs whole matrices: --strategy fsdp2, ddp or single_device
+    (docs/training.md#optimizers)."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum; read with --optimizer muon."""
     weight_decay: float = 0.01
-    """AdamW weight decay (not applied to norms and biases)."""
+    """Weight decay, decoupled as AdamW's (not applied to norms and biases)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -624,7 +632,7 @@ def value_ranges(cfg: Config, require: Callable[[bool, str], None]) -> None:
             f"{cfg.early_stopping_threshold}")
     require(cfg.weight_decay >= 0, f"--weight_decay must be 0 or more, got {cfg.weight_decay}")
     require(cfg.grad_clip >= 0, f"--grad_clip must be 0 (off) or positive, got {cfg.grad_clip}")
-    for name in ("beta1", "beta2"):
+    for name in ("beta1", "beta2", "muon_momentum"):
         require(0 <= getattr(cfg, name) < 1, f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
 
 
@@ -683,6 +691,9 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
     if not cfg.gradient_checkpointing and cfg.gradient_checkpointing_every != FSDPArgs.gradient_checkpointing_every:
         unread(["gradient_checkpointing_every"], "gradient_checkpointing",
                "--gradient_checkpointing_every is only read with --gradient_checkpointing true: add it, or drop it")
+    if cfg.optimizer != "muon" and cfg.muon_momentum != TrainingArgs.muon_momentum:
+        unread(["muon_momentum"], "optimizer", "--muon_momentum is only read with --optimizer muon: add it, or drop "
+                                               "--muon_momentum")
     if not cfg.estimate_memory and cfg.device_memory_gb is not None:
         unread(["device_memory_gb"], "estimate_memory",
                "--device_memory_gb is only read by --estimate_memory true: add it, or drop --device_memory_gb")
@@ -757,6 +768,12 @@ def strategy_rules(cfg: Config, require: Callable[[bool, str], None]) -> None:
         require(not changed, f"{', '.join('--' + n for n in changed)} {'applies' if len(changed) == 1 else 'apply'} "
                              f"only to --strategy {allowed}, not {cfg.strategy}: drop "
                              f"{'it' if len(changed) == 1 else 'them'} or use --strategy {allowed.split()[0]}")
+    require(cfg.optimizer != "muon" or cfg.strategy != "fsdp" or cfg.tpu,  # TPUs: said above
+            "--optimizer muon orthogonalises each weight matrix whole, and --strategy fsdp (FSDP1) flattens the "
+            "matrices into shards: use --strategy fsdp2 (or ddp)")
+    require(cfg.optimizer != "muon" or not cfg.stochastic_rounding,
+            "--stochastic_rounding rounds AdamW's steps of every weight, and --optimizer muon steps the weight "
+            "matrices with Muon: drop one of them")
     require(cfg.strategy != "fsdp2" or cfg.precision != "16-mixed",
             "--precision 16-mixed needs FSDP1's sharded gradient scaler: use --strategy fsdp, or --precision bf16-mixed")
     require(cfg.reduce_dtype != "float16" or cfg.precision == "16-mixed",

@@ -5,7 +5,7 @@ import against its order):
 | --- | --- |
 | exit_codes.py, choices.py, cli.py, stopping.py, tasks.py, hub.py, folders.py, versions.py | what every part shares: exit statuses, option sets, how a command line meets a shell, how a command ends when stopped or out of resources, which process of a run this is, whether a Hub name loads from here, folders and files written whole, the libraries' versions |
 | distributed/ | strategy.py, fsdp2.py, cpu_collectives.py, precision.py, host_memory.py, device_memory.py, ports.py: devices, and the port ranks meet at |
-| optimization/ | optimizer.py, schedule.py, stochastic_rounding.py: AdamW's groups and clipping, batch arithmetic and lr(step), bf16 weights rounded stochastically |
+| optimization/ | optimizer.py, muon.py, schedule.py, stochastic_rounding.py: AdamW's groups (or Muon's and AdamW's) and clipping, batch arithmetic and lr(step), bf16 weights rounded stochastically |
 | reliability/ | signals.py, watchdog.py, workers.py, torchrun.py, spikes.py: keeping a run alive, ending it well, loss spikes |
 | prepare/ | prepare_data.py's pipeline: records, chat templates, masks, packing, the folder it writes |
 | data/ | formats.py, order.py, mixture.py, identity.py, loader.py: the prepared folder (or a weighted mixture of folders) read as steps and batches |

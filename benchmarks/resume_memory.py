@@ -42,8 +42,8 @@ def size_of(path: Path) -> int:
 
 
 def measure(fabric, cfg, inputs, deferred, checkpoint: Path, report: str) -> int:
-    model, no_decay, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
-    optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
+    model, roles, _ = setup_model(fabric, cfg, inputs.model_config, deferred)
+    optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, roles))
     gc.collect()
     before = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")

@@ -397,26 +397,27 @@ def test_a_forward_that_reads_values_is_planned_without_autocast_and_the_report_
     assert "leave out" not in without_autocast
 
 
-@pytest.mark.parametrize("strategy, sharding_strategy, precision, fsdp_no_sync", [
-    ("fsdp", "FULL_SHARD", "32-true", False), ("fsdp", "FULL_SHARD", "32-true", True),
-    ("fsdp2", "FULL_SHARD", "32-true", True), ("fsdp", "NO_SHARD", "bf16-true", False)])
+@pytest.mark.parametrize("strategy, sharding_strategy, precision, fsdp_no_sync, optimizer", [
+    ("fsdp", "FULL_SHARD", "32-true", False, "adamw"), ("fsdp", "FULL_SHARD", "32-true", True, "adamw"),
+    ("fsdp2", "FULL_SHARD", "32-true", True, "adamw"), ("fsdp", "NO_SHARD", "bf16-true", False, "adamw"),
+    ("fsdp2", "FULL_SHARD", "32-true", True, "muon")])
 def test_estimate_matches_the_parameters_gradients_and_optimizer_state_of_a_run(tiny, tmp_path, strategy,
                                                                                sharding_strategy, precision,
-                                                                               fsdp_no_sync) -> None:
+                                                                               fsdp_no_sync, optimizer) -> None:
     """A real 2-process FSDP run with 2 micro-batches per step measures the storage of its tensors during the first
     step (summary.json): gradients between the micro-batches are a shard, the whole gradient with --fsdp_no_sync
-    (fsdp2's on tensors of its own, which the run's report missed: it said the shard). Under FULL_SHARD the whole
-    plan is compared with the ranks' peak RSS, all processes started afresh (a process forked from the tests' fork
-    server has not yet touched the libraries' pages)."""
+    (fsdp2's on tensors of its own, which the run's report missed: it said the shard); Muon's one momentum of the
+    layers' matrices. Under FULL_SHARD the whole plan is compared with the ranks' peak RSS, all processes started
+    afresh (a process forked from the tests' fork server has not yet touched the libraries' pages)."""
     whole = sharding_strategy == "FULL_SHARD" and not fsdp_no_sync
     result = run_train(train_args(tiny, tmp_path, max_step=4, eval_iters=1, sharding_strategy=sharding_strategy,
                                   precision=precision, save_step_interval=100, initial_validation=False,
-                                  fsdp_no_sync=fsdp_no_sync, strategy=strategy), fresh=whole)
+                                  fsdp_no_sync=fsdp_no_sync, strategy=strategy, optimizer=optimizer), fresh=whole)
     assert result.returncode == 0, result.stderr[-3000:]
     config = AutoConfig.from_pretrained(tiny.model_config)
     setup = replace(EIGHT_GPUS, strategy=strategy, sharding_strategy=sharding_strategy, precision=precision,
                     world_size=2, devices_per_node=2, micro_batch_size=4, block_size=32, gradient_checkpointing=False,
-                    unsharded_accumulation=fsdp_no_sync)
+                    unsharded_accumulation=fsdp_no_sync, optimizer=optimizer)
     estimate = estimate_memory(ModelShape.of(config, resolve_wrap_classes(config, None)), setup)
     ranks = json.loads((tmp_path / "summary.json").read_text())["ranks"]
     assert len(ranks) == 2

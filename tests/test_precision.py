@@ -28,7 +28,8 @@ from app.distributed.precision import (bf16_moment_problem, bf16_rounding_note, 
                                        kept_in_fp32_units, precision_plugin, reduce_dtype)
 from app.metrics.peaks import PEAKS, listed_peak, peak_tflops
 from app.model.build import meta_model
-from app.optimization.optimizer import build_optimizer, clip_gradients, gradient_square_sum, no_decay_names
+from app.optimization.optimizer import (ParameterRoles, build_optimizer, clip_gradients, gradient_square_sum,
+                                        no_decay_names)
 from tests.conftest import (ROOT, interpreter, read_checkpoint, run_environment, run_script, run_train,
                             train_args)
 from tests.test_training import assert_succeeded, read_metrics
@@ -344,12 +345,20 @@ def test_the_built_optimizer_decays_exactly_the_weights_that_are_not_exempt() ->
 
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64))
     exempt = no_decay_names(gpt2)
-    optimizer = build_optimizer(gpt2, Config(weight_decay=0.1, eps=1e-6), exempt)
-    assert {group["eps"] for group in optimizer.param_groups} == {1e-6}, "--eps reaches every group"
     names = {id(p): name for name, p in gpt2.named_parameters()}
-    decays = {names[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
-    assert decays == {name: 0.0 if name in exempt else 0.1 for name, _ in gpt2.named_parameters()}
-    assert 0 < len(exempt) < len(decays)
+    for optimizer_name in ("adamw", "muon"):
+        optimizer = build_optimizer(gpt2, Config(weight_decay=0.1, eps=1e-6, optimizer=optimizer_name),
+                                    ParameterRoles.of(gpt2))
+        adamw = getattr(optimizer, "adamw", optimizer)
+        assert {group["eps"] for group in adamw.param_groups} == {1e-6}, "--eps reaches every AdamW group"
+        decays = {names[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+        assert decays == {name: 0.0 if name in exempt else 0.1 for name, _ in gpt2.named_parameters()}
+        assert 0 < len(exempt) < len(decays)
+    # Muon steps the layers' matrices (GPT-2's Conv1D weights); AdamW the embeddings (positions too), the output
+    # layer tied to them, norms and biases
+    muon = {names[id(p)] for group in optimizer.muon.param_groups for p in group["params"]}
+    assert muon == {f"transformer.h.0.{name}.weight" for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                   "mlp.c_proj")}
 
 
 def test_gradient_norm_and_clipping_match_torch_in_fp32() -> None:

@@ -93,7 +93,7 @@ def test_the_second_moment_decreases_at_torchs_beta2_where_rounding_to_nearest_k
 def test_replicas_round_alike_other_seeds_apart_and_checkpoints_move_between_the_optimizers() -> None:
     """Ranks holding the same weights (ddp, NO_SHARD) draw the same noise at the same step: they stay equal. The
     state of torch's AdamW, read in place as a resume reads a checkpoint, continues here, and this one's in torch's."""
-    from app.checkpoint.state import initialise_adamw_state
+    from app.checkpoint.state import initialise_optimizer_state
 
     torch.manual_seed(0)
     start, grads = torch.randn(1000).bfloat16(), [torch.randn(1000).bfloat16() for _ in range(4)]
@@ -103,7 +103,7 @@ def test_replicas_round_alike_other_seeds_apart_and_checkpoints_move_between_the
         optimizer = (optimizer_class([weight], seed=seed, **OPTIONS) if optimizer_class is StochasticRoundingAdamW
                      else optimizer_class([weight], fused=True, **OPTIONS))
         if state is not None:
-            initialise_adamw_state(optimizer)
+            initialise_optimizer_state(optimizer)
             for name, value in state.items():
                 optimizer.state[weight][name].copy_(value)
         for grad in steps:

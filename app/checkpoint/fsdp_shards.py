@@ -22,7 +22,7 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 
-from app.checkpoint.state import (MODEL_PREFIX, OPTIMIZER_PREFIX, LocalState, Part, Piece, initialise_adamw_state,
+from app.checkpoint.state import (MODEL_PREFIX, OPTIMIZER_PREFIX, LocalState, Part, Piece, initialise_optimizer_state,
                                   whole_part)
 from app.optimization.optimizer import canonical_name
 
@@ -77,7 +77,7 @@ def flat_shard_state(module: Module, optimizer: torch.optim.Optimizer) -> Option
     pieces = parameter_pieces(module)
     if not pieces:
         return None
-    initialise_adamw_state(optimizer)
+    initialise_optimizer_state(optimizer)
 
     def part(tensor: torch.Tensor, shape: tuple[int, ...], start: int) -> Part:
         return Part(shape, tensor.dtype, (Piece(start, tensor.detach().view(-1)),) if tensor.numel() else ())

@@ -4,7 +4,7 @@ Every strategy's checkpoint stores the same tensors under the names of torch.dis
 named after the Hugging Face model whether it is wrapped by FSDP, DDP, torch.compile or nothing:
 
     model.<parameter or persistent buffer>    e.g. model.model.layers.0.mlp.up_proj.weight
-    optimizer.state.<parameter>.<state>       state: step, exp_avg, exp_avg_sq (AdamW)
+    optimizer.state.<parameter>.<state>       state: step, exp_avg, exp_avg_sq (AdamW); momentum_buffer (Muon)
 
 A rank holds a `Part` of each: the whole tensor's shape and dtype and the `Piece`s of it the rank has, each a range of
 elements of the tensor flattened in C order. Under FSDP a piece is the rank's range of a parameter inside FSDP's flat
@@ -30,6 +30,7 @@ from torch.nn import Module
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer.state."
 ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")
+MUON_STATE = ("momentum_buffer",)
 
 
 class CheckpointMismatch(ValueError):
@@ -138,13 +139,13 @@ def raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()
-def initialise_adamw_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter without AdamW state (none before the first step; under FSDP, those a rank holds no
-    element of) the state AdamW starts from, zero moments and step 0, so that a checkpoint can be written from it or
-    read into it. AdamW creates it in a step: here one with lr 0 on a zero gradient, for one parameter at a time so
-    that no more than the largest parameter's zeros exist at once (all of them at once held a second copy of the
-    parameters while resuming), after which their step count is set back to 0, so that their next step is exactly
-    the first one."""
+def initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter without optimizer state (none before the first step; under FSDP, those a rank holds no
+    element of) the state its optimizer starts from (AdamW's zero moments and step 0, Muon's zero momentum), so that
+    a checkpoint can be written from it or read into it. The optimizer creates it in a step: here one with lr 0 on
+    a zero gradient, for one parameter at a time so that no more than the largest parameter's zeros exist at once
+    (all of them at once held a second copy of the parameters while resuming), after which AdamW's step count is
+    set back to 0, so that their next step is exactly the first one."""
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
     missing = [parameter for parameter in parameters if parameter not in optimizer.state]
     if not missing:
@@ -164,16 +165,20 @@ def initialise_adamw_state(optimizer: torch.optim.Optimizer) -> None:
     for parameter, gradient in zip(parameters, gradients):
         parameter.grad = gradient
     for parameter in missing:
-        optimizer.state[parameter]["step"].zero_()
+        if "step" in optimizer.state[parameter]:
+            optimizer.state[parameter]["step"].zero_()
 
 
-def expected_shapes(model: Module, parameter_order: list[str]) -> dict[str, tuple[int, ...]]:
-    """What a checkpoint of `model` (possibly on the meta device) trained with AdamW holds, by name."""
+def expected_shapes(model: Module, parameter_order: list[str],
+                    muon: frozenset[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+    """What a checkpoint of `model` (possibly on the meta device) holds, by name, trained with AdamW, and with Muon
+    for the parameters `muon` names."""
     shapes = {MODEL_PREFIX + name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     parameters = dict(model.named_parameters())
     for name in parameter_order:
         shape = tuple(parameters[name].shape)
-        shapes |= {f"{OPTIMIZER_PREFIX}{name}.{key}": () if key == "step" else shape for key in ADAMW_STATE}
+        keys = MUON_STATE if name in muon else ADAMW_STATE
+        shapes |= {f"{OPTIMIZER_PREFIX}{name}.{key}": () if key == "step" else shape for key in keys}
     return shapes
 
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.nn import Module
 
 from app.checkpoint.fsdp_shards import flat_shard_state
-from app.checkpoint.state import (MODEL_PREFIX, OPTIMIZER_PREFIX, LocalState, initialise_adamw_state, part_of,
+from app.checkpoint.state import (MODEL_PREFIX, OPTIMIZER_PREFIX, LocalState, initialise_optimizer_state, part_of,
                                   raw_optimizer)
 from app.model.build import strategy_module
 
@@ -28,7 +28,7 @@ def local_state(model: Module, optimizer: Any) -> LocalState:
     flat = flat_shard_state(module, optimizer)
     if flat is not None:
         return flat
-    initialise_adamw_state(optimizer)
+    initialise_optimizer_state(optimizer)
     model_state, optimizer_state = get_state_dict(module, optimizer, options=SHARDED)
     parts = {MODEL_PREFIX + name: part_of(value) for name, value in model_state.items()}
     for parameter, values in optimizer_state["state"].items():

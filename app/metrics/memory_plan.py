@@ -8,7 +8,8 @@ SHARD_GRAD_OP, the devices of one node for HYBRID_SHARD, 1 for NO_SHARD and DDP)
 - gradients: as the parameters, / S except for NO_SHARD and DDP; with --fsdp_no_sync and gradient accumulation,
   the whole unsharded gradient instead, which FSDP keeps on every rank between micro-batches: in the compute dtype,
   and under fsdp2 in the reduce dtype (fp32 under *-mixed: FSDP2's `unsharded_accumulated_grad`);
-- optimizer state: AdamW's two moments in the parameters' dtype, / S except for NO_SHARD and DDP;
+- optimizer state: AdamW's two moments in the parameters' dtype (with --optimizer muon, Muon's one momentum for the
+  layers' weight matrices), / S except for NO_SHARD and DDP;
 - working memory: FSDP's gathered layers in the compute dtype (the root module, i.e. embeddings, final norm and
   head, plus two decoder layers in flight; every layer for SHARD_GRAD_OP; less input embeddings that are a unit of
   their own, resharded after forward), under *-mixed the fp32 copy of the largest unit's gradient that FSDP and
@@ -52,6 +53,7 @@ from app.metrics.console import format_gb
 from app.metrics.observe import GB, has_experts
 from app.model.build import freeze_parameters, meta_model
 from app.model.loss import chunk_tokens
+from app.optimization.optimizer import matrix_names
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -90,6 +92,8 @@ class ModelShape:
     """Parameters that take gradients and optimizer state: all but those --freeze names (-1: all)."""
     unit_trained_parameters: int = -1
     """Parameters of the FSDP1 units that hold a trained one: FSDP1 keeps a unit's flat gradient whole (-1: all)."""
+    trained_matrix_parameters: int = 0
+    """Trained parameters that --optimizer muon steps with Muon (`matrix_names`), whose state is one momentum."""
     measured: dict[tuple, KeptForBackward] = field(default_factory=dict, compare=False, repr=False)
     """What backward keeps of one sequence, by (tokens, target tokens, dtype, attention, gpu, autocast): measured
     once each."""
@@ -113,8 +117,12 @@ class ModelShape:
         units = [list(layer.parameters()) for layer in layers] + [
             [parameter for parameter in model.parameters() if id(parameter) not in in_layers]]
         unit_trained = sum(sum(p.numel() for p in unit) for unit in units if any(p.requires_grad for p in unit))
+        matrices = matrix_names(model)
+        trained_matrices = sum(parameter.numel() for name, parameter in model.named_parameters()
+                               if parameter.requires_grad and name in matrices)
         return cls(parameters=total, root_parameters=total - sum(per_layer), layer_parameters=max(per_layer),
                    trained_parameters=trained, unit_trained_parameters=unit_trained,
+                   trained_matrix_parameters=trained_matrices,
                    input_embedding_unit=parameter_count(input_embeddings) if input_embeddings else 0,
                    hidden_size=model_config.hidden_size,
                    vocab_size=model_config.vocab_size, model_config=model_config, wrap_classes=wrap_classes,
@@ -193,6 +201,8 @@ class Setup:
     """A process's own memory before any tensor (`runtime_bytes`)."""
     heap_kept_free: float = 0.0
     """On CPU, the most free space glibc's heap keeps at its top (MALLOC_TRIM_THRESHOLD_); 0 on GPUs."""
+    optimizer: str = "adamw"
+    """--optimizer: muon keeps one momentum of the layers' matrices where AdamW keeps two moments."""
 
     @property
     def shards(self) -> int:
@@ -301,7 +311,8 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     if setup.unsharded_accumulation:
         gradients = with_gradients * (dtype_bytes(setup.reduce_dtype) if setup.strategy == "fsdp2"
                                       and setup.reduce_dtype is not None else computed)
-    optimizer = on_device * 2 * trained * stored / setup.shards  # AdamW's two moments, of what trains
+    moments = 2 * trained - (shape.trained_matrix_parameters if setup.optimizer == "muon" else 0)
+    optimizer = on_device * moments * stored / setup.shards  # AdamW's two moments, Muon's one, of what trains
     if setup.strategy not in SHARDED_STRATEGIES:  # one device, or DDP, whose gradients are its buckets' views
         working = 0.0
     elif setup.sharding_strategy == "NO_SHARD":  # under *-mixed every unit's compute-dtype copy, forward to backward
@@ -349,7 +360,7 @@ def setup_of(cfg: Config, world_size: int, block_size: int, accumulation: int, c
                  chunked_loss=chunked_loss, loss_kernel=cfg.loss_kernel, target_block_size=target_block_size,
                  attention=cfg.attn_implementation,
                  reduce_dtype=reduce_dtype(cfg.precision, cfg.reduce_dtype), gpu=gpu, autocast=autocast,
-                 runtime=runtime, heap_kept_free=heap_kept_free,
+                 runtime=runtime, heap_kept_free=heap_kept_free, optimizer=cfg.optimizer,
                  unsharded_accumulation=cfg.strategy in SHARDED_STRATEGIES and cfg.fsdp_no_sync and accumulation > 1)
 
 

@@ -39,7 +39,7 @@ from app.distributed.precision import weights_dtype
 from app.distributed.strategy import resolve_accelerator
 from app.model.loss import LossPath, LossTerms, install_loss_head, own_loss_path
 from app.model.noise import add_embedding_noise
-from app.optimization.optimizer import canonical_name, no_decay_names
+from app.optimization.optimizer import ParameterRoles, canonical_name
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -416,18 +416,18 @@ def compiled(model: Module) -> Module:
 
 
 def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, deferred: Optional[DeferredInit],
-                chunked_loss: bool = False) -> tuple[Module, set[str], LossPath]:
+                chunked_loss: bool = False) -> tuple[Module, ParameterRoles, LossPath]:
     """Build, wrap (and compile) the model, load pretrained weights into its shards, restore fp32 rotary buffers.
-    Returns the Fabric module, the names of the parameters exempt from weight decay (read before wrapping) and how
-    to ask it for a loss (chunked, without full logits, when the preflight's probe found that it may)."""
+    Returns the Fabric module, how the optimizer treats each parameter (read before wrapping) and how to ask it
+    for a loss (chunked, without full logits, when the preflight's probe found that it may)."""
     model = build_model(fabric, cfg, model_config, deferred)
     loss_path = install_loss_head(model, cfg.loss_kernel) if chunked_loss else own_loss_path(model)
     loss_path.terms = LossTerms(cfg.label_smoothing, cfg.z_loss)
     loss_path.noise = add_embedding_noise(model, cfg.neftune_noise_alpha)
-    no_decay = no_decay_names(model)
+    roles = ParameterRoles.of(model)
     expected = set(model.state_dict())
     model = fabric.setup_module(compiled(model) if cfg.compile else model)
     if deferred and deferred.weight_files:
         load_pretrained_weights(strategy_module(model), deferred.weight_files, weights_dtype(cfg.precision), expected)
     keep_rotary_in_fp32(strategy_module(model))
-    return model, no_decay, loss_path
+    return model, roles, loss_path

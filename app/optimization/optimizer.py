@@ -1,4 +1,5 @@
-"""AdamW with weight decay on matrices only (norms and biases are not decayed), and the gradient norm in fp32.
+"""AdamW (or Muon with AdamW, app/optimization/muon.py) with weight decay on matrices only (norms and biases are not
+decayed), and the gradient norm in fp32.
 
 The gradient norm is computed here rather than by Lightning or FSDP, whose norms come back in the gradients' dtype (bf16
 under bf16-true) and cost one collective of their own: each rank sums its gradients' squares in fp32, the sum travels in
@@ -14,9 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.nn import Module
+from torch.nn import Embedding, Module
 
 from app.distributed.precision import uses_grad_scaler
+from app.optimization.muon import MuonWithAdamW
 from app.optimization.stochastic_rounding import StochasticRoundingAdamW
 
 if TYPE_CHECKING:
@@ -40,32 +42,75 @@ def no_decay_names(model: Module) -> set[str]:
     return {name for name, p in model.named_parameters() if p.ndim < 2 or "bias" in name}
 
 
-def grouped_parameter_names(model: Module, no_decay: set[str]) -> tuple[list[str], list[str]]:
-    """The trainable parameters with and without weight decay, in the order the optimizer lists them."""
+def matrix_names(model: Module) -> set[str]:
+    """The weight matrices of the model's layers, which --optimizer muon steps with Muon: the 2-D parameters but
+    norms and biases (`no_decay_names`), embeddings (T5's relative attention bias and GPT-2's positions among them)
+    and the output layer, which AdamW steps, as Muon's authors do. Read before wrapping, as `no_decay_names`."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, Embedding) or m is output}
+    exempt = no_decay_names(model)
+    return {canonical_name(name) for name, p in model.named_parameters()
+            if p.ndim == 2 and id(p) not in embeddings and name not in exempt}
+
+
+@dataclass(frozen=True)
+class ParameterRoles:
+    """How the optimizer treats each parameter, by name, read before wrapping."""
+
+    no_decay: frozenset[str]
+    matrices: frozenset[str]
+    """What Muon steps under --optimizer muon (`matrix_names`)."""
+
+    @classmethod
+    def of(cls, model: Module) -> "ParameterRoles":
+        return cls(frozenset(no_decay_names(model)), frozenset(matrix_names(model)))
+
+    def muon(self, optimizer: str) -> frozenset[str]:
+        """The parameters --optimizer steps with Muon; none under AdamW."""
+        return self.matrices if optimizer == "muon" else frozenset()
+
+
+def grouped_parameter_names(model: Module, no_decay: set[str] | frozenset[str],
+                            leave_out: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
+    """The trainable parameters with and without weight decay, in the order the optimizer lists them; those of
+    `leave_out` left out."""
     names = [canonical_name(n) for n, p in model.named_parameters() if p.requires_grad]
+    names = [n for n in names if n not in leave_out]
     return [n for n in names if n not in no_decay], [n for n in names if n in no_decay]
 
 
-def parameter_groups(model: Module, weight_decay: float, no_decay: set[str]) -> list[dict]:
+def parameter_groups(model: Module, weight_decay: float, no_decay: set[str] | frozenset[str],
+                     leave_out: frozenset[str] = frozenset()) -> list[dict]:
     params = {canonical_name(n): p for n, p in model.named_parameters() if p.requires_grad}
-    decayed, exempt = grouped_parameter_names(model, no_decay)
+    decayed, exempt = grouped_parameter_names(model, no_decay, leave_out)
     return [{"params": [params[n] for n in decayed], "weight_decay": weight_decay},
             {"params": [params[n] for n in exempt], "weight_decay": 0.0}]
 
 
-def build_optimizer(model: Module, cfg: Config, no_decay: set[str]) -> torch.optim.AdamW:
+def matrix_groups(model: Module, weight_decay: float, names: frozenset[str]) -> list[dict]:
+    """Muon's group: the trainable matrices among `names`, decayed."""
+    matrices = [p for n, p in model.named_parameters() if p.requires_grad and canonical_name(n) in names]
+    return [{"params": matrices, "weight_decay": weight_decay}] if matrices else []
+
+
+def build_optimizer(model: Module, cfg: Config, roles: ParameterRoles) -> torch.optim.Optimizer:
     """Built on the set-up (wrapped) model. The LR is set before every step by the schedule.
 
     Fused AdamW (one kernel over all parameters) unscales fp16 gradients inside its step, so Lightning cannot clip
     them first: with a gradient scaler (16-mixed) the multi-tensor (foreach) implementation is used instead.
-    --stochastic_rounding takes this project's AdamW (app/optimization/stochastic_rounding.py).
+    --stochastic_rounding takes this project's AdamW (app/optimization/stochastic_rounding.py); --optimizer muon
+    Muon with AdamW (app/optimization/muon.py), or AdamW alone where nothing Muon would step trains (--freeze).
     """
-    groups = parameter_groups(model, cfg.weight_decay, no_decay)
-    options = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    matrices = matrix_groups(model, cfg.weight_decay, roles.muon(cfg.optimizer))
+    groups = parameter_groups(model, cfg.weight_decay, roles.no_decay, roles.muon(cfg.optimizer))
+    options = dict(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.stochastic_rounding:
-        return StochasticRoundingAdamW(groups, seed=cfg.seed, **options)
+        return StochasticRoundingAdamW(groups, seed=cfg.seed, lr=cfg.lr, **options)
     fused = not cfg.tpu and not uses_grad_scaler(cfg.precision)
-    return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **options)
+    options |= dict(fused=fused, foreach=None if fused else True)
+    if matrices:
+        return MuonWithAdamW(matrices, groups, lr=cfg.lr, momentum=cfg.muon_momentum, adamw_options=options)
+    return torch.optim.AdamW(groups, lr=cfg.lr, **options)
 
 
 @dataclass(frozen=True)

@@ -444,8 +444,8 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     fabric.seed_everything(cfg.seed, verbose=False)
     set_matmul_precision(fabric, cfg)
     data = load_data(cfg.train_data_dir, inputs.packed_layout, cfg.eval_data_dir)
-    model, no_decay, loss_path = setup_model(fabric, cfg, inputs.model_config, deferred, inputs.chunked_loss)
-    optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, no_decay))
+    model, roles, loss_path = setup_model(fabric, cfg, inputs.model_config, deferred, inputs.chunked_loss)
+    optimizer = fabric.setup_optimizers(build_optimizer(model, cfg, roles))
     state = initial_state(model, optimizer, cfg, inputs)
     if inputs.resume_from:
         unreadable = resume(fabric, cfg, inputs.resume_from, state, inputs.plan)

@@ -282,7 +282,8 @@ TRAINING_OPTIONS = ("precision", "reduce_dtype", "lr", "min_lr", "lr_decay", "lr
                     "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "max_step", "max_tokens",
                     "number_epochs", "spike_guard", "spike_z", "spike_min_rise", "spike_grad_norm_z", "spike_window",
                     "spike_warmup", "spike_incident", "spike_incident_steps", "fsdp_no_sync", "loss_kernel",
-                    "chunked_loss", "tf32", "neftune_noise_alpha", "label_smoothing", "z_loss", "stochastic_rounding")
+                    "chunked_loss", "tf32", "neftune_noise_alpha", "label_smoothing", "z_loss", "stochastic_rounding",
+                    "muon_momentum")
 """The options whose change at a resume changes how the steps after it train (the batch is said apart)."""
 
 

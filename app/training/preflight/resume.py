@@ -19,7 +19,7 @@ from app.data.identity import identity_difference, same_folder_by_path
 from app.data.mixture import parse_sources
 from app.huggingface.convert import changed_fields
 from app.model.build import freeze_parameters, frozen_names, meta_model, model_flag, model_source
-from app.optimization.optimizer import grouped_parameter_names, no_decay_names
+from app.optimization.optimizer import ParameterRoles, grouped_parameter_names
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
 from app.training.preflight.out_dir import files_a_new_run_replaces
@@ -208,10 +208,18 @@ def check_checkpoint_matches(cfg: Config, path: Path, model_config: Optional[Pre
                         "state of the parameters that trained; resume with the same --freeze, or start a new phase "
                         "from its weights with --init_from")
         return None
+    optimizer_before = (metadata.get("config") or {}).get("optimizer", "adamw")
+    if optimizer_before != cfg.optimizer:
+        problems.append(f"{flag} was trained with --optimizer {optimizer_before}, not {cfg.optimizer}: its optimizer "
+                        "state is that optimizer's; resume with the same --optimizer, or start a new phase from its "
+                        "weights with --init_from")
+        return None
     freeze_parameters(model, cfg.freeze)
-    decayed, exempt = grouped_parameter_names(model, no_decay_names(model))
+    roles = ParameterRoles.of(model)
+    decayed, exempt = grouped_parameter_names(model, roles.no_decay)
     try:
-        check_fits(stored_tensor_shapes(path, decayed + exempt), expected_shapes(model, decayed + exempt), flag)
+        check_fits(stored_tensor_shapes(path, decayed + exempt),
+                   expected_shapes(model, decayed + exempt, roles.muon(cfg.optimizer)), flag)
     except CheckpointMismatch as error:
         problems.append(f"{error}; resume with the model it was trained with")
         return None
