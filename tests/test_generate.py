@@ -111,7 +111,8 @@ def test_answers_in_batches_equal_answers_generated_alone_in_the_files_order(tin
 
 def test_references_are_scored_as_their_tokens_decode_as_train_py_scores_its_samples(tiny, tmp_path, capsys) -> None:
     """A tokenizer that normalises (T5's NFKC) cannot write a full-width reference: the answer equal to it as far as
-    the model can tell scored exact match 0 here and 1 in train.py, which decodes its references from their tokens."""
+    the model can tell scored exact match 0 here and 1 in train.py, which decodes its references from their tokens.
+    Special-token text in a reference is text, as in train.py's: decoded away, an answer without it scored 1."""
     folder = model_folder(tiny, tmp_path / "model", "llama")
     tokenizer_file = json.loads((folder / "tokenizer.json").read_text())
     tokenizer_file["normalizer"] = {"type": "NFKC"}
@@ -126,6 +127,10 @@ def test_references_are_scored_as_their_tokens_decode_as_train_py_scores_its_sam
     generate_main([str(folder), "--prompts", str(prompts), "--prompt_field", "code", "--reference_field", "summary",
                    "--temperature", "0", "--max_new_tokens", str(NEW_TOKENS)])
     assert "1 answers scored against 'summary': exact match 1.0000 | ROUGE-1 1.0000" in capsys.readouterr().out
+    prompts.write_text(json.dumps({"code": PROMPTS[0], "summary": full_width + "</s>"}) + "\n")
+    generate_main([str(folder), "--prompts", str(prompts), "--prompt_field", "code", "--reference_field", "summary",
+                   "--temperature", "0", "--max_new_tokens", str(NEW_TOKENS)])
+    assert "1 answers scored against 'summary': exact match 0.0000" in capsys.readouterr().out
 
 
 def test_answers_for_a_folder_that_cannot_be_written_are_refused_before_any_is_generated(tiny, tmp_path, capsys,

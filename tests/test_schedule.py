@@ -284,14 +284,15 @@ def test_a_resume_that_reads_other_validation_rows_says_so_and_how_to_read_the_s
     note_validation_rows(cfg, small, saved, plan)  # each read whole, before and now: their sum passes 1,600
     assert capsys.readouterr().out.splitlines() == [
         "--resume: validation reads 1,600 rows (100 batches of 4 on each of 4 ranks), the checkpoint's run read "
-        "3,200: val_loss moves at this resume for that alone, and best.json starts a new comparison (the losses of "
-        "the other rows do not compare); --eval_iters 200 reads the same rows",
+        "3,200: val_loss moves at this resume for that alone, and best.json and --early_stopping_patience start a new "
+        "comparison (the losses of the other rows do not compare); --eval_iters 200 reads the same rows",
         "--resume: validation reads 1,600 rows (100 batches of 4 on each of 4 ranks), the checkpoint's run read "
-        "2,000: val_loss moves at this resume for that alone, and best.json starts a new comparison (the losses of "
-        "the other rows do not compare); --eval_iters 125 reads the same rows",
+        "2,000: val_loss moves at this resume for that alone, and best.json and --early_stopping_patience start a new "
+        "comparison (the losses of the other rows do not compare); --eval_iters 125 reads the same rows",
         "--resume: validation reads up to 1,600 rows of each folder (100 batches of 4 on each of 4 ranks), the "
-        "checkpoint's run read 3,200: val_loss moves at this resume for that alone, and best.json starts a new "
-        "comparison (the losses of the other rows do not compare); --eval_iters 200 reads the same rows"], (
+        "checkpoint's run read 3,200: val_loss moves at this resume for that alone, and best.json and "
+        "--early_stopping_patience start a new comparison (the losses of the other rows do not compare); "
+        "--eval_iters 200 reads the same rows"], (
         "1,000 rows, and two folders of 1,300 and 1,200: all of them, before and now")
 
 

@@ -438,19 +438,33 @@ def stored_names(path: Path) -> set[str]:
 
 def test_a_run_whose_validation_loss_stops_improving_stops_early_and_saves(tiny, tmp_path) -> None:
     """--early_stopping_patience 2: a rate too small to move the loss by --early_stopping_threshold, so the
-    evaluations after step 0's make no progress; the run saves at the second and ends as finished (exit 0)."""
+    evaluations after step 0's make no progress; the run saves at the second and ends as finished (exit 0). The same
+    command with --resume true (a relaunch) trains nothing: it trained on past the stop. A resume whose validation
+    reads other rows counts anew: it compared their losses with the best of the others, and stopped a run whose loss
+    was still falling on them."""
     from app.training.loop import count_improvement
 
     state = {"best_val_loss": None, "evaluations_without_improvement": 0}
     for loss in (3.0, 2.9, 2.895, 2.95):
         count_improvement(state, loss, threshold=0.01)
     assert state == {"best_val_loss": 2.9, "evaluations_without_improvement": 2}, "2.895 is no fall of 0.01"
-    result = run_train(train_args(tiny, tmp_path, devices=1, strategy="single_device", lr=1e-9, min_lr=None,
-                                  lr_decay=False, warmup_steps=0, max_step=10, eval_step_interval=1,
-                                  save_step_interval=100, early_stopping_patience=2, early_stopping_threshold=0.01))
+    command = dict(devices=1, strategy="single_device", lr=1e-9, min_lr=None, lr_decay=False, warmup_steps=0,
+                   max_step=10, eval_step_interval=1, save_step_interval=100, early_stopping_patience=2,
+                   early_stopping_threshold=0.01)
+    result = run_train(train_args(tiny, tmp_path, **command))
     assert_succeeded(result)
     assert "step 2: 2 evaluations without a validation loss below " in result.stdout, result.stdout
     assert sorted(read_metrics(tmp_path)) == [0, 1, 2] and (tmp_path / "checkpoints" / "step-00000002.ckpt").is_file()
+    summary = (tmp_path / "summary.json").read_text()
+    relaunched = run_train(train_args(tiny, tmp_path, resume=True, **command))
+    assert_succeeded(relaunched)
+    assert "--resume: the checkpoint at step 2 is where early stopping ends this run (2 evaluations without a " \
+           "validation loss below " in relaunched.stdout + relaunched.stderr
+    assert sorted(read_metrics(tmp_path)) == [0, 1, 2] and (tmp_path / "summary.json").read_text() == summary
+    other_rows = run_train(train_args(tiny, tmp_path, resume=True, **command | dict(eval_iters=1)))
+    assert_succeeded(other_rows)
+    assert "step 5: 2 evaluations without a validation loss below " in other_rows.stdout, other_rows.stdout
+    assert sorted(read_metrics(tmp_path)) == [0, 1, 2, 3, 4, 5]
 
 
 def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:

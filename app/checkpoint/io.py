@@ -212,6 +212,11 @@ def validation_measured(metadata: dict[str, Any]) -> str:
                       sort_keys=True, default=str)
 
 
+def validation_measured_by(config: dict[str, Any], data_folders: list, world_size: int) -> str:
+    """`validation_measured` of a run about to train: what its checkpoints will record."""
+    return validation_measured({"config": config, "data_folders": data_folders, "rng": [None] * world_size})
+
+
 def is_checkpoint(path: Path) -> bool:
     """A checkpoint of any format and version (rather than a run folder or a folder of checkpoints)."""
     return path.is_file() or (path / SHARDED_METADATA).is_file() or (path / legacy.SHARDED_METADATA).is_file()

@@ -262,8 +262,11 @@ def written_reasoning(tokenizer: Any, args: GenerateArgs) -> Optional[ReasoningB
 def as_the_model_writes(tokenizer: Any, reference: str) -> str:
     """A reference as its tokens decode, as train.py's references are (its tokenized targets): a tokenizer that
     normalises (T5's and mT5's NFKC: full-width `２０２４`, half-width kana) or lacks a character cannot write the
-    file's text, and the answer equal to it as far as the model can tell scored exact match 0."""
-    return tokenizer.decode(tokenizer.encode(reference, add_special_tokens=False), skip_special_tokens=True)
+    file's text, and the answer equal to it as far as the model can tell scored exact match 0. Special-token text
+    in a reference (`</s>` in code) is text, as in prompts and in prepare_data.py's data: encoded as the special
+    token, decoding dropped it, and an answer without it scored exact match 1."""
+    return tokenizer.decode(tokenizer.encode(reference, add_special_tokens=False, split_special_tokens=True),
+                            skip_special_tokens=True)
 
 
 def line_of(row: PromptRow, args: GenerateArgs) -> str:

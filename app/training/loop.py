@@ -17,6 +17,7 @@ from lightning_fabric import Fabric
 from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, latest_checkpoint,
                             load_last_good_checkpoint, mark_if_best, prune_checkpoints, rng_of_every_rank,
                             set_aside_newer)
+from app.checkpoint.io import validation_measured
 from app.data import Batch, Step, TrainingData, train_steps
 from app.distributed.precision import restore_grad_scaler
 from app.evaluation.validation import EvaluationStopped, perplexity, row_losses, validation_losses
@@ -31,7 +32,7 @@ from app.optimization.schedule import TrainingPlan, continuing_position, schedul
 from app.reliability.signals import StepVerdict, StopRequest, how_to_continue, step_verdict, stop_agreed
 from app.reliability.spikes import QUARANTINE_FILE, Action, SpikeGuard, culprits, write_quarantine
 from app.reliability.watchdog import StallWatchdog
-from app.training.progress import ROLLED_BACK, saved_progress
+from app.training.progress import ROLLED_BACK, out_of_patience, patience_carried_over, saved_progress
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins import Precision
@@ -234,9 +235,7 @@ class Loop:
     def out_of_patience(self) -> bool:
         """Whether this step's evaluation was the --early_stopping_patience-th in a row without a new best (the
         validation loss is the same on every rank, and so is this answer)."""
-        patience, state = self.cfg.early_stopping_patience, self.state
-        return bool(patience) and state["val_loss_step"] == state["step"] and \
-            state["evaluations_without_improvement"] >= patience
+        return out_of_patience(self.state, self.cfg.early_stopping_patience)
 
     def stopped_early(self) -> Outcome:
         """After the stop's save: wait until it is published, then say why the run ends before max_step."""
@@ -390,6 +389,8 @@ class Loop:
         forget_after(fabric.loggers, saved["step"])
         # the data goes on; tokens_seen is the checkpoint's weights', as a resume from it counts them
         state |= saved_progress(saved, ROLLED_BACK)
+        if self.measured is not None:
+            patience_carried_over(state, validation_measured(saved), self.measured)
         state["tokens_read"] = tokens_read(saved, self.plan)  # a checkpoint from before the count: estimated
         restore_grad_scaler(fabric.strategy.precision, saved)
         incident = self.guard.rolled_back(saved["step"], saved.get("spike_guard"))

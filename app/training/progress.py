@@ -6,7 +6,7 @@ restarted at 0 after every resume)."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 PROGRESS: dict[str, Any] = {
     "step": 0,
@@ -39,6 +39,22 @@ rolls back its own part), the run's clock and counts of what happened run on."""
 SAVED_FOR_THE_RANKS = ("rng", "grad_scaler", "schedule")
 """Kept by a checkpoint and restored by their owners: each rank's random state (app/checkpoint/rng.py), the
 gradient scaler's (the precision plugin), where the learning-rate schedule stands (the preflight's plan)."""
+
+
+def out_of_patience(state: dict[str, Any], patience: Optional[int]) -> bool:
+    """Whether the evaluation at the state's step was the --early_stopping_patience-th in a row without a new best:
+    the run ends there (and a relaunch of it has nothing to train)."""
+    return bool(patience) and state["val_loss_step"] == state["step"] and \
+        state["evaluations_without_improvement"] >= patience
+
+
+def patience_carried_over(state: dict[str, Any], saved_rows: str, rows_now: str) -> None:
+    """What a resume or a rollback takes back for early stopping, the lowest validation loss and the evaluations since
+    it, is kept only where those losses were measured on the rows this run's evaluations read
+    (`io.validation_measured`): the losses of other rows do not compare (a resume on one rank of two read half the
+    rows and stopped early a run whose loss on them was still falling), and the count starts anew, as best.json's."""
+    if saved_rows != rows_now:
+        state["best_val_loss"], state["evaluations_without_improvement"] = None, 0
 
 
 def progress_at_start() -> dict[str, Any]:

@@ -19,7 +19,7 @@ from app.checkpoint import (CheckpointError, CheckpointSaver, SaveFailed, checkp
                             load_on_every_rank, read_metadata, resume_rng, run_tokenizer_dir, set_aside_newer)
 from app.checkpoint.files import (RUN_CONFIG_FILE, claim_run_folder, make_durable, move_aside, publish,
                                   remove_leftovers, temporary_path)
-from app.checkpoint.io import validation_measured
+from app.checkpoint.io import validation_measured, validation_measured_by
 from app.choices import SHARDED_STRATEGIES
 from app.cli import first_line
 from app.data import TrainingData, load_data
@@ -55,7 +55,7 @@ from app.training.loop import Loop
 from app.training.nodes import nodes_disagree, resume_disagreement, unshared_out_dir
 from app.training.preflight import RunInputs, note, preflight
 from app.training.print_config import resolved_run
-from app.training.progress import SAVED_FOR_THE_RANKS, progress_at_start, saved_progress
+from app.training.progress import SAVED_FOR_THE_RANKS, patience_carried_over, progress_at_start, saved_progress
 from app.versions import library_versions
 
 if TYPE_CHECKING:
@@ -92,6 +92,9 @@ def run(cfg: Config, sources: Optional[dict[str, str]] = None) -> None:
         note(f"--resume: the checkpoint at step {inputs.resume_step} is where this run ends: nothing to train, "
              "nothing written (give a larger --max_step, --max_tokens or --number_epochs to train on)")
         return  # a relaunch of a finished run replaced its summary.json with one of 0 steps
+    if inputs.resume_stopped_early:
+        note(inputs.resume_stopped_early)
+        return
     if resolve_accelerator(cfg) == "cpu":
         tune_cpu_heap()
     elif resolve_accelerator(cfg) == "cuda":
@@ -167,6 +170,8 @@ def resume(fabric: Fabric, cfg: Config, path: Path, state: dict[str, Any], plan:
     if unreadable:
         return unreadable
     state |= saved_progress(saved)
+    patience_carried_over(state, validation_measured(saved),
+                          validation_measured_by(state["config"], state["data_folders"], fabric.world_size))
     state["tokens_read"] = tokens_read(saved, plan)
     if state["mixture"]:  # its rows follow state["mixture"]; its epoch is a pass over the first folder, at its weight
         state["position"] = position_at_weight(state["position"], state["mixture"], parse_sources(cfg.train_data_dir))
@@ -418,8 +423,7 @@ def build_loop(fabric: Fabric, cfg: Config, inputs: RunInputs, state: dict[str, 
     gradients = GradientPolicy(max_norm=cfg.grad_clip, replicas=gradient_replicas(cfg, plan.world_size),
                                scaled=uses_grad_scaler(cfg.precision),
                                defer_sync=cfg.strategy not in SHARDED_STRATEGIES or cfg.fsdp_no_sync)
-    measured = validation_measured({"config": cfg.to_dict(), "data_folders": inputs.data_folders,
-                                    "rng": [None] * fabric.world_size})
+    measured = validation_measured_by(cfg.to_dict(), inputs.data_folders, fabric.world_size)
     return Loop(fabric=fabric, cfg=replace(cfg, num_workers=workers), plan=plan, data=data, state=state, stop=stop,
                 loss_path=loss_path, clock=step_clock(fabric, cfg, inputs, state), console=console,
                 gradients=gradients, samples=sample_evaluator(fabric, cfg, inputs, data),

@@ -39,7 +39,8 @@ from app.training.preflight.notes import held, note
 from app.training.preflight.out_dir import check_out_dir
 from app.training.preflight.plan import (check_offloaded_accumulation, check_plan, note_changed_options,
                                          resolve_learning_rates, resolve_shares)
-from app.training.preflight.resume import ChosenCheckpoint, check_data_resume, resolve_resume, starting_checkpoint
+from app.training.preflight.resume import (ChosenCheckpoint, check_data_resume, resolve_resume, starting_checkpoint,
+                                           stopped_early_note)
 from app.training.preflight.tensorboard_option import check_tensorboard
 from app.training.preflight.tokenizer import check_run_tokenizer, check_samples, resolve_tokenizer
 from app.training.preflight.wandb_options import check_wandb, note_wandb_history, resolve_wandb
@@ -63,6 +64,8 @@ class RunInputs:
     """The step the checkpoint resumed from holds (its metadata's; a copied checkpoint's name may say nothing)."""
     resume_identity: str = ""
     """Which checkpoint it is (app/checkpoint/io.py identity): the nodes compare it before anything is read."""
+    resume_stopped_early: str = ""
+    """Said where the checkpoint is where early stopping ends the run (resume.stopped_early_note): nothing trains."""
     packed_layout: Layout = "position_ids"
     """How packed examples reach the model so that they stay apart (app/model/isolation.py)."""
     chunked_loss: bool = False
@@ -157,6 +160,8 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
                      plan=plan, tokenizer=tokenizer, resume_from=resume.path if resume else None,
                      resume_step=resume.metadata["step"] if resume else None,
                      resume_identity=identity(resume.metadata) if resume else "",
+                     resume_stopped_early=stopped_early_note(cfg, resume.metadata, data.identities if data else [],
+                                                             world_size(cfg)) if resume else "",
                      packed_layout=packed_layout, chunked_loss=chunked_loss,
                      samples_pad_apart=samples_pad_apart(cfg, model_config),
                      mixture=describe_mixture(data.sources, data.source_rows) if data and data.sources else "",

@@ -337,8 +337,8 @@ def note_validation_rows(cfg: Config, data: DataFacts, saved: dict, plan: Traini
     rows = "rows of each folder" if mixture else "rows"
     note(f"--resume: validation reads {'up to ' if mixture else ''}{now:,} {rows} ({cfg.eval_iters} batches of "
          f"{batch_now} on each of {plan.world_size} ranks), the checkpoint's run read {then:,}: val_loss moves at "
-         "this resume for that alone, and best.json starts a new comparison (the losses of the other rows do not "
-         "compare)"
+         "this resume for that alone, and best.json and --early_stopping_patience start a new comparison (the "
+         "losses of the other rows do not compare)"
          + (f"; --eval_iters {same} reads the same rows" if same else ""))
 
 

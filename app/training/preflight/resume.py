@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from app.checkpoint import (broken_checkpoint, checkpoint_dir, is_checkpoint, latest_checkpoint, read_metadata,
                             stored_tensor_shapes)
 from app.checkpoint.files import RUN_CONFIG_FILE, list_checkpoints, run_folder_of
+from app.checkpoint.io import validation_measured, validation_measured_by
 from app.checkpoint.state import CheckpointMismatch, check_fits, expected_shapes
 from app.data.identity import identity_difference, same_folder_by_path
 from app.data.mixture import parse_sources
@@ -23,6 +24,7 @@ from app.optimization.optimizer import ParameterRoles, grouped_parameter_names
 from app.training.preflight.data import DataFacts
 from app.training.preflight.notes import note
 from app.training.preflight.out_dir import files_a_new_run_replaces
+from app.training.progress import out_of_patience, patience_carried_over, saved_progress
 
 if TYPE_CHECKING:
     from arguments import Config
@@ -346,3 +348,18 @@ def folder_mismatch(saved: dict, given: dict, mixture: bool) -> Optional[str]:
     if not same_folder_by_path(Path(saved["path"]), Path(given["path"])):
         return "another folder (this checkpoint records paths only: give that folder, or one of its name if it moved)"
     return None
+
+
+def stopped_early_note(cfg: Config, metadata: dict, data_folders: list, ranks: int) -> str:
+    """What to say, training nothing, when the checkpoint is where early stopping ended the run: its evaluations
+    without a new best reach --early_stopping_patience, on the rows this run's evaluations read. The same command
+    with --resume true (a relaunch, as the Slurm scripts make) trained on past the stop and replaced its summary."""
+    state = saved_progress(metadata, ("step", "val_loss_step", "best_val_loss", "evaluations_without_improvement"))
+    patience_carried_over(state, validation_measured(metadata),
+                          validation_measured_by(cfg.to_dict(), data_folders, ranks))
+    if not out_of_patience(state, cfg.early_stopping_patience):
+        return ""
+    return (f"--resume: the checkpoint at step {state['step']} is where early stopping ends this run "
+            f"({state['evaluations_without_improvement']} evaluations without a validation loss below "
+            f"{state['best_val_loss']:.4f}, --early_stopping_patience {cfg.early_stopping_patience}): nothing to "
+            "train, nothing written (a larger --early_stopping_patience, or none, trains on)")
