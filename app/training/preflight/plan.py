@@ -138,8 +138,9 @@ def passed_the_token_budget(cfg: Config, saved: dict, plan: TrainingPlan, proble
 
 def note_token_budget(cfg: Config, plan: TrainingPlan) -> None:
     """What --max_tokens comes to in steps and epochs (a mixture's are passes over its first folder, counted in rows
-    of the mixture), at this run's global batch."""
-    row_tokens = plan.tokens_per_step // plan.global_batch_size
+    of the mixture), at this run's global batch. Rows of padded examples are said at their mean length, rounded as
+    --print_config rounds it (cut down, it read 171 there and 172 here)."""
+    row_tokens = round(plan.tokens_per_step / plan.global_batch_size)
     epochs = steps_for_tokens(cfg.max_tokens, plan) * plan.global_batch_size / plan.train_rows
     note(f"--max_tokens {cfg.max_tokens:,}: the run ends at step {plan.max_step}, each step reading "
          f"{plan.global_batch_size} sequences of {row_tokens:,} tokens ({plan.tokens_per_step:,}); {epochs:.2f} epochs "
