@@ -6,7 +6,8 @@ separate processes on one device, nothing downloaded (models from configs, data 
 1. a Llama-architecture model of about 1.5B parameters (2048 wide, 16 layers, Llama-3's 128K vocabulary, untied)
    under fsdp and fsdp2 with bf16-mixed: every step's loss of one against the other, tokens/s, MFU and the peak
    memory against what `--estimate_memory` planned;
-2. the same model under bf16-true, 16-mixed (fsdp), `--compile` and activation checkpointing;
+2. the same model under bf16-true, 16-mixed (fsdp), `--compile`, activation checkpointing and, under fsdp2,
+   `--optimizer muon` (its Newton-Schulz iterations' cost);
 3. a 128K-vocabulary model at 8K tokens per micro-batch with the chunked loss and with the model's own
    (`--chunked_loss false`): peak memory and tokens/s;
 4. an `--async_save` half-way, then a resume from it in a new run folder: its losses against the uninterrupted run's
@@ -21,8 +22,8 @@ Prints one table (also written as JSON to --out) with the card, driver and versi
 
 On a GPU machine that lacks this project's pure-Python dependencies, `make gpu-wheels` downloads them (.whl/) and
 the command installs them first (docs/performance.md#gpu-check). Takes about 8 minutes on one H100; `--tiny` about a
-minute on 2 CPU cores (a 2-layer model in fp32, and bf16-true with activation checkpointing in one run; no 16-mixed
-or compile, which need a GPU). The memory planned is the planner's own figure for each run (in process).
+minute on 2 CPU cores (a 2-layer model in fp32, and bf16-true with activation checkpointing in one run, Muon in
+another; no 16-mixed or compile, which need a GPU). The memory planned is the planner's own figure for each run (in process).
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ GPU = Scale(model=dict(hidden_size=2048, intermediate_size=8192, num_hidden_laye
                       ("fsdp bf16-mixed --compile (the model's own loss, the default)",
                        ["--precision", "bf16-mixed", "--compile", "true"]),
                       ("fsdp bf16-mixed, activation checkpointing",
-                       ["--precision", "bf16-mixed", "--gradient_checkpointing", "true"])],
+                       ["--precision", "bf16-mixed", "--gradient_checkpointing", "true"]),
+                      ("fsdp2 bf16-mixed --optimizer muon (its cost against fsdp2's AdamW row above)",
+                       ["--strategy", "fsdp2", "--precision", "bf16-mixed", "--optimizer", "muon"])],
             loss_tolerance=1e-2,
             architectures=[("GPT-2 (355M)", "gpt2", dict(n_embd=1024, n_layer=24, n_head=16, n_positions=2048,
                                                          vocab_size=50257), 4),
@@ -120,7 +123,8 @@ TINY = Scale(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers
              hardware=["--accelerator", "cpu", "--devices", "1"],
              precisions={"bf16-mixed": "32-true"},
              variants=[("fsdp bf16-true, activation checkpointing",
-                        ["--precision", "bf16-true", "--gradient_checkpointing", "true"])],
+                        ["--precision", "bf16-true", "--gradient_checkpointing", "true"]),
+                       ("fsdp2 --optimizer muon", ["--strategy", "fsdp2", "--optimizer", "muon"])],
              loss_tolerance=1e-4,
              architectures=[("GPT-2", "gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                                    vocab_size=2000), 2),

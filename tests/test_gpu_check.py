@@ -20,7 +20,8 @@ def test_the_gpu_check_runs_every_check_in_its_tiny_mode(tmp_path: Path) -> None
     assert [name for name, row in rows.items() if row["ok"] is False] == []
     expected = ["Llama-3-8B", "losses, fsdp2 against fsdp", "fsdp 32-true", "fsdp2 32-true", "activation checkpointing",
                 "resume from the async save", "resume from the synchronous save", "convert_to_hf.py", "--profile_steps",
-                "chunked loss / own loss", "GPT-2 ddp bf16-mixed", "T5 ddp bf16-mixed", "supervised, packed, sdpa"]
+                "chunked loss / own loss", "GPT-2 ddp bf16-mixed", "T5 ddp bf16-mixed", "supervised, packed, sdpa",
+                "fsdp2 --optimizer muon"]
     for part in expected:
         assert any(part in name for name in rows), (part, list(rows))
     assert rows["convert_to_hf.py"]["result"].startswith("logits verified")
