@@ -204,6 +204,8 @@ def test_bf16_true_says_when_adamw_steps_of_the_size_of_lr_are_rounded_away() ->
     assert note.startswith("note: --precision bf16-true with --lr 2e-05: bf16 keeps 8 significant bits, and AdamW's "
                            "steps are rounded away on every weight above 1.0e-02 in magnitude")
     assert bf16_rounding_note("bf16-mixed", 2e-5) is None and bf16_rounding_note("bf16-true", 3e-3) is None
+    muon = bf16_rounding_note("bf16-true", 2e-5, optimizer="muon")  # which refuses --stochastic_rounding
+    assert "Muon's and AdamW's steps are rounded away" in muon and "--stochastic_rounding" not in muon
 
 
 def test_bf16_true_says_that_norm_gains_and_weight_decay_stand_still_at_a_pre_training_lr() -> None:

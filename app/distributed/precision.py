@@ -177,14 +177,16 @@ rounded away)."""
 
 
 def bf16_rounding_note(precision: str, lr: float, weight_decay: float = 0.0,
-                       stochastic_rounding: bool = False) -> Optional[str]:
+                       stochastic_rounding: bool = False, optimizer: str = "adamw") -> Optional[str]:
     """Under bf16-true the weights themselves are bf16, with no fp32 master copy: AdamW moves a weight by about lr per
     step, which is rounded away on every weight above lr x 2^9 in magnitude. At a fine-tune's lr of 2e-5 that is every
     weight above 0.01, most of an LLM's: they stop learning with nothing to show it but a loss that plateaus early.
     Below lr 2e-3 the norm layers' gains (1.0 at the start) never move at all (100% of them unchanged after 4 steps
     at lr 1e-3, measured), and weight decay shrinks a weight by lr x weight_decay of itself, below bf16's
     resolution at any usual lr. A note, not a refusal: it is a trade of accuracy for memory users make knowingly
-    (seed 001's default). None with --stochastic_rounding, which moves such weights by their steps on average."""
+    (seed 001's default). None with --stochastic_rounding, which moves such weights by their steps on average;
+    under --optimizer muon, which it does not step, only bf16-mixed is advised (Muon's steps, scaled to AdamW's
+    size, are rounded alike)."""
     if precision != "bf16-true" or stochastic_rounding:
         return None
     threshold = lr / BF16_LOST_BELOW
@@ -197,10 +199,11 @@ def bf16_rounding_note(precision: str, lr: float, weight_decay: float = 0.0,
         lost.append(f"--weight_decay {weight_decay:g} (a relative shrink of {lr * weight_decay:.0e} per step)")
     if not lost:
         return None
-    return (f"note: --precision bf16-true with --lr {lr:g}: bf16 keeps 8 significant bits, and AdamW's steps are "
-            f"rounded away on {' and on '.join(lost)}, more as lr decays; --stochastic_rounding true moves them by "
-            "their steps on average for no memory, and --precision bf16-mixed keeps fp32 master weights (twice the "
-            "training state: --estimate_memory true shows whether it fits)")
+    steps, remedies = ("Muon's and AdamW's steps", "") if optimizer == "muon" else (
+        "AdamW's steps", "--stochastic_rounding true moves them by their steps on average for no memory, and ")
+    return (f"note: --precision bf16-true with --lr {lr:g}: bf16 keeps 8 significant bits, and {steps} are "
+            f"rounded away on {' and on '.join(lost)}, more as lr decays; {remedies}--precision bf16-mixed keeps fp32 "
+            "master weights (twice the training state: --estimate_memory true shows whether it fits)")
 
 
 def offloaded_rounding_note(stochastic_rounding: bool, cpu_offload: bool) -> Optional[str]:

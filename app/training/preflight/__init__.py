@@ -149,7 +149,7 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     if resume is not None:
         note_changed_options(cfg, resume.metadata, plan)
         note_wandb_history(cfg, resume.metadata["step"], resume.metadata.get("config") or {})
-    for said in (bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay, cfg.stochastic_rounding),
+    for said in (bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay, cfg.stochastic_rounding, cfg.optimizer),
                  offloaded_rounding_note(cfg.stochastic_rounding, cfg.cpu_offload)):
         if said:
             note(said)
