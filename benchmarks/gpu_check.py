@@ -23,7 +23,8 @@ Prints one table (also written as JSON to --out) with the card, driver and versi
 On a GPU machine that lacks this project's pure-Python dependencies, `make gpu-wheels` downloads them (.whl/) and
 the command installs them first (docs/performance.md#gpu-check). Takes about 8 minutes on one H100; `--tiny` about a
 minute on 2 CPU cores (a 2-layer model in fp32, and bf16-true with activation checkpointing in one run, Muon in
-another; no 16-mixed or compile, which need a GPU). The memory planned is the planner's own figure for each run (in process).
+another; no 16-mixed or compile, which need a GPU). The memory planned is the planner's own figure for each run (in
+process).
 """
 
 from __future__ import annotations

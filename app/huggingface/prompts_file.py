@@ -137,7 +137,8 @@ def scores_line(references: list[str], answers: list[Answer], against: str) -> s
     """The answers scored against the references as train.py scores its generation samples."""
     from app.evaluation.samples import sample_metrics
 
-    metrics = sample_metrics([answer.scored for answer in answers], references, [answer.new_tokens for answer in answers])
+    metrics = sample_metrics([answer.scored for answer in answers], references,
+                             [answer.new_tokens for answer in answers])
     return (f"{len(answers)} answers scored against {against}: exact match "
             f"{metrics['sample_exact_match']:.4f} | ROUGE-1 {metrics['sample_rouge1']:.4f} | ROUGE-2 "
             f"{metrics['sample_rouge2']:.4f} | ROUGE-L {metrics['sample_rougeL']:.4f} | ROUGE-Lsum "
