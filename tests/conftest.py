@@ -6,6 +6,7 @@ Nothing is downloaded: the text is the Python standard library's own source, pre
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import shlex
@@ -16,6 +17,7 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -592,3 +594,34 @@ def tensorboard_scalars(folder: Path) -> tuple[Points, Points]:
                 for points in (written, shown):
                     points.setdefault(value.tag, []).append((event.step, value.simple_value))
     return written, shown
+
+
+def run_forked_ranks(check: Callable[[int], None], world_size: int, store: Path, timeout: float = 120) -> None:
+    """`check(rank)` in `world_size` forked processes joined in one gloo process group (through the file `store`);
+    fails with the first rank's traceback, and leaves no process behind if a rank is stuck in a collective."""
+    context = multiprocessing.get_context("fork")
+    errors = context.Queue()
+    ranks = [context.Process(target=_forked_rank, args=(check, rank, world_size, store, errors))
+             for rank in range(world_size)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=timeout)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert errors.empty(), errors.get()
+    assert [process.exitcode for process in ranks] == [0] * world_size
+
+
+def _forked_rank(check: Callable[[int], None], rank: int, world_size: int, store: Path,
+                 errors: multiprocessing.Queue) -> None:
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        check(rank)
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise

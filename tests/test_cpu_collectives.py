@@ -8,10 +8,6 @@ HYBRID_SHARD's 2-D mesh) is in tests/test_resume_anywhere.py, tests/test_fsdp2.p
 
 from __future__ import annotations
 
-import multiprocessing
-import traceback
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -20,6 +16,7 @@ from torch.nn import Linear, Sequential
 
 from app.distributed.cpu_collectives import PointToPointAllGather, PointToPointReduceScatter
 from app.distributed.fsdp2 import shard_model
+from tests.conftest import run_forked_ranks
 
 WORLD_SIZE = 3
 
@@ -74,31 +71,13 @@ def check_fsdp2_installs_them(rank: int) -> None:
         torch.testing.assert_close(sharded.grad.full_tensor(), whole.grad, rtol=1e-5, atol=1e-6)
 
 
-def rank_main(rank: int, store: Path, errors: multiprocessing.Queue) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE)
-        for dtype in (torch.float32, torch.bfloat16):
-            check_all_gather(rank, dtype)
-            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
-                check_reduce_scatter(rank, dtype, op)
-        check_fsdp2_installs_them(rank)
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
+def checks(rank: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        check_all_gather(rank, dtype)
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+            check_reduce_scatter(rank, dtype, op)
+    check_fsdp2_installs_them(rank)
 
 
 def test_point_to_point_collectives_equal_gloos_and_fsdp2_uses_them_on_cpu(tmp_path) -> None:
-    context = multiprocessing.get_context("fork")
-    errors = context.Queue()
-    ranks = [context.Process(target=rank_main, args=(rank, tmp_path / "store", errors)) for rank in range(WORLD_SIZE)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=120)
-    for process in ranks:
-        if process.is_alive():  # a rank stuck in a collective: fail, and leave no process behind
-            process.kill()
-            process.join()
-    assert errors.empty(), errors.get()
-    assert [process.exitcode for process in ranks] == [0] * WORLD_SIZE
+    run_forked_ranks(checks, WORLD_SIZE, tmp_path / "store")

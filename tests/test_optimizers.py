@@ -9,13 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.nn import Linear, Sequential
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from app.optimization.muon import MuonWithAdamW
+from app.distributed.fsdp2 import shard_model
+from app.optimization.muon import MuonWithAdamW, ShardedMuon
 from app.optimization.optimizer import ParameterRoles, build_optimizer
 from app.training.preflight import preflight
 from arguments import Config, parse_config
-from tests.conftest import run_entry, run_train, train_args
+from tests.conftest import run_entry, run_forked_ranks, run_train, train_args
 from tests.test_training import assert_succeeded, read_metrics
 
 
@@ -53,6 +58,39 @@ def test_muon_with_adamw_steps_each_parameter_as_torchs_muon_or_adamw_alone(tiny
         assert torch.equal(ours, theirs), name
     assert set(optimizer.state[model.lm_head.weight]) == {"step", "exp_avg", "exp_avg_sq"}
     assert set(optimizer.state[model.model.layers[0].mlp.up_proj.weight]) == {"momentum_buffer"}
+
+
+def step_sharded_muon_as_torchs_muon_on_whole_matrices(world_size: int, sharding: str, nodes: int) -> None:
+    """Matrices sharded by FSDP2 in shards of 3 ranks, uneven (7 rows: 3, 3, 1; 2 rows: 1, 1, none), wider and taller
+    than long (torch transposes the latter), 7 of them (rounds of 3, 3 and 1), or in shards of 2 ranks replicated
+    over 2 nodes (HYBRID_SHARD): after 3 steps with Nesterov and without, every rank's rows are those torch's Muon
+    computes on the whole matrices in one process, to the bit."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
+    shapes = [(7, 5), (2, 7), (9, 2), (5, 9), (4, 4), (1, 6), (12, 3)]
+    torch.manual_seed(0)
+    model = Sequential(*(Linear(cols, rows, bias=False) for rows, cols in shapes))
+    reference = copy.deepcopy(model)
+    shard_model(model, mesh, wrap_classes={Linear}, sharding_strategy=sharding, num_nodes=nodes,
+                mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(), param_init_fn=None)
+    for nesterov in (True, False):
+        options = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn="match_rms_adamw")
+        ours, theirs = ShardedMuon(model.parameters(), **options), torch.optim.Muon(reference.parameters(), **options)
+        for step in range(3):
+            for module, optimizer in ((model, ours), (reference, theirs)):
+                for param, (rows, cols) in zip(module.parameters(), shapes):
+                    whole = torch.randn(rows, cols, generator=torch.Generator().manual_seed(step * 10 + rows))
+                    param.grad = (distribute_tensor(whole, param.device_mesh, param.placements)
+                                  if module is model else whole)
+                optimizer.step()
+        for sharded, whole in zip(model.parameters(), reference.parameters()):
+            assert isinstance(sharded, DTensor) and Shard(0) in sharded.placements
+            assert torch.equal(sharded.full_tensor(), whole), sharded.shape
+
+
+@pytest.mark.parametrize("world_size, sharding, nodes", [(3, "FULL_SHARD", 1), (4, "HYBRID_SHARD", 2)])
+def test_sharded_muon_computes_torchs_muon_of_whole_matrices_from_shards(world_size, sharding, nodes, tmp_path) -> None:
+    run_forked_ranks(lambda rank: step_sharded_muon_as_torchs_muon_on_whole_matrices(world_size, sharding, nodes),
+                     world_size, tmp_path / "store")
 
 
 def test_muon_trains_under_fsdp2_and_ddp_alike_resumes_exactly_across_them_and_converts(tiny, tmp_path) -> None:

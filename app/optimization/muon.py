@@ -7,7 +7,14 @@ output layer, norms and biases with AdamW. torch has both optimizers but nothing
 needs: the schedule sets one learning rate on every parameter group, clipping and the gradient norm read every
 group, and a checkpoint holds one optimizer's state (under each parameter's name, whatever the strategy). So the two
 torch optimizers here share one state and one list of parameter groups, those of this optimizer; each steps its own.
-Under FSDP2 the matrices are DTensors sharded by rows, on which torch's Muon computes the whole matrix's update.
+
+Under FSDP2 the matrices are DTensors sharded by rows. torch's Muon runs its iterations on them op by op, each matrix
+product gathering a whole operand again: about 15 collectives per matrix and step (1,020 for the 70 matrices of
+configs/bench-170m, benchmarks/bench_muon.py). `ShardedMuon` orthogonalises each matrix whole on one rank of its
+shard group instead, the matrices dealt round-robin, and sends each rank its rows back: per round of as many
+matrices as ranks, one all_to_all brings each matrix's rows to its rank and one sends the results back, in bf16, the
+dtype the iterations run in. torch's Muon (2.9 to 2.13) has no such path, so it is written here, around torch's own
+iteration and learning-rate rule, so that each rank's rows are those torch's Muon computes on the whole matrix.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -23,8 +33,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __init__(self, matrix_groups: list[dict], other_groups: list[dict], *, lr: float, momentum: float,
                  adamw_options: dict[str, Any]) -> None:
         # match_rms_adamw scales each matrix's orthogonal update to the RMS of an AdamW step, so one lr serves both
-        self.muon = torch.optim.Muon(matrix_groups, lr=lr, momentum=momentum, nesterov=True,
-                                     adjust_lr_fn="match_rms_adamw")
+        self.muon = ShardedMuon(matrix_groups, lr=lr, momentum=momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(other_groups, lr=lr, **adamw_options)
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
         self._share()
@@ -46,3 +55,94 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._share()
+
+
+class ShardedMuon(torch.optim.Muon):
+    """torch's Muon; on DTensor matrices (fsdp2) each matrix's update is orthogonalised whole on one rank."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        if not any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"]):
+            return super().step(closure)
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            buffers: list[torch.Tensor] = []
+            self._init_group(group, params, grads, buffers)
+            updates = [nesterov_update(grad.to_local(), buffer.to_local(), group)
+                       for grad, buffer in zip(grads, buffers)]
+            for param, direction in zip(params, orthogonalised_rows(params, updates, group)):
+                rows = param.to_local()
+                rows.mul_(1 - group["lr"] * group["weight_decay"])
+                rows.add_(direction, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
+
+
+def nesterov_update(grad: torch.Tensor, buffer: torch.Tensor, group: dict) -> torch.Tensor:
+    """torch's Muon's momentum (the buffer updated in place) and the update it orthogonalises, row by row."""
+    buffer.lerp_(grad, 1 - group["momentum"])
+    return grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+
+
+def shard_layout(param: DTensor) -> tuple[dist.ProcessGroup, int]:
+    """The process group a matrix is sharded over and the dimension it is sharded along: FSDP2's one Shard placement
+    (replicated over the other mesh dimension under HYBRID_SHARD)."""
+    shards = [(mesh_dim, p.dim) for mesh_dim, p in enumerate(param.placements) if isinstance(p, Shard)]
+    if len(shards) != 1 or not all(p.is_replicate() or p.is_shard() for p in param.placements):
+        raise ValueError(f"Muon steps matrices sharded along one dimension, not placed as {param.placements}")
+    mesh_dim, dim = shards[0]
+    return param.device_mesh.get_group(mesh_dim), dim
+
+
+def shard_sizes(length: int, ranks: int) -> list[int]:
+    """Each rank's share of `length` rows as DTensor's Shard splits them (torch.chunk's: the last ranks may get fewer,
+    or none)."""
+    size = -(-length // ranks)
+    return [max(0, min(size, length - rank * size)) for rank in range(ranks)]
+
+
+def orthogonalised_rows(params: list[DTensor], updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+    """Each matrix's orthogonalised update (bf16), this rank's rows of it, computed a round of as many matrices as
+    ranks at a time: in each, the round's k-th matrix on rank k."""
+    if not params:
+        return []
+    process_group, dim = shard_layout(params[0])
+    if any(shard_layout(p) != (process_group, dim) for p in params):
+        raise ValueError("Muon's matrices are sharded over different process groups or dimensions")
+    ranks = dist.get_world_size(process_group)
+    device = torch.device(params[0].device_mesh.device_type)  # where the collectives run (the GPU under cpu_offload)
+    rows = []
+    for start in range(0, len(params), ranks):
+        shapes = [p.shape for p in params[start:start + ranks]]
+        rows += orthogonalise_round(shapes, updates[start:start + ranks], dim, process_group, device, group)
+    return rows
+
+
+def orthogonalise_round(shapes: list[torch.Size], updates: list[torch.Tensor], dim: int,
+                        process_group: dist.ProcessGroup, device: torch.device, group: dict) -> list[torch.Tensor]:
+    """One all_to_all brings the k-th matrix's rows from every rank to rank k, which orthogonalises it whole with
+    torch's Newton-Schulz iteration; another sends each rank its rows of the results."""
+    ranks, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    mine = [update.to(device, torch.bfloat16).flatten() for update in updates]  # the iteration's dtype
+    my_sizes = [part.numel() for part in mine] + [0] * (ranks - len(mine))
+    owned = shapes[rank] if rank < len(shapes) else None
+    row_counts = shard_sizes(owned[dim], ranks) if owned is not None else [0] * ranks
+    row_numel = owned.numel() // owned[dim] if owned is not None else 0
+    their_sizes = [count * row_numel for count in row_counts]
+    gathered = exchange(torch.cat(mine), my_sizes, their_sizes, process_group)
+    results = torch.empty(0, dtype=torch.bfloat16, device=device)
+    if owned is not None:
+        shard_shapes = [(*owned[:dim], count, *owned[dim + 1:]) for count in row_counts]
+        matrix = torch.cat([part.view(shape) for part, shape in zip(gathered.split(their_sizes), shard_shapes)], dim)
+        direction = _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        results = torch.cat([part.flatten() for part in direction.split(row_counts, dim)])
+    returned = exchange(results, their_sizes, my_sizes, process_group)
+    return [part.view_as(update).to(update.device)
+            for part, update in zip(returned.split(my_sizes[:len(mine)]), updates)]
+
+
+def exchange(sent: torch.Tensor, sent_sizes: list[int], received_sizes: list[int],
+             process_group: dist.ProcessGroup) -> torch.Tensor:
+    """all_to_all of one flat tensor: `sent_sizes[r]` elements to rank r, `received_sizes[r]` from it."""
+    received = sent.new_empty(sum(received_sizes))
+    dist.all_to_all_single(received, sent, received_sizes, sent_sizes, group=process_group)
+    return received
