@@ -13,8 +13,9 @@ product gathering a whole operand again: about 15 collectives per matrix and ste
 configs/bench-170m, benchmarks/bench_muon.py). `ShardedMuon` orthogonalises each matrix whole on one rank of its
 shard group instead, the matrices dealt round-robin, and sends each rank its rows back: per round of as many
 matrices as ranks, one all_to_all brings each matrix's rows to its rank and one sends the results back, in bf16, the
-dtype the iterations run in. torch's Muon (2.9 to 2.13) has no such path, so it is written here, around torch's own
-iteration and learning-rate rule, so that each rank's rows are those torch's Muon computes on the whole matrix.
+dtype the iterations run in. torch's Muon has no such path (2.11 and 2.13, whose `_muon.py` is the same code), so
+it is written here around torch's own iteration and learning-rate rule (private functions of that module), so that
+each rank's rows are those torch's Muon computes on the whole matrix.
 """
 
 from __future__ import annotations
