@@ -103,7 +103,8 @@ def shard_sizes(length: int, ranks: int) -> list[int]:
 
 def orthogonalised_rows(params: list[DTensor], updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
     """Each matrix's orthogonalised update (bf16), this rank's rows of it, computed a round of as many matrices as
-    ranks at a time: in each, the round's k-th matrix on rank k."""
+    ranks at a time: in each, the round's k-th matrix on rank k. The matrices are dealt in order of their shapes
+    (a matrix and its transpose alike), so that a round's ranks iterate on matrices of one cost and none waits."""
     if not params:
         return []
     process_group, dim = shard_layout(params[0])
@@ -111,10 +112,14 @@ def orthogonalised_rows(params: list[DTensor], updates: list[torch.Tensor], grou
         raise ValueError("Muon's matrices are sharded over different process groups or dimensions")
     ranks = dist.get_world_size(process_group)
     device = torch.device(params[0].device_mesh.device_type)  # where the collectives run (the GPU under cpu_offload)
-    rows = []
-    for start in range(0, len(params), ranks):
-        shapes = [p.shape for p in params[start:start + ranks]]
-        rows += orthogonalise_round(shapes, updates[start:start + ranks], dim, process_group, device, group)
+    dealt = sorted(range(len(params)), key=lambda i: sorted(params[i].shape))  # the same order on every rank
+    rows: list[torch.Tensor] = [torch.empty(0)] * len(params)
+    for start in range(0, len(dealt), ranks):
+        matrices = dealt[start:start + ranks]
+        round_rows = orthogonalise_round([params[i].shape for i in matrices], [updates[i] for i in matrices], dim,
+                                         process_group, device, group)
+        for i, matrix_rows in zip(matrices, round_rows):
+            rows[i] = matrix_rows
     return rows
 
 
