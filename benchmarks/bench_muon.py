@@ -102,7 +102,7 @@ def main() -> None:
     with socket.socket() as probe:  # a free port for the ranks' rendezvous
         probe.bind(("127.0.0.1", 0))
         options.port = probe.getsockname()[1]
-    mp.spawn(rank_main, args=(options,), nprocs=WORLD_SIZE)
+    mp.start_processes(rank_main, args=(options,), nprocs=WORLD_SIZE, start_method="fork")  # nothing touched CUDA
 
 
 if __name__ == "__main__":
