@@ -62,20 +62,55 @@ class ShardedMuon(torch.optim.Muon):
     """torch's Muon; on DTensor matrices (fsdp2) each matrix's update is orthogonalised whole on one rank."""
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> Any:
         if not any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"]):
             return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
             buffers: list[torch.Tensor] = []
             self._init_group(group, params, grads, buffers)
-            updates = [nesterov_update(grad.to_local(), buffer.to_local(), group)
-                       for grad, buffer in zip(grads, buffers)]
-            for param, direction in zip(params, orthogonalised_rows(params, updates, group)):
-                rows = param.to_local()
-                rows.mul_(1 - group["lr"] * group["weight_decay"])
-                rows.add_(direction, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
+            if params:
+                step_sharded(params, grads, buffers, group)
+        return loss
+
+
+def step_sharded(params: list[DTensor], grads: list[DTensor], buffers: list[DTensor], group: dict) -> None:
+    """Steps this rank's rows of `params` as torch's Muon steps the whole matrices, a round of as many matrices as
+    ranks at a time, the rounds overlapped: a round's rows travel to their owners while the round before iterates,
+    and its results travel back while the next one does. At most two rounds are in flight, never the whole model's
+    updates. The matrices are dealt in order of their shapes (a matrix and its transpose alike), so that a round's
+    ranks iterate on matrices of one cost and none waits."""
+    process_group, dim = shard_layout(params[0])
+    if any(shard_layout(p) != (process_group, dim) for p in params):
+        raise ValueError("Muon's matrices are sharded over different process groups or dimensions")
+    ranks = dist.get_world_size(process_group)
+    device = torch.device(params[0].device_mesh.device_type)  # where the collectives run (the GPU under cpu_offload)
+    dealt = sorted(range(len(params)), key=lambda i: sorted(params[i].shape))  # the same order on every rank
+    rounds = [dealt[start:start + ranks] for start in range(0, len(dealt), ranks)]
+
+    def send(matrices: list[int]) -> Round:
+        updates = [nesterov_update(grads[i].to_local(), buffers[i].to_local(), group) for i in matrices]
+        return Round([params[i].shape for i in matrices], updates, dim, process_group, device)
+
+    def apply(matrices: list[int], returned: Round) -> None:
+        for i, direction in zip(matrices, returned.rows()):
+            rows = params[i].to_local()
+            rows.mul_(1 - group["lr"] * group["weight_decay"])
+            rows.add_(direction.to(rows.device), alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], params[i].shape))
+
+    current, previous = send(rounds[0]), None
+    for index, matrices in enumerate(rounds):
+        following = send(rounds[index + 1]) if index + 1 < len(rounds) else None
+        current.orthogonalise(group)
+        if previous is not None:
+            apply(rounds[index - 1], previous)
+        previous, current = current, following
+    apply(rounds[-1], previous)
 
 
 def nesterov_update(grad: torch.Tensor, buffer: torch.Tensor, group: dict) -> torch.Tensor:
@@ -101,54 +136,49 @@ def shard_sizes(length: int, ranks: int) -> list[int]:
     return [max(0, min(size, length - rank * size)) for rank in range(ranks)]
 
 
-def orthogonalised_rows(params: list[DTensor], updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-    """Each matrix's orthogonalised update (bf16), this rank's rows of it, computed a round of as many matrices as
-    ranks at a time: in each, the round's k-th matrix on rank k. The matrices are dealt in order of their shapes
-    (a matrix and its transpose alike), so that a round's ranks iterate on matrices of one cost and none waits."""
-    if not params:
-        return []
-    process_group, dim = shard_layout(params[0])
-    if any(shard_layout(p) != (process_group, dim) for p in params):
-        raise ValueError("Muon's matrices are sharded over different process groups or dimensions")
-    ranks = dist.get_world_size(process_group)
-    device = torch.device(params[0].device_mesh.device_type)  # where the collectives run (the GPU under cpu_offload)
-    dealt = sorted(range(len(params)), key=lambda i: sorted(params[i].shape))  # the same order on every rank
-    rows: list[torch.Tensor] = [torch.empty(0)] * len(params)
-    for start in range(0, len(dealt), ranks):
-        matrices = dealt[start:start + ranks]
-        round_rows = orthogonalise_round([params[i].shape for i in matrices], [updates[i] for i in matrices], dim,
-                                         process_group, device, group)
-        for i, matrix_rows in zip(matrices, round_rows):
-            rows[i] = matrix_rows
-    return rows
+class Round:
+    """A round's matrices in flight, the k-th orthogonalised whole on rank k: made, it starts the all_to_all that
+    brings that matrix's rows from every rank to rank k; `orthogonalise` iterates on it and starts the one that sends
+    each rank its rows of the results; `rows` waits for those. Each waits only when it needs what it waits for."""
 
+    def __init__(self, shapes: list[torch.Size], updates: list[torch.Tensor], dim: int,
+                 process_group: dist.ProcessGroup, device: torch.device) -> None:
+        ranks, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        mine = [update.to(device, torch.bfloat16).flatten() for update in updates]  # the iteration's dtype
+        self.shapes = [update.shape for update in updates]
+        self.sent_sizes = [part.numel() for part in mine] + [0] * (ranks - len(mine))
+        self.owned = shapes[rank] if rank < len(shapes) else None
+        self.dim, self.process_group = dim, process_group
+        self.row_counts = shard_sizes(self.owned[dim], ranks) if self.owned is not None else [0] * ranks
+        row_numel = self.owned.numel() // self.owned[dim] if self.owned is not None else 0
+        self.owned_sizes = [count * row_numel for count in self.row_counts]
+        self.received, self.work = exchange(torch.cat(mine), self.sent_sizes, self.owned_sizes, process_group)
 
-def orthogonalise_round(shapes: list[torch.Size], updates: list[torch.Tensor], dim: int,
-                        process_group: dist.ProcessGroup, device: torch.device, group: dict) -> list[torch.Tensor]:
-    """One all_to_all brings the k-th matrix's rows from every rank to rank k, which orthogonalises it whole with
-    torch's Newton-Schulz iteration; another sends each rank its rows of the results."""
-    ranks, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-    mine = [update.to(device, torch.bfloat16).flatten() for update in updates]  # the iteration's dtype
-    my_sizes = [part.numel() for part in mine] + [0] * (ranks - len(mine))
-    owned = shapes[rank] if rank < len(shapes) else None
-    row_counts = shard_sizes(owned[dim], ranks) if owned is not None else [0] * ranks
-    row_numel = owned.numel() // owned[dim] if owned is not None else 0
-    their_sizes = [count * row_numel for count in row_counts]
-    gathered = exchange(torch.cat(mine), my_sizes, their_sizes, process_group)
-    results = torch.empty(0, dtype=torch.bfloat16, device=device)
-    if owned is not None:
-        shard_shapes = [(*owned[:dim], count, *owned[dim + 1:]) for count in row_counts]
-        matrix = torch.cat([part.view(shape) for part, shape in zip(gathered.split(their_sizes), shard_shapes)], dim)
-        direction = _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-        results = torch.cat([part.flatten() for part in direction.split(row_counts, dim)])
-    returned = exchange(results, their_sizes, my_sizes, process_group)
-    return [part.view_as(update).to(update.device)
-            for part, update in zip(returned.split(my_sizes[:len(mine)]), updates)]
+    def orthogonalise(self, group: dict) -> None:
+        """Once its rows have arrived, the owned matrix through torch's Newton-Schulz iteration, and each rank's
+        rows of the result on their way back."""
+        self.work.wait()
+        results = self.received.new_empty(0)
+        if self.owned is not None:
+            dim = self.dim
+            shard_shapes = [(*self.owned[:dim], count, *self.owned[dim + 1:]) for count in self.row_counts]
+            matrix = torch.cat([part.view(shape) for part, shape
+                                in zip(self.received.split(self.owned_sizes), shard_shapes)], dim)
+            direction = _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            results = torch.cat([part.flatten() for part in direction.split(self.row_counts, dim)])
+        self.received, self.work = exchange(results, self.owned_sizes, self.sent_sizes, self.process_group)
+
+    def rows(self) -> list[torch.Tensor]:
+        """This rank's rows of each of the round's orthogonalised matrices (bf16), once they are back."""
+        self.work.wait()
+        parts = self.received.split(self.sent_sizes[:len(self.shapes)])
+        return [part.view(shape) for part, shape in zip(parts, self.shapes)]
 
 
 def exchange(sent: torch.Tensor, sent_sizes: list[int], received_sizes: list[int],
-             process_group: dist.ProcessGroup) -> torch.Tensor:
-    """all_to_all of one flat tensor: `sent_sizes[r]` elements to rank r, `received_sizes[r]` from it."""
+             process_group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """Starts an all_to_all of one flat tensor, `sent_sizes[r]` elements to rank r and `received_sizes[r]` from it:
+    the tensor it fills, and the work to wait on before reading it."""
     received = sent.new_empty(sum(received_sizes))
-    dist.all_to_all_single(received, sent, received_sizes, sent_sizes, group=process_group)
-    return received
+    work = dist.all_to_all_single(received, sent, received_sizes, sent_sizes, group=process_group, async_op=True)
+    return received, work
