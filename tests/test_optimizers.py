@@ -81,7 +81,7 @@ def step_sharded_muon_as_torchs_muon_on_whole_matrices(world_size: int, sharding
                     whole = torch.randn(rows, cols, generator=torch.Generator().manual_seed(step * 10 + rows))
                     param.grad = (distribute_tensor(whole, param.device_mesh, param.placements)
                                   if module is model else whole)
-                optimizer.step()
+                assert optimizer.step(lambda: step) == step  # the closure's loss, as torch's optimizers return it
         for sharded, whole in zip(model.parameters(), reference.parameters()):
             assert isinstance(sharded, DTensor) and Shard(0) in sharded.placements
             assert torch.equal(sharded.full_tensor(), whole), sharded.shape
