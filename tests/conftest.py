@@ -5,6 +5,7 @@ Nothing is downloaded: the text is the Python standard library's own source, pre
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
 import os
@@ -16,6 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager, suppress
@@ -33,6 +35,13 @@ import pytest
 # halved. The files of single-process runs fell most: test_resume_anywhere.py 117 to 78 CPU-s, test_mixture.py 84
 # to 45 (tests under a sampler of every process's CPU).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Where transformers copies the Python code of a model or tokenizer loaded with --trust_remote_code: a folder of the
+# suite's own instead of ~/.cache/huggingface/modules. Set here, as transformers reads it on import: the fork
+# server's runs and the ones started from scratch then share it, and such a run is forked like any other.
+if "HF_MODULES_CACHE" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="hf-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -255,9 +264,6 @@ class ForkServer:
         return self.process is not None and self.process.poll() is None
 
     def start(self) -> None:
-        import atexit
-        import tempfile
-
         self.socket = os.path.join(tempfile.mkdtemp(prefix="fs"), "socket")
         self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkserver.py"), "serve", self.socket],
                                         env=run_environment(None), stdout=subprocess.PIPE, text=True,

@@ -283,10 +283,10 @@ def test_a_stop_signal_during_the_last_evaluation_ends_as_finished_and_says_what
     evaluation the signal cut short was said only as "not logged", and the summary's loss was step 2's."""
     args = train_args(tiny, tmp_path / "run", max_step=4, eval_step_interval=2, eval_iters=1000, eval_batch_size=1,
                       initial_validation=False)
-    with launched(args, tmp_path / "run.log") as run:
+    with launched(args, tmp_path / "run.log", forked=True) as run:  # rank 1 learns of the signal from rank 0
         run.wait_for(r"step 4/4")
         time.sleep(0.3)
-        os.killpg(run.process.pid, signal.SIGTERM)
+        run.process.send_signal(signal.SIGTERM)
         assert run.finish(timeout=120) == 0, run.output()
         assert "step 4: the last step is saved, but the signal cut its evaluation short: the run's validation loss " \
                "is step 2's" in run.output(), run.output()
@@ -629,7 +629,7 @@ def test_a_time_limit_warning_before_training_requeues_the_job_with_75(tiny: Tin
     bin_dir = fake_scontrol(tmp_path / "bin", f'echo "$@" >> {requeues}')
     slurm_job = {"SLURM_JOB_ID": "7", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     with launched(train_args(tiny, tmp_path / "run", requeue_on_signal=True, devices=devices, **INITIAL_VALIDATION),
-                  tmp_path / "run.log", env=slurm_job) as run:
+                  tmp_path / "run.log", env=slurm_job, forked=devices == 1) as run:  # one process: the launcher
         if when == "ranks_start":
             wait_for_ranks(run.process)
         elif when == "initial_validation":
@@ -654,9 +654,10 @@ def test_a_preemption_before_the_first_step_quits_at_once(tiny: TinySetup, tmp_p
     """SIGTERM during the initial validation (or the model's loading) trained a step and saved before it stopped:
     with a large model, past the 30 s Slurm waits before its SIGKILL. Nothing is trained since the latest
     checkpoint, so the run quits at once."""
-    with launched(train_args(tiny, tmp_path / "run", devices=1, **INITIAL_VALIDATION), tmp_path / "run.log") as run:
+    with launched(train_args(tiny, tmp_path / "run", devices=1, **INITIAL_VALIDATION), tmp_path / "run.log",
+                  forked=True) as run:  # one process, which takes the signal through the fork server's client
         run.wait_for(r"training \d+ steps of")
-        os.killpg(run.process.pid, signal.SIGTERM)
+        run.process.send_signal(signal.SIGTERM)
         assert run.finish(timeout=30) == 128 + signal.SIGTERM, run.output()
         assert "SIGTERM before training began: nothing to save yet, quitting (exit 143)" in run.output(), run.output()
         assert "step 1" not in run.output() and not list_checkpoints(tmp_path / "run"), run.output()

@@ -33,7 +33,7 @@ from app.optimization.schedule import make_plan
 from app.prepare import PrepareArgs, prepare
 from app.training.preflight import preflight
 from arguments import parse_config
-from tests.conftest import (ONE_PROCESS, ROOT, generate_through_the_application, run_environment, run_script, run_train,
+from tests.conftest import (ONE_PROCESS, ROOT, generate_through_the_application, run_entry, run_train,
                             stop_where_lengths_differ, train_args)
 from tests.helpers.flash_attention_on_cpu import flash_attention_on_cpu
 from tests.test_prepare_supervised import LLAMA3_TEMPLATE, SPECIAL_TOKENS
@@ -486,20 +486,18 @@ def test_samples_load_a_tokenizer_with_custom_code_under_trust_remote_code(tiny,
     (custom / "custom_tokenizer.py").write_text(
         "from transformers import PreTrainedTokenizerFast\n\n\nclass CustomTokenizer(PreTrainedTokenizerFast):\n"
         "    pass\n")
-    modules = {"HF_MODULES_CACHE": str(tmp_path / "modules")}  # where transformers copies the code it imports
     settings = json.loads((custom / "tokenizer_config.json").read_text())
     settings |= {"tokenizer_class": "CustomTokenizer",
                  "auto_map": {"AutoTokenizer": [None, "custom_tokenizer.CustomTokenizer"]}}
     (custom / "tokenizer_config.json").write_text(json.dumps(settings))
     result = run_train(train_args(tiny, tmp_path / "run", model_config=None, model_name=pretrained,
                                   train_data_dir=padded, tokenizer=custom, trust_remote_code=True, max_step=1,
-                                  eval_samples=1, eval_max_new_tokens=2, **ONE_PROCESS),
-                       env=modules, fresh=True)
+                                  eval_samples=1, eval_max_new_tokens=2, **ONE_PROCESS))
     assert_succeeded(result)
     assert (tmp_path / "run" / "samples" / "step-00000000.jsonl").is_file()
 
     def script(*argv: object) -> subprocess.CompletedProcess:
-        return run_script([sys.executable, *map(str, argv)], 120, run_environment(modules))
+        return run_entry(list(map(str, argv)), 120)
 
     refused = script("convert_to_hf.py", "--checkpoint", tmp_path / "run", "--output_dir", tmp_path / "hf")
     assert (refused.returncode, refused.stderr.strip()) == (2, (

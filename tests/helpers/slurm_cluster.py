@@ -158,13 +158,14 @@ class SlurmCluster:
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
     def wait_for_state(self, job_id: str, states: tuple[str, ...], timeout: float) -> dict[str, str]:
+        """Polls twice a second: each `scontrol show job` costs 13 ms of CPU (scontrol, munged and slurmctld)."""
         deadline = time.monotonic() + timeout
         while (job := self.job(job_id))["JobState"] not in states:
             if time.monotonic() > deadline:
                 self.command("scancel", job_id, check=False)
                 raise AssertionError(f"job {job_id} is {job['JobState']}, not {'/'.join(states)}, after "
                                      f"{timeout:.0f} s: {job}")
-            time.sleep(0.2)
+            time.sleep(0.5)
         return job
 
     def logs(self) -> str:
