@@ -159,13 +159,20 @@ def stop_steps(job: Job) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_two_task_job_preempted_then_warned_of_its_time_limit_saves_requeues_and_resumes_with_the_straight_losses(
+def test_a_two_task_job_preempted_warned_and_frozen_requeues_each_time_and_ends_with_the_straight_losses(
         cluster: SlurmCluster, tiny: TinySetup, straight: Path, tmp_path: Path) -> None:
-    """A two-task job of train.sbatch: Lightning's SLURMEnvironment takes both ranks from srun. Slurm's preemption
-    with requeue (`scontrol requeue`: SIGTERM to every task, KillWait, requeue), then, on the requeued job, the
-    warning before a time limit (`scancel --signal=USR1`, as `--signal=USR1@120` sends it) with
-    --requeue_on_signal true: the job requeues itself. Each start resumes at the step after the checkpoint."""
-    job = submit(cluster, "train.sbatch", CPU_TASKS, tiny, tmp_path / "run", requeue_on_signal=True)
+    """A two-task job of train.sbatch (Lightning's SLURMEnvironment takes both ranks from srun), one job for three
+    interruptions, as each start costs two tasks started from scratch:
+    1. Slurm's preemption with requeue (`scontrol requeue`: SIGTERM to every task, KillWait, requeue);
+    2. the warning before a time limit (`scancel --signal=USR1`, as `--signal=USR1@120` sends it) with
+       --requeue_on_signal true: the job requeues itself;
+    3. task 1 stopped (SIGSTOP) mid-run: task 0's watchdog prints its stacks and exits 4, srun ends the frozen task
+       (--kill-on-bad-exit; without it the job stayed RUNNING for as long as anyone waited), and the script
+       requeues, with MAX_REQUEUES=1 after two restarts: a preemption or a warning is no stall (counting Slurm's
+       restarts, the script gave up on it).
+    Each start resumes at the step after its checkpoint."""
+    job = submit(cluster, "train.sbatch", CPU_TASKS + ["--export", "ALL,MAX_REQUEUES=1"], tiny, tmp_path / "run",
+                 requeue_on_signal=True, stall_timeout_min=0.1, save_step_interval=2)
     job.wait_for_step(1)
     assert "job " in job.output() and "1 nodes x 2 tasks" in job.output(), job.describe()
     assert "x 2 ranks)" in job.output(), "Lightning's SLURMEnvironment took both ranks from srun"
@@ -176,13 +183,26 @@ def test_a_two_task_job_preempted_then_warned_of_its_time_limit_saves_requeues_a
     first_stop = stop_steps(job)[0]
     job.wait_for_step(first_stop + 3)
     cluster.command("scancel", "--signal=USR1", job.id)
+    job.wait_until(lambda: len(stop_steps(job)) == 2 and job.output().count("resumed from") == 2, "a second resume",
+                   JOB_SEC)
+    second_stop = stop_steps(job)[1]
+    job.wait_for_step(second_stop + 2)
+    job.task_process(1).suspend()
+    frozen = time.monotonic()
+    cluster.wait_for_state(job.id, ("PENDING", "REQUEUED"), timeout=60)
+    seconds = time.monotonic() - frozen
     job.end()
-    assert_completed(job, restarts=2)
-    first_stop, second_stop = stop_steps(job)
+    assert_completed(job, restarts=3)
+    output = job.output()
     assert 3 <= first_stop < second_stop < MAX_STEP, job.describe()
-    resumed = re.findall(r"resumed from \S+ at step (\d+)", job.output())
-    assert resumed == [str(first_stop), str(second_stop)], job.describe()
-    assert "requeueing the Slurm job" in job.output() and "requeue failed" not in job.output(), job.describe()
+    resumed = re.findall(r"resumed from \S+ at step (\d+)", output)
+    assert resumed[:2] == [str(first_stop), str(second_stop)] and int(resumed[2]) >= second_stop, job.describe()
+    assert "requeueing the Slurm job" in output and "requeue failed" not in output, job.describe()
+    assert "rank 0: stalled: no optimizer step, evaluation or save finished in 0.1 min" in output
+    assert re.search(rf"srun: error: \S+: task 0: Exited with exit code {EXIT_STALLED}", output), job.describe()
+    assert f"train.py exited with {EXIT_STALLED}: requeueing job {job.id} to resume from the latest checkpoint " \
+        "(requeue 1 of 1 after a stall, a lost node or a corrupt checkpoint)" in output, job.describe()
+    print(f"\nfrozen task: job requeued {seconds:.1f} s after SIGSTOP (--stall_timeout_min 0.1)")
     assert_same_losses(job, straight)
     assert len(read_checkpoint(job.out_dir / "checkpoints" / f"step-{MAX_STEP:08d}.ckpt")["rng"]) == 2
     losses = logged_losses(job.out_dir)
@@ -257,34 +277,6 @@ def test_the_torchrun_script_refuses_more_than_one_task_per_node(cluster: SlurmC
     assert job.output() == ("slurm/train-torchrun.sbatch: it starts one torchrun per node, and this job has 2 tasks "
                             "and 1 node(s): submit it with --ntasks-per-node 1 (PROCS_PER_NODE sets the processes "
                             "each starts)\n")
-
-
-@pytest.mark.slow
-def test_a_frozen_task_ends_with_the_watchdogs_4_then_the_requeued_job_completes(
-        cluster: SlurmCluster, tiny: TinySetup, tmp_path: Path) -> None:
-    """Task 1 stopped (SIGSTOP) mid-run: task 0's watchdog prints its stacks and exits 4, srun ends the frozen task
-    (--kill-on-bad-exit; without it the job stayed RUNNING for as long as anyone waited), the script requeues. The job
-    was preempted first, with MAX_REQUEUES=1: a preemption is no stall, so the stall is still requeued (counting
-    Slurm's restarts, the script gave up on it)."""
-    job = submit(cluster, "train.sbatch", CPU_TASKS + ["--export", "ALL,MAX_REQUEUES=1"], tiny, tmp_path / "run",
-                 stall_timeout_min=0.1, save_step_interval=2)
-    job.wait_for_step(3)
-    cluster.command("scontrol", "requeue", job.id)
-    job.wait_for(r"resumed from")
-    job.wait_for_step(stop_steps(job)[0] + 2)
-    job.task_process(1).suspend()
-    frozen = time.monotonic()
-    cluster.wait_for_state(job.id, ("PENDING", "REQUEUED"), timeout=60)
-    seconds = time.monotonic() - frozen
-    job.end()
-    assert_completed(job, restarts=2)
-    output = job.output()
-    assert "rank 0: stalled: no optimizer step, evaluation or save finished in 0.1 min" in output
-    assert re.search(rf"srun: error: \S+: task 0: Exited with exit code {EXIT_STALLED}", output), job.describe()
-    assert f"train.py exited with {EXIT_STALLED}: requeueing job {job.id} to resume from the latest checkpoint " \
-        "(requeue 1 of 1 after a stall, a lost node or a corrupt checkpoint)" in output, job.describe()
-    assert len(re.findall(r"resumed from \S+ at step [1-9]", output)) == 2, job.describe()
-    print(f"\nfrozen task: job requeued {seconds:.1f} s after SIGSTOP (--stall_timeout_min 0.1)")
 
 
 @pytest.mark.slow
