@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -37,7 +38,7 @@ from app.evaluation.samples import set_aside_samples_after, write_samples
 from app.evaluation.show import latest_samples
 from app.reliability import signals
 from app.reliability.signals import INTERRUPT_MESSAGE
-from app.reliability.watchdog import collect_stacks
+from app.reliability.watchdog import collect_stacks, silent_end
 from conftest import (ROOT, STEP_LINE, Launched, TinySetup, catches, free_port, kill_session, launch, launched,
                       read_checkpoint, run_environment, run_script, run_train, train_args, wandb_records)
 
@@ -256,13 +257,12 @@ def wait_for_ranks(launcher: subprocess.Popen, timeout: float = 60) -> list[psut
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, code, meaning", [
-    (signal.SIGTERM, 128 + signal.SIGTERM, "nothing to save yet"),
-    (signal.SIGUSR1, EXIT_PREEMPTED, "nothing new to save; continue with --resume true")], ids=["SIGTERM", "SIGUSR1"])
-def test_a_stop_signal_to_one_rank_before_training_is_said(tiny: TinySetup, tmp_path: Path, signum, code,
-                                                           meaning) -> None:
+def test_a_stop_signal_to_one_rank_before_training_is_said(tiny: TinySetup, tmp_path: Path) -> None:
     """A rank that a stop signal finds before training quits without a word (a signal to every process is said once,
-    by the first); sent to that rank alone, the run ended after the observer's look with no line at all."""
+    by the first); sent to that rank alone, the run ended after the observer's look with no line at all. SIGTERM
+    here; what the launcher says of the other stop signals' codes, below (a rank quitting with 75 on SIGUSR1 before
+    training: tests/test_slurm.py)."""
+    signum, code, meaning = signal.SIGTERM, 128 + signal.SIGTERM, "nothing to save yet"
     args = train_args(tiny, tmp_path / "run", eval_iters=1000, eval_batch_size=1)  # a long initial validation
     with launched(args, tmp_path / "run.log") as run:
         run.wait_for("training 24 steps")
@@ -274,6 +274,15 @@ def test_a_stop_signal_to_one_rank_before_training_is_said(tiny: TinySetup, tmp_
                 f"{meaning}") in run.output(), run.output()
         assert "Traceback" not in run.output()
         run.assert_nothing_left()
+
+
+@pytest.mark.parametrize("code, said", [
+    (128 + signal.SIGTERM, "stopped by SIGTERM before training began: nothing to save yet"),
+    (128 + signal.SIGINT, "stopped by SIGINT before training began: nothing to save yet"),
+    (EXIT_PREEMPTED, "stopped by SIGUSR1 before training began: nothing new to save; continue with --resume true")])
+def test_the_launcher_says_what_the_code_of_a_rank_stopped_before_training_means(code: int, said: str) -> None:
+    child = SimpleNamespace(pid=4321, returncode=code)
+    assert silent_end(1, child) == (f"local rank 1 (pid 4321) was {said}", code)
 
 
 @pytest.mark.slow
