@@ -40,6 +40,11 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # tests; `make demo` 2m54s, against 2m17s and 3m23s on the fast and slow days above). In a later session that day:
 # 657 s in place (1,217 tests), then 801-817 s in three fresh clones (1,230 tests; `make demo` 2m47s-2m56s). In
 # a later session: 787 s in place (1,248 tests), 808 s in a fresh clone (1,254 tests; `make demo` 3m06s).
+# On 2026-12-03: 993 s in place (1,265 tests), CPU-bound (busy 1,864 CPU-s, idle 43, in a later run). Sampled
+# with py-spy across every process: 45% of the suite's CPU went to imports in processes started from scratch.
+# 952 s after the Slurm file's straight run was forked and one job took the frozen task's place, the job waits
+# asked scontrol once a second (13 CPU-ms a query, 20 a second before), the --trust_remote_code run was forked
+# (HF_MODULES_CACHE set for the whole suite) and three reliability runs too: 80 s less over the workers' files.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
