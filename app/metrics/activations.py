@@ -207,12 +207,17 @@ def _weight_cast(tensor: Tensor) -> bool:
 
 
 class _Tally:
-    """Bytes of the distinct storages autograd keeps, credited to the wrapped layer running (None: outside)."""
+    """Bytes of the distinct storages autograd keeps, credited to the wrapped layer running (None: outside).
+
+    A storage is known by its address, so every tensor counted is held until the tally ends: a layer's input that
+    nothing keeps (T5's position bias, a mask) was freed, a later layer's input took its address, and that input
+    was taken for one already counted (0 bytes for a T5 decoder layer's input, now and then, in a real forward)."""
 
     def __init__(self, parameters: set[int]) -> None:
         self.kept_storages = set(parameters)
         self.weight_copies = 0
         self.given_storages: set[int] = set()
+        self.held: list[Tensor] = []
         self.kept: dict[Optional[int], int] = {}
         self.inputs: dict[int, int] = {}
         self.current: Optional[int] = None
@@ -221,6 +226,7 @@ class _Tally:
         key = _storage(tensor)
         if key not in self.kept_storages:
             self.kept_storages.add(key)
+            self.held.append(tensor)
             if _weight_cast(tensor):
                 self.weight_copies += tensor.untyped_storage().nbytes()
             else:
@@ -230,8 +236,9 @@ class _Tally:
     def watch(self, layer: Module, index: int) -> list[Any]:
         def enter(_: Module, args: tuple, kwargs: dict) -> None:
             self.current = index
-            given = {_storage(t): t.untyped_storage().nbytes() for t in (*args, *kwargs.values())
-                     if isinstance(t, Tensor)}
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+            self.held += tensors
+            given = {_storage(t): t.untyped_storage().nbytes() for t in tensors}
             self.inputs[index] = sum(size for key, size in given.items() if key not in self.given_storages)
             self.given_storages |= given.keys()
 
