@@ -196,8 +196,8 @@ def test_a_two_task_job_preempted_warned_and_frozen_requeues_each_time_and_ends_
     output = job.output()
     assert 3 <= first_stop < second_stop < MAX_STEP, job.describe()
     resumed = re.findall(r"resumed from \S+ at step (\d+)", output)
-    assert len(resumed) == 3 and resumed[:2] == [str(first_stop), str(second_stop)] and int(resumed[2]) >= second_stop, \
-        job.describe()
+    assert len(resumed) == 3 and resumed[:2] == [str(first_stop), str(second_stop)], job.describe()
+    assert int(resumed[2]) >= second_stop, job.describe()
     assert "requeueing the Slurm job" in output and "requeue failed" not in output, job.describe()
     assert "rank 0: stalled: no optimizer step, evaluation or save finished in 0.1 min" in output
     assert re.search(rf"srun: error: \S+: task 0: Exited with exit code {EXIT_STALLED}", output), job.describe()
