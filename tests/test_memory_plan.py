@@ -15,7 +15,7 @@ from transformers import (AutoConfig, BartConfig, FalconConfig, GPT2Config, GPTN
 
 from app.distributed.strategy import DDP_OPTIONS
 from app.exit_codes import EXIT_BAD_INPUT
-from app.metrics.activations import kept_for_backward
+from app.metrics.activations import _Tally, kept_for_backward
 from app.metrics import memory_plan
 from app.metrics.memory_plan import (RUNTIME_BYTES, ModelShape, Setup, chunked_loss_bytes, estimate_memory,
                                      fit_advice, kept_by_body, largest_micro_batch, memory_report)
@@ -355,6 +355,22 @@ def test_layer_drop_never_takes_a_layer_out_of_the_count() -> None:
     counts = {kept_for_backward(meta_model(config), wrap_classes, 32, 0, torch.float32, "sdpa", gpu=False).layers
               for _ in range(4)}
     assert len(counts) == 1 and min(next(iter(counts))) > 0
+
+
+def test_a_freed_input_or_kept_tensor_whose_storage_address_comes_back_still_counts_each_time() -> None:
+    """The tally knows a storage by its address. A layer's input that nothing keeps is freed when the layer returns,
+    and the allocator gives the next storage of its size the same address: without the tally holding what it has
+    counted, the second layer's input (and the second tensor kept) would be taken for the first and count 0, as a T5
+    decoder layer's input once did in the CI. Freed then allocated at once, the address comes back every time."""
+    tally = _Tally(parameters=set())
+    layers = [torch.nn.Identity(), torch.nn.Identity()]
+    for index, layer in enumerate(layers):
+        tally.watch(layer, index)
+    for layer in layers:
+        layer(torch.empty(1024, device="meta"))
+        tally.pack(torch.empty(256, device="meta"))
+    assert tally.inputs == {0: 4096, 1: 4096}
+    assert tally.kept == {None: 2 * 1024}
 
 
 @pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need a torch built with CUDA (any "
