@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import sys
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -124,9 +125,20 @@ def test_signals_reach_the_program_through_its_client(program) -> None:
     waiting.stdin.flush()
     while "waiting" not in waiting.stdout.readline():
         pass
+    client = signal_masks(waiting.pid)
     waiting.send_signal(signal.SIGTERM)
-    out, _ = waiting.communicate(timeout=60)
+    try:
+        out, _ = waiting.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # seen once in a full suite, never alone: say in what state the client was
+        waiting.kill()
+        pytest.fail(f"SIGTERM to the client reached no handler of the program in 60 s; the client's {client}")
     assert "SIGTERM received" in out and waiting.returncode == 143
+
+
+def signal_masks(pid: int) -> str:
+    """The signals a process blocks, ignores and catches, as its /proc status shows them (hexadecimal masks)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return " ".join(line.replace("\t", " ") for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
 def test_a_server_whose_test_process_was_killed_leaves_with_its_socket_folder(tmp_path) -> None:
