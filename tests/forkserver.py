@@ -39,6 +39,8 @@ import sys
 
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 SOCKET_VARIABLE, PYTHON_VARIABLE = "FORKSERVER_SOCKET", "FORKSERVER_PYTHON"
+PAUSE_VARIABLE = "FORKSERVER_PAUSE_FD"
+"""A file descriptor the client reads one byte from between sending its request and relaying signals (tests only)."""
 FORKED = ("train.py", "gpu_check.py", "convert_to_hf.py", "prepare_data.py", "generate.py", "bench_loss.py",
           "probe_setup.py", "probe_group_timeouts.py")
 """Scripts whose processes are forked (by file name): what the suite starts most, and the tests' helpers that set
@@ -258,10 +260,15 @@ def run(path: str, argv: list[str]) -> None:
     """The client: the program's stand-in for whoever started it."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(path)
+    # Held from here until they can be relayed: the program may run (and catch them) before this process has sent
+    # its whole request, and a signal then would end this process by default and the program with it.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
     message = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
-                          "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}).encode()
+                          "blocked": sorted(int(s) for s in blocked)}).encode()
     connection.sendall(struct.pack("!I", len(message)))
     connection.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    if os.environ.get(PAUSE_VARIABLE):  # tests/test_forkserver.py's window between the request and the relay
+        os.read(int(os.environ[PAUSE_VARIABLE]), 1)
     for number in RELAYED:
         signal.signal(number, lambda received, _: connection.send(bytes([received])))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)

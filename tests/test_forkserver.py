@@ -4,6 +4,7 @@ sys.executable forked in turn, already past the imports."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FORK_SERVER, ROOT, run_environment
+from tests.forkserver import PAUSE_VARIABLE
 
 PROGRAM = '''
 import os, signal, subprocess, sys, time
@@ -119,12 +121,7 @@ def test_pythonpath_is_read_as_a_fresh_interpreter_would_unless_the_server_canno
 
 
 def test_signals_reach_the_program_through_its_client(program) -> None:
-    waiting = start(program, "wait")
-    assert waiting.stdin and waiting.stdout
-    waiting.stdin.write("\n")
-    waiting.stdin.flush()
-    while "waiting" not in waiting.stdout.readline():
-        pass
+    waiting = waiting_for_a_signal(program)
     client = signal_masks(waiting.pid)
     waiting.send_signal(signal.SIGTERM)
     try:
@@ -133,6 +130,31 @@ def test_signals_reach_the_program_through_its_client(program) -> None:
         waiting.kill()
         pytest.fail(f"SIGTERM to the client reached no handler of the program in 60 s; the client's {client}")
     assert "SIGTERM received" in out and waiting.returncode == 143
+
+
+def test_a_signal_the_client_gets_before_it_relays_is_held_for_the_program(program) -> None:
+    """The program may run, and catch signals, before its client has finished sending the request: a SIGTERM then
+    ended the client by default and the program with it, where a process started from scratch would have run its
+    handler. Here the client waits on a pipe between its request and its relaying, and the signal comes meanwhile."""
+    pause_read, pause_write = os.pipe()
+    waiting = waiting_for_a_signal(program, env_extra={PAUSE_VARIABLE: str(pause_read)}, pass_fds=(pause_read,))
+    os.close(pause_read)
+    waiting.send_signal(signal.SIGTERM)
+    os.write(pause_write, b"go")
+    os.close(pause_write)
+    out, _ = waiting.communicate(timeout=60)
+    assert "SIGTERM received" in out and waiting.returncode == 143, (out, waiting.returncode)
+
+
+def waiting_for_a_signal(program: Path, **options) -> subprocess.Popen:
+    """The program started with "wait", once it has said it waits (its SIGTERM handler is in place)."""
+    waiting = start(program, "wait", **options)
+    assert waiting.stdin and waiting.stdout
+    waiting.stdin.write("\n")
+    waiting.stdin.flush()
+    while "waiting" not in waiting.stdout.readline():
+        pass
+    return waiting
 
 
 def signal_masks(pid: int) -> str:
