@@ -791,6 +791,31 @@ def test_a_resume_keeps_the_history_of_metrics_csv_and_rows_jsonl_in_constant_me
     assert json.loads(last)["step"] == steps - 10
 
 
+def test_a_save_steps_row_lost_by_an_attempt_that_ended_before_logging_it_is_logged_by_the_resume(tiny,
+                                                                                                     tmp_path) -> None:
+    """A save step's row is logged once its checkpoint is published (the row holds save_sec). A job whose other task
+    froze during step 10's save published step 10, stalled before the row, and resumed at step 11: metrics.csv never
+    had step 10 (the fresh-clone CI of 2026-12-03). Here the attempt ends there: step 4's row and everything after
+    it are taken away, as is the checkpoint of step 6. The resume logs step 4's row from its checkpoint, as it was
+    but for save_sec, and goes on as the run did."""
+    from tests.conftest import ONE_PROCESS
+
+    out_dir = tmp_path / "run"
+    args = train_args(tiny, out_dir, **(ONE_PROCESS | {"max_step": 6}))
+    assert_succeeded(run_train(args))
+    straight = read_metrics(out_dir)
+    lines = (out_dir / "metrics.csv").read_text().splitlines(keepends=True)
+    (out_dir / "metrics.csv").write_text("".join(line for line in lines if not line.startswith(("4,", "5,", "6,"))))
+    (out_dir / "checkpoints" / "step-00000006.ckpt").unlink()  # a single file on one process
+    assert_succeeded(run_train(args + ["--resume", "true"]))
+    resumed = read_metrics(out_dir)
+    assert sorted(resumed) == list(range(7)), resumed
+    assert "save_sec" in straight[4] and "save_sec" not in resumed[4]
+    restored = ("train_loss", "val_loss", "lr", "grad_norm", "tokens_seen")
+    assert {name: resumed[4][name] for name in restored} == {name: straight[4][name] for name in restored}
+    assert resumed[6]["train_loss"] == pytest.approx(straight[6]["train_loss"], rel=1e-5)
+
+
 def test_links_placed_at_the_runs_fixed_names_are_never_written_through(tiny, tmp_path) -> None:
     """A link at `.config.yaml.partial`, `.metrics.csv.partial`, `checkpoints/.best.json.partial` or
     `.tokenizer.partial` had the run overwrite the file it pointed to (and the folder's tokenizer.json); the renames

@@ -55,6 +55,8 @@ class CSVMetrics(Logger):
                  evaluated: tuple[str, ...] = ()) -> None:
         self.path = Path(out_dir) / METRICS_FILE
         self._resume_step = resume_step
+        self.last_step_kept: Optional[int] = None
+        """The step of the last row that the resumed run's file kept, once log_hyperparams has rewritten it."""
         self.columns = (COLUMNS + [f"{metric}/{name}" for metric in ("val_loss", "tokens") for name in sources]
                         + [f"val_loss/{name}" for name in evaluated])
         """With a mixture's folders (`sources`), their validation losses and trained tokens; with --eval_data_dir's
@@ -97,8 +99,10 @@ class CSVMetrics(Logger):
         with open(self.path, newline="") as handle:
             same_columns = handle.readline() == header
         if same_columns:  # rows copied as written: through csv's dicts, 45 us a row (600k rows: 28 s, every resume)
-            yield from kept_rows(partial(whole_lines, self.path, skip=1), lambda row: int(row.split(",", 1)[0]),
-                                 self._resume_step)
+            for kept in kept_rows(partial(whole_lines, self.path, skip=1), lambda row: int(row.split(",", 1)[0]),
+                                  self._resume_step):
+                self.last_step_kept = int(kept.split(",", 1)[0])
+                yield kept
             return
 
         def rows() -> Iterator[dict]:
@@ -106,6 +110,7 @@ class CSVMetrics(Logger):
                 yield from csv.DictReader(line for line in handle if line.endswith("\n"))
 
         for row in kept_rows(rows, lambda row: int(row["step"]), self._resume_step):
+            self.last_step_kept = int(row["step"])
             writer.writerow(row)
             yield taken(line)
 
@@ -353,6 +358,19 @@ class TensorBoardMetrics(TensorBoardLogger):
     def close(self, code: int) -> None:
         """Write what is queued and close the file (an exit hook: the run's exit code does not matter here)."""
         self.finalize("success" if code == 0 else "failed")
+
+
+@rank_zero_only
+def log_lost_row(loggers: list[Logger], step: int, row: dict[str, float]) -> None:
+    """A save step's metrics row is logged once its checkpoint is published, as it holds the save's time: an attempt
+    that ended in between (a stall's exit while the ranks agreed that the save went well, a kill) left the
+    checkpoint of step `step` without its row, and the run resumed from it goes on at the next step. The checkpoint
+    keeps that row but its save_sec (state["step_row"]): logged here, after metrics.csv was rewritten for the resume
+    (log_hyperparams), where the file lacks it."""
+    metrics_csv = next(logger for logger in loggers if isinstance(logger, CSVMetrics))
+    if row and (metrics_csv.last_step_kept is None or metrics_csv.last_step_kept < step):
+        for logger in loggers:
+            logger.log_metrics(row, step)
 
 
 def forget_after(loggers: list[Logger], step: int) -> None:

@@ -295,7 +295,7 @@ class Loop:
             metrics |= evaluation
             stop = stop or stop_agreed(self.fabric, self.stop)
         if scheduled_save or stop or self.out_of_patience():
-            self.state["log_window"] = list(losses)
+            self.state["log_window"], self.state["step_row"] = list(losses), dict(metrics)
             save_time = self.save(evaluated, upload=should_upload_checkpoint(cfg.log_model, last))
             if scheduled_save or metrics:  # a stop's own save makes no row that a run not stopped lacks
                 metrics |= save_time

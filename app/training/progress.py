@@ -23,12 +23,13 @@ PROGRESS: dict[str, Any] = {
     "tokens_seen": 0,  # trained tokens (labels not -100) of the steps the weights took, over every attempt
     "tokens_read": 0,  # positions of every step, skipped ones too (TrainingPlan.tokens_per_step each): --max_tokens
     "log_window": [],  # the losses of the steps since the last log point, set when saving (Loop.unlogged_losses)
+    "step_row": {},  # the metrics row of the saved step but its save_sec, set when saving (loggers.log_lost_row)
     "elapsed_sec": 0.0,  # the run's seconds at the save, over every attempt (StepClock.run_elapsed)
     "base_revision": None,  # the commit of the Hub model the run started from, set at its start (run.initial_state)
 }
 
 ROLLED_BACK = ("step", "val_loss", "val_loss_step", "best_val_loss", "evaluations_without_improvement", "log_window",
-               "tokens_seen", "tokens_read")
+               "step_row", "tokens_seen", "tokens_read")
 """What a rollback (app/training/loop.py) takes back from the checkpoint it returns to: the counters of the weights
 it reloads (tokens_seen went on, counting twice the tokens of the steps rolled back)."""
 GOES_ON_AT_A_ROLLBACK = ("epoch", "position", "mixture", "source_tokens", "scaler_skipped_steps", "spike_guard",

@@ -36,7 +36,7 @@ from app.exit_codes import (EXIT_BAD_INPUT, EXIT_CORRUPT_CHECKPOINT, EXIT_CRASHE
 from app.folders import discard, replace_file
 from app.hub import hub_commit
 from app.metrics.console import Console
-from app.metrics.loggers import SUMMARY_FILE, RowRecord, WandbFailed, make_loggers, report_summary
+from app.metrics.loggers import SUMMARY_FILE, RowRecord, WandbFailed, log_lost_row, make_loggers, report_summary
 from app.metrics.memory_plan import ModelShape, Unplannable, memory_report, setup_of
 from app.metrics.observe import StepClock, Stopwatch, flops_per_micro_batch, peak_flops
 from app.metrics.profiling import profile_window, profiled_steps
@@ -461,6 +461,8 @@ def main(fabric: Fabric, cfg: Config, inputs: RunInputs, deferred: Optional[Defe
     elif cfg.init_from and not start_from_weights(fabric, Path(cfg.init_from), state, training=not cfg.eval_only):
         return EXIT_BAD_INPUT
     write_run_files(fabric, cfg, inputs.tokenizer)
+    if inputs.resume_from:
+        log_lost_row(fabric.loggers, state["step"], state["step_row"])
     plan = inputs.plan
     if not cfg.eval_only:
         say_once(fabric, f"training {plan.max_step} steps of {plan.global_batch_size} sequences x "
