@@ -45,8 +45,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # 952 s after the Slurm file's straight run was forked and one job took the frozen task's place, the job waits
 # asked scontrol once a second (13 CPU-ms a query, 20 a second before), the --trust_remote_code run was forked
 # (HF_MODULES_CACHE set for the whole suite) and three reliability runs too: 80 s less over the workers' files.
-# In a later session that day: 907 s and 879 s in place (1,266 tests; busy 1,783 and 1,718 CPU-s), 903 s in a fresh
-# clone.
+# In a later session that day: 907 s and 879 s in place (1,266 tests; busy 1,783 and 1,718 CPU-s), 903 s and then
+# 962 s in fresh clones (1,268 tests; `make demo` 3m19s).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
