@@ -816,6 +816,17 @@ def test_a_save_steps_row_lost_by_an_attempt_that_ended_before_logging_it_is_log
     assert resumed[6]["train_loss"] == pytest.approx(straight[6]["train_loss"], rel=1e-5)
 
 
+def test_a_lost_row_is_logged_without_the_columns_of_a_folder_this_run_does_not_evaluate(tmp_path) -> None:
+    """A resume whose metrics.csv is written anew (deleted; --eval_data_dir another folder) does not have the lost
+    row's `val_loss/<folder>` column: that value is left out, where metrics.csv refused the row (a KeyError)."""
+    from app.metrics.loggers import CSVMetrics, log_lost_row
+
+    metrics_csv = CSVMetrics(tmp_path, resume_step=4)
+    metrics_csv.log_hyperparams({})
+    log_lost_row([metrics_csv], 4, {"train_loss": 1.5, "val_loss/gone": 2.0})
+    assert read_metrics(tmp_path) == {4: {"train_loss": 1.5}}
+
+
 def test_links_placed_at_the_runs_fixed_names_are_never_written_through(tiny, tmp_path) -> None:
     """A link at `.config.yaml.partial`, `.metrics.csv.partial`, `checkpoints/.best.json.partial` or
     `.tokenizer.partial` had the run overwrite the file it pointed to (and the folder's tokenizer.json); the renames

@@ -366,8 +366,10 @@ def log_lost_row(loggers: list[Logger], step: int, row: dict[str, float]) -> Non
     that ended in between (a stall's exit while the ranks agreed that the save went well, a kill) left the
     checkpoint of step `step` without its row, and the run resumed from it goes on at the next step. The checkpoint
     keeps that row but its save_sec (state["step_row"]): logged here, after metrics.csv was rewritten for the resume
-    (log_hyperparams), where the file lacks it."""
+    (log_hyperparams), where the file lacks it; its columns that this run's file has not (a folder no longer
+    evaluated, in a metrics.csv written anew) are left out."""
     metrics_csv = next(logger for logger in loggers if isinstance(logger, CSVMetrics))
+    row = {name: value for name, value in row.items() if name in metrics_csv.columns}
     if row and (metrics_csv.last_step_kept is None or metrics_csv.last_step_kept < step):
         for logger in loggers:
             logger.log_metrics(row, step)
