@@ -817,8 +817,9 @@ def test_a_save_steps_row_lost_by_an_attempt_that_ended_before_logging_it_is_log
 
 
 def test_a_lost_row_is_logged_without_the_columns_of_a_folder_this_run_does_not_evaluate(tmp_path) -> None:
-    """A resume whose metrics.csv is written anew (deleted; --eval_data_dir another folder) does not have the lost
-    row's `val_loss/<folder>` column: that value is left out, where metrics.csv refused the row (a KeyError)."""
+    """A resume that evaluates another --eval_data_dir, of a run whose metrics.csv was deleted, writes a file without
+    the lost row's `val_loss/<folder>` column (a file kept keeps its columns): that value is left out, where
+    metrics.csv refused the row (a KeyError)."""
     from app.metrics.loggers import CSVMetrics, log_lost_row
 
     metrics_csv = CSVMetrics(tmp_path, resume_step=4)
