@@ -11,42 +11,9 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
 	touch $@
 
-# Three workers on two cores: a test's processes often wait (for the other rank's start-up, a signal, a timeout),
-# and a third worker fills that time. Whole files per worker, so that a file's module fixtures (its shared runs) are
-# made once, the longest files first (tests/conftest.py). The suite is CPU-bound (vmstat: 0% idle), and most of its
-# CPU went to importing torch, Lightning Fabric (with torch._dynamo), transformers and datasets, ~6 CPU-s in each of
-# its ~250 train.py processes: tests/forkserver.py now forks those processes from one that imported them already
-# (test runs that measure a fresh process's peak RSS, or set variables read on import, still start from scratch).
-# On 2026-11-28 in this clone, within the hour: 1,143 s before; 901 s with the fork server for single-node runs
-# (and accelerate, which transformers imported in every process, moved to benchmarks/requirements.txt); 814 s with
-# it for the multi-node, compiled and GPU-check runs too. New tests must come with an equal cut. On 2026-11-28, in a
-# fresh clone, after the audit's fixes and their tests: 737 s (1,057 s in an earlier run the same morning: this
-# machine's speed varies). On 2026-11-28, after a second audit's 24 new tests: 778 s (545 tests). Later that day, in
-# fresh clones: 984 s and 1,005 s (609 tests), 929 s in place (612), 1,060 s (614) with `make demo`'s 300 steps
-# taking 3m18s against 2m26s on the 737 s day: the same work, a slower machine. On 2026-11-28 (evening), fresh
-# clones: 834 s; 759 s with one OpenMP thread per process (tests/conftest.py) and Slurm jobs of 30 steps. On
-# 2026-11-29: 667 s in place (624 tests), 599 s in place and 737 s in a fresh clone (637 tests); after six audits'
-# fixes and their tests: 668 s in place (664 tests) and 658 s in a fresh clone (671 tests). On 2026-11-29 (evening):
-# 760 s in place (815 tests), 803 s in a fresh clone (816 tests). On 2026-11-30, fresh clones: 848 s and 788 s
-# (831 tests); later that day 494 s (852 tests) on a quieter machine; in a later session 617 s in a fresh clone
-# (958 tests), 774 s with an audit running beside it. On 2026-12-01, on a machine 1.5x slower (`make demo`: 3m23s
-# against 2m17s): 1,096 s in place (1,167 tests); 915 s once the tests' helper ranks and the runs that take signals
-# only through their launcher were forked too, and a forked program left without the interpreter's teardown of
-# the server's imports (1.8 s a process). Measured with every process's CPU sampled: the suite is CPU-bound (28 s
-# idle of 918), and a third of its CPU goes to train.py processes that must start from scratch (signals to a
-# process group, Slurm jobs, peak RSS), 6 CPU-s of imports each. On 2026-12-02: 1,428 s in place (1,191 tests) with
-# an audit's probes (one train.py or prepare_data.py preflight at a time) running beside it, where the Slurm and
-# signal files alone took 620 and 690 s of one worker each; 907 s in a fresh clone with nothing beside it (1,196
-# tests; `make demo` 2m54s, against 2m17s and 3m23s on the fast and slow days above). In a later session that day:
-# 657 s in place (1,217 tests), then 801-817 s in three fresh clones (1,230 tests; `make demo` 2m47s-2m56s). In
-# a later session: 787 s in place (1,248 tests), 808 s in a fresh clone (1,254 tests; `make demo` 3m06s).
-# On 2026-12-03: 993 s in place (1,265 tests), CPU-bound (busy 1,864 CPU-s, idle 43, in a later run). Sampled
-# with py-spy across every process: 45% of the suite's CPU went to imports in processes started from scratch.
-# 952 s after the Slurm file's straight run was forked and one job took the frozen task's place, the job waits
-# asked scontrol once a second (13 CPU-ms a query, 20 a second before), the --trust_remote_code run was forked
-# (HF_MODULES_CACHE set for the whole suite) and three reliability runs too: 80 s less over the workers' files.
-# In a later session that day: 907 s and 879 s in place (1,266 tests; busy 1,783 and 1,718 CPU-s), 903 s and then
-# 962 s in fresh clones (1,268 tests; `make demo` 3m19s).
+# Three workers on two cores, whole files each, the longest files first (tests/conftest.py), and a fork server for
+# the suite's train.py processes (tests/forkserver.py): why, and the suite's times, in docs/testing.md. It has to fit
+# in 15 minutes on CI's 2 cores: new tests come with an equal cut.
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests
 
