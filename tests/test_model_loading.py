@@ -8,7 +8,7 @@ from datasets import load_from_disk
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from arguments import read_config
-from app.model.build import deferred_init, load_pretrained_weights
+from app.model.build import deferred_init, load_pretrained_weights, tied_names_of
 from tests.conftest import read_checkpoint, run_train, train_args
 
 STILL = dict(max_step=1, lr=1e-30, min_lr=0.0, warmup_steps=0, eval_step_interval=1, save_step_interval=1)
@@ -42,18 +42,27 @@ def pretrained(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def pretrained_tied(tiny, tmp_path_factory):
+    """The output layer tied to the embedding (Llama-3.2, Gemma, Qwen2.5's small models): save_pretrained writes the
+    embedding alone."""
+    return save_pretrained_model(tiny, tmp_path_factory.mktemp("pretrained-tied"), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
 def pretrained_wide_vocabulary(tiny, tmp_path_factory):
     """Its vocabulary padded to 2048 rows, as Llama-3's is: fsdp2 gives each embedding (more parameters than a layer)
     a unit of their own."""
     return save_pretrained_model(tiny, tmp_path_factory.mktemp("pretrained-wide"), vocab_size=2048)
 
 
-@pytest.mark.parametrize("strategy, folder", [("fsdp", "pretrained"), ("fsdp2", "pretrained"),
-                                              ("fsdp2", "pretrained_wide_vocabulary")])
+@pytest.mark.parametrize("strategy, folder", [("fsdp", "pretrained"), ("fsdp", "pretrained_tied"),
+                                              ("fsdp2", "pretrained_tied"), ("fsdp2", "pretrained_wide_vocabulary")])
 def test_pretrained_model_is_loaded_shard_by_shard_with_its_exact_weights(tiny, tmp_path, strategy, folder,
                                                                           request) -> None:
     """With lr ~ 0 the step-1 checkpoint holds the pretrained weights and the evaluation matches transformers."""
     pretrained = request.getfixturevalue(folder)
+    cfg = read_config(["--train_data_dir", str(tiny.data), "--model_name", str(pretrained), "--strategy", strategy])
+    assert deferred_init(cfg, AutoConfig.from_pretrained(pretrained)) is not None, "the meta route, not the plain one"
     result = run_train(train_args(tiny, tmp_path, model_config=None, model_name=pretrained, strategy=strategy, **STILL))
     assert result.returncode == 0, result.stderr[-3000:]
     reference = AutoModelForCausalLM.from_pretrained(pretrained)
@@ -91,7 +100,34 @@ def test_meta_device_route_only_where_it_is_exact(tiny) -> None:
     assert route(tiny) is not None
     assert route(tiny, "--strategy", "ddp") is not None, "from a config: materialised at once, as FSDP would"
     assert route(tiny, "--strategy", "ddp", "--model_config", "null", "--model_name", str(tiny.model_config)) is None
-    assert route(tiny, config_changes={"tie_word_embeddings": True}) is None
+    assert route(tiny, config_changes={"tie_word_embeddings": True}) is not None
+
+
+def test_the_meta_route_keeps_tied_weights_one_tensor(tiny, pretrained_tied, tmp_path) -> None:
+    """Tied embeddings take the meta route too: each rank holds its shard and one weight file, not the whole model
+    (Gemma-2-27B in bf16: 54 GB per process). Materialised one holder at a time, the tie was lost (to_empty gives
+    each holder a tensor of its own): the output layer trained apart from the embedding, and a pretrained model's
+    output layer stayed random, as the weight files hold only the embedding."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from app.model.build import materialize_in_sharding_order, meta_model
+
+    config = AutoConfig.from_pretrained(tiny.model_config, tie_word_embeddings=True)
+    model, deferred = meta_model(config), route(tiny, config_changes={"tie_word_embeddings": True})
+    materialize_in_sharding_order(model, deferred.wrap_classes, deferred.param_init_fn)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
+    with safe_open(str(pretrained_tied / "model.safetensors"), framework="pt") as stored:
+        assert "lm_head.weight" not in stored.keys()
+    cfg = read_config(["--train_data_dir", str(tiny.data), "--model_name", str(pretrained_tied)])
+    assert deferred_init(cfg, config).weight_files == [pretrained_tied / "model.safetensors"]
+    weights = load_file(str(pretrained_tied / "model.safetensors"))
+    both = tmp_path / "both"  # a folder that also stores the tied output layer (equal, else the preflight refuses)
+    config.save_pretrained(both)
+    both_names = weights | {"lm_head.weight": weights["model.embed_tokens.weight"].clone()}
+    save_file(both_names, str(both / "model.safetensors"))
+    cfg = read_config(["--train_data_dir", str(tiny.data), "--model_name", str(both)])
+    assert deferred_init(cfg, config) is not None
 
 
 def test_the_meta_route_initialises_like_transformers_or_is_not_taken(tiny) -> None:
@@ -134,7 +170,7 @@ def test_weight_loading_refuses_missing_and_unexpected_keys(pretrained, tmp_path
     from safetensors.torch import load_file, save_file
 
     model = AutoModelForCausalLM.from_pretrained(pretrained)
-    expected = set(model.state_dict())
+    expected = tied_names_of(model)
     weights = load_file(str(pretrained / "model.safetensors"))
     load_pretrained_weights(model, [pretrained / "model.safetensors"], torch.float32, expected)
     with pytest.raises(RuntimeError, match="0 missing .* 1 unexpected .*model.extra"):

@@ -7,8 +7,10 @@ on the rank's device, keeping only the rank's shard (`DeferredInit`):
 - from a pretrained model (--model_name), the safetensors files are then read one at a time into the sharded
   model: a rank holds at most one weight file (at most --max_shard_size of the hub repo, 5 GB for Llama-3-8B) in
   host RAM, instead of the whole model (16 GB per process for an 8B model in bf16, 128 GB on an 8-GPU node).
-Models with tied input/output embeddings, weights that are not safetensors, or checkpoint keys that differ from
-the model's (architectures that transformers converts while loading) take the plain route: every rank loads the
+Tied input and output embeddings (Llama-3.2, Gemma, GPT-2, T5, BART) stay one tensor on this route, stored under
+the embedding's name. Weights that are not safetensors, checkpoint keys that differ from the model's (architectures
+that transformers converts while loading), or models whose meta twin does not initialise like transformers' own
+(`materializes_like_from_config`) take the plain route: every rank loads the
 whole model with `from_pretrained` in host RAM before FSDP shards it. DDP and single-device runs need the whole
 model on each device anyway: they read pretrained weights by the plain route, and materialise a model built from
 a config from the meta device at once, in FSDP's order, so that a --seed gives the same initial weights everywhere.
@@ -30,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.nn import Module
+from torch.nn import Module, Parameter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 
 from app.choices import SHARDED_STRATEGIES
@@ -103,10 +105,22 @@ def resolve_wrap_classes(
 
 def tied_names(config: PretrainedConfig, trust_remote_code: bool) -> dict[str, list[str]]:
     """Name -> the other names of the same tensor (the lm_head tied to the embedding): save_pretrained writes one."""
+    return tied_names_of(meta_model(config, trust_remote_code))
+
+
+def tied_names_of(model: Module) -> dict[str, list[str]]:
+    """`tied_names` of a model at hand, with every name of its state dict (buffers have no others)."""
     groups: dict[int, list[str]] = {}
-    for name, parameter in meta_model(config, trust_remote_code).named_parameters(remove_duplicate=False):
+    for name, parameter in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(parameter), []).append(name)
-    return {name: [other for other in names if other != name] for names in groups.values() for name in names}
+    tied = {name: [other for other in names if other != name] for names in groups.values() for name in names}
+    return {name: tied.get(name, []) for name in model.state_dict()}
+
+
+def weights_fit(stored: set[str], tied: dict[str, list[str]]) -> bool:
+    """Whether weight files holding the names `stored` give every tensor of a model whose state dict's names and ties
+    are `tied` (a tied one under any of its names, as save_pretrained keeps one), and nothing else."""
+    return stored <= set(tied) and stored | {other for name in stored for other in tied[name]} == set(tied)
 
 
 def stored_tensors(files: list[Path], names: Iterable[str]) -> list[torch.Tensor]:
@@ -160,17 +174,33 @@ def initialise_parents_again(module: Module, materialised: set[int], init_weight
     return below or id(module) in materialised
 
 
+def to_empty_keeping_ties(module: Module, device: torch.device, made: dict[int, tuple[Parameter, Parameter]]) -> None:
+    """`module.to_empty(recurse=False)`, except that a parameter held by several modules (tied input and output
+    embeddings) stays one tensor: to_empty gives each holder a tensor of its own, which unties them. `made` maps a
+    meta parameter's id to it and its real tensor, for the holders materialised later."""
+    for name, parameter in module.named_parameters(recurse=False):
+        if parameter.is_meta:
+            if id(parameter) not in made:
+                real = Parameter(torch.empty_like(parameter, device=device), requires_grad=parameter.requires_grad)
+                made[id(parameter)] = (parameter, real)
+            setattr(module, name, made[id(parameter)][1])
+    for name, buffer in module.named_buffers(recurse=False):
+        if buffer.is_meta:
+            setattr(module, name, torch.empty_like(buffer, device=device))
+
+
 def materialize_module(module: Module, *, init_weights: Callable[[Module], None], accelerator: str) -> None:
     """FSDP's param_init_fn, which FSDP1 and fsdp2 call on a unit's modules parent before child: the first call
     gives every module of the subtree still on the meta device real memory on this rank's device and initialises it,
     in that order, then initialises the parents again (GPT-2's attention rescales its c_proj, which the Conv1D's own
     init, run after it, had undone: the residual projections started 2 x n_layer ** 0.5 too large). Parents that
     hold no tensors of their own draw nothing, so most models get the values they got before. Later calls find
-    nothing left."""
+    nothing left. Tied weights stay tied (they are in one unit: the root, `separate_embeddings`)."""
     device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
     pending = [part for part in breadth_first(module) if holds_meta(part, recurse=False)]
+    made: dict[int, tuple[Parameter, Parameter]] = {}
     for part in pending:
-        part.to_empty(device=device, recurse=False)
+        to_empty_keeping_ties(part, device, made)
         init_weights(part)
     if pending:
         initialise_parents_again(module, {id(part) for part in pending}, init_weights)
@@ -191,6 +221,8 @@ def materializes_like_from_config(model_config: PretrainedConfig, trust_remote_c
         materialize_in_sharding_order(twin, resolve_wrap_classes(config, None, trust_remote_code),
                                       partial(materialize_module, init_weights=twin._init_weights, accelerator="cpu"))
     except Exception:  # noqa: BLE001 (a twin this architecture cannot be made at: the plain route, which is exact)
+        return False
+    if tied_names_of(twin) != tied_names_of(reference):  # a tie the model makes some other way than transformers' own
         return False
     built = dict(twin.named_parameters()) | dict(twin.named_buffers())
     loaded = set(reference.state_dict()) if pretrained else set()
@@ -234,11 +266,11 @@ def deferred_init(cfg: Config, model_config: PretrainedConfig) -> Optional[Defer
     Under ddp and on one device only for a model built from a config, whose initial weights then match fsdp's;
     pretrained weights are read whole there anyway."""
     sharded = cfg.strategy in SHARDED_STRATEGIES
-    if cfg.tpu or model_config.tie_word_embeddings or (cfg.model_name and not sharded):
+    if cfg.tpu or (cfg.model_name and not sharded):
         return None
     twin = meta_model(model_config, cfg.trust_remote_code)
     files = pretrained_weight_files(cfg.model_name) if cfg.model_name else []
-    if cfg.model_name and (not files or safetensors_keys(files) != set(twin.state_dict())):
+    if cfg.model_name and (not files or not weights_fit(safetensors_keys(files), tied_names_of(twin))):
         return None
     if not materializes_like_from_config(model_config, cfg.trust_remote_code, pretrained=bool(cfg.model_name)):
         return None
@@ -330,9 +362,11 @@ def check_all_weights_loaded(source: str, missing: set[str], unexpected: set[str
 
 
 @torch.no_grad()
-def load_pretrained_weights(sharded_model: Module, files: list[Path], dtype: torch.dtype, expected: set[str]) -> None:
+def load_pretrained_weights(sharded_model: Module, files: list[Path], dtype: torch.dtype,
+                            expected: dict[str, list[str]]) -> None:
     """Read the pretrained weights into an FSDP model, one safetensors file at a time, and check that every one of
-    the `expected` keys was loaded and nothing else was offered.
+    the `expected` keys was loaded (a tied one under any of its names, the others of `expected[key]`) and nothing
+    else was offered.
 
     Under FSDP1's full-state-dict context each wrapped layer is gathered, overwritten from the file and re-sharded
     in turn, so a rank holds one file plus one layer, never the whole model; under FSDP2 each rank copies its rows
@@ -352,7 +386,8 @@ def load_pretrained_weights(sharded_model: Module, files: list[Path], dtype: tor
             rejected = {canonical_name(key) for key in result.unexpected_keys}
             unexpected |= rejected
             loaded |= set(weights) - rejected
-    check_all_weights_loaded(str(files[0].parent), expected - loaded, unexpected)
+    loaded |= {other for name in loaded if name in expected for other in expected[name]}
+    check_all_weights_loaded(str(files[0].parent), set(expected) - loaded, unexpected)
 
 
 def strategy_module(model: Module) -> Module:
@@ -425,7 +460,7 @@ def setup_model(fabric: Fabric, cfg: Config, model_config: PretrainedConfig, def
     loss_path.terms = LossTerms(cfg.label_smoothing, cfg.z_loss)
     loss_path.noise = add_embedding_noise(model, cfg.neftune_noise_alpha)
     roles = ParameterRoles.of(model)
-    expected = set(model.state_dict())
+    expected = tied_names_of(model)
     model = fabric.setup_module(compiled(model) if cfg.compile else model)
     if deferred and deferred.weight_files:
         load_pretrained_weights(strategy_module(model), deferred.weight_files, weights_dtype(cfg.precision), expected)
