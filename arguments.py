@@ -8,7 +8,6 @@ meets a shell (the command line wins over --config, bare boolean flags, one-line
 from __future__ import annotations
 
 import math
-import os
 import sys
 import typing
 from collections.abc import Iterable
@@ -17,11 +16,12 @@ from functools import cache
 from pathlib import Path
 from typing import Callable, Literal, Optional, Union
 
+import jsonargparse
 import yaml
 from jsonargparse import ArgumentParser
 
 from app.choices import CHECKPOINTING_OPTIONS, FSDP1_ONLY_OPTIONS, MAX_SEED, SHARDED_STRATEGIES
-from app.cli import (UsageError, command_parser, config_files_first, naming_config_files, nested_config_files, parse,
+from app.cli import (UsageError, command_parser, config_file_lines, config_files_first, naming_config_files, parse,
                      refuse)
 from app.metrics.profiling import profile_window
 from app.tasks import exit_refused, launching_process
@@ -419,7 +419,8 @@ class Config(SpikeArgs, ReliabilityArgs, PlannerArgs, LoggingArgs, SaveArgs, Eva
         """config.yaml: what `--config` reads back (a method, so that app/ asks the Config it is given rather than
         importing this script)."""
         parser = build_parser()
-        return parser.dump(parser.parse_object(self.readable_back().to_dict()), skip_unset=False)
+        # dumped as they are: parse_object would read text again as YAML (`run_name: "#3 baseline"` as null)
+        return parser.dump(jsonargparse.Namespace(**self.readable_back().to_dict()), skip_unset=False)
 
     def unread(self) -> set[str]:
         """The options another one turns off (readable_back puts them at their defaults)."""
@@ -453,11 +454,15 @@ def read_config(argv: Optional[list[str]] = None) -> Config:
 
 def parse_config(argv: Optional[list[str]] = None) -> Config:
     """Parse and validate; exit with status 2 and one line per problem when the command line or a value is bad."""
+    arguments = sys.argv[1:] if argv is None else argv
     try:
         cfg = read_config(argv)
     except UsageError as error:
-        refuse("train.py", str(error))
-    sources = option_sources(sys.argv[1:] if argv is None else argv)
+        try:  # a value of the wrong type in a config file is named with the file
+            refuse("train.py", naming_config_files(str(error), option_sources(arguments)))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):  # a file that cannot be read: its error says which
+            refuse("train.py", str(error))
+    sources = option_sources(arguments)
     problems = validate_config(cfg, sources)
     if problems:
         exit_refused([f"error: {naming_config_files(p, sources)}" for p in problems])
@@ -485,15 +490,7 @@ def option_sources(argv: list[str]) -> dict[str, str]:
 def config_sources(path: str) -> dict[str, str]:
     """The options config file `path` (or YAML text) sets, in the order they apply: a file it names where its line
     stands."""
-    values = yaml.safe_load(Path(path).read_text() if os.path.isfile(path) else path) or {}
-    sources: dict[str, str] = {}
-    for key in values if isinstance(values, dict) else {}:
-        if key == "config":
-            for nested in nested_config_files(path, values):
-                sources |= config_sources(nested)
-        else:
-            sources[key] = f"config {path}"
-    return sources
+    return {key: f"config {file}" for key, _, file in config_file_lines(path)}
 
 
 OPTIONS_DOC = Path(__file__).resolve().parent / "docs" / "options.md"
@@ -640,6 +637,8 @@ def option_combinations(cfg: Config, require: Callable[[bool, str], None]) -> No
     """Options that must agree with each other."""
     require(not (cfg.eval_only and cfg.resume), "--eval_only true evaluates a model and trains no run to continue: "
             "drop --resume, and give the checkpoint to evaluate as --init_from CKPT")
+    require(not (cfg.estimate_memory and cfg.print_config), "--estimate_memory true and --print_config true each "
+            "print a report and exit without training (the printed config would plan, not train): give one of them")
     require(not cfg.eval_only or cfg.eval_step_interval != 0,
             "--eval_only true with --eval_step_interval 0 would evaluate nothing: drop one of them")
     require(cfg.save_step_interval > 0 or cfg.spike_guard != "rollback" and not cfg.log_model,
@@ -674,6 +673,12 @@ def option_combinations(cfg: Config, require: Callable[[bool, str], None]) -> No
             "--init_from (start from a train.py checkpoint's weights)")
     require(cfg.checkpoint is None or cfg.resume,
             "--checkpoint is only read when resuming: add --resume true, or drop --checkpoint")
+
+
+EVALUATION_READS = ("micro_batch_size", "seed")
+"""What --eval_only reads of the training options: the micro batch (the evaluation's, unless --eval_batch_size)."""
+TRAINING_CHECKPOINTS = ("keep_last_n", "async_save", "early_stopping_patience", "early_stopping_threshold")
+"""Options of the checkpoint and evaluation groups that only a training run reads."""
 
 
 def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
@@ -719,6 +724,12 @@ def unread_options(cfg: Config) -> list[tuple[list[str], str, str]]:
     if not cfg.lr_decay and decay_options:
         unread(decay_options, "lr_decay", f"{flags(decay_options)}: only read by the decay, which --lr_decay false "
                                           "turns off: drop one of them")
+    if cfg.eval_only:
+        trained_only = [f.name for f in (*fields(TrainingArgs), *fields(SaveArgs), *fields(SpikeArgs))
+                        if f.name not in EVALUATION_READS and getattr(cfg, f.name) != f.default]
+        trained_only += [name for name in TRAINING_CHECKPOINTS if getattr(cfg, name) != getattr(Config, name)]
+        unread(trained_only, "eval_only", f"{flags(trained_only)}: only read by training, which --eval_only true "
+                                          "leaves out: drop them")
     changed = {f.name for f in fields(SpikeArgs) if f.name != "spike_guard" and getattr(cfg, f.name) != f.default}
     rollback_only = [name for name in ("spike_max_rollbacks", "spike_rewarm_steps") if name in changed]
     acting_only = [name for name in ("spike_incident", "spike_incident_steps") if name in changed]

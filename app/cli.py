@@ -187,6 +187,20 @@ def unlike_the_command_line(key: object, node: yaml.Node, value: object) -> None
                           "number without leading zeros, or quote it")
 
 
+def config_file_lines(path: str, naming: tuple[str, ...] = ()) -> Iterator[tuple[str, object, str]]:
+    """(option, value, file) for each option config file `path` (or YAML text) sets, in the order they apply: those
+    of a file it names (`config: base.yaml`) where that line stands; `naming` the files that led to it (a circle,
+    which check_config_file refuses, is read once)."""
+    values = yaml.safe_load(Path(path).read_text() if os.path.isfile(path) else path) or {}
+    for key, value in values.items() if isinstance(values, dict) else ():
+        if key == "config":
+            for nested in nested_config_files(path, values):
+                if os.path.realpath(nested) not in map(os.path.realpath, (*naming, path)):
+                    yield from config_file_lines(nested, (*naming, path))
+        else:
+            yield str(key), value, path
+
+
 def nested_config_files(path: str, values: dict) -> list[str]:
     """The config file that config file `path` names itself (`config: base.yaml`), read where the line stands, from
     the folder of `path` when relative, as jsonargparse reads it (a list is refused: check_config_file)."""
@@ -312,7 +326,8 @@ def parse(parser: ArgumentParser, argv: list[str] | None) -> jsonargparse.Namesp
     check_lists_given_once(parser, arguments)
     arguments = integers_as_written(parser, arguments)
     try:
-        namespace = parser.parse_args(arguments)
+        # no environment: JSONARGPARSE_DEFAULT_ENV=true would make every TRAIN_<OPTION> set an option, unseen
+        namespace = parser.parse_args(arguments, env={})
     except jsonargparse.ArgumentError as error:
         raise UsageError(one_line(parser, str(error))) from None
     for action in parser._actions:
@@ -355,16 +370,20 @@ def check_none_empty(parser: ArgumentParser, namespace: jsonargparse.Namespace) 
 
 
 def texts_as_written(parser: ArgumentParser, arguments: list[str]) -> dict[str, str]:
-    """The last text given on the command line to each optional text option (`Optional[str]`), as typed.
-    jsonargparse reads such a value as YAML, where `# sort a list` is a comment and `~` is null: `generate.py --prompt
-    '# sort a list'` generated from the default prompt, `--run_name '#3 baseline'` named no run. Only `null` is
-    None."""
+    """The last text given to each optional text option (`Optional[str]`), as typed on the command line or quoted in
+    a config file, in the order they apply (`arguments` with the config files first). jsonargparse reads such a value
+    as YAML again, where `# sort a list` is a comment and `~` is null: `generate.py --prompt '# sort a list'`
+    generated from the default prompt, `--run_name '#3 baseline'` (or `run_name: "#3 baseline"` in a file) named no
+    run. Only `null` (or a file's bare `~`) is None."""
     texts = {flag: action.dest for action in parser._actions for flag in action.option_strings
              if str in _members(getattr(action, "_typehint", None)) and type(None) in _members(action._typehint)}
     given, previous = {}, ""
     for word in arguments:
         flag, equals, value = word.partition("=") if word.startswith("--") else (previous, "", word)
-        if flag in texts and (equals or not word.startswith("--")):
+        if flag == CONFIG_FLAG and (equals or not word.startswith("--")):
+            given |= {texts[f"--{key}"]: "null" if text is None else text for key, text, _ in config_file_lines(value)
+                      if f"--{key}" in texts and (text is None or isinstance(text, str))}
+        elif flag in texts and (equals or not word.startswith("--")):
             given[texts[flag]] = value
         previous = word if word.startswith("--") and "=" not in word else ""
     return given

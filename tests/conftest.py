@@ -180,6 +180,10 @@ def moved_run(tiny: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Move
     return MovedRun(data=root / "node-b" / "data", out_dir=root / "node-b" / "run", trained_on=root / "node-a" / "data")
 
 
+TRAINING_ONLY = ("gradient_accumulation_steps", "max_step", "lr", "min_lr", "warmup_steps", "save_step_interval")
+"""Options of `train_args`' command line that --eval_only true does not read."""
+
+
 def train_args(tiny: TinySetup, out_dir: Path, **overrides: object) -> list[str]:
     """The issue's reference command line, with overrides (`devices=1`, `resume=True`, ...)."""
     options = {
@@ -188,7 +192,10 @@ def train_args(tiny: TinySetup, out_dir: Path, **overrides: object) -> list[str]
         "out_dir": out_dir, "micro_batch_size": 4, "gradient_accumulation_steps": 2, "max_step": 24, "lr": 3e-3,
         "min_lr": 3e-4, "warmup_steps": 4, "eval_step_interval": 8, "eval_iters": 4, "save_step_interval": 8,
         "log_interval": 1, "wandb_mode": "disabled", "seed": 7, "num_workers": 0,
-    } | overrides
+    }
+    if overrides.get("eval_only"):  # without what only training reads, which --eval_only true refuses as flags
+        options = {name: value for name, value in options.items() if name not in TRAINING_ONLY}
+    options |= overrides
     args = []
     for name, value in options.items():
         if value is not None:

@@ -154,6 +154,30 @@ def test_an_optional_text_keeps_what_was_typed_and_only_null_is_none() -> None:
     assert parse_args(["model", "--prompt", "null"]).prompt is None
 
 
+def test_an_optional_text_quoted_in_a_config_file_is_that_text_also_in_config_yaml(tmp_path) -> None:
+    """A file's `run_name: "#3 baseline"` was read as null (jsonargparse reads the text as YAML again), and so was
+    the flag's in the config.yaml a resume reads back; a bare `~` is still null, and a later flag still wins."""
+    (tmp_path / "run.yaml").write_text('run_name: "#3 baseline"\nproject: "~"\nentity: ~\ntokenizer: "null"\n')
+    config = ["--config", str(tmp_path / "run.yaml")]
+    cfg = parse_config(REQUIRED + config)
+    assert (cfg.run_name, cfg.project, cfg.entity, cfg.tokenizer) == ("#3 baseline", "~", None, None)
+    assert parse_config(REQUIRED + config + ["--run_name", "null"]).run_name is None
+    assert parse_config(["--run_name", "x"] + REQUIRED + config).run_name == "x", "a flag wins over a file"
+    (tmp_path / "written.yaml").write_text(parse_config(REQUIRED + ["--run_name", "#3 baseline"]).to_yaml())
+    assert parse_config(["--config", str(tmp_path / "written.yaml")]).run_name == "#3 baseline"
+
+
+def test_jsonargparse_reads_no_option_from_the_environment(monkeypatch) -> None:
+    """JSONARGPARSE_DEFAULT_ENV=true made every TRAIN_<OPTION> variable set an option, shown as a default."""
+    monkeypatch.setenv("JSONARGPARSE_DEFAULT_ENV", "true")
+    monkeypatch.setenv("TRAIN_MAX_STEP", "7")
+    build_parser.cache_clear()
+    try:
+        assert read_config(REQUIRED).max_step is None
+    finally:
+        build_parser.cache_clear()
+
+
 def test_a_list_option_given_twice_is_refused_rather_than_keeping_its_last_values() -> None:
     """`prepare_data.py --input a.jsonl --input b.jsonl` prepared b alone, `plot_metrics.py --run A --run B` plotted B
     alone, without a word."""
@@ -336,6 +360,37 @@ def test_a_flag_may_turn_off_what_a_config_file_sets_and_the_run_says_so(tmp_pat
     assert validate_config(read_config(REQUIRED + ["--config", str(tmp_path / "both.yaml")]),
                            option_sources(["--config", str(tmp_path / "both.yaml")])) == [
         "--eval_max_new_tokens is only read with --eval_samples N: add it, or drop --eval_max_new_tokens"]
+
+
+def test_eval_only_refuses_training_options_as_flags_and_notes_a_config_files(tmp_path, capsys) -> None:
+    """--eval_only true trains nothing: `--lr 0.5 --max_step 5` beside it were taken without a word (and written to
+    config.yaml). A config file's training lines are the usual note, as with every option a flag turns off."""
+    argv = REQUIRED + ["--eval_only", "true", "--lr", "0.5", "--max_step", "5", "--seed", "3"]
+    assert validate_config(read_config(argv), option_sources(argv)) == [
+        "--max_step, --lr: only read by training, which --eval_only true leaves out: drop them"]
+    (tmp_path / "train.yaml").write_text("lr: 0.5\nsave_step_interval: 10\nmicro_batch_size: 4\n")
+    cfg = parse_config(REQUIRED + ["--config", str(tmp_path / "train.yaml"), "--eval_only", "true"])
+    assert capsys.readouterr().err.splitlines() == [f"note: --lr, --save_step_interval ({tmp_path / 'train.yaml'}) "
+                                                    "not read: --eval_only on the command line turns it off"]
+    assert (cfg.readable_back().lr, cfg.readable_back().micro_batch_size) == (Config.lr, 4), "the evaluation's batch"
+
+
+def test_estimate_memory_and_print_config_together_are_refused() -> None:
+    """--print_config printed the YAML and skipped the plan, exit 0; the YAML then planned instead of training."""
+    argv = REQUIRED + ["--estimate_memory", "true", "--print_config", "true"]
+    assert [p for p in validate_config(read_config(argv), option_sources(argv)) if "print_config" in p] == [
+        "--estimate_memory true and --print_config true each print a report and exit without training (the printed "
+        "config would plan, not train): give one of them"]
+
+
+def test_a_value_of_the_wrong_type_in_a_config_file_names_the_file(tmp_path, capsys) -> None:
+    """`precision: bf16` in one of several files was said as `--precision: expected one of ...`, a flag never typed."""
+    (tmp_path / "a.yaml").write_text("lr: 0.1\n")
+    (tmp_path / "b.yaml").write_text("precision: bf16\n")
+    with pytest.raises(SystemExit) as refused:
+        parse_config(REQUIRED + ["--config", str(tmp_path / "a.yaml"), "--config", str(tmp_path / "b.yaml")])
+    assert refused.value.code == 2
+    assert f"got 'bf16' (precision: from {tmp_path / 'b.yaml'})" in capsys.readouterr().err
 
 
 def test_a_problem_with_an_option_from_a_config_file_names_the_file(tmp_path) -> None:

@@ -982,6 +982,20 @@ def test_a_checkpoints_estimate_counts_a_tied_weight_under_each_name_it_is_writt
     assert checks.estimated_checkpoint_bytes(config, cfg) == (unique + embedding + 2 * unique) * 4
 
 
+def test_an_out_dir_holding_a_file_where_the_run_makes_a_folder_is_refused(tiny, tmp_path) -> None:
+    """A file named `checkpoints` in --out_dir: the run trained until its first save, then failed to write there,
+    saying that the checkpoints saved before were kept (there were none)."""
+    from app.training.preflight import out_dir as checks
+
+    cfg = parse_config(train_args(tiny, tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoints").write_text("notes")
+    problems: list[str] = []
+    checks.check_out_dir(cfg, None, problems)
+    assert problems == [f"--out_dir {cfg.out_dir} holds checkpoints as a file, where a run makes a folder of that "
+                        "name; move it away, or choose another --out_dir"]
+
+
 def test_the_space_a_failed_save_left_counts_as_free(tiny, tmp_path, monkeypatch) -> None:
     """A save that filled the disk left its hidden .partial checkpoint, which the run removes as it starts: counted as
     used, it made the resume's preflight refuse the folder ("0.0 GB free, one checkpoint needs about 0.0 GB")."""

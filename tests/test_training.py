@@ -392,10 +392,10 @@ def test_a_new_run_starts_from_a_checkpoints_weights_in_another_layout(fsdp_run,
     assert metrics[1]["tokens_seen"] == straight[1]["tokens_seen"]
     moments = read_tensors(run / "checkpoints" / "step-00000005.ckpt", "optimizer.state.model.norm.weight.step")
     assert [float(value) for value in moments.values()] == [5.0], "AdamW's own 5 steps, not 21 with the checkpoint's 16"
-    evaluated = tmp_path / "evaluated"  # the checkpoint alone, evaluated: --eval_only, a batch no step could fill
+    evaluated = tmp_path / "evaluated"  # the checkpoint alone, evaluated: --eval_only
     shutil.copytree(tiny.data, tmp_path / "copy")  # the same rows in a folder the run does not train on
     result = run_train(train_args(tiny, evaluated, model_config=None, init_from=start, eval_only=True,
-                                  gradient_accumulation_steps=10_000, eval_data_dir=f"again={tmp_path / 'copy'}"))
+                                  eval_data_dir=f"again={tmp_path / 'copy'}"))
     assert_succeeded(result)
     assert "summary: evaluated in " in result.stdout and "spike guard" not in result.stdout
     assert read_metrics(evaluated) == {0: {"val_loss": metrics[0]["val_loss"], "val_ppl": metrics[0]["val_ppl"],

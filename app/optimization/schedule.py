@@ -73,7 +73,8 @@ def accumulation_steps(
     if gradient_accumulation_steps not in (None, derived):
         raise ValueError(
             f"--gradient_accumulation_steps {gradient_accumulation_steps} contradicts --global_batch_size "
-            f"{global_batch_size}, which needs {derived} at world size {world_size}: give only one of them"
+            f"{global_batch_size}, which needs {derived} at world size {world_size}: give only one of them (a flag "
+            "--gradient_accumulation_steps null or --global_batch_size null drops a config file's)"
         )
     return derived
 

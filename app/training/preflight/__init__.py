@@ -149,8 +149,10 @@ def checked_inputs(cfg: Config, sources: Optional[dict[str, str]]) -> RunInputs:
     if resume is not None:
         note_changed_options(cfg, resume.metadata, plan)
         note_wandb_history(cfg, resume.metadata["step"], resume.metadata.get("config") or {})
-    for said in (bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay, cfg.stochastic_rounding, cfg.optimizer),
-                 offloaded_rounding_note(cfg.stochastic_rounding, cfg.cpu_offload)):
+    updates = () if cfg.eval_only else (  # what becomes of the weight updates: --eval_only makes none
+        bf16_rounding_note(cfg.precision, cfg.lr, cfg.weight_decay, cfg.stochastic_rounding, cfg.optimizer),
+        offloaded_rounding_note(cfg.stochastic_rounding, cfg.cpu_offload))
+    for said in updates:
         if said:
             note(said)
     if cfg.strategy == "fsdp" and cfg.sharding_strategy == "NO_SHARD" and world_size(cfg) > 1:

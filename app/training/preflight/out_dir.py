@@ -19,7 +19,7 @@ from app.data.mixture import parse_sources
 from app.distributed.precision import weights_dtype
 from app.evaluation.samples import SAMPLES_DIR, samples_written
 from app.metrics.console import format_gb
-from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE
+from app.metrics.loggers import METRICS_FILE, ROWS_FILE, RUN_ID_FILE, SUMMARY_FILE, TENSORBOARD_DIR
 from app.metrics.observe import GB
 from app.model.build import meta_model
 from app.reliability.spikes import QUARANTINE_FILE
@@ -38,6 +38,10 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
     if not os.access(ancestor, os.W_OK):
         problems.append(f"--out_dir {out_dir}: {ancestor} is not writable; choose a folder you can write to")
         return
+    files = [path.name for path in folders_a_run_makes(out_dir) if path.exists() and not path.is_dir()]
+    if files:  # else the run trained until its first save, then failed to write there
+        problems.append(f"--out_dir {out_dir} holds {' and '.join(files)} as a file, where a run makes a folder of "
+                        "that name; move it away, or choose another --out_dir")
     if model_config is not None:
         left = sum(bytes_on_disk(path) for path in leftovers(checkpoint_dir(out_dir)))  # the run removes them first
         needed, free = estimated_checkpoint_bytes(model_config, cfg), shutil.disk_usage(ancestor).free + left
@@ -70,6 +74,10 @@ def check_out_dir(cfg: Config, model_config: Optional[PretrainedConfig], problem
         problems.append(f"--out_dir {out_dir} holds {', '.join(written)}, which --resume true would replace, but "
                         f"{which}: they are not a run's to take over; choose another --out_dir (this refusal changed "
                         "nothing)")
+
+
+def folders_a_run_makes(out_dir: Path) -> list[Path]:
+    return [checkpoint_dir(out_dir), run_tokenizer_dir(out_dir), out_dir / SAMPLES_DIR, out_dir / TENSORBOARD_DIR]
 
 
 def existing_ancestor(path: Path) -> Path:
