@@ -9,7 +9,7 @@ import against its order):
 | reliability/ | signals.py, watchdog.py, workers.py, torchrun.py, spikes.py: keeping a run alive, ending it well, loss spikes |
 | prepare/ | prepare_data.py's pipeline: records, chat templates, masks, packing, the folder it writes |
 | data/ | formats.py, order.py, mixture.py, identity.py, loader.py: the prepared folder (or a weighted mixture of folders) read as steps and batches |
-| model/ | build.py, isolation.py, loss.py, noise.py: the Hugging Face model on every rank; packed examples kept apart; the loss without full logits; NEFTune |
+| model/ | build.py, pieces.py, isolation.py, loss.py, noise.py: the Hugging Face model on every rank; the piece of each parameter an FSDP1 rank holds; packed examples kept apart; the loss without full logits; NEFTune |
 | checkpoint/ | saving, loading and reading checkpoints in either format, now or in the background |
 | metrics/ | observe.py, peaks.py, loggers.py, console.py, plot.py, profiling.py, memory_plan.py, activations.py: measuring a run, tracing its steps and planning its memory |
 | evaluation/ | validation.py, samples.py, show.py: validation loss and generation samples, and show_samples.py |

@@ -41,6 +41,7 @@ from app.distributed.precision import weights_dtype
 from app.distributed.strategy import resolve_accelerator
 from app.model.loss import LossPath, LossTerms, install_loss_head, own_loss_path
 from app.model.noise import add_embedding_noise
+from app.model.pieces import parameter_pieces, persistent_buffers, tied_aliases
 from app.optimization.optimizer import ParameterRoles, canonical_name
 
 if TYPE_CHECKING:
@@ -368,11 +369,23 @@ def load_pretrained_weights(sharded_model: Module, files: list[Path], dtype: tor
     the `expected` keys was loaded (a tied one under any of its names, the others of `expected[key]`) and nothing
     else was offered.
 
-    Under FSDP1's full-state-dict context each wrapped layer is gathered, overwritten from the file and re-sharded
-    in turn, so a rank holds one file plus one layer, never the whole model; under FSDP2 each rank copies its rows
-    of every tensor straight into its DTensor shards. Every rank reads every file.
+    Under FSDP1 each rank copies its piece of every tensor into its flat shards (`read_into_flat_shards`); under
+    FSDP2 its rows of every tensor into its DTensor shards; where FSDP1 exposes no pieces, under its full-state-dict
+    context, which gathers every wrapped layer, overwrites it from the file and re-shards it in turn. A rank holds one
+    file (or one tensor) plus its shards, never the whole model. Every rank reads every file.
     `sharded_model` must be the FSDP module itself: through a compiled wrapper every key would miss (`_orig_mod.`).
     """
+    if FSDP.fsdp_modules(sharded_model) and parameter_pieces(sharded_model):
+        loaded, unexpected = read_into_flat_shards(sharded_model, files)
+    else:
+        loaded, unexpected = read_through_state_dicts(sharded_model, files, dtype)
+    loaded |= {other for name in loaded if name in expected for other in expected[name]}
+    check_all_weights_loaded(str(files[0].parent), set(expected) - loaded, unexpected)
+
+
+def read_through_state_dicts(sharded_model: Module, files: list[Path], dtype: torch.dtype) -> tuple[set[str], set[str]]:
+    """`load_state_dict` of each file whole (FSDP2's rows of it, FSDP1's full state dict); the names loaded and
+    those the model refused."""
     loaded: set[str] = set()
     unexpected: set[str] = set()
     config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
@@ -386,8 +399,33 @@ def load_pretrained_weights(sharded_model: Module, files: list[Path], dtype: tor
             rejected = {canonical_name(key) for key in result.unexpected_keys}
             unexpected |= rejected
             loaded |= set(weights) - rejected
-    loaded |= {other for name in loaded if name in expected for other in expected[name]}
-    check_all_weights_loaded(str(files[0].parent), set(expected) - loaded, unexpected)
+    return loaded, unexpected
+
+
+@torch.no_grad()
+def read_into_flat_shards(model: Module, files: list[Path]) -> tuple[set[str], set[str]]:
+    """FSDP1: each tensor of the weight files read alone, and this rank's piece of it copied into its flat shard
+    (cast to the shard's dtype): no unit is gathered. The full-state-dict route gathered every unit once per file:
+    a 477M model in 11 files loaded in 128 s on 2 CPU processes against 41 s by from_pretrained on each. Returns the
+    names loaded and those the model has no place for (or of another shape)."""
+    pieces = {name: (parameter, shape, start) for parameter, (name, shape, start) in parameter_pieces(model).items()}
+    aliases, buffers = tied_aliases(model), persistent_buffers(model)
+    loaded, unexpected = set(), set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                name = aliases.get(key, key)
+                if name in buffers and tuple(handle.get_slice(key).get_shape()) == tuple(buffers[name].shape):
+                    buffers[name].copy_(handle.get_tensor(key))
+                elif name in pieces and tuple(handle.get_slice(key).get_shape()) == pieces[name][1]:
+                    parameter, _, start = pieces[name]
+                    if parameter.numel():  # a piece of it is this rank's
+                        parameter.data.copy_(handle.get_tensor(key).view(-1)[start:start + parameter.numel()])
+                else:
+                    unexpected.add(key)
+                    continue
+                loaded.add(key)
+    return loaded, unexpected
 
 
 def strategy_module(model: Module) -> Module:
