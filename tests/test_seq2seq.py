@@ -20,8 +20,8 @@ from app.huggingface.generate import model_input
 from app.prepare import PrepareArgs, prepare
 from app.training.preflight import preflight
 from arguments import parse_config
-from tests.conftest import (generate_through_the_application, run_entry, run_train, stop_where_lengths_differ,
-                            train_args)
+from tests.conftest import (generate_through_the_application, read_checkpoint, run_entry, run_train,
+                            stop_where_lengths_differ, train_args)
 from tests.test_training import assert_succeeded, read_metrics
 
 
@@ -119,6 +119,24 @@ def test_t5_converts_to_a_folder_with_identical_logits_that_generates(t5_run, ti
         tokenizer.eos_token_id]
     assert tokenizer.model_max_length == 128, "the sources' length in training, what a truncating tokenizer reads"
     assert json.loads((folder / "trained_lengths.json").read_text()) == {"max_source_length": 128}, "generate.py's"
+
+
+def test_a_pretrained_t5_is_read_into_the_shards_with_its_exact_weights(tiny, summaries, tmp_path) -> None:
+    """T5's one embedding under four names (shared, both stacks' embed_tokens, lm_head), stored once: the meta
+    route reads it into the one tensor FSDP holds, instead of every rank loading the whole model first."""
+    from app.model.build import deferred_init
+    from tests.test_model_loading import STILL
+
+    torch.manual_seed(0)
+    AutoModelForSeq2SeqLM.from_config(t5_with_decoder_start(tiny, 2)).save_pretrained(tmp_path / "pretrained")
+    reference = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "pretrained")
+    args = train_args(tiny, tmp_path / "run", model_config=None, model_name=tmp_path / "pretrained",
+                      train_data_dir=summaries, **STILL)
+    assert deferred_init(parse_config(args), reference.config) is not None, "the meta route, not the plain one"
+    assert_succeeded(run_train(args))
+    saved = read_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000001.ckpt")["model"]
+    assert saved.keys() == reference.state_dict().keys()
+    assert all(torch.equal(saved[name], tensor) for name, tensor in reference.state_dict().items())
 
 
 def test_t5_converts_to_float16_keeping_the_modules_transformers_keeps_in_float32(t5_run, tmp_path) -> None:
