@@ -465,6 +465,13 @@ def test_a_run_whose_validation_loss_stops_improving_stops_early_and_saves(tiny,
     assert_succeeded(other_rows)
     assert "step 5: 2 evaluations without a validation loss below " in other_rows.stdout, other_rows.stdout
     assert sorted(read_metrics(tmp_path)) == [0, 1, 2, 3, 4, 5]
+    assert "no checkpoint holds" not in result.stdout + other_rows.stdout, "the saved loss is the lowest, or near it"
+    diverged = run_train(train_args(tiny, tmp_path / "diverged", **command | dict(lr=1.0)))
+    assert_succeeded(diverged)
+    metrics = read_metrics(tmp_path / "diverged")
+    assert sorted(metrics) == [0, 1, 2] and metrics[2]["val_loss"] > metrics[0]["val_loss"] + 0.1
+    assert (f"but its step-00000002.ckpt validated at {metrics[2]['val_loss']:.4f}, and the lowest loss, "
+            f"{metrics[0]['val_loss']:.4f}, was of weights no checkpoint holds") in diverged.stdout, diverged.stdout
 
 
 def test_memory_and_scheduling_knobs_leave_the_losses_unchanged(fsdp_run, tiny, tmp_path) -> None:

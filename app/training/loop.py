@@ -15,8 +15,8 @@ import torch
 from lightning_fabric import Fabric
 
 from app.checkpoint import (CheckpointSaver, checkpoint_path, last_good_checkpoint, latest_checkpoint,
-                            load_last_good_checkpoint, mark_if_best, prune_checkpoints, rng_of_every_rank,
-                            set_aside_newer)
+                            load_last_good_checkpoint, mark_if_best, prune_checkpoints, read_best,
+                            rng_of_every_rank, set_aside_newer)
 from app.checkpoint.io import validation_measured
 from app.data import Batch, Step, TrainingData, train_steps
 from app.distributed.precision import restore_grad_scaler
@@ -244,8 +244,19 @@ class Loop:
         self.console.print(f"step {state['step']}: {state['evaluations_without_improvement']} evaluations without a "
                            f"validation loss below {state['best_val_loss']:.4f}: stopped early "
                            f"(--early_stopping_patience {self.cfg.early_stopping_patience}); checkpoints/best.json "
-                           "names the best checkpoint saved")
+                           "names the best checkpoint saved" + self.best_not_saved())
         return "finished"
+
+    def best_not_saved(self) -> str:
+        """What best.json cannot say: that the lowest validation loss was measured on weights no checkpoint holds
+        (the starting weights, whose loss a fine-tune at too high a rate never came back to, or a step between
+        saves)."""
+        best, saved = self.state["best_val_loss"], read_best(self.cfg.out_dir)
+        if saved is None or saved["val_loss"] - best <= max(self.cfg.early_stopping_threshold, 1e-3 * abs(best)):
+            return ""
+        return (f"; but its {saved['checkpoint']} validated at {saved['val_loss']:.4f}, and the lowest loss, "
+                f"{best:.4f}, was of weights no checkpoint holds (the starting weights, or a step between saves): a "
+                "lower --lr, or --save_step_interval equal to --eval_step_interval, keeps them")
 
     def say_final_evaluation_cut(self) -> None:
         """A stop signal at the last step: the run ends as finished (exit 0), its last checkpoint saved, but an
