@@ -419,8 +419,9 @@ def read_into_flat_shards(model: Module, files: list[Path]) -> tuple[set[str], s
                     buffers[name].copy_(handle.get_tensor(key))
                 elif name in pieces and tuple(handle.get_slice(key).get_shape()) == pieces[name][1]:
                     parameter, _, start = pieces[name]
-                    if parameter.numel():  # a piece of it is this rank's
-                        parameter.data.copy_(handle.get_tensor(key).view(-1)[start:start + parameter.numel()])
+                    if parameter.numel():  # a piece of it is this rank's (on one rank: all of it, in its shape)
+                        piece = handle.get_tensor(key).view(-1)[start:start + parameter.numel()]
+                        parameter.data.view(-1).copy_(piece)
                 else:
                     unexpected.add(key)
                     continue
